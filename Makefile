@@ -1,0 +1,37 @@
+# pagewire: `make serve` and `make test` work from a clean clone.
+# TORCH picks the torch build: torch==2.13.0 here (a local CPU wheel); anything >= 2.4 elsewhere.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+TORCH  ?= torch==2.13.0
+MAX_JOBS ?= 2
+export MAX_JOBS
+
+.PHONY: venv build serve test test-fast bench clean
+
+$(VENV)/.deps-stamp: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q pybind11 ninja
+	PAGEWIRE_SKIP_EXT=1 $(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.deps-stamp
+
+# In-place build keeps ninja's object files in build/, so a rebuild only compiles what changed.
+# flock serialises concurrent builds of the same tree.
+build: venv
+	flock /tmp/pagewire-build.lock $(PY) setup.py -q build_ext --inplace
+
+serve: build
+	$(VENV)/bin/pagewire serve
+
+test: build
+	$(PY) -m pytest -q tests
+
+test-fast: build
+	$(PY) -m pytest -q -x tests -m "not slow"
+
+clean:
+	rm -rf build server/_C*.so *.egg-info

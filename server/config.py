@@ -1,0 +1,64 @@
+"""EngineConfig: the engine's knobs, one dataclass shared by the offline API, the CLI and the server.
+
+Torch-free, so the CLI can build it (and read PAGEWIRE_* variables) before importing torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """An invalid engine setting; `field` names it."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass
+class EngineConfig:
+    """Args:
+    model: path to a Hugging Face model folder.
+    dtype: "auto" (the checkpoint's torch_dtype), "float32", "bfloat16" or "float16".
+    max_model_len: longest prompt + output in tokens; default: the model's max_position_embeddings.
+    kv_cache_tokens: KV capacity in tokens; default derived from kv_cache_memory_gb.
+    kv_cache_memory_gb: KV budget used when kv_cache_tokens is not given.
+    block_size: tokens per KV block.
+    max_num_seqs: most sequences in one step.
+    max_num_batched_tokens: token budget per step (prefill chunks + decodes).
+    enable_prefix_caching: reuse full KV blocks across requests by content hash.
+    num_threads: intra-op CPU threads (0 = torch's default).
+    seed: base seed for unseeded sampling.
+    """
+
+    model: str
+    dtype: str = "auto"
+    max_model_len: Optional[int] = None
+    kv_cache_tokens: Optional[int] = None
+    kv_cache_memory_gb: float = 2.0
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    num_threads: int = 0
+    seed: int = 0
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ConfigError("dtype", f"must be one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(name, f"must be a positive integer, got {v!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError("max_model_len", f"must be positive, got {self.max_model_len}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise ConfigError(
+                "kv_cache_tokens", f"must hold at least one block ({self.block_size}), got {self.kv_cache_tokens}"
+            )
+        if self.kv_cache_memory_gb <= 0:
+            raise ConfigError("kv_cache_memory_gb", f"must be positive, got {self.kv_cache_memory_gb}")

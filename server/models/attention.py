@@ -1,0 +1,30 @@
+"""AttentionMetadata: the per-step plan of where each token's K/V lives, built once by the runner.
+
+It is passed explicitly into every model forward (no module-global context). All tensors live on
+the model's device; they are computed on the host once per step ("plan") and the kernels only
+read them ("run").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Shapes: T = tokens in the flat batch, S = sequences in the batch.
+
+    slot_mapping:    int64 [T]      cache slot (block * block_size + offset) for each new token; -1 = skip
+    block_tables:    int32 [S, B]   physical block ids of each sequence (padded with 0)
+    seq_lens:        int32 [S]      tokens in cache for each sequence after this step (context + new)
+    query_start_loc: int32 [S + 1]  prefix sum of new tokens per sequence; q_len = diff
+    max_query_len / max_seq_len:    host ints, for kernels that size launches by them
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    max_query_len: int
+    max_seq_len: int

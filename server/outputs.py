@@ -1,0 +1,74 @@
+"""Result types that leave the engine: per-step deltas (streaming) and final outputs (offline API).
+
+Torch-free plain dataclasses, so the network edge can consume them without importing torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """The sampled token's logprob plus the top-N alternatives, as (token_id, logprob) pairs."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SampleDelta:
+    """What one sample (index < n) of a request produced in one engine step.
+
+    `text` is the newly decoded text (never a broken UTF-8 sequence; stop strings removed).
+    `finish_reason` is None while running, else "stop" | "length" | "abort" | "error".
+    `stop_reason` is the matched stop string or stop token id, when finish_reason == "stop".
+    """
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: Optional[list[TokenLogprob]] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int | str] = None
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """One request's news from one engine step. The engine posts a list of these per step."""
+
+    request_id: str
+    samples: list[SampleDelta]
+    finished: bool  # every sample has finished: no more deltas for this request
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    error: Optional[str] = None  # set with finish_reason "error"
+
+
+@dataclass
+class CompletionOutput:
+    """One finished (or in-progress) sample, as returned by `LLM.generate`."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[str]
+    stop_reason: Optional[int | str] = None
+    logprobs: Optional[list[TokenLogprob]] = None
+
+
+@dataclass
+class RequestOutput:
+    """Everything one prompt produced, as returned by `LLM.generate`."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0

@@ -1,0 +1,151 @@
+"""SamplingParams: what a request asks of the sampler and the stop logic, validated once at the edge.
+
+Field names follow vLLM's `SamplingParams`, so scripts written for it read naturally here.
+This module imports no torch: the network edge builds these objects too.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Optional, Sequence, Union
+
+
+class SamplingParamsError(ValueError):
+    """An invalid sampling parameter. `field` names the offending field."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.message = message
+
+
+def _finite(name: str, value: float) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise SamplingParamsError(name, f"must be a number, got {value!r}") from None
+    if math.isnan(v) or math.isinf(v):
+        raise SamplingParamsError(name, f"must be a finite number, got {value!r}")
+    return v
+
+
+def _int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SamplingParamsError(name, f"must be an integer, got {value!r}")
+    return value
+
+
+@dataclass
+class SamplingParams:
+    """How to sample and when to stop.
+
+    `temperature=0` means greedy. `top_k=-1` (or 0) disables top-k; `top_p=1` and `min_p=0`
+    disable those filters. `seed` makes one request reproducible regardless of its batch.
+    `logprobs=N` returns the sampled token's logprob plus the top N alternatives.
+    `stop` strings are found even when they span tokens and are never included in the text.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: Optional[int] = None
+    stop: Union[None, str, list[str]] = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # -- validation ---------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise SamplingParamsError (naming the field) for any invalid value; normalise the rest."""
+        self.n = _int("n", self.n)
+        if self.n < 1:
+            raise SamplingParamsError("n", f"must be at least 1, got {self.n}")
+        self.temperature = _finite("temperature", self.temperature)
+        if self.temperature < 0:
+            raise SamplingParamsError("temperature", f"must be >= 0, got {self.temperature}")
+        self.top_p = _finite("top_p", self.top_p)
+        if not (0.0 < self.top_p <= 1.0):
+            raise SamplingParamsError("top_p", f"must be in (0, 1], got {self.top_p}")
+        self.top_k = _int("top_k", self.top_k)
+        if self.top_k == 0:
+            self.top_k = -1
+        if self.top_k < -1:
+            raise SamplingParamsError("top_k", f"must be -1 (disabled) or >= 1, got {self.top_k}")
+        self.min_p = _finite("min_p", self.min_p)
+        if not (0.0 <= self.min_p <= 1.0):
+            raise SamplingParamsError("min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = _finite(name, getattr(self, name))
+            if not (-2.0 <= v <= 2.0):
+                raise SamplingParamsError(name, f"must be in [-2, 2], got {v}")
+            setattr(self, name, v)
+        self.repetition_penalty = _finite("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise SamplingParamsError(
+                "repetition_penalty", f"must be > 0, got {self.repetition_penalty}"
+            )
+        if self.seed is not None:
+            self.seed = _int("seed", self.seed)
+        if self.max_tokens is not None:
+            self.max_tokens = _int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise SamplingParamsError("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        self.min_tokens = _int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise SamplingParamsError("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise SamplingParamsError(
+                "min_tokens",
+                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+            )
+        if self.logprobs is not None:
+            self.logprobs = _int("logprobs", self.logprobs)
+            if not (0 <= self.logprobs <= 20):
+                raise SamplingParamsError("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            if not isinstance(self.stop, (list, tuple)) or not all(
+                isinstance(s, str) for s in self.stop
+            ):
+                raise SamplingParamsError("stop", "must be a string or a list of strings")
+            self.stop = list(self.stop)
+        if any(s == "" for s in self.stop):
+            raise SamplingParamsError("stop", "stop strings must not be empty")
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise SamplingParamsError("stop_token_ids", "must be a list of integers")
+        self.stop_token_ids = [_int("stop_token_ids", t) for t in self.stop_token_ids]
+
+    # -- derived views used by the sampler ----------------------------------------------------
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def clone(self, **changes: Any) -> "SamplingParams":
+        return replace(self, **changes)
+
+    @classmethod
+    def field_names(cls) -> Sequence[str]:
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,29 @@
+"""Small numeric building blocks shared by the model files: RMSNorm and the SiLU-gated MLP activation.
+
+They are plain functions over tensors (no nn.Module), because the per-layer loop runs every engine
+step and each avoided Python call is overhead saved on every token.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, as transformers' LlamaRMSNorm computes it.
+
+    Args: x [..., d]; weight [d] (or broadcastable to x, e.g. [n, d] for per-head norms over [T, n, d]).
+    The statistics are taken in fp32 and the result cast back to x's dtype before scaling by
+    `weight`, matching HF's rounding for bf16/fp16 models.
+    """
+    d = x.shape[-1]
+    if x.dtype == torch.float32 and weight.shape == (d,):
+        return F.rms_norm(x, (d,), weight, eps)
+    return F.rms_norm(x.float(), (d,), eps=eps).to(x.dtype) * weight
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Args: gate_up [T, 2 * I] = cat(gate, up). Returns silu(gate) * up, [T, I]."""
+    half = gate_up.shape[-1] // 2
+    out = F.silu(gate_up[:, :half])
+    return out.mul_(gate_up[:, half:])

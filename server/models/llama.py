@@ -1,0 +1,237 @@
+"""LlamaFamilyForCausalLM: the Llama / Mistral / Qwen2 / Qwen3 decoder running on pagewire's paged KV cache.
+
+One module covers the four architectures because they differ only in switches read from
+ModelConfig: q/k/v bias (Qwen2), per-head q/k RMSNorm before RoPE (Qwen3), a sliding attention
+window (Mistral, optionally Qwen2/3). Weights are stored fused (one qkv and one gate_up matrix
+per layer) so CPU inference runs fewer, larger matmuls; `checkpoint_tensors()` tells the loader
+where each Hugging Face tensor lands inside the fused parameters.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from server.models.attention import AttentionMetadata
+from server.models.config import ModelConfig
+from server.models.layers import rms_norm, silu_and_mul
+from server.models.rope import RotaryEmbedding
+from server.ops import linear, paged_attention, write_kv_cache
+
+
+class WeightTarget(NamedTuple):
+    """Where one checkpoint tensor goes: `dest` (a view into a parameter) and the shape it must have."""
+
+    dest: torch.Tensor
+    shape: tuple[int, ...]
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    # Uninitialised on purpose: the loader fills every parameter or fails naming the missing tensor.
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """One pre-norm decoder block: attention over the paged cache, then a SiLU-gated MLP.
+
+    Parameters (fused): qkv_weight [q + 2 kv, H], o_weight [H, q], gate_up_weight [2 I, H],
+    down_weight [H, I], norms [H], and for Qwen3 qk_norm [num_heads + num_kv_heads, head_dim]
+    (q_norm repeated over query heads, then k_norm over kv heads, so one op normalises both).
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_size, self.kv_size = c.q_size, c.kv_size
+        self.eps = c.rms_norm_eps
+        self.scale = c.head_dim**-0.5
+        window = c.layer_sliding_windows[layer_idx]
+        self.sliding_window = window if window is not None else 0  # the op reads <= 0 as "no window"
+
+        H, I, qkv = c.hidden_size, c.intermediate_size, c.q_size + 2 * c.kv_size
+        self.input_norm = _param((H,), dtype, device)
+        self.qkv_weight = _param((qkv, H), dtype, device)
+        self.qkv_bias = _param((qkv,), dtype, device) if c.qkv_bias else None
+        self.qk_norm = _param((c.num_heads + c.num_kv_heads, c.head_dim), dtype, device) if c.qk_norm else None
+        self.o_weight = _param((H, c.q_size), dtype, device)
+        self.o_bias = _param((H,), dtype, device) if c.o_bias else None
+        self.post_norm = _param((H,), dtype, device)
+        self.gate_up_weight = _param((2 * I, H), dtype, device)
+        self.gate_up_bias = _param((2 * I,), dtype, device) if c.mlp_bias else None
+        self.down_weight = _param((H, I), dtype, device)
+        self.down_bias = _param((H,), dtype, device) if c.mlp_bias else None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Args: hidden [T, H] (the residual stream, updated in place and returned); cos/sin [T, 1, d/2]."""
+        T = hidden.shape[0]
+        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+
+        x = rms_norm(hidden, self.input_norm, self.eps)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)  # [T, q + 2 kv]
+        # q and k are adjacent in qkv, so norm and RoPE treat them as nh + nkv heads in one pass.
+        qk = qkv[:, : self.q_size + self.kv_size].view(T, nh + nkv, d)
+        if self.qk_norm is not None:
+            qk = rms_norm(qk, self.qk_norm, self.eps)
+        qk = RotaryEmbedding.apply(qk, cos, sin)  # contiguous [T, nh + nkv, d]
+        query = qk[:, :nh]
+        key = qk[:, nh:]
+        value = qkv[:, self.q_size + self.kv_size :].view(T, nkv, d)
+
+        write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        attn = torch.empty((T, nh, d), dtype=hidden.dtype, device=hidden.device)
+        paged_attention(
+            attn,
+            query,
+            key_cache,
+            value_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            self.scale,
+            self.sliding_window,
+            meta.max_query_len,
+            meta.max_seq_len,
+        )
+        hidden.add_(linear(attn.view(T, self.q_size), self.o_weight, self.o_bias))
+
+        x = rms_norm(hidden, self.post_norm, self.eps)
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
+        hidden.add_(linear(silu_and_mul(gate_up), self.down_weight, self.down_bias))
+        return hidden
+
+    def checkpoint_tensors(self, prefix: str) -> dict[str, WeightTarget]:
+        """HF tensor names under `prefix` (e.g. "model.layers.3.") mapped to slices of the fused parameters."""
+        q, kv, d, nh = self.q_size, self.kv_size, self.head_dim, self.num_heads
+        I2, H = self.gate_up_weight.shape
+        I = I2 // 2
+        a, m = prefix + "self_attn.", prefix + "mlp."
+        t: dict[str, WeightTarget] = {
+            prefix + "input_layernorm.weight": WeightTarget(self.input_norm, (H,)),
+            prefix + "post_attention_layernorm.weight": WeightTarget(self.post_norm, (H,)),
+            a + "q_proj.weight": WeightTarget(self.qkv_weight[:q], (q, H)),
+            a + "k_proj.weight": WeightTarget(self.qkv_weight[q : q + kv], (kv, H)),
+            a + "v_proj.weight": WeightTarget(self.qkv_weight[q + kv :], (kv, H)),
+            a + "o_proj.weight": WeightTarget(self.o_weight, (H, q)),
+            m + "gate_proj.weight": WeightTarget(self.gate_up_weight[:I], (I, H)),
+            m + "up_proj.weight": WeightTarget(self.gate_up_weight[I:], (I, H)),
+            m + "down_proj.weight": WeightTarget(self.down_weight, (H, I)),
+        }
+        if self.qkv_bias is not None:
+            t[a + "q_proj.bias"] = WeightTarget(self.qkv_bias[:q], (q,))
+            t[a + "k_proj.bias"] = WeightTarget(self.qkv_bias[q : q + kv], (kv,))
+            t[a + "v_proj.bias"] = WeightTarget(self.qkv_bias[q + kv :], (kv,))
+        if self.o_bias is not None:
+            t[a + "o_proj.bias"] = WeightTarget(self.o_bias, (H,))
+        if self.qk_norm is not None:
+            # A [d] checkpoint vector broadcasts over every head's row when copied in.
+            t[a + "q_norm.weight"] = WeightTarget(self.qk_norm[:nh], (d,))
+            t[a + "k_norm.weight"] = WeightTarget(self.qk_norm[nh:], (d,))
+        if self.gate_up_bias is not None and self.down_bias is not None:
+            t[m + "gate_proj.bias"] = WeightTarget(self.gate_up_bias[:I], (I,))
+            t[m + "up_proj.bias"] = WeightTarget(self.gate_up_bias[I:], (I,))
+            t[m + "down_proj.bias"] = WeightTarget(self.down_bias, (H,))
+        return t
+
+
+class LlamaFamilyForCausalLM(nn.Module):
+    """A decoder-only causal LM over a flat batch of new tokens and a paged KV cache.
+
+    Build it with `server.models.loader.load_model`; the constructor leaves weights uninitialised.
+    dtype and device are fixed at construction (the RoPE tables and `dtype` attribute follow them),
+    so load on the target device rather than calling `.to()` afterwards.
+    Attributes the engine reads: `config`, `dtype`, `device`, `kv_cache_shape()`,
+    `kv_cache_bytes_per_token()`.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        c, dev = config, self.device
+        self.embed_tokens = _param((c.vocab_size, c.hidden_size), dtype, dev)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(c, i, dtype, dev) for i in range(c.num_layers))
+        self.norm = _param((c.hidden_size,), dtype, dev)
+        # Tied checkpoints store one matrix; the output projection reuses the embedding table.
+        self.lm_head = self.embed_tokens if c.tie_word_embeddings else _param((c.vocab_size, c.hidden_size), dtype, dev)
+        self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dev)
+        # Plain list for the hot loop: iterating nn.ModuleList and calling modules via __call__
+        # costs hook checks on every layer of every step.
+        self._layers: list[LlamaDecoderLayer] = list(self.layers)
+        self.eval()
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+        """Shape of one layer's key cache (and, separately, its value cache)."""
+        return (num_blocks, self.config.num_kv_heads, block_size, self.config.head_dim)
+
+    def kv_cache_bytes_per_token(self) -> int:
+        """Bytes of K and V per token across all layers, at the model's dtype."""
+        c = self.config
+        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Run the new tokens of every scheduled sequence through the model, writing their K/V.
+
+        Args:
+            input_ids: int64 [T], the flat batch (no padding), sequences in query_start_loc order.
+            positions: int64 [T], each token's position in its sequence (< max_position_embeddings).
+            kv_caches: per layer (key_cache, value_cache), each kv_cache_shape(num_blocks, block_size).
+            meta: where each token's K/V is written and which blocks each sequence reads.
+        Returns:
+            [T, hidden_size] final-normed hidden states; pass the rows to sample to compute_logits.
+        """
+        if len(kv_caches) != len(self._layers):
+            raise ValueError(f"kv_caches: expected {len(self._layers)} (key, value) pairs, got {len(kv_caches)}")
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rope.lookup(positions, self.dtype)
+        for layer, (key_cache, value_cache) in zip(self._layers, kv_caches):
+            hidden = layer.forward(hidden, cos, sin, key_cache, value_cache, meta)
+        return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Args: hidden [S, hidden_size] rows from forward(). Returns float32 logits [S, vocab_size]."""
+        return linear(hidden, self.lm_head).float()
+
+    def checkpoint_tensors(self) -> dict[str, WeightTarget]:
+        """Every Hugging Face tensor name this model needs, mapped to where it is copied."""
+        c = self.config
+        targets = {
+            "model.embed_tokens.weight": WeightTarget(self.embed_tokens, (c.vocab_size, c.hidden_size)),
+            "model.norm.weight": WeightTarget(self.norm, (c.hidden_size,)),
+        }
+        if not c.tie_word_embeddings:
+            targets["lm_head.weight"] = WeightTarget(self.lm_head, (c.vocab_size, c.hidden_size))
+        for i, layer in enumerate(self._layers):
+            targets.update(layer.checkpoint_tensors(f"model.layers.{i}."))
+        return targets
+
+
+def describe(model: LlamaFamilyForCausalLM) -> str:
+    """One line for the start-up log: architecture, size, dtype."""
+    c = model.config
+    n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return (
+        f"{c.architecture}: {c.num_layers} layers, hidden {c.hidden_size}, heads {c.num_heads}/{c.num_kv_heads} "
+        f"x {c.head_dim}, vocab {c.vocab_size}, {n / 1e6:.1f}M params, {str(model.dtype).removeprefix('torch.')}"
+        + (f", sliding window {c.sliding_window}" if c.sliding_window else "")
+    )

@@ -1,0 +1,154 @@
+"""load_model: turn a Hugging Face model folder (config.json + safetensors) into a runnable model.
+
+It owns finding the weight files (single or sharded with an index), reading them memory-mapped,
+checking every tensor's presence and shape against what the model expects, and copying each
+into the model's fused parameters with the requested dtype and device.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from server.models.config import ModelConfig, ModelFileNotFoundError, ModelLoadError, UnsupportedModelError
+from server.models.llama import LlamaFamilyForCausalLM, WeightTarget
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+__all__ = ["load_model", "resolve_dtype", "ModelLoadError", "UnsupportedModelError", "ModelFileNotFoundError"]
+
+
+def resolve_dtype(dtype: str, config: ModelConfig) -> torch.dtype:
+    """"auto" -> the checkpoint's dtype (config dtype/torch_dtype, default float32); else the named dtype."""
+    name = config.torch_dtype if dtype == "auto" else dtype
+    if name not in _DTYPES:
+        raise ModelLoadError(f"dtype: must be 'auto' or one of {', '.join(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[name]
+
+
+def load_model(
+    model_dir: str | Path, dtype: str = "auto", device: str | torch.device = "cpu"
+) -> tuple[LlamaFamilyForCausalLM, ModelConfig]:
+    """Load a Llama/Mistral/Qwen2/Qwen3 checkpoint folder.
+
+    Args:
+        model_dir: folder with config.json and model.safetensors, or model-0000x-of-0000y.safetensors
+            shards listed in model.safetensors.index.json.
+        dtype: "auto", "float32", "bfloat16" or "float16".
+        device: where the parameters live.
+    Returns:
+        (model, config); the model is in eval mode with requires_grad off.
+    Raises:
+        ModelFileNotFoundError naming a missing folder/file, UnsupportedModelError,
+        ModelLoadError naming the tensor and file for missing, unexpected or mis-shaped tensors.
+    """
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_model_dir(model_dir)
+    torch_dtype = resolve_dtype(dtype, config)
+    files, index_map = _weight_files(model_dir)
+
+    model = LlamaFamilyForCausalLM(config, torch_dtype, torch.device(device))
+    targets = model.checkpoint_tensors()
+    loaded: set[str] = set()
+    with torch.no_grad():
+        _copy_tensors(files, targets, loaded, config)
+
+    missing = [name for name in targets if name not in loaded]
+    if missing:
+        name = missing[0]
+        where = _expected_file(name, model_dir, index_map)
+        more = f" (and {len(missing) - 1} more: {', '.join(missing[1:4])}{', ...' if len(missing) > 4 else ''})"
+        raise ModelLoadError(
+            f"tensor {name!r} not found in {where}" + (more if len(missing) > 1 else "")
+        )
+    return model, config
+
+
+def _weight_files(model_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files to read, and the index's tensor -> file map when sharded."""
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        try:
+            index = json.loads(index_path.read_text(encoding="utf-8"))
+            weight_map = index["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{index_path}: cannot read 'weight_map': {e}") from e
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index_path}: 'weight_map' must be a non-empty object")
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ModelFileNotFoundError(f, f"weights shard listed in {index_path}")
+        return files, weight_map
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        return [single], None
+    raise ModelFileNotFoundError(single, f"model weights (neither it nor {index_path.name} exists)")
+
+
+def _expected_file(name: str, model_dir: Path, index_map: dict[str, str] | None) -> Path:
+    if index_map is None:
+        return model_dir / SINGLE_FILE
+    if name in index_map:
+        return model_dir / index_map[name]
+    return model_dir / INDEX_FILE
+
+
+def _ignored(name: str, config: ModelConfig) -> bool:
+    # HF once saved RoPE frequency buffers; we rebuild them from the config.
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    # Tied checkpoints may still carry a copy of lm_head; transformers ties it to the embedding anyway.
+    return config.tie_word_embeddings and name == "lm_head.weight"
+
+
+def _copy_tensors(
+    files: list[Path], targets: dict[str, WeightTarget], loaded: set[str], config: ModelConfig
+) -> None:
+    """Read every tensor of every file (memory-mapped) into its target, checking the shape first."""
+    with ExitStack() as stack:
+        handles: list[tuple[Path, Any]] = []
+        total = 0
+        for path in files:
+            try:
+                h = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+            except Exception as e:  # safetensors raises its own error types for corrupt headers
+                raise ModelLoadError(f"{path}: cannot open as safetensors: {e}") from e
+            handles.append((path, h))
+            total += len(h.keys())
+        bar = tqdm(
+            total=total, desc="Loading weights", unit="tensor", file=sys.stderr, disable=not sys.stderr.isatty()
+        )
+        with bar:
+            for path, h in handles:
+                for name in h.keys():
+                    _copy_one(path, h, name, targets, loaded, config)
+                    bar.update(1)
+
+
+def _copy_one(
+    path: Path, handle: Any, name: str, targets: dict[str, WeightTarget], loaded: set[str], config: ModelConfig
+) -> None:
+    if _ignored(name, config):
+        return
+    target = targets.get(name)
+    if target is None:
+        raise ModelLoadError(
+            f"unexpected tensor {name!r} in {path}: the config ({config.architecture}) does not use it"
+        )
+    # Check the header's shape before reading any data.
+    shape = tuple(handle.get_slice(name).get_shape())
+    if shape != target.shape:
+        raise ModelLoadError(f"tensor {name!r} in {path} has shape {list(shape)}, expected {list(target.shape)}")
+    tensor = handle.get_tensor(name)
+    # copy_ converts dtype and device, and broadcasts per-head norm vectors over their rows.
+    target.dest.copy_(tensor)
+    loaded.add(name)

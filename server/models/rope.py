@@ -1,0 +1,92 @@
+"""Rotary position embeddings: fp32 cos/sin tables built once, and the rotate-half application.
+
+The frequency math (default, linear, llama3 scaling) follows transformers' `modeling_rope_utils`
+operation for operation, so that our positions rotate exactly as the checkpoint was trained.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from server.models.config import RopeScaling
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling]) -> torch.Tensor:
+    """Inverse frequencies, fp32 [head_dim // 2], as transformers computes them."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        assert scaling.low_freq_factor is not None and scaling.high_freq_factor is not None
+        assert scaling.original_max_position_embeddings is not None
+        factor = scaling.factor
+        low, high = scaling.low_freq_factor, scaling.high_freq_factor
+        old_context_len = scaling.original_max_position_embeddings
+        low_freq_wavelen = old_context_len / low
+        high_freq_wavelen = old_context_len / high
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths (low frequencies) are stretched by `factor`, short ones kept, and the
+        # band between is interpolated smoothly.
+        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, inv_freq_llama)
+    raise ValueError(f"rope_type {scaling.rope_type!r} is not supported")
+
+
+class RotaryEmbedding:
+    """cos/sin tables [max_positions, head_dim // 2] in fp32 on `device`.
+
+    Usage per forward: `cos, sin = rope.lookup(positions, dtype)` once, then `rope.apply(x, cos, sin)`
+    for each layer, so the table gather is paid once per step rather than once per layer.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: Optional[RopeScaling],
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        # Same per-element product as transformers' position_ids.float() * inv_freq, so the
+        # tables equal what HF recomputes every forward.
+        freqs = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)[:, None] * inv_freq[None, :]
+        self.cos = freqs.cos().to(device)
+        self.sin = freqs.sin().to(device)
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Args: positions int64 [T] (each < max_positions). Returns cos, sin [T, 1, head_dim // 2] in `dtype`.
+
+        transformers casts cos/sin to the activation dtype before rotating; we do the same so
+        bf16 models round as the reference does.
+        """
+        cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)
+        sin = self.sin.index_select(0, positions).to(dtype).unsqueeze(1)
+        return cos, sin
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate-half RoPE (HF Llama convention) into a new contiguous tensor.
+
+        Args: x [T, n, head_dim] (any strides with a contiguous last dim); cos, sin [T, 1, head_dim // 2].
+        Returns: [T, n, head_dim] = x * cat(cos, cos) + rotate_half(x) * cat(sin, sin).
+        """
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        o1, o2 = out[..., :half], out[..., half:]
+        # Four kernels with no temporaries: o1 = x1*cos - x2*sin, o2 = x2*cos + x1*sin.
+        torch.mul(x1, cos, out=o1)
+        o1.addcmul_(x2, sin, value=-1)
+        torch.mul(x2, cos, out=o2)
+        o2.addcmul_(x1, sin)
+        return out

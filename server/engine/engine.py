@@ -1,0 +1,262 @@
+"""LLMEngine: the synchronous core loop, schedule -> execute -> sample -> process outputs.
+
+Single-threaded by contract: whoever owns an LLMEngine (the offline `LLM`, or the EngineThread)
+calls every method from one thread. It never awaits and never touches sockets.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence as Seq
+
+import torch
+
+from server import _C  # noqa: F401  (loads the op library and the allocator)
+from server.config import ConfigError, EngineConfig
+from server.engine.errors import RequestTooLongError
+from server.engine.output_processor import OutputProcessor
+from server.engine.request import Request, Sequence
+from server.engine.runner import ModelRunner
+from server.engine.sampler import Sampler, SamplingBatch
+from server.engine.scheduler import Scheduler, ScheduledSeq
+from server.models.loader import load_model
+from server.outputs import RequestDelta, TokenLogprob
+from server.sampling_params import SamplingParams
+from server.tokenizer import Tokenizer
+
+logger = logging.getLogger("pagewire.engine")
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for metrics; cumulative counters never decrease."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_blocks: int = 0
+    free_blocks: int = 0
+    cached_blocks: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_miss_tokens: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_steps: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
+        self.tokenizer = Tokenizer.from_dir(config.model)
+        self.model, self.model_config = load_model(config.model, config.dtype, config.device)
+        mc = self.model_config
+        self.device = torch.device(config.device)
+        kv_dtype = next(self.model.parameters()).dtype
+        elem = torch.tensor([], dtype=kv_dtype).element_size()
+        bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * elem
+        bs = config.block_size
+        kv_tokens = config.kv_cache_tokens or int(config.kv_cache_memory_gb * 2**30 // bytes_per_token)
+        num_blocks = kv_tokens // bs
+        if num_blocks < 1:
+            raise ConfigError("kv_cache_memory_gb", "leaves room for no KV block at all")
+        max_pos = mc.max_position_embeddings
+        max_model_len = config.max_model_len or min(max_pos, num_blocks * bs)
+        if max_model_len > max_pos:
+            raise ConfigError(
+                "max_model_len", f"{max_model_len} exceeds the model's max_position_embeddings ({max_pos})"
+            )
+        if max_model_len > num_blocks * bs:
+            raise ConfigError(
+                "kv_cache_tokens",
+                f"the KV cache holds {num_blocks * bs} tokens, fewer than one max_model_len "
+                f"sequence ({max_model_len}); raise the KV budget or lower max_model_len",
+            )
+        self.max_model_len = max_model_len
+        self.allocator = _C.BlockAllocator(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, num_blocks, bs, self.allocator, self.device, kv_dtype)
+        self.sampler = Sampler(seed=config.seed)
+        eos = set(self.tokenizer.eos_token_ids) | set(getattr(mc, "eos_token_ids", ()) or ())
+        self.outputs = OutputProcessor(self.tokenizer, eos, max_model_len)
+        self.vocab_size = mc.vocab_size
+        self.requests: dict[str, Request] = {}
+        self._pending: list[RequestDelta] = []  # abort deltas produced between steps
+        self._stats = EngineStats(num_blocks=num_blocks)
+        total = num_blocks * bs
+        logger.info(
+            "KV cache: %d bytes/token (%s), %d blocks x %d tokens = %d tokens (%.2f GiB); "
+            "fits %d sequences of max_model_len %d",
+            bytes_per_token, str(kv_dtype).replace("torch.", ""), num_blocks, bs, total,
+            total * bytes_per_token / 2**30, total // max_model_len, max_model_len,
+        )
+
+    # -- requests in ------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: Optional[float] = None,
+        prompt: Optional[str] = None,
+    ) -> None:
+        """Queue a request. Raises ValueError (naming the field) for anything invalid."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("prompt: must contain at least one token")
+        bad = next((t for t in ids if not (0 <= t < self.vocab_size)), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        n = len(ids)
+        if n >= self.max_model_len or (
+            params.max_tokens is not None and n + params.max_tokens > self.max_model_len
+        ):
+            raise RequestTooLongError(n, params.max_tokens, self.max_model_len)
+        max_total = n + params.max_tokens if params.max_tokens is not None else self.max_model_len
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            params=params,
+            priority=priority,
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            max_total_tokens=max_total,
+            prompt=prompt,
+        )
+        self._add_sequence(req, 0, list(ids))
+        self.scheduler.add(req.sequences[0])
+        self.requests[request_id] = req
+
+    def _add_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+        seq = Sequence(req, index, token_ids)
+        if req.params.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(req.params.seed + index)
+        self.outputs.init_sequence(seq)
+        req.sequences.append(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> bool:
+        """Free the request's blocks now (we are between steps) and queue its final delta."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.sequences:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
+        req.finished = True
+        delta = self.outputs.make_delta(req)
+        if delta is not None:
+            self._pending.append(delta)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._pending)
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestDelta]:
+        deltas, self._pending = self._pending, []
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return deltas
+        now = time.time()
+        for share in out.scheduled:
+            req = share.seq.request
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+                self._stats.prompt_tokens += len(req.prompt_token_ids)
+        logits = self.runner.execute(out)
+        rows = self._advance(out.scheduled)
+        touched: dict[str, Request] = {}
+        if rows:
+            row_idx = [r for r, _ in rows]
+            if len(row_idx) != logits.shape[0]:  # forked samples reuse sample 0's row
+                logits = logits.index_select(0, torch.tensor(row_idx, device=logits.device))
+            seqs = [s for _, s in rows]
+            self._sample_and_apply(logits, seqs, touched)
+        self._stats.num_steps += 1
+        for req in touched.values():
+            for seq in req.sequences:
+                if seq.finish_reason is not None and not seq.is_finished:
+                    self.scheduler.finish(seq)
+            if req.all_samples_done():
+                req.finished = True
+                self.requests.pop(req.request_id, None)
+            delta = self.outputs.make_delta(req, now)
+            if delta is not None:
+                deltas.append(delta)
+        return deltas
+
+    def _advance(self, scheduled: list[ScheduledSeq]) -> list[tuple[int, Sequence]]:
+        """Mark the step's tokens computed; fork n > 1 samples. Returns (logits row, seq) pairs."""
+        rows: list[tuple[int, Sequence]] = []
+        row = 0
+        for share in scheduled:
+            seq = share.seq
+            samples = share.samples
+            seq.num_computed_tokens += share.num_new_tokens
+            if not samples:
+                continue
+            rows.append((row, seq))
+            req = seq.request
+            if req.params.n > 1 and not req.forked:
+                for i in range(1, req.params.n):
+                    child = self._add_sequence(req, i, list(seq.token_ids))
+                    self.allocator.fork(seq.seq_id, child.seq_id)
+                    child.num_computed_tokens = seq.num_computed_tokens
+                    child.num_registered_blocks = seq.num_registered_blocks
+                    self.scheduler.add_running(child)
+                    rows.append((row, child))
+                req.forked = True
+            row += 1
+        return rows
+
+    def _sample_and_apply(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict[str, Request]) -> None:
+        params = [s.request.params for s in seqs]
+        penalties = any(p.needs_penalties for p in params)
+        batch = SamplingBatch.build(
+            params=params,
+            generators=[s.generator for s in seqs],
+            output_token_ids=[s.output_token_ids for s in seqs] if penalties else [[] for _ in seqs],
+            prompt_token_ids=[s.request.prompt_token_ids for s in seqs] if penalties else [[] for _ in seqs],
+            blocked_token_ids=[self.outputs.blocked_tokens(s) for s in seqs],
+            vocab_size=logits.shape[-1],
+            device=logits.device,
+        )
+        so = self.sampler(logits, batch)
+        tokens = so.token_ids.tolist()
+        lps = so.logprobs.tolist() if so.logprobs is not None else None
+        top_ids = so.top_ids.tolist() if so.top_ids is not None else None
+        top_lps = so.top_logprobs.tolist() if so.top_logprobs is not None else None
+        now = time.time()
+        for i, seq in enumerate(seqs):
+            k = seq.request.params.logprobs
+            lp: Optional[TokenLogprob] = None
+            if k is not None and lps is not None:
+                top = list(zip(top_ids[i][:k], top_lps[i][:k])) if (k and top_ids is not None) else []
+                lp = TokenLogprob(tokens[i], lps[i], top)
+            self.outputs.append_token(seq, tokens[i], lp)
+            req = seq.request
+            if req.first_token_time is None:
+                req.first_token_time = now
+            touched[req.request_id] = req
+        self._stats.generation_tokens += len(seqs)
+
+    # -- introspection ----------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        a = self.allocator.stats()
+        s = self._stats
+        s.num_running = len(self.scheduler.running)
+        s.num_waiting = len(self.scheduler.waiting)
+        s.free_blocks = a["free_blocks"]
+        s.cached_blocks = a["cached_blocks"]
+        s.kv_usage = a["used_blocks"] / max(1, a["num_blocks"])
+        s.prefix_hit_tokens = a["prefix_hit_tokens"]
+        s.prefix_miss_tokens = a["prefix_miss_tokens"]
+        s.num_preemptions = self.scheduler.num_preemptions
+        return EngineStats(**s.__dict__)

@@ -1,0 +1,216 @@
+"""Scheduler: decides, each step, which sequences get how many new tokens, within the step's budgets.
+
+One rule (vLLM v1 style): every sequence catches `num_computed_tokens` up to `len(token_ids)`.
+A step gives each scheduled sequence a prefill chunk, or one decode token, so that the total stays
+within `max_num_batched_tokens` and at most `max_num_seqs` sequences run.
+
+Order of a step:
+1. running decodes first (one token each), so a long prefill never freezes running streams;
+2. running prefills get chunks from what is left of the token budget;
+3. waiting sequences are admitted in priority order (lower value first, then arrival) while the KV
+   pool keeps a watermark of free blocks (room for the running ones to grow);
+4. if a waiting sequence has strictly better priority than a running one and does not fit, the
+   lowest-priority, latest-arrived running sequence is preempted to make room.
+When the KV pool runs out while growing a running sequence, the lowest-priority, latest-arrived
+running sequence is preempted by recompute: its blocks are freed and it re-queues with
+`num_computed_tokens = 0`; the prefix cache usually makes the recompute cheap.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Optional
+
+from server.engine.request import Sequence, SeqStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step."""
+
+    seq: Sequence
+    num_new_tokens: int
+    copies: list[tuple[int, int]] = field(default_factory=list)  # CoW (src, dst) before the write
+
+    @property
+    def samples(self) -> bool:
+        """This chunk brings the sequence up to date, so its last position's logits are sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    preempted: list[Sequence]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def copies(self) -> list[tuple[int, int]]:
+        return [c for s in self.scheduled for c in s.copies]
+
+
+class Scheduler:
+    """Owns the waiting and running queues and drives the BlockAllocator (server._C)."""
+
+    def __init__(
+        self,
+        allocator: "object",
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        watermark_blocks: Optional[int] = None,
+    ) -> None:
+        self.allocator = allocator
+        self.block_size: int = allocator.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        # Free blocks kept back at admission, so running sequences can grow without
+        # immediately preempting the one just admitted (1% of the pool, at least one block).
+        self.watermark = (
+            watermark_blocks
+            if watermark_blocks is not None
+            else max(1, allocator.num_blocks // 100)
+        )
+        self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- queue maintenance ---------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked sample joins the running set directly (its blocks are shared with sample 0)."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence from the queues and free its blocks."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        self.allocator.free(seq.seq_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: dict[int, ScheduledSeq] = {}  # seq_id -> share, in scheduling order
+        preempted: list[Sequence] = []
+        self.running.sort(key=lambda s: s.sort_key)
+
+        def preempt(victim: Sequence) -> None:
+            nonlocal budget
+            share = scheduled.pop(victim.seq_id, None)
+            if share is not None:  # nothing has run yet this step, so it can be taken back
+                budget += share.num_new_tokens
+            self.running.remove(victim)
+            self.allocator.free(victim.seq_id)
+            victim.num_computed_tokens = 0
+            victim.num_registered_blocks = 0
+            self.add(victim)
+            preempted.append(victim)
+            self.num_preemptions += 1
+
+        # 1 + 2: running sequences, decodes before prefill chunks.
+        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        for seq in decodes + prefills:
+            if budget <= 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:  # preempted as a victim earlier in this loop
+                continue
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            copies = self.allocator.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
+            while copies is None:
+                victim = self.running[-1]  # lowest priority, latest arrival
+                preempt(victim)
+                if victim is seq:
+                    break
+                copies = self.allocator.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
+            if copies is None:
+                continue
+            scheduled[seq.seq_id] = ScheduledSeq(seq, num_new, copies)
+            budget -= num_new
+
+        # 3 + 4: admit waiting sequences. Not in a step that had to preempt for lack of KV:
+        # admitting now would only evict what was just requeued.
+        if not preempted:
+            budget = self._admit(budget, scheduled, preempt)
+
+        out = list(scheduled.values())
+        self._register_full_blocks(out)
+        return SchedulerOutput(out, preempted)
+
+    def _admit(self, budget: int, scheduled: dict[int, ScheduledSeq], preempt) -> int:
+        alloc = self.allocator
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            n_samples = seq.request.params.n if not seq.request.forked else 1
+            if seq.num_computed_tokens == 0 and not alloc.has_sequence(seq.seq_id):
+                # Prefix-cache lookup; never the last token, whose logits we need.
+                seq.num_computed_tokens = alloc.match_prefix(seq.seq_id, seq.token_ids[:-1])
+                seq.num_registered_blocks = seq.num_computed_tokens // self.block_size
+                if seq.index == 0 and seq.num_output_tokens == 0:
+                    seq.request.num_cached_tokens = seq.num_computed_tokens
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            fits_seqs = len(self.running) + n_samples <= self.max_num_seqs
+            need = alloc.blocks_needed(seq.seq_id, seq.num_computed_tokens, num_new)
+            fits_kv = need <= alloc.num_free_blocks - self.watermark
+            if not (fits_seqs and fits_kv):
+                victim = self.running[-1] if self.running else None
+                if victim is not None and victim.sort_key[0] > seq.sort_key[0]:
+                    preempt(victim)  # priority preemption: a strictly better class arrived
+                    continue
+                self._release_unadmitted(seq)
+                break
+            copies = alloc.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
+            if copies is None:  # cannot happen after the check above, but never admit half-way
+                self._release_unadmitted(seq)
+                break
+            self.waiting.pop(0)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            scheduled[seq.seq_id] = ScheduledSeq(seq, num_new, copies)
+            budget -= num_new
+        return budget
+
+    def _release_unadmitted(self, seq: Sequence) -> None:
+        """Give back prefix blocks a waiting sequence matched but could not use this step.
+
+        They return to the LRU cache with their hashes, so the next attempt matches them again;
+        holding them while waiting could starve the running sequences of blocks.
+        """
+        if self.allocator.has_sequence(seq.seq_id):
+            self.allocator.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+
+    def _register_full_blocks(self, out: list[ScheduledSeq]) -> None:
+        """Offer newly full blocks to the prefix cache; their tokens are known at schedule time.
+
+        Safe before the forward: every layer writes all of the step's K/V before attending, so a
+        block matched by another sequence in this same step is written before it is read.
+        """
+        bs = self.block_size
+        for share in out:
+            seq = share.seq
+            n_full = (seq.num_computed_tokens + share.num_new_tokens) // bs
+            if n_full > seq.num_registered_blocks:
+                self.allocator.cache_full_blocks(seq.seq_id, seq.token_ids[: n_full * bs])
+                seq.num_registered_blocks = n_full
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "num_preemptions": self.num_preemptions,
+        }

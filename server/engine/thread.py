@@ -1,0 +1,186 @@
+"""EngineThread: runs one LLMEngine on a dedicated thread behind a thread-safe inbox.
+
+Inputs are messages (add, abort) put on the inbox from any thread; the engine thread drains the
+inbox only at step boundaries, so an abort takes effect before the next forward and nothing is
+freed under a running kernel. Output is one `on_step(deltas)` call per step, made on the engine
+thread; the server's bridge turns that into exactly one event-loop callback.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from server.config import EngineConfig
+from server.engine.errors import RequestTooLongError
+from server.outputs import RequestDelta, SampleDelta
+from server.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagewire.engine")
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+class EngineThread:
+    """Owns the engine on its thread. Every public method is safe to call from any thread."""
+
+    def __init__(self, config: EngineConfig, on_step: Callable[[list[RequestDelta]], None]) -> None:
+        self.config = config
+        self._on_step = on_step
+        self._inbox: deque[_Add | _Abort] = deque()  # deque append/popleft are atomic
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pagewire-engine", daemon=True)
+        self.error: Optional[BaseException] = None
+        self.max_model_len: int = 0
+        self.vocab_size: int = 0
+        self._engine = None
+        self._stats = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and self.error is None
+
+    def wait_ready(self, timeout: Optional[float] = None) -> bool:
+        self._ready.wait(timeout)
+        return self.ready
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop after the current step; unfinished requests get abort deltas. Idempotent."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # -- requests ---------------------------------------------------------------------------------
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: Optional[float] = None,
+    ) -> None:
+        """Queue a request for the next step boundary. Raises ValueError at once if it can't fit."""
+        if self._stop.is_set():
+            raise RuntimeError("engine is shutting down")
+        if self.max_model_len:
+            n = len(prompt_token_ids)
+            if n >= self.max_model_len or (
+                params.max_tokens is not None and n + params.max_tokens > self.max_model_len
+            ):
+                raise RequestTooLongError(n, params.max_tokens, self.max_model_len)
+        self._inbox.append(
+            _Add(request_id, list(prompt_token_ids), params, priority, arrival_time or time.time())
+        )
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.append(_Abort(request_id))
+        self._wake.set()
+
+    def stats(self):  # -> EngineStats
+        """The snapshot taken at the end of the latest step (replaced atomically, never mutated)."""
+        return self._stats
+
+    # -- the thread -------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            from server.engine.engine import LLMEngine
+
+            engine = LLMEngine(self.config)
+        except BaseException as e:  # reported through .error; the server answers 503 with it
+            logger.exception("engine failed to load")
+            self.error = e
+            self._ready.set()
+            return
+        self._engine = engine
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
+        self._stats = engine.stats()
+        self._ready.set()
+        while not self._stop.is_set():
+            extra = self._drain(engine)
+            if not engine.has_unfinished_requests() and not extra:
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                deltas = extra + engine.step()
+            except Exception as e:  # a failed step fails its requests, the server keeps serving
+                logger.exception("engine step failed")
+                deltas = extra + self._fail_all(engine, e)
+            self._stats = engine.stats()
+            if deltas:
+                self._on_step(deltas)
+        self._on_step_safe(self._abort_all(engine))
+
+    def _drain(self, engine) -> list[RequestDelta]:
+        """Apply inbox messages; returns error deltas for adds the engine refused."""
+        errors: list[RequestDelta] = []
+        while self._inbox:
+            msg = self._inbox.popleft()
+            if isinstance(msg, _Abort):
+                engine.abort_request(msg.request_id)
+                continue
+            try:
+                engine.add_request(
+                    msg.request_id, msg.prompt_token_ids, msg.params, msg.priority, msg.arrival_time
+                )
+            except ValueError as e:
+                errors.append(_error_delta(msg.request_id, len(msg.prompt_token_ids), msg.arrival_time, str(e)))
+        return errors
+
+    def _fail_all(self, engine, exc: Exception) -> list[RequestDelta]:
+        out = []
+        for rid in list(engine.requests):
+            req = engine.requests[rid]
+            engine.abort_request(rid)
+            out.append(_error_delta(rid, len(req.prompt_token_ids), req.arrival_time, f"engine error: {exc}"))
+        engine._pending.clear()
+        return out
+
+    def _abort_all(self, engine) -> list[RequestDelta]:
+        for rid in list(engine.requests):
+            engine.abort_request(rid)
+        return engine.step() if engine._pending else []
+
+    def _on_step_safe(self, deltas: list[RequestDelta]) -> None:
+        if deltas:
+            try:
+                self._on_step(deltas)
+            except Exception:
+                logger.exception("on_step callback failed during shutdown")
+
+
+def _error_delta(request_id: str, n_prompt: int, arrival: float, message: str) -> RequestDelta:
+    return RequestDelta(
+        request_id=request_id,
+        samples=[SampleDelta(index=0, token_ids=[], text="", finish_reason="error")],
+        finished=True,
+        num_prompt_tokens=n_prompt,
+        num_cached_tokens=0,
+        arrival_time=arrival,
+        finished_time=time.time(),
+        error=message,
+    )

@@ -1,0 +1,84 @@
+"""Errors that cross from admission, the ledger and the streams to the network edge.
+
+Each carries what both edges need: the HTTP status, a stable machine-readable `code`, the
+offending request field (`param`) when there is one, and a retry hint for backpressure. The
+HTTP edge renders them in OpenAI's error shape; the WebSocket edge as `error` frames.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+
+class PagewireError(Exception):
+    """A request-level failure with everything an edge needs to report it.
+
+    Args:
+        message: human-readable; names the field and, for limits, gives the numbers.
+        status: HTTP status code.
+        code: stable machine-readable code (`invalid_request`, `overloaded`, ...).
+        param: the request field at fault, if any.
+        retry_after_s: for 429/503, how long the client should wait before retrying.
+    """
+
+    status: int = 500
+    code: str = "internal_error"
+    error_type: str = "server_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+        retry_after_s: Optional[float] = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.retry_after_s = retry_after_s
+
+
+class InvalidRequest(PagewireError):
+    status = 400
+    code = "invalid_request"
+    error_type = "invalid_request_error"
+
+
+class NotFound(PagewireError):
+    status = 404
+    code = "not_found"
+    error_type = "not_found_error"
+
+
+class TooLarge(PagewireError):
+    status = 413
+    code = "request_too_large"
+    error_type = "invalid_request_error"
+
+
+class Overloaded(PagewireError):
+    status = 429
+    code = "overloaded"
+    error_type = "rate_limit_error"
+
+
+class Unavailable(PagewireError):
+    """Starting (weights still loading) or stopping (graceful shutdown in progress)."""
+
+    status = 503
+    code = "unavailable"
+    error_type = "service_unavailable_error"
+
+
+class DeadlineExceeded(PagewireError):
+    status = 504
+    code = "deadline_exceeded"
+    error_type = "timeout_error"
+
+
+class GenerationFailed(PagewireError):
+    status = 500
+    code = "generation_failed"
+    error_type = "server_error"

@@ -1,0 +1,399 @@
+"""The request ledger: one durable row per request in SQLite (WAL), written by one group-committing writer.
+
+Ordering guarantees (what the rest of the server relies on):
+- `insert()` returns only after the row's transaction has COMMITted, so a caller that awaits it
+  and then acknowledges (`accepted`, HTTP headers) never acknowledges an unrecorded request.
+- Every write goes through one FIFO queue drained by one writer task on one connection, so the
+  writes of one request land in the order they were issued (queued → running → terminal) even
+  when the fire-and-forget ones (`mark_running`, `mark_first_token`) are not awaited.
+- Writes queued while a transaction is in flight are committed together in the next one
+  ("group commit"): one COMMIT per batch, not per request.
+Reads use a second connection; under WAL they see the last committed state and never block the
+writer. On open, rows left `queued` or `running` by a previous process become `interrupted`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import aiosqlite
+
+log = logging.getLogger("pagewire.ledger")
+
+SCHEMA_VERSION = 1
+TERMINAL_STATES = ("finished", "cancelled", "failed", "interrupted")
+OPEN_STATES = ("queued", "running")
+
+# Migration i brings the schema from version i to i + 1. Never edit a released entry; append.
+_MIGRATIONS: list[str] = [
+    """
+    CREATE TABLE requests (
+        request_id       TEXT PRIMARY KEY,
+        idempotency_key  TEXT UNIQUE,
+        kind             TEXT NOT NULL,
+        api              TEXT NOT NULL,
+        client           TEXT,
+        model            TEXT,
+        state            TEXT NOT NULL,
+        priority         INTEGER NOT NULL DEFAULT 0,
+        params_json      TEXT,
+        prompt_json      TEXT,
+        created_at       REAL NOT NULL,
+        admitted_at      REAL,
+        first_token_at   REAL,
+        finished_at      REAL,
+        prompt_tokens    INTEGER NOT NULL DEFAULT 0,
+        completion_tokens INTEGER NOT NULL DEFAULT 0,
+        cached_tokens    INTEGER NOT NULL DEFAULT 0,
+        finish_reason    TEXT,
+        error            TEXT,
+        output_text      TEXT,
+        output_json      TEXT
+    );
+    CREATE INDEX requests_created_at ON requests (created_at);
+    CREATE INDEX requests_state ON requests (state);
+    """,
+]
+
+_COLUMNS = (
+    "request_id, idempotency_key, kind, api, client, model, state, priority, params_json, "
+    "prompt_json, created_at, admitted_at, first_token_at, finished_at, prompt_tokens, "
+    "completion_tokens, cached_tokens, finish_reason, error, output_text, output_json"
+)
+
+
+class LedgerError(RuntimeError):
+    """The database is unusable (e.g. written by a newer pagewire)."""
+
+
+@dataclass
+class RequestRecord:
+    """One ledger row. `output` is the decoded `output_json` (per-sample text, tokens, seq marks)."""
+
+    request_id: str
+    idempotency_key: Optional[str]
+    kind: str
+    api: str
+    client: Optional[str]
+    model: Optional[str]
+    state: str
+    priority: int
+    params: Optional[dict[str, Any]]
+    prompt: Any
+    created_at: float
+    admitted_at: Optional[float]
+    first_token_at: Optional[float]
+    finished_at: Optional[float]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish_reason: Optional[str]
+    error: Optional[str]
+    output_text: Optional[str]
+    output: Optional[dict[str, Any]]
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    @classmethod
+    def from_row(cls, row: tuple[Any, ...]) -> "RequestRecord":
+        (rid, key, kind, api, client, model, state, prio, params, prompt, created, admitted,
+         first, finished, ptok, ctok, cached, reason, error, text, output) = row
+        return cls(
+            rid, key, kind, api, client, model, state, prio,
+            json.loads(params) if params else None,
+            json.loads(prompt) if prompt else None,
+            created, admitted, first, finished, ptok, ctok, cached, reason, error, text,
+            json.loads(output) if output else None,
+        )
+
+
+@dataclass
+class NewRequest:
+    """What is known when a request is accepted; written as a `queued` row."""
+
+    request_id: str
+    kind: str
+    api: str
+    client: Optional[str]
+    model: Optional[str]
+    priority: int
+    params: dict[str, Any]
+    prompt: Any
+    prompt_tokens: int
+    created_at: float
+    idempotency_key: Optional[str] = None
+
+
+@dataclass
+class Terminal:
+    """A request's final state, usage and output, written in one statement."""
+
+    state: str
+    finish_reason: Optional[str]
+    error: Optional[str]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    output_text: str
+    output: dict[str, Any]
+    first_token_at: Optional[float]
+    finished_at: float
+
+
+async def _apply_pragmas(conn: aiosqlite.Connection, busy_timeout_ms: int) -> None:
+    await conn.execute("PRAGMA journal_mode=WAL")
+    # NORMAL under WAL: a commit survives a process crash (what SIGKILL tests); only an OS
+    # crash or power loss can lose the last transactions, and never corrupts the file.
+    await conn.execute("PRAGMA synchronous=NORMAL")
+    await conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+
+
+async def _migrate(conn: aiosqlite.Connection) -> None:
+    """Bring the schema to SCHEMA_VERSION, one transaction per step; refuse a newer database."""
+    await conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+    cur = await conn.execute("SELECT version FROM schema_version")
+    row = await cur.fetchone()
+    version = row[0] if row else 0
+    if version > SCHEMA_VERSION:
+        raise LedgerError(
+            f"ledger schema version {version} is newer than this pagewire understands "
+            f"({SCHEMA_VERSION}); use a newer pagewire or another --db"
+        )
+    for v in range(version, SCHEMA_VERSION):
+        # executescript commits first, so the migration and the version bump share one script.
+        bump = (
+            f"INSERT INTO schema_version (version) VALUES ({v + 1});"
+            if row is None and v == version
+            else f"UPDATE schema_version SET version = {v + 1};"
+        )
+        await conn.executescript("BEGIN IMMEDIATE;" + _MIGRATIONS[v] + ";" + bump + "COMMIT;")
+
+
+class _Op:
+    __slots__ = ("sql", "args", "future")
+
+    def __init__(self, sql: str, args: tuple[Any, ...], future: Optional[asyncio.Future[None]]):
+        self.sql = sql
+        self.args = args
+        self.future = future
+
+
+class Ledger:
+    """Async front of the ledger. Create with `await Ledger.open(path)`; all methods run on the loop."""
+
+    def __init__(self, path: Path, writer: aiosqlite.Connection, reader: aiosqlite.Connection):
+        self.path = path
+        self._writer = writer
+        self._reader = reader
+        self._ops: list[_Op] = []
+        self._wake = asyncio.Event()
+        self._closed = False
+        self.commits = 0  # number of COMMITs (for tests of group commit)
+        self.interrupted_at_start = 0
+        self._task = asyncio.get_running_loop().create_task(self._write_loop(), name="ledger-writer")
+
+    @classmethod
+    async def open(cls, path: str | os.PathLike[str], busy_timeout_ms: int = 5000) -> "Ledger":
+        """Open (creating if needed) the database, migrate it, and interrupt leftover open rows."""
+        p = Path(path).expanduser()
+        p.parent.mkdir(parents=True, exist_ok=True)
+        writer = await aiosqlite.connect(str(p), isolation_level=None)
+        try:
+            await _apply_pragmas(writer, busy_timeout_ms)
+            await _migrate(writer)
+            cur = await writer.execute(
+                "UPDATE requests SET state = 'interrupted', finished_at = ?, "
+                "error = COALESCE(error, 'server stopped before the request finished') "
+                "WHERE state IN ('queued', 'running')",
+                (time.time(),),
+            )
+            interrupted = cur.rowcount
+            reader = await aiosqlite.connect(str(p), isolation_level=None)
+            await reader.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+        except BaseException:
+            await writer.close()
+            raise
+        ledger = cls(p, writer, reader)
+        ledger.interrupted_at_start = interrupted
+        if interrupted:
+            log.warning("ledger: %d request(s) left open by a previous run are now 'interrupted'", interrupted)
+        return ledger
+
+    # -- writes ---------------------------------------------------------------------------------
+    def _enqueue(self, sql: str, args: tuple[Any, ...], wait: bool) -> Optional[asyncio.Future[None]]:
+        if self._closed:
+            raise LedgerError("ledger is closed")
+        fut: Optional[asyncio.Future[None]] = asyncio.get_running_loop().create_future() if wait else None
+        self._ops.append(_Op(sql, args, fut))
+        self._wake.set()
+        return fut
+
+    async def insert(self, req: NewRequest) -> None:
+        """Write the `queued` row and return once it is committed."""
+        fut = self._enqueue(
+            "INSERT INTO requests (request_id, idempotency_key, kind, api, client, model, state, "
+            "priority, params_json, prompt_json, created_at, prompt_tokens) "
+            "VALUES (?, ?, ?, ?, ?, ?, 'queued', ?, ?, ?, ?, ?)",
+            (req.request_id, req.idempotency_key, req.kind, req.api, req.client, req.model,
+             req.priority, json.dumps(req.params), json.dumps(req.prompt), req.created_at,
+             req.prompt_tokens),
+            wait=True,
+        )
+        assert fut is not None
+        await fut
+
+    def mark_running(self, request_id: str, admitted_at: float) -> None:
+        """Queued → running (handed to the engine). Not awaited: FIFO order keeps it before the end."""
+        self._enqueue(
+            "UPDATE requests SET state = 'running', admitted_at = ? WHERE request_id = ? AND state = 'queued'",
+            (admitted_at, request_id), wait=False,
+        )
+
+    def mark_first_token(self, request_id: str, at: float) -> None:
+        self._enqueue(
+            "UPDATE requests SET first_token_at = ? WHERE request_id = ? AND first_token_at IS NULL",
+            (at, request_id), wait=False,
+        )
+
+    async def finish(self, request_id: str, t: Terminal) -> None:
+        """Write the terminal state, usage and output; return once committed."""
+        fut = self._enqueue(
+            "UPDATE requests SET state = ?, finish_reason = ?, error = ?, prompt_tokens = ?, "
+            "completion_tokens = ?, cached_tokens = ?, output_text = ?, output_json = ?, "
+            "first_token_at = COALESCE(first_token_at, ?), finished_at = ? "
+            "WHERE request_id = ? AND state IN ('queued', 'running')",
+            (t.state, t.finish_reason, t.error, t.prompt_tokens, t.completion_tokens,
+             t.cached_tokens, t.output_text, json.dumps(t.output), t.first_token_at,
+             t.finished_at, request_id),
+            wait=True,
+        )
+        assert fut is not None
+        await fut
+
+    async def interrupt_open(self, reason: str) -> None:
+        """Last resort at shutdown: every row still open becomes `interrupted`."""
+        fut = self._enqueue(
+            "UPDATE requests SET state = 'interrupted', finished_at = ?, error = COALESCE(error, ?) "
+            "WHERE state IN ('queued', 'running')",
+            (time.time(), reason), wait=True,
+        )
+        assert fut is not None
+        await fut
+
+    async def _write_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            batch, self._ops = self._ops, []
+            if not batch:
+                if self._closed:
+                    return
+                continue
+            await self._commit(batch)
+
+    async def _commit(self, batch: list[_Op]) -> None:
+        # One transaction per batch. A failing statement (e.g. a duplicate idempotency key) only
+        # rolls back itself under SQLite's default ABORT conflict rule, so the rest still commit.
+        errors: list[Optional[BaseException]] = []
+        try:
+            await self._writer.execute("BEGIN IMMEDIATE")
+            for op in batch:
+                try:
+                    await self._writer.execute(op.sql, op.args)
+                    errors.append(None)
+                except sqlite3.Error as exc:
+                    errors.append(exc)
+                    if op.future is None:
+                        log.error("ledger write failed: %s (%s)", exc, op.sql.split(" ")[0])
+            await self._writer.execute("COMMIT")
+            self.commits += 1
+        except BaseException as exc:  # the whole batch is lost: tell every waiter
+            log.exception("ledger commit failed")
+            try:
+                await self._writer.execute("ROLLBACK")
+            except Exception:
+                pass
+            for op in batch:
+                if op.future is not None and not op.future.done():
+                    op.future.set_exception(LedgerError(f"ledger commit failed: {exc}"))
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        for op, err in zip(batch, errors):
+            if op.future is not None and not op.future.done():
+                if err is None:
+                    op.future.set_result(None)
+                else:
+                    op.future.set_exception(err)
+
+    # -- reads ----------------------------------------------------------------------------------
+    async def get(self, request_id: str) -> Optional[RequestRecord]:
+        cur = await self._reader.execute(f"SELECT {_COLUMNS} FROM requests WHERE request_id = ?", (request_id,))
+        row = await cur.fetchone()
+        return RequestRecord.from_row(tuple(row)) if row else None
+
+    async def find_by_idempotency_key(self, key: str) -> Optional[RequestRecord]:
+        cur = await self._reader.execute(f"SELECT {_COLUMNS} FROM requests WHERE idempotency_key = ?", (key,))
+        row = await cur.fetchone()
+        return RequestRecord.from_row(tuple(row)) if row else None
+
+    async def close(self) -> None:
+        """Flush queued writes, then close both connections. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._wake.set()
+        await self._task
+        await self._reader.close()
+        await self._writer.close()
+
+
+# -- synchronous reads, for `pagewire requests` (no event loop needed) --------------------------
+
+
+def open_readonly(path: str | os.PathLike[str]) -> sqlite3.Connection:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise LedgerError(f"no ledger at {p}")
+    conn = sqlite3.connect(f"file:{p}?mode=ro", uri=True)
+    conn.execute("PRAGMA busy_timeout=5000")
+    return conn
+
+
+def list_records(conn: sqlite3.Connection, limit: int = 50, state: Optional[str] = None) -> list[RequestRecord]:
+    sql = f"SELECT {_COLUMNS} FROM requests"
+    args: tuple[Any, ...] = ()
+    if state:
+        sql += " WHERE state = ?"
+        args = (state,)
+    sql += " ORDER BY created_at DESC LIMIT ?"
+    return [RequestRecord.from_row(r) for r in conn.execute(sql, args + (limit,))]
+
+
+def get_record(conn: sqlite3.Connection, request_id: str) -> Optional[RequestRecord]:
+    row = conn.execute(f"SELECT {_COLUMNS} FROM requests WHERE request_id = ?", (request_id,)).fetchone()
+    return RequestRecord.from_row(row) if row else None
+
+
+def interrupt_open_sync(path: str | os.PathLike[str], reason: str, busy_timeout_ms: int = 1000) -> int:
+    """Best effort on a forced exit (second signal): mark open rows interrupted, synchronously."""
+    conn = sqlite3.connect(str(path), timeout=busy_timeout_ms / 1000)
+    try:
+        cur = conn.execute(
+            "UPDATE requests SET state = 'interrupted', finished_at = ?, error = COALESCE(error, ?) "
+            "WHERE state IN ('queued', 'running')",
+            (time.time(), reason),
+        )
+        conn.commit()
+        return cur.rowcount
+    finally:
+        conn.close()

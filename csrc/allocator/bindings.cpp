@@ -1,5 +1,158 @@
-// Placeholder until the allocator lands (owned by the allocator work item).
+// pybind11 bindings for the KV block allocator (server._C.BlockAllocator): argument conversion
+// only; the semantics live in block_allocator.cpp. C++ std::invalid_argument surfaces as
+// ValueError and std::runtime_error as RuntimeError (pybind11's standard translation).
 #include "bindings.h"
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "block_allocator.h"
+
+namespace py = pybind11;
+
 namespace pagewire {
-void bind_allocator(pybind11::module_& m) {}
+namespace {
+
+// The Python-facing allocator: adds a reusable token buffer so that converting token ids does
+// not allocate on every call.
+class PyBlockAllocator : public BlockAllocator {
+ public:
+  using BlockAllocator::BlockAllocator;
+
+  // Converts items [begin, end) of a Python sequence of ints (list, tuple, ...) into a view whose
+  // total_len is the sequence's length. Only the items a call will read are converted.
+  TokenView read_tokens(const py::handle& seq, int64_t begin, int64_t end, int64_t total_len) {
+    scratch_.resize(static_cast<size_t>(end > begin ? end - begin : 0));
+    py::object fast = py::reinterpret_steal<py::object>(
+        PySequence_Fast(seq.ptr(), "token_ids must be a sequence of ints"));
+    if (!fast) throw py::error_already_set();
+    PyObject** items = PySequence_Fast_ITEMS(fast.ptr());
+    for (int64_t i = begin; i < end; ++i) {
+      const long long v = PyLong_AsLongLong(items[i]);
+      if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+      if (v < 0 || v > std::numeric_limits<int32_t>::max())
+        throw std::invalid_argument("token_ids[" + std::to_string(i) + "] = " + std::to_string(v) +
+                                    " is out of range [0, 2^31)");
+      scratch_[static_cast<size_t>(i - begin)] = static_cast<int32_t>(v);
+    }
+    return TokenView{scratch_.data(), begin, end > begin ? end - begin : 0, total_len};
+  }
+
+ private:
+  std::vector<int32_t> scratch_;
+};
+
+int64_t seq_len(const py::handle& seq) {
+  const Py_ssize_t n = PyObject_Length(seq.ptr());
+  if (n < 0) throw py::error_already_set();
+  return static_cast<int64_t>(n);
+}
+
+}  // namespace
+
+void bind_allocator(py::module_& m) {
+  py::class_<PyBlockAllocator>(m, "BlockAllocator", R"doc(
+Paged KV block allocator with refcounted sharing, copy-on-write and automatic prefix caching.
+
+A block is free (no hash), cached (refcount 0 with a prefix hash, evictable in LRU order) or used
+(refcount > 0). Full blocks are identified by a hash chained over their parent and token ids;
+a prefix hit also compares parent identity and token ids, so a collision never serves wrong KV.
+
+Args:
+    num_blocks: physical KV blocks (>= 1).
+    block_size: tokens per block (>= 1).
+    enable_prefix_caching: register full blocks and reuse them across sequences.
+    hash_bits: bits of the 64-bit hash kept (1..64); fewer bits force collisions in tests.
+)doc")
+      .def(py::init<int64_t, int64_t, bool, int>(), py::arg("num_blocks"), py::arg("block_size"),
+           py::arg("enable_prefix_caching") = true, py::arg("hash_bits") = 64)
+      .def_property_readonly("num_blocks", &BlockAllocator::num_blocks)
+      .def_property_readonly("block_size", &BlockAllocator::block_size)
+      .def_property_readonly("num_free_blocks", &BlockAllocator::num_free_blocks,
+                             "Blocks allocatable now: truly free + evictable cached.")
+      .def("has_sequence", &BlockAllocator::has_sequence, py::arg("seq_id"))
+      .def(
+          "match_prefix",
+          [](PyBlockAllocator& self, int64_t seq_id, const py::handle& token_ids) {
+            const int64_t n = seq_len(token_ids);
+            const int64_t full = n / self.block_size() * self.block_size();
+            return self.match_prefix(seq_id, self.read_tokens(token_ids, 0, full, n));
+          },
+          py::arg("seq_id"), py::arg("token_ids"), R"doc(
+Attach the longest cached chain of full blocks matching token_ids to a sequence with no blocks
+(created if unknown; ValueError if it has blocks). Counts prefix hit/miss tokens.
+
+Returns:
+    Tokens covered, a multiple of block_size (0 with prefix caching disabled).
+)doc")
+      .def("allocate_slots", &BlockAllocator::allocate_slots, py::arg("seq_id"),
+           py::arg("num_computed_tokens"), py::arg("num_new_tokens"), R"doc(
+Grow the sequence's block table (created if unknown) to cover num_computed_tokens +
+num_new_tokens tokens. Shared blocks in the write range are copied on write.
+
+Returns:
+    [(src, dst), ...] block copies the caller must run (copy_blocks) before writing, or None if
+    too few blocks are available, in which case nothing changed.
+)doc")
+      .def("blocks_needed", &BlockAllocator::blocks_needed, py::arg("seq_id"),
+           py::arg("num_computed_tokens"), py::arg("num_new_tokens"),
+           "Fresh blocks allocate_slots would take right now (new blocks + copy-on-write copies).")
+      .def(
+          "cache_full_blocks",
+          [](PyBlockAllocator& self, int64_t seq_id, const py::handle& token_ids) {
+            const int64_t n = seq_len(token_ids);
+            if (!self.prefix_caching_enabled()) {
+              self.cache_full_blocks(seq_id, TokenView{nullptr, 0, 0, n});  // validates only
+              return;
+            }
+            // Convert only the tokens of blocks not yet registered: O(new blocks) per call.
+            const int64_t begin = self.registered_tokens(seq_id);
+            const int64_t full = n / self.block_size() * self.block_size();
+            self.cache_full_blocks(seq_id, self.read_tokens(token_ids, begin, std::max(begin, full), n));
+          },
+          py::arg("seq_id"), py::arg("token_ids"), R"doc(
+Register every newly full block of the sequence under its chained hash. token_ids are the
+sequence's tokens whose KV is in its blocks (or is being written this step). Idempotent; an
+identical block registered elsewhere is kept and not duplicated. No-op with caching disabled.
+)doc")
+      .def("fork", &BlockAllocator::fork, py::arg("parent_id"), py::arg("child_id"),
+           "Give child_id (unknown or without blocks) the parent's block table; every block refcount++.")
+      .def("truncate", &BlockAllocator::truncate, py::arg("seq_id"), py::arg("num_tokens"),
+           "Keep ceil(num_tokens / block_size) blocks; an unshared partial tail loses its hash.")
+      .def("free", &BlockAllocator::free, py::arg("seq_id"),
+           "Release the sequence's blocks tail first and forget it; unknown ids are a no-op.")
+      .def("block_table", &BlockAllocator::block_table, py::arg("seq_id"))
+      .def("refcount", &BlockAllocator::refcount, py::arg("block_id"))
+      .def("stats",
+           [](const PyBlockAllocator& self) {
+             const BlockAllocator::Stats s = self.stats();
+             py::dict d;
+             d["num_blocks"] = s.num_blocks;
+             d["used_blocks"] = s.used_blocks;
+             d["free_blocks"] = s.free_blocks;
+             d["cached_blocks"] = s.cached_blocks;
+             d["prefix_hit_tokens"] = s.prefix_hit_tokens;
+             d["prefix_miss_tokens"] = s.prefix_miss_tokens;
+             d["evictions"] = s.evictions;
+             return d;
+           })
+      .def("reset_prefix_cache", &BlockAllocator::reset_prefix_cache,
+           "Drop every prefix hash: cached blocks become free, held blocks stay held.")
+      .def("check_invariants", &BlockAllocator::check_invariants,
+           "Raise RuntimeError describing the first broken bookkeeping invariant.")
+      .def("__repr__", [](const PyBlockAllocator& self) {
+        const BlockAllocator::Stats s = self.stats();
+        return "BlockAllocator(num_blocks=" + std::to_string(s.num_blocks) +
+               ", block_size=" + std::to_string(self.block_size()) +
+               ", used=" + std::to_string(s.used_blocks) + ", free=" + std::to_string(s.free_blocks) +
+               ", cached=" + std::to_string(s.cached_blocks) + ")";
+      });
+}
+
 }  // namespace pagewire

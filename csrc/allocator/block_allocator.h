@@ -1,0 +1,147 @@
+// The KV block allocator: owns which physical KV blocks each sequence holds, their refcounts,
+// the prefix-cache hash index and the LRU of evictable cached blocks. Plain C++17, no torch.
+//
+// Block states (exactly one at a time):
+//   free    refcount 0, no hash, on the free list;
+//   cached  refcount 0, has a hash, on the LRU list (evictable, reusable by match_prefix);
+//   used    refcount > 0 (held by that many sequence block tables), hashed or not.
+//
+// A registered (hashed) block is identified by (chained hash, parent identity, token ids). The
+// parent identity is (block id, generation) of the previous block in the chain; a block's
+// generation changes whenever its hash is dropped or it is handed out fresh, so a child that
+// points at a recycled or rewritten parent can never match again.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace pagewire {
+
+// A read-only window [begin, begin + size) over a sequence's token ids, out of total_len tokens
+// the caller passed. Windows let the bindings convert only the tokens a call will read (a decode
+// step's cache_full_blocks touches one new block, not the whole prompt).
+struct TokenView {
+  const int32_t* data = nullptr;  // data[k] is token (begin + k)
+  int64_t begin = 0;
+  int64_t size = 0;
+  int64_t total_len = 0;
+};
+
+class BlockAllocator {
+ public:
+  // Throws std::invalid_argument for num_blocks <= 0, block_size <= 0, hash_bits outside [1, 64].
+  BlockAllocator(int64_t num_blocks, int64_t block_size, bool enable_prefix_caching = true,
+                 int hash_bits = 64);
+
+  int64_t num_blocks() const { return num_blocks_; }
+  int64_t block_size() const { return block_size_; }
+  bool prefix_caching_enabled() const { return enable_prefix_caching_; }
+  // Blocks allocatable now: free + evictable cached.
+  int64_t num_free_blocks() const { return static_cast<int64_t>(free_list_.size()) + lru_size_; }
+
+  bool has_sequence(int64_t seq_id) const { return seqs_.count(seq_id) != 0; }
+
+  // Attaches the longest cached chain of full blocks matching tokens[0, view.total_len) to a
+  // sequence with no blocks (created if unknown). view must start at 0 and hold at least every
+  // full block. Returns the number of tokens covered (a multiple of block_size).
+  int64_t match_prefix(int64_t seq_id, const TokenView& tokens);
+
+  // Grows the block table to cover num_computed + num_new tokens and copies-on-write every shared
+  // block the write range touches. Returns the (src, dst) copies to run, or nullopt (and changes
+  // nothing) when too few blocks are available.
+  std::optional<std::vector<std::pair<int32_t, int32_t>>> allocate_slots(int64_t seq_id,
+                                                                         int64_t num_computed,
+                                                                         int64_t num_new);
+  // Fresh blocks allocate_slots would take right now (new blocks + copy-on-write copies).
+  int64_t blocks_needed(int64_t seq_id, int64_t num_computed, int64_t num_new) const;
+
+  // Registers every full block not yet registered. view.begin must be <= registered_tokens() and
+  // the view must reach the last full block of view.total_len tokens.
+  void cache_full_blocks(int64_t seq_id, const TokenView& tokens);
+  // Tokens of the sequence whose blocks are already registered (the next cache_full_blocks reads
+  // from here). Throws std::invalid_argument for an unknown sequence.
+  int64_t registered_tokens(int64_t seq_id) const;
+
+  void fork(int64_t parent_id, int64_t child_id);
+  void truncate(int64_t seq_id, int64_t num_tokens);
+  void free(int64_t seq_id);  // unknown id: no-op
+
+  const std::vector<int32_t>& block_table(int64_t seq_id) const;
+  int32_t refcount(int64_t block_id) const;
+
+  struct Stats {
+    int64_t num_blocks, used_blocks, free_blocks, cached_blocks;
+    int64_t prefix_hit_tokens, prefix_miss_tokens, evictions;
+  };
+  Stats stats() const;
+
+  void reset_prefix_cache();
+  // Throws std::runtime_error describing the first broken invariant.
+  void check_invariants() const;
+
+ private:
+  enum State : uint8_t { kFree = 0, kCached = 1, kUsed = 2 };
+
+  // One link of a sequence's hash chain: the hash of its i-th full block and the block that
+  // represents it in the index (itself, or an identical block registered earlier elsewhere).
+  struct ChainLink {
+    uint64_t hash;
+    int32_t block;
+    uint64_t gen;
+  };
+  struct Sequence {
+    std::vector<int32_t> blocks;
+    std::vector<ChainLink> chain;  // chain.size() <= blocks.size(): registered prefix
+  };
+
+  Sequence& get_seq(int64_t seq_id, const char* what);
+  const Sequence& get_seq(int64_t seq_id, const char* what) const;
+
+  uint64_t hash_block(uint64_t parent_hash, const int32_t* tokens) const;
+  // The registered block identical to (hash, parent, tokens), or -1.
+  int32_t find_registered(uint64_t hash, int32_t parent, uint64_t parent_gen,
+                          const int32_t* tokens) const;
+  void register_block(int32_t block, uint64_t hash, int32_t parent, uint64_t parent_gen,
+                      const int32_t* tokens);
+  void drop_hash(int32_t block);
+
+  int32_t take_fresh_block();  // caller checked num_free_blocks() > 0
+  void decref(int32_t block);
+  void lru_push_back(int32_t block);
+  void lru_remove(int32_t block);
+
+  // Counts for allocate_slots / blocks_needed: new blocks to append and shared blocks to copy.
+  void plan(const Sequence* seq, int64_t num_computed, int64_t num_new, int64_t* new_blocks,
+            int64_t* cow_blocks) const;
+
+  const int64_t num_blocks_;
+  const int64_t block_size_;
+  const bool enable_prefix_caching_;
+  const uint64_t hash_mask_;
+
+  std::vector<int32_t> refcount_;
+  std::vector<uint8_t> state_;
+  std::vector<uint8_t> hashed_;
+  std::vector<uint64_t> hash_;
+  std::vector<int32_t> parent_;  // -1: the block is the first of its chain
+  std::vector<uint64_t> parent_gen_;
+  std::vector<uint64_t> gen_;
+  std::vector<int32_t> tokens_;  // [num_blocks * block_size]: token ids of registered blocks
+
+  std::vector<int32_t> free_list_;  // stack; block 0 is handed out first on a fresh allocator
+  // Intrusive doubly linked LRU over block ids; index num_blocks_ is the sentinel.
+  // sentinel.next is the least recently used (evicted first), sentinel.prev the most recent.
+  std::vector<int32_t> lru_prev_, lru_next_;
+  int64_t lru_size_ = 0;
+
+  std::unordered_multimap<uint64_t, int32_t> index_;
+  std::unordered_map<int64_t, Sequence> seqs_;
+
+  int64_t hit_tokens_ = 0, miss_tokens_ = 0, evictions_ = 0;
+};
+
+}  // namespace pagewire

@@ -1,0 +1,42 @@
+// The torch-free interface between the paged_attention op (attention.cpp) and its ISA-specific
+// kernels (attention_generic.cpp, attention_avx512.cpp): raw pointers, strides and a work list.
+#pragma once
+
+#include <cstdint>
+
+namespace pagewire::cpu {
+
+enum class ElemType : int { kFloat32, kBFloat16, kFloat16 };
+
+// One unit of parallel work: q_count consecutive query tokens of one sequence (all query heads
+// of one KV head are processed together, so the unit is really (item, kv_head)).
+struct WorkItem {
+  int32_t seq;
+  int32_t q_begin;  // first query token of the tile, relative to the sequence's new tokens
+  int32_t q_count;
+};
+
+struct PagedAttentionArgs {
+  void* out;                // [T, num_heads, head_dim] (strides below; head_dim contiguous)
+  const void* query;        // [T, num_heads, head_dim]
+  const void* key_cache;    // [num_blocks, num_kv_heads, block_size, head_dim] contiguous
+  const void* value_cache;  // same shape as key_cache
+  const int32_t* block_tables;     // [S, block_table_stride]
+  const int32_t* seq_lens;         // [S]
+  const int32_t* query_start_loc;  // [S + 1]
+  int64_t out_stride_t, out_stride_h, q_stride_t, q_stride_h, block_table_stride;
+  int num_heads, num_kv_heads, head_dim, block_size;
+  int max_tile_tokens;  // largest WorkItem::q_count, sizes the per-thread scratch
+  float scale;
+  int sliding_window;  // <= 0: no window
+  ElemType dtype;      // query, out and both caches share it
+  const WorkItem* items;
+  int64_t num_items;
+};
+
+// Both compute the same result; the AVX-512 one must only be called when cpu_has_avx512() is true.
+void paged_attention_generic(const PagedAttentionArgs& args);
+void paged_attention_avx512(const PagedAttentionArgs& args);
+bool cpu_has_avx512();
+
+}  // namespace pagewire::cpu

@@ -1,0 +1,144 @@
+"""paged_attention against a float64 reference: mixed batches, GQA ratios, head dims, dtypes, windows."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server import ops
+from tests.kernels.paged_reference import (
+    TOLERANCE,
+    PagedBatch,
+    make_paged_batch,
+    reference_paged_attention,
+    relative_error,
+)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# (num_heads, num_kv_heads): GQA ratios 1 (MHA), 2, 4, 8 and multi-query.
+HEADS = [(4, 4), (4, 2), (8, 2), (8, 1), (16, 1)]
+HEAD_DIMS = [64, 80, 96, 128, 256]
+# (context_len, q_len): decodes at block boundaries, prefill chunks on top of context, fresh prefills.
+MIXED = [(0, 1), (14, 1), (15, 1), (16, 1), (31, 1), (32, 1), (0, 15), (0, 17), (13, 20), (16, 16), (40, 3)]
+
+
+@pytest.fixture(params=["avx512", "generic"])
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test on the AVX-512 kernel (where the CPU has it) and on the portable one."""
+    monkeypatch.setenv("PAGEWIRE_CPU_ISA", request.param)
+    return request.param
+
+
+def run_kernel(batch: PagedBatch, scale: float, sliding_window: int) -> torch.Tensor:
+    out = torch.full_like(batch.query, float("nan"))  # rows the kernel forgets stay NaN and fail
+    ops.paged_attention(
+        out, batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
+        batch.query_start_loc, scale, sliding_window, batch.max_query_len, batch.max_seq_len,
+    )
+    return out
+
+
+def check(batch: PagedBatch, dtype: torch.dtype, sliding_window: int = 0) -> None:
+    scale = batch.query.shape[-1] ** -0.5
+    out = run_kernel(batch, scale, sliding_window)
+    err = relative_error(out, reference_paged_attention(batch, scale, sliding_window))
+    assert err <= TOLERANCE[dtype], f"relative error {err:.3g} > {TOLERANCE[dtype]} for {dtype}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_mixed_batch_matches_reference(isa: str, dtype: torch.dtype, heads: tuple[int, int], head_dim: int) -> None:
+    gen = torch.Generator().manual_seed(head_dim * 100 + heads[0] * 10 + heads[1])
+    check(make_paged_batch(MIXED, heads[0], heads[1], head_dim, dtype, gen), dtype)
+
+
+@pytest.mark.parametrize("seq_len", [1, 15, 16, 17, 32, 33, 47, 48, 49])
+def test_block_boundary_lengths(isa: str, seq_len: int) -> None:
+    gen = torch.Generator().manual_seed(seq_len)
+    specs = [(seq_len - 1, 1), (0, seq_len), (seq_len // 2, seq_len - seq_len // 2)]
+    check(make_paged_batch(specs, 8, 2, 64, torch.float32, gen), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 50, 4096])
+def test_sliding_window(isa: str, dtype: torch.dtype, window: int) -> None:
+    gen = torch.Generator().manual_seed(window)
+    specs = [(0, 1), (3, 1), (60, 1), (70, 12), (0, 40), (33, 33)]
+    check(make_paged_batch(specs, 8, 2, 64, dtype, gen), dtype, sliding_window=window)
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 1)], ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("window", [0, 100])
+def test_long_prefill_splits_into_query_tiles(isa: str, heads: tuple[int, int], window: int) -> None:
+    gen = torch.Generator().manual_seed(7)
+    batch = make_paged_batch([(37, 300), (0, 1)], heads[0], heads[1], 64, torch.bfloat16, gen)
+    check(batch, torch.bfloat16, sliding_window=window)
+
+
+@pytest.mark.parametrize("block_size", [8, 32, 48])
+def test_other_block_sizes(isa: str, block_size: int) -> None:
+    gen = torch.Generator().manual_seed(block_size)
+    batch = make_paged_batch(MIXED, 8, 2, 64, torch.float32, gen, block_size=block_size)
+    check(batch, torch.float32, sliding_window=0)
+    check(batch, torch.float32, sliding_window=9)
+
+
+def test_strided_query_and_out_views() -> None:
+    """q and out may be views into wider buffers (e.g. a fused qkv projection)."""
+    gen = torch.Generator().manual_seed(3)
+    batch = make_paged_batch(MIXED, 8, 2, 64, torch.float32, gen)
+    T, H, D = batch.query.shape
+    qkv = torch.randn(T, H + 2, D, generator=gen)
+    qkv[:, :H] = batch.query
+    out_buf = torch.full((T, H + 3, D), float("nan"))
+    out = out_buf[:, 1 : H + 1]
+    ops.paged_attention(
+        out, qkv[:, :H], batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
+        batch.query_start_loc, D**-0.5, 0, batch.max_query_len, batch.max_seq_len,
+    )
+    assert relative_error(out, reference_paged_attention(batch, D**-0.5, 0)) <= TOLERANCE[torch.float32]
+    assert out_buf[:, 0].isnan().all() and out_buf[:, H + 1 :].isnan().all(), "wrote outside the out view"
+
+
+def test_bad_arguments_name_the_argument() -> None:
+    gen = torch.Generator().manual_seed(0)
+    b = make_paged_batch([(5, 2)], 4, 2, 64, torch.float32, gen)
+    out = torch.empty_like(b.query)
+    args = [out, b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.125, 0, 2, 7]
+
+    def call(i: int, value: object) -> None:
+        bad = list(args)
+        bad[i] = value
+        ops.paged_attention(*bad)  # type: ignore[arg-type]
+
+    with pytest.raises(RuntimeError, match="block_tables must be int32"):
+        call(4, b.block_tables.long())
+    with pytest.raises(RuntimeError, match="seq_lens"):
+        call(5, b.seq_lens.long())
+    with pytest.raises(RuntimeError, match="key_cache dtype"):
+        call(2, b.key_cache.double())
+    with pytest.raises(RuntimeError, match=r"out shape"):
+        call(0, out[:1])
+    with pytest.raises(RuntimeError, match="num_heads 3 must be a multiple of key_cache num_kv_heads 2"):
+        q3 = torch.randn(2, 3, 64)
+        ops.paged_attention(torch.empty_like(q3), q3, *args[2:])  # type: ignore[arg-type]
+    bad_table = b.block_tables.clone()
+    bad_table[0, 0] = 10_000
+    with pytest.raises(RuntimeError, match=r"block_tables\[0, 0\] = 10000 is out of range"):
+        call(4, bad_table)
+    with pytest.raises(RuntimeError, match="max_seq_len"):
+        call(10, 3)
+
+
+def test_opcheck() -> None:
+    gen = torch.Generator().manual_seed(1)
+    b = make_paged_batch([(3, 2), (0, 4)], 4, 2, 64, torch.float32, gen)
+    # opcheck runs the op on copies; NaN slots would make its output comparisons fail spuriously.
+    b.key_cache = torch.nan_to_num(b.key_cache)
+    b.value_cache = torch.nan_to_num(b.value_cache)
+    out = torch.zeros_like(b.query)
+    torch.library.opcheck(
+        torch.ops.pagewire.paged_attention.default,
+        (out, b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.125, 0,
+         b.max_query_len, b.max_seq_len),
+    )

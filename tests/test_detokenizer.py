@@ -1,0 +1,226 @@
+"""Streaming text: incremental decode equals full decode, never broken UTF-8, exact stop strings."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Optional
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+from server.demo_model import IM_END, build_tokenizer
+from server.detokenizer import IncrementalDetokenizer, SampleTextState, StopStringMatcher
+from server.tokenizer import Tokenizer
+
+MULTIBYTE_TEXT = "naïve café 東京の空 🎉🚀 👨‍👩‍👧 𝕳𝖊𝖑𝖑𝖔 Ω≈ç√ and plain words"
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    d = tmp_path_factory.mktemp("tok")
+    build_tokenizer(d)
+    return Tokenizer.from_dir(d)
+
+
+def stream(detok: IncrementalDetokenizer, ids: list[int], rng: random.Random) -> list[str]:
+    """Feed ids in random chunks of 1-3; return every chunk's text, then the flush."""
+    out, i = [], 0
+    while i < len(ids):
+        k = rng.randint(1, 3)
+        out.append(detok.add(ids[i:i + k]))
+        i += k
+    out.append(detok.flush())
+    return out
+
+
+def random_ids(tok: Tokenizer, rng: random.Random, n: int) -> list[int]:
+    # Byte tokens (ids 4..259 in the demo vocab) are drawn often, so many streams contain
+    # broken and completed multi-byte sequences.
+    return [rng.randrange(4, 260) if rng.random() < 0.5 else rng.randrange(tok.vocab_size) for _ in range(n)]
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_incremental_text_equals_full_decode_on_random_streams(tok: Tokenizer, skip_special_tokens: bool) -> None:
+    rng = random.Random(1)
+    for _ in range(300):
+        ids = random_ids(tok, rng, rng.randint(1, 30))
+        detok = IncrementalDetokenizer(tok, [], skip_special_tokens)
+        assert "".join(stream(detok, ids, rng)) == tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_prompt_is_context_not_output(tok: Tokenizer) -> None:
+    rng = random.Random(2)
+    for _ in range(100):
+        prompt = tok.encode(rng.choice(["Hello there.", "東京 🎉", "x", ""]) + " " + str(rng.random()))
+        out = random_ids(tok, rng, rng.randint(1, 20))
+        detok = IncrementalDetokenizer(tok, prompt)
+        want = tok.decode(prompt + out)[len(tok.decode(prompt)):]
+        assert "".join(stream(detok, out, rng)) == want
+
+
+def test_no_replacement_char_when_full_text_has_none(tok: Tokenizer) -> None:
+    rng = random.Random(3)
+    ids = tok.encode(MULTIBYTE_TEXT * 3, add_special_tokens=False)
+    assert len(ids) > len(MULTIBYTE_TEXT)  # the small vocabulary splits these characters into bytes
+    for _ in range(50):
+        chunks = stream(IncrementalDetokenizer(tok, []), ids, rng)
+        assert all("\ufffd" not in c for c in chunks)
+        assert "".join(chunks) == MULTIBYTE_TEXT * 3
+
+
+def test_multibyte_character_is_held_until_complete(tok: Tokenizer) -> None:
+    prompt = tok.encode("Party:", add_special_tokens=False)
+    emoji = tok.encode("🎉", add_special_tokens=False)
+    assert len(emoji) >= 3  # four UTF-8 bytes, split across tokens by the small vocabulary
+    detok = IncrementalDetokenizer(tok, prompt)
+    pieces = [detok.add([t]) for t in emoji]
+    assert pieces == [""] * (len(emoji) - 1) + ["🎉"]
+    assert detok.flush() == ""
+
+
+def test_flush_releases_a_sequence_that_never_completes(tok: Tokenizer) -> None:
+    first_byte = tok.encode("東", add_special_tokens=False)[0]
+    detok = IncrementalDetokenizer(tok, [])
+    assert detok.add(tok.encode("ok", add_special_tokens=False)) == "ok"
+    assert detok.add([first_byte]) == ""
+    assert detok.flush() == "\ufffd"
+
+
+def test_prompt_list_is_copied(tok: Tokenizer) -> None:
+    prompt = tok.encode("Hello")
+    detok = IncrementalDetokenizer(tok, prompt)
+    prompt.extend(tok.encode(" garbage", add_special_tokens=False))  # the engine appends to its list
+    assert detok.add(tok.encode(" world", add_special_tokens=False)) == " world"
+
+
+def test_leading_space_survives_with_sentencepiece_style_decoder(tmp_path: Path) -> None:
+    # Metaspace decoders drop the space of a word-initial '▁' at the start of a decode; decoding a
+    # window of context keeps it.
+    words = ["<unk>", "▁Hello", "▁world", "!", "▁again"]
+    raw = RawTokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace()
+    raw.decoder = decoders.Metaspace()
+    raw.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"unk_token": "<unk>"}))
+    sp = Tokenizer.from_dir(tmp_path)
+    assert sp.decode([2]) == "world"
+    detok = IncrementalDetokenizer(sp, [1])
+    assert [detok.add([t]) for t in (2, 3, 4)] == [" world", "!", " again"]
+    fresh = IncrementalDetokenizer(sp, [])
+    assert [fresh.add([t]) for t in (1, 2)] == ["Hello", " world"]
+
+
+# -- stop strings ----------------------------------------------------------------------------------
+def reference_stop(text: str, stops: list[str], include: bool) -> tuple[str, Optional[str]]:
+    """The first match is the one ending earliest; ties go to the longest."""
+    best = None
+    for s in stops:
+        i = text.find(s)
+        if i >= 0 and (best is None or (i + len(s), -len(s)) < (best[0] + len(best[1]), -len(best[1]))):
+            best = (i, s)
+    if best is None:
+        return text, None
+    i, s = best
+    return text[: i + len(s)] if include else text[:i], s
+
+
+def run_matcher(chunks: list[str], stops: list[str], include: bool) -> tuple[str, Optional[str]]:
+    m = StopStringMatcher(stops, include)
+    out = []
+    for c in chunks:
+        emit, stopped, matched = m.feed(c)
+        out.append(emit)
+        if stopped:
+            return "".join(out), matched
+    out.append(m.flush())
+    return "".join(out), None
+
+
+def test_stop_string_spanning_chunks() -> None:
+    m = StopStringMatcher(["STOP"])
+    assert m.feed("hello S") == ("hello ", False, None)
+    assert m.feed("T") == ("", False, None)
+    assert m.feed("OP and more") == ("", True, "STOP")
+    assert m.feed("anything") == ("", True, "STOP")
+
+
+def test_held_tail_is_released_when_it_cannot_match() -> None:
+    m = StopStringMatcher(["abc"])
+    assert m.feed("xab") == ("x", False, None)
+    assert m.feed("d") == ("abd", False, None)
+    assert m.feed("ab") == ("", False, None)
+    assert m.flush() == "ab"
+
+
+def test_stop_at_the_very_first_chunk() -> None:
+    assert StopStringMatcher(["Hi"]).feed("Hi there") == ("", True, "Hi")
+    assert StopStringMatcher(["Hi"], include_stop_str_in_output=True).feed("Hi there") == ("Hi", True, "Hi")
+
+
+def test_overlapping_candidates_pick_the_earliest_ending_match() -> None:
+    # "bc" completes before "abcd" could; same-end ties go to the longer stop.
+    assert run_matcher(["a", "b", "c", "d"], ["abcd", "bc"], False) == ("a", "bc")
+    assert run_matcher(["abcd"], ["abcd", "bc"], False) == ("a", "bc")
+    assert run_matcher(["xabc"], ["bc", "abc"], False) == ("x", "abc")
+    assert run_matcher(["xabc"], ["bc", "abc"], True) == ("xabc", "abc")
+    # A partial candidate that fails must not hide a later full match inside it.
+    assert run_matcher(["aba", "bac"], ["abac"], False) == ("ab", "abac")
+    assert run_matcher(["ab", "ab", "x"], ["abac"], False) == ("ababx", None)
+
+
+def test_include_stop_str_never_emits_text_after_the_stop() -> None:
+    assert run_matcher(["say ST", "OP now"], ["STOP"], True) == ("say STOP", "STOP")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="abc", max_size=30),
+    stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), min_size=1, max_size=3),
+    cuts=st.lists(st.integers(0, 30), max_size=8),
+    include=st.booleans(),
+)
+def test_any_chunking_gives_the_reference_result(text: str, stops: list[str], cuts: list[int], include: bool) -> None:
+    points = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    chunks = [text[a:b] for a, b in zip(points, points[1:])]
+    assert run_matcher(chunks, stops, include) == reference_stop(text, stops, include)
+
+
+def test_empty_stop_string_is_rejected() -> None:
+    with pytest.raises(ValueError, match="stop"):
+        StopStringMatcher(["ok", ""])
+
+
+# -- the combined per-sample state -------------------------------------------------------------------
+def test_sample_text_state_finds_stop_strings_across_tokens(tok: Tokenizer) -> None:
+    ids = tok.encode("The lighthouse keeper said goodnight to the boats.", add_special_tokens=False)
+    state = SampleTextState(tok, tok.encode("Q:"), stop=["goodnight"])
+    emitted, matched = [], None
+    for t in ids:
+        text, matched = state.add([t])
+        emitted.append(text)
+        if matched:
+            break
+    assert matched == "goodnight"
+    assert "".join(emitted) == state.text == "The lighthouse keeper said "
+    assert state.stopped and state.flush() == ""
+
+
+def test_sample_text_state_flush_on_length_releases_held_text(tok: Tokenizer) -> None:
+    ids = tok.encode("wait for it", add_special_tokens=False) + tok.encode("東", add_special_tokens=False)[:1]
+    state = SampleTextState(tok, [], stop=["itself"])
+    first = "".join(state.add([t])[0] for t in ids)
+    assert first == "wait for "  # "it" could start "itself"; the byte of "東" is incomplete
+    assert state.flush() == "it\ufffd"
+    assert state.text == "wait for it\ufffd"
+
+
+def test_sample_text_state_without_stops_skips_special_tokens(tok: Tokenizer) -> None:
+    ids = tok.encode("done", add_special_tokens=False) + [tok.token_to_id(IM_END)]
+    state = SampleTextState(tok, [])
+    assert state.add(ids) == ("done", None)
+    keep = SampleTextState(tok, [], skip_special_tokens=False)
+    assert keep.add(ids) == ("done" + IM_END, None)

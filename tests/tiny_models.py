@@ -1,0 +1,158 @@
+"""make_tiny_model: write a tiny random-weight Hugging Face checkpoint folder for tests (no downloads).
+
+It owns the test models' shapes: small enough to run in milliseconds on a CPU, with the features
+of each supported architecture switched on (Qwen2 qkv bias, Qwen3 q/k norm and a decoupled
+head_dim, Mistral's sliding window), and weights large enough that greedy choices are not
+decided by rounding noise.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Per-architecture defaults on top of _BASE. Mistral's window is smaller than test prompts (~50
+# tokens) so the window actually masks; Qwen3's head_dim differs from hidden/heads on purpose.
+_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {"sliding_window": 24},
+    "qwen2": {"use_sliding_window": False, "sliding_window": None, "max_window_layers": 2},
+    "qwen3": {"head_dim": 32, "use_sliding_window": False, "sliding_window": None, "max_window_layers": 2},
+}
+_BASE: dict[str, Any] = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    # ~7x HF's default std, so logits are spread out and fp32 comparisons are not ties.
+    "initializer_range": 0.15,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+LLAMA3_ROPE_SCALING: dict[str, Any] = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # Small enough that the tiny head_dim's frequencies fall in all three llama3 bands.
+    "original_max_position_embeddings": 64,
+}
+
+
+def _classes(arch: str) -> tuple[type, type]:
+    import transformers as tf
+
+    table = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+    }
+    if arch not in table:
+        raise ValueError(f"arch: expected one of {', '.join(table)}, got {arch!r}")
+    return table[arch]
+
+
+def make_tiny_model(
+    out_dir: str | Path,
+    arch: str = "llama",
+    dtype: str = "float32",
+    *,
+    vocab_size: int,
+    config_format: str = "v5",
+    num_shards: int = 1,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    rope_theta: float = 10000.0,
+    rope_scaling: dict[str, Any] | None = None,
+    **config_overrides: Any,
+) -> Path:
+    """Create a tiny random-weight model folder and return its path.
+
+    Args:
+        out_dir: folder to write (created; existing checkpoint files in it are replaced).
+        arch: "llama" | "mistral" | "qwen2" | "qwen3".
+        dtype: "float32" | "bfloat16" | "float16": the saved weights' dtype and config dtype.
+        vocab_size: embedding rows (match the tokenizer the test uses).
+        config_format: "v5" (rope_parameters, as transformers 5 writes) or "v4" (top-level
+            rope_theta/rope_scaling and torch_dtype, as transformers-4 checkpoints are).
+        num_shards: >1 writes model-0000x-of-0000y.safetensors plus model.safetensors.index.json.
+        tie_word_embeddings: share lm_head with the embedding (no lm_head.weight is saved).
+        seed: weights are a deterministic function of (seed, arch, config).
+        rope_theta, rope_scaling: RoPE base and optional scaling dict (e.g. LLAMA3_ROPE_SCALING).
+        config_overrides: any other config fields (num_hidden_layers=3, sliding_window=16, ...).
+    """
+    if config_format not in ("v4", "v5"):
+        raise ValueError(f"config_format: expected 'v4' or 'v5', got {config_format!r}")
+    if num_shards < 1:
+        raise ValueError(f"num_shards: must be >= 1, got {num_shards}")
+    config_cls, model_cls = _classes(arch)
+    fields = {**_BASE, **_ARCH_DEFAULTS[arch], **config_overrides}
+    fields["vocab_size"] = vocab_size
+    fields["tie_word_embeddings"] = tie_word_embeddings
+    fields["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta, **(rope_scaling or {})}
+    config = config_cls(**fields)
+
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # HF initialises norms to 1 and biases to 0, which would let a model that skips them
+            # still match; random values make every parameter observable in the logits.
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    model = model.to(torch_dtype)
+    model.config.dtype = torch_dtype
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in list(out.glob("*.safetensors")) + [out / "model.safetensors.index.json"]:
+        old.unlink(missing_ok=True)
+    _save(model, out, num_shards)
+    if config_format == "v4":
+        _rewrite_config_v4(out / "config.json")
+    return out
+
+
+def _save(model: Any, out: Path, num_shards: int) -> None:
+    """save_pretrained with a max_shard_size that yields exactly `num_shards` files."""
+    if num_shards == 1:
+        model.save_pretrained(out)
+        return
+    total = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    # Sharding is greedy per tensor, so search upward from an even split for a size that
+    # produces the requested count.
+    for step in range(40):
+        size = int(total / num_shards * (1.0 + 0.05 * step))
+        with tempfile.TemporaryDirectory() as tmp:
+            model.save_pretrained(tmp, max_shard_size=size)
+            shards = sorted(Path(tmp).glob("model-*-of-*.safetensors"))
+            if len(shards) == num_shards:
+                for f in Path(tmp).iterdir():
+                    shutil.copy2(f, out / f.name)
+                return
+    raise ValueError(f"num_shards: could not split this model into exactly {num_shards} shards")
+
+
+def _rewrite_config_v4(path: Path) -> None:
+    """Rewrite a transformers-5 config.json in the transformers-4 layout."""
+    raw = json.loads(path.read_text())
+    params = raw.pop("rope_parameters", None) or {}
+    raw["rope_theta"] = params.pop("rope_theta", 10000.0)
+    raw["rope_scaling"] = params if params.get("rope_type", "default") != "default" else None
+    if "dtype" in raw:
+        raw["torch_dtype"] = raw.pop("dtype")
+    # transformers 4 derived Qwen's sliding layers from max_window_layers; it did not save layer_types.
+    raw.pop("layer_types", None)
+    raw["transformers_version"] = "4.46.3"
+    path.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")

@@ -51,8 +51,9 @@ class LLMEngine:
         self.config = config
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
-        self.tokenizer = Tokenizer.from_dir(config.model)
+        # Model first: its loader names a missing folder or weights file precisely.
         self.model, self.model_config = load_model(config.model, config.dtype, config.device)
+        self.tokenizer = Tokenizer.from_dir(config.model)
         mc = self.model_config
         self.device = torch.device(config.device)
         kv_dtype = next(self.model.parameters()).dtype

@@ -67,10 +67,11 @@ class OutputProcessor:
             self._finish(seq, "stop", None)
             return
         text = state.detok.add([token])
-        if state.stops is not None:
+        # Stop strings count only once min_tokens are out (vLLM's rule, like EOS and stop ids).
+        if state.stops is not None and may_stop:
             emit, stopped, matched = state.stops.feed(text)
             state.pending += emit
-            if stopped and may_stop:
+            if stopped:
                 self._finish(seq, "stop", matched, flush=False)
                 return
         else:
@@ -82,8 +83,13 @@ class OutputProcessor:
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: Optional[int | str], flush: bool = True) -> None:
         state: _TextState = seq.text_state  # type: ignore[assignment]
-        if flush and state.stops is not None:
-            state.pending += state.stops.flush()
+        if flush:
+            # Release what was held back: an incomplete UTF-8 tail, or a possible stop prefix.
+            tail = state.detok.flush()
+            if state.stops is not None:
+                emit, stopped, matched = state.stops.feed(tail)
+                tail = emit if stopped else emit + state.stops.flush()
+            state.pending += tail
         # The engine sees finish_reason and hands the sequence to Scheduler.finish, which frees
         # its blocks and marks it FINISHED.
         seq.finish_reason = reason

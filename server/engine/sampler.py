@@ -200,7 +200,7 @@ class Sampler:
         if batch.fast_greedy:
             return SamplerOutput(logits.argmax(dim=-1))
         raw = logits.float()
-        x = _apply_penalties(raw, batch)
+        x = apply_penalties(raw, batch)
         if batch.blocked_rows is not None:
             if x is raw:
                 x = raw.clone()  # never write into the caller's logits
@@ -246,7 +246,7 @@ class Sampler:
         return probs.div_(q).argmax(dim=-1)
 
 
-def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Repetition (HF: divide positive, multiply negative logits of seen tokens), then frequency
     and presence (OpenAI: subtract per output occurrence / once if present). Returns `logits`
     itself when no row has penalties, else a new tensor."""

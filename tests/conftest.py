@@ -1,0 +1,54 @@
+"""Shared fixtures: tiny random-weight Hugging Face model folders, created locally (never downloaded).
+
+`tiny_model(arch, dtype, **overrides)` returns a folder with a transformers-saved model
+(safetensors) plus the demo BPE tokenizer trained locally with `tokenizers`. Folders are cached
+per session, keyed by their arguments.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`cuda` tests skip (with the reason) when no GPU is visible."""
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    from server.demo_model import build_tokenizer
+    from tests.tiny_models import make_tiny_model
+
+    cache: dict[str, Path] = {}
+
+    def make(arch: str = "llama", dtype: str = "float32", **overrides: Any) -> Path:
+        key = json.dumps([arch, dtype, overrides], sort_keys=True, default=str)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"{arch}-{dtype}")
+            info = build_tokenizer(out, vocab_size=overrides.pop("tokenizer_vocab_size", 512))
+            cfg = dict(bos_token_id=info.bos_token_id, eos_token_id=list(info.eos_token_ids))
+            cfg.update(overrides)
+            make_tiny_model(out, arch, dtype, vocab_size=info.vocab_size, **cfg)
+            # save_pretrained may rewrite generation_config.json; keep the tokenizer's eos ids.
+            (out / "generation_config.json").write_text(
+                json.dumps({"bos_token_id": info.bos_token_id, "eos_token_id": list(info.eos_token_ids)})
+            )
+            cache[key] = out
+        return cache[key]
+
+    return make

@@ -82,3 +82,11 @@ class GenerationFailed(PagewireError):
     status = 500
     code = "generation_failed"
     error_type = "server_error"
+
+
+class Conflict(PagewireError):
+    """An idempotent retry of a request that ended without output (cancelled or interrupted)."""
+
+    status = 409
+    code = "conflict"
+    error_type = "invalid_request_error"

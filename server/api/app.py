@@ -1,0 +1,138 @@
+"""The ASGI application: routes, the lifespan that starts and stops the Runtime, and the small
+endpoints (/health, /v1/models, /tokenize, /detokenize, /metrics).
+
+Routes, and where each request goes next:
+    POST /v1/completions, /v1/chat/completions → server.api.openai_http → server.service
+    WS   /v1/ws                                → server.api.ws          → server.service
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route, WebSocketRoute
+
+from server.api.decode import decode
+from server.api.http_io import error_payload, retry_headers
+from server.api.openai_http import GenerateEndpoint
+from server.api.protocol import DetokenizeRequest, TokenizeRequest
+from server.api.openai_format import messages_to_dicts
+from server.api.ws import WsEndpoint
+from server.errors import InvalidRequest, NotFound, PagewireError, TooLarge, Unavailable
+from server.metrics import CONTENT_TYPE
+from server.runtime import Runtime
+from server.tokenizer import ChatTemplateError
+
+
+def _error(exc: PagewireError) -> JSONResponse:
+    return JSONResponse(error_payload(exc), status_code=exc.status,
+                        headers={k.decode(): v.decode() for k, v in retry_headers(exc)})
+
+
+def build_app(rt: Runtime) -> Starlette:
+    """The app for one Runtime. The Runtime starts in the lifespan, before the socket accepts."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await rt.start()
+        try:
+            yield
+        finally:
+            await rt.close()
+
+    async def body_of(request: Request, typ: Any) -> Any:
+        limit = rt.settings.max_request_bytes
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise TooLarge(f"request body exceeds the limit of {limit} bytes")
+        obj = decode(body, typ)
+        if getattr(obj, "model", None) not in (None, rt.model_name):
+            raise NotFound(f"model: '{obj.model}' does not exist; this server serves '{rt.model_name}'",
+                           param="model", code="model_not_found")
+        return obj
+
+    async def health(request: Request) -> Response:
+        bridge = rt.bridge
+        if rt.stopping:
+            return JSONResponse({"status": "stopping"}, status_code=503)
+        if bridge is None or not bridge.ready:
+            err = bridge.error if bridge is not None else None
+            status = {"status": "failed", "error": str(err)} if err else {"status": "loading"}
+            return JSONResponse(status, status_code=503, headers={"retry-after": "2"})
+        return JSONResponse({"status": "ok", "model": rt.model_name})
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": rt.model_name, "object": "model", "created": int(time.time()), "owned_by": "pagewire",
+            "max_model_len": rt.bridge.max_model_len if rt.bridge and rt.bridge.ready else None,
+        }]})
+
+    async def tokenize(request: Request) -> Response:
+        try:
+            req = await body_of(request, TokenizeRequest)
+            tok = rt.tokenizer
+            assert tok is not None
+            if req.messages is not None:
+                try:
+                    text = tok.apply_chat_template(messages_to_dicts(req.messages),
+                                                   add_generation_prompt=req.add_generation_prompt)
+                except ChatTemplateError as e:
+                    raise InvalidRequest(f"messages: {e}", param="messages") from None
+                ids = tok.encode(text, add_special_tokens=False)
+            elif req.prompt is not None:
+                ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            else:
+                raise InvalidRequest("prompt: either prompt or messages is required", param="prompt")
+        except PagewireError as e:
+            return _error(e)
+        max_len = rt.bridge.max_model_len if rt.bridge and rt.bridge.ready else None
+        return JSONResponse({"count": len(ids), "max_model_len": max_len, "tokens": ids})
+
+    async def detokenize(request: Request) -> Response:
+        try:
+            req = await body_of(request, DetokenizeRequest)
+            tok = rt.tokenizer
+            assert tok is not None
+            bad = next((t for t in req.tokens if t >= tok.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequest(f"tokens: id {bad} is outside the vocabulary [0, {tok.vocab_size})",
+                                     param="tokens")
+        except PagewireError as e:
+            return _error(e)
+        return JSONResponse({"prompt": tok.decode(req.tokens)})
+
+    async def metrics(request: Request) -> Response:
+        if rt.service is None:
+            return _error(Unavailable("starting", code="starting"))
+        return Response(rt.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 404:
+            return _error(NotFound(f"no route {request.method} {request.url.path}", code="route_not_found"))
+        err = PagewireError(str(exc.detail), code="method_not_allowed" if exc.status_code == 405 else "http_error")
+        err.status = exc.status_code
+        err.error_type = "invalid_request_error"
+        return _error(err)
+
+    return Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/completions", GenerateEndpoint(rt, "completion"), methods=["POST"]),
+            Route("/v1/chat/completions", GenerateEndpoint(rt, "chat"), methods=["POST"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            WebSocketRoute("/v1/ws", WsEndpoint(rt)),
+        ],
+        exception_handlers={HTTPException: http_error},
+        lifespan=lifespan,
+    )

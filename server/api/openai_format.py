@@ -1,0 +1,218 @@
+"""OpenAI shapes: request Structs → GenerationSpec, and outputs → response bodies and SSE chunks.
+
+Both logprob formats live here: the legacy completions shape (`tokens`, `token_logprobs`,
+`top_logprobs` as {token: logprob}, `text_offset`) and the chat shape (`content` entries with
+`token`, `logprob`, `bytes`, `top_logprobs`).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from server.admission import BATCH, INTERACTIVE
+from server.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from server.errors import InvalidRequest
+from server.jobs import GenerationSpec, logprobs_from_stored
+from server.outputs import TokenLogprob
+from server.streams import DeltaEvent, EndEvent, Usage
+from server.tokenizer import Tokenizer
+
+_SAMPLING_NAMES = (
+    "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "seed", "stop", "stop_token_ids",
+)
+
+
+def sampling_kwargs(req: SamplingFields) -> dict[str, Any]:
+    """SamplingParams keywords for the fields the client set (None means "server default")."""
+    kw: dict[str, Any] = {k: getattr(req, k) for k in _SAMPLING_NAMES if getattr(req, k) is not None}
+    kw.update(ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
+              skip_special_tokens=req.skip_special_tokens,
+              include_stop_str_in_output=req.include_stop_str_in_output)
+    return kw
+
+
+def params_record(req: Any, exclude: tuple[str, ...]) -> dict[str, Any]:
+    """The client's parameters as sent (for the ledger), without the prompt itself."""
+    out: dict[str, Any] = {}
+    for name in req.__struct_fields__:
+        if name in exclude:
+            continue
+        v = getattr(req, name)
+        if v is None or v is False:
+            continue
+        out[name] = v if isinstance(v, (int, float, str, list, bool, dict)) else str(v)
+    return out
+
+
+def klass_of(priority: int, service_tier: Optional[str]) -> int:
+    """Admission class: positive priority (vLLM: larger = later) or service_tier "flex" is batch."""
+    return BATCH if priority > 0 or service_tier == "flex" else INTERACTIVE
+
+
+def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    out = []
+    for i, m in enumerate(messages):
+        content: Any = m.content
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if part.type != "text":
+                    raise InvalidRequest(
+                        f"messages[{i}].content[{j}].type: only 'text' parts are supported, got {part.type!r}",
+                        param=f"messages[{i}].content[{j}].type")
+            content = [{"type": "text", "text": p.text or ""} for p in content]
+        d: dict[str, Any] = {"role": m.role, "content": content}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def completion_spec(req: CompletionRequest, api: str, client: str, model: str, idem: Optional[str]) -> GenerationSpec:
+    prompt: Any = req.prompt
+    if isinstance(prompt, list):
+        if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            pass
+        elif len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+            if isinstance(prompt, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise InvalidRequest("prompt: a token list must contain only integers", param="prompt")
+        else:
+            raise InvalidRequest(
+                "prompt: must be a string, a list of token ids, or a one-element list of either "
+                "(batched prompts are not supported; send one request per prompt)", param="prompt")
+    if req.echo:
+        raise InvalidRequest("echo: not supported", param="echo")
+    if req.suffix is not None:
+        raise InvalidRequest("suffix: not supported", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise InvalidRequest(f"best_of: must equal n ({req.n}) when given", param="best_of")
+    kw = sampling_kwargs(req)
+    if req.logprobs is not None:
+        kw["logprobs"] = req.logprobs
+    return GenerationSpec(
+        kind="completion", api=api, client=req.user or client, model=model, prompt=prompt,
+        sampling=kw, max_tokens=req.max_tokens, default_max_tokens=16, priority=req.priority,
+        klass=klass_of(req.priority, req.service_tier), idempotency_key=idem, timeout_s=req.timeout,
+        params_record=params_record(req, ("prompt",)),
+    )
+
+
+def chat_spec(req: ChatCompletionRequest, api: str, client: str, model: str, idem: Optional[str]) -> GenerationSpec:
+    if req.tools:
+        raise InvalidRequest("tools: tool calling is not supported by this server", param="tools")
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise InvalidRequest("response_format: only {\"type\": \"text\"} is supported", param="response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequest("top_logprobs: requires logprobs to be true", param="top_logprobs")
+    kw = sampling_kwargs(req)
+    if req.logprobs:
+        kw["logprobs"] = req.top_logprobs or 0
+    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    return GenerationSpec(
+        kind="chat", api=api, client=req.user or client, model=model,
+        messages=messages_to_dicts(req.messages), add_generation_prompt=req.add_generation_prompt,
+        sampling=kw, max_tokens=req.max_completion_tokens or req.max_tokens, max_tokens_field=field,
+        priority=req.priority, klass=klass_of(req.priority, req.service_tier), idempotency_key=idem,
+        timeout_s=req.timeout, params_record=params_record(req, ("messages",)),
+    )
+
+
+def usage_dict(u: Usage) -> dict[str, Any]:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.total_tokens, "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+class Formatter:
+    """Renders outputs for one served model; caches token strings for logprobs."""
+
+    def __init__(self, tokenizer: Tokenizer, model: str) -> None:
+        self.tokenizer = tokenizer
+        self.model = model
+        self._token_text: dict[int, str] = {}
+
+    def token_text(self, token_id: int) -> str:
+        t = self._token_text.get(token_id)
+        if t is None:
+            t = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = t
+        return t
+
+    # -- logprobs -------------------------------------------------------------------------------
+    def completion_logprobs(self, lps: Optional[list[TokenLogprob]], offset: int = 0) -> Optional[dict[str, Any]]:
+        if lps is None:
+            return None
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for lp in lps:
+            text = self.token_text(lp.token_id)
+            tokens.append(text)
+            token_lps.append(lp.logprob)
+            tops.append({self.token_text(t): v for t, v in lp.top} if lp.top else None)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat_logprobs(self, lps: Optional[list[TokenLogprob]]) -> Optional[dict[str, Any]]:
+        if lps is None:
+            return None
+
+        def entry(tid: int, lp: float) -> dict[str, Any]:
+            text = self.token_text(tid)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+            for lp in lps
+        ]}
+
+    # -- whole responses ------------------------------------------------------------------------
+    def completion_response(self, end: EndEvent) -> dict[str, Any]:
+        choices = []
+        for s in (end.output or {}).get("samples", []):
+            choices.append({
+                "index": s["index"], "text": s["text"],
+                "logprobs": self.completion_logprobs(logprobs_from_stored(s.get("logprobs"))),
+                "finish_reason": s.get("finish_reason"), "stop_reason": s.get("stop_reason"),
+            })
+        return {"id": f"cmpl-{end.request_id}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model, "choices": choices, "usage": usage_dict(end.usage)}
+
+    def chat_response(self, end: EndEvent) -> dict[str, Any]:
+        choices = []
+        for s in (end.output or {}).get("samples", []):
+            choices.append({
+                "index": s["index"], "message": {"role": "assistant", "content": s["text"]},
+                "logprobs": self.chat_logprobs(logprobs_from_stored(s.get("logprobs"))),
+                "finish_reason": s.get("finish_reason"), "stop_reason": s.get("stop_reason"),
+            })
+        return {"id": f"chatcmpl-{end.request_id}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.model, "choices": choices, "usage": usage_dict(end.usage)}
+
+    # -- stream chunks --------------------------------------------------------------------------
+    def completion_chunk(self, request_id: str, ev: DeltaEvent, include_usage: bool) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()),
+            "model": self.model,
+            "choices": [{"index": ev.index, "text": ev.text, "logprobs": self.completion_logprobs(ev.logprobs),
+                         "finish_reason": ev.finish_reason}],
+        }
+        if include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def chat_chunk(self, request_id: str, ev: DeltaEvent, first: bool, include_usage: bool) -> dict[str, Any]:
+        delta: dict[str, Any] = {"role": "assistant", "content": ev.text} if first else {"content": ev.text}
+        chunk: dict[str, Any] = {
+            "id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": self.model,
+            "choices": [{"index": ev.index, "delta": delta, "logprobs": self.chat_logprobs(ev.logprobs),
+                         "finish_reason": ev.finish_reason}],
+        }
+        if include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def usage_chunk(self, kind: str, end: EndEvent) -> dict[str, Any]:
+        prefix, obj = ("chatcmpl", "chat.completion.chunk") if kind == "chat" else ("cmpl", "text_completion")
+        return {"id": f"{prefix}-{end.request_id}", "object": obj, "created": int(time.time()),
+                "model": self.model, "choices": [], "usage": usage_dict(end.usage)}

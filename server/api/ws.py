@@ -1,0 +1,320 @@
+"""The WebSocket endpoint /v1/ws: many requests multiplexed on one socket (see docs/websocket.md).
+
+Each connection has two tasks. The reader parses client frames and starts each `generate` in
+its own task (admission awaits the ledger commit, and one slow admission must not block the
+socket's other requests). The writer is the only task that sends: it drains the connection's
+Outbox, so frames of one request keep their order (accepted → deltas → done) and a slow client
+only grows its own bounded buffer. If that buffer overflows or one send stays blocked past
+`send_timeout`, the connection is closed with a resumable `slow_consumer` error and its
+requests keep running for a later `resume`.
+
+Closing the socket cancels its requests, except those generated with `detach: true`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import msgspec
+
+from server.api.decode import convert, parse_json
+from server.api.openai_format import klass_of, messages_to_dicts, params_record, sampling_kwargs
+from server.api.protocol import CLIENT_FRAMES, CancelFrame, GenerateFrame, ResumeFrame
+from server.errors import InvalidRequest, PagewireError, TooLarge
+from server.jobs import GenerationSpec
+from server.streams import DeltaEvent, EndEvent, Outbox, RequestStream, Subscription
+
+if TYPE_CHECKING:
+    from server.runtime import Runtime
+
+log = logging.getLogger("pagewire.ws")
+_enc = msgspec.json.Encoder()
+
+CLOSE_GOING_AWAY = 1001
+CLOSE_TRY_AGAIN_LATER = 1013
+
+
+@dataclass
+class Frame:
+    """A control frame (accepted, error) queued behind a request's earlier frames."""
+
+    data: dict[str, Any]
+
+
+@dataclass(eq=False)
+class _Alias:
+    request_id: Optional[str]
+    sub: Optional[Subscription] = None
+    stream: Optional[RequestStream] = None
+    cancel_requested: bool = False
+
+
+class WsConnection:
+    def __init__(self, runtime: "Runtime", scope: dict[str, Any], receive: Any, send: Any) -> None:
+        self.rt = runtime
+        self.scope = scope
+        self._receive = receive
+        self._send = send
+        self.outbox = Outbox(runtime.settings.outbox_bytes)
+        self.aliases: dict[str, _Alias] = {}  # client id → request on this socket
+        self.close_code = 1000
+        self._client_gone = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+        client = scope.get("client")
+        self.peer = str(client[0]) if client else "unknown"
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def run(self) -> None:
+        msg = await self._receive()
+        if msg["type"] != "websocket.connect":
+            return
+        await self._send({"type": "websocket.accept"})
+        self.rt.connections.add(self)
+        writer = asyncio.get_running_loop().create_task(self._writer())
+        try:
+            while True:
+                msg = await self._receive()
+                if msg["type"] == "websocket.disconnect":
+                    self._client_gone = True
+                    break
+                text = msg.get("text")
+                if text is None:
+                    self._error(None, "invalid_request", "binary frames are not supported; send JSON text")
+                    continue
+                self._on_text(text)
+        finally:
+            self.rt.connections.discard(self)
+            for t in list(self._tasks):
+                t.cancel()
+            # Leaving cancels every request of this socket that was not started with detach.
+            for alias in list(self.aliases.values()):
+                if alias.sub is not None:
+                    self.rt.service.detach(alias.stream, alias.sub)
+            self.aliases.clear()
+            self.outbox.close()
+            await writer
+
+    def shutdown(self, code: int = CLOSE_GOING_AWAY) -> None:
+        """Server stopping: flush what is queued, then close with `code`."""
+        self.close_code = code
+        self.outbox.close()
+
+    # -- writer ---------------------------------------------------------------------------------
+    async def _writer(self) -> None:
+        timeout = self.rt.settings.send_timeout
+        try:
+            while True:
+                batch = await self.outbox.get()
+                if self.outbox.overflowed:
+                    await self._stuck("its buffer is full")
+                    return
+                for key, ev in batch:
+                    if self._client_gone:
+                        return
+                    try:
+                        await asyncio.wait_for(self._send({"type": "websocket.send", "text": self._render(key, ev)}),
+                                               timeout)
+                    except asyncio.TimeoutError:
+                        await self._stuck(f"a send stayed blocked for {timeout:g}s")
+                        return
+                if not batch and self.outbox.closed:
+                    break
+            if not self._client_gone:
+                await self._send({"type": "websocket.close", "code": self.close_code})
+        except (OSError, RuntimeError):  # the peer vanished mid-send
+            self._client_gone = True
+        except asyncio.CancelledError:
+            raise
+
+    async def _stuck(self, why: str) -> None:
+        """Close a consumer that cannot keep up; its requests keep running for `resume`."""
+        live = [(cid, a) for cid, a in self.aliases.items() if a.request_id]
+        for _, a in live:
+            job = self.rt.service.jobs.get(a.request_id or "")
+            if job is not None:
+                job.detached = True
+        frame = {"type": "error", "code": "slow_consumer", "resumable": True,
+                 "message": f"connection closed because the client is not reading fast enough ({why}); "
+                            "reconnect and resume each request from the last seq received",
+                 "requests": [{"id": cid, "request_id": a.request_id} for cid, a in live]}
+        log.warning("ws %s: slow consumer (%s); closing with %d", self.peer, why, CLOSE_TRY_AGAIN_LATER)
+        try:
+            await asyncio.wait_for(self._send({"type": "websocket.send", "text": _enc.encode(frame).decode()}), 1.0)
+            await asyncio.wait_for(self._send({"type": "websocket.close", "code": CLOSE_TRY_AGAIN_LATER}), 1.0)
+        except (asyncio.TimeoutError, OSError, RuntimeError):
+            pass
+
+    def _render(self, key: Any, ev: Any) -> str:
+        cid = key
+        if isinstance(ev, Frame):
+            return _enc.encode(ev.data).decode()
+        if isinstance(ev, DeltaEvent):
+            d: dict[str, Any] = {"type": "delta", "id": cid, "seq": ev.seq, "index": ev.index,
+                                 "text": ev.text, "token_ids": ev.token_ids}
+            if ev.finish_reason is not None:
+                d["finish_reason"] = ev.finish_reason
+            if ev.logprobs is not None:
+                tt = self.rt.formatter.token_text
+                d["logprobs"] = [{"token_id": lp.token_id, "token": tt(lp.token_id), "logprob": lp.logprob,
+                                  "top_logprobs": [{"token_id": t, "token": tt(t), "logprob": v} for t, v in lp.top]}
+                                 for lp in ev.logprobs]
+            return _enc.encode(d).decode()
+        assert isinstance(ev, EndEvent)
+        u = ev.usage
+        usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                 "total_tokens": u.total_tokens, "cached_tokens": u.cached_tokens}
+        if ev.state in ("finished", "cancelled"):
+            reasons = ev.finish_reasons if ev.state == "finished" else ["cancelled"] * len(ev.finish_reasons)
+            return _enc.encode({"type": "done", "id": cid, "request_id": ev.request_id,
+                                "finish_reason": reasons[0] if reasons else None, "finish_reasons": reasons,
+                                "usage": usage, "last_seq": ev.last_seq}).decode()
+        return _enc.encode({"type": "error", "id": cid, "request_id": ev.request_id, "code": ev.code,
+                            "message": ev.message, "usage": usage, "last_seq": ev.last_seq}).decode()
+
+    # -- reader ---------------------------------------------------------------------------------
+    def _error(self, cid: Optional[str], code: str, message: str, param: Optional[str] = None,
+               retry_after_s: Optional[float] = None) -> None:
+        frame: dict[str, Any] = {"type": "error", "code": code, "message": message}
+        if cid is not None:
+            frame["id"] = cid
+        if param is not None:
+            frame["param"] = param
+        if retry_after_s is not None:
+            frame["retry_after_ms"] = int(retry_after_s * 1000)
+        self.outbox.push(("err", cid), Frame(frame))
+
+    def _on_text(self, text: str) -> None:
+        limit = self.rt.settings.max_request_bytes
+        if len(text) > limit or (len(text) * 4 > limit and len(text.encode("utf-8")) > limit):
+            e = TooLarge(f"message exceeds the limit of {limit} bytes")
+            self._error(None, "message_too_large", e.message)
+            return
+        cid: Optional[str] = None
+        try:
+            obj = parse_json(text)
+            if isinstance(obj, dict) and isinstance(obj.get("id"), str):
+                cid = obj["id"]
+            ftype = obj.get("type") if isinstance(obj, dict) else None
+            if ftype not in CLIENT_FRAMES:
+                raise InvalidRequest(
+                    f"type: unknown frame type {ftype!r}; expected one of {', '.join(CLIENT_FRAMES)}",
+                    param="type", code="unknown_frame_type")
+            frame = convert(obj, CLIENT_FRAMES[ftype])
+            if isinstance(frame, GenerateFrame):
+                self._on_generate(frame)
+            elif isinstance(frame, CancelFrame):
+                self._on_cancel(frame)
+            elif isinstance(frame, ResumeFrame):
+                self._on_resume(frame)
+        except PagewireError as e:
+            self._error(cid, e.code, e.message, e.param, e.retry_after_s)
+
+    def _claim(self, cid: str, request_id: Optional[str]) -> _Alias:
+        if cid in self.aliases:
+            raise InvalidRequest(f"id: {cid!r} is already in use on this connection", param="id",
+                                 code="duplicate_id")
+        alias = _Alias(request_id)
+        self.aliases[cid] = alias
+        return alias
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _on_generate(self, f: GenerateFrame) -> None:
+        p = f.params
+        if f.kind == "chat":
+            if f.messages is None:
+                raise InvalidRequest("messages: required when kind is 'chat'", param="messages")
+        elif f.prompt is None:
+            raise InvalidRequest("prompt: required when kind is 'completion'", param="prompt")
+        if p.top_logprobs is not None and not p.logprobs:
+            raise InvalidRequest("params.top_logprobs: requires params.logprobs to be true",
+                                 param="params.top_logprobs")
+        kw = sampling_kwargs(p)
+        if p.logprobs:
+            kw["logprobs"] = p.top_logprobs or 0
+        field = "params.max_completion_tokens" if p.max_completion_tokens is not None else "params.max_tokens"
+        spec = GenerationSpec(
+            kind=f.kind, api="ws", client=p.user or self.peer, model=self.rt.model_name,
+            prompt=f.prompt, messages=messages_to_dicts(f.messages) if f.messages else None,
+            add_generation_prompt=f.add_generation_prompt, sampling=kw,
+            max_tokens=p.max_completion_tokens or p.max_tokens, max_tokens_field=field,
+            default_max_tokens=None if f.kind == "chat" else 16, priority=f.priority,
+            klass=klass_of(f.priority, None), idempotency_key=f.idempotency_key, detach=f.detach,
+            timeout_s=f.timeout, params_record=params_record(p, ()),
+        )
+        alias = self._claim(f.id, None)
+        self._spawn(self._generate(f.id, alias, spec))
+
+    async def _generate(self, cid: str, alias: _Alias, spec: GenerationSpec) -> None:
+        try:
+            admitted = await self.rt.service.start(spec)
+        except PagewireError as e:
+            if self.aliases.get(cid) is alias:
+                del self.aliases[cid]
+            if e.status == 429:
+                self.rt.metrics.rejected.labels(code=e.code).inc()
+            self._error(cid, e.code, e.message, e.param, e.retry_after_s)
+            return
+        if self.aliases.get(cid) is not alias:  # the socket closed while we were admitting
+            job = self.rt.service.jobs.get(admitted.request_id)
+            if job is not None and not job.detached and not admitted.existing:
+                self.rt.service.cancel(job, "client")
+            return
+        await self._follow(cid, alias, admitted.request_id, 0, admitted.record)
+        if alias.cancel_requested and admitted.job is not None:
+            self.rt.service.cancel(admitted.job, "client")
+
+    async def _follow(self, cid: str, alias: _Alias, request_id: str, after_seq: int, record: Any) -> None:
+        alias.request_id = request_id
+
+        def accepted() -> None:
+            # Queued before any delta of this id, so the client always sees `accepted` first.
+            self.outbox.push(cid, Frame({"type": "accepted", "id": cid, "request_id": request_id}))
+
+        def ended(_: EndEvent) -> None:
+            if self.aliases.get(cid) is alias:
+                del self.aliases[cid]
+
+        alias.sub = Subscription(self.outbox, cid, on_end=ended)
+        try:
+            alias.stream = await self.rt.service.attach(request_id, alias.sub, after_seq, record, accepted)
+        except PagewireError as e:
+            if self.aliases.get(cid) is alias:
+                del self.aliases[cid]
+            self._error(cid, e.code, e.message, e.param)
+
+    def _on_cancel(self, f: CancelFrame) -> None:
+        alias = self.aliases.get(f.id)
+        if alias is None:
+            raise InvalidRequest(f"id: no active request {f.id!r} on this connection", param="id",
+                                 code="request_not_found")
+        if alias.request_id is None:
+            alias.cancel_requested = True  # still being admitted; cancel once accepted
+            return
+        job = self.rt.service.jobs.get(alias.request_id)
+        if job is not None:
+            self.rt.service.cancel(job, "client")
+
+    def _on_resume(self, f: ResumeFrame) -> None:
+        cid = f.id or f.request_id
+        alias = self._claim(cid, f.request_id)
+        self._spawn(self._follow(cid, alias, f.request_id, f.after_seq, None))
+
+
+class WsEndpoint:
+    """ASGI app for /v1/ws."""
+
+    def __init__(self, runtime: "Runtime") -> None:
+        self.rt = runtime
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if self.rt.service is None or self.rt.service.draining:
+            await receive()
+            await send({"type": "websocket.close", "code": CLOSE_GOING_AWAY})
+            return
+        await WsConnection(self.rt, scope, receive, send).run()

@@ -1,0 +1,145 @@
+"""The `pagewire` command: `serve` runs the server; `requests list|show` reads the ledger.
+
+Everything here is torch-free until `serve` actually starts the engine (or builds the demo model),
+so `pagewire requests …` and `pagewire --help` are instant.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from server.settings import ServeSettings, add_serve_arguments, default_db_path, settings_from_args
+
+DEMO_BANNER = """\
+============================================================================
+ pagewire is serving its built-in DEMO model: a tiny Llama with RANDOM weights.
+ Its output is gibberish by design; it exists so the server runs with nothing
+ downloaded. Pass a Hugging Face model folder to serve a real model:
+     pagewire serve /path/to/model
+============================================================================"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagewire", description="One-process LLM inference server.")
+    sub = p.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model over HTTP (OpenAI API) and WebSocket",
+                           description="Every option can also be set by its PAGEWIRE_* environment variable.")
+    add_serve_arguments(serve)
+    req = sub.add_parser("requests", help="inspect the request ledger")
+    req_sub = req.add_subparsers(dest="action", required=True)
+    lst = req_sub.add_parser("list", help="most recent requests first")
+    lst.add_argument("--db", default=None, help="ledger file [env PAGEWIRE_DB]")
+    lst.add_argument("--state", default=None,
+                     choices=["queued", "running", "finished", "cancelled", "failed", "interrupted"])
+    lst.add_argument("--limit", type=int, default=50)
+    lst.add_argument("--json", action="store_true", help="one JSON object per line")
+    show = req_sub.add_parser("show", help="everything recorded about one request")
+    show.add_argument("request_id")
+    show.add_argument("--db", default=None, help="ledger file [env PAGEWIRE_DB]")
+    return p
+
+
+def _resolve_model(settings: ServeSettings) -> tuple[Path, str, bool]:
+    if settings.model_dir:
+        d = Path(settings.model_dir).expanduser()
+        if not (d / "config.json").is_file():
+            raise SystemExit(f"pagewire: MODEL_DIR {d}: no config.json there (expected a Hugging Face model folder)")
+        return d, settings.served_model_name or d.name, False
+    from server.demo_model import ensure_demo_model  # lazy: builds with torch on first run
+
+    d = ensure_demo_model(Path(settings.cache_dir).expanduser() if settings.cache_dir else None)
+    return d, settings.served_model_name or "pagewire-demo", True
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    try:
+        settings = settings_from_args(ns)
+        settings.engine_config("-")  # validate the engine knobs before anything starts
+    except ValueError as e:
+        print(f"pagewire: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model_dir, name, demo = _resolve_model(settings)
+    if demo:
+        print(DEMO_BANNER, file=sys.stderr, flush=True)
+    from server.serve import run
+
+    run(settings, model_dir, name)
+    return 0
+
+
+def _fmt_time(t: Optional[float]) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def _db(ns: argparse.Namespace) -> Path:
+    import os
+
+    raw = ns.db or os.environ.get("PAGEWIRE_DB")
+    return Path(raw).expanduser() if raw else default_db_path()
+
+
+def _requests(ns: argparse.Namespace) -> int:
+    from server.ledger import LedgerError, open_readonly
+
+    try:
+        conn = open_readonly(_db(ns))
+    except LedgerError as e:
+        print(f"pagewire: {e}", file=sys.stderr)
+        return 1
+    try:
+        return _print_requests(ns, conn)
+    finally:
+        conn.close()
+
+
+def _print_requests(ns: argparse.Namespace, conn: Any) -> int:
+    from server.ledger import get_record, list_records
+
+    if ns.action == "list":
+        rows = list_records(conn, ns.limit, ns.state)
+        if ns.json:
+            for r in rows:
+                print(json.dumps(_summary(r)))
+            return 0
+        print(f"{'REQUEST ID':<28} {'STATE':<11} {'KIND':<10} {'API':<4} {'CREATED':<19} "
+              f"{'PROMPT':>6} {'OUTPUT':>6} {'REASON':<10}")
+        for r in rows:
+            print(f"{r.request_id:<28} {r.state:<11} {r.kind:<10} {r.api:<4} {_fmt_time(r.created_at):<19} "
+                  f"{r.prompt_tokens:>6} {r.completion_tokens:>6} {r.finish_reason or '-':<10}")
+        return 0
+    rec = get_record(conn, ns.request_id)
+    if rec is None:
+        print(f"pagewire: request_id: no request {ns.request_id!r} in {_db(ns)}", file=sys.stderr)
+        return 1
+    out = _summary(rec)
+    out.update(params=rec.params, prompt=rec.prompt, output_text=rec.output_text)
+    print(json.dumps(out, indent=2, ensure_ascii=False))
+    return 0
+
+
+def _summary(r: Any) -> dict[str, Any]:
+    return {
+        "request_id": r.request_id, "state": r.state, "kind": r.kind, "api": r.api, "client": r.client,
+        "model": r.model, "priority": r.priority, "idempotency_key": r.idempotency_key,
+        "created_at": r.created_at, "admitted_at": r.admitted_at, "first_token_at": r.first_token_at,
+        "finished_at": r.finished_at, "prompt_tokens": r.prompt_tokens,
+        "completion_tokens": r.completion_tokens, "cached_tokens": r.cached_tokens,
+        "finish_reason": r.finish_reason, "error": r.error,
+    }
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ns = _parser().parse_args(argv)
+    if ns.command == "serve":
+        return _serve(ns)
+    return _requests(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""Jobs: one accepted request's in-memory life — what was asked, what came back, and its stored form.
+
+A `GenerationSpec` is what an edge (HTTP or WebSocket) hands to the service after parsing. A
+`Job` is an accepted request: it accumulates each sample's text, token ids and logprobs from the
+engine's deltas, together with "seq marks" (for each delta: its seq and how much text and how
+many tokens the sample had after it). The marks are stored in the ledger with the final output,
+so a client can resume a finished request from any seq it saw, without a gap or a duplicate,
+long after the in-memory stream is gone (`events_from_output`).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from server.outputs import RequestDelta, TokenLogprob
+from server.sampling_params import SamplingParams
+from server.streams import DeltaEvent, EndEvent, RequestStream, Usage
+
+
+@dataclass
+class GenerationSpec:
+    """A parsed generation request, edge-independent.
+
+    Args:
+        kind: "completion" (prompt) or "chat" (messages through the chat template).
+        api: "http" or "ws" (recorded in the ledger).
+        client: fairness key (the `user` field, else the peer address).
+        sampling: SamplingParams keyword arguments, except max_tokens.
+        max_tokens: what the client asked for, or None.
+        default_max_tokens: used when max_tokens is None; None means "the rest of the context".
+        klass: admission class (INTERACTIVE or BATCH).
+        params_record: the client's parameters as sent, for the ledger.
+    """
+
+    kind: str
+    api: str
+    client: str
+    model: str
+    prompt: Optional[str | list[int]] = None
+    messages: Optional[list[dict[str, Any]]] = None
+    add_generation_prompt: bool = True
+    sampling: dict[str, Any] = field(default_factory=dict)
+    max_tokens: Optional[int] = None
+    max_tokens_field: str = "max_tokens"
+    default_max_tokens: Optional[int] = None
+    priority: int = 0
+    klass: int = 0
+    idempotency_key: Optional[str] = None
+    detach: bool = False
+    timeout_s: Optional[float] = None
+    params_record: dict[str, Any] = field(default_factory=dict)
+
+
+class SampleAcc:
+    """Everything one sample produced so far."""
+
+    __slots__ = ("index", "parts", "text_len", "token_ids", "logprobs", "finish_reason", "stop_reason", "marks")
+
+    def __init__(self, index: int, want_logprobs: bool) -> None:
+        self.index = index
+        self.parts: list[str] = []
+        self.text_len = 0
+        self.token_ids: list[int] = []
+        self.logprobs: Optional[list[TokenLogprob]] = [] if want_logprobs else None
+        self.finish_reason: Optional[str] = None
+        self.stop_reason: Optional[int | str] = None
+        self.marks: list[tuple[int, int, int]] = []
+
+    @property
+    def text(self) -> str:
+        if len(self.parts) > 1:
+            self.parts = ["".join(self.parts)]
+        return self.parts[0] if self.parts else ""
+
+
+class Job:
+    """An accepted request. Lives on the event loop; `state` moves queued → running → ending → ended."""
+
+    def __init__(self, request_id: str, spec: GenerationSpec, prompt_token_ids: list[int],
+                 params: SamplingParams, created_wall: float, created_mono: float) -> None:
+        self.request_id = request_id
+        self.spec = spec
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.want_logprobs = params.logprobs is not None
+        self.stream = RequestStream(request_id)
+        self.samples = [SampleAcc(i, self.want_logprobs) for i in range(params.n)]
+        self.created_wall = created_wall
+        self.created_mono = created_mono
+        self.admitted_mono: Optional[float] = None
+        self.first_token_mono: Optional[float] = None
+        self.first_token_wall: Optional[float] = None
+        self.last_token_mono: Optional[float] = None
+        self.queue_time_observed = False
+        self.cached_tokens = 0
+        self.state = "queued"
+        self.cancel_reason: Optional[str] = None  # "client" | "deadline" | "shutdown"
+        self.error: Optional[str] = None
+        self.detached = spec.detach
+        self.deadline_timer: Any = None
+        self.end: Optional[EndEvent] = None
+
+    def __repr__(self) -> str:
+        return f"Job({self.request_id}, {self.state})"
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.samples)
+
+    def apply(self, delta: RequestDelta) -> list[DeltaEvent]:
+        """Fold one engine step's delta into the samples and publish its events."""
+        self.cached_tokens = delta.num_cached_tokens
+        if delta.error:
+            self.error = delta.error
+        events = self.stream.publish(delta.samples, self.want_logprobs)
+        for ev in events:
+            if ev.index >= len(self.samples):
+                continue
+            s = self.samples[ev.index]
+            if ev.text:
+                s.parts.append(ev.text)
+                s.text_len += len(ev.text)
+            s.token_ids.extend(ev.token_ids)
+            if s.logprobs is not None and ev.logprobs:
+                s.logprobs.extend(ev.logprobs)
+            if ev.finish_reason is not None:
+                s.finish_reason = ev.finish_reason
+            s.marks.append((ev.seq, s.text_len, len(s.token_ids)))
+        for sd in delta.samples:
+            if sd.finish_reason is not None and sd.index < len(self.samples):
+                self.samples[sd.index].stop_reason = sd.stop_reason
+        return events
+
+    def usage(self) -> Usage:
+        return Usage(len(self.prompt_token_ids), self.completion_tokens, self.cached_tokens)
+
+    def output(self) -> dict[str, Any]:
+        """The stored form of the output (ledger `output_json`)."""
+        return {
+            "last_seq": self.stream.last_seq,
+            "samples": [
+                {
+                    "index": s.index,
+                    "text": s.text,
+                    "token_ids": s.token_ids,
+                    "logprobs": None if s.logprobs is None else [
+                        [lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in s.logprobs
+                    ],
+                    "finish_reason": s.finish_reason,
+                    "stop_reason": s.stop_reason,
+                    "marks": [list(m) for m in s.marks],
+                }
+                for s in self.samples
+            ],
+        }
+
+    def finish_reasons(self) -> list[Optional[str]]:
+        return [s.finish_reason for s in self.samples]
+
+
+def logprobs_from_stored(raw: Optional[list[Any]]) -> Optional[list[TokenLogprob]]:
+    if raw is None:
+        return None
+    return [TokenLogprob(int(t), float(lp), [(int(a), float(b)) for a, b in top]) for t, lp, top in raw]
+
+
+def events_from_output(output: dict[str, Any], after_seq: int) -> list[DeltaEvent]:
+    """Rebuild, from a stored output, one delta per sample covering everything after `after_seq`.
+
+    Each rebuilt delta carries the seq of its sample's last delta, so a client that resumes from
+    here and later resumes again with the last seq it saw still gets no gap and no duplicate.
+    """
+    events: list[DeltaEvent] = []
+    for s in output.get("samples", []):
+        marks = s.get("marks") or []
+        text_len = tok_len = 0
+        for seq, tl, kl in marks:
+            if seq > after_seq:
+                break
+            text_len, tok_len = tl, kl
+        if not marks or marks[-1][0] <= after_seq:
+            continue  # the client has all of this sample
+        lps = logprobs_from_stored(s.get("logprobs"))
+        events.append(DeltaEvent(
+            seq=marks[-1][0],
+            index=s["index"],
+            text=s["text"][text_len:],
+            token_ids=list(s["token_ids"][tok_len:]),
+            logprobs=lps[tok_len:] if lps is not None else None,
+            finish_reason=s.get("finish_reason"),
+        ))
+    events.sort(key=lambda e: e.seq)
+    return events
+
+
+def end_from_record(record: Any) -> EndEvent:
+    """The terminal event of a ledger row (a finished request whose stream is gone, or a row
+    interrupted by a previous process)."""
+    output = record.output or {"samples": [], "last_seq": 0}
+    state = record.state
+    code = message = None
+    if state in ("failed", "interrupted", "queued", "running"):
+        # queued/running without a live stream cannot happen in one process; treat as interrupted.
+        if state in ("queued", "running"):
+            state = "interrupted"
+        code = "deadline_exceeded" if (record.error or "").startswith("deadline") else (
+            "interrupted" if state == "interrupted" else "generation_failed")
+        message = record.error or f"request {state}"
+    return EndEvent(
+        request_id=record.request_id,
+        state=state,
+        finish_reasons=[s.get("finish_reason") for s in output.get("samples", [])] or [record.finish_reason],
+        usage=Usage(record.prompt_tokens, record.completion_tokens, record.cached_tokens),
+        last_seq=int(output.get("last_seq", 0)),
+        code=code,
+        message=message,
+        output=output,
+    )
+
+
+def now_pair() -> tuple[float, float]:
+    """(wall clock for the ledger, monotonic clock for latencies)."""
+    return time.time(), time.monotonic()

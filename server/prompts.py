@@ -1,0 +1,113 @@
+"""Prompt preparation for admission: chat template, tokenisation (off the loop when long), the
+context-length check, and the final SamplingParams.
+
+Tokenising a long prompt takes milliseconds of CPU that would stall every other stream if done
+on the event loop, so prompts above `offload_chars` go to the default thread pool (the
+tokenizers backend is thread-safe and releases the GIL). Short prompts stay on the loop, where
+a thread hop would cost more than the work.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Optional
+
+from server.errors import InvalidRequest
+from server.jobs import GenerationSpec
+from server.sampling_params import SamplingParams, SamplingParamsError
+from server.tokenizer import ChatTemplateError, Tokenizer
+
+
+def _content_chars(messages: list[dict[str, Any]]) -> int:
+    n = 0
+    for m in messages:
+        c = m.get("content")
+        if isinstance(c, str):
+            n += len(c)
+        elif isinstance(c, list):
+            n += sum(len(p.get("text") or "") for p in c if isinstance(p, dict))
+    return n
+
+
+def _with_field(exc: SamplingParamsError, spec: GenerationSpec) -> InvalidRequest:
+    name = spec.max_tokens_field if exc.field == "max_tokens" else exc.field
+    return InvalidRequest(f"{name}: {exc.message}", param=name)
+
+
+class PromptPreparer:
+    """Turns a spec into (prompt token ids, SamplingParams), or raises InvalidRequest naming the field."""
+
+    def __init__(self, tokenizer: Tokenizer, offload_chars: int = 2048) -> None:
+        self.tokenizer = tokenizer
+        self.offload_chars = offload_chars
+
+    def check_sampling(self, spec: GenerationSpec) -> SamplingParams:
+        """Validate the sampling fields before any tokenising work (max_tokens set later)."""
+        try:
+            return SamplingParams(max_tokens=spec.max_tokens or 1, **spec.sampling)
+        except SamplingParamsError as e:
+            raise _with_field(e, spec) from None
+        except TypeError as e:  # an unexpected keyword: a programming error at the edge
+            raise InvalidRequest(str(e)) from None
+
+    async def _run(self, big: bool, fn: Any, *args: Any) -> Any:
+        if big:
+            return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        return fn(*args)
+
+    def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        # Templates add BOS themselves; adding special tokens again would double it.
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def token_ids(self, spec: GenerationSpec) -> list[int]:
+        if spec.kind == "chat":
+            if not spec.messages:
+                raise InvalidRequest("messages: must be a non-empty list", param="messages")
+            big = _content_chars(spec.messages) > self.offload_chars
+            try:
+                ids: list[int] = await self._run(big, self._render_chat, spec.messages, spec.add_generation_prompt)
+            except ChatTemplateError as e:
+                raise InvalidRequest(f"messages: {e}", param="messages") from None
+            field = "messages"
+        elif isinstance(spec.prompt, list):
+            ids = list(spec.prompt)
+            vocab = self.tokenizer.vocab_size
+            bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidRequest(f"prompt: token id {bad!r} is outside the vocabulary [0, {vocab})",
+                                     param="prompt")
+            field = "prompt"
+        elif isinstance(spec.prompt, str):
+            ids = await self._run(len(spec.prompt) > self.offload_chars, self.tokenizer.encode, spec.prompt)
+            field = "prompt"
+        else:
+            raise InvalidRequest("prompt: is required", param="prompt")
+        if not ids:
+            raise InvalidRequest(f"{field}: must not be empty", param=field)
+        return ids
+
+    def finalize(self, spec: GenerationSpec, n_prompt: int, max_model_len: int) -> SamplingParams:
+        """The context check (both numbers in the message, never truncation) and final params."""
+        field = "messages" if spec.kind == "chat" else "prompt"
+        room = max_model_len - n_prompt
+        if room < 1:
+            raise InvalidRequest(
+                f"{field}: the prompt is {n_prompt} tokens, which does not fit this model's maximum "
+                f"context length of {max_model_len} tokens (at least one output token is needed)",
+                param=field, code="context_length_exceeded",
+            )
+        max_tokens: Optional[int] = spec.max_tokens
+        if max_tokens is not None:
+            if n_prompt + max_tokens > max_model_len:
+                raise InvalidRequest(
+                    f"{spec.max_tokens_field}: this model's maximum context length is {max_model_len} tokens, "
+                    f"but {n_prompt + max_tokens} were requested ({n_prompt} in the prompt + "
+                    f"{max_tokens} for the completion); reduce {spec.max_tokens_field} to at most {room}",
+                    param=spec.max_tokens_field, code="context_length_exceeded",
+                )
+        else:
+            max_tokens = room if spec.default_max_tokens is None else min(spec.default_max_tokens, room)
+        try:
+            return SamplingParams(max_tokens=max_tokens, **spec.sampling)
+        except SamplingParamsError as e:
+            raise _with_field(e, spec) from None

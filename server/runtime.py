@@ -1,0 +1,123 @@
+"""Runtime: the one object that owns a serving process's parts and their start/stop order.
+
+Start (ASGI lifespan, before the socket accepts): open the ledger (which turns rows a previous
+process left open into `interrupted`), load the tokenizer, wire admission/streams/metrics/service,
+and start the engine thread, which loads the weights in the background (/health is 503 until then).
+
+Stop, in two stages (see `server.serve`): `drain()` stops accepting, gives in-flight requests the
+grace period, interrupts the rest, makes every ledger row terminal, then closes WebSockets with
+1001 after flushing their final frames; `close()` stops the engine thread and the ledger.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from server.admission import AdmissionQueue
+from server.bridge import EngineBridge
+from server.jobs import Job
+from server.ledger import Ledger
+from server.metrics import Metrics
+from server.prompts import PromptPreparer
+from server.service import RequestService
+from server.settings import ServeSettings
+from server.streams import StreamRegistry
+from server.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from server.api.openai_format import Formatter
+    from server.api.ws import WsConnection
+
+log = logging.getLogger("pagewire")
+
+
+class Runtime:
+    def __init__(self, settings: ServeSettings, model_dir: Path, model_name: str) -> None:
+        self.settings = settings
+        self.model_dir = model_dir
+        self.model_name = model_name
+        self.connections: set["WsConnection"] = set()
+        self.ledger: Optional[Ledger] = None
+        self.tokenizer: Optional[Tokenizer] = None
+        self.bridge: Optional[EngineBridge] = None
+        self.service: Optional[RequestService] = None
+        self.admission: Optional[AdmissionQueue[Job]] = None
+        self.formatter: "Formatter"
+        self.metrics: Metrics
+        self._drained = False
+        self._closed = False
+
+    @property
+    def stopping(self) -> bool:
+        return self.service is not None and self.service.draining
+
+    async def start(self) -> None:
+        from server.api.openai_format import Formatter
+
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        self.ledger = await Ledger.open(s.db_path)
+        log.info("ledger: %s (%d request(s) marked interrupted from the previous run)",
+                 s.db_path, self.ledger.interrupted_at_start)
+        self.tokenizer = await loop.run_in_executor(None, Tokenizer.from_dir, self.model_dir)
+        self.formatter = Formatter(self.tokenizer, self.model_name)
+        self.bridge = EngineBridge(s.engine_config(str(self.model_dir)), self._dispatch)
+        self.admission = AdmissionQueue(
+            max_queued=s.max_queue,
+            max_queued_per_client=s.max_queue_per_client or s.max_queue,
+            max_in_engine=s.in_engine_limit,
+            submit=self._submit,
+        )
+        self.metrics = Metrics(self.bridge.stats, lambda: self.admission.queued if self.admission else 0)
+        self.service = RequestService(
+            self.bridge, self.ledger, self.admission, StreamRegistry(s.stream_retention),
+            PromptPreparer(self.tokenizer, s.offload_chars), self.metrics,
+            s.request_timeout if s.request_timeout > 0 else None,
+        )
+        self.bridge.start()
+        loop.create_task(self._report_ready())
+
+    # Indirections so the bridge and admission can be built before the service exists.
+    def _dispatch(self, deltas: list[Any]) -> None:
+        assert self.service is not None
+        self.service.on_step(deltas)
+
+    def _submit(self, job: Job) -> None:
+        assert self.service is not None
+        self.service.submit(job)
+
+    async def _report_ready(self) -> None:
+        assert self.bridge is not None
+        while not self.bridge.ready and self.bridge.error is None:
+            await asyncio.sleep(0.05)
+        if self.bridge.error is not None:
+            log.error("model failed to load: %s", self.bridge.error)
+        else:
+            log.info("model loaded: %s (max_model_len %d); ready", self.model_name, self.bridge.max_model_len)
+
+    async def drain(self) -> None:
+        """Stage one of shutdown. Idempotent."""
+        if self._drained or self.service is None:
+            return
+        self._drained = True
+        log.info("shutting down: no new requests; up to %.1fs for in-flight ones", self.settings.shutdown_grace)
+        await self.service.drain(self.settings.shutdown_grace)
+        for conn in list(self.connections):
+            conn.shutdown()
+        for _ in range(50):  # give the writers a moment to flush their final frames and close
+            if not self.connections:
+                break
+            await asyncio.sleep(0.02)
+
+    async def close(self) -> None:
+        """Stage two: stop the engine and close the ledger. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        await self.drain()
+        if self.bridge is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.bridge.shutdown, 5.0)
+        if self.ledger is not None:
+            await self.ledger.close()

@@ -1,0 +1,328 @@
+"""The request service: the one path every generation takes, shared by the HTTP and WebSocket edges.
+
+    start(spec)   idempotency lookup → validate → tokenize → context check → reserve a queue slot
+                  → ledger INSERT (queued) and COMMIT → register the stream → enqueue
+    (admission)   → bridge.submit → ledger running
+    on_step       → job.apply → stream events → outboxes (one loop callback per engine step)
+    end           → ledger terminal row COMMIT → EndEvent to subscribers → stream retention
+
+Ordering guarantees:
+- `start` returns only after the queued row is committed; the edges acknowledge after it.
+- A request's EndEvent (`done`) is published only after its terminal row is committed, so a
+  client that saw `done` will find the request `finished` in the ledger even after a crash.
+- All of this runs on the event loop; the engine thread is reached only through the bridge.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol
+
+from server.admission import AdmissionQueue
+from server.bridge import EngineBridge
+from server.errors import NotFound, Unavailable
+from server.jobs import GenerationSpec, Job, end_from_record, events_from_output, now_pair
+from server.ledger import Ledger, NewRequest, RequestRecord, Terminal
+from server.metrics import Metrics
+from server.outputs import RequestDelta
+from server.prompts import PromptPreparer
+from server.streams import EndEvent, Event, RequestStream, StreamRegistry
+
+log = logging.getLogger("pagewire.service")
+
+_END_CODES = {"deadline": "deadline_exceeded", "shutdown": "interrupted"}
+
+
+class Subscriber(Protocol):
+    def push(self, event: Event) -> None: ...
+
+
+@dataclass
+class Admitted:
+    """The result of `start`: a new request, or the original one for a reused idempotency key."""
+
+    request_id: str
+    job: Optional[Job] = None
+    record: Optional[RequestRecord] = None
+    existing: bool = False
+
+
+class RequestService:
+    def __init__(self, bridge: EngineBridge, ledger: Ledger, admission: AdmissionQueue[Job],
+                 registry: StreamRegistry, preparer: PromptPreparer, metrics: Metrics,
+                 default_timeout_s: Optional[float]) -> None:
+        self.bridge = bridge
+        self.ledger = ledger
+        self.admission = admission
+        self.registry = registry
+        self.preparer = preparer
+        self.metrics = metrics
+        self.default_timeout_s = default_timeout_s
+        self.jobs: dict[str, Job] = {}
+        # idempotency key → future of its request id; covers the window before the row commits
+        # and the whole live life of the request (removed after the terminal commit).
+        self._idem: dict[str, asyncio.Future[Optional[str]]] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.draining = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- intake ---------------------------------------------------------------------------------
+    def check_serving(self) -> None:
+        if self.draining:
+            raise Unavailable("server is shutting down", code="shutting_down", retry_after_s=5)
+        if not self.bridge.ready:
+            err = self.bridge.error
+            if err is not None:
+                raise Unavailable(f"model failed to load: {err}", code="model_load_failed")
+            raise Unavailable("model is still loading", code="starting", retry_after_s=2)
+
+    async def start(self, spec: GenerationSpec) -> Admitted:
+        """Accept a request (row committed) or return the original for a reused idempotency key."""
+        self.check_serving()
+        key = spec.idempotency_key
+        while key is not None:
+            fut = self._idem.get(key)
+            if fut is not None:
+                rid = await asyncio.shield(fut)
+                if rid is not None:
+                    return self._existing(rid, None)
+                continue  # the first attempt was rejected before acceptance: try afresh
+            record = await self.ledger.find_by_idempotency_key(key)
+            if record is not None:
+                return self._existing(record.request_id, record)
+            if key in self._idem:  # someone claimed it while we read the ledger
+                continue
+            claim: asyncio.Future[Optional[str]] = asyncio.get_running_loop().create_future()
+            self._idem[key] = claim
+            break
+        # Acceptance runs in its own task, shielded: once the ledger INSERT is queued it will
+        # commit, so a caller cancelled mid-way (socket closed, shutdown) must not orphan the
+        # row; the job is registered anyway and then cancelled like any abandoned request.
+        task = asyncio.get_running_loop().create_task(self._accept(spec))
+        if key is not None:
+            task.add_done_callback(lambda t: self._settle_claim(key, t))
+        try:
+            job = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._abandon)
+            raise
+        return Admitted(job.request_id, job=job)
+
+    def _settle_claim(self, key: str, task: "asyncio.Task[Job]") -> None:
+        fut = self._idem.get(key)
+        ok = not task.cancelled() and task.exception() is None
+        if not ok:
+            self._idem.pop(key, None)
+        if fut is not None and not fut.done():
+            fut.set_result(task.result().request_id if ok else None)
+
+    def _abandon(self, task: "asyncio.Task[Job]") -> None:
+        if not task.cancelled() and task.exception() is None:
+            job = task.result()
+            if not job.detached:
+                self.cancel(job, "client")
+
+    def _existing(self, request_id: str, record: Optional[RequestRecord]) -> Admitted:
+        job = self.jobs.get(request_id)
+        return Admitted(request_id, job=job, record=record, existing=True)
+
+    async def _accept(self, spec: GenerationSpec) -> Job:
+        self.preparer.check_sampling(spec)
+        ids = await self.preparer.token_ids(spec)
+        self.check_serving()  # the model may have stopped while we tokenised
+        params = self.preparer.finalize(spec, len(ids), self.bridge.max_model_len)
+        self.admission.reserve(spec.client)
+        wall, mono = now_pair()
+        job = Job(f"req-{uuid.uuid4().hex[:24]}", spec, ids, params, wall, mono)
+        try:
+            await self.ledger.insert(NewRequest(
+                request_id=job.request_id, kind=spec.kind, api=spec.api, client=spec.client,
+                model=spec.model, priority=spec.priority, params=spec.params_record,
+                prompt=spec.messages if spec.kind == "chat" else spec.prompt,
+                prompt_tokens=len(ids), created_at=wall, idempotency_key=spec.idempotency_key,
+            ))
+        except BaseException:
+            self.admission.release(spec.client)
+            raise
+        # Committed: from here the request exists and must reach a terminal state.
+        self.jobs[job.request_id] = job
+        self._idle.clear()
+        self.registry.add(job.stream)
+        timeout = spec.timeout_s or self.default_timeout_s
+        if timeout:
+            job.deadline_timer = asyncio.get_running_loop().call_later(timeout, self._expire, job)
+        self.admission.enqueue(job, spec.client, spec.klass, spec.priority)
+        return job
+
+    # -- subscribing ----------------------------------------------------------------------------
+    async def attach(self, request_id: str, sub: Subscriber, after_seq: int = 0,
+                     record: Optional[RequestRecord] = None,
+                     on_found: Optional[Callable[[], None]] = None) -> Optional[RequestStream]:
+        """Replay what `sub` has not seen (from memory, else the ledger) and follow live output.
+
+        `on_found` runs once the request is known to exist, immediately before the replay and in
+        the same synchronous stretch, so a frame it queues (`accepted`) precedes every delta.
+        Returns the live stream when `sub` was registered on one (to detach later), else None.
+        """
+        stream = self.registry.get(request_id)
+        if stream is None and record is None:
+            record = await self.ledger.get(request_id)
+            stream = self.registry.get(request_id)  # it may have started while we read
+        if stream is None and record is None:
+            raise NotFound(f"request_id: no request {request_id!r}", param="request_id",
+                           code="request_not_found")
+        if on_found is not None:
+            on_found()
+        if stream is None:
+            assert record is not None
+            end = end_from_record(record)
+            for ev in events_from_output(end.output or {}, after_seq):
+                sub.push(ev)
+            sub.push(end)
+            return None
+        stream.attach(sub, after_seq)
+        return stream if stream.end is None else None
+
+    def detach(self, stream: Optional[RequestStream], sub: Subscriber) -> None:
+        """`sub` leaves; the request is cancelled when nobody follows it and it is not detached."""
+        if stream is None:
+            return
+        remaining = stream.detach(sub)
+        job = self.jobs.get(stream.request_id)
+        if remaining == 0 and job is not None and not job.detached:
+            self.cancel(job, "client")
+
+    def cancel(self, job: Job, reason: str) -> None:
+        """Stop a request: a queued one ends at once, a running one at the engine's next step."""
+        if job.state == "queued":
+            if self.admission.remove(job):
+                job.cancel_reason = reason
+                self._end(job, None)
+                return
+        if job.state == "running" and job.cancel_reason is None:
+            job.cancel_reason = reason
+            self.bridge.abort(job.request_id)
+
+    def _expire(self, job: Job) -> None:
+        job.deadline_timer = None
+        if job.state in ("queued", "running"):
+            log.info("request %s passed its deadline", job.request_id)
+            self.cancel(job, "deadline")
+
+    # -- engine side ----------------------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        """Admission's hand-off to the engine (must not raise; see AdmissionQueue)."""
+        try:
+            self.bridge.submit(job.request_id, job.prompt_token_ids, job.params, job.spec.priority)
+        except Exception as e:  # noqa: BLE001 - reported as the request's failure
+            job.error = str(e)
+            asyncio.get_running_loop().call_soon(self._end, job, None)
+            return
+        job.state = "running"
+        wall, job.admitted_mono = now_pair()
+        self.ledger.mark_running(job.request_id, wall)
+
+    def on_step(self, deltas: list[RequestDelta]) -> None:
+        """One engine step's news, on the loop (called by the bridge, once per step)."""
+        now = time.monotonic()
+        for d in deltas:
+            job = self.jobs.get(d.request_id)
+            if job is None or job.state not in ("running", "queued"):
+                continue
+            events = job.apply(d)
+            n_new = max((len(e.token_ids) for e in events), default=0)
+            if n_new:
+                if job.first_token_mono is None:
+                    job.first_token_mono = now
+                    job.first_token_wall = time.time()
+                    self.metrics.ttft.observe(now - job.created_mono)
+                    self.ledger.mark_first_token(job.request_id, job.first_token_wall)
+                elif job.last_token_mono is not None:
+                    self.metrics.observe_tokens(now - job.last_token_mono, n_new)
+                job.last_token_mono = now
+            if not job.queue_time_observed and d.first_scheduled_time is not None:
+                job.queue_time_observed = True
+                admission_wait = (job.admitted_mono or now) - job.created_mono
+                self.metrics.queue_time.observe(admission_wait + max(0.0, d.first_scheduled_time - d.arrival_time))
+            if d.finished:
+                self._end(job, d)
+
+    def _end(self, job: Job, delta: Optional[RequestDelta]) -> None:
+        if job.state in ("ending", "ended"):
+            return
+        was_running = job.state == "running"
+        job.state = "ending"
+        if job.deadline_timer is not None:
+            job.deadline_timer.cancel()
+            job.deadline_timer = None
+        if was_running:
+            self.admission.done(job, time.monotonic() - (job.admitted_mono or job.created_mono))
+        reasons = job.finish_reasons()
+        completed = delta is not None and bool(reasons) and all(r in ("stop", "length") for r in reasons)
+        if job.cancel_reason is not None and not completed:
+            state = {"client": "cancelled", "deadline": "failed", "shutdown": "interrupted"}[job.cancel_reason]
+            code = _END_CODES.get(job.cancel_reason, "cancelled")
+            message = {"client": "cancelled by the client",
+                       "deadline": "deadline exceeded before the request finished",
+                       "shutdown": "server stopped before the request finished"}[job.cancel_reason]
+        elif job.error is not None or "error" in reasons or (delta is None):
+            state, code, message = "failed", "generation_failed", job.error or "generation failed"
+        else:
+            state, code, message = "finished", None, None
+        end = EndEvent(job.request_id, state, reasons, job.usage(), job.stream.last_seq,
+                       code=code, message=message if state != "finished" else None, output=job.output())
+        task = asyncio.get_running_loop().create_task(self._commit_end(job, end))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _commit_end(self, job: Job, end: EndEvent) -> None:
+        text = "".join(s.text for s in job.samples) if len(job.samples) == 1 else "\n".join(
+            f"[{s.index}] {s.text}" for s in job.samples)
+        try:
+            await self.ledger.finish(job.request_id, Terminal(
+                state=end.state, finish_reason=end.finish_reason if end.state == "finished" else end.code,
+                error=end.message, prompt_tokens=end.usage.prompt_tokens,
+                completion_tokens=end.usage.completion_tokens, cached_tokens=end.usage.cached_tokens,
+                output_text=text, output=end.output or {}, first_token_at=job.first_token_wall,
+                finished_at=time.time(),
+            ))
+        except Exception:  # the row stays open and becomes `interrupted` at the next start
+            log.exception("ledger: could not record the end of %s", job.request_id)
+        # Only now, with the terminal row durable, may the client hear `done`.
+        job.state = "ended"
+        job.end = end
+        self.metrics.observe_end(end.state, (job.last_token_mono or time.monotonic()) - job.created_mono)
+        job.stream.finish(end)
+        self.registry.ended(job.stream)
+        self.jobs.pop(job.request_id, None)
+        key = job.spec.idempotency_key
+        if key is not None:
+            self._idem.pop(key, None)
+        if not self.jobs:
+            self._idle.set()
+
+    # -- shutdown -------------------------------------------------------------------------------
+    async def drain(self, grace_s: float, abort_wait_s: float = 5.0) -> None:
+        """Stop accepting; let in-flight requests finish for up to `grace_s`; interrupt the rest;
+        make sure every ledger row is terminal."""
+        self.draining = True
+        if self.jobs:
+            log.info("draining: waiting up to %.1fs for %d request(s)", grace_s, len(self.jobs))
+            try:
+                await asyncio.wait_for(self._idle.wait(), grace_s)
+            except asyncio.TimeoutError:
+                pass
+        for job in list(self.jobs.values()):
+            self.cancel(job, "shutdown")
+        if self.jobs:
+            try:
+                await asyncio.wait_for(self._idle.wait(), abort_wait_s)
+            except asyncio.TimeoutError:
+                log.warning("draining: %d request(s) did not stop in time", len(self.jobs))
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self.ledger.interrupt_open("server stopped before the request finished")

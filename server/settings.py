@@ -1,0 +1,167 @@
+"""Serve settings: every `pagewire serve` option, its default, its help, and its PAGEWIRE_* variable.
+
+One declarative table drives argparse, the environment lookup and the `ServeSettings` dataclass,
+so an option cannot exist on the command line without its variable (or the reverse). Precedence:
+command line, then environment, then default. A malformed variable is an error naming it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from server.config import EngineConfig
+
+
+def default_db_path() -> Path:
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("pagewire")) / "ledger.db"
+
+
+def _bool(text: str) -> bool:
+    v = text.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true/false, got {text!r}")
+
+
+def _opt_int(text: str) -> Optional[int]:
+    return None if text.strip().lower() in ("", "none") else int(text)
+
+
+@dataclass
+class ServeSettings:
+    """Every serve option with its default; see OPTIONS for help texts and parsing."""
+
+    model_dir: Optional[str] = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    db: Optional[str] = None
+    served_model_name: Optional[str] = None
+    cache_dir: Optional[str] = None
+    log_level: str = "info"
+    # admission and streams
+    max_queue: int = 256
+    max_queue_per_client: Optional[int] = None
+    engine_margin: Optional[int] = None
+    request_timeout: float = 600.0
+    shutdown_grace: float = 30.0
+    stream_retention: float = 300.0
+    max_request_bytes: int = 8 * 1024 * 1024
+    outbox_bytes: int = 1024 * 1024
+    send_timeout: float = 30.0
+    offload_chars: int = 2048
+    # engine
+    dtype: str = "auto"
+    max_model_len: Optional[int] = None
+    kv_cache_tokens: Optional[int] = None
+    kv_cache_memory_gb: float = 2.0
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    num_threads: int = 0
+    seed: int = 0
+    device: str = "cpu"
+
+    def engine_config(self, model_dir: str) -> EngineConfig:
+        kw = {o.name: getattr(self, o.name) for o in OPTIONS if o.engine}
+        return EngineConfig(model=model_dir, **kw)
+
+    @property
+    def db_path(self) -> Path:
+        return Path(self.db).expanduser() if self.db else default_db_path()
+
+    @property
+    def in_engine_limit(self) -> int:
+        """Most requests admission hands to the engine at once: max_num_seqs plus a margin."""
+        margin = self.engine_margin if self.engine_margin is not None else max(2, self.max_num_seqs // 4)
+        return self.max_num_seqs + max(0, margin)
+
+
+_DEFAULTS = {f.name: f.default for f in fields(ServeSettings)}
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str  # field of ServeSettings, e.g. "max_num_seqs" → --max-num-seqs / PAGEWIRE_MAX_NUM_SEQS
+    parse: Callable[[str], Any]
+    help: str
+    engine: bool = False  # passed to EngineConfig
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return "PAGEWIRE_" + self.name.upper()
+
+    @property
+    def default(self) -> Any:
+        return _DEFAULTS[self.name]
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("host", str, "address to bind"),
+    Option("port", int, "port to bind (0 picks a free one)"),
+    Option("db", str, "ledger database file (default: the user data dir's pagewire/ledger.db)"),
+    Option("served_model_name", str, "model name clients use (default: the model folder's name)"),
+    Option("cache_dir", str, "where the demo model is built (default: the user cache dir)"),
+    Option("log_level", str, "debug, info, warning or error"),
+    Option("max_queue", int, "most requests waiting in the admission queue before 429"),
+    Option("max_queue_per_client", _opt_int, "most queued requests per client (default: max-queue)"),
+    Option("engine_margin", _opt_int, "requests handed to the engine beyond max-num-seqs (default: max(2, max-num-seqs/4))"),
+    Option("request_timeout", float, "default per-request deadline in seconds (0 = none)"),
+    Option("shutdown_grace", float, "seconds in-flight requests get to finish on SIGINT/SIGTERM"),
+    Option("stream_retention", float, "seconds a finished stream stays in memory for resume"),
+    Option("max_request_bytes", int, "largest HTTP body or WebSocket message (413 beyond)"),
+    Option("outbox_bytes", int, "per-connection buffer before a slow consumer is cut off"),
+    Option("send_timeout", float, "seconds one send may block before a consumer counts as stuck"),
+    Option("offload_chars", int, "prompts longer than this are tokenised off the event loop"),
+    Option("dtype", str, "auto, float32, bfloat16 or float16", engine=True),
+    Option("max_model_len", _opt_int, "longest prompt + output (default: the model's)", engine=True),
+    Option("kv_cache_tokens", _opt_int, "KV cache capacity in tokens", engine=True),
+    Option("kv_cache_memory_gb", float, "KV cache budget when --kv-cache-tokens is not given", engine=True),
+    Option("block_size", int, "tokens per KV block", engine=True),
+    Option("max_num_seqs", int, "most sequences per engine step", engine=True),
+    Option("max_num_batched_tokens", int, "token budget per engine step", engine=True),
+    Option("enable_prefix_caching", _bool, "reuse KV blocks across requests by content", engine=True),
+    Option("num_threads", int, "intra-op CPU threads (0 = torch's default)", engine=True),
+    Option("seed", int, "base seed for unseeded sampling", engine=True),
+    Option("device", str, "cpu or cuda", engine=True),
+)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_dir", nargs="?", default=None,
+                   help="Hugging Face model folder (env PAGEWIRE_MODEL; default: the built-in demo model)")
+    for o in OPTIONS:
+        h = f"{o.help} [env {o.env}; default {o.default}]"
+        if o.parse is _bool:
+            p.add_argument(o.flag, dest=o.name, action=argparse.BooleanOptionalAction, default=None, help=h)
+        else:
+            p.add_argument(o.flag, dest=o.name, type=o.parse, default=None, help=h, metavar=o.name.upper())
+
+
+def settings_from_args(ns: argparse.Namespace, environ: Optional[dict[str, str]] = None) -> ServeSettings:
+    """Merge parsed arguments with PAGEWIRE_* variables and defaults. Raises ValueError naming
+    the variable when one cannot be parsed."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for o in OPTIONS:
+        v = getattr(ns, o.name, None)
+        if v is None and o.env in env:
+            try:
+                v = o.parse(env[o.env])
+            except ValueError as e:
+                raise ValueError(f"{o.env}: {e}") from None
+        if v is not None:
+            values[o.name] = v
+    model_dir = getattr(ns, "model_dir", None) or env.get("PAGEWIRE_MODEL") or None
+    return ServeSettings(model_dir=model_dir, **values)

@@ -204,8 +204,9 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = DEFAULT_VOCAB_SIZE) -
     Returns:
         TokenizerInfo with the real vocabulary size and the special token ids.
     """
-    if vocab_size < 256 + len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)} (bytes + specials), got {vocab_size}")
+    minimum = 256 + len(SPECIAL_TOKENS)
+    if vocab_size < minimum:
+        raise ValueError(f"vocab_size must be at least {minimum} (bytes + specials), got {vocab_size}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
@@ -223,7 +224,9 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = DEFAULT_VOCAB_SIZE) -
     eos_id = tok.token_to_id(EOS_TOKEN)
     im_end_id = tok.token_to_id(IM_END)
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN}:1 $B:1", special_tokens=[(BOS_TOKEN, bos_id)]
+        single=f"{BOS_TOKEN} $A",
+        pair=f"{BOS_TOKEN} $A {BOS_TOKEN}:1 $B:1",
+        special_tokens=[(BOS_TOKEN, bos_id)],
     )
     tok.save(str(out / "tokenizer.json"))
     added = {
@@ -247,7 +250,8 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = DEFAULT_VOCAB_SIZE) -
         "chat_template": CHAT_TEMPLATE,
     }
     _write_json(out / "tokenizer_config.json", config)
-    _write_json(out / "special_tokens_map.json", {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN})
+    specials_map = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN}
+    _write_json(out / "special_tokens_map.json", specials_map)
     eos_ids = (eos_id, im_end_id)
     _write_json(out / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": list(eos_ids)})
     return TokenizerInfo(tok.get_vocab_size(), bos_id, eos_id, eos_ids)
@@ -345,7 +349,8 @@ def ensure_demo_model(cache_dir: Optional[Path] = None) -> Path:
         info = build_tokenizer(tmp)
         config = demo_config(info)
         _write_json(tmp / "config.json", config)
-        save_file(_random_weights(config, WEIGHT_SEED), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        weights = _random_weights(config, WEIGHT_SEED)
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         try:
             os.rename(tmp, final)
         except OSError:

@@ -105,7 +105,9 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _load_chat_templates(model_dir: Path, config: dict[str, Any], config_path: Path) -> dict[str, str] | str | None:
+def _load_chat_templates(
+    model_dir: Path, config: dict[str, Any], config_path: Path
+) -> dict[str, str] | str | None:
     """Collect the folder's chat template(s): a single string, a name -> template dict, or None.
 
     Newer transformers save the default template as chat_template.jinja and named extras under
@@ -355,7 +357,8 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 **variables,
             )
-        except (jinja2.exceptions.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+        except (jinja2.exceptions.TemplateError, TypeError, ValueError, KeyError, IndexError,
+                AttributeError) as e:
             # A template is untrusted code run on client data: any failure inside it (raise_exception,
             # adding a list to a string, ...) means this conversation does not fit it, not a server bug.
             raise ChatTemplateError(f"chat template error: {e}") from None

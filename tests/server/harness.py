@@ -1,0 +1,173 @@
+"""A real pagewire server in a subprocess, on a free loopback port, for black-box tests.
+
+`ServerProcess.start()` runs `python -m server.cli serve` with the demo model and a temp ledger,
+then waits for /health 200. `stop()` sends SIGTERM (graceful) and escalates to SIGKILL, so no
+test leaves a server behind even when it fails.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Small engine knobs keep the suite fast on 2 CPU cores.
+FAST_ENGINE = ["--max-num-seqs", "8", "--kv-cache-tokens", "4096", "--max-num-batched-tokens", "256",
+               "--num-threads", "1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model_dir: Path, db: Path, *extra: str, env: Optional[dict[str, str]] = None) -> None:
+        self.model_dir = model_dir
+        self.db = db
+        self.extra = list(extra)
+        self.env = env or {}
+        self.port = free_port()
+        self.proc: Optional[subprocess.Popen[bytes]] = None
+        self.log_path = db.with_suffix(f".{self.port}.log")
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/ws"
+
+    def start(self, timeout: float = 90.0) -> "ServerProcess":
+        cmd = [sys.executable, "-m", "server.cli", "serve", str(self.model_dir), "--port", str(self.port),
+               "--db", str(self.db), "--served-model-name", "demo", "--log-level", "warning",
+               *FAST_ENGINE, *self.extra]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.read_log()}")
+            try:
+                if httpx.get(self.base + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.kill()
+        raise RuntimeError(f"server did not become healthy in {timeout}s:\n{self.read_log()}")
+
+    def read_log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-6000:]
+        except OSError:
+            return ""
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 30.0) -> Optional[int]:
+        """Graceful stop (SIGTERM); SIGKILL if it does not exit in time. Returns the exit status."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def ledger_rows(db: Path) -> dict[str, dict[str, Any]]:
+    """Every ledger row, by request id (read-only, as an operator would)."""
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    conn.row_factory = sqlite3.Row
+    try:
+        rows = {r["request_id"]: dict(r) for r in conn.execute("SELECT * FROM requests")}
+    finally:
+        conn.close()
+    for r in rows.values():
+        r["output"] = json.loads(r["output_json"]) if r.get("output_json") else None
+    return rows
+
+
+class WsClient:
+    """A thin asyncio WebSocket client speaking pagewire frames (JSON dicts)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.conn: Any = None
+
+    async def __aenter__(self) -> "WsClient":
+        from websockets.asyncio.client import connect
+
+        self.conn = await connect(self.url, proxy=None, max_size=8 * 1024 * 1024)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.conn.close()
+
+    async def send(self, frame: dict[str, Any] | str) -> None:
+        await self.conn.send(frame if isinstance(frame, str) else json.dumps(frame))
+
+    async def recv(self, timeout: float = 30.0) -> dict[str, Any]:
+        import asyncio
+
+        return json.loads(await asyncio.wait_for(self.conn.recv(), timeout))
+
+    async def run(self, frames: dict[str, dict[str, Any]], timeout: float = 120.0) -> dict[str, list[dict[str, Any]]]:
+        """Send generate frames (by id) and collect every frame per id until each has ended."""
+        import asyncio
+
+        for cid, f in frames.items():
+            await self.send({"type": "generate", "id": cid, **f})
+        got: dict[str, list[dict[str, Any]]] = {cid: [] for cid in frames}
+        open_ids = set(frames)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while open_ids:
+            msg = await self.recv(max(0.1, deadline - loop.time()))
+            cid = msg.get("id")
+            got.setdefault(cid, []).append(msg)
+            if msg["type"] in ("done", "error") and cid in open_ids:
+                open_ids.discard(cid)
+        return got
+
+
+def text_of(frames: list[dict[str, Any]], index: int = 0) -> str:
+    return "".join(f["text"] for f in frames if f["type"] == "delta" and f.get("index", 0) == index)
+
+
+def tokens_of(frames: list[dict[str, Any]]) -> list[int]:
+    return [t for f in frames if f["type"] == "delta" for t in f["token_ids"]]

@@ -1,22 +1,12 @@
-"""Fixtures for the model tests: tiny checkpoint folders built once per session.
-
-The repository root goes on sys.path so `tests.tiny_models` imports under a bare `pytest` too.
-"""
+"""Fixtures for the model tests: tiny checkpoint folders built once per session."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-_ROOT = Path(__file__).resolve().parents[2]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-
-from tests.tiny_models import make_tiny_model  # noqa: E402
-
-VOCAB = 384
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+from tests.models.paged_harness import ARCHS, VOCAB
+from tests.tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="session")

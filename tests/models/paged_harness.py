@@ -13,6 +13,9 @@ import torch
 from server.models.attention import AttentionMetadata
 from server.models.llama import LlamaFamilyForCausalLM
 
+VOCAB = 384  # token ids only: these tests need no tokenizer
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
 
 class PagedRun:
     """Drives `model` step by step over several sequences sharing one paged cache."""

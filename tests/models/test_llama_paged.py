@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from server.models.loader import load_model
-from tests.models.conftest import ARCHS, VOCAB
-from tests.models.paged_harness import PagedRun, hf_logits, random_tokens
+from tests.models.paged_harness import ARCHS, VOCAB, PagedRun, hf_logits, random_tokens
 from tests.tiny_models import LLAMA3_ROPE_SCALING, make_tiny_model
 
 PROMPT_LEN = 50

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from server.models import SUPPORTED_ARCHITECTURES, ModelFileNotFoundError, ModelLoadError, UnsupportedModelError
 from server.models.loader import load_model
-from tests.models.conftest import VOCAB
+from tests.models.paged_harness import VOCAB
 from tests.tiny_models import make_tiny_model
 
 

@@ -1,0 +1,1 @@
+"""Model tests: config parsing, checkpoint loading, and paged-model parity with transformers."""

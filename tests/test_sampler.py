@@ -220,3 +220,23 @@ def test_build_rejects_mismatched_rows_and_bad_blocked_ids() -> None:
         build([SP()], 10, blocked=[[10]])
     with pytest.raises(ValueError, match=r"logits: expected shape \[2, V\]"):
         Sampler()(torch.zeros(3, 10), build([SP(), SP()], 10))
+
+
+@pytest.mark.cuda
+def test_cuda_sampling_with_cpu_and_cuda_row_generators() -> None:
+    dev = torch.device("cuda")
+    logits = (torch.randn(4, 1000, generator=gen(0)) * 3).to(dev)
+    params = [SP(temperature=0), SP(seed=1), SP(seed=2, top_p=0.9), SP(top_k=5, logprobs=3)]
+
+    def run() -> torch.Tensor:
+        # A CPU generator for a CUDA batch draws on the CPU and copies; a CUDA one draws in place.
+        gens = [None, torch.Generator().manual_seed(1), torch.Generator(device=dev).manual_seed(2), None]
+        batch = SamplingBatch.build(params, gens, [[]] * 4, [[]] * 4, [[], [], [], [3]], 1000, dev)
+        out = Sampler(seed=0)(logits, batch)
+        assert out.top_ids is not None and out.top_ids.shape == (4, 3)
+        return out.token_ids
+
+    first = run()
+    assert first.device.type == "cuda"
+    assert int(first[0]) == int(logits[0].argmax())
+    assert torch.equal(first, run())

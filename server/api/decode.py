@@ -20,6 +20,7 @@ from server.errors import InvalidRequest
 T = TypeVar("T")
 
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+_MISSING = re.compile(r"missing required field `([^`]+)`")
 _decoder = msgspec.json.Decoder()
 
 
@@ -38,15 +39,18 @@ def parse_json(body: bytes | str) -> Any:
 
 
 def _field_of(message: str) -> tuple[str | None, str]:
-    """Split msgspec's "Expected `int`, got `str` - at `$.params.max_tokens`" into (field, text)."""
+    """Split msgspec's "Expected `int`, got `str` - at `$.params.max_tokens`" into (field, text).
+
+    A missing field is named by the message itself ("Object missing required field `id`"), so
+    its name is appended to the path of the object that lacks it.
+    """
     m = _PATH.search(message)
-    if not m:
-        return None, message
-    path = m.group(1) or None
-    text = message[: m.start()]
-    if path is not None:
-        # "$[0]"-style paths come through as "[0]"; keep them readable.
-        path = path.replace("`", "")
+    path = (m.group(1) or None) if m else None
+    text = message[: m.start()] if m else message
+    missing = _MISSING.search(text)
+    if missing:
+        path = f"{path}.{missing.group(1)}" if path else missing.group(1)
+        text = "is required"
     return path, text
 
 

@@ -17,26 +17,29 @@ def test_submit_stream_abort_and_shutdown(tiny_model) -> None:
     model_dir = tiny_model("llama")
     batches: list[list[RequestDelta]] = []
     done = threading.Event()
+    c_started = threading.Event()
     finished: set[str] = set()
 
     def on_step(deltas: list[RequestDelta]) -> None:
         assert threading.current_thread().name == "pagewire-engine"
         batches.append(deltas)
+        if any(d.request_id == "c" for d in deltas):
+            c_started.set()
         finished.update(d.request_id for d in deltas if d.finished)
         if {"a", "b", "c"} <= finished:
             done.set()
 
-    et = EngineThread(EngineConfig(model=str(model_dir), max_model_len=128, kv_cache_tokens=2048), on_step)
+    et = EngineThread(EngineConfig(model=str(model_dir), max_model_len=1024, kv_cache_tokens=2048), on_step)
     et.start()
-    assert et.wait_ready(60) and et.max_model_len == 128
+    assert et.wait_ready(60) and et.max_model_len == 1024
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     et.submit("a", [5, 6, 7, 8], greedy)
     et.submit("b", [9, 10, 11], greedy)
-    et.submit("c", list(range(5, 60)), SamplingParams(temperature=0.0, max_tokens=70, ignore_eos=True))
-    time.sleep(0.05)
-    et.abort("c")
+    et.submit("c", list(range(5, 60)), SamplingParams(temperature=0.0, max_tokens=960, ignore_eos=True))
+    assert c_started.wait(60)
+    et.abort("c")  # mid-generation: 960 tokens take far longer than this hop
     with pytest.raises(RequestTooLongError, match="max_model_len"):
-        et.submit("too-long", list(range(5, 200)), greedy)
+        et.submit("too-long", list(range(5, 200)), greedy.clone(max_tokens=900))
     assert done.wait(60)
     by_id: dict[str, list[RequestDelta]] = {}
     for batch in batches:

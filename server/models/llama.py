@@ -155,7 +155,15 @@ class LlamaFamilyForCausalLM(nn.Module):
     `kv_cache_bytes_per_token()`.
     """
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        tie_word_embeddings: bool | None = None,
+    ) -> None:
+        """tie_word_embeddings overrides the config (the loader unties when a checkpoint marked
+        tied still stores its own lm_head.weight, as transformers 5 does)."""
         super().__init__()
         self.config = config
         self.dtype = dtype
@@ -164,8 +172,9 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.embed_tokens = _param((c.vocab_size, c.hidden_size), dtype, dev)
         self.layers = nn.ModuleList(LlamaDecoderLayer(c, i, dtype, dev) for i in range(c.num_layers))
         self.norm = _param((c.hidden_size,), dtype, dev)
+        tied = c.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
         # Tied checkpoints store one matrix; the output projection reuses the embedding table.
-        self.lm_head = self.embed_tokens if c.tie_word_embeddings else _param((c.vocab_size, c.hidden_size), dtype, dev)
+        self.lm_head = self.embed_tokens if tied else _param((c.vocab_size, c.hidden_size), dtype, dev)
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dev)
         # Plain list for the hot loop: iterating nn.ModuleList and calling modules via __call__
         # costs hook checks on every layer of every step.
@@ -212,6 +221,10 @@ class LlamaFamilyForCausalLM(nn.Module):
         """Args: hidden [S, hidden_size] rows from forward(). Returns float32 logits [S, vocab_size]."""
         return linear(hidden, self.lm_head).float()
 
+    def tie_lm_head(self) -> None:
+        """Drop the separate lm_head and project with the embedding table (frees vocab x hidden)."""
+        self.lm_head = self.embed_tokens
+
     def checkpoint_tensors(self) -> dict[str, WeightTarget]:
         """Every Hugging Face tensor name this model needs, mapped to where it is copied."""
         c = self.config
@@ -219,7 +232,7 @@ class LlamaFamilyForCausalLM(nn.Module):
             "model.embed_tokens.weight": WeightTarget(self.embed_tokens, (c.vocab_size, c.hidden_size)),
             "model.norm.weight": WeightTarget(self.norm, (c.hidden_size,)),
         }
-        if not c.tie_word_embeddings:
+        if self.lm_head is not self.embed_tokens:
             targets["lm_head.weight"] = WeightTarget(self.lm_head, (c.vocab_size, c.hidden_size))
         for i, layer in enumerate(self._layers):
             targets.update(layer.checkpoint_tensors(f"model.layers.{i}."))

@@ -55,20 +55,28 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, config)
     files, index_map = _weight_files(model_dir)
 
-    model = LlamaFamilyForCausalLM(config, torch_dtype, torch.device(device))
-    targets = model.checkpoint_tensors()
-    loaded: set[str] = set()
-    with torch.no_grad():
-        _copy_tensors(files, targets, loaded, config)
+    with ExitStack() as stack:
+        handles = [(path, _open(path, stack)) for path in files]
+        # transformers 5 unties a tied config whose checkpoint still stores lm_head.weight (and
+        # uses that matrix); we do the same, then re-tie below if the two are equal anyway.
+        has_lm_head = any("lm_head.weight" in h.keys() for _, h in handles)
+        tied = config.tie_word_embeddings and not has_lm_head
+        model = LlamaFamilyForCausalLM(config, torch_dtype, torch.device(device), tie_word_embeddings=tied)
+        targets = model.checkpoint_tensors()
+        loaded: set[str] = set()
+        with torch.no_grad():
+            _copy_tensors(handles, targets, loaded, config)
 
     missing = [name for name in targets if name not in loaded]
     if missing:
         name = missing[0]
         where = _expected_file(name, model_dir, index_map)
-        more = f" (and {len(missing) - 1} more: {', '.join(missing[1:4])}{', ...' if len(missing) > 4 else ''})"
-        raise ModelLoadError(
-            f"tensor {name!r} not found in {where}" + (more if len(missing) > 1 else "")
-        )
+        more = ""
+        if len(missing) > 1:
+            more = f" (and {len(missing) - 1} more: {', '.join(missing[1:4])}{', ...' if len(missing) > 4 else ''})"
+        raise ModelLoadError(f"tensor {name!r} not found in {where}{more}")
+    if config.tie_word_embeddings and has_lm_head and torch.equal(model.lm_head, model.embed_tokens):
+        model.tie_lm_head()
     return model, config
 
 
@@ -102,42 +110,32 @@ def _expected_file(name: str, model_dir: Path, index_map: dict[str, str] | None)
     return model_dir / INDEX_FILE
 
 
-def _ignored(name: str, config: ModelConfig) -> bool:
-    # HF once saved RoPE frequency buffers; we rebuild them from the config.
-    if name.endswith("rotary_emb.inv_freq"):
-        return True
-    # Tied checkpoints may still carry a copy of lm_head; transformers ties it to the embedding anyway.
-    return config.tie_word_embeddings and name == "lm_head.weight"
+def _open(path: Path, stack: ExitStack) -> Any:
+    """A memory-mapped safetensors handle, closed when `stack` exits."""
+    try:
+        return stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise ModelLoadError(f"{path}: cannot open as safetensors: {e}") from e
 
 
 def _copy_tensors(
-    files: list[Path], targets: dict[str, WeightTarget], loaded: set[str], config: ModelConfig
+    handles: list[tuple[Path, Any]], targets: dict[str, WeightTarget], loaded: set[str], config: ModelConfig
 ) -> None:
-    """Read every tensor of every file (memory-mapped) into its target, checking the shape first."""
-    with ExitStack() as stack:
-        handles: list[tuple[Path, Any]] = []
-        total = 0
-        for path in files:
-            try:
-                h = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
-            except Exception as e:  # safetensors raises its own error types for corrupt headers
-                raise ModelLoadError(f"{path}: cannot open as safetensors: {e}") from e
-            handles.append((path, h))
-            total += len(h.keys())
-        bar = tqdm(
-            total=total, desc="Loading weights", unit="tensor", file=sys.stderr, disable=not sys.stderr.isatty()
-        )
-        with bar:
-            for path, h in handles:
-                for name in h.keys():
-                    _copy_one(path, h, name, targets, loaded, config)
-                    bar.update(1)
+    """Read every tensor of every file into its target, checking the shape first."""
+    total = sum(len(h.keys()) for _, h in handles)
+    bar = tqdm(total=total, desc="Loading weights", unit="tensor", file=sys.stderr, disable=not sys.stderr.isatty())
+    with bar:
+        for path, h in handles:
+            for name in h.keys():
+                _copy_one(path, h, name, targets, loaded, config)
+                bar.update(1)
 
 
 def _copy_one(
     path: Path, handle: Any, name: str, targets: dict[str, WeightTarget], loaded: set[str], config: ModelConfig
 ) -> None:
-    if _ignored(name, config):
+    # HF once saved RoPE frequency buffers; we rebuild them from the config.
+    if name.endswith("rotary_emb.inv_freq"):
         return
     target = targets.get(name)
     if target is None:

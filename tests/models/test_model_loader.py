@@ -137,3 +137,17 @@ def test_missing_shard_file_names_the_shard(tmp_path: Path) -> None:
     shard.unlink()
     with pytest.raises(ModelFileNotFoundError, match=str(shard)):
         load_model(model_dir)
+
+
+def test_tied_config_with_a_stored_lm_head_follows_transformers(tmp_path: Path) -> None:
+    model_dir = make_tiny_model(tmp_path / "tied", "llama", vocab_size=VOCAB, tie_word_embeddings=True)
+    weights = model_dir / "model.safetensors"
+    # An identical copy (as some exporters write): loads, and stays one shared matrix.
+    _rewrite_tensors(weights, lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"].clone()))
+    model, _ = load_model(model_dir)
+    assert model.lm_head is model.embed_tokens
+    # A different matrix: transformers 5 then unties and projects with the stored lm_head.
+    other = torch.randn(VOCAB, 64)
+    _rewrite_tensors(weights, lambda t: t.__setitem__("lm_head.weight", other))
+    model, _ = load_model(model_dir)
+    assert model.lm_head is not model.embed_tokens and torch.equal(model.lm_head, other)

@@ -29,17 +29,17 @@ def test_submit_stream_abort_and_shutdown(tiny_model) -> None:
         if {"a", "b", "c"} <= finished:
             done.set()
 
-    et = EngineThread(EngineConfig(model=str(model_dir), max_model_len=1024, kv_cache_tokens=2048), on_step)
+    et = EngineThread(EngineConfig(model=str(model_dir), max_model_len=512, kv_cache_tokens=2048), on_step)
     et.start()
-    assert et.wait_ready(60) and et.max_model_len == 1024
+    assert et.wait_ready(60) and et.max_model_len == 512
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     et.submit("a", [5, 6, 7, 8], greedy)
     et.submit("b", [9, 10, 11], greedy)
-    et.submit("c", list(range(5, 60)), SamplingParams(temperature=0.0, max_tokens=960, ignore_eos=True))
+    et.submit("c", list(range(5, 60)), SamplingParams(temperature=0.0, max_tokens=440, ignore_eos=True))
     assert c_started.wait(60)
-    et.abort("c")  # mid-generation: 960 tokens take far longer than this hop
+    et.abort("c")  # mid-generation: 440 tokens take far longer than this hop
     with pytest.raises(RequestTooLongError, match="max_model_len"):
-        et.submit("too-long", list(range(5, 200)), greedy.clone(max_tokens=900))
+        et.submit("too-long", list(range(5, 200)), greedy.clone(max_tokens=400))
     assert done.wait(60)
     by_id: dict[str, list[RequestDelta]] = {}
     for batch in batches:

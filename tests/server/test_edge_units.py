@@ -1,0 +1,237 @@
+"""Unit tests of the edge's building blocks, without a server: outboxes and streams, admission
+order and bounds, the ledger, the bridge's one-hop-per-step rule, decoding, settings, and the
+torch-free edge."""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from server.admission import BATCH, INTERACTIVE, AdmissionQueue
+from server.api.decode import decode
+from server.api.protocol import CompletionRequest, GenerateFrame
+from server.errors import InvalidRequest, Overloaded
+from server.jobs import events_from_output
+from server.ledger import Ledger, NewRequest, Terminal
+from server.outputs import RequestDelta, SampleDelta
+from server.streams import DeltaEvent, EndEvent, Outbox, RequestStream, Subscription, Usage
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _samples(*texts: str, index: int = 0) -> list[SampleDelta]:
+    return [SampleDelta(index=index, token_ids=[len(t)], text=t) for t in texts]
+
+
+# -- streams ---------------------------------------------------------------------------------------
+
+
+def test_outbox_coalesces_consecutive_deltas_of_one_sample_keeping_the_newest_seq() -> None:
+    async def main() -> None:
+        box = Outbox(max_bytes=1 << 20)
+        stream = RequestStream("r")
+        stream.attach(Subscription(box, "k"))
+        for t in ("a", "b", "c"):
+            stream.publish(_samples(t), want_logprobs=False)
+        stream.publish(_samples("x", index=1), want_logprobs=False)
+        stream.publish(_samples("d"), want_logprobs=False)
+        batch = await box.get()
+        assert [(e.seq, e.index, e.text, e.token_ids) for _, e in batch] == [
+            (3, 0, "abc", [1, 1, 1]), (4, 1, "x", [1]), (5, 0, "d", [1])]
+        # The stream's own resume buffer is untouched by the connection's merges.
+        assert [e.text for e in stream.deltas] == ["a", "b", "c", "x", "d"]
+
+    asyncio.run(main())
+
+
+def test_outbox_overflow_marks_the_consumer_stuck_instead_of_growing() -> None:
+    async def main() -> None:
+        box = Outbox(max_bytes=2000)
+        stream = RequestStream("r")
+        stream.attach(Subscription(box, "k"))
+        for _ in range(100):
+            stream.publish(_samples("y" * 50), want_logprobs=False)
+        assert box.overflowed and box.pending_bytes < 2000 + 200
+        assert await box.get() == []
+        assert stream.last_seq == 100  # the stream still has everything for a resume
+
+    asyncio.run(main())
+
+
+def test_attach_replays_after_seq_then_goes_live_without_gap_or_duplicate() -> None:
+    async def main() -> None:
+        stream = RequestStream("r")
+        for t in "abcde":
+            stream.publish(_samples(t), want_logprobs=False)
+        box = Outbox(1 << 20)
+        stream.attach(Subscription(box, "k"), after_seq=3)
+        stream.publish(_samples("f"), want_logprobs=False)
+        stream.finish(EndEvent("r", "finished", ["length"], Usage(1, 6), 6))
+        got = box.take()
+        assert [e.seq for _, e in got if isinstance(e, DeltaEvent)] == [6]  # d, e, f merged; newest seq
+        assert [e.text for _, e in got if isinstance(e, DeltaEvent)] == ["def"]
+        assert isinstance(got[-1][1], EndEvent) and not stream.subscribers
+
+    asyncio.run(main())
+
+
+def test_events_from_stored_output_resume_exactly_after_a_seq() -> None:
+    output = {"last_seq": 4, "samples": [
+        {"index": 0, "text": "abcd", "token_ids": [1, 2, 3, 4], "logprobs": None, "finish_reason": "length",
+         "marks": [[1, 1, 1], [2, 2, 2], [4, 4, 4]]},
+        {"index": 1, "text": "z", "token_ids": [9], "logprobs": None, "finish_reason": "stop",
+         "marks": [[3, 1, 1]]},
+    ]}
+    evs = events_from_output(output, after_seq=2)
+    assert [(e.seq, e.index, e.text, e.token_ids) for e in evs] == [(3, 1, "z", [9]), (4, 0, "cd", [3, 4])]
+    assert events_from_output(output, after_seq=4) == []
+    assert events_from_output(output, after_seq=0)[1].text == "abcd"
+
+
+# -- admission -------------------------------------------------------------------------------------
+
+
+def test_admission_interactive_first_then_round_robin_across_clients() -> None:
+    handed: list[str] = []
+    q: AdmissionQueue[str] = AdmissionQueue(max_queued=100, max_queued_per_client=100, max_in_engine=1,
+                                            submit=handed.append)
+    for job, client, klass, prio in [
+        ("blocker", "z", INTERACTIVE, 0),
+        ("a1", "a", INTERACTIVE, 0), ("a2", "a", INTERACTIVE, 0), ("a3", "a", INTERACTIVE, 0),
+        ("b1", "b", INTERACTIVE, 0), ("batch1", "c", BATCH, 0), ("b2", "b", INTERACTIVE, 0),
+        ("a0", "a", INTERACTIVE, -5),
+    ]:
+        q.reserve(client)
+        q.enqueue(job, client, klass, prio)
+    assert handed == ["blocker"]
+    for job in list(handed):
+        q.done(job)
+    while q.in_engine:
+        q.done(next(iter(q.in_engine)))
+    # a0 jumps a's queue (lower priority value first); clients alternate; batch goes last.
+    assert handed == ["blocker", "a0", "b1", "a1", "b2", "a2", "a3", "batch1"]
+
+
+def test_admission_bounds_total_and_per_client_with_a_retry_hint() -> None:
+    q: AdmissionQueue[str] = AdmissionQueue(max_queued=3, max_queued_per_client=2, max_in_engine=0,
+                                            submit=lambda j: None)
+    q.reserve("a")
+    q.reserve("a")
+    with pytest.raises(Overloaded) as e:
+        q.reserve("a")
+    assert e.value.status == 429 and e.value.retry_after_s >= 1
+    q.reserve("b")
+    with pytest.raises(Overloaded):
+        q.reserve("c")
+    q.release("b")
+    q.reserve("c")
+
+
+# -- ledger ----------------------------------------------------------------------------------------
+
+
+def test_ledger_group_commits_recovers_open_rows_and_keeps_keys_unique(tmp_path: Path) -> None:
+    async def main() -> None:
+        db = tmp_path / "l.db"
+        led = await Ledger.open(db)
+        reqs = [NewRequest(f"r{i}", "completion", "ws", "c", "m", 0, {}, "p", 2, time.time(), f"k{i}")
+                for i in range(20)]
+        await asyncio.gather(*(led.insert(r) for r in reqs))
+        assert led.commits <= 2  # twenty inserts, grouped
+        with pytest.raises(Exception):
+            await led.insert(NewRequest("dup", "completion", "ws", "c", "m", 0, {}, "p", 2, time.time(), "k1"))
+        led.mark_running("r0", time.time())
+        await led.finish("r0", Terminal("finished", "stop", None, 2, 3, 0, "abc", {"samples": []}, None, time.time()))
+        assert (await led.find_by_idempotency_key("k0")).state == "finished"
+        await led.close()
+        led = await Ledger.open(db)
+        assert led.interrupted_at_start == 19
+        assert (await led.get("r5")).state == "interrupted"
+        assert (await led.get("r0")).state == "finished"
+        await led.close()
+
+    asyncio.run(main())
+
+
+# -- bridge ----------------------------------------------------------------------------------------
+
+
+def test_bridge_posts_one_loop_callback_per_engine_step() -> None:
+    from server.bridge import EngineBridge
+    from server.config import EngineConfig
+
+    async def main() -> None:
+        dispatched: list[list[RequestDelta]] = []
+        bridge = EngineBridge(EngineConfig(model="unused"), dispatched.append)
+        bridge._loop = asyncio.get_running_loop()  # what start() records, without loading a model
+        calls = 0
+        real = bridge._loop.call_soon_threadsafe
+
+        def counting(*a: object) -> object:
+            nonlocal calls
+            calls += 1
+            return real(*a)
+
+        bridge._loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+
+        def engine_thread() -> None:  # three steps, many requests and tokens each
+            for step in range(3):
+                bridge._on_step([RequestDelta(f"r{i}", _samples("t", "u"), False, 1, 0, 0.0) for i in range(10)])
+            bridge._on_step([])  # an idle step posts nothing
+
+        t = threading.Thread(target=engine_thread)
+        t.start()
+        t.join()
+        await asyncio.sleep(0.05)
+        assert calls == 3 and len(dispatched) == 3 and all(len(d) == 10 for d in dispatched)
+
+    asyncio.run(main())
+
+
+# -- decoding and settings -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body, field", [
+    (b'{"prompt": "x", "max_tokens": -1}', "max_tokens"),
+    (b'{"prompt": "x", "temperature": NaN}', "temperature"),
+    (b'{"prompt": "x", "temperature": Infinity}', "temperature"),
+    (b'{"prompt": "x", "stop": 3}', "stop"),
+    (b'{"prompt": "x", "stream_options": {"include_usage": "yes"}}', "stream_options.include_usage"),
+])
+def test_decode_names_the_offending_field(body: bytes, field: str) -> None:
+    with pytest.raises(InvalidRequest) as e:
+        decode(body, CompletionRequest)
+    assert e.value.param == field and e.value.message.startswith(field)
+
+
+def test_decode_ws_params_path() -> None:
+    with pytest.raises(InvalidRequest) as e:
+        decode(b'{"type": "generate", "id": "a", "prompt": "x", "params": {"top_p": 2}}', GenerateFrame)
+    assert e.value.param == "params.top_p"
+
+
+def test_serve_options_read_pagewire_env_vars_and_flags_win() -> None:
+    import argparse
+
+    from server.settings import add_serve_arguments, settings_from_args
+
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    env = {"PAGEWIRE_PORT": "9001", "PAGEWIRE_MAX_NUM_SEQS": "3", "PAGEWIRE_ENABLE_PREFIX_CACHING": "false",
+           "PAGEWIRE_MODEL": "/models/x"}
+    s = settings_from_args(p.parse_args(["--max-num-seqs", "5"]), env)
+    assert (s.port, s.max_num_seqs, s.enable_prefix_caching, s.model_dir) == (9001, 5, False, "/models/x")
+    assert s.engine_config("/m").max_num_seqs == 5
+    with pytest.raises(ValueError, match="PAGEWIRE_PORT"):
+        settings_from_args(p.parse_args([]), {"PAGEWIRE_PORT": "eighty"})
+
+
+def test_the_edge_never_imports_torch() -> None:
+    code = ("import sys, server.api.app, server.cli, server.serve, server.runtime; "
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=60).returncode == 0

@@ -77,11 +77,11 @@ def test_mixed_batch_of_prefills_and_decodes_matches_per_sequence_reference(
         torch.testing.assert_close(torch.cat(got[sid]), hf_logits(model_dir, toks), atol=FP32_ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_bfloat16_tracks_transformers_bfloat16(arch: str, tmp_path: Path) -> None:
-    model_dir = make_tiny_model(tmp_path / arch, arch, "bfloat16", vocab_size=VOCAB)
-    ours, ref, dtype = _prefill_then_decode(model_dir)
-    assert dtype == torch.bfloat16  # "auto" follows the checkpoint
+@pytest.mark.parametrize("arch, dtype", [("llama", "bfloat16"), ("qwen3", "bfloat16"), ("mistral", "float16")])
+def test_half_precision_tracks_transformers_at_the_same_dtype(arch: str, dtype: str, tmp_path: Path) -> None:
+    model_dir = make_tiny_model(tmp_path / arch, arch, dtype, vocab_size=VOCAB)
+    ours, ref, loaded_dtype = _prefill_then_decode(model_dir)
+    assert loaded_dtype == getattr(torch, dtype)  # "auto" follows the checkpoint
     scale = ref.abs().max().item()
     # bf16 keeps ~3 significant digits and both sides round differently (our kernels accumulate
     # attention in fp32, HF eager in bf16); measured max error is ~2.5% of the largest logit,

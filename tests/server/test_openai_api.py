@@ -148,3 +148,58 @@ def test_http_idempotency_key_returns_the_original(server: ServerProcess) -> Non
     import json
 
     assert "".join(json.loads(ln[6:])["choices"][0]["text"] for ln in lines) == a["choices"][0]["text"]
+
+
+def _wait_state(server: ServerProcess, rid: str, timeout: float = 10.0) -> str:
+    import time
+
+    from tests.server.harness import ledger_rows
+
+    deadline = time.monotonic() + timeout
+    state = ""
+    while time.monotonic() < deadline:
+        state = ledger_rows(server.db).get(rid, {}).get("state", "")
+        if state not in ("", "queued", "running"):
+            return state
+        time.sleep(0.05)
+    return state
+
+
+def _running(server: ServerProcess) -> float:
+    for line in httpx.get(server.base + "/metrics").text.splitlines():
+        if line.startswith("pagewire_requests_running "):
+            return float(line.split()[1])
+    raise AssertionError("no pagewire_requests_running")
+
+
+def test_client_disconnect_aborts_the_request_in_the_engine(server: ServerProcess) -> None:
+    body = {"model": "demo", "prompt": "Forever", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=60) as r:
+        rid = r.headers["x-request-id"]
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: {"):
+            pass
+    # The response is closed mid-stream: the engine drops the request at its next step.
+    assert _wait_state(server, rid) == "cancelled"
+    import time
+
+    deadline = time.monotonic() + 5
+    while _running(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _running(server) == 0
+
+
+def test_non_streamed_client_timeout_cancels_too(server: ServerProcess) -> None:
+    body = {"model": "demo", "prompt": "Forever again", "max_tokens": 1500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base + "/v1/completions", json=body, headers={"Idempotency-Key": "gone-1"}, timeout=1.0)
+    from tests.server.harness import ledger_rows
+
+    rid = next(r["request_id"] for r in ledger_rows(server.db).values() if r["idempotency_key"] == "gone-1")
+    assert _wait_state(server, rid) == "cancelled"
+
+
+def test_request_deadline_ends_it_with_504(server: ServerProcess) -> None:
+    r = httpx.post(server.base + "/v1/completions", timeout=60, json={
+        "model": "demo", "prompt": "Slow", "max_tokens": 1500, "ignore_eos": True, "timeout": 0.5})
+    assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"

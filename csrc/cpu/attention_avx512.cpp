@@ -1,4 +1,4 @@
-// AVX-512 micro-kernels for CPU paged attention (16 fp32 lanes = one KV chunk), compiled for that
+// AVX-512 micro-kernels for CPU paged attention (16 fp32 lanes per vector), compiled for that
 // ISA via a target pragma and chosen at runtime, so the .so still loads on CPUs without it.
 #include <immintrin.h>
 
@@ -28,6 +28,7 @@ bool cpu_has_avx512() {
 
 // GCC 12's own intrinsic headers trip -Wmaybe-uninitialized (the _mm256_undefined_* idiom).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma")
 
@@ -104,31 +105,58 @@ inline void transpose16(__m512 (&x)[16]) {
   }
 }
 
-// s[r][:] = sum_d q[r][d] * kt[d][:] for RB rows: RB accumulators, one K load per d shared by them.
-template <int RB>
-inline void qk_rows(const float* q, int D, const float* kt, float* s) {
-  __m512 acc[RB];
-  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
-  for (int d = 0; d < D; ++d) {
-    const __m512 k = _mm512_load_ps(kt + d * kChunk);
-    for (int r = 0; r < RB; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + d]), k, acc[r]);
+// s[r][16i:16i+16] = sum_d q[r][d] * kt[d][16i:16i+16] for RB rows and NV column vectors:
+// RB * NV accumulators, and each K vector loaded once per d is shared by all RB rows.
+template <int RB, int NV>
+inline void qk_rows(const float* q, int64_t D, const float* kt, float* s) {
+  __m512 acc[RB][NV];
+  const float* qr[RB];
+  for (int r = 0; r < RB; ++r) {
+    qr[r] = q + r * D;
+    for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_setzero_ps();
   }
-  for (int r = 0; r < RB; ++r) _mm512_store_ps(s + r * kChunk, acc[r]);
+  for (int64_t d = 0; d < D; ++d) {
+    __m512 k[NV];
+    for (int i = 0; i < NV; ++i) k[i] = _mm512_load_ps(kt + d * kSpan + 16 * i);
+    for (int r = 0; r < RB; ++r) {
+      const __m512 qv = _mm512_set1_ps(qr[r][d]);
+      for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_fmadd_ps(qv, k[i], acc[r][i]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    for (int i = 0; i < NV; ++i) _mm512_store_ps(s + r * kSpan + 16 * i, acc[r][i]);
+  }
 }
 
-// acc[r][d0:d0+16*NV] = alpha[r] * acc + sum_j p[r][j] * v[j][d0:...] for RB rows.
+// Row blocks as large as the register file allows (about 24 accumulators), then one smaller
+// block for the remainder, so a 4-row decode tile is a single block.
+template <int NV, int RB = 24 / NV>
+inline void qk_all(const float* q, int rows, int64_t D, const float* kt, float* s) {
+  if constexpr (RB > 0) {
+    int r = 0;
+    if (rows >= RB) {
+      for (; r + RB <= rows; r += RB) qk_rows<RB, NV>(q + r * D, D, kt, s + r * kSpan);
+      if (r < rows) qk_all<NV, RB - 1>(q + r * D, rows - r, D, kt, s + r * kSpan);
+    } else {
+      qk_all<NV, RB - 1>(q, rows, D, kt, s);
+    }
+  }
+}
+
+// acc[r][16i..] = alpha[r] * acc[r][16i..] + sum_{j<n} p[r][j] * v[j][16i..] for RB rows and NV
+// vectors of D.
 template <int RB, int NV>
-inline void pv_block(const float* p, const float* alpha, int D, const float* v, float* acc) {
+inline void pv_block(const float* p, const float* alpha, int64_t D, const float* v, int n, float* acc) {
   __m512 a[RB][NV];
   for (int r = 0; r < RB; ++r) {
     const __m512 al = _mm512_set1_ps(alpha[r]);
     for (int i = 0; i < NV; ++i) a[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * i), al);
   }
-  for (int j = 0; j < kChunk; ++j) {
+  for (int j = 0; j < n; ++j) {
     __m512 vv[NV];
     for (int i = 0; i < NV; ++i) vv[i] = _mm512_loadu_ps(v + j * D + 16 * i);
     for (int r = 0; r < RB; ++r) {
-      const __m512 pj = _mm512_set1_ps(p[r * kChunk + j]);
+      const __m512 pj = _mm512_set1_ps(p[r * kSpan + j]);
       for (int i = 0; i < NV; ++i) a[r][i] = _mm512_fmadd_ps(pj, vv[i], a[r][i]);
     }
   }
@@ -138,22 +166,61 @@ inline void pv_block(const float* p, const float* alpha, int D, const float* v, 
 }
 
 template <int RB>
-inline void pv_rows(const float* p, const float* alpha, int D, const float* v, float* acc) {
-  int d0 = 0;
-  for (; d0 + 64 <= D; d0 += 64) pv_block<RB, 4>(p, alpha, D, v + d0, acc + d0);
+inline void pv_rows(const float* p, const float* alpha, int64_t D, const float* v, int n, float* acc) {
+  int64_t d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) pv_block<RB, 4>(p, alpha, D, v + d0, n, acc + d0);
   switch ((D - d0) / 16) {
     case 3:
-      pv_block<RB, 3>(p, alpha, D, v + d0, acc + d0);
+      pv_block<RB, 3>(p, alpha, D, v + d0, n, acc + d0);
       break;
     case 2:
-      pv_block<RB, 2>(p, alpha, D, v + d0, acc + d0);
+      pv_block<RB, 2>(p, alpha, D, v + d0, n, acc + d0);
       break;
     case 1:
-      pv_block<RB, 1>(p, alpha, D, v + d0, acc + d0);
+      pv_block<RB, 1>(p, alpha, D, v + d0, n, acc + d0);
       break;
     default:
       break;
   }
+}
+
+template <int RB = 6>
+inline void pv_all(const float* p, const float* alpha, int rows, int64_t D, const float* v, int n, float* acc) {
+  if constexpr (RB > 0) {
+    int r = 0;
+    if (rows >= RB) {
+      for (; r + RB <= rows; r += RB) pv_rows<RB>(p + r * kSpan, alpha + r, D, v, n, acc + r * D);
+      if (r < rows) pv_all<RB - 1>(p + r * kSpan, alpha + r, rows - r, D, v, n, acc + r * D);
+    } else {
+      pv_all<RB - 1>(p, alpha, rows, D, v, n, acc);
+    }
+  }
+}
+
+template <int NV>
+inline void softmax_row(float* srow, float* m, float* l, float* alpha) {
+  __m512 sv[NV];
+  __m512 mv = _mm512_set1_ps(*m);
+  for (int i = 0; i < NV; ++i) {
+    sv[i] = _mm512_load_ps(srow + 16 * i);
+    mv = _mm512_max_ps(mv, sv[i]);
+  }
+  const float mx = _mm512_reduce_max_ps(mv);
+  if (mx == -std::numeric_limits<float>::infinity()) {  // nothing visible yet in this row
+    for (int i = 0; i < NV; ++i) _mm512_store_ps(srow + 16 * i, _mm512_setzero_ps());
+    *alpha = 1.f;
+    return;
+  }
+  const __m512 mb = _mm512_set1_ps(mx);
+  __m512 sum = _mm512_setzero_ps();
+  for (int i = 0; i < NV; ++i) {
+    const __m512 pv = exp512(_mm512_sub_ps(sv[i], mb));
+    _mm512_store_ps(srow + 16 * i, pv);
+    sum = _mm512_add_ps(sum, pv);
+  }
+  *alpha = std::exp(*m - mx);
+  *l = *l * *alpha + _mm512_reduce_add_ps(sum);
+  *m = mx;
 }
 
 struct Avx512Isa {
@@ -163,57 +230,66 @@ struct Avx512Isa {
     for (int d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(load16(src + d), sc));
   }
 
-  // kt[d][j] = K[j][d] for j in [j_lo, j_hi), zero elsewhere; 16x16 transposes in registers.
+  // kt[d][j] = K[j][d] for j < n (zero up to the next multiple of 16), via 16x16 register transposes.
   template <class E>
-  static void load_k(const E* k, int j_lo, int j_hi, int D, float* kt) {
-    for (int d0 = 0; d0 < D; d0 += 16) {
-      __m512 x[16];
-      for (int j = 0; j < kChunk; ++j) {
-        x[j] = (j >= j_lo && j < j_hi) ? load16(k + static_cast<int64_t>(j) * D + d0) : _mm512_setzero_ps();
-      }
-      transpose16(x);
-      for (int i = 0; i < 16; ++i) _mm512_store_ps(kt + (d0 + i) * kChunk, x[i]);
-    }
-  }
-
-  template <class E>
-  static void load_v(const E* v, int j_lo, int j_hi, int D, float* dst) {
-    for (int j = 0; j < kChunk; ++j) {
-      const bool valid = j >= j_lo && j < j_hi;
-      for (int d = 0; d < D; d += 16) {
-        _mm512_storeu_ps(dst + j * D + d, valid ? load16(v + static_cast<int64_t>(j) * D + d) : _mm512_setzero_ps());
+  static void load_k(const E* const* k_rows, int n, int D, float* kt) {
+    for (int c = 0; c < n; c += 16) {
+      for (int d0 = 0; d0 < D; d0 += 16) {
+        __m512 x[16];
+        for (int j = 0; j < 16; ++j) x[j] = c + j < n ? load16(k_rows[c + j] + d0) : _mm512_setzero_ps();
+        transpose16(x);
+        for (int i = 0; i < 16; ++i) _mm512_store_ps(kt + (d0 + i) * kSpan + c, x[i]);
       }
     }
   }
 
-  static void qk(const float* q, int rows, int D, const float* kt, float* s) {
-    int r = 0;
-    for (; r + 8 <= rows; r += 8) qk_rows<8>(q + static_cast<int64_t>(r) * D, D, kt, s + r * kChunk);
-    for (; r + 4 <= rows; r += 4) qk_rows<4>(q + static_cast<int64_t>(r) * D, D, kt, s + r * kChunk);
-    for (; r < rows; ++r) qk_rows<1>(q + static_cast<int64_t>(r) * D, D, kt, s + r * kChunk);
+  template <class E>
+  static void load_v(const E* const* v_rows, int n, int D, float* v) {
+    for (int j = 0; j < n; ++j) {
+      for (int d = 0; d < D; d += 16) _mm512_storeu_ps(v + j * D + d, load16(v_rows[j] + d));
+    }
   }
 
-  static void softmax_step(float* srow, float* m, float* l, float* alpha) {
-    const __m512 sv = _mm512_load_ps(srow);
-    const float mx = std::max(*m, _mm512_reduce_max_ps(sv));
-    if (mx == -std::numeric_limits<float>::infinity()) {  // nothing visible yet in this row
-      _mm512_store_ps(srow, _mm512_setzero_ps());
-      *alpha = 1.f;
-      return;
+  static void qk(const float* q, int rows, int D, const float* kt, int nw, float* s) {
+    switch (nw / 16) {
+      case 4:
+        return qk_all<4>(q, rows, D, kt, s);
+      case 3:
+        return qk_all<3>(q, rows, D, kt, s);
+      case 2:
+        return qk_all<2>(q, rows, D, kt, s);
+      default:
+        return qk_all<1>(q, rows, D, kt, s);
     }
-    const __m512 pv = exp512(_mm512_sub_ps(sv, _mm512_set1_ps(mx)));
-    _mm512_store_ps(srow, pv);
-    *alpha = std::exp(*m - mx);
-    *l = *l * *alpha + _mm512_reduce_add_ps(pv);
-    *m = mx;
   }
 
-  static void pv(const float* p, const float* alpha, int rows, int D, const float* v, float* acc) {
-    int r = 0;
-    for (; r + 4 <= rows; r += 4) {
-      pv_rows<4>(p + r * kChunk, alpha + r, D, v, acc + static_cast<int64_t>(r) * D);
+  static void mask_row(float* srow, int nw, int lo, int hi) {
+    // Bit j set = column j visible.
+    const uint64_t below_hi = hi >= 64 ? ~0ull : (hi <= 0 ? 0ull : (1ull << hi) - 1);
+    const uint64_t below_lo = lo >= 64 ? ~0ull : (lo <= 0 ? 0ull : (1ull << lo) - 1);
+    const uint64_t visible = below_hi & ~below_lo;
+    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int c = 0; c < nw; c += 16) {
+      const __mmask16 k = static_cast<__mmask16>(visible >> c);
+      _mm512_store_ps(srow + c, _mm512_mask_mov_ps(ninf, k, _mm512_load_ps(srow + c)));
     }
-    for (; r < rows; ++r) pv_rows<1>(p + r * kChunk, alpha + r, D, v, acc + static_cast<int64_t>(r) * D);
+  }
+
+  static void softmax_step(float* srow, int nw, float* m, float* l, float* alpha) {
+    switch (nw / 16) {
+      case 4:
+        return softmax_row<4>(srow, m, l, alpha);
+      case 3:
+        return softmax_row<3>(srow, m, l, alpha);
+      case 2:
+        return softmax_row<2>(srow, m, l, alpha);
+      default:
+        return softmax_row<1>(srow, m, l, alpha);
+    }
+  }
+
+  static void pv(const float* p, const float* alpha, int rows, int D, const float* v, int n, float* acc) {
+    pv_all(p, alpha, rows, D, v, n, acc);
   }
 
   template <class E>

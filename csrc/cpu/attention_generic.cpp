@@ -13,49 +13,54 @@ struct GenericIsa {
     for (int d = 0; d < D; ++d) dst[d] = to_float(src[d]) * scale;
   }
 
-  // kt[d][j] = K[j][d] for j in [j_lo, j_hi), zero elsewhere.
+  // kt[d][j] = K[j][d] for j < n, zero for the padding columns up to the next multiple of 16.
   template <class E>
-  static void load_k(const E* k, int j_lo, int j_hi, int D, float* kt) {
-    for (int d = 0; d < D; ++d) {
-      for (int j = 0; j < kChunk; ++j) {
-        kt[d * kChunk + j] = (j >= j_lo && j < j_hi) ? to_float(k[static_cast<int64_t>(j) * D + d]) : 0.f;
-      }
+  static void load_k(const E* const* k_rows, int n, int D, float* kt) {
+    const int nw = round16(n);
+    for (int j = 0; j < nw; ++j) {
+      for (int d = 0; d < D; ++d) kt[d * kSpan + j] = j < n ? to_float(k_rows[j][d]) : 0.f;
     }
   }
 
-  // v[j][d] = V[j][d] for j in [j_lo, j_hi), zero rows elsewhere.
+  // v[j][d] = V[j][d] for j < n.
   template <class E>
-  static void load_v(const E* v, int j_lo, int j_hi, int D, float* dst) {
-    for (int j = 0; j < kChunk; ++j) {
-      const bool valid = j >= j_lo && j < j_hi;
-      for (int d = 0; d < D; ++d) dst[j * D + d] = valid ? to_float(v[static_cast<int64_t>(j) * D + d]) : 0.f;
+  static void load_v(const E* const* v_rows, int n, int D, float* v) {
+    for (int j = 0; j < n; ++j) {
+      for (int d = 0; d < D; ++d) v[j * D + d] = to_float(v_rows[j][d]);
     }
   }
 
-  // s[r][j] = sum_d q[r][d] * kt[d][j]
-  static void qk(const float* q, int rows, int D, const float* kt, float* s) {
+  // s[r][j] = sum_d q[r][d] * kt[d][j] for j < nw
+  static void qk(const float* q, int rows, int D, const float* kt, int nw, float* s) {
     for (int r = 0; r < rows; ++r) {
-      float acc[kChunk] = {};
+      float acc[kSpan] = {};
       const float* qr = q + static_cast<int64_t>(r) * D;
       for (int d = 0; d < D; ++d) {
-        for (int j = 0; j < kChunk; ++j) acc[j] += qr[d] * kt[d * kChunk + j];
+        for (int j = 0; j < kSpan; ++j) acc[j] += qr[d] * kt[d * kSpan + j];
       }
-      for (int j = 0; j < kChunk; ++j) s[r * kChunk + j] = acc[j];
+      for (int j = 0; j < nw; ++j) s[r * kSpan + j] = acc[j];
+    }
+  }
+
+  // Scores outside [lo, hi) become -inf.
+  static void mask_row(float* srow, int nw, int lo, int hi) {
+    for (int j = 0; j < nw; ++j) {
+      if (j < lo || j >= hi) srow[j] = -std::numeric_limits<float>::infinity();
     }
   }
 
   // Online-softmax update of one row: scores become probabilities relative to the new running
   // max; *alpha is the factor that moves the row's accumulator to that max (applied in pv).
-  static void softmax_step(float* srow, float* m, float* l, float* alpha) {
+  static void softmax_step(float* srow, int nw, float* m, float* l, float* alpha) {
     float mx = *m;
-    for (int j = 0; j < kChunk; ++j) mx = std::max(mx, srow[j]);
+    for (int j = 0; j < nw; ++j) mx = std::max(mx, srow[j]);
     if (mx == -std::numeric_limits<float>::infinity()) {  // nothing visible yet in this row
-      for (int j = 0; j < kChunk; ++j) srow[j] = 0.f;
+      for (int j = 0; j < nw; ++j) srow[j] = 0.f;
       *alpha = 1.f;
       return;
     }
     float sum = 0.f;
-    for (int j = 0; j < kChunk; ++j) {
+    for (int j = 0; j < nw; ++j) {
       srow[j] = std::exp(srow[j] - mx);
       sum += srow[j];
     }
@@ -64,15 +69,15 @@ struct GenericIsa {
     *m = mx;
   }
 
-  // acc[r][d] = alpha[r] * acc[r][d] + sum_j p[r][j] * v[j][d]
-  static void pv(const float* p, const float* alpha, int rows, int D, const float* v, float* acc) {
+  // acc[r][d] = alpha[r] * acc[r][d] + sum_{j < n} p[r][j] * v[j][d]
+  static void pv(const float* p, const float* alpha, int rows, int D, const float* v, int n, float* acc) {
     for (int r = 0; r < rows; ++r) {
       float* ar = acc + static_cast<int64_t>(r) * D;
       if (alpha[r] != 1.f) {
         for (int d = 0; d < D; ++d) ar[d] *= alpha[r];
       }
-      for (int j = 0; j < kChunk; ++j) {
-        const float pj = p[r * kChunk + j];
+      for (int j = 0; j < n; ++j) {
+        const float pj = p[r * kSpan + j];
         if (pj == 0.f) continue;
         for (int d = 0; d < D; ++d) ar[d] += pj * v[j * D + d];
       }

@@ -1,5 +1,6 @@
 // The ISA-independent part of the CPU paged-attention kernel: one (query tile, KV head) work unit
-// with a flash-style online softmax over 16-position KV chunks, templated on the micro-kernels.
+// with a flash-style online softmax over KV spans of up to 64 positions, templated on the
+// micro-kernels (an Isa struct: load_q, load_k, load_v, qk, mask_row, softmax_step, pv, store_o).
 //
 // Included by exactly one .cpp per ISA (attention_generic.cpp, attention_avx512.cpp); everything
 // here has internal linkage so each inclusion compiles with that file's target options and
@@ -21,31 +22,36 @@
 namespace pagewire::cpu {
 namespace {
 
-constexpr int kChunk = 16;  // KV positions per inner step: one AVX-512 register of fp32 scores
+// KV positions per online-softmax step. Four 16-lane vectors per score row: the per-row softmax
+// bookkeeping (max, rescale, one scalar exp) is paid once per 64 positions, not once per 16.
+constexpr int kSpan = 64;
+constexpr int kPrefetchSpans = 1;  // how far ahead K/V tiles are prefetched
 
-// Per-thread fp32 scratch, allocated once per parallel region. Rows are (token, head) pairs of a tile.
+inline int round16(int n) { return (n + 15) / 16 * 16; }
+
+// Per-thread fp32 scratch, allocated once per call. Rows are (token, head) pairs of a tile.
 struct Scratch {
-  float* q;    // [rows, D] scaled queries
-  float* acc;  // [rows, D] unnormalised output
-  float* s;    // [rows, kChunk] scores, then probabilities
-  float* kt;   // [D, kChunk] transposed K chunk
-  float* v;    // [kChunk, D] V chunk
-  float* m;    // [rows] running max
-  float* l;    // [rows] running sum of exp
-  float* alpha;  // [rows] rescale factor of acc for the current chunk
+  float* q;      // [rows, D] scaled queries
+  float* acc;    // [rows, D] unnormalised output
+  float* s;      // [rows, kSpan] scores, then probabilities
+  float* kt;     // [D, kSpan] transposed K span
+  float* v;      // [kSpan, D] V span
+  float* m;      // [rows] running max
+  float* l;      // [rows] running sum of exp
+  float* alpha;  // [rows] rescale factor of acc for the current span
   void* base;
 
   Scratch(int64_t rows, int64_t D) {
     const int64_t r16 = (rows + 15) / 16 * 16;
-    const int64_t floats = 2 * r16 * D + r16 * kChunk + 2 * D * kChunk + 3 * r16;
+    const int64_t floats = 2 * r16 * D + r16 * kSpan + 2 * D * kSpan + 3 * r16;
     base = std::aligned_alloc(64, static_cast<size_t>(floats) * sizeof(float));
     if (base == nullptr) throw std::bad_alloc();
     float* p = static_cast<float*>(base);
     q = p, p += r16 * D;
     acc = p, p += r16 * D;
-    s = p, p += r16 * kChunk;
-    kt = p, p += D * kChunk;
-    v = p, p += D * kChunk;
+    s = p, p += r16 * kSpan;
+    kt = p, p += D * kSpan;
+    v = p, p += D * kSpan;
     m = p, p += r16;
     l = p, p += r16;
     alpha = p;
@@ -55,6 +61,11 @@ struct Scratch {
   Scratch& operator=(const Scratch&) = delete;
 };
 
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+}
+
 template <class Isa, class E>
 void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratch& s) {
   const int G = a.num_heads / a.num_kv_heads, D = a.head_dim, bs = a.block_size, W = a.sliding_window;
@@ -63,6 +74,27 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
   const int q_len = a.query_start_loc[w.seq + 1] - static_cast<int>(q_start);
   const int pos0 = a.seq_lens[w.seq] - q_len + w.q_begin;  // absolute position of the tile's first token
   const int pos_last = pos0 + w.q_count - 1;
+
+  const int32_t* table = a.block_tables + w.seq * a.block_table_stride;
+  const int64_t tile_elems = static_cast<int64_t>(bs) * D;  // one contiguous (block, kv_head) tile
+  const E* key_cache = static_cast<const E*>(a.key_cache);
+  const E* value_cache = static_cast<const E*>(a.value_cache);
+  auto tile_of = [&](int b) { return (static_cast<int64_t>(table[b]) * a.num_kv_heads + kvh) * tile_elems; };
+  // Union of the rows' visible ranges; positions outside it are never loaded, so stale or
+  // uninitialised cache slots (possibly NaN) cannot leak into P @ V.
+  const int kv_lo = W > 0 ? std::max(0, pos0 - W + 1) : 0;
+  const int kv_hi = pos_last + 1;
+  // Physical blocks are scattered, so the hardware prefetcher cannot guess the next tile: software
+  // prefetch the blocks of the span after next while this one is computed (decode is memory-bound).
+  auto prefetch_span = [&](int p0) {
+    if (p0 >= kv_hi) return;
+    const int p1 = std::min(p0 + kSpan, kv_hi);
+    for (int b = p0 / bs; b <= (p1 - 1) / bs; ++b) {
+      prefetch_bytes(key_cache + tile_of(b), tile_elems * sizeof(E));
+      prefetch_bytes(value_cache + tile_of(b), tile_elems * sizeof(E));
+    }
+  };
+  for (int i = 0; i <= kPrefetchSpans; ++i) prefetch_span(kv_lo + i * kSpan);
 
   // Row r = t * G + g: token t of the tile, query head kvh * G + g.
   const E* query = static_cast<const E*>(a.query);
@@ -76,42 +108,36 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
   std::fill(s.m, s.m + rows, -std::numeric_limits<float>::infinity());
   std::fill(s.l, s.l + rows, 0.f);
 
-  // Union of the rows' visible ranges; positions outside it are never loaded, so stale or
-  // uninitialised cache slots (possibly NaN) cannot leak into P @ V.
-  const int kv_lo = W > 0 ? std::max(0, pos0 - W + 1) : 0;
-  const int kv_hi = pos_last + 1;
-  const int32_t* table = a.block_tables + w.seq * a.block_table_stride;
-  const int64_t tile_elems = static_cast<int64_t>(bs) * D;  // one contiguous (block, kv_head) tile
-  const E* key_cache = static_cast<const E*>(a.key_cache);
-  const E* value_cache = static_cast<const E*>(a.value_cache);
-
-  for (int b = kv_lo / bs; b <= (kv_hi - 1) / bs; ++b) {
-    const int64_t tile = (static_cast<int64_t>(table[b]) * a.num_kv_heads + kvh) * tile_elems;
-    for (int off = 0; off < bs; off += kChunk) {
-      const int base = b * bs + off;
-      const int j_lo = std::max(0, kv_lo - base);
-      const int j_hi = std::min({kChunk, bs - off, kv_hi - base});
-      if (j_lo >= j_hi) continue;
-      Isa::load_k(key_cache + tile + static_cast<int64_t>(off) * D, j_lo, j_hi, D, s.kt);
-      Isa::load_v(value_cache + tile + static_cast<int64_t>(off) * D, j_lo, j_hi, D, s.v);
-      Isa::qk(s.q, rows, D, s.kt, s.s);
-
-      // A chunk visible to every row in full needs no masking (the common case in long contexts).
-      const bool full = j_lo == 0 && j_hi == kChunk && base + kChunk - 1 <= pos0 && (W <= 0 || pos_last - base < W);
-      for (int r = 0; r < rows; ++r) {
-        float* srow = s.s + r * kChunk;
-        if (!full) {
-          const int pq = pos0 + r / G;
-          const int hi = std::min(j_hi, pq - base + 1);
-          const int lo = W > 0 ? std::max(j_lo, pq - W + 1 - base) : j_lo;
-          for (int j = 0; j < kChunk; ++j) {
-            if (j < lo || j >= hi) srow[j] = -std::numeric_limits<float>::infinity();
-          }
-        }
-        Isa::softmax_step(srow, s.m + r, s.l + r, s.alpha + r);
-      }
-      Isa::pv(s.s, s.alpha, rows, D, s.v, s.acc);
+  const E* k_rows[kSpan];
+  const E* v_rows[kSpan];
+  for (int p0 = kv_lo; p0 < kv_hi; p0 += kSpan) {
+    prefetch_span(p0 + (kPrefetchSpans + 1) * kSpan);
+    const int n = std::min(kSpan, kv_hi - p0);  // positions in this span
+    const int nw = round16(n);                   // columns computed (padding columns are masked)
+    // One pointer per position: spans may straddle blocks, and blocks need not be 16-aligned.
+    for (int j = 0, b = p0 / bs, off = p0 % bs; j < n; ++j) {
+      const int64_t at = tile_of(b) + static_cast<int64_t>(off) * D;
+      k_rows[j] = key_cache + at;
+      v_rows[j] = value_cache + at;
+      if (++off == bs) off = 0, ++b;
     }
+    Isa::load_k(k_rows, n, D, s.kt);
+    Isa::load_v(v_rows, n, D, s.v);
+    Isa::qk(s.q, rows, D, s.kt, nw, s.s);
+
+    // A span visible to every row in full needs no masking (the common case in long contexts).
+    const bool full = n == nw && p0 + n - 1 <= pos0 && (W <= 0 || pos_last - p0 < W);
+    for (int r = 0; r < rows; ++r) {
+      float* srow = s.s + r * kSpan;
+      if (!full) {
+        const int pq = pos0 + r / G;
+        const int hi = std::min(n, pq - p0 + 1);
+        const int lo = W > 0 ? std::max(0, pq - W + 1 - p0) : 0;
+        Isa::mask_row(srow, nw, lo, hi);
+      }
+      Isa::softmax_step(srow, nw, s.m + r, s.l + r, s.alpha + r);
+    }
+    Isa::pv(s.s, s.alpha, rows, D, s.v, n, s.acc);
   }
 
   E* out = static_cast<E*>(a.out);

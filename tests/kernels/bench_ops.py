@@ -1,0 +1,84 @@
+"""Micro-benchmarks of the CPU kernels against the PyTorch baselines (run by hand, not by pytest).
+
+Usage: .venv/bin/python -m tests.kernels.bench_ops [attention|linear] [--dtype bfloat16]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from server import ops
+from tests.kernels.paged_reference import make_paged_batch
+
+
+def best_of(fn: Callable[[], object], repeat: int = 20, warmup: int = 3) -> float:
+    """Best wall time in milliseconds (the least disturbed run on a shared machine)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times) * 1e3
+
+
+def bench_attention(dtype: torch.dtype) -> None:
+    H, KVH, D = 16, 4, 64
+    gen = torch.Generator().manual_seed(0)
+    cases = {
+        "decode 64 seqs x ~300 ctx": [(int(c), 1) for c in torch.randint(250, 350, (64,), generator=gen)],
+        "prefill 1 x 1024": [(0, 1024)],
+    }
+    for name, specs in cases.items():
+        b = make_paged_batch(specs, H, KVH, D, dtype, gen, spare_blocks=0)
+        b.key_cache = torch.nan_to_num(b.key_cache)
+        b.value_cache = torch.nan_to_num(b.value_cache)
+        out = torch.empty_like(b.query)
+        args = (out, b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.query_start_loc,
+                D**-0.5, 0, b.max_query_len, b.max_seq_len)
+        ours = best_of(lambda: ops.paged_attention(*args))
+        # SDPA on dense, already-gathered K/V (its best case: no paging cost at all).
+        S, L = len(specs), b.max_seq_len
+        q_len = specs[0][1]
+        q = torch.randn(S, H, q_len, D, generator=gen).to(dtype)
+        k = torch.randn(S, KVH, L, D, generator=gen).to(dtype)
+        v = torch.randn(S, KVH, L, D, generator=gen).to(dtype)
+        causal = q_len > 1
+        sdpa = best_of(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True))
+        kv_bytes = 2 * sum(c + n for c, n in specs) * KVH * D * b.key_cache.element_size()
+        print(f"{name:28s} {str(dtype):15s} pagewire {ours:8.3f} ms ({kv_bytes / ours / 1e6:6.1f} GB/s KV)"
+              f"   sdpa(dense, padded to {L}) {sdpa:8.3f} ms   speedup {sdpa / ours:5.2f}x")
+
+
+def bench_linear() -> None:
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    for N, K in [(1024, 1024), (3072, 1024), (4096, 1024), (1024, 4096), (32000, 1024)]:
+        w = torch.randn(N, K, generator=gen).to(dtype)
+        for M in [1, 2, 4, 8, 16, 32]:
+            x = torch.randn(M, K, generator=gen).to(dtype)
+            ours = best_of(lambda: ops.linear(x, w))
+            ref = best_of(lambda: F.linear(x, w))
+            gbs = N * K * 2 / 1e6
+            print(f"N={N:6d} K={K:5d} M={M:3d}  pagewire {ours:7.3f} ms ({gbs / ours:5.1f} GB/s)"
+                  f"   torch {ref:7.3f} ms ({gbs / ref:5.1f} GB/s)   speedup {ref / ours:5.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("what", choices=["attention", "linear"], nargs="?", default="attention")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    a = parser.parse_args()
+    if a.what == "attention":
+        bench_attention(getattr(torch, a.dtype))
+    else:
+        bench_linear()
+
+
+if __name__ == "__main__":
+    main()

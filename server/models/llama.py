@@ -238,13 +238,3 @@ class LlamaFamilyForCausalLM(nn.Module):
             targets.update(layer.checkpoint_tensors(f"model.layers.{i}."))
         return targets
 
-
-def describe(model: LlamaFamilyForCausalLM) -> str:
-    """One line for the start-up log: architecture, size, dtype."""
-    c = model.config
-    n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    return (
-        f"{c.architecture}: {c.num_layers} layers, hidden {c.hidden_size}, heads {c.num_heads}/{c.num_kv_heads} "
-        f"x {c.head_dim}, vocab {c.vocab_size}, {n / 1e6:.1f}M params, {str(model.dtype).removeprefix('torch.')}"
-        + (f", sliding window {c.sliding_window}" if c.sliding_window else "")
-    )

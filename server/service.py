@@ -156,6 +156,10 @@ class RequestService:
         if timeout:
             job.deadline_timer = asyncio.get_running_loop().call_later(timeout, self._expire, job)
         self.admission.enqueue(job, spec.client, spec.klass, spec.priority)
+        if self.draining:
+            # Shutdown began while the row was being committed: the drain may already have
+            # passed its cancel sweep, so end this one here (it becomes `interrupted`).
+            self.cancel(job, "shutdown")
         return job
 
     # -- subscribing ----------------------------------------------------------------------------

@@ -79,6 +79,10 @@ class GenerateEndpoint:
                 self.rt.metrics.rejected.labels(code=e.code).inc()
             await send_error(send, e)
             return
+        except Exception as e:  # a bug or a broken ledger: still answer in OpenAI's shape
+            log.exception("admitting a request failed")
+            await send_error(send, GenerationFailed(f"internal error: {e}", code="internal_error"))
+            return
         if stream:
             await self._stream(send, receive, admitted, include_usage)
         else:

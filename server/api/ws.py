@@ -260,6 +260,12 @@ class WsConnection:
                 self.rt.metrics.rejected.labels(code=e.code).inc()
             self._error(cid, e.code, e.message, e.param, e.retry_after_s)
             return
+        except Exception as e:  # a bug or a broken ledger: the client still hears about its id
+            log.exception("admitting a request failed")
+            if self.aliases.get(cid) is alias:
+                del self.aliases[cid]
+            self._error(cid, "internal_error", f"internal error: {e}")
+            return
         if self.aliases.get(cid) is not alias:  # the socket closed while we were admitting
             job = self.rt.service.jobs.get(admitted.request_id)
             if job is not None and not job.detached and not admitted.existing:

@@ -133,7 +133,8 @@ class WsClient:
     async def __aenter__(self) -> "WsClient":
         from websockets.asyncio.client import connect
 
-        self.conn = await connect(self.url, proxy=None, max_size=8 * 1024 * 1024)
+        # A short close timeout: after a server crash the close handshake cannot complete.
+        self.conn = await connect(self.url, proxy=None, max_size=8 * 1024 * 1024, close_timeout=1)
         return self
 
     async def __aexit__(self, *exc: Any) -> None:

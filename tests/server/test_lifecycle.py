@@ -174,3 +174,25 @@ def test_health_and_generation_are_503_when_the_model_cannot_load(demo_model: Pa
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_load_failed"
     finally:
         srv.stop()
+
+
+def test_second_signal_forces_exit_and_leaves_no_open_row(demo_model: Path, tmp_path: Path) -> None:
+    db = tmp_path / "forced.db"
+    srv = ServerProcess(demo_model, db, "--shutdown-grace", "60").start()
+    try:
+        async def main() -> str:
+            async with WsClient(srv.ws_url) as ws:
+                await ws.send({"type": "generate", "id": "long", **LONG})
+                rid = (await ws.recv())["request_id"]
+                while (await ws.recv())["type"] != "delta":
+                    pass
+                srv.signal(signal.SIGTERM)  # starts a 60 s grace period...
+                await asyncio.sleep(0.5)
+                srv.signal(signal.SIGTERM)  # ...which the second signal cuts short
+                return rid
+
+        rid = asyncio.run(main())
+        assert srv.wait(10) == 130
+    finally:
+        srv.stop()
+    assert ledger_rows(db)[rid]["state"] == "interrupted"

@@ -85,7 +85,8 @@ def _db(ns: argparse.Namespace) -> Path:
 
 
 def _requests(ns: argparse.Namespace) -> int:
-    from server.ledger import LedgerError, open_readonly
+    from server.ledger import LedgerError
+    from server.ledger_sync import open_readonly
 
     try:
         conn = open_readonly(_db(ns))
@@ -99,7 +100,7 @@ def _requests(ns: argparse.Namespace) -> int:
 
 
 def _print_requests(ns: argparse.Namespace, conn: Any) -> int:
-    from server.ledger import get_record, list_records
+    from server.ledger_sync import get_record, list_records
 
     if ns.action == "list":
         rows = list_records(conn, ns.limit, ns.state)

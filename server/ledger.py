@@ -62,7 +62,7 @@ _MIGRATIONS: list[str] = [
     """,
 ]
 
-_COLUMNS = (
+COLUMNS = (
     "request_id, idempotency_key, kind, api, client, model, state, priority, params_json, "
     "prompt_json, created_at, admitted_at, first_token_at, finished_at, prompt_tokens, "
     "completion_tokens, cached_tokens, finish_reason, error, output_text, output_json"
@@ -337,12 +337,12 @@ class Ledger:
 
     # -- reads ----------------------------------------------------------------------------------
     async def get(self, request_id: str) -> Optional[RequestRecord]:
-        cur = await self._reader.execute(f"SELECT {_COLUMNS} FROM requests WHERE request_id = ?", (request_id,))
+        cur = await self._reader.execute(f"SELECT {COLUMNS} FROM requests WHERE request_id = ?", (request_id,))
         row = await cur.fetchone()
         return RequestRecord.from_row(tuple(row)) if row else None
 
     async def find_by_idempotency_key(self, key: str) -> Optional[RequestRecord]:
-        cur = await self._reader.execute(f"SELECT {_COLUMNS} FROM requests WHERE idempotency_key = ?", (key,))
+        cur = await self._reader.execute(f"SELECT {COLUMNS} FROM requests WHERE idempotency_key = ?", (key,))
         row = await cur.fetchone()
         return RequestRecord.from_row(tuple(row)) if row else None
 
@@ -355,45 +355,3 @@ class Ledger:
         await self._task
         await self._reader.close()
         await self._writer.close()
-
-
-# -- synchronous reads, for `pagewire requests` (no event loop needed) --------------------------
-
-
-def open_readonly(path: str | os.PathLike[str]) -> sqlite3.Connection:
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise LedgerError(f"no ledger at {p}")
-    conn = sqlite3.connect(f"file:{p}?mode=ro", uri=True)
-    conn.execute("PRAGMA busy_timeout=5000")
-    return conn
-
-
-def list_records(conn: sqlite3.Connection, limit: int = 50, state: Optional[str] = None) -> list[RequestRecord]:
-    sql = f"SELECT {_COLUMNS} FROM requests"
-    args: tuple[Any, ...] = ()
-    if state:
-        sql += " WHERE state = ?"
-        args = (state,)
-    sql += " ORDER BY created_at DESC LIMIT ?"
-    return [RequestRecord.from_row(r) for r in conn.execute(sql, args + (limit,))]
-
-
-def get_record(conn: sqlite3.Connection, request_id: str) -> Optional[RequestRecord]:
-    row = conn.execute(f"SELECT {_COLUMNS} FROM requests WHERE request_id = ?", (request_id,)).fetchone()
-    return RequestRecord.from_row(row) if row else None
-
-
-def interrupt_open_sync(path: str | os.PathLike[str], reason: str, busy_timeout_ms: int = 1000) -> int:
-    """Best effort on a forced exit (second signal): mark open rows interrupted, synchronously."""
-    conn = sqlite3.connect(str(path), timeout=busy_timeout_ms / 1000)
-    try:
-        cur = conn.execute(
-            "UPDATE requests SET state = 'interrupted', finished_at = ?, error = COALESCE(error, ?) "
-            "WHERE state IN ('queued', 'running')",
-            (time.time(), reason),
-        )
-        conn.commit()
-        return cur.rowcount
-    finally:
-        conn.close()

@@ -1,0 +1,53 @@
+"""Synchronous ledger access for code without an event loop: `pagewire requests list|show`, and
+the forced-exit path (second signal), which must finish before the process dies.
+
+Reads open the database read-only; under WAL they never block the server's writer.
+"""
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from server.ledger import COLUMNS, LedgerError, RequestRecord
+
+
+def open_readonly(path: str | os.PathLike[str]) -> sqlite3.Connection:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise LedgerError(f"no ledger at {p}")
+    conn = sqlite3.connect(f"file:{p}?mode=ro", uri=True)
+    conn.execute("PRAGMA busy_timeout=5000")
+    return conn
+
+
+def list_records(conn: sqlite3.Connection, limit: int = 50, state: Optional[str] = None) -> list[RequestRecord]:
+    sql = f"SELECT {COLUMNS} FROM requests"
+    args: tuple[Any, ...] = ()
+    if state:
+        sql += " WHERE state = ?"
+        args = (state,)
+    sql += " ORDER BY created_at DESC LIMIT ?"
+    return [RequestRecord.from_row(r) for r in conn.execute(sql, args + (limit,))]
+
+
+def get_record(conn: sqlite3.Connection, request_id: str) -> Optional[RequestRecord]:
+    row = conn.execute(f"SELECT {COLUMNS} FROM requests WHERE request_id = ?", (request_id,)).fetchone()
+    return RequestRecord.from_row(row) if row else None
+
+
+def interrupt_open_sync(path: str | os.PathLike[str], reason: str, busy_timeout_ms: int = 1000) -> int:
+    """Best effort on a forced exit (second signal): mark open rows interrupted, synchronously."""
+    conn = sqlite3.connect(str(path), timeout=busy_timeout_ms / 1000)
+    try:
+        cur = conn.execute(
+            "UPDATE requests SET state = 'interrupted', finished_at = ?, error = COALESCE(error, ?) "
+            "WHERE state IN ('queued', 'running')",
+            (time.time(), reason),
+        )
+        conn.commit()
+        return cur.rowcount
+    finally:
+        conn.close()

@@ -37,7 +37,7 @@ _END_CODES = {"deadline": "deadline_exceeded", "shutdown": "interrupted"}
 
 
 class Subscriber(Protocol):
-    def push(self, event: Event) -> None: ...
+    def push(self, event: Event, replay: bool = False) -> None: ...
 
 
 @dataclass
@@ -185,8 +185,8 @@ class RequestService:
             assert record is not None
             end = end_from_record(record)
             for ev in events_from_output(end.output or {}, after_seq):
-                sub.push(ev)
-            sub.push(end)
+                sub.push(ev, replay=True)
+            sub.push(end, replay=True)
             return None
         stream.attach(sub, after_seq)
         return stream if stream.end is None else None

@@ -5,7 +5,7 @@ step) appends to a `RequestStream`, which pushes into each subscriber's `Outbox`
 per connection drains its outbox at the pace of its socket. A slow socket therefore only grows
 its own outbox, where consecutive deltas of one sample are merged into one (same seq semantics:
 a merged delta carries the seq of its newest part). An outbox that still exceeds its byte bound
-is marked `overflowed`; its owner closes the connection with a resumable error, and the client
+is marked `overflowed` (replays, which arrive in one burst by design, do not count); its owner closes the connection with a resumable error, and the client
 resumes from the last seq it saw, which the stream's resume buffer still holds.
 
 Sequence numbers: every delta of a request gets the next integer, starting at 1, across all its
@@ -96,6 +96,10 @@ class Outbox:
         self.max_bytes = max_bytes
         self._pending: dict[Hashable, list[Event]] = {}
         self._bytes = 0
+        # Bytes pushed live since the writer last took the buffer. Only these count against
+        # max_bytes: a replay (resume, idempotent retry) arrives all at once by design and says
+        # nothing about the consumer's speed; it is bounded by the request's own output.
+        self._live_bytes = 0
         self._wake = asyncio.Event()
         self.overflowed = False
         self.closed = False
@@ -104,16 +108,17 @@ class Outbox:
     def pending_bytes(self) -> int:
         return self._bytes
 
-    def push(self, key: Hashable, event: Event) -> None:
+    def push(self, key: Hashable, event: Event, replay: bool = False) -> None:
         if self.closed or self.overflowed:
             return  # the client will resume from its last seq; the stream still has these
         items = self._pending.setdefault(key, [])
+        before = self._bytes
         if isinstance(event, DeltaEvent):
             last = items[-1] if items else None
             if isinstance(last, DeltaEvent) and last.index == event.index and last.finish_reason is None:
-                before = last.size()
+                size = last.size()
                 last.absorb(event)
-                self._bytes += last.size() - before
+                self._bytes += last.size() - size
             else:
                 # Copy: the stream's resume buffer must not see this connection's merges.
                 items.append(DeltaEvent(event.seq, event.index, event.text, list(event.token_ids),
@@ -123,8 +128,10 @@ class Outbox:
         else:
             items.append(event)
             self._bytes += 64
-        if self._bytes > self.max_bytes:
-            self.overflowed = True
+        if not replay:
+            self._live_bytes += self._bytes - before
+            if self._live_bytes > self.max_bytes:
+                self.overflowed = True
         self._wake.set()
 
     def take(self) -> list[tuple[Hashable, Event]]:
@@ -132,6 +139,7 @@ class Outbox:
         out = [(k, e) for k, items in self._pending.items() for e in items]
         self._pending.clear()
         self._bytes = 0
+        self._live_bytes = 0
         self._wake.clear()
         return out
 
@@ -158,8 +166,8 @@ class Subscription:
     key: Hashable
     on_end: Optional[Callable[[EndEvent], None]] = None
 
-    def push(self, event: Event) -> None:
-        self.outbox.push(self.key, event)
+    def push(self, event: Event, replay: bool = False) -> None:
+        self.outbox.push(self.key, event, replay)
         if isinstance(event, EndEvent) and self.on_end is not None:
             self.on_end(event)
 
@@ -210,9 +218,9 @@ class RequestStream:
             else:
                 hi = mid
         for ev in self.deltas[lo:]:
-            sub.push(ev)
+            sub.push(ev, replay=True)
         if self.end is not None:
-            sub.push(self.end)
+            sub.push(self.end, replay=True)
         else:
             self.subscribers.append(sub)
 

@@ -36,7 +36,7 @@ class EndWaiter:
     def __init__(self) -> None:
         self.future: asyncio.Future[EndEvent] = asyncio.get_running_loop().create_future()
 
-    def push(self, event: Event) -> None:
+    def push(self, event: Event, replay: bool = False) -> None:
         if isinstance(event, EndEvent) and not self.future.done():
             self.future.set_result(event)
 

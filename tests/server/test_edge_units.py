@@ -63,6 +63,21 @@ def test_outbox_overflow_marks_the_consumer_stuck_instead_of_growing() -> None:
     asyncio.run(main())
 
 
+def test_a_large_replay_does_not_count_as_a_stuck_consumer() -> None:
+    async def main() -> None:
+        stream = RequestStream("r")
+        for _ in range(100):
+            stream.publish(_samples("z" * 50), want_logprobs=False)
+        box = Outbox(max_bytes=2000)
+        stream.attach(Subscription(box, "k"))  # 5 kB of backlog into a 2 kB outbox
+        assert not box.overflowed
+        stream.publish(_samples("live"), want_logprobs=False)
+        assert not box.overflowed
+        assert [e.seq for _, e in await box.get()] == [101]
+
+    asyncio.run(main())
+
+
 def test_attach_replays_after_seq_then_goes_live_without_gap_or_duplicate() -> None:
     async def main() -> None:
         stream = RequestStream("r")

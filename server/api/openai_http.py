@@ -126,7 +126,7 @@ class GenerateEndpoint:
         fmt = self.rt.formatter
         payload = fmt.chat_response(end) if self.kind == "chat" else fmt.completion_response(end)
         try:
-            await send_json(send, 200, payload)
+            await send_json(send, 200, payload, [(b"x-request-id", end.request_id.encode())])
         except OSError:
             pass
 

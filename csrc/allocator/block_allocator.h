@@ -10,6 +10,9 @@
 // parent identity is (block id, generation) of the previous block in the chain; a block's
 // generation changes whenever its hash is dropped or it is handed out fresh, so a child that
 // points at a recycled or rewritten parent can never match again.
+//
+// Not thread-safe. The Python bindings hold the GIL for every call (calls are short), which
+// serialises all access from the engine.
 #pragma once
 
 #include <cstdint>

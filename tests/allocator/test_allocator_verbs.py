@@ -183,9 +183,14 @@ def test_truncate_drops_the_tail_and_unhashes_the_partial_last_block():
     a.truncate(1, 6)
     assert a.block_table(1) == [0, 1]
     assert a.refcount(2) == 0
-    a.free(1)
     # Block 1 lost its hash: only the first block is still a hit.
     assert checked(a).match_prefix(2, tokens[:9]) == 4
+    # Sampling different tokens after the rollback registers block 1 under them.
+    a.allocate_slots(1, 6, 2)
+    accepted = tokens[:6] + [60, 61]
+    a.cache_full_blocks(1, accepted)
+    a.free(1)
+    assert checked(a).match_prefix(3, accepted + [0]) == 8
 
 
 def test_truncate_to_a_block_boundary_keeps_full_blocks_registered():
@@ -216,9 +221,13 @@ def test_writing_over_an_unshared_cached_block_drops_its_hash():
     prefill(a, 1, tokens)
     a.free(1)
     assert a.match_prefix(2, tokens[:9]) == 8
-    assert a.allocate_slots(2, 4, 6) == []  # recompute from token 4: block 1 is rewritten
+    assert a.allocate_slots(2, 4, 6) == []  # rewrite from token 4 on: block 1 is overwritten
+    rewritten = tokens[:4] + [40, 41, 42, 43, 44, 45]
+    a.cache_full_blocks(2, rewritten)
     a.free(2)
     assert checked(a).match_prefix(3, tokens[:9]) == 4
+    a.free(3)
+    assert a.match_prefix(4, rewritten[:9]) == 8  # block 1 registered under its new tokens
 
 
 def test_out_of_blocks_returns_none_and_changes_nothing():

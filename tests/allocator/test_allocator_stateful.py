@@ -1,0 +1,170 @@
+"""Random operation sequences against BlockAllocator, checked against a simulated KV store.
+
+The simulated store maps block id -> what each slot holds and applies returned copy-on-write pairs
+exactly as copy_blocks would. Real KV at position p depends on every token up to p, so a slot
+holds the whole prefix tokens[:p + 1]: a block served under the wrong parent is caught too. After every step each live sequence must read its
+own tokens back from its blocks: that proves prefix hits attach correct contents, copy-on-write
+protects sharers, and no block is handed out while someone still reads it.
+"""
+import torch  # noqa: F401  (server._C links against libtorch; importing torch loads it)
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from server._C import BlockAllocator
+
+ALPHABET = st.integers(0, 2)  # tiny, so prompts share prefixes and full blocks repeat
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    @initialize(
+        num_blocks=st.integers(4, 24),
+        block_size=st.integers(1, 4),
+        hash_bits=st.sampled_from([2, 64]),
+        caching=st.booleans(),
+    )
+    def setup(self, num_blocks, block_size, hash_bits, caching):
+        self.alloc = BlockAllocator(num_blocks, block_size, caching, hash_bits)
+        self.bs = block_size
+        self.kv = {b: [None] * block_size for b in range(num_blocks)}
+        self.seqs = {}  # seq id -> {"tokens": known token ids, "computed": tokens with KV written}
+        self.finished = []  # token lists of freed sequences, to come back as repeated prompts
+        self.next_id = 0
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def pick(self, index):
+        return sorted(self.seqs)[index % len(self.seqs)]
+
+    def admit(self, prompt):
+        sid, self.next_id = self.next_id, self.next_id + 1
+        covered = self.alloc.match_prefix(sid, prompt[:-1])
+        assert covered % self.bs == 0 and 0 <= covered <= len(prompt) - 1
+        table = self.alloc.block_table(sid)
+        assert len(table) * self.bs == covered
+        for pos in range(covered):
+            assert self.kv[table[pos // self.bs]][pos % self.bs] == tuple(prompt[:pos + 1]), "hit served wrong KV"
+        self.seqs[sid] = {"tokens": list(prompt), "computed": covered}
+
+    # -- rules ---------------------------------------------------------------------------------
+
+    @precondition(lambda self: len(self.seqs) < 8)
+    @rule(prompt=st.lists(ALPHABET, min_size=1, max_size=14))
+    def add_sequence(self, prompt):
+        self.admit(prompt)
+
+    @precondition(lambda self: self.finished and len(self.seqs) < 8)
+    @rule(index=st.integers(0, 100), extra=st.lists(ALPHABET, max_size=3))
+    def readmit_a_finished_prompt(self, index, extra):
+        self.admit(self.finished[index % len(self.finished)] + extra + [0])
+
+    @precondition(lambda self: self.seqs)
+    @rule(index=st.integers(0, 100), chunk=st.integers(1, 6), sampled=ALPHABET)
+    def step(self, index, chunk, sampled):
+        """One engine step: compute a chunk of the prompt, or decode one sampled token."""
+        sid = self.pick(index)
+        seq = self.seqs[sid]
+        if seq["computed"] == len(seq["tokens"]):
+            seq["tokens"].append(sampled)
+        start = seq["computed"]
+        num_new = min(chunk, len(seq["tokens"]) - start)
+        free_before = self.alloc.num_free_blocks
+        needed = self.alloc.blocks_needed(sid, start, num_new)
+        copies = self.alloc.allocate_slots(sid, start, num_new)
+        if copies is None:
+            assert needed > free_before
+            return
+        assert self.alloc.num_free_blocks == free_before - needed
+        for src, dst in copies:  # copy_blocks runs before the step writes
+            self.kv[dst] = list(self.kv[src])
+        table = self.alloc.block_table(sid)
+        assert len(table) * self.bs >= start + num_new
+        for pos in range(start, start + num_new):
+            block = table[pos // self.bs]
+            assert self.alloc.refcount(block) == 1, "writing into a block someone else reads"
+            self.kv[block][pos % self.bs] = tuple(seq["tokens"][:pos + 1])
+        seq["computed"] = start + num_new
+        self.alloc.cache_full_blocks(sid, seq["tokens"][:seq["computed"]])
+
+    @precondition(lambda self: self.seqs and len(self.seqs) < 8)
+    @rule(index=st.integers(0, 100))
+    def fork(self, index):
+        parent = self.pick(index)
+        child, self.next_id = self.next_id, self.next_id + 1
+        self.alloc.fork(parent, child)
+        assert self.alloc.block_table(child) == self.alloc.block_table(parent)
+        self.seqs[child] = {"tokens": list(self.seqs[parent]["tokens"]), "computed": self.seqs[parent]["computed"]}
+
+    @precondition(lambda self: self.seqs)
+    @rule(index=st.integers(0, 100), rejected=st.integers(0, 5))
+    def rollback(self, index, rejected):
+        """Speculative-decoding rollback: drop the last `rejected` computed tokens."""
+        sid = self.pick(index)
+        seq = self.seqs[sid]
+        keep = max(0, seq["computed"] - rejected)
+        self.alloc.truncate(sid, keep)
+        assert len(self.alloc.block_table(sid)) == -(-keep // self.bs)
+        seq["computed"] = keep
+        del seq["tokens"][keep:]  # later steps sample different tokens into the same slots
+
+    @precondition(lambda self: self.seqs)
+    @rule(index=st.integers(0, 100))
+    def free(self, index):
+        sid = self.pick(index)
+        seq = self.seqs.pop(sid)
+        if seq["computed"] >= 2:
+            self.finished.append(seq["tokens"][:seq["computed"]])
+        self.alloc.free(sid)
+        assert not self.alloc.has_sequence(sid)
+
+    @precondition(lambda self: self.seqs)
+    @rule(index=st.integers(0, 100))
+    def preempt_and_recompute(self, index):
+        """Out of KV: free a sequence and admit its tokens again (the prefix cache helps)."""
+        sid = self.pick(index)
+        tokens = self.seqs.pop(sid)["tokens"]
+        self.alloc.free(sid)
+        if len(tokens) >= 1:
+            self.admit(tokens)
+
+    @rule()
+    def reset_prefix_cache(self):
+        self.alloc.reset_prefix_cache()
+        assert self.alloc.stats()["cached_blocks"] == 0
+
+    # -- invariants ----------------------------------------------------------------------------
+
+    @invariant()
+    def bookkeeping_is_consistent(self):
+        self.alloc.check_invariants()
+        s = self.alloc.stats()
+        assert s["used_blocks"] + s["free_blocks"] + s["cached_blocks"] == s["num_blocks"]
+        assert self.alloc.num_free_blocks == s["free_blocks"] + s["cached_blocks"]
+        holders = {}
+        for sid in self.seqs:
+            for block in self.alloc.block_table(sid):
+                holders[block] = holders.get(block, 0) + 1
+        for block in range(s["num_blocks"]):
+            assert self.alloc.refcount(block) == holders.get(block, 0) >= 0
+        assert s["used_blocks"] == len(holders)
+
+    @invariant()
+    def every_sequence_reads_back_its_own_tokens(self):
+        for sid, seq in self.seqs.items():
+            table = self.alloc.block_table(sid)
+            for pos in range(seq["computed"]):
+                assert self.kv[table[pos // self.bs]][pos % self.bs] == tuple(seq["tokens"][:pos + 1]), (sid, pos)
+
+    def teardown(self):
+        if not hasattr(self, "alloc"):
+            return
+        for sid in list(self.seqs):
+            self.alloc.free(sid)
+        self.alloc.check_invariants()
+        assert self.alloc.stats()["used_blocks"] == 0, "blocks leaked"
+
+
+AllocatorMachine.TestCase.settings = settings(
+    max_examples=300, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestAllocatorStateMachine = AllocatorMachine.TestCase

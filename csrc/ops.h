@@ -27,4 +27,8 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
 // block_mapping:            int64 [N, 2] rows of (src, dst) physical block ids
 void copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping);
 
+// x: [M, K], weight: [N, K] (nn.Linear layout), bias: [N] or None -> [M, N] in x's dtype.
+// bf16 on AVX512-BF16 CPUs runs the small-batch kernel; everything else is at::linear.
+at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+
 }  // namespace pagewire

@@ -17,10 +17,13 @@ TORCH_LIBRARY(pagewire, m) {
       "int max_query_len, int max_seq_len) -> ()");
   // block_mapping int64 [N, 2] of (src, dst), applied to every layer's caches
   m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
+  // x [M, K], weight [N, K], bias [N] -> [M, N]; F.linear semantics (small-batch bf16 kernel on CPU)
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagewire, CPU, m) {
   m.impl("write_kv_cache", &pagewire::write_kv_cache_cpu);
   m.impl("paged_attention", &pagewire::paged_attention_cpu);
   m.impl("copy_blocks", &pagewire::copy_blocks_cpu);
+  m.impl("linear", &pagewire::linear_cpu);
 }

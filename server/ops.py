@@ -89,17 +89,40 @@ def copy_blocks(
     torch.ops.pagewire.copy_blocks(list(key_caches), list(value_caches), block_mapping)
 
 
+# Largest row count (tokens) for which the bf16 kernel beats torch's own bf16 GEMM on CPU; above
+# it torch's blocked GEMM wins (measured with tests/kernels/bench_ops.py linear).
+LINEAR_KERNEL_MAX_M = 12
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y = x @ weight.T + bias, exactly torch.nn.functional.linear's semantics.
 
+    CPU bf16 inputs with at most LINEAR_KERNEL_MAX_M rows (decode batches) and no autograd run the
+    pagewire AVX512-BF16 kernel (fp32 accumulation, one bf16 rounding); anything else is F.linear.
+
     Args:
         x: [..., K].
-        weight: [N, K] (nn.Linear layout).
+        weight: [N, K] (nn.Linear layout), x's dtype.
         bias: [N] or None.
 
     Returns:
         [..., N] in x's dtype.
     """
+    if (
+        x.device.type == "cpu"
+        and x.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and x.dim() >= 1
+        and x.shape[-1] == weight.shape[1]
+        and (bias is None or (bias.dtype == torch.bfloat16 and bias.device.type == "cpu"))
+        and weight.device.type == "cpu"
+        and x.numel() <= LINEAR_KERNEL_MAX_M * weight.shape[1]
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                              or (bias is not None and bias.requires_grad)))
+    ):
+        out = torch.ops.pagewire.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
@@ -120,3 +143,9 @@ def _paged_attention_fake(  # type: ignore[no-untyped-def]
 @torch.library.register_fake("pagewire::copy_blocks")
 def _copy_blocks_fake(key_caches, value_caches, block_mapping) -> None:  # type: ignore[no-untyped-def]
     return None
+
+
+@torch.library.register_fake("pagewire::linear")
+def _linear_fake(x, weight, bias):  # type: ignore[no-untyped-def]
+    torch._check(x.shape[-1] == weight.shape[1], lambda: "x and weight disagree on K")
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))

@@ -1,0 +1,48 @@
+// The pagewire::linear CPU op: bf16 x @ weight^T (+ bias) through the AVX512-BF16 small-batch
+// kernel, and ATen's linear for every other case so the result always has F.linear's semantics.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+
+#include "../ops.h"
+#include "attention_kernel.h"
+#include "linear_kernel.h"
+
+namespace pagewire {
+
+at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "x and weight must be CPU tensors, got ", x.device(),
+              " and ", weight.device());
+  TORCH_CHECK(weight.dim() == 2, "weight must be [N, K], got shape ", weight.sizes());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "x must be [..., K] with K = weight.size(1) = ",
+              weight.size(1), ", got shape ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x dtype ", x.scalar_type(), " must equal weight dtype ",
+              weight.scalar_type());
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK(bias->device().is_cpu(), "bias must be a CPU tensor, got ", bias->device());
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0), "bias must be [N] with N = ", weight.size(0),
+                ", got shape ", bias->sizes());
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type(), "bias dtype ", bias->scalar_type(), " must equal x dtype ",
+                x.scalar_type());
+  }
+  const int64_t K = weight.size(1), N = weight.size(0);
+  const bool kernel_applies = x.scalar_type() == at::kBFloat16 && x.dim() == 2 && K > 0 && N > 0 &&
+                              !x.requires_grad() && !weight.requires_grad() &&
+                              !(has_bias && bias->requires_grad()) && cpu::cpu_has_avx512();
+  if (!kernel_applies) return at::linear(x, weight, bias);
+
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  const at::Tensor wc = weight.contiguous();
+  const at::Tensor bc = has_bias ? bias->contiguous() : at::Tensor();
+  const int64_t M = xc.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  cpu::linear_bf16_avx512(reinterpret_cast<const uint16_t*>(xc.data_ptr()), xc.stride(0),
+                          reinterpret_cast<const uint16_t*>(wc.data_ptr()),
+                          has_bias ? reinterpret_cast<const uint16_t*>(bc.data_ptr()) : nullptr,
+                          reinterpret_cast<uint16_t*>(out.data_ptr()), N, M, N, K);
+  return out;
+}
+
+}  // namespace pagewire

@@ -1,0 +1,138 @@
+// Small-batch bf16 GEMV/GEMM for CPU decode (x [M, K] @ w[N, K]^T) on AVX512-BF16: the weight
+// streams from memory once while each of its cache lines is reused by all M rows of x.
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "linear_kernel.h"
+
+// GCC 12's own intrinsic headers trip -Wmaybe-uninitialized (the _mm256_undefined_* idiom).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma")
+
+namespace pagewire::cpu {
+namespace {
+
+constexpr int kPrefetchRows = 8;
+
+inline __m512bh load_bf16x32(const uint16_t* p, __mmask32 mask) {
+  return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
+}
+
+inline uint16_t to_bf16(float f) {  // round to nearest even, like torch
+  return static_cast<uint16_t>(_mm_cvtsi128_si32((__m128i)_mm_cvtneps_pbh(_mm_set_ss(f))));
+}
+
+inline float bf16_to_float(uint16_t b) { return _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128(b << 16))); }
+
+// out[0..3] = bf16(horizontal sums of a[0..3] + bias[0..3]): one shuffle tree for four sums
+// instead of four separate reductions (the epilogue matters once M grows).
+inline void store4(const __m512 (&a)[4], const uint16_t* bias, uint16_t* out) {
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+  // Each 128-bit lane now holds partial sums of a0, a1, a2, a3 in that order.
+  __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
+                           _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
+  s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, 0x4E));
+  s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, 0xB1));
+  __m128 sum = _mm512_castps512_ps128(s);
+  if (bias != nullptr) {
+    const __m128i b = _mm_cvtepu16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bias)));
+    sum = _mm_add_ps(sum, _mm_castsi128_ps(_mm_slli_epi32(b, 16)));
+  }
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), (__m128i)_mm_cvtneps_pbh(sum));
+}
+
+// One block of NR weight rows against MB rows of x: MB * NR accumulators, each weight vector
+// loaded once per 32 k and reused by every x row.
+template <int MB, int NR>
+inline void block(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, const uint16_t* bias, uint16_t* out,
+                  int64_t ldo) {
+  __m512 acc[MB][NR];
+  for (int m = 0; m < MB; ++m) {
+    for (int i = 0; i < NR; ++i) acc[m][i] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < K; k += 32) {
+    const __mmask32 mask = K - k >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << (K - k)) - 1);
+    __m512bh wv[NR];
+    for (int i = 0; i < NR; ++i) {
+      wv[i] = load_bf16x32(w + i * K + k, mask);
+      // The same line kPrefetchRows rows further on: a few blocks ahead of the loads, so DRAM
+      // latency stays hidden however much compute the M rows add per line.
+      _mm_prefetch(reinterpret_cast<const char*>(w + (i + kPrefetchRows) * K + k), _MM_HINT_T0);
+    }
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = load_bf16x32(x + m * ldx + k, mask);
+      for (int i = 0; i < NR; ++i) acc[m][i] = _mm512_dpbf16_ps(acc[m][i], xv, wv[i]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    if constexpr (NR % 4 == 0) {
+      for (int i = 0; i < NR; i += 4) {
+        store4(*reinterpret_cast<const __m512(*)[4]>(&acc[m][i]), bias ? bias + i : nullptr, out + m * ldo + i);
+      }
+    } else {
+      for (int i = 0; i < NR; ++i) {
+        const float b = bias != nullptr ? bf16_to_float(bias[i]) : 0.f;
+        out[m * ldo + i] = to_bf16(_mm512_reduce_add_ps(acc[m][i]) + b);
+      }
+    }
+  }
+}
+
+// All M rows of x against NR weight rows, in groups of up to 4 x rows.
+template <int NR>
+inline void rows_block(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, const uint16_t* bias,
+                       uint16_t* out, int64_t ldo, int64_t M) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) block<4, NR>(x + m * ldx, ldx, w, K, bias, out + m * ldo, ldo);
+  switch (M - m) {
+    case 3:
+      block<3, NR>(x + m * ldx, ldx, w, K, bias, out + m * ldo, ldo);
+      break;
+    case 2:
+      block<2, NR>(x + m * ldx, ldx, w, K, bias, out + m * ldo, ldo);
+      break;
+    case 1:
+      block<1, NR>(x + m * ldx, ldx, w, K, bias, out + m * ldo, ldo);
+      break;
+    default:
+      break;
+  }
+}
+
+template <int NR>
+void run_blocks(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias, uint16_t* out, int64_t ldo,
+                int64_t M, int64_t N, int64_t K) {
+  const int64_t blocks = N / NR;
+  // Static schedule: each thread streams one contiguous slice of the weight, which the hardware
+  // prefetcher follows; blocks cost the same, so nothing is gained by dynamic scheduling.
+#pragma omp parallel for schedule(static) if (blocks * K * M >= 65536)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t n = b * NR;
+    rows_block<NR>(x, ldx, w + n * K, K, bias ? bias + n : nullptr, out + n, ldo, M);
+  }
+  for (int64_t n = blocks * NR; n < N; ++n) {  // the last N % NR rows
+    rows_block<1>(x, ldx, w + n * K, K, bias ? bias + n : nullptr, out + n, ldo, M);
+  }
+}
+
+}  // namespace
+
+void linear_bf16_avx512(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias, uint16_t* out,
+                        int64_t ldo, int64_t M, int64_t N, int64_t K) {
+  // A single row has few accumulators per weight row; 8 rows per block keep more loads in flight.
+  if (M == 1) {
+    run_blocks<8>(x, ldx, w, bias, out, ldo, M, N, K);
+  } else {
+    run_blocks<4>(x, ldx, w, bias, out, ldo, M, N, K);
+  }
+}
+
+}  // namespace pagewire::cpu
+
+#pragma GCC pop_options

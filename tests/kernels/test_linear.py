@@ -1,0 +1,89 @@
+"""server.ops.linear and pagewire::linear against a float64 reference and F.linear's semantics."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from server import ops
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ w.double().T
+    return y + b.double() if b is not None else y
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 12, 13, 40])
+@pytest.mark.parametrize("N,K", [(64, 64), (1001, 96), (24, 1000), (512, 2048)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_matches_float64_reference(M: int, N: int, K: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(M * 7 + N + K)
+    x = torch.randn((M, K), generator=gen).bfloat16()
+    w = (torch.randn((N, K), generator=gen) / K**0.5).bfloat16()
+    b = torch.randn((N,), generator=gen).bfloat16() if with_bias else None
+    y = ops.linear(x, w, b)
+    assert y.shape == (M, N) and y.dtype == torch.bfloat16
+    ref = reference(x, w, b)
+    # bf16 output rounding alone is 2**-9 relative; the kernel must be no worse than torch itself.
+    assert rel_err(y, ref) <= max(1e-2, 1.5 * rel_err(F.linear(x, w, b), ref))
+
+
+def test_kernel_op_directly_including_strided_rows() -> None:
+    gen = torch.Generator().manual_seed(0)
+    big = torch.randn((3, 200), generator=gen).bfloat16()
+    x = big[:, 8:136]  # rows 200 apart, 128 contiguous columns
+    w = torch.randn((40, 128), generator=gen).bfloat16()
+    y = torch.ops.pagewire.linear(x, w, None)
+    assert rel_err(y, reference(x, w, None)) <= 1e-2
+
+
+def test_leading_dims_are_kept() -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn((2, 3, 64), generator=gen).bfloat16()
+    w = torch.randn((32, 64), generator=gen).bfloat16()
+    b = torch.randn((32,), generator=gen).bfloat16()
+    y = ops.linear(x, w, b)
+    assert y.shape == (2, 3, 32)
+    assert rel_err(y, reference(x, w, b)) <= 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_other_dtypes_equal_f_linear(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn((3, 64), generator=gen).to(dtype)
+    w = torch.randn((16, 64), generator=gen).to(dtype)
+    b = torch.randn((16,), generator=gen).to(dtype)
+    assert torch.equal(ops.linear(x, w, b), F.linear(x, w, b))
+    assert torch.equal(torch.ops.pagewire.linear(x, w, b), F.linear(x, w, b))
+
+
+def test_autograd_still_works() -> None:
+    """Inputs that need gradients take F.linear, so training-style use keeps working."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn((8, 32), generator=gen).bfloat16().requires_grad_()
+    x = torch.randn((2, 32), generator=gen).bfloat16()
+    ops.linear(x, w).float().sum().backward()
+    assert w.grad is not None and torch.equal(w.grad, x.sum(0, keepdim=True).expand(8, 32).to(w.grad.dtype))
+
+
+def test_bad_arguments_name_the_argument() -> None:
+    x = torch.randn(2, 32).bfloat16()
+    with pytest.raises(RuntimeError, match="K = weight.size"):
+        torch.ops.pagewire.linear(x, torch.randn(8, 16).bfloat16(), None)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        torch.ops.pagewire.linear(x, torch.randn(8, 32).bfloat16(), torch.randn(9).bfloat16())
+    with pytest.raises(RuntimeError, match="weight dtype"):
+        torch.ops.pagewire.linear(x, torch.randn(8, 32), None)
+
+
+def test_opcheck_linear() -> None:
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn((3, 64), generator=gen).bfloat16()
+    w = torch.randn((16, 64), generator=gen).bfloat16()
+    b = torch.randn((16,), generator=gen).bfloat16()
+    torch.library.opcheck(torch.ops.pagewire.linear.default, (x, w, b))
+    torch.library.opcheck(torch.ops.pagewire.linear.default, (x, w, None))

@@ -1,0 +1,169 @@
+// CUDA paged attention: a deliberately simple kernel (one CUDA block per (query token, query head),
+// one warp per KV position at a time with its own online softmax, warps merged at the end). It
+// favours obvious correctness over speed; the CPU kernels are the tuned ones.
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+
+#include "ops_cuda.h"
+
+namespace pagewire {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kMaxHeadDim = 256;
+constexpr int kPerLane = kMaxHeadDim / 32;  // head_dim elements each lane owns (d = lane + 32 * i)
+
+// grid (T, num_heads), block kWarps * 32 threads.
+template <class T>
+__global__ void paged_attention_kernel(T* __restrict__ out, const T* __restrict__ query,
+                                       const T* __restrict__ key_cache, const T* __restrict__ value_cache,
+                                       const int32_t* __restrict__ block_tables, const int32_t* __restrict__ seq_lens,
+                                       const int32_t* __restrict__ query_start_loc, int num_seqs, int64_t out_st,
+                                       int64_t out_sh, int64_t q_st, int64_t q_sh, int64_t bt_stride,
+                                       int num_kv_heads, int block_size, int head_dim, int group, float scale,
+                                       int sliding_window) {
+  const int t = blockIdx.x, h = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+  // The token's sequence: the last s with query_start_loc[s] <= t.
+  int lo_s = 0, hi_s = num_seqs - 1;
+  while (lo_s < hi_s) {
+    const int mid = (lo_s + hi_s + 1) / 2;
+    if (query_start_loc[mid] <= t) lo_s = mid; else hi_s = mid - 1;
+  }
+  const int s = lo_s;
+  const int q_len = query_start_loc[s + 1] - query_start_loc[s];
+  const int pos = seq_lens[s] - q_len + (t - query_start_loc[s]);  // absolute position of this token
+  const int first = sliding_window > 0 ? max(0, pos - sliding_window + 1) : 0;
+  const int kvh = h / group;
+
+  float q[kPerLane], acc[kPerLane];
+  for (int i = 0; i < kPerLane; ++i) {
+    const int d = lane + 32 * i;
+    q[i] = d < head_dim ? static_cast<float>(query[t * q_st + h * q_sh + d]) * scale : 0.f;
+    acc[i] = 0.f;
+  }
+  float m = -FLT_MAX, l = 0.f;
+  for (int p = first + warp; p <= pos; p += kWarps) {
+    const int64_t phys = block_tables[s * bt_stride + p / block_size];
+    const int64_t base = ((phys * num_kv_heads + kvh) * block_size + p % block_size) * head_dim;
+    float dot = 0.f;
+    for (int i = 0; i < kPerLane; ++i) {
+      const int d = lane + 32 * i;
+      if (d < head_dim) dot += q[i] * static_cast<float>(key_cache[base + d]);
+    }
+    for (int off = 16; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+    const float m_new = fmaxf(m, dot);
+    const float alpha = __expf(m - m_new), pexp = __expf(dot - m_new);
+    l = l * alpha + pexp;
+    for (int i = 0; i < kPerLane; ++i) {
+      const int d = lane + 32 * i;
+      const float v = d < head_dim ? static_cast<float>(value_cache[base + d]) : 0.f;
+      acc[i] = acc[i] * alpha + pexp * v;
+    }
+    m = m_new;
+  }
+
+  // Merge the warps' partial softmax states.
+  __shared__ float sm[kWarps], sl[kWarps], sacc[kWarps][kMaxHeadDim];
+  if (lane == 0) sm[warp] = m, sl[warp] = l;
+  for (int i = 0; i < kPerLane; ++i) {
+    const int d = lane + 32 * i;
+    if (d < head_dim) sacc[warp][d] = acc[i];
+  }
+  __syncthreads();
+  float m_all = -FLT_MAX;
+  for (int w = 0; w < kWarps; ++w) m_all = fmaxf(m_all, sm[w]);
+  float l_all = 0.f, wscale[kWarps];
+  for (int w = 0; w < kWarps; ++w) {
+    wscale[w] = sl[w] > 0.f ? __expf(sm[w] - m_all) : 0.f;  // a warp that saw no position adds nothing
+    l_all += sl[w] * wscale[w];
+  }
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float o = 0.f;
+    for (int w = 0; w < kWarps; ++w) o += sacc[w][d] * wscale[w];
+    out[t * out_st + h * out_sh + d] = static_cast<T>(o / l_all);  // l_all > 0: pos sees itself
+  }
+}
+
+void check_int32(const at::Tensor& t, const char* name, const at::Device& device) {
+  TORCH_CHECK(t.device() == device, name, " must be on ", device, ", got ", t.device());
+  TORCH_CHECK(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
+}
+
+}  // namespace
+
+void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                          const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
+                          int64_t max_query_len, int64_t max_seq_len) {
+  const at::Device device = query.device();
+  TORCH_CHECK(query.dim() == 3, "query must be [T, num_heads, head_dim], got shape ", query.sizes());
+  TORCH_CHECK(out.sizes() == query.sizes() && out.device() == device && out.scalar_type() == query.scalar_type(),
+              "out must match query in shape, device and dtype");
+  for (const at::Tensor* c : {&key_cache, &value_cache}) {
+    TORCH_CHECK(c->device() == device && c->dim() == 4 && c->is_contiguous() && c->scalar_type() == query.scalar_type(),
+                "key_cache and value_cache must be contiguous [num_blocks, num_kv_heads, block_size, head_dim] "
+                "tensors on ", device, " with query's dtype");
+  }
+  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "value_cache shape ", value_cache.sizes(),
+              " must equal key_cache shape ", key_cache.sizes());
+  const int64_t T = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_kv_heads = key_cache.size(1);
+  TORCH_CHECK(key_cache.size(3) == head_dim, "key_cache head_dim ", key_cache.size(3), " must equal query head_dim ",
+              head_dim);
+  TORCH_CHECK(head_dim <= kMaxHeadDim, "head_dim ", head_dim, " exceeds the CUDA kernel's maximum ", kMaxHeadDim);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "query num_heads ", num_heads,
+              " must be a multiple of key_cache num_kv_heads ", num_kv_heads);
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out must be contiguous in head_dim");
+  check_int32(block_tables, "block_tables", device);
+  check_int32(seq_lens, "seq_lens", device);
+  check_int32(query_start_loc, "query_start_loc", device);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1, "block_tables must be [S, max_blocks], "
+              "contiguous in its last dim; got shape ", block_tables.sizes());
+  const int64_t S = block_tables.size(0);
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == S, "seq_lens must have shape [", S, "]");
+  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.size(0) == S + 1, "query_start_loc must have shape [",
+              S + 1, "]");
+  TORCH_CHECK(std::isfinite(scale) && scale > 0, "scale must be a positive finite number, got ", scale);
+  if (T == 0) return;
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor lens = seq_lens.contiguous(), qsl = query_start_loc.contiguous();
+  const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(num_heads));
+  const int window = sliding_window > 0 ? static_cast<int>(std::min<int64_t>(sliding_window, 1 << 30)) : 0;
+  auto launch = [&](auto tag) {
+    using Elem = decltype(tag);
+    paged_attention_kernel<Elem><<<grid, kWarps * 32, 0, stream>>>(
+        static_cast<Elem*>(out.data_ptr()), static_cast<const Elem*>(query.data_ptr()),
+        static_cast<const Elem*>(key_cache.data_ptr()), static_cast<const Elem*>(value_cache.data_ptr()),
+        block_tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), qsl.data_ptr<int32_t>(), static_cast<int>(S),
+        out.stride(0), out.stride(1), query.stride(0), query.stride(1), block_tables.stride(0),
+        static_cast<int>(num_kv_heads), static_cast<int>(key_cache.size(2)), static_cast<int>(head_dim),
+        static_cast<int>(num_heads / num_kv_heads), static_cast<float>(scale), window);
+  };
+  switch (query.scalar_type()) {
+    case at::kFloat:
+      launch(float{});
+      break;
+    case at::kHalf:
+      launch(c10::Half{});
+      break;
+    case at::kBFloat16:
+      launch(c10::BFloat16{});
+      break;
+    default:
+      TORCH_CHECK(false, "query dtype must be float32, bfloat16 or float16, got ", query.scalar_type());
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace pagewire

@@ -25,7 +25,10 @@ namespace {
 // KV positions per online-softmax step. Four 16-lane vectors per score row: the per-row softmax
 // bookkeeping (max, rescale, one scalar exp) is paid once per 64 positions, not once per 16.
 constexpr int kSpan = 64;
-constexpr int kPrefetchSpans = 1;  // how far ahead K/V tiles are prefetched
+// K/V tiles of the next span are prefetched while this one is computed. Measured on a decode
+// batch with shuffled blocks (64 seqs x ~300 ctx, bf16, one thread, caches in DRAM): 3.8 ms
+// without prefetch, 2.8 ms with it (T0 and NTA alike; farther ahead was no better).
+constexpr int kPrefetchSpans = 0;
 
 inline int round16(int n) { return (n + 15) / 16 * 16; }
 
@@ -61,7 +64,9 @@ struct Scratch {
   Scratch& operator=(const Scratch&) = delete;
 };
 
-inline void prefetch_bytes(const void* p, int64_t bytes) {
+// always_inline matters: GCC marks an out-of-line function holding only prefetches as const and
+// deletes every call to it (it did, silently, before this attribute).
+[[gnu::always_inline]] inline void prefetch_bytes(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
 }
@@ -85,8 +90,8 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
   const int kv_lo = W > 0 ? std::max(0, pos0 - W + 1) : 0;
   const int kv_hi = pos_last + 1;
   // Physical blocks are scattered, so the hardware prefetcher cannot guess the next tile: software
-  // prefetch the blocks of the span after next while this one is computed (decode is memory-bound).
-  auto prefetch_span = [&](int p0) {
+  // prefetch the next span's blocks while this one is computed (decode is memory-bound).
+  auto prefetch_span = [&](int p0) __attribute__((always_inline)) {
     if (p0 >= kv_hi) return;
     const int p1 = std::min(p0 + kSpan, kv_hi);
     for (int b = p0 / bs; b <= (p1 - 1) / bs; ++b) {

@@ -247,7 +247,8 @@ verify_rc=0
 if ((n_cu > 0)); then
   if readelf -S "$so" | grep -q '\.nv_fatbin'; then
     # cuobjdump is not in this toolkit: read the ELF arch of the embedded cubins instead.
-    archs=$(strings -a "$so" | grep -oE 'sm_[0-9]+a?' | sort -u | tr '\n' ' ')
+    archs=$(objcopy -O binary --only-section=.nv_fatbin "$so" /dev/stdout 2>/dev/null | strings -a \
+      | grep -oE '\bsm_[0-9]+a?\b' | sort -u | tr '\n' ' ')
     say "device code: .nv_fatbin present (arch strings: ${archs:-?})"
   else
     say "FAIL: csrc/cuda has sources but the .so has no .nv_fatbin section"; verify_rc=1

@@ -21,7 +21,9 @@ def _sources(pattern: str) -> list[str]:
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
 
 
-cxx_flags = ["-O3", "-std=c++17", "-fopenmp", "-DNDEBUG", "-Wno-unused-parameter"]
+# No -std flag: torch picks its own standard (C++17 up to 2.12, C++20 from 2.13), and its
+# headers need it.
+cxx_flags = ["-O3", "-fopenmp", "-DNDEBUG", "-Wno-unused-parameter"]
 sources = _sources("csrc/*.cpp") + _sources("csrc/allocator/*.cpp") + _sources("csrc/cpu/*.cpp")
 
 with_cuda = torch.version.cuda is not None and os.environ.get("PAGEWIRE_NO_CUDA", "0") != "1"
@@ -31,7 +33,7 @@ if with_cuda:
         "server._C",
         sources + cuda_sources,
         define_macros=[("PAGEWIRE_WITH_CUDA", "1")],
-        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]},
+        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--use_fast_math", "-lineinfo"]},
         extra_link_args=["-fopenmp"],
     )
 else:

@@ -6,10 +6,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdlib>
 #include <limits>
 #include <memory>
 #include <new>
+#include <type_traits>
 #include <vector>
 
 // Library headers come before the pragma: inline functions from them must keep the baseline ISA,
@@ -33,77 +35,11 @@ bool cpu_has_avx512() {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma")
 
 #include "attention_tile.h"
+#include "avx512_util.h"
+#include "attention_avx512_bf16.h"
 
 namespace pagewire::cpu {
 namespace {
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const Bf16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline __m512 load16(const Fp16* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(Bf16* p, __m512 v) {  // round to nearest even, like the generic path
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
-}
-inline void store16(Fp16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-
-// exp(x) for x <= 0 (scores minus their running max) to ~1 ulp; lanes below -87 (including -inf
-// from masking) are exactly 0.
-inline __m512 exp512(__m512 x) {
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GT_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // Cody-Waite: r = x - n*ln2 in two parts keeps r exact enough for a short polynomial.
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
-}
-
-// In-register transpose of a 16x16 fp32 tile: rows[i][j] -> rows[j][i].
-inline void transpose16(__m512 (&x)[16]) {
-  __m512 t[16], u[16], v[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]);
-  }
-  // u[4q + c], lane k = column 4k + c of rows 4q..4q+3
-  for (int q = 0; q < 4; ++q) {
-    const __m512d a = _mm512_castps_pd(t[4 * q]), b = _mm512_castps_pd(t[4 * q + 2]);
-    const __m512d c = _mm512_castps_pd(t[4 * q + 1]), d = _mm512_castps_pd(t[4 * q + 3]);
-    u[4 * q + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-    u[4 * q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-    u[4 * q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
-    u[4 * q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
-  }
-  for (int c = 0; c < 4; ++c) {
-    v[c] = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);
-    v[4 + c] = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);
-    v[8 + c] = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
-    v[12 + c] = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
-  }
-  for (int c = 0; c < 4; ++c) {
-    x[c] = _mm512_shuffle_f32x4(v[c], v[8 + c], 0x88);
-    x[8 + c] = _mm512_shuffle_f32x4(v[c], v[8 + c], 0xDD);
-    x[4 + c] = _mm512_shuffle_f32x4(v[4 + c], v[12 + c], 0x88);
-    x[12 + c] = _mm512_shuffle_f32x4(v[4 + c], v[12 + c], 0xDD);
-  }
-}
 
 // s[r][16i:16i+16] = sum_d q[r][d] * kt[d][16i:16i+16] for RB rows and NV column vectors:
 // RB * NV accumulators, and each K vector loaded once per d is shared by all RB rows.
@@ -223,43 +159,62 @@ inline void softmax_row(float* srow, float* m, float* l, float* alpha) {
   *m = mx;
 }
 
+// bf16 runs QK and PV on AVX512-BF16 dot products (attention_avx512_bf16.h); fp32 and fp16 widen
+// K and V to fp32 and use FMA kernels.
 struct Avx512Isa {
   template <class E>
+  static constexpr bool kBf16 = std::is_same_v<E, Bf16>;
+
+  template <class E>
   static void load_q(const E* src, int D, float scale, float* dst) {
-    const __m512 sc = _mm512_set1_ps(scale);
-    for (int d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(load16(src + d), sc));
+    if constexpr (kBf16<E>) {
+      std::memcpy(dst, src, static_cast<size_t>(D) * sizeof(E));  // unscaled: qk applies the scale
+    } else {
+      const __m512 sc = _mm512_set1_ps(scale);
+      for (int d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(load16(src + d), sc));
+    }
   }
 
-  // kt[d][j] = K[j][d] for j < n (zero up to the next multiple of 16), via 16x16 register transposes.
+  // fp32/fp16: kt[d][j] = K[j][d] for j < n (zero up to the next multiple of 16), via 16x16
+  // register transposes.
   template <class E>
   static void load_k(const E* const* k_rows, int n, int D, float* kt) {
-    for (int c = 0; c < n; c += 16) {
-      for (int d0 = 0; d0 < D; d0 += 16) {
-        __m512 x[16];
-        for (int j = 0; j < 16; ++j) x[j] = c + j < n ? load16(k_rows[c + j] + d0) : _mm512_setzero_ps();
-        transpose16(x);
-        for (int i = 0; i < 16; ++i) _mm512_store_ps(kt + (d0 + i) * kSpan + c, x[i]);
+    if constexpr (kBf16<E>) {
+      load_k_bf16(k_rows, n, D, kt);
+    } else {
+      for (int c = 0; c < n; c += 16) {
+        for (int d0 = 0; d0 < D; d0 += 16) {
+          __m512 x[16];
+          for (int j = 0; j < 16; ++j) x[j] = c + j < n ? load16(k_rows[c + j] + d0) : _mm512_setzero_ps();
+          transpose16(x);
+          for (int i = 0; i < 16; ++i) _mm512_store_ps(kt + (d0 + i) * kSpan + c, x[i]);
+        }
       }
     }
   }
 
   template <class E>
   static void load_v(const E* const* v_rows, int n, int D, float* v) {
-    for (int j = 0; j < n; ++j) {
-      for (int d = 0; d < D; d += 16) _mm512_storeu_ps(v + j * D + d, load16(v_rows[j] + d));
+    if constexpr (kBf16<E>) {
+      load_v_bf16(v_rows, n, D, v);
+    } else {
+      for (int j = 0; j < n; ++j) {
+        for (int d = 0; d < D; d += 16) _mm512_storeu_ps(v + j * D + d, load16(v_rows[j] + d));
+      }
     }
   }
 
-  static void qk(const float* q, int rows, int D, const float* kt, int nw, float* s) {
+  template <class E>
+  static void qk(const float* q, int rows, int D, const float* kt, int nw, float* s, float scale) {
     switch (nw / 16) {
       case 4:
-        return qk_all<4>(q, rows, D, kt, s);
+        return kBf16<E> ? qk_all_bf16<4>(q, rows, D, kt, s, scale) : qk_all<4>(q, rows, D, kt, s);
       case 3:
-        return qk_all<3>(q, rows, D, kt, s);
+        return kBf16<E> ? qk_all_bf16<3>(q, rows, D, kt, s, scale) : qk_all<3>(q, rows, D, kt, s);
       case 2:
-        return qk_all<2>(q, rows, D, kt, s);
+        return kBf16<E> ? qk_all_bf16<2>(q, rows, D, kt, s, scale) : qk_all<2>(q, rows, D, kt, s);
       default:
-        return qk_all<1>(q, rows, D, kt, s);
+        return kBf16<E> ? qk_all_bf16<1>(q, rows, D, kt, s, scale) : qk_all<1>(q, rows, D, kt, s);
     }
   }
 
@@ -288,8 +243,15 @@ struct Avx512Isa {
     }
   }
 
-  static void pv(const float* p, const float* alpha, int rows, int D, const float* v, int n, float* acc) {
-    pv_all(p, alpha, rows, D, v, n, acc);
+  template <class E>
+  static void pv(float* p, const float* alpha, int rows, int D, const float* v, int n, float* acc) {
+    if constexpr (kBf16<E>) {
+      const int np = (n + 1) / 2;
+      probabilities_to_bf16(p, rows, np);
+      pv_all_bf16(p, alpha, rows, D, v, np, acc);
+    } else {
+      pv_all(p, alpha, rows, D, v, n, acc);
+    }
   }
 
   template <class E>

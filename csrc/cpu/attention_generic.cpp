@@ -30,8 +30,9 @@ struct GenericIsa {
     }
   }
 
-  // s[r][j] = sum_d q[r][d] * kt[d][j] for j < nw
-  static void qk(const float* q, int rows, int D, const float* kt, int nw, float* s) {
+  // s[r][j] = sum_d q[r][d] * kt[d][j] for j < nw (q was scaled by load_q, so scale is unused)
+  template <class E>
+  static void qk(const float* q, int rows, int D, const float* kt, int nw, float* s, float /*scale*/) {
     for (int r = 0; r < rows; ++r) {
       float acc[kSpan] = {};
       const float* qr = q + static_cast<int64_t>(r) * D;
@@ -70,6 +71,7 @@ struct GenericIsa {
   }
 
   // acc[r][d] = alpha[r] * acc[r][d] + sum_{j < n} p[r][j] * v[j][d]
+  template <class E>
   static void pv(const float* p, const float* alpha, int rows, int D, const float* v, int n, float* acc) {
     for (int r = 0; r < rows; ++r) {
       float* ar = acc + static_cast<int64_t>(r) * D;

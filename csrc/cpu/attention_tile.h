@@ -1,6 +1,7 @@
 // The ISA-independent part of the CPU paged-attention kernel: one (query tile, KV head) work unit
 // with a flash-style online softmax over KV spans of up to 64 positions, templated on the
 // micro-kernels (an Isa struct: load_q, load_k, load_v, qk, mask_row, softmax_step, pv, store_o).
+// Buffer layouts are the Isa's business per element type: the driver only passes them along.
 //
 // Included by exactly one .cpp per ISA (attention_generic.cpp, attention_avx512.cpp); everything
 // here has internal linkage so each inclusion compiles with that file's target options and
@@ -128,7 +129,7 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
     }
     Isa::load_k(k_rows, n, D, s.kt);
     Isa::load_v(v_rows, n, D, s.v);
-    Isa::qk(s.q, rows, D, s.kt, nw, s.s);
+    Isa::template qk<E>(s.q, rows, D, s.kt, nw, s.s, a.scale);
 
     // A span visible to every row in full needs no masking (the common case in long contexts).
     const bool full = n == nw && p0 + n - 1 <= pos0 && (W <= 0 || pos_last - p0 < W);
@@ -142,7 +143,7 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
       }
       Isa::softmax_step(srow, nw, s.m + r, s.l + r, s.alpha + r);
     }
-    Isa::pv(s.s, s.alpha, rows, D, s.v, n, s.acc);
+    Isa::template pv<E>(s.s, s.alpha, rows, D, s.v, n, s.acc);
   }
 
   E* out = static_cast<E*>(a.out);

@@ -24,7 +24,8 @@ namespace {
 inline const uint32_t* dwords(const void* p) { return static_cast<const uint32_t*>(p); }
 
 // kt[dp][j] for j < n (zero up to the next multiple of 16); D % 16 == 0, so D/2 is 8 mod 16 at worst.
-inline void load_k_bf16(const Bf16* const* k_rows, int n, int D, float* kt) {
+// Each load of a K line is paired with a prefetch of the same line of the next span (pf_rows).
+inline void load_k_bf16(const Bf16* const* k_rows, int n, int D, float* kt, const Bf16* const* pf_rows, int pf_n) {
   const int DP = D / 2;
   for (int c = 0; c < n; c += 16) {
     for (int dp0 = 0; dp0 < DP; dp0 += 16) {
@@ -34,6 +35,7 @@ inline void load_k_bf16(const Bf16* const* k_rows, int n, int D, float* kt) {
       for (int j = 0; j < 16; ++j) {
         x[j] = c + j < n ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(mask, dwords(k_rows[c + j]) + dp0))
                          : _mm512_setzero_ps();
+        if (c + j < pf_n) __builtin_prefetch(dwords(pf_rows[c + j]) + dp0, 0, 3);
       }
       transpose16(x);
       for (int i = 0; i < w; ++i) _mm512_store_ps(kt + (dp0 + i) * kSpan + c, x[i]);
@@ -43,7 +45,7 @@ inline void load_k_bf16(const Bf16* const* k_rows, int n, int D, float* kt) {
 
 // v pairs for keys [0, n); a missing partner of an odd last key is zero (its probability is 0 too,
 // but 0 * NaN from an unwritten slot would still poison the sum).
-inline void load_v_bf16(const Bf16* const* v_rows, int n, int D, float* v) {
+inline void load_v_bf16(const Bf16* const* v_rows, int n, int D, float* v, const Bf16* const* pf_rows, int pf_n) {
   alignas(64) static constexpr uint16_t kLo[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   alignas(64) static constexpr uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
@@ -59,6 +61,8 @@ inline void load_v_bf16(const Bf16* const* v_rows, int n, int D, float* v) {
       const __mmask32 mask = rem == 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << rem) - 1);
       const __m512i a = _mm512_maskz_loadu_epi16(mask, a_row + d0);
       const __m512i b = b_row != nullptr ? _mm512_maskz_loadu_epi16(mask, b_row + d0) : _mm512_setzero_si512();
+      if (2 * jp < pf_n) __builtin_prefetch(pf_rows[2 * jp] + d0, 0, 3);
+      if (2 * jp + 1 < pf_n) __builtin_prefetch(pf_rows[2 * jp + 1] + d0, 0, 3);
       _mm512_store_si512(dst + (d0 / 16) * 16, _mm512_permutex2var_epi16(a, lo_idx, b));
       if (rem > 16) _mm512_store_si512(dst + (d0 / 16 + 1) * 16, _mm512_permutex2var_epi16(a, hi_idx, b));
     }

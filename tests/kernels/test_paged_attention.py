@@ -75,12 +75,14 @@ def test_long_prefill_splits_into_query_tiles(isa: str, heads: tuple[int, int], 
     check(batch, torch.bfloat16, sliding_window=window)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("block_size", [8, 32, 48])
-def test_other_block_sizes(isa: str, block_size: int) -> None:
+def test_other_block_sizes(isa: str, dtype: torch.dtype, block_size: int) -> None:
+    """KV spans then straddle blocks at offsets that are not multiples of 16."""
     gen = torch.Generator().manual_seed(block_size)
-    batch = make_paged_batch(MIXED, 8, 2, 64, torch.float32, gen, block_size=block_size)
-    check(batch, torch.float32, sliding_window=0)
-    check(batch, torch.float32, sliding_window=9)
+    batch = make_paged_batch(MIXED + [(90, 7)], 8, 2, 80, dtype, gen, block_size=block_size)
+    check(batch, dtype, sliding_window=0)
+    check(batch, dtype, sliding_window=9)
 
 
 def test_strided_query_and_out_views() -> None:

@@ -44,9 +44,18 @@ def check(batch: PagedBatch, dtype: torch.dtype, sliding_window: int = 0) -> Non
     assert err <= TOLERANCE[dtype], f"relative error {err:.3g} > {TOLERANCE[dtype]} for {dtype}"
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+# The portable kernel is slow and has no per-head-dim code paths, so it skips two of the five dims.
+GRID = [
+    pytest.param(isa, dtype, heads, head_dim, id=f"{isa}-{head_dim}-{heads[0]}q{heads[1]}kv-{dtype}")
+    for isa in ("avx512", "generic")
+    for head_dim in HEAD_DIMS
+    if isa == "avx512" or head_dim in (64, 80, 256)
+    for heads in HEADS
+    for dtype in DTYPES
+]
+
+
+@pytest.mark.parametrize("isa,dtype,heads,head_dim", GRID, indirect=["isa"])
 def test_mixed_batch_matches_reference(isa: str, dtype: torch.dtype, heads: tuple[int, int], head_dim: int) -> None:
     gen = torch.Generator().manual_seed(head_dim * 100 + heads[0] * 10 + heads[1])
     check(make_paged_batch(MIXED, heads[0], heads[1], head_dim, dtype, gen), dtype)

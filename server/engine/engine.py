@@ -14,7 +14,7 @@ import torch
 
 from server import _C  # noqa: F401  (loads the op library and the allocator)
 from server.config import ConfigError, EngineConfig
-from server.engine.errors import RequestTooLongError
+from server.engine.errors import check_context
 from server.engine.output_processor import OutputProcessor
 from server.engine.request import Request, Sequence
 from server.engine.runner import ModelRunner
@@ -115,10 +115,7 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         n = len(ids)
-        if n >= self.max_model_len or (
-            params.max_tokens is not None and n + params.max_tokens > self.max_model_len
-        ):
-            raise RequestTooLongError(n, params.max_tokens, self.max_model_len)
+        check_context(n, params.max_tokens, self.max_model_len)
         max_total = n + params.max_tokens if params.max_tokens is not None else self.max_model_len
         req = Request(
             request_id=request_id,

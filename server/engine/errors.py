@@ -22,3 +22,11 @@ class RequestTooLongError(ValueError):
                 f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({max_model_len})"
             )
         super().__init__(msg)
+
+
+def check_context(num_prompt_tokens: int, max_tokens: Optional[int], max_model_len: int) -> None:
+    """Raise RequestTooLongError unless the prompt leaves room for output (and max_tokens fits)."""
+    if num_prompt_tokens >= max_model_len or (
+        max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len
+    ):
+        raise RequestTooLongError(num_prompt_tokens, max_tokens, max_model_len)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from server.config import EngineConfig
-from server.engine.errors import RequestTooLongError
+from server.engine.errors import check_context
 from server.outputs import RequestDelta, SampleDelta
 from server.sampling_params import SamplingParams
 
@@ -85,11 +85,7 @@ class EngineThread:
         if self._stop.is_set():
             raise RuntimeError("engine is shutting down")
         if self.max_model_len:
-            n = len(prompt_token_ids)
-            if n >= self.max_model_len or (
-                params.max_tokens is not None and n + params.max_tokens > self.max_model_len
-            ):
-                raise RequestTooLongError(n, params.max_tokens, self.max_model_len)
+            check_context(len(prompt_token_ids), params.max_tokens, self.max_model_len)
         self._inbox.append(
             _Add(request_id, list(prompt_token_ids), params, priority, arrival_time or time.time())
         )

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -18,6 +17,7 @@ def test_submit_stream_abort_and_shutdown(tiny_model) -> None:
     batches: list[list[RequestDelta]] = []
     done = threading.Event()
     c_started = threading.Event()
+    d_started = threading.Event()
     finished: set[str] = set()
 
     def on_step(deltas: list[RequestDelta]) -> None:
@@ -25,6 +25,8 @@ def test_submit_stream_abort_and_shutdown(tiny_model) -> None:
         batches.append(deltas)
         if any(d.request_id == "c" for d in deltas):
             c_started.set()
+        if any(d.request_id == "d" for d in deltas):
+            d_started.set()
         finished.update(d.request_id for d in deltas if d.finished)
         if {"a", "b", "c"} <= finished:
             done.set()
@@ -53,8 +55,8 @@ def test_submit_stream_abort_and_shutdown(tiny_model) -> None:
     stats = et.stats()
     assert stats.num_running == 0 and stats.generation_tokens >= 16
     # A request still running at shutdown gets an abort delta.
-    et.submit("d", [5, 6], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
-    time.sleep(0.1)
+    et.submit("d", [5, 6], SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True))
+    assert d_started.wait(60)
     et.shutdown(10)
     last = [d for b in batches for d in b if d.request_id == "d"]
     assert last and last[-1].finished and last[-1].samples[-1].finish_reason == "abort"

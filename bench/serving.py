@@ -38,6 +38,7 @@ import contextlib
 import datetime
 import json
 import math
+import os
 import random
 import shlex
 import sys
@@ -305,6 +306,52 @@ class WsMux:
             await self.reader
 
 
+class CpuWatch:
+    """Splits the machine's busy CPU during a run into server, this client, and everything else.
+
+    The server's process is found by the port it listens on, so this only works for a server on
+    this machine; otherwise the server's share is counted under "other".
+    """
+
+    def __init__(self, root: str) -> None:
+        import psutil
+        from urllib.parse import urlsplit
+
+        self.psutil = psutil
+        self.server: Optional[Any] = None
+        port = urlsplit(root).port or (443 if root.startswith("https") else 80)
+        with contextlib.suppress(Exception):
+            for conn in psutil.net_connections(kind="tcp"):
+                if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+                    self.server = psutil.Process(conn.pid)
+                    break
+        self.me = psutil.Process()
+
+    def _sample(self) -> tuple[float, float, float, float]:
+        t = self.psutil.cpu_times()
+        busy = sum(t) - t.idle - getattr(t, "iowait", 0.0)
+        server = 0.0
+        if self.server is not None:
+            with contextlib.suppress(Exception):
+                c = self.server.cpu_times()
+                server = c.user + c.system
+        c = self.me.cpu_times()
+        return time.perf_counter(), busy, server, c.user + c.system
+
+    def start(self) -> None:
+        self.t0 = self._sample()
+
+    def stop(self) -> dict[str, Any]:
+        t1 = self._sample()
+        wall, busy, server, client = (b - a for a, b in zip(self.t0, t1))
+        capacity = wall * (self.psutil.cpu_count() or 1) / 100.0
+        return {"server_pid": self.server.pid if self.server is not None else None,
+                "server_cpu_pct": server / capacity if self.server is not None else None,
+                "client_cpu_pct": client / capacity,
+                "other_cpu_pct": max(0.0, busy - server - client) / capacity,
+                "load_avg_end": list(os.getloadavg())}
+
+
 # -- load ---------------------------------------------------------------------------------------
 async def run_load(args: argparse.Namespace, send: Any, specs: list[RequestSpec]) -> tuple[list[RequestResult], float]:
     """Send every spec under the chosen load; returns results in spec order and the wall time."""
@@ -364,12 +411,15 @@ async def bench_server(args: argparse.Namespace, base_url: str) -> dict[str, Any
                 res = await send(-1 - k, spec)
                 log(f"warm-up request: {'ok' if res.ok else 'FAILED ' + res.error} ({res.e2e:.2f} s)")
             log(f"{root}: {args.mode} benchmark, {load_label(args)}")
+            watch = CpuWatch(root)
+            watch.start()
             results, elapsed = await run_load(args, send, specs)
+            cpu = watch.stop()
         finally:
             if mux is not None:
                 await mux.close()
     return {"base_url": base_url, "model": model, "mode": args.mode, "endpoint": args.endpoint,
-            "prompt_len_source": prompt_len_source, "summary": summarize(results, elapsed),
+            "prompt_len_source": prompt_len_source, "summary": {**summarize(results, elapsed), "cpu": cpu},
             "requests": [dict(asdict(r), itls=r.itls) for r in results]}
 
 
@@ -427,6 +477,8 @@ METRIC_ROWS = [
     ("request throughput req/s", lambda s: f"{s['request_throughput']:.2f}"),
     ("output tok/s", lambda s: f"{s['output_tok_s']:.1f}"),
     ("total tok/s (prompt + output)", lambda s: f"{s['total_tok_s']:.1f}"),
+    ("CPU % of machine: server / client / other processes", lambda s: " / ".join(
+        "?" if s["cpu"][k] is None else f"{s['cpu'][k]:.0f}" for k in ("server_cpu_pct", "client_cpu_pct", "other_cpu_pct"))),
 ] + [
     (f"{name} {stat} {unit}", (lambda key, stat, digits: lambda s: f"{s[key][stat]:.{digits}f}")(key, stat, digits))
     for name, key, unit, digits in (("TTFT", "ttft_ms", "ms", 0), ("ITL", "itl_ms", "ms", 1),
@@ -487,6 +539,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"command: {command}")
     print(f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
     print(f"workload: {load_label(args)}, prompts as {args.prompt_format}, {args.mode} {args.endpoint}")
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"note: prompts derive from --seed {args.seed}; a server with prefix caching serves a repeated prompt "
+          "from cache, so use a new --seed for each run against the same server process")
     servers: list[dict[str, Any]] = []
     for url in args.base_url:
         try:

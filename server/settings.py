@@ -34,6 +34,9 @@ def _opt_int(text: str) -> Optional[int]:
     return None if text.strip().lower() in ("", "none") else int(text)
 
 
+_ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineConfig) if f.name != "model"}
+
+
 @dataclass
 class ServeSettings:
     """Every serve option with its default; see OPTIONS for help texts and parsing."""
@@ -56,18 +59,18 @@ class ServeSettings:
     outbox_bytes: int = 1024 * 1024
     send_timeout: float = 30.0
     offload_chars: int = 2048
-    # engine
-    dtype: str = "auto"
-    max_model_len: Optional[int] = None
-    kv_cache_tokens: Optional[int] = None
-    kv_cache_memory_gb: float = 2.0
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    enable_prefix_caching: bool = True
-    num_threads: int = 0
-    seed: int = 0
-    device: str = "cpu"
+    # engine: defaults come from EngineConfig, the one place they are defined
+    dtype: str = _ENGINE_DEFAULTS["dtype"]
+    max_model_len: Optional[int] = _ENGINE_DEFAULTS["max_model_len"]
+    kv_cache_tokens: Optional[int] = _ENGINE_DEFAULTS["kv_cache_tokens"]
+    kv_cache_memory_gb: float = _ENGINE_DEFAULTS["kv_cache_memory_gb"]
+    block_size: int = _ENGINE_DEFAULTS["block_size"]
+    max_num_seqs: int = _ENGINE_DEFAULTS["max_num_seqs"]
+    max_num_batched_tokens: int = _ENGINE_DEFAULTS["max_num_batched_tokens"]
+    enable_prefix_caching: bool = _ENGINE_DEFAULTS["enable_prefix_caching"]
+    num_threads: int = _ENGINE_DEFAULTS["num_threads"]
+    seed: int = _ENGINE_DEFAULTS["seed"]
+    device: str = _ENGINE_DEFAULTS["device"]
 
     def engine_config(self, model_dir: str) -> EngineConfig:
         kw = {o.name: getattr(self, o.name) for o in OPTIONS if o.engine}

@@ -37,15 +37,20 @@ def _stalled_client(port: int) -> socket.socket:
     return s
 
 
+N = 4
+
+
 def test_stuck_consumer_is_closed_resumably_and_its_requests_finish(demo_model: Path, tmp_path: Path) -> None:
     db = tmp_path / "slow.db"
     with ServerProcess(demo_model, db, "--outbox-bytes", "4096", "--send-timeout", "1") as srv:
         s = _stalled_client(srv.port)
-        params = {"max_tokens": 200, "ignore_eos": True, "temperature": 0, "logprobs": True, "top_logprobs": 20}
-        for i in range(3):
+        # ~4000 deltas with 20 top logprobs each (~5 MB): more than the loopback socket buffers
+        # can absorb (tcp_wmem autotunes up to 4 MiB), so the server's writes really block.
+        params = {"max_tokens": 1000, "ignore_eos": True, "temperature": 0, "logprobs": True, "top_logprobs": 20}
+        for i in range(N):
             s.sendall(_masked_text_frame({"type": "generate", "id": f"g{i}", "prompt": "Slow reader", "params": params}))
-        time.sleep(3)
-        s.settimeout(5)
+        time.sleep(6)
+        s.settimeout(15)
         raw = b""
         while True:
             chunk = s.recv(65536)
@@ -55,7 +60,7 @@ def test_stuck_consumer_is_closed_resumably_and_its_requests_finish(demo_model: 
         s.close()
         start = raw.index(b'{"type":"error","code":"slow_consumer"')
         err = json.JSONDecoder().raw_decode(raw[start:].decode("utf-8", "replace"))[0]
-        assert err["resumable"] is True and len(err["requests"]) == 3
+        assert err["resumable"] is True and len(err["requests"]) == N
         assert raw.endswith(b"\x88\x02\x03\xf5")  # close frame, code 1013 (try again later)
 
         async def resume_all() -> dict[str, list[dict[str, Any]]]:
@@ -63,7 +68,7 @@ def test_stuck_consumer_is_closed_resumably_and_its_requests_finish(demo_model: 
             async with WsClient(srv.ws_url) as ws:
                 for r in err["requests"]:
                     await ws.send({"type": "resume", "request_id": r["request_id"], "after_seq": 0})
-                while len([f for fs in out.values() for f in fs if f["type"] in ("done", "error")]) < 3:
+                while len([f for fs in out.values() for f in fs if f["type"] in ("done", "error")]) < N:
                     f = await ws.recv()
                     out.setdefault(f["id"], []).append(f)
             return out
@@ -71,6 +76,6 @@ def test_stuck_consumer_is_closed_resumably_and_its_requests_finish(demo_model: 
         resumed = asyncio.run(resume_all())
         for rid, frames in resumed.items():
             assert frames[0]["type"] == "accepted" and frames[-1]["type"] == "done"
-            assert len(tokens_of(frames)) == 200 == frames[-1]["usage"]["completion_tokens"]
+            assert len(tokens_of(frames)) == 1000 == frames[-1]["usage"]["completion_tokens"]
         rows = ledger_rows(db)
-        assert all(r["state"] == "finished" for r in rows.values()) and len(rows) == 3
+        assert all(r["state"] == "finished" for r in rows.values()) and len(rows) == N

@@ -138,7 +138,9 @@ def test_overload_gives_429_and_retry_frames_and_every_accepted_request_complete
         responses, frames = asyncio.run(main())
         rejected = [r for r in responses if r.status_code == 429]
         accepted = [r for r in responses if r.status_code == 200]
-        assert rejected and accepted and len(rejected) + len(accepted) == 8
+        # Which socket wins the 5 slots (2 in the engine + 3 queued) is a race; the contract is
+        # only that overflow is refused with retry hints and everything accepted completes.
+        assert len(rejected) + len(accepted) == 8
         for r in rejected:
             assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "overloaded"
         for r in accepted:
@@ -150,6 +152,7 @@ def test_overload_gives_429_and_retry_frames_and_every_accepted_request_complete
         for fs in ws_accepted:
             assert fs[-1]["type"] == "done" and len(tokens_of(fs)) == 24
         assert len(rejected) + len(ws_rejected) > 0
+        assert len(accepted) + len(ws_accepted) > 0
         rows = ledger_rows(db)
         assert len(rows) == len(accepted) + len(ws_accepted)
         assert all(r["state"] == "finished" and r["completion_tokens"] == 24 for r in rows.values())

@@ -30,7 +30,7 @@ class EngineConfig:
     max_num_seqs: most sequences in one step.
     max_num_batched_tokens: token budget per step (prefill chunks + decodes). On a CPU a step's
         time grows with its prefill tokens, so this bounds inter-token latency while prompts
-        prefill: 256 keeps ITL p99 under ~130 ms for llama-246m on 2 cores (bench/RESULTS.md).
+        prefill. 256 here (offline throughput); `pagewire serve` defaults to 128 (latency).
     enable_prefix_caching: reuse full KV blocks across requests by content hash.
     num_threads: intra-op CPU threads (0 = torch's default).
     seed: base seed for unseeded sampling.

@@ -17,7 +17,7 @@
 #   ops       which torch.ops.pagewire ops have a CUDA kernel; a CUDA-vs-CPU smoke on each that does
 #   cuda      pytest -m cuda tests --ignore=tests/kernels
 #   kernels   pytest -m cuda tests/kernels (the kernel tests on the GPU)
-#   bench     bench scripts that take --device (bench/offline_throughput.py, tests/kernels/bench_ops.py)
+#   bench     bench scripts that take --device (bench/offline_throughput.py, bench/kernels.py)
 #             run with --device cuda; skipped with a message while none does
 # Logs: one file per stage plus summary.txt (8 files: the device tool returns at most 8) in $OUT
 # (the device tool's return folder) when set, else in bench/out/gpu_check/. The console shows the
@@ -408,14 +408,14 @@ stage_bench() {
   else
     skipped+=("bench/offline_throughput.py has no --device flag")
   fi
-  if "$PY" -m tests.kernels.bench_ops --help 2>/dev/null | grep -q -- '--device'; then
+  if "$PY" -m bench.kernels --help 2>/dev/null | grep -q -- '--device'; then
     for what in attention linear; do
-      echo "## tests.kernels.bench_ops $what --device cuda"
-      "$PY" -m tests.kernels.bench_ops "$what" --dtype bfloat16 --device cuda || rc=1
+      echo "## bench.kernels $what --device cuda"
+      "$PY" -m bench.kernels "$what" --dtype bfloat16 --device cuda || rc=1
     done
     ran=$((ran + 1))
   else
-    skipped+=("tests/kernels/bench_ops.py has no --device flag")
+    skipped+=("bench/kernels.py has no --device flag")
   fi
   if ((ran == 0)); then
     echo "GPU_CHECK_SKIP: no GPU benchmark yet ($(printf '%s; ' "${skipped[@]}" | sed 's/; $//'))"

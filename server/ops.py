@@ -90,7 +90,7 @@ def copy_blocks(
 
 
 # Largest row count (tokens) for which the bf16 kernel beats torch's own bf16 GEMM on CPU; above
-# it torch's blocked GEMM wins (measured with tests/kernels/bench_ops.py linear).
+# it torch's blocked GEMM wins (measured with bench/kernels.py linear).
 LINEAR_KERNEL_MAX_M = 12
 
 

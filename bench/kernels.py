@@ -1,6 +1,6 @@
 """Micro-benchmarks of the CPU kernels against the PyTorch baselines (run by hand, not by pytest).
 
-Usage: .venv/bin/python -m tests.kernels.bench_ops [attention|linear] [--dtype bfloat16]
+Usage: .venv/bin/python -m bench.kernels [attention|linear] [--dtype bfloat16]
 """
 from __future__ import annotations
 

@@ -10,7 +10,16 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
+import os
+
 import pytest
+from hypothesis import settings
+
+# CI runs property tests with a fixed derandomised seed so a run is reproducible; locally they
+# explore fresh random cases each time (and print the failing example if one turns up).
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

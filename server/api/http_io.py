@@ -112,3 +112,11 @@ async def send_with_timeout(send: Send, message: dict[str, Any], timeout: float)
         return True
     except (asyncio.TimeoutError, OSError, RuntimeError):
         return False
+
+
+def sse_bytes(payload: Any) -> bytes:
+    """One server-sent event carrying `payload` as JSON."""
+    return b"data: " + _sse_enc.encode(payload) + b"\n\n"
+
+
+_sse_enc = msgspec.json.Encoder()

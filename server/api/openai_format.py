@@ -68,19 +68,40 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def completion_spec(req: CompletionRequest, api: str, client: str, model: str, idem: Optional[str]) -> GenerationSpec:
+def _is_token_list(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def completion_prompts(req: CompletionRequest) -> list[Any]:
+    """The request's prompts: one string or token-id list, or a batch (a list of either)."""
     prompt: Any = req.prompt
-    if isinstance(prompt, list):
-        if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            pass
-        elif len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-            if isinstance(prompt, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise InvalidRequest("prompt: a token list must contain only integers", param="prompt")
-        else:
-            raise InvalidRequest(
-                "prompt: must be a string, a list of token ids, or a one-element list of either "
-                "(batched prompts are not supported; send one request per prompt)", param="prompt")
+    if isinstance(prompt, str) or _is_token_list(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and (
+        all(isinstance(p, str) for p in prompt) or all(_is_token_list(p) for p in prompt)
+    ):
+        return list(prompt)
+    raise InvalidRequest(
+        "prompt: must be a string, a list of token ids, or a non-empty list of strings or of "
+        "token-id lists", param="prompt")
+
+
+def completion_specs(req: CompletionRequest, api: str, client: str, model: str,
+                     idem: Optional[str], max_batch: int) -> list[GenerationSpec]:
+    """One GenerationSpec per prompt; a batch's idempotency key gets a `#i` suffix per prompt."""
+    prompts = completion_prompts(req)
+    if len(prompts) > max_batch:
+        raise InvalidRequest(f"prompt: at most {max_batch} prompts per request, got {len(prompts)}",
+                             param="prompt")
+    if len(prompts) == 1:
+        return [completion_spec(req, api, client, model, idem, prompts[0])]
+    return [completion_spec(req, api, client, model, f"{idem}#{i}" if idem else None, p)
+            for i, p in enumerate(prompts)]
+
+
+def completion_spec(req: CompletionRequest, api: str, client: str, model: str, idem: Optional[str],
+                    prompt: Any) -> GenerationSpec:
+    """The spec for one of the request's prompts (see completion_prompts)."""
     if req.echo:
         raise InvalidRequest("echo: not supported", param="echo")
     if req.suffix is not None:

@@ -12,12 +12,12 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 
 from server.api.decode import decode
+from server.api import openai_batch
 from server.api.http_io import (DisconnectWatch, Receive, Scope, Send, error_payload, header, peer,
-                                read_body, send_error, send_json, send_with_timeout)
-from server.api.openai_format import chat_spec, completion_spec
+                                read_body, send_error, send_json, send_with_timeout, sse_bytes)
+from server.api.openai_format import chat_spec, completion_specs
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
 from server.errors import (Conflict, DeadlineExceeded, GenerationFailed, NotFound, PagewireError,
                            Unavailable)
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from server.runtime import Runtime
 
 log = logging.getLogger("pagewire.http")
-_enc = msgspec.json.Encoder()
 
 
 class EndWaiter:
@@ -72,8 +71,11 @@ class GenerateEndpoint:
         except ConnectionResetError:
             return
         try:
-            spec, stream, include_usage = self._parse(scope, body)
-            admitted = await self.rt.service.start(spec)
+            specs, stream, include_usage, n = self._parse(scope, body)
+            if len(specs) > 1:
+                batch = await openai_batch.admit_all(self.rt, specs)
+            else:
+                admitted = await self.rt.service.start(specs[0])
         except PagewireError as e:
             if e.status == 429:
                 self.rt.metrics.rejected.labels(code=e.code).inc()
@@ -83,12 +85,17 @@ class GenerateEndpoint:
             log.exception("admitting a request failed")
             await send_error(send, GenerationFailed(f"internal error: {e}", code="internal_error"))
             return
-        if stream:
+        if len(specs) > 1:
+            if stream:
+                await openai_batch.stream(self.rt, send, receive, batch, n, include_usage, end_error)
+            else:
+                await openai_batch.whole(self.rt, send, receive, batch, n, end_error, EndWaiter)
+        elif stream:
             await self._stream(send, receive, admitted, include_usage)
         else:
             await self._whole(send, receive, admitted)
 
-    def _parse(self, scope: Scope, body: bytes) -> tuple[Any, bool, bool]:
+    def _parse(self, scope: Scope, body: bytes) -> tuple[list[Any], bool, bool, int]:
         rt = self.rt
         idem = header(scope, b"idempotency-key")
         if self.kind == "chat":
@@ -98,10 +105,12 @@ class GenerateEndpoint:
         if req.model is not None and req.model != rt.model_name:
             raise NotFound(f"model: '{req.model}' does not exist; this server serves '{rt.model_name}'",
                            param="model", code="model_not_found")
-        build = chat_spec if self.kind == "chat" else completion_spec
-        spec = build(req, "http", peer(scope), rt.model_name, idem)
+        if self.kind == "chat":
+            specs = [chat_spec(req, "http", peer(scope), rt.model_name, idem)]
+        else:
+            specs = completion_specs(req, "http", peer(scope), rt.model_name, idem, openai_batch.MAX_BATCH)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return spec, req.stream, include_usage
+        return specs, req.stream, include_usage, req.n
 
     async def _whole(self, send: Send, receive: Receive, admitted: Any) -> None:
         waiter = EndWaiter()
@@ -179,24 +188,21 @@ class GenerateEndpoint:
         fmt = self.rt.formatter
         if isinstance(ev, DeltaEvent):
             if self.kind == "chat":
-                out.append(_sse_bytes(fmt.chat_chunk(rid, ev, ev.index not in first, include_usage)))
+                out.append(sse_bytes(fmt.chat_chunk(rid, ev, ev.index not in first, include_usage)))
                 first.add(ev.index)
             else:
-                out.append(_sse_bytes(fmt.completion_chunk(rid, ev, include_usage)))
+                out.append(sse_bytes(fmt.completion_chunk(rid, ev, include_usage)))
             return False
         if isinstance(ev, EndEvent):
             if ev.state != "finished":
-                out.append(_sse_bytes(error_payload(end_error(ev))))
+                out.append(sse_bytes(error_payload(end_error(ev))))
             elif include_usage:
-                out.append(_sse_bytes(fmt.usage_chunk(self.kind, ev)))
+                out.append(sse_bytes(fmt.usage_chunk(self.kind, ev)))
             out.append(b"data: [DONE]\n\n")
             return True
         return False
 
 
-def _sse_bytes(payload: Any) -> bytes:
-    return b"data: " + _enc.encode(payload) + b"\n\n"
-
 
 def _sse(payload: Any) -> dict[str, Any]:
-    return {"type": "http.response.body", "body": _sse_bytes(payload) + b"data: [DONE]\n\n", "more_body": False}
+    return {"type": "http.response.body", "body": sse_bytes(payload) + b"data: [DONE]\n\n", "more_body": False}

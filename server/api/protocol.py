@@ -48,7 +48,7 @@ class SamplingFields(Struct, kw_only=True):
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    """POST /v1/completions. `prompt` is a string, a token-id list, or a one-element list of either."""
+    """POST /v1/completions. `prompt` is a string, a token-id list, or a list of either (a batch)."""
 
     model: Optional[str] = None
     prompt: Union[str, list[Any]]

@@ -31,7 +31,7 @@ def _post(server: ServerProcess, body: Any, path: str = "/v1/completions") -> ht
     ({**GOOD, "n": 0}, 400, "n", "invalid_request"),
     ({**GOOD, "stop": [""]}, 400, "stop", "invalid_request"),
     ({**GOOD, "min_tokens": 5}, 400, "min_tokens", "invalid_request"),
-    ({**GOOD, "prompt": ["a", "b"]}, 400, "prompt", "invalid_request"),
+    ({**GOOD, "prompt": ["a", [1, 2]]}, 400, "prompt", "invalid_request"),  # mixed batch
     ({**GOOD, "prompt": [1, 99999]}, 400, "prompt", "invalid_request"),
 ])
 def test_http_bad_completion_bodies(server: ServerProcess, body: Any, status: int, param: Any, code: str) -> None:

@@ -203,3 +203,38 @@ def test_request_deadline_ends_it_with_504(server: ServerProcess) -> None:
     r = httpx.post(server.base + "/v1/completions", timeout=60, json={
         "model": "demo", "prompt": "Slow", "max_tokens": 1500, "ignore_eos": True, "timeout": 0.5})
     assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
+
+
+def test_batched_prompts_equal_single_requests_streamed_and_not(client: openai.OpenAI) -> None:
+    prompts = ["The train leaves", "Bread", "Tell me about the lighthouse"]
+    singles = [client.completions.create(model="demo", prompt=p, max_tokens=8, temperature=0, n=2)
+               for p in prompts]
+    batch = client.completions.create(model="demo", prompt=prompts, max_tokens=8, temperature=0, n=2)
+    # OpenAI numbers choices prompt_index * n + sample_index; usage is summed over prompts.
+    assert sorted(c.index for c in batch.choices) == list(range(6))
+    by_index = {c.index: c.text for c in batch.choices}
+    for i, single in enumerate(singles):
+        for c in single.choices:
+            assert by_index[i * 2 + c.index] == c.text
+    assert batch.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    assert batch.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+
+    stream = list(client.completions.create(model="demo", prompt=prompts, max_tokens=8, temperature=0, n=2,
+                                            stream=True, stream_options={"include_usage": True}))
+    texts: dict[int, str] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == by_index
+    assert stream[-1].choices == [] and stream[-1].usage.completion_tokens == batch.usage.completion_tokens
+    assert len({chunk.id for chunk in stream}) == 1  # one response id for the whole batch
+
+
+def test_batched_token_id_prompts_and_bad_batches(server: ServerProcess, client: openai.OpenAI) -> None:
+    ids = [httpx.post(server.base + "/tokenize", json={"prompt": p}).json()["tokens"] for p in ("Bread", "Rain")]
+    out = client.completions.create(model="demo", prompt=ids, max_tokens=4, temperature=0)
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    assert out.usage.prompt_tokens == len(ids[0]) + len(ids[1])
+    for bad in (["Bread", [1, 2]], [], ["x"] * 65):
+        r = httpx.post(server.base + "/v1/completions", json={"model": "demo", "prompt": bad, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text

@@ -28,8 +28,15 @@ async def admit_all(rt: "Runtime", specs: list[GenerationSpec]) -> list[Any]:
     """Start every prompt's request; all or none (earlier ones are cancelled on a refusal)."""
     admitted: list[Any] = []
     try:
-        for spec in specs:
-            admitted.append(await rt.service.start(spec))
+        for i, spec in enumerate(specs):
+            try:
+                admitted.append(await rt.service.start(spec))
+            except PagewireError as e:
+                # Say which prompt of the batch was refused: `prompt[2]: ...`.
+                if e.param == "prompt" or e.param is None:
+                    e.message = f"prompt[{i}] of {len(specs)}: {e.message}"
+                    e.args = (e.message,)
+                raise
     except BaseException:
         for a in admitted:
             if a.job is not None and not a.existing:

@@ -238,3 +238,11 @@ def test_batched_token_id_prompts_and_bad_batches(server: ServerProcess, client:
     for bad in (["Bread", [1, 2]], [], ["x"] * 65):
         r = httpx.post(server.base + "/v1/completions", json={"model": "demo", "prompt": bad, "max_tokens": 2})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
+def test_a_refused_prompt_in_a_batch_is_named(server: ServerProcess) -> None:
+    r = httpx.post(server.base + "/v1/completions", json={
+        "model": "demo", "prompt": [[5, 6, 7], [5] * 3000], "max_tokens": 4})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and err["message"].startswith("prompt[1] of 2:") and "3000" in err["message"]

@@ -1,0 +1,224 @@
+"""Answering admitted generation requests in OpenAI's shapes: one JSON body, or one SSE stream.
+
+A response covers one or more engine requests: chat and single-prompt completions are one;
+a batched `prompt` (a list of strings or of token-id lists, as OpenAI's API and vLLM accept) is
+one engine request per prompt, each with its own ledger row (an Idempotency-Key `K` becomes
+`K#i` for prompt i), admitted in order; if one is refused, the ones already admitted are
+cancelled and the refusal is returned naming `prompt[i]`. Choices are numbered
+`prompt_index * n + sample_index`, as OpenAI numbers them, and usage is summed. A stream
+interleaves the requests' chunks in the order the engine produced them, under one response id.
+
+A client that disconnects detaches its subscriptions, which cancels what still runs (unless
+another subscriber, such as an idempotent retry, still follows it).
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from server.api.http_io import (DisconnectWatch, Receive, Send, error_payload, send_error,
+                                send_json, send_with_timeout, sse_bytes)
+from server.errors import (Conflict, DeadlineExceeded, GenerationFailed, PagewireError,
+                           Unavailable)
+from server.jobs import GenerationSpec
+from server.streams import DeltaEvent, EndEvent, Event, Outbox, Subscription
+
+if TYPE_CHECKING:
+    from server.runtime import Runtime
+
+MAX_BATCH = 64
+
+
+class EndWaiter:
+    """A subscriber that only wants the end of a request (non-streamed responses)."""
+
+    def __init__(self) -> None:
+        self.future: asyncio.Future[EndEvent] = asyncio.get_running_loop().create_future()
+
+    def push(self, event: Event, replay: bool = False) -> None:
+        if isinstance(event, EndEvent) and not self.future.done():
+            self.future.set_result(event)
+
+    def cancel(self) -> None:
+        if not self.future.done():
+            self.future.cancel()
+
+
+def end_error(end: EndEvent) -> PagewireError:
+    """The error a request that did not finish is reported as (also for idempotent retries)."""
+    if end.state == "cancelled":
+        return Conflict(f"request {end.request_id} was cancelled", code="request_cancelled")
+    if end.state == "interrupted":
+        return Conflict(f"request {end.request_id} was interrupted: {end.message}", code="request_interrupted")
+    if end.code == "deadline_exceeded":
+        return DeadlineExceeded(f"request {end.request_id}: {end.message}")
+    return GenerationFailed(f"request {end.request_id} failed: {end.message}")
+
+
+def end_error(end: EndEvent) -> PagewireError:
+    """The error a request that did not finish is reported as (also for idempotent retries)."""
+    if end.state == "cancelled":
+        return Conflict(f"request {end.request_id} was cancelled", code="request_cancelled")
+    if end.state == "interrupted":
+        return Conflict(f"request {end.request_id} was interrupted: {end.message}", code="request_interrupted")
+    if end.code == "deadline_exceeded":
+        return DeadlineExceeded(f"request {end.request_id}: {end.message}")
+    return GenerationFailed(f"request {end.request_id} failed: {end.message}")
+
+
+async def admit_all(rt: "Runtime", specs: list[GenerationSpec]) -> list[Any]:
+    """Start every spec's request; all or none (earlier ones are cancelled on a refusal)."""
+    admitted: list[Any] = []
+    try:
+        for i, spec in enumerate(specs):
+            try:
+                admitted.append(await rt.service.start(spec))
+            except PagewireError as e:
+                # Say which prompt of the batch was refused: `prompt[2]: ...`.
+                if len(specs) > 1 and (e.param == "prompt" or e.param is None):
+                    e.message = f"prompt[{i}] of {len(specs)}: {e.message}"
+                    e.args = (e.message,)
+                raise
+    except BaseException:
+        for a in admitted:
+            if a.job is not None and not a.existing:
+                rt.service.cancel(a.job, "client")
+        raise
+    return admitted
+
+
+def _merge_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
+    total = {k: sum(u[k] for u in usages) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    total["prompt_tokens_details"] = {
+        "cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    }
+    return total
+
+
+async def whole(rt: "Runtime", send: Send, receive: Receive, kind: str, admitted: list[Any], n: int) -> None:
+    """Wait for every request, then answer with one (merged) completion or chat completion."""
+    waiters = [EndWaiter() for _ in admitted]
+
+    def cancel_all() -> None:
+        for w in waiters:
+            w.cancel()
+
+    watch = DisconnectWatch(receive, cancel_all)
+    attached: list[tuple[Any, Any]] = []
+    try:
+        for a, w in zip(admitted, waiters):
+            attached.append((await rt.service.attach(a.request_id, w, 0, a.record), w))
+        ends: list[EndEvent] = list(await asyncio.gather(*(w.future for w in waiters)))
+    except asyncio.CancelledError:
+        if not watch.disconnected:
+            raise
+        return  # the client left; `finally` detaches, which cancels what still runs
+    except PagewireError as e:
+        await send_error(send, e)
+        return
+    finally:
+        watch.stop()
+        for stream_, w in attached:
+            rt.service.detach(stream_, w)
+    failed = next((e for e in ends if e.state != "finished"), None)
+    if failed is not None:
+        await send_error(send, end_error(failed))
+        return
+    render = rt.formatter.chat_response if kind == "chat" else rt.formatter.completion_response
+    parts = [render(e) for e in ends]
+    choices = [{**c, "index": i * n + c["index"]} for i, part in enumerate(parts) for c in part["choices"]]
+    body = {**parts[0], "choices": choices, "usage": _merge_usage([p["usage"] for p in parts])}
+    ids = ",".join(e.request_id for e in ends)
+    try:
+        await send_json(send, 200, body, [(b"x-request-id", ids.encode())])
+    except OSError:
+        pass
+
+
+async def stream(rt: "Runtime", send: Send, receive: Receive, kind: str, admitted: list[Any], n: int,
+                 include_usage: bool) -> None:
+    """Stream every request's chunks as one SSE response; [DONE] after the last one ends."""
+    outbox = Outbox(rt.settings.outbox_bytes)
+    subs = [Subscription(outbox, a.request_id) for a in admitted]
+    offset = {a.request_id: i * n for i, a in enumerate(admitted)}
+    response_id = admitted[0].request_id
+    watch = DisconnectWatch(receive, outbox.close)
+    attached: list[tuple[Any, Subscription]] = []
+    timeout = rt.settings.send_timeout
+    ok = await send_with_timeout(send, {
+        "type": "http.response.start", "status": 200,
+        "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+                    (b"x-request-id", ",".join(a.request_id for a in admitted).encode())],
+    }, timeout)
+    try:
+        if not ok:
+            return
+        for a, sub in zip(admitted, subs):
+            attached.append((await rt.service.attach(a.request_id, sub, 0, a.record), sub))
+        ends: dict[str, EndEvent] = {}
+        seen: set[int] = set()  # choice indices that already had a chunk (chat sends the role first)
+        while ok:
+            batch = await outbox.get()
+            if outbox.overflowed:
+                # Stuck consumer: keep the requests running for an idempotent retry and stop here.
+                for a in admitted:
+                    job = rt.service.jobs.get(a.request_id)
+                    if job is not None:
+                        job.detached = True
+                err = Unavailable("stream consumer too slow; retry with the same Idempotency-Key "
+                                  "to fetch the result", code="slow_consumer")
+                await send_with_timeout(send, _final(error_payload(err)), 1.0)
+                return
+            if not batch:
+                return  # the client disconnected
+            chunks: list[bytes] = []
+            done = False
+            for rid, ev in batch:
+                done = _render(rt, kind, rid, ev, response_id, offset, seen, ends, len(admitted),
+                               include_usage, chunks)
+                if done:
+                    break
+            ok = await send_with_timeout(send, {"type": "http.response.body", "body": b"".join(chunks),
+                                                "more_body": not done}, timeout)
+            if done:
+                return
+    finally:
+        watch.stop()
+        for s, sub in attached:
+            rt.service.detach(s, sub)
+
+
+def _render(rt: "Runtime", kind: str, rid: str, ev: Event, response_id: str, offset: dict[str, int],
+            seen: set[int], ends: dict[str, EndEvent], total: int, include_usage: bool,
+            out: list[bytes]) -> bool:
+    """Append SSE bytes for one event; True once the response is complete."""
+    fmt = rt.formatter
+    if isinstance(ev, DeltaEvent):
+        index = offset[rid] + ev.index
+        if kind == "chat":
+            chunk = fmt.chat_chunk(response_id, ev, index not in seen, include_usage)
+        else:
+            chunk = fmt.completion_chunk(response_id, ev, include_usage)
+        for c in chunk["choices"]:
+            c["index"] = index
+        seen.add(index)
+        out.append(sse_bytes(chunk))
+        return False
+    if not isinstance(ev, EndEvent):
+        return False
+    ends[rid] = ev
+    if ev.state != "finished":
+        out.append(sse_bytes(error_payload(end_error(ev))) + b"data: [DONE]\n\n")
+        return True
+    if len(ends) < total:
+        return False
+    if include_usage:
+        usage = fmt.usage_chunk(kind, ends[response_id])
+        usage["usage"] = _merge_usage([fmt.usage_chunk(kind, e)["usage"] for e in ends.values()])
+        out.append(sse_bytes(usage))
+    out.append(b"data: [DONE]\n\n")
+    return True
+
+
+def _final(payload: Any) -> dict[str, Any]:
+    return {"type": "http.response.body", "body": sse_bytes(payload) + b"data: [DONE]\n\n", "more_body": False}

@@ -55,17 +55,6 @@ def end_error(end: EndEvent) -> PagewireError:
     return GenerationFailed(f"request {end.request_id} failed: {end.message}")
 
 
-def end_error(end: EndEvent) -> PagewireError:
-    """The error a request that did not finish is reported as (also for idempotent retries)."""
-    if end.state == "cancelled":
-        return Conflict(f"request {end.request_id} was cancelled", code="request_cancelled")
-    if end.state == "interrupted":
-        return Conflict(f"request {end.request_id} was interrupted: {end.message}", code="request_interrupted")
-    if end.code == "deadline_exceeded":
-        return DeadlineExceeded(f"request {end.request_id}: {end.message}")
-    return GenerationFailed(f"request {end.request_id} failed: {end.message}")
-
-
 async def admit_all(rt: "Runtime", specs: list[GenerationSpec]) -> list[Any]:
     """Start every spec's request; all or none (earlier ones are cancelled on a refusal)."""
     admitted: list[Any] = []

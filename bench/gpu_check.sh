@@ -318,7 +318,7 @@ import sys
 import torch
 
 import server._C  # noqa: F401
-from server import ops
+from server.kernels import ops
 
 names = ["write_kv_cache", "paged_attention", "copy_blocks"]
 has = {n: torch._C._dispatch_has_kernel_for_dispatch_key(f"pagewire::{n}", "CUDA") for n in names}

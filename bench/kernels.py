@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from server import ops
+from server.kernels import ops
 from tests.kernels.paged_reference import make_paged_batch
 
 

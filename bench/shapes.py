@@ -199,21 +199,21 @@ def pad_tokenizer_vocab(out_dir: Path, vocab_size: int) -> int:
 def write_tokenizer(out_dir: Path, vocab_size: int) -> TokenizerSummary:
     """Write a tokenizer into `out_dir`, padded to `vocab_size` ids.
 
-    Prefers the project's demo-model tokenizer (`server.demo_model.build_tokenizer`), so bench
+    Prefers the project's demo-model tokenizer (`server.models.demo_model.build_tokenizer`), so bench
     models tokenise and chat like the demo model; falls back to training a BPE here.
     """
     try:
-        from server.demo_model import build_tokenizer
+        from server.models.demo_model import build_tokenizer
     except ImportError:
         build_tokenizer = None  # type: ignore[assignment]
     summary: Optional[TokenizerSummary] = None
     if build_tokenizer is not None:
         try:
             info = build_tokenizer(out_dir, vocab_size=vocab_size)
-            summary = TokenizerSummary("server.demo_model.build_tokenizer", info.vocab_size,
+            summary = TokenizerSummary("server.models.demo_model.build_tokenizer", info.vocab_size,
                                        info.bos_token_id, tuple(info.eos_token_ids))
         except Exception as exc:  # a colleague's builder failing must not block benchmarks
-            print(f"[shapes] server.demo_model.build_tokenizer failed ({exc!r}); training a BPE here",
+            print(f"[shapes] server.models.demo_model.build_tokenizer failed ({exc!r}); training a BPE here",
                   file=sys.stderr)
     if summary is None:
         train_bpe_tokenizer(out_dir, vocab_size)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from server import LLM, SamplingParams
-from server.demo_model import ensure_demo_model
+from server.models.demo_model import ensure_demo_model
 
 
 def main() -> None:

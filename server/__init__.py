@@ -12,8 +12,8 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # pragma: no cover
     from server.llm import LLM
-    from server.outputs import CompletionOutput, RequestOutput
-    from server.sampling_params import SamplingParams
+    from server.engine.outputs import CompletionOutput, RequestOutput
+    from server.engine.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:
@@ -22,11 +22,11 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from server.sampling_params import SamplingParams
+        from server.engine.sampling_params import SamplingParams
 
         return SamplingParams
     if name in ("RequestOutput", "CompletionOutput"):
-        from server import outputs
+        from server.engine import outputs
 
         return getattr(outputs, name)
     raise AttributeError(name)

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from server.settings import ServeSettings, add_serve_arguments, default_db_path, settings_from_args
+from server.serving.settings import ServeSettings, add_serve_arguments, default_db_path, settings_from_args
 
 DEMO_BANNER = """\
 ============================================================================
@@ -50,7 +50,7 @@ def _resolve_model(settings: ServeSettings) -> tuple[Path, str, bool]:
         if not (d / "config.json").is_file():
             raise SystemExit(f"pagewire: MODEL_DIR {d}: no config.json there (expected a Hugging Face model folder)")
         return d, settings.served_model_name or d.name, False
-    from server.demo_model import ensure_demo_model  # lazy: builds with torch on first run
+    from server.models.demo_model import ensure_demo_model  # lazy: builds with torch on first run
 
     d = ensure_demo_model(Path(settings.cache_dir).expanduser() if settings.cache_dir else None)
     return d, settings.served_model_name or "pagewire-demo", True
@@ -67,7 +67,7 @@ def _serve(ns: argparse.Namespace) -> int:
     model_dir, name, demo = _resolve_model(settings)
     if demo:
         print(DEMO_BANNER, file=sys.stderr, flush=True)
-    from server.serve import run
+    from server.serving.serve import run
 
     run(settings, model_dir, name)
     return 0
@@ -85,8 +85,8 @@ def _db(ns: argparse.Namespace) -> Path:
 
 
 def _requests(ns: argparse.Namespace) -> int:
-    from server.ledger import LedgerError
-    from server.ledger_sync import open_readonly
+    from server.serving.ledger import LedgerError
+    from server.serving.ledger_sync import open_readonly
 
     try:
         conn = open_readonly(_db(ns))
@@ -100,7 +100,7 @@ def _requests(ns: argparse.Namespace) -> int:
 
 
 def _print_requests(ns: argparse.Namespace, conn: Any) -> int:
-    from server.ledger_sync import get_record, list_records
+    from server.serving.ledger_sync import get_record, list_records
 
     if ns.action == "list":
         rows = list_records(conn, ns.limit, ns.state)

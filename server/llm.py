@@ -7,9 +7,9 @@ from __future__ import annotations
 import itertools
 from typing import Any, Optional, Sequence, Union
 
-from server.config import EngineConfig
-from server.outputs import CompletionOutput, RequestDelta, RequestOutput
-from server.sampling_params import SamplingParams
+from server.engine.config import EngineConfig
+from server.engine.outputs import CompletionOutput, RequestDelta, RequestOutput
+from server.engine.sampling_params import SamplingParams
 
 PromptType = Union[str, Sequence[int]]
 

@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    from server.demo_model import build_tokenizer
+    from server.models.demo_model import build_tokenizer
     from tests.tiny_models import make_tiny_model
 
     cache: dict[str, Path] = {}

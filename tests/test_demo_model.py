@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from server.demo_model import (
+from server.models.demo_model import (
     BOS_TOKEN,
     DEMO_MODEL_NAME,
     EOS_TOKEN,
@@ -19,7 +19,7 @@ from server.demo_model import (
     build_tokenizer,
     ensure_demo_model,
 )
-from server.tokenizer import Tokenizer
+from server.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -104,5 +104,5 @@ def test_build_tokenizer_reports_ids_for_other_tiny_models(tmp_path: Path) -> No
 
 
 def test_module_does_not_import_transformers() -> None:
-    code = "import sys, server.demo_model; sys.exit('transformers' in sys.modules)"
+    code = "import sys, server.models.demo_model; sys.exit('transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent).returncode == 0

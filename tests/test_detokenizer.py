@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from server.demo_model import IM_END, build_tokenizer
-from server.detokenizer import IncrementalDetokenizer, SampleTextState, StopStringMatcher
-from server.tokenizer import Tokenizer
+from server.models.demo_model import IM_END, build_tokenizer
+from server.text.detokenizer import IncrementalDetokenizer, SampleTextState, StopStringMatcher
+from server.text.tokenizer import Tokenizer
 
 MULTIBYTE_TEXT = "naïve café 東京の空 🎉🚀 👨‍👩‍👧 𝕳𝖊𝖑𝖑𝖔 Ω≈ç√ and plain words"
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from server.engine.sampler import Sampler, SamplingBatch, apply_penalties
-from server.sampling_params import SamplingParams as SP
+from server.engine.sampling_params import SamplingParams as SP
 
 
 def build(

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.demo_model import BOS_TOKEN, EOS_TOKEN, IM_END, build_tokenizer
-from server.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
+from server.models.demo_model import BOS_TOKEN, EOS_TOKEN, IM_END, build_tokenizer
+from server.text.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
 
 transformers = pytest.importorskip("transformers")
 

@@ -2,8 +2,8 @@
 endpoints (/health, /v1/models, /tokenize, /detokenize, /metrics).
 
 Routes, and where each request goes next:
-    POST /v1/completions, /v1/chat/completions → server.api.openai_http → server.service
-    WS   /v1/ws                                → server.api.ws          → server.service
+    POST /v1/completions, /v1/chat/completions → server.api.openai_http → server.serving.service
+    WS   /v1/ws                                → server.api.ws          → server.serving.service
 """
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ from server.api.openai_http import GenerateEndpoint
 from server.api.protocol import DetokenizeRequest, TokenizeRequest
 from server.api.openai_format import messages_to_dicts
 from server.api.ws import WsEndpoint
-from server.errors import InvalidRequest, NotFound, PagewireError, TooLarge, Unavailable
-from server.metrics import CONTENT_TYPE
-from server.runtime import Runtime
-from server.tokenizer import ChatTemplateError
+from server.serving.errors import InvalidRequest, NotFound, PagewireError, TooLarge, Unavailable
+from server.serving.metrics import CONTENT_TYPE
+from server.serving.runtime import Runtime
+from server.text.tokenizer import ChatTemplateError
 
 
 def _error(exc: PagewireError) -> JSONResponse:

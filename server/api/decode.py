@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from server.errors import InvalidRequest
+from server.serving.errors import InvalidRequest
 
 T = TypeVar("T")
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 import msgspec
 
-from server.errors import PagewireError, TooLarge
+from server.serving.errors import PagewireError, TooLarge
 
 Scope = dict[str, Any]
 Receive = Callable[[], Any]

@@ -9,13 +9,13 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-from server.admission import BATCH, INTERACTIVE
+from server.serving.admission import BATCH, INTERACTIVE
 from server.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
-from server.errors import InvalidRequest
-from server.jobs import GenerationSpec, logprobs_from_stored
-from server.outputs import TokenLogprob
-from server.streams import DeltaEvent, EndEvent, Usage
-from server.tokenizer import Tokenizer
+from server.serving.errors import InvalidRequest
+from server.serving.jobs import GenerationSpec, logprobs_from_stored
+from server.engine.outputs import TokenLogprob
+from server.serving.streams import DeltaEvent, EndEvent, Usage
+from server.text.tokenizer import Tokenizer
 
 _SAMPLING_NAMES = (
     "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",

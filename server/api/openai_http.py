@@ -16,10 +16,10 @@ from server.api.decode import decode
 from server.api.http_io import Receive, Scope, Send, header, peer, read_body, send_error
 from server.api.openai_format import chat_spec, completion_specs
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
-from server.errors import GenerationFailed, NotFound, PagewireError
+from server.serving.errors import GenerationFailed, NotFound, PagewireError
 
 if TYPE_CHECKING:
-    from server.runtime import Runtime
+    from server.serving.runtime import Runtime
 
 log = logging.getLogger("pagewire.http")
 

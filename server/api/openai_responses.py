@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 from server.api.http_io import (DisconnectWatch, Receive, Send, error_payload, send_error,
                                 send_json, send_with_timeout, sse_bytes)
-from server.errors import (Conflict, DeadlineExceeded, GenerationFailed, PagewireError,
+from server.serving.errors import (Conflict, DeadlineExceeded, GenerationFailed, PagewireError,
                            Unavailable)
-from server.jobs import GenerationSpec
-from server.streams import DeltaEvent, EndEvent, Event, Outbox, Subscription
+from server.serving.jobs import GenerationSpec
+from server.serving.streams import DeltaEvent, EndEvent, Event, Outbox, Subscription
 
 if TYPE_CHECKING:
-    from server.runtime import Runtime
+    from server.serving.runtime import Runtime
 
 MAX_BATCH = 64
 

@@ -22,12 +22,12 @@ import msgspec
 from server.api.decode import convert, parse_json
 from server.api.openai_format import klass_of, messages_to_dicts, params_record, sampling_kwargs
 from server.api.protocol import CLIENT_FRAMES, CancelFrame, GenerateFrame, ResumeFrame
-from server.errors import InvalidRequest, PagewireError, TooLarge
-from server.jobs import GenerationSpec
-from server.streams import DeltaEvent, EndEvent, Outbox, RequestStream, Subscription
+from server.serving.errors import InvalidRequest, PagewireError, TooLarge
+from server.serving.jobs import GenerationSpec
+from server.serving.streams import DeltaEvent, EndEvent, Outbox, RequestStream, Subscription
 
 if TYPE_CHECKING:
-    from server.runtime import Runtime
+    from server.serving.runtime import Runtime
 
 log = logging.getLogger("pagewire.ws")
 _enc = msgspec.json.Encoder()

@@ -13,7 +13,7 @@ from typing import Optional, Sequence as Seq
 import torch
 
 from server import _C  # noqa: F401  (loads the op library and the allocator)
-from server.config import ConfigError, EngineConfig
+from server.engine.config import ConfigError, EngineConfig
 from server.engine.errors import check_context
 from server.engine.output_processor import OutputProcessor
 from server.engine.request import Request, Sequence
@@ -21,9 +21,9 @@ from server.engine.runner import ModelRunner
 from server.engine.sampler import Sampler, SamplingBatch
 from server.engine.scheduler import Scheduler, ScheduledSeq
 from server.models.loader import load_model
-from server.outputs import RequestDelta, TokenLogprob
-from server.sampling_params import SamplingParams
-from server.tokenizer import Tokenizer
+from server.engine.outputs import RequestDelta, TokenLogprob
+from server.engine.sampling_params import SamplingParams
+from server.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagewire.engine")
 

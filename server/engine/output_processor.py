@@ -9,10 +9,10 @@ from __future__ import annotations
 import time
 from typing import Iterable, Optional
 
-from server.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from server.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from server.engine.request import Request, Sequence
-from server.outputs import RequestDelta, SampleDelta, TokenLogprob
-from server.tokenizer import Tokenizer
+from server.engine.outputs import RequestDelta, SampleDelta, TokenLogprob
+from server.text.tokenizer import Tokenizer
 
 
 class _TextState:

@@ -15,8 +15,8 @@ from typing import Optional
 
 import torch
 
-from server.outputs import TokenLogprob
-from server.sampling_params import SamplingParams
+from server.engine.outputs import TokenLogprob
+from server.engine.sampling_params import SamplingParams
 
 
 class SeqStatus(enum.Enum):

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from server import ops
+from server.kernels import ops
 from server.engine.scheduler import SchedulerOutput
 from server.models.attention import AttentionMetadata
 

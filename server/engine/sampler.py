@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from server.sampling_params import SamplingParams
+from server.engine.sampling_params import SamplingParams
 
 # Temperatures this small are greedy: dividing by them only amplifies float noise (vLLM's rule).
 _GREEDY_EPS = 1e-5

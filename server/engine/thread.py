@@ -14,10 +14,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from server.config import EngineConfig
+from server.engine.config import EngineConfig
 from server.engine.errors import check_context
-from server.outputs import RequestDelta, SampleDelta
-from server.sampling_params import SamplingParams
+from server.engine.outputs import RequestDelta, SampleDelta
+from server.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagewire.engine")
 

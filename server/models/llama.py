@@ -18,7 +18,7 @@ from server.models.attention import AttentionMetadata
 from server.models.config import ModelConfig
 from server.models.layers import rms_norm, silu_and_mul
 from server.models.rope import RotaryEmbedding
-from server.ops import linear, paged_attention, write_kv_cache
+from server.kernels.ops import linear, paged_attention, write_kv_cache
 
 
 class WeightTarget(NamedTuple):

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from server import LLM, SamplingParams
-from server.config import EngineConfig
+from server.engine.config import EngineConfig
 from server.engine.engine import LLMEngine
 from server.engine.errors import RequestTooLongError
-from server.sampling_params import SamplingParamsError
+from server.engine.sampling_params import SamplingParamsError
 
 
 def _vocab(model_dir: Path) -> int:

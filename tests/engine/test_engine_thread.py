@@ -5,11 +5,11 @@ import threading
 
 import pytest
 
-from server.config import EngineConfig
+from server.engine.config import EngineConfig
 from server.engine.errors import RequestTooLongError
 from server.engine.thread import EngineThread
-from server.outputs import RequestDelta
-from server.sampling_params import SamplingParams
+from server.engine.outputs import RequestDelta
+from server.engine.sampling_params import SamplingParams
 
 
 def test_submit_stream_abort_and_shutdown(tiny_model) -> None:

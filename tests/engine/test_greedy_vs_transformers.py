@@ -9,7 +9,7 @@ import torch
 
 from server import LLM, SamplingParams
 from server.engine.engine import LLMEngine
-from server.config import EngineConfig
+from server.engine.config import EngineConfig
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 MAX_NEW = 20

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server import ops
+from server.kernels import ops
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server import ops
+from server.kernels import ops
 from tests.kernels.paged_reference import TOLERANCE, make_paged_batch, reference_paged_attention, relative_error
 
 pytestmark = pytest.mark.cuda

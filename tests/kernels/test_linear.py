@@ -1,11 +1,11 @@
-"""server.ops.linear and pagewire::linear against a float64 reference and F.linear's semantics."""
+"""server.kernels.ops.linear and pagewire::linear against a float64 reference and F.linear's semantics."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from server import ops
+from server.kernels import ops
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

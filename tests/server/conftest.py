@@ -11,7 +11,7 @@ from tests.server.harness import ServerProcess
 
 @pytest.fixture(scope="session")
 def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from server.demo_model import ensure_demo_model
+    from server.models.demo_model import ensure_demo_model
 
     return ensure_demo_model(tmp_path_factory.mktemp("pagewire-cache"))
 

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from server.admission import BATCH, INTERACTIVE, AdmissionQueue
+from server.serving.admission import BATCH, INTERACTIVE, AdmissionQueue
 from server.api.decode import decode
 from server.api.protocol import CompletionRequest, GenerateFrame
-from server.errors import InvalidRequest, Overloaded
-from server.jobs import events_from_output
-from server.ledger import Ledger, NewRequest, Terminal
-from server.outputs import RequestDelta, SampleDelta
-from server.streams import DeltaEvent, EndEvent, Outbox, RequestStream, Subscription, Usage
+from server.serving.errors import InvalidRequest, Overloaded
+from server.serving.jobs import events_from_output
+from server.serving.ledger import Ledger, NewRequest, Terminal
+from server.engine.outputs import RequestDelta, SampleDelta
+from server.serving.streams import DeltaEvent, EndEvent, Outbox, RequestStream, Subscription, Usage
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -177,8 +177,8 @@ def test_ledger_group_commits_recovers_open_rows_and_keeps_keys_unique(tmp_path:
 
 
 def test_bridge_posts_one_loop_callback_per_engine_step() -> None:
-    from server.bridge import EngineBridge
-    from server.config import EngineConfig
+    from server.serving.bridge import EngineBridge
+    from server.engine.config import EngineConfig
 
     async def main() -> None:
         dispatched: list[list[RequestDelta]] = []
@@ -233,7 +233,7 @@ def test_decode_ws_params_path() -> None:
 def test_serve_options_read_pagewire_env_vars_and_flags_win() -> None:
     import argparse
 
-    from server.settings import add_serve_arguments, settings_from_args
+    from server.serving.settings import add_serve_arguments, settings_from_args
 
     p = argparse.ArgumentParser()
     add_serve_arguments(p)
@@ -247,6 +247,6 @@ def test_serve_options_read_pagewire_env_vars_and_flags_win() -> None:
 
 
 def test_the_edge_never_imports_torch() -> None:
-    code = ("import sys, server.api.app, server.cli, server.serve, server.runtime; "
+    code = ("import sys, server.api.app, server.cli, server.serving.serve, server.serving.runtime; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=60).returncode == 0

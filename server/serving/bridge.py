@@ -17,9 +17,9 @@ import asyncio
 import logging
 from typing import Any, Callable, Optional
 
-from server.config import EngineConfig
-from server.outputs import RequestDelta
-from server.sampling_params import SamplingParams
+from server.engine.config import EngineConfig
+from server.engine.outputs import RequestDelta
+from server.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("pagewire.bridge")
 

@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from server.outputs import RequestDelta, TokenLogprob
-from server.sampling_params import SamplingParams
-from server.streams import DeltaEvent, EndEvent, RequestStream, Usage
+from server.engine.outputs import RequestDelta, TokenLogprob
+from server.engine.sampling_params import SamplingParams
+from server.serving.streams import DeltaEvent, EndEvent, RequestStream, Usage
 
 
 @dataclass

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Generic, Hashable, Optional, TypeVar
 
-from server.errors import Overloaded
+from server.serving.errors import Overloaded
 
 INTERACTIVE = 0
 BATCH = 1

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from server.config import EngineConfig
+from server.engine.config import EngineConfig
 
 
 def default_db_path() -> Path:

@@ -4,7 +4,7 @@ Start (ASGI lifespan, before the socket accepts): open the ledger (which turns r
 process left open into `interrupted`), load the tokenizer, wire admission/streams/metrics/service,
 and start the engine thread, which loads the weights in the background (/health is 503 until then).
 
-Stop, in two stages (see `server.serve`): `drain()` stops accepting, gives in-flight requests the
+Stop, in two stages (see `server.serving.serve`): `drain()` stops accepting, gives in-flight requests the
 grace period, interrupts the rest, makes every ledger row terminal, then closes WebSockets with
 1001 after flushing their final frames; `close()` stops the engine thread and the ledger.
 """
@@ -15,16 +15,16 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from server.admission import AdmissionQueue
-from server.bridge import EngineBridge
-from server.jobs import Job
-from server.ledger import Ledger
-from server.metrics import Metrics
-from server.prompts import PromptPreparer
-from server.service import RequestService
-from server.settings import ServeSettings
-from server.streams import StreamRegistry
-from server.tokenizer import Tokenizer
+from server.serving.admission import AdmissionQueue
+from server.serving.bridge import EngineBridge
+from server.serving.jobs import Job
+from server.serving.ledger import Ledger
+from server.serving.metrics import Metrics
+from server.serving.prompts import PromptPreparer
+from server.serving.service import RequestService
+from server.serving.settings import ServeSettings
+from server.serving.streams import StreamRegistry
+from server.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from server.api.openai_format import Formatter

@@ -24,8 +24,8 @@ from typing import Iterator, Optional
 
 import uvicorn
 
-from server.runtime import Runtime
-from server.settings import ServeSettings
+from server.serving.runtime import Runtime
+from server.serving.settings import ServeSettings
 
 log = logging.getLogger("pagewire")
 
@@ -85,7 +85,7 @@ class PagewireServer(uvicorn.Server):
     def _force_exit(self) -> None:
         log.warning("second signal: forcing exit")
         try:
-            from server.ledger_sync import interrupt_open_sync
+            from server.serving.ledger_sync import interrupt_open_sync
 
             interrupt_open_sync(self.runtime.settings.db_path, "server was forced to stop")
         except Exception as e:  # best effort: the next start interrupts whatever is left

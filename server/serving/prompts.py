@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Optional
 
-from server.errors import InvalidRequest
-from server.jobs import GenerationSpec
-from server.sampling_params import SamplingParams, SamplingParamsError
-from server.tokenizer import ChatTemplateError, Tokenizer
+from server.serving.errors import InvalidRequest
+from server.serving.jobs import GenerationSpec
+from server.engine.sampling_params import SamplingParams, SamplingParamsError
+from server.text.tokenizer import ChatTemplateError, Tokenizer
 
 
 def _content_chars(messages: list[dict[str, Any]]) -> int:

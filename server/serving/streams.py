@@ -19,7 +19,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Optional, Union
 
-from server.outputs import SampleDelta, TokenLogprob
+from server.engine.outputs import SampleDelta, TokenLogprob
 
 
 @dataclass(slots=True)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from server.ledger import COLUMNS, LedgerError, RequestRecord
+from server.serving.ledger import COLUMNS, LedgerError, RequestRecord
 
 
 def open_readonly(path: str | os.PathLike[str]) -> sqlite3.Connection:

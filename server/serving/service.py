@@ -21,15 +21,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
-from server.admission import AdmissionQueue
-from server.bridge import EngineBridge
-from server.errors import NotFound, Unavailable
-from server.jobs import GenerationSpec, Job, end_from_record, events_from_output, now_pair
-from server.ledger import Ledger, NewRequest, RequestRecord, Terminal
-from server.metrics import Metrics
-from server.outputs import RequestDelta
-from server.prompts import PromptPreparer
-from server.streams import EndEvent, Event, RequestStream, StreamRegistry
+from server.serving.admission import AdmissionQueue
+from server.serving.bridge import EngineBridge
+from server.serving.errors import NotFound, Unavailable
+from server.serving.jobs import GenerationSpec, Job, end_from_record, events_from_output, now_pair
+from server.serving.ledger import Ledger, NewRequest, RequestRecord, Terminal
+from server.serving.metrics import Metrics
+from server.engine.outputs import RequestDelta
+from server.serving.prompts import PromptPreparer
+from server.serving.streams import EndEvent, Event, RequestStream, StreamRegistry
 
 log = logging.getLogger("pagewire.service")
 

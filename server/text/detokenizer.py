@@ -30,7 +30,7 @@ class IncrementalDetokenizer:
     emitted and the offsets stay, until a later token completes it or `flush` gives up waiting.
 
     Args:
-        tokenizer: anything with `decode(ids, skip_special_tokens)` (server.tokenizer.Tokenizer).
+        tokenizer: anything with `decode(ids, skip_special_tokens)` (server.text.tokenizer.Tokenizer).
         prompt_token_ids: the prompt; only its last few ids are kept (copied) as decode context.
         skip_special_tokens: leave special tokens (e.g. <|im_end|>) out of the text.
     """

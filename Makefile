@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 MAX_JOBS ?= 2
 export MAX_JOBS
 
-.PHONY: venv build serve test test-fast bench clean
+.PHONY: venv build serve test test-fast lint bench clean
 
 $(VENV)/.deps-stamp: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ test: build
 
 test-fast: build
 	$(PY) -m pytest -q -x tests -m "not slow"
+
+# ruff (style, bugs, import order) over everything, mypy over the package (config in pyproject.toml).
+lint: venv
+	$(VENV)/bin/ruff check server tests bench examples setup.py
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf build server/_C*.so *.egg-info

@@ -7,8 +7,6 @@
 #                                             # AT_DISPATCH) in the copy: checks the toolchain itself
 #   bash bench/cuda_build_check.sh --setup-only   # only create the venv (long: ~5.5 GB of wheels)
 #   bash bench/cuda_build_check.sh --ignore-cuda-version   # see "CUDA versions" below
-#   bash bench/cuda_build_check.sh --std=c++20   # the copy's setup.py gets -std=c++20 for -std=c++17
-#                                     # (torch >= 2.14's headers need C++20; see "C++ standard")
 #
 # What it does (never touches the repo's .venv, build/ or server/_C*.so):
 #   1. finds the CUDA toolkit root: $CUDA_HOME, else the nvcc on PATH followed through symlinks and
@@ -32,9 +30,8 @@
 # nvcc 13.0 here); --ignore-cuda-version runs setup.py with that check patched out, for a compile-only
 # check across majors (the .so then won't match the torch runtime: don't ship it).
 # C++ standard: torch 2.14's headers use C++20 (std::strong_ordering, string_view::starts_with,
-# `requires`), so setup.py's hard-coded -std=c++17 fails with them on the first .cpp file; torch
-# 2.11 (the GPU machine's) and 2.13 (the repo's CPU venv) still compile as C++17. --std=c++20 checks
-# the rest of the build with the flag swapped in the copy only; the lasting fix belongs in setup.py.
+# `requires`). setup.py passes no -std flag, so cpp_extension picks torch's own default for both
+# compilers (C++20 from torch 2.13 on).
 # Headers: this toolkit (nvcc, cudart, cccl, crt) has no cuBLAS/cuSPARSE/cuSOLVER headers, which
 # ATen/cuda/CUDAContext.h includes; torch's own nvidia-* wheels have them in
 # site-packages/nvidia/cu13/include, which this script passes as CUDA_INC_PATH (cpp_extension adds
@@ -52,13 +49,12 @@ BUILD_DIR="${CUDA_BUILD_DIR:-/tmp/pagewire-cuda-build}"
 LOGDIR="${CUDA_BUILD_LOGDIR:-$BUILD_DIR.logs}"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 export MAX_JOBS="${MAX_JOBS:-1}"
-PROBE=0 SETUP_ONLY=0 IGNORE_CUDA_VERSION=0 CXX_STD=""
+PROBE=0 SETUP_ONLY=0 IGNORE_CUDA_VERSION=0
 for a in "$@"; do
   case "$a" in
     --probe) PROBE=1 ;;
     --setup-only) SETUP_ONLY=1 ;;
     --ignore-cuda-version) IGNORE_CUDA_VERSION=1 ;;
-    --std=*) CXX_STD=${a#--std=} ;;
     -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "unknown argument: $a (see --help)"; exit 2 ;;
   esac
@@ -199,11 +195,6 @@ void scale_(at::Tensor& x, double s) {
 EOF
   say "probe: added csrc/cuda/zz_build_probe.cu to the copy"
   n_cu=$((n_cu + 1))
-fi
-if [[ -n $CXX_STD ]]; then
-  n_std=$(grep -c -- '-std=c++17' "$BUILD_DIR/setup.py")
-  sed -i "s/-std=c++17/-std=$CXX_STD/g" "$BUILD_DIR/setup.py"
-  say "--std=$CXX_STD: replaced $n_std '-std=c++17' in the COPY's setup.py (the repo's is unchanged)"
 fi
 rm -f "$BUILD_DIR"/server/_C*.so
 step_done copy $((SECONDS - t0))

@@ -8,7 +8,7 @@ import itertools
 from typing import Any, Optional, Sequence, Union
 
 from server.engine.config import EngineConfig
-from server.engine.outputs import CompletionOutput, RequestDelta, RequestOutput
+from server.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, fold_delta
 from server.engine.sampling_params import SamplingParams
 
 PromptType = Union[str, Sequence[int]]
@@ -78,7 +78,7 @@ class LLM:
         try:
             for text, ids, sp, prio in staged:
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, ids, sp, priority=prio, prompt=text)
+                self.engine.add_request(rid, ids, sp, priority=prio)
                 order.append(rid)
                 results[rid] = RequestOutput(rid, text, ids, [
                     CompletionOutput(i, "", [], None, logprobs=[] if sp.logprobs is not None else None)
@@ -96,7 +96,13 @@ class LLM:
 
             bar = tqdm(total=len(order), desc="generate", unit="req")
         while self.engine.has_unfinished_requests():
-            for delta in self.engine.step():
+            deltas = self.engine.step()
+            if not self.engine.last_step_progressed:
+                # add_request refuses what can never run, so this is an engine bug; fail loudly
+                # rather than spin through empty steps.
+                self.engine.abort_all()
+                raise RuntimeError("engine made no progress with requests pending; aborted them")
+            for delta in deltas:
                 if delta.request_id in results:
                     _apply(results[delta.request_id], delta)
                     if delta.finished and bar is not None:
@@ -108,15 +114,7 @@ class LLM:
 
 def _apply(out: RequestOutput, delta: RequestDelta) -> None:
     out.num_cached_tokens = delta.num_cached_tokens
-    for s in delta.samples:
-        c = out.outputs[s.index]
-        c.token_ids.extend(s.token_ids)
-        c.text += s.text
-        if s.logprobs is not None and c.logprobs is not None:
-            c.logprobs.extend(s.logprobs)
-        if s.finish_reason is not None:
-            c.finish_reason = s.finish_reason
-            c.stop_reason = s.stop_reason
+    fold_delta(out.outputs, delta.samples)
     if delta.error is not None:
         raise RuntimeError(f"request {delta.request_id} failed: {delta.error}")
     out.finished = delta.finished

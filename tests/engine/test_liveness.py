@@ -172,7 +172,7 @@ def test_accepted_requests_progress_every_step_and_finish_within_the_bound(tiny_
 
 
 @pytest.mark.slow
-@settings(max_examples=120, **_SETTINGS)  # type: ignore[arg-type]
+@settings(max_examples=50, **_SETTINGS)  # type: ignore[arg-type]
 @given(data=st.data())
 def test_liveness_over_many_longer_scenarios(tiny_model, data) -> None:
     _run_scenario(tiny_model("llama"), data, max_len_cap=128)

@@ -5,7 +5,7 @@ It drives an LLMEngine on the caller's thread: submit everything, step until don
 from __future__ import annotations
 
 import itertools
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union, cast
 
 from server.engine.config import EngineConfig
 from server.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, fold_delta
@@ -48,11 +48,14 @@ class LLM:
         priority: Optional[Sequence[int]] = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (a string or a list of token ids); outputs keep input order."""
+        prompt_list: list[PromptType]
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+            prompt_list = [cast(PromptType, prompts)]  # one prompt: a str or token ids
+        else:
+            prompt_list = list(cast(Sequence[PromptType], prompts))
+        prompts = prompt_list
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -71,9 +74,9 @@ class LLM:
         order: list[str] = []
         # Tokenise and validate everything before queueing anything, so a bad prompt fails fast.
         staged = []
-        for i, (p, sp) in enumerate(zip(prompts, params_list)):
+        for i, (p, sp) in enumerate(zip(prompt_list, params_list)):
             text = p if isinstance(p, str) else None
-            ids = tok.encode(p) if isinstance(p, str) else list(p)
+            ids: list[int] = tok.encode(p) if isinstance(p, str) else [int(t) for t in p]
             staged.append((text, ids, sp, priority[i] if priority is not None else 0))
         try:
             for text, ids, sp, prio in staged:

@@ -275,7 +275,11 @@ class LLMEngine:
             k = seq.request.params.logprobs
             lp: Optional[TokenLogprob] = None
             if k is not None and lps is not None:
-                top = list(zip(top_ids[i][:k], top_lps[i][:k])) if (k and top_ids is not None) else []
+                top = (
+                    list(zip(top_ids[i][:k], top_lps[i][:k]))
+                    if (k and top_ids is not None and top_lps is not None)
+                    else []
+                )
                 lp = TokenLogprob(tokens[i], lps[i], top)
             self.outputs.append_token(seq, tokens[i], lp)
             req = seq.request

@@ -13,12 +13,13 @@ from server.kernels import ops
 from server.engine.kv_cache_manager import KVCacheManager
 from server.engine.scheduler import SchedulerOutput
 from server.models.attention import AttentionMetadata
+from server.models.llama import LlamaFamilyForCausalLM
 
 
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaFamilyForCausalLM,
         num_blocks: int,
         block_size: int,
         kv_cache: KVCacheManager,

@@ -26,6 +26,13 @@ def _sources(pattern: str) -> list[str]:
 cxx_flags = ["-O3", "-fopenmp", "-DNDEBUG", "-Wno-unused-parameter"]
 sources = _sources("csrc/*.cpp") + _sources("csrc/allocator/*.cpp") + _sources("csrc/cpu/*.cpp")
 
+# `import server._C` must work before (or without) `import torch`: the loader finds libc10 and
+# libtorch_cpu through the RUNPATH, first next to an installed package (site-packages/torch/lib),
+# then in the torch this was built against. torch/lib also ships the libgomp that libtorch uses,
+# so both import orders load one OpenMP runtime.
+torch_lib = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "lib")
+link_flags = ["-fopenmp", "-Wl,-rpath,$ORIGIN/../torch/lib", f"-Wl,-rpath,{torch_lib}"]
+
 with_cuda = torch.version.cuda is not None and os.environ.get("PAGEWIRE_NO_CUDA", "0") != "1"
 if with_cuda:
     cuda_sources = _sources("csrc/cuda/*.cu") + _sources("csrc/cuda/*.cpp")
@@ -34,14 +41,14 @@ if with_cuda:
         sources + cuda_sources,
         define_macros=[("PAGEWIRE_WITH_CUDA", "1")],
         extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--use_fast_math", "-lineinfo"]},
-        extra_link_args=["-fopenmp"],
+        extra_link_args=link_flags,
     )
 else:
     ext = CppExtension(
         "server._C",
         sources,
         extra_compile_args={"cxx": cxx_flags},
-        extra_link_args=["-fopenmp"],
+        extra_link_args=link_flags,
     )
 
 # `make` installs the package metadata with PAGEWIRE_SKIP_EXT=1 and then builds the extension

@@ -5,10 +5,10 @@ It drives an LLMEngine on the caller's thread: submit everything, step until don
 from __future__ import annotations
 
 import itertools
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union, cast
 
 from server.engine.config import EngineConfig
-from server.engine.outputs import CompletionOutput, RequestDelta, RequestOutput
+from server.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, fold_delta
 from server.engine.sampling_params import SamplingParams
 
 PromptType = Union[str, Sequence[int]]
@@ -48,11 +48,14 @@ class LLM:
         priority: Optional[Sequence[int]] = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (a string or a list of token ids); outputs keep input order."""
+        prompt_list: list[PromptType]
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+            prompt_list = [cast(PromptType, prompts)]  # one prompt: a str or token ids
+        else:
+            prompt_list = list(cast(Sequence[PromptType], prompts))
+        prompts = prompt_list
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -71,14 +74,14 @@ class LLM:
         order: list[str] = []
         # Tokenise and validate everything before queueing anything, so a bad prompt fails fast.
         staged = []
-        for i, (p, sp) in enumerate(zip(prompts, params_list)):
+        for i, (p, sp) in enumerate(zip(prompt_list, params_list)):
             text = p if isinstance(p, str) else None
-            ids = tok.encode(p) if isinstance(p, str) else list(p)
+            ids: list[int] = tok.encode(p) if isinstance(p, str) else [int(t) for t in p]
             staged.append((text, ids, sp, priority[i] if priority is not None else 0))
         try:
             for text, ids, sp, prio in staged:
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, ids, sp, priority=prio, prompt=text)
+                self.engine.add_request(rid, ids, sp, priority=prio)
                 order.append(rid)
                 results[rid] = RequestOutput(rid, text, ids, [
                     CompletionOutput(i, "", [], None, logprobs=[] if sp.logprobs is not None else None)
@@ -96,7 +99,13 @@ class LLM:
 
             bar = tqdm(total=len(order), desc="generate", unit="req")
         while self.engine.has_unfinished_requests():
-            for delta in self.engine.step():
+            deltas = self.engine.step()
+            if not self.engine.last_step_progressed:
+                # add_request refuses what can never run, so this is an engine bug; fail loudly
+                # rather than spin through empty steps.
+                self.engine.abort_all()
+                raise RuntimeError("engine made no progress with requests pending; aborted them")
+            for delta in deltas:
                 if delta.request_id in results:
                     _apply(results[delta.request_id], delta)
                     if delta.finished and bar is not None:
@@ -108,15 +117,7 @@ class LLM:
 
 def _apply(out: RequestOutput, delta: RequestDelta) -> None:
     out.num_cached_tokens = delta.num_cached_tokens
-    for s in delta.samples:
-        c = out.outputs[s.index]
-        c.token_ids.extend(s.token_ids)
-        c.text += s.text
-        if s.logprobs is not None and c.logprobs is not None:
-            c.logprobs.extend(s.logprobs)
-        if s.finish_reason is not None:
-            c.finish_reason = s.finish_reason
-            c.stop_reason = s.stop_reason
+    fold_delta(out.outputs, delta.samples)
     if delta.error is not None:
         raise RuntimeError(f"request {delta.request_id} failed: {delta.error}")
     out.finished = delta.finished

@@ -25,19 +25,20 @@ class PyBlockAllocator : public BlockAllocator {
  public:
   using BlockAllocator::BlockAllocator;
 
-  // Converts items [begin, end) of a Python sequence of ints (list, tuple, ...) into a view whose
-  // total_len is the sequence's length. Only the items a call will read are converted.
-  TokenView read_tokens(const py::handle& seq, int64_t begin, int64_t end, int64_t total_len) {
+  // Converts the tokens at positions [begin, end) of a sequence into a view whose total_len is
+  // total_len. `seq` is a Python sequence of ints holding positions [offset, offset + len(seq)).
+  // Only the items a call will read are converted.
+  TokenView read_tokens(const py::handle& seq, int64_t offset, int64_t begin, int64_t end, int64_t total_len) {
     scratch_.resize(static_cast<size_t>(end > begin ? end - begin : 0));
     py::object fast = py::reinterpret_steal<py::object>(
         PySequence_Fast(seq.ptr(), "token_ids must be a sequence of ints"));
     if (!fast) throw py::error_already_set();
     PyObject** items = PySequence_Fast_ITEMS(fast.ptr());
     for (int64_t i = begin; i < end; ++i) {
-      const long long v = PyLong_AsLongLong(items[i]);
+      const long long v = PyLong_AsLongLong(items[i - offset]);
       if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
       if (v < 0 || v > std::numeric_limits<int32_t>::max())
-        throw std::invalid_argument("token_ids[" + std::to_string(i) + "] = " + std::to_string(v) +
+        throw std::invalid_argument("token_ids[" + std::to_string(i - offset) + "] = " + std::to_string(v) +
                                     " is out of range [0, 2^31)");
       scratch_[static_cast<size_t>(i - begin)] = static_cast<int32_t>(v);
     }
@@ -82,7 +83,7 @@ Args:
           [](PyBlockAllocator& self, int64_t seq_id, const py::handle& token_ids) {
             const int64_t n = seq_len(token_ids);
             const int64_t full = n / self.block_size() * self.block_size();
-            return self.match_prefix(seq_id, self.read_tokens(token_ids, 0, full, n));
+            return self.match_prefix(seq_id, self.read_tokens(token_ids, 0, 0, full, n));
           },
           py::arg("seq_id"), py::arg("token_ids"), R"doc(
 Attach the longest cached chain of full blocks matching token_ids to a sequence with no blocks
@@ -105,22 +106,47 @@ Returns:
            "Fresh blocks allocate_slots would take right now (new blocks + copy-on-write copies).")
       .def(
           "cache_full_blocks",
-          [](PyBlockAllocator& self, int64_t seq_id, const py::handle& token_ids) {
-            const int64_t n = seq_len(token_ids);
+          [](PyBlockAllocator& self, int64_t seq_id, const py::handle& token_ids, int64_t start) {
+            if (start < 0) throw std::invalid_argument("cache_full_blocks: start must be >= 0, got " +
+                                                       std::to_string(start));
+            const int64_t n = start + seq_len(token_ids);
             if (!self.prefix_caching_enabled()) {
               self.cache_full_blocks(seq_id, TokenView{nullptr, 0, 0, n});  // validates only
               return;
             }
-            // Convert only the tokens of blocks not yet registered: O(new blocks) per call.
-            const int64_t begin = self.registered_tokens(seq_id);
+            // The registration point lives here, not with the caller: read only the tokens of
+            // blocks not yet registered, so a call costs O(new blocks), not O(sequence).
+            const int64_t registered = self.registered_tokens(seq_id);
             const int64_t full = n / self.block_size() * self.block_size();
-            self.cache_full_blocks(seq_id, self.read_tokens(token_ids, begin, std::max(begin, full), n));
+            if (registered >= full) {
+              self.cache_full_blocks(seq_id, TokenView{nullptr, 0, 0, n});  // validates only
+              return;
+            }
+            if (start > registered)
+              throw std::invalid_argument("cache_full_blocks: token_ids start at position " + std::to_string(start) +
+                                          " but seq_id " + std::to_string(seq_id) + " has registered only " +
+                                          std::to_string(registered) + " tokens; positions [" +
+                                          std::to_string(registered) + ", " + std::to_string(start) +
+                                          ") are missing");
+            self.cache_full_blocks(seq_id, self.read_tokens(token_ids, start, registered, full, n));
           },
-          py::arg("seq_id"), py::arg("token_ids"), R"doc(
+          py::arg("seq_id"), py::arg("token_ids"), py::arg("start") = 0, R"doc(
 Register every newly full block of the sequence under its chained hash. token_ids are the
-sequence's tokens whose KV is in its blocks (or is being written this step). Idempotent; an
-identical block registered elsewhere is kept and not duplicated. No-op with caching disabled.
+sequence's tokens at positions [start, start + len(token_ids)), whose KV is in its blocks (or is
+being written this step); start may be anything up to the tokens already registered, so a caller
+passes just the tokens of the step (from the first block they touch) and the call reads only the
+blocks that became full: O(new blocks). Idempotent; an identical block registered elsewhere is
+kept and not duplicated. No-op with caching disabled.
 )doc")
+      .def(
+          "registered_tokens",
+          [](const PyBlockAllocator& self, int64_t seq_id) {
+            if (!self.has_sequence(seq_id))
+              throw std::invalid_argument("registered_tokens: unknown seq_id " + std::to_string(seq_id));
+            return self.registered_tokens(seq_id);
+          },
+          py::arg("seq_id"),
+           "Tokens of the sequence whose full blocks are registered (a multiple of block_size).")
       .def("fork", &BlockAllocator::fork, py::arg("parent_id"), py::arg("child_id"),
            "Give child_id (unknown or without blocks) the parent's block table; every block refcount++.")
       .def("truncate", &BlockAllocator::truncate, py::arg("seq_id"), py::arg("num_tokens"),

@@ -1,4 +1,4 @@
-// The paged_attention CPU op: argument checks, the host-side work plan (query tiles per sequence),
+// The paged_attention CPU op: argument checks (shared with CUDA, attention_checks.h), the host-side work plan (query tiles per sequence),
 // and the choice between the AVX-512 and the portable kernel.
 #include <algorithm>
 #include <cstdlib>
@@ -7,6 +7,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "../attention_checks.h"
 #include "../ops.h"
 #include "attention_kernel.h"
 
@@ -18,12 +19,6 @@ namespace {
 // small GEMM, few enough that one long prefill still splits into many parallel units.
 int tile_tokens(int group) { return std::max(1, std::min(32, 64 / group)); }
 
-void check_int32_vector(const at::Tensor& t, const char* name, int64_t len) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == len, name, " must have shape [", len, "], got ", t.sizes());
-}
-
 cpu::ElemType elem_type(at::ScalarType t) {
   switch (t) {
     case at::kFloat:
@@ -33,7 +28,7 @@ cpu::ElemType elem_type(at::ScalarType t) {
     case at::kHalf:
       return cpu::ElemType::kFloat16;
     default:
-      TORCH_CHECK(false, "query dtype must be float32, bfloat16 or float16, got ", t);
+      TORCH_CHECK(false, "query dtype must be float32, bfloat16 or float16, got ", t);  // checked earlier
   }
 }
 
@@ -51,38 +46,12 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
                          const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
                          int64_t sliding_window, int64_t max_query_len, int64_t max_seq_len) {
   TORCH_CHECK(query.device().is_cpu(), "query must be a CPU tensor, got ", query.device());
-  TORCH_CHECK(query.dim() == 3, "query must be [T, num_heads, head_dim], got shape ", query.sizes());
-  TORCH_CHECK(out.sizes() == query.sizes(), "out shape ", out.sizes(), " must equal query shape ", query.sizes());
-  TORCH_CHECK(out.device().is_cpu(), "out must be a CPU tensor, got ", out.device());
+  const PagedAttentionDims dims = check_paged_attention_args(out, query, key_cache, value_cache, block_tables,
+                                                             seq_lens, query_start_loc, scale);
   const cpu::ElemType dtype = elem_type(query.scalar_type());
-  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "out dtype ", out.scalar_type(), " must equal query dtype ",
-              query.scalar_type());
-  for (const auto& [cache, name] : {std::pair<const at::Tensor&, const char*>{key_cache, "key_cache"},
-                                    std::pair<const at::Tensor&, const char*>{value_cache, "value_cache"}}) {
-    TORCH_CHECK(cache.device().is_cpu(), name, " must be a CPU tensor, got ", cache.device());
-    TORCH_CHECK(cache.dim() == 4, name, " must be [num_blocks, num_kv_heads, block_size, head_dim], got shape ",
-                cache.sizes());
-    TORCH_CHECK(cache.is_contiguous(), name, " must be contiguous");
-    TORCH_CHECK(cache.scalar_type() == query.scalar_type(), name, " dtype ", cache.scalar_type(),
-                " must equal query dtype ", query.scalar_type());
-  }
-  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "value_cache shape ", value_cache.sizes(),
-              " must equal key_cache shape ", key_cache.sizes());
-  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t num_blocks = key_cache.size(0), num_kv_heads = key_cache.size(1), block_size = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == head_dim, "key_cache head_dim ", key_cache.size(3), " must equal query head_dim ",
-              head_dim);
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "query num_heads ", num_heads,
-              " must be a multiple of key_cache num_kv_heads ", num_kv_heads);
-  TORCH_CHECK(query.stride(2) == 1, "query must be contiguous in head_dim");
-  TORCH_CHECK(out.stride(2) == 1, "out must be contiguous in head_dim");
-  TORCH_CHECK(block_tables.device().is_cpu(), "block_tables must be a CPU tensor, got ", block_tables.device());
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt, "block_tables must be int32, got ", block_tables.scalar_type());
-  TORCH_CHECK(block_tables.dim() == 2, "block_tables must be [S, max_blocks], got shape ", block_tables.sizes());
-  const int64_t num_seqs = block_tables.size(0);
-  check_int32_vector(seq_lens, "seq_lens", num_seqs);
-  check_int32_vector(query_start_loc, "query_start_loc", num_seqs + 1);
-  TORCH_CHECK(std::isfinite(scale) && scale > 0, "scale must be a positive finite number, got ", scale);
+  const int64_t num_tokens = dims.num_tokens, num_heads = dims.num_heads, head_dim = dims.head_dim;
+  const int64_t num_blocks = dims.num_blocks, num_kv_heads = dims.num_kv_heads, block_size = dims.block_size;
+  const int64_t num_seqs = dims.num_seqs;
   if (num_tokens == 0) return;
 
   const at::Tensor tables = block_tables.stride(1) == 1 ? block_tables : block_tables.contiguous();

@@ -12,6 +12,7 @@
 #include <cfloat>
 #include <cmath>
 
+#include "../attention_checks.h"
 #include "ops_cuda.h"
 
 namespace pagewire {
@@ -94,11 +95,6 @@ __global__ void paged_attention_kernel(T* __restrict__ out, const T* __restrict_
   }
 }
 
-void check_int32(const at::Tensor& t, const char* name, const at::Device& device) {
-  TORCH_CHECK(t.device() == device, name, " must be on ", device, ", got ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
-}
-
 }  // namespace
 
 void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -106,34 +102,14 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
                           const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
                           int64_t max_query_len, int64_t max_seq_len) {
   const at::Device device = query.device();
-  TORCH_CHECK(query.dim() == 3, "query must be [T, num_heads, head_dim], got shape ", query.sizes());
-  TORCH_CHECK(out.sizes() == query.sizes() && out.device() == device && out.scalar_type() == query.scalar_type(),
-              "out must match query in shape, device and dtype");
-  for (const at::Tensor* c : {&key_cache, &value_cache}) {
-    TORCH_CHECK(c->device() == device && c->dim() == 4 && c->is_contiguous() && c->scalar_type() == query.scalar_type(),
-                "key_cache and value_cache must be contiguous [num_blocks, num_kv_heads, block_size, head_dim] "
-                "tensors on ", device, " with query's dtype");
-  }
-  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "value_cache shape ", value_cache.sizes(),
-              " must equal key_cache shape ", key_cache.sizes());
-  const int64_t T = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t num_kv_heads = key_cache.size(1);
-  TORCH_CHECK(key_cache.size(3) == head_dim, "key_cache head_dim ", key_cache.size(3), " must equal query head_dim ",
-              head_dim);
+  const PagedAttentionDims dims = check_paged_attention_args(out, query, key_cache, value_cache, block_tables,
+                                                             seq_lens, query_start_loc, scale);
+  const int64_t T = dims.num_tokens, num_heads = dims.num_heads, head_dim = dims.head_dim;
+  const int64_t num_kv_heads = dims.num_kv_heads, S = dims.num_seqs;
+  // CUDA-only limits: the kernel keeps head_dim / 32 values per lane and indexes block_tables rows
+  // with a unit inner stride.
   TORCH_CHECK(head_dim <= kMaxHeadDim, "head_dim ", head_dim, " exceeds the CUDA kernel's maximum ", kMaxHeadDim);
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "query num_heads ", num_heads,
-              " must be a multiple of key_cache num_kv_heads ", num_kv_heads);
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out must be contiguous in head_dim");
-  check_int32(block_tables, "block_tables", device);
-  check_int32(seq_lens, "seq_lens", device);
-  check_int32(query_start_loc, "query_start_loc", device);
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1, "block_tables must be [S, max_blocks], "
-              "contiguous in its last dim; got shape ", block_tables.sizes());
-  const int64_t S = block_tables.size(0);
-  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == S, "seq_lens must have shape [", S, "]");
-  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.size(0) == S + 1, "query_start_loc must have shape [",
-              S + 1, "]");
-  TORCH_CHECK(std::isfinite(scale) && scale > 0, "scale must be a positive finite number, got ", scale);
+  TORCH_CHECK(block_tables.stride(1) == 1, "block_tables must be contiguous in its last dim");
   if (T == 0) return;
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

@@ -2,6 +2,10 @@
 
 Single-threaded by contract: whoever owns an LLMEngine (the offline `LLM`, or the EngineThread)
 calls every method from one thread. It never awaits and never touches sockets.
+
+Liveness contract: `add_request` refuses (ValueError naming the field and the limit) any request
+that could never be scheduled; every request it accepts finishes, and every `step` with
+unfinished requests schedules work (`last_step_progressed` records it, so callers can assert it).
 """
 from __future__ import annotations
 
@@ -12,9 +16,9 @@ from typing import Optional, Sequence as Seq
 
 import torch
 
-from server import _C  # noqa: F401  (loads the op library and the allocator)
 from server.engine.config import ConfigError, EngineConfig
-from server.engine.errors import check_context
+from server.engine.errors import CapacityLimits, check_capacity
+from server.engine.kv_cache_manager import KVCacheManager
 from server.engine.output_processor import OutputProcessor
 from server.engine.request import Request, Sequence
 from server.engine.runner import ModelRunner
@@ -64,8 +68,12 @@ class LLMEngine:
         num_blocks = kv_tokens // bs
         if num_blocks < 1:
             raise ConfigError("kv_cache_memory_gb", "leaves room for no KV block at all")
+        self.kv_cache = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
         max_pos = mc.max_position_embeddings
-        max_model_len = config.max_model_len or min(max_pos, num_blocks * bs)
+        # Default: the longest sequence the scheduler can always admit (pool minus watermark), so
+        # that no request within max_model_len is refused for KV room.
+        max_model_len = config.max_model_len or min(max_pos, self.scheduler.admission_limit_blocks * bs)
         if max_model_len > max_pos:
             raise ConfigError(
                 "max_model_len", f"{max_model_len} exceeds the model's max_position_embeddings ({max_pos})"
@@ -77,15 +85,21 @@ class LLMEngine:
                 f"sequence ({max_model_len}); raise the KV budget or lower max_model_len",
             )
         self.max_model_len = max_model_len
-        self.allocator = _C.BlockAllocator(num_blocks, bs, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, num_blocks, bs, self.allocator, self.device, kv_dtype)
+        self.limits = CapacityLimits(
+            max_model_len=max_model_len,
+            block_size=bs,
+            num_blocks=num_blocks,
+            watermark_blocks=self.scheduler.watermark,
+            max_num_seqs=config.max_num_seqs,
+        )
+        self.runner = ModelRunner(self.model, num_blocks, bs, self.kv_cache, self.device, kv_dtype)
         self.sampler = Sampler(seed=config.seed)
         eos = set(self.tokenizer.eos_token_ids) | set(getattr(mc, "eos_token_ids", ()) or ())
         self.outputs = OutputProcessor(self.tokenizer, eos, max_model_len)
         self.vocab_size = mc.vocab_size
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestDelta] = []  # abort deltas produced between steps
+        self.last_step_progressed = True  # the latest step scheduled work or emitted deltas
         self._stats = EngineStats(num_blocks=num_blocks)
         total = num_blocks * bs
         logger.info(
@@ -103,9 +117,9 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: Optional[float] = None,
-        prompt: Optional[str] = None,
     ) -> None:
-        """Queue a request. Raises ValueError (naming the field) for anything invalid."""
+        """Queue a request. Raises ValueError (naming the field) for anything invalid, and for a
+        request that could never be scheduled (see errors.check_capacity)."""
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         ids = list(prompt_token_ids)
@@ -115,7 +129,7 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         n = len(ids)
-        check_context(n, params.max_tokens, self.max_model_len)
+        check_capacity(n, params.max_tokens, params.n, self.limits)
         max_total = n + params.max_tokens if params.max_tokens is not None else self.max_model_len
         req = Request(
             request_id=request_id,
@@ -124,7 +138,6 @@ class LLMEngine:
             priority=priority,
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             max_total_tokens=max_total,
-            prompt=prompt,
         )
         self._add_sequence(req, 0, list(ids))
         self.scheduler.add(req.sequences[0])
@@ -153,6 +166,30 @@ class LLMEngine:
             self._pending.append(delta)
         return True
 
+    def abort_all(self) -> list[RequestDelta]:
+        """Abort every request now; returns their final deltas (with any already queued)."""
+        for rid in list(self.requests):
+            self.abort_request(rid)
+        deltas, self._pending = self._pending, []
+        return deltas
+
+    def fail_all(self, message: str) -> list[RequestDelta]:
+        """Fail every request with `message` (after a step raised): frees their blocks and returns
+        final deltas whose unfinished samples end with finish_reason "error"."""
+        deltas, self._pending = self._pending, []
+        for rid in list(self.requests):
+            req = self.requests.pop(rid)
+            for seq in req.sequences:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq)
+                    seq.finish_reason = "error"
+            req.error = message
+            req.finished = True
+            delta = self.outputs.make_delta(req)
+            if delta is not None:
+                deltas.append(delta)
+        return deltas
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._pending)
 
@@ -160,6 +197,9 @@ class LLMEngine:
     def step(self) -> list[RequestDelta]:
         deltas, self._pending = self._pending, []
         out = self.scheduler.schedule()
+        # With requests left, an empty schedule would be a liveness bug (add_request refuses what
+        # can never run); owners check this flag rather than spin on it.
+        self.last_step_progressed = bool(out.scheduled) or bool(deltas) or not self.requests
         if not out.scheduled:
             return deltas
         now = time.time()
@@ -205,9 +245,8 @@ class LLMEngine:
             if req.params.n > 1 and not req.forked:
                 for i in range(1, req.params.n):
                     child = self._add_sequence(req, i, list(seq.token_ids))
-                    self.allocator.fork(seq.seq_id, child.seq_id)
+                    self.kv_cache.fork(seq, child)
                     child.num_computed_tokens = seq.num_computed_tokens
-                    child.num_registered_blocks = seq.num_registered_blocks
                     self.scheduler.add_running(child)
                     rows.append((row, child))
                 req.forked = True
@@ -236,7 +275,11 @@ class LLMEngine:
             k = seq.request.params.logprobs
             lp: Optional[TokenLogprob] = None
             if k is not None and lps is not None:
-                top = list(zip(top_ids[i][:k], top_lps[i][:k])) if (k and top_ids is not None) else []
+                top = (
+                    list(zip(top_ids[i][:k], top_lps[i][:k]))
+                    if (k and top_ids is not None and top_lps is not None)
+                    else []
+                )
                 lp = TokenLogprob(tokens[i], lps[i], top)
             self.outputs.append_token(seq, tokens[i], lp)
             req = seq.request
@@ -247,14 +290,14 @@ class LLMEngine:
 
     # -- introspection ----------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        a = self.allocator.stats()
+        a = self.kv_cache.stats()
         s = self._stats
         s.num_running = len(self.scheduler.running)
         s.num_waiting = len(self.scheduler.waiting)
-        s.free_blocks = a["free_blocks"]
-        s.cached_blocks = a["cached_blocks"]
-        s.kv_usage = a["used_blocks"] / max(1, a["num_blocks"])
-        s.prefix_hit_tokens = a["prefix_hit_tokens"]
-        s.prefix_miss_tokens = a["prefix_miss_tokens"]
+        s.free_blocks = a.free_blocks
+        s.cached_blocks = a.cached_blocks
+        s.kv_usage = a.used_blocks / max(1, a.num_blocks)
+        s.prefix_hit_tokens = a.prefix_hit_tokens
+        s.prefix_miss_tokens = a.prefix_miss_tokens
         s.num_preemptions = self.scheduler.num_preemptions
         return EngineStats(**s.__dict__)

@@ -1,6 +1,11 @@
-"""Errors the engine raises for requests; torch-free so the edge can catch them by type."""
+"""Errors the engine raises for requests, and the checks that raise them.
+
+Torch-free so the edge can catch them by type and the engine thread can run the checks on the
+caller's thread, before a request is queued.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 
@@ -30,3 +35,65 @@ def check_context(num_prompt_tokens: int, max_tokens: Optional[int], max_model_l
         max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len
     ):
         raise RequestTooLongError(num_prompt_tokens, max_tokens, max_model_len)
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityLimits:
+    """The engine's fixed limits that decide whether a request can ever be scheduled."""
+
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    watermark_blocks: int  # free blocks the scheduler keeps back when it admits a sequence
+    max_num_seqs: int
+
+    @property
+    def admission_limit_blocks(self) -> int:
+        """The most KV blocks one sequence can hold when it is admitted."""
+        return self.num_blocks - self.watermark_blocks
+
+
+class KVCapacityError(ValueError):
+    """One sample of the request, at its longest, needs more KV blocks than a sequence can hold
+    when admitted (the pool minus the watermark): it could wait forever, so it is refused."""
+
+    def __init__(self, field_name: str, message: str, blocks_needed: int, limit_blocks: int) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.blocks_needed = blocks_needed
+        self.limit_blocks = limit_blocks
+
+
+def check_capacity(num_prompt_tokens: int, max_tokens: Optional[int], n: int, limits: CapacityLimits) -> None:
+    """Raise a ValueError naming the field and the limit unless the request is sure to progress.
+
+    Checked: the context (check_context), `n` against max_num_seqs (all samples of a request are
+    admitted together), and the KV blocks of one sample at its longest against the blocks a
+    sequence may hold at admission. A request that passes always gets scheduled eventually.
+    """
+    check_context(num_prompt_tokens, max_tokens, limits.max_model_len)
+    if n > limits.max_num_seqs:
+        raise ValueError(
+            f"n: {n} samples exceed max_num_seqs ({limits.max_num_seqs}), the most sequences a step "
+            f"runs; the samples of one request are admitted together"
+        )
+    total = num_prompt_tokens + max_tokens if max_tokens is not None else limits.max_model_len
+    bs = limits.block_size
+    # The last sampled token ends the sequence before its K/V is ever computed.
+    need = -(-(total - 1) // bs)
+    limit = limits.admission_limit_blocks
+    if need <= limit:
+        return
+    prompt_need = -(-num_prompt_tokens // bs)
+    asked = f"max_tokens ({max_tokens})" if max_tokens is not None else f"output up to max_model_len ({total})"
+    field_name = "prompt" if prompt_need > limit else "max_tokens"
+    raise KVCapacityError(
+        field_name,
+        f"prompt ({num_prompt_tokens} tokens) + {asked} needs up to {need} KV blocks of {bs} tokens "
+        f"for one sample, but a sequence can hold at most {limit} when admitted: the KV cache has "
+        f"{limits.num_blocks} blocks and keeps a free-block watermark of {limits.watermark_blocks} "
+        f"in reserve for running sequences to grow; lower the prompt or max_tokens, or raise "
+        f"kv_cache_tokens / kv_cache_memory_gb",
+        need,
+        limit,
+    )

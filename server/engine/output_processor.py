@@ -56,8 +56,6 @@ class OutputProcessor:
         seq.new_token_ids.append(token)
         if logprob is not None:
             seq.new_logprobs.append(logprob)
-            assert seq.logprobs is not None
-            seq.logprobs.append(logprob)
         n_out = seq.num_output_tokens
         may_stop = n_out >= p.min_tokens
         if may_stop and token in p.stop_token_ids:
@@ -108,7 +106,7 @@ class OutputProcessor:
                     index=seq.index,
                     token_ids=seq.new_token_ids,
                     text=state.pending,
-                    logprobs=seq.new_logprobs if seq.logprobs is not None else None,
+                    logprobs=seq.new_logprobs if seq.request.params.logprobs is not None else None,
                     finish_reason=seq.finish_reason if seq.is_finished else None,
                     stop_reason=seq.stop_reason if seq.is_finished else None,
                 )

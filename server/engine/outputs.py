@@ -1,11 +1,13 @@
-"""Result types that leave the engine: per-step deltas (streaming) and final outputs (offline API).
+"""Result types that leave the engine: per-step deltas (streaming) and final outputs (offline API),
+and `fold_delta`, the one place that folds a step's deltas into per-sample results (used by the
+offline `LLM` and by the server's jobs alike).
 
 Torch-free plain dataclasses, so the network edge can consume them without importing torch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterable, Optional, Protocol, Sequence
 
 
 @dataclass(slots=True)
@@ -50,6 +52,37 @@ class RequestDelta:
     error: Optional[str] = None  # set with finish_reason "error"
 
 
+class SampleResult(Protocol):
+    """What `fold_delta` needs of one sample's accumulated result."""
+
+    token_ids: list[int]
+    logprobs: Optional[list[TokenLogprob]]  # None: logprobs were not requested
+    finish_reason: Optional[str]
+    stop_reason: Optional[int | str]
+
+    def add_text(self, text: str) -> None: ...
+
+
+def fold_delta(results: Sequence[SampleResult], samples: Iterable[SampleDelta]) -> None:
+    """Append one step's sample deltas to the per-sample results (indexed by sample index).
+
+    A sample appears at most once per step, so after this call each result reflects exactly the
+    deltas folded so far. Indices past `results` are ignored.
+    """
+    for s in samples:
+        if s.index >= len(results):
+            continue
+        r = results[s.index]
+        if s.text:
+            r.add_text(s.text)
+        r.token_ids.extend(s.token_ids)
+        if s.logprobs and r.logprobs is not None:
+            r.logprobs.extend(s.logprobs)
+        if s.finish_reason is not None:
+            r.finish_reason = s.finish_reason
+            r.stop_reason = s.stop_reason
+
+
 @dataclass
 class CompletionOutput:
     """One finished (or in-progress) sample, as returned by `LLM.generate`."""
@@ -60,6 +93,9 @@ class CompletionOutput:
     finish_reason: Optional[str]
     stop_reason: Optional[int | str] = None
     logprobs: Optional[list[TokenLogprob]] = None
+
+    def add_text(self, text: str) -> None:
+        self.text += text
 
 
 @dataclass

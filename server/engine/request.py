@@ -38,8 +38,8 @@ class Sequence:
 
     __slots__ = (
         "seq_id", "request", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
-        "status", "generator", "text_state", "finish_reason", "stop_reason", "logprobs",
-        "num_registered_blocks", "new_token_ids", "new_logprobs",
+        "status", "generator", "text_state", "finish_reason", "stop_reason",
+        "new_token_ids", "new_logprobs",
     )
 
     def __init__(self, request: "Request", index: int, token_ids: list[int]) -> None:
@@ -54,9 +54,6 @@ class Sequence:
         self.text_state: object = None  # the output processor's detokenizer state
         self.finish_reason: Optional[str] = None
         self.stop_reason: Optional[int | str] = None
-        self.logprobs: Optional[list[TokenLogprob]] = [] if request.params.logprobs is not None else None
-        # Full blocks already offered to the allocator's prefix cache (skips redundant calls).
-        self.num_registered_blocks = 0
         # Tokens produced since the last delta was emitted (drained by the output processor).
         self.new_token_ids: list[int] = []
         self.new_logprobs: list[TokenLogprob] = []
@@ -100,14 +97,12 @@ class Request:
     priority: int
     arrival_time: float
     max_total_tokens: int  # prompt + output never exceeds this (max_model_len or max_tokens bound)
-    prompt: Optional[str] = None
     sequences: list[Sequence] = field(default_factory=list)
     forked: bool = False  # n > 1: the other samples have been forked from sample 0
     num_cached_tokens: int = 0
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
-    finished_time: Optional[float] = None
-    error: Optional[str] = None
+    error: Optional[str] = None  # set by LLMEngine.fail_all; reported in the final delta
     # Set by the engine once every sample has finished (or the request was aborted); after that
     # the request emits its final delta and is forgotten.
     finished: bool = False

@@ -7,28 +7,28 @@ that are up to date (one row per ScheduledSeq that samples, in scheduling order)
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from server.kernels import ops
+from server.engine.kv_cache_manager import KVCacheManager
 from server.engine.scheduler import SchedulerOutput
 from server.models.attention import AttentionMetadata
+from server.models.llama import LlamaFamilyForCausalLM
 
 
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaFamilyForCausalLM,
         num_blocks: int,
         block_size: int,
-        allocator: Any,
+        kv_cache: KVCacheManager,
         device: torch.device,
         kv_dtype: torch.dtype,
     ) -> None:
         self.model = model
         self.block_size = block_size
-        self.allocator = allocator
+        self.kv_cache = kv_cache
         self.device = device
         shape = model.kv_cache_shape(num_blocks, block_size)  # [blocks, kv_heads, block_size, head_dim]
         # torch.empty: positions are only ever read after they were written (the kernel's causal
@@ -61,7 +61,7 @@ class ModelRunner:
             starts.append(c)
             q_lens.append(n)
             seq_lens.append(c + n)
-            tables.append(self.allocator.block_table(seq.seq_id))
+            tables.append(self.kv_cache.block_table(seq))
             qsl.append(qsl[-1] + n)
             if share.samples:
                 sample_rows.append(qsl[-1] - 1)

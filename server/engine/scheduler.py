@@ -14,13 +14,20 @@ Order of a step:
 When the KV pool runs out while growing a running sequence, the lowest-priority, latest-arrived
 running sequence is preempted by recompute: its blocks are freed and it re-queues with
 `num_computed_tokens = 0`; the prefix cache usually makes the recompute cheap.
+
+Liveness: the engine admits a request only if one of its samples, grown to its longest possible
+length, fits in `admission_limit_blocks` (the pool minus the watermark) and its `n` fits
+`max_num_seqs`. Then the waiting queue's head is always admitted once nothing else runs, and the
+best-ordered running sequence is never its own victim, so every step makes progress.
+All block bookkeeping goes through the KVCacheManager.
 """
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
+from server.engine.kv_cache_manager import KVCacheManager
 from server.engine.request import Sequence, SeqStatus
 
 
@@ -53,26 +60,29 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Owns the waiting and running queues and drives the BlockAllocator (server._C)."""
+    """Owns the waiting and running queues; allocates their KV blocks through the KVCacheManager."""
 
     def __init__(
         self,
-        allocator: "object",
+        kv_cache: KVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         watermark_blocks: Optional[int] = None,
     ) -> None:
-        self.allocator = allocator
-        self.block_size: int = allocator.block_size
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # Free blocks kept back at admission, so running sequences can grow without
-        # immediately preempting the one just admitted (1% of the pool, at least one block).
-        self.watermark = (
-            watermark_blocks
-            if watermark_blocks is not None
-            else max(1, allocator.num_blocks // 100)
-        )
+        # immediately preempting the one just admitted (1% of the pool, at least one block, but
+        # never the whole pool: a one-block pool keeps none back).
+        nb = kv_cache.num_blocks
+        self.watermark = watermark_blocks if watermark_blocks is not None else min(max(1, nb // 100), nb - 1)
+        if not 0 <= self.watermark < kv_cache.num_blocks:
+            raise ValueError(
+                f"watermark_blocks: must be in [0, {kv_cache.num_blocks}) for a pool of "
+                f"{kv_cache.num_blocks} blocks, got {self.watermark}"
+            )
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -94,11 +104,17 @@ class Scheduler:
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
-        self.allocator.free(seq.seq_id)
+        self.kv_cache.free(seq)
 
     @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+    def admission_limit_blocks(self) -> int:
+        """The most blocks a sequence can hold when admitted: the pool minus the watermark.
+
+        A request whose every sample fits this (at its longest) is guaranteed to be admitted
+        once the sequences ahead of it finish; a longer one could wait forever, so the engine
+        refuses it at add_request.
+        """
+        return self.kv_cache.num_blocks - self.watermark
 
     # -- the step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -113,9 +129,8 @@ class Scheduler:
             if share is not None:  # nothing has run yet this step, so it can be taken back
                 budget += share.num_new_tokens
             self.running.remove(victim)
-            self.allocator.free(victim.seq_id)
+            self.kv_cache.free(victim)
             victim.num_computed_tokens = 0
-            victim.num_registered_blocks = 0
             self.add(victim)
             preempted.append(victim)
             self.num_preemptions += 1
@@ -129,13 +144,13 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:  # preempted as a victim earlier in this loop
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            copies = self.allocator.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
+            copies = self.kv_cache.allocate(seq, num_new)
             while copies is None:
                 victim = self.running[-1]  # lowest priority, latest arrival
                 preempt(victim)
                 if victim is seq:
                     break
-                copies = self.allocator.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
+                copies = self.kv_cache.allocate(seq, num_new)
             if copies is None:
                 continue
             scheduled[seq.seq_id] = ScheduledSeq(seq, num_new, copies)
@@ -150,21 +165,21 @@ class Scheduler:
         self._register_full_blocks(out)
         return SchedulerOutput(out, preempted)
 
-    def _admit(self, budget: int, scheduled: dict[int, ScheduledSeq], preempt) -> int:
-        alloc = self.allocator
+    def _admit(
+        self, budget: int, scheduled: dict[int, ScheduledSeq], preempt: Callable[[Sequence], None]
+    ) -> int:
+        kv = self.kv_cache
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             n_samples = seq.request.params.n if not seq.request.forked else 1
-            if seq.num_computed_tokens == 0 and not alloc.has_sequence(seq.seq_id):
-                # Prefix-cache lookup; never the last token, whose logits we need.
-                seq.num_computed_tokens = alloc.match_prefix(seq.seq_id, seq.token_ids[:-1])
-                seq.num_registered_blocks = seq.num_computed_tokens // self.block_size
+            if seq.num_computed_tokens == 0 and not kv.has_blocks(seq):
+                seq.num_computed_tokens = kv.match_prefix(seq)
                 if seq.index == 0 and seq.num_output_tokens == 0:
                     seq.request.num_cached_tokens = seq.num_computed_tokens
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             fits_seqs = len(self.running) + n_samples <= self.max_num_seqs
-            need = alloc.blocks_needed(seq.seq_id, seq.num_computed_tokens, num_new)
-            fits_kv = need <= alloc.num_free_blocks - self.watermark
+            need = kv.blocks_needed(seq, num_new)
+            fits_kv = need <= kv.num_free_blocks - self.watermark
             if not (fits_seqs and fits_kv):
                 victim = self.running[-1] if self.running else None
                 if victim is not None and victim.sort_key[0] > seq.sort_key[0]:
@@ -172,7 +187,7 @@ class Scheduler:
                     continue
                 self._release_unadmitted(seq)
                 break
-            copies = alloc.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
+            copies = kv.allocate(seq, num_new)
             if copies is None:  # cannot happen after the check above, but never admit half-way
                 self._release_unadmitted(seq)
                 break
@@ -189,10 +204,9 @@ class Scheduler:
         They return to the LRU cache with their hashes, so the next attempt matches them again;
         holding them while waiting could starve the running sequences of blocks.
         """
-        if self.allocator.has_sequence(seq.seq_id):
-            self.allocator.free(seq.seq_id)
+        if self.kv_cache.has_blocks(seq):
+            self.kv_cache.free(seq)
         seq.num_computed_tokens = 0
-        seq.num_registered_blocks = 0
 
     def _register_full_blocks(self, out: list[ScheduledSeq]) -> None:
         """Offer newly full blocks to the prefix cache; their tokens are known at schedule time.
@@ -200,17 +214,5 @@ class Scheduler:
         Safe before the forward: every layer writes all of the step's K/V before attending, so a
         block matched by another sequence in this same step is written before it is read.
         """
-        bs = self.block_size
         for share in out:
-            seq = share.seq
-            n_full = (seq.num_computed_tokens + share.num_new_tokens) // bs
-            if n_full > seq.num_registered_blocks:
-                self.allocator.cache_full_blocks(seq.seq_id, seq.token_ids[: n_full * bs])
-                seq.num_registered_blocks = n_full
-
-    def stats(self) -> dict[str, int]:
-        return {
-            "num_running": len(self.running),
-            "num_waiting": len(self.waiting),
-            "num_preemptions": self.num_preemptions,
-        }
+            self.kv_cache.register_full_blocks(share.seq, share.num_new_tokens)

@@ -4,6 +4,9 @@ Inputs are messages (add, abort) put on the inbox from any thread; the engine th
 inbox only at step boundaries, so an abort takes effect before the next forward and nothing is
 freed under a running kernel. Output is one `on_step(deltas)` call per step, made on the engine
 thread; the server's bridge turns that into exactly one event-loop callback.
+
+The thread never busy-waits: with no unfinished request (or, defensively, after a step that could
+schedule nothing) it blocks on `_wake`, which every submit, abort and shutdown sets.
 """
 from __future__ import annotations
 
@@ -12,12 +15,15 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from server.engine.config import EngineConfig
-from server.engine.errors import check_context
+from server.engine.errors import CapacityLimits, check_capacity
 from server.engine.outputs import RequestDelta, SampleDelta
 from server.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the engine (and torch) load on the engine thread, not at import
+    from server.engine.engine import EngineStats, LLMEngine
 
 logger = logging.getLogger("pagewire.engine")
 
@@ -50,8 +56,9 @@ class EngineThread:
         self.error: Optional[BaseException] = None
         self.max_model_len: int = 0
         self.vocab_size: int = 0
-        self._engine = None
-        self._stats = None
+        self.limits: Optional[CapacityLimits] = None  # set once the engine has loaded
+        self._engine: Optional[LLMEngine] = None
+        self._stats: Optional[EngineStats] = None
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -81,11 +88,12 @@ class EngineThread:
         priority: int = 0,
         arrival_time: Optional[float] = None,
     ) -> None:
-        """Queue a request for the next step boundary. Raises ValueError at once if it can't fit."""
+        """Queue a request for the next step boundary. Raises ValueError at once if it can't fit
+        (context, n, or KV blocks: see errors.check_capacity)."""
         if self._stop.is_set():
             raise RuntimeError("engine is shutting down")
-        if self.max_model_len:
-            check_context(len(prompt_token_ids), params.max_tokens, self.max_model_len)
+        if self.limits is not None:
+            check_capacity(len(prompt_token_ids), params.max_tokens, params.n, self.limits)
         self._inbox.append(
             _Add(request_id, list(prompt_token_ids), params, priority, arrival_time or time.time())
         )
@@ -95,7 +103,7 @@ class EngineThread:
         self._inbox.append(_Abort(request_id))
         self._wake.set()
 
-    def stats(self):  # -> EngineStats
+    def stats(self) -> Optional[EngineStats]:
         """The snapshot taken at the end of the latest step (replaced atomically, never mutated)."""
         return self._stats
 
@@ -113,25 +121,38 @@ class EngineThread:
         self._engine = engine
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
+        self.limits = engine.limits
         self._stats = engine.stats()
         self._ready.set()
         while not self._stop.is_set():
+            # Clear before draining: a message put after this point sets _wake again, so the
+            # wait below returns at once instead of sleeping on work already queued.
+            self._wake.clear()
             extra = self._drain(engine)
-            if not engine.has_unfinished_requests() and not extra:
-                self._wake.wait(0.5)
-                self._wake.clear()
+            if not engine.has_unfinished_requests():
+                if extra:
+                    self._on_step(extra)
+                    continue
+                self._wake.wait()
                 continue
             try:
                 deltas = extra + engine.step()
+                progressed = engine.last_step_progressed
             except Exception as e:  # a failed step fails its requests, the server keeps serving
                 logger.exception("engine step failed")
-                deltas = extra + self._fail_all(engine, e)
+                deltas = extra + engine.fail_all(f"engine error: {e}")
+                progressed = True
             self._stats = engine.stats()
             if deltas:
                 self._on_step(deltas)
-        self._on_step_safe(self._abort_all(engine))
+            if not progressed:
+                # Unreachable while add_request refuses what can never run; if it happens, wait
+                # for the next message instead of spinning through empty steps.
+                logger.error("engine step scheduled nothing with %d requests pending", len(engine.requests))
+                self._wake.wait()
+        self._on_step_safe(engine.abort_all())
 
-    def _drain(self, engine) -> list[RequestDelta]:
+    def _drain(self, engine: LLMEngine) -> list[RequestDelta]:
         """Apply inbox messages; returns error deltas for adds the engine refused."""
         errors: list[RequestDelta] = []
         while self._inbox:
@@ -146,20 +167,6 @@ class EngineThread:
             except ValueError as e:
                 errors.append(_error_delta(msg.request_id, len(msg.prompt_token_ids), msg.arrival_time, str(e)))
         return errors
-
-    def _fail_all(self, engine, exc: Exception) -> list[RequestDelta]:
-        out = []
-        for rid in list(engine.requests):
-            req = engine.requests[rid]
-            engine.abort_request(rid)
-            out.append(_error_delta(rid, len(req.prompt_token_ids), req.arrival_time, f"engine error: {exc}"))
-        engine._pending.clear()
-        return out
-
-    def _abort_all(self, engine) -> list[RequestDelta]:
-        for rid in list(engine.requests):
-            engine.abort_request(rid)
-        return engine.step() if engine._pending else []
 
     def _on_step_safe(self, deltas: list[RequestDelta]) -> None:
         if deltas:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from server.engine.outputs import RequestDelta, TokenLogprob
+from server.engine.outputs import RequestDelta, TokenLogprob, fold_delta
 from server.engine.sampling_params import SamplingParams
 from server.serving.streams import DeltaEvent, EndEvent, RequestStream, Usage
 
@@ -67,6 +67,10 @@ class SampleAcc:
         self.stop_reason: Optional[int | str] = None
         self.marks: list[tuple[int, int, int]] = []
 
+    def add_text(self, text: str) -> None:
+        self.parts.append(text)
+        self.text_len += len(text)
+
     @property
     def text(self) -> str:
         if len(self.parts) > 1:
@@ -114,22 +118,12 @@ class Job:
         if delta.error:
             self.error = delta.error
         events = self.stream.publish(delta.samples, self.want_logprobs)
+        fold_delta(self.samples, delta.samples)
+        # One event per sample per step, so each sample's totals now are those after its event.
         for ev in events:
-            if ev.index >= len(self.samples):
-                continue
-            s = self.samples[ev.index]
-            if ev.text:
-                s.parts.append(ev.text)
-                s.text_len += len(ev.text)
-            s.token_ids.extend(ev.token_ids)
-            if s.logprobs is not None and ev.logprobs:
-                s.logprobs.extend(ev.logprobs)
-            if ev.finish_reason is not None:
-                s.finish_reason = ev.finish_reason
-            s.marks.append((ev.seq, s.text_len, len(s.token_ids)))
-        for sd in delta.samples:
-            if sd.finish_reason is not None and sd.index < len(self.samples):
-                self.samples[sd.index].stop_reason = sd.stop_reason
+            if ev.index < len(self.samples):
+                s = self.samples[ev.index]
+                s.marks.append((ev.seq, s.text_len, len(s.token_ids)))
         return events
 
     def usage(self) -> Usage:

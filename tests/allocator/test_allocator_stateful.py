@@ -25,9 +25,12 @@ class AllocatorMachine(RuleBasedStateMachine):
     )
     def setup(self, num_blocks, block_size, hash_bits, caching):
         self.alloc = BlockAllocator(num_blocks, block_size, caching, hash_bits)
+        self.caching = caching
         self.bs = block_size
         self.kv = {b: [None] * block_size for b in range(num_blocks)}
-        self.seqs = {}  # seq id -> {"tokens": known token ids, "computed": tokens with KV written}
+        # seq id -> {"tokens": known token ids, "computed": tokens with KV written,
+        #            "reset": reset_prefix_cache ran since it was admitted}
+        self.seqs = {}
         self.finished = []  # token lists of freed sequences, to come back as repeated prompts
         self.next_id = 0
 
@@ -44,7 +47,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert len(table) * self.bs == covered
         for pos in range(covered):
             assert self.kv[table[pos // self.bs]][pos % self.bs] == tuple(prompt[:pos + 1]), "hit served wrong KV"
-        self.seqs[sid] = {"tokens": list(prompt), "computed": covered}
+        self.seqs[sid] = {"tokens": list(prompt), "computed": covered, "reset": False}
 
     # -- rules ---------------------------------------------------------------------------------
 
@@ -84,7 +87,18 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert self.alloc.refcount(block) == 1, "writing into a block someone else reads"
             self.kv[block][pos % self.bs] = tuple(seq["tokens"][:pos + 1])
         seq["computed"] = start + num_new
-        self.alloc.cache_full_blocks(sid, seq["tokens"][:seq["computed"]])
+        # The engine's way (KVCacheManager): pass only this step's tokens, from the first block
+        # they touch. The allocator knows how far the sequence is registered: exactly to that
+        # block, unless reset_prefix_cache dropped the registrations (or caching is off).
+        first = start // self.bs * self.bs
+        registered = self.alloc.registered_tokens(sid)
+        if self.caching and not seq["reset"]:
+            assert registered == first, (registered, first)
+        else:
+            first = min(first, registered)
+        self.alloc.cache_full_blocks(sid, seq["tokens"][first:seq["computed"]], first)
+        if self.caching:
+            assert self.alloc.registered_tokens(sid) == seq["computed"] // self.bs * self.bs
 
     @precondition(lambda self: self.seqs and len(self.seqs) < 8)
     @rule(index=st.integers(0, 100))
@@ -93,7 +107,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         child, self.next_id = self.next_id, self.next_id + 1
         self.alloc.fork(parent, child)
         assert self.alloc.block_table(child) == self.alloc.block_table(parent)
-        self.seqs[child] = {"tokens": list(self.seqs[parent]["tokens"]), "computed": self.seqs[parent]["computed"]}
+        self.seqs[child] = {"tokens": list(self.seqs[parent]["tokens"]), "computed": self.seqs[parent]["computed"],
+                            "reset": self.seqs[parent]["reset"]}
 
     @precondition(lambda self: self.seqs)
     @rule(index=st.integers(0, 100), rejected=st.integers(0, 5))
@@ -131,6 +146,8 @@ class AllocatorMachine(RuleBasedStateMachine):
     def reset_prefix_cache(self):
         self.alloc.reset_prefix_cache()
         assert self.alloc.stats()["cached_blocks"] == 0
+        for seq in self.seqs.values():
+            seq["reset"] = True
 
     # -- invariants ----------------------------------------------------------------------------
 

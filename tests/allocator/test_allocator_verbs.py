@@ -355,3 +355,56 @@ def test_sequences_accept_tuples_and_large_ids():
     a.cache_full_blocks(sid, tuple(range(10)))
     assert a.has_sequence(sid) and a.block_table(sid) == [0, 1, 2]
     assert "BlockAllocator(num_blocks=8" in repr(a)
+
+
+def test_cache_full_blocks_takes_only_the_new_tokens_from_a_start_position():
+    a = BlockAllocator(8, 4)
+    tokens = list(range(10, 23))  # 13 tokens: three full blocks and one token
+    a.allocate_slots(1, 0, 6)
+    a.cache_full_blocks(1, tokens[:6])
+    assert a.registered_tokens(1) == 4
+    # The next step writes positions 6..12: pass them from the first block they touch (4).
+    a.allocate_slots(1, 6, 7)
+    a.cache_full_blocks(1, tokens[4:13], 4)
+    assert a.registered_tokens(1) == 12
+    # Tokens before the registration point are never read: garbage there is ignored...
+    a.cache_full_blocks(1, [-5] * 8 + tokens[8:12], 0)
+    assert a.registered_tokens(1) == 12
+    a.free(1)
+    # ...and the chain registered piecewise matches like one registered in one call.
+    assert checked(a).match_prefix(2, tokens) == 12
+    assert a.block_table(2) == [0, 1, 2]
+
+
+def test_cache_full_blocks_refuses_a_gap_before_start():
+    a = BlockAllocator(8, 4)
+    a.allocate_slots(1, 0, 12)
+    with pytest.raises(ValueError, match=r"start at position 8 .* registered only 0 tokens; positions \[0, 8\)"):
+        a.cache_full_blocks(1, [1, 2, 3, 4], 8)
+    with pytest.raises(ValueError, match="start must be >= 0"):
+        a.cache_full_blocks(1, [1], -1)
+    with pytest.raises(ValueError, match="registered_tokens: unknown seq_id 9"):
+        a.registered_tokens(9)
+    assert checked(a).registered_tokens(1) == 0
+
+
+def test_import_server_C_on_its_own_in_a_fresh_interpreter():
+    """`import server._C` must not need `import torch` first (its RUNPATH finds libtorch)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = (
+        "import sys, server._C as C\n"
+        "assert 'torch' not in sys.modules, 'server._C imported torch'\n"
+        "a = C.BlockAllocator(4, 2)\n"
+        "assert a.allocate_slots(0, 0, 3) == [] and a.block_table(0) == [0, 1]\n"
+        "import torch\n"
+        "assert hasattr(torch.ops.pagewire, 'paged_attention')\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -49,8 +49,8 @@ def test_kv_exhaustion_preempts_and_every_request_finishes_exactly(tiny_model) -
         engine.add_request(str(i), p, params)
     together = _run(engine)
     assert engine.scheduler.num_preemptions > 0
-    assert engine.allocator.stats()["used_blocks"] == 0
-    engine.allocator.check_invariants()
+    assert engine.kv_cache.stats().used_blocks == 0
+    engine.kv_cache.check_invariants()
     alone = LLM(str(model_dir), max_model_len=256, kv_cache_tokens=4096)
     for i, p in enumerate(prompts):
         solo = alone.generate([p], params)[0].outputs[0].token_ids
@@ -67,14 +67,14 @@ def test_abort_mid_prefill_returns_every_block(tiny_model) -> None:
     engine.step()
     seq = engine.requests["a"].sequences[0]
     assert 0 < seq.num_computed_tokens < len(prompt)  # really in the middle of the prefill
-    assert engine.allocator.stats()["used_blocks"] > 0
+    assert engine.kv_cache.stats().used_blocks > 0
     assert engine.abort_request("a")
     deltas = engine.step()
     assert [d.samples[0].finish_reason for d in deltas] == ["abort"] and deltas[0].finished
-    stats = engine.allocator.stats()
-    assert stats["used_blocks"] == 0
-    assert stats["free_blocks"] + stats["cached_blocks"] == stats["num_blocks"]
-    engine.allocator.check_invariants()
+    stats = engine.kv_cache.stats()
+    assert stats.used_blocks == 0
+    assert stats.free_blocks + stats.cached_blocks == stats.num_blocks
+    engine.kv_cache.check_invariants()
     assert not engine.has_unfinished_requests()
 
 
@@ -86,19 +86,19 @@ def test_n4_forks_the_prompt_blocks_once(tiny_model) -> None:
     engine.step()  # prefill + fork + 4 first tokens
     req = engine.requests["r"]
     assert len(req.sequences) == 4
-    tables = [engine.allocator.block_table(s.seq_id) for s in req.sequences]
+    tables = [engine.kv_cache.block_table(s) for s in req.sequences]
     assert all(t == tables[0] for t in tables)  # shared, not copied
-    assert engine.allocator.stats()["used_blocks"] == 4
-    assert all(engine.allocator.refcount(b) == 4 for b in tables[0])
+    assert engine.kv_cache.stats().used_blocks == 4
+    assert all(engine.kv_cache.refcount(b) == 4 for b in tables[0])
     engine.step()  # each sample writes position 64: one new block each, prompt blocks still shared
-    tables = [engine.allocator.block_table(s.seq_id) for s in req.sequences]
+    tables = [engine.kv_cache.block_table(s) for s in req.sequences]
     assert all(t[:4] == tables[0][:4] for t in tables)
     assert len({t[4] for t in tables}) == 4
-    assert engine.allocator.stats()["used_blocks"] == 4 + 4
+    assert engine.kv_cache.stats().used_blocks == 4 + 4
     out = _run(engine)
     assert sorted(out) == ["r#0", "r#1", "r#2", "r#3"]
     assert all(len(engine_tokens) >= 4 for engine_tokens in out.values())
-    assert engine.allocator.stats()["used_blocks"] == 0
+    assert engine.kv_cache.stats().used_blocks == 0
 
 
 def test_n_greater_than_one_copies_on_write_partial_block(tiny_model) -> None:

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import threading
+from typing import Optional
 
 import pytest
 
 from server.engine.config import EngineConfig
-from server.engine.errors import RequestTooLongError
+from server.engine.errors import KVCapacityError, RequestTooLongError
 from server.engine.thread import EngineThread
 from server.engine.outputs import RequestDelta
 from server.engine.sampling_params import SamplingParams
@@ -69,3 +70,45 @@ def test_load_failure_is_reported_not_raised(tmp_path) -> None:
     et.start()
     assert not et.wait_ready(30)
     assert isinstance(et.error, FileNotFoundError) and "missing" in str(et.error)
+
+
+class _RecordingEvent(threading.Event):
+    """An Event that records the timeout of every wait (None: blocks until set)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timeouts: list[Optional[float]] = []
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        self.timeouts.append(timeout)
+        return super().wait(timeout)
+
+
+def test_idle_engine_thread_blocks_instead_of_polling(tiny_model) -> None:
+    model_dir = tiny_model("llama")
+    done = threading.Event()
+    steps: list[int] = []
+
+    def on_step(deltas: list[RequestDelta]) -> None:
+        steps.append(len(deltas))
+        if any(d.finished for d in deltas):
+            done.set()
+
+    et = EngineThread(EngineConfig(model=str(model_dir), max_model_len=64, kv_cache_tokens=64), on_step)
+    wake = _RecordingEvent()
+    et._wake = wake  # observe how the loop waits
+    et.start()
+    assert et.wait_ready(60)
+    # 4 blocks of 16 minus a 1-block watermark: 55 + 9 tokens fit max_model_len but need 4 blocks,
+    # so the request could never be admitted. It is refused on the caller's thread, naming the
+    # limit, instead of being queued to spin.
+    with pytest.raises(KVCapacityError, match="at most 3 .*watermark of 1"):
+        et.submit("huge", list(range(5, 60)), SamplingParams(max_tokens=9))
+    et.submit("a", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert done.wait(60)
+    et.shutdown(10)
+    # Every wait blocked without a timeout: an idle thread sleeps until a message or shutdown
+    # wakes it. One submit and one shutdown wake it at most twice, plus the wait it started in.
+    assert wake.timeouts and all(t is None for t in wake.timeouts)
+    assert len(wake.timeouts) <= 3
+    assert len(steps) <= 4  # three tokens (the first with the prefill), one delta batch each

@@ -100,8 +100,8 @@ def test_prefix_cache_hits_match(tiny_model, arch: str) -> None:
     rest = llm.generate(prompts[1:], _greedy())
     assert first[0].num_cached_tokens == 0
     assert all(o.num_cached_tokens == 48 for o in rest), [o.num_cached_tokens for o in rest]
-    stats = llm.engine.allocator.stats()
-    assert stats["prefix_hit_tokens"] >= 96
+    stats = llm.engine.kv_cache.stats()
+    assert stats.prefix_hit_tokens >= 96
     for p, o in zip(prompts, first + rest):
         assert o.outputs[0].token_ids == hf_greedy(model_dir, p, MAX_NEW)
     # The same prompt again: everything but the last token comes from the cache.

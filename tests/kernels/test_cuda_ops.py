@@ -56,3 +56,32 @@ def test_cache_ops_cuda_match_cpu(dtype: torch.dtype) -> None:
     ops.copy_blocks([kc_d, kc_d.clone()], [vc_d, vc_d.clone()], mapping.cuda())
     ops.copy_blocks([kc], [vc], mapping)
     assert torch.equal(kc_d.cpu(), kc) and torch.equal(vc_d.cpu(), vc)
+
+
+def test_paged_attention_cuda_rejects_bad_arguments_like_the_cpu_op() -> None:
+    """One argument check (csrc/attention_checks.h) serves both devices: same calls, same messages."""
+    needs_cuda_kernels()
+    gen = torch.Generator().manual_seed(0)
+    b = make_paged_batch([(5, 2)], 4, 2, 64, torch.float32, gen)
+    cases = [(4, b.block_tables.long()), (5, b.seq_lens.long()), (2, b.key_cache.double()),
+             (0, torch.empty_like(b.query)[:1]), (7, float("nan"))]
+    for dev in (torch.device("cpu"), torch.device("cuda")):
+        args = [torch.empty_like(b.query), b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens,
+                b.query_start_loc, 0.125, 0, 2, 7]
+        args = [a.to(dev) if isinstance(a, torch.Tensor) else a for a in args]
+        messages = []
+        for i, value in cases:
+            bad = list(args)
+            bad[i] = value.to(dev) if isinstance(value, torch.Tensor) else value
+            with pytest.raises(RuntimeError) as e:
+                ops.paged_attention(*bad)  # type: ignore[arg-type]
+            messages.append(str(e.value).splitlines()[0])
+        if dev.type == "cpu":
+            cpu_messages = messages
+        else:
+            assert messages == cpu_messages
+    # A tensor on the wrong device is named too.
+    mixed = list(args)  # the CUDA arguments, but seq_lens left on the host
+    mixed[5] = b.seq_lens
+    with pytest.raises(RuntimeError, match="seq_lens must be on cuda"):
+        ops.paged_attention(*mixed)  # type: ignore[arg-type]

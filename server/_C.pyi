@@ -1,0 +1,52 @@
+"""Type stub for `server._C`, the pagewire native extension (built from csrc/).
+
+Importing the module also registers the tensor ops `torch.ops.pagewire.*` (write_kv_cache,
+paged_attention, copy_blocks, linear); their typed wrappers are in `server.kernels.ops`. The only
+Python-visible class is the KV block allocator, which the engine reaches solely through
+`server.engine.kv_cache_manager.KVCacheManager`.
+
+Errors: C++ std::invalid_argument surfaces as ValueError, std::runtime_error as RuntimeError.
+"""
+from typing import Sequence, TypedDict
+
+class AllocatorStats(TypedDict):
+    num_blocks: int
+    used_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    prefix_hit_tokens: int
+    prefix_miss_tokens: int
+    evictions: int
+
+class BlockAllocator:
+    """Paged KV block allocator with refcounted sharing, copy-on-write and prefix caching."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, hash_bits: int = 64
+    ) -> None: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks allocatable now: truly free + evictable cached."""
+    def has_sequence(self, seq_id: int) -> bool: ...
+    def match_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
+        """Attach the longest cached chain of full blocks matching token_ids; returns tokens covered."""
+    def allocate_slots(
+        self, seq_id: int, num_computed_tokens: int, num_new_tokens: int
+    ) -> list[tuple[int, int]] | None:
+        """Grow the block table; returns copy-on-write (src, dst) copies, or None if out of blocks."""
+    def blocks_needed(self, seq_id: int, num_computed_tokens: int, num_new_tokens: int) -> int: ...
+    def cache_full_blocks(self, seq_id: int, token_ids: Sequence[int], start: int = 0) -> None:
+        """Register newly full blocks; token_ids are the sequence's tokens at [start, start + len)."""
+    def registered_tokens(self, seq_id: int) -> int: ...
+    def fork(self, parent_id: int, child_id: int) -> None: ...
+    def truncate(self, seq_id: int, num_tokens: int) -> None: ...
+    def free(self, seq_id: int) -> None: ...
+    def block_table(self, seq_id: int) -> list[int]: ...
+    def refcount(self, block_id: int) -> int: ...
+    def stats(self) -> AllocatorStats: ...
+    def reset_prefix_cache(self) -> None: ...
+    def check_invariants(self) -> None: ...

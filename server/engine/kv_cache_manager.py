@@ -1,0 +1,114 @@
+"""KVCacheManager: the engine's one typed door to the C++ KV block allocator (`server._C`).
+
+Every allocator call the engine makes goes through here: the scheduler asks it for prefix
+matches, block counts and slot allocations, the engine forks samples through it, the runner reads
+block tables from it. It speaks in `Sequence`s; the allocator's integer sequence ids stay inside.
+
+What lives where: which physical blocks a sequence holds, their refcounts, and how far its full
+blocks are registered in the prefix cache are allocator state, kept in C++ only. This class keeps
+no copy of them. It passes the allocator only the tokens a step writes (from the first block they
+touch), so registering blocks costs O(new blocks), never O(sequence).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from server import _C
+from server.engine.request import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheStats:
+    """A snapshot of the block pool. Hit/miss token counts are cumulative."""
+
+    num_blocks: int
+    used_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    prefix_hit_tokens: int
+    prefix_miss_tokens: int
+    evictions: int
+
+
+class KVCacheManager:
+    """Owns the block allocator: blocks per sequence, copy-on-write forks and the prefix cache."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self._alloc = _C.BlockAllocator(num_blocks, block_size, enable_prefix_caching)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+
+    # -- sizes ------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks allocatable now: free plus evictable cached ones."""
+        return self._alloc.num_free_blocks
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        """Blocks that hold num_tokens tokens of one sequence."""
+        return -(-num_tokens // self.block_size)
+
+    def blocks_needed(self, seq: Sequence, num_new: int) -> int:
+        """Fresh blocks `allocate(seq, num_new)` would take now (new blocks + copy-on-write copies)."""
+        return self._alloc.blocks_needed(seq.seq_id, seq.num_computed_tokens, num_new)
+
+    # -- a sequence's blocks ----------------------------------------------------------------------
+    def has_blocks(self, seq: Sequence) -> bool:
+        return self._alloc.has_sequence(seq.seq_id)
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Attach the longest cached prefix of a sequence that holds no blocks; returns its tokens.
+
+        Never the last token: its logits are needed, so at least one token is always computed.
+        """
+        return self._alloc.match_prefix(seq.seq_id, seq.token_ids[:-1])
+
+    def allocate(self, seq: Sequence, num_new: int) -> Optional[list[tuple[int, int]]]:
+        """Grow `seq` to hold num_computed_tokens + num_new tokens.
+
+        Returns the (src, dst) block copies to run before the write (copy-on-write of shared
+        blocks), or None, changing nothing, when too few blocks are free.
+        """
+        return self._alloc.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
+
+    def register_full_blocks(self, seq: Sequence, num_new: int) -> None:
+        """Offer the blocks this step fills to the prefix cache (their tokens are known now).
+
+        Passes the tokens from the first block the step touches: the allocator reads only those
+        that complete a block it has not registered yet.
+        """
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        start = seq.num_computed_tokens // bs * bs
+        end = (seq.num_computed_tokens + num_new) // bs * bs
+        if end > start:
+            self._alloc.cache_full_blocks(seq.seq_id, seq.token_ids[start:end], start)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give `child` the parent's blocks, shared (refcount + 1 each); writes copy them first."""
+        self._alloc.fork(parent.seq_id, child.seq_id)
+
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's blocks; registered ones stay cached for later prefix hits."""
+        self._alloc.free(seq.seq_id)
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        return self._alloc.block_table(seq.seq_id)
+
+    # -- introspection (metrics and tests) --------------------------------------------------------
+    def registered_tokens(self, seq: Sequence) -> int:
+        """Tokens of `seq` whose full blocks are registered in the prefix cache."""
+        return self._alloc.registered_tokens(seq.seq_id)
+
+    def refcount(self, block_id: int) -> int:
+        return self._alloc.refcount(block_id)
+
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(**self._alloc.stats())
+
+    def check_invariants(self) -> None:
+        """Raise RuntimeError describing the first broken allocator invariant."""
+        self._alloc.check_invariants()

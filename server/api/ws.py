@@ -3,10 +3,12 @@
 Each connection has two tasks. The reader parses client frames and starts each `generate` in
 its own task (admission awaits the ledger commit, and one slow admission must not block the
 socket's other requests). The writer is the only task that sends: it drains the connection's
-Outbox, so frames of one request keep their order (accepted → deltas → done) and a slow client
-only grows its own bounded buffer. If that buffer overflows or one send stays blocked past
-`send_timeout`, the connection is closed with a resumable `slow_consumer` error and its
-requests keep running for a later `resume`.
+Outbox, so frames of one request keep their order (accepted → deltas → done), and a slow client
+is paced: a resume's replay, or a request whose backlog passes the outbox's bound, is pulled from
+the request's resume buffer as the socket drains (see `server.serving.streams`). If one send
+stays blocked past `send_timeout` (or control frames alone overflow the outbox), the connection
+is closed with a resumable `slow_consumer` error and its requests keep running for a later
+`resume`.
 
 Closing the socket cancels its requests, except those generated with `detach: true`.
 """

@@ -3,12 +3,8 @@ coalescing outboxes.
 
 Everything here runs on the event loop and never blocks: a producer (the bridge, once per engine
 step) appends to a `RequestStream`, which pushes into each subscriber's `Outbox`; a writer task
-per connection drains its outbox at the pace of its socket. A slow socket therefore only grows
-its own outbox, where consecutive deltas of one sample are merged into one (same seq semantics:
-a merged delta carries the seq of its newest part). If the live backlog that builds up while the
-writer is busy sending still exceeds the outbox's byte bound, the outbox is marked `overflowed`;
-its owner closes the connection with a resumable error, and the client resumes from the last seq
-it saw, which the stream's resume buffer still holds.
+per connection drains its outbox at the pace of its socket. While the socket is slow, consecutive
+deltas of one sample merge in the outbox (a merged delta carries the seq of its newest part).
 
 Replays are paced by the socket, not pushed: a subscriber that attaches after some output exists
 (a resume, an idempotent retry) gets a `Replay` cursor over the stream's resume buffer (or over
@@ -17,6 +13,14 @@ sent the previous one. While a subscriber catches up, live events of its request
 for it at all: they land in the same resume buffer, behind the cursor, so a multi-megabyte replay
 never fills the outbox and never counts against the consumer. Once the cursor reaches the end of
 the buffer, the subscriber goes live in the same synchronous step.
+
+The outbox's byte bound counts only the backlog that builds up while the writer is busy with a
+send (what arrives while it waits is taken at once). A live subscription whose next event would
+cross the bound does not grow the outbox: it drops its pending events and catches up from the
+resume buffer, as a resume would. So a connection never holds more than its bound however slowly
+its client reads; a client that stops reading altogether is found by the writer's send timeout,
+and its connection is closed with a resumable error (the client resumes from the last seq it
+saw). `overflowed` remains for items with no stream behind them (control frames).
 
 Sequence numbers: every delta of a request gets the next integer, starting at 1, across all its
 samples. `attach(after_seq=k)` replays exactly the deltas with seq > k, then goes live; since the
@@ -142,6 +146,12 @@ class Replay:
         self._stream = stream
         self._end = end
         self._end_given = False
+        # The seq the subscriber has up to, where this cursor starts.
+        self.start_seq = deltas[start - 1].seq if start > 0 else 0
+
+    @property
+    def stream(self) -> Optional["RequestStream"]:
+        return self._stream
 
     @property
     def behind(self) -> bool:
@@ -183,6 +193,7 @@ class Outbox:
         self.max_bytes = max_bytes
         self._pending: dict[Hashable, list[Queued]] = {}
         self._replays: dict[Hashable, "Subscription"] = {}
+        self._owners: dict[Hashable, "Subscription"] = {}  # live keys: told what the writer took
         self._bytes = 0
         # Live bytes pushed while the writer was not parked in `get` (it was sending, or there is
         # no writer yet). Only these count against max_bytes: they measure how far the consumer
@@ -204,10 +215,18 @@ class Outbox:
         """How many keys are still catching up."""
         return len(self._replays)
 
-    def push(self, key: Hashable, event: Queued) -> None:
-        """Queue one live event (or a control frame) for `key`."""
+    def would_overflow(self, event: Event) -> bool:
+        """Whether pushing `event` now would take the backlog past the bound."""
+        size = event.size() if isinstance(event, DeltaEvent) else 64
+        return not self._parked and self._backlog + size > self.max_bytes
+
+    def push(self, key: Hashable, event: Queued, owner: Optional["Subscription"] = None) -> None:
+        """Queue one live event (or a control frame) for `key`; `owner` is told when the writer
+        takes a delta of it (see `Subscription.delivered_seq`)."""
         if self.closed or self.overflowed:
             return  # the client will resume from its last seq; the stream still has these
+        if owner is not None:
+            self._owners[key] = owner
         items = self._pending.setdefault(key, [])
         before = self._bytes
         if isinstance(event, DeltaEvent):
@@ -228,10 +247,27 @@ class Outbox:
                 self.overflowed = True
         self._wake.set()
 
+    def discard_events(self, key: Hashable) -> None:
+        """Drop `key`'s pending deltas and end (its replay will send them again); control
+        frames, such as `accepted`, stay where they are."""
+        items = self._pending.get(key)
+        if not items:
+            return
+        keep = [e for e in items if not isinstance(e, (DeltaEvent, EndEvent))]
+        dropped = sum(e.size() if isinstance(e, DeltaEvent) else 64 for e in items
+                      if isinstance(e, (DeltaEvent, EndEvent)))
+        if keep:
+            self._pending[key] = keep
+        else:
+            del self._pending[key]
+        self._bytes -= dropped
+        self._backlog = max(0, min(self._backlog - dropped, self._bytes))
+
     def add_replay(self, sub: "Subscription") -> None:
         """Let the writer pull `sub`'s replay at the socket's pace (see `Subscription.pull`)."""
         if self.closed or self.overflowed:
             return
+        self._owners.pop(sub.key, None)
         self._replays[sub.key] = sub
         self._wake.set()
 
@@ -243,6 +279,13 @@ class Outbox:
         """
         out = [(k, e) for k, items in self._pending.items() for e in items]
         self._pending.clear()
+        for k, e in out:
+            owner = self._owners.get(k)
+            if owner is not None:
+                if isinstance(e, DeltaEvent):
+                    owner.delivered_seq = e.seq
+                elif isinstance(e, EndEvent):
+                    del self._owners[k]
         self._bytes = 0
         self._backlog = 0
         self._wake.clear()
@@ -296,22 +339,40 @@ class Subscription:
 
     While `replay` is set the subscription is catching up: the outbox's writer pulls from the
     cursor, and live events are ignored here because the cursor will read them from the stream.
+    A live subscription whose next event would take the outbox past its bound falls back to the
+    same: its pending events are dropped and it catches up from the stream's resume buffer after
+    `delivered_seq`, so a slow reader costs the connection no more than the bound, and only a
+    send that stays blocked (the writer's timeout) marks a consumer as stuck.
     """
 
     outbox: Outbox
     key: Hashable
     on_end: Optional[Callable[[EndEvent], None]] = None
     replay: Optional[Replay] = None
+    stream: Optional["RequestStream"] = None
+    delivered_seq: int = 0  # the newest seq the writer has taken for this subscription
+    _ended: bool = False
 
     def push(self, event: Event) -> None:
         if self.replay is not None:
             return  # published into the resume buffer, behind the cursor
-        self.outbox.push(self.key, event)
+        if self.stream is not None and self.outbox.would_overflow(event):
+            self.outbox.discard_events(self.key)
+            deltas = self.stream.deltas
+            self._start(Replay(deltas, bisect.bisect_right(deltas, self.delivered_seq, key=lambda d: d.seq),
+                               stream=self.stream))
+            return
+        self.outbox.push(self.key, event, self)
         self._saw(event)
 
     def catch_up(self, replay: Replay) -> None:
-        if not replay.behind:
-            return  # nothing to replay: live from the start
+        self.stream = replay.stream
+        self.delivered_seq = replay.start_seq
+        if replay.behind:
+            self._start(replay)
+        # else nothing to replay: live from the start
+
+    def _start(self, replay: Replay) -> None:
         self.replay = replay
         self.outbox.add_replay(self)
 
@@ -321,12 +382,17 @@ class Subscription:
         if ev is None:
             self.replay = None
             return None
+        if isinstance(ev, DeltaEvent):
+            self.delivered_seq = ev.seq
         self._saw(ev)
         return ev
 
     def _saw(self, event: Event) -> None:
-        if isinstance(event, EndEvent) and self.on_end is not None:
-            self.on_end(event)
+        # A live end dropped by a fallback to replay comes round again: report it once.
+        if isinstance(event, EndEvent) and not self._ended:
+            self._ended = True
+            if self.on_end is not None:
+                self.on_end(event)
 
 
 class Subscriber(Protocol):

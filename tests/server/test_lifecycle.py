@@ -154,18 +154,18 @@ def test_overload_gives_429_and_retry_frames_and_every_accepted_request_complete
         async def main() -> tuple[list[httpx.Response], dict[str, dict[str, Any]], dict[str, dict[str, Any]],
                                   list[httpx.Response]]:
             async with httpx.AsyncClient(timeout=120) as c, WsClient(srv.ws_url) as ws:
-                # Fill every slot (2 in the engine + 3 queued) with long requests; wait for each
-                # to be acknowledged, so the refusals below do not depend on who wins a race.
+                # Fill every slot (2 in the engine + 3 queued) with long requests, one at a time
+                # (a slot is reserved while a request is being admitted), each acknowledged
+                # before the next, so the refusals below do not depend on who wins a race.
                 holders = [f"hold{i}" for i in range(5)]
                 for cid in holders:
                     await ws.send({"type": "generate", "id": cid, "prompt": f"Hold {cid}",
                                    "params": {"max_tokens": 1500, "ignore_eos": True}})
-                accepted: set[str] = set()
-                while len(accepted) < len(holders):
-                    f = await ws.recv()
-                    assert f["type"] != "error", f
-                    if f["type"] == "accepted":
-                        accepted.add(f["id"])
+                    while True:
+                        f = await ws.recv()
+                        assert f["type"] != "error", f
+                        if f["type"] == "accepted" and f["id"] == cid:
+                            break
                 # Full: every new request is refused with a retry hint, over HTTP and the socket.
                 refused_http = list(await asyncio.gather(*(http_one(c, i) for i in range(8))))
                 for i in range(6):

@@ -360,3 +360,19 @@ def test_the_edge_never_imports_torch() -> None:
     code = ("import sys, server.api.app, server.cli, server.serving.serve, server.serving.runtime; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=60).returncode == 0
+
+
+def test_the_serving_layer_does_not_import_the_api_layer() -> None:
+    """Layers point one way: server.api uses server.serving, never the reverse (serve.py, which
+    puts the process together, is the one place that names both)."""
+    import ast
+
+    offenders = []
+    for path in sorted((REPO / "server" / "serving").glob("*.py")):
+        if path.name == "serve.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}: {n}" for n in names if n == "server.api" or n.startswith("server.api.")]
+    assert offenders == []

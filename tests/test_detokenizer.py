@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from server.models.demo_model import IM_END, build_tokenizer
-from server.text.detokenizer import IncrementalDetokenizer, SampleTextState, StopStringMatcher
+from server.models.demo_model import build_tokenizer
+from server.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from server.text.tokenizer import Tokenizer
 
 MULTIBYTE_TEXT = "naïve café 東京の空 🎉🚀 👨‍👩‍👧 𝕳𝖊𝖑𝖑𝖔 Ω≈ç√ and plain words"
@@ -192,35 +192,3 @@ def test_any_chunking_gives_the_reference_result(text: str, stops: list[str], cu
 def test_empty_stop_string_is_rejected() -> None:
     with pytest.raises(ValueError, match="stop"):
         StopStringMatcher(["ok", ""])
-
-
-# -- the combined per-sample state -------------------------------------------------------------------
-def test_sample_text_state_finds_stop_strings_across_tokens(tok: Tokenizer) -> None:
-    ids = tok.encode("The lighthouse keeper said goodnight to the boats.", add_special_tokens=False)
-    state = SampleTextState(tok, tok.encode("Q:"), stop=["goodnight"])
-    emitted, matched = [], None
-    for t in ids:
-        text, matched = state.add([t])
-        emitted.append(text)
-        if matched:
-            break
-    assert matched == "goodnight"
-    assert "".join(emitted) == state.text == "The lighthouse keeper said "
-    assert state.stopped and state.flush() == ""
-
-
-def test_sample_text_state_flush_on_length_releases_held_text(tok: Tokenizer) -> None:
-    ids = tok.encode("wait for it", add_special_tokens=False) + tok.encode("東", add_special_tokens=False)[:1]
-    state = SampleTextState(tok, [], stop=["itself"])
-    first = "".join(state.add([t])[0] for t in ids)
-    assert first == "wait for "  # "it" could start "itself"; the byte of "東" is incomplete
-    assert state.flush() == "it\ufffd"
-    assert state.text == "wait for it\ufffd"
-
-
-def test_sample_text_state_without_stops_skips_special_tokens(tok: Tokenizer) -> None:
-    ids = tok.encode("done", add_special_tokens=False) + [tok.token_to_id(IM_END)]
-    state = SampleTextState(tok, [])
-    assert state.add(ids) == ("done", None)
-    keep = SampleTextState(tok, [], skip_special_tokens=False)
-    assert keep.add(ids) == ("done" + IM_END, None)

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 
+from server.api.context import ApiContext
 from server.api.decode import decode
 from server.api.http_io import error_payload, retry_headers
 from server.api.openai_http import GenerateEndpoint
@@ -27,6 +28,7 @@ from server.serving.errors import InvalidRequest, NotFound, PagewireError, TooLa
 from server.serving.metrics import CONTENT_TYPE
 from server.serving.runtime import Runtime
 from server.text.tokenizer import ChatTemplateError
+from server.text.vocab import check_token_ids
 
 
 def _error(exc: PagewireError) -> JSONResponse:
@@ -36,6 +38,7 @@ def _error(exc: PagewireError) -> JSONResponse:
 
 def build_app(rt: Runtime) -> Starlette:
     """The app for one Runtime. The Runtime starts in the lifespan, before the socket accepts."""
+    api = ApiContext(rt)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -53,9 +56,7 @@ def build_app(rt: Runtime) -> Starlette:
             if len(body) > limit:
                 raise TooLarge(f"request body exceeds the limit of {limit} bytes")
         obj = decode(body, typ)
-        if getattr(obj, "model", None) not in (None, rt.model_name):
-            raise NotFound(f"model: '{obj.model}' does not exist; this server serves '{rt.model_name}'",
-                           param="model", code="model_not_found")
+        api.check_model(getattr(obj, "model", None))
         return obj
 
     async def health(request: Request) -> Response:
@@ -100,10 +101,10 @@ def build_app(rt: Runtime) -> Starlette:
             req = await body_of(request, DetokenizeRequest)
             tok = rt.tokenizer
             assert tok is not None
-            bad = next((t for t in req.tokens if t >= tok.vocab_size), None)
-            if bad is not None:
-                raise InvalidRequest(f"tokens: id {bad} is outside the vocabulary [0, {tok.vocab_size})",
-                                     param="tokens")
+            try:
+                check_token_ids(req.tokens, tok.vocab_size, "tokens")
+            except ValueError as e:
+                raise InvalidRequest(str(e), param="tokens") from None
         except PagewireError as e:
             return _error(e)
         return JSONResponse({"prompt": tok.decode(req.tokens)})
@@ -126,12 +127,12 @@ def build_app(rt: Runtime) -> Starlette:
         routes=[
             Route("/health", health, methods=["GET"]),
             Route("/v1/models", models, methods=["GET"]),
-            Route("/v1/completions", GenerateEndpoint(rt, "completion"), methods=["POST"]),
-            Route("/v1/chat/completions", GenerateEndpoint(rt, "chat"), methods=["POST"]),
+            Route("/v1/completions", GenerateEndpoint(api, "completion"), methods=["POST"]),
+            Route("/v1/chat/completions", GenerateEndpoint(api, "chat"), methods=["POST"]),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/metrics", metrics, methods=["GET"]),
-            WebSocketRoute("/v1/ws", WsEndpoint(rt)),
+            WebSocketRoute("/v1/ws", WsEndpoint(api)),
         ],
         exception_handlers={HTTPException: http_error},
         lifespan=lifespan,

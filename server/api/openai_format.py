@@ -1,4 +1,5 @@
-"""OpenAI shapes: request Structs → GenerationSpec, and outputs → response bodies and SSE chunks.
+"""OpenAI shapes: request Structs and WebSocket frames → GenerationSpec (one builder for both
+edges), and outputs → response bodies and SSE chunks.
 
 Both logprob formats live here: the legacy completions shape (`tokens`, `token_logprobs`,
 `top_logprobs` as {token: logprob}, `text_offset`) and the chat shape (`content` entries with
@@ -9,8 +10,9 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
+from server.api.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, GenerateFrame,
+                                 SamplingFields)
 from server.serving.admission import BATCH, INTERACTIVE
-from server.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from server.serving.errors import InvalidRequest
 from server.serving.jobs import GenerationSpec, logprobs_from_stored
 from server.engine.outputs import TokenLogprob
@@ -99,6 +101,44 @@ def completion_specs(req: CompletionRequest, api: str, client: str, model: str,
             for i, p in enumerate(prompts)]
 
 
+def logprobs_count(logprobs: bool, top_logprobs: Optional[int], prefix: str = "") -> Optional[int]:
+    """The chat-style pair (`logprobs: true`, `top_logprobs: k`) as SamplingParams.logprobs."""
+    if top_logprobs is not None and not logprobs:
+        raise InvalidRequest(f"{prefix}top_logprobs: requires {prefix}logprobs to be true",
+                             param=f"{prefix}top_logprobs")
+    return (top_logprobs or 0) if logprobs else None
+
+
+def generation_spec(*, kind: str, api: str, peer: str, model: str, fields: SamplingFields,
+                    prompt: Any = None, messages: Optional[list[ChatMessage]] = None,
+                    add_generation_prompt: bool = True, logprobs: Optional[int] = None,
+                    max_completion_tokens: Optional[int] = None, priority: int = 0,
+                    service_tier: Optional[str] = None, idempotency_key: Optional[str] = None,
+                    detach: bool = False, timeout: Optional[float] = None,
+                    params_record: Optional[dict[str, Any]] = None, field_prefix: str = "") -> GenerationSpec:
+    """The one builder of a GenerationSpec, for both HTTP endpoints and the WebSocket.
+
+    `fields` carries the shared sampling knobs; `field_prefix` is how the edge names them in
+    errors (`params.` on the WebSocket). A completion defaults to 16 output tokens, as OpenAI's
+    does; a chat to the rest of the context.
+    """
+    kw = sampling_kwargs(fields)
+    if logprobs is not None:
+        kw["logprobs"] = logprobs
+    max_tokens: Optional[int] = fields.max_tokens
+    max_field = "max_tokens"
+    if max_completion_tokens is not None:
+        max_tokens, max_field = max_completion_tokens, "max_completion_tokens"
+    return GenerationSpec(
+        kind=kind, api=api, client=fields.user or peer, model=model, prompt=prompt,
+        messages=messages_to_dicts(messages) if messages is not None else None,
+        add_generation_prompt=add_generation_prompt, sampling=kw, max_tokens=max_tokens,
+        max_tokens_field=field_prefix + max_field, default_max_tokens=16 if kind == "completion" else None,
+        priority=priority, klass=klass_of(priority, service_tier), idempotency_key=idempotency_key,
+        detach=detach, timeout_s=timeout, params_record=params_record or {},
+    )
+
+
 def completion_spec(req: CompletionRequest, api: str, client: str, model: str, idem: Optional[str],
                     prompt: Any) -> GenerationSpec:
     """The spec for one of the request's prompts (see completion_prompts)."""
@@ -108,14 +148,10 @@ def completion_spec(req: CompletionRequest, api: str, client: str, model: str, i
         raise InvalidRequest("suffix: not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequest(f"best_of: must equal n ({req.n}) when given", param="best_of")
-    kw = sampling_kwargs(req)
-    if req.logprobs is not None:
-        kw["logprobs"] = req.logprobs
-    return GenerationSpec(
-        kind="completion", api=api, client=req.user or client, model=model, prompt=prompt,
-        sampling=kw, max_tokens=req.max_tokens, default_max_tokens=16, priority=req.priority,
-        klass=klass_of(req.priority, req.service_tier), idempotency_key=idem, timeout_s=req.timeout,
-        params_record=params_record(req, ("prompt",)),
+    return generation_spec(
+        kind="completion", api=api, peer=client, model=model, fields=req, prompt=prompt,
+        logprobs=req.logprobs, priority=req.priority, service_tier=req.service_tier,
+        idempotency_key=idem, timeout=req.timeout, params_record=params_record(req, ("prompt",)),
     )
 
 
@@ -124,18 +160,31 @@ def chat_spec(req: ChatCompletionRequest, api: str, client: str, model: str, ide
         raise InvalidRequest("tools: tool calling is not supported by this server", param="tools")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
         raise InvalidRequest("response_format: only {\"type\": \"text\"} is supported", param="response_format")
-    if req.top_logprobs is not None and not req.logprobs:
-        raise InvalidRequest("top_logprobs: requires logprobs to be true", param="top_logprobs")
-    kw = sampling_kwargs(req)
-    if req.logprobs:
-        kw["logprobs"] = req.top_logprobs or 0
-    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    return GenerationSpec(
-        kind="chat", api=api, client=req.user or client, model=model,
-        messages=messages_to_dicts(req.messages), add_generation_prompt=req.add_generation_prompt,
-        sampling=kw, max_tokens=req.max_completion_tokens or req.max_tokens, max_tokens_field=field,
-        priority=req.priority, klass=klass_of(req.priority, req.service_tier), idempotency_key=idem,
-        timeout_s=req.timeout, params_record=params_record(req, ("messages",)),
+    return generation_spec(
+        kind="chat", api=api, peer=client, model=model, fields=req, messages=req.messages,
+        add_generation_prompt=req.add_generation_prompt,
+        logprobs=logprobs_count(req.logprobs, req.top_logprobs),
+        max_completion_tokens=req.max_completion_tokens, priority=req.priority,
+        service_tier=req.service_tier, idempotency_key=idem, timeout=req.timeout,
+        params_record=params_record(req, ("messages",)),
+    )
+
+
+def ws_spec(frame: GenerateFrame, peer: str, model: str) -> GenerationSpec:
+    """The spec of a WebSocket `generate` frame (see docs/websocket.md)."""
+    p = frame.params
+    if frame.kind == "chat":
+        if frame.messages is None:
+            raise InvalidRequest("messages: required when kind is 'chat'", param="messages")
+    elif frame.prompt is None:
+        raise InvalidRequest("prompt: required when kind is 'completion'", param="prompt")
+    return generation_spec(
+        kind=frame.kind, api="ws", peer=peer, model=model, fields=p, prompt=frame.prompt,
+        messages=frame.messages, add_generation_prompt=frame.add_generation_prompt,
+        logprobs=logprobs_count(p.logprobs, p.top_logprobs, "params."),
+        max_completion_tokens=p.max_completion_tokens, priority=frame.priority,
+        idempotency_key=frame.idempotency_key, detach=frame.detach, timeout=frame.timeout,
+        params_record=params_record(p, ()), field_prefix="params.",
     )
 
 

@@ -9,17 +9,16 @@ subscriber, such as an idempotent retry, still follows it).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from server.api import openai_responses as respond
+from server.api.context import ApiContext
 from server.api.decode import decode
 from server.api.http_io import Receive, Scope, Send, header, peer, read_body, send_error
 from server.api.openai_format import chat_spec, completion_specs
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
-from server.serving.errors import GenerationFailed, NotFound, PagewireError
-
-if TYPE_CHECKING:
-    from server.serving.runtime import Runtime
+from server.serving.errors import GenerationFailed, PagewireError
+from server.serving.jobs import GenerationSpec
 
 log = logging.getLogger("pagewire.http")
 
@@ -27,8 +26,9 @@ log = logging.getLogger("pagewire.http")
 class GenerateEndpoint:
     """One ASGI app per endpoint; `kind` is "completion" or "chat"."""
 
-    def __init__(self, runtime: "Runtime", kind: str) -> None:
-        self.rt = runtime
+    def __init__(self, api: ApiContext, kind: str) -> None:
+        self.api = api
+        self.rt = api.rt
         self.kind = kind
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -41,7 +41,7 @@ class GenerateEndpoint:
             return
         try:
             specs, stream, include_usage, n = self._parse(scope, body)
-            admitted = await respond.admit_all(self.rt, specs)
+            admitted = await respond.admit_all(self.api, specs)
         except PagewireError as e:
             if e.status == 429:
                 self.rt.metrics.rejected.labels(code=e.code).inc()
@@ -52,20 +52,18 @@ class GenerateEndpoint:
             await send_error(send, GenerationFailed(f"internal error: {e}", code="internal_error"))
             return
         if stream:
-            await respond.stream(self.rt, send, receive, self.kind, admitted, n, include_usage)
+            await respond.stream(self.api, send, receive, self.kind, admitted, n, include_usage)
         else:
-            await respond.whole(self.rt, send, receive, self.kind, admitted, n)
+            await respond.whole(self.api, send, receive, self.kind, admitted, n)
 
-    def _parse(self, scope: Scope, body: bytes) -> tuple[list[Any], bool, bool, int]:
+    def _parse(self, scope: Scope, body: bytes) -> tuple[list[GenerationSpec], bool, bool, int]:
         rt = self.rt
         idem = header(scope, b"idempotency-key")
         if self.kind == "chat":
             req: Any = decode(body, ChatCompletionRequest)
         else:
             req = decode(body, CompletionRequest)
-        if req.model is not None and req.model != rt.model_name:
-            raise NotFound(f"model: '{req.model}' does not exist; this server serves '{rt.model_name}'",
-                           param="model", code="model_not_found")
+        self.api.check_model(req.model)
         if self.kind == "chat":
             specs = [chat_spec(req, "http", peer(scope), rt.model_name, idem)]
         else:

@@ -14,17 +14,16 @@ another subscriber, such as an idempotent retry, still follows it).
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from server.api.context import ApiContext
 from server.api.http_io import (DisconnectWatch, Receive, Send, error_payload, send_error,
                                 send_json, send_with_timeout, sse_bytes)
-from server.serving.errors import (Conflict, DeadlineExceeded, GenerationFailed, PagewireError,
-                           Unavailable)
+from server.serving.errors import PagewireError, Unavailable
 from server.serving.jobs import GenerationSpec
-from server.serving.streams import DeltaEvent, EndEvent, Event, Outbox, Subscription
-
-if TYPE_CHECKING:
-    from server.serving.runtime import Runtime
+from server.serving.lifecycle import end_error as lifecycle_error
+from server.serving.service import Admitted
+from server.serving.streams import DeltaEvent, EndEvent, Event, Outbox, Replay, Subscription
 
 MAX_BATCH = 64
 
@@ -35,9 +34,13 @@ class EndWaiter:
     def __init__(self) -> None:
         self.future: asyncio.Future[EndEvent] = asyncio.get_running_loop().create_future()
 
-    def push(self, event: Event, replay: bool = False) -> None:
+    def push(self, event: Event) -> None:
         if isinstance(event, EndEvent) and not self.future.done():
             self.future.set_result(event)
+
+    def catch_up(self, replay: Replay) -> None:
+        for ev in replay.drain():  # only the end matters here, and it is at most one event away
+            self.push(ev)
 
     def cancel(self) -> None:
         if not self.future.done():
@@ -46,22 +49,16 @@ class EndWaiter:
 
 def end_error(end: EndEvent) -> PagewireError:
     """The error a request that did not finish is reported as (also for idempotent retries)."""
-    if end.state == "cancelled":
-        return Conflict(f"request {end.request_id} was cancelled", code="request_cancelled")
-    if end.state == "interrupted":
-        return Conflict(f"request {end.request_id} was interrupted: {end.message}", code="request_interrupted")
-    if end.code == "deadline_exceeded":
-        return DeadlineExceeded(f"request {end.request_id}: {end.message}")
-    return GenerationFailed(f"request {end.request_id} failed: {end.message}")
+    return lifecycle_error(end.request_id, end.reason, end.message)
 
 
-async def admit_all(rt: "Runtime", specs: list[GenerationSpec]) -> list[Any]:
+async def admit_all(api: ApiContext, specs: list[GenerationSpec]) -> list[Admitted]:
     """Start every spec's request; all or none (earlier ones are cancelled on a refusal)."""
-    admitted: list[Any] = []
+    admitted: list[Admitted] = []
     try:
         for i, spec in enumerate(specs):
             try:
-                admitted.append(await rt.service.start(spec))
+                admitted.append(await api.service.start(spec))
             except PagewireError as e:
                 # Say which prompt of the batch was refused: `prompt[2]: ...`.
                 if len(specs) > 1 and (e.param == "prompt" or e.param is None):
@@ -70,8 +67,7 @@ async def admit_all(rt: "Runtime", specs: list[GenerationSpec]) -> list[Any]:
                 raise
     except BaseException:
         for a in admitted:
-            if a.job is not None and not a.existing:
-                rt.service.cancel(a.job, "client")
+            api.service.abandon(a)
         raise
     return admitted
 
@@ -84,7 +80,7 @@ def _merge_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
     return total
 
 
-async def whole(rt: "Runtime", send: Send, receive: Receive, kind: str, admitted: list[Any], n: int) -> None:
+async def whole(api: ApiContext, send: Send, receive: Receive, kind: str, admitted: list[Admitted], n: int) -> None:
     """Wait for every request, then answer with one (merged) completion or chat completion."""
     waiters = [EndWaiter() for _ in admitted]
 
@@ -96,7 +92,7 @@ async def whole(rt: "Runtime", send: Send, receive: Receive, kind: str, admitted
     attached: list[tuple[Any, Any]] = []
     try:
         for a, w in zip(admitted, waiters):
-            attached.append((await rt.service.attach(a.request_id, w, 0, a.record), w))
+            attached.append((await api.service.attach(a.request_id, w, 0, a.record), w))
         ends: list[EndEvent] = list(await asyncio.gather(*(w.future for w in waiters)))
     except asyncio.CancelledError:
         if not watch.disconnected:
@@ -108,12 +104,12 @@ async def whole(rt: "Runtime", send: Send, receive: Receive, kind: str, admitted
     finally:
         watch.stop()
         for stream_, w in attached:
-            rt.service.detach(stream_, w)
-    failed = next((e for e in ends if e.state != "finished"), None)
+            api.service.detach(stream_, w)
+    failed = next((e for e in ends if not e.finished), None)
     if failed is not None:
         await send_error(send, end_error(failed))
         return
-    render = rt.formatter.chat_response if kind == "chat" else rt.formatter.completion_response
+    render = api.formatter.chat_response if kind == "chat" else api.formatter.completion_response
     parts = [render(e) for e in ends]
     choices = [{**c, "index": i * n + c["index"]} for i, part in enumerate(parts) for c in part["choices"]]
     body = {**parts[0], "choices": choices, "usage": _merge_usage([p["usage"] for p in parts])}
@@ -124,9 +120,10 @@ async def whole(rt: "Runtime", send: Send, receive: Receive, kind: str, admitted
         pass
 
 
-async def stream(rt: "Runtime", send: Send, receive: Receive, kind: str, admitted: list[Any], n: int,
+async def stream(api: ApiContext, send: Send, receive: Receive, kind: str, admitted: list[Admitted], n: int,
                  include_usage: bool) -> None:
     """Stream every request's chunks as one SSE response; [DONE] after the last one ends."""
+    rt = api.rt
     outbox = Outbox(rt.settings.outbox_bytes)
     subs = [Subscription(outbox, a.request_id) for a in admitted]
     offset = {a.request_id: i * n for i, a in enumerate(admitted)}
@@ -143,7 +140,7 @@ async def stream(rt: "Runtime", send: Send, receive: Receive, kind: str, admitte
         if not ok:
             return
         for a, sub in zip(admitted, subs):
-            attached.append((await rt.service.attach(a.request_id, sub, 0, a.record), sub))
+            attached.append((await api.service.attach(a.request_id, sub, 0, a.record), sub))
         ends: dict[str, EndEvent] = {}
         seen: set[int] = set()  # choice indices that already had a chunk (chat sends the role first)
         while ok:
@@ -151,9 +148,8 @@ async def stream(rt: "Runtime", send: Send, receive: Receive, kind: str, admitte
             if outbox.overflowed:
                 # Stuck consumer: keep the requests running for an idempotent retry and stop here.
                 for a in admitted:
-                    job = rt.service.jobs.get(a.request_id)
-                    if job is not None:
-                        job.detached = True
+                    api.service.keep_for_resume(a.request_id)
+                rt.metrics.slow_consumers.labels(edge="sse").inc()
                 err = Unavailable("stream consumer too slow; retry with the same Idempotency-Key "
                                   "to fetch the result", code="slow_consumer")
                 await send_with_timeout(send, _final(error_payload(err)), 1.0)
@@ -163,7 +159,7 @@ async def stream(rt: "Runtime", send: Send, receive: Receive, kind: str, admitte
             chunks: list[bytes] = []
             done = False
             for rid, ev in batch:
-                done = _render(rt, kind, rid, ev, response_id, offset, seen, ends, len(admitted),
+                done = _render(api, kind, str(rid), ev, response_id, offset, seen, ends, len(admitted),
                                include_usage, chunks)
                 if done:
                     break
@@ -174,14 +170,14 @@ async def stream(rt: "Runtime", send: Send, receive: Receive, kind: str, admitte
     finally:
         watch.stop()
         for s, sub in attached:
-            rt.service.detach(s, sub)
+            api.service.detach(s, sub)
 
 
-def _render(rt: "Runtime", kind: str, rid: str, ev: Event, response_id: str, offset: dict[str, int],
+def _render(api: ApiContext, kind: str, rid: str, ev: object, response_id: str, offset: dict[str, int],
             seen: set[int], ends: dict[str, EndEvent], total: int, include_usage: bool,
             out: list[bytes]) -> bool:
     """Append SSE bytes for one event; True once the response is complete."""
-    fmt = rt.formatter
+    fmt = api.formatter
     if isinstance(ev, DeltaEvent):
         index = offset[rid] + ev.index
         if kind == "chat":
@@ -196,7 +192,7 @@ def _render(rt: "Runtime", kind: str, rid: str, ev: Event, response_id: str, off
     if not isinstance(ev, EndEvent):
         return False
     ends[rid] = ev
-    if ev.state != "finished":
+    if not ev.finished:
         out.append(sse_bytes(error_payload(end_error(ev))) + b"data: [DONE]\n\n")
         return True
     if len(ends) < total:

@@ -3,10 +3,12 @@
 Each connection has two tasks. The reader parses client frames and starts each `generate` in
 its own task (admission awaits the ledger commit, and one slow admission must not block the
 socket's other requests). The writer is the only task that sends: it drains the connection's
-Outbox, so frames of one request keep their order (accepted → deltas → done) and a slow client
-only grows its own bounded buffer. If that buffer overflows or one send stays blocked past
-`send_timeout`, the connection is closed with a resumable `slow_consumer` error and its
-requests keep running for a later `resume`.
+Outbox, so frames of one request keep their order (accepted → deltas → done), and a slow client
+is paced: a resume's replay, or a request whose backlog passes the outbox's bound, is pulled from
+the request's resume buffer as the socket drains (see `server.serving.streams`). If one send
+stays blocked past `send_timeout` (or control frames alone overflow the outbox), the connection
+is closed with a resumable `slow_consumer` error and its requests keep running for a later
+`resume`.
 
 Closing the socket cancels its requests, except those generated with `detach: true`.
 """
@@ -15,19 +17,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import msgspec
 
+from server.api.context import ApiContext
 from server.api.decode import convert, parse_json
-from server.api.openai_format import klass_of, messages_to_dicts, params_record, sampling_kwargs
+from server.api.openai_format import ws_spec
 from server.api.protocol import CLIENT_FRAMES, CancelFrame, GenerateFrame, ResumeFrame
 from server.serving.errors import InvalidRequest, PagewireError, TooLarge
 from server.serving.jobs import GenerationSpec
 from server.serving.streams import DeltaEvent, EndEvent, Outbox, RequestStream, Subscription
-
-if TYPE_CHECKING:
-    from server.serving.runtime import Runtime
 
 log = logging.getLogger("pagewire.ws")
 _enc = msgspec.json.Encoder()
@@ -52,12 +52,14 @@ class _Alias:
 
 
 class WsConnection:
-    def __init__(self, runtime: "Runtime", scope: dict[str, Any], receive: Any, send: Any) -> None:
-        self.rt = runtime
+    def __init__(self, endpoint: "WsEndpoint", scope: dict[str, Any], receive: Any, send: Any) -> None:
+        self.endpoint = endpoint
+        self.api = endpoint.api
+        self.rt = endpoint.api.rt
         self.scope = scope
         self._receive = receive
         self._send = send
-        self.outbox = Outbox(runtime.settings.outbox_bytes)
+        self.outbox = Outbox(self.rt.settings.outbox_bytes)
         self.aliases: dict[str, _Alias] = {}  # client id → request on this socket
         self.close_code = 1000
         self._client_gone = False
@@ -71,7 +73,7 @@ class WsConnection:
         if msg["type"] != "websocket.connect":
             return
         await self._send({"type": "websocket.accept"})
-        self.rt.connections.add(self)
+        self.endpoint.joined(self)
         writer = asyncio.get_running_loop().create_task(self._writer())
         try:
             while True:
@@ -85,13 +87,13 @@ class WsConnection:
                     continue
                 self._on_text(text)
         finally:
-            self.rt.connections.discard(self)
+            self.endpoint.left(self)
             for t in list(self._tasks):
                 t.cancel()
             # Leaving cancels every request of this socket that was not started with detach.
             for alias in list(self.aliases.values()):
                 if alias.sub is not None:
-                    self.rt.service.detach(alias.stream, alias.sub)
+                    self.api.service.detach(alias.stream, alias.sub)
             self.aliases.clear()
             self.outbox.close()
             await writer
@@ -132,14 +134,13 @@ class WsConnection:
         """Close a consumer that cannot keep up; its requests keep running for `resume`."""
         live = [(cid, a) for cid, a in self.aliases.items() if a.request_id]
         for _, a in live:
-            job = self.rt.service.jobs.get(a.request_id or "")
-            if job is not None:
-                job.detached = True
+            self.api.service.keep_for_resume(a.request_id or "")
         frame = {"type": "error", "code": "slow_consumer", "resumable": True,
                  "message": f"connection closed because the client is not reading fast enough ({why}); "
                             "reconnect and resume each request from the last seq received",
                  "requests": [{"id": cid, "request_id": a.request_id} for cid, a in live]}
         log.warning("ws %s: slow consumer (%s); closing with %d", self.peer, why, CLOSE_TRY_AGAIN_LATER)
+        self.rt.metrics.slow_consumers.labels(edge="ws").inc()
         try:
             await asyncio.wait_for(self._send({"type": "websocket.send", "text": _enc.encode(frame).decode()}), 1.0)
             await asyncio.wait_for(self._send({"type": "websocket.close", "code": CLOSE_TRY_AGAIN_LATER}), 1.0)
@@ -156,7 +157,7 @@ class WsConnection:
             if ev.finish_reason is not None:
                 d["finish_reason"] = ev.finish_reason
             if ev.logprobs is not None:
-                tt = self.rt.formatter.token_text
+                tt = self.api.formatter.token_text
                 d["logprobs"] = [{"token_id": lp.token_id, "token": tt(lp.token_id), "logprob": lp.logprob,
                                   "top_logprobs": [{"token_id": t, "token": tt(t), "logprob": v} for t, v in lp.top]}
                                  for lp in ev.logprobs]
@@ -165,8 +166,11 @@ class WsConnection:
         u = ev.usage
         usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
                  "total_tokens": u.total_tokens, "cached_tokens": u.cached_tokens}
-        if ev.state in ("finished", "cancelled"):
-            reasons = ev.finish_reasons if ev.state == "finished" else ["cancelled"] * len(ev.finish_reasons)
+        rule = ev.rule
+        if rule.ws_frame == "done":
+            reasons: list[Optional[str]] = list(ev.finish_reasons)
+            if rule.ws_finish_reason is not None:
+                reasons = [rule.ws_finish_reason] * len(reasons)
             return _enc.encode({"type": "done", "id": cid, "request_id": ev.request_id,
                                 "finish_reason": reasons[0] if reasons else None, "finish_reasons": reasons,
                                 "usage": usage, "last_seq": ev.last_seq}).decode()
@@ -225,34 +229,13 @@ class WsConnection:
         task.add_done_callback(self._tasks.discard)
 
     def _on_generate(self, f: GenerateFrame) -> None:
-        p = f.params
-        if f.kind == "chat":
-            if f.messages is None:
-                raise InvalidRequest("messages: required when kind is 'chat'", param="messages")
-        elif f.prompt is None:
-            raise InvalidRequest("prompt: required when kind is 'completion'", param="prompt")
-        if p.top_logprobs is not None and not p.logprobs:
-            raise InvalidRequest("params.top_logprobs: requires params.logprobs to be true",
-                                 param="params.top_logprobs")
-        kw = sampling_kwargs(p)
-        if p.logprobs:
-            kw["logprobs"] = p.top_logprobs or 0
-        field = "params.max_completion_tokens" if p.max_completion_tokens is not None else "params.max_tokens"
-        spec = GenerationSpec(
-            kind=f.kind, api="ws", client=p.user or self.peer, model=self.rt.model_name,
-            prompt=f.prompt, messages=messages_to_dicts(f.messages) if f.messages else None,
-            add_generation_prompt=f.add_generation_prompt, sampling=kw,
-            max_tokens=p.max_completion_tokens or p.max_tokens, max_tokens_field=field,
-            default_max_tokens=None if f.kind == "chat" else 16, priority=f.priority,
-            klass=klass_of(f.priority, None), idempotency_key=f.idempotency_key, detach=f.detach,
-            timeout_s=f.timeout, params_record=params_record(p, ()),
-        )
+        spec = ws_spec(f, self.peer, self.rt.model_name)
         alias = self._claim(f.id, None)
         self._spawn(self._generate(f.id, alias, spec))
 
     async def _generate(self, cid: str, alias: _Alias, spec: GenerationSpec) -> None:
         try:
-            admitted = await self.rt.service.start(spec)
+            admitted = await self.api.service.start(spec)
         except PagewireError as e:
             if self.aliases.get(cid) is alias:
                 del self.aliases[cid]
@@ -267,13 +250,11 @@ class WsConnection:
             self._error(cid, "internal_error", f"internal error: {e}")
             return
         if self.aliases.get(cid) is not alias:  # the socket closed while we were admitting
-            job = self.rt.service.jobs.get(admitted.request_id)
-            if job is not None and not job.detached and not admitted.existing:
-                self.rt.service.cancel(job, "client")
+            self.api.service.abandon(admitted)
             return
         await self._follow(cid, alias, admitted.request_id, 0, admitted.record)
-        if alias.cancel_requested and admitted.job is not None:
-            self.rt.service.cancel(admitted.job, "client")
+        if alias.cancel_requested:
+            self.api.service.cancel(admitted.request_id)
 
     async def _follow(self, cid: str, alias: _Alias, request_id: str, after_seq: int, record: Any) -> None:
         alias.request_id = request_id
@@ -288,7 +269,7 @@ class WsConnection:
 
         alias.sub = Subscription(self.outbox, cid, on_end=ended)
         try:
-            alias.stream = await self.rt.service.attach(request_id, alias.sub, after_seq, record, accepted)
+            alias.stream = await self.api.service.attach(request_id, alias.sub, after_seq, record, accepted)
         except PagewireError as e:
             if self.aliases.get(cid) is alias:
                 del self.aliases[cid]
@@ -302,9 +283,7 @@ class WsConnection:
         if alias.request_id is None:
             alias.cancel_requested = True  # still being admitted; cancel once accepted
             return
-        job = self.rt.service.jobs.get(alias.request_id)
-        if job is not None:
-            self.rt.service.cancel(job, "client")
+        self.api.service.cancel(alias.request_id)
 
     def _on_resume(self, f: ResumeFrame) -> None:
         cid = f.id or f.request_id
@@ -313,14 +292,38 @@ class WsConnection:
 
 
 class WsEndpoint:
-    """ASGI app for /v1/ws."""
+    """ASGI app for /v1/ws; owns the open connections, which the Runtime's drain closes with 1001."""
 
-    def __init__(self, runtime: "Runtime") -> None:
-        self.rt = runtime
+    def __init__(self, api: ApiContext) -> None:
+        self.api = api
+        self.connections: set[WsConnection] = set()
+        self._none_left = asyncio.Event()
+        self._none_left.set()
+        api.rt.on_drain(self.close_all)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if self.rt.service is None or self.rt.service.draining:
+        service = self.api.rt.service
+        if service is None or service.draining:
             await receive()
             await send({"type": "websocket.close", "code": CLOSE_GOING_AWAY})
             return
-        await WsConnection(self.rt, scope, receive, send).run()
+        await WsConnection(self, scope, receive, send).run()
+
+    def joined(self, conn: WsConnection) -> None:
+        self.connections.add(conn)
+        self._none_left.clear()
+
+    def left(self, conn: WsConnection) -> None:
+        self.connections.discard(conn)
+        if not self.connections:
+            self._none_left.set()
+
+    async def close_all(self, flush_s: float = 1.0) -> None:
+        """Drain hook: every request has ended, so each writer flushes its final frames and closes
+        with 1001; wait (up to `flush_s`) until every connection has gone."""
+        for conn in list(self.connections):
+            conn.shutdown()
+        try:
+            await asyncio.wait_for(self._none_left.wait(), flush_s)
+        except asyncio.TimeoutError:
+            log.warning("%d WebSocket(s) still flushing at shutdown", len(self.connections))

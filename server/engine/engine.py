@@ -28,6 +28,7 @@ from server.models.loader import load_model
 from server.engine.outputs import RequestDelta, TokenLogprob
 from server.engine.sampling_params import SamplingParams
 from server.text.tokenizer import Tokenizer
+from server.text.vocab import check_token_ids
 
 logger = logging.getLogger("pagewire.engine")
 
@@ -125,9 +126,7 @@ class LLMEngine:
         ids = list(prompt_token_ids)
         if not ids:
             raise ValueError("prompt: must contain at least one token")
-        bad = next((t for t in ids if not (0 <= t < self.vocab_size)), None)
-        if bad is not None:
-            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        check_token_ids(ids, self.vocab_size, "prompt")
         n = len(ids)
         check_capacity(n, params.max_tokens, params.n, self.limits)
         max_total = n + params.max_tokens if params.max_tokens is not None else self.max_model_len

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from server.engine.outputs import RequestDelta, TokenLogprob, fold_delta
 from server.engine.sampling_params import SamplingParams
+from server.serving.lifecycle import END_RULES, CancelReason, EndReason, JobState, end_reason_of_row
 from server.serving.streams import DeltaEvent, EndEvent, RequestStream, Usage
 
 
@@ -79,7 +80,8 @@ class SampleAcc:
 
 
 class Job:
-    """An accepted request. Lives on the event loop; `state` moves queued → running → ending → ended."""
+    """An accepted request. Lives on the event loop and is changed only by the service;
+    `state` moves queued → running → ending → ended."""
 
     def __init__(self, request_id: str, spec: GenerationSpec, prompt_token_ids: list[int],
                  params: SamplingParams, created_wall: float, created_mono: float) -> None:
@@ -98,8 +100,8 @@ class Job:
         self.last_token_mono: Optional[float] = None
         self.queue_time_observed = False
         self.cached_tokens = 0
-        self.state = "queued"
-        self.cancel_reason: Optional[str] = None  # "client" | "deadline" | "shutdown"
+        self.state = JobState.QUEUED
+        self.cancel_reason: Optional[CancelReason] = None
         self.error: Optional[str] = None
         self.detached = spec.detach
         self.deadline_timer: Any = None
@@ -192,22 +194,14 @@ def end_from_record(record: Any) -> EndEvent:
     """The terminal event of a ledger row (a finished request whose stream is gone, or a row
     interrupted by a previous process)."""
     output = record.output or {"samples": [], "last_seq": 0}
-    state = record.state
-    code = message = None
-    if state in ("failed", "interrupted", "queued", "running"):
-        # queued/running without a live stream cannot happen in one process; treat as interrupted.
-        if state in ("queued", "running"):
-            state = "interrupted"
-        code = "deadline_exceeded" if (record.error or "").startswith("deadline") else (
-            "interrupted" if state == "interrupted" else "generation_failed")
-        message = record.error or f"request {state}"
+    reason = end_reason_of_row(record.state, record.finish_reason)
+    message = None if reason is EndReason.FINISHED else (record.error or END_RULES[reason].message)
     return EndEvent(
         request_id=record.request_id,
-        state=state,
+        reason=reason,
         finish_reasons=[s.get("finish_reason") for s in output.get("samples", [])] or [record.finish_reason],
         usage=Usage(record.prompt_tokens, record.completion_tokens, record.cached_tokens),
         last_seq=int(output.get("last_seq", 0)),
-        code=code,
         message=message,
         output=output,
     )

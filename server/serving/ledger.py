@@ -25,11 +25,20 @@ from typing import Any, Optional
 
 import aiosqlite
 
+from server.serving.lifecycle import END_RULES, OPEN_STATES, TERMINAL_STATES, EndReason, LedgerState
+
 log = logging.getLogger("pagewire.ledger")
 
 SCHEMA_VERSION = 1
-TERMINAL_STATES = ("finished", "cancelled", "failed", "interrupted")
-OPEN_STATES = ("queued", "running")
+
+# The one statement that closes rows nobody will finish: at open (rows a previous process left),
+# at the end of a drain, and on a forced exit (`ledger_sync`). Args: (finished_at, error).
+INTERRUPT_OPEN_SQL = (
+    f"UPDATE requests SET state = '{LedgerState.INTERRUPTED.value}', finished_at = ?, "
+    f"error = COALESCE(error, ?) "
+    f"WHERE state IN ({', '.join(repr(s.value) for s in OPEN_STATES)})"
+)
+INTERRUPTED_MESSAGE = END_RULES[EndReason.INTERRUPTED].message
 
 # Migration i brings the schema from version i to i + 1. Never edit a released entry; append.
 _MIGRATIONS: list[str] = [
@@ -210,12 +219,7 @@ class Ledger:
         try:
             await _apply_pragmas(writer, busy_timeout_ms)
             await _migrate(writer)
-            cur = await writer.execute(
-                "UPDATE requests SET state = 'interrupted', finished_at = ?, "
-                "error = COALESCE(error, 'server stopped before the request finished') "
-                "WHERE state IN ('queued', 'running')",
-                (time.time(),),
-            )
+            cur = await writer.execute(INTERRUPT_OPEN_SQL, (time.time(), INTERRUPTED_MESSAGE))
             interrupted = cur.rowcount
             reader = await aiosqlite.connect(str(p), isolation_level=None)
             await reader.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
@@ -281,11 +285,7 @@ class Ledger:
 
     async def interrupt_open(self, reason: str) -> None:
         """Last resort at shutdown: every row still open becomes `interrupted`."""
-        fut = self._enqueue(
-            "UPDATE requests SET state = 'interrupted', finished_at = ?, error = COALESCE(error, ?) "
-            "WHERE state IN ('queued', 'running')",
-            (time.time(), reason), wait=True,
-        )
+        fut = self._enqueue(INTERRUPT_OPEN_SQL, (time.time(), reason), wait=True)
         assert fut is not None
         await fut
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from server.serving.ledger import COLUMNS, LedgerError, RequestRecord
+from server.serving.ledger import COLUMNS, INTERRUPT_OPEN_SQL, LedgerError, RequestRecord
 
 
 def open_readonly(path: str | os.PathLike[str]) -> sqlite3.Connection:
@@ -42,11 +42,7 @@ def interrupt_open_sync(path: str | os.PathLike[str], reason: str, busy_timeout_
     """Best effort on a forced exit (second signal): mark open rows interrupted, synchronously."""
     conn = sqlite3.connect(str(path), timeout=busy_timeout_ms / 1000)
     try:
-        cur = conn.execute(
-            "UPDATE requests SET state = 'interrupted', finished_at = ?, error = COALESCE(error, ?) "
-            "WHERE state IN ('queued', 'running')",
-            (time.time(), reason),
-        )
+        cur = conn.execute(INTERRUPT_OPEN_SQL, (time.time(), reason))
         conn.commit()
         return cur.rowcount
     finally:

@@ -71,6 +71,9 @@ class Metrics:
         self.requests = Counter("pagewire_requests", "Requests by final ledger state.", ["state"], registry=r)
         self.rejected = Counter("pagewire_requests_rejected", "Requests rejected at admission, by code.",
                                 ["code"], registry=r)
+        self.slow_consumers = Counter(
+            "pagewire_slow_consumer_disconnects", "Connections cut off because the client did not read "
+            "fast enough (their requests keep running for a resume or retry), by edge.", ["edge"], registry=r)
         r.register(_EngineCollector(engine_stats, admission_depth))
 
     def observe_tokens(self, gap_s: float, n_tokens: int) -> None:

@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Optional
 
+from server.engine.errors import RequestTooLongError, check_context
+from server.engine.sampling_params import SamplingParams, SamplingParamsError
 from server.serving.errors import InvalidRequest
 from server.serving.jobs import GenerationSpec
-from server.engine.sampling_params import SamplingParams, SamplingParamsError
 from server.text.tokenizer import ChatTemplateError, Tokenizer
+from server.text.vocab import TokenIdError, check_token_ids
 
 
 def _content_chars(messages: list[dict[str, Any]]) -> int:
@@ -71,11 +73,10 @@ class PromptPreparer:
             field = "messages"
         elif isinstance(spec.prompt, list):
             ids = list(spec.prompt)
-            vocab = self.tokenizer.vocab_size
-            bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
-            if bad is not None:
-                raise InvalidRequest(f"prompt: token id {bad!r} is outside the vocabulary [0, {vocab})",
-                                     param="prompt")
+            try:
+                check_token_ids(ids, self.tokenizer.vocab_size, "prompt")
+            except TokenIdError as e:
+                raise InvalidRequest(str(e), param="prompt") from None
             field = "prompt"
         elif isinstance(spec.prompt, str):
             ids = await self._run(len(spec.prompt) > self.offload_chars, self.tokenizer.encode, spec.prompt)
@@ -87,27 +88,35 @@ class PromptPreparer:
         return ids
 
     def finalize(self, spec: GenerationSpec, n_prompt: int, max_model_len: int) -> SamplingParams:
-        """The context check (both numbers in the message, never truncation) and final params."""
+        """The context check (the engine's own `check_context`; both numbers in the message, never
+        truncation) and the final params."""
         field = "messages" if spec.kind == "chat" else "prompt"
         room = max_model_len - n_prompt
-        if room < 1:
-            raise InvalidRequest(
-                f"{field}: the prompt is {n_prompt} tokens, which does not fit this model's maximum "
-                f"context length of {max_model_len} tokens (at least one output token is needed)",
-                param=field, code="context_length_exceeded",
-            )
         max_tokens: Optional[int] = spec.max_tokens
-        if max_tokens is not None:
-            if n_prompt + max_tokens > max_model_len:
-                raise InvalidRequest(
-                    f"{spec.max_tokens_field}: this model's maximum context length is {max_model_len} tokens, "
-                    f"but {n_prompt + max_tokens} were requested ({n_prompt} in the prompt + "
-                    f"{max_tokens} for the completion); reduce {spec.max_tokens_field} to at most {room}",
-                    param=spec.max_tokens_field, code="context_length_exceeded",
-                )
-        else:
+        try:
+            check_context(n_prompt, max_tokens, max_model_len)
+        except RequestTooLongError as e:
+            raise _context_error(e, field, spec.max_tokens_field) from None
+        if max_tokens is None:
             max_tokens = room if spec.default_max_tokens is None else min(spec.default_max_tokens, room)
         try:
             return SamplingParams(max_tokens=max_tokens, **spec.sampling)
         except SamplingParamsError as e:
             raise _with_field(e, spec) from None
+
+
+def _context_error(e: RequestTooLongError, prompt_field: str, max_tokens_field: str) -> InvalidRequest:
+    """The engine's refusal, worded with the edge's field names (`messages`, `params.max_tokens`)."""
+    n, limit = e.num_prompt_tokens, e.max_model_len
+    if e.max_tokens is None or n >= limit:
+        return InvalidRequest(
+            f"{prompt_field}: the prompt is {n} tokens, which does not fit this model's maximum "
+            f"context length of {limit} tokens (at least one output token is needed)",
+            param=prompt_field, code="context_length_exceeded",
+        )
+    return InvalidRequest(
+        f"{max_tokens_field}: this model's maximum context length is {limit} tokens, but "
+        f"{n + e.max_tokens} were requested ({n} in the prompt + {e.max_tokens} for the completion); "
+        f"reduce {max_tokens_field} to at most {limit - n}",
+        param=max_tokens_field, code="context_length_exceeded",
+    )

@@ -5,15 +5,19 @@ process left open into `interrupted`), load the tokenizer, wire admission/stream
 and start the engine thread, which loads the weights in the background (/health is 503 until then).
 
 Stop, in two stages (see `server.serving.serve`): `drain()` stops accepting, gives in-flight requests the
-grace period, interrupts the rest, makes every ledger row terminal, then closes WebSockets with
-1001 after flushing their final frames; `close()` stops the engine thread and the ledger.
+grace period, interrupts the rest, makes every ledger row terminal, then runs the drain hooks that
+the edges registered (the WebSocket endpoint closes its sockets with 1001 after flushing their
+final frames); `close()` stops the engine thread and the ledger.
+
+The Runtime knows nothing of the API layer (HTTP, WebSocket, OpenAI shapes): the edges import it,
+never the other way round.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 from server.serving.admission import AdmissionQueue
 from server.serving.bridge import EngineBridge
@@ -26,10 +30,6 @@ from server.serving.settings import ServeSettings
 from server.serving.streams import StreamRegistry
 from server.text.tokenizer import Tokenizer
 
-if TYPE_CHECKING:
-    from server.api.openai_format import Formatter
-    from server.api.ws import WsConnection
-
 log = logging.getLogger("pagewire")
 
 
@@ -38,14 +38,13 @@ class Runtime:
         self.settings = settings
         self.model_dir = model_dir
         self.model_name = model_name
-        self.connections: set["WsConnection"] = set()
         self.ledger: Optional[Ledger] = None
         self.tokenizer: Optional[Tokenizer] = None
         self.bridge: Optional[EngineBridge] = None
         self.service: Optional[RequestService] = None
         self.admission: Optional[AdmissionQueue[Job]] = None
-        self.formatter: "Formatter"
         self.metrics: Metrics
+        self._drain_hooks: list[Callable[[], Awaitable[None]]] = []
         self._drained = False
         self._closed = False
 
@@ -53,16 +52,17 @@ class Runtime:
     def stopping(self) -> bool:
         return self.service is not None and self.service.draining
 
-    async def start(self) -> None:
-        from server.api.openai_format import Formatter
+    def on_drain(self, hook: Callable[[], Awaitable[None]]) -> None:
+        """Run `hook` at the end of `drain()`, after every request has ended and its row is terminal."""
+        self._drain_hooks.append(hook)
 
+    async def start(self) -> None:
         s = self.settings
         loop = asyncio.get_running_loop()
         self.ledger = await Ledger.open(s.db_path)
         log.info("ledger: %s (%d request(s) marked interrupted from the previous run)",
                  s.db_path, self.ledger.interrupted_at_start)
         self.tokenizer = await loop.run_in_executor(None, Tokenizer.from_dir, self.model_dir)
-        self.formatter = Formatter(self.tokenizer, self.model_name)
         self.bridge = EngineBridge(s.engine_config(str(self.model_dir)), self._dispatch)
         self.admission = AdmissionQueue(
             max_queued=s.max_queue,
@@ -104,12 +104,8 @@ class Runtime:
         self._drained = True
         log.info("shutting down: no new requests; up to %.1fs for in-flight ones", self.settings.shutdown_grace)
         await self.service.drain(self.settings.shutdown_grace)
-        for conn in list(self.connections):
-            conn.shutdown()
-        for _ in range(50):  # give the writers a moment to flush their final frames and close
-            if not self.connections:
-                break
-            await asyncio.sleep(0.02)
+        for hook in self._drain_hooks:
+            await hook()
 
     async def close(self) -> None:
         """Stage two: stop the engine and close the ledger. Idempotent."""

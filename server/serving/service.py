@@ -19,33 +19,28 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 from server.serving.admission import AdmissionQueue
 from server.serving.bridge import EngineBridge
 from server.serving.errors import NotFound, Unavailable
+from server.engine.outputs import RequestDelta
 from server.serving.jobs import GenerationSpec, Job, end_from_record, events_from_output, now_pair
 from server.serving.ledger import Ledger, NewRequest, RequestRecord, Terminal
+from server.serving.lifecycle import (CANCEL_ENDS, COMPLETE_REASONS, END_RULES, CancelReason, EndReason,
+                                      FinishReason, JobState)
 from server.serving.metrics import Metrics
-from server.engine.outputs import RequestDelta
 from server.serving.prompts import PromptPreparer
-from server.serving.streams import EndEvent, Event, RequestStream, StreamRegistry
+from server.serving.streams import EndEvent, Replay, RequestStream, StreamRegistry, Subscriber
 
 log = logging.getLogger("pagewire.service")
 
-_END_CODES = {"deadline": "deadline_exceeded", "shutdown": "interrupted"}
-
-
-class Subscriber(Protocol):
-    def push(self, event: Event, replay: bool = False) -> None: ...
-
-
 @dataclass
 class Admitted:
-    """The result of `start`: a new request, or the original one for a reused idempotency key."""
+    """The result of `start`: a new request, or the original one for a reused idempotency key
+    (`existing`; `record` is its ledger row when it was found there)."""
 
     request_id: str
-    job: Optional[Job] = None
     record: Optional[RequestRecord] = None
     existing: bool = False
 
@@ -61,7 +56,9 @@ class RequestService:
         self.preparer = preparer
         self.metrics = metrics
         self.default_timeout_s = default_timeout_s
-        self.jobs: dict[str, Job] = {}
+        # Accepted requests not yet ended. Only this class reads or changes a Job: the edges go
+        # through its methods (start, attach, detach, cancel, keep_for_resume, abandon).
+        self._jobs: dict[str, Job] = {}
         # idempotency key → future of its request id; covers the window before the row commits
         # and the whole live life of the request (removed after the terminal commit).
         self._idem: dict[str, asyncio.Future[Optional[str]]] = {}
@@ -108,9 +105,9 @@ class RequestService:
         try:
             job = await asyncio.shield(task)
         except asyncio.CancelledError:
-            task.add_done_callback(self._abandon)
+            task.add_done_callback(self._abandon_accepted)
             raise
-        return Admitted(job.request_id, job=job)
+        return Admitted(job.request_id)
 
     def _settle_claim(self, key: str, task: "asyncio.Task[Job]") -> None:
         fut = self._idem.get(key)
@@ -120,15 +117,14 @@ class RequestService:
         if fut is not None and not fut.done():
             fut.set_result(task.result().request_id if ok else None)
 
-    def _abandon(self, task: "asyncio.Task[Job]") -> None:
+    def _abandon_accepted(self, task: "asyncio.Task[Job]") -> None:
         if not task.cancelled() and task.exception() is None:
             job = task.result()
             if not job.detached:
-                self.cancel(job, "client")
+                self._cancel(job, CancelReason.CLIENT)
 
     def _existing(self, request_id: str, record: Optional[RequestRecord]) -> Admitted:
-        job = self.jobs.get(request_id)
-        return Admitted(request_id, job=job, record=record, existing=True)
+        return Admitted(request_id, record=record, existing=True)
 
     async def _accept(self, spec: GenerationSpec) -> Job:
         self.preparer.check_sampling(spec)
@@ -149,7 +145,7 @@ class RequestService:
             self.admission.release(spec.client)
             raise
         # Committed: from here the request exists and must reach a terminal state.
-        self.jobs[job.request_id] = job
+        self._jobs[job.request_id] = job
         self._idle.clear()
         self.registry.add(job.stream)
         timeout = spec.timeout_s or self.default_timeout_s
@@ -159,7 +155,7 @@ class RequestService:
         if self.draining:
             # Shutdown began while the row was being committed: the drain may already have
             # passed its cancel sweep, so end this one here (it becomes `interrupted`).
-            self.cancel(job, "shutdown")
+            self._cancel(job, CancelReason.SHUTDOWN)
         return job
 
     # -- subscribing ----------------------------------------------------------------------------
@@ -184,9 +180,7 @@ class RequestService:
         if stream is None:
             assert record is not None
             end = end_from_record(record)
-            for ev in events_from_output(end.output or {}, after_seq):
-                sub.push(ev, replay=True)
-            sub.push(end, replay=True)
+            sub.catch_up(Replay(events_from_output(end.output or {}, after_seq), end=end))
             return None
         stream.attach(sub, after_seq)
         return stream if stream.end is None else None
@@ -196,26 +190,49 @@ class RequestService:
         if stream is None:
             return
         remaining = stream.detach(sub)
-        job = self.jobs.get(stream.request_id)
+        job = self._jobs.get(stream.request_id)
         if remaining == 0 and job is not None and not job.detached:
-            self.cancel(job, "client")
+            self._cancel(job, CancelReason.CLIENT)
 
-    def cancel(self, job: Job, reason: str) -> None:
+    # -- the edges' controls --------------------------------------------------------------------
+    def cancel(self, request_id: str, reason: CancelReason = CancelReason.CLIENT) -> bool:
+        """Stop a live request (see `_cancel`); False when it is not live (unknown or ended)."""
+        job = self._jobs.get(request_id)
+        if job is None:
+            return False
+        self._cancel(job, reason)
+        return True
+
+    def keep_for_resume(self, request_id: str) -> None:
+        """Its consumer was cut off: keep the request running with nobody following it, so that
+        a resume (WebSocket) or an idempotent retry (HTTP) can collect the output."""
+        job = self._jobs.get(request_id)
+        if job is not None:
+            job.detached = True
+
+    def abandon(self, admitted: Admitted) -> None:
+        """The caller that started this request left before following it: cancel it unless it
+        was started detached or is an earlier request found by its idempotency key."""
+        job = self._jobs.get(admitted.request_id)
+        if job is not None and not job.detached and not admitted.existing:
+            self._cancel(job, CancelReason.CLIENT)
+
+    def _cancel(self, job: Job, reason: CancelReason) -> None:
         """Stop a request: a queued one ends at once, a running one at the engine's next step."""
-        if job.state == "queued":
+        if job.state is JobState.QUEUED:
             if self.admission.remove(job):
                 job.cancel_reason = reason
                 self._end(job, None)
                 return
-        if job.state == "running" and job.cancel_reason is None:
+        if job.state is JobState.RUNNING and job.cancel_reason is None:
             job.cancel_reason = reason
             self.bridge.abort(job.request_id)
 
     def _expire(self, job: Job) -> None:
         job.deadline_timer = None
-        if job.state in ("queued", "running"):
+        if job.state in (JobState.QUEUED, JobState.RUNNING):
             log.info("request %s passed its deadline", job.request_id)
-            self.cancel(job, "deadline")
+            self._cancel(job, CancelReason.DEADLINE)
 
     # -- engine side ----------------------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -226,7 +243,7 @@ class RequestService:
             job.error = str(e)
             asyncio.get_running_loop().call_soon(self._end, job, None)
             return
-        job.state = "running"
+        job.state = JobState.RUNNING
         wall, job.admitted_mono = now_pair()
         self.ledger.mark_running(job.request_id, wall)
 
@@ -234,8 +251,8 @@ class RequestService:
         """One engine step's news, on the loop (called by the bridge, once per step)."""
         now = time.monotonic()
         for d in deltas:
-            job = self.jobs.get(d.request_id)
-            if job is None or job.state not in ("running", "queued"):
+            job = self._jobs.get(d.request_id)
+            if job is None or job.state not in (JobState.RUNNING, JobState.QUEUED):
                 continue
             events = job.apply(d)
             n_new = max((len(e.token_ids) for e in events), default=0)
@@ -256,29 +273,31 @@ class RequestService:
                 self._end(job, d)
 
     def _end(self, job: Job, delta: Optional[RequestDelta]) -> None:
-        if job.state in ("ending", "ended"):
+        """Decide how `job` ended (its EndReason) and commit that; `delta` is None when it never
+        reached the engine or the engine refused it."""
+        if job.state in (JobState.ENDING, JobState.ENDED):
             return
-        was_running = job.state == "running"
-        job.state = "ending"
+        was_running = job.state is JobState.RUNNING
+        job.state = JobState.ENDING
         if job.deadline_timer is not None:
             job.deadline_timer.cancel()
             job.deadline_timer = None
         if was_running:
             self.admission.done(job, time.monotonic() - (job.admitted_mono or job.created_mono))
         reasons = job.finish_reasons()
-        completed = delta is not None and bool(reasons) and all(r in ("stop", "length") for r in reasons)
+        # A request that completed in the same step its cancel arrived counts as finished.
+        completed = delta is not None and bool(reasons) and all(r in COMPLETE_REASONS for r in reasons)
+        message: Optional[str] = None
         if job.cancel_reason is not None and not completed:
-            state = {"client": "cancelled", "deadline": "failed", "shutdown": "interrupted"}[job.cancel_reason]
-            code = _END_CODES.get(job.cancel_reason, "cancelled")
-            message = {"client": "cancelled by the client",
-                       "deadline": "deadline exceeded before the request finished",
-                       "shutdown": "server stopped before the request finished"}[job.cancel_reason]
-        elif job.error is not None or "error" in reasons or (delta is None):
-            state, code, message = "failed", "generation_failed", job.error or "generation failed"
+            reason = CANCEL_ENDS[job.cancel_reason]
+        elif job.error is not None or FinishReason.ERROR in reasons or delta is None:
+            reason, message = EndReason.FAILED, job.error
         else:
-            state, code, message = "finished", None, None
-        end = EndEvent(job.request_id, state, reasons, job.usage(), job.stream.last_seq,
-                       code=code, message=message if state != "finished" else None, output=job.output())
+            reason = EndReason.FINISHED
+        if reason is not EndReason.FINISHED and message is None:
+            message = END_RULES[reason].message
+        end = EndEvent(job.request_id, reason, reasons, job.usage(), job.stream.last_seq,
+                       message=message, output=job.output())
         task = asyncio.get_running_loop().create_task(self._commit_end(job, end))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -288,7 +307,7 @@ class RequestService:
             f"[{s.index}] {s.text}" for s in job.samples)
         try:
             await self.ledger.finish(job.request_id, Terminal(
-                state=end.state, finish_reason=end.finish_reason if end.state == "finished" else end.code,
+                state=end.state, finish_reason=end.finish_reason if end.finished else end.code,
                 error=end.message, prompt_tokens=end.usage.prompt_tokens,
                 completion_tokens=end.usage.completion_tokens, cached_tokens=end.usage.cached_tokens,
                 output_text=text, output=end.output or {}, first_token_at=job.first_token_wall,
@@ -297,16 +316,16 @@ class RequestService:
         except Exception:  # the row stays open and becomes `interrupted` at the next start
             log.exception("ledger: could not record the end of %s", job.request_id)
         # Only now, with the terminal row durable, may the client hear `done`.
-        job.state = "ended"
+        job.state = JobState.ENDED
         job.end = end
         self.metrics.observe_end(end.state, (job.last_token_mono or time.monotonic()) - job.created_mono)
         job.stream.finish(end)
         self.registry.ended(job.stream)
-        self.jobs.pop(job.request_id, None)
+        self._jobs.pop(job.request_id, None)
         key = job.spec.idempotency_key
         if key is not None:
             self._idem.pop(key, None)
-        if not self.jobs:
+        if not self._jobs:
             self._idle.set()
 
     # -- shutdown -------------------------------------------------------------------------------
@@ -314,19 +333,19 @@ class RequestService:
         """Stop accepting; let in-flight requests finish for up to `grace_s`; interrupt the rest;
         make sure every ledger row is terminal."""
         self.draining = True
-        if self.jobs:
-            log.info("draining: waiting up to %.1fs for %d request(s)", grace_s, len(self.jobs))
+        if self._jobs:
+            log.info("draining: waiting up to %.1fs for %d request(s)", grace_s, len(self._jobs))
             try:
                 await asyncio.wait_for(self._idle.wait(), grace_s)
             except asyncio.TimeoutError:
                 pass
-        for job in list(self.jobs.values()):
-            self.cancel(job, "shutdown")
-        if self.jobs:
+        for job in list(self._jobs.values()):
+            self._cancel(job, CancelReason.SHUTDOWN)
+        if self._jobs:
             try:
                 await asyncio.wait_for(self._idle.wait(), abort_wait_s)
             except asyncio.TimeoutError:
-                log.warning("draining: %d request(s) did not stop in time", len(self.jobs))
+                log.warning("draining: %d request(s) did not stop in time", len(self._jobs))
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
-        await self.ledger.interrupt_open("server stopped before the request finished")
+        await self.ledger.interrupt_open(END_RULES[EndReason.INTERRUPTED].message or "")

@@ -127,7 +127,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("shutdown_grace", float, "seconds in-flight requests get to finish on SIGINT/SIGTERM"),
     Option("stream_retention", float, "seconds a finished stream stays in memory for resume"),
     Option("max_request_bytes", int, "largest HTTP body or WebSocket message (413 beyond)"),
-    Option("outbox_bytes", int, "per-connection buffer before a slow consumer is cut off"),
+    Option("outbox_bytes", int, "per-connection live backlog; beyond it a request catches up from its resume buffer"),
     Option("send_timeout", float, "seconds one send may block before a consumer counts as stuck"),
     Option("offload_chars", int, "prompts longer than this are tokenised off the event loop"),
     Option("dtype", str, "auto, float32, bfloat16 or float16", engine=True),

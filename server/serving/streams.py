@@ -1,25 +1,41 @@
-"""Streams: seq-numbered per-request events, the resume buffer, and bounded coalescing outboxes.
+"""Streams: seq-numbered per-request events, the resume buffer, paced replays and bounded
+coalescing outboxes.
 
 Everything here runs on the event loop and never blocks: a producer (the bridge, once per engine
 step) appends to a `RequestStream`, which pushes into each subscriber's `Outbox`; a writer task
-per connection drains its outbox at the pace of its socket. A slow socket therefore only grows
-its own outbox, where consecutive deltas of one sample are merged into one (same seq semantics:
-a merged delta carries the seq of its newest part). An outbox that still exceeds its byte bound
-is marked `overflowed` (replays, which arrive in one burst by design, do not count); its owner closes the connection with a resumable error, and the client
-resumes from the last seq it saw, which the stream's resume buffer still holds.
+per connection drains its outbox at the pace of its socket. While the socket is slow, consecutive
+deltas of one sample merge in the outbox (a merged delta carries the seq of its newest part).
+
+Replays are paced by the socket, not pushed: a subscriber that attaches after some output exists
+(a resume, an idempotent retry) gets a `Replay` cursor over the stream's resume buffer (or over
+the output rebuilt from the ledger), and the writer pulls the next chunk of it only when it has
+sent the previous one. While a subscriber catches up, live events of its request are not queued
+for it at all: they land in the same resume buffer, behind the cursor, so a multi-megabyte replay
+never fills the outbox and never counts against the consumer. Once the cursor reaches the end of
+the buffer, the subscriber goes live in the same synchronous step.
+
+The outbox's byte bound counts only the backlog that builds up while the writer is busy with a
+send (what arrives while it waits is taken at once). A live subscription whose next event would
+cross the bound does not grow the outbox: it drops its pending events and catches up from the
+resume buffer, as a resume would. So a connection never holds more than its bound however slowly
+its client reads; a client that stops reading altogether is found by the writer's send timeout,
+and its connection is closed with a resumable error (the client resumes from the last seq it
+saw). `overflowed` remains for items with no stream behind them (control frames).
 
 Sequence numbers: every delta of a request gets the next integer, starting at 1, across all its
-samples. `attach(after_seq=k)` replays exactly the deltas with seq > k, then goes live; since
-replay and registration happen in one synchronous call on the loop, no delta published in
-between can be missed or duplicated.
+samples. `attach(after_seq=k)` replays exactly the deltas with seq > k, then goes live; since the
+switch from cursor to live pushes happens in one synchronous call on the loop, no delta published
+in between can be missed or duplicated.
 """
 from __future__ import annotations
 
 import asyncio
+import bisect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Optional, Union
+from typing import Any, Callable, Hashable, Optional, Protocol, Sequence, Union
 
 from server.engine.outputs import SampleDelta, TokenLogprob
+from server.serving.lifecycle import END_RULES, EndReason, EndRule, LedgerState
 
 
 @dataclass(slots=True)
@@ -63,18 +79,36 @@ class DeltaEvent:
 class EndEvent:
     """The one terminal event of a request, sent after its ledger row is committed.
 
-    `state` is the ledger state: finished and cancelled render as `done`; failed and
-    interrupted as an error carrying `code` and `message`.
+    `reason` says how it ended; `END_RULES[reason]` gives its ledger state, error code, HTTP
+    error and WebSocket frame. `message` is set when it did not finish.
     """
 
     request_id: str
-    state: str
+    reason: EndReason
     finish_reasons: list[Optional[str]]
     usage: Usage
     last_seq: int
-    code: Optional[str] = None
     message: Optional[str] = None
     output: Optional[dict[str, Any]] = None  # the stored output (text, tokens, logprobs, marks)
+
+    def __post_init__(self) -> None:
+        self.reason = EndReason(self.reason)
+
+    @property
+    def rule(self) -> EndRule:
+        return END_RULES[self.reason]
+
+    @property
+    def state(self) -> LedgerState:
+        return END_RULES[self.reason].state
+
+    @property
+    def code(self) -> Optional[str]:
+        return END_RULES[self.reason].code
+
+    @property
+    def finished(self) -> bool:
+        return self.reason is EndReason.FINISHED
 
     @property
     def finish_reason(self) -> Optional[str]:
@@ -82,6 +116,67 @@ class EndEvent:
 
 
 Event = Union[DeltaEvent, EndEvent]
+# What an outbox carries: events, and the edge's own control frames (opaque here, 64 bytes each).
+Queued = object
+
+
+# How much of one replay the writer takes per turn: small enough that a replaying socket does not
+# hold up the connection's live frames for long, large enough that frames stay big.
+REPLAY_CHUNK_BYTES = 64 * 1024
+
+
+def _copy(ev: DeltaEvent) -> DeltaEvent:
+    """A private copy for merging: the stream's resume buffer must not see a connection's merges."""
+    return DeltaEvent(ev.seq, ev.index, ev.text, list(ev.token_ids),
+                      list(ev.logprobs) if ev.logprobs is not None else None, ev.finish_reason)
+
+
+class Replay:
+    """The events a subscriber has not seen yet, read lazily as the writer asks for them.
+
+    Over a live stream, `deltas` is the stream's own resume buffer, which keeps growing while the
+    request runs, and the end is read from the stream when the cursor gets there. Over a ledger
+    row (stream gone), `deltas` is the output rebuilt from the row, and `end` is its end event.
+    """
+
+    def __init__(self, deltas: Sequence[DeltaEvent], start: int = 0,
+                 stream: Optional["RequestStream"] = None, end: Optional[EndEvent] = None) -> None:
+        self._deltas = deltas
+        self._pos = start
+        self._stream = stream
+        self._end = end
+        self._end_given = False
+        # The seq the subscriber has up to, where this cursor starts.
+        self.start_seq = deltas[start - 1].seq if start > 0 else 0
+
+    @property
+    def stream(self) -> Optional["RequestStream"]:
+        return self._stream
+
+    @property
+    def behind(self) -> bool:
+        """Whether `next` has an event now."""
+        end = self._stream.end if self._stream is not None else self._end
+        return self._pos < len(self._deltas) or (end is not None and not self._end_given)
+
+    def next(self) -> Optional[Event]:
+        """The next event, or None when caught up (nothing more until the stream publishes)."""
+        if self._pos < len(self._deltas):
+            ev = self._deltas[self._pos]
+            self._pos += 1
+            return ev
+        end = self._stream.end if self._stream is not None else self._end
+        if end is not None and not self._end_given:
+            self._end_given = True
+            return end
+        return None
+
+    def drain(self) -> list[Event]:
+        """Everything up to now, at once (for subscribers that keep no socket, such as EndWaiter)."""
+        out: list[Event] = []
+        while (ev := self.next()) is not None:
+            out.append(ev)
+        return out
 
 
 class Outbox:
@@ -89,17 +184,24 @@ class Outbox:
 
     Keys name the stream an event belongs to on this connection (the client's id for it).
     Pending events of different keys keep their first-arrival order; within a key, order is
-    preserved and consecutive deltas of the same sample are merged.
+    preserved and consecutive deltas of the same sample are merged. Keys that are catching up
+    hold a `Replay` instead of pending events; each `get` takes all pending events and the next
+    chunk of each replay.
     """
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._pending: dict[Hashable, list[Event]] = {}
+        self._pending: dict[Hashable, list[Queued]] = {}
+        self._replays: dict[Hashable, "Subscription"] = {}
+        self._owners: dict[Hashable, "Subscription"] = {}  # live keys: told what the writer took
         self._bytes = 0
-        # Bytes pushed live since the writer last took the buffer. Only these count against
-        # max_bytes: a replay (resume, idempotent retry) arrives all at once by design and says
-        # nothing about the consumer's speed; it is bounded by the request's own output.
-        self._live_bytes = 0
+        # Live bytes pushed while the writer was not parked in `get` (it was sending, or there is
+        # no writer yet). Only these count against max_bytes: they measure how far the consumer
+        # lags. Bytes pushed while the writer is parked are taken as soon as it runs, so a burst
+        # of one engine step, or a loop that ran several steps' callbacks back to back, says
+        # nothing about the consumer.
+        self._backlog = 0
+        self._parked = False
         self._wake = asyncio.Event()
         self.overflowed = False
         self.closed = False
@@ -108,9 +210,23 @@ class Outbox:
     def pending_bytes(self) -> int:
         return self._bytes
 
-    def push(self, key: Hashable, event: Event, replay: bool = False) -> None:
+    @property
+    def replaying(self) -> int:
+        """How many keys are still catching up."""
+        return len(self._replays)
+
+    def would_overflow(self, event: Event) -> bool:
+        """Whether pushing `event` now would take the backlog past the bound."""
+        size = event.size() if isinstance(event, DeltaEvent) else 64
+        return not self._parked and self._backlog + size > self.max_bytes
+
+    def push(self, key: Hashable, event: Queued, owner: Optional["Subscription"] = None) -> None:
+        """Queue one live event (or a control frame) for `key`; `owner` is told when the writer
+        takes a delta of it (see `Subscription.delivered_seq`)."""
         if self.closed or self.overflowed:
             return  # the client will resume from its last seq; the stream still has these
+        if owner is not None:
+            self._owners[key] = owner
         items = self._pending.setdefault(key, [])
         before = self._bytes
         if isinstance(event, DeltaEvent):
@@ -120,56 +236,171 @@ class Outbox:
                 last.absorb(event)
                 self._bytes += last.size() - size
             else:
-                # Copy: the stream's resume buffer must not see this connection's merges.
-                items.append(DeltaEvent(event.seq, event.index, event.text, list(event.token_ids),
-                                        list(event.logprobs) if event.logprobs is not None else None,
-                                        event.finish_reason))
+                items.append(_copy(event))
                 self._bytes += event.size()
         else:
             items.append(event)
             self._bytes += 64
-        if not replay:
-            self._live_bytes += self._bytes - before
-            if self._live_bytes > self.max_bytes:
+        if not self._parked:
+            self._backlog += self._bytes - before
+            if self._backlog > self.max_bytes:
                 self.overflowed = True
         self._wake.set()
 
-    def take(self) -> list[tuple[Hashable, Event]]:
-        """Everything pending, in order, emptying the buffer (non-blocking)."""
+    def discard_events(self, key: Hashable) -> None:
+        """Drop `key`'s pending deltas and end (its replay will send them again); control
+        frames, such as `accepted`, stay where they are."""
+        items = self._pending.get(key)
+        if not items:
+            return
+        keep = [e for e in items if not isinstance(e, (DeltaEvent, EndEvent))]
+        dropped = sum(e.size() if isinstance(e, DeltaEvent) else 64 for e in items
+                      if isinstance(e, (DeltaEvent, EndEvent)))
+        if keep:
+            self._pending[key] = keep
+        else:
+            del self._pending[key]
+        self._bytes -= dropped
+        self._backlog = max(0, min(self._backlog - dropped, self._bytes))
+
+    def add_replay(self, sub: "Subscription") -> None:
+        """Let the writer pull `sub`'s replay at the socket's pace (see `Subscription.pull`)."""
+        if self.closed or self.overflowed:
+            return
+        self._owners.pop(sub.key, None)
+        self._replays[sub.key] = sub
+        self._wake.set()
+
+    def take(self) -> list[tuple[Hashable, Queued]]:
+        """Everything pending and the next chunk of each replay, in order (non-blocking).
+
+        A key's pending events (such as its `accepted` frame) precede its replay: a replaying
+        key gets no live events until its cursor has caught up.
+        """
         out = [(k, e) for k, items in self._pending.items() for e in items]
         self._pending.clear()
+        for k, e in out:
+            owner = self._owners.get(k)
+            if owner is not None:
+                if isinstance(e, DeltaEvent):
+                    owner.delivered_seq = e.seq
+                elif isinstance(e, EndEvent):
+                    del self._owners[k]
         self._bytes = 0
-        self._live_bytes = 0
+        self._backlog = 0
         self._wake.clear()
+        for key, sub in list(self._replays.items()):
+            budget = REPLAY_CHUNK_BYTES
+            merging: Optional[DeltaEvent] = None
+            while budget > 0:
+                ev = sub.pull()
+                if ev is None:  # caught up: `sub` is live from here on
+                    del self._replays[key]
+                    break
+                if isinstance(ev, DeltaEvent):
+                    if merging is not None and merging.index == ev.index and merging.finish_reason is None:
+                        merging.absorb(ev)
+                    else:
+                        merging = _copy(ev)
+                        out.append((key, merging))
+                    budget -= ev.size()
+                else:
+                    merging = None
+                    out.append((key, ev))
         return out
 
-    async def get(self) -> list[tuple[Hashable, Event]]:
+    async def get(self) -> list[tuple[Hashable, Queued]]:
         """Wait for events; returns [] once closed (or overflowed) with nothing left to send."""
-        while not self._pending and not self.closed and not self.overflowed:
+        while not self.overflowed:
+            if self._pending or self._replays:
+                batch = self.take()
+                if batch:
+                    self._parked = False
+                    return batch
+                continue  # every replay had just caught up
+            if self.closed:
+                return []
+            self._parked = True
+            self._backlog = 0
             await self._wake.wait()
             self._wake.clear()
-        if self.overflowed:
-            return []
-        return self.take()
+        self._parked = False
+        return []
 
     def close(self) -> None:
-        """Wake the writer; it sends what is pending, then stops. Idempotent."""
+        """Wake the writer; it sends what is pending (replays included), then stops. Idempotent."""
         self.closed = True
         self._wake.set()
 
 
 @dataclass(eq=False)
 class Subscription:
-    """One consumer of one stream: events go to `outbox` under `key`."""
+    """One consumer of one stream: events go to `outbox` under `key`.
+
+    While `replay` is set the subscription is catching up: the outbox's writer pulls from the
+    cursor, and live events are ignored here because the cursor will read them from the stream.
+    A live subscription whose next event would take the outbox past its bound falls back to the
+    same: its pending events are dropped and it catches up from the stream's resume buffer after
+    `delivered_seq`, so a slow reader costs the connection no more than the bound, and only a
+    send that stays blocked (the writer's timeout) marks a consumer as stuck.
+    """
 
     outbox: Outbox
     key: Hashable
     on_end: Optional[Callable[[EndEvent], None]] = None
+    replay: Optional[Replay] = None
+    stream: Optional["RequestStream"] = None
+    delivered_seq: int = 0  # the newest seq the writer has taken for this subscription
+    _ended: bool = False
 
-    def push(self, event: Event, replay: bool = False) -> None:
-        self.outbox.push(self.key, event, replay)
-        if isinstance(event, EndEvent) and self.on_end is not None:
-            self.on_end(event)
+    def push(self, event: Event) -> None:
+        if self.replay is not None:
+            return  # published into the resume buffer, behind the cursor
+        if self.stream is not None and self.outbox.would_overflow(event):
+            self.outbox.discard_events(self.key)
+            deltas = self.stream.deltas
+            self._start(Replay(deltas, bisect.bisect_right(deltas, self.delivered_seq, key=lambda d: d.seq),
+                               stream=self.stream))
+            return
+        self.outbox.push(self.key, event, self)
+        self._saw(event)
+
+    def catch_up(self, replay: Replay) -> None:
+        self.stream = replay.stream
+        self.delivered_seq = replay.start_seq
+        if replay.behind:
+            self._start(replay)
+        # else nothing to replay: live from the start
+
+    def _start(self, replay: Replay) -> None:
+        self.replay = replay
+        self.outbox.add_replay(self)
+
+    def pull(self) -> Optional[Event]:
+        """The next replayed event, or None once caught up (the subscription is then live)."""
+        ev = self.replay.next() if self.replay is not None else None
+        if ev is None:
+            self.replay = None
+            return None
+        if isinstance(ev, DeltaEvent):
+            self.delivered_seq = ev.seq
+        self._saw(ev)
+        return ev
+
+    def _saw(self, event: Event) -> None:
+        # A live end dropped by a fallback to replay comes round again: report it once.
+        if isinstance(event, EndEvent) and not self._ended:
+            self._ended = True
+            if self.on_end is not None:
+                self.on_end(event)
+
+
+class Subscriber(Protocol):
+    """What a stream delivers to: live events through `push`, the backlog through `catch_up`."""
+
+    def push(self, event: Event) -> None: ...
+
+    def catch_up(self, replay: Replay) -> None: ...
 
 
 class RequestStream:
@@ -181,7 +412,7 @@ class RequestStream:
         self.deltas: list[DeltaEvent] = []
         self.last_seq = 0
         self.end: Optional[EndEvent] = None
-        self.subscribers: list[Subscription] = []
+        self.subscribers: list[Subscriber] = []
 
     def publish(self, samples: list[SampleDelta], want_logprobs: bool) -> list[DeltaEvent]:
         """Turn one engine step's sample deltas into seq-numbered events and push them."""
@@ -206,25 +437,16 @@ class RequestStream:
         for sub in subs:
             sub.push(end)
 
-    def attach(self, sub: Subscription, after_seq: int = 0) -> None:
-        """Replay deltas with seq > after_seq (and the end, if any), then go live."""
+    def attach(self, sub: "Subscriber", after_seq: int = 0) -> None:
+        """Replay deltas with seq > after_seq (and the end, if any) at the subscriber's pace, then
+        go live. A subscriber of a running stream counts as one from now on (see `detach`)."""
         # Deltas are in seq order: skip the prefix the client already has.
-        lo = 0
-        hi = len(self.deltas)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self.deltas[mid].seq <= after_seq:
-                lo = mid + 1
-            else:
-                hi = mid
-        for ev in self.deltas[lo:]:
-            sub.push(ev, replay=True)
-        if self.end is not None:
-            sub.push(self.end, replay=True)
-        else:
+        lo = bisect.bisect_right(self.deltas, after_seq, key=lambda d: d.seq)
+        if self.end is None:
             self.subscribers.append(sub)
+        sub.catch_up(Replay(self.deltas, lo, stream=self))
 
-    def detach(self, sub: Subscription) -> int:
+    def detach(self, sub: "Subscriber") -> int:
         """Remove a subscriber; returns how many remain."""
         try:
             self.subscribers.remove(sub)

@@ -2,8 +2,8 @@
 
 Torch-free. `IncrementalDetokenizer` turns each new batch of token ids into only the new text,
 never a broken UTF-8 sequence. `StopStringMatcher` finds stop strings that span token boundaries
-and holds back any tail that could still become one. `SampleTextState` chains the two for the
-engine's output processor.
+and holds back any tail that could still become one. The engine's output processor chains the
+two for each sample.
 """
 from __future__ import annotations
 
@@ -139,59 +139,3 @@ class StopStringMatcher:
         """Release the held-back tail (the sample ended for another reason: length, EOS)."""
         held, self._held = self._held, ""
         return "" if self.stopped else held
-
-
-class SampleTextState:
-    """Detokenizer + stop matcher for one sample; the output processor calls `add` once per step.
-
-    `text` accumulates everything emitted so far (the sample's final text once finished).
-    """
-
-    def __init__(
-        self,
-        tokenizer: _Decoder,
-        prompt_token_ids: Sequence[int],
-        stop: Sequence[str] = (),
-        include_stop_str_in_output: bool = False,
-        skip_special_tokens: bool = True,
-    ) -> None:
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
-        self.matcher: Optional[StopStringMatcher] = (
-            StopStringMatcher(stop, include_stop_str_in_output) if stop else None
-        )
-        self._chunks: list[str] = []
-
-    def add(self, new_token_ids: Sequence[int]) -> tuple[str, Optional[str]]:
-        """Feed new token ids. Returns (new text to emit, matched stop string or None).
-
-        Once a stop string has matched, the sample must finish: later calls return ("", stop).
-        """
-        text = self.detokenizer.add(new_token_ids)
-        if self.matcher is None:
-            self._chunks.append(text)
-            return text, None
-        emit, _, matched = self.matcher.feed(text)
-        self._chunks.append(emit)
-        return emit, matched
-
-    def flush(self) -> str:
-        """The held-back text, for a sample that finished for a reason other than a stop string."""
-        if self.matcher is not None and self.matcher.stopped:
-            return ""
-        text = self.detokenizer.flush()
-        emit = text
-        if self.matcher is not None:
-            # Text released by the detokenizer at the end may still complete a stop string.
-            emit, stopped, _ = self.matcher.feed(text)
-            if not stopped:
-                emit += self.matcher.flush()
-        self._chunks.append(emit)
-        return emit
-
-    @property
-    def text(self) -> str:
-        return "".join(self._chunks)
-
-    @property
-    def stopped(self) -> bool:
-        return self.matcher is not None and self.matcher.stopped

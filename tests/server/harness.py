@@ -50,7 +50,7 @@ class ServerProcess:
     def ws_url(self) -> str:
         return f"ws://127.0.0.1:{self.port}/v1/ws"
 
-    def start(self, timeout: float = 90.0, healthy: bool = True) -> "ServerProcess":
+    def start(self, timeout: float = 300.0, healthy: bool = True) -> "ServerProcess":
         """Spawn the server and wait until /health is 200 (or, with healthy=False, answers at all)."""
         cmd = [sys.executable, "-m", "server.cli", "serve", str(self.model_dir), "--port", str(self.port),
                "--db", str(self.db), "--served-model-name", "demo", "--log-level", "warning",
@@ -143,7 +143,7 @@ class WsClient:
     async def send(self, frame: dict[str, Any] | str) -> None:
         await self.conn.send(frame if isinstance(frame, str) else json.dumps(frame))
 
-    async def recv(self, timeout: float = 30.0) -> dict[str, Any]:
+    async def recv(self, timeout: float = 120.0) -> dict[str, Any]:
         import asyncio
 
         return json.loads(await asyncio.wait_for(self.conn.recv(), timeout))

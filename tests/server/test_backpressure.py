@@ -11,6 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+import pytest
+
 from tests.server.harness import ServerProcess, WsClient, ledger_rows, tokens_of
 
 
@@ -40,6 +43,24 @@ def _stalled_client(port: int) -> socket.socket:
 N = 4
 
 
+def _metric(srv: ServerProcess, name: str) -> float:
+    for line in httpx.get(srv.base + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def _wait_for_metric(srv: ServerProcess, name: str, value: float, timeout: float = 600.0) -> bool:
+    """Poll until the metric reaches `value` (a generous deadline only guards against a hang)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _metric(srv, name) >= value:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.slow
 def test_stuck_consumer_is_closed_resumably_and_its_requests_finish(demo_model: Path, tmp_path: Path) -> None:
     db = tmp_path / "slow.db"
     with ServerProcess(demo_model, db, "--outbox-bytes", "4096", "--send-timeout", "1") as srv:
@@ -49,8 +70,9 @@ def test_stuck_consumer_is_closed_resumably_and_its_requests_finish(demo_model: 
         params = {"max_tokens": 1000, "ignore_eos": True, "temperature": 0, "logprobs": True, "top_logprobs": 20}
         for i in range(N):
             s.sendall(_masked_text_frame({"type": "generate", "id": f"g{i}", "prompt": "Slow reader", "params": params}))
-        time.sleep(6)
-        s.settimeout(15)
+        # Wait for the cut itself (an event the server reports), however slowly the server runs.
+        assert _wait_for_metric(srv, 'pagewire_slow_consumer_disconnects_total{edge="ws"}', 1.0)
+        s.settimeout(60)
         raw = b""
         while True:
             chunk = s.recv(65536)

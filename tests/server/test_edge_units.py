@@ -19,7 +19,8 @@ from server.serving.errors import InvalidRequest, Overloaded
 from server.serving.jobs import events_from_output
 from server.serving.ledger import Ledger, NewRequest, Terminal
 from server.engine.outputs import RequestDelta, SampleDelta
-from server.serving.streams import DeltaEvent, EndEvent, Outbox, RequestStream, Subscription, Usage
+from server.serving.streams import (REPLAY_CHUNK_BYTES, DeltaEvent, EndEvent, Outbox, Replay, RequestStream,
+                                    Subscription, Usage)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,16 +50,42 @@ def test_outbox_coalesces_consecutive_deltas_of_one_sample_keeping_the_newest_se
     asyncio.run(main())
 
 
-def test_outbox_overflow_marks_the_consumer_stuck_instead_of_growing() -> None:
+def test_a_backlog_past_the_bound_is_replayed_from_the_stream_instead_of_growing() -> None:
     async def main() -> None:
         box = Outbox(max_bytes=2000)
         stream = RequestStream("r")
+        box.push("k", "accepted")
         stream.attach(Subscription(box, "k"))
-        for _ in range(100):
+        for _ in range(100):  # 100 x ~164 B with nobody taking: far past the bound
             stream.publish(_samples("y" * 50), want_logprobs=False)
-        assert box.overflowed and box.pending_bytes < 2000 + 200
-        assert await box.get() == []
-        assert stream.last_seq == 100  # the stream still has everything for a resume
+            assert box.pending_bytes <= 2000
+        assert not box.overflowed and box.replaying == 1
+        got = await box.get()
+        assert got[0] == ("k", "accepted")  # control frames keep their place
+        deltas = [e for _, e in got if isinstance(e, DeltaEvent)]
+        assert [e.seq for e in deltas] == [100] and deltas[0].text == "y" * 5000  # nothing lost or doubled
+        assert box.replaying == 0  # caught up: live again
+        stream.publish(_samples("z"), want_logprobs=False)
+        assert [(e.seq, e.text) for _, e in box.take()] == [(101, "z")]
+
+    asyncio.run(main())
+
+
+def test_a_fallback_replay_resumes_after_what_the_writer_already_took() -> None:
+    async def main() -> None:
+        box = Outbox(max_bytes=1000)
+        stream = RequestStream("r")
+        ended: list[EndEvent] = []
+        stream.attach(Subscription(box, "k", on_end=ended.append))
+        stream.publish(_samples("a" * 100), want_logprobs=False)
+        first = await box.get()  # the writer took seq 1 and is busy sending it
+        for _ in range(20):
+            stream.publish(_samples("b" * 100), want_logprobs=False)
+        stream.finish(EndEvent("r", "finished", ["length"], Usage(1, 21), 21))
+        rest = await box.get()
+        texts = [e.text for _, e in first + rest if isinstance(e, DeltaEvent)]
+        assert "".join(texts) == "a" * 100 + "b" * 2000
+        assert isinstance(rest[-1][1], EndEvent) and len(ended) == 1
 
     asyncio.run(main())
 
@@ -91,6 +118,86 @@ def test_attach_replays_after_seq_then_goes_live_without_gap_or_duplicate() -> N
         assert [e.seq for _, e in got if isinstance(e, DeltaEvent)] == [6]  # d, e, f merged; newest seq
         assert [e.text for _, e in got if isinstance(e, DeltaEvent)] == ["def"]
         assert isinstance(got[-1][1], EndEvent) and not stream.subscribers
+
+    asyncio.run(main())
+
+
+def test_a_replay_is_paced_by_the_writer_and_live_events_queue_behind_it() -> None:
+    """The resume case: a multi-chunk replay, with the request still publishing while the writer
+    sends it. Nothing counts against the small outbox, the replay comes a chunk per turn, live
+    events arrive after it in seq order, and the subscription then goes live."""
+    async def main() -> None:
+        stream = RequestStream("r")
+        big = "w" * 2000
+        for _ in range(200):  # ~800 kB of backlog into a 2 kB outbox
+            stream.publish(_samples(big), want_logprobs=False)
+        box = Outbox(max_bytes=2000)
+        sub = Subscription(box, "k")
+        box.push("k", "accepted")  # a control frame queued before the replay stays first
+        stream.attach(sub)
+        seen: list[object] = []
+        turns = 0
+        while True:
+            batch = await box.get()  # the writer is now busy "sending" this batch
+            turns += 1
+            assert sum(e.size() for _, e in batch if isinstance(e, DeltaEvent)) <= REPLAY_CHUNK_BYTES + 5000
+            seen.extend(e for _, e in batch)
+            if box.replaying == 0:
+                break
+            for _ in range(3):  # live output while the writer is busy with the replay
+                stream.publish(_samples("x" * 600), want_logprobs=False)
+            assert not box.overflowed
+        assert turns > 5 and sub.replay is None
+        deltas = [e for e in seen if isinstance(e, DeltaEvent)]
+        assert seen[0] == "accepted"
+        assert [e.seq for e in deltas] == sorted(e.seq for e in deltas)
+        assert "".join(e.text for e in deltas) == "".join(e.text for e in stream.deltas[:deltas[-1].seq])
+        # Live from here: the next step goes straight to the outbox.
+        stream.publish(_samples("live"), want_logprobs=False)
+        assert [(e.seq, e.text) for _, e in box.take()][-1] == (stream.last_seq, "live")
+
+    asyncio.run(main())
+
+
+def test_the_outbox_bound_counts_only_backlog_built_while_the_writer_is_busy() -> None:
+    async def main() -> None:
+        box = Outbox(max_bytes=1000)
+        stream = RequestStream("r")
+        stream.attach(Subscription(box, "k"))
+        stream.publish(_samples("a"), want_logprobs=False)
+        waiter = asyncio.get_running_loop().create_task(box.get())
+        await asyncio.sleep(0)  # the writer parks in get() after taking "a"
+        first = await waiter
+        assert [e.text for _, e in first] == ["a"]
+        waiter = asyncio.get_running_loop().create_task(box.get())
+        await asyncio.sleep(0)  # parked, with nothing pending
+        # One engine step's burst while the writer is parked: taken at once, not a lag.
+        stream.publish([SampleDelta(index=i, token_ids=[1], text="b" * 400) for i in range(4)],
+                       want_logprobs=False)
+        assert not box.overflowed
+        assert len(await waiter) == 4
+        # The writer is busy with that batch: the same burst now is a backlog beyond the bound,
+        # which the outbox does not hold: the subscription catches up from the stream instead.
+        stream.publish([SampleDelta(index=i, token_ids=[1], text="c" * 400) for i in range(4)],
+                       want_logprobs=False)
+        assert box.pending_bytes <= 1000 and box.replaying == 1 and not box.overflowed
+        assert sorted(e.text for _, e in await box.get()) == ["c" * 400] * 4
+
+    asyncio.run(main())
+
+
+def test_a_ledger_replay_ends_with_the_rows_end() -> None:
+    async def main() -> None:
+        output = {"last_seq": 2, "samples": [{"index": 0, "text": "ab", "token_ids": [1, 2], "logprobs": None,
+                                              "finish_reason": "length", "marks": [[1, 1, 1], [2, 2, 2]]}]}
+        end = EndEvent("r", "finished", ["length"], Usage(1, 2), 2, output=output)
+        box = Outbox(10)
+        ended: list[EndEvent] = []
+        Subscription(box, "k", on_end=ended.append).catch_up(Replay(events_from_output(output, 1), end=end))
+        assert not ended  # nothing is delivered before the writer pulls it
+        got = await box.get()
+        assert [(e.seq, e.text) for _, e in got if isinstance(e, DeltaEvent)] == [(2, "b")]
+        assert got[-1][1] is end and ended == [end] and box.replaying == 0
 
     asyncio.run(main())
 
@@ -202,7 +309,10 @@ def test_bridge_posts_one_loop_callback_per_engine_step() -> None:
         t = threading.Thread(target=engine_thread)
         t.start()
         t.join()
-        await asyncio.sleep(0.05)
+        # Every callback was posted before join returned; a marker posted now runs after them all.
+        flushed = asyncio.Event()
+        real(flushed.set)
+        await flushed.wait()
         assert calls == 3 and len(dispatched) == 3 and all(len(d) == 10 for d in dispatched)
 
     asyncio.run(main())
@@ -250,3 +360,19 @@ def test_the_edge_never_imports_torch() -> None:
     code = ("import sys, server.api.app, server.cli, server.serving.serve, server.serving.runtime; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=60).returncode == 0
+
+
+def test_the_serving_layer_does_not_import_the_api_layer() -> None:
+    """Layers point one way: server.api uses server.serving, never the reverse (serve.py, which
+    puts the process together, is the one place that names both)."""
+    import ast
+
+    offenders = []
+    for path in sorted((REPO / "server" / "serving").glob("*.py")):
+        if path.name == "serve.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}: {n}" for n in names if n == "server.api" or n.startswith("server.api.")]
+    assert offenders == []

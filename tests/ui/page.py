@@ -31,9 +31,22 @@ class ChatPage:
 
     # -- waiting ----------------------------------------------------------------------------------
     def wait(self, cond: Callable[[Any], Any], what: str, timeout: float = WAIT_S) -> Any:
+        from selenium.common.exceptions import TimeoutException
         from selenium.webdriver.support.ui import WebDriverWait
 
-        return WebDriverWait(self.d, timeout, poll_frequency=0.05).until(cond, f"timed out waiting for {what}")
+        try:
+            return WebDriverWait(self.d, timeout, poll_frequency=0.05).until(cond)
+        except TimeoutException:
+            raise AssertionError(f"timed out waiting for {what}; the page says: {self.diagnose()}") from None
+
+    def diagnose(self) -> str:
+        """What the page shows now, for a failure message."""
+        try:
+            arts = self.all_css("article.msg")
+            last = arts[-1].get_attribute("outerHTML")[-1500:] if arts else "no messages"
+            return f"conn={self.conn_text()!r} messages={len(arts)} last={last}"
+        except Exception as e:  # noqa: BLE001 - best effort
+            return f"(could not read the page: {e})"
 
     def by_css(self, css: str) -> Any:
         from selenium.webdriver.common.by import By
@@ -112,7 +125,9 @@ class ChatPage:
                          timeout)
 
     def wait_seq(self, seq: int) -> None:
-        self.wait(lambda d: self.last_seq() >= seq, f"the answer to reach seq {seq}")
+        """Until the page shows and has saved the answer up to delta `seq`."""
+        self.wait(lambda d: self.last_seq() >= seq and self.last_answer()["gen"]["seq"] >= seq,
+                  f"the answer to reach seq {seq}")
 
     def rendered_text_of(self, markdown: str) -> str:
         """The text the page's own renderer makes of `markdown` (to compare with what it shows)."""

@@ -19,9 +19,12 @@ from tests.server.harness import free_port
 
 
 def _reset(sock: socket.socket) -> None:
-    """Close with RST (SO_LINGER 0): the peer sees a dropped connection, not a clean close."""
+    """Drop a connection the way a network failure does: no WebSocket close frame, and RST
+    (SO_LINGER 0) for anything unsent. shutdown() first, because close() alone would wait for
+    the pump thread blocked on this socket."""
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
     try:

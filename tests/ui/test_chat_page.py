@@ -64,3 +64,198 @@ def test_streamed_answer_equals_greedy_reference_multi_turn(
     conv = page.conversation()
     assert conv["messages"][0]["content"] == "Tell me about cats"
     assert conv["messages"][1]["content"] == ref3["text"]
+
+
+def test_stop_mid_stream_cancels_the_request(
+        ui_server: ServerProcess, proxy: CuttableProxy, open_page: Callable[[str], ChatPage]) -> None:
+    page = open_page(proxy.base)
+    page.set_params(max_tokens="1500")
+    proxy.hold_after(4)  # accepted + 3 deltas reach the page, the rest is held
+    page.send("Hello")
+    page.wait_seq(3)
+    assert page.last_state() == "streaming"
+    assert page.by_css("#stop").is_displayed() and not page.by_css("#send").is_displayed()
+    page.escape()  # Esc stops, as the Stop button does
+    page.wait(lambda d: page.last_answer()["gen"].get("cancel"), "the cancel to be sent")
+    proxy.release()
+    page.wait_state("cancelled")
+    answer = page.last_answer()
+    row = ledger_rows(ui_server.db)[answer["gen"]["request_id"]]
+    assert row["state"] == "cancelled"
+    assert 3 <= row["completion_tokens"] < 1500
+    assert answer["stats"]["usage"]["completion_tokens"] == row["completion_tokens"]
+    # The held deltas arrived before the done, so the page shows what the ledger stored.
+    assert answer["content"] == row["output_text"]
+
+
+def test_cut_mid_stream_resumes_without_gap_or_duplicate(
+        ui_server: ServerProcess, proxy: CuttableProxy, open_page: Callable[[str], ChatPage],
+        tmp_path: Path) -> None:
+    page = open_page(proxy.base)
+    page.set_params(max_tokens="300")
+    proxy.hold_after(6)
+    page.send("Hello")
+    page.wait_seq(5)
+    before = page.last_answer()["content"]
+    shot = Path(os.environ.get("PAGEWIRE_UI_SCREENSHOT", tmp_path / "chat.png"))
+    page.d.save_screenshot(str(shot))  # mid-answer, typing cursor showing (docs/chat.png)
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert page.last_article().find_elements("css selector", ".cursor")
+    proxy.cut()  # the network drops: everything held is lost
+    page.wait_state("done")
+
+    ref = greedy_chat(ui_server.base, [{"role": "user", "content": "Hello"}], 300)
+    answer = page.last_answer()
+    assert before and len(before) < len(ref["text"]) and ref["text"].startswith(before)
+    assert answer["content"] == ref["text"]
+    assert answer["gen"]["resumes"] >= 1
+    assert page.shown_text(page.last_article()) == page.rendered_text_of(ref["text"])
+
+
+def test_cut_after_the_answer_finished_gets_the_rest_from_the_server(
+        ui_server: ServerProcess, proxy: CuttableProxy, open_page: Callable[[str], ChatPage]) -> None:
+    page = open_page(proxy.base)
+    page.set_params(max_tokens="60")
+    proxy.hold_after(4)
+    page.send("Finish while I am away")
+    page.wait_seq(3)
+    rid = page.last_answer()["gen"]["request_id"]
+    # The request finishes on the server while the page sees nothing more.
+    page.wait(lambda d: ledger_rows(ui_server.db)[rid]["state"] == "finished", "the ledger row to finish")
+    assert page.last_state() == "streaming"
+    proxy.cut()
+    page.wait_state("done")
+    ref = greedy_chat(ui_server.base, [{"role": "user", "content": "Finish while I am away"}], 60)
+    assert page.last_answer()["content"] == ref["text"]
+    assert page.last_answer()["content"] == ledger_rows(ui_server.db)[rid]["output_text"]
+
+
+HOSTILE = (
+    "# Title\n\nSome **bold**, *em*, `x<y>` and [a link](https://example.com/a?b=1).\n\n"
+    "<script>window.__pwned = 1</script>\n"
+    "<img src=x onerror=\"window.__pwned = 2\"> [click](javascript:window.__pwned=3)\n\n"
+    "- one <b>two</b>\n- three\n\n"
+    "```html\n<script>window.__pwned = 4</script>\n<p onclick=\"x()\">hi</p>\n```\n"
+)
+
+
+def _assert_inert(page: ChatPage, root_js: str) -> None:
+    bad = page.d.execute_script(f"""
+        const root = {root_js};
+        const out = [];
+        for (const e of root.querySelectorAll('*')) {{
+          if (!['H3','P','STRONG','EM','CODE','A','UL','OL','LI','BR','DIV','SPAN','PRE','BUTTON','BLOCKQUOTE','HR']
+               .includes(e.tagName)) out.push('tag ' + e.tagName);
+          for (const a of e.attributes) if (/^on/i.test(a.name)) out.push('attr ' + a.name);
+          if (e.tagName === 'A' && !/^https?:/.test(e.getAttribute('href'))) out.push('href ' + e.getAttribute('href'));
+        }}
+        return out;""")
+    assert bad == []
+    assert page.d.execute_script("return window.__pwned") is None
+
+
+def test_model_output_is_rendered_inert(
+        ui_server: ServerProcess, proxy: CuttableProxy, open_page: Callable[[str], ChatPage]) -> None:
+    page = open_page(proxy.base)
+    # 1. The page's markdown function on hostile text.
+    page.d.execute_script("window.__box = document.createElement('div');"
+                          "window.__box.append(PagewireMarkdown.render(arguments[0]));"
+                          "document.body.append(window.__box);", HOSTILE)
+    _assert_inert(page, "window.__box")
+    text = page.d.execute_script("return window.__box.textContent")
+    assert "<script>window.__pwned = 1</script>" in text and 'onerror="window.__pwned = 2"' in text
+    tags = page.d.execute_script("return [...window.__box.querySelectorAll('h3,strong,em,code,a,li,pre')]"
+                                 ".map(e => e.tagName + ':' + e.textContent)")
+    assert "H3:Title" in tags and "STRONG:bold" in tags and "EM:em" in tags and "CODE:x<y>" in tags
+    assert "A:a link" in tags and "LI:one <b>two</b>" in tags
+    assert any(t.startswith("PRE:<script>") for t in tags)
+    assert page.d.execute_script("return document.querySelector('a').href") == "https://example.com/a?b=1"
+
+    # 2. A real answer whose stored text is hostile, through the page's own message rendering
+    #    (as after a reload), then a real stream in the same conversation.
+    page.set_params(max_tokens="12")
+    page.send("Hi")
+    page.wait_state("done")
+    page.d.execute_script("""
+        const s = JSON.parse(localStorage.getItem('pagewire.chat.v1'));
+        const c = s.convs[s.current];
+        c.messages[1].content = arguments[0];
+        c.messages.push({role: 'user', content: arguments[0]});
+        localStorage.setItem('pagewire.chat.v1', JSON.stringify(s));""", HOSTILE)
+    page.reload()
+    page.send("More")
+    page.wait_state("done")
+    _assert_inert(page, "document.getElementById('messages')")
+    assert len(page.all_css("#messages pre")) == 1  # the assistant's fence; the user's text stays plain
+    # The code block's Copy button copies its text.
+    page.by_css("#messages .code .copy").click()
+    page.wait(lambda d: page.by_css("#messages .code .copy").text == "Copied", "the copy confirmation")
+
+
+def test_two_conversations_survive_a_reload(
+        ui_server: ServerProcess, proxy: CuttableProxy, open_page: Callable[[str], ChatPage]) -> None:
+    page = open_page(proxy.base)
+    page.set_params(max_tokens="8")
+    page.send("First conversation")
+    page.wait_state("done")
+    first = page.conversation()
+    page.by_css("#new-chat").click()
+    page.by_css("#system").send_keys("Be kind.")
+    page.send("Second conversation")
+    page.wait_state("done")
+    second = page.conversation()
+    page.set_field("theme", "")  # focus it; the select is set below
+    from selenium.webdriver.support.ui import Select
+
+    Select(page.by_css("#theme")).select_by_value("dark")
+
+    page.reload()
+    titles = [b.text for b in page.all_css("#conv-list .open")]
+    assert titles == ["Second conversation", "First conversation"]
+    assert page.d.execute_script("return document.documentElement.dataset.theme") == "dark"
+    assert page.by_css("#system").get_attribute("value") == "Be kind."
+    assert page.conversation()["messages"] == second["messages"]
+    page.all_css("#conv-list .open")[1].click()
+    page.wait(lambda d: page.by_css("#conv-title").text == "First conversation", "the first conversation")
+    shown = [a.find_element("css selector", ".body").text for a in page.all_css("article.msg")]
+    assert shown[0] == "First conversation"
+    assert page.shown_text(page.last_article()) == page.rendered_text_of(first["messages"][1]["content"])
+    assert page.by_css("#system").get_attribute("value") == ""
+
+
+def test_keyboard_and_phone_width(
+        ui_server: ServerProcess, proxy: CuttableProxy, open_page: Callable[[str], ChatPage]) -> None:
+    from selenium.webdriver.common.keys import Keys
+
+    page = open_page(proxy.base)
+    page.d.set_window_size(390, 844)
+    page.wait(lambda d: page.by_css("#menu").is_displayed(), "the phone layout")
+    sidebar_x = "return document.getElementById('sidebar').getBoundingClientRect().right"
+    assert page.d.execute_script(sidebar_x) <= 0  # off-canvas
+    assert page.by_css("#input").is_displayed() and page.by_css("#send").is_displayed()
+    assert page.d.execute_script("return document.documentElement.scrollWidth") <= 390
+    page.by_css("#menu").click()
+    page.wait(lambda d: page.d.execute_script(sidebar_x) > 200, "the sidebar to open")
+    assert page.by_css("#menu").get_attribute("aria-expanded") == "true"
+    page.by_css("#menu").click()
+    page.set_params(max_tokens="8")
+
+    # Shift+Enter is a newline, Enter sends.
+    box = page.by_css("#input")
+    box.click()
+    box.send_keys("line one", Keys.SHIFT, Keys.ENTER, Keys.SHIFT, "line two")
+    assert box.get_attribute("value") == "line one\nline two"
+    assert not page.all_css("article.msg")
+    box.send_keys(Keys.ENTER)
+    page.wait_state("done")
+    assert page.conversation()["messages"][0]["content"] == "line one\nline two"
+    # Every control has a label a screen reader can read.
+    unlabeled = page.d.execute_script("""
+        return [...document.querySelectorAll('input, textarea, select, button')].filter(e =>
+          !(e.labels && e.labels.length) && !e.getAttribute('aria-label') && !e.textContent.trim()).map(e => e.outerHTML);""")
+    assert unlabeled == []
+    # Focus is visible: the focused control gets an outline.
+    box.click()
+    page.d.switch_to.active_element.send_keys(Keys.TAB)
+    outline = page.d.execute_script("return getComputedStyle(document.activeElement).outlineStyle")
+    assert outline not in ("", "none")

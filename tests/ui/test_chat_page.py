@@ -144,7 +144,7 @@ def _assert_inert(page: ChatPage, root_js: str) -> None:
         const root = {root_js};
         const out = [];
         for (const e of root.querySelectorAll('*')) {{
-          if (!['H3','P','STRONG','EM','CODE','A','UL','OL','LI','BR','DIV','SPAN','PRE','BUTTON','BLOCKQUOTE','HR']
+          if (!['ARTICLE','H3','P','STRONG','EM','CODE','A','UL','OL','LI','BR','DIV','SPAN','PRE','BUTTON','BLOCKQUOTE','HR']
                .includes(e.tagName)) out.push('tag ' + e.tagName);
           for (const a of e.attributes) if (/^on/i.test(a.name)) out.push('attr ' + a.name);
           if (e.tagName === 'A' && !/^https?:/.test(e.getAttribute('href'))) out.push('href ' + e.getAttribute('href'));
@@ -169,20 +169,24 @@ def test_model_output_is_rendered_inert(
     assert "H3:Title" in tags and "STRONG:bold" in tags and "EM:em" in tags and "CODE:x<y>" in tags
     assert "A:a link" in tags and "LI:one <b>two</b>" in tags
     assert any(t.startswith("PRE:<script>") for t in tags)
-    assert page.d.execute_script("return document.querySelector('a').href") == "https://example.com/a?b=1"
+    assert page.d.execute_script("return window.__box.querySelector('a').href") == "https://example.com/a?b=1"
 
     # 2. A real answer whose stored text is hostile, through the page's own message rendering
     #    (as after a reload), then a real stream in the same conversation.
     page.set_params(max_tokens="12")
     page.send("Hi")
     page.wait_state("done")
+    # Edit the stored conversation from another document of the same origin, so the page's
+    # own save-on-leave cannot overwrite it; then open the page again.
+    page.d.get(page.base + "/health")
     page.d.execute_script("""
         const s = JSON.parse(localStorage.getItem('pagewire.chat.v1'));
         const c = s.convs[s.current];
         c.messages[1].content = arguments[0];
         c.messages.push({role: 'user', content: arguments[0]});
         localStorage.setItem('pagewire.chat.v1', JSON.stringify(s));""", HOSTILE)
-    page.reload()
+    page.open()
+    assert len(page.all_css("article.msg")) == 3
     page.send("More")
     page.wait_state("done")
     _assert_inert(page, "document.getElementById('messages')")
@@ -204,7 +208,6 @@ def test_two_conversations_survive_a_reload(
     page.send("Second conversation")
     page.wait_state("done")
     second = page.conversation()
-    page.set_field("theme", "")  # focus it; the select is set below
     from selenium.webdriver.support.ui import Select
 
     Select(page.by_css("#theme")).select_by_value("dark")
@@ -228,17 +231,19 @@ def test_keyboard_and_phone_width(
     from selenium.webdriver.common.keys import Keys
 
     page = open_page(proxy.base)
+    page.set_params(max_tokens="8")
     page.d.set_window_size(390, 844)
     page.wait(lambda d: page.by_css("#menu").is_displayed(), "the phone layout")
     sidebar_x = "return document.getElementById('sidebar').getBoundingClientRect().right"
-    assert page.d.execute_script(sidebar_x) <= 0  # off-canvas
+    page.wait(lambda d: page.d.execute_script(sidebar_x) <= 0, "the sidebar to slide off-canvas")
+    assert not page.by_css("#new-chat").is_displayed()
     assert page.by_css("#input").is_displayed() and page.by_css("#send").is_displayed()
     assert page.d.execute_script("return document.documentElement.scrollWidth") <= 390
     page.by_css("#menu").click()
     page.wait(lambda d: page.d.execute_script(sidebar_x) > 200, "the sidebar to open")
     assert page.by_css("#menu").get_attribute("aria-expanded") == "true"
-    page.by_css("#menu").click()
-    page.set_params(max_tokens="8")
+    page.by_css("#close-menu").click()
+    page.wait(lambda d: page.d.execute_script(sidebar_x) <= 0, "the sidebar to close")
 
     # Shift+Enter is a newline, Enter sends.
     box = page.by_css("#input")

@@ -562,11 +562,16 @@
       if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); sendMessage($("input").value); }
     });
     $("stop").addEventListener("click", () => stop(current()));
-    document.addEventListener("keydown", (e) => { if (e.key === "Escape") stop(current()); });
+    document.addEventListener("keydown", (e) => {
+      if (e.key !== "Escape") return;
+      if ($("sidebar").classList.contains("open")) closeMenu();
+      else stop(current());
+    });
     $("menu").addEventListener("click", () => {
       const open = $("sidebar").classList.toggle("open");
       $("menu").setAttribute("aria-expanded", String(open));
     });
+    $("close-menu").addEventListener("click", () => { closeMenu(); $("menu").focus(); });
     $("messages").addEventListener("click", (e) => {
       const b = e.target.closest(".copy");
       if (b) copyText(b.closest(".code").querySelector("code").textContent, b);

@@ -48,6 +48,8 @@ class _Link:
             self.closed = True
             _reset(self.client)
             _reset(self.upstream)
+            if self.is_ws:
+                self.proxy.release()  # what was held died with this connection; the next one flows
 
     def pump_up(self) -> None:
         """Browser → server, verbatim; notes whether this is a WebSocket upgrade."""

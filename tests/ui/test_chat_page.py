@@ -93,9 +93,9 @@ def test_cut_mid_stream_resumes_without_gap_or_duplicate(
         tmp_path: Path) -> None:
     page = open_page(proxy.base)
     page.set_params(max_tokens="300")
-    proxy.hold_after(6)
+    proxy.hold_after(31)  # accepted + 30 deltas
     page.send("Hello")
-    page.wait_seq(5)
+    page.wait_seq(30)
     before = page.last_answer()["content"]
     shot = Path(os.environ.get("PAGEWIRE_UI_SCREENSHOT", tmp_path / "chat.png"))
     page.d.save_screenshot(str(shot))  # mid-answer, typing cursor showing (docs/chat.png)

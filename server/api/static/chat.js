@@ -196,7 +196,9 @@
 
   function onError(conv, msg, f) {
     const g = msg.gen;
-    if (f.retry_after_ms !== undefined && !g.request_id) {
+    if (g.cancel && !g.request_id) {
+      g.state = "cancelled"; // Stop was pressed before the server took it; do not retry
+    } else if (f.retry_after_ms !== undefined && !g.request_id) {
       // Refused before acceptance (429 overloaded, starting, shutting down): nothing was
       // committed, so try the same generate again when the server says to.
       g.state = "busy";

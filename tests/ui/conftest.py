@@ -13,7 +13,6 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from tests.server.conftest import demo_model  # noqa: F401  (the session's demo model fixture)
 from tests.server.harness import ServerProcess
 from tests.ui.page import ChatPage
 from tests.ui.proxy import CuttableProxy
@@ -30,6 +29,14 @@ def _need_browser() -> None:
     if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
         pytest.skip("needs Debian's chromium and chromium-driver: apt-get install -y chromium chromium-driver")
     pytest.importorskip("selenium", reason="needs selenium (pip install -e '.[test]')")
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo model, by explicit path (the servers here never rely on the default model)."""
+    from server.models.demo_model import ensure_demo_model
+
+    return ensure_demo_model(tmp_path_factory.mktemp("ui-model-cache"))
 
 
 @pytest.fixture
@@ -53,7 +60,7 @@ def browser(tmp_path: Path) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def ui_server(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:  # noqa: F811
+def ui_server(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """One live server (demo model, explicit path) shared by a module's tests."""
     db = tmp_path_factory.mktemp("ui-ledger") / "ui.db"
     with ServerProcess(demo_model, db) as proc:

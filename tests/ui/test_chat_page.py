@@ -112,6 +112,30 @@ def test_cut_mid_stream_resumes_without_gap_or_duplicate(
     assert page.shown_text(page.last_article()) == page.rendered_text_of(ref["text"])
 
 
+def test_two_answers_at_once_on_one_socket_both_resume_after_a_cut(
+        ui_server: ServerProcess, proxy: CuttableProxy, open_page: Callable[[str], ChatPage]) -> None:
+    page = open_page(proxy.base)
+    page.set_params(max_tokens="600")
+    page.send("Hello")
+    page.wait_seq(3)
+    first_id = page.store()["current"]
+    page.by_css("#new-chat").click()
+    page.send("Tell me a story")
+    page.wait_seq(3)
+    proxy.hold_after(0)  # freeze what the page sees: both answers are mid-stream
+    convs = page.store()["convs"]
+    assert [c["messages"][-1]["gen"]["state"] for c in convs.values()] == ["streaming", "streaming"]
+    proxy.cut()
+    page.wait_state("done")
+    page.wait(lambda d: page.store()["convs"][first_id]["messages"][-1]["gen"]["state"] == "done",
+              "the other conversation's answer to finish in the background")
+    for conv in page.store()["convs"].values():
+        prompt = conv["messages"][0]["content"]
+        ref = greedy_chat(ui_server.base, [{"role": "user", "content": prompt}], 600)
+        assert conv["messages"][1]["content"] == ref["text"], prompt
+        assert conv["messages"][1]["gen"]["resumes"] >= 1
+
+
 def test_cut_after_the_answer_finished_gets_the_rest_from_the_server(
         ui_server: ServerProcess, proxy: CuttableProxy, open_page: Callable[[str], ChatPage]) -> None:
     page = open_page(proxy.base)

@@ -176,6 +176,7 @@
       save(false);
     } else if (f.type === "done") {
       live.delete(f.id);
+      delete g.req; // only needed to re-send; the history is in the conversation already
       g.state = f.finish_reason === "cancelled" ? "cancelled" : "done";
       msg.stats.finish_reason = f.finish_reason;
       msg.stats.usage = f.usage;
@@ -217,6 +218,7 @@
       g.error = (f.param ? f.param + ": " : "") + f.message + " (" + f.code + ")";
     }
     if (f.usage) msg.stats.usage = f.usage;
+    if (g.state !== "busy") delete g.req;
     save(true);
   }
 
@@ -275,6 +277,7 @@
     if (g.state === "busy") { // never accepted: nothing runs on the server
       clearTimeout(retryTimers.get(msg));
       g.state = "cancelled";
+      delete g.req;
       save(true);
       paint(conv, msg);
       return;

@@ -255,7 +255,7 @@ def test_keyboard_and_phone_width(
     from selenium.webdriver.common.keys import Keys
 
     page = open_page(proxy.base)
-    page.set_params(max_tokens="8")
+    page.set_params(max_tokens="400")
     page.d.set_window_size(390, 844)
     page.wait(lambda d: page.by_css("#menu").is_displayed(), "the phone layout")
     sidebar_x = "return document.getElementById('sidebar').getBoundingClientRect().right"
@@ -278,6 +278,13 @@ def test_keyboard_and_phone_width(
     box.send_keys(Keys.ENTER)
     page.wait_state("done")
     assert page.conversation()["messages"][0]["content"] == "line one\nline two"
+    # A long answer scrolls inside the message list: the composer stays on screen, and the list
+    # followed the answer to its end.
+    fits = page.d.execute_script("""
+        const m = document.getElementById('messages');
+        return [document.getElementById('composer').getBoundingClientRect().bottom <= innerHeight + 1,
+                m.scrollHeight > m.clientHeight, m.scrollHeight - m.scrollTop - m.clientHeight < 2];""")
+    assert fits == [True, True, True]
     # Every control has a label a screen reader can read.
     unlabeled = page.d.execute_script("""
         return [...document.querySelectorAll('input, textarea, select, button')].filter(e =>

@@ -430,7 +430,7 @@
         (s.usage.cached_tokens ? " (" + s.usage.cached_tokens + " cached)" : ""));
       if (s.finish_reason) bits.push(s.finish_reason === "length" ? "stopped at max tokens" : s.finish_reason);
       if (msg.gen && msg.gen.resumes) bits.push("resumed ×" + msg.gen.resumes);
-      meta.append(el("span", "stats", bits.join(" · ")));
+      if (bits.length) meta.append(el("span", "stats", bits.join(" · ")));
       const actions = el("span", "actions");
       if (msg.content) actions.append(button("Copy", "Copy this answer", (e) => copyText(msg.content, e.target)));
       if (last && !busy) actions.append(button("Regenerate", "Regenerate this answer", () => regenerate(conv)));

@@ -136,6 +136,21 @@ def test_two_answers_at_once_on_one_socket_both_resume_after_a_cut(
         assert conv["messages"][1]["gen"]["resumes"] >= 1
 
 
+def test_reload_mid_answer_picks_the_answer_up_where_it_was(
+        ui_server: ServerProcess, proxy: CuttableProxy, open_page: Callable[[str], ChatPage]) -> None:
+    page = open_page(proxy.base)
+    page.set_params(max_tokens="200")
+    proxy.hold_after(11)
+    page.send("Hello again")
+    page.wait_seq(10)
+    page.reload()  # the stored answer (text up to seq 10, request id) is resumed by the new page
+    page.wait_state("done")
+    ref = greedy_chat(ui_server.base, [{"role": "user", "content": "Hello again"}], 200)
+    answer = page.last_answer()
+    assert answer["content"] == ref["text"] and answer["gen"]["resumes"] == 1
+    assert page.shown_text(page.last_article()) == page.rendered_text_of(ref["text"])
+
+
 def test_cut_after_the_answer_finished_gets_the_rest_from_the_server(
         ui_server: ServerProcess, proxy: CuttableProxy, open_page: Callable[[str], ChatPage]) -> None:
     page = open_page(proxy.base)

@@ -6,8 +6,9 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 MAX_JOBS ?= 2
 export MAX_JOBS
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv build serve test test-fast lint bench clean
+.PHONY: venv browser build serve test test-fast lint bench clean
 
 $(VENV)/.deps-stamp: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +19,11 @@ $(VENV)/.deps-stamp: pyproject.toml
 	touch $@
 
 venv: $(VENV)/.deps-stamp
+
+# Debian's Chromium + chromedriver for the browser tests in tests/ui/ (never a downloaded build).
+browser:
+	test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || \
+	  { $(SUDO) apt-get update && $(SUDO) apt-get install -y chromium chromium-driver; }
 
 # In-place build keeps ninja's object files in build/, so a rebuild only compiles what changed.
 # flock serialises concurrent builds of the same tree.

@@ -4,6 +4,7 @@ endpoints (/health, /v1/models, /tokenize, /detokenize, /metrics).
 Routes, and where each request goes next:
     POST /v1/completions, /v1/chat/completions → server.api.openai_http → server.serving.service
     WS   /v1/ws                                → server.api.ws          → server.serving.service
+    GET  /, /ui/*                              → server.api.ui (the chat page; off with --no-ui)
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from server.api.http_io import error_payload, retry_headers
 from server.api.openai_http import GenerateEndpoint
 from server.api.protocol import DetokenizeRequest, TokenizeRequest
 from server.api.openai_format import messages_to_dicts
+from server.api.ui import ui_routes
 from server.api.ws import WsEndpoint
 from server.serving.errors import InvalidRequest, NotFound, PagewireError, TooLarge, Unavailable
 from server.serving.metrics import CONTENT_TYPE
@@ -133,6 +135,7 @@ def build_app(rt: Runtime) -> Starlette:
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/metrics", metrics, methods=["GET"]),
             WebSocketRoute("/v1/ws", WsEndpoint(api)),
+            *(ui_routes() if rt.settings.ui else []),
         ],
         exception_handlers={HTTPException: http_error},
         lifespan=lifespan,

@@ -48,6 +48,7 @@ class ServeSettings:
     served_model_name: Optional[str] = None
     cache_dir: Optional[str] = None
     log_level: str = "info"
+    ui: bool = True  # the browser chat page at / (server.api.ui)
     # admission and streams
     max_queue: int = 256
     max_queue_per_client: Optional[int] = None
@@ -120,6 +121,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("served_model_name", str, "model name clients use (default: the model folder's name)"),
     Option("cache_dir", str, "where the demo model is built (default: the user cache dir)"),
     Option("log_level", str, "debug, info, warning or error"),
+    Option("ui", _bool, "serve the browser chat page at / (--no-ui turns it off)"),
     Option("max_queue", int, "most requests waiting in the admission queue before 429"),
     Option("max_queue_per_client", _opt_int, "most queued requests per client (default: max-queue)"),
     Option("engine_margin", _opt_int, "requests handed to the engine beyond max-num-seqs (default: max(2, max-num-seqs/4))"),

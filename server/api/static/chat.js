@@ -1,0 +1,596 @@
+// pagewire chat page: conversations in localStorage, answers streamed over the /v1/ws protocol
+// (docs/websocket.md), with reconnect-and-resume so a dropped socket loses and repeats nothing.
+//
+// An answer in progress is a "generation" stored on its assistant message (`msg.gen`):
+//   key         idempotency key, chosen here before the first send
+//   req         the generate frame's body (kind, messages, params, detach), kept for re-sending
+//   request_id  the server's id, known once `accepted` arrived
+//   seq         the seq of the last delta whose text is in msg.content
+//   state       sending → queued → streaming → done | cancelled | interrupted | error
+//               (busy: refused with a retry hint, waiting to try again)
+// msg.content and gen.seq are always saved together, so after a reload or a reconnect the page
+// knows exactly which text it already shows.
+"use strict";
+
+(function () {
+  const STORE = "pagewire.chat.v1";
+  const OPEN = new Set(["sending", "queued", "streaming"]);
+  const $ = (id) => document.getElementById(id);
+  const md = window.PagewireMarkdown;
+
+  // -- persisted state -------------------------------------------------------------------------
+  const DEFAULTS = { temperature: 0.7, top_p: 1, max_tokens: 1024, theme: "auto" };
+  let state = load();
+  let saveTimer = null;
+
+  function load() {
+    try {
+      const s = JSON.parse(localStorage.getItem(STORE));
+      if (s && s.convs && Array.isArray(s.order)) {
+        s.settings = Object.assign({}, DEFAULTS, s.settings);
+        return s;
+      }
+    } catch (e) { /* unreadable: start fresh */ }
+    return { convs: {}, order: [], current: null, settings: Object.assign({}, DEFAULTS) };
+  }
+
+  // Deltas save at most every 200 ms; state changes that matter (accepted, done, …) save at once.
+  function save(now) {
+    if (now) {
+      clearTimeout(saveTimer);
+      saveTimer = null;
+      write();
+    } else if (!saveTimer) {
+      saveTimer = setTimeout(() => { saveTimer = null; write(); }, 200);
+    }
+  }
+
+  function write() {
+    try { localStorage.setItem(STORE, JSON.stringify(state)); } catch (e) { setConn("cannot save: " + e.message, true); }
+  }
+
+  function uid() {
+    const b = crypto.getRandomValues(new Uint8Array(12)); // works without a secure context, unlike randomUUID
+    return Array.from(b, (x) => x.toString(16).padStart(2, "0")).join("");
+  }
+
+  const current = () => state.convs[state.current] || null;
+  const openMsg = (conv) => conv.messages.find((m) => m.gen && (OPEN.has(m.gen.state) || m.gen.state === "busy")) || null;
+
+  function newConv() {
+    const conv = { id: uid(), title: "New chat", system: "", created: Date.now(), messages: [] };
+    state.convs[conv.id] = conv;
+    state.order.unshift(conv.id);
+    state.current = conv.id;
+    save(true);
+    return conv;
+  }
+
+  // -- the socket ------------------------------------------------------------------------------
+  let ws = null;
+  let attempt = 0;          // reconnect attempts since the last successful open
+  let reconnectAt = 0;
+  let reconnectTimer = null;
+  let nextCid = 0;
+  const live = new Map();   // client id on the current socket → {conv, msg}
+  const cidOf = new WeakMap(); // msg → its client id on the current socket
+  const timing = new WeakMap(); // msg → {sent, first} (performance.now(); this page's life only)
+
+  function connect() {
+    clearTimeout(reconnectTimer);
+    reconnectTimer = null;
+    setConn("connecting…", true);
+    const sock = new WebSocket((location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/v1/ws");
+    ws = sock;
+    sock.onopen = () => {
+      attempt = 0;
+      setConn("connected", false);
+      loadModel();
+      reattachAll();
+    };
+    sock.onmessage = (ev) => onFrame(JSON.parse(ev.data));
+    sock.onclose = () => {   // always follows onerror
+      if (ws !== sock) return;
+      ws = null;
+      live.clear();          // client ids are per connection; new ones are chosen on resume
+      scheduleReconnect();
+    };
+  }
+
+  // Backoff 0.5 s, 1 s, 2 s, … up to 15 s, with ±25 % jitter so many tabs do not return in step.
+  function scheduleReconnect() {
+    const delay = Math.min(15000, 500 * 2 ** attempt) * (0.75 + Math.random() * 0.5);
+    attempt++;
+    reconnectAt = Date.now() + delay;
+    reconnectTimer = setTimeout(connect, delay);
+    tick();
+  }
+
+  function send(frame) {
+    if (!ws || ws.readyState !== WebSocket.OPEN) return false;
+    ws.send(JSON.stringify(frame));
+    return true;
+  }
+
+  // After every (re)connect: pick up each answer that has not ended, in every conversation.
+  function reattachAll() {
+    for (const id of state.order) {
+      const conv = state.convs[id];
+      for (const msg of conv.messages) if (msg.gen && OPEN.has(msg.gen.state)) attach(conv, msg);
+    }
+  }
+
+  // Put one open generation on the current socket under a fresh client id.
+  function attach(conv, msg) {
+    const g = msg.gen;
+    if (!ws || ws.readyState !== WebSocket.OPEN) return; // reattachAll() does it on the next open
+    const cid = "c" + ++nextCid;
+    live.set(cid, { conv, msg });
+    cidOf.set(msg, cid);
+    if (g.request_id) {
+      // RESUME. The server sends every delta with seq > after_seq, then follows the request live,
+      // then its done/error. msg.content holds exactly the deltas up to g.seq (they are saved
+      // together), so nothing is missed and nothing is shown twice. If the request finished
+      // meanwhile the server replays the rest from memory or from the ledger, with the same seq
+      // numbers; if the server restarted mid-answer, the ledger says so and we get
+      // `error {code: "interrupted"}`.
+      g.resumes = (g.resumes || 0) + 1;
+      send({ type: "resume", request_id: g.request_id, after_seq: g.seq, id: cid });
+    } else {
+      // Not acknowledged yet (the socket dropped before `accepted`, or a retry after a 429):
+      // send the same generate again. Its idempotency key makes the server return the original
+      // request, replayed from seq 1, if the first send was committed, so an answer is never
+      // generated twice.
+      if (!timing.has(msg)) timing.set(msg, { sent: performance.now() });
+      send(Object.assign({ type: "generate", id: cid, idempotency_key: g.key }, g.req));
+    }
+    if (g.cancel) send({ type: "cancel", id: cid }); // Stop was pressed while the socket was down
+  }
+
+  function onFrame(f) {
+    if (f.type === "error" && f.id === undefined) {
+      // slow_consumer is followed by a close; the reconnect resumes every request.
+      if (f.code !== "slow_consumer") setConn(f.message, true);
+      return;
+    }
+    const entry = live.get(f.id);
+    if (!entry) return;
+    const { conv, msg } = entry;
+    const g = msg.gen;
+    if (f.type === "accepted") {
+      g.request_id = f.request_id;
+      if (g.state === "sending") g.state = "queued";
+      save(true);
+    } else if (f.type === "delta") {
+      // Seqs grow by one per delta (a merged delta carries the newest). Anything at or below
+      // g.seq is already in msg.content: drop it rather than show it twice.
+      if (f.seq <= g.seq) return;
+      const t = timing.get(msg);
+      if (t && t.first === undefined) {
+        t.first = performance.now();
+        if (!g.resumes) msg.stats.ttft_ms = Math.round(t.first - t.sent);
+      }
+      msg.content += f.text;
+      g.seq = f.seq;
+      g.state = "streaming";
+      save(false);
+    } else if (f.type === "done") {
+      live.delete(f.id);
+      delete g.req; // only needed to re-send; the history is in the conversation already
+      g.state = f.finish_reason === "cancelled" ? "cancelled" : "done";
+      msg.stats.finish_reason = f.finish_reason;
+      msg.stats.usage = f.usage;
+      const t = timing.get(msg);
+      const n = f.usage ? f.usage.completion_tokens : 0;
+      // Decode speed over what this page watched live; a resumed answer has no honest figure.
+      if (t && t.first !== undefined && !g.resumes && n > 1) {
+        const secs = (performance.now() - t.first) / 1000;
+        if (secs > 0) msg.stats.tok_s = (n - 1) / secs;
+      }
+      save(true);
+    } else if (f.type === "error") {
+      live.delete(f.id);
+      onError(conv, msg, f);
+    }
+    paint(conv, msg);
+  }
+
+  function onError(conv, msg, f) {
+    const g = msg.gen;
+    if (g.cancel && !g.request_id) {
+      g.state = "cancelled"; // Stop was pressed before the server took it; do not retry
+    } else if (f.retry_after_ms !== undefined && !g.request_id) {
+      // Refused before acceptance (429 overloaded, starting, shutting down): nothing was
+      // committed, so try the same generate again when the server says to.
+      g.state = "busy";
+      g.code = f.code;
+      g.error = f.message;
+      g.retryAt = Date.now() + f.retry_after_ms;
+      scheduleRetry(conv, msg);
+    } else if (f.code === "interrupted") {
+      g.state = "interrupted";
+      g.error = "Interrupted: the server stopped before this answer finished.";
+    } else if (f.code === "request_not_found" && g.request_id) {
+      g.state = "interrupted";
+      g.error = "Interrupted: the server no longer knows this request (restarted with another ledger?).";
+    } else {
+      g.state = "error";
+      g.error = (f.param ? f.param + ": " : "") + f.message + " (" + f.code + ")";
+    }
+    if (f.usage) msg.stats.usage = f.usage;
+    if (g.state !== "busy") delete g.req;
+    save(true);
+  }
+
+  const retryTimers = new WeakMap();
+  function scheduleRetry(conv, msg) {
+    clearTimeout(retryTimers.get(msg));
+    retryTimers.set(msg, setTimeout(() => {
+      if (msg.gen.state !== "busy") return;
+      msg.gen.state = "sending";
+      save(true);
+      attach(conv, msg);
+      paint(conv, msg);
+    }, Math.max(0, msg.gen.retryAt - Date.now())));
+  }
+
+  // -- chat actions ----------------------------------------------------------------------------
+  function num(id, parse) {
+    const v = parse($(id).value);
+    return Number.isFinite(v) ? v : undefined;
+  }
+
+  function startGeneration(conv) {
+    const history = conv.messages.filter((m) => m.content).map((m) => ({ role: m.role, content: m.content }));
+    const messages = conv.system.trim() ? [{ role: "system", content: conv.system }].concat(history) : history;
+    const s = state.settings;
+    const params = {};
+    if (s.temperature !== undefined) params.temperature = s.temperature;
+    if (s.top_p !== undefined) params.top_p = s.top_p;
+    if (s.max_tokens !== undefined) params.max_tokens = s.max_tokens;
+    // detach: a dropped socket must not cancel the answer; Stop cancels it explicitly.
+    const msg = {
+      role: "assistant", content: "", stats: {},
+      gen: { key: uid(), req: { kind: "chat", messages, params, detach: true }, request_id: null, seq: 0, state: "sending" },
+    };
+    conv.messages.push(msg);
+    save(true);
+    renderConv();
+    attach(conv, msg);
+  }
+
+  function sendMessage(text) {
+    if (!text.trim()) return;
+    const conv = current() || newConv();
+    if (openMsg(conv)) return;
+    if (!conv.messages.length) conv.title = text.trim().split("\n")[0].slice(0, 60);
+    conv.messages.push({ role: "user", content: text });
+    $("input").value = "";
+    renderSidebar();
+    startGeneration(conv);
+  }
+
+  function stop(conv) {
+    const msg = conv && openMsg(conv);
+    if (!msg) return;
+    const g = msg.gen;
+    if (g.state === "busy") { // never accepted: nothing runs on the server
+      clearTimeout(retryTimers.get(msg));
+      g.state = "cancelled";
+      delete g.req;
+      save(true);
+      paint(conv, msg);
+      return;
+    }
+    g.cancel = true;
+    save(true);
+    const cid = cidOf.get(msg);
+    if (cid && live.has(cid)) send({ type: "cancel", id: cid }); // the server answers with done(cancelled)
+  }
+
+  function regenerate(conv) {
+    if (openMsg(conv)) return;
+    while (conv.messages.length && conv.messages[conv.messages.length - 1].role === "assistant") conv.messages.pop();
+    if (!conv.messages.length) return;
+    startGeneration(conv);
+  }
+
+  function resend(conv, index, text) {
+    if (openMsg(conv) || !text.trim()) return;
+    conv.messages = conv.messages.slice(0, index);
+    conv.messages.push({ role: "user", content: text });
+    if (index === 0) conv.title = text.trim().split("\n")[0].slice(0, 60);
+    renderSidebar();
+    startGeneration(conv);
+  }
+
+  // -- rendering -------------------------------------------------------------------------------
+  const nodes = new WeakMap(); // msg → its <article>
+  const dirty = new Set();
+  let frame = 0;
+
+  function el(tag, cls, text) {
+    const e = document.createElement(tag);
+    if (cls) e.className = cls;
+    if (text !== undefined) e.textContent = text;
+    return e;
+  }
+
+  function button(text, label, onClick) {
+    const b = el("button", null, text);
+    b.type = "button";
+    if (label) b.setAttribute("aria-label", label);
+    b.addEventListener("click", onClick);
+    return b;
+  }
+
+  function renderSidebar() {
+    const list = $("conv-list");
+    list.replaceChildren();
+    for (const id of state.order) {
+      const conv = state.convs[id];
+      const li = el("li");
+      if (id === state.current) li.setAttribute("aria-current", "true");
+      const open = button(conv.title, null, () => { state.current = id; save(true); renderAll(); closeMenu(); });
+      open.className = "open";
+      const del = button("✕", "Delete conversation " + conv.title, () => deleteConv(id));
+      del.className = "del";
+      li.append(open, del);
+      list.append(li);
+    }
+  }
+
+  function deleteConv(id) {
+    const conv = state.convs[id];
+    if (!conv || !confirm('Delete "' + conv.title + '"?')) return;
+    stop(conv);
+    delete state.convs[id];
+    state.order = state.order.filter((x) => x !== id);
+    if (state.current === id) state.current = state.order[0] || null;
+    save(true);
+    renderAll();
+  }
+
+  function renderAll() {
+    renderSidebar();
+    renderConv();
+  }
+
+  function renderConv() {
+    const conv = current();
+    $("conv-title").textContent = conv ? conv.title : "New chat";
+    $("system").value = conv ? conv.system : "";
+    const box = $("messages");
+    box.replaceChildren();
+    if (conv) conv.messages.forEach((m, i) => box.append(messageNode(conv, m, i)));
+    updateComposer();
+    box.scrollTop = box.scrollHeight;
+  }
+
+  function messageNode(conv, msg, index) {
+    const art = el("article", "msg " + msg.role);
+    art.dataset.index = index;
+    nodes.set(msg, art);
+    fillMessage(conv, msg, art);
+    return art;
+  }
+
+  // (Re)build one message's contents: body, notice, stats and actions.
+  function fillMessage(conv, msg, art) {
+    const g = msg.gen;
+    const streaming = g && OPEN.has(g.state);
+    art.dataset.state = g ? g.state : "sent";
+    if (g) art.dataset.seq = g.seq;
+    art.setAttribute("aria-busy", streaming ? "true" : "false");
+    const body = el("div", "body");
+    const parts = [el("div", "role", msg.role === "user" ? "You" : "Assistant"), body];
+    if (msg.role === "user") {
+      body.textContent = msg.content;
+    } else {
+      body.append(md.render(msg.content));
+      if (!msg.content && g && (g.state === "sending" || g.state === "queued")) {
+        body.append(el("p", "status-" + g.state, g.state === "queued" ? "Queued: waiting for a free slot in the model…" : "Sending…"));
+      }
+      if (streaming) cursorTarget(body).append(Object.assign(el("span", "cursor"), { ariaHidden: "true" }));
+      if (g && (g.state === "busy" || g.state === "interrupted" || g.state === "error")) {
+        const note = el("div", "notice", g.state === "busy" ? busyText(g) : g.error);
+        note.setAttribute("role", g.state === "busy" ? "status" : "alert");
+        parts.push(note);
+      }
+    }
+    parts.push(metaNode(conv, msg));
+    art.replaceChildren(...parts);
+  }
+
+  // The deepest last block, so the typing cursor sits right after the last character.
+  function cursorTarget(body) {
+    let t = body.lastElementChild;
+    if (!t) return body;
+    if (t.classList.contains("code")) return t.querySelector("code");
+    while (t.lastElementChild && /^(UL|OL|LI|BLOCKQUOTE)$/.test(t.tagName)) t = t.lastElementChild;
+    return t.tagName === "HR" ? body : t;
+  }
+
+  function busyText(g) {
+    const s = Math.max(0, Math.ceil((g.retryAt - Date.now()) / 1000));
+    const what = g.code === "overloaded" ? "Server busy (429)" : "Server unavailable (" + g.code + ")";
+    return what + ": " + g.error + " Retrying in " + s + " s.";
+  }
+
+  function metaNode(conv, msg) {
+    const meta = el("div", "meta");
+    const last = conv.messages[conv.messages.length - 1] === msg;
+    const busy = !!openMsg(conv);
+    if (msg.role === "assistant") {
+      const s = msg.stats || {};
+      const bits = [];
+      if (s.ttft_ms !== undefined) bits.push("TTFT " + s.ttft_ms + " ms");
+      if (s.tok_s !== undefined) bits.push(s.tok_s.toFixed(1) + " tok/s");
+      if (s.usage) bits.push(s.usage.prompt_tokens + " prompt + " + s.usage.completion_tokens + " tokens" +
+        (s.usage.cached_tokens ? " (" + s.usage.cached_tokens + " cached)" : ""));
+      if (s.finish_reason) bits.push(s.finish_reason === "length" ? "stopped at max tokens" : s.finish_reason);
+      if (msg.gen && msg.gen.resumes) bits.push("resumed ×" + msg.gen.resumes);
+      if (bits.length) meta.append(el("span", "stats", bits.join(" · ")));
+      const actions = el("span", "actions");
+      if (msg.content) actions.append(button("Copy", "Copy this answer", (e) => copyText(msg.content, e.target)));
+      if (last && !busy) actions.append(button("Regenerate", "Regenerate this answer", () => regenerate(conv)));
+      meta.append(actions);
+    } else if (!busy) {
+      const actions = el("span", "actions");
+      actions.append(button("Edit", "Edit and resend this message", () => editMessage(conv, msg)));
+      meta.append(actions);
+    }
+    return meta;
+  }
+
+  function editMessage(conv, msg) {
+    const art = nodes.get(msg);
+    const index = conv.messages.indexOf(msg);
+    const area = el("textarea");
+    area.value = msg.content;
+    area.setAttribute("aria-label", "Edit message");
+    const go = () => resend(conv, index, area.value);
+    area.addEventListener("keydown", (e) => {
+      if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); go(); }
+      if (e.key === "Escape") { e.stopPropagation(); renderConv(); }
+    });
+    const row = el("div");
+    const ok = button("Send", "Send the edited message", go);
+    ok.className = "primary";
+    row.append(ok, button("Cancel", "Cancel editing", () => renderConv()));
+    const box = el("div", "edit-box");
+    box.append(area, row);
+    art.replaceChildren(el("div", "role", "You (editing)"), box);
+    area.focus();
+  }
+
+  // Repaint changed messages once per animation frame, however many deltas arrived.
+  function paint(conv, msg) {
+    if (conv !== current()) return;
+    dirty.add(msg);
+    if (!frame) frame = requestAnimationFrame(flush);
+  }
+
+  function flush() {
+    frame = 0;
+    const box = $("messages");
+    const atBottom = box.scrollHeight - box.scrollTop - box.clientHeight < 60;
+    const conv = current();
+    for (const msg of dirty) {
+      const art = nodes.get(msg);
+      if (conv && art && art.isConnected) fillMessage(conv, msg, art);
+    }
+    dirty.clear();
+    // The previous message's actions (Edit) depend on whether an answer is open.
+    if (conv) conv.messages.forEach((m) => { const a = nodes.get(m); if (a && a.isConnected && !a.querySelector(".edit-box")) a.lastElementChild.replaceWith(metaNode(conv, m)); });
+    updateComposer();
+    if (atBottom) box.scrollTop = box.scrollHeight;
+  }
+
+  function updateComposer() {
+    const conv = current();
+    const open = !!(conv && openMsg(conv));
+    $("send").hidden = open;
+    $("stop").hidden = !open;
+  }
+
+  function setConn(text, down) {
+    const c = $("conn");
+    c.textContent = text;
+    c.classList.toggle("down", !!down);
+  }
+
+  // Once a second: the reconnect countdown and each "retrying in N s".
+  function tick() {
+    if (!ws && reconnectTimer) setConn("disconnected: reconnecting in " + Math.max(0, Math.ceil((reconnectAt - Date.now()) / 1000)) + " s", true);
+    const conv = current();
+    if (conv) for (const m of conv.messages) if (m.gen && m.gen.state === "busy") paint(conv, m);
+  }
+
+  async function copyText(text, btn) {
+    try {
+      await navigator.clipboard.writeText(text);
+    } catch (e) { // no clipboard API (plain http on a LAN address): the old way
+      const t = el("textarea");
+      t.value = text;
+      document.body.append(t);
+      t.select();
+      document.execCommand("copy");
+      t.remove();
+    }
+    const was = btn.textContent;
+    btn.textContent = "Copied";
+    setTimeout(() => { btn.textContent = was; }, 1500);
+  }
+
+  async function loadModel() {
+    try {
+      const r = await fetch("/v1/models");
+      const m = (await r.json()).data[0];
+      $("model").textContent = m.id + (m.max_model_len ? " · " + m.max_model_len + " ctx" : "");
+    } catch (e) { $("model").textContent = ""; }
+  }
+
+  function applyTheme() {
+    const t = state.settings.theme;
+    if (t === "light" || t === "dark") document.documentElement.dataset.theme = t;
+    else delete document.documentElement.dataset.theme;
+  }
+
+  function closeMenu() {
+    $("sidebar").classList.remove("open");
+    $("menu").setAttribute("aria-expanded", "false");
+  }
+
+  // -- wiring ----------------------------------------------------------------------------------
+  function init() {
+    const s = state.settings;
+    $("temperature").value = s.temperature ?? "";
+    $("top-p").value = s.top_p ?? "";
+    $("max-tokens").value = s.max_tokens ?? "";
+    $("theme").value = s.theme;
+    applyTheme();
+    const setting = (id, key, parse) => $(id).addEventListener("change", () => { s[key] = num(id, parse); save(true); });
+    setting("temperature", "temperature", parseFloat);
+    setting("top-p", "top_p", parseFloat);
+    setting("max-tokens", "max_tokens", (v) => parseInt(v, 10));
+    $("theme").addEventListener("change", () => { s.theme = $("theme").value; applyTheme(); save(true); });
+    $("system").addEventListener("input", () => {
+      const conv = current() || newConv();
+      conv.system = $("system").value;
+      save(false);
+      if (conv.messages.length === 0) renderSidebar();
+    });
+    $("new-chat").addEventListener("click", () => { newConv(); renderAll(); closeMenu(); $("input").focus(); });
+    $("composer").addEventListener("submit", (e) => { e.preventDefault(); sendMessage($("input").value); });
+    $("input").addEventListener("keydown", (e) => {
+      if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); sendMessage($("input").value); }
+    });
+    $("stop").addEventListener("click", () => stop(current()));
+    document.addEventListener("keydown", (e) => {
+      if (e.key !== "Escape") return;
+      if ($("sidebar").classList.contains("open")) closeMenu();
+      else stop(current());
+    });
+    $("menu").addEventListener("click", () => {
+      const open = $("sidebar").classList.toggle("open");
+      $("menu").setAttribute("aria-expanded", String(open));
+    });
+    $("close-menu").addEventListener("click", () => { closeMenu(); $("menu").focus(); });
+    $("messages").addEventListener("click", (e) => {
+      const b = e.target.closest(".copy");
+      if (b) copyText(b.closest(".code").querySelector("code").textContent, b);
+    });
+    window.addEventListener("pagehide", () => save(true));
+    window.addEventListener("online", () => { if (!ws) connect(); }); // network back: skip the wait
+    setInterval(tick, 1000);
+    // Refusals that were waiting to retry when the page was closed wait out the rest of their time.
+    for (const id of state.order) for (const m of state.convs[id].messages) if (m.gen && m.gen.state === "busy") scheduleRetry(state.convs[id], m);
+    if (!current() && state.order.length) state.current = state.order[0];
+    renderAll();
+    connect();
+    $("input").focus();
+  }
+
+  init();
+})();

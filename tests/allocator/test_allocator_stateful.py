@@ -6,7 +6,6 @@ holds the whole prefix tokens[:p + 1]: a block served under the wrong parent is 
 own tokens back from its blocks: that proves prefix hits attach correct contents, copy-on-write
 protects sharers, and no block is handed out while someone still reads it.
 """
-import torch  # noqa: F401  (server._C links against libtorch; importing torch loads it)
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule

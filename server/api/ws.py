@@ -64,6 +64,7 @@ class WsConnection:
         self.close_code = 1000
         self._client_gone = False
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._cutting: Optional[asyncio.Task[None]] = None  # the slow-consumer close, once begun
         client = scope.get("client")
         self.peer = str(client[0]) if client else "unknown"
 
@@ -141,10 +142,21 @@ class WsConnection:
                  "requests": [{"id": cid, "request_id": a.request_id} for cid, a in live]}
         log.warning("ws %s: slow consumer (%s); closing with %d", self.peer, why, CLOSE_TRY_AGAIN_LATER)
         self.rt.metrics.slow_consumers.labels(edge="ws").inc()
+        # The error frame and the close are written in one task that is never cancelled: a send
+        # cancelled half-way (its bytes queued, the close handshake not begun) would leave the
+        # socket open for good. The writer waits a moment for it; the rest happens as soon as
+        # the client reads again.
+        self._cutting = asyncio.get_running_loop().create_task(self._cut(_enc.encode(frame).decode()))
         try:
-            await asyncio.wait_for(self._send({"type": "websocket.send", "text": _enc.encode(frame).decode()}), 1.0)
-            await asyncio.wait_for(self._send({"type": "websocket.close", "code": CLOSE_TRY_AGAIN_LATER}), 1.0)
-        except (asyncio.TimeoutError, OSError, RuntimeError):
+            await asyncio.wait_for(asyncio.shield(self._cutting), 2.0)
+        except asyncio.TimeoutError:
+            pass
+
+    async def _cut(self, text: str) -> None:
+        try:
+            await self._send({"type": "websocket.send", "text": text})
+            await self._send({"type": "websocket.close", "code": CLOSE_TRY_AGAIN_LATER})
+        except (OSError, RuntimeError):
             pass
 
     def _render(self, key: Any, ev: Any) -> str:

@@ -3,7 +3,6 @@ must still attach blocks whose contents are exactly the requested tokens."""
 import random
 
 import pytest
-import torch  # noqa: F401  (server._C links against libtorch; importing torch loads it)
 
 from server._C import BlockAllocator
 

@@ -6,7 +6,7 @@ holds the whole prefix tokens[:p + 1]: a block served under the wrong parent is 
 own tokens back from its blocks: that proves prefix hits attach correct contents, copy-on-write
 protects sharers, and no block is handed out while someone still reads it.
 """
-import torch  # noqa: F401  (server._C links against libtorch; importing torch loads it)
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -184,4 +184,5 @@ class AllocatorMachine(RuleBasedStateMachine):
 AllocatorMachine.TestCase.settings = settings(
     max_examples=300, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
-TestAllocatorStateMachine = AllocatorMachine.TestCase
+# 300 random programs of 40 steps: minutes on a loaded 2-core machine, so `make test` only.
+TestAllocatorStateMachine = pytest.mark.slow(AllocatorMachine.TestCase)

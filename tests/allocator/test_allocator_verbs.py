@@ -1,6 +1,5 @@
 """Unit tests for server._C.BlockAllocator: one behaviour per test, small hand-checked cases."""
 import pytest
-import torch  # noqa: F401  (server._C links against libtorch; importing torch loads it)
 
 from server._C import BlockAllocator
 

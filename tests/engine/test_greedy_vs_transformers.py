@@ -11,6 +11,9 @@ from server import LLM, SamplingParams
 from server.engine.engine import LLMEngine
 from server.engine.config import EngineConfig
 
+# End-to-end against transformers on several architectures: minutes on 2 cores.
+pytestmark = pytest.mark.slow
+
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 MAX_NEW = 20
 

@@ -1,6 +1,10 @@
 """Micro-benchmarks of the CPU kernels against the PyTorch baselines (run by hand, not by pytest).
 
 Usage: .venv/bin/python -m bench.kernels [attention|linear] [--dtype bfloat16]
+
+`linear` prints, per weight shape and row count M: the pagewire bf16 kernel, torch's F.linear on
+the same bf16 weight, and the Q8_0 kernel (int8 blocks, 34 bytes per 32 weights), each in ms and in
+GB/s of weight bytes read, against the plain read bandwidth measured at the start of the run.
 """
 from __future__ import annotations
 
@@ -11,7 +15,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from bench.bandwidth import read_bandwidth_gbs
 from server.kernels import ops
+from server.kernels.quant import QuantizedWeight
 from tests.kernels.paged_reference import make_paged_batch
 
 
@@ -65,21 +71,31 @@ def bench_attention(dtype: torch.dtype) -> None:
 
 
 def bench_linear() -> None:
+    import os
+
     dtype = torch.bfloat16
     gen = torch.Generator().manual_seed(0)
-    for N, K in [(1024, 1024), (3072, 1024), (4096, 1024), (1024, 4096), (32000, 1024)]:
+    bw = read_bandwidth_gbs()
+    print(f"CPU kernels: {ops.cpu_isa()}   read bandwidth {bw:.1f} GB/s   threads {torch.get_num_threads()}   "
+          f"load average {os.getloadavg()[0]:.2f}")
+    for N, K in [(1024, 1024), (3072, 1024), (5632, 1024), (1024, 2816), (32000, 1024)]:
         # Enough weight copies to exceed the 32 MiB L3, so weights stream from DRAM as in decode.
         copies = max(1, -(-96 * 2**20 // (N * K * 2)))
         weights = [torch.randn(N, K, generator=gen).to(dtype) for _ in range(copies)]
+        qweights = [QuantizedWeight.quantize(w) for w in weights]
         step = iter(range(1 << 60))
+        base = None
         for M in [1, 2, 4, 8, 12, 16, 24, 32]:
             x = torch.randn(M, K, generator=gen).to(dtype)
             ours = best_of(lambda: ops.linear(x, weights[next(step) % copies]))
             ref = best_of(lambda: F.linear(x, weights[next(step) % copies]))
-            gbs = N * K * 2 / 1e6
+            q8 = best_of(lambda: ops.linear(x, qweights[next(step) % copies]))
+            base = base or ours
+            mb, qmb = N * K * 2 / 1e6, N * K * 34 / 32 / 1e6
             kernel = "kernel" if M <= ops.LINEAR_KERNEL_MAX_M else "F.linear"
-            print(f"N={N:6d} K={K:5d} M={M:3d}  pagewire[{kernel:8s}] {ours:7.3f} ms ({gbs / ours:5.1f} GB/s)"
-                  f"   torch {ref:7.3f} ms ({gbs / ref:5.1f} GB/s)   speedup {ref / ours:5.2f}x")
+            print(f"N={N:6d} K={K:5d} M={M:3d}  pagewire[{kernel:8s}] {ours:7.3f} ms ({mb / ours:5.1f} GB/s, "
+                  f"{ours / base:4.2f}x M=1)   torch {ref:7.3f} ms ({mb / ref:5.1f} GB/s)   speedup {ref / ours:5.2f}x"
+                  f"   q8_0 {q8:7.3f} ms ({qmb / q8:5.1f} GB/s, {ours / q8:4.2f}x bf16)")
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Memory read bandwidth of this machine, measured the way decode reads weights (for MBU figures).
 
-`read_bandwidth_gbs()` sums a float32 buffer far larger than the last-level cache with torch's
+`read_bandwidth_gbs()` sums a float32 buffer 4x the 32 MiB last-level cache with torch's
 intra-op threads (the same threads the kernels use) and reports the best of several passes in GB/s.
 Run alone: .venv/bin/python -m bench.bandwidth
 """
@@ -11,7 +11,7 @@ import time
 import torch
 
 
-def read_bandwidth_gbs(size_mib: int = 512, repeat: int = 7) -> float:
+def read_bandwidth_gbs(size_mib: int = 128, repeat: int = 40) -> float:
     """Best-of-`repeat` GB/s (1e9 bytes/s) of reading `size_mib` MiB once."""
     buf = torch.ones(size_mib * 2**20 // 4, dtype=torch.float32)
     buf.sum()  # fault the pages in

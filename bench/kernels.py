@@ -1,6 +1,6 @@
 """Micro-benchmarks of the CPU kernels against the PyTorch baselines (run by hand, not by pytest).
 
-Usage: .venv/bin/python -m bench.kernels [attention|linear] [--dtype bfloat16]
+Usage: .venv/bin/python -m bench.kernels [attention|linear] [--dtype bfloat16] [--threads N] [--repeat R]
 
 `linear` prints, per weight shape and row count M: the pagewire bf16 kernel, torch's F.linear on
 the same bf16 weight, and the Q8_0 kernel (int8 blocks, 34 bytes per 32 weights), each in ms and in
@@ -21,8 +21,12 @@ from server.kernels.quant import QuantizedWeight
 from tests.kernels.paged_reference import make_paged_batch
 
 
-def best_of(fn: Callable[[], object], repeat: int = 20, warmup: int = 3) -> float:
+REPEAT = 20
+
+
+def best_of(fn: Callable[[], object], repeat: int = 0, warmup: int = 3) -> float:
     """Best wall time in milliseconds (the least disturbed run on a shared machine)."""
+    repeat = repeat or REPEAT
     for _ in range(warmup):
         fn()
     times = []
@@ -102,7 +106,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("what", choices=["attention", "linear"], nargs="?", default="attention")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--threads", type=int, default=0,
+                        help="intra-op threads (0: torch's default); 1 gives steadier figures on a loaded machine")
+    parser.add_argument("--repeat", type=int, default=20, help="timed runs per case (best reported)")
     a = parser.parse_args()
+    if a.threads > 0:
+        torch.set_num_threads(a.threads)
+    global REPEAT
+    REPEAT = a.repeat
     if a.what == "attention":
         bench_attention(getattr(torch, a.dtype))
     else:

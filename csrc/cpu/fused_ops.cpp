@@ -13,7 +13,10 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "../ops.h"
@@ -24,10 +27,38 @@ namespace {
 // Rows of work below which a single thread is faster than waking the OpenMP team.
 constexpr int64_t kParallelElems = 1 << 16;
 
+// Conversions between float and the element type. bf16 is spelled out with branch-free bit
+// operations (round to nearest even; NaN stays NaN), which the compiler vectorises, where
+// c10::BFloat16's own conversion branches per element.
+template <typename scalar_t>
+inline float to_f(scalar_t v) {
+  return static_cast<float>(v);
+}
+template <>
+inline float to_f<c10::BFloat16>(c10::BFloat16 v) {
+  const uint32_t u = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+template <typename scalar_t>
+inline scalar_t from_f(float v) {
+  return static_cast<scalar_t>(v);
+}
+template <>
+inline c10::BFloat16 from_f<c10::BFloat16>(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t nan = (u >> 16) | 0x40u;
+  return c10::BFloat16(static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded),
+                       c10::BFloat16::from_bits());
+}
+
 // v rounded to scalar_t and back: what a transformers tensor of that dtype would hold.
 template <typename scalar_t>
 inline float rnd(float v) {
-  return static_cast<float>(static_cast<scalar_t>(v));
+  return to_f<scalar_t>(from_f<scalar_t>(v));
 }
 
 template <typename scalar_t>
@@ -48,7 +79,7 @@ inline float inv_rms(const float* v, int64_t d, float eps) {
 template <typename scalar_t>
 inline void scale_row(const float* v, int64_t d, float inv, const scalar_t* weight, scalar_t* out) {
   for (int64_t k = 0; k < d; ++k) {
-    out[k] = static_cast<scalar_t>(static_cast<float>(weight[k]) * rnd<scalar_t>(v[k] * inv));
+    out[k] = from_f<scalar_t>(to_f<scalar_t>(weight[k]) * rnd<scalar_t>(v[k] * inv));
   }
 }
 
@@ -77,12 +108,12 @@ void norm_rows(scalar_t* x, int64_t ldx, const scalar_t* delta, int64_t ldd, con
         // residual = residual + delta, rounded to the residual's dtype as `hidden + residual` is.
         const scalar_t* dr = delta + t * ldd;
         for (int64_t k = 0; k < d; ++k) {
-          const scalar_t r = static_cast<scalar_t>(static_cast<float>(xr[k]) + static_cast<float>(dr[k]));
+          const scalar_t r = from_f<scalar_t>(to_f<scalar_t>(xr[k]) + to_f<scalar_t>(dr[k]));
           xr[k] = r;
-          v[k] = static_cast<float>(r);
+          v[k] = to_f<scalar_t>(r);
         }
       } else {
-        for (int64_t k = 0; k < d; ++k) v[k] = static_cast<float>(xr[k]);
+        for (int64_t k = 0; k < d; ++k) v[k] = to_f<scalar_t>(xr[k]);
       }
       scale_row<scalar_t>(v.data(), d, inv_rms<scalar_t>(v.data(), d, eps), weight, out + t * ldo);
     }
@@ -106,18 +137,18 @@ void rope_rows(scalar_t* xp, int64_t st, int64_t sh, int64_t T, int64_t n, int64
       }
       for (int64_t h = 0; h < n; ++h) {
         scalar_t* xr = xp + t * st + h * sh;
-        for (int64_t k = 0; k < d; ++k) v[k] = static_cast<float>(xr[k]);
+        for (int64_t k = 0; k < d; ++k) v[k] = to_f<scalar_t>(xr[k]);
         if (wp != nullptr) {  // Qwen3: RMSNorm over head_dim first, with this head's weight row
           const float inv = inv_rms<scalar_t>(v.data(), d, feps);
           const scalar_t* w = wp + h * d;
-          for (int64_t k = 0; k < d; ++k) v[k] = rnd<scalar_t>(static_cast<float>(w[k]) * rnd<scalar_t>(v[k] * inv));
+          for (int64_t k = 0; k < d; ++k) v[k] = rnd<scalar_t>(to_f<scalar_t>(w[k]) * rnd<scalar_t>(v[k] * inv));
         }
         // Rotate-half: x * cat(cos, cos) + cat(-x2, x1) * cat(sin, sin), each product and the
         // sum rounded to the dtype, as the three bf16 tensors in transformers are.
         for (int64_t j = 0; j < half; ++j) {
           const float a = v[j], b = v[j + half];
-          xr[j] = static_cast<scalar_t>(rnd<scalar_t>(a * c[j]) + rnd<scalar_t>(-b * s[j]));
-          xr[j + half] = static_cast<scalar_t>(rnd<scalar_t>(b * c[j]) + rnd<scalar_t>(a * s[j]));
+          xr[j] = from_f<scalar_t>(rnd<scalar_t>(a * c[j]) + rnd<scalar_t>(-b * s[j]));
+          xr[j + half] = from_f<scalar_t>(rnd<scalar_t>(b * c[j]) + rnd<scalar_t>(a * s[j]));
         }
       }
     }
@@ -133,9 +164,9 @@ void silu_rows(const scalar_t* xp, int64_t ldx, scalar_t* op, int64_t T, int64_t
     const scalar_t* u = g + I;
     scalar_t* o = op + t * I;
     for (int64_t j = 0; j < I; ++j) {
-      const float gv = static_cast<float>(g[j]);
+      const float gv = to_f<scalar_t>(g[j]);
       // silu(gate) is a tensor of the activation dtype in transformers, then times up.
-      o[j] = static_cast<scalar_t>(rnd<scalar_t>(gv / (1.0f + std::exp(-gv))) * static_cast<float>(u[j]));
+      o[j] = from_f<scalar_t>(rnd<scalar_t>(gv / (1.0f + std::exp(-gv))) * to_f<scalar_t>(u[j]));
     }
   }
 }

@@ -20,6 +20,8 @@
 #include <vector>
 
 #include "../ops.h"
+#include "cpu_features.h"
+#include "fused_kernel.h"
 
 namespace pagewire {
 namespace {
@@ -254,6 +256,15 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& x) {
   TORCH_CHECK(x.stride(1) == 1, "x must be contiguous in its last dim");
   const int64_t T = x.size(0), I = x.size(1) / 2;
   at::Tensor out = at::empty({T, I}, x.options());
+  if (cpu::active_isa() != cpu::Isa::kPortable && x.scalar_type() == at::kBFloat16) {
+    cpu::silu_and_mul_bf16_avx2(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
+                                reinterpret_cast<uint16_t*>(out.data_ptr()), T, I);
+    return out;
+  }
+  if (cpu::active_isa() != cpu::Isa::kPortable && x.scalar_type() == at::kFloat) {
+    cpu::silu_and_mul_f32_avx2(x.data_ptr<float>(), x.stride(0), out.data_ptr<float>(), T, I);
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "pagewire::silu_and_mul", [&] {
     silu_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), out.data_ptr<scalar_t>(), T, I);
   });

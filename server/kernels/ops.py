@@ -12,12 +12,12 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-import server._C  # (also loads the TORCH_LIBRARY(pagewire) registrations)
+import server._C  # type: ignore[import-untyped]  # (also loads the TORCH_LIBRARY(pagewire) registrations)
 from server.kernels.quant import QuantizedWeight
 
 __all__ = [
     "write_kv_cache", "paged_attention", "copy_blocks", "linear", "rms_norm", "add_rms_norm",
-    "rotary_embedding", "silu_and_mul", "cpu_isa", "cpu_features",
+    "rotary_embedding", "silu_and_mul", "cpu_isa", "detected_cpu_isa", "cpu_features",
 ]
 
 logger = logging.getLogger(__name__)
@@ -34,6 +34,11 @@ def cpu_isa() -> str:
     It is the best the CPU supports, lowered by $PAGEWIRE_CPU_ISA when that names a lower family.
     """
     return str(server._C.cpu_isa())
+
+
+def detected_cpu_isa() -> str:
+    """The best CPU kernel family this CPU supports ("avx512bf16", "avx2" or "portable"), ignoring $PAGEWIRE_CPU_ISA."""
+    return str(server._C.detected_cpu_isa())
 
 
 def _log_cpu_dispatch() -> None:

@@ -267,6 +267,7 @@ class LlamaFamilyForCausalLM(nn.Module):
             "model.norm.weight": WeightTarget(self.norm, (c.hidden_size,)),
         }
         if self.lm_head is not self.embed_tokens:
+            assert isinstance(self.lm_head, torch.Tensor), "checkpoint_tensors: the model is already quantised"
             targets["lm_head.weight"] = WeightTarget(self.lm_head, (c.vocab_size, c.hidden_size))
         for i, layer in enumerate(self._layers):
             targets.update(layer.checkpoint_tensors(f"model.layers.{i}."))

@@ -120,15 +120,18 @@ def test_rotary_embedding_in_place_on_strided_qk(dtype: torch.dtype, scaling: st
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,I", [(1, 2816), (3, 40)])
-def test_silu_and_mul(dtype: torch.dtype, T: int, I: int) -> None:
+@pytest.mark.parametrize("T,I", [(1, 2816), (3, 40), (70, 1003)])
+def test_silu_and_mul(cpu_isa: str, dtype: torch.dtype, T: int, I: int) -> None:
+    """Every kernel family (AVX2's vectorised exp and the portable libm loop), odd tails included."""
     gen = torch.Generator().manual_seed(T * I)
     x = (torch.randn(T, 2 * I, generator=gen) * 4).to(dtype)
     y = ops.silu_and_mul(x)
     g, u = x[:, :I].double(), x[:, I:].double()
     ref = g * torch.sigmoid(g) * u
-    assert_close_to(y, ref, roundings=3)
-    torch.testing.assert_close(y, F.silu(x[:, :I]) * x[:, I:], rtol=ulp(dtype), atol=1e-6)
+    # fp32: the two exps (ours, torch's) each carry a few ulps.
+    assert_close_to(y, ref, roundings=3 if dtype != torch.float32 else 16)
+    torch.testing.assert_close(y, F.silu(x[:, :I]) * x[:, I:], rtol=ulp(dtype) if dtype != torch.float32 else 1e-6,
+                               atol=1e-6)
 
 
 def test_bad_arguments_name_the_argument() -> None:

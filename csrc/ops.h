@@ -28,7 +28,8 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
 void copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping);
 
 // x: [M, K], weight: [N, K] (nn.Linear layout), bias: [N] or None -> [M, N] in x's dtype.
-// bf16 on AVX512-BF16 CPUs runs the small-batch kernel; everything else is at::linear.
+// bf16 runs the small-batch kernel of the CPU's family (AVX512-BF16 or AVX2+FMA, cpu/cpu_features.h);
+// everything else, and CPUs with neither, is at::linear.
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 
 // Q8_0 quantised weights (GGUF's block layout: per 32 values an fp16 scale and 32 int8), see

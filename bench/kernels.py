@@ -1,6 +1,10 @@
 """Micro-benchmarks of the CPU kernels against the PyTorch baselines (run by hand, not by pytest).
 
-Usage: .venv/bin/python -m bench.kernels [attention|linear] [--dtype bfloat16]
+Usage: .venv/bin/python -m bench.kernels [attention|linear|fused] [--dtype bfloat16] [--threads N] [--repeat R]
+
+`linear` prints, per weight shape and row count M: the pagewire bf16 kernel, torch's F.linear on
+the same bf16 weight, and the Q8_0 kernel (int8 blocks, 34 bytes per 32 weights), each in ms and in
+GB/s of weight bytes read, against the plain read bandwidth measured at the start of the run.
 """
 from __future__ import annotations
 
@@ -11,12 +15,18 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from bench.bandwidth import read_bandwidth_gbs
 from server.kernels import ops
+from server.kernels.quant import QuantizedWeight
 from tests.kernels.paged_reference import make_paged_batch
 
 
-def best_of(fn: Callable[[], object], repeat: int = 20, warmup: int = 3) -> float:
+REPEAT = 20
+
+
+def best_of(fn: Callable[[], object], repeat: int = 0, warmup: int = 3) -> float:
     """Best wall time in milliseconds (the least disturbed run on a shared machine)."""
+    repeat = repeat or REPEAT
     for _ in range(warmup):
         fn()
     times = []
@@ -65,30 +75,91 @@ def bench_attention(dtype: torch.dtype) -> None:
 
 
 def bench_linear() -> None:
+    import os
+
     dtype = torch.bfloat16
     gen = torch.Generator().manual_seed(0)
-    for N, K in [(1024, 1024), (3072, 1024), (4096, 1024), (1024, 4096), (32000, 1024)]:
+    bw = read_bandwidth_gbs()
+    print(f"CPU kernels: {ops.cpu_isa()}   read bandwidth {bw:.1f} GB/s   threads {torch.get_num_threads()}   "
+          f"load average {os.getloadavg()[0]:.2f}")
+    for N, K in [(1024, 1024), (3072, 1024), (5632, 1024), (1024, 2816), (32000, 1024)]:
         # Enough weight copies to exceed the 32 MiB L3, so weights stream from DRAM as in decode.
         copies = max(1, -(-96 * 2**20 // (N * K * 2)))
         weights = [torch.randn(N, K, generator=gen).to(dtype) for _ in range(copies)]
+        qweights = [QuantizedWeight.quantize(w) for w in weights]
         step = iter(range(1 << 60))
+        base = None
         for M in [1, 2, 4, 8, 12, 16, 24, 32]:
             x = torch.randn(M, K, generator=gen).to(dtype)
             ours = best_of(lambda: ops.linear(x, weights[next(step) % copies]))
             ref = best_of(lambda: F.linear(x, weights[next(step) % copies]))
-            gbs = N * K * 2 / 1e6
+            q8 = best_of(lambda: ops.linear(x, qweights[next(step) % copies]))
+            base = base or ours
+            mb, qmb = N * K * 2 / 1e6, N * K * 34 / 32 / 1e6
             kernel = "kernel" if M <= ops.LINEAR_KERNEL_MAX_M else "F.linear"
-            print(f"N={N:6d} K={K:5d} M={M:3d}  pagewire[{kernel:8s}] {ours:7.3f} ms ({gbs / ours:5.1f} GB/s)"
-                  f"   torch {ref:7.3f} ms ({gbs / ref:5.1f} GB/s)   speedup {ref / ours:5.2f}x")
+            print(f"N={N:6d} K={K:5d} M={M:3d}  pagewire[{kernel:8s}] {ours:7.3f} ms ({mb / ours:5.1f} GB/s, "
+                  f"{ours / base:4.2f}x M=1)   torch {ref:7.3f} ms ({mb / ref:5.1f} GB/s)   speedup {ref / ours:5.2f}x"
+                  f"   q8_0 {q8:7.3f} ms ({qmb / q8:5.1f} GB/s, {ours / q8:4.2f}x bf16)")
+
+
+def bench_fused() -> None:
+    """The fused decoder-layer ops against the torch compositions they replace, one token and 1024."""
+    import os
+
+    from server.models import layers
+    from server.models.rope import RotaryEmbedding
+
+    print(f"threads {torch.get_num_threads()}   load average {os.getloadavg()[0]:.2f}")
+    gen = torch.Generator().manual_seed(0)
+    rope = RotaryEmbedding(64, 2048, 10000.0, None)
+    for T in (1, 1024):
+        x = torch.randn(T, 1024, generator=gen).bfloat16()
+        d = torch.randn(T, 1024, generator=gen).bfloat16()
+        w = torch.randn(1024, generator=gen).bfloat16()
+        qkv = torch.randn(T, 24 * 64, generator=gen).bfloat16()
+        qk = qkv[:, : 20 * 64].view(T, 20, 64)  # llama-246m: 16 q + 4 k heads of 64
+        pos = torch.arange(T)
+        gate_up = torch.randn(T, 2 * 2816, generator=gen).bfloat16()
+
+        def torch_add_norm() -> None:
+            x.add_(d)
+            layers.rms_norm(x, w, 1e-5)
+
+        def torch_rope() -> None:
+            c, s = rope.lookup(pos, torch.bfloat16)
+            RotaryEmbedding.apply(qk, c, s)
+
+        def torch_silu() -> None:
+            half = gate_up.shape[-1] // 2
+            F.silu(gate_up[:, :half]).mul_(gate_up[:, half:])
+
+        cases = [
+            ("rms_norm", lambda: ops.rms_norm(x, w, 1e-5), lambda: layers.rms_norm(x, w, 1e-5)),
+            ("add_rms_norm", lambda: ops.add_rms_norm(x, d, w, 1e-5), torch_add_norm),
+            ("rotary_embedding 20 heads", lambda: ops.rotary_embedding(qk, pos, rope.cos, rope.sin), torch_rope),
+            ("silu_and_mul I=2816", lambda: ops.silu_and_mul(gate_up), torch_silu),
+        ]
+        for name, fused, composed in cases:
+            a, b = best_of(fused), best_of(composed)
+            print(f"T={T:5d} {name:26s} fused {a:8.3f} ms   torch ops {b:8.3f} ms   speedup {b / a:5.2f}x")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("what", choices=["attention", "linear"], nargs="?", default="attention")
+    parser.add_argument("what", choices=["attention", "linear", "fused"], nargs="?", default="attention")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--threads", type=int, default=0,
+                        help="intra-op threads (0: torch's default); 1 gives steadier figures on a loaded machine")
+    parser.add_argument("--repeat", type=int, default=20, help="timed runs per case (best reported)")
     a = parser.parse_args()
+    if a.threads > 0:
+        torch.set_num_threads(a.threads)
+    global REPEAT
+    REPEAT = a.repeat
     if a.what == "attention":
         bench_attention(getattr(torch, a.dtype))
+    elif a.what == "fused":
+        bench_fused()
     else:
         bench_linear()
 

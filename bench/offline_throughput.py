@@ -12,7 +12,10 @@ It measures, for each backend, in a fresh subprocess (so peak RSS is that backen
   * decode: one sequence, 32-token prompt, 128 output tokens, ignore_eos. The decode-only rate is
     127 / (T128 - T1), where T128 is the median time of a 128-token generation and T1 the median
     time of a 1-token generation (prefill + first token) on fresh prompts of the same length; the
-    rate including the first token is 128 / T128.
+    rate including the first token is 128 / T128. MBU (model bandwidth utilisation) = bytes read per
+    decoded token (every matrix the step multiplies, at its stored size: bf16 or Q8_0, plus the KV
+    cache at the average decode context) x decode tok/s / the read bandwidth that bench/bandwidth.py
+    measures at the start of the same run.
 
 Example (the issue's workload):
     .venv/bin/python bench/offline_throughput.py --shape llama-246m --dtype bfloat16 --num-seqs 64
@@ -40,6 +43,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make `bench.shapes` and `server` importable
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench.bandwidth import read_bandwidth_gbs  # noqa: E402
 from bench.shapes import DTYPES, SHAPES, is_built, make_random_model, model_dir_for  # noqa: E402
 
 FIRST_REGULAR_TOKEN = 16  # stay clear of the special tokens (ids < 8 in bench tokenizers)
@@ -104,6 +108,10 @@ def run_pagewire(spec: Spec) -> dict[str, Any]:
                                     kv_cache_tokens=spec["kv_cache_tokens"], **spec["engine_kwargs"]))
     res["load_s"] = load_s
     res["rss_after_load_bytes"] = _rss_now()
+    res["decode_bytes_per_token"] = _decode_bytes_per_token(llm.engine.model)
+    from server.kernels import ops
+
+    res["cpu_kernels"] = ops.cpu_isa()
     llm.generate(w["warmup_prompts"], sp(8))
     if only in ("all", "throughput"):
         log(f"pagewire: throughput, {len(w['prompts'])} sequences")
@@ -130,6 +138,20 @@ def run_pagewire(spec: Spec) -> dict[str, Any]:
     return res
 
 
+def _decode_bytes_per_token(model: Any) -> int:
+    """Bytes one single-sequence decode step reads: every matrix it multiplies (as stored) and the
+    KV cache at the decode benchmark's average context."""
+    import torch
+
+    def nbytes(w: Any) -> int:
+        return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else int(w.nbytes)
+
+    weights = sum(nbytes(getattr(layer, n)) for layer in model._layers for n in layer.MATRICES)
+    weights += nbytes(model.lm_head)
+    avg_context = DECODE_PROMPT_LEN + DECODE_OUTPUT_LEN // 2
+    return weights + avg_context * model.kv_cache_bytes_per_token()
+
+
 # -- transformers -------------------------------------------------------------------------------
 def run_hf(spec: Spec) -> dict[str, Any]:
     import torch
@@ -143,6 +165,10 @@ def run_hf(spec: Spec) -> dict[str, Any]:
     load_s, model = timed(lambda: AutoModelForCausalLM.from_pretrained(spec["model_dir"], **dtype_kw).eval())
     res["load_s"] = load_s
     res["rss_after_load_bytes"] = _rss_now()
+    res["decode_bytes_per_token"] = _decode_bytes_per_token(llm.engine.model)
+    from server.kernels import ops
+
+    res["cpu_kernels"] = ops.cpu_isa()
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
 
     def generate(prompts: list[list[int]], new_tokens: int) -> int:
@@ -307,6 +333,7 @@ def report_table(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -
         (f"decode, 1 seq ({DECODE_PROMPT_LEN} in, {DECODE_OUTPUT_LEN} out), tok/s excl. first token",
          ("decode", "decode_tok_s"), 1, 1.0),
         ("decode, tok/s incl. prefill and first token", ("decode", "incl_first_tok_s"), 1, 1.0),
+        ("decode MBU, % of the measured read bandwidth", ("decode", "mbu_pct"), 1, 1.0),
         ("peak RSS MiB", ("peak_rss_bytes",), 0, mib),
         ("model load s", ("load_s",), 1, 1.0),
         ("CPU used by other processes meanwhile, % of machine", ("other_cpu_pct",), 0, 1.0),
@@ -317,7 +344,7 @@ def report_table(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -
         a = None if a is None else a * scale
         b = None if b is None else b * scale
         ratio = f"{a / b:.2f}×" if a is not None and b and "wall" not in label and "RSS" not in label \
-            and "load" not in label and "other" not in label else "–"
+            and "load" not in label and "other" not in label and "MBU" not in label else "–"
         if a is None and b is None:
             continue
         lines.append(f"| {label} | {_fmt(a, digits)} | {_fmt(b, digits)} | {ratio} |")
@@ -413,11 +440,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         "engine_kwargs": engine_kwargs(args), "hf_batch_size": args.hf_batch_size,
     }
     print(f"pagewire: max_model_len={max_model_len} kv_cache_tokens={kv_tokens} extra={spec['engine_kwargs']}")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    bandwidth = read_bandwidth_gbs()
+    print(f"read bandwidth: {bandwidth:.1f} GB/s (bench/bandwidth.py, load average {os.getloadavg()[0]:.2f})")
     results: dict[str, dict[str, Any]] = {}
     for backend, skip in (("pagewire", args.skip_pagewire), ("transformers", args.skip_hf)):
         if not skip:
             log(f"running {backend}")
             results[backend] = run_backend(backend, spec)
+    pw = results.get("pagewire", {})
+    rate, per_token = _get(pw, "decode", "decode_tok_s"), pw.get("decode_bytes_per_token")
+    if rate is not None and per_token:
+        pw["decode"]["mbu_pct"] = 100 * per_token * rate / (bandwidth * 1e9)
+        print(f"pagewire decode reads {per_token / 1e6:.1f} MB per token; CPU kernels {pw.get('cpu_kernels')}")
     for backend, res in results.items():
         tp = res.get("throughput", {})
         if tp.get("mismatched_lengths"):
@@ -430,7 +468,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(table)
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        record = {"command": command, "machine": machine_line(), "args": {k: str(v) for k, v in vars(args).items()},
+        record = {"command": command, "machine": machine_line(), "read_bandwidth_gbs": bandwidth, "args": {k: str(v) for k, v in vars(args).items()},
                   "max_model_len": max_model_len, "kv_cache_tokens": kv_tokens, "results": results, "table": table}
         args.json_out.write_text(json.dumps(record, indent=2) + "\n")
     return 1 if any("error" in r for r in results.values()) else 0

@@ -3,8 +3,41 @@
 #include <pybind11/pybind11.h>
 
 #include "allocator/bindings.h"
+#include "cpu/cpu_features.h"
+
+namespace py = pybind11;
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "pagewire native extension: paged-attention ops (torch.ops.pagewire.*) and the KV block allocator";
   pagewire::bind_allocator(m);
+  m.def(
+      "cpu_features",
+      [] {
+        const pagewire::cpu::CpuFeatures& f = pagewire::cpu::cpu_features();
+        py::dict d;
+        d["vendor"] = f.vendor;
+        d["brand"] = f.brand;
+        d["avx2"] = f.avx2;
+        d["fma"] = f.fma;
+        d["f16c"] = f.f16c;
+        d["avx512f"] = f.avx512f;
+        d["avx512bw"] = f.avx512bw;
+        d["avx512vl"] = f.avx512vl;
+        d["avx512bf16"] = f.avx512bf16;
+        d["avx512vnni"] = f.avx512vnni;
+        d["avxvnni"] = f.avxvnni;
+        d["amx_tile"] = f.amx_tile;
+        d["amx_bf16"] = f.amx_bf16;
+        d["amx_int8"] = f.amx_int8;
+        d["os_avx"] = f.os_avx;
+        d["os_avx512"] = f.os_avx512;
+        return d;
+      },
+      "CPUID/XGETBV features of this CPU (instruction sets usable by this process).");
+  m.def(
+      "cpu_isa", [] { return std::string(pagewire::cpu::isa_name(pagewire::cpu::active_isa())); },
+      "Kernel family the CPU ops use now: the detected one, capped by $PAGEWIRE_CPU_ISA.");
+  m.def(
+      "detected_cpu_isa", [] { return std::string(pagewire::cpu::isa_name(pagewire::cpu::detected_isa())); },
+      "Best kernel family this CPU supports: avx512bf16, avx2 or portable.");
 }

@@ -28,7 +28,30 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
 void copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping);
 
 // x: [M, K], weight: [N, K] (nn.Linear layout), bias: [N] or None -> [M, N] in x's dtype.
-// bf16 on AVX512-BF16 CPUs runs the small-batch kernel; everything else is at::linear.
+// bf16 runs the small-batch kernel of the CPU's family (AVX512-BF16 or AVX2+FMA, cpu/cpu_features.h);
+// everything else, and CPUs with neither, is at::linear.
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+
+// Q8_0 quantised weights (GGUF's block layout: per 32 values an fp16 scale and 32 int8), see
+// cpu/quant_kernel.h. weight: uint8 [N, K / 32 * 34].
+constexpr int64_t kQ8KernelMaxRows = 16;  // larger batches dequantise and use ATen's GEMM
+at::Tensor quantize_q8_0_cpu(const at::Tensor& weight);    // float [N, K] -> Q8_0 bytes
+at::Tensor dequantize_q8_0_cpu(const at::Tensor& weight);  // Q8_0 bytes -> float32 [N, K]
+// x [M, K] (float32, bfloat16 or float16) @ dequant(weight)^T + bias [N] -> [M, N] in x's dtype
+at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+
+// Fused decoder-layer elementwise ops (fused_ops.cpp); float32, bfloat16 or float16, rounding
+// as transformers does.
+// x: [T, d] (rows may be strided), weight: [d] -> RMSNorm(x) * weight, [T, d]
+at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps);
+// residual += delta (mutated, rounded to its dtype), then returns RMSNorm(residual) * weight
+at::Tensor add_rms_norm_cpu(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight, double eps);
+// x: [T, heads, head_dim] (mutated; rows and heads may be strided), positions int64 [T],
+// cos/sin float32 [max_positions, head_dim / 2]; norm_weight [heads, head_dim] or None applies a
+// per-head RMSNorm (Qwen3's q/k norm) before the rotation.
+void rotary_embedding_cpu(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                          const c10::optional<at::Tensor>& norm_weight, double eps);
+// x: [T, 2 * I] = cat(gate, up) -> silu(gate) * up, [T, I]
+at::Tensor silu_and_mul_cpu(const at::Tensor& x);
 
 }  // namespace pagewire

@@ -19,6 +19,21 @@ TORCH_LIBRARY(pagewire, m) {
   m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
   // x [M, K], weight [N, K], bias [N] -> [M, N]; F.linear semantics (small-batch bf16 kernel on CPU)
   m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  // x [T, d], weight [d] -> RMSNorm(x) * weight
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  // residual [T, d] += delta, then RMSNorm(residual) * weight
+  m.def("add_rms_norm(Tensor(a!) residual, Tensor delta, Tensor weight, float eps) -> Tensor");
+  // x [T, heads, head_dim] rotated in place at positions int64 [T] with cos/sin fp32 [P, head_dim/2],
+  // after a per-head RMSNorm when norm_weight [heads, head_dim] is given
+  m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, Tensor? norm_weight, "
+        "float eps) -> ()");
+  // x [T, 2 I] = cat(gate, up) -> silu(gate) * up [T, I]
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  // Q8_0 weights: uint8 [N, K / 32 * 34], GGUF's block layout (fp16 scale + 32 int8 per block)
+  m.def("quantize_q8_0(Tensor weight) -> Tensor");
+  m.def("dequantize_q8_0(Tensor weight) -> Tensor");
+  // x [M, K] @ dequant(weight)^T + bias [N] -> [M, N] in x's dtype (x quantised per row on the fly)
+  m.def("linear_q8_0(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagewire, CPU, m) {
@@ -26,4 +41,11 @@ TORCH_LIBRARY_IMPL(pagewire, CPU, m) {
   m.impl("paged_attention", &pagewire::paged_attention_cpu);
   m.impl("copy_blocks", &pagewire::copy_blocks_cpu);
   m.impl("linear", &pagewire::linear_cpu);
+  m.impl("rms_norm", &pagewire::rms_norm_cpu);
+  m.impl("add_rms_norm", &pagewire::add_rms_norm_cpu);
+  m.impl("rotary_embedding", &pagewire::rotary_embedding_cpu);
+  m.impl("silu_and_mul", &pagewire::silu_and_mul_cpu);
+  m.impl("quantize_q8_0", &pagewire::quantize_q8_0_cpu);
+  m.impl("dequantize_q8_0", &pagewire::dequantize_q8_0_cpu);
+  m.impl("linear_q8_0", &pagewire::linear_q8_0_cpu);
 }

@@ -24,7 +24,7 @@ class LLM:
 
     Args: `model` is a Hugging Face model folder; every other keyword is an EngineConfig field
     (dtype, max_model_len, kv_cache_tokens, kv_cache_memory_gb, block_size, max_num_seqs,
-    max_num_batched_tokens, enable_prefix_caching, num_threads, seed).
+    max_num_batched_tokens, enable_prefix_caching, num_threads, seed, quantization).
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:

@@ -10,6 +10,7 @@
 #include "../attention_checks.h"
 #include "../ops.h"
 #include "attention_kernel.h"
+#include "cpu_features.h"
 
 namespace pagewire {
 
@@ -32,12 +33,8 @@ cpu::ElemType elem_type(at::ScalarType t) {
   }
 }
 
-// PAGEWIRE_CPU_ISA=generic forces the portable kernel (tests use it to cover that path here).
-bool use_avx512(int head_dim) {
-  const char* isa = std::getenv("PAGEWIRE_CPU_ISA");
-  if (isa != nullptr && std::strcmp(isa, "generic") == 0) return false;
-  return head_dim % 16 == 0 && cpu::cpu_has_avx512();
-}
+// PAGEWIRE_CPU_ISA=generic (or avx2) forces the portable kernel (tests use it to cover that path).
+bool use_avx512(int head_dim) { return head_dim % 16 == 0 && cpu::active_isa() == cpu::Isa::kAvx512Bf16; }
 
 }  // namespace
 

@@ -19,14 +19,6 @@
 #include "attention_kernel.h"
 #include "elem.h"
 
-namespace pagewire::cpu {
-bool cpu_has_avx512() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") &&
-         __builtin_cpu_supports("fma");
-}
-}  // namespace pagewire::cpu
 
 // GCC 12's own intrinsic headers trip -Wmaybe-uninitialized (the _mm256_undefined_* idiom).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"

@@ -34,9 +34,9 @@ struct PagedAttentionArgs {
   int64_t num_items;
 };
 
-// Both compute the same result; the AVX-512 one must only be called when cpu_has_avx512() is true.
+// Both compute the same result; the AVX-512 one must only be called when cpu::active_isa() is
+// Isa::kAvx512Bf16 (cpu_features.h).
 void paged_attention_generic(const PagedAttentionArgs& args);
 void paged_attention_avx512(const PagedAttentionArgs& args);
-bool cpu_has_avx512();
 
 }  // namespace pagewire::cpu

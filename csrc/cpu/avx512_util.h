@@ -2,7 +2,7 @@
 // a vector exp and a 16x16 register transpose.
 //
 // Include only inside a `#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma")` region
-// of a translation unit whose callers check cpu_has_avx512(); everything here has internal linkage.
+// of a translation unit whose callers check cpu::active_isa() (cpu_features.h); everything here has internal linkage.
 #pragma once
 
 #include <immintrin.h>

@@ -1,11 +1,13 @@
-// The pagewire::linear CPU op: bf16 x @ weight^T (+ bias) through the AVX512-BF16 small-batch
-// kernel, and ATen's linear for every other case so the result always has F.linear's semantics.
+// The pagewire::linear CPU op: bf16 x @ weight^T (+ bias) through the small-batch kernel of the
+// best instruction set this CPU has (AVX512-BF16 or AVX2+FMA, chosen by CPUID at load, see
+// cpu_features.h), and ATen's linear for every other case so the result always has F.linear's
+// semantics.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 
 #include "../ops.h"
-#include "attention_kernel.h"
+#include "cpu_features.h"
 #include "linear_kernel.h"
 
 namespace pagewire {
@@ -29,8 +31,9 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::
   const int64_t K = weight.size(1), N = weight.size(0);
   const bool kernel_applies = x.scalar_type() == at::kBFloat16 && x.dim() == 2 && K > 0 && N > 0 &&
                               !x.requires_grad() && !weight.requires_grad() &&
-                              !(has_bias && bias->requires_grad()) && cpu::cpu_has_avx512();
-  if (!kernel_applies) return at::linear(x, weight, bias);
+                              !(has_bias && bias->requires_grad());
+  const cpu::Isa isa = cpu::active_isa();
+  if (!kernel_applies || isa == cpu::Isa::kPortable) return at::linear(x, weight, bias);
 
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   const at::Tensor wc = weight.contiguous();
@@ -38,10 +41,11 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::
   const int64_t M = xc.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
-  cpu::linear_bf16_avx512(reinterpret_cast<const uint16_t*>(xc.data_ptr()), xc.stride(0),
-                          reinterpret_cast<const uint16_t*>(wc.data_ptr()),
-                          has_bias ? reinterpret_cast<const uint16_t*>(bc.data_ptr()) : nullptr,
-                          reinterpret_cast<uint16_t*>(out.data_ptr()), N, M, N, K);
+  const auto kernel = isa == cpu::Isa::kAvx512Bf16 ? cpu::linear_bf16_avx512 : cpu::linear_bf16_avx2;
+  kernel(reinterpret_cast<const uint16_t*>(xc.data_ptr()), xc.stride(0),
+         reinterpret_cast<const uint16_t*>(wc.data_ptr()),
+         has_bias ? reinterpret_cast<const uint16_t*>(bc.data_ptr()) : nullptr,
+         reinterpret_cast<uint16_t*>(out.data_ptr()), N, M, N, K);
   return out;
 }
 

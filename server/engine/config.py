@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+SUPPORTED_QUANTIZATIONS = ("none", "int8")
 
 
 class ConfigError(ValueError):
@@ -34,6 +35,8 @@ class EngineConfig:
     enable_prefix_caching: reuse full KV blocks across requests by content hash.
     num_threads: intra-op CPU threads (0 = torch's default).
     seed: base seed for unseeded sampling.
+    quantization: "none" (weights in dtype) or "int8" (every decoder and lm_head matrix kept as
+        GGUF Q8_0 blocks, quantised at load from the checkpoint's bf16/fp16/fp32 weights; CPU only).
     """
 
     model: str
@@ -48,8 +51,15 @@ class EngineConfig:
     num_threads: int = 0
     seed: int = 0
     device: str = "cpu"
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
+        if self.quantization not in SUPPORTED_QUANTIZATIONS:
+            raise ConfigError(
+                "quantization", f"must be one of {', '.join(SUPPORTED_QUANTIZATIONS)}, got {self.quantization!r}"
+            )
+        if self.quantization != "none" and self.device != "cpu":
+            raise ConfigError("quantization", f"{self.quantization!r} runs on CPU only, got device {self.device!r}")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ConfigError("dtype", f"must be one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -58,6 +58,8 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         # Model first: its loader names a missing folder or weights file precisely.
         self.model, self.model_config = load_model(config.model, config.dtype, config.device)
+        if config.quantization != "none":
+            self.model.quantize_weights(config.quantization)
         self.tokenizer = Tokenizer.from_dir(config.model)
         mc = self.model_config
         self.device = torch.device(config.device)

@@ -6,14 +6,49 @@ raise RuntimeError naming the offending argument.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-import server._C  # noqa: F401  (loads the TORCH_LIBRARY(pagewire) registrations)
+import server._C  # type: ignore[import-untyped]  # (also loads the TORCH_LIBRARY(pagewire) registrations)
+from server.kernels.quant import QuantizedWeight
 
-__all__ = ["write_kv_cache", "paged_attention", "copy_blocks", "linear"]
+__all__ = [
+    "write_kv_cache", "paged_attention", "copy_blocks", "linear", "rms_norm", "add_rms_norm",
+    "rotary_embedding", "silu_and_mul", "cpu_isa", "detected_cpu_isa", "cpu_features",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def cpu_features() -> dict[str, object]:
+    """CPUID features of this CPU as the extension detected them (vendor, brand, avx2, avx512bf16, amx_bf16, ...)."""
+    return dict(server._C.cpu_features())
+
+
+def cpu_isa() -> str:
+    """The CPU kernel family in use: "avx512bf16", "avx2" or "portable" (torch fallback for linear).
+
+    It is the best the CPU supports, lowered by $PAGEWIRE_CPU_ISA when that names a lower family.
+    """
+    return str(server._C.cpu_isa())
+
+
+def detected_cpu_isa() -> str:
+    """The best CPU kernel family this CPU supports ("avx512bf16", "avx2" or "portable"), ignoring $PAGEWIRE_CPU_ISA."""
+    return str(server._C.detected_cpu_isa())
+
+
+def _log_cpu_dispatch() -> None:
+    f = cpu_features()
+    flags = " ".join(k for k, v in f.items() if v is True)
+    logger.info("CPU kernels: %s (detected %s) on %s %s; flags: %s", cpu_isa(), server._C.detected_cpu_isa(),
+                f.get("vendor", "?"), f.get("brand", "?"), flags or "none")
+
+
+_log_cpu_dispatch()
 
 
 def write_kv_cache(
@@ -89,16 +124,22 @@ def copy_blocks(
     torch.ops.pagewire.copy_blocks(list(key_caches), list(value_caches), block_mapping)
 
 
-# Largest row count (tokens) for which the bf16 kernel beats torch's own bf16 GEMM on CPU; above
-# it torch's blocked GEMM wins (measured with bench/kernels.py linear).
-LINEAR_KERNEL_MAX_M = 12
+# Largest row count (tokens) for which the bf16 kernels are used; above it torch's blocked GEMM
+# wins (measured with bench/kernels.py linear on AVX2 and AVX512-BF16 machines).
+LINEAR_KERNEL_MAX_M = 16
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """y = x @ weight.T + bias, exactly torch.nn.functional.linear's semantics.
 
+    A QuantizedWeight runs pagewire::linear_q8_0 (x quantised per row to Q8 blocks on the fly,
+    integer block dot products, fp32 accumulation; the result is in x's dtype).
+
     CPU bf16 inputs with at most LINEAR_KERNEL_MAX_M rows (decode batches) and no autograd run the
-    pagewire AVX512-BF16 kernel (fp32 accumulation, one bf16 rounding); anything else is F.linear.
+    pagewire kernel of the CPU's instruction set (AVX512-BF16 or AVX2+FMA; fp32 accumulation, one
+    bf16 rounding); anything else, or a CPU with neither, is F.linear.
 
     Args:
         x: [..., K].
@@ -108,6 +149,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     Returns:
         [..., N] in x's dtype.
     """
+    if isinstance(weight, QuantizedWeight):
+        out = torch.ops.pagewire.linear_q8_0(x.reshape(-1, x.shape[-1]), weight.data, bias)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
     if (
         x.device.type == "cpu"
         and x.dtype == torch.bfloat16
@@ -124,6 +168,50 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         out = torch.ops.pagewire.linear(x.reshape(-1, x.shape[-1]), weight, bias)
         return out.reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x) * weight with transformers' rounding (CPU op).
+
+    Args: x [T, d] contiguous in d; weight [d], x's dtype. Returns a new [T, d] tensor.
+    """
+    return torch.ops.pagewire.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += delta in place (rounded to its dtype), then return RMSNorm(residual) * weight (CPU op).
+
+    Args: residual [T, d] (mutated); delta [T, d]; weight [d]; all one dtype, contiguous in d.
+    """
+    return torch.ops.pagewire.add_rms_norm(residual, delta, weight, eps)
+
+
+def rotary_embedding(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norm_weight: Optional[torch.Tensor] = None,
+    eps: float = 1e-6,
+) -> None:
+    """Rotate-half RoPE (HF Llama convention) of x in place (CPU op).
+
+    Args:
+        x: [T, heads, head_dim], any row/head strides with head_dim contiguous (e.g. the q and k
+            columns of a fused qkv output); overwritten.
+        positions: int64 [T], each in [0, cos.shape[0]).
+        cos, sin: float32 [max_positions, head_dim // 2] tables (RotaryEmbedding.cos/.sin; any
+            scaling such as llama3's is already in them).
+        norm_weight: [heads, head_dim] in x's dtype, or None. When given, each head is first
+            RMSNorm'ed over head_dim with its row (Qwen3's q_norm / k_norm).
+        eps: the norm's epsilon.
+    """
+    torch.ops.pagewire.rotary_embedding(x, positions, cos, sin, norm_weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Args: x [T, 2 * I] = cat(gate, up), contiguous in the last dim. Returns silu(gate) * up [T, I] (CPU op)."""
+    return torch.ops.pagewire.silu_and_mul(x)
 
 
 # Fake (meta) kernels: the in-place ops produce no new tensors, so shape propagation is trivial.
@@ -148,4 +236,41 @@ def _copy_blocks_fake(key_caches, value_caches, block_mapping) -> None:  # type:
 @torch.library.register_fake("pagewire::linear")
 def _linear_fake(x, weight, bias):  # type: ignore[no-untyped-def]
     torch._check(x.shape[-1] == weight.shape[1], lambda: "x and weight disagree on K")
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.register_fake("pagewire::rms_norm")
+def _rms_norm_fake(x, weight, eps):  # type: ignore[no-untyped-def]
+    return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("pagewire::add_rms_norm")
+def _add_rms_norm_fake(residual, delta, weight, eps):  # type: ignore[no-untyped-def]
+    return residual.new_empty(residual.shape)
+
+
+@torch.library.register_fake("pagewire::rotary_embedding")
+def _rotary_embedding_fake(x, positions, cos, sin, norm_weight, eps) -> None:  # type: ignore[no-untyped-def]
+    return None
+
+
+@torch.library.register_fake("pagewire::silu_and_mul")
+def _silu_and_mul_fake(x):  # type: ignore[no-untyped-def]
+    torch._check(x.shape[-1] % 2 == 0, lambda: "x's last dim must be even")
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+@torch.library.register_fake("pagewire::quantize_q8_0")
+def _quantize_q8_0_fake(weight):  # type: ignore[no-untyped-def]
+    return weight.new_empty((weight.shape[0], weight.shape[1] // 32 * 34), dtype=torch.uint8)
+
+
+@torch.library.register_fake("pagewire::dequantize_q8_0")
+def _dequantize_q8_0_fake(weight):  # type: ignore[no-untyped-def]
+    return weight.new_empty((weight.shape[0], weight.shape[1] // 34 * 32), dtype=torch.float32)
+
+
+@torch.library.register_fake("pagewire::linear_q8_0")
+def _linear_q8_0_fake(x, weight, bias):  # type: ignore[no-untyped-def]
+    torch._check(x.shape[-1] // 32 * 34 == weight.shape[1], lambda: "x and weight disagree on K")
     return x.new_empty((*x.shape[:-1], weight.shape[0]))

@@ -1,4 +1,6 @@
-"""Small numeric building blocks shared by the model files: RMSNorm and the SiLU-gated MLP activation.
+"""Small numeric building blocks shared by the model files: RMSNorm (with the residual add) and the
+SiLU-gated MLP activation, each routed to pagewire's fused C++ op on CPU and composed from torch
+ops elsewhere (or, for SiLU, on large CPU batches where torch's vectorised kernel wins).
 
 They are plain functions over tensors (no nn.Module), because the per-layer loop runs every engine
 step and each avoided Python call is overhead saved on every token.
@@ -7,6 +9,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from server.kernels import ops
+
+# CPU batches use the fused C++ silu_and_mul: with AVX2 (a vectorised exp) at any size (measured
+# 2x torch's SiLU + multiply at 1 and at 1024 tokens); on CPUs without it the op runs a libm expf
+# loop, which still saves an op per layer for decode batches but loses to torch's kernels beyond
+# FUSED_SILU_MAX_TOKENS.
+FUSED_SILU_MAX_TOKENS = 32
+_FUSED_SILU_ANY_SIZE = ops.detected_cpu_isa() != "portable"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -25,8 +36,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (xf * inv_rms).to(x.dtype)
 
 
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm of a [T, d] residual stream by weight [d]: one C++ op on CPU, rms_norm elsewhere."""
+    if x.device.type == "cpu":
+        return ops.rms_norm(x, weight, eps)
+    return rms_norm(x, weight, eps)
+
+
+def add_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += delta in place, then return rms_norm(residual, weight, eps); one C++ op on CPU.
+
+    Args: residual [T, d] (the residual stream, mutated); delta [T, d]; weight [d].
+    """
+    if residual.device.type == "cpu":
+        return ops.add_rms_norm(residual, delta, weight, eps)
+    residual.add_(delta)
+    return rms_norm(residual, weight, eps)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """Args: gate_up [T, 2 * I] = cat(gate, up). Returns silu(gate) * up, [T, I]."""
+    if gate_up.device.type == "cpu" and (_FUSED_SILU_ANY_SIZE or gate_up.shape[0] <= FUSED_SILU_MAX_TOKENS):
+        return ops.silu_and_mul(gate_up)
     half = gate_up.shape[-1] // 2
     out = F.silu(gate_up[:, :half])
     return out.mul_(gate_up[:, half:])

@@ -16,9 +16,10 @@ from torch import nn
 
 from server.models.attention import AttentionMetadata
 from server.models.config import ModelConfig
-from server.models.layers import rms_norm, silu_and_mul
-from server.models.rope import RotaryEmbedding
+from server.models.layers import add_norm, norm, silu_and_mul
+from server.models.rope import RopeBatch, RotaryEmbedding
 from server.kernels.ops import linear, paged_attention, write_kv_cache
+from server.kernels.quant import QUANTIZATIONS, QuantizedWeight
 
 
 class WeightTarget(NamedTuple):
@@ -54,37 +55,45 @@ class LlamaDecoderLayer(nn.Module):
 
         H, I, qkv = c.hidden_size, c.intermediate_size, c.q_size + 2 * c.kv_size
         self.input_norm = _param((H,), dtype, device)
-        self.qkv_weight = _param((qkv, H), dtype, device)
+        # The four matrices may be replaced by QuantizedWeight (quantize_weights) after loading.
+        self.qkv_weight: torch.Tensor | QuantizedWeight = _param((qkv, H), dtype, device)
         self.qkv_bias = _param((qkv,), dtype, device) if c.qkv_bias else None
         self.qk_norm = _param((c.num_heads + c.num_kv_heads, c.head_dim), dtype, device) if c.qk_norm else None
-        self.o_weight = _param((H, c.q_size), dtype, device)
+        self.o_weight: torch.Tensor | QuantizedWeight = _param((H, c.q_size), dtype, device)
         self.o_bias = _param((H,), dtype, device) if c.o_bias else None
         self.post_norm = _param((H,), dtype, device)
-        self.gate_up_weight = _param((2 * I, H), dtype, device)
+        self.gate_up_weight: torch.Tensor | QuantizedWeight = _param((2 * I, H), dtype, device)
         self.gate_up_bias = _param((2 * I,), dtype, device) if c.mlp_bias else None
-        self.down_weight = _param((H, I), dtype, device)
+        self.down_weight: torch.Tensor | QuantizedWeight = _param((H, I), dtype, device)
         self.down_bias = _param((H,), dtype, device) if c.mlp_bias else None
 
     def forward(
         self,
         hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        delta: torch.Tensor | None,
+        rope: RotaryEmbedding,
+        rope_batch: RopeBatch,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Args: hidden [T, H] (the residual stream, updated in place and returned); cos/sin [T, 1, d/2]."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Args: hidden [T, H], the residual stream (updated in place); delta [T, H], the previous
+        layer's MLP output not yet added to it (None for the first layer).
+
+        Returns (hidden, this layer's MLP output): the add is left to the next norm, which fuses it.
+        """
         T = hidden.shape[0]
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
 
-        x = rms_norm(hidden, self.input_norm, self.eps)
+        if delta is None:
+            x = norm(hidden, self.input_norm, self.eps)
+        else:
+            x = add_norm(hidden, delta, self.input_norm, self.eps)
         qkv = linear(x, self.qkv_weight, self.qkv_bias)  # [T, q + 2 kv]
-        # q and k are adjacent in qkv, so norm and RoPE treat them as nh + nkv heads in one pass.
+        # q and k are adjacent in qkv, so norm and RoPE treat them as nh + nkv heads in one pass,
+        # in place (query and key stay strided views of qkv; the attention ops take strides).
         qk = qkv[:, : self.q_size + self.kv_size].view(T, nh + nkv, d)
-        if self.qk_norm is not None:
-            qk = rms_norm(qk, self.qk_norm, self.eps)
-        qk = RotaryEmbedding.apply(qk, cos, sin)  # contiguous [T, nh + nkv, d]
+        rope.rotate_(qk, rope_batch, self.qk_norm, self.eps)
         query = qk[:, :nh]
         key = qk[:, nh:]
         value = qkv[:, self.q_size + self.kv_size :].view(T, nkv, d)
@@ -104,18 +113,25 @@ class LlamaDecoderLayer(nn.Module):
             meta.max_query_len,
             meta.max_seq_len,
         )
-        hidden.add_(linear(attn.view(T, self.q_size), self.o_weight, self.o_bias))
-
-        x = rms_norm(hidden, self.post_norm, self.eps)
+        x = add_norm(hidden, linear(attn.view(T, self.q_size), self.o_weight, self.o_bias), self.post_norm, self.eps)
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
-        hidden.add_(linear(silu_and_mul(gate_up), self.down_weight, self.down_bias))
-        return hidden
+        return hidden, linear(silu_and_mul(gate_up), self.down_weight, self.down_bias)
+
+    MATRICES = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+
+    def quantize_weights(self, qtype: str) -> None:
+        """Replace the four matrices by QuantizedWeight(qtype) (biases and norms stay as they are)."""
+        for name in self.MATRICES:
+            _replace_with_quantized(self, name, qtype)
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, WeightTarget]:
         """HF tensor names under `prefix` (e.g. "model.layers.3.") mapped to slices of the fused parameters."""
         q, kv, d, nh = self.q_size, self.kv_size, self.head_dim, self.num_heads
+        assert isinstance(self.qkv_weight, torch.Tensor), "checkpoint_tensors: the layer is already quantised"
         I2, H = self.gate_up_weight.shape
         I = I2 // 2
+        assert isinstance(self.o_weight, torch.Tensor) and isinstance(self.down_weight, torch.Tensor)
+        assert isinstance(self.gate_up_weight, torch.Tensor)
         a, m = prefix + "self_attn.", prefix + "mlp."
         t: dict[str, WeightTarget] = {
             prefix + "input_layernorm.weight": WeightTarget(self.input_norm, (H,)),
@@ -174,7 +190,9 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.norm = _param((c.hidden_size,), dtype, dev)
         tied = c.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
         # Tied checkpoints store one matrix; the output projection reuses the embedding table.
-        self.lm_head = self.embed_tokens if tied else _param((c.vocab_size, c.hidden_size), dtype, dev)
+        self.lm_head: torch.Tensor | QuantizedWeight = (
+            self.embed_tokens if tied else _param((c.vocab_size, c.hidden_size), dtype, dev)
+        )
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dev)
         # Plain list for the hot loop: iterating nn.ModuleList and calling modules via __call__
         # costs hook checks on every layer of every step.
@@ -211,15 +229,31 @@ class LlamaFamilyForCausalLM(nn.Module):
         if len(kv_caches) != len(self._layers):
             raise ValueError(f"kv_caches: expected {len(self._layers)} (key, value) pairs, got {len(kv_caches)}")
         hidden = F.embedding(input_ids, self.embed_tokens)
-        cos, sin = self.rope.lookup(positions, self.dtype)
+        rope_batch = self.rope.prepare(positions, self.dtype)
+        delta: torch.Tensor | None = None
         for layer, (key_cache, value_cache) in zip(self._layers, kv_caches):
-            hidden = layer.forward(hidden, cos, sin, key_cache, value_cache, meta)
-        return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+            hidden, delta = layer.forward(hidden, delta, self.rope, rope_batch, key_cache, value_cache, meta)
+        eps = self.config.rms_norm_eps
+        return norm(hidden, self.norm, eps) if delta is None else add_norm(hidden, delta, self.norm, eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Args: hidden [S, hidden_size] rows from forward(). Returns float32 logits [S, vocab_size]."""
         return linear(hidden, self.lm_head).float()
+
+    def quantize_weights(self, quantization: str) -> None:
+        """Keep every decoder matrix and the output projection quantised (`quantization` is a key
+        of QUANTIZATIONS, e.g. "int8" -> GGUF Q8_0 blocks). The embedding table stays in the model
+        dtype (only the rows of this step's tokens are read); a tied lm_head gets its own
+        quantised copy, since projecting reads the whole matrix every step."""
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+        if self.device.type != "cpu":
+            raise ValueError(f"quantization: {quantization!r} runs on CPU only, the model is on {self.device}")
+        qtype = QUANTIZATIONS[quantization]
+        for layer in self._layers:
+            layer.quantize_weights(qtype)
+        _replace_with_quantized(self, "lm_head", qtype)
 
     def tie_lm_head(self) -> None:
         """Drop the separate lm_head and project with the embedding table (frees vocab x hidden)."""
@@ -233,8 +267,21 @@ class LlamaFamilyForCausalLM(nn.Module):
             "model.norm.weight": WeightTarget(self.norm, (c.hidden_size,)),
         }
         if self.lm_head is not self.embed_tokens:
+            assert isinstance(self.lm_head, torch.Tensor), "checkpoint_tensors: the model is already quantised"
             targets["lm_head.weight"] = WeightTarget(self.lm_head, (c.vocab_size, c.hidden_size))
         for i, layer in enumerate(self._layers):
             targets.update(layer.checkpoint_tensors(f"model.layers.{i}."))
         return targets
 
+
+
+def _replace_with_quantized(module: nn.Module, name: str, qtype: str) -> None:
+    """module.<name> (a parameter, or an attribute aliasing one) becomes its QuantizedWeight."""
+    weight = getattr(module, name)
+    if isinstance(weight, QuantizedWeight):
+        return
+    quantized = QuantizedWeight.quantize(weight, qtype)
+    # A registered parameter can only be reassigned to a Parameter: unregister it first, so the
+    # quantised container becomes a plain attribute and the float matrix is freed.
+    module._parameters.pop(name, None)
+    setattr(module, name, quantized)

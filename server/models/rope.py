@@ -6,11 +6,13 @@ operation for operation, so that our positions rotate exactly as the checkpoint 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
+from server.kernels import ops
 from server.models.config import RopeScaling
+from server.models.layers import rms_norm
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling]) -> torch.Tensor:
@@ -39,11 +41,23 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling]) -
     raise ValueError(f"rope_type {scaling.rope_type!r} is not supported")
 
 
+class RopeBatch(NamedTuple):
+    """One forward's rotation inputs (from RotaryEmbedding.prepare): positions int64 [T], and on
+    devices without the fused op the gathered cos/sin [T, 1, head_dim // 2] in the model dtype."""
+
+    positions: torch.Tensor
+    cos: Optional[torch.Tensor]
+    sin: Optional[torch.Tensor]
+
+
 class RotaryEmbedding:
     """cos/sin tables [max_positions, head_dim // 2] in fp32 on `device`.
 
-    Usage per forward: `cos, sin = rope.lookup(positions, dtype)` once, then `rope.apply(x, cos, sin)`
-    for each layer, so the table gather is paid once per step rather than once per layer.
+    Usage per forward: `batch = rope.prepare(positions, dtype)` once, then `rope.rotate_(x, batch)`
+    for each layer. On CPU that is one fused C++ op per layer reading the tables directly
+    (measured 0.009 ms vs 0.088 ms for one token, 1.9 ms vs 3.3 ms for 1024 tokens x 20 heads x 64,
+    against the torch kernels); elsewhere the table gather is paid once per step (in prepare) and
+    `apply` rotates with torch ops.
     """
 
     def __init__(
@@ -72,6 +86,26 @@ class RotaryEmbedding:
         cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)
         sin = self.sin.index_select(0, positions).to(dtype).unsqueeze(1)
         return cos, sin
+
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeBatch:
+        """Args: positions int64 [T] (each < max_positions). Returns the batch that rotate_ reads."""
+        if positions.device.type == "cpu":
+            return RopeBatch(positions, None, None)
+        cos, sin = self.lookup(positions, dtype)
+        return RopeBatch(positions, cos, sin)
+
+    def rotate_(
+        self, x: torch.Tensor, batch: RopeBatch, norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6
+    ) -> None:
+        """Rotate x [T, n, head_dim] in place (any row/head strides, head_dim contiguous).
+
+        With norm_weight [n, head_dim], each head is first RMSNorm'ed over head_dim (Qwen3's q/k norm).
+        """
+        if batch.cos is None or batch.sin is None:
+            ops.rotary_embedding(x, batch.positions, self.cos, self.sin, norm_weight, eps)
+            return
+        src = rms_norm(x, norm_weight, eps) if norm_weight is not None else x
+        x.copy_(RotaryEmbedding.apply(src, batch.cos, batch.sin))
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

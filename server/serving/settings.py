@@ -75,6 +75,7 @@ class ServeSettings:
     num_threads: int = _ENGINE_DEFAULTS["num_threads"]
     seed: int = _ENGINE_DEFAULTS["seed"]
     device: str = _ENGINE_DEFAULTS["device"]
+    quantization: str = _ENGINE_DEFAULTS["quantization"]
 
     def engine_config(self, model_dir: str) -> EngineConfig:
         kw = {o.name: getattr(self, o.name) for o in OPTIONS if o.engine}
@@ -143,6 +144,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("num_threads", int, "intra-op CPU threads (0 = torch's default)", engine=True),
     Option("seed", int, "base seed for unseeded sampling", engine=True),
     Option("device", str, "cpu or cuda", engine=True),
+    Option("quantization", str, "none or int8 (weights kept as Q8_0 blocks, quantised at load; CPU)", engine=True),
 )
 
 

@@ -17,10 +17,11 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.double() - ref).abs().max() / ref.abs().max()).item()
 
 
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 12, 13, 40])
-@pytest.mark.parametrize("N,K", [(64, 64), (1001, 96), (24, 1000), (512, 2048)])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 12, 13, 16, 40])
+@pytest.mark.parametrize("N,K", [(64, 64), (1001, 96), (24, 1000), (512, 2048), (7, 8)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_bf16_matches_float64_reference(M: int, N: int, K: int, with_bias: bool) -> None:
+def test_bf16_matches_float64_reference(cpu_isa: str, M: int, N: int, K: int, with_bias: bool) -> None:
+    """Every kernel family this CPU has (and the torch fallback, "portable"), odd N and K tails included."""
     gen = torch.Generator().manual_seed(M * 7 + N + K)
     x = torch.randn((M, K), generator=gen).bfloat16()
     w = (torch.randn((N, K), generator=gen) / K**0.5).bfloat16()
@@ -32,7 +33,7 @@ def test_bf16_matches_float64_reference(M: int, N: int, K: int, with_bias: bool)
     assert rel_err(y, ref) <= max(1e-2, 1.5 * rel_err(F.linear(x, w, b), ref))
 
 
-def test_kernel_op_directly_including_strided_rows() -> None:
+def test_kernel_op_directly_including_strided_rows(cpu_isa: str) -> None:
     gen = torch.Generator().manual_seed(0)
     big = torch.randn((3, 200), generator=gen).bfloat16()
     x = big[:, 8:136]  # rows 200 apart, 128 contiguous columns
@@ -87,3 +88,29 @@ def test_opcheck_linear() -> None:
     b = torch.randn((16,), generator=gen).bfloat16()
     torch.library.opcheck(torch.ops.pagewire.linear.default, (x, w, b))
     torch.library.opcheck(torch.ops.pagewire.linear.default, (x, w, None))
+
+
+def test_cpu_dispatch_is_reported() -> None:
+    """The detected family follows from the CPUID flags, and the env cap only ever lowers it."""
+    f = ops.cpu_features()
+    best = server_C_detected()
+    if f["avx512f"] and f["avx512bw"] and f["avx512vl"] and f["avx512bf16"] and f["fma"]:
+        assert best == "avx512bf16"
+    elif f["avx2"] and f["fma"] and f["f16c"]:
+        assert best == "avx2"
+    else:
+        assert best == "portable"
+
+
+def server_C_detected() -> str:
+    import server._C
+
+    return str(server._C.detected_cpu_isa())
+
+
+def test_isa_cap_cannot_raise_the_family(monkeypatch: pytest.MonkeyPatch) -> None:
+    best = server_C_detected()
+    monkeypatch.setenv("PAGEWIRE_CPU_ISA", "avx512bf16")
+    assert ops.cpu_isa() == best
+    monkeypatch.setenv("PAGEWIRE_CPU_ISA", "portable")
+    assert ops.cpu_isa() == "portable"

@@ -1,0 +1,156 @@
+"""One decode step of a random-weight model, split into its GEMM time and everything else.
+
+For batch sizes B (default 1 and 8), each sequence holding --context cached tokens, it times a full
+decode step (forward + lm_head logits; best of --repeats), then the step's parts separately:
+  * GEMMs alone: exactly the step's linear calls (same weights, shapes and order, recorded from
+    one step) replayed back to back;
+  * non-GEMM alone: the same step with every linear call answered instantly by the output it
+    recorded, leaving norms, RoPE, attention, KV writes, activations and all per-op overhead.
+Each part is short, so its best-of time is far less disturbed by other processes on a shared
+machine than the full step's; the non-GEMM share is non-GEMM / (GEMMs + non-GEMM).
+It also prints tokens/s, weight bytes read per step and MBU = (weight + KV bytes read per step) /
+step time / read bandwidth (bench/bandwidth.py, measured in the same run).
+
+Example:
+    .venv/bin/python -m bench.decode_step --shape llama-246m --batch 1 8 [--quantization int8]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+import server.models.llama as llama_mod
+from bench.bandwidth import read_bandwidth_gbs
+from bench.shapes import SHAPES, is_built, make_random_model, model_dir_for
+from server.kernels import ops
+from server.models.attention import AttentionMetadata
+from server.models.loader import load_model
+
+
+def best_and_median(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times), statistics.median(times)
+
+
+def decode_batch(model: Any, batch: int, context: int, block_size: int = 16) -> tuple[Any, ...]:
+    """Inputs of one decode step: `batch` sequences, each with `context` tokens already cached."""
+    blocks_per_seq = context // block_size + 1
+    shape = model.kv_cache_shape(batch * blocks_per_seq, block_size)
+    kv = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+          for _ in range(model.config.num_layers)]
+    tables = torch.arange(batch * blocks_per_seq, dtype=torch.int32).view(batch, blocks_per_seq)
+    pos = context  # the new token's position
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([int(tables[s, pos // block_size]) * block_size + pos % block_size
+                                   for s in range(batch)], dtype=torch.int64),
+        block_tables=tables,
+        seq_lens=torch.full((batch,), context + 1, dtype=torch.int32),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
+        max_query_len=1,
+        max_seq_len=context + 1,
+    )
+    ids = torch.randint(16, model.config.vocab_size, (batch,))
+    positions = torch.full((batch,), pos, dtype=torch.int64)
+    return ids, positions, kv, meta
+
+
+def weight_bytes(w: Any) -> int:
+    return int(w.nbytes) if not isinstance(w, torch.Tensor) else w.numel() * w.element_size()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="llama-246m", choices=sorted(SHAPES))
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", default="none", choices=["none", "int8"])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--context", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's default)")
+    a = p.parse_args()
+    if a.threads > 0:
+        torch.set_num_threads(a.threads)
+
+    model_dir = model_dir_for(a.shape, a.dtype)
+    if not is_built(model_dir, a.shape, a.dtype):
+        make_random_model(a.shape, model_dir, a.dtype)
+    model, config = load_model(model_dir, a.dtype)
+    if a.quantization != "none":
+        model.quantize_weights(a.quantization)
+    bw = read_bandwidth_gbs()
+    print(f"{a.shape} {a.dtype} quantization={a.quantization}  CPU kernels: {getattr(ops, 'cpu_isa', lambda: '?')()}  "
+          f"threads {torch.get_num_threads()}  read bandwidth {bw:.1f} GB/s  load average {os.getloadavg()[0]:.2f}")
+
+    step_one: dict[int, float] = {}
+    for batch in a.batch:
+        ids, positions, kv, meta = decode_batch(model, batch, a.context)
+
+        def step() -> None:
+            hidden = model(ids, positions, kv, meta)
+            model.compute_logits(hidden)
+
+        # Record the step's linear calls: (x shape, weight, bias), in order.
+        calls: list[tuple[torch.Size, Any, Any]] = []
+        outputs: list[torch.Tensor] = []
+        real_linear = llama_mod.linear
+
+        def recording(x: torch.Tensor, w: Any, b: Any = None) -> torch.Tensor:
+            calls.append((x.shape, w, b))
+            outputs.append(real_linear(x, w, b))
+            return outputs[-1]
+
+        replay = iter(range(1 << 60))
+
+        def replaying(x: torch.Tensor, w: Any, b: Any = None) -> torch.Tensor:
+            return outputs[next(replay) % len(outputs)]
+
+        def non_gemm() -> None:
+            llama_mod.linear = replaying  # type: ignore[assignment]
+            try:
+                step()
+            finally:
+                llama_mod.linear = real_linear  # type: ignore[assignment]
+
+        llama_mod.linear = recording  # type: ignore[assignment]
+        try:
+            step()
+        finally:
+            llama_mod.linear = real_linear  # type: ignore[assignment]
+        xs = [torch.randn(shape).to(model.dtype) for shape, _, _ in calls]
+
+        def gemms() -> None:
+            for x, (_, w, b) in zip(xs, calls):
+                real_linear(x, w, b)
+
+        with torch.inference_mode():
+            t_step, m_step = best_and_median(step, a.repeats)
+            t_gemm, m_gemm = best_and_median(gemms, a.repeats)
+            # Short (milliseconds): many more tries to find an undisturbed one on a loaded machine.
+            t_other, m_other = best_and_median(non_gemm, 10 * a.repeats)
+        if batch == 1:
+            step_one[1] = t_step
+        wbytes = sum(weight_bytes(w) for _, w, _ in calls)
+        kv_bytes = batch * (a.context + 1) * model.kv_cache_bytes_per_token()
+        mbu = (wbytes + kv_bytes) / t_step / (bw * 1e9)
+        rel = f"  step / batch-1 step {t_step / step_one[1]:.2f}x" if 1 in step_one else ""
+        print(f"batch {batch:3d}: step {t_step * 1e3:7.2f} ms (median {m_step * 1e3:7.2f})  GEMMs alone "
+              f"{t_gemm * 1e3:7.2f} ms  non-GEMM alone {t_other * 1e3:6.2f} ms "
+              f"({t_other / (t_gemm + t_other) * 100:4.1f}% of GEMMs + non-GEMM)  {batch / t_step:7.1f} tok/s  "
+              f"weights {wbytes / 1e6:6.1f} MB + KV {kv_bytes / 1e6:5.1f} MB per step  MBU {mbu * 100:4.1f}% "
+              f"(GEMMs alone: {wbytes / t_gemm / (bw * 1e9) * 100:4.1f}%){rel}  "
+              f"load average {os.getloadavg()[0]:.2f}")
+    del config
+
+
+if __name__ == "__main__":
+    main()

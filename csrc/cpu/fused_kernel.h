@@ -1,0 +1,14 @@
+// The torch-free interface of the ISA-specific fused-op bodies (fused_avx2.cpp); call them only
+// when cpu::active_isa() (cpu_features.h) is at least Isa::kAvx2.
+#pragma once
+
+#include <cstdint>
+
+namespace pagewire::cpu {
+
+// out[t][j] = silu(x[t][j]) * x[t][I + j] for T rows of x (row stride ldx), rounded as
+// transformers does (bf16: silu rounded to bf16 before the multiply). out: [T, I] contiguous.
+void silu_and_mul_bf16_avx2(const uint16_t* x, int64_t ldx, uint16_t* out, int64_t T, int64_t I);
+void silu_and_mul_f32_avx2(const float* x, int64_t ldx, float* out, int64_t T, int64_t I);
+
+}  // namespace pagewire::cpu

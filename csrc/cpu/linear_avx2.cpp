@@ -1,0 +1,153 @@
+// Small-batch bf16 GEMV/GEMM for CPU decode on AVX2+FMA (x [M, K] @ w[N, K]^T, M up to ~16),
+// for CPUs without AVX512-BF16 (Zen 2/3, Haswell to Alder Lake). Bandwidth-bound by design: each
+// weight cache line is read from memory once and reused by every row of x from L1.
+//
+// bf16 -> fp32 costs one integer op per 8 weights: a 256-bit load of 16 bf16 values gives the
+// even-indexed ones by a 16-bit left shift and the odd-indexed ones by masking off the low half.
+// x is converted to fp32 once per call in the same even/odd order, so every FMA pairs matching
+// elements; the dot product doesn't care about the order in which it sums.
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+// Headers first: inline functions they define must keep the baseline ISA.
+#include "linear_kernel.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+namespace pagewire::cpu {
+namespace {
+
+constexpr int kPrefetchRows = 8;  // weight rows ahead of the loads (a couple of blocks)
+
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN stays NaN (torch's rule)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// x rows converted to fp32: the first K16 = K & ~15 values of each row in even/odd order per
+// 16-chunk (x[0], x[2], .., x[14], x[1], x[3], .., x[15]), the K - K16 tail values as they are.
+void prepare_x(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, float* xf) {
+  const int64_t K16 = K & ~int64_t{15};
+  const __m256i lo_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* xr = x + m * ldx;
+    float* out = xf + m * K;
+    for (int64_t k = 0; k < K16; k += 16) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + k));
+      _mm256_storeu_ps(out + k, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+      _mm256_storeu_ps(out + k + 8, _mm256_castsi256_ps(_mm256_and_si256(v, lo_mask)));
+    }
+    for (int64_t k = K16; k < K; ++k) out[k] = bf16_to_float(xr[k]);
+  }
+}
+
+// MB rows of x (fp32, prepared) against NR weight rows: MB * NR fp32 accumulators; each weight
+// vector is widened once and used by all MB rows, each x vector is loaded once per 16 k and used
+// by all NR weight rows. MB = 2, NR = 4 needs 8 accumulators + 4 x + 2 weight registers of 16.
+template <int MB, int NR>
+inline void block(const float* xf, const uint16_t* w, int64_t K, const uint16_t* bias, uint16_t* out, int64_t ldo,
+                  bool prefetch) {
+  const int64_t K16 = K & ~int64_t{15};
+  const __m256i lo_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  __m256 acc[MB][NR];
+  for (int m = 0; m < MB; ++m) {
+    for (int i = 0; i < NR; ++i) acc[m][i] = _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < K16; k += 16) {
+    __m256 xe[MB], xo[MB];
+    for (int m = 0; m < MB; ++m) {
+      xe[m] = _mm256_loadu_ps(xf + m * K + k);
+      xo[m] = _mm256_loadu_ps(xf + m * K + k + 8);
+    }
+    for (int i = 0; i < NR; ++i) {
+      const uint16_t* wr = w + i * K + k;
+      // One prefetch per 64-byte line, kPrefetchRows rows ahead: the hardware prefetcher tracks
+      // only so many streams, and NR rows are NR streams.
+      if (prefetch && (k & 31) == 0) _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetchRows * K), _MM_HINT_T0);
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr));
+      const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, lo_mask));
+      for (int m = 0; m < MB; ++m) {
+        acc[m][i] = _mm256_fmadd_ps(xe[m], we, acc[m][i]);
+        acc[m][i] = _mm256_fmadd_ps(xo[m], wo, acc[m][i]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    for (int i = 0; i < NR; ++i) {
+      float s = hsum(acc[m][i]);
+      for (int64_t k = K16; k < K; ++k) s += xf[m * K + k] * bf16_to_float(w[i * K + k]);
+      if (bias != nullptr) s += bf16_to_float(bias[i]);
+      out[m * ldo + i] = float_to_bf16(s);
+    }
+  }
+}
+
+// All M rows of x against NR weight rows: pairs of x rows (the weight rows stay in L1 between
+// passes), then a last single row when M is odd.
+template <int NR>
+inline void rows_block(const float* xf, const uint16_t* w, int64_t K, const uint16_t* bias, uint16_t* out,
+                       int64_t ldo, int64_t M) {
+  int64_t m = 0;
+  for (; m + 2 <= M; m += 2) block<2, NR>(xf + m * K, w, K, bias, out + m * ldo, ldo, m == 0);
+  if (m < M) block<1, NR>(xf + m * K, w, K, bias, out + m * ldo, ldo, m == 0);
+}
+
+template <int NR>
+void run_blocks(const float* xf, const uint16_t* w, const uint16_t* bias, uint16_t* out, int64_t ldo, int64_t M,
+                int64_t N, int64_t K) {
+  const int64_t blocks = N / NR;
+  // Static schedule: each thread streams one contiguous slice of the weight, which the hardware
+  // prefetcher follows; blocks cost the same, so nothing is gained by dynamic scheduling.
+#pragma omp parallel for schedule(static) if (blocks * K * M >= 65536)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t n = b * NR;
+    rows_block<NR>(xf, w + n * K, K, bias ? bias + n : nullptr, out + n, ldo, M);
+  }
+  for (int64_t n = blocks * NR; n < N; ++n) {  // the last N % NR rows
+    rows_block<1>(xf, w + n * K, K, bias ? bias + n : nullptr, out + n, ldo, M);
+  }
+}
+
+}  // namespace
+
+void linear_bf16_avx2(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias, uint16_t* out,
+                      int64_t ldo, int64_t M, int64_t N, int64_t K) {
+  // Per calling thread (the engine thread), reused across calls: no allocation per decode step.
+  thread_local std::vector<float> scratch;
+  if (static_cast<int64_t>(scratch.size()) < M * K) scratch.resize(M * K);
+  prepare_x(x, ldx, M, K, scratch.data());
+  // One row of x has few FMAs per weight vector: 8 weight rows per block keep more loads in flight.
+  if (M == 1) {
+    run_blocks<8>(scratch.data(), w, bias, out, ldo, M, N, K);
+  } else {
+    run_blocks<4>(scratch.data(), w, bias, out, ldo, M, N, K);
+  }
+}
+
+}  // namespace pagewire::cpu
+
+#pragma GCC pop_options

@@ -1,0 +1,167 @@
+// The Q8_0 quantised-weight CPU ops (layout in quant_kernel.h, GGUF's Q8_0 byte for byte):
+// quantize_q8_0 (weights at load, GGUF's rounding), dequantize_q8_0 (tests, fallbacks), and
+// linear_q8_0: x @ dequant(w)^T (+ bias) with x quantised per row on the fly, through the AVX2
+// kernel when the CPU has it and the portable one otherwise. Large batches (prefill) dequantise
+// the weight and run ATen's GEMM, which is compute-bound there rather than bandwidth-bound.
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "../ops.h"
+#include "cpu_features.h"
+#include "quant_kernel.h"
+
+namespace pagewire {
+namespace cpu {
+
+void quantize_rows_q8(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* d) {
+  const int64_t nb = K / kQ8Block;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* v = x + m * ldx + b * kQ8Block;
+      float amax = 0.f;
+      for (int j = 0; j < kQ8Block; ++j) amax = std::max(amax, std::fabs(v[j]));
+      const float scale = amax / 127.f;
+      const float inv = scale != 0.f ? 1.f / scale : 0.f;
+      int8_t* qo = q + m * K + b * kQ8Block;
+      for (int j = 0; j < kQ8Block; ++j) qo[j] = static_cast<int8_t>(std::round(v[j] * inv));
+      d[m * nb + b] = scale;
+    }
+  }
+}
+
+void linear_q8_0_portable(const Q8Activations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
+                          int64_t N) {
+  const int64_t nb = x.K / kQ8Block, row_bytes = nb * kQ8BlockBytes;
+#pragma omp parallel for schedule(static) if (N * x.K * x.M >= 65536)
+  for (int64_t n = 0; n < N; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    for (int64_t m = 0; m < x.M; ++m) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        uint16_t dh;
+        std::memcpy(&dh, wr + b * kQ8BlockBytes, 2);
+        const int8_t* wq = reinterpret_cast<const int8_t*>(wr + b * kQ8BlockBytes + 2);
+        const int8_t* xq = x.q + m * x.K + b * kQ8Block;
+        int32_t dot = 0;
+        for (int j = 0; j < kQ8Block; ++j) dot += static_cast<int32_t>(wq[j]) * static_cast<int32_t>(xq[j]);
+        acc += static_cast<float>(dot) * (fp16_to_float(dh) * x.d[m * nb + b]);
+      }
+      out[m * ldo + n] = acc + (bias != nullptr ? bias[n] : 0.f);
+    }
+  }
+}
+
+}  // namespace cpu
+
+namespace {
+
+// The K that a Q8_0 weight of shape [N, row_bytes] holds, checked against x's K.
+void check_q8_weight(const at::Tensor& weight, int64_t K) {
+  TORCH_CHECK(weight.device().is_cpu(), "weight must be a CPU tensor, got ", weight.device());
+  TORCH_CHECK(weight.scalar_type() == at::kByte, "weight must be uint8 Q8_0 blocks, got ", weight.scalar_type());
+  TORCH_CHECK(weight.dim() == 2, "weight must be [N, K / 32 * 34] Q8_0 bytes, got shape ", weight.sizes());
+  TORCH_CHECK(K % cpu::kQ8Block == 0, "K must be a multiple of 32 for Q8_0, got ", K);
+  TORCH_CHECK(weight.size(1) == K / cpu::kQ8Block * cpu::kQ8BlockBytes, "weight must be [N, ",
+              K / cpu::kQ8Block * cpu::kQ8BlockBytes, "] Q8_0 bytes for K = ", K, ", got shape ", weight.sizes());
+}
+
+}  // namespace
+
+at::Tensor quantize_q8_0_cpu(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu(), "weight must be a CPU tensor, got ", weight.device());
+  TORCH_CHECK(weight.dim() == 2, "weight must be [N, K], got shape ", weight.sizes());
+  TORCH_CHECK(at::isFloatingType(weight.scalar_type()), "weight must be floating point, got ", weight.scalar_type());
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(K % cpu::kQ8Block == 0, "weight K = ", K, " must be a multiple of 32 for Q8_0");
+  const at::Tensor wf = weight.to(at::kFloat).contiguous();
+  const int64_t nb = K / cpu::kQ8Block;
+  at::Tensor out = at::empty({N, nb * cpu::kQ8BlockBytes}, weight.options().dtype(at::kByte));
+  const float* src = wf.data_ptr<float>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+#pragma omp parallel for schedule(static) if (N * K >= (1 << 16))
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* v = src + n * K + b * cpu::kQ8Block;
+      uint8_t* blk = dst + (n * nb + b) * cpu::kQ8BlockBytes;
+      float amax = 0.f;
+      for (int j = 0; j < cpu::kQ8Block; ++j) amax = std::max(amax, std::fabs(v[j]));
+      // GGUF's quantize_row_q8_0_ref: scale from the fp32 amax, values divided by the unrounded
+      // scale and rounded half away from zero, the scale stored as fp16.
+      const float d = amax / 127.f;
+      const float inv = d != 0.f ? 1.f / d : 0.f;
+      const uint16_t dh = c10::Half(d).x;
+      std::memcpy(blk, &dh, 2);
+      for (int j = 0; j < cpu::kQ8Block; ++j) blk[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(std::round(v[j] * inv)));
+    }
+  }
+  return out;
+}
+
+at::Tensor dequantize_q8_0_cpu(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) % cpu::kQ8BlockBytes == 0,
+              "weight must be [N, K / 32 * 34] Q8_0 bytes, got shape ", weight.sizes());
+  const int64_t N = weight.size(0), nb = weight.size(1) / cpu::kQ8BlockBytes, K = nb * cpu::kQ8Block;
+  check_q8_weight(weight, K);
+  const at::Tensor wc = weight.contiguous();
+  at::Tensor out = at::empty({N, K}, weight.options().dtype(at::kFloat));
+  const uint8_t* src = wc.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+#pragma omp parallel for schedule(static) if (N * K >= (1 << 16))
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = src + (n * nb + b) * cpu::kQ8BlockBytes;
+      uint16_t dh;
+      std::memcpy(&dh, blk, 2);
+      const float d = cpu::fp16_to_float(dh);
+      for (int j = 0; j < cpu::kQ8Block; ++j) {
+        dst[n * K + b * cpu::kQ8Block + j] = d * static_cast<float>(static_cast<int8_t>(blk[2 + j]));
+      }
+    }
+  }
+  return out;
+}
+
+at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu(), "x must be a CPU tensor, got ", x.device());
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K], got shape ", x.sizes());
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "x must be floating point, got ", x.scalar_type());
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  check_q8_weight(weight, K);
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == N, "bias must be a CPU [N] tensor, N = ",
+                N, ", got shape ", bias->sizes());
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type(), "bias dtype ", bias->scalar_type(), " must equal x dtype ",
+                x.scalar_type());
+  }
+  if (M > kQ8KernelMaxRows) {
+    // Prefill: the GEMM is compute-bound, where ATen's blocked kernels win; dequantising costs
+    // one pass over the weight.
+    return at::linear(x, dequantize_q8_0_cpu(weight).to(x.scalar_type()), bias);
+  }
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return out.to(x.scalar_type());
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor wc = weight.contiguous();
+  const at::Tensor bf = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  // Per calling thread (the engine thread), reused across calls: no allocation per decode step.
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xd;
+  if (static_cast<int64_t>(xq.size()) < M * K) xq.resize(M * K);
+  if (static_cast<int64_t>(xd.size()) < M * K / cpu::kQ8Block) xd.resize(M * K / cpu::kQ8Block);
+  cpu::quantize_rows_q8(xf.data_ptr<float>(), K, M, K, xq.data(), xd.data());
+  const cpu::Q8Activations act{xq.data(), xd.data(), M, K};
+  const auto kernel = cpu::active_isa() == cpu::Isa::kPortable ? cpu::linear_q8_0_portable : cpu::linear_q8_0_avx2;
+  kernel(act, wc.data_ptr<uint8_t>(), has_bias ? bf.data_ptr<float>() : nullptr, out.data_ptr<float>(), N, N);
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+}  // namespace pagewire

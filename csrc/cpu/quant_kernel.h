@@ -1,0 +1,57 @@
+// The torch-free interface of the quantised-weight linear kernels (linear_q8.cpp portable,
+// linear_q8_avx2.cpp). Weight layout is GGUF's Q8_0, byte for byte: each row of K values is K / 32
+// blocks of 34 bytes, {fp16 scale d (little-endian), int8 q[32]}, value = d * q. A Q8_0 tensor
+// read from a GGUF file ([N rows][K/32 blocks]) can therefore be used as it is.
+#pragma once
+
+#include <cstdint>
+
+namespace pagewire::cpu {
+
+constexpr int kQ8Block = 32;       // values per block
+constexpr int kQ8BlockBytes = 34;  // 2-byte fp16 scale + 32 int8
+
+// Activations quantised per row on the fly, in the same blocks: x ~= xd[b] * xq[32 b + j].
+struct Q8Activations {
+  const int8_t* q;   // [M, K]
+  const float* d;    // [M, K / 32]
+  int64_t M, K;
+};
+
+// Quantises x (fp32 [M, K], row stride ldx) into q/d with round-to-nearest (GGUF's rule).
+void quantize_rows_q8(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* d);
+
+// out[m][n] = sum_b xd[m][b] * wd[n][b] * sum_j xq * wq (+ bias[n]), fp32 out [M, N] with row
+// stride ldo; bias fp32 [N] or nullptr. w: [N, K/32 * 34] Q8_0 bytes.
+void linear_q8_0_portable(const Q8Activations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
+                          int64_t N);
+void linear_q8_0_avx2(const Q8Activations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
+                      int64_t N);  // Isa::kAvx2 or better
+
+// fp16 bits -> fp32, portable (the scale of a Q8_0 block).
+inline float fp16_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      exp = 127 - 15 + 1;
+      while ((mant & 0x400u) == 0) {
+        mant <<= 1;
+        --exp;
+      }
+      bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+
+}  // namespace pagewire::cpu

@@ -1,0 +1,163 @@
+"""The fused decoder ops (pagewire::rms_norm, add_rms_norm, rotary_embedding, silu_and_mul) against
+float64 references, against the torch compositions the model uses off-CPU, and under opcheck."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from server.kernels import ops
+from server.models import layers
+from server.models.config import RopeScaling
+from server.models.rope import RotaryEmbedding
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def ulp(dtype: torch.dtype) -> float:
+    """Relative spacing of the dtype (one rounding costs at most half of it)."""
+    return {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[dtype]
+
+
+def assert_close_to(y: torch.Tensor, ref: torch.Tensor, roundings: int) -> None:
+    """|y - ref| within `roundings` half-ulps of the dtype, relative to each element (plus a tiny floor)."""
+    tol = roundings * ulp(y.dtype) / 2 * ref.abs() + 1e-6 * ref.abs().max()
+    err = (y.double() - ref).abs()
+    assert bool((err <= tol).all()), f"max excess {(err - tol).max().item():.3g}"
+
+
+def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xd = x.double()
+    return w.double() * xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,d", [(1, 1024), (5, 72), (300, 256)])
+def test_rms_norm(dtype: torch.dtype, T: int, d: int) -> None:
+    gen = torch.Generator().manual_seed(T + d)
+    x = (torch.randn(T, d, generator=gen) * 3).to(dtype)
+    w = (1 + 0.1 * torch.randn(d, generator=gen)).to(dtype)
+    y = ops.rms_norm(x, w, 1e-5)
+    assert y.dtype == dtype and y.shape == (T, d)
+    # bf16/fp16: the normalised value and the product with weight are each rounded (2 roundings),
+    # and fp32 sums of squares add a little.
+    assert_close_to(y, rms_norm_ref(x, w, 1e-5), roundings=3)
+    # And it is the torch composition (transformers' rounding) up to one last-place difference.
+    torch.testing.assert_close(y, layers.rms_norm(x, w, 1e-5), rtol=ulp(dtype), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_updates_residual(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    residual = torch.randn(4, 128, generator=gen).to(dtype)
+    delta = torch.randn(4, 128, generator=gen).to(dtype)
+    w = torch.randn(128, generator=gen).to(dtype)
+    want_residual = residual + delta  # rounded to dtype once, as the model's residual add is
+    r = residual.clone()
+    y = ops.add_rms_norm(r, delta, w, 1e-6)
+    assert torch.equal(r, want_residual)
+    assert_close_to(y, rms_norm_ref(want_residual, w, 1e-6), roundings=3)
+
+
+def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE in float64 from the inverse frequencies."""
+    ang = positions.double()[:, None] * inv_freq.double()[None, :]  # [T, d/2]
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    xd = x.double()
+    half = x.shape[-1] // 2
+    x1, x2 = xd[..., :half], xd[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+SCALINGS = {
+    "default": None,
+    "llama3": RopeScaling(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=64),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scaling", sorted(SCALINGS))
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rotary_embedding_in_place_on_strided_qk(dtype: torch.dtype, scaling: str, qk_norm: bool) -> None:
+    """q and k as the model has them: the first nh + nkv heads of a fused qkv row (row stride > width)."""
+    T, nh, nkv, d = 6, 4, 2, 32
+    gen = torch.Generator().manual_seed(7)
+    rope = RotaryEmbedding(d, 512, 10000.0, SCALINGS[scaling])
+    from server.models.rope import rope_inv_freq
+
+    inv_freq = rope_inv_freq(d, 10000.0, SCALINGS[scaling])
+    qkv = torch.randn(T, (nh + 2 * nkv) * d, generator=gen).to(dtype)
+    positions = torch.tensor([0, 1, 17, 63, 200, 511])
+    norm_w = (1 + 0.2 * torch.randn(nh + nkv, d, generator=gen)).to(dtype) if qk_norm else None
+    before = qkv.clone()
+    qk = qkv[:, : (nh + nkv) * d].view(T, nh + nkv, d)
+    ops.rotary_embedding(qk, positions, rope.cos, rope.sin, norm_w, 1e-6)
+
+    src = before[:, : (nh + nkv) * d].view(T, nh + nkv, d)
+    if norm_w is not None:
+        src64 = rms_norm_ref(src, norm_w, 1e-6)
+    else:
+        src64 = src.double()
+    ref = rope_ref(src64, positions, inv_freq)
+    # Values near zero lose relative precision in the bf16 sum of two rounded products; compare
+    # against the row's scale: cos/sin cast, two products, the sum, and the norm's two roundings,
+    # plus the fp32 tables' own angle error (position * inv_freq rounded in fp32, as transformers
+    # computes it: up to ~1e-5 at position 511).
+    scale = ref.abs().amax(-1, keepdim=True)
+    err = (qk.double() - ref).abs()
+    assert bool((err <= (6 * ulp(dtype) + 2e-5) * scale).all()), (err / scale).max().item()
+    # The v columns are untouched.
+    assert torch.equal(qkv[:, (nh + nkv) * d :], before[:, (nh + nkv) * d :])
+    # The torch path (used off-CPU) agrees to within rounding.
+    rb = rope.prepare(positions, dtype)
+    ours_torch = src.clone()
+    fake_batch = type(rb)(positions, *rope.lookup(positions, dtype))
+    rope.rotate_(ours_torch, fake_batch, norm_w, 1e-6)
+    torch.testing.assert_close(qk, ours_torch, rtol=2 * ulp(dtype), atol=2 * ulp(dtype) * scale.max().item())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,I", [(1, 2816), (3, 40), (70, 1003)])
+def test_silu_and_mul(cpu_isa: str, dtype: torch.dtype, T: int, I: int) -> None:
+    """Every kernel family (AVX2's vectorised exp and the portable libm loop), odd tails included."""
+    gen = torch.Generator().manual_seed(T * I)
+    x = (torch.randn(T, 2 * I, generator=gen) * 4).to(dtype)
+    y = ops.silu_and_mul(x)
+    g, u = x[:, :I].double(), x[:, I:].double()
+    ref = g * torch.sigmoid(g) * u
+    # fp32: the two exps (ours, torch's) each carry a few ulps.
+    assert_close_to(y, ref, roundings=3 if dtype != torch.float32 else 16)
+    torch.testing.assert_close(y, F.silu(x[:, :I]) * x[:, I:], rtol=ulp(dtype) if dtype != torch.float32 else 1e-6,
+                               atol=1e-6)
+
+
+def test_bad_arguments_name_the_argument() -> None:
+    x = torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="weight must be \\[hidden\\]"):
+        ops.rms_norm(x, torch.ones(4), 1e-6)
+    with pytest.raises(RuntimeError, match="delta shape"):
+        ops.add_rms_norm(x, torch.randn(3, 8), torch.ones(8), 1e-6)
+    rope = RotaryEmbedding(8, 16, 10000.0, None)
+    with pytest.raises(RuntimeError, match="positions\\[1\\] = 16"):
+        ops.rotary_embedding(torch.randn(2, 1, 8), torch.tensor([0, 16]), rope.cos, rope.sin)
+    with pytest.raises(RuntimeError, match="x must be \\[T, 2 \\* I\\]"):
+        ops.silu_and_mul(torch.randn(2, 7))
+
+
+def test_opcheck_fused_ops() -> None:
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 64, generator=gen).bfloat16()
+    w = torch.randn(64, generator=gen).bfloat16()
+    torch.library.opcheck(torch.ops.pagewire.rms_norm.default, (x, w, 1e-6))
+    torch.library.opcheck(torch.ops.pagewire.add_rms_norm.default, (x.clone(), x.clone(), w, 1e-6))
+    rope = RotaryEmbedding(16, 32, 10000.0, None)
+    qk = torch.randn(3, 4, 16, generator=gen).bfloat16()
+    torch.library.opcheck(torch.ops.pagewire.rotary_embedding.default,
+                          (qk, torch.tensor([0, 5, 31]), rope.cos, rope.sin, None, 1e-6))
+    torch.library.opcheck(torch.ops.pagewire.rotary_embedding.default,
+                          (qk, torch.tensor([0, 5, 31]), rope.cos, rope.sin, torch.ones(4, 16).bfloat16(), 1e-6))
+    torch.library.opcheck(torch.ops.pagewire.silu_and_mul.default, (x,))
+    assert math.isfinite(float(x.float().sum()))

@@ -21,9 +21,12 @@ import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import aiosqlite
+
+if TYPE_CHECKING:
+    from server.serving.db_lock import LedgerLock
 
 log = logging.getLogger("pagewire.ledger")
 
@@ -199,14 +202,29 @@ class Ledger:
         self._closed = False
         self.commits = 0  # number of COMMITs (for tests of group commit)
         self.interrupted_at_start = 0
+        self.lock: "Optional[LedgerLock]" = None
         self._task = asyncio.get_running_loop().create_task(self._write_loop(), name="ledger-writer")
 
     @classmethod
-    async def open(cls, path: str | os.PathLike[str], busy_timeout_ms: int = 5000) -> "Ledger":
-        """Open (creating if needed) the database, migrate it, and interrupt leftover open rows."""
+    async def open(cls, path: str | os.PathLike[str], busy_timeout_ms: int = 5000,
+                   lock: "Optional[LedgerLock]" = None) -> "Ledger":
+        """Open (creating if needed) the database, migrate it, and interrupt leftover open rows.
+
+        The start-up sweep is only safe for the one process that owns the database, so the
+        ledger holds its exclusive lock (`db_lock`) while open: `lock` when the caller took it
+        earlier (the server does, to refuse before loading anything), else it is taken here and
+        LedgerLocked names the other holder. A new folder is created 0700 and a new file 0600.
+        """
+        from server.serving.db_lock import LedgerLock, secure_paths
+
         p = Path(path).expanduser()
-        p.parent.mkdir(parents=True, exist_ok=True)
-        writer = await aiosqlite.connect(str(p), isolation_level=None)
+        own_lock = LedgerLock.acquire(p) if lock is None else lock
+        try:
+            secure_paths(p)
+            writer = await aiosqlite.connect(str(p), isolation_level=None)
+        except BaseException:
+            own_lock.release()
+            raise
         try:
             await _apply_pragmas(writer, busy_timeout_ms)
             await _migrate(writer)
@@ -221,8 +239,10 @@ class Ledger:
             await reader.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
         except BaseException:
             await writer.close()
+            own_lock.release()
             raise
         ledger = cls(p, writer, reader)
+        ledger.lock = own_lock
         ledger.interrupted_at_start = interrupted
         if interrupted:
             log.warning("ledger: %d request(s) left open by a previous run are now 'interrupted'", interrupted)
@@ -355,3 +375,5 @@ class Ledger:
         await self._task
         await self._reader.close()
         await self._writer.close()
+        if self.lock is not None:
+            self.lock.release()

@@ -210,6 +210,9 @@ class WsConnection:
                 self._on_resume(frame)
         except PagewireError as e:
             self._error(cid, e.code, e.message, e.param, e.retry_after_s)
+        except Exception as e:  # a bug must cost this frame, never the socket and its live requests
+            log.exception("ws %s: handling a frame failed", self.peer)
+            self._error(cid, "internal_error", f"internal error: {e}")
 
     def _claim(self, cid: str, request_id: Optional[str]) -> _Alias:
         if cid in self.aliases:

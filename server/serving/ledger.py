@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pagewire.ledger")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 TERMINAL_STATES = ("finished", "cancelled", "failed", "interrupted")
 OPEN_STATES = ("queued", "running")
 
@@ -63,12 +63,16 @@ _MIGRATIONS: list[str] = [
     CREATE INDEX requests_created_at ON requests (created_at);
     CREATE INDEX requests_state ON requests (state);
     """,
+    # 2: the fingerprint of the request an idempotency key was first used for (server.serving.idempotency).
+    """
+    ALTER TABLE requests ADD COLUMN request_hash TEXT;
+    """,
 ]
 
 COLUMNS = (
     "request_id, idempotency_key, kind, api, client, model, state, priority, params_json, "
     "prompt_json, created_at, admitted_at, first_token_at, finished_at, prompt_tokens, "
-    "completion_tokens, cached_tokens, finish_reason, error, output_text, output_json"
+    "completion_tokens, cached_tokens, finish_reason, error, output_text, output_json, request_hash"
 )
 
 
@@ -101,6 +105,7 @@ class RequestRecord:
     error: Optional[str]
     output_text: Optional[str]
     output: Optional[dict[str, Any]]
+    request_hash: Optional[str] = None
 
     @property
     def terminal(self) -> bool:
@@ -109,13 +114,14 @@ class RequestRecord:
     @classmethod
     def from_row(cls, row: tuple[Any, ...]) -> "RequestRecord":
         (rid, key, kind, api, client, model, state, prio, params, prompt, created, admitted,
-         first, finished, ptok, ctok, cached, reason, error, text, output) = row
+         first, finished, ptok, ctok, cached, reason, error, text, output, request_hash) = row
         return cls(
             rid, key, kind, api, client, model, state, prio,
             json.loads(params) if params else None,
             json.loads(prompt) if prompt else None,
             created, admitted, first, finished, ptok, ctok, cached, reason, error, text,
             json.loads(output) if output else None,
+            request_hash,
         )
 
 
@@ -134,6 +140,7 @@ class NewRequest:
     prompt_tokens: int
     created_at: float
     idempotency_key: Optional[str] = None
+    request_hash: Optional[str] = None  # fingerprint of the request, kept with an idempotency key
 
 
 @dataclass
@@ -261,11 +268,11 @@ class Ledger:
         """Write the `queued` row and return once it is committed."""
         fut = self._enqueue(
             "INSERT INTO requests (request_id, idempotency_key, kind, api, client, model, state, "
-            "priority, params_json, prompt_json, created_at, prompt_tokens) "
-            "VALUES (?, ?, ?, ?, ?, ?, 'queued', ?, ?, ?, ?, ?)",
+            "priority, params_json, prompt_json, created_at, prompt_tokens, request_hash) "
+            "VALUES (?, ?, ?, ?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?)",
             (req.request_id, req.idempotency_key, req.kind, req.api, req.client, req.model,
              req.priority, json.dumps(req.params), json.dumps(req.prompt), req.created_at,
-             req.prompt_tokens),
+             req.prompt_tokens, req.request_hash),
             wait=True,
         )
         assert fut is not None

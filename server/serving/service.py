@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional, Protocol
 from server.serving.admission import AdmissionQueue
 from server.serving.bridge import EngineBridge
 from server.serving.errors import NotFound, Unavailable
+from server.serving.idempotency import check_reuse, fingerprint
 from server.serving.jobs import GenerationSpec, Job, end_from_record, events_from_output, now_pair
 from server.serving.ledger import Ledger, NewRequest, RequestRecord, Terminal
 from server.serving.metrics import Metrics
@@ -89,10 +90,12 @@ class RequestService:
             if fut is not None:
                 rid = await asyncio.shield(fut)
                 if rid is not None:
+                    await self._check_same_request(spec, rid, None)
                     return self._existing(rid, None)
                 continue  # the first attempt was rejected before acceptance: try afresh
             record = await self.ledger.find_by_idempotency_key(key)
             if record is not None:
+                await self._check_same_request(spec, record.request_id, record)
                 return self._existing(record.request_id, record)
             if key in self._idem:  # someone claimed it while we read the ledger
                 continue
@@ -126,6 +129,18 @@ class RequestService:
             if not job.detached:
                 self.cancel(job, "client")
 
+    async def _check_same_request(self, spec: GenerationSpec, request_id: str,
+                                  record: Optional[RequestRecord]) -> None:
+        """409 when an idempotency key is reused for a different request (see idempotency)."""
+        job = self.jobs.get(request_id)
+        if job is not None:
+            stored: Optional[str] = fingerprint(job.spec)
+        else:
+            if record is None:
+                record = await self.ledger.get(request_id)
+            stored = record.request_hash if record is not None else None
+        check_reuse(spec, stored, request_id)
+
     def _existing(self, request_id: str, record: Optional[RequestRecord]) -> Admitted:
         job = self.jobs.get(request_id)
         return Admitted(request_id, job=job, record=record, existing=True)
@@ -144,6 +159,7 @@ class RequestService:
                 model=spec.model, priority=spec.priority, params=spec.params_record,
                 prompt=spec.messages if spec.kind == "chat" else spec.prompt,
                 prompt_tokens=len(ids), created_at=wall, idempotency_key=spec.idempotency_key,
+                request_hash=fingerprint(spec) if spec.idempotency_key is not None else None,
             ))
         except BaseException:
             self.admission.release(spec.client)

@@ -5,7 +5,8 @@ original's output; the same key with a different body or endpoint is a client bu
 `idempotency_key_reused` (as Stripe does), never with another request's output. To tell them
 apart, the ledger stores with each keyed row a SHA-256 of the canonical request: the endpoint
 (api and kind) and everything the client sent that shapes the generation, serialised as JSON
-with sorted keys, so field order and whitespace do not matter.
+with sorted keys, so field order and whitespace do not matter. How the answer is delivered
+(`stream`, `stream_options`) is not part of it: a streamed retry of a whole request may replay it.
 """
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ def check_header_key(value: Optional[str], field: str = "Idempotency-Key") -> Op
     return value
 
 
+_DELIVERY = ("stream", "stream_options")
+
+
 def _canonical(spec: GenerationSpec) -> dict[str, Any]:
     return {
         "endpoint": f"{spec.api}:{spec.kind}",
@@ -40,7 +44,7 @@ def _canonical(spec: GenerationSpec) -> dict[str, Any]:
         "prompt": spec.prompt,
         "messages": spec.messages,
         "add_generation_prompt": spec.add_generation_prompt,
-        "params": spec.params_record,
+        "params": {k: v for k, v in spec.params_record.items() if k not in _DELIVERY},
         "sampling": spec.sampling,
         "max_tokens": spec.max_tokens,
         "priority": spec.priority,

@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
@@ -20,6 +21,7 @@ from starlette.routing import Route, WebSocketRoute
 from server.api.decode import decode
 from server.api.http_io import error_payload, retry_headers
 from server.api.openai_http import GenerateEndpoint
+from server.api.origins import OriginGuard, OriginPolicy
 from server.api.protocol import DetokenizeRequest, TokenizeRequest
 from server.api.openai_format import messages_to_dicts
 from server.api.ws import WsEndpoint
@@ -135,4 +137,7 @@ def build_app(rt: Runtime) -> Starlette:
         ],
         exception_handlers={HTTPException: http_error},
         lifespan=lifespan,
+        # Outermost: a page from a disallowed origin is refused before any route runs.
+        middleware=[Middleware(OriginGuard, policy=OriginPolicy.parse(rt.settings.allowed_origins,
+                                                                       rt.settings.host))],
     )

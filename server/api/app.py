@@ -26,6 +26,7 @@ from server.api.protocol import DetokenizeRequest, TokenizeRequest
 from server.api.openai_format import messages_to_dicts
 from server.api.ws import WsEndpoint
 from server.serving.errors import InvalidRequest, NotFound, PagewireError, TooLarge, Unavailable
+from server.serving.ledger_health import ledger_health
 from server.serving.metrics import CONTENT_TYPE
 from server.serving.runtime import Runtime
 from server.text.tokenizer import ChatTemplateError
@@ -68,7 +69,10 @@ def build_app(rt: Runtime) -> Starlette:
             err = bridge.error if bridge is not None else None
             status = {"status": "failed", "error": str(err)} if err else {"status": "loading"}
             return JSONResponse(status, status_code=503, headers={"retry-after": "2"})
-        return JSONResponse({"status": "ok", "model": rt.model_name})
+        ledger = ledger_health(rt.ledger)
+        if ledger["status"] != "ok":  # writes are failing: nothing new can be recorded
+            return JSONResponse({"status": "degraded", "model": rt.model_name, "ledger": ledger}, status_code=503)
+        return JSONResponse({"status": "ok", "model": rt.model_name, "ledger": ledger})
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{

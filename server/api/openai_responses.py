@@ -52,7 +52,7 @@ def end_error(end: EndEvent) -> PagewireError:
         return Conflict(f"request {end.request_id} was interrupted: {end.message}", code="request_interrupted")
     if end.code == "deadline_exceeded":
         return DeadlineExceeded(f"request {end.request_id}: {end.message}")
-    return GenerationFailed(f"request {end.request_id} failed: {end.message}")
+    return GenerationFailed(f"request {end.request_id} failed: {end.message}", code=end.code or None)
 
 
 async def admit_all(rt: "Runtime", specs: list[GenerationSpec]) -> list[Any]:

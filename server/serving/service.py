@@ -27,6 +27,7 @@ from server.serving.errors import NotFound, Unavailable
 from server.serving.idempotency import check_reuse, fingerprint
 from server.serving.jobs import GenerationSpec, Job, end_from_record, events_from_output, now_pair
 from server.serving.ledger import Ledger, NewRequest, RequestRecord, Terminal
+from server.serving.ledger_health import unrecorded_end
 from server.serving.metrics import Metrics
 from server.engine.outputs import RequestDelta
 from server.serving.prompts import PromptPreparer
@@ -302,16 +303,22 @@ class RequestService:
     async def _commit_end(self, job: Job, end: EndEvent) -> None:
         text = "".join(s.text for s in job.samples) if len(job.samples) == 1 else "\n".join(
             f"[{s.index}] {s.text}" for s in job.samples)
+        terminal = Terminal(
+            state=end.state, finish_reason=end.finish_reason if end.state == "finished" else end.code,
+            error=end.message, prompt_tokens=end.usage.prompt_tokens,
+            completion_tokens=end.usage.completion_tokens, cached_tokens=end.usage.cached_tokens,
+            output_text=text, output=end.output or {}, first_token_at=job.first_token_wall,
+            finished_at=time.time(),
+        )
         try:
-            await self.ledger.finish(job.request_id, Terminal(
-                state=end.state, finish_reason=end.finish_reason if end.state == "finished" else end.code,
-                error=end.message, prompt_tokens=end.usage.prompt_tokens,
-                completion_tokens=end.usage.completion_tokens, cached_tokens=end.usage.cached_tokens,
-                output_text=text, output=end.output or {}, first_token_at=job.first_token_wall,
-                finished_at=time.time(),
-            ))
-        except Exception:  # the row stays open and becomes `interrupted` at the next start
-            log.exception("ledger: could not record the end of %s", job.request_id)
+            await self.ledger.finish(job.request_id, terminal)
+        except Exception as e:
+            # Not durable, so not `done`: the client hears that the record failed, and the
+            # ledger holds the terminal write (usage included) and retries it until it lands.
+            log.error("ledger: could not record the end of %s (%s); retrying in the background",
+                      job.request_id, e)
+            self.ledger.finish_later(job.request_id, terminal)
+            end = unrecorded_end(end, e)
         # Only now, with the terminal row durable, may the client hear `done`.
         job.state = "ended"
         job.end = end

@@ -15,6 +15,7 @@ import torch
 from server import _C  # noqa: F401  (loads the op library and the allocator)
 from server.engine.config import ConfigError, EngineConfig
 from server.engine.errors import check_context
+from server.engine.isolation import execute_isolating
 from server.engine.output_processor import OutputProcessor
 from server.engine.request import Request, Sequence
 from server.engine.runner import ModelRunner
@@ -168,7 +169,8 @@ class LLMEngine:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
                 self._stats.prompt_tokens += len(req.prompt_token_ids)
-        logits = self.runner.execute(out)
+        # The forward; if it raises, isolation finds and fails only the request(s) that cause it.
+        logits, out = execute_isolating(self, out)
         rows = self._advance(out.scheduled)
         touched: dict[str, Request] = {}
         if rows:

@@ -22,6 +22,7 @@ from server.api.decode import decode
 from server.api.http_io import error_payload, retry_headers
 from server.api.openai_http import GenerateEndpoint
 from server.api.origins import OriginGuard, OriginPolicy
+from server.api.ws_watchdog import CaptureTransport
 from server.api.protocol import DetokenizeRequest, TokenizeRequest
 from server.api.openai_format import messages_to_dicts
 from server.api.ws import WsEndpoint
@@ -142,6 +143,6 @@ def build_app(rt: Runtime) -> Starlette:
         exception_handlers={HTTPException: http_error},
         lifespan=lifespan,
         # Outermost: a page from a disallowed origin is refused before any route runs.
-        middleware=[Middleware(OriginGuard, policy=OriginPolicy.parse(rt.settings.allowed_origins,
+        middleware=[Middleware(CaptureTransport), Middleware(OriginGuard, policy=OriginPolicy.parse(rt.settings.allowed_origins,
                                                                        rt.settings.host))],
     )

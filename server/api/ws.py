@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import msgspec
 
+from server.api import ws_watchdog
 from server.api.decode import convert, parse_json
 from server.api.openai_format import klass_of, messages_to_dicts, params_record, sampling_kwargs
 from server.api.protocol import CLIENT_FRAMES, CancelFrame, GenerateFrame, ResumeFrame
@@ -73,6 +74,9 @@ class WsConnection:
         await self._send({"type": "websocket.accept"})
         self.rt.connections.add(self)
         writer = asyncio.get_running_loop().create_task(self._writer())
+        # Cuts a peer that stops reading while only the protocol layer writes (pongs to a ping flood).
+        watchdog = asyncio.get_running_loop().create_task(
+            ws_watchdog.watch(self.scope.get(ws_watchdog.SCOPE_KEY), self.rt.settings.send_timeout, self.peer))
         try:
             while True:
                 msg = await self._receive()
@@ -85,6 +89,7 @@ class WsConnection:
                     continue
                 self._on_text(text)
         finally:
+            watchdog.cancel()
             self.rt.connections.discard(self)
             for t in list(self._tasks):
                 t.cancel()

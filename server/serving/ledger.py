@@ -411,10 +411,11 @@ class Ledger:
                     await self._writer.execute(op.sql, op.args)
                     errors.append(None)
                 except sqlite3.Error as exc:
+                    failure: BaseException = exc
                     if not isinstance(exc, sqlite3.IntegrityError):  # not a client's duplicate key
                         storage_error = f"{exc}"
-                        exc = LedgerWriteError(f"ledger write failed: {exc}")
-                    errors.append(exc)
+                        failure = LedgerWriteError(f"ledger write failed: {exc}")
+                    errors.append(failure)
                     if op.future is None:
                         log.error("ledger write failed: %s (%s)", exc, op.sql.split(" ")[0])
             await self._writer.execute("COMMIT")

@@ -71,3 +71,39 @@ def test_idempotency_keys_are_validated_and_never_shared_across_requests(demo_mo
         assert len(ledger_rows(db)) == n_rows
         hashes = [row["request_hash"] for row in ledger_rows(db).values()]
         assert all(h is not None and len(h) == 64 for h in hashes)
+
+
+def test_a_v1_ledger_is_readable_by_the_cli_and_migrated_by_the_server(tmp_path: Path) -> None:
+    import sqlite3
+
+    from server.serving.ledger import _MIGRATIONS, SCHEMA_VERSION, Ledger
+    from server.serving.ledger_sync import get_record, list_records, open_readonly
+
+    db = tmp_path / "v1.db"
+    c = sqlite3.connect(db)
+    c.executescript(_MIGRATIONS[0] + "; CREATE TABLE schema_version (version INTEGER NOT NULL);"
+                    "INSERT INTO schema_version VALUES (1);")
+    c.execute("INSERT INTO requests (request_id, idempotency_key, kind, api, state, created_at) "
+              "VALUES ('r1', 'old-key', 'completion', 'http', 'finished', 1.0)")
+    c.commit()
+    c.close()
+    ro = open_readonly(db)
+    try:
+        assert [r.request_id for r in list_records(ro)] == ["r1"]
+        rec = get_record(ro, "r1")
+        assert rec is not None and rec.request_hash is None
+    finally:
+        ro.close()
+
+    async def migrate() -> None:
+        led = await Ledger.open(db)
+        try:
+            rec = await led.find_by_idempotency_key("old-key")
+            assert rec is not None and rec.request_hash is None  # no fingerprint: accepted as before
+        finally:
+            await led.close()
+
+    asyncio.run(migrate())
+    c = sqlite3.connect(db)
+    assert c.execute("SELECT version FROM schema_version").fetchone()[0] == SCHEMA_VERSION == 2
+    c.close()

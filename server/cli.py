@@ -67,9 +67,14 @@ def _serve(ns: argparse.Namespace) -> int:
     model_dir, name, demo = _resolve_model(settings)
     if demo:
         print(DEMO_BANNER, file=sys.stderr, flush=True)
+    from server.serving.ledger import LedgerError
     from server.serving.serve import run
 
-    run(settings, model_dir, name)
+    try:
+        run(settings, model_dir, name)
+    except LedgerError as e:  # e.g. another server holds this ledger
+        print(f"pagewire: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
@@ -22,11 +23,14 @@ from server.api.context import ApiContext
 from server.api.decode import decode
 from server.api.http_io import error_payload, retry_headers
 from server.api.openai_http import GenerateEndpoint
+from server.api.origins import OriginGuard, OriginPolicy
+from server.api.ws_watchdog import CaptureTransport
 from server.api.protocol import DetokenizeRequest, TokenizeRequest
 from server.api.openai_format import messages_to_dicts
 from server.api.ui import ui_routes
 from server.api.ws import WsEndpoint
 from server.serving.errors import InvalidRequest, NotFound, PagewireError, TooLarge, Unavailable
+from server.serving.ledger_health import ledger_health
 from server.serving.metrics import CONTENT_TYPE
 from server.serving.runtime import Runtime
 from server.text.tokenizer import ChatTemplateError
@@ -69,7 +73,10 @@ def build_app(rt: Runtime) -> Starlette:
             err = bridge.error if bridge is not None else None
             status = {"status": "failed", "error": str(err)} if err else {"status": "loading"}
             return JSONResponse(status, status_code=503, headers={"retry-after": "2"})
-        return JSONResponse({"status": "ok", "model": rt.model_name})
+        ledger = ledger_health(rt.ledger)
+        if ledger["status"] != "ok":  # writes are failing: nothing new can be recorded
+            return JSONResponse({"status": "degraded", "model": rt.model_name, "ledger": ledger}, status_code=503)
+        return JSONResponse({"status": "ok", "model": rt.model_name, "ledger": ledger})
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
@@ -139,4 +146,7 @@ def build_app(rt: Runtime) -> Starlette:
         ],
         exception_handlers={HTTPException: http_error},
         lifespan=lifespan,
+        # Outermost: a page from a disallowed origin is refused before any route runs.
+        middleware=[Middleware(CaptureTransport), Middleware(OriginGuard, policy=OriginPolicy.parse(rt.settings.allowed_origins,
+                                                                       rt.settings.host))],
     )

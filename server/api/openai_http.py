@@ -18,6 +18,7 @@ from server.api.http_io import Receive, Scope, Send, header, peer, read_body, se
 from server.api.openai_format import chat_spec, completion_specs
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
 from server.serving.errors import GenerationFailed, PagewireError
+from server.serving.idempotency import check_header_key
 from server.serving.jobs import GenerationSpec
 
 log = logging.getLogger("pagewire.http")
@@ -58,7 +59,7 @@ class GenerateEndpoint:
 
     def _parse(self, scope: Scope, body: bytes) -> tuple[list[GenerationSpec], bool, bool, int]:
         rt = self.rt
-        idem = header(scope, b"idempotency-key")
+        idem = check_header_key(header(scope, b"idempotency-key"))
         if self.kind == "chat":
             req: Any = decode(body, ChatCompletionRequest)
         else:

@@ -19,6 +19,11 @@ TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
 Seconds = Annotated[float, Meta(gt=0.0)]
 ClientId = Annotated[str, Meta(min_length=1, max_length=128)]
 IdemKey = Annotated[str, Meta(min_length=1, max_length=256)]
+# Integers that reach SQLite or torch must fit 64 bits (a larger one would fail there, as a 500).
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+Priority = Int64
+Seed = Int64
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 
 
 class StreamOptions(Struct, kw_only=True):
@@ -37,9 +42,9 @@ class SamplingFields(Struct, kw_only=True):
     presence_penalty: Optional[Penalty] = None
     frequency_penalty: Optional[Penalty] = None
     repetition_penalty: Optional[Annotated[float, Meta(gt=0.0)]] = None
-    seed: Optional[int] = None
+    seed: Optional[Seed] = None
     stop: Union[None, str, list[str]] = None
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[TokenId]] = None
     ignore_eos: bool = False
     min_tokens: NonNegInt = 0
     skip_special_tokens: bool = True
@@ -58,7 +63,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool = False
     best_of: Optional[PosInt] = None
     suffix: Optional[str] = None
-    priority: int = 0
+    priority: Priority = 0
     service_tier: Optional[str] = None
     timeout: Optional[Seconds] = None
 
@@ -85,7 +90,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: Optional[TopLogprobs] = None
     add_generation_prompt: bool = True
-    priority: int = 0
+    priority: Priority = 0
     service_tier: Optional[str] = None
     timeout: Optional[Seconds] = None
     tools: Optional[list[Any]] = None
@@ -127,7 +132,7 @@ class GenerateFrame(Struct, kw_only=True):
     messages: Optional[Annotated[list[ChatMessage], Meta(min_length=1)]] = None
     params: WsParams = msgspec.field(default_factory=WsParams)
     idempotency_key: Optional[IdemKey] = None
-    priority: int = 0
+    priority: Priority = 0
     detach: bool = False
     timeout: Optional[Seconds] = None
     add_generation_prompt: bool = True

@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import msgspec
 
+from server.api import ws_watchdog
 from server.api.context import ApiContext
 from server.api.decode import convert, parse_json
 from server.api.openai_format import ws_spec
@@ -76,6 +77,9 @@ class WsConnection:
         await self._send({"type": "websocket.accept"})
         self.endpoint.joined(self)
         writer = asyncio.get_running_loop().create_task(self._writer())
+        # Cuts a peer that stops reading while only the protocol layer writes (pongs to a ping flood).
+        watchdog = asyncio.get_running_loop().create_task(
+            ws_watchdog.watch(self.scope.get(ws_watchdog.SCOPE_KEY), self.rt.settings.send_timeout, self.peer))
         try:
             while True:
                 msg = await self._receive()
@@ -88,6 +92,7 @@ class WsConnection:
                     continue
                 self._on_text(text)
         finally:
+            watchdog.cancel()
             self.endpoint.left(self)
             for t in list(self._tasks):
                 t.cancel()
@@ -226,6 +231,9 @@ class WsConnection:
                 self._on_resume(frame)
         except PagewireError as e:
             self._error(cid, e.code, e.message, e.param, e.retry_after_s)
+        except Exception as e:  # a bug must cost this frame, never the socket and its live requests
+            log.exception("ws %s: handling a frame failed", self.peer)
+            self._error(cid, "internal_error", f"internal error: {e}")
 
     def _claim(self, cid: str, request_id: Optional[str]) -> _Alias:
         if cid in self.aliases:

@@ -18,6 +18,7 @@ import torch
 
 from server.engine.config import ConfigError, EngineConfig
 from server.engine.errors import CapacityLimits, check_capacity
+from server.engine.isolation import execute_isolating
 from server.engine.kv_cache_manager import KVCacheManager
 from server.engine.output_processor import OutputProcessor
 from server.engine.request import Request, Sequence
@@ -209,7 +210,8 @@ class LLMEngine:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
                 self._stats.prompt_tokens += len(req.prompt_token_ids)
-        logits = self.runner.execute(out)
+        # The forward; if it raises, isolation finds and fails only the request(s) that cause it.
+        logits, out = execute_isolating(self, out)
         rows = self._advance(out.scheduled)
         touched: dict[str, Request] = {}
         if rows:

@@ -98,6 +98,9 @@ class SamplingParams:
             )
         if self.seed is not None:
             self.seed = _int("seed", self.seed)
+            # torch generators take a signed or unsigned 64-bit seed; sample i uses seed + i.
+            if not (-(2**63) <= self.seed <= 2**63 - 1):
+                raise SamplingParamsError("seed", f"must fit in 64 bits, in [-2**63, 2**63 - 1], got {self.seed}")
         if self.max_tokens is not None:
             self.max_tokens = _int("max_tokens", self.max_tokens)
             if self.max_tokens < 1:
@@ -129,6 +132,9 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise SamplingParamsError("stop_token_ids", "must be a list of integers")
         self.stop_token_ids = [_int("stop_token_ids", t) for t in self.stop_token_ids]
+        bad = next((t for t in self.stop_token_ids if t < 0), None)
+        if bad is not None:
+            raise SamplingParamsError("stop_token_ids", f"token id {bad} is negative")
 
     # -- derived views used by the sampler ----------------------------------------------------
     @property

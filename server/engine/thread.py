@@ -11,6 +11,7 @@ schedule nothing) it blocks on `_wake`, which every submit, abort and shutdown s
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from collections import deque
@@ -109,6 +110,11 @@ class EngineThread:
 
     # -- the thread -------------------------------------------------------------------------------
     def _run(self) -> None:
+        # Shutdown signals are the main thread's business (serve.py). Blocking them here, before
+        # torch starts its intra-op workers (which inherit this mask), means SIGTERM can never
+        # land on the engine or an OpenMP worker mid-step and interrupt one of its system calls.
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
             from server.engine.engine import LLMEngine
 
@@ -144,7 +150,12 @@ class EngineThread:
                 progressed = True
             self._stats = engine.stats()
             if deltas:
-                self._on_step(deltas)
+                # Nothing may end this loop but shutdown: a dead engine thread would freeze every
+                # stream (and a graceful drain would wait out its whole grace for nothing).
+                try:
+                    self._on_step(deltas)
+                except Exception:
+                    logger.exception("on_step callback failed")
             if not progressed:
                 # Unreachable while add_request refuses what can never run; if it happens, wait
                 # for the next message instead of spinning through empty steps.
@@ -164,7 +175,7 @@ class EngineThread:
                 engine.add_request(
                     msg.request_id, msg.prompt_token_ids, msg.params, msg.priority, msg.arrival_time
                 )
-            except ValueError as e:
+            except Exception as e:  # noqa: BLE001 - refused or broken, the request fails alone
                 errors.append(_error_delta(msg.request_id, len(msg.prompt_token_ids), msg.arrival_time, str(e)))
         return errors
 

@@ -10,6 +10,12 @@ Ordering guarantees (what the rest of the server relies on):
   ("group commit"): one COMMIT per batch, not per request.
 Reads use a second connection; under WAL they see the last committed state and never block the
 writer. On open, rows left `queued` or `running` by a previous process become `interrupted`.
+
+When writes fail (disk full, I/O error) the ledger says so instead of pretending: `write_error`
+holds the last failure until a commit succeeds, and `healthy` is False while it is set or while
+a terminal write is still owed. A terminal write that failed is handed to `finish_later`, which
+holds it (state, usage, output) in memory and retries it with backoff until it lands; nothing
+else may overwrite that row meanwhile (the shutdown sweep writes owed terminals first).
 """
 from __future__ import annotations
 
@@ -21,15 +27,19 @@ import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import aiosqlite
 
+from server.serving.errors import Unavailable
 from server.serving.lifecycle import END_RULES, OPEN_STATES, TERMINAL_STATES, EndReason, LedgerState
+
+if TYPE_CHECKING:
+    from server.serving.db_lock import LedgerLock
 
 log = logging.getLogger("pagewire.ledger")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # The one statement that closes rows nobody will finish: at open (rows a previous process left),
 # at the end of a drain, and on a forced exit (`ledger_sync`). Args: (finished_at, error).
@@ -69,17 +79,30 @@ _MIGRATIONS: list[str] = [
     CREATE INDEX requests_created_at ON requests (created_at);
     CREATE INDEX requests_state ON requests (state);
     """,
+    # 2: the fingerprint of the request an idempotency key was first used for (server.serving.idempotency).
+    """
+    ALTER TABLE requests ADD COLUMN request_hash TEXT;
+    """,
 ]
 
 COLUMNS = (
     "request_id, idempotency_key, kind, api, client, model, state, priority, params_json, "
     "prompt_json, created_at, admitted_at, first_token_at, finished_at, prompt_tokens, "
-    "completion_tokens, cached_tokens, finish_reason, error, output_text, output_json"
+    "completion_tokens, cached_tokens, finish_reason, error, output_text, output_json, request_hash"
 )
 
 
 class LedgerError(RuntimeError):
     """The database is unusable (e.g. written by a newer pagewire)."""
+
+
+class LedgerWriteError(LedgerError, Unavailable):
+    """A write did not commit (disk full, I/O error, read-only file). A PagewireError too: a
+    request whose row cannot be recorded is refused with 503 `ledger_unavailable`, never run
+    unrecorded."""
+
+    def __init__(self, message: str) -> None:
+        Unavailable.__init__(self, message, code="ledger_unavailable", retry_after_s=5)
 
 
 @dataclass
@@ -107,6 +130,7 @@ class RequestRecord:
     error: Optional[str]
     output_text: Optional[str]
     output: Optional[dict[str, Any]]
+    request_hash: Optional[str] = None
 
     @property
     def terminal(self) -> bool:
@@ -115,13 +139,14 @@ class RequestRecord:
     @classmethod
     def from_row(cls, row: tuple[Any, ...]) -> "RequestRecord":
         (rid, key, kind, api, client, model, state, prio, params, prompt, created, admitted,
-         first, finished, ptok, ctok, cached, reason, error, text, output) = row
+         first, finished, ptok, ctok, cached, reason, error, text, output, request_hash) = row
         return cls(
             rid, key, kind, api, client, model, state, prio,
             json.loads(params) if params else None,
             json.loads(prompt) if prompt else None,
             created, admitted, first, finished, ptok, ctok, cached, reason, error, text,
             json.loads(output) if output else None,
+            request_hash,
         )
 
 
@@ -140,6 +165,7 @@ class NewRequest:
     prompt_tokens: int
     created_at: float
     idempotency_key: Optional[str] = None
+    request_hash: Optional[str] = None  # fingerprint of the request, kept with an idempotency key
 
 
 @dataclass
@@ -208,14 +234,35 @@ class Ledger:
         self._closed = False
         self.commits = 0  # number of COMMITs (for tests of group commit)
         self.interrupted_at_start = 0
+        self.lock: "Optional[LedgerLock]" = None
+        self.write_error: Optional[str] = None  # the last failed write, until a commit succeeds
+        self.failed_commits = 0
+        # Terminal writes that failed, by request id, retried until they land (finish_later).
+        self._owed: dict[str, Terminal] = {}
+        self._retry_task: Optional[asyncio.Task[None]] = None
+        self.retry_delays = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0)  # then 2 s apart
         self._task = asyncio.get_running_loop().create_task(self._write_loop(), name="ledger-writer")
 
     @classmethod
-    async def open(cls, path: str | os.PathLike[str], busy_timeout_ms: int = 5000) -> "Ledger":
-        """Open (creating if needed) the database, migrate it, and interrupt leftover open rows."""
+    async def open(cls, path: str | os.PathLike[str], busy_timeout_ms: int = 5000,
+                   lock: "Optional[LedgerLock]" = None) -> "Ledger":
+        """Open (creating if needed) the database, migrate it, and interrupt leftover open rows.
+
+        The start-up sweep is only safe for the one process that owns the database, so the
+        ledger holds its exclusive lock (`db_lock`) while open: `lock` when the caller took it
+        earlier (the server does, to refuse before loading anything), else it is taken here and
+        LedgerLocked names the other holder. A new folder is created 0700 and a new file 0600.
+        """
+        from server.serving.db_lock import LedgerLock, secure_paths
+
         p = Path(path).expanduser()
-        p.parent.mkdir(parents=True, exist_ok=True)
-        writer = await aiosqlite.connect(str(p), isolation_level=None)
+        own_lock = LedgerLock.acquire(p) if lock is None else lock
+        try:
+            secure_paths(p)
+            writer = await aiosqlite.connect(str(p), isolation_level=None)
+        except BaseException:
+            own_lock.release()
+            raise
         try:
             await _apply_pragmas(writer, busy_timeout_ms)
             await _migrate(writer)
@@ -225,8 +272,10 @@ class Ledger:
             await reader.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
         except BaseException:
             await writer.close()
+            own_lock.release()
             raise
         ledger = cls(p, writer, reader)
+        ledger.lock = own_lock
         ledger.interrupted_at_start = interrupted
         if interrupted:
             log.warning("ledger: %d request(s) left open by a previous run are now 'interrupted'", interrupted)
@@ -245,11 +294,11 @@ class Ledger:
         """Write the `queued` row and return once it is committed."""
         fut = self._enqueue(
             "INSERT INTO requests (request_id, idempotency_key, kind, api, client, model, state, "
-            "priority, params_json, prompt_json, created_at, prompt_tokens) "
-            "VALUES (?, ?, ?, ?, ?, ?, 'queued', ?, ?, ?, ?, ?)",
+            "priority, params_json, prompt_json, created_at, prompt_tokens, request_hash) "
+            "VALUES (?, ?, ?, ?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?)",
             (req.request_id, req.idempotency_key, req.kind, req.api, req.client, req.model,
              req.priority, json.dumps(req.params), json.dumps(req.prompt), req.created_at,
-             req.prompt_tokens),
+             req.prompt_tokens, req.request_hash),
             wait=True,
         )
         assert fut is not None
@@ -268,8 +317,46 @@ class Ledger:
             (at, request_id), wait=False,
         )
 
-    async def finish(self, request_id: str, t: Terminal) -> None:
-        """Write the terminal state, usage and output; return once committed."""
+    @property
+    def healthy(self) -> bool:
+        return self.write_error is None and not self._owed
+
+    @property
+    def owed(self) -> dict[str, Terminal]:
+        """Terminal writes still waiting to land, by request id (read-only view for health)."""
+        return dict(self._owed)
+
+    def finish_later(self, request_id: str, t: Terminal) -> None:
+        """Hold a terminal write that failed and retry it in the background until it commits."""
+        self._owed[request_id] = t
+        if self._retry_task is None or self._retry_task.done():
+            self._retry_task = asyncio.get_running_loop().create_task(self._retry_owed(), name="ledger-retry")
+
+    async def _retry_owed(self) -> None:
+        attempt = 0
+        while self._owed and not self._closed:
+            await asyncio.sleep(self.retry_delays[min(attempt, len(self.retry_delays) - 1)])
+            attempt += 1
+            if await self._write_owed():
+                log.warning("ledger: owed terminal writes landed after %d retr%s", attempt,
+                            "y" if attempt == 1 else "ies")
+
+    async def _write_owed(self) -> bool:
+        """One attempt at every owed terminal write; True when all of them landed."""
+        batch = list(self._owed.items())
+        futs = [(rid, t, self._finish_op(rid, t)) for rid, t in batch]
+        ok = True
+        for rid, t, fut in futs:
+            try:
+                await fut
+            except Exception:
+                ok = False
+                continue
+            if self._owed.get(rid) is t:
+                del self._owed[rid]
+        return ok
+
+    def _finish_op(self, request_id: str, t: Terminal) -> "asyncio.Future[None]":
         fut = self._enqueue(
             "UPDATE requests SET state = ?, finish_reason = ?, error = ?, prompt_tokens = ?, "
             "completion_tokens = ?, cached_tokens = ?, output_text = ?, output_json = ?, "
@@ -281,12 +368,23 @@ class Ledger:
             wait=True,
         )
         assert fut is not None
-        await fut
+        return fut
+
+    async def finish(self, request_id: str, t: Terminal) -> None:
+        """Write the terminal state, usage and output; return once committed."""
+        await self._finish_op(request_id, t)
 
     async def interrupt_open(self, reason: str) -> None:
-        """Last resort at shutdown: every row still open becomes `interrupted`."""
+        """Last resort at shutdown: every row still open becomes `interrupted`. Owed terminal
+        writes are queued first (same transaction, FIFO), so a request that finished keeps its
+        real state and usage rather than being swept into `interrupted`."""
+        owed = [self._finish_op(rid, t) for rid, t in list(self._owed.items())]
         fut = self._enqueue(INTERRUPT_OPEN_SQL, (time.time(), reason), wait=True)
         assert fut is not None
+        if owed:
+            results = await asyncio.gather(*owed, return_exceptions=True)
+            if not any(isinstance(r, BaseException) for r in results):
+                self._owed.clear()
         await fut
 
     async def _write_loop(self) -> None:
@@ -304,6 +402,7 @@ class Ledger:
         # One transaction per batch. A failing statement (e.g. a duplicate idempotency key) only
         # rolls back itself under SQLite's default ABORT conflict rule, so the rest still commit.
         errors: list[Optional[BaseException]] = []
+        storage_error: Optional[str] = None
         try:
             await self._writer.execute("BEGIN IMMEDIATE")
             for op in batch:
@@ -311,23 +410,32 @@ class Ledger:
                     await self._writer.execute(op.sql, op.args)
                     errors.append(None)
                 except sqlite3.Error as exc:
-                    errors.append(exc)
+                    failure: BaseException = exc
+                    if not isinstance(exc, sqlite3.IntegrityError):  # not a client's duplicate key
+                        storage_error = f"{exc}"
+                        failure = LedgerWriteError(f"ledger write failed: {exc}")
+                    errors.append(failure)
                     if op.future is None:
                         log.error("ledger write failed: %s (%s)", exc, op.sql.split(" ")[0])
             await self._writer.execute("COMMIT")
             self.commits += 1
         except BaseException as exc:  # the whole batch is lost: tell every waiter
-            log.exception("ledger commit failed")
+            self.write_error = f"{exc}"
+            self.failed_commits += 1
+            log.error("ledger commit failed: %s", exc)
             try:
                 await self._writer.execute("ROLLBACK")
             except Exception:
                 pass
             for op in batch:
                 if op.future is not None and not op.future.done():
-                    op.future.set_exception(LedgerError(f"ledger commit failed: {exc}"))
+                    op.future.set_exception(LedgerWriteError(f"ledger commit failed: {exc}"))
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return
+        self.write_error = storage_error
+        if storage_error is not None:
+            self.failed_commits += 1
         for op, err in zip(batch, errors):
             if op.future is not None and not op.future.done():
                 if err is None:
@@ -350,8 +458,18 @@ class Ledger:
         """Flush queued writes, then close both connections. Idempotent."""
         if self._closed:
             return
+        if self._owed:
+            await self._write_owed()
+            for rid, t in self._owed.items():
+                log.error("ledger: closing with the terminal write of %s still failing (%s, %d prompt + "
+                          "%d completion tokens); the next start marks it interrupted", rid, t.state,
+                          t.prompt_tokens, t.completion_tokens)
         self._closed = True
         self._wake.set()
+        if self._retry_task is not None:
+            self._retry_task.cancel()
         await self._task
         await self._reader.close()
         await self._writer.close()
+        if self.lock is not None:
+            self.lock.release()

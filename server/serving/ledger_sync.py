@@ -23,8 +23,15 @@ def open_readonly(path: str | os.PathLike[str]) -> sqlite3.Connection:
     return conn
 
 
+def _columns(conn: sqlite3.Connection) -> str:
+    """COLUMNS, or its schema-v1 form for a ledger no v2 server has opened yet (read-only here,
+    so the CLI cannot migrate it): `request_hash` reads as NULL."""
+    names = {row[1] for row in conn.execute("PRAGMA table_info(requests)")}
+    return COLUMNS if "request_hash" in names else COLUMNS.replace("request_hash", "NULL")
+
+
 def list_records(conn: sqlite3.Connection, limit: int = 50, state: Optional[str] = None) -> list[RequestRecord]:
-    sql = f"SELECT {COLUMNS} FROM requests"
+    sql = f"SELECT {_columns(conn)} FROM requests"
     args: tuple[Any, ...] = ()
     if state:
         sql += " WHERE state = ?"
@@ -34,7 +41,7 @@ def list_records(conn: sqlite3.Connection, limit: int = 50, state: Optional[str]
 
 
 def get_record(conn: sqlite3.Connection, request_id: str) -> Optional[RequestRecord]:
-    row = conn.execute(f"SELECT {COLUMNS} FROM requests WHERE request_id = ?", (request_id,)).fetchone()
+    row = conn.execute(f"SELECT {_columns(conn)} FROM requests WHERE request_id = ?", (request_id,)).fetchone()
     return RequestRecord.from_row(row) if row else None
 
 

@@ -83,6 +83,9 @@ class EndReason(_StrEnum):
     DEADLINE = "deadline"
     INTERRUPTED = "interrupted"
     FAILED = "failed"
+    # Ended (any way) but its terminal row did not commit: what the client hears instead of
+    # the real end, while the ledger retries the write (server.serving.ledger_health).
+    UNRECORDED = "unrecorded"
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,9 @@ END_RULES: dict[EndReason, EndRule] = {
     EndReason.FAILED: EndRule(
         LedgerState.FAILED, "generation_failed", "generation failed",
         GenerationFailed, "generation_failed", "request {request_id} failed: {message}", "error"),
+    EndReason.UNRECORDED: EndRule(
+        LedgerState.FAILED, "ledger_write_failed", "the request's record could not be written to the ledger",
+        GenerationFailed, "ledger_write_failed", "request {request_id}: {message}", "error"),
 }
 
 # A request stopped before it completed ends this way.

@@ -45,11 +45,17 @@ class PromptPreparer:
     def check_sampling(self, spec: GenerationSpec) -> SamplingParams:
         """Validate the sampling fields before any tokenising work (max_tokens set later)."""
         try:
-            return SamplingParams(max_tokens=spec.max_tokens or 1, **spec.sampling)
+            params = SamplingParams(max_tokens=spec.max_tokens or 1, **spec.sampling)
         except SamplingParamsError as e:
             raise _with_field(e, spec) from None
         except TypeError as e:  # an unexpected keyword: a programming error at the edge
             raise InvalidRequest(str(e)) from None
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:  # it could never be produced, so the stop would silently never fire
+            name = "params.stop_token_ids" if spec.api == "ws" else "stop_token_ids"
+            raise InvalidRequest(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})", param=name)
+        return params
 
     async def _run(self, big: bool, fn: Any, *args: Any) -> Any:
         if big:

@@ -21,6 +21,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 from server.serving.admission import AdmissionQueue
 from server.serving.bridge import EngineBridge
+from server.serving.db_lock import LedgerLock
 from server.serving.jobs import Job
 from server.serving.ledger import Ledger
 from server.serving.metrics import Metrics
@@ -34,8 +35,10 @@ log = logging.getLogger("pagewire")
 
 
 class Runtime:
-    def __init__(self, settings: ServeSettings, model_dir: Path, model_name: str) -> None:
+    def __init__(self, settings: ServeSettings, model_dir: Path, model_name: str,
+                 lock: Optional[LedgerLock] = None) -> None:
         self.settings = settings
+        self.lock = lock  # the ledger's exclusive lock, when taken before start (serve.run)
         self.model_dir = model_dir
         self.model_name = model_name
         self.ledger: Optional[Ledger] = None
@@ -59,7 +62,7 @@ class Runtime:
     async def start(self) -> None:
         s = self.settings
         loop = asyncio.get_running_loop()
-        self.ledger = await Ledger.open(s.db_path)
+        self.ledger = await Ledger.open(s.db_path, lock=self.lock)
         log.info("ledger: %s (%d request(s) marked interrupted from the previous run)",
                  s.db_path, self.ledger.interrupted_at_start)
         self.tokenizer = await loop.run_in_executor(None, Tokenizer.from_dir, self.model_dir)

@@ -94,10 +94,14 @@ class PagewireServer(uvicorn.Server):
 
 
 def run(settings: ServeSettings, model_dir: Path, model_name: str) -> None:
-    """Serve until a signal stops us. Blocks."""
+    """Serve until a signal stops us. Blocks. Raises LedgerLocked (naming the holder's PID) at
+    once, before anything is loaded or bound, when another server owns the same ledger."""
     from server.api.app import build_app
+    from server.serving.db_lock import LedgerLock
 
-    runtime = Runtime(settings, model_dir, model_name)
+    # Held until the process exits (or the ledger closes); a crash releases it with the fd.
+    lock = LedgerLock.acquire(settings.db_path)
+    runtime = Runtime(settings, model_dir, model_name, lock=lock)
     with warnings.catch_warnings():
         # uvicorn marks its `websockets` implementation deprecated in favour of `websockets-sansio`;
         # the issue asks for this one, and it is fully functional.

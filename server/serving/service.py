@@ -25,8 +25,10 @@ from server.serving.admission import AdmissionQueue
 from server.serving.bridge import EngineBridge
 from server.serving.errors import NotFound, Unavailable
 from server.engine.outputs import RequestDelta
+from server.serving.idempotency import check_reuse, fingerprint
 from server.serving.jobs import GenerationSpec, Job, end_from_record, events_from_output, now_pair
 from server.serving.ledger import Ledger, NewRequest, RequestRecord, Terminal
+from server.serving.ledger_health import unrecorded_end
 from server.serving.lifecycle import (CANCEL_ENDS, COMPLETE_REASONS, END_RULES, CancelReason, EndReason,
                                       FinishReason, JobState)
 from server.serving.metrics import Metrics
@@ -86,10 +88,12 @@ class RequestService:
             if fut is not None:
                 rid = await asyncio.shield(fut)
                 if rid is not None:
+                    await self._check_same_request(spec, rid, None)
                     return self._existing(rid, None)
                 continue  # the first attempt was rejected before acceptance: try afresh
             record = await self.ledger.find_by_idempotency_key(key)
             if record is not None:
+                await self._check_same_request(spec, record.request_id, record)
                 return self._existing(record.request_id, record)
             if key in self._idem:  # someone claimed it while we read the ledger
                 continue
@@ -123,6 +127,18 @@ class RequestService:
             if not job.detached:
                 self._cancel(job, CancelReason.CLIENT)
 
+    async def _check_same_request(self, spec: GenerationSpec, request_id: str,
+                                  record: Optional[RequestRecord]) -> None:
+        """409 when an idempotency key is reused for a different request (see idempotency)."""
+        job = self.jobs.get(request_id)
+        if job is not None:
+            stored: Optional[str] = fingerprint(job.spec)
+        else:
+            if record is None:
+                record = await self.ledger.get(request_id)
+            stored = record.request_hash if record is not None else None
+        check_reuse(spec, stored, request_id)
+
     def _existing(self, request_id: str, record: Optional[RequestRecord]) -> Admitted:
         return Admitted(request_id, record=record, existing=True)
 
@@ -140,6 +156,7 @@ class RequestService:
                 model=spec.model, priority=spec.priority, params=spec.params_record,
                 prompt=spec.messages if spec.kind == "chat" else spec.prompt,
                 prompt_tokens=len(ids), created_at=wall, idempotency_key=spec.idempotency_key,
+                request_hash=fingerprint(spec) if spec.idempotency_key is not None else None,
             ))
         except BaseException:
             self.admission.release(spec.client)
@@ -305,16 +322,22 @@ class RequestService:
     async def _commit_end(self, job: Job, end: EndEvent) -> None:
         text = "".join(s.text for s in job.samples) if len(job.samples) == 1 else "\n".join(
             f"[{s.index}] {s.text}" for s in job.samples)
+        terminal = Terminal(
+            state=end.state, finish_reason=end.finish_reason if end.finished else end.code,
+            error=end.message, prompt_tokens=end.usage.prompt_tokens,
+            completion_tokens=end.usage.completion_tokens, cached_tokens=end.usage.cached_tokens,
+            output_text=text, output=end.output or {}, first_token_at=job.first_token_wall,
+            finished_at=time.time(),
+        )
         try:
-            await self.ledger.finish(job.request_id, Terminal(
-                state=end.state, finish_reason=end.finish_reason if end.finished else end.code,
-                error=end.message, prompt_tokens=end.usage.prompt_tokens,
-                completion_tokens=end.usage.completion_tokens, cached_tokens=end.usage.cached_tokens,
-                output_text=text, output=end.output or {}, first_token_at=job.first_token_wall,
-                finished_at=time.time(),
-            ))
-        except Exception:  # the row stays open and becomes `interrupted` at the next start
-            log.exception("ledger: could not record the end of %s", job.request_id)
+            await self.ledger.finish(job.request_id, terminal)
+        except Exception as e:
+            # Not durable, so not `done`: the client hears that the record failed, and the
+            # ledger holds the terminal write (usage included) and retries it until it lands.
+            log.error("ledger: could not record the end of %s (%s); retrying in the background",
+                      job.request_id, e)
+            self.ledger.finish_later(job.request_id, terminal)
+            end = unrecorded_end(end, e)
         # Only now, with the terminal row durable, may the client hear `done`.
         job.state = JobState.ENDED
         job.end = end

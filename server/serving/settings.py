@@ -34,6 +34,14 @@ def _opt_int(text: str) -> Optional[int]:
     return None if text.strip().lower() in ("", "none") else int(text)
 
 
+def origin_list(text: str) -> str:
+    """Validate an --allowed-origins value (see server.api.origins); keep it as text."""
+    from server.api.origins import OriginPolicy
+
+    OriginPolicy.parse(text)
+    return text
+
+
 _ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineConfig) if f.name != "model"}
 
 
@@ -60,6 +68,7 @@ class ServeSettings:
     outbox_bytes: int = 1024 * 1024
     send_timeout: float = 30.0
     offload_chars: int = 2048
+    allowed_origins: str = "loopback"
     # engine: defaults come from EngineConfig, the one place they are defined
     dtype: str = _ENGINE_DEFAULTS["dtype"]
     max_model_len: Optional[int] = _ENGINE_DEFAULTS["max_model_len"]
@@ -133,6 +142,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("outbox_bytes", int, "per-connection live backlog; beyond it a request catches up from its resume buffer"),
     Option("send_timeout", float, "seconds one send may block before a consumer counts as stuck"),
     Option("offload_chars", int, "prompts longer than this are tokenised off the event loop"),
+    Option("allowed_origins", origin_list,
+           "comma-separated browser Origins allowed to call the server: exact origins "
+           "(https://app.example:8443), 'loopback' (pages on localhost/127.0.0.1/[::1]), '*' (any), "
+           "'null'; same-origin is always allowed; other Origins get 403"),
     Option("dtype", str, "auto, float32, bfloat16 or float16", engine=True),
     Option("max_model_len", _opt_int, "longest prompt + output (default: the model's)", engine=True),
     Option("kv_cache_tokens", _opt_int, "KV cache capacity in tokens", engine=True),

@@ -1,0 +1,102 @@
+"""Bug 2 and bug 11: one server per ledger (a second one refuses to start, naming the file and the
+holder's PID; a crash frees the lock), and the ledger's folder and files are private (0700/0600)."""
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.harness import FAST_ENGINE, REPO, ServerProcess, free_port, ledger_rows
+
+
+def _second_server(demo_model: Path, db: Path) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "server.cli", "serve", str(demo_model), "--port", str(free_port()),
+           "--db", str(db), "--log-level", "warning", *FAST_ENGINE]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_second_server_on_the_same_ledger_refuses_and_the_first_keeps_its_rows(demo_model: Path,
+                                                                              tmp_path: Path) -> None:
+    db = tmp_path / "shared.db"
+    first = ServerProcess(demo_model, db).start()
+    try:
+        # A live request of the first server, still open while the second one tries to start.
+        with httpx.Client(timeout=120) as c, c.stream("POST", first.base + "/v1/completions", json={
+                "model": "demo", "prompt": "live", "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+            assert r.status_code == 200
+            rid = r.headers["x-request-id"]
+            lines = r.iter_lines()
+            first_chunk = next(ln for ln in lines if ln.startswith("data: "))
+            assert first_chunk
+            second = _second_server(demo_model, db)
+            assert second.returncode != 0
+            assert str(db) in second.stderr, second.stderr
+            assert f"process {first.proc.pid}" in second.stderr, second.stderr  # type: ignore[union-attr]
+            # The refused server did not sweep the first one's live row into `interrupted`.
+            rows = ledger_rows(db)
+            assert [r_["state"] for r_ in rows.values()] == ["running"], rows
+            for ln in lines:  # the first server still finishes its request
+                pass
+        rows = ledger_rows(db)
+        (row,) = rows.values()
+        assert row["state"] == "finished" and row["completion_tokens"] == 400
+        assert row["request_id"] == rid
+    finally:
+        first.stop()
+
+
+def test_sigkill_frees_the_ledger_lock(demo_model: Path, tmp_path: Path) -> None:
+    db = tmp_path / "crash.db"
+    first = ServerProcess(demo_model, db).start()
+    first.kill()  # SIGKILL: no clean-up runs; the kernel drops the flock with the process
+    try:
+        again = ServerProcess(demo_model, db).start()
+    finally:
+        first.stop()
+    try:
+        assert httpx.get(again.base + "/health").status_code == 200
+        assert (db.parent / (db.name + ".lock")).read_text().strip() == str(again.proc.pid)  # type: ignore[union-attr]
+    finally:
+        again.stop()
+
+
+def test_ledger_lock_in_process_names_the_holder(tmp_path: Path) -> None:
+    from server.serving.db_lock import LedgerLock, LedgerLocked
+
+    db = tmp_path / "x.db"
+    held = LedgerLock.acquire(db)
+    try:
+        with pytest.raises(LedgerLocked) as info:
+            LedgerLock.acquire(db)
+        assert info.value.pid == os.getpid() and str(db) in str(info.value)
+    finally:
+        held.release()
+    LedgerLock.acquire(db).release()  # free again once released
+
+
+def test_a_new_ledger_is_private(demo_model: Path, tmp_path: Path) -> None:
+    db = tmp_path / "fresh" / "nested" / "ledger.db"
+    old = os.umask(0o022)  # the usual umask, which alone would give 0755 folders and 0644 files
+    try:
+        srv = ServerProcess(demo_model, db)
+        srv.log_path = tmp_path / "server.log"  # the log must not create the ledger's folder
+        srv.start()
+    finally:
+        os.umask(old)
+    try:
+        r = httpx.post(srv.base + "/v1/completions", json={"model": "demo", "prompt": "p", "max_tokens": 2})
+        assert r.status_code == 200
+        assert stat.S_IMODE(db.parent.stat().st_mode) == 0o700
+        assert stat.S_IMODE((tmp_path / "fresh").stat().st_mode) == 0o700
+        for f in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm"),
+                  db.with_name(db.name + ".lock")):
+            assert f.exists(), f
+            assert stat.S_IMODE(f.stat().st_mode) == 0o600, (f, oct(f.stat().st_mode))
+    finally:
+        srv.stop()
+    assert ledger_rows(db)

@@ -165,7 +165,6 @@ def run_hf(spec: Spec) -> dict[str, Any]:
     load_s, model = timed(lambda: AutoModelForCausalLM.from_pretrained(spec["model_dir"], **dtype_kw).eval())
     res["load_s"] = load_s
     res["rss_after_load_bytes"] = _rss_now()
-    res["decode_bytes_per_token"] = _decode_bytes_per_token(llm.engine.model)
     from server.kernels import ops
 
     res["cpu_kernels"] = ops.cpu_isa()

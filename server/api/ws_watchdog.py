@@ -45,7 +45,7 @@ def transport_of(send: Any) -> Optional[asyncio.WriteTransport]:
     transport = getattr(proto, "transport", None)
     if transport is None or not hasattr(transport, "get_write_buffer_size"):
         return None
-    return transport  # type: ignore[no-any-return]
+    return transport
 
 
 def _stuck(transport: asyncio.WriteTransport) -> bool:

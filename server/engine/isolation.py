@@ -122,7 +122,7 @@ def execute_isolating(engine: "LLMEngine", out: SchedulerOutput) -> tuple[torch.
     for rid, exc in bad_requests.items():
         fail_request(engine, rid, f"engine error: {type(exc).__name__}: {exc}")
     if bad_requests and engine.config.enable_prefix_caching:
-        engine.allocator.reset_prefix_cache()
+        engine.kv_cache.reset_prefix_cache()
     logger.warning("engine step: failed %d request(s) (%s) after %d isolating forward(s); %d continue",
                    len(bad_requests), ", ".join(bad_requests), b.runs, len(survivors))
     logits = torch.stack(rows) if rows else torch.empty((0, 0), dtype=torch.float32)

@@ -109,6 +109,11 @@ class KVCacheManager:
     def stats(self) -> KVCacheStats:
         return KVCacheStats(**self._alloc.stats())
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block's hash, so no later request can match KV whose write may not
+        have happened (after a failed forward, see engine/isolation.py)."""
+        self._alloc.reset_prefix_cache()
+
     def check_invariants(self) -> None:
         """Raise RuntimeError describing the first broken allocator invariant."""
         self._alloc.check_invariants()

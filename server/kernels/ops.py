@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-import server._C  # type: ignore[import-untyped]  # (also loads the TORCH_LIBRARY(pagewire) registrations)
+import server._C  # (also loads the TORCH_LIBRARY(pagewire) registrations)
 from server.kernels.quant import QuantizedWeight
 
 __all__ = [
@@ -216,12 +216,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 # Fake (meta) kernels: the in-place ops produce no new tensors, so shape propagation is trivial.
 @torch.library.register_fake("pagewire::write_kv_cache")
-def _write_kv_cache_fake(key, value, key_cache, value_cache, slot_mapping) -> None:  # type: ignore[no-untyped-def]
+def _write_kv_cache_fake(key, value, key_cache, value_cache, slot_mapping) -> None:
     return None
 
 
 @torch.library.register_fake("pagewire::paged_attention")
-def _paged_attention_fake(  # type: ignore[no-untyped-def]
+def _paged_attention_fake(
     out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
     scale, sliding_window, max_query_len, max_seq_len,
 ) -> None:
@@ -229,48 +229,48 @@ def _paged_attention_fake(  # type: ignore[no-untyped-def]
 
 
 @torch.library.register_fake("pagewire::copy_blocks")
-def _copy_blocks_fake(key_caches, value_caches, block_mapping) -> None:  # type: ignore[no-untyped-def]
+def _copy_blocks_fake(key_caches, value_caches, block_mapping) -> None:
     return None
 
 
 @torch.library.register_fake("pagewire::linear")
-def _linear_fake(x, weight, bias):  # type: ignore[no-untyped-def]
+def _linear_fake(x, weight, bias):
     torch._check(x.shape[-1] == weight.shape[1], lambda: "x and weight disagree on K")
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @torch.library.register_fake("pagewire::rms_norm")
-def _rms_norm_fake(x, weight, eps):  # type: ignore[no-untyped-def]
+def _rms_norm_fake(x, weight, eps):
     return x.new_empty(x.shape)
 
 
 @torch.library.register_fake("pagewire::add_rms_norm")
-def _add_rms_norm_fake(residual, delta, weight, eps):  # type: ignore[no-untyped-def]
+def _add_rms_norm_fake(residual, delta, weight, eps):
     return residual.new_empty(residual.shape)
 
 
 @torch.library.register_fake("pagewire::rotary_embedding")
-def _rotary_embedding_fake(x, positions, cos, sin, norm_weight, eps) -> None:  # type: ignore[no-untyped-def]
+def _rotary_embedding_fake(x, positions, cos, sin, norm_weight, eps) -> None:
     return None
 
 
 @torch.library.register_fake("pagewire::silu_and_mul")
-def _silu_and_mul_fake(x):  # type: ignore[no-untyped-def]
+def _silu_and_mul_fake(x):
     torch._check(x.shape[-1] % 2 == 0, lambda: "x's last dim must be even")
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
 @torch.library.register_fake("pagewire::quantize_q8_0")
-def _quantize_q8_0_fake(weight):  # type: ignore[no-untyped-def]
+def _quantize_q8_0_fake(weight):
     return weight.new_empty((weight.shape[0], weight.shape[1] // 32 * 34), dtype=torch.uint8)
 
 
 @torch.library.register_fake("pagewire::dequantize_q8_0")
-def _dequantize_q8_0_fake(weight):  # type: ignore[no-untyped-def]
+def _dequantize_q8_0_fake(weight):
     return weight.new_empty((weight.shape[0], weight.shape[1] // 34 * 32), dtype=torch.float32)
 
 
 @torch.library.register_fake("pagewire::linear_q8_0")
-def _linear_q8_0_fake(x, weight, bias):  # type: ignore[no-untyped-def]
+def _linear_q8_0_fake(x, weight, bias):
     torch._check(x.shape[-1] // 32 * 34 == weight.shape[1], lambda: "x and weight disagree on K")
     return x.new_empty((*x.shape[:-1], weight.shape[0]))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-import server._C  # type: ignore[import-untyped]  # noqa: F401  (loads the op registrations)
+import server._C  # noqa: F401  (loads the op registrations)
 
 __all__ = ["QuantizedWeight", "QUANTIZATIONS", "Q8_0_BLOCK", "Q8_0_BLOCK_BYTES"]
 

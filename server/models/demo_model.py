@@ -223,6 +223,8 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = DEFAULT_VOCAB_SIZE) -
     bos_id = tok.token_to_id(BOS_TOKEN)
     eos_id = tok.token_to_id(EOS_TOKEN)
     im_end_id = tok.token_to_id(IM_END)
+    # The trainer above added these as special tokens, so each has an id.
+    assert bos_id is not None and eos_id is not None and im_end_id is not None
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS_TOKEN} $A",
         pair=f"{BOS_TOKEN} $A {BOS_TOKEN}:1 $B:1",

@@ -8,7 +8,7 @@ where each Hugging Face tensor lands inside the fused parameters.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -196,7 +196,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dev)
         # Plain list for the hot loop: iterating nn.ModuleList and calling modules via __call__
         # costs hook checks on every layer of every step.
-        self._layers: list[LlamaDecoderLayer] = list(self.layers)
+        self._layers: list[LlamaDecoderLayer] = [cast(LlamaDecoderLayer, m) for m in self.layers]
         self.eval()
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:

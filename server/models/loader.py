@@ -75,7 +75,8 @@ def load_model(
         if len(missing) > 1:
             more = f" (and {len(missing) - 1} more: {', '.join(missing[1:4])}{', ...' if len(missing) > 4 else ''})"
         raise ModelLoadError(f"tensor {name!r} not found in {where}{more}")
-    if config.tie_word_embeddings and has_lm_head and torch.equal(model.lm_head, model.embed_tokens):
+    if (config.tie_word_embeddings and has_lm_head and isinstance(model.lm_head, torch.Tensor)
+            and torch.equal(model.lm_head, model.embed_tokens)):
         model.tie_lm_head()
     return model, config
 

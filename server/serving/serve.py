@@ -41,7 +41,7 @@ class PagewireServer(uvicorn.Server):
         self._signals = 0
         self._loop: Optional[asyncio.AbstractEventLoop] = None
 
-    async def serve(self, sockets: Optional[list] = None) -> None:  # type: ignore[override]
+    async def serve(self, sockets: Optional[list] = None) -> None:
         self._loop = asyncio.get_running_loop()
         with self.capture_signals():
             await self._serve(sockets)

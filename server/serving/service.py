@@ -130,7 +130,7 @@ class RequestService:
     async def _check_same_request(self, spec: GenerationSpec, request_id: str,
                                   record: Optional[RequestRecord]) -> None:
         """409 when an idempotency key is reused for a different request (see idempotency)."""
-        job = self.jobs.get(request_id)
+        job = self._jobs.get(request_id)
         if job is not None:
             stored: Optional[str] = fingerprint(job.spec)
         else:

@@ -42,7 +42,7 @@ def origin_list(text: str) -> str:
     return text
 
 
-_ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineConfig) if f.name != "model"}
+_ENGINE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(EngineConfig) if f.name != "model"}
 
 
 @dataclass

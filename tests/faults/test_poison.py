@@ -95,8 +95,8 @@ def test_one_poisoned_request_in_16_fails_alone(demo_model: Path, hook, seeded: 
     failing = [i for i, ids in enumerate(calls) if "r5" in ids]
     assert len(calls) - len(_run_calls_clean(clean)) <= isolation.max_runs(N) + 1
     assert failing
-    engine.allocator.check_invariants()
-    assert engine.allocator.stats()["used_blocks"] == 0
+    engine.kv_cache.check_invariants()
+    assert engine.kv_cache.stats().used_blocks == 0
 
 
 def _run_calls_clean(clean: dict[str, list[RequestDelta]]) -> list[int]:
@@ -129,8 +129,8 @@ def test_a_fault_of_every_batch_fails_all_within_the_bound(demo_model: Path, hoo
     got = _run(engine)
     assert all("the device is gone" in (_final(d).error or "") for d in got.values())
     assert len(calls) <= 1 + isolation.max_runs(N)  # one step, bounded retries, not 2N forwards
-    engine.allocator.check_invariants()
-    assert engine.allocator.stats()["used_blocks"] == 0
+    engine.kv_cache.check_invariants()
+    assert engine.kv_cache.stats().used_blocks == 0
 
 
 def test_the_hook_is_off_by_default() -> None:

@@ -53,7 +53,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         # Model first: its loader names a missing folder or weights file precisely.
         self.model, self.model_config = load_model(config.model, config.dtype, config.device)
-        self.tokenizer = Tokenizer.from_dir(config.model)
+        self.tokenizer = Tokenizer.load(config.model)
         mc = self.model_config
         self.device = torch.device(config.device)
         kv_dtype = next(self.model.parameters()).dtype

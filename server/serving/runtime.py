@@ -24,6 +24,7 @@ from server.serving.prompts import PromptPreparer
 from server.serving.service import RequestService
 from server.serving.settings import ServeSettings
 from server.serving.streams import StreamRegistry
+from server.models.generation_defaults import generation_defaults
 from server.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ class Runtime:
         self.connections: set["WsConnection"] = set()
         self.ledger: Optional[Ledger] = None
         self.tokenizer: Optional[Tokenizer] = None
+        self.sampling_defaults: dict[str, Any] = {}
         self.bridge: Optional[EngineBridge] = None
         self.service: Optional[RequestService] = None
         self.admission: Optional[AdmissionQueue[Job]] = None
@@ -61,7 +63,10 @@ class Runtime:
         self.ledger = await Ledger.open(s.db_path)
         log.info("ledger: %s (%d request(s) marked interrupted from the previous run)",
                  s.db_path, self.ledger.interrupted_at_start)
-        self.tokenizer = await loop.run_in_executor(None, Tokenizer.from_dir, self.model_dir)
+        self.tokenizer = await loop.run_in_executor(None, Tokenizer.load, self.model_dir)
+        self.sampling_defaults = await loop.run_in_executor(None, generation_defaults, self.model_dir)
+        log.info("model: %s; default sampling values from the model: %s", self.model_dir,
+                 self.sampling_defaults or "none (pagewire's own defaults apply)")
         self.formatter = Formatter(self.tokenizer, self.model_name)
         self.bridge = EngineBridge(s.engine_config(str(self.model_dir)), self._dispatch)
         self.admission = AdmissionQueue(
@@ -73,7 +78,7 @@ class Runtime:
         self.metrics = Metrics(self.bridge.stats, lambda: self.admission.queued if self.admission else 0)
         self.service = RequestService(
             self.bridge, self.ledger, self.admission, StreamRegistry(s.stream_retention),
-            PromptPreparer(self.tokenizer, s.offload_chars), self.metrics,
+            PromptPreparer(self.tokenizer, s.offload_chars, self.sampling_defaults), self.metrics,
             s.request_timeout if s.request_timeout > 0 else None,
         )
         self.bridge.start()

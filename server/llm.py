@@ -84,13 +84,13 @@ class LLM:
         if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or not messages:
             raise ValueError("messages: must be a non-empty list of messages or of conversations")
         batch = isinstance(messages[0], Sequence) and not isinstance(messages[0], (str, bytes, Mapping))
-        conversations = list(messages) if batch else [messages]
+        conversations: list[Any] = list(messages) if batch else [messages]
         tok = self.engine.tokenizer
-        texts = []
+        texts: list[str] = []
         for i, conv in enumerate(conversations):
             if not conv or not all(isinstance(m, Mapping) for m in conv):
                 raise ValueError(f"messages[{i}]: must be a non-empty list of message objects")
-            msgs = [dict(m) for m in conv]
+            msgs: list[dict[str, Any]] = [dict(m) for m in conv]
             text = tok.apply_chat_template(
                 msgs, add_generation_prompt=add_generation_prompt, tools=tools,
                 chat_template=chat_template, **(chat_template_kwargs or {}),
@@ -99,7 +99,7 @@ class LLM:
                 text = _open_final_message(text, msgs, i)
             texts.append(text)
         # Templates write BOS and the turn markers themselves; encoding must not add them again.
-        prompts = [(t, tok.encode(t, add_special_tokens=False)) for t in texts]
+        prompts: list[tuple[Optional[str], list[int]]] = [(t, tok.encode(t, add_special_tokens=False)) for t in texts]
         return self._run(prompts, sampling_params, use_tqdm, None)
 
     def generate(
@@ -110,13 +110,17 @@ class LLM:
         priority: Optional[Sequence[int]] = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (a string or a list of token ids); outputs keep input order."""
+        items: list[Any]
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
-            prompts = [prompts]  # type: ignore[list-item]
+            items = [prompts]
+        else:
+            items = list(prompts)
         tok = self.engine.tokenizer
-        staged = [(p if isinstance(p, str) else None, tok.encode(p) if isinstance(p, str) else list(p))
-                  for p in prompts]  # type: ignore[union-attr]
+        staged: list[tuple[Optional[str], list[int]]] = [
+            (p, tok.encode(p)) if isinstance(p, str) else (None, list(p)) for p in items
+        ]
         return self._run(staged, sampling_params, use_tqdm, priority)
 
     def _run(

@@ -36,6 +36,16 @@ _TEXT = (
 ) * 3
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for both implementations: on a shared 2-core machine two threads wait on
+    each other at every op (measured 4x slower under load), and the results do not depend on it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def gguf_path() -> Path:
     found = find_default_model()
@@ -46,7 +56,7 @@ def gguf_path() -> Path:
 
 @pytest.fixture(scope="module")
 def llm(gguf_path: Path) -> LLM:
-    return LLM(str(gguf_path), dtype="float32", max_model_len=1024, kv_cache_tokens=8192)
+    return LLM(str(gguf_path), dtype="float32", max_model_len=1024, kv_cache_tokens=8192, num_threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +107,7 @@ def test_hf_folder_copy_gives_the_same_tokens(llm: LLM, hf: tuple[Any, Any], tmp
         del model.config.quantization_config
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
-    copy = LLM(str(folder), dtype="float32", max_model_len=1024, kv_cache_tokens=4096)
+    copy = LLM(str(folder), dtype="float32", max_model_len=1024, kv_cache_tokens=4096, num_threads=1)
     prompts = _prompts(llm.get_tokenizer())[:5]
     a = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(ignore_eos=True))]
     b = [o.outputs[0].token_ids for o in copy.generate(prompts, _greedy(ignore_eos=True))]

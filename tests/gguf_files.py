@@ -71,7 +71,7 @@ def random_k_blocks(rows: int, cols: int, qtype: str, seed: int) -> np.ndarray:
     nbytes = K_BLOCK_BYTES[qtype]
     blocks = rng.integers(0, 256, size=(rows * cols // 256, nbytes), dtype=np.uint8)
     for off in _K_HALF_OFFSETS[qtype]:
-        halves = rng.uniform(0.002, 0.02, size=blocks.shape[0]).astype(np.float16)
+        halves = np.asarray(rng.uniform(0.002, 0.02, size=blocks.shape[0]), dtype=np.float16)
         blocks[:, off:off + 2] = halves.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(rows, cols // 256 * nbytes)
 

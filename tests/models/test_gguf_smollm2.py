@@ -146,14 +146,38 @@ def _random_strings(n: int, seed: int) -> list[str]:
 
 
 def test_tokenizer_equals_transformers_gguf_tokenizer_on_1000_strings(llm: LLM, hf: tuple[Any, Any]) -> None:
+    """Equal to transformers' GGUF tokenizer, except where transformers departs from SmolLM2's own.
+
+    SmolLM2's tokenizer.json (and llama.cpp's `smollm` pre-tokenizer) splits digits off before
+    GPT-2's regex; transformers' GGUF path runs GPT-2's regex alone. The two differ only on
+    whitespace right before a digit ("\r\n8": "\r\n" is one token for SmolLM2, two for
+    transformers). pagewire follows SmolLM2, so the reference is transformers' GGUF tokenizer with
+    SmolLM2's pre-tokenizer put back, and every string where plain transformers differs is checked
+    to be that case.
+    """
+    import copy
+    import re
+
+    from tokenizers import pre_tokenizers
+
     ours = llm.get_tokenizer()
     _, ref = hf
+    smollm = copy.deepcopy(ref.backend_tokenizer)
+    smollm.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
     strings = _random_strings(1000, seed=7)
     assert len(set(strings)) > 900
+    departures = 0
     for s in strings:
         ids = ours.encode(s)
-        assert ids == ref.encode(s), repr(s)
+        assert ids == smollm.encode(s, add_special_tokens=False).ids, repr(s)
+        if ids != ref.encode(s):
+            departures += 1
+            assert re.search(r"\s\d", s), repr(s)
         assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True) == s, repr(s)
+    assert departures < 50  # a handful: most strings have no whitespace-digit boundary
     # Special tokens written in text map to their ids, as in transformers.
     s = "<|im_start|>user\nhi<|im_end|>"
     assert ours.encode(s) == ref.encode(s) and ours.encode(s)[0] == 1

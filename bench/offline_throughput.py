@@ -439,8 +439,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     need = max(args.input_len_range[1] + args.output_len_range[1], PREFILL_LEN + 1,
                DECODE_PROMPT_LEN + DECODE_OUTPUT_LEN)
     max_model_len = args.max_model_len or need
+    block = int(engine_kwargs(args).get("block_size", 16))
     kv_tokens = args.kv_cache_tokens or max(
         sum(len(p) + k for p, k in zip(workload["prompts"], workload["output_lens"])), max_model_len)
+    kv_tokens = -(-kv_tokens // block) * block  # whole blocks, so one max_model_len sequence always fits
     spec: Spec = {
         "model_dir": str(model_dir), "dtype": args.dtype, "threads": args.threads, "only": args.only,
         "workload": workload, "max_model_len": max_model_len, "kv_cache_tokens": kv_tokens,

@@ -63,14 +63,25 @@ def llm(gguf_path: Path) -> LLM:
 def hf(gguf_path: Path) -> Iterator[tuple[Any, Any]]:
     """transformers' model and tokenizer from the same GGUF file, dequantised to fp32 by transformers'
     own (torch) dequantisers -- an independent reading of the file."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoModelForCausalLM, GgufConfig
 
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32,
         quantization_config=GgufConfig(dequantize=True),
     ).eval()
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    yield model, tok
+    yield model, hf_tokenizer(gguf_path)
+
+
+_HF_TOKENIZERS: dict[Path, Any] = {}
+
+
+def hf_tokenizer(gguf_path: Path) -> Any:
+    """transformers' GGUF tokenizer, loaded once (the tokenizer test needs no model)."""
+    from transformers import AutoTokenizer
+
+    if gguf_path not in _HF_TOKENIZERS:
+        _HF_TOKENIZERS[gguf_path] = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    return _HF_TOKENIZERS[gguf_path]
 
 
 def _prompts(tok: Tokenizer) -> list[list[int]]:
@@ -145,7 +156,7 @@ def _random_strings(n: int, seed: int) -> list[str]:
     return out
 
 
-def test_tokenizer_equals_transformers_gguf_tokenizer_on_1000_strings(llm: LLM, hf: tuple[Any, Any]) -> None:
+def test_tokenizer_equals_transformers_gguf_tokenizer_on_1000_strings(llm: LLM, gguf_path: Path) -> None:
     """Equal to transformers' GGUF tokenizer, except where transformers departs from SmolLM2's own.
 
     SmolLM2's tokenizer.json (and llama.cpp's `smollm` pre-tokenizer) splits digits off before
@@ -161,7 +172,7 @@ def test_tokenizer_equals_transformers_gguf_tokenizer_on_1000_strings(llm: LLM, 
     from tokenizers import pre_tokenizers
 
     ours = llm.get_tokenizer()
-    _, ref = hf
+    ref = hf_tokenizer(gguf_path)
     smollm = copy.deepcopy(ref.backend_tokenizer)
     smollm.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),

@@ -208,7 +208,9 @@ def test_incremental_detokenization_equals_full_decode_at_every_step(llm: LLM) -
             full = tok.decode(ids[:k])
             if full.endswith("\ufffd"):
                 split_chars += 1  # a multi-byte character is cut between tokens here
-                assert emitted == full.rstrip("\ufffd")
+                # The token carrying the partial bytes is held back whole (its leading space too)
+                # until the character completes: what was emitted is a prefix of the full text.
+                assert full.rstrip("\ufffd").startswith(emitted), (text, k)
             else:
                 assert emitted == full, (text, k)
         emitted += detok.flush()

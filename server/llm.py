@@ -1,17 +1,21 @@
-"""LLM: the offline batch API, shaped like vLLM's (`LLM(model).generate(prompts, params)`).
+"""LLM: the offline batch API, shaped like vLLM's (`LLM(model).generate(prompts, params)` and
+`LLM(model).chat(messages, params)`).
 
-It drives an LLMEngine on the caller's thread: submit everything, step until done, collect.
+It drives an LLMEngine on the caller's thread: submit everything, step until done, collect. With no
+sampling params given it uses the model's own defaults (generation_config.json or GGUF metadata),
+as vLLM does.
 """
 from __future__ import annotations
 
 import itertools
-from typing import Any, Optional, Sequence, Union, cast
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from server.engine.config import EngineConfig
 from server.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, fold_delta
 from server.engine.sampling_params import SamplingParams
 
 PromptType = Union[str, Sequence[int]]
+Conversation = Sequence[Mapping[str, Any]]
 
 
 class LLM:
@@ -22,7 +26,7 @@ class LLM:
         >>> out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
         >>> out[0].outputs[0].text
 
-    Args: `model` is a Hugging Face model folder; every other keyword is an EngineConfig field
+    Args: `model` is a Hugging Face model folder or a .gguf file; every other keyword is an EngineConfig field
     (dtype, max_model_len, kv_cache_tokens, kv_cache_memory_gb, block_size, max_num_seqs,
     max_num_batched_tokens, enable_prefix_caching, num_threads, seed, quantization).
     """
@@ -36,9 +40,67 @@ class LLM:
         self.config = EngineConfig(model=str(model), **kwargs)
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
+        from server.models.generation_defaults import generation_defaults
 
-    def get_tokenizer(self):
+        self.sampling_defaults: dict[str, Any] = generation_defaults(self.config.model)
+
+    def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's suggested values (generation_config.json / GGUF
+        general.sampling.*) over pagewire's defaults; what generate() and chat() use when given none."""
+        return SamplingParams(**self.sampling_defaults)
+
+    def chat(
+        self,
+        messages: Union[Conversation, Sequence[Conversation]],
+        sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+        use_tqdm: bool = False,
+        chat_template: Optional[str] = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Optional[list[dict[str, Any]]] = None,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a batch of them, as vLLM's `LLM.chat`.
+
+        Args:
+            messages: [{"role", "content"}, ...], or a list of such conversations.
+            sampling_params: one for all, or one per conversation; default: the model's defaults.
+            chat_template: a template source (or the name of one of the model's templates).
+            add_generation_prompt: end the prompt with the assistant header so the model replies.
+            continue_final_message: leave the last (assistant) message open so the model continues
+                it; exclusive with add_generation_prompt.
+            tools: tool definitions passed to the template.
+            chat_template_kwargs: extra template variables (e.g. {"enable_thinking": False}).
+        Returns:
+            One RequestOutput per conversation, in order; `prompt` is the rendered template text.
+        Raises:
+            ValueError naming the argument; ChatTemplateError when the template rejects a conversation.
+        """
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message: cannot be combined with add_generation_prompt=True")
+        if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or not messages:
+            raise ValueError("messages: must be a non-empty list of messages or of conversations")
+        batch = isinstance(messages[0], Sequence) and not isinstance(messages[0], (str, bytes, Mapping))
+        conversations: list[Any] = list(messages) if batch else [messages]
+        tok = self.engine.tokenizer
+        texts: list[str] = []
+        for i, conv in enumerate(conversations):
+            if not conv or not all(isinstance(m, Mapping) for m in conv):
+                raise ValueError(f"messages[{i}]: must be a non-empty list of message objects")
+            msgs: list[dict[str, Any]] = [dict(m) for m in conv]
+            text = tok.apply_chat_template(
+                msgs, add_generation_prompt=add_generation_prompt, tools=tools,
+                chat_template=chat_template, **(chat_template_kwargs or {}),
+            )
+            if continue_final_message:
+                text = _open_final_message(text, msgs, i)
+            texts.append(text)
+        # Templates write BOS and the turn markers themselves; encoding must not add them again.
+        prompts: list[tuple[Optional[str], list[int]]] = [(t, tok.encode(t, add_special_tokens=False)) for t in texts]
+        return self._run(prompts, sampling_params, use_tqdm, None)
 
     def generate(
         self,
@@ -48,16 +110,29 @@ class LLM:
         priority: Optional[Sequence[int]] = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (a string or a list of token ids); outputs keep input order."""
-        prompt_list: list[PromptType]
+        items: list[Any]
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
-            prompt_list = [cast(PromptType, prompts)]  # one prompt: a str or token ids
+            items = [prompts]
         else:
-            prompt_list = list(cast(Sequence[PromptType], prompts))
-        prompts = prompt_list
+            items = list(prompts)
+        tok = self.engine.tokenizer
+        staged: list[tuple[Optional[str], list[int]]] = [
+            (p, tok.encode(p)) if isinstance(p, str) else (None, list(p)) for p in items
+        ]
+        return self._run(staged, sampling_params, use_tqdm, priority)
+
+    def _run(
+        self,
+        prompts: list[tuple[Optional[str], list[int]]],
+        sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]],
+        use_tqdm: bool,
+        priority: Optional[Sequence[int]],
+    ) -> list[RequestOutput]:
+        """Queue every (text, token ids) prompt, step the engine until all finish, keep input order."""
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
@@ -69,15 +144,11 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts")
 
-        tok = self.engine.tokenizer
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
-        # Tokenise and validate everything before queueing anything, so a bad prompt fails fast.
-        staged = []
-        for i, (p, sp) in enumerate(zip(prompt_list, params_list)):
-            text = p if isinstance(p, str) else None
-            ids: list[int] = tok.encode(p) if isinstance(p, str) else [int(t) for t in p]
-            staged.append((text, ids, sp, priority[i] if priority is not None else 0))
+        # Everything is tokenised before anything is queued, so a bad prompt fails fast.
+        staged = [(text, ids, sp, priority[i] if priority is not None else 0)
+                  for i, ((text, ids), sp) in enumerate(zip(prompts, params_list))]
         try:
             for text, ids, sp, prio in staged:
                 rid = str(next(self._ids))
@@ -113,6 +184,20 @@ class LLM:
         if bar is not None:
             bar.close()
         return [results[r] for r in order]
+
+
+def _open_final_message(text: str, messages: list[dict[str, Any]], index: int) -> str:
+    """Cut the rendered prompt right after the final message's content, dropping the turn end the
+    template wrote, so generation continues that message (transformers' continue_final_message)."""
+    content = messages[-1].get("content")
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError(f"messages[{index}]: continue_final_message needs a final message with text content")
+    at = text.rfind(content.strip())
+    if at < 0:
+        raise ValueError(f"messages[{index}]: the chat template does not reproduce the final message's content")
+    return text[: at + len(content.strip())]
 
 
 def _apply(out: RequestOutput, delta: RequestDelta) -> None:

@@ -82,6 +82,9 @@ def build_app(rt: Runtime) -> Starlette:
         return JSONResponse({"object": "list", "data": [{
             "id": rt.model_name, "object": "model", "created": int(time.time()), "owned_by": "pagewire",
             "max_model_len": rt.bridge.max_model_len if rt.bridge and rt.bridge.ready else None,
+            # The model's own sampling defaults (generation_config.json / GGUF metadata): what an
+            # unset request field means here.
+            "default_sampling_params": rt.sampling_defaults,
         }]})
 
     async def tokenize(request: Request) -> Response:

@@ -61,7 +61,7 @@ class LLMEngine:
         self.model, self.model_config = load_model(config.model, config.dtype, config.device)
         if config.quantization != "none":
             self.model.quantize_weights(config.quantization)
-        self.tokenizer = Tokenizer.from_dir(config.model)
+        self.tokenizer = Tokenizer.load(config.model)
         mc = self.model_config
         self.device = torch.device(config.device)
         kv_dtype = next(self.model.parameters()).dtype

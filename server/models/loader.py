@@ -1,8 +1,9 @@
-"""load_model: turn a Hugging Face model folder (config.json + safetensors) into a runnable model.
+"""load_model: turn a Hugging Face model folder (config.json + safetensors) or a GGUF file into a runnable model.
 
 It owns finding the weight files (single or sharded with an index), reading them memory-mapped,
 checking every tensor's presence and shape against what the model expects, and copying each
-into the model's fused parameters with the requested dtype and device.
+into the model's fused parameters with the requested dtype and device. A GGUF file is handed to
+`server.models.gguf_loader`.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from server.models.config import ModelConfig, ModelFileNotFoundError, ModelLoadError, UnsupportedModelError
+from server.models.gguf_file import is_gguf_path
 from server.models.llama import LlamaFamilyForCausalLM, WeightTarget
 
 SINGLE_FILE = "model.safetensors"
@@ -37,11 +39,11 @@ def resolve_dtype(dtype: str, config: ModelConfig) -> torch.dtype:
 def load_model(
     model_dir: str | Path, dtype: str = "auto", device: str | torch.device = "cpu"
 ) -> tuple[LlamaFamilyForCausalLM, ModelConfig]:
-    """Load a Llama/Mistral/Qwen2/Qwen3 checkpoint folder.
+    """Load a Llama/Mistral/Qwen2/Qwen3 checkpoint folder or GGUF file.
 
     Args:
         model_dir: folder with config.json and model.safetensors, or model-0000x-of-0000y.safetensors
-            shards listed in model.safetensors.index.json.
+            shards listed in model.safetensors.index.json; or a .gguf file (see gguf_loader).
         dtype: "auto", "float32", "bfloat16" or "float16".
         device: where the parameters live.
     Returns:
@@ -51,6 +53,10 @@ def load_model(
         ModelLoadError naming the tensor and file for missing, unexpected or mis-shaped tensors.
     """
     model_dir = Path(model_dir)
+    if is_gguf_path(model_dir):
+        from server.models.gguf_loader import load_gguf_model
+
+        return load_gguf_model(model_dir, dtype, device)
     config = ModelConfig.from_model_dir(model_dir)
     torch_dtype = resolve_dtype(dtype, config)
     files, index_map = _weight_files(model_dir)

@@ -38,14 +38,24 @@ def _with_field(exc: SamplingParamsError, spec: GenerationSpec) -> InvalidReques
 class PromptPreparer:
     """Turns a spec into (prompt token ids, SamplingParams), or raises InvalidRequest naming the field."""
 
-    def __init__(self, tokenizer: Tokenizer, offload_chars: int = 2048) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, offload_chars: int = 2048, sampling_defaults: Optional[dict[str, Any]] = None
+    ) -> None:
+        """sampling_defaults: the model's suggested SamplingParams values (generation_config.json or
+        GGUF metadata), used for every field a request leaves unset, as vLLM does."""
         self.tokenizer = tokenizer
         self.offload_chars = offload_chars
+        defaults = dict(sampling_defaults or {})
+        self.default_max_tokens: Optional[int] = defaults.pop("max_tokens", None)
+        self.sampling_defaults = defaults
+
+    def _sampling(self, spec: GenerationSpec) -> dict[str, Any]:
+        return {**self.sampling_defaults, **spec.sampling}
 
     def check_sampling(self, spec: GenerationSpec) -> SamplingParams:
         """Validate the sampling fields before any tokenising work (max_tokens set later)."""
         try:
-            params = SamplingParams(max_tokens=spec.max_tokens or 1, **spec.sampling)
+            params = SamplingParams(max_tokens=spec.max_tokens or 1, **self._sampling(spec))
         except SamplingParamsError as e:
             raise _with_field(e, spec) from None
         except TypeError as e:  # an unexpected keyword: a programming error at the edge
@@ -104,9 +114,10 @@ class PromptPreparer:
         except RequestTooLongError as e:
             raise _context_error(e, field, spec.max_tokens_field) from None
         if max_tokens is None:
-            max_tokens = room if spec.default_max_tokens is None else min(spec.default_max_tokens, room)
+            default = spec.default_max_tokens if spec.default_max_tokens is not None else self.default_max_tokens
+            max_tokens = room if default is None else min(default, room)
         try:
-            return SamplingParams(max_tokens=max_tokens, **spec.sampling)
+            return SamplingParams(max_tokens=max_tokens, **self._sampling(spec))
         except SamplingParamsError as e:
             raise _with_field(e, spec) from None
 

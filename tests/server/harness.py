@@ -33,8 +33,12 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model_dir: Path, db: Path, *extra: str, env: Optional[dict[str, str]] = None) -> None:
+    def __init__(self, model_dir: Optional[Path], db: Path, *extra: str, env: Optional[dict[str, str]] = None,
+                 served_model_name: Optional[str] = "demo") -> None:
+        """model_dir None runs `pagewire serve` with no model (the default one); served_model_name
+        None keeps the server's own naming."""
         self.model_dir = model_dir
+        self.served_model_name = served_model_name
         self.db = db
         self.extra = list(extra)
         self.env = env or {}
@@ -52,9 +56,10 @@ class ServerProcess:
 
     def start(self, timeout: float = 300.0, healthy: bool = True) -> "ServerProcess":
         """Spawn the server and wait until /health is 200 (or, with healthy=False, answers at all)."""
-        cmd = [sys.executable, "-m", "server.cli", "serve", str(self.model_dir), "--port", str(self.port),
-               "--db", str(self.db), "--served-model-name", "demo", "--log-level", "warning",
-               *FAST_ENGINE, *self.extra]
+        model = [str(self.model_dir)] if self.model_dir is not None else []
+        name = ["--served-model-name", self.served_model_name] if self.served_model_name is not None else []
+        cmd = [sys.executable, "-m", "server.cli", "serve", *model, "--port", str(self.port),
+               "--db", str(self.db), *name, "--log-level", "warning", *FAST_ENGINE, *self.extra]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)

@@ -1,0 +1,164 @@
+"""load_gguf_model: turn a GGUF file into a runnable LlamaFamilyForCausalLM.
+
+It owns the GGUF -> Hugging Face tensor-name map, dequantising each tensor at load (with the
+`gguf` package's numpy dequantisers) to the serving dtype, and undoing the Q/K row permutation
+llama.cpp's converter applies to Llama/Mistral attention weights. Every failure names the file and
+the tensor: an unsupported tensor type, a missing or unexpected tensor, a shape mismatch.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from server.models.config import ModelConfig, ModelLoadError, UnsupportedModelError
+from server.models.gguf_config import PERMUTED_QK_ARCHITECTURES, config_from_gguf
+from server.models.gguf_file import GGUFFile, GGUFTensor
+from server.models.llama import LlamaFamilyForCausalLM
+
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate.bias": "mlp.gate_proj.bias",
+    "ffn_up.bias": "mlp.up_proj.bias",
+    "ffn_down.bias": "mlp.down_proj.bias",
+}
+_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+
+__all__ = ["load_gguf_model", "hf_tensor_name", "dequantize", "unpermute_qk", "SUPPORTED_TENSOR_TYPES"]
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor, or None if pagewire has no use for it."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _BLOCK_NAMES:
+        return None
+    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"
+
+
+def dequantize(t: GGUFTensor, path: Path) -> np.ndarray:
+    """float32 numpy array of `t.shape`. Raises UnsupportedModelError naming the type for others."""
+    if t.type_name not in SUPPORTED_TENSOR_TYPES:
+        raise UnsupportedModelError(
+            f"{path}: tensor {t.name!r} has type {t.type_name}, which pagewire cannot load; "
+            f"supported types: {', '.join(SUPPORTED_TENSOR_TYPES)}"
+        )
+    from gguf import quants
+
+    try:
+        values = np.asarray(quants.dequantize(t.data, t.qtype), dtype=np.float32).reshape(t.shape)
+        # F32 comes back as a view of the read-only memory map; torch wants memory it may write.
+        return values if values.flags.writeable else values.copy()
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: tensor {t.name!r} ({t.type_name}, shape {list(t.shape)}) is corrupt: {e}") from None
+
+
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row order.
+
+    The converter regroups each head's rows from HF's [first half | second half] (rotate-half RoPE)
+    to interleaved pairs (ggml's "normal" RoPE): row (h, i, j) of shape [heads, half, 2] came from
+    HF row (h, j, i) of [heads, 2, half]. Swapping the two small axes back restores HF's order.
+    Works for weights [rows, in] and biases [rows].
+    """
+    rows = w.shape[0]
+    half = rows // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def load_gguf_model(
+    path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu"
+) -> tuple[LlamaFamilyForCausalLM, ModelConfig]:
+    """Load a llama/mistral/qwen2/qwen3 GGUF file, dequantised to `dtype`.
+
+    Args:
+        path: the .gguf file.
+        dtype: "auto" (the file's float type; float32 for quantised files), "float32", "bfloat16", "float16".
+        device: where the parameters live.
+    Returns:
+        (model, config), the model in eval mode with requires_grad off.
+    Raises:
+        ModelFileNotFoundError, UnsupportedModelError (architecture, tensor type, RoPE), or
+        ModelLoadError naming the file and the tensor or metadata key.
+    """
+    from server.models.loader import resolve_dtype
+
+    f = GGUFFile.open(path)
+    config = config_from_gguf(f)
+    torch_dtype = resolve_dtype(dtype, config)
+    model = LlamaFamilyForCausalLM(config, torch_dtype, torch.device(device))
+    targets = model.checkpoint_tensors()
+    permute = config.model_type in PERMUTED_QK_ARCHITECTURES
+    loaded: set[str] = set()
+    bar = tqdm(total=len(f.tensors), desc="Loading GGUF", unit="tensor", file=sys.stderr,
+               disable=not sys.stderr.isatty())
+    with bar, torch.no_grad():
+        for t in f.tensors.values():
+            bar.update(1)
+            name = hf_tensor_name(t.name)
+            if name is None:
+                raise ModelLoadError(
+                    f"unexpected tensor {t.name!r} in {f.path}: the {config.model_type} architecture does not use it"
+                )
+            target = targets.get(name)
+            if target is None:
+                raise ModelLoadError(
+                    f"unexpected tensor {t.name!r} in {f.path}: this model's config does not use it ({name})"
+                )
+            if t.shape != target.shape:
+                raise ModelLoadError(
+                    f"tensor {t.name!r} in {f.path} has shape {list(t.shape)}, expected {list(target.shape)}"
+                )
+            tensor = torch.from_numpy(dequantize(t, f.path))
+            if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
+                tensor = unpermute_qk(tensor, config.num_heads)
+            elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
+                tensor = unpermute_qk(tensor, config.num_kv_heads)
+            target.dest.copy_(tensor)  # converts to the serving dtype/device
+            loaded.add(name)
+    missing = [name for name in targets if name not in loaded]
+    if missing:
+        raise ModelLoadError(
+            f"{f.path}: tensor {_gguf_name(missing[0])!r} ({missing[0]}) not found"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
+    return model, config
+
+
+def _gguf_name(hf_name: str) -> str:
+    """The GGUF spelling of an HF tensor name, for error messages."""
+    for g, h in _GLOBAL_NAMES.items():
+        if h == hf_name:
+            return g
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
+    if m:
+        for g, h in _BLOCK_NAMES.items():
+            if h == m.group(2):
+                return f"blk.{m.group(1)}.{g}"
+    return hf_name

@@ -1,0 +1,222 @@
+"""write_gguf: turn a tiny Hugging Face checkpoint folder into a GGUF file the way llama.cpp's
+converter lays one out, for tests (no downloads).
+
+It owns the test side of the format, written independently of server.models.gguf_loader so the
+loader is checked against a second reading of llama.cpp's conventions: GGUF tensor names, the
+Q/K row permutation for Llama/Mistral, `{arch}.*` metadata, quantisation with the `gguf` package,
+and a byte-level BPE (or SentencePiece-style) vocabulary trained on the demo corpus.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+QUANT_BLOCK = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+_HF_TO_GGUF_BLOCK = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf_name == "model.norm.weight":
+        return "output_norm.weight"
+    if hf_name == "lm_head.weight":
+        return "output.weight"
+    parts = hf_name.split(".", 3)  # model, layers, N, rest
+    return f"blk.{parts[2]}.{_HF_TO_GGUF_BLOCK[parts[3]]}"
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf's `permute`: each head's [first half; second half] rows become
+    interleaved pairs."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# K-quant block bytes and where each block's fp16 super-scales sit (the `gguf` package cannot
+# quantise to these types, so tests write random blocks with sane scales instead).
+K_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+_K_HALF_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_k_blocks(rows: int, cols: int, qtype: str, seed: int) -> np.ndarray:
+    """[rows, cols / 256 * block bytes] uint8 of valid `qtype` blocks: random quants and sub-scales,
+    fp16 super-scales in [0.002, 0.02] so the weights are finite and of a usual size."""
+    rng = np.random.default_rng(seed)
+    nbytes = K_BLOCK_BYTES[qtype]
+    blocks = rng.integers(0, 256, size=(rows * cols // 256, nbytes), dtype=np.uint8)
+    for off in _K_HALF_OFFSETS[qtype]:
+        halves = np.asarray(rng.uniform(0.002, 0.02, size=blocks.shape[0]), dtype=np.float16)
+        blocks[:, off:off + 2] = halves.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, cols // 256 * nbytes)
+
+
+def encode_tensor(w: np.ndarray, qtype: str, seed: int = 0) -> tuple[np.ndarray, Any]:
+    """(data, raw_dtype) for GGUFWriter.add_tensor. K-quant types ignore `w`'s values (see random_k_blocks)."""
+    from gguf import GGMLQuantizationType, quants
+
+    if qtype == "F32":
+        return w.astype(np.float32), None
+    if qtype == "F16":
+        return w.astype(np.float16), None
+    t = GGMLQuantizationType[qtype]
+    if qtype in K_BLOCK_BYTES:
+        return random_k_blocks(w.shape[0], w.shape[1], qtype, seed), t
+    return quants.quantize(w.astype(np.float32), t), t
+
+
+def train_byte_level_vocab(vocab_size: int) -> tuple[list[str], list[str], list[int]]:
+    """(tokens, merges "a b", token types) of a byte-level BPE trained on the demo corpus; ids 0..3
+    are the control tokens <|endoftext|>, <|im_start|>, <|im_end|>, <|pad|>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from server.models.demo_model import _corpus_paragraphs
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_corpus_paragraphs(), trainer)
+    model = json.loads(tok.to_str())["model"]
+    inv = {i: t for t, i in model["vocab"].items()}
+    tokens = [inv[i] for i in range(len(inv))]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    types = [3 if t in specials else 1 for t in tokens]
+    return tokens, merges, types
+
+
+def train_sentencepiece_vocab(num_pieces: int) -> tuple[list[str], list[float], list[int]]:
+    """(tokens, scores, types) shaped like a llama.cpp SentencePiece vocabulary: <unk>, <s>, </s>,
+    the 256 byte tokens <0x00>..<0xFF>, then "▁"-marked pieces scored by learning order."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from server.models.demo_model import _corpus_paragraphs
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    trainer = trainers.BpeTrainer(vocab_size=num_pieces, show_progress=False)
+    tok.train_from_iterator(_corpus_paragraphs(), trainer)
+    vocab = json.loads(tok.to_str())["model"]["vocab"]
+    pieces = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(pieces))]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    return tokens, scores, types
+
+
+def write_gguf(
+    out: Path,
+    hf_dir: Path,
+    qtype: str = "F32",
+    *,
+    arch: Optional[str] = None,
+    pre: str = "gpt-2",
+    sliding_window: Optional[int] = None,
+    skip_tensors: Sequence[str] = (),
+    drop_metadata: Sequence[str] = (),
+    extra_metadata: Optional[dict[str, Any]] = None,
+    vocab: Optional[tuple[list[str], list[str], list[int]]] = None,
+) -> Path:
+    """Write `hf_dir` (a tests.tiny_models folder) as a GGUF file at `out`.
+
+    Args:
+        qtype: the type of every 2-D weight (norms and biases stay F32, as llama.cpp keeps them).
+        arch: the GGUF architecture to state (default: the folder's model_type).
+        pre: tokenizer.ggml.pre.
+        skip_tensors: GGUF tensor names to leave out.
+        drop_metadata: metadata keys to leave out.
+        extra_metadata: more string/int/float keys (overriding written ones of the same name).
+        vocab: (tokens, merges, types) for a gpt2 tokenizer; default: trained to the model's vocab size.
+    """
+    import gguf
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    model_type = cfg["model_type"]
+    arch = arch or model_type
+    rope = cfg.get("rope_parameters") or {}
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    tokens, merges, types = vocab or train_byte_level_vocab(cfg["vocab_size"])
+
+    w = gguf.GGUFWriter(str(out), arch)
+    meta: dict[str, Any] = {
+        f"{arch}.block_count": cfg["num_hidden_layers"],
+        f"{arch}.context_length": cfg["max_position_embeddings"],
+        f"{arch}.embedding_length": cfg["hidden_size"],
+        f"{arch}.feed_forward_length": cfg["intermediate_size"],
+        f"{arch}.attention.head_count": heads,
+        f"{arch}.attention.head_count_kv": kv_heads,
+        f"{arch}.attention.layer_norm_rms_epsilon": float(cfg["rms_norm_eps"]),
+        f"{arch}.rope.freq_base": float(rope.get("rope_theta", 10000.0)),
+        f"{arch}.vocab_size": cfg["vocab_size"],
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.padding_token_id": 3,
+        "tokenizer.ggml.add_bos_token": False,
+        "tokenizer.chat_template": CHATML,
+    }
+    if cfg.get("head_dim"):
+        meta[f"{arch}.attention.key_length"] = cfg["head_dim"]
+        meta[f"{arch}.attention.value_length"] = cfg["head_dim"]
+    if sliding_window is not None:
+        meta[f"{arch}.attention.sliding_window"] = sliding_window
+    meta.update(extra_metadata or {})
+    for key, value in meta.items():
+        if key in drop_metadata:
+            continue
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_string(key, value)
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.merges", merges)
+    w.add_array("tokenizer.ggml.token_type", types)
+
+    state = load_file(str(hf_dir / "model.safetensors"))
+    for seed, (hf_name, tensor) in enumerate(sorted(state.items())):
+        name = gguf_name(hf_name)
+        if name in skip_tensors:
+            continue
+        arr = tensor.to(torch.float32).numpy()
+        if model_type in ("llama", "mistral") and name.endswith(("attn_q.weight", "attn_q.bias")):
+            arr = llama_cpp_permute(arr, heads)
+        elif model_type in ("llama", "mistral") and name.endswith(("attn_k.weight", "attn_k.bias")):
+            arr = llama_cpp_permute(arr, kv_heads)
+        data, raw = encode_tensor(arr, qtype if arr.ndim == 2 else "F32", seed)
+        w.add_tensor(name, data, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

@@ -9,7 +9,7 @@ carries an `Origin` the policy does not allow gets 403 (`origin_not_allowed`), a
 WebSocket upgrade is refused (HTTP 403). Requests without `Origin` (curl, SDKs, servers) are not
 browser requests and pass.
 
-The policy (`--allowed-origins`, comma-separated):
+The policy (`--allowed-origins`, comma-separated; parsed by `server.serving.origin_policy`):
     loopback    pages served from localhost, *.localhost, 127.0.0.0/8 or [::1], any port (default)
     <origin>    an exact origin, e.g. https://app.example.com:8443
     *           any origin
@@ -22,13 +22,11 @@ not see WebSockets, which is the hole this closes, hence this small guard.
 """
 from __future__ import annotations
 
-import ipaddress
-from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional
-from urllib.parse import urlsplit
 
 from server.api.http_io import error_payload, send_json
 from server.serving.errors import PagewireError
+from server.serving.origin_policy import OriginPolicy
 
 Scope = dict[str, Any]
 ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]
@@ -36,97 +34,12 @@ ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]
 _ALLOW_METHODS = b"GET, POST, OPTIONS"
 _DEFAULT_ALLOW_HEADERS = b"content-type, authorization, idempotency-key"
 _EXPOSE_HEADERS = b"x-request-id, retry-after"
-_DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
 
 
 class OriginNotAllowed(PagewireError):
     status = 403
     code = "origin_not_allowed"
     error_type = "permission_error"
-
-
-def _is_loopback_host(host: Optional[str]) -> bool:
-    if not host:
-        return False
-    host = host.strip("[]").lower()
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _origin_parts(origin: str) -> Optional[tuple[str, str, int]]:
-    """(scheme, host, port) of a serialised origin, or None when it is not one."""
-    try:
-        u = urlsplit(origin)
-        port = u.port
-    except ValueError:
-        return None
-    if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/") or u.query:
-        return None
-    return u.scheme, u.hostname.lower(), port if port is not None else _DEFAULT_PORTS[u.scheme]
-
-
-@dataclass
-class OriginPolicy:
-    """Parsed `--allowed-origins`; `bind_host` is the server's --host (for same-origin checks)."""
-
-    any_origin: bool = False
-    loopback: bool = False
-    null: bool = False
-    exact: set[tuple[str, str, int]] = field(default_factory=set)
-    bind_host: str = "127.0.0.1"
-
-    @classmethod
-    def parse(cls, setting: str, bind_host: str = "127.0.0.1") -> "OriginPolicy":
-        """Raise ValueError naming the bad entry (the CLI reports it as the option's error)."""
-        p = cls(bind_host=bind_host.lower())
-        for raw in setting.split(","):
-            item = raw.strip()
-            if not item:
-                continue
-            low = item.lower()
-            if low == "*":
-                p.any_origin = True
-            elif low == "loopback":
-                p.loopback = True
-            elif low == "null":
-                p.null = True
-            else:
-                parts = _origin_parts(item)
-                if parts is None:
-                    raise ValueError(f"{item!r} is not an origin like https://host[:port], 'loopback', '*' or 'null'")
-                p.exact.add(parts)
-        return p
-
-    def allows(self, origin: str, host_header: Optional[str]) -> bool:
-        if origin == "null":
-            return self.null
-        parts = _origin_parts(origin)
-        if parts is None:
-            return False
-        if self.any_origin or parts in self.exact:
-            return True
-        scheme, host, port = parts
-        if self.loopback and _is_loopback_host(host):
-            return True
-        return self._same_origin(parts, host_header)
-
-    def _same_origin(self, parts: tuple[str, str, int], host_header: Optional[str]) -> bool:
-        if not host_header:
-            return False
-        scheme, host, port = parts
-        try:
-            h = urlsplit(f"//{host_header}")
-            h_host, h_port = (h.hostname or "").lower(), h.port
-        except ValueError:
-            return False
-        if h_host != host or (h_port if h_port is not None else _DEFAULT_PORTS[scheme]) != port:
-            return False
-        # A name that merely resolves here (DNS rebinding) is not this server's origin.
-        return _is_loopback_host(h_host) or h_host == self.bind_host
 
 
 def _header(scope: Scope, name: bytes) -> Optional[str]:

@@ -35,8 +35,8 @@ def _opt_int(text: str) -> Optional[int]:
 
 
 def origin_list(text: str) -> str:
-    """Validate an --allowed-origins value (see server.api.origins); keep it as text."""
-    from server.api.origins import OriginPolicy
+    """Validate an --allowed-origins value (see server.serving.origin_policy); keep it as text."""
+    from server.serving.origin_policy import OriginPolicy
 
     OriginPolicy.parse(text)
     return text

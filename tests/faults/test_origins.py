@@ -11,7 +11,7 @@ import httpx
 import pytest
 import websockets
 
-from server.api.origins import OriginPolicy
+from server.serving.origin_policy import OriginPolicy
 from tests.server.harness import ServerProcess, WsClient, ledger_rows
 
 EVIL = "http://evil.example"

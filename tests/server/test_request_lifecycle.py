@@ -27,6 +27,9 @@ def test_every_end_reason_has_one_rule_and_the_wire_values_are_the_ledger_values
         EndReason.DEADLINE: ("failed", "deadline_exceeded", 504, "error"),
         EndReason.INTERRUPTED: ("interrupted", "interrupted", 409, "error"),
         EndReason.FAILED: ("failed", "generation_failed", 500, "error"),
+        # The output was produced but its terminal row could not be committed (disk full): the
+        # client is told so, and the ledger keeps retrying the write (tests/faults/test_disk_full.py).
+        EndReason.UNRECORDED: ("failed", "ledger_write_failed", 500, "error"),
     }
     assert f"{LedgerState.FINISHED}" == "finished" and str(EndReason.DEADLINE) == "deadline"
 

@@ -338,9 +338,10 @@ class WsEndpoint:
         if not self.connections:
             self._none_left.set()
 
-    async def close_all(self, flush_s: float = 1.0) -> None:
+    async def close_all(self, flush_s: float = 10.0) -> None:
         """Drain hook: every request has ended, so each writer flushes its final frames and closes
-        with 1001; wait (up to `flush_s`) until every connection has gone."""
+        with 1001; wait until every connection has gone (an event, so a fast flush costs nothing;
+        `flush_s` only bounds a client that has stopped reading, which uvicorn then cuts)."""
         for conn in list(self.connections):
             conn.shutdown()
         try:

@@ -128,7 +128,7 @@ def test_graceful_shutdown_finishes_or_interrupts_everything_and_closes_1001(dem
             return got, code, await sse, health
 
         got, close_code, sse_lines, health = asyncio.run(main())
-        assert srv.wait(30) == 0
+        assert srv.wait(120) == 0
     finally:
         srv.stop()
     assert health == 503

@@ -9,10 +9,9 @@ Sources:
 import glob
 import os
 
-from setuptools import setup
-
-from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 import torch
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 

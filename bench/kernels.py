@@ -20,7 +20,6 @@ from server.kernels import ops
 from server.kernels.quant import QuantizedWeight
 from tests.kernels.paged_reference import make_paged_batch
 
-
 REPEAT = 20
 
 

@@ -503,7 +503,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(table)
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        record = {"command": command, "machine": machine_line(), "read_bandwidth_gbs": bandwidth, "args": {k: str(v) for k, v in vars(args).items()},
+        record = {"command": command, "machine": machine_line(), "read_bandwidth_gbs": bandwidth,
+                  "args": {k: str(v) for k, v in vars(args).items()},
                   "max_model_len": max_model_len, "kv_cache_tokens": kv_tokens, "results": results, "table": table}
         args.json_out.write_text(json.dumps(record, indent=2) + "\n")
     return 1 if any("error" in r for r in results.values()) else 0

@@ -1,4 +1,5 @@
-"""Serving benchmark: an async load generator that measures request throughput, output tokens/s, TTFT, ITL and end-to-end latency of OpenAI-compatible servers.
+"""Serving benchmark: an async load generator that measures request throughput, output tokens/s,
+TTFT, ITL and end-to-end latency of OpenAI-compatible servers.
 
 Point it at one or more servers (pagewire, vLLM, llama.cpp's llama-server, ...); they are measured
 one after another with the same workload, and a comparison table is printed at the end.
@@ -323,8 +324,9 @@ class CpuWatch:
     """
 
     def __init__(self, root: str) -> None:
-        import psutil
         from urllib.parse import urlsplit
+
+        import psutil
 
         self.psutil = psutil
         self.server: Optional[Any] = None

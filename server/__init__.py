@@ -11,9 +11,9 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # pragma: no cover
-    from server.llm import LLM
     from server.engine.outputs import CompletionOutput, RequestOutput
     from server.engine.sampling_params import SamplingParams
+    from server.llm import LLM
 
 
 def __getattr__(name: str) -> Any:

@@ -7,10 +7,9 @@ per session, keyed by their arguments.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable
-
-import os
 
 import pytest
 from hypothesis import settings

@@ -22,13 +22,13 @@ from starlette.routing import Route, WebSocketRoute
 from server.api.context import ApiContext
 from server.api.decode import decode
 from server.api.http_io import error_payload, retry_headers
+from server.api.openai_format import messages_to_dicts
 from server.api.openai_http import GenerateEndpoint
 from server.api.origins import OriginGuard, OriginPolicy
-from server.api.ws_watchdog import CaptureTransport
 from server.api.protocol import DetokenizeRequest, TokenizeRequest
-from server.api.openai_format import messages_to_dicts
 from server.api.ui import ui_routes
 from server.api.ws import WsEndpoint
+from server.api.ws_watchdog import CaptureTransport
 from server.serving.errors import InvalidRequest, NotFound, PagewireError, TooLarge, Unavailable
 from server.serving.ledger_health import ledger_health
 from server.serving.metrics import CONTENT_TYPE

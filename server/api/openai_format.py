@@ -10,12 +10,11 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-from server.api.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, GenerateFrame,
-                                 SamplingFields)
+from server.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerateFrame, SamplingFields
+from server.engine.outputs import TokenLogprob
 from server.serving.admission import BATCH, INTERACTIVE
 from server.serving.errors import InvalidRequest
 from server.serving.jobs import GenerationSpec, logprobs_from_stored
-from server.engine.outputs import TokenLogprob
 from server.serving.streams import DeltaEvent, EndEvent, Usage
 from server.text.tokenizer import Tokenizer
 

@@ -17,8 +17,16 @@ import asyncio
 from typing import Any
 
 from server.api.context import ApiContext
-from server.api.http_io import (DisconnectWatch, Receive, Send, error_payload, send_error,
-                                send_json, send_with_timeout, sse_bytes)
+from server.api.http_io import (
+    DisconnectWatch,
+    Receive,
+    Send,
+    error_payload,
+    send_error,
+    send_json,
+    send_with_timeout,
+    sse_bytes,
+)
 from server.serving.errors import PagewireError, Unavailable
 from server.serving.jobs import GenerationSpec
 from server.serving.lifecycle import end_error as lifecycle_error

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence as Seq
+from typing import Optional
+from typing import Sequence as Seq
 
 import torch
 
@@ -21,13 +22,13 @@ from server.engine.errors import CapacityLimits, check_capacity
 from server.engine.isolation import execute_isolating
 from server.engine.kv_cache_manager import KVCacheManager
 from server.engine.output_processor import OutputProcessor
+from server.engine.outputs import RequestDelta, TokenLogprob
 from server.engine.request import Request, Sequence
 from server.engine.runner import ModelRunner
 from server.engine.sampler import Sampler, SamplingBatch
-from server.engine.scheduler import Scheduler, ScheduledSeq
-from server.models.loader import load_model
-from server.engine.outputs import RequestDelta, TokenLogprob
 from server.engine.sampling_params import SamplingParams
+from server.engine.scheduler import ScheduledSeq, Scheduler
+from server.models.loader import load_model
 from server.text.tokenizer import Tokenizer
 from server.text.vocab import check_token_ids
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import time
 from typing import Iterable, Optional
 
-from server.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from server.engine.request import Request, Sequence
 from server.engine.outputs import RequestDelta, SampleDelta, TokenLogprob
+from server.engine.request import Request, Sequence
+from server.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from server.text.tokenizer import Tokenizer
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from server.kernels import ops
 from server.engine.kv_cache_manager import KVCacheManager
 from server.engine.scheduler import SchedulerOutput
+from server.kernels import ops
 from server.models.attention import AttentionMetadata
 from server.models.llama import LlamaFamilyForCausalLM
 

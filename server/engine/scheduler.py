@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from server.engine.kv_cache_manager import KVCacheManager
-from server.engine.request import Sequence, SeqStatus
+from server.engine.request import SeqStatus, Sequence
 
 
 @dataclass(slots=True)

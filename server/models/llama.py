@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from server.kernels.ops import linear, paged_attention, write_kv_cache
+from server.kernels.quant import QUANTIZATIONS, QuantizedWeight
 from server.models.attention import AttentionMetadata
 from server.models.config import ModelConfig
 from server.models.layers import add_norm, norm, silu_and_mul
 from server.models.rope import RopeBatch, RotaryEmbedding
-from server.kernels.ops import linear, paged_attention, write_kv_cache
-from server.kernels.quant import QUANTIZATIONS, QuantizedWeight
 
 
 class WeightTarget(NamedTuple):

@@ -19,6 +19,7 @@ import logging
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
 
+from server.models.generation_defaults import generation_defaults
 from server.serving.admission import AdmissionQueue
 from server.serving.bridge import EngineBridge
 from server.serving.db_lock import LedgerLock
@@ -29,7 +30,6 @@ from server.serving.prompts import PromptPreparer
 from server.serving.service import RequestService
 from server.serving.settings import ServeSettings
 from server.serving.streams import StreamRegistry
-from server.models.generation_defaults import generation_defaults
 from server.text.tokenizer import Tokenizer
 
 log = logging.getLogger("pagewire")

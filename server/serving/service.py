@@ -21,16 +21,23 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from server.engine.outputs import RequestDelta
 from server.serving.admission import AdmissionQueue
 from server.serving.bridge import EngineBridge
 from server.serving.errors import NotFound, Unavailable
-from server.engine.outputs import RequestDelta
 from server.serving.idempotency import check_reuse, fingerprint
 from server.serving.jobs import GenerationSpec, Job, end_from_record, events_from_output, now_pair
 from server.serving.ledger import Ledger, NewRequest, RequestRecord, Terminal
 from server.serving.ledger_health import unrecorded_end
-from server.serving.lifecycle import (CANCEL_ENDS, COMPLETE_REASONS, END_RULES, CancelReason, EndReason,
-                                      FinishReason, JobState)
+from server.serving.lifecycle import (
+    CANCEL_ENDS,
+    COMPLETE_REASONS,
+    END_RULES,
+    CancelReason,
+    EndReason,
+    FinishReason,
+    JobState,
+)
 from server.serving.metrics import Metrics
 from server.serving.prompts import PromptPreparer
 from server.serving.streams import EndEvent, Replay, RequestStream, StreamRegistry, Subscriber

@@ -2,7 +2,8 @@
 
 The simulated store maps block id -> what each slot holds and applies returned copy-on-write pairs
 exactly as copy_blocks would. Real KV at position p depends on every token up to p, so a slot
-holds the whole prefix tokens[:p + 1]: a block served under the wrong parent is caught too. After every step each live sequence must read its
+holds the whole prefix tokens[:p + 1]: a block served under the wrong parent is caught too. After every
+step each live sequence must read its
 own tokens back from its blocks: that proves prefix hits attach correct contents, copy-on-write
 protects sharers, and no block is handed out while someone still reads it.
 """

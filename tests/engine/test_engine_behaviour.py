@@ -120,7 +120,9 @@ def test_seeded_sampling_is_reproducible_across_batches(tiny_model) -> None:
     others = _prompts(5, vocab, 5, 40, seed=16)
     sp = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
     alone = llm.generate([p], sp)[0].outputs[0].token_ids
-    mixed = llm.generate(others[:2] + [p] + others[2:], [SamplingParams(temperature=1.0, max_tokens=16)] * 2 + [sp] + [SamplingParams(temperature=0.7, max_tokens=9)] * 3)
+    params = ([SamplingParams(temperature=1.0, max_tokens=16)] * 2 + [sp]
+              + [SamplingParams(temperature=0.7, max_tokens=9)] * 3)
+    mixed = llm.generate(others[:2] + [p] + others[2:], params)
     assert mixed[2].outputs[0].token_ids == alone
     other_seed = llm.generate([p], sp.clone(seed=4321))[0].outputs[0].token_ids
     assert other_seed != alone
@@ -163,7 +165,8 @@ def test_stop_conditions(tiny_model) -> None:
     o = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[tok5]))[0].outputs[0]
     assert o.finish_reason == "stop" and o.stop_reason == tok5 and o.token_ids == base.token_ids[: first + 1]
     # min_tokens blocks the stop token until reached.
-    o = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[tok5], min_tokens=first + 3))[0].outputs[0]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[tok5], min_tokens=first + 3)
+    o = llm.generate([p], sp)[0].outputs[0]
     assert len(o.token_ids) >= first + 3 and tok5 not in o.token_ids[: first + 3]
     # A stop string taken from the middle of the greedy text: output ends right before it.
     text = base.text

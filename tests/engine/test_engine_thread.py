@@ -8,9 +8,9 @@ import pytest
 
 from server.engine.config import EngineConfig
 from server.engine.errors import KVCapacityError, RequestTooLongError
-from server.engine.thread import EngineThread
 from server.engine.outputs import RequestDelta
 from server.engine.sampling_params import SamplingParams
+from server.engine.thread import EngineThread
 
 
 def test_submit_stream_abort_and_shutdown(tiny_model) -> None:

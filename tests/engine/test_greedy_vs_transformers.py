@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from server import LLM, SamplingParams
-from server.engine.engine import LLMEngine
 from server.engine.config import EngineConfig
+from server.engine.engine import LLMEngine
 
 # End-to-end against transformers on several architectures: minutes on 2 cores.
 pytestmark = pytest.mark.slow
@@ -31,7 +31,6 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new: int) -> list[int]:
     """transformers' own greedy generate for one prompt (no padding), new tokens only."""
     key = (str(model_dir), tuple(prompt), max_new)
     if key not in _HF_CACHE:
-        from transformers import AutoModelForCausalLM
 
         model = _hf_model(model_dir)
         with torch.no_grad():

@@ -1,7 +1,8 @@
 """KVCacheManager: the engine's only door to the allocator; registration costs O(new blocks)."""
 from __future__ import annotations
 
-from typing import Any, Sequence as Seq
+from typing import Any
+from typing import Sequence as Seq
 
 from server.engine.kv_cache_manager import KVCacheManager
 from server.engine.request import Request, Sequence

@@ -40,7 +40,7 @@ def test_second_server_on_the_same_ledger_refuses_and_the_first_keeps_its_rows(d
             # The refused server did not sweep the first one's live row into `interrupted`.
             rows = ledger_rows(db)
             assert [r_["state"] for r_ in rows.values()] == ["running"], rows
-            for ln in lines:  # the first server still finishes its request
+            for _line in lines:  # the first server still finishes its request
                 pass
         rows = ledger_rows(db)
         (row,) = rows.values()

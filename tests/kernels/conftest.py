@@ -6,7 +6,6 @@ its own best kernels and every lower one, down to "portable" (the torch / scalar
 from __future__ import annotations
 
 import pytest
-
 import torch  # noqa: F401  (loads libc10 before the extension)
 
 import server._C

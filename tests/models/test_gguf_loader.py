@@ -96,8 +96,8 @@ QUANT_CASES = [("F16", 1e-3), ("BF16", 1e-2), ("Q8_0", 0.02), ("Q4_0", 0.15), ("
 def test_every_supported_type_dequantises_like_an_independent_reference(
     qtype: str, tolerance: float | None, k_sized_model: Path, tmp_path: Path
 ) -> None:
-    from transformers.integrations.gguf.dequant import dequantize as hf_dequantize
     from gguf import GGMLQuantizationType
+    from transformers.integrations.gguf.dequant import dequantize as hf_dequantize
 
     path = write_gguf(tmp_path / f"{qtype}.gguf", k_sized_model, qtype)
     model, config = load_model(path, dtype="float32")

@@ -96,7 +96,7 @@ def test_stuck_consumer_is_closed_resumably_and_its_requests_finish(demo_model: 
             return out
 
         resumed = asyncio.run(resume_all())
-        for rid, frames in resumed.items():
+        for frames in resumed.values():
             assert frames[0]["type"] == "accepted" and frames[-1]["type"] == "done"
             assert len(tokens_of(frames)) == 1000 == frames[-1]["usage"]["completion_tokens"]
         rows = ledger_rows(db)

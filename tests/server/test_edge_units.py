@@ -4,6 +4,7 @@ torch-free edge."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -12,15 +13,23 @@ from pathlib import Path
 
 import pytest
 
-from server.serving.admission import BATCH, INTERACTIVE, AdmissionQueue
 from server.api.decode import decode
 from server.api.protocol import CompletionRequest, GenerateFrame
+from server.engine.outputs import RequestDelta, SampleDelta
+from server.serving.admission import BATCH, INTERACTIVE, AdmissionQueue
 from server.serving.errors import InvalidRequest, Overloaded
 from server.serving.jobs import events_from_output
 from server.serving.ledger import Ledger, NewRequest, Terminal
-from server.engine.outputs import RequestDelta, SampleDelta
-from server.serving.streams import (REPLAY_CHUNK_BYTES, DeltaEvent, EndEvent, Outbox, Replay, RequestStream,
-                                    Subscription, Usage)
+from server.serving.streams import (
+    REPLAY_CHUNK_BYTES,
+    DeltaEvent,
+    EndEvent,
+    Outbox,
+    Replay,
+    RequestStream,
+    Subscription,
+    Usage,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -265,7 +274,7 @@ def test_ledger_group_commits_recovers_open_rows_and_keeps_keys_unique(tmp_path:
                 for i in range(20)]
         await asyncio.gather(*(led.insert(r) for r in reqs))
         assert led.commits <= 2  # twenty inserts, grouped
-        with pytest.raises(Exception):
+        with pytest.raises(sqlite3.IntegrityError):  # the idempotency key is unique
             await led.insert(NewRequest("dup", "completion", "ws", "c", "m", 0, {}, "p", 2, time.time(), "k1"))
         led.mark_running("r0", time.time())
         await led.finish("r0", Terminal("finished", "stop", None, 2, 3, 0, "abc", {"samples": []}, None, time.time()))
@@ -284,8 +293,8 @@ def test_ledger_group_commits_recovers_open_rows_and_keeps_keys_unique(tmp_path:
 
 
 def test_bridge_posts_one_loop_callback_per_engine_step() -> None:
-    from server.serving.bridge import EngineBridge
     from server.engine.config import EngineConfig
+    from server.serving.bridge import EngineBridge
 
     async def main() -> None:
         dispatched: list[list[RequestDelta]] = []
@@ -302,7 +311,7 @@ def test_bridge_posts_one_loop_callback_per_engine_step() -> None:
         bridge._loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
 
         def engine_thread() -> None:  # three steps, many requests and tokens each
-            for step in range(3):
+            for _step in range(3):
                 bridge._on_step([RequestDelta(f"r{i}", _samples("t", "u"), False, 1, 0, 0.0) for i in range(10)])
             bridge._on_step([])  # an idle step posts nothing
 

@@ -196,9 +196,9 @@ def test_non_streamed_client_timeout_cancels_too(server: ServerProcess) -> None:
         # Only the wait for the response is short: connecting may be slow on a loaded machine.
         httpx.post(server.base + "/v1/completions", json=body, headers={"Idempotency-Key": "gone-1"},
                    timeout=httpx.Timeout(60.0, read=1.0))
-    from tests.server.harness import ledger_rows
-
     import time
+
+    from tests.server.harness import ledger_rows
 
     # The row was committed before the body started; poll for it, however slow the server is.
     deadline = time.monotonic() + 300

@@ -7,8 +7,15 @@ import pytest
 from server.serving.errors import PagewireError
 from server.serving.jobs import end_from_record
 from server.serving.ledger import RequestRecord
-from server.serving.lifecycle import (CANCEL_ENDS, END_RULES, CancelReason, EndReason, LedgerState,
-                                      end_error, end_reason_of_row)
+from server.serving.lifecycle import (
+    CANCEL_ENDS,
+    END_RULES,
+    CancelReason,
+    EndReason,
+    LedgerState,
+    end_error,
+    end_reason_of_row,
+)
 
 
 def _row(state: str, finish_reason: str | None, error: str | None) -> RequestRecord:

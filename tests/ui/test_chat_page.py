@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from tests.server.harness import ServerProcess, ledger_rows
 from tests.ui.page import ChatPage, greedy_chat

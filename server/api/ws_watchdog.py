@@ -9,8 +9,11 @@ that same paused writer ("keepalive ping failed ... AssertionError" from `websoc
 connection would stay open for as long as the client likes.
 
 The watchdog looks at the transport under the ASGI connection and aborts it once its writes
-have stayed paused (the buffer above its high-water mark, the peer not reading) for
-`send_timeout` seconds. It reaches the transport through the server's ASGI `send` callable,
+have stayed paused (the buffer above its high-water mark, the peer not reading) for twice
+`send_timeout`. Twice, because it is the backstop, not the first resort: when the app's own
+writer finds a stuck consumer (after one `send_timeout`) it queues a resumable `slow_consumer`
+error frame and a 1013 close, and a client that then starts reading must get them. Aborting at
+the same moment would throw that frame away with the transport's buffer. It reaches the transport through the server's ASGI `send` callable,
 which under uvicorn is a bound method of the connection's protocol. Starlette wraps `send`
 before a route sees it, so `CaptureTransport`, the outermost middleware, records the transport
 in the scope first. Where none is found (another ASGI server) the watchdog does nothing, and
@@ -61,10 +64,11 @@ def _stuck(transport: asyncio.WriteTransport) -> bool:
     return transport.get_write_buffer_size() > high
 
 
-async def watch(transport: Optional[asyncio.WriteTransport], timeout: float, peer: str) -> None:
-    """Run for the life of a connection; abort it once it has been stuck for `timeout` seconds."""
-    if transport is None or timeout <= 0:
+async def watch(transport: Optional[asyncio.WriteTransport], send_timeout: float, peer: str) -> None:
+    """Run for the life of a connection; abort it once it has been stuck for 2 × `send_timeout`."""
+    if transport is None or send_timeout <= 0:
         return
+    timeout = 2 * send_timeout
     loop = asyncio.get_running_loop()
     period = max(0.05, min(1.0, timeout / 4))
     stuck_since: Optional[float] = None

@@ -143,7 +143,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("stream_retention", float, "seconds a finished stream stays in memory for resume"),
     Option("max_request_bytes", int, "largest HTTP body or WebSocket message (413 beyond)"),
     Option("outbox_bytes", int, "per-connection live backlog; beyond it a request catches up from its resume buffer"),
-    Option("send_timeout", float, "seconds one send may block before a consumer counts as stuck"),
+    Option("send_timeout", float, "seconds one send may block before a consumer counts as stuck "
+           "(a WebSocket peer that reads nothing at all is aborted after twice this)"),
     Option("offload_chars", int, "prompts longer than this are tokenised off the event loop"),
     Option("allowed_origins", origin_list,
            "comma-separated browser Origins allowed to call the server: exact origins "

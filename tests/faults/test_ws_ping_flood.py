@@ -1,4 +1,4 @@
-"""Bug 10: a WebSocket client that floods pings and never reads is cut after the send timeout,
+"""Bug 10: a WebSocket client that floods pings and never reads is cut after twice the send timeout,
 even though the app itself has nothing to send; the server stays healthy for everyone else."""
 from __future__ import annotations
 

@@ -13,8 +13,10 @@ have stayed paused (the buffer above its high-water mark, the peer not reading) 
 `send_timeout`. Twice, because it is the backstop, not the first resort: when the app's own
 writer finds a stuck consumer (after one `send_timeout`) it queues a resumable `slow_consumer`
 error frame and a 1013 close, and a client that then starts reading must get them. Aborting at
-the same moment would throw that frame away with the transport's buffer. It reaches the transport through the server's ASGI `send` callable,
-which under uvicorn is a bound method of the connection's protocol. Starlette wraps `send`
+the same moment would throw that frame away with the transport's buffer.
+
+It reaches the transport through the server's ASGI `send` callable, which under uvicorn is a
+bound method of the connection's protocol. Starlette wraps `send`
 before a route sees it, so `CaptureTransport`, the outermost middleware, records the transport
 in the scope first. Where none is found (another ASGI server) the watchdog does nothing, and
 the app-level send timeout still applies.

@@ -6,10 +6,11 @@ It also owns the model-loading error types, so callers can catch one family of e
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
+
+from server.jsonfile import read_json_object
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -106,13 +107,7 @@ class ModelConfig:
         path = model_dir / "config.json"
         if not path.is_file():
             raise ModelFileNotFoundError(path, "model config")
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ModelLoadError(f"{path}: cannot parse JSON: {e}") from e
-        if not isinstance(raw, dict):
-            raise ModelLoadError(f"{path}: expected a JSON object, got {type(raw).__name__}")
-        return cls.from_dict(raw, source=str(path))
+        return cls.from_dict(read_json_object(path, ModelLoadError), source=str(path))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":

@@ -7,10 +7,10 @@ setting are kept, so a model that ships none changes nothing.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from server.jsonfile import read_json_object
 from server.models.config import ModelLoadError
 from server.models.gguf_file import GGUFFile, is_gguf_path
 
@@ -45,12 +45,7 @@ def generation_defaults(model: str | Path) -> dict[str, Any]:
         gen = path / "generation_config.json"
         if not gen.is_file():
             return {}
-        try:
-            raw = json.loads(gen.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ModelLoadError(f"{gen}: cannot parse JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ModelLoadError(f"{gen}: expected a JSON object")
+        raw = read_json_object(gen, ModelLoadError)
         found = {field: raw[key] for key, field in _HF_KEYS.items() if raw.get(key) is not None}
         source = str(gen)
     out: dict[str, Any] = {}

@@ -20,6 +20,8 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _BackendTokenizer
 
+from server.jsonfile import read_json_object
+
 # transformers stores "no limit" as int(1e30); anything this large means the config did not say.
 _UNSET_MAX_LENGTH = 10**12
 _NO_TEMPLATE_MESSAGE = (
@@ -39,13 +41,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     """Read an optional JSON object file; a missing file is an empty dict, a malformed one an error."""
     if not path.is_file():
         return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TokenizerError(f"{path}: cannot read JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(path, TokenizerError)
 
 
 def _token_content(value: Any, field: str, path: Path) -> Optional[str]:

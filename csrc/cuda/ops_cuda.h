@@ -3,6 +3,9 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include <tuple>
 
 namespace pagewire {
 
@@ -15,5 +18,12 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
                           int64_t max_query_len, int64_t max_seq_len);
 
 void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping);
+
+std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(const at::Tensor& draft_token_ids,
+                                                         const at::Tensor& cu_num_draft,
+                                                         const c10::optional<at::Tensor>& draft_probs,
+                                                         const c10::optional<at::Tensor>& target_probs,
+                                                         const at::Tensor& target_argmax, const at::Tensor& is_greedy,
+                                                         const at::Tensor& uniform);
 
 }  // namespace pagewire

@@ -8,4 +8,5 @@ TORCH_LIBRARY_IMPL(pagewire, CUDA, m) {
   m.impl("write_kv_cache", &pagewire::write_kv_cache_cuda);
   m.impl("paged_attention", &pagewire::paged_attention_cuda);
   m.impl("copy_blocks", &pagewire::copy_blocks_cuda);
+  m.impl("rejection_sample", &pagewire::rejection_sample_cuda);
 }

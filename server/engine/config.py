@@ -5,7 +5,10 @@ Torch-free, so the CLI can build it (and read PAGEWIRE_* variables) before impor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from server.engine.spec_config import SpeculativeConfig
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SUPPORTED_QUANTIZATIONS = ("none", "int8")
@@ -37,6 +40,8 @@ class EngineConfig:
     seed: base seed for unseeded sampling.
     quantization: "none" (weights in dtype) or "int8" (every decoder and lm_head matrix kept as
         GGUF Q8_0 blocks, quantised at load from the checkpoint's bf16/fp16/fp32 weights; CPU only).
+    speculative_config: None (off), or a SpeculativeConfig, a dict or a JSON object string in
+        vLLM's shape ({"method": "ngram", "num_speculative_tokens": 4, ...}); see spec_config.py.
     """
 
     model: str
@@ -52,8 +57,13 @@ class EngineConfig:
     seed: int = 0
     device: str = "cpu"
     quantization: str = "none"
+    speculative_config: "SpeculativeConfig | dict[str, Any] | str | None" = None
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            from server.engine.spec_config import SpeculativeConfig  # (it imports ConfigError from here)
+
+            self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         if self.quantization not in SUPPORTED_QUANTIZATIONS:
             raise ConfigError(
                 "quantization", f"must be one of {', '.join(SUPPORTED_QUANTIZATIONS)}, got {self.quantization!r}"

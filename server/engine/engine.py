@@ -28,6 +28,8 @@ from server.engine.runner import ModelRunner
 from server.engine.sampler import Sampler, SamplingBatch
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import ScheduledSeq, Scheduler
+from server.engine.spec_config import SpeculativeConfig
+from server.engine.spec_decode import SpecDecoder, SpecStats
 from server.models.loader import load_model
 from server.text.tokenizer import Tokenizer
 from server.text.vocab import check_token_ids
@@ -51,6 +53,7 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_steps: int = 0
+    spec: Optional[SpecStats] = None  # speculative decoding's counters, when it is configured
 
 
 class LLMEngine:
@@ -101,6 +104,9 @@ class LLMEngine:
         self.sampler = Sampler(seed=config.seed)
         eos = set(self.tokenizer.eos_token_ids) | set(getattr(mc, "eos_token_ids", ()) or ())
         self.outputs = OutputProcessor(self.tokenizer, eos, max_model_len)
+        self.spec: Optional[SpecDecoder] = None
+        if isinstance(config.speculative_config, SpeculativeConfig):
+            self.spec = SpecDecoder(config.speculative_config, self.kv_cache, self.outputs, self.sampler, self.device)
         self.vocab_size = mc.vocab_size
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestDelta] = []  # abort deltas produced between steps
@@ -199,6 +205,8 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
         deltas, self._pending = self._pending, []
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         # With requests left, an empty schedule would be a liveness bug (add_request refuses what
         # can never run); owners check this flag rather than spin on it.
@@ -215,9 +223,12 @@ class LLMEngine:
         logits, out = execute_isolating(self, out)
         rows = self._advance(out.scheduled)
         touched: dict[str, Request] = {}
+        if rows and self.spec is not None:  # sequences with proposals: verified and applied there
+            rows, emitted = self.spec.verify(logits, rows, touched, now)
+            self._stats.generation_tokens += emitted
         if rows:
             row_idx = [r for r, _ in rows]
-            if len(row_idx) != logits.shape[0]:  # forked samples reuse sample 0's row
+            if row_idx != list(range(logits.shape[0])):  # forked samples reuse sample 0's row
                 logits = logits.index_select(0, torch.tensor(row_idx, device=logits.device))
             seqs = [s for _, s in rows]
             self._sample_and_apply(logits, seqs, touched)
@@ -235,13 +246,14 @@ class LLMEngine:
         return deltas
 
     def _advance(self, scheduled: list[ScheduledSeq]) -> list[tuple[int, Sequence]]:
-        """Mark the step's tokens computed; fork n > 1 samples. Returns (logits row, seq) pairs."""
+        """Mark the step's tokens computed; fork n > 1 samples. Returns (first logits row, seq) pairs."""
         rows: list[tuple[int, Sequence]] = []
         row = 0
         for share in scheduled:
             seq = share.seq
             samples = share.samples
-            seq.num_computed_tokens += share.num_new_tokens
+            n_rows = share.num_logit_rows  # (both read num_computed_tokens: before it advances)
+            seq.num_computed_tokens += share.num_new_tokens - share.num_spec  # proposals: see verify
             if not samples:
                 continue
             rows.append((row, seq))
@@ -254,7 +266,7 @@ class LLMEngine:
                     self.scheduler.add_running(child)
                     rows.append((row, child))
                 req.forked = True
-            row += 1
+            row += n_rows
         return rows
 
     def _sample_and_apply(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict[str, Request]) -> None:
@@ -304,4 +316,5 @@ class LLMEngine:
         s.prefix_hit_tokens = a.prefix_hit_tokens
         s.prefix_miss_tokens = a.prefix_miss_tokens
         s.num_preemptions = self.scheduler.num_preemptions
+        s.spec = self.spec.stats.snapshot() if self.spec is not None else None
         return EngineStats(**s.__dict__)

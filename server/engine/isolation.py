@@ -53,7 +53,7 @@ class _Bisection:
         self.out = out
         self.runs_left = max_runs(len(out.scheduled))
         self.runs = 0
-        # Per share (by position in out.scheduled): its logits row, when it samples and ran.
+        # Per share (by position in out.scheduled): its logits rows, when it samples and ran.
         self.rows: dict[int, Optional[torch.Tensor]] = {}
         self.culprits: dict[int, BaseException] = {}
 
@@ -62,11 +62,9 @@ class _Bisection:
         logits = _run(self.execute, SchedulerOutput(shares, self.out.preempted))
         r = 0
         for i, share in zip(positions, shares):
-            if share.samples:
-                self.rows[i] = logits[r]
-                r += 1
-            else:
-                self.rows[i] = None
+            n = share.num_logit_rows  # 1, or 1 + k with k proposed tokens
+            self.rows[i] = logits[r : r + n] if n else None
+            r += n
 
     def solve(self, positions: list[int], exc: BaseException) -> None:
         """`positions` is known to raise `exc` as a batch; find which of them do."""
@@ -125,7 +123,7 @@ def execute_isolating(engine: "LLMEngine", out: SchedulerOutput) -> tuple[torch.
         engine.kv_cache.reset_prefix_cache()
     logger.warning("engine step: failed %d request(s) (%s) after %d isolating forward(s); %d continue",
                    len(bad_requests), ", ".join(bad_requests), b.runs, len(survivors))
-    logits = torch.stack(rows) if rows else torch.empty((0, 0), dtype=torch.float32)
+    logits = torch.cat(rows) if rows else torch.empty((0, 0), dtype=torch.float32)
     return logits, SchedulerOutput(survivors, out.preempted)
 
 

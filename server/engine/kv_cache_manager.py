@@ -87,6 +87,25 @@ class KVCacheManager:
         if end > start:
             self._alloc.cache_full_blocks(seq.seq_id, seq.token_ids[start:end], start)
 
+    def rollback(self, seq: Sequence) -> None:
+        """After speculative verification: keep blocks for the verified tokens only, then register
+        the full blocks they complete.
+
+        The step wrote K/V for proposed tokens past `num_computed_tokens`; the tail blocks only
+        they used go back to the pool (a kept partial block's stale slots are rewritten before
+        they are read: attention reads positions < seq_len only). Registration starts at the
+        allocator's own registered count, so it covers the accepted tokens that the scheduler
+        could not register before they were verified, and nothing past num_computed_tokens.
+        """
+        keep = seq.num_computed_tokens
+        self._alloc.truncate(seq.seq_id, keep)
+        if not self.enable_prefix_caching:
+            return
+        start = self._alloc.registered_tokens(seq.seq_id)
+        end = keep // self.block_size * self.block_size
+        if end > start:
+            self._alloc.cache_full_blocks(seq.seq_id, seq.token_ids[start:end], start)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give `child` the parent's blocks, shared (refcount + 1 each); writes copy them first."""
         self._alloc.fork(parent.seq_id, child.seq_id)

@@ -41,10 +41,13 @@ class OutputProcessor:
     def init_sequence(self, seq: Sequence) -> None:
         seq.text_state = _TextState(self.tokenizer, seq)
 
-    def blocked_tokens(self, seq: Sequence) -> list[int]:
-        """Tokens the sampler must not pick yet: EOS and stop ids until min_tokens is reached."""
+    def blocked_tokens(self, seq: Sequence, ahead: int = 0) -> list[int]:
+        """Tokens the sampler must not pick yet: EOS and stop ids until min_tokens is reached.
+
+        `ahead`: for the position that many tokens past the sequence's end (speculative
+        verification scores positions after proposed tokens)."""
         p = seq.request.params
-        if seq.num_output_tokens >= p.min_tokens:
+        if seq.num_output_tokens + ahead >= p.min_tokens:
             return []
         return [*self.eos_token_ids, *p.stop_token_ids]
 

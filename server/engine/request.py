@@ -39,7 +39,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "request", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "status", "generator", "text_state", "finish_reason", "stop_reason",
-        "new_token_ids", "new_logprobs",
+        "new_token_ids", "new_logprobs", "spec_token_ids", "spec_state",
     )
 
     def __init__(self, request: "Request", index: int, token_ids: list[int]) -> None:
@@ -57,6 +57,11 @@ class Sequence:
         # Tokens produced since the last delta was emitted (drained by the output processor).
         self.new_token_ids: list[int] = []
         self.new_logprobs: list[TokenLogprob] = []
+        # Speculative decoding (engine/spec_decode.py): the tokens proposed for this step, scored
+        # after the last verified token and never part of token_ids until accepted; and the
+        # proposer's per-sequence state.
+        self.spec_token_ids: list[int] = []
+        self.spec_state: object = None
 
     @property
     def num_tokens(self) -> int:

@@ -3,7 +3,8 @@
 It owns the model and the per-layer KV cache tensors. Each step it plans the attention metadata
 on the host (token ids, positions, slot mapping, block tables, sequence lengths), applies the
 step's copy-on-write block copies, runs the forward and returns the logits of the sequences
-that are up to date (one row per ScheduledSeq that samples, in scheduling order).
+that are up to date (one row per ScheduledSeq that samples, in scheduling order; 1 + k rows for
+a decode with k proposed tokens, see spec_decode.py).
 """
 from __future__ import annotations
 
@@ -58,13 +59,15 @@ class ModelRunner:
             c = seq.num_computed_tokens
             n = share.num_new_tokens
             token_ids.extend(seq.token_ids[c : c + n])
+            if share.num_spec:  # lookahead: the proposals follow the last verified token
+                token_ids.extend(seq.spec_token_ids)
             starts.append(c)
             q_lens.append(n)
             seq_lens.append(c + n)
             tables.append(self.kv_cache.block_table(seq))
             qsl.append(qsl[-1] + n)
-            if share.samples:
-                sample_rows.append(qsl[-1] - 1)
+            if share.samples:  # the last position, and the num_spec before it (lookahead)
+                sample_rows.extend(range(qsl[-1] - 1 - share.num_spec, qsl[-1]))
 
         num_seqs = len(q_lens)
         max_blocks = max(len(t) for t in tables)
@@ -92,7 +95,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run one step. Returns float32 logits [num_sampling_seqs, vocab] (possibly 0 rows)."""
+        """Run one step. Returns float32 logits [sum of num_logit_rows, vocab] (possibly 0 rows)."""
         copies = out.copies
         if copies:
             mapping = torch.tensor(copies, dtype=torch.int64, device=self.device)

@@ -180,6 +180,10 @@ class Sampler:
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
+    def shared_generator(self, device: torch.device) -> torch.Generator:
+        """The generator unseeded rows draw from on `device` (speculative verification uses it too)."""
+        return self._shared_generator(device)
+
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         g = self._generators.get(device)
         if g is None:
@@ -222,16 +226,8 @@ class Sampler:
     def _sample(self, x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Temperature, filters, then the exponential race: argmax(p / q), q ~ Exp(1), draws
         exactly from p (a Gumbel-max variant) and lets each row's noise come from its own source."""
-        assert batch.temperature is not None
-        x = x / batch.temperature
-        if batch.top_k is not None or batch.top_p is not None:
-            x = _top_k_top_p(x, batch.top_k, batch.max_top_k, batch.top_p)
-        probs = torch.softmax(x, dim=-1)
-        if batch.min_p is not None:
-            # Relative to the row's top probability, so unnormalised probs would give the same mask;
-            # no renormalisation needed because argmax(p / q) ignores a per-row scale.
-            top = probs.amax(dim=-1, keepdim=True)
-            probs = probs.masked_fill(probs < top * batch.min_p.unsqueeze(1), 0.0)
+        # No renormalisation after min-p: argmax(p / q) ignores a per-row scale.
+        probs = sampling_probs(x, batch, normalize=False)
         q = torch.empty_like(probs)
         if len(batch.seeded) < batch.num_rows:
             q.exponential_(generator=self._shared_generator(q.device))
@@ -244,6 +240,27 @@ class Sampler:
                 q[i] = torch.empty(q.shape[1], device=g.device).exponential_(generator=g).to(q.device)
         q.clamp_min_(_MIN_NOISE)
         return probs.div_(q).argmax(dim=-1)
+
+
+def sampling_probs(x: torch.Tensor, batch: SamplingBatch, normalize: bool = True) -> torch.Tensor:
+    """The distribution a sampled row draws from: temperature, then top-k / top-p, softmax, min-p.
+
+    `x` are logits after penalties and blocked tokens. With normalize=False the rows min-p
+    filtered are left unnormalised (the sampler's race ignores the scale); speculative
+    verification needs true probabilities (normalize=True).
+    """
+    assert batch.temperature is not None
+    x = x / batch.temperature
+    if batch.top_k is not None or batch.top_p is not None:
+        x = _top_k_top_p(x, batch.top_k, batch.max_top_k, batch.top_p)
+    probs = torch.softmax(x, dim=-1)
+    if batch.min_p is not None:
+        # Relative to the row's top probability, so unnormalised probs give the same mask.
+        top = probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < top * batch.min_p.unsqueeze(1), 0.0)
+        if normalize:
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

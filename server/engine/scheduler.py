@@ -20,6 +20,12 @@ length, fits in `admission_limit_blocks` (the pool minus the watermark) and its 
 `max_num_seqs`. Then the waiting queue's head is always admitted once nothing else runs, and the
 best-ordered running sequence is never its own victim, so every step makes progress.
 All block bookkeeping goes through the KVCacheManager.
+
+Speculative decoding (engine/spec_decode.py) adds lookahead to decodes: a decode whose sequence
+carries proposed tokens (`seq.spec_token_ids`) is scheduled for 1 + k tokens, all counted in the
+token budget. Proposals are what gives way first: they are trimmed to the budget left, and
+dropped before any sequence is preempted for KV room. Only verified tokens' blocks are offered
+to the prefix cache here; the engine registers accepted ones after verification.
 """
 from __future__ import annotations
 
@@ -38,11 +44,17 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
     copies: list[tuple[int, int]] = field(default_factory=list)  # CoW (src, dst) before the write
+    num_spec: int = 0  # of num_new_tokens, the proposed (unverified) tokens: seq.spec_token_ids
 
     @property
     def samples(self) -> bool:
         """This chunk brings the sequence up to date, so its last position's logits are sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens - self.num_spec == self.seq.num_tokens
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Logits rows the forward returns for this share: 1 + num_spec when it samples, else 0."""
+        return 1 + self.num_spec if self.samples else 0
 
 
 @dataclass(slots=True)
@@ -129,6 +141,7 @@ class Scheduler:
             if share is not None:  # nothing has run yet this step, so it can be taken back
                 budget += share.num_new_tokens
             self.running.remove(victim)
+            victim.spec_token_ids = []
             self.kv_cache.free(victim)
             victim.num_computed_tokens = 0
             self.add(victim)
@@ -144,7 +157,14 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:  # preempted as a victim earlier in this loop
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            copies = self.kv_cache.allocate(seq, num_new)
+            num_spec = 0
+            if seq.spec_token_ids:  # a decode with lookahead: as much of it as the budget holds
+                num_spec = min(len(seq.spec_token_ids), budget - num_new)
+                del seq.spec_token_ids[num_spec:]
+            copies = self.kv_cache.allocate(seq, num_new + num_spec)
+            if copies is None and num_spec:  # lookahead gives way before anyone is preempted
+                seq.spec_token_ids, num_spec = [], 0
+                copies = self.kv_cache.allocate(seq, num_new)
             while copies is None:
                 victim = self.running[-1]  # lowest priority, latest arrival
                 preempt(victim)
@@ -153,8 +173,8 @@ class Scheduler:
                 copies = self.kv_cache.allocate(seq, num_new)
             if copies is None:
                 continue
-            scheduled[seq.seq_id] = ScheduledSeq(seq, num_new, copies)
-            budget -= num_new
+            scheduled[seq.seq_id] = ScheduledSeq(seq, num_new + num_spec, copies, num_spec)
+            budget -= num_new + num_spec
 
         # 3 + 4: admit waiting sequences. Not in a step that had to preempt for lack of KV:
         # admitting now would only evict what was just requeued.
@@ -215,4 +235,5 @@ class Scheduler:
         block matched by another sequence in this same step is written before it is read.
         """
         for share in out:
-            self.kv_cache.register_full_blocks(share.seq, share.num_new_tokens)
+            # Proposed tokens are unverified: never registered (see spec_decode.py).
+            self.kv_cache.register_full_blocks(share.seq, share.num_new_tokens - share.num_spec)

@@ -17,7 +17,7 @@ from server.kernels.quant import QuantizedWeight
 
 __all__ = [
     "write_kv_cache", "paged_attention", "copy_blocks", "linear", "rms_norm", "add_rms_norm",
-    "rotary_embedding", "silu_and_mul", "cpu_isa", "detected_cpu_isa", "cpu_features",
+    "rotary_embedding", "silu_and_mul", "ngram_propose", "rejection_sample", "cpu_isa", "detected_cpu_isa", "cpu_features",
 ]
 
 logger = logging.getLogger(__name__)
@@ -214,6 +214,66 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.pagewire.silu_and_mul(x)
 
 
+def ngram_propose(
+    token_ids: Sequence[torch.Tensor], num_tokens: torch.Tensor, k: int, min_n: int, max_n: int
+) -> torch.Tensor:
+    """Prompt lookup, batched (CPU op): per sequence, find the latest earlier occurrence of its
+    longest suffix n-gram (min_n <= n <= max_n) and propose the k tokens that followed it.
+
+    Args:
+        token_ids: S contiguous int64 CPU vectors, each a sequence's prompt + output tokens (a
+            buffer may be longer than its used part).
+        num_tokens: int64 [S], the used length of each vector.
+        k: tokens to propose per sequence.
+    Returns:
+        int64 [S, k]; a row with no match of at least min_n tokens is all -1. A continuation that
+        runs past the end of the sequence repeats itself (an overlapping copy), so periodic text
+        still gets k tokens.
+    """
+    return torch.ops.pagewire.ngram_propose(list(token_ids), num_tokens, k, min_n, max_n)
+
+
+def rejection_sample(
+    draft_token_ids: torch.Tensor,
+    cu_num_draft: torch.Tensor,
+    draft_probs: Optional[torch.Tensor],
+    target_probs: Optional[torch.Tensor],
+    target_argmax: torch.Tensor,
+    is_greedy: torch.Tensor,
+    uniform: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact verification of drafted tokens (Leviathan et al. 2023; Chen et al. 2023).
+
+    S sequences; sequence i has k_i = cu_num_draft[i + 1] - cu_num_draft[i] drafts and k_i + 1
+    target rows, starting at row cu_num_draft[i] + i (the last one scores the bonus position).
+    Greedy rows accept the longest prefix of drafts equal to the target's argmax and then emit the
+    target's token. Sampled rows accept draft d with probability min(1, p(d) / q(d)); the first
+    rejection emits a draw from the residual max(p - q, 0) (renormalised), and when every draft
+    is accepted the bonus token is drawn from the last target row, so every emitted token is
+    distributed exactly as the target's.
+
+    Args:
+        draft_token_ids: int64 [ND].
+        cu_num_draft: int64 [S + 1], cumulative drafts, starting at 0.
+        draft_probs: float32 [ND, V] (a draft model's distributions) or None: each draft is a
+            point mass (the n-gram proposer), so q(d) = 1.
+        target_probs: float32 [ND + S, V], normalised (after temperature and top-k/top-p/min-p);
+            None only when every row is greedy.
+        target_argmax: int64 [ND + S], each target row's greedy token.
+        is_greedy: bool [S].
+        uniform: float64 [ND + S] in [0, 1): draw j of a sequence decides draft j; its last draw
+            picks the residual or bonus token. Taken from the request's own generator when seeded.
+    Returns:
+        (output_token_ids int64 [S, max k_i + 1], -1 padded; num_emitted int64 [S], each in 1..k_i + 1).
+    """
+    if target_probs is None and not bool(is_greedy.all()):
+        raise ValueError("target_probs: required when a row is not greedy")
+    out, num_emitted = torch.ops.pagewire.rejection_sample(
+        draft_token_ids, cu_num_draft, draft_probs, target_probs, target_argmax, is_greedy, uniform
+    )
+    return out, num_emitted
+
+
 # Fake (meta) kernels: the in-place ops produce no new tensors, so shape propagation is trivial.
 @torch.library.register_fake("pagewire::write_kv_cache")
 def _write_kv_cache_fake(key, value, key_cache, value_cache, slot_mapping) -> None:
@@ -258,6 +318,15 @@ def _rotary_embedding_fake(x, positions, cos, sin, norm_weight, eps) -> None:
 def _silu_and_mul_fake(x):
     torch._check(x.shape[-1] % 2 == 0, lambda: "x's last dim must be even")
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+@torch.library.register_fake("pagewire::ngram_propose")
+def _ngram_propose_fake(token_ids, num_tokens, k, min_n, max_n):
+    return num_tokens.new_empty((num_tokens.shape[0], k))
+
+
+# rejection_sample has no fake kernel: its output width (the largest k_i) depends on cu_num_draft's
+# values, and it only ever runs eagerly, on the host's control path.
 
 
 @torch.library.register_fake("pagewire::quantize_q8_0")

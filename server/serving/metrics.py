@@ -51,6 +51,46 @@ class _EngineCollector(Collector):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], float(getattr(s, attr, 0) if s else 0))
             yield c
+        spec = getattr(s, "spec", None) if s else None
+        if spec is not None:
+            yield from _spec_metrics(spec)
+
+
+def _spec_metrics(spec: Any) -> Iterable[Metric]:
+    """Speculative decoding (server.engine.spec_decode.SpecStats), present only when it is configured."""
+    counters = (
+        ("pagewire_spec_decode_proposed_tokens", "Tokens proposed for speculative verification.", "num_proposed"),
+        ("pagewire_spec_decode_accepted_tokens", "Proposed tokens the target accepted.", "num_accepted"),
+        ("pagewire_spec_decode_emitted_tokens",
+         "Tokens emitted by speculative steps (accepted proposals plus the target's own token).", "num_emitted"),
+        ("pagewire_spec_decode_verified_steps", "Sequence-steps that verified at least one proposed token.",
+         "num_verified"),
+        ("pagewire_spec_decode_steps_disabled_batch",
+         "Steps that speculated for no sequence because the batch reached disable_by_batch_size.",
+         "steps_off_batch"),
+        ("pagewire_spec_decode_sequences_disabled_acceptance",
+         "Sequences whose speculation was switched off for low acceptance.", "seqs_off_acceptance"),
+    )
+    for name, doc, attr in counters:
+        c = CounterMetricFamily(name, doc)
+        c.add_metric([], float(getattr(spec, attr)))
+        yield c
+    proposed = CounterMetricFamily("pagewire_spec_decode_proposed_tokens_by_position",
+                                   "Proposed tokens at each lookahead position (0 = first).", labels=["position"])
+    accepted = CounterMetricFamily("pagewire_spec_decode_accepted_tokens_by_position",
+                                   "Accepted tokens at each lookahead position (0 = first).", labels=["position"])
+    rate = GaugeMetricFamily("pagewire_spec_decode_acceptance_rate_by_position",
+                             "Accepted / proposed at each lookahead position, since start.", labels=["position"])
+    for j, (p, a) in enumerate(zip(spec.proposed_by_position, spec.accepted_by_position)):
+        proposed.add_metric([str(j)], float(p))
+        accepted.add_metric([str(j)], float(a))
+        rate.add_metric([str(j)], a / p if p else 0.0)
+    mean = GaugeMetricFamily("pagewire_spec_decode_mean_accepted_length",
+                             "Tokens per verified sequence-step: 1 + accepted / verified, since start.")
+    mean.add_metric([], float(spec.mean_accepted_length))
+    overall = GaugeMetricFamily("pagewire_spec_decode_acceptance_rate", "Accepted / proposed tokens, since start.")
+    overall.add_metric([], float(spec.acceptance_rate))
+    yield from (proposed, accepted, rate, mean, overall)
 
 
 class Metrics:

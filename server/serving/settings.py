@@ -42,6 +42,21 @@ def origin_list(text: str) -> str:
     return text
 
 
+class _OptionValueError(argparse.ArgumentTypeError, ValueError):
+    """A malformed option value: argparse shows its message, the environment path reports it."""
+
+
+def speculative_config(text: str) -> Any:
+    """Parse and validate a --speculative-config JSON object (server.engine.spec_config)."""
+    from server.engine.config import ConfigError
+    from server.engine.spec_config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.from_value(text)
+    except ConfigError as e:
+        raise _OptionValueError(str(e)) from None
+
+
 _ENGINE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(EngineConfig) if f.name != "model"}
 
 
@@ -86,6 +101,7 @@ class ServeSettings:
     seed: int = _ENGINE_DEFAULTS["seed"]
     device: str = _ENGINE_DEFAULTS["device"]
     quantization: str = _ENGINE_DEFAULTS["quantization"]
+    speculative_config: Any = None  # a server.engine.spec_config.SpeculativeConfig, or None (off)
 
     def engine_config(self, model_dir: str) -> EngineConfig:
         kw = {o.name: getattr(self, o.name) for o in OPTIONS if o.engine}
@@ -162,6 +178,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("seed", int, "base seed for unseeded sampling", engine=True),
     Option("device", str, "cpu or cuda", engine=True),
     Option("quantization", str, "none or int8 (weights kept as Q8_0 blocks, quantised at load; CPU)", engine=True),
+    Option("speculative_config", speculative_config,
+           "speculative decoding as a JSON object, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
+           "(fields: docs/speculative_decoding.md; default: off)", engine=True),
 )
 
 

@@ -124,6 +124,51 @@ class AllocatorMachine(RuleBasedStateMachine):
         del seq["tokens"][keep:]  # later steps sample different tokens into the same slots
 
     @precondition(lambda self: self.seqs)
+    @rule(index=st.integers(0, 100), sampled=ALPHABET, drafts=st.lists(ALPHABET, min_size=1, max_size=5),
+          accepted=st.integers(0, 5), bonus=ALPHABET)
+    def speculative_step(self, index, sampled, drafts, accepted, bonus):
+        """The engine's speculative decode (server/engine/spec_decode.py): write K/V for the last
+        sampled token plus k proposals, register verified tokens only, accept a prefix, then roll
+        back (KVCacheManager.rollback: truncate, register the newly verified full blocks)."""
+        sid = self.pick(index)
+        seq = self.seqs[sid]
+        if seq["computed"] == len(seq["tokens"]):
+            seq["tokens"].append(sampled)
+        start = seq["computed"]
+        if len(seq["tokens"]) - start != 1:
+            return  # still prefilling: the engine proposes for decodes only
+        k = len(drafts)
+        copies = self.alloc.allocate_slots(sid, start, 1 + k)
+        if copies is None:
+            return  # the engine drops the proposals and decodes plainly (the `step` rule)
+        for src, dst in copies:
+            self.kv[dst] = list(self.kv[src])
+        table = self.alloc.block_table(sid)
+        looked_ahead = seq["tokens"] + drafts
+        for pos in range(start, start + 1 + k):
+            block = table[pos // self.bs]
+            assert self.alloc.refcount(block) == 1, "writing into a block someone else reads"
+            self.kv[block][pos % self.bs] = tuple(looked_ahead[:pos + 1])
+        # At schedule time only the verified token is offered to the prefix cache.
+        registered = self.alloc.registered_tokens(sid)
+        first = min(start // self.bs * self.bs, registered)
+        self.alloc.cache_full_blocks(sid, seq["tokens"][first:start + 1], first)
+        # Verification: a proposals accepted, then the target's own token.
+        a = min(accepted, k)
+        seq["tokens"] += drafts[:a] + [bonus]
+        seq["computed"] = start + 1 + a
+        self.alloc.truncate(sid, seq["computed"])
+        assert len(self.alloc.block_table(sid)) == -(-seq["computed"] // self.bs)
+        registered = self.alloc.registered_tokens(sid)
+        end = seq["computed"] // self.bs * self.bs
+        if end > registered:
+            self.alloc.cache_full_blocks(sid, seq["tokens"][registered:end], registered)
+        registered = self.alloc.registered_tokens(sid)
+        assert registered <= seq["computed"], "a token past the verified ones is registered"
+        if self.caching and not seq["reset"]:
+            assert registered == end
+
+    @precondition(lambda self: self.seqs)
     @rule(index=st.integers(0, 100))
     def free(self, index):
         sid = self.pick(index)

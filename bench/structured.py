@@ -14,6 +14,9 @@ In one run, on one engine (so the same model, threads and machine state), it mea
       - output tok/s: output tokens / wall time of the round;
       - ITL: gaps between consecutive tokens of one request (one engine step each), pooled;
         p50 / p99 in ms.
+      - CPU ms per output token: the process's CPU time (every thread: torch's, the mask
+        worker's, llguidance's) per output token. On a shared machine wall-clock rates move with
+        the other processes' load; this one much less, so it shows the grammar work's cost.
   * grammar compile time on a cache miss: --compile-schemas distinct schemas of the same shape
     (a field name varies), each compiled on an empty cache (llguidance parse + lexer build), then
     a cache hit. The llguidance tokenizer is built before (its one-off cost is reported apart).
@@ -110,6 +113,7 @@ def run_round(engine: Any, constrained: bool, args: argparse.Namespace, prompt: 
     for _ in range(min(args.concurrency, args.num_requests)):
         submit()
     t0 = time.perf_counter()
+    cpu0 = time.process_time()
     while engine.has_unfinished_requests():
         deltas = engine.step()
         now = time.perf_counter()
@@ -129,8 +133,10 @@ def run_round(engine: Any, constrained: bool, args: argparse.Namespace, prompt: 
                 if submitted < args.num_requests:
                     submit()
     wall = time.perf_counter() - t0
+    cpu = time.process_time() - cpu0
     return {"mode": "constrained" if constrained else "unconstrained", "output_tokens": tokens,
-            "wall_s": wall, "output_tok_s": tokens / wall, "itl_p50_ms": _pct(itl, 50),
+            "wall_s": wall, "output_tok_s": tokens / wall, "cpu_ms_per_token": cpu / tokens * 1000,
+            "itl_p50_ms": _pct(itl, 50),
             "itl_p99_ms": _pct(itl, 99), "finish_reasons": reasons}
 
 
@@ -207,6 +213,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             res = run_round(engine, constrained, args, prompt, f"r{r}-{int(constrained)}")
             rounds.append(res)
             print(f"round {r} {res['mode']:>13}: {res['output_tok_s']:7.1f} output tok/s, "
+                  f"{res['cpu_ms_per_token']:.1f} CPU ms/token, "
                   f"ITL p50 {res['itl_p50_ms']:.1f} ms p99 {res['itl_p99_ms']:.1f} ms, "
                   f"{res['output_tokens']} tokens in {res['wall_s']:.1f} s, finish {res['finish_reasons']}")
     best = {m: max((x for x in rounds if x["mode"] == m), key=lambda x: x["output_tok_s"])
@@ -216,6 +223,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     print(f"best unconstrained: {u['output_tok_s']:.1f} tok/s, ITL p50 {u['itl_p50_ms']:.1f} / p99 {u['itl_p99_ms']:.1f} ms")
     print(f"best constrained:   {c['output_tok_s']:.1f} tok/s, ITL p50 {c['itl_p50_ms']:.1f} / p99 {c['itl_p99_ms']:.1f} ms")
     print(f"throughput loss with every request constrained: {loss * 100:.1f}% (target <= 10%)")
+    cpu = {m: statistics.median(x["cpu_ms_per_token"] for x in rounds if x["mode"] == m)
+           for m in ("unconstrained", "constrained")}
+    cpu_cost = cpu["constrained"] / cpu["unconstrained"] - 1.0
+    print(f"CPU time per output token (median of rounds, all threads of this process): unconstrained "
+          f"{cpu['unconstrained']:.1f} ms, constrained {cpu['constrained']:.1f} ms: {cpu_cost * 100:+.1f}% "
+          f"(insensitive to other processes' load)")
     load_end = os.getloadavg()
     print(f"load average at end: {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}")
     if args.json_out is not None:

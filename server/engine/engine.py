@@ -28,7 +28,7 @@ from server.engine.runner import ModelRunner
 from server.engine.sampler import Sampler, SamplingBatch
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import ScheduledSeq, Scheduler
-from server.engine.structured import DEAD_END, StructuredDecoder
+from server.engine.structured import DEAD_END, PendingMasks, StructuredDecoder
 from server.models.loader import load_model
 from server.text.tokenizer import Tokenizer
 from server.text.vocab import check_token_ids
@@ -271,11 +271,11 @@ class LLMEngine:
         return rows
 
     def _sample_and_apply(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict[str, Request],
-                          grammar_masks: object = None) -> None:
+                          grammar_masks: Optional[PendingMasks] = None) -> None:
         params = [s.request.params for s in seqs]
         penalties = any(p.needs_penalties for p in params)
         blocked = [self.outputs.blocked_tokens(s) for s in seqs]
-        bitmask, dead_ends = self.structured.masks(seqs, grammar_masks, blocked)  # type: ignore[arg-type]
+        bitmask, dead_ends = self.structured.masks(seqs, grammar_masks, blocked)
         batch = SamplingBatch.build(
             params=params,
             generators=[s.generator for s in seqs],
@@ -314,6 +314,7 @@ class LLMEngine:
                 lp = TokenLogprob(tokens[i], lps[i], top)
             if seq.grammar is not None and not self.structured.accept(seq, tokens[i]):
                 self.outputs.finish(seq, DEAD_END)  # unreachable while the mask was applied
+                dead.add(i)
                 continue
             self.outputs.append_token(seq, tokens[i], lp)
             if seq.grammar is not None and seq.grammar.is_complete:

@@ -94,7 +94,7 @@ def _mask_threads() -> int:
     return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
-class _Pending:
+class PendingMasks:
     """The worker's in-flight job: which sequence fills which row of `bitmask`."""
 
     __slots__ = ("bitmask", "rows", "future")
@@ -115,7 +115,7 @@ class StructuredDecoder:
         self._words = -(-max(tokenizer.vocab_size, 1) // 32)
         self._executor: Optional[llguidance.LLExecutor] = None
         self._worker: Optional[ThreadPoolExecutor] = None
-        self._pending: Optional[_Pending] = None
+        self._pending: Optional[PendingMasks] = None
         self.num_dead_ends = 0
 
     # -- requests ---------------------------------------------------------------------------------
@@ -170,9 +170,9 @@ class StructuredDecoder:
         def fill() -> None:
             executor.unsafe_compute_mask_ptr(jobs, ptr, row_bytes, len(jobs))
 
-        self._pending = _Pending(bitmask, rows, worker.submit(fill))
+        self._pending = PendingMasks(bitmask, rows, worker.submit(fill))
 
-    def collect(self) -> Optional[_Pending]:
+    def collect(self) -> Optional[PendingMasks]:
         """Wait for the worker (after the forward, or when the step fails). Safe to call always."""
         pending, self._pending = self._pending, None
         if pending is not None:
@@ -182,7 +182,7 @@ class StructuredDecoder:
     def masks(
         self,
         seqs: Sequence["Seq"],
-        pending: Optional[_Pending],
+        pending: Optional[PendingMasks],
         blocked: Sequence[Sequence[int]],
     ) -> tuple[Optional[torch.Tensor], list[int]]:
         """The step's bitmask, one row per entry of `seqs` (all bits set on unconstrained rows),

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # pragma: no cover
     from server.engine.outputs import CompletionOutput, RequestOutput
-    from server.engine.sampling_params import SamplingParams
+    from server.engine.sampling_params import SamplingParams, StructuredOutputsParams
     from server.llm import LLM
 
 
@@ -25,6 +25,10 @@ def __getattr__(name: str) -> Any:
         from server.engine.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from server.engine.sampling_params import StructuredOutputsParams
+
+        return StructuredOutputsParams
     if name in ("RequestOutput", "CompletionOutput"):
         from server.engine import outputs
 

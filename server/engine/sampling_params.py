@@ -5,6 +5,7 @@ This module imports no torch: the network edge builds these objects too.
 """
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Optional, Sequence, Union
@@ -35,6 +36,115 @@ def _int(name: str, value: Any) -> int:
     return value
 
 
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the generated text, shaped like vLLM's `StructuredOutputsParams`.
+
+    Exactly one of the fields is set:
+      - `json`: a JSON schema (a dict, or a JSON string holding one); output is JSON matching it;
+      - `regex`: output matches the regular expression in full;
+      - `choice`: output is exactly one of these strings;
+      - `grammar`: a grammar in Lark syntax or GBNF (llama.cpp's EBNF dialect: `root ::= ...`);
+      - `json_object`: True for any JSON object (OpenAI's `response_format: json_object`).
+
+    This validates the shape only; whether the grammar compiles is checked at admission
+    (server.engine.structured), where the tokenizer is known. After validation `json` is
+    always a dict.
+    """
+
+    json: Union[None, str, dict[str, Any]] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    # Set at admission (server.engine.grammar.compile_params): the compiled grammar, so the
+    # engine never compiles. Not part of the constraint's identity or repr.
+    compiled: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @classmethod
+    def from_value(cls, value: Any, field_name: str = "structured_outputs") -> "StructuredOutputsParams":
+        """Accept an instance or a dict with the same keys (unknown keys are an error)."""
+        if isinstance(value, StructuredOutputsParams):
+            return value
+        if not isinstance(value, dict):
+            raise SamplingParamsError(field_name, f"must be an object, got {type(value).__name__}")
+        known = set(_STRUCTURED_KINDS)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise SamplingParamsError(
+                f"{field_name}.{unknown[0]}", f"unknown key; expected one of {sorted(known)}"
+            )
+        return cls(**value)
+
+    def validate(self, field_name: str = "structured_outputs") -> None:
+        set_fields = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_fields) != 1:
+            raise SamplingParamsError(
+                field_name,
+                "exactly one of json, regex, choice, grammar, json_object must be set, got "
+                + (", ".join(set_fields) if set_fields else "none"),
+            )
+        kind = set_fields[0]
+        name = f"{field_name}.{kind}"
+        if kind == "json":
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = _json.loads(schema)
+                except ValueError as e:
+                    raise SamplingParamsError(name, f"is not valid JSON: {e}") from None
+            # A JSON schema is an object or a boolean (true: anything, false: nothing).
+            if isinstance(schema, bool):
+                schema = {} if schema else {"not": {}}
+            if not isinstance(schema, dict):
+                raise SamplingParamsError(name, "must be a JSON schema object")
+            self.json = schema
+        elif kind == "regex":
+            if not isinstance(self.regex, str) or self.regex == "":
+                raise SamplingParamsError(name, "must be a non-empty string")
+        elif kind == "choice":
+            if isinstance(self.choice, tuple):
+                self.choice = list(self.choice)
+            if not isinstance(self.choice, list) or not self.choice:
+                raise SamplingParamsError(name, "must be a non-empty list of strings")
+            if not all(isinstance(c, str) and c != "" for c in self.choice):
+                raise SamplingParamsError(name, "every choice must be a non-empty string")
+        elif kind == "grammar":
+            if not isinstance(self.grammar, str) or not self.grammar.strip():
+                raise SamplingParamsError(name, "must be a non-empty grammar string")
+        elif kind == "json_object":
+            if self.json_object is not True:
+                raise SamplingParamsError(name, f"must be true, got {self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        """The one field that is set: json, regex, choice, grammar or json_object."""
+        for k in _STRUCTURED_KINDS:
+            if getattr(self, k) not in (None, False):
+                return k
+        raise AssertionError("validated StructuredOutputsParams has one field set")
+
+    def key(self) -> tuple[str, str]:
+        """A hashable (kind, canonical spec) pair: equal constraints share one compiled grammar."""
+        kind = self.kind
+        value = getattr(self, kind)
+        if kind == "json":
+            spec = _json.dumps(value, sort_keys=True, separators=(",", ":"))
+        elif kind == "choice":
+            spec = _json.dumps(value)
+        elif kind == "json_object":
+            spec = ""
+        else:
+            spec = str(value)
+        return kind, spec
+
+
 @dataclass
 class SamplingParams:
     """How to sample and when to stop.
@@ -62,6 +172,8 @@ class SamplingParams:
     logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # A grammar constraint (JSON schema, regex, choice, grammar); a dict is accepted too.
+    structured_outputs: Union[None, StructuredOutputsParams, dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -135,6 +247,8 @@ class SamplingParams:
         bad = next((t for t in self.stop_token_ids if t < 0), None)
         if bad is not None:
             raise SamplingParamsError("stop_token_ids", f"token id {bad} is negative")
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
 
     # -- derived views used by the sampler ----------------------------------------------------
     @property

@@ -149,6 +149,10 @@ class SpecDecoder:
         for seq in running:
             if seq.num_tokens - seq.num_computed_tokens != 1:  # a prefill chunk or recompute
                 continue
+            # Grammar-constrained sequences are not speculated: verification here samples without
+            # the grammar bitmask, so they take the ordinary (masked) sampling path every step.
+            if seq.request.params.structured_outputs is not None:
+                continue
             # The target's own token follows the proposals, so k proposals may emit k + 1 tokens.
             room = seq.request.max_total_tokens - seq.num_tokens - 1
             if room <= 0:

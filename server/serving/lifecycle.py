@@ -54,17 +54,27 @@ TERMINAL_STATES = (LedgerState.FINISHED, LedgerState.CANCELLED, LedgerState.FAIL
 
 
 class FinishReason(_StrEnum):
-    """Why one sample stopped. The engine reports stop, length, abort and error; `cancelled`
-    is what a WebSocket `done` frame says for the samples of a request the client cancelled."""
+    """Why one sample stopped. The engine reports stop, length, abort, error and
+    grammar_dead_end; `cancelled` is what a WebSocket `done` frame says for the samples of a
+    request the client cancelled.
+
+    `grammar_dead_end` (structured outputs): the sample's grammar allowed no token at all (for
+    example only EOS, while min_tokens still forbade it, or llguidance hit one of its limits), so
+    the sample ended with the valid prefix it had rather than emit a token outside the grammar.
+    A grammar that is complete stops the sample with `stop`, as EOS does. A request whose samples
+    end this way has still completed (its request ends `finished`, HTTP 200): the reason is the
+    sample's, in `finish_reason`, and nothing was cut short by the server or the client.
+    """
 
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
     CANCELLED = "cancelled"
+    GRAMMAR_DEAD_END = "grammar_dead_end"  # = server.engine.structured.DEAD_END
 
 
-COMPLETE_REASONS = (FinishReason.STOP, FinishReason.LENGTH)
+COMPLETE_REASONS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.GRAMMAR_DEAD_END)
 
 
 class CancelReason(_StrEnum):

@@ -74,9 +74,14 @@ class ContentPart(Struct, kw_only=True):
 
 
 class ChatMessage(Struct, kw_only=True):
+    """One conversation turn. Tool parts (assistant `tool_calls`, a tool result's `tool_call_id`)
+    are checked in server.api.tools, which names the offending field."""
+
     role: Annotated[str, Meta(min_length=1)]
     content: Union[None, str, list[ContentPart]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -95,6 +100,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     timeout: Optional[Seconds] = None
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[bool] = None
     response_format: Optional[dict[str, Any]] = None
 
 

@@ -55,16 +55,20 @@ TERMINAL_STATES = (LedgerState.FINISHED, LedgerState.CANCELLED, LedgerState.FAIL
 
 class FinishReason(_StrEnum):
     """Why one sample stopped. The engine reports stop, length, abort and error; `cancelled`
-    is what a WebSocket `done` frame says for the samples of a request the client cancelled."""
+    is what a WebSocket `done` frame says for the samples of a request the client cancelled.
+    `tool_calls` is what a chat response says for a normal stop whose text held tool calls
+    (server.api.tool_output): the engine and the ledger record that sample as `stop`, and should
+    it ever be recorded as `tool_calls` it is still a complete request."""
 
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
     CANCELLED = "cancelled"
+    TOOL_CALLS = "tool_calls"
 
 
-COMPLETE_REASONS = (FinishReason.STOP, FinishReason.LENGTH)
+COMPLETE_REASONS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.TOOL_CALLS)
 
 
 class CancelReason(_StrEnum):

@@ -28,6 +28,7 @@ from server.engine.runner import ModelRunner
 from server.engine.sampler import Sampler, SamplingBatch
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import ScheduledSeq, Scheduler
+from server.engine.structured import DEAD_END, StructuredDecoder
 from server.models.loader import load_model
 from server.text.tokenizer import Tokenizer
 from server.text.vocab import check_token_ids
@@ -102,6 +103,8 @@ class LLMEngine:
         eos = set(self.tokenizer.eos_token_ids) | set(getattr(mc, "eos_token_ids", ()) or ())
         self.outputs = OutputProcessor(self.tokenizer, eos, max_model_len)
         self.vocab_size = mc.vocab_size
+        # Structured outputs (grammar masks); idle unless a request carries a constraint.
+        self.structured = StructuredDecoder(self.tokenizer, mc.vocab_size)
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestDelta] = []  # abort deltas produced between steps
         self.last_step_progressed = True  # the latest step scheduled work or emitted deltas
@@ -133,6 +136,7 @@ class LLMEngine:
         check_token_ids(ids, self.vocab_size, "prompt")
         n = len(ids)
         check_capacity(n, params.max_tokens, params.n, self.limits)
+        grammar = self.structured.prepare(params)  # structured outputs; raises naming the field
         max_total = n + params.max_tokens if params.max_tokens is not None else self.max_model_len
         req = Request(
             request_id=request_id,
@@ -142,8 +146,9 @@ class LLMEngine:
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             max_total_tokens=max_total,
         )
-        self._add_sequence(req, 0, list(ids))
-        self.scheduler.add(req.sequences[0])
+        seq = self._add_sequence(req, 0, list(ids))
+        seq.grammar = StructuredDecoder.new_state(grammar)
+        self.scheduler.add(seq)
         self.requests[request_id] = req
 
     def _add_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
@@ -211,8 +216,15 @@ class LLMEngine:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
                 self._stats.prompt_tokens += len(req.prompt_token_ids)
-        # The forward; if it raises, isolation finds and fails only the request(s) that cause it.
-        logits, out = execute_isolating(self, out)
+        # Structured outputs: the grammar masks of the sampling rows are computed on a worker
+        # thread while the forward runs, and joined right after it (before _advance forks any
+        # matcher), also when the forward raises.
+        self.structured.begin(out.scheduled)
+        try:
+            # The forward; if it raises, isolation finds and fails only the request(s) that cause it.
+            logits, out = execute_isolating(self, out)
+        finally:
+            grammar_masks = self.structured.collect()
         rows = self._advance(out.scheduled)
         touched: dict[str, Request] = {}
         if rows:
@@ -220,7 +232,7 @@ class LLMEngine:
             if len(row_idx) != logits.shape[0]:  # forked samples reuse sample 0's row
                 logits = logits.index_select(0, torch.tensor(row_idx, device=logits.device))
             seqs = [s for _, s in rows]
-            self._sample_and_apply(logits, seqs, touched)
+            self._sample_and_apply(logits, seqs, touched, grammar_masks)
         self._stats.num_steps += 1
         for req in touched.values():
             for seq in req.sequences:
@@ -249,6 +261,7 @@ class LLMEngine:
             if req.params.n > 1 and not req.forked:
                 for i in range(1, req.params.n):
                     child = self._add_sequence(req, i, list(seq.token_ids))
+                    self.structured.fork(seq, child)
                     self.kv_cache.fork(seq, child)
                     child.num_computed_tokens = seq.num_computed_tokens
                     self.scheduler.add_running(child)
@@ -257,17 +270,21 @@ class LLMEngine:
             row += 1
         return rows
 
-    def _sample_and_apply(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict[str, Request]) -> None:
+    def _sample_and_apply(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict[str, Request],
+                          grammar_masks: object = None) -> None:
         params = [s.request.params for s in seqs]
         penalties = any(p.needs_penalties for p in params)
+        blocked = [self.outputs.blocked_tokens(s) for s in seqs]
+        bitmask, dead_ends = self.structured.masks(seqs, grammar_masks, blocked)  # type: ignore[arg-type]
         batch = SamplingBatch.build(
             params=params,
             generators=[s.generator for s in seqs],
             output_token_ids=[s.output_token_ids for s in seqs] if penalties else [[] for _ in seqs],
             prompt_token_ids=[s.request.prompt_token_ids for s in seqs] if penalties else [[] for _ in seqs],
-            blocked_token_ids=[self.outputs.blocked_tokens(s) for s in seqs],
+            blocked_token_ids=blocked,
             vocab_size=logits.shape[-1],
             device=logits.device,
+            token_bitmask=bitmask,
         )
         so = self.sampler(logits, batch)
         tokens = so.token_ids.tolist()
@@ -275,7 +292,17 @@ class LLMEngine:
         top_ids = so.top_ids.tolist() if so.top_ids is not None else None
         top_lps = so.top_logprobs.tolist() if so.top_logprobs is not None else None
         now = time.time()
+        dead = set(dead_ends)
         for i, seq in enumerate(seqs):
+            req = seq.request
+            touched[req.request_id] = req
+            if i in dead:
+                # The grammar allows no token here: end the sample rather than emit an invalid one.
+                self.outputs.finish(seq, DEAD_END)
+                self.structured.num_dead_ends += 1
+                logger.info("request %s sample %d: grammar dead end (%s)", req.request_id, seq.index,
+                            seq.grammar.error or "no token allowed")
+                continue
             k = seq.request.params.logprobs
             lp: Optional[TokenLogprob] = None
             if k is not None and lps is not None:
@@ -285,12 +312,19 @@ class LLMEngine:
                     else []
                 )
                 lp = TokenLogprob(tokens[i], lps[i], top)
+            if seq.grammar is not None and not self.structured.accept(seq, tokens[i]):
+                self.outputs.finish(seq, DEAD_END)  # unreachable while the mask was applied
+                continue
             self.outputs.append_token(seq, tokens[i], lp)
-            req = seq.request
+            if seq.grammar is not None and seq.grammar.is_complete:
+                # The grammar is satisfied and allows nothing more: stop as if EOS came next.
+                if seq.finish_reason is None:
+                    self.outputs.finish(seq, "stop")
+                elif seq.finish_reason == "length":
+                    seq.finish_reason = "stop"
             if req.first_token_time is None:
                 req.first_token_time = now
-            touched[req.request_id] = req
-        self._stats.generation_tokens += len(seqs)
+        self._stats.generation_tokens += len(seqs) - len(dead)
 
     # -- introspection ----------------------------------------------------------------------------
     def stats(self) -> EngineStats:

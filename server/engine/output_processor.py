@@ -79,6 +79,11 @@ class OutputProcessor:
         ):
             self._finish(seq, "length", None)
 
+    def finish(self, seq: Sequence, reason: str, stop_reason: Optional[int | str] = None) -> None:
+        """End `seq` for a reason decided outside this class (structured outputs: the grammar is
+        complete, or allows nothing), releasing any text held back."""
+        self._finish(seq, reason, stop_reason)
+
     def _finish(self, seq: Sequence, reason: str, stop_reason: Optional[int | str], flush: bool = True) -> None:
         state: _TextState = seq.text_state  # type: ignore[assignment]
         if flush:

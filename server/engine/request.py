@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -40,6 +40,7 @@ class Sequence:
         "seq_id", "request", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "status", "generator", "text_state", "finish_reason", "stop_reason",
         "new_token_ids", "new_logprobs",
+        "grammar",  # structured outputs: the GrammarState (server.engine.structured), or None
     )
 
     def __init__(self, request: "Request", index: int, token_ids: list[int]) -> None:
@@ -57,6 +58,7 @@ class Sequence:
         # Tokens produced since the last delta was emitted (drained by the output processor).
         self.new_token_ids: list[int] = []
         self.new_logprobs: list[TokenLogprob] = []
+        self.grammar: Any = None  # structured outputs: set by the engine for constrained requests
 
     @property
     def num_tokens(self) -> int:

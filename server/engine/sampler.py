@@ -4,7 +4,7 @@
 host ("plan"); `Sampler.__call__` runs batched tensor ops with no per-row Python loop ("run"),
 except a loop over the seeded rows only, to draw their noise from their own generators.
 
-Order of operations (as vLLM v1): penalties -> blocked tokens -> greedy argmax | temperature ->
+Order of operations (as vLLM v1): penalties -> blocked tokens -> grammar bitmask -> greedy argmax | temperature ->
 top-k -> top-p -> min-p -> sample. Logprobs are of the raw logits (before any of that).
 """
 from __future__ import annotations
@@ -57,6 +57,9 @@ class SamplingBatch:
     blocked_rows: Optional[torch.Tensor] = None
     blocked_cols: Optional[torch.Tensor] = None
     max_num_logprobs: Optional[int] = None  # None: no row asked; else K = the largest request
+    # Structured outputs: int32 [S, ceil(V'/32)] on the host, bit t = token t allowed (all bits
+    # set on unconstrained rows); None when no row is constrained (server.engine.structured).
+    token_bitmask: Optional[torch.Tensor] = None
     seeded: tuple[tuple[int, torch.Generator], ...] = ()
 
     @property
@@ -68,6 +71,7 @@ class SamplingBatch:
             and self.presence_penalty is None
             and self.blocked_rows is None
             and self.max_num_logprobs is None
+            and self.token_bitmask is None
         )
 
     @classmethod
@@ -80,6 +84,7 @@ class SamplingBatch:
         blocked_token_ids: Optional[Sequence[Sequence[int]]],
         vocab_size: int,
         device: torch.device | str,
+        token_bitmask: Optional[torch.Tensor] = None,
     ) -> "SamplingBatch":
         """Plan one step. Every sequence argument has one entry per row, in row order.
 
@@ -97,7 +102,7 @@ class SamplingBatch:
         dev = torch.device(device)
         v = vocab_size
         greedy = [p.temperature < _GREEDY_EPS for p in params]
-        batch = cls(num_rows=s, vocab_size=v, all_greedy=all(greedy))
+        batch = cls(num_rows=s, vocab_size=v, all_greedy=all(greedy), token_bitmask=token_bitmask)
 
         def col(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=dev).unsqueeze(1)
@@ -205,6 +210,9 @@ class Sampler:
             if x is raw:
                 x = raw.clone()  # never write into the caller's logits
             x[batch.blocked_rows, batch.blocked_cols] = float("-inf")
+        if batch.token_bitmask is not None:
+            # Structured outputs: every row's grammar mask in one batched op (a new tensor).
+            x = apply_token_bitmask(x, batch.token_bitmask)
         if batch.all_greedy:
             tokens = x.argmax(dim=-1)
         else:
@@ -244,6 +252,21 @@ class Sampler:
                 q[i] = torch.empty(q.shape[1], device=g.device).exponential_(generator=g).to(q.device)
         q.clamp_min_(_MIN_NOISE)
         return probs.div_(q).argmax(dim=-1)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set every disallowed logit to -inf, for all rows at once. `bitmask` is int32 [S, W] on the
+    host (bit t % 32 of word t // 32 = token t allowed); columns beyond W * 32 are disallowed.
+    Returns a new tensor (the caller's logits stay raw, for logprobs)."""
+    s, v = logits.shape
+    packed = bitmask.to(logits.device, non_blocking=True)  # 32x smaller than the unpacked mask
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((packed.unsqueeze(-1) >> bits) & 1).bool().reshape(s, -1)
+    if allowed.shape[1] >= v:
+        allowed = allowed[:, :v]
+    else:
+        allowed = torch.cat([allowed, allowed.new_zeros((s, v - allowed.shape[1]))], dim=1)
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

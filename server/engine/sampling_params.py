@@ -36,6 +36,9 @@ def _int(name: str, value: Any) -> int:
     return value
 
 
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
 @dataclass
 class StructuredOutputsParams:
     """A constraint on the generated text, shaped like vLLM's `StructuredOutputsParams`.
@@ -57,6 +60,9 @@ class StructuredOutputsParams:
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None
     json_object: Optional[bool] = None
+    # Set at admission (server.engine.grammar.compile_params): the compiled grammar, so the
+    # engine never compiles. Not part of the constraint's identity or repr.
+    compiled: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -68,7 +74,7 @@ class StructuredOutputsParams:
             return value
         if not isinstance(value, dict):
             raise SamplingParamsError(field_name, f"must be an object, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
+        known = set(_STRUCTURED_KINDS)
         unknown = sorted(set(value) - known)
         if unknown:
             raise SamplingParamsError(
@@ -77,7 +83,7 @@ class StructuredOutputsParams:
         return cls(**value)
 
     def validate(self, field_name: str = "structured_outputs") -> None:
-        set_fields = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        set_fields = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
         if len(set_fields) != 1:
             raise SamplingParamsError(
                 field_name,
@@ -119,9 +125,9 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         """The one field that is set: json, regex, choice, grammar or json_object."""
-        for f in fields(self):
-            if getattr(self, f.name) not in (None, False):
-                return f.name
+        for k in _STRUCTURED_KINDS:
+            if getattr(self, k) not in (None, False):
+                return k
         raise AssertionError("validated StructuredOutputsParams has one field set")
 
     def key(self) -> tuple[str, str]:

@@ -77,9 +77,10 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
         strict = fn.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise _bad(f"{where}.function.strict", "must be true or false")
-        clean: dict[str, Any] = {"name": name, "parameters": params}
+        clean: dict[str, Any] = {"name": name}
         if desc is not None:
             clean["description"] = desc
+        clean["parameters"] = params
         if strict is not None:
             clean["strict"] = strict
         out.append({"type": "function", "function": clean})

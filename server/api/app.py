@@ -26,12 +26,14 @@ from server.api.openai_format import messages_to_dicts
 from server.api.openai_http import GenerateEndpoint
 from server.api.origins import OriginGuard, OriginPolicy
 from server.api.protocol import DetokenizeRequest, TokenizeRequest
+from server.api.tools import check_tools
 from server.api.ui import ui_routes
 from server.api.ws import WsEndpoint
 from server.api.ws_watchdog import CaptureTransport
 from server.serving.errors import InvalidRequest, NotFound, PagewireError, TooLarge, Unavailable
 from server.serving.ledger_health import ledger_health
 from server.serving.metrics import CONTENT_TYPE
+from server.serving.prompts import render_chat
 from server.serving.runtime import Runtime
 from server.text.tokenizer import ChatTemplateError
 from server.text.vocab import check_token_ids
@@ -93,9 +95,10 @@ def build_app(rt: Runtime) -> Starlette:
             tok = rt.tokenizer
             assert tok is not None
             if req.messages is not None:
+                tools = check_tools(req.tools) if req.tools is not None else None
                 try:
-                    text = tok.apply_chat_template(messages_to_dicts(req.messages),
-                                                   add_generation_prompt=req.add_generation_prompt)
+                    text = render_chat(tok, messages_to_dicts(req.messages), req.add_generation_prompt, tools,
+                                       api.tool_parser)
                 except ChatTemplateError as e:
                     raise InvalidRequest(f"messages: {e}", param="messages") from None
                 ids = tok.encode(text, add_special_tokens=False)

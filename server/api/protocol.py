@@ -112,6 +112,7 @@ class TokenizeRequest(Struct, kw_only=True):
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: Optional[list[Any]] = None  # rendered with the messages, as in a chat request
 
 
 class DetokenizeRequest(Struct, kw_only=True):

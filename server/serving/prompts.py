@@ -32,6 +32,17 @@ def _content_chars(messages: list[dict[str, Any]]) -> int:
     return n
 
 
+def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                tools: Optional[list[dict[str, Any]]] = None, tool_format: str = "none") -> str:
+    """A conversation's prompt text (ChatTemplateError if the template fails). Tool parts go to
+    the template as transformers passes them; a template that lacks a tool feature gets them
+    rewritten into plain messages (server.serving.tool_render)."""
+    if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+        source = tokenizer.template_source(tools)
+        messages, tools = fit_to_template(messages, tools, source, tool_format)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools or None)
+
+
 def _with_field(exc: SamplingParamsError, spec: GenerationSpec) -> InvalidRequest:
     name = spec.max_tokens_field if exc.field == "max_tokens" else exc.field
     return InvalidRequest(f"{name}: {exc.message}", param=name)
@@ -75,14 +86,8 @@ class PromptPreparer:
         return fn(*args)
 
     def _render_chat(self, spec: GenerationSpec) -> list[int]:
-        messages, tools = spec.messages or [], spec.tools
-        if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
-            # Tool parts go to the template as transformers passes them; a template that lacks
-            # a tool feature gets them rewritten into plain messages (server.serving.tool_render).
-            source = self.tokenizer.template_source(tools)
-            messages, tools = fit_to_template(messages, tools, source, spec.tool_format)
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=spec.add_generation_prompt,
-                                                  tools=tools or None)
+        text = render_chat(self.tokenizer, spec.messages or [], spec.add_generation_prompt, spec.tools,
+                           spec.tool_format)
         # Templates add BOS themselves; adding special tokens again would double it.
         return self.tokenizer.encode(text, add_special_tokens=False)
 

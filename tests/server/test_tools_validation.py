@@ -168,3 +168,37 @@ def test_length_cut_keeps_length_and_plain_text_is_content() -> None:
     auto = plan_request([tool("a")], None, None, "hermes")
     assert whole_message(auto, "r", 0, "Just text.", "stop") == (
         {"role": "assistant", "content": "Just text."}, "stop")
+
+
+def test_tool_call_parser_option_and_detection(tmp_path: Any) -> None:
+    import argparse
+    from types import SimpleNamespace
+
+    from server.api.context import ApiContext
+    from server.models.demo_model import build_tokenizer
+    from server.serving.settings import add_serve_arguments, settings_from_args
+    from server.text.tokenizer import Tokenizer
+    from tests.tiny_models import HERMES_TOOL_TEMPLATE, with_chat_template
+
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    assert settings_from_args(p.parse_args([]), {}).tool_call_parser == "auto"
+    assert settings_from_args(p.parse_args(["--tool-call-parser", "llama3_json"]), {}).tool_call_parser == "llama3_json"
+    assert settings_from_args(p.parse_args([]), {"PAGEWIRE_TOOL_CALL_PARSER": "none"}).tool_call_parser == "none"
+    with pytest.raises(ValueError, match="PAGEWIRE_TOOL_CALL_PARSER"):
+        settings_from_args(p.parse_args([]), {"PAGEWIRE_TOOL_CALL_PARSER": "mistral"})
+    with pytest.raises(SystemExit):
+        p.parse_args(["--tool-call-parser", "mistral"])
+
+    build_tokenizer(tmp_path / "demo")
+    demo = Tokenizer.from_dir(tmp_path / "demo")  # its template mentions tools but no call format
+    hermes = Tokenizer.from_dir(with_chat_template(tmp_path / "demo", tmp_path / "h", HERMES_TOOL_TEMPLATE))
+
+    def ctx(tok: Tokenizer, setting: str) -> ApiContext:
+        return ApiContext(SimpleNamespace(tokenizer=tok, settings=SimpleNamespace(tool_call_parser=setting)))  # type: ignore[arg-type]
+
+    assert ctx(hermes, "auto").tool_parser == "hermes"
+    assert ctx(demo, "auto").tool_parser == "none"
+    assert ctx(demo, "llama3_json").tool_parser == "llama3_json"
+    # `<tool_call>` is plain text in the demo vocabulary, so special tokens need not be kept.
+    assert ctx(hermes, "auto").tool_marker_special is False

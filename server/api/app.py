@@ -9,6 +9,7 @@ Routes, and where each request goes next:
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import Any, AsyncIterator
 
@@ -38,6 +39,8 @@ from server.serving.runtime import Runtime
 from server.text.tokenizer import ChatTemplateError
 from server.text.vocab import check_token_ids
 
+log = logging.getLogger("pagewire")
+
 
 def _error(exc: PagewireError) -> JSONResponse:
     return JSONResponse(error_payload(exc), status_code=exc.status,
@@ -51,6 +54,9 @@ def build_app(rt: Runtime) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await rt.start()
+        if rt.tokenizer is not None:
+            log.info("tool calls (tool_choice auto): parser %s (%s)", api.tool_parser,
+                     "--tool-call-parser" if rt.settings.tool_call_parser != "auto" else "from the chat template")
         try:
             yield
         finally:

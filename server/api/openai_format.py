@@ -11,9 +11,11 @@ import time
 from typing import Any, Optional
 
 from server.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerateFrame, SamplingFields
+from server.api.structured_fields import structured_outputs
 from server.api.tool_output import ChatToolStream, whole_message
 from server.api.tools import ToolPlan, check_messages
 from server.engine.outputs import TokenLogprob
+from server.engine.sampling_params import StructuredOutputsParams
 from server.serving.admission import BATCH, INTERACTIVE
 from server.serving.errors import InvalidRequest
 from server.serving.jobs import GenerationSpec, logprobs_from_stored
@@ -120,7 +122,8 @@ def generation_spec(*, kind: str, api: str, peer: str, model: str, fields: Sampl
                     max_completion_tokens: Optional[int] = None, priority: int = 0,
                     service_tier: Optional[str] = None, idempotency_key: Optional[str] = None,
                     detach: bool = False, timeout: Optional[float] = None,
-                    params_record: Optional[dict[str, Any]] = None, field_prefix: str = "") -> GenerationSpec:
+                    params_record: Optional[dict[str, Any]] = None, field_prefix: str = "",
+                    response_format: Optional[dict[str, Any]] = None) -> GenerationSpec:
     """The one builder of a GenerationSpec, for both HTTP endpoints and the WebSocket.
 
     `fields` carries the shared sampling knobs; `field_prefix` is how the edge names them in
@@ -128,6 +131,9 @@ def generation_spec(*, kind: str, api: str, peer: str, model: str, fields: Sampl
     does; a chat to the rest of the context.
     """
     kw = sampling_kwargs(fields)
+    so, so_names = structured_outputs(fields, response_format, field_prefix)
+    if so is not None:
+        kw["structured_outputs"] = so
     if logprobs is not None:
         kw["logprobs"] = logprobs
     max_tokens: Optional[int] = fields.max_tokens
@@ -140,7 +146,7 @@ def generation_spec(*, kind: str, api: str, peer: str, model: str, fields: Sampl
         add_generation_prompt=add_generation_prompt, sampling=kw, max_tokens=max_tokens,
         max_tokens_field=field_prefix + max_field, default_max_tokens=16 if kind == "completion" else None,
         priority=priority, klass=klass_of(priority, service_tier), idempotency_key=idempotency_key,
-        detach=detach, timeout_s=timeout, params_record=params_record or {},
+        detach=detach, timeout_s=timeout, params_record=params_record or {}, field_names=so_names,
     )
 
 
@@ -157,21 +163,20 @@ def completion_spec(req: CompletionRequest, api: str, client: str, model: str, i
         kind="completion", api=api, peer=client, model=model, fields=req, prompt=prompt,
         logprobs=req.logprobs, priority=req.priority, service_tier=req.service_tier,
         idempotency_key=idem, timeout=req.timeout, params_record=params_record(req, ("prompt",)),
+        response_format=req.response_format,
     )
 
 
 def chat_spec(req: ChatCompletionRequest, api: str, client: str, model: str, idem: Optional[str],
               tools: Optional[ToolPlan] = None) -> GenerationSpec:
     """The spec of a chat request; `tools` is its validated tool plan (server.api.tools)."""
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise InvalidRequest("response_format: only {\"type\": \"text\"} is supported", param="response_format")
     spec = generation_spec(
         kind="chat", api=api, peer=client, model=model, fields=req, messages=req.messages,
         add_generation_prompt=req.add_generation_prompt,
         logprobs=logprobs_count(req.logprobs, req.top_logprobs),
         max_completion_tokens=req.max_completion_tokens, priority=req.priority,
         service_tier=req.service_tier, idempotency_key=idem, timeout=req.timeout,
-        params_record=params_record(req, ("messages",)),
+        params_record=params_record(req, ("messages",)), response_format=req.response_format,
     )
     if tools is not None and tools.tools:
         apply_tool_plan(spec, tools, "tool_choice")
@@ -190,9 +195,12 @@ def apply_tool_plan(spec: GenerationSpec, plan: ToolPlan, field_name: str) -> No
         return
     if spec.sampling.get("structured_outputs") is not None:
         raise InvalidRequest(f"{field_name}: {plan.mode!r} tool choice cannot be combined with "
-                             "another output constraint (response_format or structured_outputs)",
+                             "another output constraint (response_format, structured_outputs or guided_*)",
                              param=field_name)
-    spec.sampling["structured_outputs"] = {"json": schema}
+    spec.sampling["structured_outputs"] = StructuredOutputsParams(json=schema)
+    # A schema llguidance cannot compile is reported (at admission) against the tool it came from.
+    wire = plan.schema_field()
+    spec.field_names.update({"structured_outputs": wire, "structured_outputs.json": wire})
 
 
 def ws_spec(frame: GenerateFrame, peer: str, model: str) -> GenerationSpec:
@@ -209,7 +217,7 @@ def ws_spec(frame: GenerateFrame, peer: str, model: str) -> GenerationSpec:
         logprobs=logprobs_count(p.logprobs, p.top_logprobs, "params."),
         max_completion_tokens=p.max_completion_tokens, priority=frame.priority,
         idempotency_key=frame.idempotency_key, detach=frame.detach, timeout=frame.timeout,
-        params_record=params_record(p, ()), field_prefix="params.",
+        params_record=params_record(p, ()), field_prefix="params.", response_format=p.response_format,
     )
 
 

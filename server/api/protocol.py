@@ -50,6 +50,13 @@ class SamplingFields(Struct, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: Optional[str] = None
+    # Structured outputs (server.api.structured_fields): vLLM's object and its older names.
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Union[None, str, dict[str, Any]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -66,6 +73,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     priority: Priority = 0
     service_tier: Optional[str] = None
     timeout: Optional[Seconds] = None
+    response_format: Optional[dict[str, Any]] = None
 
 
 class ContentPart(Struct, kw_only=True):
@@ -129,6 +137,7 @@ class WsParams(SamplingFields, kw_only=True):
     max_completion_tokens: Optional[PosInt] = None
     logprobs: bool = False
     top_logprobs: Optional[TopLogprobs] = None
+    response_format: Optional[dict[str, Any]] = None
 
 
 class GenerateFrame(Struct, kw_only=True):

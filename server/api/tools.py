@@ -207,6 +207,14 @@ class ToolPlan:
             return one_call
         return {"type": "array", "minItems": 1, "items": one_call}
 
+    def schema_field(self) -> str:
+        """The request field a constraint error should name: the named tool's parameters, or
+        `tools` for the combined `required` schema."""
+        if self.mode == "named":
+            i = self.names.index(self.named or "")
+            return f"tools[{i}].function.parameters"
+        return "tools"
+
     def new_parser(self) -> Optional[ToolCallParser]:
         """A fresh parser for one sample, or None when the text is plain content."""
         if self.mode == "named":

@@ -54,6 +54,9 @@ class GenerationSpec:
     detach: bool = False
     timeout_s: Optional[float] = None
     params_record: dict[str, Any] = field(default_factory=dict)
+    # Internal field names (e.g. "structured_outputs.json") -> the names the client used
+    # ("response_format.json_schema.schema"), for errors found after parsing.
+    field_names: dict[str, str] = field(default_factory=dict)
     tools: Optional[list[dict[str, Any]]] = None
     tool_format: str = "none"
 

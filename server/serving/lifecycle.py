@@ -54,21 +54,32 @@ TERMINAL_STATES = (LedgerState.FINISHED, LedgerState.CANCELLED, LedgerState.FAIL
 
 
 class FinishReason(_StrEnum):
-    """Why one sample stopped. The engine reports stop, length, abort and error; `cancelled`
-    is what a WebSocket `done` frame says for the samples of a request the client cancelled.
+    """Why one sample stopped. The engine reports stop, length, abort, error and
+    grammar_dead_end; `cancelled` is what a WebSocket `done` frame says for the samples of a
+    request the client cancelled.
+
+    `grammar_dead_end` (structured outputs): the sample's grammar allowed no token at all (for
+    example only EOS, while min_tokens still forbade it, or llguidance hit one of its limits), so
+    the sample ended with the valid prefix it had rather than emit a token outside the grammar.
+    A grammar that is complete stops the sample with `stop`, as EOS does. A request whose samples
+    end this way has still completed (its request ends `finished`, HTTP 200): the reason is the
+    sample's, in `finish_reason`, and nothing was cut short by the server or the client.
+
     `tool_calls` is what a chat response says for a normal stop whose text held tool calls
     (server.api.tool_output): the engine and the ledger record that sample as `stop`, and should
-    it ever be recorded as `tool_calls` it is still a complete request."""
+    it ever be recorded as `tool_calls` it is still a complete request.
+    """
 
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
     CANCELLED = "cancelled"
+    GRAMMAR_DEAD_END = "grammar_dead_end"  # = server.engine.structured.DEAD_END
     TOOL_CALLS = "tool_calls"
 
 
-COMPLETE_REASONS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.TOOL_CALLS)
+COMPLETE_REASONS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.GRAMMAR_DEAD_END, FinishReason.TOOL_CALLS)
 
 
 class CancelReason(_StrEnum):

@@ -13,7 +13,7 @@ import json
 from typing import Any, Optional
 
 from server.engine.errors import RequestTooLongError, check_context
-from server.engine.sampling_params import SamplingParams, SamplingParamsError
+from server.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from server.serving.errors import InvalidRequest
 from server.serving.jobs import GenerationSpec
 from server.serving.tool_render import fit_to_template
@@ -44,7 +44,7 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_genera
 
 
 def _with_field(exc: SamplingParamsError, spec: GenerationSpec) -> InvalidRequest:
-    name = spec.max_tokens_field if exc.field == "max_tokens" else exc.field
+    name = spec.max_tokens_field if exc.field == "max_tokens" else spec.field_names.get(exc.field, exc.field)
     return InvalidRequest(f"{name}: {exc.message}", param=name)
 
 
@@ -61,6 +61,7 @@ class PromptPreparer:
         defaults = dict(sampling_defaults or {})
         self.default_max_tokens: Optional[int] = defaults.pop("max_tokens", None)
         self.sampling_defaults = defaults
+        self._grammar_compiler: Any = None  # server.engine.grammar.GrammarCompiler, on first use
 
     def _sampling(self, spec: GenerationSpec) -> dict[str, Any]:
         return {**self.sampling_defaults, **spec.sampling}
@@ -79,6 +80,31 @@ class PromptPreparer:
             name = "params.stop_token_ids" if spec.api == "ws" else "stop_token_ids"
             raise InvalidRequest(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})", param=name)
         return params
+
+    async def compile_structured(self, params: SamplingParams, spec: GenerationSpec) -> None:
+        """Compile the request's grammar (structured outputs) now, at admission, so that a
+        schema llguidance cannot compile is a 400 naming the field, and the engine thread only
+        ever copies compiled grammars. A cache hit stays on the loop; a compile (and the first
+        use's tokenizer conversion) runs on the default thread pool, since it can take from a
+        millisecond to a second of CPU (llguidance drops the GIL meanwhile)."""
+        so = params.structured_outputs
+        if so is None or isinstance(so, dict):
+            return
+        if self._grammar_compiler is not None:
+            hit = self._grammar_compiler.lookup(so)
+            if hit is not None:
+                so.compiled = hit
+                return
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self._compile, so)
+        except SamplingParamsError as e:  # GrammarError: the field and llguidance's reason
+            raise _with_field(e, spec) from None
+
+    def _compile(self, so: StructuredOutputsParams) -> None:
+        from server.engine.grammar import compile_params, compiler_for
+
+        self._grammar_compiler = compiler_for(self.tokenizer)
+        compile_params(self.tokenizer, so)
 
     async def _run(self, big: bool, fn: Any, *args: Any) -> Any:
         if big:

@@ -150,7 +150,8 @@ class RequestService:
         return Admitted(request_id, record=record, existing=True)
 
     async def _accept(self, spec: GenerationSpec) -> Job:
-        self.preparer.check_sampling(spec)
+        checked = self.preparer.check_sampling(spec)
+        await self.preparer.compile_structured(checked, spec)  # 400 for a grammar that won't compile
         ids = await self.preparer.token_ids(spec)
         self.check_serving()  # the model may have stopped while we tokenised
         params = self.preparer.finalize(spec, len(ids), self.bridge.max_model_len)

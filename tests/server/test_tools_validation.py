@@ -94,9 +94,12 @@ def test_plans_and_constraints() -> None:
     assert spec_of({"tools": tools, "tool_choice": "none"}).sampling.get("structured_outputs") is None
 
     named = spec_of({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "b"}}})
-    assert named.sampling["structured_outputs"] == {"json": tools[1]["function"]["parameters"]}
+    assert named.sampling["structured_outputs"].json == tools[1]["function"]["parameters"]
+    assert named.field_names["structured_outputs.json"] == "tools[1].function.parameters"
 
-    required = spec_of({"tools": tools, "tool_choice": "required"}).sampling["structured_outputs"]["json"]
+    req_spec = spec_of({"tools": tools, "tool_choice": "required"})
+    assert req_spec.field_names["structured_outputs.json"] == "tools"
+    required = req_spec.sampling["structured_outputs"].json
     good = [{"name": "a", "parameters": {"city": "x"}}, {"name": "b", "parameters": {"n": 2}}]
     jsonschema.validate(good, required)
     for bad in ([], [{"name": "a", "parameters": {"n": 2}}], [{"name": "c", "parameters": {}}],
@@ -105,10 +108,23 @@ def test_plans_and_constraints() -> None:
             jsonschema.validate(bad, required)
 
     single = spec_of({"tools": tools, "tool_choice": "required", "parallel_tool_calls": False})
-    schema = single.sampling["structured_outputs"]["json"]
+    schema = single.sampling["structured_outputs"].json
     jsonschema.validate(good[0], schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(good, schema)
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"structured_outputs": {"regex": "a+"}}, "tool_choice"),
+    ({"guided_json": {"type": "object"}}, "tool_choice"),
+])
+def test_forced_tool_choice_with_another_constraint_is_400(extra: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidRequest) as e:
+        spec_of({"tools": [tool("a")], "tool_choice": "required", **extra})
+    assert e.value.param == field
+    # auto and none leave the client's own constraint alone.
+    assert spec_of({"tools": [tool("a")], **extra}).sampling["structured_outputs"] is not None
 
 
 def test_keep_special_tokens_only_for_auto_with_special_marker() -> None:

@@ -187,3 +187,51 @@ def test_bad_tool_requests_are_400_naming_the_field(client: openai.OpenAI) -> No
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="demo", messages=[*MESSAGES, {"role": "tool", "content": "x"}])  # type: ignore[list-item]
     assert "messages[1].tool_call_id" in str(e.value)
+
+
+# A Hermes block the random model is made to write by a regex constraint (vLLM's
+# `structured_outputs` extra), so `auto` has a real model-written call to parse.
+AUTO_CALL_REGEX = (r'Checking\.\n<tool_call>\n\{"name": "search", "arguments": \{"query": "[a-z]{1,6}", '
+                   r'"exact": (true|false)\}\}\n</tool_call>')
+
+
+def test_auto_parses_the_models_hermes_call_whole_and_streamed(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model="demo", messages=MESSAGES, tools=TOOLS, temperature=1.0, max_tokens=100,
+                              seed=7, extra_body={"structured_outputs": {"regex": AUTO_CALL_REGEX}})
+    whole = client.chat.completions.create(**kw)
+    c = whole.choices[0]
+    assert c.finish_reason == "tool_calls"
+    assert c.message.content == "Checking."
+    calls = check_calls(c.message.tool_calls, {"search"})
+    assert len(calls) == 1
+
+    final = stream_final(client, **kw)
+    s = final.choices[0]
+    assert s.finish_reason == "tool_calls" and s.message.content == "Checking."
+    assert check_calls(s.message.tool_calls, {"search"}) == calls
+
+
+def test_auto_leaves_a_call_to_an_unknown_tool_as_content(client: openai.OpenAI) -> None:
+    text = '<tool_call>\n{"name": "format_disk", "arguments": {}}\n</tool_call>'
+    kw: dict[str, Any] = dict(model="demo", messages=MESSAGES, tools=TOOLS, max_tokens=100,
+                              extra_body={"structured_outputs": {"choice": [text]}})
+    whole = client.chat.completions.create(**kw)
+    assert whole.choices[0].message.content == text and whole.choices[0].message.tool_calls is None
+    assert whole.choices[0].finish_reason == "stop"
+    final = stream_final(client, **kw)
+    assert final.choices[0].message.content == text and not final.choices[0].message.tool_calls
+
+
+def test_a_tool_schema_that_does_not_compile_is_400_naming_the_tool(tool_server: ServerProcess) -> None:
+    bad = {"type": "function", "function": {"name": "broken", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}
+    base = {"model": "demo", "messages": MESSAGES, "tools": [TOOLS[0], bad], "max_tokens": 5}
+    for choice, field in (({"type": "function", "function": {"name": "broken"}}, "tools[1].function.parameters"),
+                          ("required", "tools")):
+        r = httpx.post(tool_server.base + "/v1/chat/completions", json={**base, "tool_choice": choice}, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == field and err["message"].startswith(field + ": "), err
+    # auto constrains nothing, so the same tools are accepted.
+    r = httpx.post(tool_server.base + "/v1/chat/completions", json=base, timeout=60)
+    assert r.status_code == 200, r.text

@@ -78,15 +78,19 @@ def check_calls(calls: Any, allowed: set[str]) -> list[tuple[str, dict[str, Any]
     return out
 
 
-def stream_final(client: openai.OpenAI, **kw: Any) -> Any:
+def stream_final(client: openai.OpenAI, min_chunks: int = 3, **kw: Any) -> Any:
     """Stream a chat completion and accumulate it with the SDK's own stream state."""
     state = ChatCompletionStreamState()
     chunks = 0
     for chunk in client.chat.completions.create(stream=True, **kw):
         state.handle_chunk(chunk)
         chunks += 1
-    assert chunks > 2
+    assert chunks >= min_chunks
     return state.get_final_completion()
+
+
+def call_tuples(calls: Any) -> list[tuple[str, str, str]]:
+    return [(c.id, c.function.name, c.function.arguments) for c in calls]
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -235,3 +239,17 @@ def test_a_tool_schema_that_does_not_compile_is_400_naming_the_tool(tool_server:
     # auto constrains nothing, so the same tools are accepted.
     r = httpx.post(tool_server.base + "/v1/chat/completions", json=base, timeout=60)
     assert r.status_code == 200, r.text
+
+
+def test_idempotent_retry_returns_the_same_calls_and_ids(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model="demo", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                              temperature=1.0, max_tokens=400, extra_headers={"Idempotency-Key": "tools-retry-1"})
+    first = client.chat.completions.create(**kw)
+    again = client.chat.completions.create(**kw)
+    assert again.id == first.id
+    calls = call_tuples(first.choices[0].message.tool_calls)
+    assert calls and call_tuples(again.choices[0].message.tool_calls) == calls
+    # The same request replayed as a stream (from the stored output: one coalesced chunk).
+    streamed = stream_final(client, min_chunks=1, **kw)
+    assert call_tuples(streamed.choices[0].message.tool_calls) == calls
+    assert streamed.choices[0].finish_reason == "tool_calls"

@@ -72,9 +72,9 @@ def structured_outputs(fields: SamplingFields, response_format: Optional[dict[st
     if not found:
         return None, {}
     if len(found) > 1:
-        names = [f[0] for f in found]
-        raise InvalidRequest(f"{names[1]}: cannot be combined with {names[0]}; give one constraint",
-                             param=names[1])
+        first, second = found[0][0], found[1][0]
+        raise InvalidRequest(f"{second}: cannot be combined with {first}; give one constraint",
+                             param=second)
     source, kw, err_field = found[0]
     if err_field:  # every internal name maps to the one wire field
         names = {_INTERNAL: err_field, **{f"{_INTERNAL}.{k}": err_field for k in kw}}

@@ -218,3 +218,13 @@ def test_tool_call_parser_option_and_detection(tmp_path: Any) -> None:
     assert ctx(demo, "llama3_json").tool_parser == "llama3_json"
     # `<tool_call>` is plain text in the demo vocabulary, so special tokens need not be kept.
     assert ctx(hermes, "auto").tool_marker_special is False
+    # A vocabulary where the marker is a special token (as `<|python_tag|>` is in Llama 3): the
+    # detokenizer would drop it, so auto requests must keep special tokens.
+    from tokenizers import Tokenizer as Backend
+
+    backend = Backend.from_file(str(tmp_path / "h" / "tokenizer.json"))
+    backend.add_special_tokens(["<tool_call>", "<|python_tag|>"])
+    special = Tokenizer(backend, chat_template=HERMES_TOOL_TEMPLATE)
+    assert ctx(special, "auto").tool_marker_special is True
+    assert ctx(special, "llama3_json").tool_marker_special is True
+    assert ctx(special, "none").tool_marker_special is False

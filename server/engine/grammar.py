@@ -172,6 +172,9 @@ def ll_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
 _by_tokenizer: "weakref.WeakKeyDictionary[Tokenizer, GrammarCompiler]" = weakref.WeakKeyDictionary()
 _by_content: dict[str, GrammarCompiler] = {}
 _registry_lock = threading.Lock()
+# Held while a compiler is built (seconds for a large vocabulary), so that concurrent first
+# requests wait for one build instead of each doing it.
+_build_lock = threading.Lock()
 
 
 def compiler_for(tokenizer: Tokenizer) -> GrammarCompiler:
@@ -182,19 +185,23 @@ def compiler_for(tokenizer: Tokenizer) -> GrammarCompiler:
         found = _by_tokenizer.get(tokenizer)
         if found is not None:
             return found
-    ident = hashlib.sha256(
-        tokenizer._tok.to_str().encode("utf-8")  # noqa: SLF001
-        + repr(sorted(tokenizer.eos_token_ids)).encode()
-    ).hexdigest()
-    with _registry_lock:
-        comp = _by_content.get(ident)
-    if comp is None:
-        built = GrammarCompiler(ll_tokenizer(tokenizer))
+    with _build_lock:
         with _registry_lock:
-            comp = _by_content.setdefault(ident, built)
-    with _registry_lock:
-        _by_tokenizer[tokenizer] = comp
-    return comp
+            found = _by_tokenizer.get(tokenizer)
+        if found is not None:
+            return found
+        ident = hashlib.sha256(
+            tokenizer._tok.to_str().encode("utf-8")  # noqa: SLF001
+            + repr(sorted(tokenizer.eos_token_ids)).encode()
+        ).hexdigest()
+        with _registry_lock:
+            comp = _by_content.get(ident)
+        if comp is None:
+            comp = GrammarCompiler(ll_tokenizer(tokenizer))
+        with _registry_lock:
+            _by_content[ident] = comp
+            _by_tokenizer[tokenizer] = comp
+        return comp
 
 
 def compile_params(tokenizer: Tokenizer, so: StructuredOutputsParams,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from server.engine.sampling_params import SamplingParams
@@ -259,9 +260,10 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     host (bit t % 32 of word t // 32 = token t allowed); columns beyond W * 32 are disallowed.
     Returns a new tensor (the caller's logits stay raw, for logprobs)."""
     s, v = logits.shape
-    packed = bitmask.to(logits.device, non_blocking=True)  # 32x smaller than the unpacked mask
-    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((packed.unsqueeze(-1) >> bits) & 1).bool().reshape(s, -1)
+    # Unpack on the host (numpy's unpackbits is one C loop; little-endian int32 words and
+    # little bit order give token t at column t), then one masked_fill on the logits' device.
+    bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, bitorder="little")
+    allowed = torch.from_numpy(bits.view(np.bool_)).to(logits.device, non_blocking=True)
     if allowed.shape[1] >= v:
         allowed = allowed[:, :v]
     else:

@@ -196,36 +196,37 @@ class StructuredDecoder:
         if not idx:
             return None, []
         out = torch.full((len(seqs), self._words), -1, dtype=torch.int32)
+        dst: list[int] = []
+        src: list[int] = []
         late: list[tuple[llguidance.LLMatcher, int]] = []
         for i in idx:
             seq = seqs[i]
             row = pending.rows.get(seq.seq_id) if pending is not None else None
-            if row is not None and pending is not None:
-                out[i] = pending.bitmask[row]
+            if row is not None:
+                dst.append(i)
+                src.append(row)
             else:
                 late.append((seq.grammar.matcher, i))
+        if dst and pending is not None:  # one gather for every row the worker filled
+            out[torch.tensor(dst)] = pending.bitmask[torch.tensor(src)]
         if late:  # e.g. samples forked this step: their matchers did not exist at begin()
             executor, _ = self._ensure_threads()
             executor.unsafe_compute_mask_ptr(late, out.data_ptr(), self._words * 4, len(seqs))
-        dead: list[int] = []
         for i in idx:
-            state: GrammarState = seqs[i].grammar
-            for t in blocked[i]:
+            for t in blocked[i]:  # usually none: only EOS / stop ids before min_tokens
                 if 0 <= t < self._words * 32:
-                    out[i, t // 32] &= ~(1 << (t % 32)) if t % 32 != 31 else 0x7FFFFFFF
-            if state.matcher.is_error() or not bool(self._row_allows_any(out[i])):
-                dead.append(i)
-                out[i] = -1
+                    b = t % 32
+                    out[i, t // 32] &= ~(1 << b) if b != 31 else 0x7FFFFFFF
+        # A row allows nothing when every bit of a token id the logits have is clear.
+        full, rem = divmod(min(self.vocab_size, self._words * 32), 32)
+        rows = out[idx]
+        any_allowed = (rows[:, :full] != 0).any(dim=1)
+        if rem:
+            any_allowed |= (rows[:, full] & ((1 << rem) - 1)) != 0
+        dead = [i for i, ok in zip(idx, any_allowed.tolist()) if not ok or seqs[i].grammar.matcher.is_error()]
+        for i in dead:
+            out[i] = -1
         return out, dead
-
-    def _row_allows_any(self, row: torch.Tensor) -> bool:
-        v = self.vocab_size
-        full, rem = divmod(v, 32)
-        if bool((row[:full] != 0).any()):
-            return True
-        if rem and full < row.numel():
-            return bool(int(row[full]) & ((1 << rem) - 1))
-        return False
 
     # -- after sampling ---------------------------------------------------------------------------
     @staticmethod

@@ -279,3 +279,20 @@ def test_compiled_grammars_are_cached(llm: LLM) -> None:
     assert first.compile_s > 0
     with pytest.raises(GrammarError):
         comp.compile(StructuredOutputsParams(regex="[0-9"))
+
+
+@pytest.mark.parametrize("vocab", [50, 64, 90, 96, 130])
+def test_apply_token_bitmask_matches_a_per_bit_reference(vocab: int) -> None:
+    import torch
+
+    from server.engine.sampler import apply_token_bitmask
+
+    gen = torch.Generator().manual_seed(vocab)
+    words = 3  # 96 token ids: fewer, equal or more than the logits' columns
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (4, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    logits = torch.randn(4, vocab, generator=gen)
+    got = apply_token_bitmask(logits, bitmask)
+    for r in range(4):
+        for t in range(vocab):
+            allowed = t < words * 32 and (int(bitmask[r, t // 32]) >> (t % 32)) & 1
+            assert got[r, t].item() == (logits[r, t].item() if allowed else float("-inf")), (r, t)

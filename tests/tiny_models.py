@@ -156,3 +156,44 @@ def _rewrite_config_v4(path: Path) -> None:
     raw.pop("layer_types", None)
     raw["transformers_version"] = "4.46.3"
     path.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+
+
+# A Hermes/Qwen-style chat template with tool support, written for these tests: tools listed in
+# the system turn, assistant calls as <tool_call> blocks (arguments rendered with tojson, so they
+# must arrive as objects), tool results as a user turn in <tool_response> tags.
+HERMES_TOOL_TEMPLATE = (
+    "{%- set sys = messages[0]['content'] if messages and messages[0]['role'] == 'system' else none %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}{% if sys %}{{- sys + '\\n\\n' }}{% endif %}"
+    "{{- 'Tools:\\n<tools>\\n' }}{% for t in tools %}{{- t | tojson }}{{- '\\n' }}{% endfor %}"
+    "{{- '</tools>\\nCall one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\\n' }}"
+    "{%- elif sys %}{{- '<|im_start|>system\\n' + sys + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'system' %}"
+    "{%- elif m['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}{% if m['content'] %}{{- m['content'] }}{% endif %}"
+    "{%- for c in m['tool_calls'] or [] %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + c['function']['name'] + '\", \"arguments\": ' }}"
+    "{{- c['function']['arguments'] | tojson }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif m['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + m['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def with_chat_template(model_dir: str | Path, out_dir: str | Path, template: str) -> Path:
+    """A copy of a model folder whose tokenizer_config.json carries `template` as its chat template."""
+    out = Path(out_dir)
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(model_dir, out)
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    cfg["chat_template"] = template
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return out

@@ -9,6 +9,7 @@ Routes, and where each request goes next:
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import Any, AsyncIterator
 
@@ -26,15 +27,19 @@ from server.api.openai_format import messages_to_dicts
 from server.api.openai_http import GenerateEndpoint
 from server.api.origins import OriginGuard, OriginPolicy
 from server.api.protocol import DetokenizeRequest, TokenizeRequest
+from server.api.tools import check_tools
 from server.api.ui import ui_routes
 from server.api.ws import WsEndpoint
 from server.api.ws_watchdog import CaptureTransport
 from server.serving.errors import InvalidRequest, NotFound, PagewireError, TooLarge, Unavailable
 from server.serving.ledger_health import ledger_health
 from server.serving.metrics import CONTENT_TYPE
+from server.serving.prompts import render_chat
 from server.serving.runtime import Runtime
 from server.text.tokenizer import ChatTemplateError
 from server.text.vocab import check_token_ids
+
+log = logging.getLogger("pagewire")
 
 
 def _error(exc: PagewireError) -> JSONResponse:
@@ -49,6 +54,9 @@ def build_app(rt: Runtime) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await rt.start()
+        if rt.tokenizer is not None:
+            log.info("tool calls (tool_choice auto): parser %s (%s)", api.tool_parser,
+                     "--tool-call-parser" if rt.settings.tool_call_parser != "auto" else "from the chat template")
         try:
             yield
         finally:
@@ -93,9 +101,10 @@ def build_app(rt: Runtime) -> Starlette:
             tok = rt.tokenizer
             assert tok is not None
             if req.messages is not None:
+                tools = check_tools(req.tools) if req.tools is not None else None
                 try:
-                    text = tok.apply_chat_template(messages_to_dicts(req.messages),
-                                                   add_generation_prompt=req.add_generation_prompt)
+                    text = render_chat(tok, messages_to_dicts(req.messages), req.add_generation_prompt, tools,
+                                       api.tool_parser)
                 except ChatTemplateError as e:
                     raise InvalidRequest(f"messages: {e}", param="messages") from None
                 ids = tok.encode(text, add_special_tokens=False)

@@ -13,12 +13,15 @@ from server.api.openai_format import Formatter
 from server.serving.errors import NotFound
 from server.serving.runtime import Runtime
 from server.serving.service import RequestService
+from server.text.tokenizer import ChatTemplateError
+from server.text.tool_parsers import HERMES_OPEN, PYTHON_TAG, detect_parser
 
 
 class ApiContext:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self._formatter: Optional[Formatter] = None
+        self._tool_parser: Optional[tuple[str, bool]] = None
 
     @property
     def formatter(self) -> Formatter:
@@ -29,6 +32,35 @@ class ApiContext:
                 raise RuntimeError("the runtime has not started: no tokenizer yet")
             self._formatter = Formatter(tok, self.rt.model_name)
         return self._formatter
+
+    def _tool_format(self) -> tuple[str, bool]:
+        if self._tool_parser is None:
+            tok = self.rt.tokenizer
+            if tok is None:
+                raise RuntimeError("the runtime has not started: no tokenizer yet")
+            name = self.rt.settings.tool_call_parser
+            if name == "auto":
+                try:  # the template used with tools (a model's `tool_use` one when it has several)
+                    source: Optional[str] = tok.template_source(tools=[])
+                except ChatTemplateError:
+                    source = None
+                name = detect_parser(source) if source is not None else "none"
+            marker = {"hermes": HERMES_OPEN, "llama3_json": PYTHON_TAG}.get(name)
+            marker_id = tok.token_to_id(marker) if marker is not None else None
+            self._tool_parser = (name, marker_id is not None and marker_id in tok.all_special_ids)
+        return self._tool_parser
+
+    @property
+    def tool_parser(self) -> str:
+        """The format `tool_choice: auto` output is parsed in: --tool-call-parser, or detected
+        from the chat template (server.text.tool_parsers.detect_parser)."""
+        return self._tool_format()[0]
+
+    @property
+    def tool_marker_special(self) -> bool:
+        """Whether that format's marker (`<tool_call>`, `<|python_tag|>`) is a special token, which
+        the detokenizer would drop unless told to keep special tokens."""
+        return self._tool_format()[1]
 
     @property
     def service(self) -> RequestService:

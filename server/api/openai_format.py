@@ -12,7 +12,10 @@ from typing import Any, Optional
 
 from server.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerateFrame, SamplingFields
 from server.api.structured_fields import structured_outputs
+from server.api.tool_output import ChatToolStream, whole_message
+from server.api.tools import ToolPlan, check_messages
 from server.engine.outputs import TokenLogprob
+from server.engine.sampling_params import StructuredOutputsParams
 from server.serving.admission import BATCH, INTERACTIVE
 from server.serving.errors import InvalidRequest
 from server.serving.jobs import GenerationSpec, logprobs_from_stored
@@ -66,8 +69,12 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         d: dict[str, Any] = {"role": m.role, "content": content}
         if m.name is not None:
             d["name"] = m.name
+        if m.tool_calls is not None:
+            d["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
         out.append(d)
-    return out
+    return check_messages(out)
 
 
 def _is_token_list(x: Any) -> bool:
@@ -160,10 +167,10 @@ def completion_spec(req: CompletionRequest, api: str, client: str, model: str, i
     )
 
 
-def chat_spec(req: ChatCompletionRequest, api: str, client: str, model: str, idem: Optional[str]) -> GenerationSpec:
-    if req.tools:
-        raise InvalidRequest("tools: tool calling is not supported by this server", param="tools")
-    return generation_spec(
+def chat_spec(req: ChatCompletionRequest, api: str, client: str, model: str, idem: Optional[str],
+              tools: Optional[ToolPlan] = None) -> GenerationSpec:
+    """The spec of a chat request; `tools` is its validated tool plan (server.api.tools)."""
+    spec = generation_spec(
         kind="chat", api=api, peer=client, model=model, fields=req, messages=req.messages,
         add_generation_prompt=req.add_generation_prompt,
         logprobs=logprobs_count(req.logprobs, req.top_logprobs),
@@ -171,6 +178,29 @@ def chat_spec(req: ChatCompletionRequest, api: str, client: str, model: str, ide
         service_tier=req.service_tier, idempotency_key=idem, timeout=req.timeout,
         params_record=params_record(req, ("messages",)), response_format=req.response_format,
     )
+    if tools is not None and tools.tools:
+        apply_tool_plan(spec, tools, "tool_choice")
+    return spec
+
+
+def apply_tool_plan(spec: GenerationSpec, plan: ToolPlan, field_name: str) -> None:
+    """Give the spec the request's tools, and for `required` or a named function the JSON-schema
+    constraint that makes the output a valid call."""
+    spec.tools = plan.tools
+    spec.tool_format = plan.parser
+    if plan.mode == "auto" and plan.keep_special_tokens:
+        spec.sampling["skip_special_tokens"] = False
+    schema = plan.schema()
+    if schema is None:
+        return
+    if spec.sampling.get("structured_outputs") is not None:
+        raise InvalidRequest(f"{field_name}: {plan.mode!r} tool choice cannot be combined with "
+                             "another output constraint (response_format, structured_outputs or guided_*)",
+                             param=field_name)
+    spec.sampling["structured_outputs"] = StructuredOutputsParams(json=schema)
+    # A schema llguidance cannot compile is reported (at admission) against the tool it came from.
+    wire = plan.schema_field()
+    spec.field_names.update({"structured_outputs": wire, "structured_outputs.json": wire})
 
 
 def ws_spec(frame: GenerateFrame, peer: str, model: str) -> GenerationSpec:
@@ -250,13 +280,18 @@ class Formatter:
         return {"id": f"cmpl-{end.request_id}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model, "choices": choices, "usage": usage_dict(end.usage)}
 
-    def chat_response(self, end: EndEvent) -> dict[str, Any]:
+    def chat_response(self, end: EndEvent, tools: Optional[ToolPlan] = None) -> dict[str, Any]:
+        """The whole chat completion; with an active tool plan the text is read for tool calls."""
         choices = []
         for s in (end.output or {}).get("samples", []):
+            message: dict[str, Any] = {"role": "assistant", "content": s["text"]}
+            finish = s.get("finish_reason")
+            if tools is not None and tools.active:
+                message, finish = whole_message(tools, end.request_id, s["index"], s["text"], finish)
             choices.append({
-                "index": s["index"], "message": {"role": "assistant", "content": s["text"]},
+                "index": s["index"], "message": message,
                 "logprobs": self.chat_logprobs(logprobs_from_stored(s.get("logprobs"))),
-                "finish_reason": s.get("finish_reason"), "stop_reason": s.get("stop_reason"),
+                "finish_reason": finish, "stop_reason": s.get("stop_reason"),
             })
         return {"id": f"chatcmpl-{end.request_id}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.model, "choices": choices, "usage": usage_dict(end.usage)}
@@ -273,13 +308,22 @@ class Formatter:
             chunk["usage"] = None
         return chunk
 
-    def chat_chunk(self, request_id: str, ev: DeltaEvent, first: bool, include_usage: bool) -> dict[str, Any]:
-        delta: dict[str, Any] = {"role": "assistant", "content": ev.text} if first else {"content": ev.text}
+    def chat_chunk(self, request_id: str, ev: DeltaEvent, first: bool, include_usage: bool,
+                   tools: Optional[ChatToolStream] = None) -> dict[str, Any]:
+        """One SSE chunk; with `tools`, text that may be (or is) a tool call becomes tool-call deltas."""
+        finish = ev.finish_reason
+        if tools is None:
+            delta: dict[str, Any] = {"content": ev.text}
+        else:
+            delta, finish = tools.delta(ev.index, ev.text, ev.finish_reason)
+        if first:
+            delta = {"role": "assistant", "content": None, **delta} if tools is not None else \
+                {"role": "assistant", **delta}
         chunk: dict[str, Any] = {
             "id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk", "created": int(time.time()),
             "model": self.model,
             "choices": [{"index": ev.index, "delta": delta, "logprobs": self.chat_logprobs(ev.logprobs),
-                         "finish_reason": ev.finish_reason}],
+                         "finish_reason": finish}],
         }
         if include_usage:
             chunk["usage"] = None

@@ -9,7 +9,7 @@ subscriber, such as an idempotent retry, still follows it).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 from server.api import openai_responses as respond
 from server.api.context import ApiContext
@@ -17,6 +17,7 @@ from server.api.decode import decode
 from server.api.http_io import Receive, Scope, Send, header, peer, read_body, send_error
 from server.api.openai_format import chat_spec, completion_specs
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
+from server.api.tools import ToolPlan, plan_request
 from server.serving.errors import GenerationFailed, PagewireError
 from server.serving.idempotency import check_header_key
 from server.serving.jobs import GenerationSpec
@@ -41,7 +42,7 @@ class GenerateEndpoint:
         except ConnectionResetError:
             return
         try:
-            specs, stream, include_usage, n = self._parse(scope, body)
+            specs, stream, include_usage, n, tools = self._parse(scope, body)
             admitted = await respond.admit_all(self.api, specs)
         except PagewireError as e:
             if e.status == 429:
@@ -53,11 +54,11 @@ class GenerateEndpoint:
             await send_error(send, GenerationFailed(f"internal error: {e}", code="internal_error"))
             return
         if stream:
-            await respond.stream(self.api, send, receive, self.kind, admitted, n, include_usage)
+            await respond.stream(self.api, send, receive, self.kind, admitted, n, include_usage, tools)
         else:
-            await respond.whole(self.api, send, receive, self.kind, admitted, n)
+            await respond.whole(self.api, send, receive, self.kind, admitted, n, tools)
 
-    def _parse(self, scope: Scope, body: bytes) -> tuple[list[GenerationSpec], bool, bool, int]:
+    def _parse(self, scope: Scope, body: bytes) -> tuple[list[GenerationSpec], bool, bool, int, Optional[ToolPlan]]:
         rt = self.rt
         idem = check_header_key(header(scope, b"idempotency-key"))
         if self.kind == "chat":
@@ -65,9 +66,12 @@ class GenerateEndpoint:
         else:
             req = decode(body, CompletionRequest)
         self.api.check_model(req.model)
+        tools: Optional[ToolPlan] = None
         if self.kind == "chat":
-            specs = [chat_spec(req, "http", peer(scope), rt.model_name, idem)]
+            tools = plan_request(req.tools, req.tool_choice, req.parallel_tool_calls, self.api.tool_parser,
+                                 self.api.tool_marker_special)
+            specs = [chat_spec(req, "http", peer(scope), rt.model_name, idem, tools)]
         else:
             specs = completion_specs(req, "http", peer(scope), rt.model_name, idem, respond.MAX_BATCH)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return specs, req.stream, include_usage, req.n
+        return specs, req.stream, include_usage, req.n, tools

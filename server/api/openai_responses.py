@@ -14,7 +14,7 @@ another subscriber, such as an idempotent retry, still follows it).
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Optional
 
 from server.api.context import ApiContext
 from server.api.http_io import (
@@ -27,6 +27,8 @@ from server.api.http_io import (
     send_with_timeout,
     sse_bytes,
 )
+from server.api.tool_output import ChatToolStream
+from server.api.tools import ToolPlan
 from server.serving.errors import PagewireError, Unavailable
 from server.serving.jobs import GenerationSpec
 from server.serving.lifecycle import end_error as lifecycle_error
@@ -88,8 +90,10 @@ def _merge_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
     return total
 
 
-async def whole(api: ApiContext, send: Send, receive: Receive, kind: str, admitted: list[Admitted], n: int) -> None:
-    """Wait for every request, then answer with one (merged) completion or chat completion."""
+async def whole(api: ApiContext, send: Send, receive: Receive, kind: str, admitted: list[Admitted], n: int,
+                tools: Optional[ToolPlan] = None) -> None:
+    """Wait for every request, then answer with one (merged) completion or chat completion;
+    `tools` is a chat request's tool plan (its text is read for tool calls)."""
     waiters = [EndWaiter() for _ in admitted]
 
     def cancel_all() -> None:
@@ -117,8 +121,8 @@ async def whole(api: ApiContext, send: Send, receive: Receive, kind: str, admitt
     if failed is not None:
         await send_error(send, end_error(failed))
         return
-    render = api.formatter.chat_response if kind == "chat" else api.formatter.completion_response
-    parts = [render(e) for e in ends]
+    fmt = api.formatter
+    parts = [fmt.chat_response(e, tools) if kind == "chat" else fmt.completion_response(e) for e in ends]
     choices = [{**c, "index": i * n + c["index"]} for i, part in enumerate(parts) for c in part["choices"]]
     body = {**parts[0], "choices": choices, "usage": _merge_usage([p["usage"] for p in parts])}
     ids = ",".join(e.request_id for e in ends)
@@ -129,13 +133,15 @@ async def whole(api: ApiContext, send: Send, receive: Receive, kind: str, admitt
 
 
 async def stream(api: ApiContext, send: Send, receive: Receive, kind: str, admitted: list[Admitted], n: int,
-                 include_usage: bool) -> None:
+                 include_usage: bool, tools: Optional[ToolPlan] = None) -> None:
     """Stream every request's chunks as one SSE response; [DONE] after the last one ends."""
     rt = api.rt
     outbox = Outbox(rt.settings.outbox_bytes)
     subs = [Subscription(outbox, a.request_id) for a in admitted]
     offset = {a.request_id: i * n for i, a in enumerate(admitted)}
     response_id = admitted[0].request_id
+    # Tool-call parsing keeps state per choice across chunks, so it lives for the whole response.
+    tool_stream = ChatToolStream(tools, response_id) if tools is not None and tools.active else None
     watch = DisconnectWatch(receive, outbox.close)
     attached: list[tuple[Any, Subscription]] = []
     timeout = rt.settings.send_timeout
@@ -168,7 +174,7 @@ async def stream(api: ApiContext, send: Send, receive: Receive, kind: str, admit
             done = False
             for rid, ev in batch:
                 done = _render(api, kind, str(rid), ev, response_id, offset, seen, ends, len(admitted),
-                               include_usage, chunks)
+                               include_usage, chunks, tool_stream)
                 if done:
                     break
             ok = await send_with_timeout(send, {"type": "http.response.body", "body": b"".join(chunks),
@@ -183,13 +189,13 @@ async def stream(api: ApiContext, send: Send, receive: Receive, kind: str, admit
 
 def _render(api: ApiContext, kind: str, rid: str, ev: object, response_id: str, offset: dict[str, int],
             seen: set[int], ends: dict[str, EndEvent], total: int, include_usage: bool,
-            out: list[bytes]) -> bool:
+            out: list[bytes], tool_stream: Optional[ChatToolStream] = None) -> bool:
     """Append SSE bytes for one event; True once the response is complete."""
     fmt = api.formatter
     if isinstance(ev, DeltaEvent):
         index = offset[rid] + ev.index
         if kind == "chat":
-            chunk = fmt.chat_chunk(response_id, ev, index not in seen, include_usage)
+            chunk = fmt.chat_chunk(response_id, ev, index not in seen, include_usage, tool_stream)
         else:
             chunk = fmt.completion_chunk(response_id, ev, include_usage)
         for c in chunk["choices"]:

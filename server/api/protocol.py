@@ -82,9 +82,14 @@ class ContentPart(Struct, kw_only=True):
 
 
 class ChatMessage(Struct, kw_only=True):
+    """One conversation turn. Tool parts (assistant `tool_calls`, a tool result's `tool_call_id`)
+    are checked in server.api.tools, which names the offending field."""
+
     role: Annotated[str, Meta(min_length=1)]
     content: Union[None, str, list[ContentPart]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -103,6 +108,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     timeout: Optional[Seconds] = None
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[bool] = None
     response_format: Optional[dict[str, Any]] = None
 
 
@@ -114,6 +120,7 @@ class TokenizeRequest(Struct, kw_only=True):
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: Optional[list[Any]] = None  # rendered with the messages, as in a chat request
 
 
 class DetokenizeRequest(Struct, kw_only=True):

@@ -32,6 +32,9 @@ class GenerationSpec:
         default_max_tokens: used when max_tokens is None; None means "the rest of the context".
         klass: admission class (INTERACTIVE or BATCH).
         params_record: the client's parameters as sent, for the ledger.
+        tools: chat tool definitions (OpenAI shape), passed to the chat template.
+        tool_format: the call format the output is parsed in (server.text.tool_parsers), which
+            is also how a tool-unaware template is shown tools and earlier calls.
     """
 
     kind: str
@@ -54,6 +57,8 @@ class GenerationSpec:
     # Internal field names (e.g. "structured_outputs.json") -> the names the client used
     # ("response_format.json_schema.schema"), for errors found after parsing.
     field_names: dict[str, str] = field(default_factory=dict)
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_format: str = "none"
 
 
 class SampleAcc:

@@ -64,6 +64,10 @@ class FinishReason(_StrEnum):
     A grammar that is complete stops the sample with `stop`, as EOS does. A request whose samples
     end this way has still completed (its request ends `finished`, HTTP 200): the reason is the
     sample's, in `finish_reason`, and nothing was cut short by the server or the client.
+
+    `tool_calls` is what a chat response says for a normal stop whose text held tool calls
+    (server.api.tool_output): the engine and the ledger record that sample as `stop`, and should
+    it ever be recorded as `tool_calls` it is still a complete request.
     """
 
     STOP = "stop"
@@ -72,9 +76,10 @@ class FinishReason(_StrEnum):
     ERROR = "error"
     CANCELLED = "cancelled"
     GRAMMAR_DEAD_END = "grammar_dead_end"  # = server.engine.structured.DEAD_END
+    TOOL_CALLS = "tool_calls"
 
 
-COMPLETE_REASONS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.GRAMMAR_DEAD_END)
+COMPLETE_REASONS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.GRAMMAR_DEAD_END, FinishReason.TOOL_CALLS)
 
 
 class CancelReason(_StrEnum):

@@ -9,12 +9,14 @@ a thread hop would cost more than the work.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any, Optional
 
 from server.engine.errors import RequestTooLongError, check_context
 from server.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from server.serving.errors import InvalidRequest
 from server.serving.jobs import GenerationSpec
+from server.serving.tool_render import fit_to_template
 from server.text.tokenizer import ChatTemplateError, Tokenizer
 from server.text.vocab import TokenIdError, check_token_ids
 
@@ -28,6 +30,17 @@ def _content_chars(messages: list[dict[str, Any]]) -> int:
         elif isinstance(c, list):
             n += sum(len(p.get("text") or "") for p in c if isinstance(p, dict))
     return n
+
+
+def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                tools: Optional[list[dict[str, Any]]] = None, tool_format: str = "none") -> str:
+    """A conversation's prompt text (ChatTemplateError if the template fails). Tool parts go to
+    the template as transformers passes them; a template that lacks a tool feature gets them
+    rewritten into plain messages (server.serving.tool_render)."""
+    if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+        source = tokenizer.template_source(tools)
+        messages, tools = fit_to_template(messages, tools, source, tool_format)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools or None)
 
 
 def _with_field(exc: SamplingParamsError, spec: GenerationSpec) -> InvalidRequest:
@@ -98,8 +111,9 @@ class PromptPreparer:
             return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
         return fn(*args)
 
-    def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    def _render_chat(self, spec: GenerationSpec) -> list[int]:
+        text = render_chat(self.tokenizer, spec.messages or [], spec.add_generation_prompt, spec.tools,
+                           spec.tool_format)
         # Templates add BOS themselves; adding special tokens again would double it.
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -107,9 +121,10 @@ class PromptPreparer:
         if spec.kind == "chat":
             if not spec.messages:
                 raise InvalidRequest("messages: must be a non-empty list", param="messages")
-            big = _content_chars(spec.messages) > self.offload_chars
+            tools_chars = len(json.dumps(spec.tools)) if spec.tools else 0
+            big = _content_chars(spec.messages) + tools_chars > self.offload_chars
             try:
-                ids: list[int] = await self._run(big, self._render_chat, spec.messages, spec.add_generation_prompt)
+                ids: list[int] = await self._run(big, self._render_chat, spec)
             except ChatTemplateError as e:
                 raise InvalidRequest(f"messages: {e}", param="messages") from None
             field = "messages"

@@ -34,6 +34,13 @@ def _opt_int(text: str) -> Optional[int]:
     return None if text.strip().lower() in ("", "none") else int(text)
 
 
+def tool_parser_name(text: str) -> str:
+    names = ("auto", "hermes", "llama3_json", "none")
+    if text not in names:
+        raise ValueError(f"expected one of {', '.join(names)}, got {text!r}")
+    return text
+
+
 def origin_list(text: str) -> str:
     """Validate an --allowed-origins value (see server.serving.origin_policy); keep it as text."""
     from server.serving.origin_policy import OriginPolicy
@@ -85,6 +92,7 @@ class ServeSettings:
     send_timeout: float = 30.0
     offload_chars: int = 2048
     allowed_origins: str = "loopback"
+    tool_call_parser: str = "auto"
     # engine: defaults come from EngineConfig, the one place they are defined
     dtype: str = _ENGINE_DEFAULTS["dtype"]
     max_model_len: Optional[int] = _ENGINE_DEFAULTS["max_model_len"]
@@ -166,6 +174,9 @@ OPTIONS: tuple[Option, ...] = (
            "comma-separated browser Origins allowed to call the server: exact origins "
            "(https://app.example:8443), 'loopback' (pages on localhost/127.0.0.1/[::1]), '*' (any), "
            "'null'; same-origin is always allowed; other Origins get 403"),
+    Option("tool_call_parser", tool_parser_name,
+           "format of the model's own tool calls for tool_choice auto: hermes (<tool_call> blocks), "
+           "llama3_json, none (no parsing), or auto (detected from the chat template)"),
     Option("dtype", str, "auto, float32, bfloat16 or float16", engine=True),
     Option("max_model_len", _opt_int, "longest prompt + output (default: the model's)", engine=True),
     Option("kv_cache_tokens", _opt_int, "KV cache capacity in tokens", engine=True),

@@ -299,6 +299,10 @@ class Tokenizer:
             raise ChatTemplateError(_NO_TEMPLATE_MESSAGE)
         return self.chat_template
 
+    def template_source(self, tools: Optional[list[Any]] = None, chat_template: Optional[str] = None) -> str:
+        """The source of the template `apply_chat_template` would use (ChatTemplateError if none)."""
+        return self._select_template(chat_template, tools)
+
     def _compile(self, source: str) -> jinja2.Template:
         tpl = self._compiled.get(source)
         if tpl is None:

@@ -204,6 +204,30 @@ def test_n4_preemption_and_prefix_hits_stay_valid(model_dir: Path) -> None:
     assert engine.kv_cache.stats().used_blocks == 0
 
 
+def test_constraints_beside_ngram_speculation(model_dir: Path) -> None:
+    """With n-gram speculation on, constrained samples are never speculated (their tokens take the
+    masked sampling path) and stay valid, while unconstrained neighbours in the same batches are
+    speculated (proposals counted) with the same greedy output as without speculation."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "disable_by_batch_size": 0, "min_acceptance_rate": 0.0}
+    schemas = _schemas(4, seed=5)
+    repetitive = [7, 8, 9, 10, 11] * 12  # the n-gram proposer finds matches in it
+    free = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    constrained = [SamplingParams(temperature=1.0, max_tokens=300, seed=i, n=2, structured_outputs={"json": s})
+                   for i, s in enumerate(schemas)]
+    prompts: list[list[int]] = [repetitive] * 2 + [list(range(20, 40))] * 4
+    on = _llm(model_dir, speculative_config=spec)
+    outs = on.generate(prompts, [free, free, *constrained])
+    assert on.engine.spec is not None and on.engine.spec.stats.num_proposed > 0
+    for out, s in zip(outs[2:], schemas):
+        for c in out.outputs:
+            assert c.finish_reason == "stop", c.text
+            _check_json(c.text, s)
+    off = _llm(model_dir)
+    ref = off.generate(prompts[:2], [free, free])
+    assert [o.outputs[0].token_ids for o in outs[:2]] == [o.outputs[0].token_ids for o in ref]
+
+
 def test_grammar_completion_stops_even_with_ignore_eos(llm: LLM) -> None:
     out = llm.generate(["q"], SamplingParams(temperature=1.0, max_tokens=50, ignore_eos=True,
                                              structured_outputs={"choice": ["done"]}))

@@ -111,6 +111,8 @@ class LLMEngine:
         self.vocab_size = mc.vocab_size
         # Structured outputs (grammar masks); idle unless a request carries a constraint.
         self.structured = StructuredDecoder(self.tokenizer, mc.vocab_size)
+        if self.spec is not None:
+            self.spec.structured = self.structured
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestDelta] = []  # abort deltas produced between steps
         self.last_step_progressed = True  # the latest step scheduled work or emitted deltas

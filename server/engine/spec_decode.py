@@ -42,8 +42,16 @@ from server.engine.kv_cache_manager import KVCacheManager
 from server.engine.output_processor import OutputProcessor
 from server.engine.outputs import TokenLogprob
 from server.engine.request import Request, Sequence
-from server.engine.sampler import _GREEDY_EPS, Sampler, SamplingBatch, apply_penalties, sampling_probs
+from server.engine.sampler import (
+    _GREEDY_EPS,
+    Sampler,
+    SamplingBatch,
+    apply_penalties,
+    apply_token_bitmask,
+    sampling_probs,
+)
 from server.engine.spec_config import SpeculativeConfig
+from server.engine.structured import DEAD_END, StructuredDecoder
 from server.kernels import ops
 
 logger = logging.getLogger("pagewire.engine.spec")
@@ -113,6 +121,8 @@ class SpecDecoder:
         device: torch.device,
     ) -> None:
         self.config = config
+        # Set by the engine: grammar masks for the positions of constrained sequences' drafts.
+        self.structured: Optional[StructuredDecoder] = None
         self.kv_cache = kv_cache
         self.outputs = outputs
         self.sampler = sampler
@@ -149,9 +159,10 @@ class SpecDecoder:
         for seq in running:
             if seq.num_tokens - seq.num_computed_tokens != 1:  # a prefill chunk or recompute
                 continue
-            # Grammar-constrained sequences are not speculated: verification here samples without
-            # the grammar bitmask, so they take the ordinary (masked) sampling path every step.
-            if seq.request.params.structured_outputs is not None:
+            # Grammar-constrained sequences speculate only once nothing is blocked by min_tokens:
+            # then every position a validated draft reaches allows at least one token (a complete
+            # grammar allows EOS), so verification never meets a row with nothing allowed.
+            if seq.grammar is not None and self.outputs.blocked_tokens(seq):
                 continue
             # The target's own token follows the proposals, so k proposals may emit k + 1 tokens.
             room = seq.request.max_total_tokens - seq.num_tokens - 1
@@ -180,6 +191,8 @@ class SpecDecoder:
                 if t < 0:
                     break
                 toks.append(t)
+            if toks and seq.grammar is not None:  # only the prefix the grammar accepts is scored
+                toks = toks[: StructuredDecoder.validate_draft(seq, toks)]
             seq.spec_token_ids = toks
 
     def _state(self, seq: Sequence) -> _SeqSpecState:
@@ -237,6 +250,17 @@ class SpecDecoder:
             if x is raw:
                 x = raw.clone()
             x[batch.blocked_rows, batch.blocked_cols] = float("-inf")
+        # Grammar-constrained sequences: each position's logits masked by the grammar state after
+        # the draft tokens before it, as the ordinary sampler masks its one position, so accepted
+        # and bonus tokens are exactly what masked sampling could have produced.
+        constrained: list[tuple[Sequence, int, list[int]]] = []
+        first = 0
+        for _, s in spec:
+            if s.grammar is not None:
+                constrained.append((s, first, s.spec_token_ids))
+            first += len(s.spec_token_ids) + 1
+        if constrained and self.structured is not None:
+            x = apply_token_bitmask(x, self.structured.draft_masks(constrained, x.shape[0]))
         target_argmax = x.argmax(dim=-1)
         probs = None if batch.all_greedy else sampling_probs(x, batch).contiguous()
         uniforms: list[torch.Tensor] = []
@@ -275,6 +299,9 @@ class SpecDecoder:
             req = s.request
             nlp = req.params.logprobs
             for j, t in enumerate(out_l[i][:n]):
+                if s.grammar is not None and not StructuredDecoder.accept(s, t):
+                    self.outputs.finish(s, DEAD_END)  # unreachable: every position was masked
+                    break
                 lp: Optional[TokenLogprob] = None
                 if nlp is not None and lps is not None:
                     row = base + j
@@ -287,6 +314,12 @@ class SpecDecoder:
                 self.outputs.append_token(s, t, lp)
                 emitted_total += 1
                 st_stats.num_emitted += 1
+                if s.grammar is not None and s.grammar.is_complete:
+                    # The grammar is satisfied and allows nothing more: stop as if EOS came next.
+                    if s.finish_reason is None:
+                        self.outputs.finish(s, "stop")
+                    elif s.finish_reason == "length":
+                        s.finish_reason = "stop"
                 if s.finish_reason is not None:  # a stop inside the accepted run ends it there
                     break
             base += k + 1

@@ -254,6 +254,19 @@ class StructuredDecoder:
             return len(tokens)
         return int(state.matcher.validate_tokens(tokens))
 
+    def draft_masks(self, items: Sequence[tuple["Seq", int, list[int]]], num_rows: int) -> torch.Tensor:
+        """Bitmasks for speculative verification: for each (seq, first row, draft), the mask of the
+        position after the sequence's last token at row `first` and, at row `first + j`, the mask
+        after the first j draft tokens. llguidance advances each matcher through its draft and
+        rolls it back, so the matchers end where they started. Rows of no item allow everything.
+        The drafts must have passed `validate_draft`."""
+        out = torch.full((num_rows, self._words), -1, dtype=torch.int32)
+        jobs = [(seq.grammar.matcher, first, list(draft)) for seq, first, draft in items if seq.grammar is not None]
+        if jobs:
+            executor, _ = self._ensure_threads()
+            executor.unsafe_compute_mask_ptr_with_draft_token(jobs, out.data_ptr(), self._words * 4, num_rows)
+        return out
+
     def shutdown(self) -> None:
         self.collect()
         if self._worker is not None:

@@ -204,28 +204,42 @@ def test_n4_preemption_and_prefix_hits_stay_valid(model_dir: Path) -> None:
     assert engine.kv_cache.stats().used_blocks == 0
 
 
-def test_constraints_beside_ngram_speculation(model_dir: Path) -> None:
-    """With n-gram speculation on, constrained samples are never speculated (their tokens take the
-    masked sampling path) and stay valid, while unconstrained neighbours in the same batches are
-    speculated (proposals counted) with the same greedy output as without speculation."""
+def test_constraints_with_ngram_speculation(model_dir: Path) -> None:
+    """With n-gram speculation on, constrained sequences are speculated too: drafts are cut to
+    what the grammar accepts and every verified position is masked by the grammar state after the
+    draft tokens before it. Greedy constrained output is token for token the same as without
+    speculation, sampled constrained output stays valid, and unconstrained neighbours keep their
+    greedy output."""
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
             "disable_by_batch_size": 0, "min_acceptance_rate": 0.0}
-    schemas = _schemas(4, seed=5)
+    schemas = _schemas(6, seed=5)
+    on = _llm(model_dir, speculative_config=spec)
+    off = _llm(model_dir)
+    assert on.engine.spec is not None
+
+    # Greedy, constrained only: every proposal counted here is a constrained sequence's.
+    greedy = [SamplingParams(temperature=0.0, max_tokens=300, structured_outputs={"json": s}) for s in schemas]
+    prompt = list(range(20, 40))
+    got = on.generate([prompt] * len(schemas), greedy)
+    ref = off.generate([prompt] * len(schemas), greedy)
+    assert on.engine.spec.stats.num_proposed > 0 and on.engine.spec.stats.num_accepted > 0
+    for g, r, s in zip(got, ref, schemas):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids
+        assert g.outputs[0].finish_reason == "stop", g.outputs[0].text
+        _check_json(g.outputs[0].text, s)
+
+    # Sampled constrained samples (n = 2) beside unconstrained greedy neighbours.
     repetitive = [7, 8, 9, 10, 11] * 12  # the n-gram proposer finds matches in it
     free = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    constrained = [SamplingParams(temperature=1.0, max_tokens=300, seed=i, n=2, structured_outputs={"json": s})
-                   for i, s in enumerate(schemas)]
-    prompts: list[list[int]] = [repetitive] * 2 + [list(range(20, 40))] * 4
-    on = _llm(model_dir, speculative_config=spec)
-    outs = on.generate(prompts, [free, free, *constrained])
-    assert on.engine.spec is not None and on.engine.spec.stats.num_proposed > 0
+    sampled = [SamplingParams(temperature=1.0, max_tokens=300, seed=i, n=2, structured_outputs={"json": s})
+               for i, s in enumerate(schemas[:4])]
+    outs = on.generate([repetitive] * 2 + [prompt] * 4, [free, free, *sampled])
     for out, s in zip(outs[2:], schemas):
         for c in out.outputs:
             assert c.finish_reason == "stop", c.text
             _check_json(c.text, s)
-    off = _llm(model_dir)
-    ref = off.generate(prompts[:2], [free, free])
-    assert [o.outputs[0].token_ids for o in outs[:2]] == [o.outputs[0].token_ids for o in ref]
+    plain = off.generate([repetitive] * 2, [free, free])
+    assert [o.outputs[0].token_ids for o in outs[:2]] == [o.outputs[0].token_ids for o in plain]
 
 
 def test_grammar_completion_stops_even_with_ignore_eos(llm: LLM) -> None:

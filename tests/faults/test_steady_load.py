@@ -81,3 +81,27 @@ def test_per_request_state_returns_to_baseline_after_the_retention_window(demo_m
             assert _alive() == baseline
 
     asyncio.run(scenario())
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_the_kv_pool_is_committed_at_start_so_rss_cannot_creep(demo_model: Path) -> None:
+    """What did creep (bug 9): the KV pool's pages were committed lazily, as the block allocator
+    cycled through blocks it had never used, so RSS rose for thousands of requests. The pool is
+    now committed when the engine is built: its whole size shows in RSS at once."""
+    from server.engine.config import EngineConfig
+    from server.engine.engine import LLMEngine
+
+    gc.collect()
+    before = _rss_bytes()
+    engine = LLMEngine(EngineConfig(model=str(demo_model), kv_cache_tokens=32768, max_num_seqs=8, num_threads=1))
+    grown = _rss_bytes() - before
+    pool = sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+               for k, v in engine.runner.kv_caches)
+    assert pool >= 64 * 2**20  # large enough to see against the model's own few MB
+    assert grown >= 0.9 * pool, (grown, pool)

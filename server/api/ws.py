@@ -233,7 +233,8 @@ class WsConnection:
             if isinstance(obj, dict) and isinstance(obj.get("id"), str):
                 cid = obj["id"]
             ftype = obj.get("type") if isinstance(obj, dict) else None
-            if ftype not in CLIENT_FRAMES:
+            # A non-string type (a list, an object) must be a 400 too, not a TypeError from `in`.
+            if not isinstance(ftype, str) or ftype not in CLIENT_FRAMES:
                 raise InvalidRequest(
                     f"type: unknown frame type {ftype!r}; expected one of {', '.join(CLIENT_FRAMES)}",
                     param="type", code="unknown_frame_type")

@@ -52,6 +52,15 @@ class _Alias:
     cancel_requested: bool = False
 
 
+def resumable_requests(aliases: dict[str, _Alias], unsent_ends: dict[tuple[str, str], None]) -> list[dict[str, str]]:
+    """What a cut connection's client can resume: every request still live on it, and every
+    ended one whose terminal frame had not been written, each once, live ones first."""
+    out = [{"id": cid, "request_id": a.request_id} for cid, a in aliases.items() if a.request_id]
+    seen = {r["request_id"] for r in out}
+    out += [{"id": cid, "request_id": rid} for cid, rid in unsent_ends if rid not in seen]
+    return out
+
+
 class WsConnection:
     def __init__(self, endpoint: "WsEndpoint", scope: dict[str, Any], receive: Any, send: Any) -> None:
         self.endpoint = endpoint
@@ -62,6 +71,10 @@ class WsConnection:
         self._send = send
         self.outbox = Outbox(self.rt.settings.outbox_bytes)
         self.aliases: dict[str, _Alias] = {}  # client id → request on this socket
+        # Requests that have ended but whose terminal frame the writer has not yet written to the
+        # socket: an alias goes when its end is *queued*, so a cut must still name these (their
+        # `done`, and maybe deltas, were lost with the connection) for the client to resume them.
+        self._unsent_ends: dict[tuple[str, str], None] = {}
         self.close_code = 1000
         self._client_gone = False
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -127,6 +140,8 @@ class WsConnection:
                     except asyncio.TimeoutError:
                         await self._stuck(f"a send stayed blocked for {timeout:g}s")
                         return
+                    if isinstance(ev, EndEvent):
+                        self._unsent_ends.pop((str(key), ev.request_id), None)
                 if not batch and self.outbox.closed:
                     break
             if not self._client_gone:
@@ -138,13 +153,13 @@ class WsConnection:
 
     async def _stuck(self, why: str) -> None:
         """Close a consumer that cannot keep up; its requests keep running for `resume`."""
-        live = [(cid, a) for cid, a in self.aliases.items() if a.request_id]
-        for _, a in live:
-            self.api.service.keep_for_resume(a.request_id or "")
+        resumable = resumable_requests(self.aliases, self._unsent_ends)
+        for r in resumable:
+            self.api.service.keep_for_resume(r["request_id"])
         frame = {"type": "error", "code": "slow_consumer", "resumable": True,
                  "message": f"connection closed because the client is not reading fast enough ({why}); "
                             "reconnect and resume each request from the last seq received",
-                 "requests": [{"id": cid, "request_id": a.request_id} for cid, a in live]}
+                 "requests": resumable}
         log.warning("ws %s: slow consumer (%s); closing with %d", self.peer, why, CLOSE_TRY_AGAIN_LATER)
         self.rt.metrics.slow_consumers.labels(edge="ws").inc()
         # The error frame and the close are written in one task that is never cancelled: a send
@@ -218,7 +233,8 @@ class WsConnection:
             if isinstance(obj, dict) and isinstance(obj.get("id"), str):
                 cid = obj["id"]
             ftype = obj.get("type") if isinstance(obj, dict) else None
-            if ftype not in CLIENT_FRAMES:
+            # A non-string type (a list, an object) must be a 400 too, not a TypeError from `in`.
+            if not isinstance(ftype, str) or ftype not in CLIENT_FRAMES:
                 raise InvalidRequest(
                     f"type: unknown frame type {ftype!r}; expected one of {', '.join(CLIENT_FRAMES)}",
                     param="type", code="unknown_frame_type")
@@ -283,7 +299,9 @@ class WsConnection:
             # Queued before any delta of this id, so the client always sees `accepted` first.
             self.outbox.push(cid, Frame({"type": "accepted", "id": cid, "request_id": request_id}))
 
-        def ended(_: EndEvent) -> None:
+        def ended(end: EndEvent) -> None:
+            # Called when the end is queued (or replayed), not yet written: see `_unsent_ends`.
+            self._unsent_ends[(cid, end.request_id)] = None
             if self.aliases.get(cid) is alias:
                 del self.aliases[cid]
 

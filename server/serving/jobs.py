@@ -114,6 +114,7 @@ class Job:
         self.detached = spec.detach
         self.deadline_timer: Any = None
         self.end: Optional[EndEvent] = None
+        self.output_bytes = 0  # its reservation in the output budget, released at the end
 
     def __repr__(self) -> str:
         return f"Job({self.request_id}, {self.state})"

@@ -18,6 +18,19 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
+class _GaugeCollector(Collector):
+    """Gauges read at scrape time from one callable: name → (help, value)."""
+
+    def __init__(self, read: Callable[[], dict[str, tuple[str, float]]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[Metric]:
+        for name, (doc, value) in self._read().items():
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], value)
+            yield g
+
+
 class _EngineCollector(Collector):
     """Reads gauges and counters from callables at scrape time."""
 
@@ -115,6 +128,10 @@ class Metrics:
             "pagewire_slow_consumer_disconnects", "Connections cut off because the client did not read "
             "fast enough (their requests keep running for a resume or retry), by edge.", ["edge"], registry=r)
         r.register(_EngineCollector(engine_stats, admission_depth))
+
+    def add_gauges(self, read: Callable[[], dict[str, tuple[str, float]]]) -> None:
+        """Gauges read from `read()` at each scrape (name → (help, value)); call once per source."""
+        self.registry.register(_GaugeCollector(read))
 
     def observe_tokens(self, gap_s: float, n_tokens: int) -> None:
         """A delta of n tokens arrived gap_s after the previous one: n inter-token intervals."""

@@ -26,6 +26,7 @@ from server.serving.db_lock import LedgerLock
 from server.serving.jobs import Job
 from server.serving.ledger import Ledger
 from server.serving.metrics import Metrics
+from server.serving.output_budget import OutputBudget
 from server.serving.prompts import PromptPreparer
 from server.serving.service import RequestService
 from server.serving.settings import ServeSettings
@@ -80,10 +81,12 @@ class Runtime:
         )
         self.metrics = Metrics(self.bridge.stats, lambda: self.admission.queued if self.admission else 0)
         self.service = RequestService(
-            self.bridge, self.ledger, self.admission, StreamRegistry(s.stream_retention),
+            self.bridge, self.ledger, self.admission, StreamRegistry(s.stream_retention, s.stream_retention_bytes),
             PromptPreparer(self.tokenizer, s.offload_chars, self.sampling_defaults), self.metrics,
             s.request_timeout if s.request_timeout > 0 else None,
+            OutputBudget(s.max_output_bytes, s.max_client_output_bytes),
         )
+        self.metrics.add_gauges(self.service.memory_gauges)
         self.bridge.start()
         loop.create_task(self._report_ready())
 

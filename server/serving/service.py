@@ -39,6 +39,7 @@ from server.serving.lifecycle import (
     JobState,
 )
 from server.serving.metrics import Metrics
+from server.serving.output_budget import OutputBudget, worst_case_bytes
 from server.serving.prompts import PromptPreparer
 from server.serving.streams import EndEvent, Replay, RequestStream, StreamRegistry, Subscriber
 
@@ -57,7 +58,7 @@ class Admitted:
 class RequestService:
     def __init__(self, bridge: EngineBridge, ledger: Ledger, admission: AdmissionQueue[Job],
                  registry: StreamRegistry, preparer: PromptPreparer, metrics: Metrics,
-                 default_timeout_s: Optional[float]) -> None:
+                 default_timeout_s: Optional[float], budget: Optional[OutputBudget] = None) -> None:
         self.bridge = bridge
         self.ledger = ledger
         self.admission = admission
@@ -65,6 +66,9 @@ class RequestService:
         self.preparer = preparer
         self.metrics = metrics
         self.default_timeout_s = default_timeout_s
+        # Bytes of output live requests may hold (see output_budget); unbounded only when built
+        # without one (offline tests of the service alone).
+        self.budget = budget if budget is not None else OutputBudget(1 << 62, 1 << 62)
         # Accepted requests not yet ended. Only this class reads or changes a Job: the edges go
         # through its methods (start, attach, detach, cancel, keep_for_resume, abandon).
         self._jobs: dict[str, Job] = {}
@@ -155,9 +159,16 @@ class RequestService:
         ids = await self.preparer.token_ids(spec)
         self.check_serving()  # the model may have stopped while we tokenised
         params = self.preparer.finalize(spec, len(ids), self.bridge.max_model_len)
-        self.admission.reserve(spec.client)
+        output_bytes = worst_case_bytes(params)
+        self.budget.reserve(spec.client, output_bytes, params)
+        try:
+            self.admission.reserve(spec.client)
+        except BaseException:
+            self.budget.release(spec.client, output_bytes)
+            raise
         wall, mono = now_pair()
         job = Job(f"req-{uuid.uuid4().hex[:24]}", spec, ids, params, wall, mono)
+        job.output_bytes = output_bytes
         try:
             await self.ledger.insert(NewRequest(
                 request_id=job.request_id, kind=spec.kind, api=spec.api, client=spec.client,
@@ -168,6 +179,7 @@ class RequestService:
             ))
         except BaseException:
             self.admission.release(spec.client)
+            self.budget.release(spec.client, output_bytes)
             raise
         # Committed: from here the request exists and must reach a terminal state.
         self._jobs[job.request_id] = job
@@ -353,11 +365,28 @@ class RequestService:
         job.stream.finish(end)
         self.registry.ended(job.stream)
         self._jobs.pop(job.request_id, None)
+        self.budget.release(job.spec.client, job.output_bytes)
         key = job.spec.idempotency_key
         if key is not None:
             self._idem.pop(key, None)
         if not self._jobs:
             self._idle.set()
+
+    def memory_gauges(self) -> dict[str, tuple[str, float]]:
+        """What the bounded in-memory structures hold now, for /metrics (scrape time)."""
+        return {
+            "pagewire_live_requests": ("Accepted requests that have not ended.", float(len(self._jobs))),
+            "pagewire_output_bytes_reserved": (
+                "Bytes of output reserved by live requests (bounded by --max-output-bytes).",
+                float(self.budget.reserved)),
+            "pagewire_stream_live_bytes": ("Bytes in the resume buffers of live requests.",
+                                           float(self.registry.live_bytes())),
+            "pagewire_streams_retained": ("Ended streams kept in memory for resume.",
+                                          float(self.registry.ended_count)),
+            "pagewire_stream_retained_bytes": (
+                "Bytes held by ended streams kept for resume (bounded by --stream-retention-bytes).",
+                float(self.registry.retained_bytes)),
+        }
 
     # -- shutdown -------------------------------------------------------------------------------
     async def drain(self, grace_s: float, abort_wait_s: float = 5.0) -> None:

@@ -87,6 +87,9 @@ class ServeSettings:
     request_timeout: float = 600.0
     shutdown_grace: float = 30.0
     stream_retention: float = 300.0
+    stream_retention_bytes: int = 64 * 1024 * 1024
+    max_output_bytes: int = 512 * 1024 * 1024
+    max_client_output_bytes: int = 128 * 1024 * 1024
     max_request_bytes: int = 8 * 1024 * 1024
     outbox_bytes: int = 1024 * 1024
     send_timeout: float = 30.0
@@ -165,6 +168,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("request_timeout", float, "default per-request deadline in seconds (0 = none)"),
     Option("shutdown_grace", float, "seconds in-flight requests get to finish on SIGINT/SIGTERM"),
     Option("stream_retention", float, "seconds a finished stream stays in memory for resume"),
+    Option("stream_retention_bytes", int, "most bytes finished streams keep in memory for resume; beyond it "
+           "the oldest go early (a resume then reads the ledger)"),
+    Option("max_output_bytes", int, "most bytes of output all live requests may hold in memory; admission "
+           "reserves each request's worst case (max_tokens, n, top_logprobs) and answers 429 beyond it"),
+    Option("max_client_output_bytes", int, "the same bound per client (429 beyond; 400 for a request "
+           "larger than it on its own)"),
     Option("max_request_bytes", int, "largest HTTP body or WebSocket message (413 beyond)"),
     Option("outbox_bytes", int, "per-connection live backlog; beyond it a request catches up from its resume buffer"),
     Option("send_timeout", float, "seconds one send may block before a consumer counts as stuck "

@@ -31,11 +31,31 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-from dataclasses import dataclass, field
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Optional, Protocol, Sequence, Union
 
 from server.engine.outputs import SampleDelta, TokenLogprob
 from server.serving.lifecycle import END_RULES, EndReason, EndRule, LedgerState
+
+# The size model of output held in memory, used for every byte bound on it (outboxes, the output
+# budget, stream retention). Close to what CPython spends: a delta object with its lists, a
+# character of text (up to 4 in a str, 1 for ASCII, and merged text is rebuilt), a token id in a
+# list, and one (token_id, logprob) entry — a tuple of an int and a float, ~110 bytes.
+DELTA_BYTES = 160
+CHAR_BYTES = 2
+TOKEN_BYTES = 8
+LOGPROB_BYTES = 120
+# What the output budget assumes for the text of one token (a generous average).
+TEXT_CHARS_PER_TOKEN = 16
+
+
+def delta_bytes_bound(tokens: int, top_logprobs: Optional[int]) -> int:
+    """The most bytes `tokens` tokens can take in the resume buffer: each in its own delta."""
+    per = DELTA_BYTES + TEXT_CHARS_PER_TOKEN * CHAR_BYTES + TOKEN_BYTES + (
+        LOGPROB_BYTES * (1 + top_logprobs) if top_logprobs is not None else 0)
+    return tokens * per
 
 
 @dataclass(slots=True)
@@ -61,8 +81,9 @@ class DeltaEvent:
     finish_reason: Optional[str] = None
 
     def size(self) -> int:
-        return 64 + len(self.text) * 2 + 8 * len(self.token_ids) + (
-            48 * sum(1 + len(lp.top) for lp in self.logprobs) if self.logprobs else 0
+        """Bytes this delta holds in memory (see the constants above: a model, close to CPython's)."""
+        return DELTA_BYTES + len(self.text) * CHAR_BYTES + TOKEN_BYTES * len(self.token_ids) + (
+            LOGPROB_BYTES * sum(1 + len(lp.top) for lp in self.logprobs) if self.logprobs else 0
         )
 
     def absorb(self, later: "DeltaEvent") -> None:
@@ -410,9 +431,16 @@ class RequestStream:
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.deltas: list[DeltaEvent] = []
+        self.bytes = 0  # the size of `deltas` (DeltaEvent.size), kept as they are added
         self.last_seq = 0
         self.end: Optional[EndEvent] = None
         self.subscribers: list[Subscriber] = []
+
+    @property
+    def retained_bytes(self) -> int:
+        """What keeping this stream costs: its deltas and, once ended, the stored form of the output
+        its end carries (the same content again)."""
+        return self.bytes * 2 if self.end is not None and self.end.output is not None else self.bytes
 
     def publish(self, samples: list[SampleDelta], want_logprobs: bool) -> list[DeltaEvent]:
         """Turn one engine step's sample deltas into seq-numbered events and push them."""
@@ -425,6 +453,7 @@ class RequestStream:
                             list(s.logprobs) if (want_logprobs and s.logprobs) else None,
                             s.finish_reason)
             self.deltas.append(ev)
+            self.bytes += ev.size()
             out.append(ev)
         for ev in out:
             for sub in self.subscribers:
@@ -455,13 +484,26 @@ class RequestStream:
         return len(self.subscribers)
 
 
-@dataclass
 class StreamRegistry:
-    """request_id → stream, for live requests and for `retention_s` after they end."""
+    """request_id → stream, for live requests, and for ended ones while they fit the retention
+    window (`retention_s`) and the retention byte budget (`retention_bytes`).
 
-    retention_s: float
-    _streams: dict[str, RequestStream] = field(default_factory=dict)
-    _timers: dict[str, Any] = field(default_factory=dict)
+    Ended streams are kept in the order they ended; since the window is the same for all, the
+    oldest is always the next to expire, so one timer (armed for the oldest) serves them all. When
+    a new end takes the retained bytes past the budget, the oldest ended streams go at once. A
+    dropped stream loses nothing: a resume or an idempotent retry then reads the ledger row.
+    `clock` is injectable so a test can move past the window without sleeping (then `sweep()`).
+    """
+
+    def __init__(self, retention_s: float, retention_bytes: int = 64 * 1024 * 1024,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.retention_s = retention_s
+        self.retention_bytes = retention_bytes
+        self.clock = clock
+        self._streams: dict[str, RequestStream] = {}
+        self._ended: OrderedDict[str, tuple[float, int]] = OrderedDict()  # id → (expiry, bytes)
+        self.retained_bytes = 0  # the ended streams' `retained_bytes`, summed
+        self._timer: Optional[asyncio.TimerHandle] = None
 
     def add(self, stream: RequestStream) -> None:
         self._streams[stream.request_id] = stream
@@ -472,17 +514,53 @@ class StreamRegistry:
     def __len__(self) -> int:
         return len(self._streams)
 
-    def ended(self, stream: RequestStream) -> None:
-        """Start the retention window of an ended stream."""
-        loop = asyncio.get_running_loop()
-        self._timers[stream.request_id] = loop.call_later(self.retention_s, self._drop, stream.request_id)
+    @property
+    def ended_count(self) -> int:
+        return len(self._ended)
 
-    def _drop(self, request_id: str) -> None:
-        self._timers.pop(request_id, None)
-        self._streams.pop(request_id, None)
+    def live_bytes(self) -> int:
+        """The resume buffers of streams that have not ended (bounded by the output budget)."""
+        return sum(s.bytes for rid, s in self._streams.items() if rid not in self._ended)
+
+    def ended(self, stream: RequestStream) -> None:
+        """Start the retention of an ended stream, within the window and the byte budget."""
+        size = stream.retained_bytes
+        if self.retention_s <= 0 or size > self.retention_bytes:
+            self._streams.pop(stream.request_id, None)
+            return
+        self._ended[stream.request_id] = (self.clock() + self.retention_s, size)
+        self.retained_bytes += size
+        while self.retained_bytes > self.retention_bytes:
+            self._drop_oldest()
+        if self._timer is None:
+            self._arm()
+
+    def _drop_oldest(self) -> None:
+        rid, (_, size) = self._ended.popitem(last=False)
+        self.retained_bytes -= size
+        self._streams.pop(rid, None)
+
+    def sweep(self) -> None:
+        """Drop every ended stream whose window has passed."""
+        now = self.clock()
+        while self._ended and next(iter(self._ended.values()))[0] <= now:
+            self._drop_oldest()
+
+    def _arm(self) -> None:
+        self._timer = None
+        if self._ended:
+            expiry = next(iter(self._ended.values()))[0]
+            self._timer = asyncio.get_running_loop().call_later(max(0.0, expiry - self.clock()), self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        self.sweep()
+        self._arm()
 
     def clear(self) -> None:
-        for t in self._timers.values():
-            t.cancel()
-        self._timers.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._ended.clear()
         self._streams.clear()
+        self.retained_bytes = 0

@@ -82,6 +82,10 @@ def test_ws_hostile_frames_get_error_frames_and_the_live_request_continues(srv: 
         ('{"type": "generate", "id": "t", "prompt": "x", "params": {"stop_token_ids": [999999]}}', "t",
          "params.stop_token_ids"),
         (_nested(DEEP), None, None),  # not even an object: still an error frame, not a dropped socket
+        # Found by the fuzz (test_fuzz.py): a non-string `type` raised TypeError (unhashable) inside
+        # the frame-type lookup and came back as internal_error.
+        ('{"type": ["generate"], "id": "tl", "prompt": "x"}', "tl", "type"),
+        ('{"type": {"a": 1}, "id": "to"}', "to", "type"),
     ]
 
     async def main() -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:

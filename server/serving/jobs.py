@@ -32,6 +32,7 @@ class GenerationSpec:
         default_max_tokens: used when max_tokens is None; None means "the rest of the context".
         klass: admission class (INTERACTIVE or BATCH).
         params_record: the client's parameters as sent, for the ledger.
+        key_id: the API key that owns the request (None when auth is off).
     """
 
     kind: str
@@ -51,6 +52,7 @@ class GenerationSpec:
     detach: bool = False
     timeout_s: Optional[float] = None
     params_record: dict[str, Any] = field(default_factory=dict)
+    key_id: Optional[str] = None  # the owning API key (server.gateway.auth.bind); None: auth off
 
 
 class SampleAcc:

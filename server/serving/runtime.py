@@ -20,6 +20,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
 
+from server.gateway import redact
 from server.gateway.auth import Authenticator, read_admin_key
 from server.gateway.quotas import QuotaBook
 from server.gateway.usage import daily_usage
@@ -74,6 +75,7 @@ class Runtime:
         self.ledger = await Ledger.open(s.db_path, lock=self.lock)
         log.info("ledger: %s (%d request(s) marked interrupted from the previous run)",
                  s.db_path, self.ledger.interrupted_at_start)
+        redact.install()  # before any request can log a header
         # The gateway's key cache reads the api_keys table through its own small connection
         # (used on the loop only; the ledger migrated the schema above).
         self._keys_conn = sqlite3.connect(str(s.db_path), check_same_thread=False, isolation_level=None)

@@ -107,8 +107,10 @@ def run(settings: ServeSettings, model_dir: Path, model_name: str) -> None:
     """Serve until a signal stops us. Blocks. Raises LedgerLocked (naming the holder's PID) at
     once, before anything is loaded or bound, when another server owns the same ledger."""
     from server.api.app import build_app
+    from server.gateway import redact
     from server.serving.db_lock import LedgerLock
 
+    redact.install()  # before uvicorn logs anything (it logs request headers at debug level)
     # Held until the process exits (or the ledger closes); a crash releases it with the fd.
     lock = LedgerLock.acquire(settings.db_path)
     try:

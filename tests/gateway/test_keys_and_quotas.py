@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from server.gateway.auth import (
-    Authenticator,
     AuthConfigError,
+    Authenticator,
     InvalidApiKey,
     Principal,
     bind,
@@ -214,3 +214,20 @@ def test_parse_when() -> None:
     assert parse_when("12.5", "x") == 12.5
     with pytest.raises(ValueError, match="--since"):
         parse_when("yesterday", "--since")
+
+
+def test_log_records_are_scrubbed_of_secrets(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from server.gateway import redact
+    from server.gateway.keys import new_secret
+
+    redact.install()
+    key_id, secret = new_secret()
+    caplog.set_level(logging.DEBUG)
+    lg = logging.getLogger("websockets.server")
+    lg.debug("< authorization: Bearer %s", "admin-secret-value-123456")
+    lg.debug("< sec-websocket-protocol: pagewire, pagewire-key.%s", secret)
+    logging.getLogger("x").warning("key %s failed", secret)
+    assert "admin-secret-value-123456" not in caplog.text and secret not in caplog.text
+    assert f"{key_id}.<redacted>" in caplog.text and "Bearer <redacted>" in caplog.text

@@ -93,12 +93,12 @@ def _open_for_keys(db: Path) -> tuple[sqlite3.Connection, Any]:
     from server.serving.ledger import SCHEMA_VERSION, LedgerError, _migrate
 
     lock: Any = None
+    holder: Optional[LedgerLocked] = None
     try:
         lock = LedgerLock.acquire(db)
     except LedgerLocked as e:
         holder = e
     else:
-        holder = None
         try:
             secure_paths(db)
 

@@ -127,6 +127,22 @@ class QuotaBook:
             st = self._state(key_id)
             st.day, st.used_today = day, int(n)
 
+    def load_window(self, spent: dict[str, list[tuple[float, int]]]) -> None:
+        """Seed each key's tokens-per-minute bucket from the ledger at start-up: `spent[key]` holds
+        (created_at, billable tokens) of its requests of the last minute. Each one is taken from a
+        full bucket and has since refilled in proportion to its age, so a restart (or a crash)
+        does not hand a key a fresh minute."""
+        now = self.clock()
+        for key_id, items in spent.items():
+            lim = self._limits_of(key_id)
+            if lim is None or lim.tpm is None:
+                continue
+            st = self._state(key_id)
+            self._sync(st, lim, now)
+            assert st.tokens is not None
+            owed = sum(n * max(0.0, 1.0 - (now - t) / WINDOW_S) for t, n in items)
+            st.tokens.level = max(0.0, st.tokens.capacity - owed)
+
     def _state(self, key_id: str) -> _KeyState:
         st = self._keys.get(key_id)
         if st is None:

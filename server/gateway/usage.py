@@ -32,6 +32,17 @@ async def daily_usage(ledger: Ledger, day: int) -> dict[str, int]:
     return {str(k): int(n or 0) for k, n in rows}
 
 
+async def recent_usage(ledger: Ledger, since: float) -> dict[str, list[tuple[float, int]]]:
+    """(created_at, billable tokens) of each key's requests created since `since` (the TPM window)."""
+    rows = await ledger.query(
+        f"SELECT key_id, created_at, {BILLABLE_SQL} FROM requests WHERE key_id IS NOT NULL AND created_at >= ?",
+        (since,))
+    out: dict[str, list[tuple[float, int]]] = {}
+    for k, t, n in rows:
+        out.setdefault(str(k), []).append((float(t), int(n or 0)))
+    return out
+
+
 def usage_query(start: Optional[float], end: Optional[float], group_by: str,
                 key_id: Optional[str]) -> tuple[str, tuple[Any, ...]]:
     """The report's SQL: per group, request count and token sums (billable included)."""

@@ -23,7 +23,7 @@ from typing import Any, Awaitable, Callable, Optional
 from server.gateway import redact
 from server.gateway.auth import Authenticator, read_admin_key
 from server.gateway.quotas import QuotaBook
-from server.gateway.usage import daily_usage
+from server.gateway.usage import daily_usage, recent_usage
 from server.models.generation_defaults import generation_defaults
 from server.serving.admission import AdmissionQueue
 from server.serving.bridge import EngineBridge
@@ -85,6 +85,7 @@ class Runtime:
         self.quotas = QuotaBook(self.auth.limits_of)
         day = QuotaBook.day_of(self.quotas.clock())
         self.quotas.load_daily(await daily_usage(self.ledger, day), day)
+        self.quotas.load_window(await recent_usage(self.ledger, self.quotas.clock() - 60.0))
         log.info("auth: %s (%s)", "required" if self.auth.required else "off",
                  f"mode {s.auth}" + (", admin key set" if admin else ""))
         self.tokenizer = await loop.run_in_executor(None, Tokenizer.load, self.model_dir)

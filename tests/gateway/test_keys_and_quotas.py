@@ -231,3 +231,15 @@ def test_log_records_are_scrubbed_of_secrets(caplog: pytest.LogCaptureFixture) -
     logging.getLogger("x").warning("key %s failed", secret)
     assert "admin-secret-value-123456" not in caplog.text and secret not in caplog.text
     assert f"{key_id}.<redacted>" in caplog.text and "Bearer <redacted>" in caplog.text
+
+
+def test_tpm_bucket_is_seeded_from_the_last_minute_of_the_ledger() -> None:
+    clock = Clock()
+    book = QuotaBook(lambda k: Limits(tpm=600) if k == "k" else None, clock)
+    # 300 tokens spent 30 s ago (half refilled: 150 still owed) and 200 just now.
+    book.load_window({"k": [(clock.t - 30, 300), (clock.t, 200)], "free": [(clock.t, 10**6)]})
+    with pytest.raises(RateLimited) as e:
+        book.reserve("k", 251)
+    assert e.value.headers["x-ratelimit-remaining-tokens"] == "250"
+    book.reserve("k", 250)
+    book.reserve("free", 10**6)

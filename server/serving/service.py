@@ -26,7 +26,7 @@ from server.gateway.auth import Principal
 from server.gateway.quotas import QuotaBook, Reservation
 from server.serving.admission import AdmissionQueue
 from server.serving.bridge import EngineBridge
-from server.serving.errors import NotFound, Unavailable
+from server.serving.errors import NotFound, PagewireError, Unavailable
 from server.serving.idempotency import check_reuse, fingerprint
 from server.serving.jobs import GenerationSpec, Job, end_from_record, events_from_output, now_pair
 from server.serving.ledger import Ledger, NewRequest, RequestRecord, Terminal
@@ -166,8 +166,13 @@ class RequestService:
         self.check_serving()  # the model may have stopped while we tokenised
         params = self.preparer.finalize(spec, len(ids), self.bridge.max_model_len)
         # The most this request can cost: its prompt and every sample's max_tokens.
-        reservation = (self.quotas.reserve(spec.key_id, len(ids) + params.n * (params.max_tokens or 0))
-                       if self.quotas is not None and spec.key_id is not None else None)
+        reservation: Optional[Reservation] = None
+        if self.quotas is not None and spec.key_id is not None:
+            try:
+                reservation = self.quotas.reserve(spec.key_id, len(ids) + params.n * (params.max_tokens or 0))
+            except PagewireError:
+                self.metrics.keys.add(spec.key_id, rate_limited=1)
+                raise
         try:
             self.admission.reserve(spec.client)
         except BaseException:
@@ -405,6 +410,8 @@ class RequestService:
             ran = job.admitted_mono is not None
             self.quotas.settle(reservation, end.usage.prompt_tokens + end.usage.completion_tokens if ran else 0,
                                ran=ran)
+            self.metrics.keys.add(reservation.key_id, requests=1, prompt=end.usage.prompt_tokens if ran else 0,
+                                  completion=end.usage.completion_tokens if ran else 0)
         # Only now, with the terminal row durable, may the client hear `done`.
         job.state = JobState.ENDED
         job.end = end

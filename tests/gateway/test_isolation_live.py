@@ -160,6 +160,11 @@ def test_keys_auth_ownership_usage_and_revocation(demo_model: Path, tmp_path: Pa
         csv_out = _cli("usage", "--db", str(db), "--format", "csv", "--key", a_id)
         assert csv_out.stdout.splitlines()[1].startswith(f"{a_id},{ua[0]['requests']},")
 
+        # Prometheus: per-key counters, labelled by key id.
+        prom = httpx.get(base + "/metrics", headers=_h(admin)).text
+        n_a = sum(1 for r in rows.values() if r["key_id"] == a_id)
+        assert f'pagewire_key_requests_total{{key="{a_id}"}} {float(n_a)}' in prom
+
         # Revoking with the CLI while the server runs (it holds the lock) takes effect at once.
         out = _cli("keys", "revoke", b_id, "--db", str(db))
         assert out.returncode == 0, out.stderr

@@ -243,3 +243,21 @@ def test_tpm_bucket_is_seeded_from_the_last_minute_of_the_ledger() -> None:
     assert e.value.headers["x-ratelimit-remaining-tokens"] == "250"
     book.reserve("k", 250)
     book.reserve("free", 10**6)
+
+
+def test_per_key_metrics_have_bounded_cardinality() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from server.serving.metrics import KeyUsage
+
+    ku = KeyUsage(top_n=3)
+    for i in range(20):
+        ku.add(f"pw-{i:012x}", requests=1, prompt=10 * i, completion=i)
+    reg = CollectorRegistry()
+    reg.register(ku)
+    text = generate_latest(reg).decode()
+    series = [ln for ln in text.splitlines() if ln.startswith("pagewire_key_prompt_tokens_total{")]
+    assert len(series) == 4  # the top 3 and "other"
+    assert 'key="pw-000000000013"' in text and 'key="other"' in text
+    other = next(ln for ln in series if 'key="other"' in ln)
+    assert float(other.split()[-1]) == sum(10 * i for i in range(17))

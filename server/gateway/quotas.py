@@ -200,7 +200,9 @@ class QuotaBook:
                 f"(UTC) and this request can use up to {cost}",
                 headers={**self.headers(key_id), "x-ratelimit-limit-tokens-day": str(lim.daily_tokens),
                          "x-ratelimit-remaining-tokens-day": str(left),
-                         "x-ratelimit-reset-tokens-day": _duration(reset)},
+                         "x-ratelimit-reset-tokens-day": _duration(reset),
+                         # An SDK retry (seconds apart) cannot outlast a day; tell it not to try.
+                         **({"x-should-retry": "false"} if reset > WINDOW_S else {})},
                 retry_after_s=reset, code="daily_quota_exceeded")
         waits = []
         if st.requests is not None:

@@ -158,6 +158,7 @@ def test_rpm_and_daily_quota_with_day_rollover() -> None:
     with pytest.raises(RateLimited, match="daily token quota") as e:
         book.reserve("k", 200)
     assert e.value.code == "daily_quota_exceeded" and e.value.retry_after_s == pytest.approx(23 * 3600)
+    assert e.value.headers["x-should-retry"] == "false"  # no SDK retry can wait for midnight
     r = book.reserve("k", 100)
     book.settle(r, 100)
     with pytest.raises(RateLimited, match="daily"):

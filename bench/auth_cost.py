@@ -13,7 +13,6 @@ microseconds (median of `--rounds` rounds of `--requests` requests each).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import platform
 import shlex
@@ -28,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from server.gateway.auth import AuthGuard, Authenticator, bind, principal_of  # noqa: E402
+from server.gateway.auth import Authenticator, AuthGuard, bind, principal_of  # noqa: E402
 from server.gateway.keys import KeyStore  # noqa: E402
 from server.gateway.quotas import QuotaBook  # noqa: E402
 from server.serving.jobs import GenerationSpec  # noqa: E402

@@ -1,4 +1,5 @@
-"""The `pagewire` command: `serve` runs the server; `requests list|show` reads the ledger.
+"""The `pagewire` command: `serve` runs the server; `requests list|show` reads the ledger;
+`keys …` and `usage` are the gateway's (server.gateway.cli).
 
 Everything here is torch-free until `serve` actually starts the engine (or builds the demo model),
 so `pagewire requests …` and `pagewire --help` are instant.
@@ -50,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     show = req_sub.add_parser("show", help="everything recorded about one request")
     show.add_argument("request_id")
     show.add_argument("--db", default=None, help="ledger file [env PAGEWIRE_DB]")
+    from server.gateway.cli import add_parsers
+
+    add_parsers(sub, "ledger file [env PAGEWIRE_DB]")
     return p
 
 
@@ -95,6 +99,7 @@ def _serve(ns: argparse.Namespace) -> int:
     model_dir, name, banner = _resolve_model(settings)
     if banner:
         print(banner, file=sys.stderr, flush=True)
+    from server.gateway.auth import AuthConfigError
     from server.serving.ledger import LedgerError
     from server.serving.serve import run
 
@@ -103,6 +108,9 @@ def _serve(ns: argparse.Namespace) -> int:
     except LedgerError as e:  # e.g. another server holds this ledger
         print(f"pagewire: {e}", file=sys.stderr)
         return 1
+    except AuthConfigError as e:  # e.g. a public bind with no keys
+        print(f"pagewire: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -172,6 +180,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ns = _parser().parse_args(argv)
     if ns.command == "serve":
         return _serve(ns)
+    if ns.command in ("keys", "usage"):
+        from server.gateway.cli import run_keys, run_usage
+
+        return (run_keys if ns.command == "keys" else run_usage)(ns, _db(ns))
     return _requests(ns)
 
 

@@ -4,14 +4,17 @@ endpoints (/health, /v1/models, /tokenize, /detokenize, /metrics).
 Routes, and where each request goes next:
     POST /v1/completions, /v1/chat/completions → server.api.openai_http → server.serving.service
     WS   /v1/ws                                → server.api.ws          → server.serving.service
+    GET  /v1/usage                             → server.gateway.usage (SQL over the ledger)
+Every route passes the OriginGuard, then the AuthGuard (server.gateway.auth) first.
     GET  /, /ui/*                              → server.api.ui (the chat page; off with --no-ui)
 """
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Optional
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -31,6 +34,8 @@ from server.api.tools import check_tools
 from server.api.ui import ui_routes
 from server.api.ws import WsEndpoint
 from server.api.ws_watchdog import CaptureTransport
+from server.gateway.auth import AuthGuard, PermissionDenied, principal_of
+from server.gateway.usage import usage_report
 from server.serving.errors import InvalidRequest, NotFound, PagewireError, TooLarge, Unavailable
 from server.serving.ledger_health import ledger_health
 from server.serving.metrics import CONTENT_TYPE
@@ -45,6 +50,23 @@ log = logging.getLogger("pagewire")
 def _error(exc: PagewireError) -> JSONResponse:
     return JSONResponse(error_payload(exc), status_code=exc.status,
                         headers={k.decode(): v.decode() for k, v in retry_headers(exc)})
+
+
+def _epoch(text: Optional[str], name: str) -> Optional[float]:
+    """A report bound: Unix seconds, or an ISO date/time (UTC when it names no zone)."""
+    if text is None or text == "":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        dt = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        raise InvalidRequest(f"{name}: expected Unix seconds or an ISO date, got {text!r}", param=name) from None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=datetime.timezone.utc)
+    return dt.timestamp()
 
 
 def build_app(rt: Runtime) -> Starlette:
@@ -135,6 +157,25 @@ def build_app(rt: Runtime) -> Starlette:
             return _error(Unavailable("starting", code="starting"))
         return Response(rt.metrics.render(), media_type=CONTENT_TYPE)
 
+    async def usage(request: Request) -> Response:
+        """GET /v1/usage?start=&end=&group_by=key|model|day: the admin sees every key (or one,
+        with `key`), a key only its own usage (server.gateway.usage)."""
+        q = request.query_params
+        try:
+            start, end = _epoch(q.get("start"), "start"), _epoch(q.get("end"), "end")
+            who = principal_of(request.scope)
+            key = q.get("key")
+            if who is not None and not who.admin:
+                if key is not None and key != who.key_id:
+                    raise PermissionDenied("key: only the admin key may read another key's usage", param="key")
+                key = who.key_id
+            assert rt.ledger is not None
+            group_by = q.get("group_by", "key")
+            data = await usage_report(rt.ledger, start, end, group_by, key)
+        except PagewireError as e:
+            return _error(e)
+        return JSONResponse({"object": "usage", "group_by": group_by, "start": start, "end": end, "data": data})
+
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         if exc.status_code == 404:
@@ -153,12 +194,15 @@ def build_app(rt: Runtime) -> Starlette:
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/metrics", metrics, methods=["GET"]),
+            Route("/v1/usage", usage, methods=["GET"]),
             WebSocketRoute("/v1/ws", WsEndpoint(api)),
             *(ui_routes() if rt.settings.ui else []),
         ],
         exception_handlers={HTTPException: http_error},
         lifespan=lifespan,
         # Outermost: a page from a disallowed origin is refused before any route runs.
-        middleware=[Middleware(CaptureTransport), Middleware(OriginGuard, policy=OriginPolicy.parse(rt.settings.allowed_origins,
-                                                                       rt.settings.host))],
+        # Then the AuthGuard: every route but /health and the page needs a key once auth is on.
+        middleware=[Middleware(CaptureTransport),
+                    Middleware(OriginGuard, policy=OriginPolicy.parse(rt.settings.allowed_origins, rt.settings.host)),
+                    Middleware(AuthGuard, auth=lambda: rt.auth)],
     )

@@ -70,10 +70,14 @@ async def send_json(send: Send, status: int, payload: Any, headers: Optional[lis
 
 
 def retry_headers(exc: PagewireError) -> list[tuple[bytes, bytes]]:
+    # Extra headers an error carries (the gateway's x-ratelimit-* on a 429).
+    extra = [(k.encode(), v.encode()) for k, v in getattr(exc, "headers", {}).items()]
     if exc.retry_after_s is None:
-        return []
-    # Retry-After is whole seconds; round up so a client never retries too early.
-    return [(b"retry-after", str(max(1, int(-(-exc.retry_after_s // 1)))).encode())]
+        return extra
+    # Retry-After is whole seconds; round up so a client never retries too early. retry-after-ms
+    # (which the openai SDK prefers) carries the exact figure.
+    return extra + [(b"retry-after", str(max(1, int(-(-exc.retry_after_s // 1)))).encode()),
+                    (b"retry-after-ms", str(max(1, int(exc.retry_after_s * 1000))).encode())]
 
 
 async def send_error(send: Send, exc: PagewireError) -> None:

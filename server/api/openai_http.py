@@ -18,6 +18,7 @@ from server.api.http_io import Receive, Scope, Send, header, peer, read_body, se
 from server.api.openai_format import chat_spec, completion_specs
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
 from server.api.tools import ToolPlan, plan_request
+from server.gateway.auth import bind, principal_of
 from server.serving.errors import GenerationFailed, PagewireError
 from server.serving.idempotency import check_header_key
 from server.serving.jobs import GenerationSpec
@@ -73,5 +74,8 @@ class GenerateEndpoint:
             specs = [chat_spec(req, "http", peer(scope), rt.model_name, idem, tools)]
         else:
             specs = completion_specs(req, "http", peer(scope), rt.model_name, idem, respond.MAX_BATCH)
+        who = principal_of(scope)
+        for spec in specs:
+            bind(spec, who)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return specs, req.stream, include_usage, req.n, tools

@@ -26,6 +26,7 @@ from server.api.context import ApiContext
 from server.api.decode import convert, parse_json
 from server.api.openai_format import ws_spec
 from server.api.protocol import CLIENT_FRAMES, CancelFrame, GenerateFrame, ResumeFrame
+from server.gateway.auth import bind, principal_of, ws_subprotocol
 from server.serving.errors import InvalidRequest, PagewireError, TooLarge
 from server.serving.jobs import GenerationSpec
 from server.serving.streams import DeltaEvent, EndEvent, Outbox, RequestStream, Subscription
@@ -81,13 +82,18 @@ class WsConnection:
         self._cutting: Optional[asyncio.Task[None]] = None  # the slow-consumer close, once begun
         client = scope.get("client")
         self.peer = str(client[0]) if client else "unknown"
+        self.principal = principal_of(scope)  # the caller (None: auth off), fixed at the upgrade
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def run(self) -> None:
         msg = await self._receive()
         if msg["type"] != "websocket.connect":
             return
-        await self._send({"type": "websocket.accept"})
+        accept: dict[str, Any] = {"type": "websocket.accept"}
+        sub = ws_subprotocol(self.scope)  # browsers send their key as a subprotocol (gateway.auth)
+        if sub is not None:
+            accept["subprotocol"] = sub
+        await self._send(accept)
         self.endpoint.joined(self)
         writer = asyncio.get_running_loop().create_task(self._writer())
         # Cuts a peer that stops reading while only the protocol layer writes (pongs to a ping flood).
@@ -266,6 +272,7 @@ class WsConnection:
 
     def _on_generate(self, f: GenerateFrame) -> None:
         spec = ws_spec(f, self.peer, self.rt.model_name)
+        bind(spec, self.principal)
         alias = self._claim(f.id, None)
         self._spawn(self._generate(f.id, alias, spec))
 
@@ -307,7 +314,8 @@ class WsConnection:
 
         alias.sub = Subscription(self.outbox, cid, on_end=ended)
         try:
-            alias.stream = await self.api.service.attach(request_id, alias.sub, after_seq, record, accepted)
+            alias.stream = await self.api.service.attach(request_id, alias.sub, after_seq, record, accepted,
+                                                         caller=self.principal)
         except PagewireError as e:
             if self.aliases.get(cid) is alias:
                 del self.aliases[cid]

@@ -35,6 +35,7 @@ class GenerationSpec:
         tools: chat tool definitions (OpenAI shape), passed to the chat template.
         tool_format: the call format the output is parsed in (server.text.tool_parsers), which
             is also how a tool-unaware template is shown tools and earlier calls.
+        key_id: the API key that owns the request (None when auth is off).
     """
 
     kind: str
@@ -59,6 +60,7 @@ class GenerationSpec:
     field_names: dict[str, str] = field(default_factory=dict)
     tools: Optional[list[dict[str, Any]]] = None
     tool_format: str = "none"
+    key_id: Optional[str] = None  # the owning API key (server.gateway.auth.bind); None: auth off
 
 
 class SampleAcc:

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pagewire.ledger")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # The one statement that closes rows nobody will finish: at open (rows a previous process left),
 # at the end of a drain, and on a forced exit (`ledger_sync`). Args: (finished_at, error).
@@ -83,12 +83,32 @@ _MIGRATIONS: list[str] = [
     """
     ALTER TABLE requests ADD COLUMN request_hash TEXT;
     """,
+    # 3: API keys (server.gateway.keys) and each request's owning key. `key_generation` is bumped
+    # by every key change, so a running server reloads its key cache when the CLI edits keys.
+    """
+    CREATE TABLE api_keys (
+        key_id        TEXT PRIMARY KEY,
+        name          TEXT NOT NULL,
+        secret_hash   TEXT NOT NULL,
+        daily_tokens  INTEGER,
+        tpm           INTEGER,
+        rpm           INTEGER,
+        max_priority  TEXT NOT NULL DEFAULT 'interactive',
+        created_at    REAL NOT NULL,
+        expires_at    REAL,
+        revoked_at    REAL
+    );
+    CREATE TABLE key_generation (generation INTEGER NOT NULL);
+    INSERT INTO key_generation (generation) VALUES (0);
+    ALTER TABLE requests ADD COLUMN key_id TEXT;
+    CREATE INDEX requests_key_created ON requests (key_id, created_at);
+    """,
 ]
 
 COLUMNS = (
     "request_id, idempotency_key, kind, api, client, model, state, priority, params_json, "
     "prompt_json, created_at, admitted_at, first_token_at, finished_at, prompt_tokens, "
-    "completion_tokens, cached_tokens, finish_reason, error, output_text, output_json, request_hash"
+    "completion_tokens, cached_tokens, finish_reason, error, output_text, output_json, request_hash, key_id"
 )
 
 
@@ -131,6 +151,7 @@ class RequestRecord:
     output_text: Optional[str]
     output: Optional[dict[str, Any]]
     request_hash: Optional[str] = None
+    key_id: Optional[str] = None  # the API key that owns the request (None: auth was off)
 
     @property
     def terminal(self) -> bool:
@@ -139,14 +160,14 @@ class RequestRecord:
     @classmethod
     def from_row(cls, row: tuple[Any, ...]) -> "RequestRecord":
         (rid, key, kind, api, client, model, state, prio, params, prompt, created, admitted,
-         first, finished, ptok, ctok, cached, reason, error, text, output, request_hash) = row
+         first, finished, ptok, ctok, cached, reason, error, text, output, request_hash, key_id) = row
         return cls(
             rid, key, kind, api, client, model, state, prio,
             json.loads(params) if params else None,
             json.loads(prompt) if prompt else None,
             created, admitted, first, finished, ptok, ctok, cached, reason, error, text,
             json.loads(output) if output else None,
-            request_hash,
+            request_hash, key_id,
         )
 
 
@@ -166,6 +187,7 @@ class NewRequest:
     created_at: float
     idempotency_key: Optional[str] = None
     request_hash: Optional[str] = None  # fingerprint of the request, kept with an idempotency key
+    key_id: Optional[str] = None  # the owning API key
 
 
 @dataclass
@@ -178,7 +200,7 @@ class Terminal:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    output_text: str
+    output_text: Optional[str]
     output: dict[str, Any]
     first_token_at: Optional[float]
     finished_at: float
@@ -294,11 +316,12 @@ class Ledger:
         """Write the `queued` row and return once it is committed."""
         fut = self._enqueue(
             "INSERT INTO requests (request_id, idempotency_key, kind, api, client, model, state, "
-            "priority, params_json, prompt_json, created_at, prompt_tokens, request_hash) "
-            "VALUES (?, ?, ?, ?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?)",
+            "priority, params_json, prompt_json, created_at, prompt_tokens, request_hash, key_id) "
+            "VALUES (?, ?, ?, ?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?)",
             (req.request_id, req.idempotency_key, req.kind, req.api, req.client, req.model,
-             req.priority, json.dumps(req.params), json.dumps(req.prompt), req.created_at,
-             req.prompt_tokens, req.request_hash),
+             req.priority, json.dumps(req.params),
+             json.dumps(req.prompt) if req.prompt is not None else None, req.created_at,
+             req.prompt_tokens, req.request_hash, req.key_id),
             wait=True,
         )
         assert fut is not None
@@ -315,6 +338,14 @@ class Ledger:
         self._enqueue(
             "UPDATE requests SET first_token_at = ? WHERE request_id = ? AND first_token_at IS NULL",
             (at, request_id), wait=False,
+        )
+
+    def mark_progress(self, request_id: str, completion_tokens: int) -> None:
+        """Record how many tokens a running request has emitted so far (not awaited), so that a
+        request cut off by a crash still counts what it emitted against its key's daily quota."""
+        self._enqueue(
+            "UPDATE requests SET completion_tokens = ? WHERE request_id = ? AND state = 'running'",
+            (completion_tokens, request_id), wait=False,
         )
 
     @property
@@ -453,6 +484,11 @@ class Ledger:
         cur = await self._reader.execute(f"SELECT {COLUMNS} FROM requests WHERE idempotency_key = ?", (key,))
         row = await cur.fetchone()
         return RequestRecord.from_row(tuple(row)) if row else None
+
+    async def query(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        """A read on the reader connection (usage reports, the daily quota's start-up sum)."""
+        cur = await self._reader.execute(sql, args)
+        return [tuple(r) for r in await cur.fetchall()]
 
     async def close(self) -> None:
         """Flush queued writes, then close both connections. Idempotent."""

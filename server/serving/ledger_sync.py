@@ -24,10 +24,11 @@ def open_readonly(path: str | os.PathLike[str]) -> sqlite3.Connection:
 
 
 def _columns(conn: sqlite3.Connection) -> str:
-    """COLUMNS, or its schema-v1 form for a ledger no v2 server has opened yet (read-only here,
+    """COLUMNS, or its schema-v1/v2 form for a ledger no v2 server has opened yet (read-only here,
     so the CLI cannot migrate it): `request_hash` reads as NULL."""
     names = {row[1] for row in conn.execute("PRAGMA table_info(requests)")}
-    return COLUMNS if "request_hash" in names else COLUMNS.replace("request_hash", "NULL")
+    cols = COLUMNS if "request_hash" in names else COLUMNS.replace("request_hash", "NULL")
+    return cols if "key_id" in names else cols.replace("key_id", "NULL")
 
 
 def list_records(conn: sqlite3.Connection, limit: int = 50, state: Optional[str] = None) -> list[RequestRecord]:

@@ -106,6 +106,42 @@ def _spec_metrics(spec: Any) -> Iterable[Metric]:
     yield from (proposed, accepted, rate, mean, overall)
 
 
+class KeyUsage(Collector):
+    """Per-API-key counters with bounded cardinality: at scrape time the `top_n` keys by billable
+    tokens get their own `key` label (their id, never a secret) and every other key is summed
+    under `key="other"`. Totals live in one dict per key (keys are created by an operator, so it
+    is bounded). When a key enters the top N, `other` drops by its total: Prometheus reads that as
+    a counter reset of the `other` series, which is the price of a fixed series budget."""
+
+    FIELDS = (("requests", "pagewire_key_requests", "Requests ended, per API key (top N, then 'other')."),
+              ("prompt", "pagewire_key_prompt_tokens", "Billable prompt tokens per API key (top N, then 'other')."),
+              ("completion", "pagewire_key_completion_tokens",
+               "Billable completion tokens per API key (top N, then 'other')."),
+              ("rate_limited", "pagewire_key_rate_limited", "Requests refused by the key's quota or rate limit."))
+
+    def __init__(self, top_n: int = 10) -> None:
+        self.top_n = top_n
+        self.totals: dict[str, dict[str, int]] = {}
+
+    def add(self, key_id: str, **counts: int) -> None:
+        t = self.totals.get(key_id)
+        if t is None:
+            t = self.totals[key_id] = {f: 0 for f, _, _ in self.FIELDS}
+        for f, n in counts.items():
+            t[f] += n
+
+    def collect(self) -> Iterable[Metric]:
+        ranked = sorted(self.totals.items(), key=lambda kv: -(kv[1]["prompt"] + kv[1]["completion"]))
+        top, rest = ranked[: self.top_n], ranked[self.top_n:]
+        for f, name, doc in self.FIELDS:
+            c = CounterMetricFamily(name, doc, labels=["key"])
+            for key_id, t in top:
+                c.add_metric([key_id], float(t[f]))
+            if rest:
+                c.add_metric(["other"], float(sum(t[f] for _, t in rest)))
+            yield c
+
+
 class Metrics:
     """All metrics of one server. Observe from the event loop only."""
 
@@ -128,6 +164,8 @@ class Metrics:
             "pagewire_slow_consumer_disconnects", "Connections cut off because the client did not read "
             "fast enough (their requests keep running for a resume or retry), by edge.", ["edge"], registry=r)
         r.register(_EngineCollector(engine_stats, admission_depth))
+        self.keys = KeyUsage()
+        r.register(self.keys)
 
     def add_gauges(self, read: Callable[[], dict[str, tuple[str, float]]]) -> None:
         """Gauges read from `read()` at each scrape (name → (help, value)); call once per source."""

@@ -93,14 +93,31 @@ class PagewireServer(uvicorn.Server):
         os._exit(130)
 
 
+def _check_auth(settings: ServeSettings) -> None:
+    """Refuse (AuthConfigError) to serve a non-loopback address without authentication."""
+    from server.gateway.auth import check_policy, read_admin_key
+    from server.gateway.keys import count_keys
+
+    has_admin = bool(settings.admin_key_file) and bool(read_admin_key(settings.admin_key_file or ""))
+    check_policy(settings.auth, settings.host, count_keys(settings.db_path) > 0, has_admin,
+                 settings.insecure_no_auth)
+
+
 def run(settings: ServeSettings, model_dir: Path, model_name: str) -> None:
     """Serve until a signal stops us. Blocks. Raises LedgerLocked (naming the holder's PID) at
     once, before anything is loaded or bound, when another server owns the same ledger."""
     from server.api.app import build_app
+    from server.gateway import redact
     from server.serving.db_lock import LedgerLock
 
+    redact.install()  # before uvicorn logs anything (it logs request headers at debug level)
     # Held until the process exits (or the ledger closes); a crash releases it with the fd.
     lock = LedgerLock.acquire(settings.db_path)
+    try:
+        _check_auth(settings)
+    except BaseException:
+        lock.release()
+        raise
     runtime = Runtime(settings, model_dir, model_name, lock=lock)
     with warnings.catch_warnings():
         # uvicorn marks its `websockets` implementation deprecated in favour of `websockets-sansio`;

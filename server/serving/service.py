@@ -22,9 +22,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from server.engine.outputs import RequestDelta
+from server.gateway.auth import Principal
+from server.gateway.quotas import QuotaBook, Reservation
 from server.serving.admission import AdmissionQueue
 from server.serving.bridge import EngineBridge
-from server.serving.errors import NotFound, Unavailable
+from server.serving.errors import NotFound, PagewireError, Unavailable
 from server.serving.idempotency import check_reuse, fingerprint
 from server.serving.jobs import GenerationSpec, Job, end_from_record, events_from_output, now_pair
 from server.serving.ledger import Ledger, NewRequest, RequestRecord, Terminal
@@ -58,7 +60,8 @@ class Admitted:
 class RequestService:
     def __init__(self, bridge: EngineBridge, ledger: Ledger, admission: AdmissionQueue[Job],
                  registry: StreamRegistry, preparer: PromptPreparer, metrics: Metrics,
-                 default_timeout_s: Optional[float], budget: Optional[OutputBudget] = None) -> None:
+                 default_timeout_s: Optional[float], budget: Optional[OutputBudget] = None,
+                 quotas: Optional[QuotaBook] = None, ledger_text: str = "all") -> None:
         self.bridge = bridge
         self.ledger = ledger
         self.admission = admission
@@ -69,6 +72,14 @@ class RequestService:
         # Bytes of output live requests may hold (see output_budget); unbounded only when built
         # without one (offline tests of the service alone).
         self.budget = budget if budget is not None else OutputBudget(1 << 62, 1 << 62)
+        # Token quotas per API key (server.gateway.quotas): reserved in `_accept`, settled in
+        # `_commit_end`. None when auth is off.
+        self.quotas = quotas
+        self._reservations: dict[str, Reservation] = {}
+        # What of a request's text the ledger keeps: none, prompt, or all (usage is always kept).
+        self.ledger_text = ledger_text
+        # request id → (completion tokens last written to its row, monotonic time of that write)
+        self._progress: dict[str, tuple[int, float]] = {}
         # Accepted requests not yet ended. Only this class reads or changes a Job: the edges go
         # through its methods (start, attach, detach, cancel, keep_for_resume, abandon).
         self._jobs: dict[str, Job] = {}
@@ -159,12 +170,27 @@ class RequestService:
         ids = await self.preparer.token_ids(spec)
         self.check_serving()  # the model may have stopped while we tokenised
         params = self.preparer.finalize(spec, len(ids), self.bridge.max_model_len)
+        # The most this request can cost: its prompt and every sample's max_tokens.
+        reservation: Optional[Reservation] = None
+        if self.quotas is not None and spec.key_id is not None:
+            try:
+                reservation = self.quotas.reserve(spec.key_id, len(ids) + params.n * (params.max_tokens or 0))
+            except PagewireError:
+                self.metrics.keys.add(spec.key_id, rate_limited=1)
+                raise
         output_bytes = worst_case_bytes(params)
-        self.budget.reserve(spec.client, output_bytes, params)
+        try:
+            self.budget.reserve(spec.client, output_bytes, params)
+        except BaseException:
+            if reservation is not None:
+                self.quotas.settle(reservation, 0, ran=False)  # type: ignore[union-attr]
+            raise
         try:
             self.admission.reserve(spec.client)
         except BaseException:
             self.budget.release(spec.client, output_bytes)
+            if reservation is not None:
+                self.quotas.settle(reservation, 0, ran=False)  # type: ignore[union-attr]
             raise
         wall, mono = now_pair()
         job = Job(f"req-{uuid.uuid4().hex[:24]}", spec, ids, params, wall, mono)
@@ -173,14 +199,20 @@ class RequestService:
             await self.ledger.insert(NewRequest(
                 request_id=job.request_id, kind=spec.kind, api=spec.api, client=spec.client,
                 model=spec.model, priority=spec.priority, params=spec.params_record,
-                prompt=spec.messages if spec.kind == "chat" else spec.prompt,
+                prompt=(spec.messages if spec.kind == "chat" else spec.prompt)
+                if self.ledger_text != "none" else None,
                 prompt_tokens=len(ids), created_at=wall, idempotency_key=spec.idempotency_key,
                 request_hash=fingerprint(spec) if spec.idempotency_key is not None else None,
+                key_id=spec.key_id,
             ))
         except BaseException:
             self.admission.release(spec.client)
             self.budget.release(spec.client, output_bytes)
+            if reservation is not None:
+                self.quotas.settle(reservation, 0, ran=False)  # type: ignore[union-attr]
             raise
+        if reservation is not None:
+            self._reservations[job.request_id] = reservation
         # Committed: from here the request exists and must reach a terminal state.
         self._jobs[job.request_id] = job
         self._idle.clear()
@@ -198,17 +230,26 @@ class RequestService:
     # -- subscribing ----------------------------------------------------------------------------
     async def attach(self, request_id: str, sub: Subscriber, after_seq: int = 0,
                      record: Optional[RequestRecord] = None,
-                     on_found: Optional[Callable[[], None]] = None) -> Optional[RequestStream]:
+                     on_found: Optional[Callable[[], None]] = None,
+                     caller: Optional[Principal] = None) -> Optional[RequestStream]:
         """Replay what `sub` has not seen (from memory, else the ledger) and follow live output.
 
         `on_found` runs once the request is known to exist, immediately before the replay and in
         the same synchronous stretch, so a frame it queues (`accepted`) precedes every delta.
         Returns the live stream when `sub` was registered on one (to detach later), else None.
+        `caller` (None when auth is off) must own the request or be the admin: another key gets
+        the same 404 as an unknown id, so request ids leak nothing.
         """
         stream = self.registry.get(request_id)
-        if stream is None and record is None:
+        job = self._jobs.get(request_id)
+        if (stream is None or (caller is not None and job is None)) and record is None:
             record = await self.ledger.get(request_id)
             stream = self.registry.get(request_id)  # it may have started while we read
+            job = self._jobs.get(request_id)
+        if caller is not None:
+            owner = job.spec.key_id if job is not None else record.key_id if record is not None else None
+            if not caller.may_see(owner):
+                stream, record = None, None
         if stream is None and record is None:
             raise NotFound(f"request_id: no request {request_id!r}", param="request_id",
                            code="request_not_found")
@@ -302,12 +343,27 @@ class RequestService:
                 elif job.last_token_mono is not None:
                     self.metrics.observe_tokens(now - job.last_token_mono, n_new)
                 job.last_token_mono = now
+                if job.spec.key_id is not None:
+                    self._note_progress(job, now)
             if not job.queue_time_observed and d.first_scheduled_time is not None:
                 job.queue_time_observed = True
                 admission_wait = (job.admitted_mono or now) - job.created_mono
                 self.metrics.queue_time.observe(admission_wait + max(0.0, d.first_scheduled_time - d.arrival_time))
             if d.finished:
                 self._end(job, d)
+
+    # Emitted tokens are written to a running row at most every PROGRESS_TOKENS tokens or
+    # PROGRESS_S seconds (fire-and-forget, group-committed), so after a crash the row, and the
+    # key's daily usage read back from it, counts what was emitted up to that bound.
+    PROGRESS_TOKENS = 16
+    PROGRESS_S = 1.0
+
+    def _note_progress(self, job: Job, now: float) -> None:
+        n = job.completion_tokens
+        last_n, last_t = self._progress.get(job.request_id, (0, job.created_mono))
+        if n - last_n >= self.PROGRESS_TOKENS or now - last_t >= self.PROGRESS_S:
+            self._progress[job.request_id] = (n, now)
+            self.ledger.mark_progress(job.request_id, n)
 
     def _end(self, job: Job, delta: Optional[RequestDelta]) -> None:
         """Decide how `job` ended (its EndReason) and commit that; `delta` is None when it never
@@ -340,13 +396,16 @@ class RequestService:
         task.add_done_callback(self._tasks.discard)
 
     async def _commit_end(self, job: Job, end: EndEvent) -> None:
-        text = "".join(s.text for s in job.samples) if len(job.samples) == 1 else "\n".join(
+        text: Optional[str] = "".join(s.text for s in job.samples) if len(job.samples) == 1 else "\n".join(
             f"[{s.index}] {s.text}" for s in job.samples)
+        output = end.output or {}
+        if self.ledger_text != "all":
+            text, output = None, {}
         terminal = Terminal(
             state=end.state, finish_reason=end.finish_reason if end.finished else end.code,
             error=end.message, prompt_tokens=end.usage.prompt_tokens,
             completion_tokens=end.usage.completion_tokens, cached_tokens=end.usage.cached_tokens,
-            output_text=text, output=end.output or {}, first_token_at=job.first_token_wall,
+            output_text=text, output=output, first_token_at=job.first_token_wall,
             finished_at=time.time(),
         )
         try:
@@ -358,6 +417,16 @@ class RequestService:
                       job.request_id, e)
             self.ledger.finish_later(job.request_id, terminal)
             end = unrecorded_end(end, e)
+        self._progress.pop(job.request_id, None)
+        reservation = self._reservations.pop(job.request_id, None)
+        if reservation is not None and self.quotas is not None:
+            # The same rule as usage.BILLABLE_SQL: a request that reached the engine costs its
+            # prompt and what it emitted; one that never did costs nothing.
+            ran = job.admitted_mono is not None
+            self.quotas.settle(reservation, end.usage.prompt_tokens + end.usage.completion_tokens if ran else 0,
+                               ran=ran)
+            self.metrics.keys.add(reservation.key_id, requests=1, prompt=end.usage.prompt_tokens if ran else 0,
+                                  completion=end.usage.completion_tokens if ran else 0)
         # Only now, with the terminal row durable, may the client hear `done`.
         job.state = JobState.ENDED
         job.end = end

@@ -39,6 +39,14 @@ def tool_parser_name(text: str) -> str:
     if text not in names:
         raise ValueError(f"expected one of {', '.join(names)}, got {text!r}")
     return text
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        v = text.strip().lower()
+        if v not in allowed:
+            raise ValueError(f"expected one of {', '.join(allowed)}, got {text!r}")
+        return v
+
+    return parse
 
 
 def origin_list(text: str) -> str:
@@ -96,6 +104,11 @@ class ServeSettings:
     offload_chars: int = 2048
     allowed_origins: str = "loopback"
     tool_call_parser: str = "auto"
+    # the gateway (server.gateway): keys, auth, what the ledger keeps of request text
+    auth: str = "auto"
+    admin_key_file: Optional[str] = None
+    insecure_no_auth: bool = False
+    ledger_text: str = "all"
     # engine: defaults come from EngineConfig, the one place they are defined
     dtype: str = _ENGINE_DEFAULTS["dtype"]
     max_model_len: Optional[int] = _ENGINE_DEFAULTS["max_model_len"]
@@ -186,6 +199,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("tool_call_parser", tool_parser_name,
            "format of the model's own tool calls for tool_choice auto: hermes (<tool_call> blocks), "
            "llama3_json, none (no parsing), or auto (detected from the chat template)"),
+    Option("auth", _choice("auto", "on", "off"),
+           "API-key authentication: on, off (loopback binds only) or auto (on once any key exists or "
+           "--admin-key-file is given; a non-loopback bind with no keys refuses to start)"),
+    Option("admin_key_file", str, "file holding the admin key (admin endpoints: /metrics; every key's usage "
+           "and requests)"),
+    Option("insecure_no_auth", _bool, "allow serving a non-loopback address without authentication"),
+    Option("ledger_text", _choice("none", "prompt", "all"),
+           "what the ledger keeps of each request's text: none, the prompt, or all (prompt and output; "
+           "resuming a finished request from the ledger needs all); usage is always kept"),
     Option("dtype", str, "auto, float32, bfloat16 or float16", engine=True),
     Option("max_model_len", _opt_int, "longest prompt + output (default: the model's)", engine=True),
     Option("kv_cache_tokens", _opt_int, "KV cache capacity in tokens", engine=True),

@@ -66,6 +66,32 @@
     return conv;
   }
 
+  // -- the API key -----------------------------------------------------------------------------
+  // Kept in its own localStorage entry (not in the conversation record). Browsers cannot set
+  // headers on a WebSocket, so it travels as the subprotocol `pagewire-key.<key>` next to
+  // `pagewire` (docs/websocket.md); fetches send it as `Authorization: Bearer`.
+  const KEY_STORE = "pagewire.apikey";
+  let authRefused = null;   // the server's message when it refused the key; no reconnect loop then
+  const apiKey = () => { try { return localStorage.getItem(KEY_STORE) || ""; } catch (e) { return ""; } };
+  const authHeaders = () => (apiKey() ? { Authorization: "Bearer " + apiKey() } : {});
+
+  function setApiKey(key) {
+    try {
+      if (key) localStorage.setItem(KEY_STORE, key); else localStorage.removeItem(KEY_STORE);
+    } catch (e) { setConn("cannot save the API key: " + e.message, true); }
+    authRefused = null;
+    const old = ws;
+    ws = null;
+    live.clear();
+    if (old) old.close();
+    connect();            // at once, with the new key
+  }
+
+  function showAuthRefused() {
+    setConn((apiKey() ? "API key refused: " : "This server needs an API key: ") + authRefused +
+            " Enter a key under Settings.", true);
+  }
+
   // -- the socket ------------------------------------------------------------------------------
   let ws = null;
   let attempt = 0;          // reconnect attempts since the last successful open
@@ -80,7 +106,16 @@
     clearTimeout(reconnectTimer);
     reconnectTimer = null;
     setConn("connecting…", true);
-    const sock = new WebSocket((location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/v1/ws");
+    const key = apiKey();
+    let sock;
+    try {
+      sock = new WebSocket((location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/v1/ws",
+                           key ? ["pagewire", "pagewire-key." + key] : undefined);
+    } catch (e) { // a key with characters no subprotocol may carry (spaces, quotes…)
+      authRefused = "it contains characters an API key cannot have.";
+      showAuthRefused();
+      return;
+    }
     ws = sock;
     sock.onopen = () => {
       attempt = 0;
@@ -93,6 +128,7 @@
       if (ws !== sock) return;
       ws = null;
       live.clear();          // client ids are per connection; new ones are chosen on resume
+      if (authRefused !== null) { showAuthRefused(); return; } // retrying cannot help; a new key reconnects
       scheduleReconnect();
     };
   }
@@ -148,6 +184,11 @@
   }
 
   function onFrame(f) {
+    if (f.type === "error" && f.id === undefined && f.code === "invalid_api_key") {
+      authRefused = f.message + ".";  // the server closes with 1008 next
+      showAuthRefused();
+      return;
+    }
     if (f.type === "error" && f.id === undefined) {
       // slow_consumer is followed by a close; the reconnect resumes every request.
       if (f.code !== "slow_consumer") setConn(f.message, true);
@@ -525,7 +566,7 @@
 
   async function loadModel() {
     try {
-      const r = await fetch("/v1/models");
+      const r = await fetch("/v1/models", { headers: authHeaders() });
       const m = (await r.json()).data[0];
       $("model").textContent = m.id + (m.max_model_len ? " · " + m.max_model_len + " ctx" : "");
     } catch (e) { $("model").textContent = ""; }
@@ -555,6 +596,8 @@
     setting("top-p", "top_p", parseFloat);
     setting("max-tokens", "max_tokens", (v) => parseInt(v, 10));
     $("theme").addEventListener("change", () => { s.theme = $("theme").value; applyTheme(); save(true); });
+    $("api-key").value = apiKey();
+    $("api-key").addEventListener("change", () => setApiKey($("api-key").value.trim()));
     $("system").addEventListener("input", () => {
       const conv = current() || newConv();
       conv.system = $("system").value;

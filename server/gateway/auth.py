@@ -1,0 +1,284 @@
+"""Authentication: who is calling, decided once per HTTP request or WebSocket upgrade.
+
+Credentials, in order: the `Authorization: Bearer <secret>` header (HTTP and WebSocket upgrade),
+else, for browsers (which cannot set headers on a WebSocket), a `Sec-WebSocket-Protocol` entry
+`pagewire-key.<secret>` next to `pagewire`; the server then answers with the `pagewire`
+subprotocol, never echoing the secret (docs/websocket.md).
+
+When auth is required (`AuthPolicy`), every route except /health and the chat page's static
+files needs a valid key: 401 `invalid_api_key` otherwise. Admin routes (/metrics) need the admin
+key (`--admin-key-file`): 403 `permission_denied` for any other key. The admin key may also do
+everything a key may, over every key's requests.
+
+Keys are cached in memory by id; the cache is reloaded when the `key_generation` counter in the
+ledger changes (one indexed read per request, so `pagewire keys revoke` takes effect on the next
+request of a running server). Secrets are compared as SHA-256 digests with `hmac.compare_digest`.
+Nothing here logs a secret: log lines name the key id (`pw-…`) only.
+"""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, MutableMapping, Optional
+
+from server.gateway.keys import ApiKey, KeyStore, hash_secret, key_id_of, secret_matches
+from server.gateway.quotas import Limits
+from server.serving.errors import PagewireError
+
+log = logging.getLogger("pagewire.auth")
+
+ADMIN_ID = "admin"
+SCOPE_KEY = "pagewire.principal"
+WS_SUBPROTOCOL = "pagewire"
+WS_KEY_PREFIX = "pagewire-key."
+OPEN_PATHS = ("/health",)
+ADMIN_PATHS = ("/metrics",)
+
+
+class InvalidApiKey(PagewireError):
+    status = 401
+    code = "invalid_api_key"
+    error_type = "invalid_request_error"
+
+
+class PermissionDenied(PagewireError):
+    status = 403
+    code = "permission_denied"
+    error_type = "invalid_request_error"
+
+
+@dataclass(frozen=True)
+class Principal:
+    """An authenticated caller: a key, or the admin."""
+
+    key_id: str
+    admin: bool = False
+    key: Optional[ApiKey] = None
+
+    def may_see(self, owner: Optional[str]) -> bool:
+        """Ownership: a key sees only its own requests; the admin sees all."""
+        return self.admin or owner == self.key_id
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class AuthConfigError(ValueError):
+    """`serve` refuses to start with this auth configuration (the message says why and what to do)."""
+
+
+def read_admin_key(path: str) -> str:
+    p = Path(path).expanduser()
+    try:
+        secret = p.read_text(encoding="utf-8").strip()
+    except OSError as e:
+        raise AuthConfigError(f"--admin-key-file {p}: {e.strerror}") from None
+    if len(secret) < 16:
+        raise AuthConfigError(f"--admin-key-file {p}: the admin key must be at least 16 characters")
+    return secret
+
+
+def check_policy(mode: str, host: str, has_keys: bool, has_admin: bool, insecure_no_auth: bool) -> None:
+    """The secure default: refuse to serve a non-loopback address without authentication.
+
+    - `--auth off` is allowed only on a loopback address (or with `--insecure-no-auth`);
+    - binding any other address needs keys (or an admin key) unless `--insecure-no-auth`.
+    """
+    if mode not in ("auto", "on", "off"):
+        raise AuthConfigError(f"--auth: expected auto, on or off, got {mode!r}")
+    if insecure_no_auth or is_loopback(host):
+        return
+    if mode == "off":
+        raise AuthConfigError(
+            f"--auth off is only allowed when binding a loopback address, not {host!r}; "
+            "create keys (pagewire keys create) or pass --insecure-no-auth to serve without authentication")
+    if not has_keys and not has_admin:
+        raise AuthConfigError(
+            f"refusing to serve {host!r} without authentication: there are no API keys in the ledger and no "
+            "--admin-key-file; create one with `pagewire keys create --name NAME --db DB`, or pass "
+            "--insecure-no-auth")
+
+
+class Authenticator:
+    """Turns a secret into a Principal. Runs on the event loop (its reads are small and indexed)."""
+
+    def __init__(self, conn: Optional[sqlite3.Connection], mode: str = "auto",
+                 admin_secret: Optional[str] = None, insecure_no_auth: bool = False) -> None:
+        self._store = KeyStore(conn) if conn is not None else None
+        self.mode = mode
+        self._admin_hash = hash_secret(admin_secret) if admin_secret else None
+        self.insecure_no_auth = insecure_no_auth
+        self._keys: dict[str, ApiKey] = {}
+        self._generation = -1
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Reload the key cache if a key changed since the last look."""
+        if self._store is None:
+            return
+        gen = self._store.generation()
+        if gen != self._generation:
+            self._keys = self._store.load_all()
+            self._generation = gen
+
+    @property
+    def required(self) -> bool:
+        """Whether callers must present a key. `auto` (the default): when any key exists or an
+        admin key is set; so a loopback server with no keys behaves as before, and creating the
+        first key turns authentication on."""
+        if self.mode == "off":
+            return False
+        if self.mode == "on":
+            return True
+        self.refresh()
+        return bool(self._keys) or self._admin_hash is not None
+
+    def get(self, key_id: str) -> Optional[ApiKey]:
+        return self._keys.get(key_id)
+
+    def limits_of(self, key_id: str) -> Optional[Limits]:
+        k = self._keys.get(key_id)
+        return Limits(tpm=k.tpm, rpm=k.rpm, daily_tokens=k.daily_tokens) if k is not None else None
+
+    def authenticate(self, secret: Optional[str]) -> Optional[Principal]:
+        """The caller for `secret`; None when auth is not required and no secret was given.
+        Raises InvalidApiKey (401)."""
+        self.refresh()
+        if not secret:
+            if not self.required:
+                return None
+            raise InvalidApiKey("missing API key: send it as `Authorization: Bearer <key>`")
+        if self._admin_hash is not None and secret_matches(secret, self._admin_hash):
+            return Principal(ADMIN_ID, admin=True)
+        key_id = key_id_of(secret)
+        key = self._keys.get(key_id) if key_id is not None else None
+        # The hash is compared even for an unknown id, so a miss costs the same as a wrong secret.
+        stored = key.secret_hash if key is not None else "0" * 64
+        if not secret_matches(secret, stored) or key is None:
+            if not self.required:
+                return None  # auth off: a stray header is ignored, as before keys existed
+            raise InvalidApiKey("incorrect API key provided")
+        status = key.status(time.time())
+        if status != "active":
+            raise InvalidApiKey(f"API key {key.key_id} is {status}")
+        return Principal(key.key_id, key=key)
+
+
+def bearer(value: Optional[str]) -> Optional[str]:
+    if value is None:
+        return None
+    scheme, _, token = value.strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def _header(scope: dict[str, Any], name: bytes) -> Optional[str]:
+    for k, v in scope.get("headers", ()):
+        if k == name:
+            return str(v.decode("latin-1"))
+    return None
+
+
+def ws_protocols(scope: dict[str, Any]) -> list[str]:
+    raw = _header(scope, b"sec-websocket-protocol")
+    return [p.strip() for p in raw.split(",")] if raw else []
+
+
+def credentials(scope: dict[str, Any]) -> Optional[str]:
+    """The secret a request presents (see the module docstring for where it may come from)."""
+    token = bearer(_header(scope, b"authorization"))
+    if token:
+        return token
+    if scope["type"] == "websocket":
+        for p in ws_protocols(scope):
+            if p.startswith(WS_KEY_PREFIX):
+                return p[len(WS_KEY_PREFIX):]
+    return None
+
+
+def principal_of(scope: "MutableMapping[str, Any]") -> Optional[Principal]:
+    """The caller the AuthGuard recorded for this request (None: auth is off)."""
+    p = scope.get(SCOPE_KEY)
+    return p if isinstance(p, Principal) else None
+
+
+def ws_subprotocol(scope: dict[str, Any]) -> Optional[str]:
+    """The subprotocol to accept: `pagewire` when the client offered it, else none."""
+    return WS_SUBPROTOCOL if WS_SUBPROTOCOL in ws_protocols(scope) else None
+
+
+class AuthGuard:
+    """ASGI middleware: authenticates every request before any route runs.
+
+    A refused WebSocket is accepted and then sent one `error` frame (`invalid_api_key`) and closed
+    with 1008, because a browser shows nothing of an HTTP 401 on an upgrade.
+    """
+
+    def __init__(self, app: Any, auth: Callable[[], Optional[Authenticator]]) -> None:
+        self.app = app
+        self._auth = auth
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        auth = self._auth()
+        if scope["type"] not in ("http", "websocket") or auth is None:
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path in OPEN_PATHS or path == "/" or path.startswith("/ui/")):
+            await self.app(scope, receive, send)
+            return
+        try:
+            who = auth.authenticate(credentials(scope))
+            if path in ADMIN_PATHS and auth.required and not (who is not None and who.admin):
+                raise PermissionDenied(f"{path} needs the admin key")
+        except PagewireError as e:
+            await self._refuse(scope, receive, send, e)
+            return
+        scope[SCOPE_KEY] = who
+        await self.app(scope, receive, send)
+
+    async def _refuse(self, scope: dict[str, Any], receive: Any, send: Any, e: PagewireError) -> None:
+        from server.api.http_io import send_error
+
+        if scope["type"] == "http":
+            await send_error(send, e)
+            return
+        import json
+
+        msg = await receive()
+        if msg["type"] != "websocket.connect":
+            return
+        accept: dict[str, Any] = {"type": "websocket.accept"}
+        sub = ws_subprotocol(scope)
+        if sub is not None:
+            accept["subprotocol"] = sub
+        await send(accept)
+        await send({"type": "websocket.send", "text": json.dumps(
+            {"type": "error", "code": e.code, "status": e.status, "message": e.message})})
+        await send({"type": "websocket.close", "code": 1008})
+
+
+def bind(spec: Any, who: Optional[Principal]) -> None:
+    """Tie a GenerationSpec to its caller: the owning key (recorded in the ledger), the admission
+    fairness key (round-robin is across API keys, so one key's flood cannot starve another's
+    requests, whatever `user` they send), idempotency keys scoped per API key, and a batch-only
+    key's requests in the batch class."""
+    if who is None:
+        return
+    from server.serving.admission import BATCH
+
+    spec.key_id = who.key_id
+    spec.client = who.key_id
+    if spec.idempotency_key is not None:
+        spec.idempotency_key = f"{who.key_id}:{spec.idempotency_key}"
+    if who.key is not None and who.key.max_priority == "batch":
+        spec.klass = BATCH

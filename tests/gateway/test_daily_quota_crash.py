@@ -1,0 +1,86 @@
+"""The daily quota survives a SIGKILL: a request cut off mid-generation counts the tokens it had
+emitted (written to its row as it ran), and the restarted server reads the day's usage back from
+the ledger, refusing exactly what would exceed the quota."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.gateway.test_isolation_live import PROMPT, _create, _h
+from tests.server.harness import ServerProcess, ledger_rows
+
+DAILY = 1900
+
+
+def _completion_tokens(db: Path, rid: str) -> int:
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        row = conn.execute("SELECT completion_tokens FROM requests WHERE request_id = ?", (rid,)).fetchone()
+    finally:
+        conn.close()
+    return int(row[0]) if row else 0
+
+
+async def _start_detached(url: str, secret: str, db: Path) -> str:
+    """Start a long request and return once its row records at least 16 emitted tokens."""
+    from websockets.asyncio.client import connect
+
+    async with connect(url, proxy=None, additional_headers=_h(secret), close_timeout=1) as ws:
+        await ws.send(json.dumps({"type": "generate", "id": "long", "kind": "completion", "prompt": PROMPT,
+                                  "detach": True, "params": {"max_tokens": 1800, "ignore_eos": True}}))
+        rid = ""
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            f: dict[str, Any] = json.loads(await ws.recv())
+            if f["type"] == "accepted":
+                rid = f["request_id"]
+            assert f["type"] in ("accepted", "delta"), f
+            # The progress write is fire-and-forget; each delta is a chance to see it landed.
+            if f["type"] == "delta" and _completion_tokens(db, rid) >= 16:
+                return rid
+        raise AssertionError("no progress recorded")
+
+
+def test_daily_quota_counts_an_interrupted_request_across_sigkill(demo_model: Path, tmp_path: Path) -> None:
+    db = tmp_path / "l.db"
+    key_id, secret = _create(db, "daily", "--daily-tokens", str(DAILY))
+    srv = ServerProcess(demo_model, db).start()
+    try:
+        small = httpx.post(srv.base + "/v1/completions", headers=_h(secret), timeout=120,
+                           json={"model": "demo", "prompt": PROMPT, "max_tokens": 7, "ignore_eos": True})
+        assert small.status_code == 200, small.text
+        rid = asyncio.run(_start_detached(srv.ws_url, secret, db))
+        srv.signal(signal.SIGKILL)
+        srv.wait(30)
+    finally:
+        srv.stop()
+    srv2 = ServerProcess(demo_model, db).start()
+    try:
+        row = ledger_rows(db)[rid]
+        assert row["state"] == "interrupted" and row["completion_tokens"] >= 16
+        used = 10 + 3 + row["completion_tokens"]
+        usage = httpx.get(srv2.base + "/v1/usage", headers=_h(secret)).json()["data"]
+        assert usage[0]["billable_tokens"] == used
+        left = DAILY - used
+        over = httpx.post(srv2.base + "/v1/completions", headers=_h(secret), timeout=120,
+                          json={"model": "demo", "prompt": PROMPT, "max_tokens": left - 3 + 1})
+        assert over.status_code == 429, over.text
+        err = over.json()["error"]
+        assert err["code"] == "daily_quota_exceeded" and f"{left} of {DAILY}" in err["message"]
+        assert over.headers["x-ratelimit-remaining-tokens-day"] == str(left) and int(over.headers["retry-after"]) > 0
+        fits = httpx.post(srv2.base + "/v1/completions", headers=_h(secret), timeout=300,
+                          json={"model": "demo", "prompt": PROMPT, "max_tokens": 2, "ignore_eos": True})
+        assert fits.status_code == 200, fits.text
+        # Its reservation was settled to 5 tokens; the rest of the day's quota is free again.
+        again = httpx.post(srv2.base + "/v1/completions", headers=_h(secret), timeout=120,
+                           json={"model": "demo", "prompt": PROMPT, "max_tokens": left - 5 - 3 + 1})
+        assert again.status_code == 429 and f"{left - 5} of {DAILY}" in again.json()["error"]["message"]
+    finally:
+        srv2.stop()

@@ -27,6 +27,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from server.engine.kv_budget import default_watermark
 from server.engine.kv_cache_manager import KVCacheManager
 from server.engine.request import SeqStatus, Sequence
 
@@ -74,10 +75,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # Free blocks kept back at admission, so running sequences can grow without
-        # immediately preempting the one just admitted (1% of the pool, at least one block, but
-        # never the whole pool: a one-block pool keeps none back).
+        # immediately preempting the one just admitted (kv_budget.default_watermark).
         nb = kv_cache.num_blocks
-        self.watermark = watermark_blocks if watermark_blocks is not None else min(max(1, nb // 100), nb - 1)
+        self.watermark = watermark_blocks if watermark_blocks is not None else default_watermark(nb)
         if not 0 <= self.watermark < kv_cache.num_blocks:
             raise ValueError(
                 f"watermark_blocks: must be in [0, {kv_cache.num_blocks}) for a pool of "

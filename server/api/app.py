@@ -3,6 +3,7 @@ endpoints (/health, /v1/models, /tokenize, /detokenize, /metrics).
 
 Routes, and where each request goes next:
     POST /v1/completions, /v1/chat/completions → server.api.openai_http → server.serving.service
+    /v1/files, /v1/batches                     → server.gateway.http → server.gateway.batch → service
     WS   /v1/ws                                → server.api.ws          → server.serving.service
     GET  /, /ui/*                              → server.api.ui (the chat page; off with --no-ui)
 """
@@ -45,13 +46,18 @@ def _error(exc: PagewireError) -> JSONResponse:
 def build_app(rt: Runtime) -> Starlette:
     """The app for one Runtime. The Runtime starts in the lifespan, before the socket accepts."""
     api = ApiContext(rt)
+    from server.gateway.http import BatchGateway  # the batch tier (files, batches); see server/gateway
+
+    gateway = BatchGateway(api)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await rt.start()
+        await gateway.start()
         try:
             yield
         finally:
+            await gateway.stop()
             await rt.close()
 
     async def body_of(request: Request, typ: Any) -> Any:
@@ -144,6 +150,7 @@ def build_app(rt: Runtime) -> Starlette:
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/metrics", metrics, methods=["GET"]),
+            *gateway.routes(),
             WebSocketRoute("/v1/ws", WsEndpoint(api)),
             *(ui_routes() if rt.settings.ui else []),
         ],

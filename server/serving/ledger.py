@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pagewire.ledger")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # The one statement that closes rows nobody will finish: at open (rows a previous process left),
 # at the end of a drain, and on a forced exit (`ledger_sync`). Args: (finished_at, error).
@@ -82,6 +82,48 @@ _MIGRATIONS: list[str] = [
     # 2: the fingerprint of the request an idempotency key was first used for (server.serving.idempotency).
     """
     ALTER TABLE requests ADD COLUMN request_hash TEXT;
+    """,
+    # 3: the batch tier (server.gateway): uploaded files, batches, and each batch line's progress.
+    """
+    CREATE TABLE files (
+        file_id     TEXT PRIMARY KEY,
+        purpose     TEXT NOT NULL,
+        filename    TEXT NOT NULL,
+        bytes       INTEGER NOT NULL,
+        created_at  REAL NOT NULL
+    );
+    CREATE TABLE batches (
+        batch_id          TEXT PRIMARY KEY,
+        input_file_id     TEXT NOT NULL,
+        endpoint          TEXT NOT NULL,
+        completion_window TEXT NOT NULL,
+        status            TEXT NOT NULL,
+        metadata_json     TEXT,
+        errors_json       TEXT,
+        created_at        REAL NOT NULL,
+        in_progress_at    REAL,
+        finalizing_at     REAL,
+        completed_at      REAL,
+        failed_at         REAL,
+        cancelling_at     REAL,
+        cancelled_at      REAL,
+        output_file_id    TEXT,
+        error_file_id     TEXT,
+        total             INTEGER NOT NULL DEFAULT 0,
+        completed         INTEGER NOT NULL DEFAULT 0,
+        failed            INTEGER NOT NULL DEFAULT 0
+    );
+    CREATE INDEX batches_created_at ON batches (created_at);
+    CREATE TABLE batch_lines (
+        batch_id      TEXT NOT NULL,
+        line_no       INTEGER NOT NULL,
+        custom_id     TEXT,
+        status        TEXT NOT NULL,
+        attempt       INTEGER NOT NULL DEFAULT 0,
+        request_id    TEXT,
+        result_json   TEXT,
+        PRIMARY KEY (batch_id, line_no)
+    );
     """,
 ]
 
@@ -453,6 +495,23 @@ class Ledger:
         cur = await self._reader.execute(f"SELECT {COLUMNS} FROM requests WHERE idempotency_key = ?", (key,))
         row = await cur.fetchone()
         return RequestRecord.from_row(tuple(row)) if row else None
+
+    # -- the batch tier's tables (server.gateway): same writer queue, same reader ---------------
+    async def execute(self, sql: str, args: tuple[Any, ...] = ()) -> None:
+        """One write through the writer queue; returns once committed (FIFO with request writes)."""
+        fut = self._enqueue(sql, args, wait=True)
+        assert fut is not None
+        await fut
+
+    async def execute_many(self, statements: list[tuple[str, tuple[Any, ...]]]) -> None:
+        """Several writes queued back to back, so they commit in one transaction (group commit)."""
+        futs = [self._enqueue(sql, args, wait=True) for sql, args in statements]
+        await asyncio.gather(*[f for f in futs if f is not None])
+
+    async def query(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        """Rows of a read on the reader connection (the last committed state)."""
+        cur = await self._reader.execute(sql, args)
+        return [tuple(r) for r in await cur.fetchall()]
 
     async def close(self) -> None:
         """Flush queued writes, then close both connections. Idempotent."""

@@ -55,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
                           description="Reads the model's config only (no weights). The engine options are "
                                       "serve's, so the KV figures equal serve's start-up log for the same settings.")
     add_plan_arguments(plan)
+    from server.gateway.batch_cli import add_batch_arguments
+
+    add_batch_arguments(sub.add_parser("batch", help="submit, show or cancel a batch on a running server"))
     return p
 
 
@@ -222,6 +225,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _serve(ns)
     if ns.command == "plan":
         return _plan(ns)
+    if ns.command == "batch":
+        from server.gateway.batch_cli import run_batch
+
+        return run_batch(ns)
     return _requests(ns)
 
 

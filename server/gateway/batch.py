@@ -341,7 +341,10 @@ class BatchManager:
             except Overloaded as e:  # the queue is full of interactive work: wait, never fail a line for it
                 await asyncio.sleep(e.retry_after_s or 1.0)
             except PagewireError as e:
-                if e.code in ("shutting_down", "starting"):
+                if e.code in ("starting", "ledger_unavailable"):  # model still loading / ledger recovering
+                    await asyncio.sleep(0.1 if e.code == "starting" else 1.0)
+                    continue
+                if e.code in ("shutting_down", "model_load_failed"):
                     return  # the line stays `running` and resumes with the next start
                 await self._record(b.batch_id, line_no, cid, None, e.status, self.error_body(e), ok=False)
                 return

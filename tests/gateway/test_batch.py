@@ -191,3 +191,21 @@ def test_sigkill_mid_batch_then_restart_runs_no_line_twice(demo_model: Path, tmp
     finally:
         conn.close()
     assert statuses == {"done"}
+
+
+def test_cli_batch_submit_wait(server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from server.cli import main
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join([_line("cli-0", "hello"), _line("cli-1", "world"), "{broken"]) + "\n")
+    rc = main(["batch", "submit", str(src), "--wait", "--url", server.base, "--output-dir", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    bid = printed.split()[1]
+    out = _jsonl((tmp_path / f"{bid}_output.jsonl").read_bytes())
+    err = _jsonl((tmp_path / f"{bid}_error.jsonl").read_bytes())
+    assert [o["custom_id"] for o in out] == ["cli-0", "cli-1"] and len(err) == 1
+    assert main(["batch", "show", bid, "--url", server.base]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "completed"
+    assert main(["batch", "show", "batch_missing", "--url", server.base]) == 1
+    assert "batch_id" in capsys.readouterr().err

@@ -332,6 +332,10 @@ class BatchManager:
         spec.timeout_s = LINE_TIMEOUT_S
         await self.ledger.execute("UPDATE batch_lines SET status = 'running', attempt = ? WHERE batch_id = ? "
                                   "AND line_no = ?", (attempt, b.batch_id, line_no))
+        if await self._status(b.batch_id) == "cancelling":  # cancelled while this line was being set up
+            await self.ledger.execute("UPDATE batch_lines SET status = 'cancelled' WHERE batch_id = ? AND "
+                                      "line_no = ?", (b.batch_id, line_no))
+            return
         from server.api.openai_responses import EndWaiter
 
         while True:
@@ -374,12 +378,15 @@ class BatchManager:
                       body: dict[str, Any], ok: bool) -> None:
         result = {"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": cid,
                   "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None}
-        counter = "completed" if ok else "failed"
+        # One transaction (queued back to back): the line's result and the batch's counts, which
+        # are recounted from the lines, so they can never drift from what the files will hold.
         await self.ledger.execute_many([
             ("UPDATE batch_lines SET status = ?, request_id = ?, result_json = ? WHERE batch_id = ? AND line_no = ? "
              "AND status IN ('pending', 'running')",
              ("done" if ok else "error", request_id, json.dumps(result), batch_id, line_no)),
-            (f"UPDATE batches SET {counter} = {counter} + 1 WHERE batch_id = ?", (batch_id,)),
+            ("UPDATE batches SET completed = (SELECT COUNT(*) FROM batch_lines WHERE batch_id = ?1 AND "
+             "status = 'done'), failed = (SELECT COUNT(*) FROM batch_lines WHERE batch_id = ?1 AND status = 'error') "
+             "WHERE batch_id = ?1", (batch_id,)),
         ])
 
     async def _finalize(self, batch_id: str) -> None:

@@ -1,5 +1,6 @@
 """The `pagewire` command: `serve` runs the server; `requests list|show` reads the ledger;
-`keys …` and `usage` are the gateway's (server.gateway.cli).
+`keys …` and `usage` are the gateway's (server.gateway.cli); `plan` sizes a deployment
+(server.gateway.plan); `batch submit` sends a batch file to a running server.
 
 Everything here is torch-free until `serve` actually starts the engine (or builds the demo model),
 so `pagewire requests …` and `pagewire --help` are instant.
@@ -54,7 +55,58 @@ def _parser() -> argparse.ArgumentParser:
     from server.gateway.cli import add_parsers
 
     add_parsers(sub, "ledger file [env PAGEWIRE_DB]")
+
+    plan = sub.add_parser("plan", help="capacity planning: weights, KV budget, sequences that fit, decode roofline",
+                          description="Reads the model's config only (no weights). The engine options are "
+                                      "serve's, so the KV figures equal serve's start-up log for the same settings.")
+    add_plan_arguments(plan)
+    from server.gateway.batch_cli import add_batch_arguments
+
+    add_batch_arguments(sub.add_parser("batch", help="submit, show or cancel a batch on a running server"))
     return p
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    from server.serving.settings import OPTIONS
+
+    p.add_argument("model_dir", nargs="?", default=None,
+                   help="Hugging Face model folder or .gguf file (default: serve's default model)")
+    p.add_argument("--memory", default=None,
+                   help="memory for weights + activations + KV cache, e.g. 24GiB or 16GB; the KV pool is what "
+                        "is left (default: size the pool from --kv-cache-tokens / --kv-cache-memory-gb as serve does)")
+    p.add_argument("--bandwidth-gbs", type=float, default=None, help="memory read bandwidth in GB/s for the roofline")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    for o in OPTIONS:
+        if o.engine or o.name in ("demo_model", "cache_dir"):
+            if o.name == "demo_model":
+                p.add_argument(o.flag, dest=o.name, action=argparse.BooleanOptionalAction, default=None, help=o.help)
+            else:
+                p.add_argument(o.flag, dest=o.name, type=o.parse, default=None, help=o.help, metavar=o.name.upper())
+
+
+def _plan(ns: argparse.Namespace) -> int:
+    from server.engine.config import ConfigError
+    from server.gateway.plan import make_plan, parse_bytes, read_model_config, render
+    from server.models.config import ModelLoadError
+
+    try:
+        settings = settings_from_args(ns)
+        memory = parse_bytes(ns.memory) if ns.memory is not None else None
+    except ValueError as e:
+        print(f"pagewire: {'--memory: ' if 'size' in str(e) else ''}{e}", file=sys.stderr)
+        return 2
+    if ns.bandwidth_gbs is not None and ns.bandwidth_gbs <= 0:
+        print(f"pagewire: --bandwidth-gbs: must be positive, got {ns.bandwidth_gbs}", file=sys.stderr)
+        return 2
+    model_dir, name, _banner = _resolve_model(settings)
+    try:
+        config = settings.engine_config(str(model_dir))
+        plan = make_plan(name, read_model_config(model_dir), config, memory, ns.bandwidth_gbs)
+    except (ConfigError, ModelLoadError) as e:
+        print(f"pagewire: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_json()) if ns.json else render(plan))
+    return 0
 
 
 def _resolve_model(settings: ServeSettings) -> tuple[Path, str, Optional[str]]:
@@ -184,6 +236,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from server.gateway.cli import run_keys, run_usage
 
         return (run_keys if ns.command == "keys" else run_usage)(ns, _db(ns))
+    if ns.command == "plan":
+        return _plan(ns)
+    if ns.command == "batch":
+        from server.gateway.batch_cli import run_batch
+
+        return run_batch(ns)
     return _requests(ns)
 
 

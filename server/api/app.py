@@ -3,6 +3,7 @@ endpoints (/health, /v1/models, /tokenize, /detokenize, /metrics).
 
 Routes, and where each request goes next:
     POST /v1/completions, /v1/chat/completions → server.api.openai_http → server.serving.service
+    /v1/files, /v1/batches                     → server.gateway.http → server.gateway.batch → service
     WS   /v1/ws                                → server.api.ws          → server.serving.service
     GET  /v1/usage                             → server.gateway.usage (SQL over the ledger)
 Every route passes the OriginGuard, then the AuthGuard (server.gateway.auth) first.
@@ -72,6 +73,9 @@ def _epoch(text: Optional[str], name: str) -> Optional[float]:
 def build_app(rt: Runtime) -> Starlette:
     """The app for one Runtime. The Runtime starts in the lifespan, before the socket accepts."""
     api = ApiContext(rt)
+    from server.gateway.http import BatchGateway  # the batch tier (files, batches); see server/gateway
+
+    gateway = BatchGateway(api)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -79,9 +83,11 @@ def build_app(rt: Runtime) -> Starlette:
         if rt.tokenizer is not None:
             log.info("tool calls (tool_choice auto): parser %s (%s)", api.tool_parser,
                      "--tool-call-parser" if rt.settings.tool_call_parser != "auto" else "from the chat template")
+        await gateway.start()
         try:
             yield
         finally:
+            await gateway.stop()
             await rt.close()
 
     async def body_of(request: Request, typ: Any) -> Any:
@@ -195,6 +201,7 @@ def build_app(rt: Runtime) -> Starlette:
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/v1/usage", usage, methods=["GET"]),
+            *gateway.routes(),
             WebSocketRoute("/v1/ws", WsEndpoint(api)),
             *(ui_routes() if rt.settings.ui else []),
         ],

@@ -17,9 +17,10 @@ from typing import Sequence as Seq
 
 import torch
 
-from server.engine.config import ConfigError, EngineConfig
+from server.engine.config import EngineConfig
 from server.engine.errors import CapacityLimits, check_capacity
 from server.engine.isolation import execute_isolating
+from server.engine.kv_budget import kv_layout
 from server.engine.kv_cache_manager import KVCacheManager
 from server.engine.output_processor import OutputProcessor
 from server.engine.outputs import RequestDelta, TokenLogprob
@@ -70,29 +71,18 @@ class LLMEngine:
         mc = self.model_config
         self.device = torch.device(config.device)
         kv_dtype = next(self.model.parameters()).dtype
-        elem = torch.tensor([], dtype=kv_dtype).element_size()
-        bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * elem
-        bs = config.block_size
-        kv_tokens = config.kv_cache_tokens or int(config.kv_cache_memory_gb * 2**30 // bytes_per_token)
-        num_blocks = kv_tokens // bs
-        if num_blocks < 1:
-            raise ConfigError("kv_cache_memory_gb", "leaves room for no KV block at all")
+        # One sizing function for the engine and `pagewire plan`, so their figures always agree.
+        layout = kv_layout(
+            config, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+            dtype=str(kv_dtype).replace("torch.", ""), max_position_embeddings=mc.max_position_embeddings,
+        )
+        self.kv_layout = layout
+        bs = layout.block_size
+        num_blocks = layout.num_blocks
+        max_model_len = layout.max_model_len
         self.kv_cache = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
-        max_pos = mc.max_position_embeddings
-        # Default: the longest sequence the scheduler can always admit (pool minus watermark), so
-        # that no request within max_model_len is refused for KV room.
-        max_model_len = config.max_model_len or min(max_pos, self.scheduler.admission_limit_blocks * bs)
-        if max_model_len > max_pos:
-            raise ConfigError(
-                "max_model_len", f"{max_model_len} exceeds the model's max_position_embeddings ({max_pos})"
-            )
-        if max_model_len > num_blocks * bs:
-            raise ConfigError(
-                "kv_cache_tokens",
-                f"the KV cache holds {num_blocks * bs} tokens, fewer than one max_model_len "
-                f"sequence ({max_model_len}); raise the KV budget or lower max_model_len",
-            )
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens,
+                                   watermark_blocks=layout.watermark_blocks)
         self.max_model_len = max_model_len
         self.limits = CapacityLimits(
             max_model_len=max_model_len,
@@ -117,13 +107,7 @@ class LLMEngine:
         self._pending: list[RequestDelta] = []  # abort deltas produced between steps
         self.last_step_progressed = True  # the latest step scheduled work or emitted deltas
         self._stats = EngineStats(num_blocks=num_blocks)
-        total = num_blocks * bs
-        logger.info(
-            "KV cache: %d bytes/token (%s), %d blocks x %d tokens = %d tokens (%.2f GiB); "
-            "fits %d sequences of max_model_len %d",
-            bytes_per_token, str(kv_dtype).replace("torch.", ""), num_blocks, bs, total,
-            total * bytes_per_token / 2**30, total // max_model_len, max_model_len,
-        )
+        logger.info("%s", layout.log_line())
 
     # -- requests in ------------------------------------------------------------------------------
     def add_request(

@@ -11,6 +11,10 @@ Order of a step:
    pool keeps a watermark of free blocks (room for the running ones to grow);
 4. if a waiting sequence has strictly better priority than a running one and does not fit, the
    lowest-priority, latest-arrived running sequence is preempted to make room.
+Background work (priority >= BACKGROUND_PRIORITY: the batch tier's lines) only fills idle steps:
+while any other sequence is running or waiting, background sequences are neither scheduled nor
+admitted (running ones keep their blocks, and are the first victims when KV or a seat is needed),
+so an interactive stream's steps are the same size with or without a batch running.
 When the KV pool runs out while growing a running sequence, the lowest-priority, latest-arrived
 running sequence is preempted by recompute: its blocks are freed and it re-queues with
 `num_computed_tokens = 0`; the prefix cache usually makes the recompute cheap.
@@ -33,8 +37,12 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from server.engine.kv_budget import default_watermark
 from server.engine.kv_cache_manager import KVCacheManager
 from server.engine.request import SeqStatus, Sequence
+
+# Priorities at or above this are background work (the batch tier, server.gateway.batch).
+BACKGROUND_PRIORITY = 1 << 30
 
 
 @dataclass(slots=True)
@@ -86,10 +94,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # Free blocks kept back at admission, so running sequences can grow without
-        # immediately preempting the one just admitted (1% of the pool, at least one block, but
-        # never the whole pool: a one-block pool keeps none back).
+        # immediately preempting the one just admitted (kv_budget.default_watermark).
         nb = kv_cache.num_blocks
-        self.watermark = watermark_blocks if watermark_blocks is not None else min(max(1, nb // 100), nb - 1)
+        self.watermark = watermark_blocks if watermark_blocks is not None else default_watermark(nb)
         if not 0 <= self.watermark < kv_cache.num_blocks:
             raise ValueError(
                 f"watermark_blocks: must be in [0, {kv_cache.num_blocks}) for a pool of "
@@ -148,9 +155,14 @@ class Scheduler:
             preempted.append(victim)
             self.num_preemptions += 1
 
+        # Background sequences sit out every step that has foreground work (running or waiting);
+        # both lists are sorted by priority, so their heads tell.
+        foreground = bool(self.running and self.running[0].request.priority < BACKGROUND_PRIORITY) or bool(
+            self.waiting and self.waiting[0].request.priority < BACKGROUND_PRIORITY)
+        active = [s for s in self.running if s.request.priority < BACKGROUND_PRIORITY] if foreground else self.running
         # 1 + 2: running sequences, decodes before prefill chunks.
-        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        decodes = [s for s in active if s.num_tokens - s.num_computed_tokens == 1]
+        prefills = [s for s in active if s.num_tokens - s.num_computed_tokens > 1]
         for seq in decodes + prefills:
             if budget <= 0:
                 break
@@ -179,18 +191,21 @@ class Scheduler:
         # 3 + 4: admit waiting sequences. Not in a step that had to preempt for lack of KV:
         # admitting now would only evict what was just requeued.
         if not preempted:
-            budget = self._admit(budget, scheduled, preempt)
+            budget = self._admit(budget, scheduled, preempt, foreground)
 
         out = list(scheduled.values())
         self._register_full_blocks(out)
         return SchedulerOutput(out, preempted)
 
     def _admit(
-        self, budget: int, scheduled: dict[int, ScheduledSeq], preempt: Callable[[Sequence], None]
+        self, budget: int, scheduled: dict[int, ScheduledSeq], preempt: Callable[[Sequence], None],
+        foreground: bool = False,
     ) -> int:
         kv = self.kv_cache
         while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if foreground and seq.request.priority >= BACKGROUND_PRIORITY:
+                break  # background waits for an idle step
             n_samples = seq.request.params.n if not seq.request.forked else 1
             if seq.num_computed_tokens == 0 and not kv.has_blocks(seq):
                 seq.num_computed_tokens = kv.match_prefix(seq)

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pagewire.ledger")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # The one statement that closes rows nobody will finish: at open (rows a previous process left),
 # at the end of a drain, and on a forced exit (`ledger_sync`). Args: (finished_at, error).
@@ -102,6 +102,48 @@ _MIGRATIONS: list[str] = [
     INSERT INTO key_generation (generation) VALUES (0);
     ALTER TABLE requests ADD COLUMN key_id TEXT;
     CREATE INDEX requests_key_created ON requests (key_id, created_at);
+    """,
+    # 4: the batch tier (server.gateway): uploaded files, batches, and each batch line's progress.
+    """
+    CREATE TABLE files (
+        file_id     TEXT PRIMARY KEY,
+        purpose     TEXT NOT NULL,
+        filename    TEXT NOT NULL,
+        bytes       INTEGER NOT NULL,
+        created_at  REAL NOT NULL
+    );
+    CREATE TABLE batches (
+        batch_id          TEXT PRIMARY KEY,
+        input_file_id     TEXT NOT NULL,
+        endpoint          TEXT NOT NULL,
+        completion_window TEXT NOT NULL,
+        status            TEXT NOT NULL,
+        metadata_json     TEXT,
+        errors_json       TEXT,
+        created_at        REAL NOT NULL,
+        in_progress_at    REAL,
+        finalizing_at     REAL,
+        completed_at      REAL,
+        failed_at         REAL,
+        cancelling_at     REAL,
+        cancelled_at      REAL,
+        output_file_id    TEXT,
+        error_file_id     TEXT,
+        total             INTEGER NOT NULL DEFAULT 0,
+        completed         INTEGER NOT NULL DEFAULT 0,
+        failed            INTEGER NOT NULL DEFAULT 0
+    );
+    CREATE INDEX batches_created_at ON batches (created_at);
+    CREATE TABLE batch_lines (
+        batch_id      TEXT NOT NULL,
+        line_no       INTEGER NOT NULL,
+        custom_id     TEXT,
+        status        TEXT NOT NULL,
+        attempt       INTEGER NOT NULL DEFAULT 0,
+        request_id    TEXT,
+        result_json   TEXT,
+        PRIMARY KEY (batch_id, line_no)
+    );
     """,
 ]
 
@@ -485,8 +527,20 @@ class Ledger:
         row = await cur.fetchone()
         return RequestRecord.from_row(tuple(row)) if row else None
 
+    # -- the batch tier's tables (server.gateway): same writer queue, same reader ---------------
+    async def execute(self, sql: str, args: tuple[Any, ...] = ()) -> None:
+        """One write through the writer queue; returns once committed (FIFO with request writes)."""
+        fut = self._enqueue(sql, args, wait=True)
+        assert fut is not None
+        await fut
+
+    async def execute_many(self, statements: list[tuple[str, tuple[Any, ...]]]) -> None:
+        """Several writes queued back to back, so they commit in one transaction (group commit)."""
+        futs = [self._enqueue(sql, args, wait=True) for sql, args in statements]
+        await asyncio.gather(*[f for f in futs if f is not None])
+
     async def query(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-        """A read on the reader connection (usage reports, the daily quota's start-up sum)."""
+        """Rows of a read on the reader connection (the last committed state)."""
         cur = await self._reader.execute(sql, args)
         return [tuple(r) for r in await cur.fetchall()]
 

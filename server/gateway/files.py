@@ -1,0 +1,101 @@
+"""Uploaded and generated files (OpenAI's Files API subset): bytes under the data directory, metadata in the ledger.
+
+A file is written to `<data dir>/files/<file_id>` through a temporary name, fsynced and renamed, and
+only then recorded in the ledger's `files` table, so a recorded file is always complete on disk.
+The data directory is the ledger database's folder. Purposes: `batch` (uploads: JSONL batch
+input) and `batch_output` (a batch's output and error files, written by server.gateway.batch).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from server.serving.errors import InvalidRequest, NotFound, TooLarge
+from server.serving.ledger import Ledger
+
+UPLOAD_PURPOSES = ("batch",)
+OUTPUT_PURPOSE = "batch_output"
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    file_id: str
+    purpose: str
+    filename: str
+    bytes: int
+    created_at: float
+
+    def to_json(self) -> dict[str, Any]:
+        """OpenAI's file object."""
+        return {"id": self.file_id, "object": "file", "bytes": self.bytes, "created_at": int(self.created_at),
+                "filename": self.filename, "purpose": self.purpose, "status": "processed"}
+
+
+@dataclass(frozen=True)
+class FileLimits:
+    max_bytes: int = 100 * 2**20
+    max_lines: int = 50_000
+
+
+class FileStore:
+    def __init__(self, ledger: Ledger, directory: Path, limits: FileLimits = FileLimits()) -> None:
+        self.ledger = ledger
+        self.dir = directory
+        self.limits = limits
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    def path(self, file_id: str) -> Path:
+        return self.dir / file_id
+
+    async def upload(self, purpose: str, filename: str, data: bytes) -> FileRecord:
+        """Check and store an upload; 400/413 naming the field or file when it is not acceptable."""
+        if purpose not in UPLOAD_PURPOSES:
+            raise InvalidRequest(f"purpose: must be one of {', '.join(UPLOAD_PURPOSES)}, got {purpose!r}",
+                                 param="purpose")
+        if len(data) > self.limits.max_bytes:
+            raise TooLarge(f"file: {filename!r} is {len(data)} bytes, over the limit of {self.limits.max_bytes}")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InvalidRequest(f"file: {filename!r} is not UTF-8 ({e})", param="file") from None
+        lines = [ln for ln in text.splitlines() if ln.strip()]
+        if not lines:
+            raise InvalidRequest(f"file: {filename!r} has no lines", param="file")
+        if len(lines) > self.limits.max_lines:
+            raise InvalidRequest(f"file: {filename!r} has {len(lines)} lines, over the limit of "
+                                 f"{self.limits.max_lines}", param="file")
+        return await self.write(purpose, filename, data)
+
+    async def write(self, purpose: str, filename: str, data: bytes, file_id: Optional[str] = None) -> FileRecord:
+        rec = FileRecord(file_id or f"file-{uuid.uuid4().hex[:24]}", purpose, filename, len(data), time.time())
+        await asyncio.get_running_loop().run_in_executor(None, self._write_bytes, rec.file_id, data)
+        await self.ledger.execute(
+            "INSERT OR REPLACE INTO files (file_id, purpose, filename, bytes, created_at) VALUES (?, ?, ?, ?, ?)",
+            (rec.file_id, rec.purpose, rec.filename, rec.bytes, rec.created_at))
+        return rec
+
+    def _write_bytes(self, file_id: str, data: bytes) -> None:
+        tmp = self.dir / f".{file_id}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path(file_id))
+
+    async def get(self, file_id: str, param: str = "file_id") -> FileRecord:
+        rows = await self.ledger.query(
+            "SELECT file_id, purpose, filename, bytes, created_at FROM files WHERE file_id = ?", (file_id,))
+        if not rows:
+            raise NotFound(f"{param}: no file {file_id!r}", param=param, code="file_not_found")
+        return FileRecord(*rows[0])
+
+    async def content(self, file_id: str) -> bytes:
+        await self.get(file_id)
+        return await asyncio.get_running_loop().run_in_executor(None, self.path(file_id).read_bytes)

@@ -1,0 +1,188 @@
+"""HTTP routes of the batch tier: /v1/files (upload, metadata, content) and /v1/batches (create, get, list, cancel).
+
+`BatchGateway` builds the BatchManager once the Runtime has started (it needs the ledger and the
+service) and stops it before the Runtime drains. Request bodies of a line are parsed exactly as
+the interactive endpoints parse theirs (`openai_format.chat_spec` / `completion_specs`), and a
+finished line's response body is the interactive endpoint's (`Formatter`), so a batch line and a
+direct request give the same answer.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from server.api.context import ApiContext
+from server.api.decode import decode
+from server.api.http_io import error_payload, retry_headers
+from server.api.openai_format import chat_spec, completion_specs
+from server.api.protocol import ChatCompletionRequest, CompletionRequest
+from server.gateway.batch import BatchManager
+from server.gateway.files import FileLimits, FileStore
+from server.serving.errors import InvalidRequest, PagewireError, TooLarge, Unavailable
+from server.serving.jobs import GenerationSpec
+from server.serving.streams import EndEvent
+
+
+def _error(exc: PagewireError) -> JSONResponse:
+    return JSONResponse(error_payload(exc), status_code=exc.status,
+                        headers={k.decode(): v.decode() for k, v in retry_headers(exc)})
+
+
+class BatchGateway:
+    def __init__(self, api: ApiContext, limits: Optional[FileLimits] = None) -> None:
+        self.api = api
+        self.limits = limits or FileLimits()
+        self.manager: Optional[BatchManager] = None
+        self.files: Optional[FileStore] = None
+
+    async def start(self) -> None:
+        rt = self.api.rt
+        assert rt.ledger is not None
+        self.files = FileStore(rt.ledger, rt.ledger.path.parent / "files", self.limits)
+        self.manager = BatchManager(rt.ledger, self.files, self.api.service, self._spec, self._render,
+                                    error_payload, concurrency=max(1, rt.settings.max_num_seqs // 2))
+        await self.manager.start()
+
+    async def stop(self) -> None:
+        if self.manager is not None:
+            await self.manager.stop()
+
+    # -- what a line is and what it answers --------------------------------------------------------
+    def _spec(self, kind: str, body: bytes, client: str, key: Optional[str]) -> GenerationSpec:
+        model = self.api.rt.model_name
+        if kind == "chat":
+            chat: ChatCompletionRequest = decode(body, ChatCompletionRequest)
+            self.api.check_model(chat.model)
+            return chat_spec(chat, "batch", client, model, key)
+        req: CompletionRequest = decode(body, CompletionRequest)
+        self.api.check_model(req.model)
+        specs = completion_specs(req, "batch", client, model, key, 1)
+        if len(specs) != 1:
+            raise InvalidRequest("prompt: a batch line takes one prompt; put each prompt on its own line",
+                                 param="prompt")
+        return specs[0]
+
+    def _render(self, kind: str, end: EndEvent) -> dict[str, Any]:
+        fmt = self.api.formatter
+        return fmt.chat_response(end) if kind == "chat" else fmt.completion_response(end)
+
+    # -- routes ---------------------------------------------------------------------------------
+    def _parts(self) -> tuple[BatchManager, FileStore]:
+        if self.manager is None or self.files is None:
+            raise Unavailable("server is starting", code="starting", retry_after_s=2)
+        return self.manager, self.files
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/files", self.upload, methods=["POST"]),
+            Route("/v1/files/{file_id}", self.file, methods=["GET"]),
+            Route("/v1/files/{file_id}/content", self.file_content, methods=["GET"]),
+            Route("/v1/batches", self.create, methods=["POST"]),
+            Route("/v1/batches", self.list, methods=["GET"]),
+            Route("/v1/batches/{batch_id}", self.get, methods=["GET"]),
+            Route("/v1/batches/{batch_id}/cancel", self.cancel, methods=["POST"]),
+        ]
+
+    async def upload(self, request: Request) -> Response:
+        try:
+            _, files = self._parts()
+            length = request.headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > self.limits.max_bytes + 2**20:
+                raise TooLarge(f"file: the upload is {length} bytes, over the limit of {self.limits.max_bytes}")
+            if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+                raise InvalidRequest("file: send the file as multipart/form-data with fields 'file' and 'purpose'",
+                                     param="file")
+            async with request.form(max_files=1, max_fields=8) as form:
+                purpose = form.get("purpose")
+                upload = form.get("file")
+                if not isinstance(purpose, str):
+                    raise InvalidRequest("purpose: required form field", param="purpose")
+                if not isinstance(upload, UploadFile):
+                    raise InvalidRequest("file: required form field (a file)", param="file")
+                data = await upload.read(self.limits.max_bytes + 1)
+                rec = await files.upload(purpose, upload.filename or "upload.jsonl", data)
+        except PagewireError as e:
+            return _error(e)
+        except Exception as e:  # multipart framing errors from the parser: the client's fault
+            if isinstance(e, (KeyError, ValueError)) or type(e).__name__ == "MultiPartException":
+                return _error(InvalidRequest(f"file: malformed multipart body ({e})", param="file"))
+            raise
+        return JSONResponse(rec.to_json())
+
+    async def file(self, request: Request) -> Response:
+        try:
+            _, files = self._parts()
+            rec = await files.get(request.path_params["file_id"])
+        except PagewireError as e:
+            return _error(e)
+        return JSONResponse(rec.to_json())
+
+    async def file_content(self, request: Request) -> Response:
+        try:
+            _, files = self._parts()
+            data = await files.content(request.path_params["file_id"])
+        except PagewireError as e:
+            return _error(e)
+        return Response(data, media_type="application/jsonl")
+
+    async def create(self, request: Request) -> Response:
+        try:
+            manager, _ = self._parts()
+            body = await request.body()
+            if len(body) > self.api.rt.settings.max_request_bytes:
+                raise TooLarge("request body exceeds the limit")
+            try:
+                obj = json.loads(body)
+            except json.JSONDecodeError as e:
+                raise InvalidRequest(f"body: not valid JSON ({e})") from None
+            if not isinstance(obj, dict):
+                raise InvalidRequest("body: must be a JSON object")
+            fields: dict[str, str] = {}
+            for name in ("input_file_id", "endpoint", "completion_window"):
+                v = obj.get(name, "24h" if name == "completion_window" else None)
+                if not isinstance(v, str):
+                    raise InvalidRequest(f"{name}: required, a string", param=name)
+                fields[name] = v
+            metadata = obj.get("metadata")
+            if metadata is not None and not (isinstance(metadata, dict) and all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+                raise InvalidRequest("metadata: must be an object of strings", param="metadata")
+            b = await manager.create(fields["input_file_id"], fields["endpoint"], fields["completion_window"],
+                                     metadata)
+        except PagewireError as e:
+            return _error(e)
+        return JSONResponse(b.to_json())
+
+    async def get(self, request: Request) -> Response:
+        try:
+            manager, _ = self._parts()
+            b = await manager.get(request.path_params["batch_id"])
+        except PagewireError as e:
+            return _error(e)
+        return JSONResponse(b.to_json())
+
+    async def list(self, request: Request) -> Response:
+        try:
+            manager, _ = self._parts()
+            raw = request.query_params.get("limit", "20")
+            if not raw.isdigit() or not 1 <= int(raw) <= 100:
+                raise InvalidRequest(f"limit: must be an integer in [1, 100], got {raw!r}", param="limit")
+            rows = await manager.list_batches(int(raw) + 1, request.query_params.get("after"))
+        except PagewireError as e:
+            return _error(e)
+        data = [b.to_json() for b in rows[:int(raw)]]
+        return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                             "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > int(raw)})
+
+    async def cancel(self, request: Request) -> Response:
+        try:
+            manager, _ = self._parts()
+            b = await manager.cancel(request.path_params["batch_id"])
+        except PagewireError as e:
+            return _error(e)
+        return JSONResponse(b.to_json())

@@ -1,0 +1,232 @@
+"""`pagewire plan`: capacity planning from a model's config, without loading its weights.
+
+It owns the napkin math of serving a model in a memory budget: weight bytes, KV bytes per token,
+the KV budget left after weights and activations, how many sequences of each length fit, and the
+decode roofline (tokens/s = bandwidth / bytes read per step). The KV pool itself is sized by
+`server.engine.kv_budget.kv_layout`, the function the engine uses at start-up, so the `KV cache:`
+line printed here is the line `pagewire serve` logs for the same settings.
+
+Torch-free: it reads config.json or GGUF metadata only.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from server.engine.config import ConfigError, EngineConfig
+from server.engine.kv_budget import DTYPE_BYTES, KVLayout, kv_layout
+from server.models.config import ModelConfig
+
+# Q8_0 (--quantization int8): 32 int8 values and one fp16 scale per block.
+Q8_0_BYTES_PER_VALUE = 34 / 32
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'24GiB', '24 GB', '512MiB', '1e9' → bytes. Raises ValueError naming the accepted units."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"expected a size such as 24GiB, 16GB or 512MiB, got {text!r}")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def read_model_config(path: Path) -> ModelConfig:
+    """The config of a Hugging Face folder (config.json) or a GGUF file (its metadata only)."""
+    from server.models.gguf_file import is_gguf_path
+
+    if is_gguf_path(path):
+        from server.models.gguf_config import config_from_gguf
+        from server.models.gguf_file import GGUFFile
+
+        return config_from_gguf(GGUFFile.open(path))
+    return ModelConfig.from_model_dir(path)
+
+
+def resolved_dtype(config: EngineConfig, mc: ModelConfig) -> str:
+    """The dtype the engine serves (and stores KV) in: "auto" is the checkpoint's (GGUF: its float
+    type, or float32 for quantised files), as `server.models.loader.resolve_dtype` decides."""
+    return mc.torch_dtype if config.dtype == "auto" else config.dtype
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """Bytes of the served weights, and how many of them one decode step reads."""
+
+    total: int
+    read_per_step: int  # all but the embedding table when it is not also the output projection
+    parameters: int
+
+
+def weight_bytes(mc: ModelConfig, dtype: str, quantization: str) -> WeightBytes:
+    """Counted from the shapes `LlamaFamilyForCausalLM` allocates (fused qkv, gate_up)."""
+    e = DTYPE_BYTES[dtype]
+    q8 = quantization == "int8"
+    H, I, V = mc.hidden_size, mc.intermediate_size, mc.vocab_size
+    qkv = mc.q_size + 2 * mc.kv_size
+    matrices = qkv * H + H * mc.q_size + 2 * I * H + H * I
+    small = 2 * H  # the two norms
+    small += qkv if mc.qkv_bias else 0
+    small += H if mc.o_bias else 0
+    small += (2 * I + H) if mc.mlp_bias else 0
+    small += (mc.num_heads + mc.num_kv_heads) * mc.head_dim if mc.qk_norm else 0
+    per_layer = matrices * (Q8_0_BYTES_PER_VALUE if q8 else e) + small * e
+    embed = V * H * e
+    # A tied output projection is the embedding table itself, unless int8 gives it its own copy.
+    separate_head = (not mc.tie_word_embeddings) or q8
+    head = V * H * (Q8_0_BYTES_PER_VALUE if q8 else e) if separate_head else 0
+    total = int(mc.num_layers * per_layer + embed + H * e + head)
+    read = total - (embed if separate_head else 0)  # a separate embedding table: only rows are read
+    params = mc.num_layers * (matrices + small) + V * H + H + (V * H if not mc.tie_word_embeddings else 0)
+    return WeightBytes(total, read, params)
+
+
+def activation_bytes(mc: ModelConfig, dtype: str, config: EngineConfig) -> int:
+    """An upper estimate of one step's working tensors: a layer's largest intermediates for the
+    step's token budget (residual, hidden, qkv, attention output, gate_up and its SiLU product),
+    plus float32 logits for max_num_seqs sampled rows and the sampler's working copy."""
+    e = DTYPE_BYTES[dtype]
+    T = config.max_num_batched_tokens
+    per_token = 2 * mc.hidden_size + mc.q_size + 2 * mc.kv_size + mc.q_size + 3 * mc.intermediate_size
+    logits = 2 * config.max_num_seqs * mc.vocab_size * 4
+    return T * per_token * e + logits
+
+
+@dataclass(frozen=True)
+class LengthRow:
+    seq_len: int
+    fits: int
+    batch: int  # min(fits, max_num_seqs): the batch the roofline assumes
+    roofline_b1: Optional[float]  # tokens/s at batch 1
+    roofline_bn: Optional[float]  # tokens/s at `batch`
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    dtype: str
+    quantization: str
+    memory_bytes: Optional[int]
+    weights: WeightBytes
+    activations: int
+    kv_budget_bytes: Optional[int]  # memory - weights - activations
+    layout: KVLayout
+    max_num_seqs: int
+    bandwidth_gbs: Optional[float]
+    rows: list[LengthRow] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        lay = self.layout
+        return {
+            "model": self.model, "dtype": self.dtype, "quantization": self.quantization,
+            "memory_bytes": self.memory_bytes, "weight_bytes": self.weights.total,
+            "weight_bytes_read_per_step": self.weights.read_per_step, "parameters": self.weights.parameters,
+            "activation_bytes": self.activations, "kv_budget_bytes": self.kv_budget_bytes,
+            "kv_bytes_per_token": lay.bytes_per_token, "block_size": lay.block_size,
+            "num_blocks": lay.num_blocks, "kv_tokens": lay.total_tokens, "kv_bytes": lay.total_bytes,
+            "max_model_len": lay.max_model_len, "kv_log_line": lay.log_line(),
+            "serve_flags": self.serve_flags(), "bandwidth_gbs": self.bandwidth_gbs,
+            "lengths": [r.__dict__ for r in self.rows],
+        }
+
+    def serve_flags(self) -> str:
+        """The `pagewire serve` options that give the engine exactly this pool."""
+        flags = f"--kv-cache-tokens {self.layout.total_tokens} --block-size {self.layout.block_size}"
+        flags += f" --max-model-len {self.layout.max_model_len}"
+        if self.dtype:
+            flags += f" --dtype {self.dtype}"
+        if self.quantization != "none":
+            flags += f" --quantization {self.quantization}"
+        return flags
+
+
+def make_plan(model: str, mc: ModelConfig, config: EngineConfig, memory_bytes: Optional[int],
+              bandwidth_gbs: Optional[float]) -> Plan:
+    """The plan for `config` (the same EngineConfig `serve` would build). With `memory_bytes`, the
+    KV pool is what is left after weights and activations; without, the config's own KV setting."""
+    dtype = resolved_dtype(config, mc)
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError("dtype", f"must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    weights = weight_bytes(mc, dtype, config.quantization)
+    acts = activation_bytes(mc, dtype, config)
+    budget: Optional[int] = None
+    kv_tokens: Optional[int] = None
+    if memory_bytes is not None:
+        budget = memory_bytes - weights.total - acts
+        if budget <= 0:
+            raise ConfigError(
+                "memory", f"{_gib(memory_bytes)} does not hold the weights ({_gib(weights.total)}) and "
+                f"activations ({_gib(acts)}); nothing is left for the KV cache")
+        from server.engine.kv_budget import kv_bytes_per_token
+
+        bpt = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, DTYPE_BYTES[dtype])
+        kv_tokens = budget // bpt
+        if kv_tokens < config.block_size:
+            raise ConfigError("memory", f"leaves {budget} bytes for KV, less than one block")
+    layout = kv_layout(config, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                       dtype=dtype, max_position_embeddings=mc.max_position_embeddings,
+                       kv_cache_tokens=kv_tokens)
+    rows = []
+    for n in _lengths(layout.max_model_len):
+        fits = layout.sequences_fitting(n)
+        batch = max(1, min(fits, config.max_num_seqs))
+        b1 = bn = None
+        if bandwidth_gbs:
+            bw = bandwidth_gbs * 1e9
+            b1 = bw / (weights.read_per_step + n * layout.bytes_per_token)
+            bn = batch * bw / (weights.read_per_step + batch * n * layout.bytes_per_token)
+        rows.append(LengthRow(n, fits, batch, b1, bn))
+    return Plan(model, dtype, config.quantization, memory_bytes, weights, acts, budget, layout,
+                config.max_num_seqs, bandwidth_gbs, rows)
+
+
+def _lengths(max_len: int) -> list[int]:
+    out, n = [], 256
+    while n < max_len:
+        out.append(n)
+        n *= 2
+    return out + [max_len]
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+def render(plan: Plan) -> str:
+    lay = plan.layout
+    lines = [f"model: {plan.model}  (dtype {plan.dtype}, quantization {plan.quantization})"]
+    if plan.memory_bytes is not None:
+        lines.append(f"memory:           {_gib(plan.memory_bytes)} ({plan.memory_bytes} bytes)")
+    lines += [
+        f"weights:          {_gib(plan.weights.total)} ({plan.weights.total} bytes, "
+        f"{plan.weights.parameters / 1e6:.1f}M parameters); read per decode step "
+        f"{_gib(plan.weights.read_per_step)}",
+        f"activations:      {_gib(plan.activations)} (estimate: one step's largest tensors + logits)",
+    ]
+    if plan.kv_budget_bytes is not None:
+        lines.append(f"KV budget:        {_gib(plan.kv_budget_bytes)} (memory - weights - activations)")
+    lines += [
+        f"KV per token:     {lay.bytes_per_token} bytes (2 x layers x kv_heads x head_dim x "
+        f"{DTYPE_BYTES[plan.dtype]} bytes)",
+        lay.log_line(),
+        f"serve with:       pagewire serve MODEL {plan.serve_flags()}",
+        "",
+        f"{'seq len':>8} {'fit':>7} {'batch':>6} {'tok/s b=1':>10} {'tok/s b=N':>10}",
+    ]
+    for r in plan.rows:
+        b1 = f"{r.roofline_b1:.1f}" if r.roofline_b1 is not None else "-"
+        bn = f"{r.roofline_bn:.1f}" if r.roofline_bn is not None else "-"
+        lines.append(f"{r.seq_len:>8} {r.fits:>7} {r.batch:>6} {b1:>10} {bn:>10}")
+    lines.append("")
+    if plan.bandwidth_gbs:
+        lines.append(f"roofline: tokens/s = batch x {plan.bandwidth_gbs:g} GB/s / (weights read per step + "
+                     "batch x seq len x KV bytes/token); batch N = min(fit, max_num_seqs "
+                     f"{plan.max_num_seqs}). Compute and overheads only lower it.")
+    else:
+        lines.append("roofline: pass --bandwidth-gbs B (memory read bandwidth). Measure it on this machine "
+                     "with `python -m bench.bandwidth` from a pagewire checkout, or take the device's "
+                     "datasheet figure.")
+    return "\n".join(lines)

@@ -21,6 +21,7 @@ from server.api.decode import decode
 from server.api.http_io import error_payload, retry_headers
 from server.api.openai_format import chat_spec, completion_specs
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
+from server.gateway.auth import PermissionDenied, principal_of
 from server.gateway.batch import BatchManager
 from server.gateway.files import FileLimits, FileStore
 from server.serving.errors import InvalidRequest, PagewireError, TooLarge, Unavailable
@@ -72,7 +73,13 @@ class BatchGateway:
         return fmt.chat_response(end) if kind == "chat" else fmt.completion_response(end)
 
     # -- routes ---------------------------------------------------------------------------------
-    def _parts(self) -> tuple[BatchManager, FileStore]:
+    def _parts(self, request: Request) -> tuple[BatchManager, FileStore]:
+        # Batches and files have no per-key owner yet, so while authentication is on only the
+        # admin may use them: any other key could otherwise read every batch's outputs.
+        who = principal_of(request.scope)
+        if who is not None and not who.admin:
+            raise PermissionDenied("the batch tier (/v1/files, /v1/batches) takes the admin key while "
+                                   "authentication is on: batches and files are not yet owned per API key")
         if self.manager is None or self.files is None:
             raise Unavailable("server is starting", code="starting", retry_after_s=2)
         return self.manager, self.files
@@ -90,7 +97,7 @@ class BatchGateway:
 
     async def upload(self, request: Request) -> Response:
         try:
-            _, files = self._parts()
+            _, files = self._parts(request)
             length = request.headers.get("content-length")
             if length is not None and length.isdigit() and int(length) > self.limits.max_bytes + 2**20:
                 raise TooLarge(f"file: the upload is {length} bytes, over the limit of {self.limits.max_bytes}")
@@ -116,7 +123,7 @@ class BatchGateway:
 
     async def file(self, request: Request) -> Response:
         try:
-            _, files = self._parts()
+            _, files = self._parts(request)
             rec = await files.get(request.path_params["file_id"])
         except PagewireError as e:
             return _error(e)
@@ -124,7 +131,7 @@ class BatchGateway:
 
     async def file_content(self, request: Request) -> Response:
         try:
-            _, files = self._parts()
+            _, files = self._parts(request)
             data = await files.content(request.path_params["file_id"])
         except PagewireError as e:
             return _error(e)
@@ -132,7 +139,7 @@ class BatchGateway:
 
     async def create(self, request: Request) -> Response:
         try:
-            manager, _ = self._parts()
+            manager, _ = self._parts(request)
             body = await request.body()
             if len(body) > self.api.rt.settings.max_request_bytes:
                 raise TooLarge("request body exceeds the limit")
@@ -160,7 +167,7 @@ class BatchGateway:
 
     async def get(self, request: Request) -> Response:
         try:
-            manager, _ = self._parts()
+            manager, _ = self._parts(request)
             b = await manager.get(request.path_params["batch_id"])
         except PagewireError as e:
             return _error(e)
@@ -168,7 +175,7 @@ class BatchGateway:
 
     async def list(self, request: Request) -> Response:
         try:
-            manager, _ = self._parts()
+            manager, _ = self._parts(request)
             raw = request.query_params.get("limit", "20")
             if not raw.isdigit() or not 1 <= int(raw) <= 100:
                 raise InvalidRequest(f"limit: must be an integer in [1, 100], got {raw!r}", param="limit")
@@ -181,7 +188,7 @@ class BatchGateway:
 
     async def cancel(self, request: Request) -> Response:
         try:
-            manager, _ = self._parts()
+            manager, _ = self._parts(request)
             b = await manager.cancel(request.path_params["batch_id"])
         except PagewireError as e:
             return _error(e)

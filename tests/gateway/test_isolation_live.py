@@ -94,6 +94,11 @@ def test_keys_auth_ownership_usage_and_revocation(demo_model: Path, tmp_path: Pa
         r = httpx.get(base + "/metrics", headers=_h(a))
         assert r.status_code == 403 and r.json()["error"]["code"] == "permission_denied"
         assert httpx.get(base + "/metrics", headers=_h(admin)).status_code == 200
+        # The batch tier has no per-key owner yet: admin only while authentication is on.
+        for method, path in (("GET", "/v1/batches"), ("GET", "/v1/files/file-x"), ("POST", "/v1/batches/b/cancel")):
+            r = httpx.request(method, base + path, headers=_h(a))
+            assert r.status_code == 403 and r.json()["error"]["code"] == "permission_denied", (path, r.text)
+        assert httpx.get(base + "/v1/batches", headers=_h(admin)).json()["object"] == "list"
 
         # The openai SDK with a key; the row records its key.
         c = openai.OpenAI(base_url=base + "/v1", api_key=a, max_retries=0)

@@ -15,10 +15,10 @@ from tests.ui.page import ChatPage
 
 
 @pytest.fixture
-def keyed_server(demo_model: Path, tmp_path: Path) -> Iterator[tuple[ServerProcess, str, str]]:
+def keyed_server(real_model: Path, tmp_path: Path) -> Iterator[tuple[ServerProcess, str, str]]:
     db = tmp_path / "keyed.db"
     key_id, secret = _create(db, "browser")
-    with ServerProcess(demo_model, db) as proc:
+    with ServerProcess(real_model, db) as proc:
         yield proc, key_id, secret
 
 

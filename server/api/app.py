@@ -35,9 +35,9 @@ from server.api.tools import check_tools
 from server.api.ui import ui_routes
 from server.api.ws import WsEndpoint
 from server.api.ws_watchdog import CaptureTransport
-from server.gateway.auth import AuthGuard, PermissionDenied, principal_of
+from server.gateway.auth import AuthGuard, principal_of
 from server.gateway.usage import usage_report
-from server.serving.errors import InvalidRequest, NotFound, PagewireError, TooLarge, Unavailable
+from server.serving.errors import InvalidRequest, NotFound, PagewireError, PermissionDenied, TooLarge, Unavailable
 from server.serving.ledger_health import ledger_health
 from server.serving.metrics import CONTENT_TYPE
 from server.serving.prompts import render_chat

@@ -27,7 +27,7 @@ from typing import Any, Callable, MutableMapping, Optional
 
 from server.gateway.keys import ApiKey, KeyStore, hash_secret, key_id_of, secret_matches
 from server.gateway.quotas import Limits
-from server.serving.errors import PagewireError
+from server.serving.errors import InvalidApiKey, PagewireError, PermissionDenied
 
 log = logging.getLogger("pagewire.auth")
 
@@ -37,18 +37,6 @@ WS_SUBPROTOCOL = "pagewire"
 WS_KEY_PREFIX = "pagewire-key."
 OPEN_PATHS = ("/health",)
 ADMIN_PATHS = ("/metrics",)
-
-
-class InvalidApiKey(PagewireError):
-    status = 401
-    code = "invalid_api_key"
-    error_type = "invalid_request_error"
-
-
-class PermissionDenied(PagewireError):
-    status = 403
-    code = "permission_denied"
-    error_type = "invalid_request_error"
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,10 @@ from server.api.decode import decode
 from server.api.http_io import error_payload, retry_headers
 from server.api.openai_format import chat_spec, completion_specs
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
-from server.gateway.auth import PermissionDenied, principal_of
+from server.gateway.auth import principal_of
 from server.gateway.batch import BatchManager
 from server.gateway.files import FileLimits, FileStore
-from server.serving.errors import InvalidRequest, PagewireError, TooLarge, Unavailable
+from server.serving.errors import InvalidRequest, PagewireError, PermissionDenied, TooLarge, Unavailable
 from server.serving.jobs import GenerationSpec
 from server.serving.streams import EndEvent
 

@@ -90,3 +90,19 @@ class Conflict(PagewireError):
     status = 409
     code = "conflict"
     error_type = "invalid_request_error"
+
+
+class InvalidApiKey(PagewireError):
+    """A missing, wrong, revoked or expired API key (server.gateway.auth)."""
+
+    status = 401
+    code = "invalid_api_key"
+    error_type = "invalid_request_error"
+
+
+class PermissionDenied(PagewireError):
+    """A valid key without the permission the route needs (e.g. admin-only routes)."""
+
+    status = 403
+    code = "permission_denied"
+    error_type = "invalid_request_error"

@@ -12,7 +12,6 @@ import pytest
 from server.gateway.auth import (
     AuthConfigError,
     Authenticator,
-    InvalidApiKey,
     Principal,
     bind,
     check_policy,
@@ -22,6 +21,7 @@ from server.gateway.cli import parse_when
 from server.gateway.keys import KeyError_, KeyStore, hash_secret, key_id_of
 from server.gateway.quotas import Limits, QuotaBook, RateLimited
 from server.serving.admission import BATCH, INTERACTIVE, AdmissionQueue
+from server.serving.errors import InvalidApiKey
 from server.serving.jobs import GenerationSpec
 from server.serving.ledger import Ledger
 

@@ -41,7 +41,11 @@ def test_tpm_429_headers_and_the_openai_sdk_retry(in_process: Any, make_key: Any
     srv.rt.quotas.clock = clock
     sleeps: list[float] = []
     c = _client(srv.base, secret, 0, clock, sleeps)
-    r = c.completions.create(model="demo", prompt=PROMPT, max_tokens=57, extra_body={"ignore_eos": True})
+    ok = c.completions.with_raw_response.create(model="demo", prompt=PROMPT, max_tokens=57,
+                                                extra_body={"ignore_eos": True})
+    # Like OpenAI, a 200 carries the key's limits too: the state right after its reservation.
+    assert (ok.headers["x-ratelimit-limit-tokens"], ok.headers["x-ratelimit-remaining-tokens"]) == ("100", "40")
+    r = ok.parse()
     assert r.usage is not None and r.usage.total_tokens == 60  # reserved 60, used 60
     # 40 left; another 60 needs 20 more tokens at 100/60 per second: 12 s.
     raw = httpx.post(srv.base + "/v1/completions", headers={"Authorization": f"Bearer {secret}"},

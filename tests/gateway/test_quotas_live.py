@@ -3,6 +3,8 @@ OpenAI's headers, the openai SDK's automatic retry honouring them, and reservati
 completion, cancel and failure. No test sleeps: the clock is moved by the SDK's retry hook."""
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,20 @@ def _client(base: str, secret: str, retries: int, clock: FakeClock, sleeps: list
     return client
 
 
+async def _ws_generate(port: int, secret: str, max_tokens: int) -> dict[str, Any]:
+    """The frame that ends one WebSocket generate (done or error)."""
+    from websockets.asyncio.client import connect
+
+    async with connect(f"ws://127.0.0.1:{port}/v1/ws", proxy=None,
+                       additional_headers={"Authorization": f"Bearer {secret}"}) as ws:
+        await ws.send(json.dumps({"type": "generate", "id": "w", "kind": "completion", "prompt": PROMPT,
+                                  "params": {"max_tokens": max_tokens}}))
+        while True:
+            f: dict[str, Any] = json.loads(await ws.recv())
+            if f["type"] in ("done", "error"):
+                return f
+
+
 def test_tpm_429_headers_and_the_openai_sdk_retry(in_process: Any, make_key: Any, tmp_path: Path,
                                                   caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
@@ -55,6 +71,10 @@ def test_tpm_429_headers_and_the_openai_sdk_retry(in_process: Any, make_key: Any
     assert raw.json()["error"]["code"] == "rate_limit_exceeded"
     assert (h["x-ratelimit-limit-tokens"], h["x-ratelimit-remaining-tokens"]) == ("100", "40")
     assert h["x-ratelimit-reset-tokens"] == "36s" and h["retry-after"] == "12" and h["retry-after-ms"] == "12000"
+    # The same refusal on the WebSocket: an `error` frame with retry_after_ms.
+    frame = asyncio.run(_ws_generate(srv.port, secret, 57))
+    assert frame["type"] == "error" and frame["code"] == "rate_limit_exceeded", frame
+    assert frame["retry_after_ms"] == 12000
     with pytest.raises(openai.RateLimitError) as e:
         c.completions.create(model="demo", prompt=PROMPT, max_tokens=57)
     assert e.value.status_code == 429 and sleeps == []

@@ -49,7 +49,9 @@ def _jsonl(raw: bytes) -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow
-def test_batches_and_files_are_owned_per_key_and_billed_to_it(demo_model: Path, tmp_path: Path) -> None:
+def test_batches_and_files_are_owned_per_key_and_billed_to_it(demo_model: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
     db = tmp_path / "l.db"
     # alice: a TPM limit that holds two of her 420-token lines at once, not three (the third
     # waits (3 × 420 - 1200) / 20 per second = 3 s for the bucket).
@@ -93,6 +95,14 @@ def test_batches_and_files_are_owned_per_key_and_billed_to_it(demo_model: Path, 
         assert httpx.get(f"{base}/v1/files/{out_id}/content", headers=_h(b)).status_code == 404
         assert httpx.get(f"{base}/v1/files/{out_id}/content", headers=_h(admin)).status_code == 200
         assert httpx.get(f"{base}/v1/batches/{bid}", headers=_h(admin)).json()["id"] == bid
+        # `pagewire batch` sends its key: --api-key, else $PAGEWIRE_API_KEY.
+        from server.cli import main
+
+        assert main(["batch", "show", bid, "--url", base, "--api-key", b]) == 1
+        assert "404" in capsys.readouterr().err
+        monkeypatch.setenv("PAGEWIRE_API_KEY", a)
+        assert main(["batch", "show", bid, "--url", base]) == 0
+        assert json.loads(capsys.readouterr().out)["id"] == bid
         prom = httpx.get(base + "/metrics", headers=_h(admin)).text
         limited = [ln for ln in prom.splitlines() if ln.startswith(f'pagewire_key_rate_limited_total{{key="{a_id}"}}')]
         assert limited and float(limited[0].split()[-1]) >= 1, limited

@@ -184,6 +184,8 @@ def test_keys_auth_ownership_usage_and_revocation(demo_model: Path, tmp_path: Pa
         assert httpx.get(base + "/v1/usage", params={"group_by": "x"}, headers=_h(admin)).status_code == 400
         cli = _cli("usage", "--db", str(db), "--format", "json", "--group-by", "key")
         assert cli.returncode == 0 and json.loads(cli.stdout) == allk
+        table = _cli("usage", "--db", str(db), "--format", "table").stdout.splitlines()
+        assert table[0].split()[:2] == ["KEY", "REQUESTS"] and {ln.split()[0] for ln in table[1:]} == {a_id, b_id}
         csv_out = _cli("usage", "--db", str(db), "--format", "csv", "--key", a_id)
         assert csv_out.stdout.splitlines()[1].startswith(f"{a_id},{ua[0]['requests']},")
 

@@ -50,6 +50,10 @@ namespace {
 constexpr int kSpan = 64;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// Tiles of at most this many (token, head) rows read 16-bit K/V straight from the cache (see
+// attend_tile).
+constexpr int kDirectRows = 8;
+
 inline int round8(int n) { return (n + 7) & ~7; }
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -115,16 +119,16 @@ inline float hmax(__m256 v) {  // max is exact, so its order does not matter
 }
 
 // s[r][c0+i] = q[r] . k_rows[c0+i] for R rows and four columns: 4R accumulators, each key vector
-// loaded once per 8 d and shared by the R rows.
-template <int R>
-inline void qk_block(const float* q, int D, const float* const* k, float* s) {
+// loaded (and widened, for a 16-bit S) once per 8 d and shared by the R rows.
+template <int R, class S>
+inline void qk_block(const float* q, int D, const S* const* k, float* s) {
   __m256 acc[R][4];
   for (int r = 0; r < R; ++r) {
     for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
   }
   for (int d = 0; d < D; d += 8) {
     __m256 kv[4];
-    for (int i = 0; i < 4; ++i) kv[i] = _mm256_loadu_ps(k[i] + d);
+    for (int i = 0; i < 4; ++i) kv[i] = load8(k[i] + d);
     for (int r = 0; r < R; ++r) {
       const __m256 qv = _mm256_loadu_ps(q + r * D + d);
       for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_fmadd_ps(qv, kv[i], acc[r][i]);
@@ -135,12 +139,13 @@ inline void qk_block(const float* q, int D, const float* const* k, float* s) {
 
 // Scores of `rows` rows against ncols (a multiple of 8) keys: blocks of three rows (12 of the 16
 // registers accumulate), then a block of the remainder.
-inline void qk(const float* q, int rows, int D, const float* const* k_rows, int ncols, float* s) {
+template <class S>
+inline void qk(const float* q, int rows, int D, const S* const* k_rows, int ncols, float* s) {
   for (int c = 0; c < ncols; c += 4) {
     int r = 0;
-    for (; r + 3 <= rows; r += 3) qk_block<3>(q + r * D, D, k_rows + c, s + r * kSpan + c);
-    if (rows - r == 2) qk_block<2>(q + r * D, D, k_rows + c, s + r * kSpan + c);
-    if (rows - r == 1) qk_block<1>(q + r * D, D, k_rows + c, s + r * kSpan + c);
+    for (; r + 3 <= rows; r += 3) qk_block<3, S>(q + r * D, D, k_rows + c, s + r * kSpan + c);
+    if (rows - r == 2) qk_block<2, S>(q + r * D, D, k_rows + c, s + r * kSpan + c);
+    if (rows - r == 1) qk_block<1, S>(q + r * D, D, k_rows + c, s + r * kSpan + c);
   }
 }
 
@@ -183,8 +188,8 @@ inline void softmax_row(float* srow, int ncols, float* m, float* l, float* alpha
 
 // acc[r][d0 + 8i ..] = alpha[r] * acc + sum_{j0 <= j < j1} p[r][j] * v_rows[j][d0 + 8i ..], j in
 // order, for R rows and NV 8-lane vectors of d.
-template <int R, int NV>
-inline void pv_block(const float* p, const float* alpha, int D, const float* const* v, int j0, int j1, int d0,
+template <int R, int NV, class S>
+inline void pv_block(const float* p, const float* alpha, int D, const S* const* v, int j0, int j1, int d0,
                      float* acc) {
   __m256 a[R][NV];
   for (int r = 0; r < R; ++r) {
@@ -193,7 +198,7 @@ inline void pv_block(const float* p, const float* alpha, int D, const float* con
   }
   for (int j = j0; j < j1; ++j) {
     __m256 vv[NV];
-    for (int i = 0; i < NV; ++i) vv[i] = _mm256_loadu_ps(v[j] + d0 + 8 * i);
+    for (int i = 0; i < NV; ++i) vv[i] = load8(v[j] + d0 + 8 * i);
     for (int r = 0; r < R; ++r) {
       const __m256 pj = _mm256_broadcast_ss(p + r * kSpan + j);
       for (int i = 0; i < NV; ++i) a[r][i] = _mm256_fmadd_ps(pj, vv[i], a[r][i]);
@@ -204,30 +209,31 @@ inline void pv_block(const float* p, const float* alpha, int D, const float* con
   }
 }
 
-template <int R>
-inline void pv_rows(const float* p, const float* alpha, int D, const float* const* v, int j0, int j1, float* acc) {
+template <int R, class S>
+inline void pv_rows(const float* p, const float* alpha, int D, const S* const* v, int j0, int j1, float* acc) {
   int d0 = 0;
-  for (; d0 + 32 <= D; d0 += 32) pv_block<R, 4>(p, alpha, D, v, j0, j1, d0, acc);
+  for (; d0 + 32 <= D; d0 += 32) pv_block<R, 4, S>(p, alpha, D, v, j0, j1, d0, acc);
   switch ((D - d0) / 8) {
     case 3:
-      pv_block<R, 3>(p, alpha, D, v, j0, j1, d0, acc);
+      pv_block<R, 3, S>(p, alpha, D, v, j0, j1, d0, acc);
       break;
     case 2:
-      pv_block<R, 2>(p, alpha, D, v, j0, j1, d0, acc);
+      pv_block<R, 2, S>(p, alpha, D, v, j0, j1, d0, acc);
       break;
     case 1:
-      pv_block<R, 1>(p, alpha, D, v, j0, j1, d0, acc);
+      pv_block<R, 1, S>(p, alpha, D, v, j0, j1, d0, acc);
       break;
     default:
       break;
   }
 }
 
-inline void pv(const float* p, const float* alpha, int rows, int D, const float* const* v, int j0, int j1,
+template <class S>
+inline void pv(const float* p, const float* alpha, int rows, int D, const S* const* v, int j0, int j1,
                float* acc) {
   int r = 0;
-  for (; r + 2 <= rows; r += 2) pv_rows<2>(p + r * kSpan, alpha + r, D, v, j0, j1, acc + r * D);
-  if (r < rows) pv_rows<1>(p + r * kSpan, alpha + r, D, v, j0, j1, acc + r * D);
+  for (; r + 2 <= rows; r += 2) pv_rows<2, S>(p + r * kSpan, alpha + r, D, v, j0, j1, acc + r * D);
+  if (r < rows) pv_rows<1, S>(p + r * kSpan, alpha + r, D, v, j0, j1, acc + r * D);
 }
 
 // Per-thread fp32 scratch, allocated once per call. Rows are (token, head) pairs of a tile.
@@ -235,8 +241,8 @@ struct Scratch {
   float* q;      // [rows, D] scaled queries
   float* acc;    // [rows, D] unnormalised output
   float* s;      // [rows, kSpan] scores, then probabilities
-  float* k;      // [kSpan, D] the span's keys widened to fp32 (16-bit caches only)
-  float* v;      // [kSpan, D] the span's values widened to fp32 (16-bit caches only)
+  float* k;      // [kSpan, D] the span's keys widened to fp32 (16-bit caches, large tiles)
+  float* v;      // [kSpan, D] the span's values widened to fp32 (16-bit caches, large tiles)
   float* zero;   // [D] zeros: the row of every position a tile does not read
   float* m;      // [rows] running max
   float* l;      // [rows] running sum of exp
@@ -319,25 +325,37 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
   };
   int n = fill_offsets(first_span, offs);
   // Physical blocks are scattered, so the hardware prefetcher cannot guess the next span: the
-  // first is requested here, later ones a row at a time while the previous span is widened.
+  // first is requested here, each later one while the previous span is computed (a row at a time
+  // inside the widening loop, or in one burst before it when K and V are read directly).
   for (int j = 0; j < n; ++j) {
     if (offs[j] >= 0) prefetch_row(key_cache + offs[j], D), prefetch_row(value_cache + offs[j], D);
   }
+  // Small tiles (decodes) read K and V straight from the cache, widening in registers; larger
+  // ones widen each span once into fp32 scratch that their row blocks then share. Widening is
+  // exact, so both give the same bits (the invariance test compares a decode with a prefill).
+  const bool direct = std::is_same_v<E, float> || rows <= kDirectRows;
+  const E* zero_e = reinterpret_cast<const E*>(s.zero);  // all-zero bits are 0 in every type
+  const E* k_src[kSpan];
+  const E* v_src[kSpan];
   const float* k_rows[kSpan];
   const float* v_rows[kSpan];
   for (int p0 = first_span; p0 < kv_hi; p0 += kSpan) {
     const int n_next = p0 + kSpan < kv_hi ? fill_offsets(p0 + kSpan, next) : 0;
     const int ncols = round8(n);
     const int j0 = std::max(0, kv_lo - p0);  // columns below j0 are not read (zero rows)
-    for (int j = 0; j < ncols; ++j) {
-      const bool read = j >= j0 && j < n;
-      if constexpr (std::is_same_v<E, float>) {
-        k_rows[j] = read ? key_cache + offs[j] : s.zero;
-        v_rows[j] = read ? value_cache + offs[j] : s.zero;
-        if (j < n_next && next[j] >= 0) prefetch_row(key_cache + next[j], D), prefetch_row(value_cache + next[j], D);
-      } else {
-        // Widening is exact, so computing from these copies equals computing from the cache.
-        if (read) {
+    if (direct) {
+      for (int j = 0; j < ncols; ++j) {
+        const bool read = j >= j0 && j < n;
+        k_src[j] = read ? key_cache + offs[j] : zero_e;
+        v_src[j] = read ? value_cache + offs[j] : zero_e;
+      }
+      for (int j = 0; j < n_next; ++j) {
+        if (next[j] >= 0) prefetch_row(key_cache + next[j], D), prefetch_row(value_cache + next[j], D);
+      }
+      qk(s.q, rows, D, k_src, ncols, s.s);
+    } else {
+      for (int j = 0; j < ncols; ++j) {
+        if (j >= j0 && j < n) {
           const E* kr = key_cache + offs[j];
           const E* vr = value_cache + offs[j];
           float* kd = s.k + static_cast<int64_t>(j) * D;
@@ -353,8 +371,8 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
         }
         if (j < n_next && next[j] >= 0) prefetch_row(key_cache + next[j], D), prefetch_row(value_cache + next[j], D);
       }
+      qk(s.q, rows, D, k_rows, ncols, s.s);
     }
-    qk(s.q, rows, D, k_rows, ncols, s.s);
 
     // A span every row sees in full needs no mask (the common case in long contexts).
     const bool full = j0 == 0 && n == kSpan && p0 + kSpan - 1 <= pos0 && (W <= 0 || pos_last - p0 < W);
@@ -368,7 +386,11 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
       }
       softmax_row(srow, ncols, s.m + r, s.l + r, s.alpha + r);
     }
-    pv(s.s, s.alpha, rows, D, v_rows, j0, n, s.acc);
+    if (direct) {
+      pv(s.s, s.alpha, rows, D, v_src, j0, n, s.acc);
+    } else {
+      pv(s.s, s.alpha, rows, D, v_rows, j0, n, s.acc);
+    }
     std::swap(offs, next);
     n = n_next;
   }

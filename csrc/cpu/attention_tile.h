@@ -3,6 +3,10 @@
 // micro-kernels (an Isa struct: load_q, load_k, load_v, qk, mask_row, softmax_step, pv, store_o).
 // Buffer layouts are the Isa's business per element type: the driver only passes them along.
 //
+// Spans start at the tile's first visible position, so with a sliding window a row's span
+// boundaries depend on its tile: these kernels are not batch-invariant there. The AVX2 kernel
+// (attention_avx2.cpp) has its own driver with spans at absolute multiples of 64 for that reason.
+//
 // Included by exactly one .cpp per ISA (attention_generic.cpp, attention_avx512.cpp); everything
 // here has internal linkage so each inclusion compiles with that file's target options and
 // nothing is merged across ISAs by the linker.

@@ -107,3 +107,21 @@ def test_plan_counts_the_kept_blocks(qtype: str, k_sized_model: Path, tmp_path: 
     config = EngineConfig(str(path), dtype="float32", quantization="gguf", kv_cache_tokens=1024)
     plan = make_plan("m", read_model_config(path), config, None, None)
     assert plan.weights.total == _loaded_weight_bytes(model)
+
+
+def test_llm_and_serve_flag_reach_the_kept_blocks(k_sized_model: Path, tmp_path: Path) -> None:
+    """LLM(quantization="gguf") and `--quantization gguf` run the file's blocks end to end."""
+    import argparse
+
+    from server import LLM, SamplingParams
+    from server.serving.settings import add_serve_arguments, settings_from_args
+
+    path = write_gguf(tmp_path / "q4_0.gguf", k_sized_model, "Q4_0")
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    assert settings_from_args(p.parse_args(["--quantization", "gguf"]), {}).engine_config(str(path)).quantization == "gguf"
+    llm = LLM(str(path), quantization="gguf", kv_cache_tokens=256, max_model_len=64)
+    layer = llm.engine.model._layers[0]
+    assert isinstance(layer.qkv_weight, QuantizedWeight) and layer.qkv_weight.qtype == "q4_0"
+    out = llm.generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -11,8 +11,14 @@ machine than the full step's; the non-GEMM share is non-GEMM / (GEMMs + non-GEMM
 It also prints tokens/s, weight bytes read per step and MBU = (weight + KV bytes read per step) /
 step time / read bandwidth (bench/bandwidth.py, measured in the same run).
 
-Example:
-    .venv/bin/python -m bench.decode_step --shape llama-246m --batch 1 8 [--quantization int8]
+--quantization takes several values: each is loaded and timed in turn in the same run, and the
+batch-1 step of each is compared with the first one's ("x first"), e.g. bf16 vs int8 vs 4-bit.
+On a random --shape, 4-bit is int4 (Q4_0 quantised at load); on a GGUF --model it is gguf (the
+file's own Q4_0/Q4_1/Q4_K/Q8_0 blocks kept; "none" is the file dequantised to --dtype).
+
+Examples:
+    .venv/bin/python -m bench.decode_step --shape llama-246m --batch 1 8 --quantization none int8 int4
+    .venv/bin/python -m bench.decode_step --model default --batch 1 --quantization none int8 gguf
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -29,6 +36,7 @@ from bench.bandwidth import read_bandwidth_gbs
 from bench.shapes import SHAPES, is_built, make_random_model, model_dir_for
 from server.kernels import ops
 from server.models.attention import AttentionMetadata
+from server.models.default_model import find_default_model
 from server.models.loader import load_model
 
 
@@ -72,7 +80,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama-246m", choices=sorted(SHAPES))
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--quantization", default="none", choices=["none", "int8"])
+    p.add_argument("--model", default=None,
+                   help="a Hugging Face folder or .gguf file instead of --shape ('default': the default model)")
+    p.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8", "int4", "gguf"])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--context", type=int, default=96)
     p.add_argument("--repeats", type=int, default=30)
@@ -81,16 +91,36 @@ def main() -> None:
     if a.threads > 0:
         torch.set_num_threads(a.threads)
 
-    model_dir = model_dir_for(a.shape, a.dtype)
-    if not is_built(model_dir, a.shape, a.dtype):
-        make_random_model(a.shape, model_dir, a.dtype)
-    model, config = load_model(model_dir, a.dtype)
-    if a.quantization != "none":
-        model.quantize_weights(a.quantization)
+    if a.model is None:
+        model_dir: Path = model_dir_for(a.shape, a.dtype)
+        if not is_built(model_dir, a.shape, a.dtype):
+            make_random_model(a.shape, model_dir, a.dtype)
+    elif a.model == "default":
+        found = find_default_model()
+        if found is None:
+            raise SystemExit("--model default: the default model package is not installed")
+        model_dir = found.path
+    else:
+        model_dir = Path(a.model)
     bw = read_bandwidth_gbs()
-    print(f"{a.shape} {a.dtype} quantization={a.quantization}  CPU kernels: {getattr(ops, 'cpu_isa', lambda: '?')()}  "
-          f"threads {torch.get_num_threads()}  read bandwidth {bw:.1f} GB/s  load average {os.getloadavg()[0]:.2f}")
+    first: dict[str, float] = {}
+    for quantization in a.quantization:
+        model, _ = load_model(model_dir, a.dtype, keep_gguf_blocks=quantization == "gguf")
+        if quantization in ("int8", "int4"):
+            model.quantize_weights(quantization)
+        print(f"{a.model or a.shape} {a.dtype} quantization={quantization}  CPU kernels: "
+              f"{getattr(ops, 'cpu_isa', lambda: '?')()}  threads {torch.get_num_threads()}  "
+              f"read bandwidth {bw:.1f} GB/s  load average {os.getloadavg()[0]:.2f}")
+        one = time_batches(model, a, bw)
+        first.setdefault("step", one)
+        print(f"  {quantization}: batch-1 step {one * 1e3:.2f} ms, {1 / one:.1f} tok/s, "
+              f"{first['step'] / one:.2f}x {a.quantization[0]}")
+        del model
 
+
+def time_batches(model: Any, a: argparse.Namespace, bw: float) -> float:
+    """Times each --batch size of `model` (bw: read bandwidth, GB/s); returns the batch-1 step (or
+    the first batch's) in seconds."""
     step_one: dict[int, float] = {}
     for batch in a.batch:
         ids, positions, kv, meta = decode_batch(model, batch, a.context)
@@ -137,19 +167,19 @@ def main() -> None:
             t_gemm, m_gemm = best_and_median(gemms, a.repeats)
             # Short (milliseconds): many more tries to find an undisturbed one on a loaded machine.
             t_other, m_other = best_and_median(non_gemm, 10 * a.repeats)
-        if batch == 1:
-            step_one[1] = t_step
+        if batch == 1 or not step_one:
+            step_one[batch] = t_step
         wbytes = sum(weight_bytes(w) for _, w, _ in calls)
         kv_bytes = batch * (a.context + 1) * model.kv_cache_bytes_per_token()
         mbu = (wbytes + kv_bytes) / t_step / (bw * 1e9)
-        rel = f"  step / batch-1 step {t_step / step_one[1]:.2f}x" if 1 in step_one else ""
+        rel = f"  step / batch-1 step {t_step / step_one[1]:.2f}x" if 1 in step_one and batch != 1 else ""
         print(f"batch {batch:3d}: step {t_step * 1e3:7.2f} ms (median {m_step * 1e3:7.2f})  GEMMs alone "
               f"{t_gemm * 1e3:7.2f} ms  non-GEMM alone {t_other * 1e3:6.2f} ms "
               f"({t_other / (t_gemm + t_other) * 100:4.1f}% of GEMMs + non-GEMM)  {batch / t_step:7.1f} tok/s  "
               f"weights {wbytes / 1e6:6.1f} MB + KV {kv_bytes / 1e6:5.1f} MB per step  MBU {mbu * 100:4.1f}% "
               f"(GEMMs alone: {wbytes / t_gemm / (bw * 1e9) * 100:4.1f}%){rel}  "
               f"load average {os.getloadavg()[0]:.2f}")
-    del config
+    return step_one.get(1, t_step)
 
 
 if __name__ == "__main__":

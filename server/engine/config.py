@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from server.engine.spec_config import SpeculativeConfig
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
-SUPPORTED_QUANTIZATIONS = ("none", "int8")
+SUPPORTED_QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 
 
 class ConfigError(ValueError):
@@ -38,8 +38,10 @@ class EngineConfig:
     enable_prefix_caching: reuse full KV blocks across requests by content hash.
     num_threads: intra-op CPU threads (0 = torch's default).
     seed: base seed for unseeded sampling.
-    quantization: "none" (weights in dtype) or "int8" (every decoder and lm_head matrix kept as
-        GGUF Q8_0 blocks, quantised at load from the checkpoint's bf16/fp16/fp32 weights; CPU only).
+    quantization: "none" (weights in dtype; a GGUF file is dequantised), "int8" / "int4" (every
+        decoder and lm_head matrix quantised at load to GGUF Q8_0 / Q4_0 blocks and kept so), or
+        "gguf" (a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K matrices kept in their own blocks, the rest
+        dequantised; GGUF files only). All but "none" run on CPU only.
     speculative_config: None (off), or a SpeculativeConfig, a dict or a JSON object string in
         vLLM's shape ({"method": "ngram", "num_speculative_tokens": 4, ...}); see spec_config.py.
     """
@@ -70,6 +72,13 @@ class EngineConfig:
             )
         if self.quantization != "none" and self.device != "cpu":
             raise ConfigError("quantization", f"{self.quantization!r} runs on CPU only, got device {self.device!r}")
+        if self.quantization == "gguf":
+            from server.models.gguf_file import is_gguf_path
+
+            if not is_gguf_path(self.model):
+                raise ConfigError(
+                    "quantization", f"'gguf' keeps a GGUF file's quantised blocks; {self.model!r} is not a .gguf file"
+                )
         if self.dtype not in SUPPORTED_DTYPES:
             raise ConfigError("dtype", f"must be one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -64,8 +64,10 @@ class LLMEngine:
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         # Model first: its loader names a missing folder or weights file precisely.
-        self.model, self.model_config = load_model(config.model, config.dtype, config.device)
-        if config.quantization != "none":
+        self.model, self.model_config = load_model(
+            config.model, config.dtype, config.device, keep_gguf_blocks=config.quantization == "gguf"
+        )
+        if config.quantization not in ("none", "gguf"):  # "gguf" is done by the loader
             self.model.quantize_weights(config.quantization)
         self.tokenizer = Tokenizer.load(config.model)
         mc = self.model_config

@@ -21,6 +21,8 @@ from server.models.config import ModelConfig
 
 # Q8_0 (--quantization int8): 32 int8 values and one fp16 scale per block.
 Q8_0_BYTES_PER_VALUE = 34 / 32
+# Bytes per matrix value of the formats quantising at load (int4: Q4_0, 16 bytes + an fp16 scale per 32).
+QUANTIZED_BYTES_PER_VALUE = {"int8": Q8_0_BYTES_PER_VALUE, "int4": 18 / 32}
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -61,10 +63,10 @@ class WeightBytes:
     parameters: int
 
 
-def weight_bytes(mc: ModelConfig, dtype: str, quantization: str) -> WeightBytes:
-    """Counted from the shapes `LlamaFamilyForCausalLM` allocates (fused qkv, gate_up)."""
+def weight_bytes(mc: ModelConfig, dtype: str, quantization: str, model_path: Optional[str] = None) -> WeightBytes:
+    """Counted from the shapes `LlamaFamilyForCausalLM` allocates (fused qkv, gate_up); with
+    quantization "gguf", from the sizes of the blocks the GGUF file at `model_path` keeps."""
     e = DTYPE_BYTES[dtype]
-    q8 = quantization == "int8"
     H, I, V = mc.hidden_size, mc.intermediate_size, mc.vocab_size
     qkv = mc.q_size + 2 * mc.kv_size
     matrices = qkv * H + H * mc.q_size + 2 * I * H + H * I
@@ -73,15 +75,39 @@ def weight_bytes(mc: ModelConfig, dtype: str, quantization: str) -> WeightBytes:
     small += H if mc.o_bias else 0
     small += (2 * I + H) if mc.mlp_bias else 0
     small += (mc.num_heads + mc.num_kv_heads) * mc.head_dim if mc.qk_norm else 0
-    per_layer = matrices * (Q8_0_BYTES_PER_VALUE if q8 else e) + small * e
+    per_value = QUANTIZED_BYTES_PER_VALUE.get(quantization, e)
+    layer_matrices = mc.num_layers * matrices * per_value
+    # A tied output projection is the embedding table itself, unless quantisation gives it its own copy.
+    separate_head = (not mc.tie_word_embeddings) or quantization != "none"
+    head = V * H * per_value if separate_head else 0
+    if quantization == "gguf" and model_path is not None:
+        layer_matrices, kept_head = _gguf_matrix_bytes(model_path, mc, e)
+        # An output projection the file does not let us keep stays what it was (tied: the table).
+        separate_head = kept_head is not None or not mc.tie_word_embeddings
+        head = kept_head if kept_head is not None else (V * H * e if separate_head else 0)
     embed = V * H * e
-    # A tied output projection is the embedding table itself, unless int8 gives it its own copy.
-    separate_head = (not mc.tie_word_embeddings) or q8
-    head = V * H * (Q8_0_BYTES_PER_VALUE if q8 else e) if separate_head else 0
-    total = int(mc.num_layers * per_layer + embed + H * e + head)
+    total = int(layer_matrices + mc.num_layers * small * e + embed + H * e + head)
     read = total - (embed if separate_head else 0)  # a separate embedding table: only rows are read
     params = mc.num_layers * (matrices + small) + V * H + H + (V * H if not mc.tie_word_embeddings else 0)
     return WeightBytes(total, read, params)
+
+
+def _gguf_matrix_bytes(path: str, mc: ModelConfig, e: int) -> tuple[float, Optional[float]]:
+    """(decoder matrices, lm_head or None when not kept) bytes under --quantization gguf: kept
+    blocks at their size, the rest dequantised to `e` bytes per value (server.models.gguf_blocks
+    decides which are kept)."""
+    from server.models.gguf_blocks import plan_kept_matrices
+    from server.models.gguf_file import GGUFFile
+
+    f = GGUFFile.open(path)
+    kept = plan_kept_matrices(f, mc.num_layers, mc.tie_word_embeddings)
+    kept_bytes = {(m.layer, m.name): sum(int(f.tensors[p].data.nbytes) for p in m.parts) for m in kept}
+    H, I = mc.hidden_size, mc.intermediate_size
+    sizes = {"qkv_weight": (mc.q_size + 2 * mc.kv_size) * H, "o_weight": H * mc.q_size,
+             "gate_up_weight": 2 * I * H, "down_weight": H * I}
+    layers = sum(kept_bytes.get((i, n), v * e) for i in range(mc.num_layers) for n, v in sizes.items())
+    head = kept_bytes.get((None, "lm_head"))
+    return float(layers), (float(head) if head is not None else None)
 
 
 def activation_bytes(mc: ModelConfig, dtype: str, config: EngineConfig) -> int:
@@ -150,7 +176,7 @@ def make_plan(model: str, mc: ModelConfig, config: EngineConfig, memory_bytes: O
     dtype = resolved_dtype(config, mc)
     if dtype not in DTYPE_BYTES:
         raise ConfigError("dtype", f"must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
-    weights = weight_bytes(mc, dtype, config.quantization)
+    weights = weight_bytes(mc, dtype, config.quantization, config.model)
     acts = activation_bytes(mc, dtype, config)
     budget: Optional[int] = None
     kv_tokens: Optional[int] = None

@@ -134,8 +134,9 @@ def linear(
 ) -> torch.Tensor:
     """y = x @ weight.T + bias, exactly torch.nn.functional.linear's semantics.
 
-    A QuantizedWeight runs pagewire::linear_q8_0 (x quantised per row to Q8 blocks on the fly,
-    integer block dot products, fp32 accumulation; the result is in x's dtype).
+    A QuantizedWeight runs its format's kernel, pagewire::linear_q8_0 or pagewire::linear_q4 (x
+    quantised per row to Q8 blocks on the fly, integer block dot products, fp32 accumulation; the
+    result is in x's dtype).
 
     CPU bf16 inputs with at most LINEAR_KERNEL_MAX_M rows (decode batches) and no autograd run the
     pagewire kernel of the CPU's instruction set (AVX512-BF16 or AVX2+FMA; fp32 accumulation, one
@@ -150,7 +151,7 @@ def linear(
         [..., N] in x's dtype.
     """
     if isinstance(weight, QuantizedWeight):
-        out = torch.ops.pagewire.linear_q8_0(x.reshape(-1, x.shape[-1]), weight.data, bias)
+        out = weight.linear(x.reshape(-1, x.shape[-1]), bias)
         return out.reshape(*x.shape[:-1], weight.shape[0])
     if (
         x.device.type == "cpu"
@@ -337,6 +338,27 @@ def _quantize_q8_0_fake(weight):
 @torch.library.register_fake("pagewire::dequantize_q8_0")
 def _dequantize_q8_0_fake(weight):
     return weight.new_empty((weight.shape[0], weight.shape[1] // 34 * 32), dtype=torch.float32)
+
+
+@torch.library.register_fake("pagewire::quantize_q4_0")
+def _quantize_q4_0_fake(weight):
+    return weight.new_empty((weight.shape[0], weight.shape[1] // 32 * 18), dtype=torch.uint8)
+
+
+_Q4_FORMATS = {"q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144)}
+
+
+@torch.library.register_fake("pagewire::dequantize_q4")
+def _dequantize_q4_fake(weight, qtype):
+    values, nbytes = _Q4_FORMATS[qtype]
+    return weight.new_empty((weight.shape[0], weight.shape[1] // nbytes * values), dtype=torch.float32)
+
+
+@torch.library.register_fake("pagewire::linear_q4")
+def _linear_q4_fake(x, weight, qtype, bias):
+    values, nbytes = _Q4_FORMATS[qtype]
+    torch._check(x.shape[-1] // values * nbytes == weight.shape[1], lambda: "x and weight disagree on K")
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @torch.library.register_fake("pagewire::linear_q8_0")

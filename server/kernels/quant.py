@@ -1,27 +1,55 @@
 """Quantised linear weights kept quantised in memory: the QuantizedWeight container and its formats.
 
-Format "q8_0" is GGUF's Q8_0, byte for byte: a weight [N, K] is N rows of K / 32 blocks of 34 bytes,
-each block an fp16 scale d (little-endian) followed by 32 int8 values q, representing d * q. The
-container holds those bytes as a uint8 tensor [N, K / 32 * 34], so a Q8_0 tensor read from a GGUF
-file (ggml shape [K, N], i.e. N rows of K) is wrapped without conversion by `from_q8_0_bytes`.
-bf16/fp16/fp32 weights are quantised at load with `quantize` (GGUF's rounding rule, in C++).
-`server.kernels.ops.linear` runs a QuantizedWeight through pagewire::linear_q8_0.
+Every format is GGUF's block layout, byte for byte, so a tensor read from a GGUF file (ggml shape
+[K, N], i.e. N rows of K values, each row a run of blocks) is wrapped without conversion by
+`from_gguf_bytes`; the container holds the blocks as a uint8 tensor [N, K / block * block_bytes].
+
+    qtype  values/block  bytes/block  value
+    q8_0   32            34           d * q            (fp16 d, 32 int8 q)
+    q4_0   32            18           d * (q - 8)      (fp16 d, 32 4-bit q)
+    q4_1   32            20           d * q + m        (fp16 d, fp16 m, 32 4-bit q)
+    q4_k   256           144          d*sc*q - dmin*mn (fp16 d, dmin, 8 x 6-bit sc/mn, 256 4-bit q)
+
+Float weights are quantised at load with `quantize` (q8_0 and q4_0, GGUF's rounding, in C++).
+`server.kernels.ops.linear` runs a QuantizedWeight through pagewire::linear_q8_0 or
+pagewire::linear_q4 (activations quantised per row to 8 bits on the fly, integer block dot products).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 import server._C  # noqa: F401  (loads the op registrations)
 
-__all__ = ["QuantizedWeight", "QUANTIZATIONS", "Q8_0_BLOCK", "Q8_0_BLOCK_BYTES"]
+__all__ = ["QuantizedWeight", "QUANTIZATIONS", "QTYPES", "GGUF_QTYPES", "Q8_0_BLOCK", "Q8_0_BLOCK_BYTES"]
 
 Q8_0_BLOCK = 32  # values per block
 Q8_0_BLOCK_BYTES = 34  # fp16 scale + 32 int8
 
-# --quantization values and the weight format each one stores.
-QUANTIZATIONS: dict[str, str] = {"int8": "q8_0"}
+
+class BlockFormat(NamedTuple):
+    values: int  # values per block
+    nbytes: int  # bytes per block
+
+
+# Every format a QuantizedWeight can hold, with a kernel in csrc/cpu.
+QTYPES: dict[str, BlockFormat] = {
+    "q8_0": BlockFormat(32, 34),
+    "q4_0": BlockFormat(32, 18),
+    "q4_1": BlockFormat(32, 20),
+    "q4_k": BlockFormat(256, 144),
+}
+
+# GGUF tensor type names (gguf.GGMLQuantizationType) -> the qtype that keeps them as they are.
+GGUF_QTYPES: dict[str, str] = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k"}
+
+# --quantization values that quantise float weights at load, and the format each one stores.
+# ("gguf", which keeps a GGUF file's own block types, is handled by the GGUF loader.)
+QUANTIZATIONS: dict[str, str] = {"int8": "q8_0", "int4": "q4_0"}
+
+_QUANTIZERS = {"q8_0": "quantize_q8_0", "q4_0": "quantize_q4_0"}
 
 
 @dataclass(frozen=True)
@@ -29,8 +57,8 @@ class QuantizedWeight:
     """A linear layer's weight [N, K] (nn.Linear layout) kept in a block-quantised format.
 
     Attributes:
-        qtype: "q8_0".
-        data: uint8 [N, K / 32 * 34] on CPU, the blocks row by row (GGUF's layout).
+        qtype: a key of QTYPES.
+        data: uint8 [N, K / block * block_bytes] on CPU, the blocks row by row (GGUF's layout).
         shape: the logical (N, K).
     """
 
@@ -39,33 +67,53 @@ class QuantizedWeight:
     shape: tuple[int, int]
 
     def __post_init__(self) -> None:
-        if self.qtype != "q8_0":
-            raise ValueError(f"qtype: only 'q8_0' is supported, got {self.qtype!r}")
+        fmt = QTYPES.get(self.qtype)
+        if fmt is None:
+            raise ValueError(f"qtype: must be one of {', '.join(QTYPES)}, got {self.qtype!r}")
         n, k = self.shape
-        if k % Q8_0_BLOCK != 0:
-            raise ValueError(f"shape: K = {k} must be a multiple of {Q8_0_BLOCK} for q8_0")
-        want = (n, k // Q8_0_BLOCK * Q8_0_BLOCK_BYTES)
+        if k <= 0 or k % fmt.values != 0:
+            raise ValueError(f"shape: K = {k} must be a positive multiple of {fmt.values} for {self.qtype}")
+        want = (n, k // fmt.values * fmt.nbytes)
         if self.data.dtype != torch.uint8 or tuple(self.data.shape) != want:
-            raise ValueError(f"data: expected uint8 {list(want)} for q8_0 {list(self.shape)}, "
+            raise ValueError(f"data: expected uint8 {list(want)} for {self.qtype} {list(self.shape)}, "
                              f"got {self.data.dtype} {list(self.data.shape)}")
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, qtype: str = "q8_0") -> "QuantizedWeight":
-        """Quantise a float weight [N, K] (K a multiple of 32) with GGUF's rounding."""
-        if qtype != "q8_0":
-            raise ValueError(f"qtype: only 'q8_0' is supported, got {qtype!r}")
-        data = torch.ops.pagewire.quantize_q8_0(weight.detach().cpu())
+        """Quantise a float weight [N, K] (K a multiple of 32) with GGUF's rounding (q8_0 or q4_0)."""
+        op = _QUANTIZERS.get(qtype)
+        if op is None:
+            raise ValueError(f"qtype: quantising at load supports {', '.join(_QUANTIZERS)}, got {qtype!r}")
+        data = getattr(torch.ops.pagewire, op)(weight.detach().cpu())
         return cls(qtype, data, (int(weight.shape[0]), int(weight.shape[1])))
 
     @classmethod
-    def from_q8_0_bytes(cls, raw: torch.Tensor, n: int, k: int) -> "QuantizedWeight":
-        """Wrap GGUF Q8_0 tensor data (any uint8 tensor of N * K / 32 * 34 bytes, e.g. a view of
+    def from_gguf_bytes(cls, qtype: str, raw: torch.Tensor, n: int, k: int) -> "QuantizedWeight":
+        """Wrap GGUF tensor data of `qtype` (any uint8 tensor of the right byte count, e.g. a view of
         the mapped file) for a weight of N rows of K values; no copy when raw is contiguous."""
-        return cls("q8_0", raw.reshape(n, k // Q8_0_BLOCK * Q8_0_BLOCK_BYTES), (n, k))
+        fmt = QTYPES.get(qtype)
+        if fmt is None:
+            raise ValueError(f"qtype: must be one of {', '.join(QTYPES)}, got {qtype!r}")
+        if k % fmt.values != 0:
+            raise ValueError(f"shape: K = {k} must be a multiple of {fmt.values} for {qtype}")
+        return cls(qtype, raw.reshape(n, k // fmt.values * fmt.nbytes), (n, k))
+
+    @classmethod
+    def from_q8_0_bytes(cls, raw: torch.Tensor, n: int, k: int) -> "QuantizedWeight":
+        """`from_gguf_bytes` for Q8_0."""
+        return cls.from_gguf_bytes("q8_0", raw, n, k)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The represented weight [N, K] in `dtype` (exact in float32: d * q)."""
-        return torch.ops.pagewire.dequantize_q8_0(self.data).to(dtype)
+        """The represented weight [N, K] in `dtype` (exact in float32, as GGUF computes it)."""
+        if self.qtype == "q8_0":
+            return torch.ops.pagewire.dequantize_q8_0(self.data).to(dtype)
+        return torch.ops.pagewire.dequantize_q4(self.data, self.qtype).to(dtype)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] @ self^T (+ bias) in x's dtype, through the format's kernel."""
+        if self.qtype == "q8_0":
+            return torch.ops.pagewire.linear_q8_0(x, self.data, bias)
+        return torch.ops.pagewire.linear_q4(x, self.data, self.qtype, bias)
 
     @property
     def nbytes(self) -> int:

@@ -1,7 +1,8 @@
 """load_gguf_model: turn a GGUF file into a runnable LlamaFamilyForCausalLM.
 
 It owns the GGUF -> Hugging Face tensor-name map, dequantising each tensor at load (with the
-`gguf` package's numpy dequantisers) to the serving dtype, and undoing the Q/K row permutation
+`gguf` package's numpy dequantisers) to the serving dtype -- or, with keep_quantized, leaving the
+matrices `gguf_blocks` can run in their block format as they are -- and undoing the Q/K row permutation
 llama.cpp's converter applies to Llama/Mistral attention weights. Every failure names the file and
 the tensor: an unsupported tensor type, a missing or unexpected tensor, a shape mismatch.
 """
@@ -16,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from server.models.config import ModelConfig, ModelLoadError, UnsupportedModelError
+from server.models.gguf_blocks import build_quantized, plan_kept_matrices
 from server.models.gguf_config import PERMUTED_QK_ARCHITECTURES, config_from_gguf
 from server.models.gguf_file import GGUFFile, GGUFTensor
 from server.models.llama import LlamaFamilyForCausalLM
@@ -93,7 +95,7 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def load_gguf_model(
-    path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu"
+    path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu", keep_quantized: bool = False
 ) -> tuple[LlamaFamilyForCausalLM, ModelConfig]:
     """Load a llama/mistral/qwen2/qwen3 GGUF file, dequantised to `dtype`.
 
@@ -101,6 +103,9 @@ def load_gguf_model(
         path: the .gguf file.
         dtype: "auto" (the file's float type; float32 for quantised files), "float32", "bfloat16", "float16".
         device: where the parameters live.
+        keep_quantized: keep every matrix whose tensors are Q8_0/Q4_0/Q4_1/Q4_K as a
+            QuantizedWeight of the file's blocks (CPU only); norms, embeddings and other types
+            are dequantised to `dtype` as usual.
     Returns:
         (model, config), the model in eval mode with requires_grad off.
     Raises:
@@ -115,6 +120,11 @@ def load_gguf_model(
     model = LlamaFamilyForCausalLM(config, torch_dtype, torch.device(device))
     targets = model.checkpoint_tensors()
     permute = config.model_type in PERMUTED_QK_ARCHITECTURES
+    if keep_quantized and torch.device(device).type != "cpu":
+        raise ValueError(f"quantization: 'gguf' runs on CPU only, got device {device!r}")
+    kept = plan_kept_matrices(f, config.num_layers, model.lm_head is model.embed_tokens) if keep_quantized else []
+    # Their float destinations are skipped (and replaced below); token_embd still fills the embedding.
+    skip = {hf_tensor_name(p) for m in kept for p in m.parts if p != "token_embd.weight"}
     loaded: set[str] = set()
     bar = tqdm(total=len(f.tensors), desc="Loading GGUF", unit="tensor", file=sys.stderr,
                disable=not sys.stderr.isatty())
@@ -135,6 +145,9 @@ def load_gguf_model(
                 raise ModelLoadError(
                     f"tensor {t.name!r} in {f.path} has shape {list(t.shape)}, expected {list(target.shape)}"
                 )
+            if name in skip:
+                loaded.add(name)
+                continue
             tensor = torch.from_numpy(dequantize(t, f.path))
             if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
                 tensor = unpermute_qk(tensor, config.num_heads)
@@ -148,6 +161,14 @@ def load_gguf_model(
             f"{f.path}: tensor {_gguf_name(missing[0])!r} ({missing[0]}) not found"
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
         )
+    heads = {"attn_q.weight": config.num_heads, "attn_k.weight": config.num_kv_heads} if permute else {}
+    for m in kept:
+        module = model if m.layer is None else model._layers[m.layer]
+        qw = build_quantized(f, m, heads)
+        # A registered parameter can only be reassigned to a Parameter: unregister it first, so
+        # the never-filled float matrix is freed.
+        module._parameters.pop(m.name, None)
+        setattr(module, m.name, qw)
     return model, config
 
 

@@ -37,7 +37,7 @@ def resolve_dtype(dtype: str, config: ModelConfig) -> torch.dtype:
 
 
 def load_model(
-    model_dir: str | Path, dtype: str = "auto", device: str | torch.device = "cpu"
+    model_dir: str | Path, dtype: str = "auto", device: str | torch.device = "cpu", keep_gguf_blocks: bool = False
 ) -> tuple[LlamaFamilyForCausalLM, ModelConfig]:
     """Load a Llama/Mistral/Qwen2/Qwen3 checkpoint folder or GGUF file.
 
@@ -46,6 +46,8 @@ def load_model(
             shards listed in model.safetensors.index.json; or a .gguf file (see gguf_loader).
         dtype: "auto", "float32", "bfloat16" or "float16".
         device: where the parameters live.
+        keep_gguf_blocks: for a GGUF file, keep its Q8_0/Q4_0/Q4_1/Q4_K matrices quantised
+            (`--quantization gguf`, see gguf_blocks); a ValueError for a Hugging Face folder.
     Returns:
         (model, config); the model is in eval mode with requires_grad off.
     Raises:
@@ -56,7 +58,9 @@ def load_model(
     if is_gguf_path(model_dir):
         from server.models.gguf_loader import load_gguf_model
 
-        return load_gguf_model(model_dir, dtype, device)
+        return load_gguf_model(model_dir, dtype, device, keep_quantized=keep_gguf_blocks)
+    if keep_gguf_blocks:
+        raise ValueError(f"quantization: 'gguf' keeps a GGUF file's quantised blocks; {model_dir} is not a GGUF file")
     config = ModelConfig.from_model_dir(model_dir)
     torch_dtype = resolve_dtype(dtype, config)
     files, index_map = _weight_files(model_dir)

@@ -40,6 +40,7 @@ def _loaded_weight_bytes(model: Any) -> int:
     ("llama", "bfloat16", "none", True),
     ("qwen2", "float32", "none", False),
     ("qwen3", "float32", "int8", True),
+    ("llama", "float32", "int4", True),
 ])
 def test_weight_bytes_equal_the_loaded_model(tiny_model: Callable[..., Path], arch: str, dtype: str,
                                              quant: str, tied: bool) -> None:

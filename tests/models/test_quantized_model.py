@@ -53,8 +53,8 @@ def test_int8_model_tracks_its_dequantised_weights(arch: str, tiny_model_dirs: d
 
 
 def test_quantization_option_is_validated() -> None:
-    with pytest.raises(ConfigError, match="quantization: must be one of none, int8"):
-        EngineConfig(model="m", quantization="int4")
+    with pytest.raises(ConfigError, match="quantization: must be one of none, int8, int4, gguf"):
+        EngineConfig(model="m", quantization="int3")
     with pytest.raises(ConfigError, match="quantization: 'int8' runs on CPU only"):
         EngineConfig(model="m", quantization="int8", device="cuda")
 

@@ -1,0 +1,61 @@
+// The torch-free interface of the 4-bit quantised-weight linear kernels (linear_q4.cpp portable,
+// linear_q4_avx2.cpp). Weight layouts are GGUF's, byte for byte, so tensors read from a GGUF file
+// ([N rows][blocks of one row]) are used as they are:
+//   Q4_0: 32 values in 18 bytes {fp16 d, 16 bytes q}: value = d * (q - 8)
+//   Q4_1: 32 values in 20 bytes {fp16 d, fp16 m, 16 bytes q}: value = d * q + m
+//     (Q4_0/Q4_1: byte j holds value j in its low nibble and value j + 16 in its high nibble)
+//   Q4_K: 256 values in 144 bytes {fp16 d, fp16 dmin, 12 bytes of eight 6-bit (scale, min) pairs,
+//     128 bytes q}: sub-block s (32 values) is d * sc[s] * q - dmin * mn[s]; bytes 32c..32c+31
+//     hold sub-block 2c in their low nibbles and sub-block 2c + 1 in their high nibbles.
+// Every kernel works on activations quantised per row to Q8 blocks of 32 (quant_kernel.h), so a
+// 4-bit weight block times an activation block is one integer dot product of 32 pairs plus the
+// block's offset term (q's offset or min) times the activation block's sum.
+#pragma once
+
+#include <cstdint>
+
+namespace pagewire::cpu {
+
+enum class Q4Type : int { kQ4_0 = 0, kQ4_1 = 1, kQ4_K = 2 };
+
+constexpr int kQ4_0BlockBytes = 18;   // per 32 values
+constexpr int kQ4_1BlockBytes = 20;   // per 32 values
+constexpr int kQ4_KBlock = 256;       // values per super-block
+constexpr int kQ4_KBlockBytes = 144;  // per 256 values
+
+// Values per block and bytes per block of a type.
+inline int q4_block_values(Q4Type t) { return t == Q4Type::kQ4_K ? kQ4_KBlock : 32; }
+inline int q4_block_bytes(Q4Type t) {
+  return t == Q4Type::kQ4_0 ? kQ4_0BlockBytes : t == Q4Type::kQ4_1 ? kQ4_1BlockBytes : kQ4_KBlockBytes;
+}
+
+// Activations quantised per row in blocks of 32: x ~= d[b] * q[32 b + j]; s[b] = d[b] * sum_j q.
+struct Q8SumActivations {
+  const int8_t* q;  // [M, K]
+  const float* d;   // [M, K / 32]
+  const float* s;   // [M, K / 32]
+  int64_t M, K;
+};
+
+// Q4_K's packed 6-bit scale and min of sub-block j (0..7), GGUF's get_scale_min_k4.
+inline void q4_k_scale_min(int j, const uint8_t* q, uint8_t* sc, uint8_t* mn) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *mn = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// Dequantises one row of K values (K a multiple of the type's block) to fp32.
+void dequantize_q4_row(Q4Type t, const uint8_t* w, float* out, int64_t K);
+
+// out[m][n] = sum over blocks (+ bias[n]), fp32 out [M, N] with row stride ldo; bias fp32 [N] or
+// nullptr; w: [N, K / block * block_bytes] bytes of type t.
+void linear_q4_portable(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,
+                        int64_t ldo, int64_t N);
+void linear_q4_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,
+                    int64_t ldo, int64_t N);  // Isa::kAvx2 or better
+
+}  // namespace pagewire::cpu

@@ -1,0 +1,140 @@
+"""4-bit weights in GGUF's Q4_0 / Q4_1 / Q4_K layouts: dequantisation equals the `gguf` package's
+(an independent implementation), quantize_q4_0 writes GGUF's bytes, and pagewire::linear_q4
+matches a float64 reference of the dequantised weights on every kernel family this CPU has."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from server.kernels import ops
+from server.kernels.quant import QTYPES, QuantizedWeight
+from tests.gguf_files import random_k_blocks
+
+Q4_TYPES = ["q4_0", "q4_1", "q4_k"]
+GGML_NAMES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k": "Q4_K", "q8_0": "Q8_0"}
+
+
+def random_q4(qtype: str, n: int, k: int, seed: int, zero_rows: tuple[int, ...] = ()) -> QuantizedWeight:
+    """Valid random blocks: random 4-bit codes, fp16 scales of a usual size (Q4_1's mins and
+    Q4_K's sub-scales random too); the rows in `zero_rows` get all-zero scales (edge case)."""
+    fmt = QTYPES[qtype]
+    rng = np.random.default_rng(seed)
+    if qtype == "q4_k":
+        data = random_k_blocks(n, k, "Q4_K", seed).reshape(n, -1, fmt.nbytes)
+        halves = (0, 2)
+    else:
+        data = rng.integers(0, 256, size=(n, k // 32, fmt.nbytes), dtype=np.uint8)
+        halves = (0,) if qtype == "q4_0" else (0, 2)
+        for off in halves:
+            v = rng.uniform(0.002, 0.02, size=data.shape[:2]) * rng.choice([-1.0, 1.0], size=data.shape[:2])
+            data[:, :, off:off + 2] = np.asarray(v, dtype=np.float16)[..., None].view(np.uint8)
+    for r in zero_rows:
+        for off in halves:
+            data[r, :, off:off + 2] = 0
+    return QuantizedWeight.from_gguf_bytes(qtype, torch.from_numpy(data.reshape(n, -1).copy()), n, k)
+
+
+def gguf_dequantize(qw: QuantizedWeight) -> torch.Tensor:
+    """float32 [N, K] by the `gguf` package's numpy dequantiser."""
+    from gguf import GGMLQuantizationType, quants
+
+    t = GGMLQuantizationType[GGML_NAMES[qw.qtype]]
+    return torch.from_numpy(np.asarray(quants.dequantize(qw.data.numpy(), t), dtype=np.float32)).reshape(qw.shape)
+
+
+@pytest.mark.parametrize("qtype", Q4_TYPES)
+def test_dequantize_equals_the_gguf_package(qtype: str) -> None:
+    qw = random_q4(qtype, 9, 512, seed=1, zero_rows=(3,))
+    deq = qw.dequantize()
+    assert deq.shape == (9, 512) and deq.dtype == torch.float32
+    assert torch.equal(deq, gguf_dequantize(qw))
+    assert not deq[3].any()  # zero scales (and mins): every value is zero
+
+
+def test_quantize_q4_0_writes_gguf_bytes() -> None:
+    from gguf import GGMLQuantizationType, quants
+
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(6, 128, generator=gen)
+    w[1, :32] = 0  # an all-zero block
+    w[2, 40] = -30.0  # one large negative value sets its block's scale
+    qw = QuantizedWeight.quantize(w, "q4_0")
+    assert tuple(qw.data.shape) == (6, 4 * 18)
+    want = quants.quantize(w.numpy(), GGMLQuantizationType.Q4_0)
+    assert np.array_equal(qw.data.numpy(), want)
+
+
+def linear_reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ gguf_dequantize(qw).double().T
+    return y + bias.double() if bias is not None else y
+
+
+@pytest.mark.parametrize("qtype", Q4_TYPES)
+@pytest.mark.parametrize("M", [1, 2, 3, 7, 16, 17, 40])
+@pytest.mark.parametrize("N,K", [(37, 256), (96, 768)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_q4_matches_float64_reference(
+    cpu_isa: str, qtype: str, M: int, N: int, K: int, dtype: torch.dtype, with_bias: bool
+) -> None:
+    gen = torch.Generator().manual_seed(M * 31 + N + K)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    qw = random_q4(qtype, N, K, seed=M + N, zero_rows=(5,))
+    b = torch.randn(N, generator=gen).to(dtype) if with_bias else None
+    y = ops.linear(x, qw, b)
+    assert y.shape == (M, N) and y.dtype == dtype
+    ref = linear_reference(x, qw, b)
+    # As for Q8_0: the activations are rounded to 8 bits per 32-value block (half a step, 1/254 of
+    # the block's max, per value), errors adding like a random walk over K; bf16 output adds 2**-9.
+    err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err <= 1e-2 + (2.0**-8 if dtype == torch.bfloat16 else 0)
+    # A row with zero scales contributes nothing: its outputs are the bias exactly (up to dtype).
+    want_col = b[5].float() if b is not None else torch.zeros(())
+    torch.testing.assert_close(y[:, 5].float(), want_col.expand(M), rtol=0, atol=0)
+    if M > 16:  # dequantised chunks and torch's GEMM: no activation rounding
+        assert err <= 2.0**-7
+
+
+@pytest.mark.parametrize("qtype", Q4_TYPES)
+def test_kernel_families_agree(cpu_isa: str, qtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same integer dot products: the SIMD kernel equals the portable one up to fp32 summation order."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 512, generator=gen)
+    qw = random_q4(qtype, 70, 512, seed=5)
+    y = ops.linear(x, qw)
+    monkeypatch.setenv("PAGEWIRE_CPU_ISA", "portable")
+    torch.testing.assert_close(y, ops.linear(x, qw), rtol=1e-5, atol=1e-4)
+
+
+def test_bad_arguments_name_the_argument() -> None:
+    qk = random_q4("q4_k", 4, 256, seed=0)
+    with pytest.raises(RuntimeError, match="K must be a positive multiple of 256 for q4_k, got 288"):
+        torch.ops.pagewire.linear_q4(torch.randn(2, 288), qk.data, "q4_k", None)
+    with pytest.raises(ValueError, match="shape: K = 288 must be a positive multiple of 256 for q4_k"):
+        QuantizedWeight("q4_k", torch.zeros(4, 144, dtype=torch.uint8), (4, 288))
+    with pytest.raises(ValueError, match="K = 96 must be a multiple of 256 for q4_k"):
+        QuantizedWeight.from_gguf_bytes("q4_k", torch.zeros(4 * 54, dtype=torch.uint8), 4, 96)
+    q0 = random_q4("q4_0", 8, 64, seed=0)
+    with pytest.raises(RuntimeError, match="weight must be \\[N, 36\\] q4_0 bytes"):
+        torch.ops.pagewire.linear_q4(torch.randn(2, 64), q0.data[:, :30], "q4_0", None)
+    with pytest.raises(RuntimeError, match="qtype must be 'q4_0', 'q4_1' or 'q4_k'"):
+        torch.ops.pagewire.linear_q4(torch.randn(2, 64), q0.data, "q5_0", None)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        torch.ops.pagewire.linear_q4(torch.randn(2, 64), q0.data, "q4_0", torch.randn(9))
+    with pytest.raises(RuntimeError, match="multiple of 32 for q4_0"):
+        torch.ops.pagewire.quantize_q4_0(torch.randn(4, 40))
+    with pytest.raises(ValueError, match="qtype: quantising at load supports q8_0, q4_0"):
+        QuantizedWeight.quantize(torch.randn(4, 256), "q4_k")
+
+
+def test_opcheck_q4_ops() -> None:
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(16, 256, generator=gen)
+    x = torch.randn(3, 256, generator=gen).bfloat16()
+    torch.library.opcheck(torch.ops.pagewire.quantize_q4_0.default, (w,))
+    for qtype in Q4_TYPES:
+        qw = random_q4(qtype, 16, 256, seed=6)
+        torch.library.opcheck(torch.ops.pagewire.dequantize_q4.default, (qw.data, qtype))
+        torch.library.opcheck(torch.ops.pagewire.linear_q4.default, (x, qw.data, qtype, None))
+        torch.library.opcheck(torch.ops.pagewire.linear_q4.default, (x, qw.data, qtype, torch.randn(16).bfloat16()))

@@ -1,0 +1,127 @@
+"""--quantization gguf (a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 matrices kept in their blocks) and int4
+(Q4_0 at load): the model holds QuantizedWeights, and its logits track the same file loaded
+dequantised (prefill exactly, up to GEMM order; decode within the 8-bit activation rounding)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from server.engine.config import ConfigError, EngineConfig
+from server.kernels.quant import QuantizedWeight
+from server.models.llama import LlamaFamilyForCausalLM
+from server.models.loader import load_model
+from tests.gguf_files import write_gguf
+from tests.models.paged_harness import VOCAB, PagedRun, random_tokens
+from tests.tiny_models import make_tiny_model
+
+PROMPT_LEN, DECODE_STEPS = 40, 6
+
+
+@pytest.fixture(scope="module")
+def k_sized_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Rows of 256 values (Q4_K's super-block) and grouped-query heads, so the Q/K row
+    permutation is undone on rows of blocks; 2 layers keep it quick."""
+    return make_tiny_model(tmp_path_factory.mktemp("k_sized") / "llama", "llama", vocab_size=VOCAB,
+                           hidden_size=256, intermediate_size=512, num_hidden_layers=2)
+
+
+def _logits(model: LlamaFamilyForCausalLM, tokens: list[int]) -> torch.Tensor:
+    """A 40-token prefill (dequantised chunks + GEMM) then single-token decodes (the kernels)."""
+    run = PagedRun(model)
+    rows = [run.step({0: tokens[:PROMPT_LEN]})[0]]
+    for t in tokens[PROMPT_LEN:]:
+        rows.append(run.step({0: [t]})[0])
+    return torch.cat(rows)
+
+
+def _assert_tracks(ours: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(ours[:PROMPT_LEN], want[:PROMPT_LEN], rtol=1e-4, atol=1e-4)
+    err = ((ours[PROMPT_LEN:] - want[PROMPT_LEN:]).abs().max() / want[PROMPT_LEN:].abs().max()).item()
+    # Each linear's 8-bit activation rounding (0.3-1% of its output per op here, as for Q8_0;
+    # tests/kernels/test_quant4.py bounds it per op) compounds over 2 layers x 4 matrices +
+    # lm_head of random weights: 3-5% measured. A wrong block or row order would be ~100%.
+    assert err < 8e-2
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
+def test_gguf_blocks_kept_and_logits_track_the_dequantised_file(
+    qtype: str, k_sized_model: Path, tmp_path: Path
+) -> None:
+    path = write_gguf(tmp_path / f"{qtype}.gguf", k_sized_model, qtype)
+    kept, _ = load_model(path, dtype="float32", keep_gguf_blocks=True)
+    ref, _ = load_model(path, dtype="float32")
+    matrices = [getattr(layer, n) for layer in kept._layers for n in layer.MATRICES] + [kept.lm_head]
+    assert all(isinstance(w, QuantizedWeight) and w.qtype == qtype.lower() for w in matrices)
+    assert not any(p.dtype == torch.uint8 for p in kept.parameters())
+    # The kept blocks are the file's: dequantised, they are exactly what the float loader built
+    # (which also checks the Q/K un-permutation of whole block rows).
+    for lk, lr in zip(kept._layers, ref._layers):
+        for n in lk.MATRICES:
+            assert torch.equal(getattr(lk, n).dequantize(), getattr(lr, n)), n
+    assert isinstance(kept.lm_head, QuantizedWeight)
+    torch.testing.assert_close(kept.embed_tokens, ref.embed_tokens, rtol=0, atol=0)
+    tokens = random_tokens(PROMPT_LEN + DECODE_STEPS, VOCAB, seed=3)
+    _assert_tracks(_logits(kept, tokens), _logits(ref, tokens))
+
+
+def test_int4_model_tracks_its_dequantised_weights(k_sized_model: Path) -> None:
+    quant, _ = load_model(k_sized_model, dtype="float32")
+    quant.quantize_weights("int4")
+    matrices = [getattr(layer, n) for layer in quant._layers for n in layer.MATRICES] + [quant.lm_head]
+    assert all(isinstance(w, QuantizedWeight) and w.qtype == "q4_0" for w in matrices)
+    ref, _ = load_model(k_sized_model, dtype="float32")
+    with torch.no_grad():
+        for lq, lr in zip(quant._layers, ref._layers):
+            for n in lq.MATRICES:
+                getattr(lr, n).copy_(getattr(lq, n).dequantize())
+        if ref.lm_head is ref.embed_tokens:
+            ref.lm_head = quant.lm_head.dequantize()  # type: ignore[union-attr]
+        else:
+            ref.lm_head.copy_(quant.lm_head.dequantize())  # type: ignore[union-attr]
+    tokens = random_tokens(PROMPT_LEN + DECODE_STEPS, VOCAB, seed=4)
+    _assert_tracks(_logits(quant, tokens), _logits(ref, tokens))
+
+
+def test_gguf_quantization_is_validated(k_sized_model: Path) -> None:
+    with pytest.raises(ConfigError, match="quantization: 'gguf' keeps a GGUF file's quantised blocks"):
+        EngineConfig(model=str(k_sized_model), quantization="gguf")
+    with pytest.raises(ConfigError, match="quantization: 'gguf' runs on CPU only"):
+        EngineConfig(model="m.gguf", quantization="gguf", device="cuda")
+    with pytest.raises(ConfigError, match="quantization: 'int4' runs on CPU only"):
+        EngineConfig(model="m", quantization="int4", device="cuda")
+    assert EngineConfig(model="m.gguf", quantization="gguf").quantization == "gguf"
+    with pytest.raises(ValueError, match="quantization: 'gguf' keeps a GGUF file's quantised blocks"):
+        load_model(k_sized_model, keep_gguf_blocks=True)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "F32"])
+def test_plan_counts_the_kept_blocks(qtype: str, k_sized_model: Path, tmp_path: Path) -> None:
+    """`pagewire plan --quantization gguf` counts exactly the bytes the loaded model holds (F32: nothing kept)."""
+    from server.gateway.plan import make_plan, read_model_config
+    from tests.gateway.test_plan import _loaded_weight_bytes
+
+    path = write_gguf(tmp_path / f"{qtype}.gguf", k_sized_model, qtype)
+    model, _ = load_model(path, dtype="float32", keep_gguf_blocks=True)
+    config = EngineConfig(str(path), dtype="float32", quantization="gguf", kv_cache_tokens=1024)
+    plan = make_plan("m", read_model_config(path), config, None, None)
+    assert plan.weights.total == _loaded_weight_bytes(model)
+
+
+def test_llm_and_serve_flag_reach_the_kept_blocks(k_sized_model: Path, tmp_path: Path) -> None:
+    """LLM(quantization="gguf") and `--quantization gguf` run the file's blocks end to end."""
+    import argparse
+
+    from server import LLM, SamplingParams
+    from server.serving.settings import add_serve_arguments, settings_from_args
+
+    path = write_gguf(tmp_path / "q4_0.gguf", k_sized_model, "Q4_0")
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    assert settings_from_args(p.parse_args(["--quantization", "gguf"]), {}).engine_config(str(path)).quantization == "gguf"
+    llm = LLM(str(path), quantization="gguf", kv_cache_tokens=256, max_model_len=64)
+    layer = llm.engine.model._layers[0]
+    assert isinstance(layer.qkv_weight, QuantizedWeight) and layer.qkv_weight.qtype == "q4_0"
+    out = llm.generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -285,3 +285,60 @@ def test_serve_refuses_a_mismatched_draft_before_starting(tiny_model) -> None:
         assert p.returncode == 2, p.stderr
         assert "--speculative-config: speculative_config.model:" in p.stderr and words in p.stderr, p.stderr
         assert "Traceback" not in p.stderr
+
+
+def test_priority_preemption_frees_and_recomputes_the_draft(tiny_model) -> None:
+    model_dir = tiny_model("llama")
+    vocab = _vocab(model_dir)
+    low = _prompts(2, vocab, 20, 24, seed=17)
+    urgent = _prompts(1, vocab, 20, 24, seed=18)[0]
+    params = _greedy()
+    engine = _engine(model_dir, _spec(model_dir), max_num_seqs=2)
+    for i, p in enumerate(low):
+        engine.add_request(f"low{i}", p, params, priority=5)
+    out: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for d in engine.step():
+            for s in d.samples:
+                out.setdefault(d.request_id, []).extend(s.token_ids)
+        _check_kv(engine)
+        _check_draft_kv(engine)
+
+    while _spec_stats(engine).num_verified == 0:  # the low-priority pair is speculating
+        step()
+    assert engine.draft is not None and len(engine.draft._drafts) == 2
+    engine.add_request("urgent", urgent, params, priority=0)
+    step()
+    assert engine.scheduler.num_preemptions == 1
+    running = {s.seq_id for s in engine.scheduler.running}
+    assert set(engine.draft._drafts) <= running  # the victim's draft K/V went with its target K/V
+    while engine.has_unfinished_requests():
+        step()
+    ref = _reference(model_dir, low + [urgent], params)
+    assert [out["low0"], out["low1"], out["urgent"]] == [ref["0#0"], ref["1#0"], ref["2#0"]]
+    s = _spec_stats(engine)
+    assert s.num_accepted == s.num_proposed
+    _assert_pools_empty(engine)
+
+
+def test_gguf_draft(tiny_model, tmp_path: Path) -> None:
+    """A GGUF file as the draft (here the target's own weights, written as GGUF): it loads, passes
+    the vocabulary check against a GGUF target and accepts every proposal."""
+    from tests.gguf_files import write_gguf
+
+    hf_dir = tiny_model("llama")
+    target = write_gguf(tmp_path / "target.gguf", hf_dir, "F32")
+    draft = write_gguf(tmp_path / "draft.gguf", hf_dir, "F32")
+    prompts = _prompts(2, _vocab(hf_dir), 20, 30, seed=19)
+    params = _greedy(24)
+    engine = _engine(target, _spec(draft))
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    assert _run(engine) == _reference(target, prompts, params)
+    s = _spec_stats(engine)
+    assert s.num_proposed > 0 and s.num_accepted == s.num_proposed
+    _assert_pools_empty(engine)
+    with pytest.raises(ConfigError) as e:  # an HF folder's vocabulary is not this GGUF's
+        LLM(str(target), speculative_config=_spec(tiny_model("llama", tokenizer_vocab_size=600)))
+    assert e.value.field == "speculative_config.model"

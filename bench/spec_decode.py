@@ -198,7 +198,9 @@ def main() -> None:
                 out = llm.chat(msgs, params)[0].outputs[0]
                 times[mode].append(time.perf_counter() - t)
                 outputs[mode] = out.token_ids
-                decode_rates[mode].append((len(out.token_ids) - 1) / max(1e-9, times[mode][-1] - t1))
+                # (nan when noise makes the call no slower than its 1-token twin: too few tokens to tell)
+                dt = times[mode][-1] - t1
+                decode_rates[mode].append((len(out.token_ids) - 1) / dt if dt > 0 else float("nan"))
                 log(f"{name} {mode}: {len(out.token_ids)} tokens in {times[mode][-1]:.2f} s")
         engine.spec = spec_decoder
         after = spec_decoder.stats

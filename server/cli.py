@@ -150,6 +150,14 @@ def _serve(ns: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_dir, name, banner = _resolve_model(settings)
+    if settings.speculative_config is not None:  # a draft model must share the model's vocabulary
+        from server.engine.draft_proposer import check_draft_model
+
+        try:
+            check_draft_model(settings.speculative_config, str(model_dir))
+        except ValueError as e:
+            print(f"pagewire: --speculative-config: {e}", file=sys.stderr)
+            return 2
     if banner:
         print(banner, file=sys.stderr, flush=True)
     from server.gateway.auth import AuthConfigError

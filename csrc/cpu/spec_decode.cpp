@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "../ops.h"
+#include "../spec_decode_checks.h"
 
 namespace pagewire {
 namespace {
@@ -77,22 +78,14 @@ int64_t sample_residual(const float* p, const float* q, int64_t q_token, int64_t
 
 at::Tensor ngram_propose_cpu(at::TensorList token_ids, const at::Tensor& num_tokens, int64_t k, int64_t min_n,
                              int64_t max_n) {
-  TORCH_CHECK(k >= 0, "k must be >= 0, got ", k);
-  TORCH_CHECK(min_n >= 1 && max_n >= min_n, "need 1 <= min_n <= max_n, got min_n=", min_n, ", max_n=", max_n);
   const int64_t S = static_cast<int64_t>(token_ids.size());
-  TORCH_CHECK(num_tokens.device().is_cpu() && num_tokens.scalar_type() == at::kLong && num_tokens.dim() == 1 &&
-                  num_tokens.size(0) == S,
-              "num_tokens must be a CPU int64 tensor [S] with S=", S, " (one per token_ids entry), got ",
-              num_tokens.scalar_type(), " ", num_tokens.sizes());
+  check_ngram_propose_args(S, num_tokens, k, min_n, max_n);
   const at::Tensor lens_c = num_tokens.contiguous();
   const int64_t* lens = lens_c.data_ptr<int64_t>();
   std::vector<const int64_t*> ptrs(static_cast<size_t>(S));
   for (int64_t i = 0; i < S; ++i) {
     const at::Tensor& t = token_ids[i];
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.dim() == 1 && t.is_contiguous(),
-                "token_ids[", i, "] must be a contiguous CPU int64 vector, got ", t.scalar_type(), " ", t.sizes());
-    TORCH_CHECK(lens[i] >= 0 && lens[i] <= t.size(0), "num_tokens[", i, "] = ", lens[i],
-                " is out of range [0, ", t.size(0), "] (token_ids[", i, "]'s length)");
+    check_ngram_tokens(t, i, lens[i]);
     ptrs[static_cast<size_t>(i)] = t.data_ptr<int64_t>();
   }
   at::Tensor out = at::empty({S, k}, num_tokens.options());
@@ -108,63 +101,27 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu(const at::Tensor& draft_
                                                         const c10::optional<at::Tensor>& target_probs,
                                                         const at::Tensor& target_argmax, const at::Tensor& is_greedy,
                                                         const at::Tensor& uniform) {
-  auto check_vec = [](const at::Tensor& t, const char* name, at::ScalarType dt) {
-    TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
-    TORCH_CHECK(t.scalar_type() == dt, name, " must be ", dt, ", got ", t.scalar_type());
-    TORCH_CHECK(t.dim() == 1, name, " must be 1-D, got shape ", t.sizes());
-  };
-  check_vec(draft_token_ids, "draft_token_ids", at::kLong);
-  check_vec(cu_num_draft, "cu_num_draft", at::kLong);
-  check_vec(target_argmax, "target_argmax", at::kLong);
-  check_vec(is_greedy, "is_greedy", at::kBool);
-  check_vec(uniform, "uniform", at::kDouble);
-  const int64_t S = cu_num_draft.size(0) - 1;
-  TORCH_CHECK(S >= 0, "cu_num_draft must be [S + 1], got shape ", cu_num_draft.sizes());
-  const int64_t ND = draft_token_ids.size(0);
-  const int64_t NT = ND + S;  // target rows: k_i + 1 per sequence
-  TORCH_CHECK(is_greedy.size(0) == S, "is_greedy must be [S] with S=", S, ", got ", is_greedy.sizes());
-  TORCH_CHECK(target_argmax.size(0) == NT, "target_argmax must be [num_drafts + S] = [", NT, "], got ",
-              target_argmax.sizes());
-  TORCH_CHECK(uniform.size(0) == NT, "uniform must be [num_drafts + S] = [", NT, "], got ", uniform.sizes());
-  const at::Tensor cu_c = cu_num_draft.contiguous();
+  at::Tensor cu_c;
+  const RejectionSampleDims dims = check_rejection_sample_args(draft_token_ids, cu_num_draft, cu_c, draft_probs,
+                                                               target_probs, target_argmax, is_greedy, uniform,
+                                                               at::Device(at::kCPU));
+  const int64_t S = dims.num_seqs, ND = dims.num_drafts, max_k = dims.max_k, vocab = dims.vocab;
   const int64_t* cu = cu_c.data_ptr<int64_t>();
-  TORCH_CHECK(S == 0 || cu[0] == 0, "cu_num_draft[0] must be 0, got ", S == 0 ? 0 : cu[0]);
-  int64_t max_k = 0;
-  for (int64_t i = 0; i < S; ++i) {
-    TORCH_CHECK(cu[i + 1] >= cu[i], "cu_num_draft must be non-decreasing, got ", cu[i], " then ", cu[i + 1]);
-    max_k = std::max(max_k, cu[i + 1] - cu[i]);
-  }
-  TORCH_CHECK(S == 0 || cu[S] == ND, "cu_num_draft[S] = ", S == 0 ? 0 : cu[S],
-              " must equal len(draft_token_ids) = ", ND);
   const at::Tensor greedy_c = is_greedy.contiguous();
   const bool* greedy = greedy_c.data_ptr<bool>();
   bool any_sampled = false;
   for (int64_t i = 0; i < S; ++i) any_sampled |= !greedy[i];
 
-  int64_t vocab = 0;
+  TORCH_CHECK(target_probs.has_value() || !any_sampled, "target_probs is required when a row is not greedy");
+  at::Tensor tp_c, dp_c;
   const float* tp = nullptr;
-  at::Tensor tp_c;
-  if (target_probs.has_value()) {
-    const at::Tensor& t = *target_probs;
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == NT,
-                "target_probs must be a CPU float32 tensor [num_drafts + S, V] = [", NT, ", V], got ",
-                t.scalar_type(), " ", t.sizes());
-    tp_c = t.contiguous();
-    tp = tp_c.data_ptr<float>();
-    vocab = t.size(1);
-  } else {
-    TORCH_CHECK(!any_sampled, "target_probs is required when a row is not greedy");
-  }
   const float* dp = nullptr;
-  at::Tensor dp_c;
+  if (target_probs.has_value()) {
+    tp_c = target_probs->contiguous();
+    tp = tp_c.data_ptr<float>();
+  }
   if (draft_probs.has_value()) {
-    const at::Tensor& d = *draft_probs;
-    TORCH_CHECK(tp != nullptr, "draft_probs needs target_probs");
-    TORCH_CHECK(d.device().is_cpu() && d.scalar_type() == at::kFloat && d.dim() == 2 && d.size(0) == ND &&
-                    d.size(1) == vocab,
-                "draft_probs must be a CPU float32 tensor [num_drafts, V] = [", ND, ", ", vocab, "], got ",
-                d.scalar_type(), " ", d.sizes());
-    dp_c = d.contiguous();
+    dp_c = draft_probs->contiguous();
     dp = dp_c.data_ptr<float>();
   }
   const at::Tensor drafts_c = draft_token_ids.contiguous();

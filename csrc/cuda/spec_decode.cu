@@ -9,6 +9,7 @@
 // falls within rounding of a bucket edge.
 //
 // cu_num_draft is read on the host (S + 1 int64) to size the output: one small device-to-host copy.
+// Argument checks are shared with the CPU kernel (csrc/spec_decode_checks.h).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
@@ -19,6 +20,7 @@
 #include <algorithm>
 #include <tuple>
 
+#include "../spec_decode_checks.h"
 #include "ops_cuda.h"
 
 namespace pagewire {
@@ -146,52 +148,21 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(const at::Tensor& draft
                                                          const at::Tensor& target_argmax, const at::Tensor& is_greedy,
                                                          const at::Tensor& uniform) {
   const at::Device device = target_argmax.device();
-  auto check_vec = [&](const at::Tensor& t, const char* name, at::ScalarType dt) {
-    TORCH_CHECK(t.device() == device, name, " must be on ", device, ", got ", t.device());
-    TORCH_CHECK(t.scalar_type() == dt, name, " must be ", dt, ", got ", t.scalar_type());
-    TORCH_CHECK(t.dim() == 1, name, " must be 1-D, got shape ", t.sizes());
-  };
-  check_vec(draft_token_ids, "draft_token_ids", at::kLong);
-  check_vec(cu_num_draft, "cu_num_draft", at::kLong);
-  check_vec(target_argmax, "target_argmax", at::kLong);
-  check_vec(is_greedy, "is_greedy", at::kBool);
-  check_vec(uniform, "uniform", at::kDouble);
-  const int64_t S = cu_num_draft.size(0) - 1;
-  TORCH_CHECK(S >= 0, "cu_num_draft must be [S + 1], got shape ", cu_num_draft.sizes());
-  const int64_t ND = draft_token_ids.size(0), NT = ND + S;
-  TORCH_CHECK(is_greedy.size(0) == S, "is_greedy must be [S] with S=", S, ", got ", is_greedy.sizes());
-  TORCH_CHECK(target_argmax.size(0) == NT && uniform.size(0) == NT,
-              "target_argmax and uniform must be [num_drafts + S] = [", NT, "]");
-  const at::Tensor cu_host = cu_num_draft.to(at::kCPU).contiguous();
-  const int64_t* cuh = cu_host.data_ptr<int64_t>();
-  int64_t max_k = 0;
-  for (int64_t i = 0; i < S; ++i) {
-    TORCH_CHECK(cuh[i + 1] >= cuh[i], "cu_num_draft must be non-decreasing");
-    max_k = std::max(max_k, cuh[i + 1] - cuh[i]);
-  }
-  TORCH_CHECK(S == 0 || (cuh[0] == 0 && cuh[S] == ND), "cu_num_draft must run from 0 to len(draft_token_ids)");
-  int64_t vocab = 0;
-  const float* tp = nullptr;
+  at::Tensor cu_host;  // the output's width (the largest k_i) is read off cu_num_draft on the host
+  const RejectionSampleDims dims = check_rejection_sample_args(draft_token_ids, cu_num_draft, cu_host, draft_probs,
+                                                               target_probs, target_argmax, is_greedy, uniform, device);
+  const int64_t S = dims.num_seqs, max_k = dims.max_k, vocab = dims.vocab;
+  // Checking that every row is greedy when target_probs is None would read is_greedy back to the
+  // host; the kernel makes such a sampled row emit 0 tokens, which server.kernels.ops refuses.
   at::Tensor tp_c, dp_c;
-  if (target_probs.has_value()) {
-    const at::Tensor& t = *target_probs;
-    TORCH_CHECK(t.device() == device && t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == NT,
-                "target_probs must be float32 [num_drafts + S, V] on ", device);
-    tp_c = t.contiguous();
-    tp = tp_c.data_ptr<float>();
-    vocab = t.size(1);
-  } else {
-    // Checking that every row is greedy would read is_greedy back to the host; the kernel
-    // requires target_probs for sampled rows, so refuse the combination up front instead.
-    TORCH_CHECK(!draft_probs.has_value(), "draft_probs needs target_probs");
-  }
+  const float* tp = nullptr;
   const float* dp = nullptr;
+  if (target_probs.has_value()) {
+    tp_c = target_probs->contiguous();
+    tp = tp_c.data_ptr<float>();
+  }
   if (draft_probs.has_value()) {
-    const at::Tensor& d = *draft_probs;
-    TORCH_CHECK(d.device() == device && d.scalar_type() == at::kFloat && d.dim() == 2 && d.size(0) == ND &&
-                    d.size(1) == vocab,
-                "draft_probs must be float32 [num_drafts, V] on ", device);
-    dp_c = d.contiguous();
+    dp_c = draft_probs->contiguous();
     dp = dp_c.data_ptr<float>();
   }
   at::Tensor out = at::full({S, max_k + 1}, -1, draft_token_ids.options());

@@ -18,9 +18,10 @@ from typing import Sequence as Seq
 import torch
 
 from server.engine.config import EngineConfig
+from server.engine.draft_proposer import DraftModelProposer, load_draft_model
 from server.engine.errors import CapacityLimits, check_capacity
 from server.engine.isolation import execute_isolating
-from server.engine.kv_budget import kv_layout
+from server.engine.kv_budget import kv_bytes_per_token, kv_layout
 from server.engine.kv_cache_manager import KVCacheManager
 from server.engine.output_processor import OutputProcessor
 from server.engine.outputs import RequestDelta, TokenLogprob
@@ -73,10 +74,19 @@ class LLMEngine:
         mc = self.model_config
         self.device = torch.device(config.device)
         kv_dtype = next(self.model.parameters()).dtype
+        spec_cfg = config.speculative_config if isinstance(config.speculative_config, SpeculativeConfig) else None
+        draft = None
+        draft_bpt = 0
+        if spec_cfg is not None and spec_cfg.method == "draft_model":
+            # Loaded before the KV is sized: its pool is carved from the same budget.
+            draft, dmc = load_draft_model(spec_cfg, config, mc, self.tokenizer)
+            draft_bpt = kv_bytes_per_token(dmc.num_layers, dmc.num_kv_heads, dmc.head_dim,
+                                           next(draft.parameters()).element_size())
         # One sizing function for the engine and `pagewire plan`, so their figures always agree.
         layout = kv_layout(
             config, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             dtype=str(kv_dtype).replace("torch.", ""), max_position_embeddings=mc.max_position_embeddings,
+            draft_bytes_per_token=draft_bpt,
         )
         self.kv_layout = layout
         bs = layout.block_size
@@ -98,8 +108,12 @@ class LLMEngine:
         eos = set(self.tokenizer.eos_token_ids) | set(getattr(mc, "eos_token_ids", ()) or ())
         self.outputs = OutputProcessor(self.tokenizer, eos, max_model_len)
         self.spec: Optional[SpecDecoder] = None
-        if isinstance(config.speculative_config, SpeculativeConfig):
-            self.spec = SpecDecoder(config.speculative_config, self.kv_cache, self.outputs, self.sampler, self.device)
+        self.draft: Optional[DraftModelProposer] = None
+        if draft is not None:
+            self.draft = DraftModelProposer(draft, num_blocks, bs, self.device, config.max_num_batched_tokens,
+                                            config.enable_prefix_caching, self.kv_cache)
+        if spec_cfg is not None:
+            self.spec = SpecDecoder(spec_cfg, self.kv_cache, self.outputs, self.sampler, self.device, self.draft)
         self.vocab_size = mc.vocab_size
         # Structured outputs (grammar masks); idle unless a request carries a constraint.
         self.structured = StructuredDecoder(self.tokenizer, mc.vocab_size)

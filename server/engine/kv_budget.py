@@ -35,6 +35,9 @@ class KVLayout:
     num_blocks: int
     watermark_blocks: int
     max_model_len: int
+    # Speculative decoding with a draft model: the draft's KV bytes per token. Its own pool has
+    # num_blocks blocks as well, carved from the same budget (0: no draft model).
+    draft_bytes_per_token: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -42,7 +45,8 @@ class KVLayout:
 
     @property
     def total_bytes(self) -> int:
-        return self.total_tokens * self.bytes_per_token
+        """The target's pool plus the draft model's, if any."""
+        return self.total_tokens * (self.bytes_per_token + self.draft_bytes_per_token)
 
     @property
     def admission_limit_blocks(self) -> int:
@@ -55,17 +59,24 @@ class KVLayout:
 
     def log_line(self) -> str:
         """What the engine logs at start-up (and `pagewire plan` prints)."""
+        draft = (f" + draft model {self.draft_bytes_per_token} bytes/token, same blocks"
+                 if self.draft_bytes_per_token else "")
         return (
-            f"KV cache: {self.bytes_per_token} bytes/token ({self.dtype}), {self.num_blocks} blocks x "
+            f"KV cache: {self.bytes_per_token} bytes/token ({self.dtype}){draft}, {self.num_blocks} blocks x "
             f"{self.block_size} tokens = {self.total_tokens} tokens ({self.total_bytes / 2**30:.2f} GiB); "
             f"fits {self.total_tokens // self.max_model_len} sequences of max_model_len {self.max_model_len}"
         )
 
 
 def kv_layout(config: EngineConfig, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str,
-              max_position_embeddings: int, kv_cache_tokens: Optional[int] = None) -> KVLayout:
+              max_position_embeddings: int, kv_cache_tokens: Optional[int] = None,
+              draft_bytes_per_token: int = 0) -> KVLayout:
     """Size the pool from `config` (kv_cache_tokens, else kv_cache_memory_gb) for a model of this shape
     whose KV is stored in `dtype`. `kv_cache_tokens` overrides the config's (plan's --memory budget).
+
+    With a draft model (`draft_bytes_per_token` > 0) the budget, in bytes (kv_cache_tokens of the
+    target's KV, or kv_cache_memory_gb), is split so that the target's pool and the draft's have the
+    same number of blocks: the draft can then hold K/V for every token the target holds.
 
     Raises ConfigError naming the setting when the pool holds no block or less than one
     `max_model_len` sequence, or max_model_len exceeds the model's positions.
@@ -75,7 +86,7 @@ def kv_layout(config: EngineConfig, *, num_layers: int, num_kv_heads: int, head_
     bpt = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, DTYPE_BYTES[dtype])
     bs = config.block_size
     tokens = kv_cache_tokens or config.kv_cache_tokens or int(config.kv_cache_memory_gb * 2**30 // bpt)
-    num_blocks = tokens // bs
+    num_blocks = tokens * bpt // ((bpt + draft_bytes_per_token) * bs)
     if num_blocks < 1:
         raise ConfigError("kv_cache_memory_gb", "leaves room for no KV block at all")
     watermark = default_watermark(num_blocks)
@@ -92,4 +103,4 @@ def kv_layout(config: EngineConfig, *, num_layers: int, num_kv_heads: int, head_
             f"the KV cache holds {num_blocks * bs} tokens, fewer than one max_model_len "
             f"sequence ({max_model_len}); raise the KV budget or lower max_model_len",
         )
-    return KVLayout(bpt, dtype, bs, num_blocks, watermark, max_model_len)
+    return KVLayout(bpt, dtype, bs, num_blocks, watermark, max_model_len, draft_bytes_per_token)

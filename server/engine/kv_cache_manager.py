@@ -12,7 +12,7 @@ touch), so registering blocks costs O(new blocks), never O(sequence).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from server import _C
 from server.engine.request import Sequence
@@ -39,6 +39,9 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # Called with each sequence whose blocks `free` releases (finish, abort, preemption), so
+        # per-sequence state kept beside the KV (a draft model's own cache) is released with it.
+        self._free_listeners: list[Callable[[Sequence], None]] = []
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -113,6 +116,12 @@ class KVCacheManager:
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks; registered ones stay cached for later prefix hits."""
         self._alloc.free(seq.seq_id)
+        for listener in self._free_listeners:
+            listener(seq)
+
+    def add_free_listener(self, listener: Callable[[Sequence], None]) -> None:
+        """Call `listener(seq)` after every `free(seq)`."""
+        self._free_listeners.append(listener)
 
     def block_table(self, seq: Sequence) -> list[int]:
         return self._alloc.block_table(seq.seq_id)

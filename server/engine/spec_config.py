@@ -67,11 +67,7 @@ class SpeculativeConfig:
         if self.method == "draft_model":
             if not isinstance(self.model, str) or not self.model:
                 raise ConfigError(f"{_PREFIX}.model", "is required for method 'draft_model' (a model folder or GGUF file)")
-            # Not built yet: refuse clearly rather than run something that is not a draft model.
-            raise ConfigError(
-                f"{_PREFIX}.method", "'draft_model' is not available in this build yet; use 'ngram'"
-            )
-        if self.model is not None:
+        elif self.model is not None:
             raise ConfigError(f"{_PREFIX}.model", f"applies to method 'draft_model' only, got {self.model!r}")
 
     @classmethod

@@ -3,8 +3,10 @@ step's flat batch, accept exactly, emit 1..k+1 tokens, roll rejected positions' 
 
 One step with speculation (the engine's hooks, in order):
 1. `SpecDecoder.propose(running)`, before scheduling: each running sequence that is decoding (one
-   token to catch up) gets up to k proposed tokens in `seq.spec_token_ids`, from the n-gram
-   proposer (`server._C` ngram_propose, batched over the step). None when the batch is at least
+   token to catch up) gets up to k proposed tokens in `seq.spec_token_ids`, from the configured
+   proposer (engine/proposer.py: the n-gram proposer, `server._C` ngram_propose batched over the
+   step; or engine/draft_proposer.py: a draft model, which also returns the distribution q each
+   proposal was drawn from). None when the batch is at least
    `disable_by_batch_size` (compute-bound: verifying costs real time there), or for a sequence
    whose acceptance stayed below `min_acceptance_rate`. Proposals never reach past the request's
    max_tokens / max_model_len bound.
@@ -16,7 +18,8 @@ One step with speculation (the engine's hooks, in order):
    as output, min_tokens blocking by its own output count, temperature, top-k/top-p/min-p), then
    `server._C` rejection_sample accepts: greedy rows the longest prefix equal to the target's
    argmax plus the target's next token; sampled rows by rejection sampling (accept proposal d with
-   probability p(d), the n-gram proposal being a point mass; on rejection draw from the residual;
+   probability min(1, p(d) / q(d)), an n-gram proposal being a point mass, q(d) = 1; on rejection
+   draw from the residual max(p - q, 0);
    after k acceptances draw the bonus token), so emitted tokens are distributed as the target's.
    Uniform draws come from the request's own generator when it has a seed.
 4. Emitted tokens go through the OutputProcessor one at a time, so EOS, stop ids, stop strings,
@@ -25,7 +28,7 @@ One step with speculation (the engine's hooks, in order):
 5. Rollback: `num_computed_tokens` becomes the verified length, the KVCacheManager truncates the
    blocks that only rejected positions used, and registers the newly verified full blocks in the
    prefix cache (proposed tokens are never registered: the scheduler registers verified tokens
-   only).
+   only). The proposer then rolls back its own state (`Proposer.synced`: the draft model's KV).
 
 Everything here runs on the engine thread, between the scheduler and the output processor.
 """
@@ -41,6 +44,7 @@ import torch
 from server.engine.kv_cache_manager import KVCacheManager
 from server.engine.output_processor import OutputProcessor
 from server.engine.outputs import TokenLogprob
+from server.engine.proposer import NgramProposer, Proposer
 from server.engine.request import Request, Sequence
 from server.engine.sampler import (
     _GREEDY_EPS,
@@ -97,20 +101,19 @@ class SpecStats:
 
 
 class _SeqSpecState:
-    """Per-sequence proposer state: a token buffer the C++ proposer reads, and the acceptance window."""
+    """Per-sequence speculation state: the acceptance window (the proposer keeps its own)."""
 
-    __slots__ = ("buf", "n", "win_proposed", "win_accepted", "off")
+    __slots__ = ("win_proposed", "win_accepted", "off")
 
-    def __init__(self, capacity: int) -> None:
-        self.buf = torch.empty(capacity, dtype=torch.int64)
-        self.n = 0  # tokens of seq.token_ids copied into buf
+    def __init__(self) -> None:
         self.win_proposed = 0
         self.win_accepted = 0
         self.off = False
 
 
 class SpecDecoder:
-    """Proposes (n-gram) and verifies speculative tokens for the engine; see the module docstring."""
+    """Proposes (through a Proposer) and verifies speculative tokens for the engine; see the module
+    docstring. `proposer` defaults to the n-gram proposer of `config`."""
 
     def __init__(
         self,
@@ -119,8 +122,17 @@ class SpecDecoder:
         outputs: OutputProcessor,
         sampler: Sampler,
         device: torch.device,
+        proposer: Optional[Proposer] = None,
     ) -> None:
         self.config = config
+        if proposer is None:
+            ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+            kv_cache.add_free_listener(ngram.release)
+            proposer = ngram
+        self.proposer: Proposer = proposer
+        # The distribution each sequence's proposals were drawn from this step (draft model,
+        # sampled requests): float32 [k, V], kept to hand to rejection sampling.
+        self._draft_probs: dict[int, torch.Tensor] = {}
         # Set by the engine: grammar masks for the positions of constrained sequences' drafts.
         self.structured: Optional[StructuredDecoder] = None
         self.kv_cache = kv_cache
@@ -130,11 +142,13 @@ class SpecDecoder:
         k = config.num_speculative_tokens
         self.stats = SpecStats(proposed_by_position=[0] * k, accepted_by_position=[0] * k)
         self._batch_off = False
+        source = (f"n-gram {config.prompt_lookup_min}..{config.prompt_lookup_max}" if config.method == "ngram"
+                  else f"draft model {config.model}")
         logger.info(
-            "speculative decoding: %s, k=%d, n-gram %d..%d; off for batches >= %s; per sequence off "
+            "speculative decoding: %s, k=%d; off for batches >= %s; per sequence off "
             "below %.0f%% acceptance over %d proposed tokens",
-            config.method, k, config.prompt_lookup_min, config.prompt_lookup_max,
-            config.disable_by_batch_size or "never", 100 * config.min_acceptance_rate, config.acceptance_window,
+            source, k, config.disable_by_batch_size or "never", 100 * config.min_acceptance_rate,
+            config.acceptance_window,
         )
 
     # -- 1. propose -------------------------------------------------------------------------------
@@ -144,6 +158,7 @@ class SpecDecoder:
         for seq in running:  # proposals are per step: none carries over (unscheduled, or trimmed)
             if seq.spec_token_ids:
                 seq.spec_token_ids = []
+        self._draft_probs.clear()
         off = 0 < cfg.disable_by_batch_size <= len(running)
         if off != self._batch_off:
             self._batch_off = off
@@ -155,7 +170,7 @@ class SpecDecoder:
             self.stats.steps_off_batch += 1
             return
         k = cfg.num_speculative_tokens
-        cands: list[tuple[Sequence, _SeqSpecState, int]] = []
+        cands: list[tuple[Sequence, int]] = []
         for seq in running:
             if seq.num_tokens - seq.num_computed_tokens != 1:  # a prefill chunk or recompute
                 continue
@@ -168,37 +183,24 @@ class SpecDecoder:
             room = seq.request.max_total_tokens - seq.num_tokens - 1
             if room <= 0:
                 continue
-            st = self._state(seq)
-            if st.off:
+            if self._state(seq).off or not self.proposer.accepts(seq):
                 continue
-            cands.append((seq, st, min(k, room)))
+            cands.append((seq, min(k, room)))
         if not cands:
             return
-        bufs: list[torch.Tensor] = []
-        lens: list[int] = []
-        for seq, st, _ in cands:
-            if seq.num_tokens > st.n:  # token_ids only grow: copy the new tail
-                st.buf[st.n : seq.num_tokens] = torch.tensor(seq.token_ids[st.n :], dtype=torch.int64)
-                st.n = seq.num_tokens
-            bufs.append(st.buf)
-            lens.append(st.n)
-        proposals = ops.ngram_propose(
-            bufs, torch.tensor(lens, dtype=torch.int64), k, cfg.prompt_lookup_min, cfg.prompt_lookup_max
-        ).tolist()
-        for (seq, _, kk), row in zip(cands, proposals):
-            toks: list[int] = []
-            for t in row[:kk]:
-                if t < 0:
-                    break
-                toks.append(t)
+        proposals = self.proposer.propose(cands)
+        for i, ((seq, _), toks) in enumerate(zip(cands, proposals.tokens)):
             if toks and seq.grammar is not None:  # only the prefix the grammar accepts is scored
                 toks = toks[: StructuredDecoder.validate_draft(seq, toks)]
             seq.spec_token_ids = toks
+            q = proposals.probs[i] if proposals.probs is not None else None
+            if toks and q is not None:
+                self._draft_probs[seq.seq_id] = q
 
     def _state(self, seq: Sequence) -> _SeqSpecState:
         st = seq.spec_state
         if not isinstance(st, _SeqSpecState):
-            st = _SeqSpecState(seq.request.max_total_tokens)
+            st = _SeqSpecState()
             seq.spec_state = st
         return st
 
@@ -272,10 +274,11 @@ class SpecDecoder:
                 gen = s.generator if s.generator is not None else self.sampler.shared_generator(raw.device)
                 uniforms.append(torch.rand(n, dtype=torch.float64, generator=gen, device=gen.device).cpu())
         dev = raw.device
+        draft_ids = torch.tensor(drafts, dtype=torch.int64, device=dev)
         out, num_emitted = ops.rejection_sample(
-            torch.tensor(drafts, dtype=torch.int64, device=dev),
+            draft_ids,
             torch.tensor(cu, dtype=torch.int64, device=dev),
-            None,
+            self._gather_draft_probs(spec, draft_ids, raw.shape[-1]) if probs is not None else None,
             probs,
             target_argmax,
             torch.tensor(greedy, dtype=torch.bool, device=dev),
@@ -334,12 +337,34 @@ class SpecDecoder:
             # computed next step, like any sampled token's.
             s.num_computed_tokens = s.num_tokens - 1
             self.kv_cache.rollback(s)
+            self.proposer.synced(s)
             s.spec_token_ids = []
             self._track_acceptance(s, k, accepted)
             if req.first_token_time is None:
                 req.first_token_time = now
             touched[req.request_id] = req
         return plain, emitted_total
+
+    def _gather_draft_probs(self, spec: list[tuple[int, Sequence]], draft_ids: torch.Tensor,
+                            vocab: int) -> Optional[torch.Tensor]:
+        """q for rejection sampling: float32 [num_drafts, V] in draft order, or None when every
+        proposal is a point mass. A sequence without q (greedy: never read; n-gram) gets one-hot
+        rows; a sequence's q is cut to the proposals the scheduler kept."""
+        if not self._draft_probs:
+            return None
+        rows: list[torch.Tensor] = []
+        start = 0
+        for _, s in spec:
+            k = len(s.spec_token_ids)
+            q = self._draft_probs.get(s.seq_id)
+            if q is not None:
+                rows.append(q[:k].to(device=draft_ids.device, dtype=torch.float32))
+            else:
+                one_hot = torch.zeros(k, vocab, dtype=torch.float32, device=draft_ids.device)
+                one_hot[torch.arange(k, device=draft_ids.device), draft_ids[start : start + k]] = 1.0
+                rows.append(one_hot)
+            start += k
+        return torch.cat(rows).contiguous()
 
     def _track_acceptance(self, seq: Sequence, proposed: int, accepted: int) -> None:
         st = seq.spec_state

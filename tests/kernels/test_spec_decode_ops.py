@@ -141,6 +141,17 @@ def test_rejection_sample_checks_arguments() -> None:
     with pytest.raises(RuntimeError, match="cu_num_draft"):
         ops.rejection_sample(torch.tensor([1]), torch.tensor([0, 2]), None, torch.full((2, 4), 0.25),
                              torch.tensor([1, 2]), torch.zeros(1, dtype=torch.bool), torch.zeros(2, dtype=torch.float64))
+    # The checks shared with the CUDA kernel (csrc/spec_decode_checks.h): draft_probs' shape, and
+    # draft_probs without target_probs (all rows greedy, so only the C++ check can refuse it).
+    with pytest.raises(RuntimeError, match=r"draft_probs must be a float32 tensor \[num_drafts, V\] = \[1, 4\]"):
+        ops.rejection_sample(torch.tensor([1]), torch.tensor([0, 1]), torch.full((1, 5), 0.2), torch.full((2, 4), 0.25),
+                             torch.tensor([1, 2]), torch.zeros(1, dtype=torch.bool), torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="draft_probs needs target_probs"):
+        ops.rejection_sample(torch.tensor([1]), torch.tensor([0, 1]), torch.full((1, 4), 0.25), None,
+                             torch.tensor([1, 2]), torch.ones(1, dtype=torch.bool), torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="is_greedy must be Bool, got Long"):  # wrong dtype names the argument
+        ops.rejection_sample(torch.tensor([1]), torch.tensor([0, 1]), None, torch.full((2, 4), 0.25),
+                             torch.tensor([1, 2]), torch.zeros(1, dtype=torch.int64), torch.zeros(2, dtype=torch.float64))
 
 
 # -- the distribution test ----------------------------------------------------------------------

@@ -176,11 +176,18 @@ def test_sampler_rows_do_not_depend_on_the_batch() -> None:
         assert run(rows, at) == alone, (n, at)
 
 
-def test_deterministic_config_field() -> None:
+def test_deterministic_config_field(tiny_model) -> None:
+    from server import LLM
+
     assert EngineConfig(model="m").deterministic is False
     assert EngineConfig(model="m", deterministic=True).deterministic is True
     with pytest.raises(ConfigError, match="^deterministic:"):
         EngineConfig(model="m", deterministic="yes")  # type: ignore[arg-type]
+    llm = LLM(str(tiny_model("llama")), deterministic=True, max_model_len=64, kv_cache_tokens=256)
+    assert llm.engine.config.deterministic is True
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
+    assert not batch_invariant.enabled()  # the mode is scoped to each engine step
 
 
 def test_serve_flag_takes_on_or_off() -> None:
@@ -225,4 +232,5 @@ def test_real_model_is_invariant(params: SamplingParams) -> None:
     situations = default_situations(params.temperature == 0.0, batch_sizes=(7, 16), budgets=(16, 512))
     short = params.clone(max_tokens=6)
     report = checker.check(_target(checker), short, situations)
+    assert len(report.reference[0]) == 6 and len(report.reference[1]) == 6
     assert report.mismatches == {}

@@ -48,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     lst.add_argument("--state", default=None,
                      choices=["queued", "running", "finished", "cancelled", "failed", "interrupted"])
     lst.add_argument("--limit", type=int, default=50)
+    lst.add_argument("--key", default=None, help="only this API key's requests (a key id, pw-…)")
     lst.add_argument("--json", action="store_true", help="one JSON object per line")
     show = req_sub.add_parser("show", help="everything recorded about one request")
     show.add_argument("request_id")
@@ -193,39 +194,28 @@ def _requests(ns: argparse.Namespace) -> int:
 
 
 def _print_requests(ns: argparse.Namespace, conn: Any) -> int:
+    from server.gateway.requests_view import record_json, record_summary
     from server.serving.ledger_sync import get_record, list_records
 
     if ns.action == "list":
-        rows = list_records(conn, ns.limit, ns.state)
+        rows = list_records(conn, ns.limit, ns.state, ns.key)
         if ns.json:
             for r in rows:
-                print(json.dumps(_summary(r)))
+                print(json.dumps(record_summary(r)))
             return 0
-        print(f"{'REQUEST ID':<28} {'STATE':<11} {'KIND':<10} {'API':<4} {'CREATED':<19} "
+        print(f"{'REQUEST ID':<28} {'STATE':<11} {'KIND':<10} {'API':<5} {'KEY':<15} {'CREATED':<19} "
               f"{'PROMPT':>6} {'OUTPUT':>6} {'REASON':<10}")
         for r in rows:
-            print(f"{r.request_id:<28} {r.state:<11} {r.kind:<10} {r.api:<4} {_fmt_time(r.created_at):<19} "
-                  f"{r.prompt_tokens:>6} {r.completion_tokens:>6} {r.finish_reason or '-':<10}")
+            print(f"{r.request_id:<28} {r.state:<11} {r.kind:<10} {r.api:<5} {r.key_id or '-':<15} "
+                  f"{_fmt_time(r.created_at):<19} {r.prompt_tokens:>6} {r.completion_tokens:>6} "
+                  f"{r.finish_reason or '-':<10}")
         return 0
     rec = get_record(conn, ns.request_id)
     if rec is None:
         print(f"pagewire: request_id: no request {ns.request_id!r} in {_db(ns)}", file=sys.stderr)
         return 1
-    out = _summary(rec)
-    out.update(params=rec.params, prompt=rec.prompt, output_text=rec.output_text)
-    print(json.dumps(out, indent=2, ensure_ascii=False))
+    print(json.dumps(record_json(rec), indent=2, ensure_ascii=False))
     return 0
-
-
-def _summary(r: Any) -> dict[str, Any]:
-    return {
-        "request_id": r.request_id, "state": r.state, "kind": r.kind, "api": r.api, "client": r.client,
-        "model": r.model, "priority": r.priority, "idempotency_key": r.idempotency_key,
-        "created_at": r.created_at, "admitted_at": r.admitted_at, "first_token_at": r.first_token_at,
-        "finished_at": r.finished_at, "prompt_tokens": r.prompt_tokens,
-        "completion_tokens": r.completion_tokens, "cached_tokens": r.cached_tokens,
-        "finish_reason": r.finish_reason, "error": r.error,
-    }
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

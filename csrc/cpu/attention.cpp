@@ -1,5 +1,5 @@
 // The paged_attention CPU op: argument checks (shared with CUDA, attention_checks.h), the host-side work plan (query tiles per sequence),
-// and the choice between the AVX-512 and the portable kernel.
+// and the choice between the AVX-512, the AVX2 and the portable kernel.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -33,8 +33,16 @@ cpu::ElemType elem_type(at::ScalarType t) {
   }
 }
 
-// PAGEWIRE_CPU_ISA=generic (or avx2) forces the portable kernel (tests use it to cover that path).
-bool use_avx512(int head_dim) { return head_dim % 16 == 0 && cpu::active_isa() == cpu::Isa::kAvx512Bf16; }
+// The best kernel the active family allows for this head size. PAGEWIRE_CPU_ISA caps the family
+// (avx2: the AVX2 kernel even on an AVX-512 CPU; generic: the portable one), so tests cover every
+// path on one machine.
+enum class Kernel { kPortable, kAvx2, kAvx512 };
+Kernel pick_kernel(int head_dim) {
+  const cpu::Isa isa = cpu::active_isa();
+  if (isa == cpu::Isa::kAvx512Bf16 && head_dim % 16 == 0) return Kernel::kAvx512;
+  if (isa >= cpu::Isa::kAvx2 && head_dim % 8 == 0) return Kernel::kAvx2;
+  return Kernel::kPortable;
+}
 
 }  // namespace
 
@@ -122,10 +130,16 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   args.dtype = dtype;
   args.items = sorted.data();
   args.num_items = static_cast<int64_t>(sorted.size());
-  if (use_avx512(args.head_dim)) {
-    cpu::paged_attention_avx512(args);
-  } else {
-    cpu::paged_attention_generic(args);
+  switch (pick_kernel(args.head_dim)) {
+    case Kernel::kAvx512:
+      cpu::paged_attention_avx512(args);
+      break;
+    case Kernel::kAvx2:
+      cpu::paged_attention_avx2(args);
+      break;
+    case Kernel::kPortable:
+      cpu::paged_attention_generic(args);
+      break;
   }
 }
 

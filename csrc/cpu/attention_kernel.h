@@ -1,5 +1,6 @@
 // The torch-free interface between the paged_attention op (attention.cpp) and its ISA-specific
-// kernels (attention_generic.cpp, attention_avx512.cpp): raw pointers, strides and a work list.
+// kernels (attention_generic.cpp, attention_avx2.cpp, attention_avx512.cpp): raw pointers, strides
+// and a work list.
 #pragma once
 
 #include <cstdint>
@@ -34,9 +35,13 @@ struct PagedAttentionArgs {
   int64_t num_items;
 };
 
-// Both compute the same result; the AVX-512 one must only be called when cpu::active_isa() is
-// Isa::kAvx512Bf16 (cpu_features.h).
+// All compute the same attention (to rounding). The AVX-512 one must only be called when
+// cpu::active_isa() is Isa::kAvx512Bf16 and head_dim % 16 == 0, the AVX2 one when it is at least
+// Isa::kAvx2 and head_dim % 8 == 0 (cpu_features.h). The AVX2 one is also batch-invariant: a
+// query row's output bits do not depend on the rest of the batch or on how the work was tiled
+// (attention_avx2.cpp says how).
 void paged_attention_generic(const PagedAttentionArgs& args);
+void paged_attention_avx2(const PagedAttentionArgs& args);
 void paged_attention_avx512(const PagedAttentionArgs& args);
 
 }  // namespace pagewire::cpu

@@ -3,6 +3,11 @@
 // micro-kernels (an Isa struct: load_q, load_k, load_v, qk, mask_row, softmax_step, pv, store_o).
 // Buffer layouts are the Isa's business per element type: the driver only passes them along.
 //
+// Spans start at absolute multiples of 64 (kv_lo below is rounded down), so a row meets the same
+// spans whatever tile or prefill chunk it falls in, with or without a sliding window: these
+// kernels are batch-invariant (docs/determinism.md), like the AVX2 kernel's own driver
+// (attention_avx2.cpp), which aligns its spans the same way.
+//
 // Included by exactly one .cpp per ISA (attention_generic.cpp, attention_avx512.cpp); everything
 // here has internal linkage so each inclusion compiles with that file's target options and
 // nothing is merged across ISAs by the linker.

@@ -6,6 +6,7 @@ Routes, and where each request goes next:
     /v1/files, /v1/batches                     → server.gateway.http → server.gateway.batch → service
     WS   /v1/ws                                → server.api.ws          → server.serving.service
     GET  /v1/usage                             → server.gateway.usage (SQL over the ledger)
+    GET  /v1/requests/{id}                     → server.gateway.requests_view (one ledger row, for its owner)
 Every route passes the OriginGuard, then the AuthGuard (server.gateway.auth) first.
     GET  /, /ui/*                              → server.api.ui (the chat page; off with --no-ui)
 """
@@ -36,6 +37,7 @@ from server.api.ui import ui_routes
 from server.api.ws import WsEndpoint
 from server.api.ws_watchdog import CaptureTransport
 from server.gateway.auth import AuthGuard, principal_of
+from server.gateway.requests_view import request_route
 from server.gateway.usage import usage_report
 from server.serving.errors import InvalidRequest, NotFound, PagewireError, PermissionDenied, TooLarge, Unavailable
 from server.serving.ledger_health import ledger_health
@@ -201,6 +203,7 @@ def build_app(rt: Runtime) -> Starlette:
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/v1/usage", usage, methods=["GET"]),
+            Route("/v1/requests/{request_id}", request_route(lambda: rt.ledger), methods=["GET"]),
             *gateway.routes(),
             WebSocketRoute("/v1/ws", WsEndpoint(api)),
             *(ui_routes() if rt.settings.ui else []),

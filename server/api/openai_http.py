@@ -54,10 +54,15 @@ class GenerateEndpoint:
             log.exception("admitting a request failed")
             await send_error(send, GenerationFailed(f"internal error: {e}", code="internal_error"))
             return
+        # OpenAI sends the key's x-ratelimit-* on every response, not only on a 429: the state
+        # right after this request's reservation (no headers for a key without limits).
+        quotas, key_id = self.rt.quotas, specs[0].key_id
+        limits = [(k.encode(), v.encode()) for k, v in quotas.headers(key_id).items()] \
+            if quotas is not None and key_id is not None else []
         if stream:
-            await respond.stream(self.api, send, receive, self.kind, admitted, n, include_usage, tools)
+            await respond.stream(self.api, send, receive, self.kind, admitted, n, include_usage, tools, limits)
         else:
-            await respond.whole(self.api, send, receive, self.kind, admitted, n, tools)
+            await respond.whole(self.api, send, receive, self.kind, admitted, n, tools, limits)
 
     def _parse(self, scope: Scope, body: bytes) -> tuple[list[GenerationSpec], bool, bool, int, Optional[ToolPlan]]:
         rt = self.rt

@@ -14,7 +14,7 @@ another subscriber, such as an idempotent retry, still follows it).
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from server.api.context import ApiContext
 from server.api.http_io import (
@@ -91,9 +91,10 @@ def _merge_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def whole(api: ApiContext, send: Send, receive: Receive, kind: str, admitted: list[Admitted], n: int,
-                tools: Optional[ToolPlan] = None) -> None:
+                tools: Optional[ToolPlan] = None, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     """Wait for every request, then answer with one (merged) completion or chat completion;
-    `tools` is a chat request's tool plan (its text is read for tool calls)."""
+    `tools` is a chat request's tool plan (its text is read for tool calls); `headers` go on the
+    200 (the key's x-ratelimit-* as of its admission)."""
     waiters = [EndWaiter() for _ in admitted]
 
     def cancel_all() -> None:
@@ -127,14 +128,16 @@ async def whole(api: ApiContext, send: Send, receive: Receive, kind: str, admitt
     body = {**parts[0], "choices": choices, "usage": _merge_usage([p["usage"] for p in parts])}
     ids = ",".join(e.request_id for e in ends)
     try:
-        await send_json(send, 200, body, [(b"x-request-id", ids.encode())])
+        await send_json(send, 200, body, [(b"x-request-id", ids.encode()), *headers])
     except OSError:
         pass
 
 
 async def stream(api: ApiContext, send: Send, receive: Receive, kind: str, admitted: list[Admitted], n: int,
-                 include_usage: bool, tools: Optional[ToolPlan] = None) -> None:
-    """Stream every request's chunks as one SSE response; [DONE] after the last one ends."""
+                 include_usage: bool, tools: Optional[ToolPlan] = None,
+                 headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    """Stream every request's chunks as one SSE response; [DONE] after the last one ends.
+    `headers` go on the response start (the key's x-ratelimit-* as of its admission)."""
     rt = api.rt
     outbox = Outbox(rt.settings.outbox_bytes)
     subs = [Subscription(outbox, a.request_id) for a in admitted]
@@ -148,7 +151,7 @@ async def stream(api: ApiContext, send: Send, receive: Receive, kind: str, admit
     ok = await send_with_timeout(send, {
         "type": "http.response.start", "status": 200,
         "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-                    (b"x-request-id", ",".join(a.request_id for a in admitted).encode())],
+                    (b"x-request-id", ",".join(a.request_id for a in admitted).encode()), *headers],
     }, timeout)
     try:
         if not ok:

@@ -13,6 +13,13 @@ re-run, never billed again). Only a line whose request was interrupted (the cras
 gets a new attempt, with a new key. The output and error files are rendered from
 `batch_lines.result_json` in line order when the batch ends, so they never hold a line twice.
 
+Ownership: a batch records the API key that created it (`batches.key_id`), and its lines run as
+requests of that key: billed to it, and reserved against its token rate limits and daily quota
+like its interactive requests. A line refused by the key's per-minute limits waits (the batch
+fills idle capacity, it does not fail for being throttled); one refused by the daily quota, or
+whose key was revoked or expired, goes to the error file with that error. A key sees only its own
+batches and files (another key's id gets the same 404 as an unknown one); the admin sees all.
+
 Lines run at BACKGROUND_PRIORITY in the admission queue's batch class: the engine runs them only
 in steps with no interactive work and preempts them first (server.engine.scheduler). At most
 `concurrency` lines of all batches are in flight, so the admission queue and the engine's seats
@@ -29,7 +36,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from server.engine.scheduler import BACKGROUND_PRIORITY
+from server.gateway.auth import Principal
 from server.gateway.files import OUTPUT_PURPOSE, FileStore
+from server.gateway.quotas import RateLimited
 from server.serving.admission import BATCH
 from server.serving.errors import InvalidRequest, NotFound, Overloaded, PagewireError
 from server.serving.jobs import GenerationSpec
@@ -47,7 +56,7 @@ LINE_TIMEOUT_S = 24 * 3600.0  # a line may wait in the queue as long as the comp
 
 BATCH_COLUMNS = ("batch_id, input_file_id, endpoint, completion_window, status, metadata_json, errors_json, "
                  "created_at, in_progress_at, finalizing_at, completed_at, failed_at, cancelling_at, "
-                 "cancelled_at, output_file_id, error_file_id, total, completed, failed")
+                 "cancelled_at, output_file_id, error_file_id, total, completed, failed, key_id")
 
 
 @dataclass
@@ -71,6 +80,7 @@ class BatchRecord:
     total: int
     completed: int
     failed: int
+    key_id: Optional[str] = None  # the owning API key (None: created with authentication off)
 
     @classmethod
     def from_row(cls, row: tuple[Any, ...]) -> "BatchRecord":
@@ -104,8 +114,9 @@ class LineInvalid(Exception):
         self.message = message
 
 
-# (kind, body bytes, request id) → a GenerationSpec; raises PagewireError naming the field.
-SpecBuilder = Callable[[str, bytes, str, Optional[str]], GenerationSpec]
+# (kind, body bytes, client, idempotency key, owning key id) → a GenerationSpec owned by that key;
+# raises PagewireError naming the field (or InvalidApiKey when the owner can no longer spend).
+SpecBuilder = Callable[[str, bytes, str, Optional[str], Optional[str]], GenerationSpec]
 # (kind, end) → the response body of a finished request.
 Renderer = Callable[[str, EndEvent], dict[str, Any]]
 # PagewireError → OpenAI's error body.
@@ -161,43 +172,51 @@ class BatchManager:
 
     # -- API ------------------------------------------------------------------------------------
     async def create(self, input_file_id: str, endpoint: str, completion_window: str,
-                     metadata: Optional[dict[str, Any]]) -> BatchRecord:
+                     metadata: Optional[dict[str, Any]], who: Optional[Principal] = None) -> BatchRecord:
+        """A new batch owned by `who` (None: authentication is off), from one of its own files."""
         if endpoint not in ENDPOINTS:
             raise InvalidRequest(f"endpoint: must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}",
                                  param="endpoint")
         if completion_window not in COMPLETION_WINDOWS:
             raise InvalidRequest(f"completion_window: must be one of {', '.join(COMPLETION_WINDOWS)}, "
                                  f"got {completion_window!r}", param="completion_window")
-        f = await self.files.get(input_file_id, "input_file_id")
+        f = await self.files.get(input_file_id, "input_file_id", who)
         if f.purpose != "batch":
             raise InvalidRequest(f"input_file_id: {input_file_id!r} has purpose {f.purpose!r}, not 'batch'",
                                  param="input_file_id")
         bid = f"batch_{uuid.uuid4().hex[:24]}"
         await self.ledger.execute(
             "INSERT INTO batches (batch_id, input_file_id, endpoint, completion_window, status, metadata_json, "
-            "created_at) VALUES (?, ?, ?, ?, 'validating', ?, ?)",
+            "created_at, key_id) VALUES (?, ?, ?, ?, 'validating', ?, ?, ?)",
             (bid, input_file_id, endpoint, completion_window, json.dumps(metadata) if metadata else None,
-             time.time()))
+             time.time(), who.key_id if who is not None else None))
         self._spawn(bid)
         return await self.get(bid)
 
-    async def get(self, batch_id: str) -> BatchRecord:
+    async def get(self, batch_id: str, who: Optional[Principal] = None) -> BatchRecord:
+        """The batch, if `who` may see it (None: no check); another key's gets an unknown id's 404."""
         rows = await self.ledger.query(f"SELECT {BATCH_COLUMNS} FROM batches WHERE batch_id = ?", (batch_id,))
-        if not rows:
+        b = BatchRecord.from_row(rows[0]) if rows else None
+        if b is None or (who is not None and not who.may_see(b.key_id)):
             raise NotFound(f"batch_id: no batch {batch_id!r}", param="batch_id", code="batch_not_found")
-        return BatchRecord.from_row(rows[0])
+        return b
 
-    async def list_batches(self, limit: int, after: Optional[str]) -> list[BatchRecord]:
-        sql = f"SELECT {BATCH_COLUMNS} FROM batches"
-        args: tuple[Any, ...] = ()
+    async def list_batches(self, limit: int, after: Optional[str], who: Optional[Principal] = None) -> list[BatchRecord]:
+        """Newest first; a key lists only its own batches, the admin (or no auth) every one."""
+        where: list[str] = []
+        args: list[Any] = []
+        if who is not None and not who.admin:
+            where.append("key_id = ?")
+            args.append(who.key_id)
         if after:
-            sql += " WHERE created_at < (SELECT created_at FROM batches WHERE batch_id = ?)"
-            args = (after,)
+            where.append("created_at < (SELECT created_at FROM batches WHERE batch_id = ?)")
+            args.append(after)
+        sql = f"SELECT {BATCH_COLUMNS} FROM batches" + (" WHERE " + " AND ".join(where) if where else "")
         rows = await self.ledger.query(sql + " ORDER BY created_at DESC LIMIT ?", (*args, limit))
         return [BatchRecord.from_row(r) for r in rows]
 
-    async def cancel(self, batch_id: str) -> BatchRecord:
-        b = await self.get(batch_id)
+    async def cancel(self, batch_id: str, who: Optional[Principal] = None) -> BatchRecord:
+        b = await self.get(batch_id, who)
         if b.status in ("validating", "in_progress", "finalizing"):
             await self.ledger.execute(
                 "UPDATE batches SET status = 'cancelling', cancelling_at = ? WHERE batch_id = ? "
@@ -322,7 +341,7 @@ class BatchManager:
                 continue
             break
         try:
-            spec = self.build_spec(kind, body, f"batch:{b.batch_id}", key)
+            spec = self.build_spec(kind, body, f"batch:{b.batch_id}", key, b.key_id)
         except PagewireError as e:
             await self._record(b.batch_id, line_no, cid, None, e.status, self.error_body(e), ok=False)
             return
@@ -342,8 +361,19 @@ class BatchManager:
             try:
                 admitted = await self.service.start(spec)
                 break
-            except Overloaded as e:  # the queue is full of interactive work: wait, never fail a line for it
-                await asyncio.sleep(e.retry_after_s or 1.0)
+            except (Overloaded, RateLimited) as e:
+                # The queue is full of interactive work, or the owner's per-minute limits are spent:
+                # wait, never fail a line for it (unless the batch is cancelled meanwhile).
+                if isinstance(e, Overloaded) or e.code == "rate_limit_exceeded":
+                    await asyncio.sleep(max(0.05, e.retry_after_s or 1.0))
+                    if await self._status(b.batch_id) == "cancelling":
+                        await self.ledger.execute("UPDATE batch_lines SET status = 'cancelled' WHERE batch_id = ? "
+                                                  "AND line_no = ?", (b.batch_id, line_no))
+                        return
+                    continue
+                # The daily quota, or a line that can never fit the key's TPM: the error file.
+                await self._record(b.batch_id, line_no, cid, None, e.status, self.error_body(e), ok=False)
+                return
             except PagewireError as e:
                 if e.code in ("starting", "ledger_unavailable"):  # model still loading / ledger recovering
                     await asyncio.sleep(0.1 if e.code == "starting" else 1.0)
@@ -400,16 +430,19 @@ class BatchManager:
                                       "AND status = 'in_progress'", (time.time(), batch_id))
         rows = await self.ledger.query("SELECT status, result_json FROM batch_lines WHERE batch_id = ? "
                                        "ORDER BY line_no", (batch_id,))
+        owner = (await self.get(batch_id)).key_id
         out = [r[1] for r in rows if r[0] == "done"]
         err = [r[1] for r in rows if r[0] == "error"]
         # Fixed ids per batch: a finalize repeated after a crash rewrites the same files.
         out_id = err_id = None
         if out:
             out_id = (await self.files.write(OUTPUT_PURPOSE, f"{batch_id}_output.jsonl",
-                                             ("\n".join(out) + "\n").encode(), f"file-{batch_id}-output")).file_id
+                                             ("\n".join(out) + "\n").encode(), f"file-{batch_id}-output",
+                                             key_id=owner)).file_id
         if err:
             err_id = (await self.files.write(OUTPUT_PURPOSE, f"{batch_id}_error.jsonl",
-                                             ("\n".join(err) + "\n").encode(), f"file-{batch_id}-error")).file_id
+                                             ("\n".join(err) + "\n").encode(), f"file-{batch_id}-error",
+                                             key_id=owner)).file_id
         final, col = ("cancelled", "cancelled_at") if cancelling else ("completed", "completed_at")
         await self.ledger.execute(
             f"UPDATE batches SET status = ?, {col} = ?, output_file_id = ?, error_file_id = ? WHERE batch_id = ?",

@@ -2,7 +2,9 @@
 
 It speaks the same HTTP API as the openai SDK (/v1/files, /v1/batches), so it works against any
 pagewire server it can reach; the server owns the batch (durable in its ledger), this command only
-uploads, creates, polls and downloads.
+uploads, creates, polls and downloads. With authentication on it sends a key (`--api-key`, else
+$PAGEWIRE_API_KEY, else $OPENAI_API_KEY) as `Authorization: Bearer`; the batch then belongs to that
+key, and only it (or the admin key) can show, cancel or download it.
 """
 from __future__ import annotations
 
@@ -35,6 +37,9 @@ def add_batch_arguments(p: argparse.ArgumentParser) -> None:
         q.add_argument("batch_id")
     for q in sub.choices.values():
         q.add_argument("--url", default=None, help=url_help)
+        q.add_argument("--api-key", default=None,
+                       help="API key to send as a Bearer token [env PAGEWIRE_API_KEY, then OPENAI_API_KEY]; "
+                            "prefer the environment, which other users cannot read from the process list")
 
 
 def _fail(r: "httpx.Response") -> int:
@@ -50,8 +55,10 @@ def run_batch(ns: argparse.Namespace) -> int:
     import httpx
 
     base = (ns.url or os.environ.get("PAGEWIRE_URL") or "http://127.0.0.1:8000").rstrip("/")
+    key = ns.api_key or os.environ.get("PAGEWIRE_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        with httpx.Client(base_url=base, timeout=120.0) as client:
+        with httpx.Client(base_url=base, timeout=120.0, headers=headers) as client:
             return _run(ns, client)
     except httpx.HTTPError as e:
         print(f"pagewire: cannot reach the server at {base}: {e}", file=sys.stderr)

@@ -4,6 +4,10 @@ A file is written to `<data dir>/files/<file_id>` through a temporary name, fsyn
 only then recorded in the ledger's `files` table, so a recorded file is always complete on disk.
 The data directory is the ledger database's folder. Purposes: `batch` (uploads: JSONL batch
 input) and `batch_output` (a batch's output and error files, written by server.gateway.batch).
+
+Ownership: each file records the API key that uploaded it (an output file, its batch's key). A
+key sees only its own files; another key's file id gets the same 404 as an unknown one, so ids
+leak nothing. The admin, and everyone when authentication is off, sees all (`Principal.may_see`).
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from server.gateway.auth import Principal
 from server.serving.errors import InvalidRequest, NotFound, TooLarge
 from server.serving.ledger import Ledger
 
@@ -29,6 +34,7 @@ class FileRecord:
     filename: str
     bytes: int
     created_at: float
+    key_id: Optional[str] = None  # the owning API key (None: uploaded with authentication off)
 
     def to_json(self) -> dict[str, Any]:
         """OpenAI's file object."""
@@ -52,7 +58,7 @@ class FileStore:
     def path(self, file_id: str) -> Path:
         return self.dir / file_id
 
-    async def upload(self, purpose: str, filename: str, data: bytes) -> FileRecord:
+    async def upload(self, purpose: str, filename: str, data: bytes, key_id: Optional[str] = None) -> FileRecord:
         """Check and store an upload; 400/413 naming the field or file when it is not acceptable."""
         if purpose not in UPLOAD_PURPOSES:
             raise InvalidRequest(f"purpose: must be one of {', '.join(UPLOAD_PURPOSES)}, got {purpose!r}",
@@ -69,14 +75,17 @@ class FileStore:
         if len(lines) > self.limits.max_lines:
             raise InvalidRequest(f"file: {filename!r} has {len(lines)} lines, over the limit of "
                                  f"{self.limits.max_lines}", param="file")
-        return await self.write(purpose, filename, data)
+        return await self.write(purpose, filename, data, key_id=key_id)
 
-    async def write(self, purpose: str, filename: str, data: bytes, file_id: Optional[str] = None) -> FileRecord:
-        rec = FileRecord(file_id or f"file-{uuid.uuid4().hex[:24]}", purpose, filename, len(data), time.time())
+    async def write(self, purpose: str, filename: str, data: bytes, file_id: Optional[str] = None,
+                    key_id: Optional[str] = None) -> FileRecord:
+        rec = FileRecord(file_id or f"file-{uuid.uuid4().hex[:24]}", purpose, filename, len(data), time.time(),
+                         key_id)
         await asyncio.get_running_loop().run_in_executor(None, self._write_bytes, rec.file_id, data)
         await self.ledger.execute(
-            "INSERT OR REPLACE INTO files (file_id, purpose, filename, bytes, created_at) VALUES (?, ?, ?, ?, ?)",
-            (rec.file_id, rec.purpose, rec.filename, rec.bytes, rec.created_at))
+            "INSERT OR REPLACE INTO files (file_id, purpose, filename, bytes, created_at, key_id) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (rec.file_id, rec.purpose, rec.filename, rec.bytes, rec.created_at, rec.key_id))
         return rec
 
     def _write_bytes(self, file_id: str, data: bytes) -> None:
@@ -89,13 +98,15 @@ class FileStore:
             os.close(fd)
         os.replace(tmp, self.path(file_id))
 
-    async def get(self, file_id: str, param: str = "file_id") -> FileRecord:
+    async def get(self, file_id: str, param: str = "file_id", who: Optional[Principal] = None) -> FileRecord:
+        """The file, if `who` may see it (None: no check, authentication off or the server itself)."""
         rows = await self.ledger.query(
-            "SELECT file_id, purpose, filename, bytes, created_at FROM files WHERE file_id = ?", (file_id,))
-        if not rows:
+            "SELECT file_id, purpose, filename, bytes, created_at, key_id FROM files WHERE file_id = ?", (file_id,))
+        rec = FileRecord(*rows[0]) if rows else None
+        if rec is None or (who is not None and not who.may_see(rec.key_id)):
             raise NotFound(f"{param}: no file {file_id!r}", param=param, code="file_not_found")
-        return FileRecord(*rows[0])
+        return rec
 
-    async def content(self, file_id: str) -> bytes:
-        await self.get(file_id)
+    async def content(self, file_id: str, who: Optional[Principal] = None) -> bytes:
+        await self.get(file_id, who=who)
         return await asyncio.get_running_loop().run_in_executor(None, self.path(file_id).read_bytes)

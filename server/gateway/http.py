@@ -5,6 +5,12 @@ service) and stops it before the Runtime drains. Request bodies of a line are pa
 the interactive endpoints parse theirs (`openai_format.chat_spec` / `completion_specs`), and a
 finished line's response body is the interactive endpoint's (`Formatter`), so a batch line and a
 direct request give the same answer.
+
+Ownership (like OpenAI's): files and batches belong to the API key that created them. A key
+creates, lists, reads and cancels only its own, and reads only its own output and error files;
+another key's id gets the 404 an unknown id gets. The admin key sees all of them; with
+authentication off, everyone does. A batch's lines run as requests of its key (billed to it,
+within its limits).
 """
 from __future__ import annotations
 
@@ -21,10 +27,10 @@ from server.api.decode import decode
 from server.api.http_io import error_payload, retry_headers
 from server.api.openai_format import chat_spec, completion_specs
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
-from server.gateway.auth import principal_of
+from server.gateway.auth import ADMIN_ID, Principal, principal_of
 from server.gateway.batch import BatchManager
 from server.gateway.files import FileLimits, FileStore
-from server.serving.errors import InvalidRequest, PagewireError, PermissionDenied, TooLarge, Unavailable
+from server.serving.errors import InvalidApiKey, InvalidRequest, PagewireError, TooLarge, Unavailable
 from server.serving.jobs import GenerationSpec
 from server.serving.streams import EndEvent
 
@@ -54,35 +60,45 @@ class BatchGateway:
             await self.manager.stop()
 
     # -- what a line is and what it answers --------------------------------------------------------
-    def _spec(self, kind: str, body: bytes, client: str, key: Optional[str]) -> GenerationSpec:
+    def _spec(self, kind: str, body: bytes, client: str, key: Optional[str], owner: Optional[str]) -> GenerationSpec:
         model = self.api.rt.model_name
+        self._check_owner(owner)
         if kind == "chat":
             chat: ChatCompletionRequest = decode(body, ChatCompletionRequest)
             self.api.check_model(chat.model)
-            return chat_spec(chat, "batch", client, model, key)
-        req: CompletionRequest = decode(body, CompletionRequest)
-        self.api.check_model(req.model)
-        specs = completion_specs(req, "batch", client, model, key, 1)
-        if len(specs) != 1:
-            raise InvalidRequest("prompt: a batch line takes one prompt; put each prompt on its own line",
-                                 param="prompt")
-        return specs[0]
+            spec = chat_spec(chat, "batch", client, model, key)
+        else:
+            req: CompletionRequest = decode(body, CompletionRequest)
+            self.api.check_model(req.model)
+            specs = completion_specs(req, "batch", client, model, key, 1)
+            if len(specs) != 1:
+                raise InvalidRequest("prompt: a batch line takes one prompt; put each prompt on its own line",
+                                     param="prompt")
+            spec = specs[0]
+        spec.key_id = owner  # billed to, and quota-checked against, the batch's key
+        return spec
+
+    def _check_owner(self, owner: Optional[str]) -> None:
+        """A line of a key that was revoked or expired since its batch was created does not run."""
+        auth = self.api.rt.auth
+        if owner is None or owner == ADMIN_ID or auth is None:
+            return
+        auth.refresh()
+        key = auth.get(owner)
+        status = key.status() if key is not None else "deleted"
+        if status != "active":
+            raise InvalidApiKey(f"API key {owner} is {status}; the rest of its batch does not run")
 
     def _render(self, kind: str, end: EndEvent) -> dict[str, Any]:
         fmt = self.api.formatter
         return fmt.chat_response(end) if kind == "chat" else fmt.completion_response(end)
 
     # -- routes ---------------------------------------------------------------------------------
-    def _parts(self, request: Request) -> tuple[BatchManager, FileStore]:
-        # Batches and files have no per-key owner yet, so while authentication is on only the
-        # admin may use them: any other key could otherwise read every batch's outputs.
-        who = principal_of(request.scope)
-        if who is not None and not who.admin:
-            raise PermissionDenied("the batch tier (/v1/files, /v1/batches) takes the admin key while "
-                                   "authentication is on: batches and files are not yet owned per API key")
+    def _parts(self, request: Request) -> tuple[BatchManager, FileStore, Optional[Principal]]:
+        """The manager, the file store and the caller (None: authentication is off)."""
         if self.manager is None or self.files is None:
             raise Unavailable("server is starting", code="starting", retry_after_s=2)
-        return self.manager, self.files
+        return self.manager, self.files, principal_of(request.scope)
 
     def routes(self) -> list[Route]:
         return [
@@ -97,7 +113,7 @@ class BatchGateway:
 
     async def upload(self, request: Request) -> Response:
         try:
-            _, files = self._parts(request)
+            _, files, who = self._parts(request)
             length = request.headers.get("content-length")
             if length is not None and length.isdigit() and int(length) > self.limits.max_bytes + 2**20:
                 raise TooLarge(f"file: the upload is {length} bytes, over the limit of {self.limits.max_bytes}")
@@ -112,7 +128,8 @@ class BatchGateway:
                 if not isinstance(upload, UploadFile):
                     raise InvalidRequest("file: required form field (a file)", param="file")
                 data = await upload.read(self.limits.max_bytes + 1)
-                rec = await files.upload(purpose, upload.filename or "upload.jsonl", data)
+                rec = await files.upload(purpose, upload.filename or "upload.jsonl", data,
+                                         key_id=who.key_id if who is not None else None)
         except PagewireError as e:
             return _error(e)
         except Exception as e:  # multipart framing errors from the parser: the client's fault
@@ -123,23 +140,23 @@ class BatchGateway:
 
     async def file(self, request: Request) -> Response:
         try:
-            _, files = self._parts(request)
-            rec = await files.get(request.path_params["file_id"])
+            _, files, who = self._parts(request)
+            rec = await files.get(request.path_params["file_id"], who=who)
         except PagewireError as e:
             return _error(e)
         return JSONResponse(rec.to_json())
 
     async def file_content(self, request: Request) -> Response:
         try:
-            _, files = self._parts(request)
-            data = await files.content(request.path_params["file_id"])
+            _, files, who = self._parts(request)
+            data = await files.content(request.path_params["file_id"], who)
         except PagewireError as e:
             return _error(e)
         return Response(data, media_type="application/jsonl")
 
     async def create(self, request: Request) -> Response:
         try:
-            manager, _ = self._parts(request)
+            manager, _, who = self._parts(request)
             body = await request.body()
             if len(body) > self.api.rt.settings.max_request_bytes:
                 raise TooLarge("request body exceeds the limit")
@@ -160,26 +177,26 @@ class BatchGateway:
                     isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
                 raise InvalidRequest("metadata: must be an object of strings", param="metadata")
             b = await manager.create(fields["input_file_id"], fields["endpoint"], fields["completion_window"],
-                                     metadata)
+                                     metadata, who)
         except PagewireError as e:
             return _error(e)
         return JSONResponse(b.to_json())
 
     async def get(self, request: Request) -> Response:
         try:
-            manager, _ = self._parts(request)
-            b = await manager.get(request.path_params["batch_id"])
+            manager, _, who = self._parts(request)
+            b = await manager.get(request.path_params["batch_id"], who)
         except PagewireError as e:
             return _error(e)
         return JSONResponse(b.to_json())
 
     async def list(self, request: Request) -> Response:
         try:
-            manager, _ = self._parts(request)
+            manager, _, who = self._parts(request)
             raw = request.query_params.get("limit", "20")
             if not raw.isdigit() or not 1 <= int(raw) <= 100:
                 raise InvalidRequest(f"limit: must be an integer in [1, 100], got {raw!r}", param="limit")
-            rows = await manager.list_batches(int(raw) + 1, request.query_params.get("after"))
+            rows = await manager.list_batches(int(raw) + 1, request.query_params.get("after"), who)
         except PagewireError as e:
             return _error(e)
         data = [b.to_json() for b in rows[:int(raw)]]
@@ -188,8 +205,8 @@ class BatchGateway:
 
     async def cancel(self, request: Request) -> Response:
         try:
-            manager, _ = self._parts(request)
-            b = await manager.cancel(request.path_params["batch_id"])
+            manager, _, who = self._parts(request)
+            b = await manager.cancel(request.path_params["batch_id"], who)
         except PagewireError as e:
             return _error(e)
         return JSONResponse(b.to_json())

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pagewire.ledger")
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 # The one statement that closes rows nobody will finish: at open (rows a previous process left),
 # at the end of a drain, and on a forced exit (`ledger_sync`). Args: (finished_at, error).
@@ -144,6 +144,13 @@ _MIGRATIONS: list[str] = [
         result_json   TEXT,
         PRIMARY KEY (batch_id, line_no)
     );
+    """,
+    # 5: the owning API key of each file and batch (server.gateway), like requests.key_id: a key
+    # sees only its own; NULL when authentication was off (rows from v4 stay NULL: the admin's).
+    """
+    ALTER TABLE files ADD COLUMN key_id TEXT;
+    ALTER TABLE batches ADD COLUMN key_id TEXT;
+    CREATE INDEX batches_key_created ON batches (key_id, created_at);
     """,
 ]
 

@@ -31,12 +31,20 @@ def _columns(conn: sqlite3.Connection) -> str:
     return cols if "key_id" in names else cols.replace("key_id", "NULL")
 
 
-def list_records(conn: sqlite3.Connection, limit: int = 50, state: Optional[str] = None) -> list[RequestRecord]:
-    sql = f"SELECT {_columns(conn)} FROM requests"
+def list_records(conn: sqlite3.Connection, limit: int = 50, state: Optional[str] = None,
+                 key_id: Optional[str] = None) -> list[RequestRecord]:
+    cols = _columns(conn)
+    where: list[str] = []
     args: tuple[Any, ...] = ()
     if state:
-        sql += " WHERE state = ?"
-        args = (state,)
+        where.append("state = ?")
+        args += (state,)
+    if key_id:
+        if not cols.endswith("key_id"):  # a ledger from before keys (read as NULL): no request has a key
+            return []
+        where.append("key_id = ?")
+        args += (key_id,)
+    sql = f"SELECT {cols} FROM requests" + (" WHERE " + " AND ".join(where) if where else "")
     sql += " ORDER BY created_at DESC LIMIT ?"
     return [RequestRecord.from_row(r) for r in conn.execute(sql, args + (limit,))]
 

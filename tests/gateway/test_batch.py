@@ -1,12 +1,13 @@
 """The batch tier over HTTP against a real server (demo model): lifecycle with the openai SDK, per-line
-errors, cancel, and a SIGKILL mid-batch followed by a restart in which no line runs twice."""
+errors, cancel, and a SIGKILL mid-batch (a key's batch, authentication on) followed by a restart in
+which no line runs twice and every attempt is billed to the batch's key."""
 from __future__ import annotations
 
 import json
 import sqlite3
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import httpx
 import pytest
@@ -22,20 +23,21 @@ def _line(cid: str, content: str, max_tokens: int = 8, **body: Any) -> str:
                                 "max_tokens": max_tokens, "temperature": 0, **body}})
 
 
-def _wait_batch(base: str, bid: str, done: Any, timeout: float = 600.0) -> dict[str, Any]:
+def _wait_batch(base: str, bid: str, done: Any, timeout: float = 600.0,
+                headers: Optional[dict[str, str]] = None) -> dict[str, Any]:
     """Poll the batch until `done(batch)` holds (a deadline, not a fixed sleep)."""
     deadline = time.monotonic() + timeout
     while True:
-        b = httpx.get(f"{base}/v1/batches/{bid}", timeout=30).json()
+        b = httpx.get(f"{base}/v1/batches/{bid}", timeout=30, headers=headers).json()
         if done(b):
             return b
         assert time.monotonic() < deadline, f"batch never reached the state: {b}"
         time.sleep(0.1)
 
 
-def _upload(base: str, text: str, purpose: str = "batch") -> httpx.Response:
+def _upload(base: str, text: str, purpose: str = "batch", headers: Optional[dict[str, str]] = None) -> httpx.Response:
     return httpx.post(f"{base}/v1/files", files={"file": ("in.jsonl", text.encode(), "application/jsonl")},
-                      data={"purpose": purpose}, timeout=60)
+                      data={"purpose": purpose}, timeout=60, headers=headers)
 
 
 def _jsonl(raw: bytes) -> list[dict[str, Any]]:
@@ -146,14 +148,19 @@ def test_cancel_keeps_what_finished(server: ServerProcess) -> None:
 
 
 def test_sigkill_mid_batch_then_restart_runs_no_line_twice(demo_model: Path, tmp_path: Path) -> None:
+    from tests.gateway.test_isolation_live import _create
+
     db = tmp_path / "ledger.db"
+    key_id, secret = _create(db, "owner")  # with authentication on: the batch is the key's
+    h = {"Authorization": f"Bearer {secret}"}
     n = 16
     text = "\n".join(_line(f"k-{i}", f"line {i}", max_tokens=24, ignore_eos=True) for i in range(n))
     srv = ServerProcess(demo_model, db).start()
     try:
-        fid = _upload(srv.base, text).json()["id"]
-        bid = httpx.post(srv.base + "/v1/batches", json={"input_file_id": fid, "endpoint": CHAT}).json()["id"]
-        _wait_batch(srv.base, bid, lambda b: b["request_counts"]["completed"] >= 3)
+        fid = _upload(srv.base, text, headers=h).json()["id"]
+        bid = httpx.post(srv.base + "/v1/batches", json={"input_file_id": fid, "endpoint": CHAT},
+                         headers=h).json()["id"]
+        _wait_batch(srv.base, bid, lambda b: b["request_counts"]["completed"] >= 3, headers=h)
         srv.kill()  # SIGKILL: no drain, no shutdown sweep
     finally:
         srv.stop()
@@ -161,14 +168,19 @@ def test_sigkill_mid_batch_then_restart_runs_no_line_twice(demo_model: Path, tmp
     assert len(before) >= 3
     srv = ServerProcess(demo_model, db).start()
     try:
-        b = _wait_batch(srv.base, bid, lambda b: b["status"] in ("completed", "failed", "cancelled"))
+        b = _wait_batch(srv.base, bid, lambda b: b["status"] in ("completed", "failed", "cancelled"), headers=h)
         assert b["status"] == "completed"
         assert b["request_counts"] == {"total": n, "completed": n, "failed": 0}
-        out = _jsonl(httpx.get(f"{srv.base}/v1/files/{b['output_file_id']}/content").content)
+        out = _jsonl(httpx.get(f"{srv.base}/v1/files/{b['output_file_id']}/content", headers=h).content)
+        usage = httpx.get(srv.base + "/v1/usage", headers=h).json()["data"]
     finally:
         srv.stop()
     assert sorted(o["custom_id"] for o in out) == sorted(f"k-{i}" for i in range(n))
     rows = list(ledger_rows(db).values())
+    # Every attempt, before and after the kill, was billed to the batch's key, exactly as its rows say.
+    assert {r["key_id"] for r in rows} == {key_id}
+    assert usage[0]["billable_tokens"] == sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows
+                                              if r["admitted_at"] is not None)
     finished: dict[int, list[dict[str, Any]]] = {}
     for r in rows:
         key = r["idempotency_key"] or ""

@@ -84,3 +84,35 @@ def test_daily_quota_counts_an_interrupted_request_across_sigkill(demo_model: Pa
         assert again.status_code == 429 and f"{left - 5} of {DAILY}" in again.json()["error"]["message"]
     finally:
         srv2.stop()
+
+
+def test_tpm_bucket_survives_sigkill(demo_model: Path, tmp_path: Path) -> None:
+    """A restart after a SIGKILL does not hand a key a fresh minute: its TPM bucket is rebuilt from
+    the ledger's last minute, each request refilled in proportion to its age."""
+    db = tmp_path / "l.db"
+    tpm = 1000
+    key_id, secret = _create(db, "tpm", "--tpm", str(tpm))
+    srv = ServerProcess(demo_model, db).start()
+    try:
+        big = httpx.post(srv.base + "/v1/completions", headers=_h(secret), timeout=300,
+                         json={"model": "demo", "prompt": PROMPT, "max_tokens": 797, "ignore_eos": True})
+        assert big.status_code == 200, big.text
+        assert big.headers["x-ratelimit-remaining-tokens"] == str(tpm - 800)
+        srv.signal(signal.SIGKILL)
+        srv.wait(30)
+    finally:
+        srv.stop()
+    created = next(r["created_at"] for r in ledger_rows(db).values() if r["key_id"] == key_id)
+    srv2 = ServerProcess(demo_model, db).start()
+    try:
+        small = httpx.post(srv2.base + "/v1/completions", headers=_h(secret), timeout=120,
+                           json={"model": "demo", "prompt": PROMPT, "max_tokens": 5, "ignore_eos": True})
+        age = time.time() - created  # an upper bound on the big request's age when the bucket was read
+    finally:
+        srv2.stop()
+    assert small.status_code == 200, small.text
+    # What is left can be no more than a bucket that has been refilling (tpm / 60 per second) for
+    # `age` seconds since the 800 tokens were taken, less this request's 8; a fresh bucket (what a
+    # restart that forgot the minute would give) says tpm - 8.
+    bound = min(tpm, tpm - 800 + age * tpm / 60.0) - 8
+    assert int(small.headers["x-ratelimit-remaining-tokens"]) <= bound + 1, (age, bound)

@@ -94,10 +94,8 @@ def test_keys_auth_ownership_usage_and_revocation(demo_model: Path, tmp_path: Pa
         r = httpx.get(base + "/metrics", headers=_h(a))
         assert r.status_code == 403 and r.json()["error"]["code"] == "permission_denied"
         assert httpx.get(base + "/metrics", headers=_h(admin)).status_code == 200
-        # The batch tier has no per-key owner yet: admin only while authentication is on.
-        for method, path in (("GET", "/v1/batches"), ("GET", "/v1/files/file-x"), ("POST", "/v1/batches/b/cancel")):
-            r = httpx.request(method, base + path, headers=_h(a))
-            assert r.status_code == 403 and r.json()["error"]["code"] == "permission_denied", (path, r.text)
+        # The batch tier is owned per key (tests/gateway/test_batch_ownership.py): a key lists only its own.
+        assert httpx.get(base + "/v1/batches", headers=_h(a)).json()["data"] == []
         assert httpx.get(base + "/v1/batches", headers=_h(admin)).json()["object"] == "list"
 
         # The openai SDK with a key; the row records its key.
@@ -146,6 +144,20 @@ def test_keys_auth_ownership_usage_and_revocation(demo_model: Path, tmp_path: Pa
         frames, _ = asyncio.run(_ws(srv.ws_url, [{"type": "resume", "id": "r", "request_id": b_ws}], 1,
                                     headers=_h(admin)))
         assert frames[-1]["type"] == "done"
+        # GET /v1/requests/{id} (`requests show` over HTTP): the owner and the admin see the row;
+        # another key gets, word for word, what an unknown id gets.
+        for rid, owner_secret, owner_id in ((done_rid, a, a_id), (b_ws, b, b_id)):
+            mine = httpx.get(f"{base}/v1/requests/{rid}", headers=_h(owner_secret))
+            assert mine.status_code == 200 and mine.json()["key_id"] == owner_id, mine.text
+            assert mine.json()["state"] == "finished" and mine.json()["completion_tokens"] > 0
+            assert httpx.get(f"{base}/v1/requests/{rid}", headers=_h(admin)).json() == mine.json()
+            other = httpx.get(f"{base}/v1/requests/{rid}", headers=_h(b if owner_secret == a else a))
+            nobody = "req-" + "1" * 24
+            unknown = httpx.get(f"{base}/v1/requests/{nobody}", headers=_h(a))
+            assert other.status_code == unknown.status_code == 404
+            assert other.json()["error"]["message"].replace(rid, "ID") == \
+                unknown.json()["error"]["message"].replace(nobody, "ID")
+        assert httpx.get(f"{base}/v1/requests/{done_rid}").status_code == 401
         # Cancel is per connection: bob cannot name alice's request on his socket.
         frames, _ = asyncio.run(_ws(srv.ws_url, [{"type": "cancel", "id": "g"}], 1, headers=_h(b)))
         assert frames[-1]["code"] == "request_not_found"
@@ -172,8 +184,18 @@ def test_keys_auth_ownership_usage_and_revocation(demo_model: Path, tmp_path: Pa
         assert httpx.get(base + "/v1/usage", params={"group_by": "x"}, headers=_h(admin)).status_code == 400
         cli = _cli("usage", "--db", str(db), "--format", "json", "--group-by", "key")
         assert cli.returncode == 0 and json.loads(cli.stdout) == allk
+        table = _cli("usage", "--db", str(db), "--format", "table").stdout.splitlines()
+        assert table[0].split()[:2] == ["KEY", "REQUESTS"] and {ln.split()[0] for ln in table[1:]} == {a_id, b_id}
         csv_out = _cli("usage", "--db", str(db), "--format", "csv", "--key", a_id)
         assert csv_out.stdout.splitlines()[1].startswith(f"{a_id},{ua[0]['requests']},")
+
+        # `pagewire requests list --key` (the operator's view, from the file) lists one key's rows.
+        listed = _cli("requests", "list", "--db", str(db), "--key", a_id, "--json", "--limit", "1000")
+        assert listed.returncode == 0, listed.stderr
+        mine_ids = {json.loads(ln)["request_id"] for ln in listed.stdout.splitlines()}
+        assert mine_ids == {rid for rid, r in rows.items() if r["key_id"] == a_id}
+        shown = json.loads(_cli("requests", "show", done_rid, "--db", str(db)).stdout)
+        assert shown["key_id"] == a_id and shown["request_id"] == done_rid
 
         # Prometheus: per-key counters, labelled by key id.
         prom = httpx.get(base + "/metrics", headers=_h(admin)).text

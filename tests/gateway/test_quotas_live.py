@@ -3,6 +3,8 @@ OpenAI's headers, the openai SDK's automatic retry honouring them, and reservati
 completion, cancel and failure. No test sleeps: the clock is moved by the SDK's retry hook."""
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,20 @@ def _client(base: str, secret: str, retries: int, clock: FakeClock, sleeps: list
     return client
 
 
+async def _ws_generate(port: int, secret: str, max_tokens: int) -> dict[str, Any]:
+    """The frame that ends one WebSocket generate (done or error)."""
+    from websockets.asyncio.client import connect
+
+    async with connect(f"ws://127.0.0.1:{port}/v1/ws", proxy=None,
+                       additional_headers={"Authorization": f"Bearer {secret}"}) as ws:
+        await ws.send(json.dumps({"type": "generate", "id": "w", "kind": "completion", "prompt": PROMPT,
+                                  "params": {"max_tokens": max_tokens}}))
+        while True:
+            f: dict[str, Any] = json.loads(await ws.recv())
+            if f["type"] in ("done", "error"):
+                return f
+
+
 def test_tpm_429_headers_and_the_openai_sdk_retry(in_process: Any, make_key: Any, tmp_path: Path,
                                                   caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
@@ -41,7 +57,11 @@ def test_tpm_429_headers_and_the_openai_sdk_retry(in_process: Any, make_key: Any
     srv.rt.quotas.clock = clock
     sleeps: list[float] = []
     c = _client(srv.base, secret, 0, clock, sleeps)
-    r = c.completions.create(model="demo", prompt=PROMPT, max_tokens=57, extra_body={"ignore_eos": True})
+    ok = c.completions.with_raw_response.create(model="demo", prompt=PROMPT, max_tokens=57,
+                                                extra_body={"ignore_eos": True})
+    # Like OpenAI, a 200 carries the key's limits too: the state right after its reservation.
+    assert (ok.headers["x-ratelimit-limit-tokens"], ok.headers["x-ratelimit-remaining-tokens"]) == ("100", "40")
+    r = ok.parse()
     assert r.usage is not None and r.usage.total_tokens == 60  # reserved 60, used 60
     # 40 left; another 60 needs 20 more tokens at 100/60 per second: 12 s.
     raw = httpx.post(srv.base + "/v1/completions", headers={"Authorization": f"Bearer {secret}"},
@@ -51,6 +71,10 @@ def test_tpm_429_headers_and_the_openai_sdk_retry(in_process: Any, make_key: Any
     assert raw.json()["error"]["code"] == "rate_limit_exceeded"
     assert (h["x-ratelimit-limit-tokens"], h["x-ratelimit-remaining-tokens"]) == ("100", "40")
     assert h["x-ratelimit-reset-tokens"] == "36s" and h["retry-after"] == "12" and h["retry-after-ms"] == "12000"
+    # The same refusal on the WebSocket: an `error` frame with retry_after_ms.
+    frame = asyncio.run(_ws_generate(srv.port, secret, 57))
+    assert frame["type"] == "error" and frame["code"] == "rate_limit_exceeded", frame
+    assert frame["retry_after_ms"] == 12000
     with pytest.raises(openai.RateLimitError) as e:
         c.completions.create(model="demo", prompt=PROMPT, max_tokens=57)
     assert e.value.status_code == 429 and sleeps == []

@@ -21,11 +21,11 @@ HEAD_DIMS = [64, 80, 96, 128, 256]
 MIXED = [(0, 1), (14, 1), (15, 1), (16, 1), (31, 1), (32, 1), (0, 15), (0, 17), (13, 20), (16, 16), (40, 3)]
 
 
-@pytest.fixture(params=["avx512", "generic"])
-def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs a test on the AVX-512 kernel (where the CPU has it) and on the portable one."""
-    monkeypatch.setenv("PAGEWIRE_CPU_ISA", request.param)
-    return request.param
+@pytest.fixture
+def isa(cpu_isa: str) -> str:
+    """Runs a test on every attention kernel this CPU can execute: AVX-512, AVX2 and the portable
+    one (conftest's `cpu_isa` caps PAGEWIRE_CPU_ISA per run and skips families the CPU lacks)."""
+    return cpu_isa
 
 
 def run_kernel(batch: PagedBatch, scale: float, sliding_window: int) -> torch.Tensor:
@@ -47,16 +47,16 @@ def check(batch: PagedBatch, dtype: torch.dtype, sliding_window: int = 0) -> Non
 # The portable kernel is slow and has no per-head-dim code paths, so it skips two of the five dims.
 GRID = [
     pytest.param(isa, dtype, heads, head_dim, id=f"{isa}-{head_dim}-{heads[0]}q{heads[1]}kv-{dtype}")
-    for isa in ("avx512", "generic")
+    for isa in ("avx512bf16", "avx2", "portable")
     for head_dim in HEAD_DIMS
-    if isa == "avx512" or head_dim in (64, 80, 256)
+    if isa != "portable" or head_dim in (64, 80, 256)
     for heads in HEADS
     for dtype in DTYPES
 ]
 
 
-@pytest.mark.parametrize("isa,dtype,heads,head_dim", GRID, indirect=["isa"])
-def test_mixed_batch_matches_reference(isa: str, dtype: torch.dtype, heads: tuple[int, int], head_dim: int) -> None:
+@pytest.mark.parametrize("cpu_isa,dtype,heads,head_dim", GRID, indirect=["cpu_isa"])
+def test_mixed_batch_matches_reference(cpu_isa: str, dtype: torch.dtype, heads: tuple[int, int], head_dim: int) -> None:
     gen = torch.Generator().manual_seed(head_dim * 100 + heads[0] * 10 + heads[1])
     check(make_paged_batch(MIXED, heads[0], heads[1], head_dim, dtype, gen), dtype)
 
@@ -66,6 +66,16 @@ def test_block_boundary_lengths(isa: str, seq_len: int) -> None:
     gen = torch.Generator().manual_seed(seq_len)
     specs = [(seq_len - 1, 1), (0, seq_len), (seq_len // 2, seq_len - seq_len // 2)]
     check(make_paged_batch(specs, 8, 2, 64, torch.float32, gen), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [8, 40, 72, 36, 100])
+def test_other_head_dims(isa: str, dtype: torch.dtype, head_dim: int) -> None:
+    """Multiples of 8 (not of 16) run on the AVX2 kernel under avx512bf16 and avx2; 36 and 100 fall
+    back to the portable kernel on every family."""
+    gen = torch.Generator().manual_seed(head_dim)
+    check(make_paged_batch(MIXED + [(70, 9)], 8, 2, head_dim, dtype, gen), dtype)
+    check(make_paged_batch(MIXED, 8, 2, head_dim, dtype, gen), dtype, sliding_window=21)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -84,7 +84,8 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
     TORCH_CHECK(seq_len <= max_blocks * block_size, "seq_lens[", s, "] = ", seq_len, " needs more than the ",
                 max_blocks, " blocks of block_tables");
     const int first_pos = seq_len - q_len;
-    const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, first_pos - sliding_window + 1) : 0;
+    // The kernel reads from the window's start rounded down to its 64-position span (attention_tile.h).
+    const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, first_pos - sliding_window + 1) / 64 * 64 : 0;
     for (int64_t b = lo / block_size; b <= (seq_len - 1) / block_size; ++b) {
       const int32_t phys = table[s * table_stride + b];
       TORCH_CHECK(phys >= 0 && phys < num_blocks, "block_tables[", s, ", ", b, "] = ", phys, " is out of range [0, ",

@@ -3,9 +3,10 @@
 // micro-kernels (an Isa struct: load_q, load_k, load_v, qk, mask_row, softmax_step, pv, store_o).
 // Buffer layouts are the Isa's business per element type: the driver only passes them along.
 //
-// Spans start at the tile's first visible position, so with a sliding window a row's span
-// boundaries depend on its tile: these kernels are not batch-invariant there. The AVX2 kernel
-// (attention_avx2.cpp) has its own driver with spans at absolute multiples of 64 for that reason.
+// Spans start at absolute multiples of 64 (kv_lo below is rounded down), so a row meets the same
+// spans whatever tile or prefill chunk it falls in, with or without a sliding window: these
+// kernels are batch-invariant (docs/determinism.md), like the AVX2 kernel's own driver
+// (attention_avx2.cpp), which aligns its spans the same way.
 //
 // Included by exactly one .cpp per ISA (attention_generic.cpp, attention_avx512.cpp); everything
 // here has internal linkage so each inclusion compiles with that file's target options and
@@ -86,9 +87,14 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
   const E* key_cache = static_cast<const E*>(a.key_cache);
   const E* value_cache = static_cast<const E*>(a.value_cache);
   auto tile_of = [&](int b) { return (static_cast<int64_t>(table[b]) * a.num_kv_heads + kvh) * tile_elems; };
-  // Union of the rows' visible ranges; positions outside it are never loaded, so stale or
-  // uninitialised cache slots (possibly NaN) cannot leak into P @ V.
-  const int kv_lo = W > 0 ? std::max(0, pos0 - W + 1) : 0;
+  // Union of the rows' visible ranges, its start rounded down to a multiple of kSpan; positions
+  // at or beyond the sequence's length are never loaded, so stale or uninitialised cache slots
+  // (possibly NaN) cannot leak into P @ V (those before the window were written, and are masked).
+  // The rounding makes every row's spans [64 j, 64 (j + 1)) whatever tile it falls in, so a
+  // sliding-window row's online-softmax steps (and so its rounding) do not depend on how its
+  // sequence was cut into tiles and prefill chunks: spans wholly outside a row's window or past
+  // its position are exact no-ops for it (docs/determinism.md).
+  const int kv_lo = W > 0 ? std::max(0, pos0 - W + 1) / kSpan * kSpan : 0;
   const int kv_hi = pos_last + 1;
   // Physical blocks are scattered, so the hardware prefetcher cannot guess the next tile. The first
   // span is requested here, overlapping the Q load; later spans are prefetched a line per load

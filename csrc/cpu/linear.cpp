@@ -1,7 +1,7 @@
 // The pagewire::linear CPU op: bf16 x @ weight^T (+ bias) through the small-batch kernel of the
 // best instruction set this CPU has (AVX512-BF16 or AVX2+FMA, chosen by CPUID at load, see
-// cpu_features.h), and ATen's linear for every other case so the result always has F.linear's
-// semantics.
+// cpu_features.h), fp32 through the AVX2 fp32 kernel (deterministic mode's batch-invariant path),
+// and ATen's linear for every other case so the result always has F.linear's semantics.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
@@ -29,7 +29,8 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::
                 x.scalar_type());
   }
   const int64_t K = weight.size(1), N = weight.size(0);
-  const bool kernel_applies = x.scalar_type() == at::kBFloat16 && x.dim() == 2 && K > 0 && N > 0 &&
+  const bool is_f32 = x.scalar_type() == at::kFloat;
+  const bool kernel_applies = (x.scalar_type() == at::kBFloat16 || is_f32) && x.dim() == 2 && K > 0 && N > 0 &&
                               !x.requires_grad() && !weight.requires_grad() &&
                               !(has_bias && bias->requires_grad());
   const cpu::Isa isa = cpu::active_isa();
@@ -41,6 +42,11 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::
   const int64_t M = xc.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
+  if (is_f32) {  // one kernel for both ISAs: AVX-512 machines run AVX2 code too
+    cpu::linear_f32_avx2(xc.data_ptr<float>(), xc.stride(0), wc.data_ptr<float>(),
+                         has_bias ? bc.data_ptr<float>() : nullptr, out.data_ptr<float>(), N, M, N, K);
+    return out;
+  }
   const auto kernel = isa == cpu::Isa::kAvx512Bf16 ? cpu::linear_bf16_avx512 : cpu::linear_bf16_avx2;
   kernel(reinterpret_cast<const uint16_t*>(xc.data_ptr()), xc.stride(0),
          reinterpret_cast<const uint16_t*>(wc.data_ptr()),

@@ -132,7 +132,77 @@ void run_blocks(const float* xf, const uint16_t* w, const uint16_t* bias, uint16
   }
 }
 
+// fp32 weights: MB rows of x against NR weight rows, x and w both fp32 in natural order. The
+// same accumulation as the bf16 block above (one 8-lane accumulator per output, two FMAs per 16
+// k, hsum, then the scalar tail), so a row's result never depends on MB, NR or the other rows:
+// this is the batch-invariant fp32 path of deterministic mode (server/kernels/ops.py).
+template <int MB, int NR>
+inline void block_f32(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* out,
+                      int64_t ldo, bool prefetch) {
+  const int64_t K16 = K & ~int64_t{15};
+  __m256 acc[MB][NR];
+  for (int m = 0; m < MB; ++m) {
+    for (int i = 0; i < NR; ++i) acc[m][i] = _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < K16; k += 16) {
+    __m256 xa[MB], xb[MB];
+    for (int m = 0; m < MB; ++m) {
+      xa[m] = _mm256_loadu_ps(x + m * ldx + k);
+      xb[m] = _mm256_loadu_ps(x + m * ldx + k + 8);
+    }
+    for (int i = 0; i < NR; ++i) {
+      const float* wr = w + i * K + k;
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(wr + kPrefetchRows * K), _MM_HINT_T0);
+      const __m256 wa = _mm256_loadu_ps(wr);
+      const __m256 wb = _mm256_loadu_ps(wr + 8);
+      for (int m = 0; m < MB; ++m) {
+        acc[m][i] = _mm256_fmadd_ps(xa[m], wa, acc[m][i]);
+        acc[m][i] = _mm256_fmadd_ps(xb[m], wb, acc[m][i]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    for (int i = 0; i < NR; ++i) {
+      float s = hsum(acc[m][i]);
+      for (int64_t k = K16; k < K; ++k) s += x[m * ldx + k] * w[i * K + k];
+      if (bias != nullptr) s += bias[i];
+      out[m * ldo + i] = s;
+    }
+  }
+}
+
+template <int NR>
+inline void rows_block_f32(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* out,
+                           int64_t ldo, int64_t M) {
+  int64_t m = 0;
+  for (; m + 2 <= M; m += 2) block_f32<2, NR>(x + m * ldx, ldx, w, K, bias, out + m * ldo, ldo, m == 0);
+  if (m < M) block_f32<1, NR>(x + m * ldx, ldx, w, K, bias, out + m * ldo, ldo, m == 0);
+}
+
+// Rows of x per pass over the weight: 64 fp32 rows of K <= 4096 stay in L2 while every weight
+// block streams past them once, so prefill-sized M costs M / 64 passes over the weight.
+constexpr int64_t kF32RowTile = 64;
+
 }  // namespace
+
+void linear_f32_avx2(const float* x, int64_t ldx, const float* w, const float* bias, float* out, int64_t ldo,
+                     int64_t M, int64_t N, int64_t K) {
+  constexpr int NR = 4;
+  const int64_t blocks = N / NR;
+  for (int64_t m0 = 0; m0 < M; m0 += kF32RowTile) {
+    const int64_t rows = std::min(kF32RowTile, M - m0);
+    const float* xt = x + m0 * ldx;
+    float* ot = out + m0 * ldo;
+#pragma omp parallel for schedule(static) if (blocks * K * rows >= 65536)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t n = b * NR;
+      rows_block_f32<NR>(xt, ldx, w + n * K, K, bias ? bias + n : nullptr, ot + n, ldo, rows);
+    }
+    for (int64_t n = blocks * NR; n < N; ++n) {
+      rows_block_f32<1>(xt, ldx, w + n * K, K, bias ? bias + n : nullptr, ot + n, ldo, rows);
+    }
+  }
+}
 
 void linear_bf16_avx2(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias, uint16_t* out,
                       int64_t ldo, int64_t M, int64_t N, int64_t K) {

@@ -23,12 +23,6 @@ inline __m512bh load_bf16x32(const uint16_t* p, __mmask32 mask) {
   return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
 }
 
-inline uint16_t to_bf16(float f) {  // round to nearest even, like torch
-  return static_cast<uint16_t>(_mm_cvtsi128_si32((__m128i)_mm_cvtneps_pbh(_mm_set_ss(f))));
-}
-
-inline float bf16_to_float(uint16_t b) { return _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128(b << 16))); }
-
 // out[0..3] = bf16(horizontal sums of a[0..3] + bias[0..3]): one shuffle tree for four sums
 // instead of four separate reductions (the epilogue matters once M grows).
 inline void store4(const __m512 (&a)[4], const uint16_t* bias, uint16_t* out) {
@@ -76,9 +70,17 @@ inline void block(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, 
         store4(*reinterpret_cast<const __m512(*)[4]>(&acc[m][i]), bias ? bias + i : nullptr, out + m * ldo + i);
       }
     } else {
+      // The same shuffle tree as store4, each sum padded with three zero accumulators: a weight
+      // row's horizontal sum must not depend on whether it fell in a 4-row block or in the N % NR
+      // tail, because NR itself depends on M (8 for M = 1, else 4). store4's lanes never mix
+      // accumulators, so the zeros change nothing but the lanes they occupy.
+      const __m512 zero = _mm512_setzero_ps();
       for (int i = 0; i < NR; ++i) {
-        const float b = bias != nullptr ? bf16_to_float(bias[i]) : 0.f;
-        out[m * ldo + i] = to_bf16(_mm512_reduce_add_ps(acc[m][i]) + b);
+        const __m512 a4[4] = {acc[m][i], zero, zero, zero};
+        const uint16_t b4[4] = {bias != nullptr ? bias[i] : uint16_t{0}, 0, 0, 0};
+        uint16_t o4[4];
+        store4(a4, bias != nullptr ? b4 : nullptr, o4);
+        out[m * ldo + i] = o4[0];
       }
     }
   }

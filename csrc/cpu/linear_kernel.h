@@ -15,4 +15,10 @@ void linear_bf16_avx512(const uint16_t* x, int64_t ldx, const uint16_t* w, const
 void linear_bf16_avx2(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias, uint16_t* out,
                       int64_t ldo, int64_t M, int64_t N, int64_t K);  // Isa::kAvx2
 
+// out[m][n] = sum_k x[m][k] * w[n][k] + bias[n], all fp32, same strides as above. Each output is
+// one 8-lane FMA chain over k in 16-blocks, a fixed horizontal sum and a scalar tail, so a row's
+// result is a function of that row alone (not of M, its position, or the thread count).
+void linear_f32_avx2(const float* x, int64_t ldx, const float* w, const float* bias, float* out, int64_t ldo,
+                     int64_t M, int64_t N, int64_t K);  // Isa::kAvx2 or better
+
 }  // namespace pagewire::cpu

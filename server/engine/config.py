@@ -44,6 +44,9 @@ class EngineConfig:
         dequantised; GGUF files only). All but "none" run on CPU only.
     speculative_config: None (off), or a SpeculativeConfig, a dict or a JSON object string in
         vLLM's shape ({"method": "ngram", "num_speculative_tokens": 4, ...}); see spec_config.py.
+    deterministic: batch-invariant inference: a request's tokens and logprobs do not depend on the
+        other requests in its steps, its position among them, prefix-cache hits, prefill chunking
+        or preemption (server.kernels.batch_invariant; guarantees and cost: docs/determinism.md).
     """
 
     model: str
@@ -60,8 +63,11 @@ class EngineConfig:
     device: str = "cpu"
     quantization: str = "none"
     speculative_config: "SpeculativeConfig | dict[str, Any] | str | None" = None
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.deterministic, bool):
+            raise ConfigError("deterministic", f"must be true or false, got {self.deterministic!r}")
         if self.speculative_config is not None:
             from server.engine.spec_config import SpeculativeConfig  # (it imports ConfigError from here)
 

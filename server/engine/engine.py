@@ -33,6 +33,7 @@ from server.engine.scheduler import ScheduledSeq, Scheduler
 from server.engine.spec_config import SpeculativeConfig
 from server.engine.spec_decode import SpecDecoder, SpecStats
 from server.engine.structured import DEAD_END, PendingMasks, StructuredDecoder
+from server.kernels import batch_invariant
 from server.models.loader import load_model
 from server.text.tokenizer import Tokenizer
 from server.text.vocab import check_token_ids
@@ -211,6 +212,12 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
+        # Deterministic mode: every op of the step (forward, sampling, verification) on this
+        # thread takes its batch-invariant path (server.kernels.batch_invariant).
+        with batch_invariant.mode(self.config.deterministic):
+            return self._step()
+
+    def _step(self) -> list[RequestDelta]:
         deltas, self._pending = self._pending, []
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from server.engine.sampling_params import SamplingParams
+from server.kernels import batch_invariant
 
 # Temperatures this small are greedy: dividing by them only amplifies float noise (vLLM's rule).
 _GREEDY_EPS = 1e-5
@@ -315,7 +316,9 @@ def _top_k_top_p(
         kth = x.topk(max_top_k, dim=-1).values.gather(1, (top_k - 1).clamp(min=0).unsqueeze(1))
         kth = kth.masked_fill((top_k == 0).unsqueeze(1), neg_inf)
         return x.masked_fill(x < kth, neg_inf)
-    sorted_x, order = x.sort(dim=-1)  # ascending: the kept set is a suffix
+    # Ascending: the kept set is a suffix. Batch-invariant mode sorts stably, so tied logits keep
+    # their vocabulary order and top-p's cut among them is a function of the row alone.
+    sorted_x, order = x.sort(dim=-1, stable=batch_invariant.enabled())
     v = x.shape[1]
     if top_k is not None:
         kth_pos = torch.where(top_k > 0, v - top_k, torch.zeros_like(top_k))

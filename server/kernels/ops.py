@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import server._C  # (also loads the TORCH_LIBRARY(pagewire) registrations)
+from server.kernels import batch_invariant
 from server.kernels.quant import QuantizedWeight
 
 __all__ = [
@@ -49,6 +50,7 @@ def _log_cpu_dispatch() -> None:
 
 
 _log_cpu_dispatch()
+_ACTIVE_ISA = cpu_isa()  # fixed at load, like the C++ side's choice
 
 
 def write_kv_cache(
@@ -127,6 +129,9 @@ def copy_blocks(
 # Largest row count (tokens) for which the bf16 kernels are used; above it torch's blocked GEMM
 # wins (measured with bench/kernels.py linear on AVX2 and AVX512-BF16 machines).
 LINEAR_KERNEL_MAX_M = 16
+# Rows the Q8_0 kernel takes per call (kQ8KernelMaxRows in csrc/ops.h); beyond it the op
+# dequantises and runs ATen's GEMM, so batch-invariant mode calls it in blocks of this size.
+Q8_KERNEL_MAX_ROWS = 16
 
 
 def linear(
@@ -142,6 +147,9 @@ def linear(
     pagewire kernel of the CPU's instruction set (AVX512-BF16 or AVX2+FMA; fp32 accumulation, one
     bf16 rounding); anything else, or a CPU with neither, is F.linear.
 
+    In batch-invariant mode (server.kernels.batch_invariant) every row count takes a path whose
+    per-row result does not depend on the other rows: see _linear_batch_invariant.
+
     Args:
         x: [..., K].
         weight: [N, K] (nn.Linear layout), x's dtype.
@@ -150,9 +158,14 @@ def linear(
     Returns:
         [..., N] in x's dtype.
     """
+    if batch_invariant.enabled() and not (
+        torch.is_grad_enabled()
+        and (x.requires_grad or isinstance(weight, torch.Tensor) and weight.requires_grad
+             or (bias is not None and bias.requires_grad))
+    ):  # (autograd keeps F.linear: the kernels have no backward)
+        return _linear_batch_invariant(x, weight, bias)
     if isinstance(weight, QuantizedWeight):
-        out = weight.linear(x.reshape(-1, x.shape[-1]), bias)
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+        return _linear_quantized(x, weight, bias)
     if (
         x.device.type == "cpu"
         and x.dtype == torch.bfloat16
@@ -169,6 +182,57 @@ def linear(
         out = torch.ops.pagewire.linear(x.reshape(-1, x.shape[-1]), weight, bias)
         return out.reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+def _linear_quantized(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """A QuantizedWeight's linear: its format's kernel (which may take another path above its row limit)."""
+    out = weight.linear(x.reshape(-1, x.shape[-1]), bias)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _linear_batch_invariant(
+    x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """linear whose row i depends only on x[i] (and the weights), whatever the number of rows.
+
+    - Quantised weights: _linear_quantized in blocks of at most Q8_KERNEL_MAX_ROWS rows, so the
+      format's small-batch kernel serves every row and its dequantise-and-GEMM path for large
+      batches never runs (Q8_0: x quantised per row, integer block dots, one fp32 chain per
+      output; any other format's kernel must be per-row invariant the same way, docs/determinism.md).
+    - CPU bf16 / fp32 on an AVX2 or AVX512-BF16 CPU: pagewire::linear at any M (the bf16 kernel
+      of the ISA, or the fp32 AVX2 kernel), which accumulates each output in an order fixed by K.
+    - Anything else (other dtypes, other devices, CPUs without AVX2): F.linear over fixed blocks of
+      batch_invariant.BLOCK_ROWS rows, the last one zero-padded, so the library GEMM always sees
+      one shape and picks one algorithm (and one K split) for every row.
+    """
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if isinstance(weight, QuantizedWeight):
+        n = weight.shape[0]
+        if m <= Q8_KERNEL_MAX_ROWS:
+            out = _linear_quantized(x2, weight, bias)
+        else:
+            out = torch.cat([_linear_quantized(x2[i : i + Q8_KERNEL_MAX_ROWS], weight, bias)
+                             for i in range(0, m, Q8_KERNEL_MAX_ROWS)])
+        return out.reshape(*x.shape[:-1], n)
+    n = weight.shape[0]
+    if (
+        x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and x.dtype in (torch.bfloat16, torch.float32)
+        and weight.dtype == x.dtype
+        and (bias is None or (bias.dtype == x.dtype and bias.device.type == "cpu"))
+        and _ACTIVE_ISA != "portable"
+        and k > 0
+        and n > 0
+    ):
+        return torch.ops.pagewire.linear(x2, weight, bias).reshape(*x.shape[:-1], n)
+    b = batch_invariant.BLOCK_ROWS
+    pad = (-m) % b
+    xp = torch.cat([x2, x2.new_zeros((pad, k))]) if pad else x2
+    out = torch.cat([F.linear(xp[i : i + b], weight, bias) for i in range(0, m + pad, b)])
+    return out[:m].reshape(*x.shape[:-1], n)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

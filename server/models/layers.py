@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from server.kernels import ops
+from server.kernels import batch_invariant, ops
 
 # CPU batches use the fused C++ silu_and_mul: with AVX2 (a vectorised exp) at any size (measured
 # 2x torch's SiLU + multiply at 1 and at 1024 tokens); on CPUs without it the op runs a libm expf
@@ -36,10 +36,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (xf * inv_rms).to(x.dtype)
 
 
+def rms_norm_fixed_blocks(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm over blocks of exactly batch_invariant.BLOCK_ROWS rows (the last zero-padded).
+
+    Batch-invariant mode off the CPU: a GPU reduction kernel picks its launch shape (and with it
+    how a row's sum is split across threads) from the number of rows, so every call gets one shape.
+    The CPU op needs none of this: each row is one thread's fixed eight-way sum (fused_ops.cpp).
+    """
+    b = batch_invariant.BLOCK_ROWS
+    t = x.shape[0]
+    pad = (-t) % b
+    xp = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))]) if pad else x
+    return torch.cat([rms_norm(xp[i : i + b], weight, eps) for i in range(0, t + pad, b)])[:t]
+
+
 def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """rms_norm of a [T, d] residual stream by weight [d]: one C++ op on CPU, rms_norm elsewhere."""
     if x.device.type == "cpu":
         return ops.rms_norm(x, weight, eps)
+    if batch_invariant.enabled():
+        return rms_norm_fixed_blocks(x, weight, eps)
     return rms_norm(x, weight, eps)
 
 
@@ -51,7 +67,7 @@ def add_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, 
     if residual.device.type == "cpu":
         return ops.add_rms_norm(residual, delta, weight, eps)
     residual.add_(delta)
-    return rms_norm(residual, weight, eps)
+    return norm(residual, weight, eps)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

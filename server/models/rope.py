@@ -10,9 +10,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from server.kernels import ops
+from server.kernels import batch_invariant, ops
 from server.models.config import RopeScaling
-from server.models.layers import rms_norm
+from server.models.layers import rms_norm, rms_norm_fixed_blocks
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling]) -> torch.Tensor:
@@ -104,7 +104,12 @@ class RotaryEmbedding:
         if batch.cos is None or batch.sin is None:
             ops.rotary_embedding(x, batch.positions, self.cos, self.sin, norm_weight, eps)
             return
-        src = rms_norm(x, norm_weight, eps) if norm_weight is not None else x
+        if norm_weight is None:
+            src = x
+        elif batch_invariant.enabled():  # one launch shape for every row (see rms_norm_fixed_blocks)
+            src = rms_norm_fixed_blocks(x, norm_weight, eps)
+        else:
+            src = rms_norm(x, norm_weight, eps)
         x.copy_(RotaryEmbedding.apply(src, batch.cos, batch.sin))
 
     @staticmethod

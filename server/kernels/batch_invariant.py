@@ -1,0 +1,51 @@
+"""Batch-invariant mode: the switch that deterministic inference (EngineConfig.deterministic) flips.
+
+While it is on, every reduction a forward and the sampler run has an order that is a function of
+the row alone, never of how many rows share the step or where the row sits among them:
+
+- linear (`ops.linear`): every row count goes through pagewire's own kernels, whose per-output
+  accumulation (one FMA chain over K in fixed 16- or 32-wide blocks, a fixed horizontal sum) does
+  not depend on M, the row's position or the thread count: bf16 through the bf16 kernel (instead of
+  F.linear above LINEAR_KERNEL_MAX_M rows), fp32 through the fp32 AVX2 kernel (instead of
+  F.linear), Q8_0 through the Q8 kernel in blocks of at most its row limit (instead of dequantising
+  for large M). Off the CPU, or on a CPU without AVX2, F.linear runs over fixed blocks of
+  BLOCK_ROWS rows, zero-padded, so every call has one shape;
+- top-p's sort is stable (ties keep their vocabulary order, not an order the sort's partitioning
+  happens to leave).
+
+The other reductions are per row by construction in every mode (RMSNorm, rotary, the paged
+attention's fixed KV spans, torch's last-dim softmax / log_softmax / cumsum on CPU), see
+docs/determinism.md.
+
+The flag is thread-local: the engine sets it around each step on its own thread, so two engines in
+one process (one deterministic, one not) do not disturb each other.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+__all__ = ["enabled", "mode", "BLOCK_ROWS"]
+
+# Rows per F.linear call in the padded fallback: the largest decode batch the small-batch kernels
+# serve, so a decode step pays at most one block.
+BLOCK_ROWS = 16
+
+_state = threading.local()
+
+
+def enabled() -> bool:
+    """Whether batch-invariant mode is on for the calling thread."""
+    return bool(getattr(_state, "on", False))
+
+
+@contextmanager
+def mode(on: bool) -> Iterator[None]:
+    """Turn batch-invariant mode on (or off) for the calling thread inside the block."""
+    prev = enabled()
+    _state.on = on
+    try:
+        yield
+    finally:
+        _state.on = prev

@@ -87,12 +87,20 @@ class DeltaEvent:
         )
 
     def absorb(self, later: "DeltaEvent") -> None:
-        """Coalesce a later delta of the same sample into this one."""
+        """Coalesce a later delta of the same sample into this one, in place (so only a private
+        copy may absorb: see `_copy`). Its size grows by exactly `later.size() - DELTA_BYTES`.
+
+        In place, not by building new lists: a consumer that lags merges every step's delta into
+        the same pending one, and copying the lists each time made that quadratic in the backlog,
+        event-loop time that the other streams paid for."""
         self.seq = later.seq
         self.text += later.text
-        self.token_ids = self.token_ids + later.token_ids
+        self.token_ids.extend(later.token_ids)
         if later.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + later.logprobs
+            if self.logprobs is None:
+                self.logprobs = list(later.logprobs)
+            else:
+                self.logprobs.extend(later.logprobs)
         self.finish_reason = later.finish_reason
 
 
@@ -253,9 +261,8 @@ class Outbox:
         if isinstance(event, DeltaEvent):
             last = items[-1] if items else None
             if isinstance(last, DeltaEvent) and last.index == event.index and last.finish_reason is None:
-                size = last.size()
-                last.absorb(event)
-                self._bytes += last.size() - size
+                last.absorb(event)  # `last` is the outbox's own copy
+                self._bytes += event.size() - DELTA_BYTES
             else:
                 items.append(_copy(event))
                 self._bytes += event.size()

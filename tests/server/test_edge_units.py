@@ -20,16 +20,8 @@ from server.serving.admission import BATCH, INTERACTIVE, AdmissionQueue
 from server.serving.errors import InvalidRequest, Overloaded
 from server.serving.jobs import events_from_output
 from server.serving.ledger import Ledger, NewRequest, Terminal
-from server.serving.streams import (
-    REPLAY_CHUNK_BYTES,
-    DeltaEvent,
-    EndEvent,
-    Outbox,
-    Replay,
-    RequestStream,
-    Subscription,
-    Usage,
-)
+from server.serving.outbox import REPLAY_CHUNK_BYTES, Outbox, Subscription
+from server.serving.streams import DeltaEvent, EndEvent, Replay, RequestStream, Usage
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,20 +1,30 @@
-"""Slow consumer next to normal streams: does a client that stops reading hurt the others' ITL?
+"""Neighbours of the normal streams: does a client that stops reading, or a crowd of idle
+WebSockets, hurt the ITL of the streams that are working? (issue 13's fault-suite bars)
 
-Starts `pagewire serve` (the demo model by default) and runs, alternately, --rounds rounds of:
-  A. --streams normal WebSocket streams (one connection each, --max-tokens tokens, greedy), next
-     to one large request (--slow-tokens tokens with 20 top logprobs, several MB of frames) whose
-     client reads normally;
+Starts `pagewire serve` (the demo model by default) and runs --rounds rounds, the arms of each
+round back to back (so load from other work falls on all arms alike), ITL pooled per arm.
+
+Default mode (a slow consumer next to --streams normal WebSocket streams of --max-tokens tokens):
+  0. baseline: the normal streams alone;
+  A. next to one large request (--slow-tokens tokens with 20 top logprobs, several MB of frames)
+     whose client reads normally;
   B. the same, but the large request's client has a tiny receive buffer and never reads.
-So A and B give the engine the same work; they differ only in whether one client reads. The
-large request is cancelled at the end of each round (its socket closes; the send timeout is
-raised so the server does not cut the stalled client first and keep its request running).
-ITL is measured at the clients: the gap between arrivals of consecutive delta frames of one
-stream, divided by the tokens the later frame carries. It prints the p50/p99 ITL of A and B,
-pooled over the rounds, and the ratio B/A (issue 13's bar: p99 rises by less than 10%).
-Alternating A and B in one run keeps the machine's state (load from other work) comparable.
+A and B give the engine the same work and differ only in whether one client reads, so B/A is the
+slow consumer's own effect (issue 13's bar: p99 up by less than 10%); B/0 also counts the large
+request's engine work. The large request is cancelled at the end of each round (its socket
+closes; the send timeout is raised so the server does not cut the stalled client first).
 
-Example (what bench/RESULTS.md records):
-    nice .venv/bin/python bench/slow_consumer.py --rounds 4 --streams 8 --max-tokens 128
+--idle N (idle-sockets mode): 0 = the --streams normal streams alone, B = the same with N idle
+WebSockets open (opened before the streams, closed after). The server's RSS is reported with and
+without the idle sockets (issue 13: "1,000 idle and 64 active WebSockets: RSS bounded and the
+active streams' ITL unaffected").
+
+ITL is measured at the clients: the gap between arrivals of consecutive delta frames of one
+stream, divided by the tokens the later frame carries.
+
+Quiet-machine commands (what bench/RESULTS.md records):
+    .venv/bin/python bench/slow_consumer.py --rounds 6 --streams 8 --max-tokens 256 --slow-tokens 4000
+    .venv/bin/python bench/slow_consumer.py --rounds 4 --streams 64 --max-tokens 128 --idle 1000
 """
 from __future__ import annotations
 
@@ -109,6 +119,13 @@ async def big_reader(url: str, tokens: int) -> None:
             await ws.recv()
 
 
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 async def round_(url: str, args: argparse.Namespace, reading: Optional[bool]) -> list[float]:
     """reading None: no large request; True: it is read; False: a stalled client asks for it."""
     port = int(url.split(":")[2].split("/")[0])
@@ -125,12 +142,40 @@ async def round_(url: str, args: argparse.Namespace, reading: Optional[bool]) ->
     return [x for p in per for x in p]
 
 
+async def idle_round(url: str, args: argparse.Namespace, pid: int) -> tuple[list[float], float, float]:
+    """The normal streams next to --idle open, silent WebSockets; returns (ITLs, RSS with the idle
+    sockets open, RSS after the streams)."""
+    from websockets.asyncio.client import connect
+
+    idle = []
+    try:
+        for _ in range(args.idle):
+            idle.append(await connect(url, proxy=None, open_timeout=120, ping_interval=None))
+        with_idle = rss_mb(pid)
+        per = await asyncio.gather(*(one_stream(url, i, args.max_tokens) for i in range(args.streams)))
+        after = rss_mb(pid)
+    finally:
+        await asyncio.gather(*(ws.close() for ws in idle), return_exceptions=True)
+    return [x for p in per for x in p], with_idle, after
+
+
+def summary(name: str, v: list[float]) -> str:
+    return (f"{name}: ITL p50 {percentile(v, 0.5) * 1e3:.1f} ms, p90 {percentile(v, 0.9) * 1e3:.1f} ms, "
+            f"p99 {percentile(v, 0.99) * 1e3:.1f} ms ({len(v)} gaps)")
+
+
+def ratio(name: str, num: list[float], den: list[float]) -> str:
+    return (f"{name}: p50 {percentile(num, 0.5) / percentile(den, 0.5):.3f}, "
+            f"p90 {percentile(num, 0.9) / percentile(den, 0.9):.3f}, p99 {percentile(num, 0.99) / percentile(den, 0.99):.3f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--streams", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--slow-tokens", type=int, default=4000)
+    p.add_argument("--idle", type=int, default=0, help="idle-sockets mode: this many idle WebSockets")
     p.add_argument("--model", default=None)
     p.add_argument("--serve-arg", action="append", default=[])
     args = p.parse_args()
@@ -143,6 +188,10 @@ def main() -> None:
 
         model = str(ensure_demo_model())
     port = free_port()
+    base0: list[float] = []
+    a: list[float] = []
+    b: list[float] = []
+    rss: list[tuple[float, float, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "server.cli", "serve", model, "--port", str(port), "--db",
                str(Path(tmp) / "b.db"), "--served-model-name", "demo", "--log-level", "warning",
@@ -162,22 +211,36 @@ def main() -> None:
                     pass
                 time.sleep(0.2)
             asyncio.run(round_(url, args, None))  # warm-up, not counted
-            a: list[float] = []
-            b: list[float] = []
             for r in range(args.rounds):
+                base0 += asyncio.run(round_(url, args, None))
+                if args.idle:
+                    before = rss_mb(proc.pid)
+                    itl, with_idle, after = asyncio.run(idle_round(url, args, proc.pid))
+                    b += itl
+                    rss.append((before, with_idle, after))
+                    print(f"round {r + 1}: 0 p99 {percentile(base0, 0.99) * 1e3:.1f} ms, "
+                          f"B p99 {percentile(b, 0.99) * 1e3:.1f} ms; RSS {before:.1f} MB -> {with_idle:.1f} MB "
+                          f"with {args.idle} idle -> {after:.1f} MB after the streams", flush=True)
+                    continue
                 a += asyncio.run(round_(url, args, True))
                 b += asyncio.run(round_(url, args, False))
-                print(f"round {r + 1}: A p99 {percentile(a, 0.99) * 1e3:.1f} ms, B p99 {percentile(b, 0.99) * 1e3:.1f} ms",
-                      flush=True)
+                print(f"round {r + 1}: 0 p99 {percentile(base0, 0.99) * 1e3:.1f} ms, A p99 {percentile(a, 0.99) * 1e3:.1f} ms, "
+                      f"B p99 {percentile(b, 0.99) * 1e3:.1f} ms", flush=True)
         finally:
             proc.terminate()
             proc.wait(60)
-    print(f"A (large one read):      ITL p50 {percentile(a, 0.5) * 1e3:.1f} ms, p99 {percentile(a, 0.99) * 1e3:.1f} ms "
-          f"({len(a)} gaps)")
-    print(f"B (large one stalled): ITL p50 {percentile(b, 0.5) * 1e3:.1f} ms, p99 {percentile(b, 0.99) * 1e3:.1f} ms "
-          f"({len(b)} gaps)")
-    print(f"p99 ratio B/A: {percentile(b, 0.99) / percentile(a, 0.99):.3f}; "
-          f"p50 ratio {percentile(b, 0.5) / percentile(a, 0.5):.3f}")
+    print(summary("0 (normal streams alone)", base0))
+    if args.idle:
+        print(summary(f"B (with {args.idle} idle WebSockets)", b))
+        print(ratio("ratio B/0", b, base0))
+        per_idle = [(w - bf) * 1024 / args.idle for bf, w, _ in rss]
+        print(f"RSS per idle WebSocket: {min(per_idle):.1f}-{max(per_idle):.1f} KB; "
+              f"server RSS at the end {rss[-1][2]:.1f} MB" if rss else "no rounds")
+    else:
+        print(summary("A (large one read)", a))
+        print(summary("B (large one stalled)", b))
+        print(ratio("ratio B/A (the slow consumer's own effect; bar: p99 < 1.10)", b, a))
+        print(ratio("ratio B/0", b, base0))
     print("load average at the end:", os.getloadavg())
 
 

@@ -32,8 +32,9 @@ from server.api.tools import ToolPlan
 from server.serving.errors import PagewireError, Unavailable
 from server.serving.jobs import GenerationSpec
 from server.serving.lifecycle import end_error as lifecycle_error
+from server.serving.outbox import Outbox, Subscription
 from server.serving.service import Admitted
-from server.serving.streams import DeltaEvent, EndEvent, Event, Outbox, Replay, Subscription
+from server.serving.streams import DeltaEvent, EndEvent, Event, Replay
 
 MAX_BATCH = 64
 

@@ -29,7 +29,8 @@ from server.api.protocol import CLIENT_FRAMES, CancelFrame, GenerateFrame, Resum
 from server.gateway.auth import bind, principal_of, ws_subprotocol
 from server.serving.errors import InvalidRequest, PagewireError, TooLarge
 from server.serving.jobs import GenerationSpec
-from server.serving.streams import DeltaEvent, EndEvent, Outbox, RequestStream, Subscription
+from server.serving.outbox import Outbox, Subscription
+from server.serving.streams import DeltaEvent, EndEvent, RequestStream
 
 log = logging.getLogger("pagewire.ws")
 _enc = msgspec.json.Encoder()

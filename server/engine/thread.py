@@ -5,8 +5,10 @@ inbox only at step boundaries, so an abort takes effect before the next forward 
 freed under a running kernel. Output is one `on_step(deltas)` call per step, made on the engine
 thread; the server's bridge turns that into exactly one event-loop callback.
 
-The thread never busy-waits: with no unfinished request (or, defensively, after a step that could
-schedule nothing) it blocks on `_wake`, which every submit, abort and shutdown sets.
+The thread never busy-waits: with no unfinished request it blocks on `_wake`, which every submit,
+abort and shutdown sets. Nothing else stops it stepping while requests are unfinished: it never
+waits on the event loop or on a client (`on_step` only posts one callback), and after a step that
+could schedule nothing (a liveness bug, defensively) it steps again after a short wait.
 """
 from __future__ import annotations
 
@@ -27,6 +29,9 @@ if TYPE_CHECKING:  # the engine (and torch) load on the engine thread, not at im
     from server.engine.engine import EngineStats, LLMEngine
 
 logger = logging.getLogger("pagewire.engine")
+
+# How long the thread waits before stepping again after a step that scheduled nothing.
+NO_PROGRESS_RETRY_S = 0.05
 
 
 @dataclass(slots=True)
@@ -130,6 +135,7 @@ class EngineThread:
         self.limits = engine.limits
         self._stats = engine.stats()
         self._ready.set()
+        stalled = False  # the previous step scheduled nothing (logged once per episode)
         while not self._stop.is_set():
             # Clear before draining: a message put after this point sets _wake again, so the
             # wait below returns at once instead of sleeping on work already queued.
@@ -137,7 +143,7 @@ class EngineThread:
             extra = self._drain(engine)
             if not engine.has_unfinished_requests():
                 if extra:
-                    self._on_step(extra)
+                    self._on_step_safe(extra)
                     continue
                 self._wake.wait()
                 continue
@@ -157,10 +163,18 @@ class EngineThread:
                 except Exception:
                     logger.exception("on_step callback failed")
             if not progressed:
-                # Unreachable while add_request refuses what can never run; if it happens, wait
-                # for the next message instead of spinning through empty steps.
-                logger.error("engine step scheduled nothing with %d requests pending", len(engine.requests))
-                self._wake.wait()
+                # Unreachable while add_request refuses what can never run (tests/engine/
+                # test_liveness.py). Should it happen, step again after a short wait rather than
+                # wait for the next message: an indefinite wait here would freeze every running
+                # stream until something else arrived, and a graceful drain admits nothing new,
+                # so it would only end with the grace period.
+                if not stalled:
+                    logger.error("engine step scheduled nothing with %d requests pending; retrying",
+                                 len(engine.requests))
+                stalled = True
+                self._wake.wait(NO_PROGRESS_RETRY_S)
+            else:
+                stalled = False
         self._on_step_safe(engine.abort_all())
 
     def _drain(self, engine: LLMEngine) -> list[RequestDelta]:

@@ -476,5 +476,9 @@ class RequestService:
             except asyncio.TimeoutError:
                 log.warning("draining: %d request(s) did not stop in time", len(self._jobs))
         if self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            # Terminal commits in flight. Bounded: a ledger that stopped answering must not hold
+            # the process up for good (what did not commit is interrupted at the next start).
+            _, pending = await asyncio.wait(list(self._tasks), timeout=abort_wait_s)
+            if pending:
+                log.warning("draining: %d terminal write(s) still pending", len(pending))
         await self.ledger.interrupt_open(END_RULES[EndReason.INTERRUPTED].message or "")

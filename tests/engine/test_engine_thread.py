@@ -112,3 +112,39 @@ def test_idle_engine_thread_blocks_instead_of_polling(tiny_model) -> None:
     assert wake.timeouts and all(t is None for t in wake.timeouts)
     assert len(wake.timeouts) <= 3
     assert len(steps) <= 4  # three tokens (the first with the prefill), one delta batch each
+
+
+def test_a_step_that_schedules_nothing_does_not_freeze_running_requests(tiny_model) -> None:
+    # Issue 13, bug 1: the thread used to wait for the next message after a step that scheduled
+    # nothing. During a graceful drain no message comes (nothing new is admitted), so a liveness
+    # bug froze every stream until the grace ran out. Now it steps again by itself.
+    model_dir = tiny_model("llama")
+    done = threading.Event()
+
+    def on_step(deltas: list[RequestDelta]) -> None:
+        if any(d.request_id == "a" and d.finished for d in deltas):
+            done.set()
+
+    et = EngineThread(EngineConfig(model=str(model_dir), max_model_len=64, kv_cache_tokens=256), on_step)
+    et.start()
+    assert et.wait_ready(60)
+    engine = et._engine
+    assert engine is not None
+    real_step = engine.step
+    empty_steps = 0
+
+    def step() -> list[RequestDelta]:
+        nonlocal empty_steps
+        if empty_steps < 3:  # the first three steps with the request pending schedule nothing
+            empty_steps += 1
+            engine.last_step_progressed = False
+            return []
+        return real_step()
+
+    engine.step = step  # type: ignore[method-assign]
+    et.submit("a", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    try:
+        assert done.wait(120), "the request froze after a step that scheduled nothing"
+        assert empty_steps == 3
+    finally:
+        et.shutdown(10)

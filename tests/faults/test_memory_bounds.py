@@ -58,7 +58,8 @@ def test_a_client_that_does_not_read_cannot_grow_memory(demo_model: Path, tmp_pa
             for i in range(N):
                 sock.send_frame({"type": "generate", "id": f"g{i}", "prompt": f"hoard {i}", "params": params})
             rejected = rt.metrics.rejected.labels(code="output_budget_exceeded")
-            await until(lambda: len(ledger_rows(db)) == 1 and rejected._value.get() == N - 1,
+            # The metric first: reading the ledger file on every poll would cost the loop.
+            await until(lambda: rejected._value.get() == N - 1 and len(ledger_rows(db)) == 1,
                         "admission of all 40")
             await until(lambda: not service._jobs, "the admitted request to end")
 

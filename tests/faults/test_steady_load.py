@@ -16,7 +16,8 @@ import struct
 from pathlib import Path
 
 from server.serving.jobs import Job
-from server.serving.streams import DeltaEvent, EndEvent, RequestStream, Subscription
+from server.serving.outbox import Subscription
+from server.serving.streams import DeltaEvent, EndEvent, RequestStream
 from tests.faults.inproc import FakeSocket, connect, running, until, ws_endpoint
 
 ROUNDS = 5

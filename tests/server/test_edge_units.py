@@ -15,21 +15,13 @@ import pytest
 
 from server.api.decode import decode
 from server.api.protocol import CompletionRequest, GenerateFrame
-from server.engine.outputs import RequestDelta, SampleDelta
+from server.engine.outputs import RequestDelta, SampleDelta, TokenLogprob
 from server.serving.admission import BATCH, INTERACTIVE, AdmissionQueue
 from server.serving.errors import InvalidRequest, Overloaded
 from server.serving.jobs import events_from_output
 from server.serving.ledger import Ledger, NewRequest, Terminal
-from server.serving.streams import (
-    REPLAY_CHUNK_BYTES,
-    DeltaEvent,
-    EndEvent,
-    Outbox,
-    Replay,
-    RequestStream,
-    Subscription,
-    Usage,
-)
+from server.serving.outbox import REPLAY_CHUNK_BYTES, Outbox, Subscription
+from server.serving.streams import DeltaEvent, EndEvent, Replay, RequestStream, Usage
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,6 +47,31 @@ def test_outbox_coalesces_consecutive_deltas_of_one_sample_keeping_the_newest_se
             (3, 0, "abc", [1, 1, 1]), (4, 1, "x", [1]), (5, 0, "d", [1])]
         # The stream's own resume buffer is untouched by the connection's merges.
         assert [e.text for e in stream.deltas] == ["a", "b", "c", "x", "d"]
+
+    asyncio.run(main())
+
+
+def test_merging_in_the_outbox_keeps_its_byte_count_exact_and_the_stream_untouched() -> None:
+    # A lagging consumer merges every step's delta into one pending delta, in place: the outbox's
+    # byte count must still equal the merged delta's size, logprobs included, and the stream's
+    # resume buffer (which the merge copied from) must not change.
+    async def main() -> None:
+        box = Outbox(max_bytes=1 << 30)
+        stream = RequestStream("r")
+        stream.attach(Subscription(box, "k"))
+        for i in range(300):
+            lp = [TokenLogprob(i, -0.5, [(i, -0.5), (i + 1, -1.0)])] if i % 3 else None
+            stream.publish([SampleDelta(index=0, token_ids=[i], text="t", logprobs=lp)], want_logprobs=True)
+        [(_, merged)] = box.take()
+        assert merged.token_ids == list(range(300)) and merged.text == "t" * 300
+        assert merged.logprobs is not None and len(merged.logprobs) == 200
+        # take() zeroed the count, so check it on a fresh outbox fed the same way.
+        box2 = Outbox(max_bytes=1 << 30)
+        for ev in stream.deltas:
+            box2.push("k", ev)
+        assert box2.pending_bytes == box2.take()[0][1].size()
+        assert [len(e.token_ids) for e in stream.deltas] == [1] * 300
+        assert all(e.logprobs is None or len(e.logprobs) == 1 for e in stream.deltas)
 
     asyncio.run(main())
 

@@ -61,7 +61,11 @@ def test_a_client_that_does_not_read_cannot_grow_memory(demo_model: Path, tmp_pa
             # The metric first: reading the ledger file on every poll would cost the loop.
             await until(lambda: rejected._value.get() == N - 1 and len(ledger_rows(db)) == 1,
                         "admission of all 40")
-            await until(lambda: not service._jobs, "the admitted request to end")
+            # Not just "no jobs": under load the admitted request can still wait in the admission
+            # queue (row `queued`, not yet a job). The ledger is read only while no job runs.
+            await until(lambda: not service._jobs
+                        and all(r["state"] == "finished" for r in ledger_rows(db).values()),
+                        "the admitted request to end")
 
             assert peak["reserved"] <= CLIENT_BUDGET and peak["live"] <= CLIENT_BUDGET
             assert peak["live"] > PER_REQUEST // 2  # it did measure a big live output

@@ -131,7 +131,7 @@ def bench_linear() -> None:
             q8 = best_of(lambda: ops.linear(x, qweights[next(step) % copies]))
             base = base or ours
             mb, qmb = N * K * 2 / 1e6, N * K * 34 / 32 / 1e6
-            kernel = "kernel" if M <= ops.LINEAR_KERNEL_MAX_M else "F.linear"
+            kernel = "kernel" if M <= ops.LINEAR_KERNEL_MAX_M or ops.BF16_KERNEL_EVERY_M else "F.linear"
             print(f"N={N:6d} K={K:5d} M={M:3d}  pagewire[{kernel:8s}] {ours:7.3f} ms ({mb / ours:5.1f} GB/s, "
                   f"{ours / base:4.2f}x M=1)   torch {ref:7.3f} ms ({mb / ref:5.1f} GB/s)   speedup {ref / ours:5.2f}x"
                   f"   q8_0 {q8:7.3f} ms ({qmb / q8:5.1f} GB/s, {ours / q8:4.2f}x bf16)")

@@ -6,7 +6,7 @@ the row alone, never of how many rows share the step or where the row sits among
 - linear (`ops.linear`): every row count goes through pagewire's own kernels, whose per-output
   accumulation (one FMA chain over K in fixed 16- or 32-wide blocks, a fixed horizontal sum) does
   not depend on M, the row's position or the thread count: bf16 through the bf16 kernel (instead of
-  F.linear above LINEAR_KERNEL_MAX_M rows), fp32 through the fp32 AVX2 kernel (instead of
+  F.linear above LINEAR_KERNEL_MAX_M rows on AVX512-BF16 CPUs), fp32 through the fp32 AVX2 kernel (instead of
   F.linear), Q8_0 through the Q8 kernel in blocks of at most its row limit (instead of dequantising
   for large M). Off the CPU, or on a CPU without AVX2, F.linear runs over fixed blocks of
   BLOCK_ROWS rows, zero-padded, so every call has one shape;

@@ -126,9 +126,12 @@ def copy_blocks(
     torch.ops.pagewire.copy_blocks(list(key_caches), list(value_caches), block_mapping)
 
 
-# Largest row count (tokens) for which the bf16 kernels are used; above it torch's blocked GEMM
-# wins (measured with bench/kernels.py linear on AVX2 and AVX512-BF16 machines).
+# Largest row count (tokens) for which the AVX512-BF16 kernel is used; above it oneDNN's native
+# bf16 GEMM wins. AVX2 CPUs have no native bf16 dot product and torch's bf16 GEMM there is 4-10x
+# slower than the AVX2 kernel at every M measured (8-16 rows in bench/kernels.py linear, whole
+# prefills in bench/determinism.py: bench/RESULTS.md), so on AVX2 the kernel takes every row count.
 LINEAR_KERNEL_MAX_M = 16
+BF16_KERNEL_EVERY_M = _ACTIVE_ISA == "avx2"
 # Rows the Q8_0 kernel takes per call (kQ8KernelMaxRows in csrc/ops.h); beyond it the op
 # dequantises and runs ATen's GEMM, so batch-invariant mode calls it in blocks of this size.
 Q8_KERNEL_MAX_ROWS = 16
@@ -143,9 +146,9 @@ def linear(
     quantised per row to Q8 blocks on the fly, integer block dot products, fp32 accumulation; the
     result is in x's dtype).
 
-    CPU bf16 inputs with at most LINEAR_KERNEL_MAX_M rows (decode batches) and no autograd run the
-    pagewire kernel of the CPU's instruction set (AVX512-BF16 or AVX2+FMA; fp32 accumulation, one
-    bf16 rounding); anything else, or a CPU with neither, is F.linear.
+    CPU bf16 inputs without autograd run the pagewire kernel of the CPU's instruction set (fp32
+    accumulation, one bf16 rounding): on AVX512-BF16 CPUs up to LINEAR_KERNEL_MAX_M rows (decode
+    batches), on AVX2+FMA CPUs at every row count; anything else, or a CPU with neither, is F.linear.
 
     In batch-invariant mode (server.kernels.batch_invariant) every row count takes a path whose
     per-row result does not depend on the other rows: see _linear_batch_invariant.
@@ -175,7 +178,7 @@ def linear(
         and x.shape[-1] == weight.shape[1]
         and (bias is None or (bias.dtype == torch.bfloat16 and bias.device.type == "cpu"))
         and weight.device.type == "cpu"
-        and x.numel() <= LINEAR_KERNEL_MAX_M * weight.shape[1]
+        and (BF16_KERNEL_EVERY_M or x.numel() <= LINEAR_KERNEL_MAX_M * weight.shape[1])
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                               or (bias is not None and bias.requires_grad)))
     ):

@@ -2,7 +2,8 @@
 `deterministic` off and on, in one run, and the on/off ratio of every figure.
 
 Offline: bench/offline_throughput.py (pagewire only, --skip-hf) with --engine-arg deterministic=false
-and =true, same workload, each in a fresh process. Serving: bench/serving.py with --model, starting
+and =true, same workload, each in a fresh process. Serving: bench/serving.py with --model (or the
+--shape folder in --dtype), starting
 `pagewire serve --deterministic off` and then `on`, same workload and seed. With --rounds N the
 pairs alternate (off, on, off, on, ...) and the medians are compared, which evens out drift in a
 shared machine's load. Ratios are on / off: below 1 for a throughput means deterministic mode
@@ -33,6 +34,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make `bench.*` and `serve
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench import offline_throughput, serving  # noqa: E402
+from bench.shapes import is_built, make_random_model, model_dir_for  # noqa: E402
 
 # (label, path into the offline result's "pagewire" entry, higher is better)
 OFFLINE_FIGURES: list[tuple[str, tuple[str, ...], bool]] = [
@@ -67,8 +69,16 @@ def offline_argv(args: argparse.Namespace, on: bool, out: Path) -> list[str]:
     return argv
 
 
+def shape_model(shape: str, dtype: str) -> Path:
+    """The random-weight folder of --shape in --dtype, built if missing (what the offline run uses)."""
+    model_dir = model_dir_for(shape, dtype)
+    if not is_built(model_dir, shape, dtype):
+        make_random_model(shape, model_dir, dtype)
+    return model_dir
+
+
 def serving_argv(args: argparse.Namespace, on: bool, out: Path, round_no: int) -> list[str]:
-    model = args.model or "default"
+    model = args.model or str(shape_model(args.shape, args.dtype))
     argv = ["--model", model, f"--serve-arg=--dtype={args.dtype}", f"--serve-arg=--deterministic={'on' if on else 'off'}",
             "--num-requests", str(args.serving_requests), "--concurrency", str(args.serving_concurrency),
             "--input-len", str(args.serving_input_len), "--output-len", str(args.serving_output_len),

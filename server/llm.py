@@ -30,7 +30,8 @@ class LLM:
     (dtype, max_model_len, kv_cache_tokens, kv_cache_memory_gb, block_size, max_num_seqs,
     max_num_batched_tokens, enable_prefix_caching, num_threads, seed, quantization, speculative_config:
     e.g. {"method": "ngram", "num_speculative_tokens": 4}, see docs/speculative_decoding.md;
-    deterministic=True: batch-invariant results, see docs/determinism.md).
+    deterministic=True/False: batch-invariant results, default None = on where cheap, see
+    docs/determinism.md).
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:

@@ -34,6 +34,7 @@ from server.engine.spec_config import SpeculativeConfig
 from server.engine.spec_decode import SpecDecoder, SpecStats
 from server.engine.structured import DEAD_END, PendingMasks, StructuredDecoder
 from server.kernels import batch_invariant
+from server.kernels.ops import cpu_isa
 from server.models.loader import load_model
 from server.text.tokenizer import Tokenizer
 from server.text.vocab import check_token_ids
@@ -125,6 +126,14 @@ class LLMEngine:
         self.last_step_progressed = True  # the latest step scheduled work or emitted deltas
         self._stats = EngineStats(num_blocks=num_blocks)
         logger.info("%s", layout.log_line())
+        # Deterministic mode: as configured, or (None, "auto") on where it is cheap.
+        self.deterministic = (
+            config.deterministic if config.deterministic is not None
+            else batch_invariant.cheap_here(config.device, str(kv_dtype).replace("torch.", ""),
+                                            config.quantization, cpu_isa())
+        )
+        logger.info("deterministic mode: %s%s", "on" if self.deterministic else "off",
+                    " (auto)" if config.deterministic is None else "")
 
     # -- requests in ------------------------------------------------------------------------------
     def add_request(
@@ -214,7 +223,7 @@ class LLMEngine:
     def step(self) -> list[RequestDelta]:
         # Deterministic mode: every op of the step (forward, sampling, verification) on this
         # thread takes its batch-invariant path (server.kernels.batch_invariant).
-        with batch_invariant.mode(self.config.deterministic):
+        with batch_invariant.mode(self.deterministic):
             return self._step()
 
     def _step(self) -> list[RequestDelta]:

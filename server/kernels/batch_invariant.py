@@ -26,13 +26,26 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-__all__ = ["enabled", "mode", "BLOCK_ROWS"]
+__all__ = ["enabled", "mode", "cheap_here", "BLOCK_ROWS"]
 
 # Rows per F.linear call in the padded fallback: the largest decode batch the small-batch kernels
 # serve, so a decode step pays at most one block.
 BLOCK_ROWS = 16
 
 _state = threading.local()
+
+
+def cheap_here(device: str, dtype: str, quantization: str, cpu_isa: str) -> bool:
+    """Where the mode costs under 5 % (so `deterministic=None`, "auto", turns it on).
+
+    Measured (bench/determinism.py, bench/RESULTS.md): CPU bf16 weights on an AVX2 CPU, where the
+    bf16 kernel serves every row count in both modes, so the mode changes only top-p's sort
+    (offline and serving within noise of off). Not here: fp32 (the fp32 AVX2 kernel in place of
+    MKL's GEMM cost 23 % of serving throughput), quantised weights (the 16-row kernel blocks in
+    place of dequantise-and-GEMM slow prefill), AVX-512 CPUs (oneDNN's bf16 GEMM serves > 16
+    rows when off; unmeasured) and CUDA (unmeasured).
+    """
+    return device == "cpu" and dtype == "bfloat16" and quantization == "none" and cpu_isa == "avx2"
 
 
 def enabled() -> bool:

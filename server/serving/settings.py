@@ -30,12 +30,14 @@ def _bool(text: str) -> bool:
     raise ValueError(f"expected true/false, got {text!r}")
 
 
-def _on_off(text: str) -> bool:
-    """An on/off switch given as a value (--deterministic on), not as a flag pair."""
+def _on_off_auto(text: str) -> Optional[bool]:
+    """An on/off/auto switch given as a value (--deterministic on); auto is None."""
+    if text.strip().lower() == "auto":
+        return None
     try:
         return _bool(text)
     except ValueError:
-        raise _OptionValueError(f"expected on or off, got {text!r}") from None
+        raise _OptionValueError(f"expected on, off or auto, got {text!r}") from None
 
 
 def _opt_int(text: str) -> Optional[int]:
@@ -134,7 +136,7 @@ class ServeSettings:
     device: str = _ENGINE_DEFAULTS["device"]
     quantization: str = _ENGINE_DEFAULTS["quantization"]
     speculative_config: Any = None  # a server.engine.spec_config.SpeculativeConfig, or None (off)
-    deterministic: bool = _ENGINE_DEFAULTS["deterministic"]
+    deterministic: Optional[bool] = _ENGINE_DEFAULTS["deterministic"]
 
     def engine_config(self, model_dir: str) -> EngineConfig:
         kw = {o.name: getattr(self, o.name) for o in OPTIONS if o.engine}
@@ -233,9 +235,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("speculative_config", speculative_config,
            "speculative decoding as a JSON object, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
            "(fields: docs/speculative_decoding.md; default: off)", engine=True),
-    Option("deterministic", _on_off,
-           "on or off: batch-invariant inference, a request's tokens and logprobs independent of what "
-           "else runs (docs/determinism.md)", engine=True),
+    Option("deterministic", _on_off_auto,
+           "on, off or auto: batch-invariant inference, a request's tokens and logprobs independent of "
+           "what else runs; auto (default) turns it on where it costs under 5%%: CPU bf16 weights on "
+           "AVX2 CPUs (docs/determinism.md)", engine=True),
 )
 
 

@@ -179,18 +179,37 @@ def test_sampler_rows_do_not_depend_on_the_batch() -> None:
 def test_deterministic_config_field(tiny_model) -> None:
     from server import LLM
 
-    assert EngineConfig(model="m").deterministic is False
+    assert EngineConfig(model="m").deterministic is None  # auto
     assert EngineConfig(model="m", deterministic=True).deterministic is True
     with pytest.raises(ConfigError, match="^deterministic:"):
         EngineConfig(model="m", deterministic="yes")  # type: ignore[arg-type]
     llm = LLM(str(tiny_model("llama")), deterministic=True, max_model_len=64, kv_cache_tokens=256)
-    assert llm.engine.config.deterministic is True
+    assert llm.engine.config.deterministic is True and llm.engine.deterministic is True
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3
     assert not batch_invariant.enabled()  # the mode is scoped to each engine step
 
 
-def test_serve_flag_takes_on_or_off() -> None:
+def test_auto_turns_the_mode_on_only_where_it_is_cheap(tiny_model) -> None:
+    from server import LLM
+
+    # The rule (measured in bench/RESULTS.md): CPU, bf16 weights kept in bf16, an AVX2 CPU.
+    assert batch_invariant.cheap_here("cpu", "bfloat16", "none", "avx2")
+    assert not batch_invariant.cheap_here("cpu", "float32", "none", "avx2")
+    assert not batch_invariant.cheap_here("cpu", "bfloat16", "int8", "avx2")
+    assert not batch_invariant.cheap_here("cpu", "bfloat16", "none", "avx512bf16")
+    assert not batch_invariant.cheap_here("cpu", "bfloat16", "none", "portable")
+    assert not batch_invariant.cheap_here("cuda", "bfloat16", "none", "avx2")
+    # The engine resolves auto with its own dtype and this CPU; an explicit value always wins.
+    path = str(tiny_model("llama"))
+    for dtype in ("bfloat16", "float32"):
+        auto = LLM(path, dtype=dtype, max_model_len=64, kv_cache_tokens=256).engine
+        assert auto.deterministic is batch_invariant.cheap_here("cpu", dtype, "none", ops.cpu_isa())
+        off = LLM(path, dtype=dtype, deterministic=False, max_model_len=64, kv_cache_tokens=256).engine
+        assert off.deterministic is False
+
+
+def test_serve_flag_takes_on_off_or_auto() -> None:
     import argparse
 
     from server.serving.settings import add_serve_arguments, settings_from_args
@@ -199,6 +218,8 @@ def test_serve_flag_takes_on_or_off() -> None:
     add_serve_arguments(p)
     assert settings_from_args(p.parse_args(["--deterministic", "on"]), {}).engine_config("m").deterministic is True
     assert settings_from_args(p.parse_args(["--deterministic", "off"]), {}).deterministic is False
+    assert settings_from_args(p.parse_args(["--deterministic", "auto"]), {}).deterministic is None
+    assert settings_from_args(p.parse_args([]), {}).engine_config("m").deterministic is None
     assert settings_from_args(p.parse_args([]), {"PAGEWIRE_DETERMINISTIC": "on"}).deterministic is True
     with pytest.raises(SystemExit):
         p.parse_args(["--deterministic", "maybe"])

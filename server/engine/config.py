@@ -48,7 +48,7 @@ class EngineConfig:
         other requests in its steps, its position among them, prefix-cache hits, prefill chunking
         or preemption (server.kernels.batch_invariant; guarantees and cost: docs/determinism.md).
         None (auto, the default): on where it was measured to cost under 5 %, which is CPU bf16
-        weights on AVX2 CPUs (batch_invariant.cheap_here); LLMEngine.deterministic is the outcome.
+        and fp32 weights on AVX2 CPUs (batch_invariant.cheap_here); LLMEngine.deterministic is the outcome.
     """
 
     model: str

@@ -38,14 +38,15 @@ _state = threading.local()
 def cheap_here(device: str, dtype: str, quantization: str, cpu_isa: str) -> bool:
     """Where the mode costs under 5 % (so `deterministic=None`, "auto", turns it on).
 
-    Measured (bench/determinism.py, bench/RESULTS.md): CPU bf16 weights on an AVX2 CPU, where the
-    bf16 kernel serves every row count in both modes, so the mode changes only top-p's sort
-    (offline and serving within noise of off). Not here: fp32 (the fp32 AVX2 kernel in place of
-    MKL's GEMM cost 23 % of serving throughput), quantised weights (the 16-row kernel blocks in
-    place of dequantise-and-GEMM slow prefill), AVX-512 CPUs (oneDNN's bf16 GEMM serves > 16
-    rows when off; unmeasured) and CUDA (unmeasured).
+    Measured (bench/determinism.py, bench/RESULTS.md): CPU bf16 and fp32 weights on an AVX2 CPU.
+    In bf16 the bf16 kernel serves every row count in both modes, so the mode changes only top-p's
+    sort; in fp32 the mode's fp32 AVX2 kernel was 2.2x faster than torch's GEMM offline and in
+    serving. Not here: quantised weights (the 16-row kernel blocks in place of dequantise-and-GEMM
+    slow prefill), AVX-512 CPUs (oneDNN's bf16 GEMM serves > 16 rows when off; unmeasured), fp16,
+    and CUDA (unmeasured).
     """
-    return device == "cpu" and dtype == "bfloat16" and quantization == "none" and cpu_isa == "avx2"
+    return (device == "cpu" and dtype in ("bfloat16", "float32") and quantization == "none"
+            and cpu_isa == "avx2")
 
 
 def enabled() -> bool:

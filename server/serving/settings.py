@@ -237,8 +237,8 @@ OPTIONS: tuple[Option, ...] = (
            "(fields: docs/speculative_decoding.md; default: off)", engine=True),
     Option("deterministic", _on_off_auto,
            "on, off or auto: batch-invariant inference, a request's tokens and logprobs independent of "
-           "what else runs; auto (default) turns it on where it costs under 5%%: CPU bf16 weights on "
-           "AVX2 CPUs (docs/determinism.md)", engine=True),
+           "what else runs; auto (default) turns it on where it costs under 5%%: CPU bf16 and fp32 "
+           "weights on AVX2 CPUs (docs/determinism.md)", engine=True),
 )
 
 

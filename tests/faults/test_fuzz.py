@@ -136,7 +136,14 @@ def test_fuzz_http_bodies_never_500(srv: ServerProcess, path: str) -> None:
                 c.close()
     assert not faults, faults[:3]
     assert len(sent) >= HTTP_EXAMPLES
-    assert sum(seen.values()) == len(sent) and 200 in seen and 400 in seen, seen
+    assert sum(seen.values()) == len(sent) and 400 in seen, seen
+    # Whether the generated bodies include a valid one is chance (one quiet run drew 3,000 chat
+    # bodies that all answered 400), so a known-valid body after the fuzz shows the server still
+    # does real work on this endpoint.
+    valid = ({"prompt": "hi", "max_tokens": 1} if path == "/v1/completions"
+             else {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    r = httpx.post(srv.base + path, json=valid, timeout=120)
+    assert r.status_code == 200, r.text
     assert srv.proc is not None and srv.proc.poll() is None
     assert httpx.get(srv.base + "/health", timeout=30).status_code == 200
 

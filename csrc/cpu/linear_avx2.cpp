@@ -20,6 +20,8 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
+#include "avx2_util.h"
+
 namespace pagewire::cpu {
 namespace {
 
@@ -40,12 +42,7 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN stays Na
   return static_cast<uint16_t>(u >> 16);
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using avx2::hsum;
 
 // x rows converted to fp32: the first K16 = K & ~15 values of each row in even/odd order per
 // 16-chunk (x[0], x[2], .., x[14], x[1], x[3], .., x[15]), the K - K16 tail values as they are.

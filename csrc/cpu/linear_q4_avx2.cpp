@@ -18,17 +18,14 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
+#include "avx2_util.h"
+
 namespace pagewire::cpu {
 namespace {
 
 constexpr int kPrefetchRows = 8;
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using avx2::hsum;
 
 inline float fp16(const uint8_t* p) {
   uint16_t h;

@@ -14,17 +14,14 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
+#include "avx2_util.h"
+
 namespace pagewire::cpu {
 namespace {
 
 constexpr int kPrefetchRows = 8;
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using avx2::hsum;
 
 // Eight int32 partial sums of w . x over 32 int8 pairs. maddubs needs an unsigned operand: |w|
 // (precomputed, at most 127) times x with w's sign moved onto it; pairs sum to at most 2 * 127 *

@@ -100,10 +100,11 @@ class LinearTable:
     choices: dict[Key, list[Choice]] = field(default_factory=dict)
     names: dict[Key, list[str]] = field(default_factory=dict)
     seconds: float = 0.0  # wall time of the tune
+    large_m: int = LARGE_M  # rows the large bucket was timed at
 
     def lines(self) -> list[str]:
         """One line per shape group: its choice per bucket and the measured times (kernel/torch)."""
-        return [_format_line(key, self.names[key], self.choices[key]) for key in self.choices]
+        return [_format_line(key, self.names[key], self.choices[key], self.large_m) for key in self.choices]
 
 
 def table_key(weight: Weight, x_dtype: torch.dtype) -> Key:
@@ -163,7 +164,7 @@ def tune(
         budget_s: wall time for the whole tune; (shape, bucket) pairs whose predicted cost does not
             fit what is left keep their fixed rule.
         max_rows: the most rows one linear can see (the engine's token budget); the large bucket is
-            not tuned when it is <= 16.
+            timed at min(LARGE_M, max_rows) rows, and not at all when max_rows <= 16.
         timer: measures one sample (injectable for tests); the default is wall time.
         log: log one line per shape group and a summary (logger pagewire.autotune).
     """
@@ -171,7 +172,8 @@ def tune(
 
     t_start = time.perf_counter()
     isa = ops.cpu_isa()  # the live family (PAGEWIRE_CPU_ISA may lower it)
-    table = LinearTable()
+    # The large bucket at LARGE_M rows, or the most a step can pass when that is fewer.
+    table = LinearTable(large_m=min(LARGE_M, max_rows) if max_rows is not None else LARGE_M)
     groups: dict[Key, Site] = {}
     for site in sites:
         w = site.weight
@@ -191,7 +193,7 @@ def tune(
     last: dict[Key, tuple[int, float, float]] = {}  # key -> (rows, kernel s, torch s) of its latest timed bucket
     with torch.inference_mode():
         for b in range(LARGE + 1):
-            m = BUCKETS[b] if b < LARGE else LARGE_M
+            m = BUCKETS[b] if b < LARGE else table.large_m
             if b == LARGE and max_rows is not None and max_rows <= BUCKETS[-1]:
                 break
             for key, site in groups.items():
@@ -265,7 +267,7 @@ def _time_pair(ops: ModuleType, site: Site, m: int, default_kernel: bool, gen: t
     return Choice(kernel, how, tk, tt)
 
 
-def _format_line(key: Key, names: list[str], choices: list[Choice]) -> str:
+def _format_line(key: Key, names: list[str], choices: list[Choice], large_m: int) -> str:
     if len(key) == 3:
         kind = f"{key[0]}/{str(key[1]).replace('torch.', '')}"
     else:
@@ -277,7 +279,7 @@ def _format_line(key: Key, names: list[str], choices: list[Choice]) -> str:
     used = ", ".join(f"{name} x{c}" if c > 1 else name for name, c in counts.items())
     parts = []
     for b, c in enumerate(choices):
-        label = f"M{BUCKETS[b]}" if b < LARGE else f"M>{BUCKETS[-1]}({LARGE_M})"
+        label = f"M{BUCKETS[b]}" if b < LARGE else f"M>{BUCKETS[-1]}({large_m})"
         path = "kernel" if c.kernel else "torch"
         if c.kernel_s is not None and c.torch_s is not None:
             parts.append(f"{label} {path} {c.kernel_s * 1e3:.3g}/{c.torch_s * 1e3:.3g}ms"

@@ -31,7 +31,8 @@ class LLM:
     max_num_batched_tokens, enable_prefix_caching, num_threads, seed, quantization, speculative_config:
     e.g. {"method": "ngram", "num_speculative_tokens": 4}, see docs/speculative_decoding.md;
     deterministic=True/False: batch-invariant results, default None = on where cheap, see
-    docs/determinism.md).
+    docs/determinism.md; autotune=True/False: time linear's paths per weight shape at start-up,
+    default None = on for CPU).
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:

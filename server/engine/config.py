@@ -49,6 +49,10 @@ class EngineConfig:
         or preemption (server.kernels.batch_invariant; guarantees and cost: docs/determinism.md).
         None (auto, the default): on where it was measured to cost under 5 %, which is CPU bf16
         and fp32 weights on AVX2 CPUs (batch_invariant.cheap_here); LLMEngine.deterministic is the outcome.
+    autotune: time linear's two paths (pagewire kernel or torch) per weight shape and row-count
+        bucket at start-up and follow the faster (server.kernels.autotune, about 1-2 s). None
+        (auto, the default): on for CPU, off on CUDA (no CPU kernels there). Never in
+        deterministic mode, whose path must not depend on the row count.
     """
 
     model: str
@@ -66,10 +70,13 @@ class EngineConfig:
     quantization: str = "none"
     speculative_config: "SpeculativeConfig | dict[str, Any] | str | None" = None
     deterministic: Optional[bool] = None
+    autotune: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.deterministic is not None and not isinstance(self.deterministic, bool):
             raise ConfigError("deterministic", f"must be true, false or None (auto), got {self.deterministic!r}")
+        if self.autotune is not None and not isinstance(self.autotune, bool):
+            raise ConfigError("autotune", f"must be true, false or None (auto), got {self.autotune!r}")
         if self.speculative_config is not None:
             from server.engine.spec_config import SpeculativeConfig  # (it imports ConfigError from here)
 

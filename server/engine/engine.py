@@ -33,8 +33,9 @@ from server.engine.scheduler import ScheduledSeq, Scheduler
 from server.engine.spec_config import SpeculativeConfig
 from server.engine.spec_decode import SpecDecoder, SpecStats
 from server.engine.structured import DEAD_END, PendingMasks, StructuredDecoder
-from server.kernels import batch_invariant
+from server.kernels import autotune, batch_invariant
 from server.kernels.ops import cpu_isa
+from server.models.llama import LlamaFamilyForCausalLM
 from server.models.loader import load_model
 from server.text.tokenizer import Tokenizer
 from server.text.vocab import check_token_ids
@@ -134,6 +135,20 @@ class LLMEngine:
         )
         logger.info("deterministic mode: %s%s", "on" if self.deterministic else "off",
                     " (auto)" if config.deterministic is None else "")
+        self.linear_table = self._autotune_linears(config, draft)
+
+    def _autotune_linears(self, config: EngineConfig,
+                          draft: Optional[LlamaFamilyForCausalLM]) -> Optional[autotune.LinearTable]:
+        """The linear paths' table for this engine's steps (server.kernels.autotune), or None (fixed rules)."""
+        on = config.autotune if config.autotune is not None else config.device == "cpu"
+        if not on or self.deterministic:
+            # Deterministic mode's linear takes one batch-invariant path for every row count.
+            logger.info("linear autotune: off%s", " (deterministic mode)" if on else "")
+            return None
+        sites = [autotune.Site(name, w, self.model.dtype) for name, w in self.model.linear_weights()]
+        if draft is not None:
+            sites += [autotune.Site("draft." + name, w, draft.dtype) for name, w in draft.linear_weights()]
+        return autotune.tune(sites, max_rows=config.max_num_batched_tokens)
 
     # -- requests in ------------------------------------------------------------------------------
     def add_request(
@@ -223,7 +238,8 @@ class LLMEngine:
     def step(self) -> list[RequestDelta]:
         # Deterministic mode: every op of the step (forward, sampling, verification) on this
         # thread takes its batch-invariant path (server.kernels.batch_invariant).
-        with batch_invariant.mode(self.deterministic):
+        # The autotuned linear paths (None: the fixed rules) are followed on this thread too.
+        with batch_invariant.mode(self.deterministic), autotune.active(self.linear_table):
             return self._step()
 
     def _step(self) -> list[RequestDelta]:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import server._C  # (also loads the TORCH_LIBRARY(pagewire) registrations)
-from server.kernels import batch_invariant
+from server.kernels import autotune, batch_invariant
 from server.kernels.quant import QuantizedWeight
 
 __all__ = [
@@ -144,11 +144,16 @@ def linear(
 
     A QuantizedWeight runs its format's kernel, pagewire::linear_q8_0 or pagewire::linear_q4 (x
     quantised per row to Q8 blocks on the fly, integer block dot products, fp32 accumulation; the
-    result is in x's dtype).
+    result is in x's dtype); above Q8_KERNEL_MAX_ROWS rows the op dequantises and runs ATen's GEMM.
 
     CPU bf16 inputs without autograd run the pagewire kernel of the CPU's instruction set (fp32
     accumulation, one bf16 rounding): on AVX512-BF16 CPUs up to LINEAR_KERNEL_MAX_M rows (decode
     batches), on AVX2+FMA CPUs at every row count; anything else, or a CPU with neither, is F.linear.
+
+    Those are the fixed rules. While an autotune table is active on this thread (the engine's
+    steps, server.kernels.autotune), a weight shape it tuned takes the path it chose for the row
+    count's bucket instead: kernel or F.linear for bf16 and fp32 weights, the integer kernel or
+    dequantise + GEMM for quantised ones.
 
     In batch-invariant mode (server.kernels.batch_invariant) every row count takes a path whose
     per-row result does not depend on the other rows: see _linear_batch_invariant.
@@ -168,23 +173,66 @@ def linear(
     ):  # (autograd keeps F.linear: the kernels have no backward)
         return _linear_batch_invariant(x, weight, bias)
     if isinstance(weight, QuantizedWeight):
+        plans = autotune.active_table()
+        plan = plans.get((weight.qtype, x.dtype, weight.shape)) if plans is not None else None
+        if plan is not None:
+            path = _quant_kernel_path if plan[autotune.bucket(x.numel() // weight.shape[1])] else _quant_gemm_path
+            return path(x, weight, bias)
         return _linear_quantized(x, weight, bias)
     if (
         x.device.type == "cpu"
-        and x.dtype == torch.bfloat16
-        and weight.dtype == torch.bfloat16
+        and (x.dtype == torch.bfloat16 or x.dtype == torch.float32)
+        and weight.dtype == x.dtype
         and weight.dim() == 2
         and x.dim() >= 1
         and x.shape[-1] == weight.shape[1]
-        and (bias is None or (bias.dtype == torch.bfloat16 and bias.device.type == "cpu"))
+        and weight.shape[1] > 0
+        and (bias is None or (bias.dtype == x.dtype and bias.device.type == "cpu"))
         and weight.device.type == "cpu"
-        and (BF16_KERNEL_EVERY_M or x.numel() <= LINEAR_KERNEL_MAX_M * weight.shape[1])
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                               or (bias is not None and bias.requires_grad)))
     ):
-        out = torch.ops.pagewire.linear(x.reshape(-1, x.shape[-1]), weight, bias)
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+        m = x.numel() // weight.shape[1]
+        plans = autotune.active_table()
+        plan = plans.get((weight.dtype, weight.shape)) if plans is not None else None
+        if plan is not None:
+            use_kernel = plan[autotune.bucket(m)]
+        else:  # the fixed rule: fp32 is F.linear's
+            use_kernel = x.dtype == torch.bfloat16 and (BF16_KERNEL_EVERY_M or m <= LINEAR_KERNEL_MAX_M)
+        if use_kernel:
+            return _float_kernel_path(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+# The two paths of each weight kind; server.kernels.autotune times exactly these.
+def _float_kernel_path(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """pagewire::linear: the bf16 kernel of the CPU's family, or the fp32 AVX2 kernel."""
+    out = torch.ops.pagewire.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _float_torch_path(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def _quant_kernel_path(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The format's integer kernel at every row count: in blocks of Q8_KERNEL_MAX_ROWS rows above it."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if m <= Q8_KERNEL_MAX_ROWS:
+        out = weight.linear(x2, bias)
+    else:
+        out = torch.cat([weight.linear(x2[i : i + Q8_KERNEL_MAX_ROWS], bias) for i in range(0, m, Q8_KERNEL_MAX_ROWS)])
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _quant_gemm_path(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """Dequantise + ATen's GEMM at every row count (above Q8_KERNEL_MAX_ROWS the op does it itself,
+    a chunk of weight rows at a time)."""
+    if x.numel() > Q8_KERNEL_MAX_ROWS * x.shape[-1]:
+        return _linear_quantized(x, weight, bias)
+    return F.linear(x, weight.dequantize(x.dtype), bias)
 
 
 def _linear_quantized(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -198,7 +246,7 @@ def _linear_batch_invariant(
 ) -> torch.Tensor:
     """linear whose row i depends only on x[i] (and the weights), whatever the number of rows.
 
-    - Quantised weights: _linear_quantized in blocks of at most Q8_KERNEL_MAX_ROWS rows, so the
+    - Quantised weights: _quant_kernel_path, the kernel in blocks of at most Q8_KERNEL_MAX_ROWS rows, so the
       format's small-batch kernel serves every row and its dequantise-and-GEMM path for large
       batches never runs (Q8_0: x quantised per row, integer block dots, one fp32 chain per
       output; any other format's kernel must be per-row invariant the same way, docs/determinism.md).
@@ -208,17 +256,11 @@ def _linear_batch_invariant(
       batch_invariant.BLOCK_ROWS rows, the last one zero-padded, so the library GEMM always sees
       one shape and picks one algorithm (and one K split) for every row.
     """
+    if isinstance(weight, QuantizedWeight):
+        return _quant_kernel_path(x, weight, bias)
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    if isinstance(weight, QuantizedWeight):
-        n = weight.shape[0]
-        if m <= Q8_KERNEL_MAX_ROWS:
-            out = _linear_quantized(x2, weight, bias)
-        else:
-            out = torch.cat([_linear_quantized(x2[i : i + Q8_KERNEL_MAX_ROWS], weight, bias)
-                             for i in range(0, m, Q8_KERNEL_MAX_ROWS)])
-        return out.reshape(*x.shape[:-1], n)
     n = weight.shape[0]
     if (
         x.device.type == "cpu"

@@ -255,6 +255,16 @@ class LlamaFamilyForCausalLM(nn.Module):
             layer.quantize_weights(qtype)
         _replace_with_quantized(self, "lm_head", qtype)
 
+    def linear_weights(self) -> list[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """Every weight the forward and compute_logits pass to `linear`, named by role (for the
+        start-up autotune, server.kernels.autotune)."""
+        out: list[tuple[str, torch.Tensor | QuantizedWeight]] = []
+        for layer in self._layers:
+            out += [("qkv", layer.qkv_weight), ("o", layer.o_weight), ("gate_up", layer.gate_up_weight),
+                    ("down", layer.down_weight)]
+        out.append(("lm_head", self.lm_head))
+        return out
+
     def tie_lm_head(self) -> None:
         """Drop the separate lm_head and project with the embedding table (frees vocab x hidden)."""
         self.lm_head = self.embed_tokens

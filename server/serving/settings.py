@@ -137,6 +137,7 @@ class ServeSettings:
     quantization: str = _ENGINE_DEFAULTS["quantization"]
     speculative_config: Any = None  # a server.engine.spec_config.SpeculativeConfig, or None (off)
     deterministic: Optional[bool] = _ENGINE_DEFAULTS["deterministic"]
+    autotune: Optional[bool] = _ENGINE_DEFAULTS["autotune"]
 
     def engine_config(self, model_dir: str) -> EngineConfig:
         kw = {o.name: getattr(self, o.name) for o in OPTIONS if o.engine}
@@ -239,6 +240,10 @@ OPTIONS: tuple[Option, ...] = (
            "on, off or auto: batch-invariant inference, a request's tokens and logprobs independent of "
            "what else runs; auto (default) turns it on where it costs under 5%%: CPU bf16 and fp32 "
            "weights on AVX2 CPUs (docs/determinism.md)", engine=True),
+    Option("autotune", _on_off_auto,
+           "on, off or auto: at start-up, time linear's paths (pagewire kernel or torch) per weight shape "
+           "and batch-size bucket and use the faster; auto (default) is on for CPU, off on CUDA; never in "
+           "deterministic mode", engine=True),
 )
 
 

@@ -1,0 +1,289 @@
+"""Start-up autotune of linear's path: per weight shape and row-count bucket, pagewire's kernel or torch's.
+
+`ops.linear` has two paths for the weights pagewire has kernels for:
+
+    weight                 "kernel"                                  "torch"
+    bf16 / fp32 tensor     pagewire::linear (the CPU family's kernel) F.linear (oneDNN / ATen GEMM)
+    QuantizedWeight        the format's integer kernel (in blocks of  dequantise + ATen GEMM
+                           Q8_KERNEL_MAX_ROWS rows above that)
+
+Its fixed rules (kernel up to 16 rows on AVX512-BF16, at every M on AVX2, torch for fp32, integer
+kernel up to 16 rows for quantised weights) are right on the CPUs they were measured on and wrong
+elsewhere (on Intel AMX, oneDNN's bf16 GEMM beats the AVX512-BF16 kernel from M = 8). `tune` times
+both paths once at engine start, per distinct (weight kind, N, K) and M bucket (1, 2, 4, 8, 16 and
+"large" > 16, timed at LARGE_M rows) on random inputs against the real weights, and returns a
+`LinearTable`: one tuple of per-bucket choices per shape. The engine makes it active around each of
+its steps (`active`, thread-local like batch_invariant.mode), and `ops.linear` reads it with one
+dict lookup; a shape or bucket not in the table, or no active table, keeps the fixed rule.
+
+Only plausible pairs are timed: quantised weights below 16 rows keep the integer kernel (a whole
+dequantised matrix per call moves several times the bytes the kernel reads: 6-20x slower measured),
+and a CPU without the float kernels (the portable family, ARM) has nothing to tune for float
+weights. When the fixed rule's path is more than CLEAR_RATIO faster after one sample each, it is
+kept there; otherwise each path gets SAMPLES samples, and the fixed rule's path is kept unless every
+sample of the other is at least MARGIN faster than the fixed rule's best. A loaded machine (another process on
+a core the intra-op threads need) stalls calls by whole scheduler slices: tune on the machine as
+it will serve.
+The whole model shares one time budget; buckets are tuned smallest first, so a budget that runs
+out leaves the large buckets on their fixed rule (logged).
+
+Deterministic (batch-invariant) mode does not use the table: ops.linear takes its batch-invariant
+path before looking here, so the path never depends on M there, and the engine does not tune.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
+
+import torch
+
+from server.kernels.quant import QuantizedWeight
+
+__all__ = [
+    "BUCKETS", "LARGE_M", "LinearTable", "Choice", "Site", "bucket", "active", "active_table", "table_key", "tune",
+]
+
+logger = logging.getLogger("pagewire.autotune")
+
+# Upper edges of the small-M buckets (decode batches); index len(BUCKETS) is "large" (> 16 rows).
+BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16)
+LARGE = len(BUCKETS)
+# Rows the large bucket is timed at: a prefill chunk's scale without the cost of a full 256-row step.
+LARGE_M = 64
+QUANT_FIRST_BUCKET = 4  # quantised weights: only M = 16 and large are plausible for dequantise + GEMM
+CLEAR_RATIO = 1.5  # one sample each this far apart decides
+SAMPLES = 4  # per path, for a close pair
+MARGIN = 0.03  # the non-default path must be this much faster to replace the fixed rule
+MIN_SAMPLE_S = 1e-3  # a sample repeats the call until it lasts about this long (timer resolution, noise)
+DEFAULT_BUDGET_S = 2.0
+
+# A weight's table key: (dtype, (N, K)) for a float tensor (x has its dtype); (qtype, x dtype, (N, K))
+# for a QuantizedWeight. torch.Size hashes and compares as the plain tuple, so ops.linear builds
+# the key from weight.shape directly.
+Key = tuple[Any, ...]
+Plan = tuple[bool, ...]  # per bucket: True = the kernel path, False = the torch path
+Weight = Union[torch.Tensor, QuantizedWeight]
+# (timed path "kernel" or "torch", the call, most repetitions) -> seconds per call.
+Timer = Callable[[str, Callable[[], object], int], float]
+
+
+@dataclass(frozen=True)
+class Site:
+    """One linear of a model: a name for the log (e.g. "qkv"), its weight, and its activations' dtype."""
+
+    name: str
+    weight: Weight
+    x_dtype: torch.dtype
+
+
+@dataclass
+class Choice:
+    """The outcome of one (shape, bucket): the path, how it was decided, and the times (s per call)."""
+
+    kernel: bool
+    how: str  # "timed" (SAMPLES each), "clear" (one each, the default > CLEAR_RATIO faster), "fixed", "budget"
+    kernel_s: Optional[float] = None
+    torch_s: Optional[float] = None
+
+
+@dataclass
+class LinearTable:
+    """The tuned choices: `plans` is what ops.linear reads; `choices` and `names` are for logs and tests."""
+
+    plans: dict[Key, Plan] = field(default_factory=dict)
+    choices: dict[Key, list[Choice]] = field(default_factory=dict)
+    names: dict[Key, list[str]] = field(default_factory=dict)
+    seconds: float = 0.0  # wall time of the tune
+    large_m: int = LARGE_M  # rows the large bucket was timed at
+
+    def lines(self) -> list[str]:
+        """One line per shape group: its choice per bucket and the measured times (kernel/torch)."""
+        return [_format_line(key, self.names[key], self.choices[key], self.large_m) for key in self.choices]
+
+
+def table_key(weight: Weight, x_dtype: torch.dtype) -> Key:
+    if isinstance(weight, QuantizedWeight):
+        return (weight.qtype, x_dtype, (int(weight.shape[0]), int(weight.shape[1])))
+    return (weight.dtype, (int(weight.shape[0]), int(weight.shape[1])))
+
+
+def bucket(m: int) -> int:
+    """The bucket index of a row count: 1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, 9-16 -> 4, > 16 -> LARGE."""
+    return (m - 1).bit_length() if m <= 16 else LARGE
+
+
+_state = threading.local()
+
+
+def active_table() -> Optional[dict[Key, Plan]]:
+    """The plans ops.linear follows on the calling thread (None: the fixed rules)."""
+    return getattr(_state, "plans", None)
+
+
+@contextmanager
+def active(table: Optional[LinearTable]) -> Iterator[None]:
+    """Make `table` the one ops.linear follows on the calling thread inside the block (None: fixed rules)."""
+    prev = active_table()
+    _state.plans = table.plans if table is not None else None
+    try:
+        yield
+    finally:
+        _state.plans = prev
+
+
+def _perf_timer(path: str, fn: Callable[[], object], reps: int) -> float:
+    """Wall time per call over up to `reps` calls, stopping once MIN_SAMPLE_S has passed (so a path
+    much slower than the warm-up suggested, e.g. stalled by another process, cannot run long)."""
+    t0 = time.perf_counter()
+    n = 0
+    while n < reps:
+        fn()
+        n += 1
+        if time.perf_counter() - t0 >= MIN_SAMPLE_S:
+            break
+    return (time.perf_counter() - t0) / n
+
+
+def tune(
+    sites: Iterable[Site],
+    budget_s: float = DEFAULT_BUDGET_S,
+    max_rows: Optional[int] = None,
+    timer: Timer = _perf_timer,
+    log: bool = True,
+) -> LinearTable:
+    """Time both paths of every distinct linear shape in `sites`, per bucket, and return the table.
+
+    Args:
+        sites: the model's linears (shapes are deduplicated; weights off the CPU are skipped).
+        budget_s: wall time for the whole tune; (shape, bucket) pairs whose predicted cost does not
+            fit what is left keep their fixed rule.
+        max_rows: the most rows one linear can see (the engine's token budget); the large bucket is
+            timed at min(LARGE_M, max_rows) rows, and not at all when max_rows <= 16.
+        timer: measures one sample (injectable for tests); the default is wall time.
+        log: log one line per shape group and a summary (logger pagewire.autotune).
+    """
+    from server.kernels import ops  # (ops imports this module for the lookup)
+
+    t_start = time.perf_counter()
+    isa = ops.cpu_isa()  # the live family (PAGEWIRE_CPU_ISA may lower it)
+    # The large bucket at LARGE_M rows, or the most a step can pass when that is fewer.
+    table = LinearTable(large_m=min(LARGE_M, max_rows) if max_rows is not None else LARGE_M)
+    groups: dict[Key, Site] = {}
+    for site in sites:
+        w = site.weight
+        if isinstance(w, torch.Tensor):
+            if w.device.type != "cpu" or w.dim() != 2 or w.dtype != site.x_dtype or w.shape[1] == 0:
+                continue
+            if not (w.dtype == torch.bfloat16 and isa in ("avx2", "avx512bf16")
+                    or w.dtype == torch.float32 and isa != "portable"):
+                continue  # no kernel for it here: F.linear, nothing to choose
+        key = table_key(w, site.x_dtype)
+        table.names.setdefault(key, []).append(site.name)
+        groups.setdefault(key, site)
+    for key, site in groups.items():
+        table.choices[key] = [Choice(_fixed_rule(ops, site.weight, b), "fixed") for b in range(LARGE + 1)]
+
+    gen = torch.Generator().manual_seed(0)  # its own stream: the global RNG is the sampler's business
+    last: dict[Key, tuple[int, float, float]] = {}  # key -> (rows, kernel s, torch s) of its latest timed bucket
+    with torch.inference_mode():
+        for b in range(LARGE + 1):
+            m = BUCKETS[b] if b < LARGE else table.large_m
+            if b == LARGE and max_rows is not None and max_rows <= BUCKETS[-1]:
+                break
+            for key, site in groups.items():
+                if isinstance(site.weight, QuantizedWeight) and b < QUANT_FIRST_BUCKET:
+                    continue
+                if time.perf_counter() - t_start + _predicted_s(last.get(key), m) > budget_s:
+                    table.choices[key][b].how = "budget"
+                    continue
+                choice = _time_pair(ops, site, m, table.choices[key][b].kernel, gen, timer)
+                table.choices[key][b] = choice
+                assert choice.kernel_s is not None and choice.torch_s is not None
+                last[key] = (m, choice.kernel_s, choice.torch_s)
+    table.plans = {key: tuple(c.kernel for c in cs) for key, cs in table.choices.items()}
+    table.seconds = time.perf_counter() - t_start
+    if log:
+        for line in table.lines():
+            logger.info("%s", line)
+        logger.info("linear autotune: %d shape(s) in %.2f s (budget %.1f s, CPU kernels %s)",
+                    len(table.plans), table.seconds, budget_s, isa)
+    return table
+
+
+def _predicted_s(last: Optional[tuple[int, float, float]], m: int) -> float:
+    """The cost of timing a pair at m rows, from its previous bucket's times scaled by rows (linear
+    in M: an upper bound while memory-bound, about right once compute-bound); 0 for the first."""
+    if last is None:
+        return 0.0
+    m0, tk, tt = last
+    calls = 2 if max(tk, tt) > CLEAR_RATIO * min(tk, tt) else 1 + SAMPLES  # warm-up + samples
+    return sum(max(t * m / m0, MIN_SAMPLE_S) * calls for t in (tk, tt))
+
+
+def _fixed_rule(ops: ModuleType, weight: Weight, b: int) -> bool:
+    """Whether ops.linear's fixed rule takes the kernel path in bucket b (what it does untuned)."""
+    if isinstance(weight, QuantizedWeight):
+        return b < LARGE  # the op itself dequantises above Q8_KERNEL_MAX_ROWS
+    if weight.dtype == torch.bfloat16:
+        return bool(ops.BF16_KERNEL_EVERY_M) or b < LARGE
+    return False  # fp32: F.linear outside deterministic mode
+
+
+def _time_pair(ops: ModuleType, site: Site, m: int, default_kernel: bool, gen: torch.Generator, timer: Timer) -> Choice:
+    w = site.weight
+    k = int(w.shape[1])
+    x = torch.randn((m, k), generator=gen).to(site.x_dtype)
+    if isinstance(w, QuantizedWeight):
+        kernel_path, torch_path = ops._quant_kernel_path, ops._quant_gemm_path
+    else:
+        kernel_path, torch_path = ops._float_kernel_path, ops._float_torch_path
+    paths: dict[str, Callable[[], object]] = {
+        "kernel": lambda: kernel_path(x, w, None),
+        "torch": lambda: torch_path(x, w, None),
+    }
+    # Warm-up (first-call costs: allocation, oneDNN primitive creation), timed to size the samples.
+    warm = {name: timer(name, fn, 1) for name, fn in paths.items()}
+    reps = max(1, min(100, math.ceil(MIN_SAMPLE_S / max(min(warm.values()), 1e-7))))
+    samples: dict[str, list[float]] = {name: [] for name in paths}
+    default, other = ("kernel", "torch") if default_kernel else ("torch", "kernel")
+    how = "timed"
+    for i in range(SAMPLES):
+        for name, fn in paths.items():  # interleaved, so drift (another process, turbo) hits both
+            samples[name].append(timer(name, fn, reps))
+        if i == 0 and samples[other][0] > CLEAR_RATIO * samples[default][0]:
+            how = "clear"  # replacing the default always takes every sample
+            break
+    # Replace the fixed rule only when every sample of the other path beats the default's best by
+    # MARGIN: random stalls (a loaded machine) order 4 + 4 samples that way 1 time in 70.
+    switch = how == "timed" and max(samples[other]) < min(samples[default]) * (1 - MARGIN)
+    kernel = default_kernel != switch
+    tk, tt = min(samples["kernel"]), min(samples["torch"])
+    return Choice(kernel, how, tk, tt)
+
+
+def _format_line(key: Key, names: list[str], choices: list[Choice], large_m: int) -> str:
+    if len(key) == 3:
+        kind = f"{key[0]}/{str(key[1]).replace('torch.', '')}"
+    else:
+        kind = str(key[0]).replace("torch.", "")
+    n, k = key[-1]
+    counts: dict[str, int] = {}
+    for name in names:
+        counts[name] = counts.get(name, 0) + 1
+    used = ", ".join(f"{name} x{c}" if c > 1 else name for name, c in counts.items())
+    parts = []
+    for b, c in enumerate(choices):
+        label = f"M{BUCKETS[b]}" if b < LARGE else f"M>{BUCKETS[-1]}({large_m})"
+        path = "kernel" if c.kernel else "torch"
+        if c.kernel_s is not None and c.torch_s is not None:
+            parts.append(f"{label} {path} {c.kernel_s * 1e3:.3g}/{c.torch_s * 1e3:.3g}ms"
+                         + (" clear" if c.how == "clear" else ""))
+        else:
+            parts.append(f"{label} {path} ({c.how})")
+    return f"linear autotune {kind} N={n} K={k} [{used}]: " + "; ".join(parts) + " (times kernel/torch)"

@@ -1,0 +1,244 @@
+"""server.kernels.autotune: the start-up table of linear paths, and ops.linear following it.
+
+Which path ran is read from the profiler's op names (pagewire::linear / linear_q8_0 for the
+kernels, aten::linear for torch's GEMM), so the kernels themselves are never replaced.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from server.engine.config import ConfigError, EngineConfig
+from server.kernels import autotune, batch_invariant, ops
+from server.kernels.autotune import BUCKETS, LARGE, LARGE_M, LinearTable, Site, bucket, tune
+from server.kernels.quant import QuantizedWeight
+from server.models.loader import load_model
+
+ROWS = [1, 2, 3, 4, 7, 8, 12, 16, 17, 40]  # every bucket, edges and insides
+# Tests of the float kernel path need a CPU that has it (x86 with AVX2); the portable family is
+# covered by test_portable_cpu_tunes_nothing_and_gets_f_linear.
+needs_kernels = pytest.mark.skipif(ops.cpu_isa() == "portable", reason="no AVX2 / AVX512-BF16 kernels")
+
+
+def gemm_ran(fn: Callable[[], object]) -> bool:
+    """Whether torch's GEMM (aten::linear) ran inside fn; the kernel paths never call it."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return "aten::linear" in {e.key for e in prof.key_averages()}
+
+
+def fake_timer(slow: str) -> autotune.Timer:
+    """Runs the call for real and reports a fixed time per call, 10x more for the `slow` path."""
+    def timer(path: str, fn: Callable[[], object], reps: int) -> float:
+        fn()
+        return 1e-3 * (10.0 if path == slow else 1.0)
+
+    return timer
+
+
+def test_bucket_edges() -> None:
+    assert [bucket(m) for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, 4096)] == [0, 1, 2, 2, 3, 3, 4, 4, LARGE, LARGE]
+    assert all(bucket(m) == i for i, m in enumerate(BUCKETS))
+
+
+@needs_kernels
+def test_table_covers_every_distinct_linear_shape_of_a_model(tiny_model: Callable[..., Path]) -> None:
+    model, _ = load_model(tiny_model("llama", dtype="bfloat16"), "bfloat16")
+    sites = [Site(name, w, torch.bfloat16) for name, w in model.linear_weights()]
+    table = tune(sites, budget_s=120.0, max_rows=256)
+    assert table.large_m == LARGE_M
+    shapes = {(torch.bfloat16, tuple(w.shape)) for _, w in model.linear_weights()}
+    assert set(table.plans) == shapes and len(shapes) < len(sites)  # deduplicated
+    for key, plan in table.plans.items():
+        assert len(plan) == LARGE + 1
+        choices = table.choices[key]
+        assert all(c.how in ("timed", "clear") and c.kernel_s and c.torch_s for c in choices)
+        assert plan == tuple(c.kernel for c in choices)
+    assert sum(len(v) for v in table.names.values()) == len(sites)
+    assert len(table.lines()) == len(shapes) and all("kernel" in line for line in table.lines())
+
+
+@pytest.mark.parametrize("slow", ["kernel", "torch"])
+def test_timing_picks_the_faster_path(slow: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    w32 = torch.randn(48, 64, generator=gen)
+    weights = [Site("bf16", w32.bfloat16(), torch.bfloat16), Site("fp32", w32, torch.float32),
+               Site("q8", QuantizedWeight.quantize(w32), torch.bfloat16)]
+    table = tune(weights, timer=fake_timer(slow), budget_s=120.0)
+    for key, choices in table.choices.items():
+        timed = [c for c in choices if c.how != "fixed"]
+        assert timed, key
+        assert all(c.kernel == (slow == "torch") for c in timed), (key, choices)
+        if key[0] == "q8_0":  # below 16 rows dequantise-per-call is not a plausible candidate
+            assert [c.how for c in choices[:4]] == ["fixed"] * 4 and all(c.kernel for c in choices[:4])
+
+
+@needs_kernels
+def test_no_large_bucket_when_steps_cannot_reach_it() -> None:
+    w = torch.randn(16, 32).bfloat16()
+    table = tune([Site("w", w, torch.bfloat16)], timer=fake_timer("torch"), max_rows=16)
+    assert table.choices[(torch.bfloat16, (16, 32))][LARGE].how == "fixed"
+
+
+def _mixed_table(key: autotune.Key) -> LinearTable:
+    # kernel at 1, 4, 16 rows; torch at 2, 8 and large: both paths inside and around the decode range.
+    return LinearTable(plans={key: (True, False, True, False, True, False)})
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_follows_the_table(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    w = (torch.randn(40, 96, generator=gen) / 96**0.5).to(dtype)
+    b = torch.randn(40, generator=gen).to(dtype)
+    table = _mixed_table((dtype, (40, 96)))
+    for m in ROWS:
+        x = torch.randn(m, 96, generator=gen).to(dtype)
+        with autotune.active(table):
+            want_kernel = table.plans[(dtype, (40, 96))][bucket(m)]
+            assert gemm_ran(lambda: ops.linear(x, w, b)) == (not want_kernel), m
+            y = ops.linear(x, w, b)
+        ref = x.double() @ w.double().T + b.double()
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() <= tol
+    # Another shape is not in the table: the fixed rule (bf16: the kernel on this AVX2+ CPU, fp32: torch).
+    other = torch.randn(8, 96, generator=gen).to(dtype)
+    with autotune.active(table):
+        assert gemm_ran(lambda: ops.linear(other[:1], other)) == (dtype == torch.float32)
+
+
+def test_quantized_linear_follows_the_table() -> None:
+    gen = torch.Generator().manual_seed(2)
+    qw = QuantizedWeight.quantize(torch.randn(40, 64, generator=gen) / 8)
+    key: autotune.Key = ("q8_0", torch.bfloat16, (40, 64))
+    table = _mixed_table(key)
+    ref_w = qw.dequantize(torch.float64)
+    for m in ROWS:
+        x = torch.randn(m, 64, generator=gen).bfloat16()
+        with autotune.active(table):
+            assert gemm_ran(lambda: ops.linear(x, qw)) == (not table.plans[key][bucket(m)]), m
+            y = ops.linear(x, qw)
+        ref = x.double() @ ref_w.T
+        # x quantised to 8 bits on the kernel path (test_quant.py's bound), bf16 output rounding.
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() <= 1e-2 + 2.0**-8
+
+
+@needs_kernels
+def test_without_a_table_the_fixed_rules_hold() -> None:
+    """No active table (autotune off): bf16 takes the kernel at every M on AVX2 (up to 16 rows on
+    AVX512-BF16), fp32 takes torch, quantised weights their kernel up to 16 rows."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(24, 64, generator=gen)
+    qw = QuantizedWeight.quantize(w)
+    assert autotune.active_table() is None
+    for m in ROWS:
+        x = torch.randn(m, 64, generator=gen)
+        assert gemm_ran(lambda: ops.linear(x.bfloat16(), w.bfloat16())) == (
+            not ops.BF16_KERNEL_EVERY_M and m > ops.LINEAR_KERNEL_MAX_M)
+        assert gemm_ran(lambda: ops.linear(x, w))
+        assert gemm_ran(lambda: ops.linear(x, qw)) == (m > ops.Q8_KERNEL_MAX_ROWS)
+
+
+@needs_kernels
+def test_deterministic_mode_path_does_not_depend_on_m() -> None:
+    """Batch-invariant mode ignores the table: the kernel at every M, whatever the table says."""
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(24, 64, generator=gen).bfloat16()
+    qw = QuantizedWeight.quantize(w.float())
+    table = LinearTable(plans={(torch.bfloat16, (24, 64)): (False,) * 6, ("q8_0", torch.bfloat16, (24, 64)): (False,) * 6})
+    with autotune.active(table), batch_invariant.mode(True):
+        assert {gemm_ran(lambda: ops.linear(torch.randn(m, 64).bfloat16(), w)) for m in ROWS} == {False}
+        assert {gemm_ran(lambda: ops.linear(torch.randn(m, 64).bfloat16(), qw)) for m in ROWS} == {False}
+        x = torch.randn(40, 64, generator=gen).bfloat16()
+        full = ops.linear(x, w)
+        assert all(torch.equal(ops.linear(x[:m], w), full[:m]) for m in ROWS)
+
+
+def test_portable_cpu_tunes_nothing_and_gets_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU without the float kernels (the portable family: ARM, pre-AVX2 x86) keeps torch's linear."""
+    monkeypatch.setenv("PAGEWIRE_CPU_ISA", "portable")
+    gen = torch.Generator().manual_seed(5)
+    sites = [Site("bf16", torch.randn(32, 64, generator=gen).bfloat16(), torch.bfloat16),
+             Site("fp32", torch.randn(32, 64, generator=gen), torch.float32)]
+    table = tune(sites, timer=fake_timer("torch"))
+    assert table.plans == {}
+    with autotune.active(table):
+        for site in sites:
+            assert isinstance(site.weight, torch.Tensor)
+            for m in ROWS:
+                x = torch.randn(m, 64, generator=gen).to(site.x_dtype)
+                assert torch.equal(ops.linear(x, site.weight), F.linear(x, site.weight))
+
+
+def test_tuned_paths_match_a_float64_reference_on_a_model(tiny_model: Callable[..., Path]) -> None:
+    """Every (shape, bucket) of the tiny model, on the path the tune chose and on the other one."""
+    model, _ = load_model(tiny_model("llama", dtype="bfloat16"), "bfloat16")
+    sites = [Site(name, w, torch.bfloat16) for name, w in model.linear_weights()]
+    table = tune(sites, budget_s=120.0)
+    flipped = LinearTable(plans={k: tuple(not c for c in p) for k, p in table.plans.items()})
+    gen = torch.Generator().manual_seed(6)
+    for _, w in model.linear_weights():
+        assert isinstance(w, torch.Tensor)
+        for m in (*BUCKETS, LARGE_M):
+            x = torch.randn(m, w.shape[1], generator=gen).bfloat16()
+            ref = x.double() @ w.double().T
+            for t in (table, flipped):
+                with autotune.active(t):
+                    y = ops.linear(x, w)
+                assert ((y.double() - ref).abs().max() / ref.abs().max()).item() <= 1e-2
+
+
+def _vocab(model_dir: Path) -> int:
+    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+
+
+@needs_kernels
+def test_engine_tunes_on_cpu_unless_off_or_deterministic(tiny_model: Callable[..., Path]) -> None:
+    from server.engine.engine import LLMEngine
+    from server.engine.sampling_params import SamplingParams
+
+    model_dir = str(tiny_model("llama", dtype="bfloat16"))
+    common = dict(model=model_dir, dtype="bfloat16", kv_cache_tokens=512, max_num_batched_tokens=64)
+    on = LLMEngine(EngineConfig(**common, deterministic=False))  # type: ignore[arg-type]
+    assert on.linear_table is not None
+    assert set(on.linear_table.plans) == {(torch.bfloat16, tuple(w.shape)) for _, w in on.model.linear_weights()}
+    assert LLMEngine(EngineConfig(**common, deterministic=False, autotune=False)).linear_table is None  # type: ignore[arg-type]
+    assert LLMEngine(EngineConfig(**common, deterministic=True, autotune=True)).linear_table is None  # type: ignore[arg-type]
+
+    # The engine's steps follow its table: a greedy request's first token and logprobs agree with
+    # the fixed rules' within bf16 tolerance (both paths compute the same linear).
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=3)
+    prompt = list(range(3, 40))
+    results = []
+    for engine in (on, LLMEngine(EngineConfig(**common, deterministic=False, autotune=False))):  # type: ignore[arg-type]
+        engine.add_request("r", prompt, params)
+        deltas = []
+        while engine.has_unfinished_requests():
+            deltas += engine.step()
+        lp = [s.logprobs for d in deltas for s in d.samples if s.logprobs][0][0]
+        results.append(dict(lp.top))
+    shared = set(results[0]) & set(results[1])  # (a near tie may swap the third token)
+    assert len(shared) >= 2
+    assert all(abs(results[0][t] - results[1][t]) <= 0.05 for t in shared)
+
+
+def test_bad_autotune_values_name_the_field() -> None:
+    from server.serving.settings import add_serve_arguments, settings_from_args
+
+    with pytest.raises(ConfigError, match="autotune") as e:
+        EngineConfig(model="m", autotune="yes")  # type: ignore[arg-type]
+    assert e.value.field == "autotune"
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    with pytest.raises(ValueError, match="PAGEWIRE_AUTOTUNE"):
+        settings_from_args(p.parse_args([]), {"PAGEWIRE_AUTOTUNE": "sometimes"})
+    assert settings_from_args(p.parse_args(["--autotune", "off"]), {}).autotune is False
+    assert settings_from_args(p.parse_args([]), {}).engine_config("m").autotune is None

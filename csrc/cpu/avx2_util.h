@@ -31,13 +31,12 @@ inline __m256 fp16_strided8(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_set_epi64x(static_cast<int64_t>(hi), static_cast<int64_t>(lo)));
 }
 
-// Asks for the Bytes bytes from p (one cache line per 64 bytes) ahead of their use. The quantised
-// kernels stream NR weight rows side by side, which the hardware prefetcher follows poorly; they
-// prefetch the rows kPrefetchRows ahead at the offset they are reading.
+// How far ahead the quantised kernels prefetch: kPrefetchRows weight rows, at the offset they are
+// reading. They stream NR rows side by side, which the hardware prefetcher follows poorly; one
+// prefetch per row and block (or pair of blocks), spread through the loop rather than bunched,
+// keeps a steady number of lines in flight.
 constexpr int kPrefetchRows = 8;
-template <int Bytes>
-inline void prefetch(const uint8_t* p) {
-  for (int o = 0; o < Bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
-}
+
+inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
 
 }  // namespace pagewire::cpu::avx2

@@ -74,7 +74,7 @@ void tile32(const Q8SumActivations& x, const int8_t* xp, int64_t m0, const uint8
             const float* bias, float* out, int64_t ldo) {
   constexpr int BB = T == Q4Type::kQ4_0 ? kQ4_0BlockBytes : kQ4_1BlockBytes;
   constexpr int QO = T == Q4Type::kQ4_0 ? 2 : 4;  // codes' offset in a block
-  const int64_t nb = x.K / 32;
+  const int64_t nb = x.K / 32, pf = avx2::kPrefetchRows * row_bytes;
   const __m256i mask = _mm256_set1_epi8(0x0F);
   const int8_t* xq[MB];
   const float* xd[MB];
@@ -94,7 +94,6 @@ void tile32(const Q8SumActivations& x, const int8_t* xp, int64_t m0, const uint8
     __m256 sc[NR][MB];
     for (int i = 0; i < NR; ++i) {
       const uint8_t* wb = w + i * row_bytes + b * BB;
-      avx2::prefetch<8 * BB>(wb + avx2::kPrefetchRows * row_bytes);
       __m256 wd, c;
       if (n8 == 8) {
         wd = fp16_strided8<BB>(wb);
@@ -131,6 +130,7 @@ void tile32(const Q8SumActivations& x, const int8_t* xp, int64_t m0, const uint8
       const __m256i sel = _mm256_setr_epi32(j, j, j, j, j + 1, j + 1, j + 1, j + 1);
       for (int i = 0; i < NR; ++i) {
         const uint8_t* qa = w + i * row_bytes + (b + j) * BB + QO;
+        avx2::prefetch(qa + pf);
         const __m256i raw = _mm256_inserti128_si256(
             _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qa))),
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(qa + BB)), 1);
@@ -157,7 +157,9 @@ void tile32(const Q8SumActivations& x, const int8_t* xp, int64_t m0, const uint8
     if (j < n8) {  // an odd last block, activations in natural order
       const __m256i sel = _mm256_set1_epi32(j);
       for (int i = 0; i < NR; ++i) {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * row_bytes + (b + j) * BB + QO));
+        const uint8_t* qa = w + i * row_bytes + (b + j) * BB + QO;
+        avx2::prefetch(qa + pf);
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qa));
         const __m256i q =
             _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1), mask);
         for (int m = 0; m < MB; ++m) {
@@ -182,7 +184,7 @@ inline __m256 six_bit8(uint32_t lo, uint32_t hi) {
 template <int MB, int NR>
 void tile_k(const Q8SumActivations& x, int64_t m0, const uint8_t* w, int64_t row_bytes, const float* bias, float* out,
             int64_t ldo) {
-  const int64_t nb = x.K / 32, nsb = x.K / kQ4_KBlock;
+  const int64_t nb = x.K / 32, nsb = x.K / kQ4_KBlock, pf = avx2::kPrefetchRows * row_bytes;
   const __m256i mask = _mm256_set1_epi8(0x0F);
   const int8_t* xq[MB];
   const float* xd[MB];
@@ -201,7 +203,6 @@ void tile_k(const Q8SumActivations& x, int64_t m0, const uint8_t* w, int64_t row
     alignas(32) float sc[NR][MB][8];
     for (int i = 0; i < NR; ++i) {
       const uint8_t* blk = w + i * row_bytes + s * kQ4_KBlockBytes;
-      avx2::prefetch<kQ4_KBlockBytes>(blk + avx2::kPrefetchRows * row_bytes);
       // 12 bytes of packed scales/mins as three words a, b, c (q4_k_scale_min's rule, four
       // sub-blocks per word): sub-blocks 0-3 are the low 6 bits of a (scales) and b (mins);
       // sub-blocks 4-7 take their low 4 bits from c and their top 2 from a's / b's top bits.
@@ -220,8 +221,9 @@ void tile_k(const Q8SumActivations& x, int64_t m0, const uint8_t* w, int64_t row
     }
     for (int h = 0; h < 4; ++h) {
       for (int i = 0; i < NR; ++i) {
-        const __m256i raw =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * row_bytes + s * kQ4_KBlockBytes + 16 + 32 * h));
+        const uint8_t* qh = w + i * row_bytes + s * kQ4_KBlockBytes + 16 + 32 * h;
+        avx2::prefetch(qh + pf);
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
         const __m256i lo = _mm256_and_si256(raw, mask);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
         for (int m = 0; m < MB; ++m) {

@@ -45,7 +45,7 @@ inline __m256i dot32(__m256i abs_w, __m256i w, __m256i x) {
 template <int MB, int NR>
 void tile(const Q8Activations& x, int64_t m0, const uint8_t* w, int64_t row_bytes, const float* bias, float* out,
           int64_t ldo) {
-  const int64_t nb = x.K / kQ8Block;
+  const int64_t nb = x.K / kQ8Block, pf = avx2::kPrefetchRows * row_bytes;
   const int8_t* xq[MB];
   const float* xd[MB];
   for (int m = 0; m < MB; ++m) {
@@ -64,7 +64,6 @@ void tile(const Q8Activations& x, int64_t m0, const uint8_t* w, int64_t row_byte
     alignas(32) float sc[NR][MB][8];
     for (int i = 0; i < NR; ++i) {
       const uint8_t* wb = w + i * row_bytes + b * kQ8BlockBytes;
-      avx2::prefetch<8 * kQ8BlockBytes>(wb + avx2::kPrefetchRows * row_bytes);
       const __m256 wd = fp16_strided8<kQ8BlockBytes>(wb);
       for (int m = 0; m < MB; ++m) _mm256_store_ps(sc[i][m], _mm256_mul_ps(wd, _mm256_loadu_ps(xd[m] + b)));
     }
@@ -75,9 +74,10 @@ void tile(const Q8Activations& x, int64_t m0, const uint8_t* w, int64_t row_byte
       }
       for (int i = 0; i < NR; ++i) {
         const uint8_t* blk = w + i * row_bytes + (b + j) * kQ8BlockBytes;
+        avx2::prefetch(blk + pf + 2);
         __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-        // One load into a register: the compiler would otherwise fold a second, line-crossing
-        // load of the block into both abs and sign, and the loads are the busier ports here.
+        // One load into a register: the compiler would otherwise fold the block's (often
+        // line-crossing) load into both abs and sign, loading it twice.
         asm("" : "+x"(wq));
         const __m256i aw = _mm256_abs_epi8(wq);
         for (int m = 0; m < MB; ++m) {
@@ -91,6 +91,7 @@ void tile(const Q8Activations& x, int64_t m0, const uint8_t* w, int64_t row_byte
   for (; b < nb; ++b) {
     for (int i = 0; i < NR; ++i) {
       const uint8_t* blk = w + i * row_bytes + b * kQ8BlockBytes;
+      avx2::prefetch(blk + pf + 2);
       uint16_t dh;
       std::memcpy(&dh, blk, 2);
       const float wd = _cvtsh_ss(dh);

@@ -227,14 +227,11 @@ at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::str
     xd.resize(M * nb);
     xs.resize(M * nb);
   }
-  cpu::quantize_rows_q8(xf.data_ptr<float>(), K, M, K, xq.data(), xd.data());
-  for (int64_t i = 0; i < M * nb; ++i) {
-    int32_t sum = 0;
-    for (int j = 0; j < 32; ++j) sum += xq[i * 32 + j];
-    xs[i] = xd[i] * static_cast<float>(sum);
-  }
+  const bool portable = cpu::active_isa() == cpu::Isa::kPortable;
+  (portable ? cpu::quantize_rows_q8 : cpu::quantize_rows_q8_avx2)(xf.data_ptr<float>(), K, M, K, xq.data(),
+                                                                    xd.data(), xs.data());
   const cpu::Q8SumActivations act{xq.data(), xd.data(), xs.data(), M, K};
-  const auto kernel = cpu::active_isa() == cpu::Isa::kPortable ? cpu::linear_q4_portable : cpu::linear_q4_avx2;
+  const auto kernel = portable ? cpu::linear_q4_portable : cpu::linear_q4_avx2;
   kernel(t, act, wc.data_ptr<uint8_t>(), has_bias ? bf.data_ptr<float>() : nullptr, out.data_ptr<float>(), N, N);
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }

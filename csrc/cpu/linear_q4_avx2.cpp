@@ -1,16 +1,29 @@
 // 4-bit weight (GGUF Q4_0 / Q4_1 / Q4_K) x Q8 activation GEMV/GEMM on AVX2 (layouts in
-// quant4_kernel.h). Each 32-value weight sub-block is unpacked from 16 bytes of nibbles to 32
-// unsigned bytes (and + shift), multiplied with the activation block's 32 int8 by maddubs/madd
-// (unsigned x signed, pairs at most 2 * 15 * 127: no 16-bit saturation), converted once and
-// accumulated with one FMA by (weight scale x activation scale); the block's offset (Q4_0's -8 d,
-// Q4_1's m, Q4_K's -dmin * min) multiplies the activation block's precomputed sum, a scalar FMA.
-// The weight streams from memory once (18-20 bytes per 32 values, 28-31% of bf16's bytes) and each
-// unpacked block serves every activation row while it is in registers.
+// quant4_kernel.h). Codes are unsigned 0..15, so maddubs takes them as they are (pairs at most
+// 2 * 15 * 127: no 16-bit saturation); each block's offset (Q4_0's -8 d, Q4_1's m, Q4_K's
+// -dmin * min) multiplies the activation block's precomputed d * sum, eight blocks per FMA.
+//
+// Per-block work is kept small:
+//  * Scales: the fp16 scales of eight blocks of a weight row come in with one gather (Q4_K: the
+//    packed 6-bit scales and mins of a super-block are decoded with a few 32-bit operations) and
+//    are multiplied by the eight activation scales in one vector multiply.
+//  * Q4_0 / Q4_1 work on pairs of blocks (A, B): one register holds A's 16 code bytes in its low
+//    half and B's in its high half, so one shift and two masks give [A 0..15 | B 0..15] and
+//    [A 16..31 | B 16..31]. The activations are rearranged once per call to match
+//    (pair_activations), so the two maddubs products add in 16 bits (at most 4 * 15 * 127) and one
+//    madd, one int32 -> fp32 and one FMA finish both blocks: lanes 0-3 carry A, lanes 4-7 B.
+//  * Q4_K's 32 bytes hold two whole sub-blocks (low and high nibbles): one load, one shift and two
+//    masks for 64 values.
+//  * Each unpacked weight block serves up to four activation rows (M tiles) while in registers.
+//
+// Batch invariance (docs/determinism.md): every output (m, n) has its own accumulator, updated in
+// K order with the same instructions whatever the tile shape, then one fixed horizontal sum.
 #include <immintrin.h>
 #include <omp.h>
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 // Headers first: inline functions they define must keep the baseline ISA.
 #include "quant4_kernel.h"
@@ -23,8 +36,7 @@
 namespace pagewire::cpu {
 namespace {
 
-constexpr int kPrefetchRows = 8;
-
+using avx2::fp16_strided8;
 using avx2::hsum;
 
 inline float fp16(const uint8_t* p) {
@@ -33,146 +45,257 @@ inline float fp16(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// Eight int32 partial sums of q . x over 32 pairs (q unsigned 0..15, x signed).
-inline __m256i dot32(__m256i q, __m256i x) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
+inline __m256i load256(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// Eight int32 partial sums of 16 int16 pair sums.
+inline __m256 widen(__m256i p16) { return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1))); }
+
+// The pair layout of Q4_0 / Q4_1's activations: blocks 2p and 2p + 1 of a row become
+// [A 0..15, B 0..15, A 16..31, B 16..31]; an odd last block stays as it is.
+void pair_activations(const int8_t* q, int64_t M, int64_t K, int8_t* out) {
+  const int64_t nb = K / 32;
+  for (int64_t m = 0; m < M; ++m) {
+    const int8_t* src = q + m * K;
+    int8_t* dst = out + m * K;
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+      std::memcpy(dst + b * 32, src + b * 32, 16);
+      std::memcpy(dst + b * 32 + 16, src + b * 32 + 32, 16);
+      std::memcpy(dst + b * 32 + 32, src + b * 32 + 16, 16);
+      std::memcpy(dst + b * 32 + 48, src + b * 32 + 48, 16);
+    }
+    if (b < nb) std::memcpy(dst + b * 32, src + b * 32, 32);
+  }
 }
 
-// Q4_0 / Q4_1: the 32 codes of a 16-byte block, value j in byte j (low nibbles first).
-inline __m256i unpack16(const uint8_t* qs) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
-  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-}
-
-// MB activation rows from m0 times NR weight rows, 32-value blocks (Q4_0, Q4_1).
+// Rows [m0, m0 + MB) of x (xp: their pair layout) times weight rows w[0..NR) of Q4_0 / Q4_1.
 template <Q4Type T, int MB, int NR>
-inline void block32(const Q8SumActivations& x, int64_t m0, const uint8_t* w, int64_t row_bytes, const float* bias,
-                    float* out, int64_t ldo, bool prefetch) {
+void tile32(const Q8SumActivations& x, const int8_t* xp, int64_t m0, const uint8_t* w, int64_t row_bytes,
+            const float* bias, float* out, int64_t ldo) {
   constexpr int BB = T == Q4Type::kQ4_0 ? kQ4_0BlockBytes : kQ4_1BlockBytes;
-  const int64_t nb = x.K / 32;
-  __m256 acc[MB][NR];
-  float off[MB][NR];
-  for (int m = 0; m < MB; ++m) {
-    for (int i = 0; i < NR; ++i) {
-      acc[m][i] = _mm256_setzero_ps();
-      off[m][i] = 0.f;
-    }
-  }
-  for (int64_t b = 0; b < nb; ++b) {
-    __m256i xq[MB];
-    float xd[MB], xs[MB];
-    for (int m = 0; m < MB; ++m) {
-      xq[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (m0 + m) * x.K + b * 32));
-      xd[m] = x.d[(m0 + m) * nb + b];
-      xs[m] = x.s[(m0 + m) * nb + b];
-    }
-    for (int i = 0; i < NR; ++i) {
-      const uint8_t* blk = w + i * row_bytes + b * BB;
-      if (prefetch && (b & 3) == 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchRows * row_bytes), _MM_HINT_T0);
-      }
-      const float d = fp16(blk);
-      const float c = T == Q4Type::kQ4_0 ? -8.f * d : fp16(blk + 2);
-      const __m256i q = unpack16(blk + (T == Q4Type::kQ4_0 ? 2 : 4));
-      for (int m = 0; m < MB; ++m) {
-        acc[m][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(q, xq[m])), _mm256_set1_ps(d * xd[m]), acc[m][i]);
-        off[m][i] += c * xs[m];
-      }
-    }
-  }
-  for (int m = 0; m < MB; ++m) {
-    for (int i = 0; i < NR; ++i) {
-      out[(m0 + m) * ldo + i] = hsum(acc[m][i]) + off[m][i] + (bias != nullptr ? bias[i] : 0.f);
-    }
-  }
-}
-
-// The same for Q4_K's 256-value super-blocks: scales and mins unpacked once per super-block and
-// row, then four 32-byte loads give the eight 32-value sub-blocks (low, then high nibbles).
-template <int MB, int NR>
-inline void block_k(const Q8SumActivations& x, int64_t m0, const uint8_t* w, int64_t row_bytes, const float* bias,
-                    float* out, int64_t ldo, bool prefetch) {
-  const int64_t nb = x.K / 32, nsb = x.K / kQ4_KBlock;
+  constexpr int QO = T == Q4Type::kQ4_0 ? 2 : 4;  // codes' offset in a block
+  const int64_t nb = x.K / 32, pf = avx2::kPrefetchRows * row_bytes;
   const __m256i mask = _mm256_set1_epi8(0x0F);
-  __m256 acc[MB][NR];
-  float off[MB][NR];
+  const int8_t* xq[MB];
+  const float* xd[MB];
+  const float* xs[MB];
   for (int m = 0; m < MB; ++m) {
-    for (int i = 0; i < NR; ++i) {
-      acc[m][i] = _mm256_setzero_ps();
-      off[m][i] = 0.f;
-    }
+    xq[m] = xp + (m0 + m) * x.K;
+    xd[m] = x.d + (m0 + m) * nb;
+    xs[m] = x.s + (m0 + m) * nb;
   }
-  for (int64_t s = 0; s < nsb; ++s) {
+  __m256 acc[MB][NR];
+  for (int m = 0; m < MB; ++m) {
+    for (int i = 0; i < NR; ++i) acc[m][i] = _mm256_setzero_ps();
+  }
+  for (int64_t b = 0; b < nb; b += 8) {
+    const int n8 = nb - b >= 8 ? 8 : static_cast<int>(nb - b);
+    // Combined scales of these (up to) eight blocks, and their offset terms.
+    __m256 sc[NR][MB];
     for (int i = 0; i < NR; ++i) {
-      const uint8_t* blk = w + i * row_bytes + s * kQ4_KBlockBytes;
-      if (prefetch) {
-        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchRows * row_bytes), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchRows * row_bytes + 64), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchRows * row_bytes + 128), _MM_HINT_T0);
+      const uint8_t* wb = w + i * row_bytes + b * BB;
+      __m256 wd, c;
+      if (n8 == 8) {
+        wd = fp16_strided8<BB>(wb);
+        c = T == Q4Type::kQ4_0 ? _mm256_mul_ps(wd, _mm256_set1_ps(-8.f)) : fp16_strided8<BB>(wb + 2);
+      } else {  // the row's last K / 32 mod 8 blocks, zero-padded
+        alignas(32) float d8[8] = {}, c8[8] = {};
+        for (int j = 0; j < n8; ++j) {
+          d8[j] = fp16(wb + j * BB);
+          c8[j] = T == Q4Type::kQ4_0 ? -8.f * d8[j] : fp16(wb + j * BB + 2);
+        }
+        wd = _mm256_load_ps(d8);
+        c = _mm256_load_ps(c8);
       }
-      const float d = fp16(blk), dmin = fp16(blk + 2);
-      float a[8], c[8];
-      for (int j = 0; j < 8; ++j) {
-        uint8_t sc, mn;
-        q4_k_scale_min(j, blk + 4, &sc, &mn);
-        a[j] = d * sc;
-        c[j] = -(dmin * mn);
-      }
-      for (int h = 0; h < 4; ++h) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * h));
-        const __m256i q[2] = {_mm256_and_si256(raw, mask), _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask)};
-        for (int e = 0; e < 2; ++e) {
-          const int j = 2 * h + e;
-          const int64_t b = s * 8 + j;
-          for (int m = 0; m < MB; ++m) {
-            const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (m0 + m) * x.K + b * 32));
-            const float xd = x.d[(m0 + m) * nb + b], xs = x.s[(m0 + m) * nb + b];
-            acc[m][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(q[e], xq)), _mm256_set1_ps(a[j] * xd), acc[m][i]);
-            off[m][i] += c[j] * xs;
+      for (int m = 0; m < MB; ++m) {
+        __m256 xdv, xsv;
+        if (n8 == 8) {
+          xdv = _mm256_loadu_ps(xd[m] + b);
+          xsv = _mm256_loadu_ps(xs[m] + b);
+        } else {
+          alignas(32) float d8[8] = {}, s8[8] = {};
+          for (int j = 0; j < n8; ++j) {
+            d8[j] = xd[m][b + j];
+            s8[j] = xs[m][b + j];
           }
+          xdv = _mm256_load_ps(d8);
+          xsv = _mm256_load_ps(s8);
+        }
+        sc[i][m] = _mm256_mul_ps(wd, xdv);
+        acc[m][i] = _mm256_fmadd_ps(c, xsv, acc[m][i]);
+      }
+    }
+    // Pairs of blocks; a full step's four pairs unrolled so their lane selectors are constants.
+    const auto pair = [&](int j) __attribute__((always_inline)) {
+      const __m256i sel = _mm256_setr_epi32(j, j, j, j, j + 1, j + 1, j + 1, j + 1);
+      for (int i = 0; i < NR; ++i) {
+        const uint8_t* qa = w + i * row_bytes + (b + j) * BB + QO;
+        avx2::prefetch(qa + pf);
+        const __m256i raw = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qa))),
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(qa + BB)), 1);
+        const __m256i lo = _mm256_and_si256(raw, mask);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        for (int m = 0; m < MB; ++m) {
+          const int8_t* xb = xq[m] + (b + j) * 32;
+          const __m256i p16 =
+              _mm256_add_epi16(_mm256_maddubs_epi16(lo, load256(xb)), _mm256_maddubs_epi16(hi, load256(xb + 32)));
+          acc[m][i] = _mm256_fmadd_ps(widen(p16), _mm256_permutevar8x32_ps(sc[i][m], sel), acc[m][i]);
+        }
+      }
+    };
+    int j = 0;
+    if (n8 == 8) {
+      pair(0);
+      pair(2);
+      pair(4);
+      pair(6);
+      j = 8;
+    } else {
+      for (; j + 2 <= n8; j += 2) pair(j);
+    }
+    if (j < n8) {  // an odd last block, activations in natural order
+      const __m256i sel = _mm256_set1_epi32(j);
+      for (int i = 0; i < NR; ++i) {
+        const uint8_t* qa = w + i * row_bytes + (b + j) * BB + QO;
+        avx2::prefetch(qa + pf);
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qa));
+        const __m256i q =
+            _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1), mask);
+        for (int m = 0; m < MB; ++m) {
+          const __m256i p16 = _mm256_maddubs_epi16(q, load256(xq[m] + (b + j) * 32));
+          acc[m][i] = _mm256_fmadd_ps(widen(p16), _mm256_permutevar8x32_ps(sc[i][m], sel), acc[m][i]);
         }
       }
     }
   }
   for (int m = 0; m < MB; ++m) {
+    for (int i = 0; i < NR; ++i) out[(m0 + m) * ldo + i] = hsum(acc[m][i]) + (bias != nullptr ? bias[i] : 0.f);
+  }
+}
+
+// The eight 6-bit scales (or mins) of a Q4_K super-block as fp32, from their two 32-bit halves.
+inline __m256 six_bit8(uint32_t lo, uint32_t hi) {
+  const uint64_t v = lo | (static_cast<uint64_t>(hi) << 32);
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(v))));
+}
+
+// The same for Q4_K's 256-value super-blocks (activations in natural order).
+template <int MB, int NR>
+void tile_k(const Q8SumActivations& x, int64_t m0, const uint8_t* w, int64_t row_bytes, const float* bias, float* out,
+            int64_t ldo) {
+  const int64_t nb = x.K / 32, nsb = x.K / kQ4_KBlock, pf = avx2::kPrefetchRows * row_bytes;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const int8_t* xq[MB];
+  const float* xd[MB];
+  const float* xs[MB];
+  for (int m = 0; m < MB; ++m) {
+    xq[m] = x.q + (m0 + m) * x.K;
+    xd[m] = x.d + (m0 + m) * nb;
+    xs[m] = x.s + (m0 + m) * nb;
+  }
+  __m256 acc[MB][NR];
+  for (int m = 0; m < MB; ++m) {
+    for (int i = 0; i < NR; ++i) acc[m][i] = _mm256_setzero_ps();
+  }
+  for (int64_t s = 0; s < nsb; ++s) {
+    // Combined scales, read back one at a time by broadcast loads (no shuffle uops).
+    alignas(32) float sc[NR][MB][8];
     for (int i = 0; i < NR; ++i) {
-      out[(m0 + m) * ldo + i] = hsum(acc[m][i]) + off[m][i] + (bias != nullptr ? bias[i] : 0.f);
+      const uint8_t* blk = w + i * row_bytes + s * kQ4_KBlockBytes;
+      // 12 bytes of packed scales/mins as three words a, b, c (q4_k_scale_min's rule, four
+      // sub-blocks per word): sub-blocks 0-3 are the low 6 bits of a (scales) and b (mins);
+      // sub-blocks 4-7 take their low 4 bits from c and their top 2 from a's / b's top bits.
+      uint32_t a, bw, c;
+      std::memcpy(&a, blk + 4, 4);
+      std::memcpy(&bw, blk + 8, 4);
+      std::memcpy(&c, blk + 12, 4);
+      const __m256 scales = six_bit8(a & 0x3F3F3F3Fu, (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u));
+      const __m256 mins = six_bit8(bw & 0x3F3F3F3Fu, ((c >> 4) & 0x0F0F0F0Fu) | ((bw >> 2) & 0x30303030u));
+      const __m256 av = _mm256_mul_ps(scales, _mm256_set1_ps(fp16(blk)));
+      const __m256 cv = _mm256_mul_ps(mins, _mm256_set1_ps(-fp16(blk + 2)));
+      for (int m = 0; m < MB; ++m) {
+        _mm256_store_ps(sc[i][m], _mm256_mul_ps(av, _mm256_loadu_ps(xd[m] + s * 8)));
+        acc[m][i] = _mm256_fmadd_ps(cv, _mm256_loadu_ps(xs[m] + s * 8), acc[m][i]);
+      }
     }
+    for (int h = 0; h < 4; ++h) {
+      for (int i = 0; i < NR; ++i) {
+        const uint8_t* qh = w + i * row_bytes + s * kQ4_KBlockBytes + 16 + 32 * h;
+        avx2::prefetch(qh + pf);
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+        const __m256i lo = _mm256_and_si256(raw, mask);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        for (int m = 0; m < MB; ++m) {
+          const int8_t* xb = xq[m] + (s * 8 + 2 * h) * 32;
+          acc[m][i] = _mm256_fmadd_ps(widen(_mm256_maddubs_epi16(lo, load256(xb))),
+                                      _mm256_broadcast_ss(&sc[i][m][2 * h]), acc[m][i]);
+          acc[m][i] = _mm256_fmadd_ps(widen(_mm256_maddubs_epi16(hi, load256(xb + 32))),
+                                      _mm256_broadcast_ss(&sc[i][m][2 * h + 1]), acc[m][i]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    for (int i = 0; i < NR; ++i) out[(m0 + m) * ldo + i] = hsum(acc[m][i]) + (bias != nullptr ? bias[i] : 0.f);
   }
 }
 
 template <Q4Type T, int MB, int NR>
-inline void block(const Q8SumActivations& x, int64_t m0, const uint8_t* w, int64_t row_bytes, const float* bias,
-                  float* out, int64_t ldo, bool prefetch) {
+inline void tile(const Q8SumActivations& x, const int8_t* xp, int64_t m0, const uint8_t* w, int64_t row_bytes,
+                 const float* bias, float* out, int64_t ldo) {
   if constexpr (T == Q4Type::kQ4_K) {
-    block_k<MB, NR>(x, m0, w, row_bytes, bias, out, ldo, prefetch);
+    tile_k<MB, NR>(x, m0, w, row_bytes, bias, out, ldo);
   } else {
-    block32<T, MB, NR>(x, m0, w, row_bytes, bias, out, ldo, prefetch);
+    tile32<T, MB, NR>(x, xp, m0, w, row_bytes, bias, out, ldo);
   }
 }
 
+// All M rows times NR weight rows: tiles of four activation rows, then two, then one.
 template <Q4Type T, int NR>
-inline void rows_block(const Q8SumActivations& x, const uint8_t* w, int64_t row_bytes, const float* bias, float* out,
-                       int64_t ldo) {
+void rows(const Q8SumActivations& x, const int8_t* xp, const uint8_t* w, int64_t row_bytes, const float* bias,
+          float* out, int64_t ldo) {
   int64_t m = 0;
-  for (; m + 2 <= x.M; m += 2) block<T, 2, NR>(x, m, w, row_bytes, bias, out, ldo, m == 0);
-  if (m < x.M) block<T, 1, NR>(x, m, w, row_bytes, bias, out, ldo, m == 0);
+  for (; m + 4 <= x.M; m += 4) tile<T, 4, NR>(x, xp, m, w, row_bytes, bias, out, ldo);
+  if (m + 2 <= x.M) {
+    tile<T, 2, NR>(x, xp, m, w, row_bytes, bias, out, ldo);
+    m += 2;
+  }
+  if (m < x.M) tile<T, 1, NR>(x, xp, m, w, row_bytes, bias, out, ldo);
+}
+
+template <Q4Type T, int NR>
+void run_nr(const Q8SumActivations& x, const int8_t* xp, const uint8_t* w, const float* bias, float* out, int64_t ldo,
+            int64_t N) {
+  const int64_t row_bytes = x.K / q4_block_values(T) * q4_block_bytes(T);
+  const int64_t groups = N / NR;
+  // Static schedule: each thread streams one contiguous slice of the weight.
+#pragma omp parallel for schedule(static) if (groups * x.K * x.M >= 65536)
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t n = g * NR;
+    rows<T, NR>(x, xp, w + n * row_bytes, row_bytes, bias ? bias + n : nullptr, out + n, ldo);
+  }
+  for (int64_t n = groups * NR; n < N; ++n) {
+    rows<T, 1>(x, xp, w + n * row_bytes, row_bytes, bias ? bias + n : nullptr, out + n, ldo);
+  }
 }
 
 template <Q4Type T>
 void run(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t N) {
-  constexpr int NR = 4;
-  const int64_t row_bytes = x.K / q4_block_values(T) * q4_block_bytes(T);
-  const int64_t blocks = N / NR;
-  // Static schedule: each thread streams one contiguous slice of the weight.
-#pragma omp parallel for schedule(static) if (blocks * x.K * x.M >= 65536)
-  for (int64_t bi = 0; bi < blocks; ++bi) {
-    const int64_t n = bi * NR;
-    rows_block<T, NR>(x, w + n * row_bytes, row_bytes, bias ? bias + n : nullptr, out + n, ldo);
+  const int8_t* xp = x.q;
+  if constexpr (T != Q4Type::kQ4_K) {
+    // Per calling thread (the engine thread), reused across calls.
+    thread_local std::vector<int8_t> paired;
+    if (static_cast<int64_t>(paired.size()) < x.M * x.K) paired.resize(x.M * x.K);
+    pair_activations(x.q, x.M, x.K, paired.data());
+    xp = paired.data();
   }
-  for (int64_t n = blocks * NR; n < N; ++n) {
-    rows_block<T, 1>(x, w + n * row_bytes, row_bytes, bias ? bias + n : nullptr, out + n, ldo);
+  // One activation row: four weight rows per tile keep four independent FMA chains in flight.
+  // Several rows: two weight rows, up to four activation rows (eight accumulators).
+  if (x.M == 1) {
+    run_nr<T, 4>(x, xp, w, bias, out, ldo, N);
+  } else {
+    run_nr<T, 2>(x, xp, w, bias, out, ldo, N);
   }
 }
 

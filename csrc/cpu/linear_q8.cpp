@@ -21,7 +21,7 @@
 namespace pagewire {
 namespace cpu {
 
-void quantize_rows_q8(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* d) {
+void quantize_rows_q8(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
   const int64_t nb = K / kQ8Block;
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < nb; ++b) {
@@ -31,8 +31,13 @@ void quantize_rows_q8(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t*
       const float scale = amax / 127.f;
       const float inv = scale != 0.f ? 1.f / scale : 0.f;
       int8_t* qo = q + m * K + b * kQ8Block;
-      for (int j = 0; j < kQ8Block; ++j) qo[j] = static_cast<int8_t>(std::round(v[j] * inv));
+      int32_t sum = 0;
+      for (int j = 0; j < kQ8Block; ++j) {
+        qo[j] = static_cast<int8_t>(std::round(v[j] * inv));
+        sum += qo[j];
+      }
       d[m * nb + b] = scale;
+      if (s != nullptr) s[m * nb + b] = scale * static_cast<float>(sum);
     }
   }
 }
@@ -157,9 +162,11 @@ at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const 
   thread_local std::vector<float> xd;
   if (static_cast<int64_t>(xq.size()) < M * K) xq.resize(M * K);
   if (static_cast<int64_t>(xd.size()) < M * K / cpu::kQ8Block) xd.resize(M * K / cpu::kQ8Block);
-  cpu::quantize_rows_q8(xf.data_ptr<float>(), K, M, K, xq.data(), xd.data());
+  const bool portable = cpu::active_isa() == cpu::Isa::kPortable;
+  (portable ? cpu::quantize_rows_q8 : cpu::quantize_rows_q8_avx2)(xf.data_ptr<float>(), K, M, K, xq.data(),
+                                                                    xd.data(), nullptr);
   const cpu::Q8Activations act{xq.data(), xd.data(), M, K};
-  const auto kernel = cpu::active_isa() == cpu::Isa::kPortable ? cpu::linear_q8_0_portable : cpu::linear_q8_0_avx2;
+  const auto kernel = portable ? cpu::linear_q8_0_portable : cpu::linear_q8_0_avx2;
   kernel(act, wc.data_ptr<uint8_t>(), has_bias ? bf.data_ptr<float>() : nullptr, out.data_ptr<float>(), N, N);
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }

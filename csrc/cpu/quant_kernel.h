@@ -18,8 +18,11 @@ struct Q8Activations {
   int64_t M, K;
 };
 
-// Quantises x (fp32 [M, K], row stride ldx) into q/d with round-to-nearest (GGUF's rule).
-void quantize_rows_q8(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* d);
+// Quantises x (fp32 [M, K], row stride ldx) into q/d with round-to-nearest (GGUF's rule); when s
+// is not null it also gets each block's d * sum_j q (the 4-bit kernels' offset term). The AVX2
+// version gives the same bytes and floats (Isa::kAvx2 or better).
+void quantize_rows_q8(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* d, float* s);
+void quantize_rows_q8_avx2(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* d, float* s);
 
 // out[m][n] = sum_b xd[m][b] * wd[n][b] * sum_j xq * wq (+ bias[n]), fp32 out [M, N] with row
 // stride ldo; bias fp32 [N] or nullptr. w: [N, K/32 * 34] Q8_0 bytes.

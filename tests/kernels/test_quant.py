@@ -58,7 +58,7 @@ def linear_q8_reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 8, 16, 17, 40])
-@pytest.mark.parametrize("N,K", [(64, 64), (37, 96), (512, 1024)])
+@pytest.mark.parametrize("N,K", [(64, 64), (37, 96), (512, 1024), (45, 800)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_q8_0_matches_float64_reference(
@@ -89,6 +89,25 @@ def test_kernel_families_agree(cpu_isa: str, monkeypatch: pytest.MonkeyPatch) ->
     y = ops.linear(x, qw)
     monkeypatch.setenv("PAGEWIRE_CPU_ISA", "portable")
     torch.testing.assert_close(y, ops.linear(x, qw), rtol=1e-5, atol=1e-4)
+
+
+def test_activation_quantisation_is_the_same_on_every_family(cpu_isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SIMD activation quantiser gives the portable one's bytes and scales, ties included.
+
+    Weight row n is the unit vector e_n, so output (m, n) is one product of x's quantised value,
+    its block scale and the weight's: equal across families exactly when the quantised activations
+    are. Blocks whose largest magnitude is 127 have scale 1, so values k + 0.5 are exact ties for
+    round-half-away-from-zero."""
+    gen = torch.Generator().manual_seed(11)
+    K = 800
+    x = torch.randn(4, K, generator=gen) * 40
+    x[0] = torch.arange(K, dtype=torch.float32) % 64 - 31.5  # ties: -31.5 .. 31.5
+    x[0, ::32] = 127.0
+    x[1, 32:64] = 0.0  # an all-zero block
+    qw = QuantizedWeight.quantize(torch.eye(K))
+    y = ops.linear(x, qw)
+    monkeypatch.setenv("PAGEWIRE_CPU_ISA", "portable")
+    assert torch.equal(y, ops.linear(x, qw))
 
 
 def test_bad_arguments_name_the_argument() -> None:

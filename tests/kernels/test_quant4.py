@@ -96,15 +96,56 @@ def test_linear_q4_matches_float64_reference(
         assert err <= 2.0**-7
 
 
-@pytest.mark.parametrize("qtype", Q4_TYPES)
-def test_kernel_families_agree(cpu_isa: str, qtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same integer dot products: the SIMD kernel equals the portable one up to fp32 summation order."""
+@pytest.mark.parametrize("qtype,K", [("q4_0", 512), ("q4_1", 512), ("q4_k", 512), ("q4_0", 352), ("q4_1", 800)])
+def test_kernel_families_agree(cpu_isa: str, qtype: str, K: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same integer dot products: the SIMD kernel equals the portable one up to fp32 summation
+    order. K = 352 and 800 (11 and 25 blocks) leave the AVX2 kernel's eight-block steps a tail
+    with a pair and an odd last block."""
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(5, 512, generator=gen)
-    qw = random_q4(qtype, 70, 512, seed=5)
+    x = torch.randn(5, K, generator=gen)
+    qw = random_q4(qtype, 70, K, seed=5)
     y = ops.linear(x, qw)
     monkeypatch.setenv("PAGEWIRE_CPU_ISA", "portable")
     torch.testing.assert_close(y, ops.linear(x, qw), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype,K", [("q4_0", 352), ("q4_1", 800), ("q4_k", 768), ("q8_0", 800)])
+def test_rows_do_not_depend_on_the_batch(cpu_isa: str, qtype: str, K: int) -> None:
+    """Deterministic mode: a row's output is bit-identical whatever the number of rows beside it
+    (the kernels tile M in fours, twos and ones, and M = 1 takes its own weight-row tiling)."""
+    from server.kernels import batch_invariant
+
+    gen = torch.Generator().manual_seed(9)
+    qw = random_q4(qtype, 45, K, seed=9) if qtype != "q8_0" else QuantizedWeight.quantize(
+        torch.randn(45, K, generator=gen))
+    x = torch.randn(16, K, generator=gen).bfloat16()
+    b = torch.randn(45, generator=gen).bfloat16()
+    with batch_invariant.mode(True):
+        alone = [ops.linear(x[r:r + 1], qw, b) for r in range(16)]
+        for m in (2, 3, 5, 7, 8, 13, 16):
+            y = ops.linear(x[:m], qw, b)
+            for r in range(m):
+                assert torch.equal(y[r:r + 1], alone[r]), (m, r)
+
+
+def test_linear_q4_tail_blocks_match_float64_reference(cpu_isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q4_0 / Q4_1 rows of 11 and 25 blocks (eight-block steps plus a pair and an odd block), with
+    the AVX2 kernel's 1-row and several-row tilings: near the float64 reference (activation
+    rounding, a few outputs: a looser bound than the large test's) and equal to the portable
+    kernel up to fp32 summation order."""
+    for qtype in ("q4_0", "q4_1"):
+        for K in (352, 800):
+            for M in (1, 6):
+                gen = torch.Generator().manual_seed(K + M)
+                x = torch.randn(M, K, generator=gen)
+                qw = random_q4(qtype, 23, K, seed=K)
+                ref = linear_reference(x, qw, None)
+                monkeypatch.setenv("PAGEWIRE_CPU_ISA", cpu_isa)
+                y = ops.linear(x, qw)
+                err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+                assert err <= 2e-2, (qtype, K, M, err)
+                monkeypatch.setenv("PAGEWIRE_CPU_ISA", "portable")
+                torch.testing.assert_close(y, ops.linear(x, qw), rtol=1e-5, atol=1e-4)
 
 
 def test_bad_arguments_name_the_argument() -> None:

@@ -187,7 +187,8 @@ def tune(
         table.names.setdefault(key, []).append(site.name)
         groups.setdefault(key, site)
     for key, site in groups.items():
-        table.choices[key] = [Choice(_fixed_rule(ops, site.weight, b), "fixed") for b in range(LARGE + 1)]
+        table.choices[key] = [Choice(ops.fixed_rule_takes_kernel(site.weight, BUCKETS[b] if b < LARGE else LARGE_M),
+                                      "fixed") for b in range(LARGE + 1)]
 
     gen = torch.Generator().manual_seed(0)  # its own stream: the global RNG is the sampler's business
     last: dict[Key, tuple[int, float, float]] = {}  # key -> (rows, kernel s, torch s) of its latest timed bucket
@@ -224,15 +225,6 @@ def _predicted_s(last: Optional[tuple[int, float, float]], m: int) -> float:
     m0, tk, tt = last
     calls = 2 if max(tk, tt) > CLEAR_RATIO * min(tk, tt) else 1 + SAMPLES  # warm-up + samples
     return sum(max(t * m / m0, MIN_SAMPLE_S) * calls for t in (tk, tt))
-
-
-def _fixed_rule(ops: ModuleType, weight: Weight, b: int) -> bool:
-    """Whether ops.linear's fixed rule takes the kernel path in bucket b (what it does untuned)."""
-    if isinstance(weight, QuantizedWeight):
-        return b < LARGE  # the op itself dequantises above Q8_KERNEL_MAX_ROWS
-    if weight.dtype == torch.bfloat16:
-        return bool(ops.BF16_KERNEL_EVERY_M) or b < LARGE
-    return False  # fp32: F.linear outside deterministic mode
 
 
 def _time_pair(ops: ModuleType, site: Site, m: int, default_kernel: bool, gen: torch.Generator, timer: Timer) -> Choice:

@@ -197,11 +197,21 @@ def linear(
         plan = plans.get((weight.dtype, weight.shape)) if plans is not None else None
         if plan is not None:
             use_kernel = plan[autotune.bucket(m)]
-        else:  # the fixed rule: fp32 is F.linear's
-            use_kernel = x.dtype == torch.bfloat16 and (BF16_KERNEL_EVERY_M or m <= LINEAR_KERNEL_MAX_M)
+        else:
+            use_kernel = fixed_rule_takes_kernel(weight, m)
         if use_kernel:
             return _float_kernel_path(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def fixed_rule_takes_kernel(weight: torch.Tensor | QuantizedWeight, m: int) -> bool:
+    """Whether linear's fixed rule (no autotune table) takes the kernel path for m rows: quantised
+    weights up to Q8_KERNEL_MAX_ROWS (above it their op dequantises and runs ATen's GEMM); bf16 on
+    AVX2 at every m, elsewhere up to LINEAR_KERNEL_MAX_M; fp32 never (F.linear outside
+    deterministic mode). The autotune starts from this rule and keeps it unless timing says otherwise."""
+    if isinstance(weight, QuantizedWeight):
+        return m <= Q8_KERNEL_MAX_ROWS
+    return weight.dtype == torch.bfloat16 and (BF16_KERNEL_EVERY_M or m <= LINEAR_KERNEL_MAX_M)
 
 
 # The two paths of each weight kind; server.kernels.autotune times exactly these.

@@ -45,7 +45,7 @@ def attention_families() -> list[str]:
     """The CPU kernel families this machine can run, best first (PAGEWIRE_CPU_ISA caps the op's pick)."""
     import server._C
 
-    order = ["portable", "avx2", "avx512bf16"]
+    order = ["portable", "avx2", "avx512", "avx512bf16", "amx"]
     return order[: order.index(server._C.detected_cpu_isa()) + 1][::-1]
 
 

@@ -31,6 +31,7 @@ PYBIND11_MODULE(_C, m) {
         d["amx_int8"] = f.amx_int8;
         d["os_avx"] = f.os_avx;
         d["os_avx512"] = f.os_avx512;
+        d["os_amx"] = f.os_amx;
         return d;
       },
       "CPUID/XGETBV features of this CPU (instruction sets usable by this process).");

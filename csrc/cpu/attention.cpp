@@ -39,7 +39,7 @@ cpu::ElemType elem_type(at::ScalarType t) {
 enum class Kernel { kPortable, kAvx2, kAvx512 };
 Kernel pick_kernel(int head_dim) {
   const cpu::Isa isa = cpu::active_isa();
-  if (isa == cpu::Isa::kAvx512Bf16 && head_dim % 16 == 0) return Kernel::kAvx512;
+  if (isa >= cpu::Isa::kAvx512Bf16 && head_dim % 16 == 0) return Kernel::kAvx512;
   if (isa >= cpu::Isa::kAvx2 && head_dim % 8 == 0) return Kernel::kAvx2;
   return Kernel::kPortable;
 }

@@ -1,8 +1,8 @@
 // Small AVX2 helpers shared by the AVX2 kernel files (linear_avx2.cpp, linear_q8_avx2.cpp,
-// linear_q4_avx2.cpp). Include it after the file's `#pragma GCC target("avx2,fma,f16c")`.
+// linear_q4_avx2.cpp). Include it after the file's target switch to "avx2,fma,f16c".
 #pragma once
 
-#include <immintrin.h>
+#include "x86_target.h"
 
 #include <cstdint>
 #include <cstring>

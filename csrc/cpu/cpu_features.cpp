@@ -8,6 +8,10 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #endif
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace pagewire::cpu {
 namespace {
@@ -20,6 +24,19 @@ unsigned long long xgetbv0() {
   // xgetbv with ecx = 0 reads XCR0; only valid when CPUID says OSXSAVE (checked by the caller).
   __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
   return (static_cast<unsigned long long>(edx) << 32) | eax;
+}
+
+// Linux (5.16 on) keeps AMX's 8 KB tile state off until a process asks for it: the first tile
+// instruction would otherwise fault (SIGILL). The grant is per process, so asking once here, before
+// any kernel runs, covers every thread, OpenMP's included. Other systems: no AMX kernels.
+bool request_amx_permission() {
+#if defined(__linux__) && defined(__x86_64__)
+  constexpr long kArchReqXcompPerm = 0x1023;  // arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+  constexpr long kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
 }
 
 CpuFeatures detect() {
@@ -53,7 +70,7 @@ CpuFeatures detect() {
   unsigned long long xcr0 = osxsave ? xgetbv0() : 0;
   f.os_avx = avx && (xcr0 & 0x6) == 0x6;             // SSE + YMM state
   f.os_avx512 = f.os_avx && (xcr0 & 0xE0) == 0xE0;   // opmask, ZMM_Hi256, Hi16_ZMM
-  const bool os_amx = (xcr0 & 0x60000ull) == 0x60000ull;  // XTILECFG + XTILEDATA
+  const bool xcr0_amx = (xcr0 & 0x60000ull) == 0x60000ull;  // XTILECFG + XTILEDATA
   if (max_leaf >= 7) {
     __get_cpuid_count(7, 0, &a, &b, &c, &d);
     f.avx2 = bit(b, 5) && f.os_avx;
@@ -61,9 +78,10 @@ CpuFeatures detect() {
     f.avx512bw = bit(b, 30) && f.os_avx512;
     f.avx512vl = bit(b, 31) && f.os_avx512;
     f.avx512vnni = bit(c, 11) && f.os_avx512;
-    f.amx_bf16 = bit(d, 22) && os_amx;
-    f.amx_tile = bit(d, 24) && os_amx;
-    f.amx_int8 = bit(d, 25) && os_amx;
+    f.os_amx = xcr0_amx && bit(d, 24) && request_amx_permission();
+    f.amx_bf16 = bit(d, 22) && f.os_amx;
+    f.amx_tile = bit(d, 24) && f.os_amx;
+    f.amx_int8 = bit(d, 25) && f.os_amx;
     const unsigned sub_leaves = a;
     if (sub_leaves >= 1) {
       __get_cpuid_count(7, 1, &a, &b, &c, &d);
@@ -76,13 +94,41 @@ CpuFeatures detect() {
   return f;
 }
 #else
+// Linux (5.16 on) keeps AMX's 8 KB tile state off until a process asks for it: the first tile
+// instruction would otherwise fault (SIGILL). The grant is per process, so asking once here, before
+// any kernel runs, covers every thread, OpenMP's included. Other systems: no AMX kernels.
+bool request_amx_permission() {
+#if defined(__linux__) && defined(__x86_64__)
+  constexpr long kArchReqXcompPerm = 0x1023;  // arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+  constexpr long kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+
 CpuFeatures detect() { return CpuFeatures{}; }
 #endif
 
 Isa detect_isa(const CpuFeatures& f) {
-  if (f.avx512f && f.avx512bw && f.avx512vl && f.avx512bf16 && f.fma) return Isa::kAvx512Bf16;
-  if (f.avx2 && f.fma && f.f16c) return Isa::kAvx2;
-  return Isa::kPortable;
+  if (!(f.avx2 && f.fma && f.f16c)) return Isa::kPortable;
+  if (!(f.avx512f && f.avx512bw && f.avx512vl && f.avx512vnni)) return Isa::kAvx2;
+  if (!f.avx512bf16) return Isa::kAvx512;
+  if (!(f.amx_tile && f.amx_bf16 && f.amx_int8)) return Isa::kAvx512Bf16;
+  return Isa::kAmx;
+}
+
+// The family a PAGEWIRE_CPU_ISA name stands for; unknown names stand for no limit.
+Isa named_isa(const char* name, Isa fallback) {
+  static constexpr struct {
+    const char* name;
+    Isa isa;
+  } kNames[] = {{"portable", Isa::kPortable}, {"generic", Isa::kPortable}, {"avx2", Isa::kAvx2},
+                {"avx512", Isa::kAvx512},     {"avx512bf16", Isa::kAvx512Bf16}, {"amx", Isa::kAmx}};
+  for (const auto& n : kNames) {
+    if (std::strcmp(name, n.name) == 0) return n.isa;
+  }
+  return fallback;
 }
 
 }  // namespace
@@ -101,20 +147,19 @@ Isa active_isa() {
   const Isa best = detected_isa();
   const char* cap = std::getenv("PAGEWIRE_CPU_ISA");
   if (cap == nullptr || *cap == '\0') return best;
-  Isa limit = best;
-  if (std::strcmp(cap, "portable") == 0 || std::strcmp(cap, "generic") == 0) {
-    limit = Isa::kPortable;
-  } else if (std::strcmp(cap, "avx2") == 0) {
-    limit = Isa::kAvx2;
-  }
-  // Unknown names (and "avx512bf16") leave the detected family: a cap can only lower it.
+  // Unknown names leave the detected family: a cap can only lower it.
+  const Isa limit = named_isa(cap, best);
   return static_cast<int>(limit) < static_cast<int>(best) ? limit : best;
 }
 
 const char* isa_name(Isa isa) {
   switch (isa) {
+    case Isa::kAmx:
+      return "amx";
     case Isa::kAvx512Bf16:
       return "avx512bf16";
+    case Isa::kAvx512:
+      return "avx512";
     case Isa::kAvx2:
       return "avx2";
     default:

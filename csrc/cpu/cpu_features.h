@@ -13,19 +13,24 @@ struct CpuFeatures {
   bool amx_tile = false, amx_bf16 = false, amx_int8 = false;
   bool os_avx = false;     // XCR0 enables the YMM state
   bool os_avx512 = false;  // XCR0 enables opmask + ZMM state
+  bool os_amx = false;     // XCR0 enables the tile state and Linux granted this process its use
   std::string vendor, brand;
 };
 
-// Kernel families, best last. Each kernel file is compiled for its family only (target pragma),
-// and is called only when active_isa() is at least that family, so no unsupported instruction
-// ever runs.
-enum class Isa : int { kPortable = 0, kAvx2 = 1, kAvx512Bf16 = 2 };
+// Kernel families, best last; each includes the ones below it. Each kernel file is compiled for its
+// family only (PAGEWIRE_TARGET_PUSH, x86_target.h), and is called only when active_isa() is at
+// least that family, so no unsupported instruction ever runs.
+//   kAvx2       AVX2 + FMA + F16C (Haswell, Zen 1-3)
+//   kAvx512     AVX-512 F/BW/VL + VNNI (Cascade Lake, Ice Lake): the int8 VNNI kernels
+//   kAvx512Bf16 kAvx512 + AVX512-BF16 (Cooper Lake, Zen 4/5): the bf16 dot-product kernels
+//   kAmx        kAvx512Bf16 + AMX-TILE/BF16/INT8 with the OS's permission (Sapphire Rapids on)
+enum class Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4 };
 
 const CpuFeatures& cpu_features();  // detected on first call, then cached
 Isa detected_isa();                 // the best family the CPU and OS support
 // detected_isa(), capped by the PAGEWIRE_CPU_ISA environment variable when it names a lower
-// family ("portable" or "generic", "avx2", "avx512bf16"); read on every call so tests can force
-// a fallback path in-process.
+// family ("portable" or "generic", "avx2", "avx512", "avx512bf16", "amx"); read on every call so
+// tests can force a fallback path in-process.
 Isa active_isa();
 const char* isa_name(Isa isa);
 

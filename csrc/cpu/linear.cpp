@@ -47,7 +47,7 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::
                          has_bias ? bc.data_ptr<float>() : nullptr, out.data_ptr<float>(), N, M, N, K);
     return out;
   }
-  const auto kernel = isa == cpu::Isa::kAvx512Bf16 ? cpu::linear_bf16_avx512 : cpu::linear_bf16_avx2;
+  const auto kernel = isa >= cpu::Isa::kAvx512Bf16 ? cpu::linear_bf16_avx512 : cpu::linear_bf16_avx2;
   kernel(reinterpret_cast<const uint16_t*>(xc.data_ptr()), xc.stride(0),
          reinterpret_cast<const uint16_t*>(wc.data_ptr()),
          has_bias ? reinterpret_cast<const uint16_t*>(bc.data_ptr()) : nullptr,

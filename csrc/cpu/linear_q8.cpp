@@ -1,7 +1,7 @@
 // The Q8_0 quantised-weight CPU ops (layout in quant_kernel.h, GGUF's Q8_0 byte for byte):
 // quantize_q8_0 (weights at load, GGUF's rounding), dequantize_q8_0 (tests, fallbacks), and
-// linear_q8_0: x @ dequant(w)^T (+ bias) with x quantised per row on the fly, through the AVX2
-// kernel when the CPU has it and the portable one otherwise. Large batches (prefill) dequantise
+// linear_q8_0: x @ dequant(w)^T (+ bias) with x quantised per row on the fly, through the AVX-512
+// VNNI kernel, the AVX2 one or the portable one, the best this CPU has. Large batches (prefill) dequantise
 // the weight and run ATen's GEMM, which is compute-bound there rather than bandwidth-bound.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
@@ -162,11 +162,14 @@ at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const 
   thread_local std::vector<float> xd;
   if (static_cast<int64_t>(xq.size()) < M * K) xq.resize(M * K);
   if (static_cast<int64_t>(xd.size()) < M * K / cpu::kQ8Block) xd.resize(M * K / cpu::kQ8Block);
-  const bool portable = cpu::active_isa() == cpu::Isa::kPortable;
+  const cpu::Isa isa = cpu::active_isa();
+  const bool portable = isa == cpu::Isa::kPortable;
   (portable ? cpu::quantize_rows_q8 : cpu::quantize_rows_q8_avx2)(xf.data_ptr<float>(), K, M, K, xq.data(),
                                                                     xd.data(), nullptr);
   const cpu::Q8Activations act{xq.data(), xd.data(), M, K};
-  const auto kernel = portable ? cpu::linear_q8_0_portable : cpu::linear_q8_0_avx2;
+  const auto kernel = portable                      ? cpu::linear_q8_0_portable
+                      : isa >= cpu::Isa::kAvx512 ? cpu::linear_q8_0_avx512
+                                                 : cpu::linear_q8_0_avx2;
   kernel(act, wc.data_ptr<uint8_t>(), has_bias ? bf.data_ptr<float>() : nullptr, out.data_ptr<float>(), N, N);
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }

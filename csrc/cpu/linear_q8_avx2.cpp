@@ -13,7 +13,6 @@
 // Batch invariance (docs/determinism.md): every output (m, n) has its own accumulator, updated
 // block by block in K order with the same instructions whatever the tile shape, then one fixed
 // horizontal sum; M only decides which rows share a tile, never a row's arithmetic.
-#include <immintrin.h>
 #include <omp.h>
 
 #include <cstdint>
@@ -21,9 +20,9 @@
 
 // Headers first: inline functions they define must keep the baseline ISA.
 #include "quant_kernel.h"
+#include "x86_target.h"
 
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
+PAGEWIRE_TARGET_PUSH("avx2,fma,f16c")
 
 #include "avx2_util.h"
 
@@ -78,7 +77,9 @@ void tile(const Q8Activations& x, int64_t m0, const uint8_t* w, int64_t row_byte
         __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
         // One load into a register: the compiler would otherwise fold the block's (often
         // line-crossing) load into both abs and sign, loading it twice.
+#ifndef PAGEWIRE_X86_EMULATE
         asm("" : "+x"(wq));
+#endif
         const __m256i aw = _mm256_abs_epi8(wq);
         for (int m = 0; m < MB; ++m) {
           acc[m][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(aw, wq, xv[m])), _mm256_broadcast_ss(&sc[i][m][j]),
@@ -196,4 +197,4 @@ void linear_q8_0_avx2(const Q8Activations& x, const uint8_t* w, const float* bia
 
 }  // namespace pagewire::cpu
 
-#pragma GCC pop_options
+PAGEWIRE_TARGET_POP

@@ -1,5 +1,5 @@
 // The torch-free interface of the quantised-weight linear kernels (linear_q8.cpp portable,
-// linear_q8_avx2.cpp). Weight layout is GGUF's Q8_0, byte for byte: each row of K values is K / 32
+// linear_q8_avx2.cpp, linear_q8_avx512.cpp). Weight layout is GGUF's Q8_0, byte for byte: each row of K values is K / 32
 // blocks of 34 bytes, {fp16 scale d (little-endian), int8 q[32]}, value = d * q. A Q8_0 tensor
 // read from a GGUF file ([N rows][K/32 blocks]) can therefore be used as it is.
 #pragma once
@@ -30,6 +30,8 @@ void linear_q8_0_portable(const Q8Activations& x, const uint8_t* w, const float*
                           int64_t N);
 void linear_q8_0_avx2(const Q8Activations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
                       int64_t N);  // Isa::kAvx2 or better
+void linear_q8_0_avx512(const Q8Activations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
+                        int64_t N);  // Isa::kAvx512 or better (AVX-512 VNNI)
 
 // fp16 bits -> fp32, portable (the scale of a Q8_0 block).
 inline float fp16_to_float(uint16_t h) {

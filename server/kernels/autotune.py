@@ -180,7 +180,7 @@ def tune(
         if isinstance(w, torch.Tensor):
             if w.device.type != "cpu" or w.dim() != 2 or w.dtype != site.x_dtype or w.shape[1] == 0:
                 continue
-            if not (w.dtype == torch.bfloat16 and isa in ("avx2", "avx512bf16")
+            if not (w.dtype == torch.bfloat16 and isa != "portable"
                     or w.dtype == torch.float32 and isa != "portable"):
                 continue  # no kernel for it here: F.linear, nothing to choose
         key = table_key(w, site.x_dtype)

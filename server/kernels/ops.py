@@ -30,7 +30,7 @@ def cpu_features() -> dict[str, object]:
 
 
 def cpu_isa() -> str:
-    """The CPU kernel family in use: "avx512bf16", "avx2" or "portable" (torch fallback for linear).
+    """The CPU kernel family in use: "amx", "avx512bf16", "avx512", "avx2" or "portable" (torch fallback).
 
     It is the best the CPU supports, lowered by $PAGEWIRE_CPU_ISA when that names a lower family.
     """
@@ -38,7 +38,7 @@ def cpu_isa() -> str:
 
 
 def detected_cpu_isa() -> str:
-    """The best CPU kernel family this CPU supports ("avx512bf16", "avx2" or "portable"), ignoring $PAGEWIRE_CPU_ISA."""
+    """The best CPU kernel family this CPU supports (as cpu_isa() names them), ignoring $PAGEWIRE_CPU_ISA."""
     return str(server._C.detected_cpu_isa())
 
 

@@ -10,7 +10,7 @@ import torch  # noqa: F401  (loads libc10 before the extension)
 
 import server._C
 
-ORDER = ["portable", "avx2", "avx512bf16"]
+ORDER = ["portable", "avx2", "avx512", "avx512bf16", "amx"]
 
 
 def available_isas() -> list[str]:

@@ -99,12 +99,18 @@ def test_cpu_dispatch_is_reported() -> None:
     """The detected family follows from the CPUID flags, and the env cap only ever lowers it."""
     f = ops.cpu_features()
     best = server_C_detected()
-    if f["avx512f"] and f["avx512bw"] and f["avx512vl"] and f["avx512bf16"] and f["fma"]:
-        assert best == "avx512bf16"
-    elif f["avx2"] and f["fma"] and f["f16c"]:
-        assert best == "avx2"
-    else:
+    if not (f["avx2"] and f["fma"] and f["f16c"]):
         assert best == "portable"
+    elif not (f["avx512f"] and f["avx512bw"] and f["avx512vl"] and f["avx512vnni"]):
+        assert best == "avx2"
+    elif not f["avx512bf16"]:
+        assert best == "avx512"
+    elif not (f["amx_tile"] and f["amx_bf16"] and f["amx_int8"]):
+        assert best == "avx512bf16"
+    else:
+        assert best == "amx"
+    # The tile state counts only once the OS granted it to this process (arch_prctl on Linux).
+    assert f["os_amx"] or not (f["amx_tile"] or f["amx_bf16"] or f["amx_int8"])
 
 
 def server_C_detected() -> str:
@@ -115,7 +121,7 @@ def server_C_detected() -> str:
 
 def test_isa_cap_cannot_raise_the_family(monkeypatch: pytest.MonkeyPatch) -> None:
     best = server_C_detected()
-    monkeypatch.setenv("PAGEWIRE_CPU_ISA", "avx512bf16")
+    monkeypatch.setenv("PAGEWIRE_CPU_ISA", "amx")
     assert ops.cpu_isa() == best
     monkeypatch.setenv("PAGEWIRE_CPU_ISA", "portable")
     assert ops.cpu_isa() == "portable"

@@ -1,0 +1,44 @@
+"""Builds kernel sources with emulated x86 intrinsics into a ctypes library, for the kernel tests.
+
+Kernels for instruction sets this CPU lacks (AVX-512 VNNI and BF16, AMX) cannot run in the
+extension here, but their code can: `build()` compiles the kernel files unchanged with
+`-DPAGEWIRE_X86_EMULATE` and `tests/kernels/emu/x86_emu.h` force-included, which defines the
+intrinsics in portable C++ (SIMDe from Debian's libsimde-dev, `make sysdeps`; AMX tiles in
+`tests/kernels/emu/amx_emu.h`). A small C shim (`tests/kernels/emu/shim_*.cpp`) gives ctypes a
+plain entry point. This checks each kernel's arithmetic, tiling and tails, never its speed.
+Nothing is fetched: g++ and the headers are already on the machine.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EMU = ROOT / "tests" / "kernels" / "emu"
+CPU_SRC = ROOT / "csrc" / "cpu"
+SIMDE = Path("/usr/include/simde/x86/avx512.h")
+
+
+def build(name: str, sources: list[str]) -> ctypes.CDLL:
+    """Compiles csrc/cpu/<sources> plus emu/shim_<name>.cpp (cached by content) and loads it."""
+    if shutil.which("g++") is None or not SIMDE.exists():
+        pytest.skip("needs g++ and SIMDe (Debian's libsimde-dev; `make sysdeps` installs it)")
+    files = [CPU_SRC / s for s in sources] + [EMU / f"shim_{name}.cpp"]
+    deps = files + sorted(CPU_SRC.glob("*.h")) + sorted(EMU.glob("*.h"))
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in deps)).hexdigest()[:16]
+    out = Path(tempfile.gettempdir()) / "pagewire-emu" / f"{name}-{digest}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        cmd = ["g++", "-O2", "-std=c++17", "-fopenmp", "-shared", "-fPIC", "-w", "-DPAGEWIRE_X86_EMULATE",
+               "-include", str(EMU / "x86_emu.h"), f"-I{CPU_SRC}", f"-I{EMU}", *map(str, files), "-o", str(tmp)]
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        os.replace(tmp, out)  # atomic: parallel test processes never load a half-written file
+    return ctypes.CDLL(str(out))

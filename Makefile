@@ -9,7 +9,7 @@ MAX_JOBS ?= 2
 export MAX_JOBS
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv browser build serve test test-fast lint bench clean
+.PHONY: venv browser sysdeps build serve test test-fast lint bench clean
 
 $(VENV)/.deps-stamp: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,13 @@ browser:
 	test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || \
 	  { $(SUDO) apt-get update && $(SUDO) apt-get install -y chromium chromium-driver; }
 
+# Debian's SIMDe headers: the kernel tests build AVX-512 and AMX kernels against them to check
+# kernels for instruction sets this CPU lacks (tests/kernels/emu_build.py). Without apt-get (not
+# Debian) those tests skip and say why.
+sysdeps:
+	test -f /usr/include/simde/x86/avx512.h || ! command -v apt-get >/dev/null || \
+	  { $(SUDO) apt-get update && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y libsimde-dev; }
+
 # In-place build keeps ninja's object files in build/, so a rebuild only compiles what changed.
 # flock serialises concurrent builds of the same tree.
 build: venv
@@ -37,10 +44,10 @@ build: venv
 serve: build
 	$(VENV)/bin/pagewire serve
 
-test: build
+test: build sysdeps
 	$(PY) -m pytest -q tests
 
-test-fast: build
+test-fast: build sysdeps
 	$(PY) -m pytest -q -x tests -m "not slow"
 
 # ruff (style, bugs, import order) over everything, mypy over the package (config in pyproject.toml).

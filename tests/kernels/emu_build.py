@@ -39,6 +39,8 @@ def build(name: str, sources: list[str]) -> ctypes.CDLL:
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
         cmd = ["g++", "-O2", "-std=c++17", "-fopenmp", "-shared", "-fPIC", "-w", "-DPAGEWIRE_X86_EMULATE",
                "-include", str(EMU / "x86_emu.h"), f"-I{CPU_SRC}", f"-I{EMU}", *map(str, files), "-o", str(tmp)]
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"emulated build of {name} failed:\n{' '.join(cmd)}\n{done.stderr[-4000:]}")
         os.replace(tmp, out)  # atomic: parallel test processes never load a half-written file
     return ctypes.CDLL(str(out))

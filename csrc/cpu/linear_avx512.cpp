@@ -1,18 +1,17 @@
 // Small-batch bf16 GEMV/GEMM for CPU decode (x [M, K] @ w[N, K]^T) on AVX512-BF16: the weight
 // streams from memory once while each of its cache lines is reused by all M rows of x.
-#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
 
 #include "linear_kernel.h"
+#include "x86_target.h"
 
 // GCC 12's own intrinsic headers trip -Wmaybe-uninitialized (the _mm256_undefined_* idiom).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma")
+PAGEWIRE_TARGET_PUSH("avx512f,avx512bw,avx512vl,avx512bf16,fma")
 
 namespace pagewire::cpu {
 namespace {
@@ -169,4 +168,4 @@ void linear_bf16_avx512(const uint16_t* x, int64_t ldx, const uint16_t* w, const
 
 }  // namespace pagewire::cpu
 
-#pragma GCC pop_options
+PAGEWIRE_TARGET_POP

@@ -62,7 +62,7 @@ inline __m512i offset_start(__m512i w) {
 }
 
 inline float hsum16(__m512 v) {
-  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -139,8 +139,9 @@ void tile(const Q8Activations& x, int64_t m0, const uint8_t* w, int64_t row_byte
       const __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
       const __m512i start = offset_start(wq);
       for (int m = 0; m < MB; ++m) {
-        const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(wd0 * xd[m][b]),
-                                            _mm256_set1_ps(pair ? wd1 * xd[m][b + 1] : 0.f), 1);
+        const __m512 s = _mm512_castpd_ps(_mm512_insertf64x4(
+            _mm512_castps_pd(_mm512_set1_ps(wd0 * xd[m][b])),
+            _mm256_castps_pd(_mm256_set1_ps(pair ? wd1 * xd[m][b + 1] : 0.f)), 1));
         const __m512i dot = _mm512_dpbusd_epi32(start, xv[m], wq);
         acc[m][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[m][i]);
       }

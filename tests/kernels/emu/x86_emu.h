@@ -13,6 +13,9 @@
 #include <cstdint>
 
 // What SIMDe 0.7.4 lacks, composed from what it has.
+#ifndef __mmask32
+typedef simde__mmask32 __mmask32;
+#endif
 #ifndef _MM_FROUND_NO_EXC
 #define _MM_FROUND_NO_EXC SIMDE_MM_FROUND_NO_EXC
 #endif
@@ -21,10 +24,51 @@ inline __m512 _mm512_cvtepi32_ps(__m512i a) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_cvtepi32_ps(_mm512_castsi512_si256(a))),
                             _mm256_cvtepi32_ps(_mm512_extracti64x4_epi64(a, 1)), 1);
 }
-inline __m256 _mm512_extractf32x8_ps_emu(__m512 v, int hi) {
-  return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), hi));
+
+// Masked-off elements are neither read nor kept, as on hardware (the mask guards a row's end).
+inline __m512i _mm512_maskz_loadu_epi16(__mmask32 k, const void* p) {
+  alignas(64) uint16_t v[32];
+  for (int i = 0; i < 32; ++i) v[i] = ((k >> i) & 1u) != 0 ? static_cast<const uint16_t*>(p)[i] : 0;
+  return _mm512_load_si512(v);
 }
-#define _mm512_extractf32x8_ps(v, i) _mm512_extractf32x8_ps_emu(v, i)
+
+// 128-bit lanes: two from a chosen by imm's low four bits, two from b by its high four.
+inline __m512 _mm512_shuffle_f32x4_emu(__m512 a, __m512 b, int imm) {
+  alignas(64) float fa[16], fb[16], r[16];
+  _mm512_store_ps(fa, a);
+  _mm512_store_ps(fb, b);
+  for (int lane = 0; lane < 4; ++lane) {
+    const float* src = lane < 2 ? fa : fb;
+    const int sel = (imm >> (2 * lane)) & 3;
+    for (int j = 0; j < 4; ++j) r[4 * lane + j] = src[4 * sel + j];
+  }
+  return _mm512_load_ps(r);
+}
+#define _mm512_shuffle_f32x4(a, b, imm) _mm512_shuffle_f32x4_emu(a, b, imm)
+
+// fp32 -> bf16 as VCVTNEPS2BF16 does it: round to nearest even, NaN kept quiet; the hardware also
+// flushes denormal inputs to zero.
+inline uint16_t pw_emu_bf16(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  if ((u & 0x7f800000u) == 0) u &= 0x80000000u;  // denormal -> signed zero
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+inline __m128bh _mm_cvtneps_pbh(__m128 a) {  // four bf16 in the low 64 bits, the rest zero
+  alignas(16) float f[4];
+  alignas(16) uint16_t h[8] = {};
+  _mm_store_ps(f, a);
+  for (int i = 0; i < 4; ++i) h[i] = pw_emu_bf16(f[i]);
+  return (__m128bh)_mm_load_si128(reinterpret_cast<const __m128i*>(h));
+}
+inline __m256bh _mm512_cvtneps_pbh(__m512 a) {
+  alignas(64) float f[16];
+  alignas(32) uint16_t h[16];
+  _mm512_store_ps(f, a);
+  for (int i = 0; i < 16; ++i) h[i] = pw_emu_bf16(f[i]);
+  return (__m256bh)_mm256_load_si256(reinterpret_cast<const __m256i*>(h));
+}
 
 #if __has_include("amx_emu.h")
 #include "amx_emu.h"

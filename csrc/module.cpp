@@ -4,6 +4,7 @@
 
 #include "allocator/bindings.h"
 #include "cpu/cpu_features.h"
+#include "cpu/dispatch_mode.h"
 
 namespace py = pybind11;
 
@@ -35,6 +36,9 @@ PYBIND11_MODULE(_C, m) {
         return d;
       },
       "CPUID/XGETBV features of this CPU (instruction sets usable by this process).");
+  m.def(
+      "set_batch_invariant", [](bool on) { pagewire::cpu::batch_invariant_mode = on; },
+      "Batch-invariant kernel choices on the calling thread (server.kernels.batch_invariant.mode).");
   m.def(
       "cpu_isa", [] { return std::string(pagewire::cpu::isa_name(pagewire::cpu::active_isa())); },
       "Kernel family the CPU ops use now: the detected one, capped by $PAGEWIRE_CPU_ISA.");

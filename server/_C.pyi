@@ -57,8 +57,12 @@ def cpu_features() -> dict[str, bool | str]:
     """CPUID features as detected at load (vendor, brand, avx2, fma, avx512bf16, amx_bf16, ...)."""
     ...
 
+def set_batch_invariant(on: bool) -> None:
+    """Batch-invariant kernel choices on the calling thread (server.kernels.batch_invariant.mode)."""
+    ...
+
 def cpu_isa() -> str:
-    """The CPU kernel family in use: "avx512bf16", "avx2" or "portable" ($PAGEWIRE_CPU_ISA may lower it)."""
+    """The CPU kernel family in use: "amx", "avx512bf16", "avx512", "avx2" or "portable" ($PAGEWIRE_CPU_ISA may lower it)."""
     ...
 
 def detected_cpu_isa() -> str:

@@ -26,6 +26,10 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
+import torch  # noqa: F401  (loads libc10 before the extension)
+
+import server._C
+
 __all__ = ["enabled", "mode", "cheap_here", "BLOCK_ROWS"]
 
 # Rows per F.linear call in the padded fallback: the largest decode batch the small-batch kernels
@@ -59,7 +63,11 @@ def mode(on: bool) -> Iterator[None]:
     """Turn batch-invariant mode on (or off) for the calling thread inside the block."""
     prev = enabled()
     _state.on = on
+    # The C++ ops' own thread-local copy: where their kernel choice depends on the row count (AMX
+    # from 4 rows), batch-invariant mode keeps one kernel for every M.
+    server._C.set_batch_invariant(on)
     try:
         yield
     finally:
         _state.on = prev
+        server._C.set_batch_invariant(prev)

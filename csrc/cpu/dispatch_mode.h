@@ -1,0 +1,13 @@
+// Whether the calling thread runs in batch-invariant mode (server.kernels.batch_invariant, which
+// sets it around each engine step through server._C.set_batch_invariant). The ops read it where a
+// kernel choice depends on the row count: there, batch-invariant mode keeps the one kernel whose
+// per-row arithmetic is the same at every M (the AMX kernels serve only M >= 4, so they are off).
+// Thread-local like the Python flag: two engines in one process do not disturb each other, and the
+// choice is made on the calling thread before any OpenMP worker starts.
+#pragma once
+
+namespace pagewire::cpu {
+
+inline thread_local bool batch_invariant_mode = false;
+
+}  // namespace pagewire::cpu

@@ -1,5 +1,5 @@
-// The torch-free interface of the small-batch linear kernels (linear_avx512.cpp, linear_avx2.cpp,
-// linear_q8.cpp). Each ISA-specific one may only be called when cpu::active_isa() (cpu_features.h)
+// The torch-free interface of the small-batch linear kernels (linear_amx.cpp, linear_avx512.cpp,
+// linear_avx2.cpp, linear_q8.cpp). Each ISA-specific one may only be called when cpu::active_isa() (cpu_features.h)
 // is at least its family.
 #pragma once
 
@@ -12,6 +12,11 @@ namespace pagewire::cpu {
 // out: [M, N] with row stride ldo.
 void linear_bf16_avx512(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias, uint16_t* out,
                         int64_t ldo, int64_t M, int64_t N, int64_t K);  // Isa::kAvx512Bf16
+// The same on AMX tiles (linear_amx.cpp): each output is one fp32 chain over k in order (two fused
+// steps per k-pair, TDPBF16PS), so not bitwise equal to the AVX512-BF16 kernel, but a function of
+// its own row alone. Any M, N, K (odd K, M > 16 included).
+void linear_bf16_amx(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias, uint16_t* out,
+                     int64_t ldo, int64_t M, int64_t N, int64_t K);  // Isa::kAmx
 void linear_bf16_avx2(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias, uint16_t* out,
                       int64_t ldo, int64_t M, int64_t N, int64_t K);  // Isa::kAvx2
 

@@ -32,6 +32,10 @@ void linear_q8_0_avx2(const Q8Activations& x, const uint8_t* w, const float* bia
                       int64_t N);  // Isa::kAvx2 or better
 void linear_q8_0_avx512(const Q8Activations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
                         int64_t N);  // Isa::kAvx512 or better (AVX-512 VNNI)
+// AMX (linear_amx.cpp): TDPBSSD per block, then the portable kernel's fp32 arithmetic in the same
+// order (separate multiply and add), so the same floats as linear_q8_0_portable.
+void linear_q8_0_amx(const Q8Activations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
+                     int64_t N);  // Isa::kAmx
 
 // fp16 bits -> fp32, portable (the scale of a Q8_0 block).
 inline float fp16_to_float(uint16_t h) {

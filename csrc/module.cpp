@@ -40,6 +40,9 @@ PYBIND11_MODULE(_C, m) {
       "set_batch_invariant", [](bool on) { pagewire::cpu::batch_invariant_mode = on; },
       "Batch-invariant kernel choices on the calling thread (server.kernels.batch_invariant.mode).");
   m.def(
+      "batch_invariant", [] { return pagewire::cpu::batch_invariant_mode; },
+      "Whether the C++ ops make batch-invariant kernel choices on the calling thread.");
+  m.def(
       "cpu_isa", [] { return std::string(pagewire::cpu::isa_name(pagewire::cpu::active_isa())); },
       "Kernel family the CPU ops use now: the detected one, capped by $PAGEWIRE_CPU_ISA.");
   m.def(

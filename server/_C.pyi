@@ -61,6 +61,10 @@ def set_batch_invariant(on: bool) -> None:
     """Batch-invariant kernel choices on the calling thread (server.kernels.batch_invariant.mode)."""
     ...
 
+def batch_invariant() -> bool:
+    """Whether the C++ ops make batch-invariant kernel choices on the calling thread."""
+    ...
+
 def cpu_isa() -> str:
     """The CPU kernel family in use: "amx", "avx512bf16", "avx512", "avx2" or "portable" ($PAGEWIRE_CPU_ISA may lower it)."""
     ...

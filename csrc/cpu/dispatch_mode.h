@@ -6,8 +6,15 @@
 // choice is made on the calling thread before any OpenMP worker starts.
 #pragma once
 
+#include <cstdint>
+
 namespace pagewire::cpu {
 
 inline thread_local bool batch_invariant_mode = false;
+
+// Rows from which the linear ops hand an Isa::kAmx CPU's work to the AMX kernels (linear_amx.cpp):
+// one B tile then feeds four 16 x M tile products; below it the AVX-512 kernels' dot products
+// waste less of each instruction.
+constexpr int64_t kAmxMinRows = 4;
 
 }  // namespace pagewire::cpu

@@ -1,6 +1,6 @@
 // The pagewire::linear CPU op: bf16 x @ weight^T (+ bias) through the small-batch kernel of the
-// best instruction set this CPU has (AVX512-BF16 or AVX2+FMA, chosen by CPUID at load, see
-// cpu_features.h), fp32 through the AVX2 fp32 kernel (deterministic mode's batch-invariant path),
+// best instruction set this CPU has (AMX tiles from 4 rows, AVX512-BF16, or AVX2+FMA, chosen by
+// CPUID at load, see cpu_features.h), fp32 through the AVX2 fp32 kernel (deterministic mode's batch-invariant path),
 // and ATen's linear for every other case so the result always has F.linear's semantics.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -8,6 +8,7 @@
 
 #include "../ops.h"
 #include "cpu_features.h"
+#include "dispatch_mode.h"
 #include "linear_kernel.h"
 
 namespace pagewire {
@@ -47,7 +48,12 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::
                          has_bias ? bc.data_ptr<float>() : nullptr, out.data_ptr<float>(), N, M, N, K);
     return out;
   }
-  const auto kernel = isa >= cpu::Isa::kAvx512Bf16 ? cpu::linear_bf16_avx512 : cpu::linear_bf16_avx2;
+  // AMX tiles from kAmxMinRows rows, where a tile product has enough rows to pay for itself; below,
+  // the AVX512-BF16 dot products. Batch-invariant mode keeps one kernel for every M.
+  const bool amx = isa >= cpu::Isa::kAmx && M >= cpu::kAmxMinRows && !cpu::batch_invariant_mode;
+  const auto kernel = amx                               ? cpu::linear_bf16_amx
+                      : isa >= cpu::Isa::kAvx512Bf16 ? cpu::linear_bf16_avx512
+                                                     : cpu::linear_bf16_avx2;
   kernel(reinterpret_cast<const uint16_t*>(xc.data_ptr()), xc.stride(0),
          reinterpret_cast<const uint16_t*>(wc.data_ptr()),
          has_bias ? reinterpret_cast<const uint16_t*>(bc.data_ptr()) : nullptr,

@@ -1,7 +1,7 @@
 // The Q8_0 quantised-weight CPU ops (layout in quant_kernel.h, GGUF's Q8_0 byte for byte):
 // quantize_q8_0 (weights at load, GGUF's rounding), dequantize_q8_0 (tests, fallbacks), and
-// linear_q8_0: x @ dequant(w)^T (+ bias) with x quantised per row on the fly, through the AVX-512
-// VNNI kernel, the AVX2 one or the portable one, the best this CPU has. Large batches (prefill) dequantise
+// linear_q8_0: x @ dequant(w)^T (+ bias) with x quantised per row on the fly, through the best
+// kernel this CPU has: AMX tiles from 4 rows, AVX-512 VNNI, AVX2, or the portable one. Large batches (prefill) dequantise
 // the weight and run ATen's GEMM, which is compute-bound there rather than bandwidth-bound.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
@@ -16,6 +16,7 @@
 
 #include "../ops.h"
 #include "cpu_features.h"
+#include "dispatch_mode.h"
 #include "quant_kernel.h"
 
 namespace pagewire {
@@ -167,7 +168,10 @@ at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const 
   (portable ? cpu::quantize_rows_q8 : cpu::quantize_rows_q8_avx2)(xf.data_ptr<float>(), K, M, K, xq.data(),
                                                                     xd.data(), nullptr);
   const cpu::Q8Activations act{xq.data(), xd.data(), M, K};
+  // AMX from kAmxMinRows rows (as for bf16, dispatch_mode.h: not in batch-invariant mode).
+  const bool amx = isa >= cpu::Isa::kAmx && M >= cpu::kAmxMinRows && !cpu::batch_invariant_mode;
   const auto kernel = portable                      ? cpu::linear_q8_0_portable
+                      : amx                      ? cpu::linear_q8_0_amx
                       : isa >= cpu::Isa::kAvx512 ? cpu::linear_q8_0_avx512
                                                  : cpu::linear_q8_0_avx2;
   kernel(act, wc.data_ptr<uint8_t>(), has_bias ? bf.data_ptr<float>() : nullptr, out.data_ptr<float>(), N, N);

@@ -229,16 +229,22 @@ def test_serve_flag_takes_on_off_or_auto() -> None:
 
 
 def test_the_mode_is_per_thread_and_restored() -> None:
+    """Both copies of the flag: Python's, and the C++ ops' (which keeps AMX out of the mode)."""
     import threading
 
-    seen: list[bool] = []
+    import server._C
+
+    seen: list[tuple[bool, bool]] = []
     with batch_invariant.mode(True):
-        t = threading.Thread(target=lambda: seen.append(batch_invariant.enabled()))
+        t = threading.Thread(target=lambda: seen.append((batch_invariant.enabled(), server._C.batch_invariant())))
         t.start()
         t.join()
-        assert batch_invariant.enabled()
-    assert not batch_invariant.enabled()
-    assert seen == [False]
+        assert batch_invariant.enabled() and server._C.batch_invariant()
+        with batch_invariant.mode(False):
+            assert not server._C.batch_invariant()
+        assert server._C.batch_invariant()
+    assert not batch_invariant.enabled() and not server._C.batch_invariant()
+    assert seen == [(False, False)]
 
 
 @pytest.mark.slow

@@ -119,7 +119,11 @@ void run_blocks(const float* xf, const uint16_t* w, const uint16_t* bias, uint16
   const int64_t blocks = N / NR;
   // Static schedule: each thread streams one contiguous slice of the weight, which the hardware
   // prefetcher follows; blocks cost the same, so nothing is gained by dynamic scheduling.
-#pragma omp parallel for schedule(static) if (blocks * K * M >= 65536)
+  // Threads from 64 K multiply-adds (every linear kernel uses this rule, counted in elements, not
+  // blocks): one core alone streams about 8 GB/s here, two about 15, and waking the second costs a
+  // few microseconds, so even a 576 x 576 bf16 projection (0.66 MB) gains 1.7x (81 -> 47 us,
+  // bench/RESULTS.md).
+#pragma omp parallel for schedule(static) if (N * K * M >= 65536)
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t n = b * NR;
     rows_block<NR>(xf, w + n * K, K, bias ? bias + n : nullptr, out + n, ldo, M);
@@ -190,7 +194,7 @@ void linear_f32_avx2(const float* x, int64_t ldx, const float* w, const float* b
     const int64_t rows = std::min(kF32RowTile, M - m0);
     const float* xt = x + m0 * ldx;
     float* ot = out + m0 * ldo;
-#pragma omp parallel for schedule(static) if (blocks * K * rows >= 65536)
+#pragma omp parallel for schedule(static) if (N * K * rows >= 65536)
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t n = b * NR;
       rows_block_f32<NR>(xt, ldx, w + n * K, K, bias ? bias + n : nullptr, ot + n, ldo, rows);

@@ -144,7 +144,7 @@ void run_blocks(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_
   const int64_t blocks = N / NR;
   // Static schedule: each thread streams one contiguous slice of the weight, which the hardware
   // prefetcher follows; blocks cost the same, so nothing is gained by dynamic scheduling.
-#pragma omp parallel for schedule(static) if (blocks * K * M >= 65536)
+#pragma omp parallel for schedule(static) if (N * K * M >= 65536)
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t n = b * NR;
     rows_block<NR>(x, ldx, w + n * K, K, bias ? bias + n : nullptr, out + n, ldo, M);

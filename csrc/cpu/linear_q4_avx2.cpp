@@ -270,7 +270,7 @@ void run_nr(const Q8SumActivations& x, const int8_t* xp, const uint8_t* w, const
   const int64_t row_bytes = x.K / q4_block_values(T) * q4_block_bytes(T);
   const int64_t groups = N / NR;
   // Static schedule: each thread streams one contiguous slice of the weight.
-#pragma omp parallel for schedule(static) if (groups * x.K * x.M >= 65536)
+#pragma omp parallel for schedule(static) if (N * x.K * x.M >= 65536)
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t n = g * NR;
     rows<T, NR>(x, xp, w + n * row_bytes, row_bytes, bias ? bias + n : nullptr, out + n, ldo);

@@ -172,7 +172,7 @@ void linear_q8_0_avx512(const Q8Activations& x, const uint8_t* w, const float* b
   const int64_t row_bytes = x.K / kQ8Block * kQ8BlockBytes;
   const int64_t groups = N / NR;
   // Static schedule: each thread streams one contiguous slice of the weight.
-#pragma omp parallel for schedule(static) if (groups * x.K * x.M >= 65536)
+#pragma omp parallel for schedule(static) if (N * x.K * x.M >= 65536)
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t n = g * NR;
     rows<NR>(x, w + n * row_bytes, row_bytes, bias ? bias + n : nullptr, out + n, ldo);

@@ -40,6 +40,12 @@ PYBIND11_MODULE(_C, m) {
       "set_batch_invariant", [](bool on) { pagewire::cpu::batch_invariant_mode = on; },
       "Batch-invariant kernel choices on the calling thread (server.kernels.batch_invariant.mode).");
   m.def(
+      "set_amx_allowed", [](bool on) { pagewire::cpu::amx_allowed = on; },
+      "Whether the linear ops may use the AMX kernels on the calling thread (the autotune's choice).");
+  m.def(
+      "amx_allowed", [] { return pagewire::cpu::amx_allowed; },
+      "Whether the linear ops may use the AMX kernels on the calling thread.");
+  m.def(
       "batch_invariant", [] { return pagewire::cpu::batch_invariant_mode; },
       "Whether the C++ ops make batch-invariant kernel choices on the calling thread.");
   m.def(

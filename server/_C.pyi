@@ -61,6 +61,14 @@ def set_batch_invariant(on: bool) -> None:
     """Batch-invariant kernel choices on the calling thread (server.kernels.batch_invariant.mode)."""
     ...
 
+def set_amx_allowed(on: bool) -> None:
+    """Whether the linear ops may use the AMX kernels on the calling thread (the autotune's choice)."""
+    ...
+
+def amx_allowed() -> bool:
+    """Whether the linear ops may use the AMX kernels on the calling thread."""
+    ...
+
 def batch_invariant() -> bool:
     """Whether the C++ ops make batch-invariant kernel choices on the calling thread."""
     ...

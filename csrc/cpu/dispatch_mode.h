@@ -1,3 +1,5 @@
+// Per-thread switches of the linear ops' kernel choice, set from Python.
+//
 // Whether the calling thread runs in batch-invariant mode (server.kernels.batch_invariant, which
 // sets it around each engine step through server._C.set_batch_invariant). The ops read it where a
 // kernel choice depends on the row count: there, batch-invariant mode keeps the one kernel whose
@@ -11,6 +13,10 @@
 namespace pagewire::cpu {
 
 inline thread_local bool batch_invariant_mode = false;
+
+// Whether the calling thread's linear ops may use the AMX kernels (server.kernels.autotune turns it
+// off around a call whose shape and row count it measured faster on the AVX-512 kernel).
+inline thread_local bool amx_allowed = true;
 
 // Rows from which the linear ops hand an Isa::kAmx CPU's work to the AMX kernels (linear_amx.cpp):
 // one B tile then feeds four 16 x M tile products; below it the AVX-512 kernels' dot products

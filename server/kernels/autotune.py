@@ -27,6 +27,12 @@ it will serve.
 The whole model shares one time budget; buckets are tuned smallest first, so a budget that runs
 out leaves the large buckets on their fixed rule (logged).
 
+On an AMX CPU (family "amx") the kernel path itself has two bodies from 4 rows: the AMX tiles
+(the default) and the AVX-512 dot products. For every bucket of 4 rows and more whose choice is
+the kernel, `tune` also times the kernel with AMX allowed and with it off (server._C.set_amx_allowed),
+by the same rule (AMX stays unless every sample without it is MARGIN faster); the plan then holds
+KERNEL_NO_AMX there, and ops.linear turns AMX off around that call.
+
 Deterministic (batch-invariant) mode does not use the table: ops.linear takes its batch-invariant
 path before looking here, so the path never depends on M there, and the engine does not tune.
 """
@@ -47,6 +53,7 @@ from server.kernels.quant import QuantizedWeight
 
 __all__ = [
     "BUCKETS", "LARGE_M", "LinearTable", "Choice", "Site", "bucket", "active", "active_table", "table_key", "tune",
+    "TORCH", "KERNEL", "KERNEL_NO_AMX",
 ]
 
 logger = logging.getLogger("pagewire.autotune")
@@ -67,9 +74,11 @@ DEFAULT_BUDGET_S = 2.0
 # for a QuantizedWeight. torch.Size hashes and compares as the plain tuple, so ops.linear builds
 # the key from weight.shape directly.
 Key = tuple[Any, ...]
-Plan = tuple[bool, ...]  # per bucket: True = the kernel path, False = the torch path
+Plan = tuple[int, ...]  # per bucket: TORCH, KERNEL or KERNEL_NO_AMX (True / False read as KERNEL / TORCH)
+TORCH, KERNEL, KERNEL_NO_AMX = 0, 1, 2
+AMX_FIRST_BUCKET = 2  # BUCKETS[2] = 4 rows: where the linear ops start to use AMX (kAmxMinRows)
 Weight = Union[torch.Tensor, QuantizedWeight]
-# (timed path "kernel" or "torch", the call, most repetitions) -> seconds per call.
+# (timed path "kernel", "torch" or "kernel-noamx", the call, most repetitions) -> seconds per call.
 Timer = Callable[[str, Callable[[], object], int], float]
 
 
@@ -90,6 +99,12 @@ class Choice:
     how: str  # "timed" (SAMPLES each), "clear" (one each, the default > CLEAR_RATIO faster), "fixed", "budget"
     kernel_s: Optional[float] = None
     torch_s: Optional[float] = None
+    no_amx: bool = False  # AMX CPUs: the kernel path with AMX off (timed faster)
+    no_amx_s: Optional[float] = None  # the kernel path's time with AMX off, when timed
+
+    @property
+    def plan(self) -> int:
+        return (KERNEL_NO_AMX if self.no_amx else KERNEL) if self.kernel else TORCH
 
 
 @dataclass
@@ -207,7 +222,9 @@ def tune(
                 table.choices[key][b] = choice
                 assert choice.kernel_s is not None and choice.torch_s is not None
                 last[key] = (m, choice.kernel_s, choice.torch_s)
-    table.plans = {key: tuple(c.kernel for c in cs) for key, cs in table.choices.items()}
+        if isa == "amx":
+            _tune_amx(ops, table, groups, t_start, budget_s, gen, timer)
+    table.plans = {key: tuple(c.plan for c in cs) for key, cs in table.choices.items()}
     table.seconds = time.perf_counter() - t_start
     if log:
         for line in table.lines():
@@ -215,6 +232,42 @@ def tune(
         logger.info("linear autotune: %d shape(s) in %.2f s (budget %.1f s, CPU kernels %s)",
                     len(table.plans), table.seconds, budget_s, isa)
     return table
+
+
+def _tune_amx(ops: ModuleType, table: LinearTable, groups: dict[Key, Site], t_start: float, budget_s: float,
+              gen: torch.Generator, timer: Timer) -> None:
+    """AMX CPUs: where the kernel path was chosen from 4 rows on, AMX tiles or the AVX-512 kernel."""
+    for b in range(AMX_FIRST_BUCKET, LARGE + 1):
+        m = BUCKETS[b] if b < LARGE else table.large_m
+        for key, site in groups.items():
+            choice = table.choices[key][b]
+            if not choice.kernel or choice.how == "budget":
+                continue
+            if isinstance(site.weight, QuantizedWeight) and site.weight.qtype != "q8_0":
+                continue  # the 4-bit formats have no AMX body
+            seen = choice.kernel_s if choice.kernel_s is not None else 0.0
+            if time.perf_counter() - t_start + 2 * (1 + SAMPLES) * max(seen, MIN_SAMPLE_S) > budget_s:
+                continue  # AMX stays: the issue's default from 4 rows
+            choice.no_amx, choice.no_amx_s = _time_amx(ops, site, m, gen, timer)
+
+
+def _time_amx(ops: ModuleType, site: Site, m: int, gen: torch.Generator, timer: Timer) -> tuple[bool, float]:
+    """The kernel path with AMX (the default) against it without; returns (AMX off wins, its best time)."""
+    w = site.weight
+    x = torch.randn((m, int(w.shape[1])), generator=gen).to(site.x_dtype)
+    path = ops._quant_kernel_path if isinstance(w, QuantizedWeight) else ops._float_kernel_path
+    paths: dict[str, Callable[[], object]] = {
+        "kernel": lambda: path(x, w, None),
+        "kernel-noamx": lambda: ops.without_amx(path, x, w, None),
+    }
+    warm = {name: timer(name, fn, 1) for name, fn in paths.items()}
+    reps = max(1, min(100, math.ceil(MIN_SAMPLE_S / max(min(warm.values()), 1e-7))))
+    samples: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(SAMPLES):
+        for name, fn in paths.items():
+            samples[name].append(timer(name, fn, reps))
+    off_wins = max(samples["kernel-noamx"]) < min(samples["kernel"]) * (1 - MARGIN)
+    return off_wins, min(samples["kernel-noamx"])
 
 
 def _predicted_s(last: Optional[tuple[int, float, float]], m: int) -> float:
@@ -273,9 +326,12 @@ def _format_line(key: Key, names: list[str], choices: list[Choice], large_m: int
     for b, c in enumerate(choices):
         label = f"M{BUCKETS[b]}" if b < LARGE else f"M>{BUCKETS[-1]}({large_m})"
         path = "kernel" if c.kernel else "torch"
+        if c.kernel and c.no_amx:
+            path = "kernel(no AMX)"
+        amx = f" AVX-512 {c.no_amx_s * 1e3:.3g}ms" if c.no_amx_s is not None else ""
         if c.kernel_s is not None and c.torch_s is not None:
             parts.append(f"{label} {path} {c.kernel_s * 1e3:.3g}/{c.torch_s * 1e3:.3g}ms"
-                         + (" clear" if c.how == "clear" else ""))
+                         + (" clear" if c.how == "clear" else "") + amx)
         else:
             parts.append(f"{label} {path} ({c.how})")
     return f"linear autotune {kind} N={n} K={k} [{used}]: " + "; ".join(parts) + " (times kernel/torch)"

@@ -7,7 +7,7 @@ raise RuntimeError naming the offending argument.
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,7 @@ from server.kernels.quant import QuantizedWeight
 __all__ = [
     "write_kv_cache", "paged_attention", "copy_blocks", "linear", "rms_norm", "add_rms_norm",
     "rotary_embedding", "silu_and_mul", "ngram_propose", "rejection_sample", "cpu_isa", "detected_cpu_isa", "cpu_features",
+    "without_amx",
 ]
 
 logger = logging.getLogger(__name__)
@@ -178,8 +179,10 @@ def linear(
         plans = autotune.active_table()
         plan = plans.get((weight.qtype, x.dtype, weight.shape)) if plans is not None else None
         if plan is not None:
-            path = _quant_kernel_path if plan[autotune.bucket(x.numel() // weight.shape[1])] else _quant_gemm_path
-            return path(x, weight, bias)
+            choice = plan[autotune.bucket(x.numel() // weight.shape[1])]
+            if choice == autotune.KERNEL_NO_AMX:
+                return without_amx(_quant_kernel_path, x, weight, bias)
+            return (_quant_kernel_path if choice else _quant_gemm_path)(x, weight, bias)
         return _linear_quantized(x, weight, bias)
     dtype = x.dtype
     if (
@@ -199,6 +202,8 @@ def linear(
         plan = plans.get((dtype, weight.shape)) if plans is not None else None
         if plan is not None:
             use_kernel = plan[autotune.bucket(m)]
+            if use_kernel == autotune.KERNEL_NO_AMX:
+                return without_amx(_float_kernel_path, x, weight, bias)
         else:
             use_kernel = fixed_rule_takes_kernel(weight, m)
         if use_kernel:
@@ -214,6 +219,17 @@ def fixed_rule_takes_kernel(weight: torch.Tensor | QuantizedWeight, m: int) -> b
     if isinstance(weight, QuantizedWeight):
         return m <= Q8_KERNEL_MAX_ROWS
     return weight.dtype == torch.bfloat16 and (BF16_KERNEL_EVERY_M or m <= LINEAR_KERNEL_MAX_M)
+
+
+def without_amx(path: Callable[[torch.Tensor, Any, Optional[torch.Tensor]], torch.Tensor], x: torch.Tensor,
+                weight: Any, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """path(x, weight, bias) with the linear ops' AMX kernels off on this thread (the autotune
+    measured the AVX-512 kernel faster for this shape and row count)."""
+    server._C.set_amx_allowed(False)
+    try:
+        return path(x, weight, bias)
+    finally:
+        server._C.set_amx_allowed(True)
 
 
 # The two paths of each weight kind; server.kernels.autotune times exactly these.

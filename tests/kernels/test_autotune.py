@@ -242,3 +242,79 @@ def test_bad_autotune_values_name_the_field() -> None:
         settings_from_args(p.parse_args([]), {"PAGEWIRE_AUTOTUNE": "sometimes"})
     assert settings_from_args(p.parse_args(["--autotune", "off"]), {}).autotune is False
     assert settings_from_args(p.parse_args([]), {}).engine_config("m").autotune is None
+
+
+def amx_timer(slow: str) -> autotune.Timer:
+    """Torch always slow (so the kernel path is chosen); of the kernel with and without AMX, `slow` is."""
+    times = {"torch": 10.0, "kernel": 1.0, "kernel-noamx": 1.0}
+    times[slow] = 2.0
+
+    def timer(path: str, fn: Callable[[], object], reps: int) -> float:
+        fn()
+        return 1e-3 * times[path]
+
+    return timer
+
+
+@pytest.mark.parametrize("slow", ["kernel", "kernel-noamx"])
+def test_amx_cpu_also_times_the_kernel_without_amx(monkeypatch: pytest.MonkeyPatch, slow: str) -> None:
+    """On an AMX CPU, from 4 rows the kernel path is timed with AMX allowed and off; the plan holds
+    KERNEL_NO_AMX only where AMX was slower, and the timing really ran with the switch off."""
+    import server._C
+
+    monkeypatch.setattr(ops, "cpu_isa", lambda: "amx")
+    flags: list[tuple[str, bool]] = []
+    float_path, quant_path = ops._float_kernel_path, ops._quant_kernel_path
+
+    def spy(real: Callable[..., torch.Tensor], kind: str) -> Callable[..., torch.Tensor]:
+        def run(x: torch.Tensor, w: object, b: torch.Tensor | None) -> torch.Tensor:
+            flags.append((kind, server._C.amx_allowed()))
+            return real(x, w, b)
+        return run
+
+    monkeypatch.setattr(ops, "_float_kernel_path", spy(float_path, "float"))
+    monkeypatch.setattr(ops, "_quant_kernel_path", spy(quant_path, "quant"))
+    gen = torch.Generator().manual_seed(5)
+    w32 = torch.randn(48, 64, generator=gen)
+    sites = [Site("bf16", w32.bfloat16(), torch.bfloat16), Site("q8", QuantizedWeight.quantize(w32), torch.bfloat16),
+             Site("q4", QuantizedWeight.quantize(w32, "q4_0"), torch.bfloat16)]
+    table = tune(sites, timer=amx_timer(slow), budget_s=120.0, log=False)
+    assert server._C.amx_allowed()  # restored after every timed call
+    assert (False in {on for _, on in flags}) and (True in {on for _, on in flags})
+    for key, plan in table.plans.items():
+        amx_body = key[0] != "q4_0"  # the 4-bit formats have no AMX kernel: nothing to compare
+        for b, choice in enumerate(plan):
+            # Q8_0 at 4 and 8 rows keeps the kernel by rule (dequantise + GEMM is not plausible
+            # there), but AMX against AVX-512 is still timed.
+            if b >= autotune.AMX_FIRST_BUCKET and amx_body and slow == "kernel":
+                assert choice == autotune.KERNEL_NO_AMX, (key, b)
+            else:
+                assert choice == autotune.KERNEL, (key, b)
+    if slow == "kernel":
+        assert any("kernel(no AMX)" in line for line in table.lines())
+
+
+@needs_kernels
+def test_linear_turns_amx_off_where_the_table_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    import server._C
+
+    seen: list[tuple[int, bool]] = []
+    real = ops._float_kernel_path
+
+    def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        seen.append((x.shape[0], server._C.amx_allowed()))
+        return real(x, w, b)
+
+    monkeypatch.setattr(ops, "_float_kernel_path", spy)
+    gen = torch.Generator().manual_seed(6)
+    w = (torch.randn(40, 96, generator=gen) / 96**0.5).bfloat16()
+    K, NO = autotune.KERNEL, autotune.KERNEL_NO_AMX
+    table = LinearTable(plans={(torch.bfloat16, (40, 96)): (K, K, NO, NO, K, NO)})
+    for m in ROWS:
+        x = torch.randn(m, 96, generator=gen).bfloat16()
+        with autotune.active(table):
+            y = ops.linear(x, w)
+        assert server._C.amx_allowed()
+        ref = x.double() @ w.double().T
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() <= 1e-2
+    assert seen == [(m, table.plans[(torch.bfloat16, (40, 96))][bucket(m)] != NO) for m in ROWS]

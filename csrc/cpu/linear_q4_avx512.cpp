@@ -44,7 +44,11 @@ namespace {
 
 constexpr int kPrefetchRows = 8;  // as the other kernels: weight rows ahead, at the offset being read
 
-inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
+// Always inlined: a call left out of line (in the pair lambda, GCC 12 kept it so) is judged free of
+// side effects and dropped, prefetch and all.
+__attribute__((always_inline)) inline void prefetch(const uint8_t* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+}
 
 inline float fp16(const uint8_t* p) {
   uint16_t h;

@@ -36,6 +36,7 @@ echo "families to time: ${families:-none}"
 
 "$PY" -m pytest -q tests/kernels/test_linear.py tests/kernels/test_quant.py tests/kernels/test_quant4.py \
     tests/kernels/test_autotune.py tests/kernels/test_paged_attention.py tests/kernels/test_emulated_vnni.py \
+    tests/kernels/test_emulated_vnni_q4.py \
     tests/kernels/test_emulated_bf16.py tests/kernels/test_emulated_amx.py 2>&1 | tail -5 | tee "$OUT/tests.txt"
 
 for fam in $families; do

@@ -1,7 +1,8 @@
 // The 4-bit quantised-weight CPU ops (GGUF's Q4_0, Q4_1 and Q4_K layouts, see quant4_kernel.h):
 // quantize_q4_0 (float weights at load, GGUF's rounding), dequantize_q4 (tests, prefill), and
 // linear_q4: x @ dequant(w)^T (+ bias) with x quantised per row to Q8 blocks on the fly, through
-// the AVX2 kernel when the CPU has it and the portable one otherwise. Batches above
+// the AVX-512 VNNI kernel (linear_q4_avx512.cpp) when the CPU has it, the AVX2 one
+// (linear_q4_avx2.cpp) when it has that, and the portable one otherwise. Batches above
 // kQ4KernelMaxRows (prefill) dequantise the weight a chunk of rows at a time and run ATen's GEMM
 // on each chunk: compute-bound there, and the chunk keeps the dequantised copy small.
 #include <ATen/core/Tensor.h>
@@ -227,11 +228,14 @@ at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::str
     xd.resize(M * nb);
     xs.resize(M * nb);
   }
-  const bool portable = cpu::active_isa() == cpu::Isa::kPortable;
+  const cpu::Isa isa = cpu::active_isa();
+  const bool portable = isa == cpu::Isa::kPortable;
   (portable ? cpu::quantize_rows_q8 : cpu::quantize_rows_q8_avx2)(xf.data_ptr<float>(), K, M, K, xq.data(),
                                                                     xd.data(), xs.data());
   const cpu::Q8SumActivations act{xq.data(), xd.data(), xs.data(), M, K};
-  const auto kernel = portable ? cpu::linear_q4_portable : cpu::linear_q4_avx2;
+  const auto kernel = portable                      ? cpu::linear_q4_portable
+                      : isa >= cpu::Isa::kAvx512 ? cpu::linear_q4_avx512
+                                                 : cpu::linear_q4_avx2;
   kernel(t, act, wc.data_ptr<uint8_t>(), has_bias ? bf.data_ptr<float>() : nullptr, out.data_ptr<float>(), N, N);
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }

@@ -18,7 +18,6 @@
 //
 // Batch invariance (docs/determinism.md): every output (m, n) has its own accumulator, updated in
 // K order with the same instructions whatever the tile shape, then one fixed horizontal sum.
-#include <immintrin.h>
 #include <omp.h>
 
 #include <cstdint>
@@ -27,9 +26,9 @@
 
 // Headers first: inline functions they define must keep the baseline ISA.
 #include "quant4_kernel.h"
+#include "x86_target.h"
 
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
+PAGEWIRE_TARGET_PUSH("avx2,fma,f16c")
 
 #include "avx2_util.h"
 
@@ -318,4 +317,4 @@ void linear_q4_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const
 
 }  // namespace pagewire::cpu
 
-#pragma GCC pop_options
+PAGEWIRE_TARGET_POP

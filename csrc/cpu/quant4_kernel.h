@@ -1,6 +1,6 @@
 // The torch-free interface of the 4-bit quantised-weight linear kernels (linear_q4.cpp portable,
-// linear_q4_avx2.cpp). Weight layouts are GGUF's, byte for byte, so tensors read from a GGUF file
-// ([N rows][blocks of one row]) are used as they are:
+// linear_q4_avx2.cpp, linear_q4_avx512.cpp). Weight layouts are GGUF's, byte for byte, so tensors
+// read from a GGUF file ([N rows][blocks of one row]) are used as they are:
 //   Q4_0: 32 values in 18 bytes {fp16 d, 16 bytes q}: value = d * (q - 8)
 //   Q4_1: 32 values in 20 bytes {fp16 d, fp16 m, 16 bytes q}: value = d * q + m
 //     (Q4_0/Q4_1: byte j holds value j in its low nibble and value j + 16 in its high nibble)
@@ -57,5 +57,7 @@ void linear_q4_portable(Q4Type t, const Q8SumActivations& x, const uint8_t* w, c
                         int64_t ldo, int64_t N);
 void linear_q4_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,
                     int64_t ldo, int64_t N);  // Isa::kAvx2 or better
+void linear_q4_avx512(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,
+                      int64_t ldo, int64_t N);  // Isa::kAvx512 or better
 
 }  // namespace pagewire::cpu

@@ -24,6 +24,10 @@ inline __m512 _mm512_cvtepi32_ps(__m512i a) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_cvtepi32_ps(_mm512_castsi512_si256(a))),
                             _mm256_cvtepi32_ps(_mm512_extracti64x4_epi64(a, 1)), 1);
 }
+// Lanes in k: a * b + c; the others keep c.
+inline __m512 _mm512_mask3_fmadd_ps(__m512 a, __m512 b, __m512 c, simde__mmask16 k) {
+  return _mm512_mask_mov_ps(c, k, _mm512_fmadd_ps(a, b, c));
+}
 
 // Masked-off elements are neither read nor kept, as on hardware (the mask guards a row's end).
 inline __m512i _mm512_maskz_loadu_epi16(__mmask32 k, const void* p) {

@@ -94,19 +94,6 @@ CpuFeatures detect() {
   return f;
 }
 #else
-// Linux (5.16 on) keeps AMX's 8 KB tile state off until a process asks for it: the first tile
-// instruction would otherwise fault (SIGILL). The grant is per process, so asking once here, before
-// any kernel runs, covers every thread, OpenMP's included. Other systems: no AMX kernels.
-bool request_amx_permission() {
-#if defined(__linux__) && defined(__x86_64__)
-  constexpr long kArchReqXcompPerm = 0x1023;  // arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
-  constexpr long kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-#else
-  return false;
-#endif
-}
-
 CpuFeatures detect() { return CpuFeatures{}; }
 #endif
 

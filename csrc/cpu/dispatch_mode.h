@@ -10,6 +10,8 @@
 
 #include <cstdint>
 
+#include "cpu_features.h"
+
 namespace pagewire::cpu {
 
 inline thread_local bool batch_invariant_mode = false;
@@ -22,5 +24,11 @@ inline thread_local bool amx_allowed = true;
 // one B tile then feeds four 16 x M tile products; below it the AVX-512 kernels' dot products
 // waste less of each instruction.
 constexpr int64_t kAmxMinRows = 4;
+
+// Whether a linear op of M rows on family `isa` goes to the AMX kernels: an AMX CPU, enough rows,
+// not batch-invariant mode, and not turned off for this call by the autotune.
+inline bool use_amx(Isa isa, int64_t M) {
+  return isa >= Isa::kAmx && M >= kAmxMinRows && !batch_invariant_mode && amx_allowed;
+}
 
 }  // namespace pagewire::cpu

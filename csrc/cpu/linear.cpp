@@ -50,9 +50,7 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::
   }
   // AMX tiles from kAmxMinRows rows, where a tile product has enough rows to pay for itself; below,
   // the AVX512-BF16 dot products. Batch-invariant mode keeps one kernel for every M.
-  const bool amx =
-      isa >= cpu::Isa::kAmx && M >= cpu::kAmxMinRows && !cpu::batch_invariant_mode && cpu::amx_allowed;
-  const auto kernel = amx                               ? cpu::linear_bf16_amx
+  const auto kernel = cpu::use_amx(isa, M)          ? cpu::linear_bf16_amx
                       : isa >= cpu::Isa::kAvx512Bf16 ? cpu::linear_bf16_avx512
                                                      : cpu::linear_bf16_avx2;
   kernel(reinterpret_cast<const uint16_t*>(xc.data_ptr()), xc.stride(0),

@@ -169,10 +169,8 @@ at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const 
                                                                     xd.data(), nullptr);
   const cpu::Q8Activations act{xq.data(), xd.data(), M, K};
   // AMX from kAmxMinRows rows (as for bf16, dispatch_mode.h: not in batch-invariant mode).
-  const bool amx =
-      isa >= cpu::Isa::kAmx && M >= cpu::kAmxMinRows && !cpu::batch_invariant_mode && cpu::amx_allowed;
   const auto kernel = portable                      ? cpu::linear_q8_0_portable
-                      : amx                      ? cpu::linear_q8_0_amx
+                      : cpu::use_amx(isa, M)     ? cpu::linear_q8_0_amx
                       : isa >= cpu::Isa::kAvx512 ? cpu::linear_q8_0_avx512
                                                  : cpu::linear_q8_0_avx2;
   kernel(act, wc.data_ptr<uint8_t>(), has_bias ? bf.data_ptr<float>() : nullptr, out.data_ptr<float>(), N, N);

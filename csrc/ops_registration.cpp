@@ -35,10 +35,12 @@ TORCH_LIBRARY(pagewire, m) {
   // x [M, K] @ dequant(weight)^T + bias [N] -> [M, N] in x's dtype (x quantised per row on the fly)
   m.def("linear_q8_0(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   // 4-bit weights: uint8 [N, K / block * block bytes] in GGUF's Q4_0, Q4_1 or Q4_K layout (qtype
-  // "q4_0", "q4_1", "q4_k"); linear_q4 as linear_q8_0
+  // "q4_0", "q4_1", "q4_k") or Q4_0 / Q4_1 interleaved eight rows at a time ("q4_0x8", "q4_1x8",
+  // cpu/quant4_kernel.h); linear_q4 as linear_q8_0
   m.def("quantize_q4_0(Tensor weight) -> Tensor");
   m.def("dequantize_q4(Tensor weight, str qtype) -> Tensor");
   m.def("linear_q4(Tensor x, Tensor weight, str qtype, Tensor? bias) -> Tensor");
+  m.def("interleave_q4(Tensor weight, str qtype) -> Tensor");  // -> the "q4_0x8" / "q4_1x8" layout
   // Speculative decoding (shapes in ops.h): the n-gram proposer (CPU only: it reads host token
   // lists) and exact verification by rejection sampling.
   m.def("ngram_propose(Tensor[] token_ids, Tensor num_tokens, int k, int min_n, int max_n) -> Tensor");
@@ -62,6 +64,7 @@ TORCH_LIBRARY_IMPL(pagewire, CPU, m) {
   m.impl("quantize_q4_0", &pagewire::quantize_q4_0_cpu);
   m.impl("dequantize_q4", &pagewire::dequantize_q4_cpu);
   m.impl("linear_q4", &pagewire::linear_q4_cpu);
+  m.impl("interleave_q4", &pagewire::interleave_q4_cpu);
   m.impl("ngram_propose", &pagewire::ngram_propose_cpu);
   m.impl("rejection_sample", &pagewire::rejection_sample_cpu);
 }

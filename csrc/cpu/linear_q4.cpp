@@ -5,6 +5,8 @@
 // (linear_q4_avx2.cpp) when it has that, and the portable one otherwise. Batches above
 // kQ4KernelMaxRows (prefill) dequantise the weight a chunk of rows at a time and run ATen's GEMM
 // on each chunk: compute-bound there, and the chunk keeps the dequantised copy small.
+// interleave_q4 rearranges Q4_0 / Q4_1 weights into the x8 layout (quant4_kernel.h), which every op
+// here also takes (qtype "q4_0x8", "q4_1x8"): linear_q4 runs it through linear_q4x8_avx2.cpp.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
@@ -73,6 +75,41 @@ void dequantize_q4_row(Q4Type t, const uint8_t* w, float* out, int64_t K) {
   }
 }
 
+namespace {
+
+// Where the x8 layout puts a block's pieces (quant4_kernel.h): the scales' bytes per block, and
+// the offset of the codes in a GGUF block.
+inline int x8_scale_bytes(Q4Type t) { return t == Q4Type::kQ4_0 ? 16 : 32; }
+inline int codes_offset(Q4Type t) { return t == Q4Type::kQ4_0 ? 2 : 4; }
+
+}  // namespace
+
+void interleave_q4_group(Q4Type t, const uint8_t* src, int64_t row_bytes, uint8_t* dst, int64_t K) {
+  const int bb = q4_block_bytes(t), sb = x8_scale_bytes(t), qo = codes_offset(t);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    uint8_t* o = dst + b * kQ4Interleave * bb;
+    for (int r = 0; r < kQ4Interleave; ++r) {
+      const uint8_t* blk = src + r * row_bytes + b * bb;
+      std::memcpy(o + 2 * r, blk, 2);                                         // d
+      if (t == Q4Type::kQ4_1) std::memcpy(o + 16 + 2 * r, blk + 2, 2);        // m
+      for (int c = 0; c < 4; ++c) std::memcpy(o + sb + 32 * c + 4 * r, blk + qo + 4 * c, 4);
+    }
+  }
+}
+
+void deinterleave_q4_group(Q4Type t, const uint8_t* src, uint8_t* dst, int64_t row_bytes, int64_t K) {
+  const int bb = q4_block_bytes(t), sb = x8_scale_bytes(t), qo = codes_offset(t);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* in = src + b * kQ4Interleave * bb;
+    for (int r = 0; r < kQ4Interleave; ++r) {
+      uint8_t* blk = dst + r * row_bytes + b * bb;
+      std::memcpy(blk, in + 2 * r, 2);
+      if (t == Q4Type::kQ4_1) std::memcpy(blk + 2, in + 16 + 2 * r, 2);
+      for (int c = 0; c < 4; ++c) std::memcpy(blk + qo + 4 * c, in + sb + 32 * c + 4 * r, 4);
+    }
+  }
+}
+
 void linear_q4_portable(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,
                         int64_t ldo, int64_t N) {
   const int64_t nb = x.K / 32, row_bytes = x.K / q4_block_values(t) * q4_block_bytes(t);
@@ -99,11 +136,18 @@ void linear_q4_portable(Q4Type t, const Q8SumActivations& x, const uint8_t* w, c
 
 namespace {
 
-cpu::Q4Type parse_q4_type(const std::string& qtype) {
-  if (qtype == "q4_0") return cpu::Q4Type::kQ4_0;
-  if (qtype == "q4_1") return cpu::Q4Type::kQ4_1;
-  if (qtype == "q4_k") return cpu::Q4Type::kQ4_K;
-  TORCH_CHECK(false, "qtype must be 'q4_0', 'q4_1' or 'q4_k', got '", qtype, "'");
+struct Q4Format {
+  cpu::Q4Type type;
+  bool interleaved;  // the x8 layout (quant4_kernel.h)
+};
+
+Q4Format parse_q4_type(const std::string& qtype) {
+  if (qtype == "q4_0") return {cpu::Q4Type::kQ4_0, false};
+  if (qtype == "q4_1") return {cpu::Q4Type::kQ4_1, false};
+  if (qtype == "q4_k") return {cpu::Q4Type::kQ4_K, false};
+  if (qtype == "q4_0x8") return {cpu::Q4Type::kQ4_0, true};
+  if (qtype == "q4_1x8") return {cpu::Q4Type::kQ4_1, true};
+  TORCH_CHECK(false, "qtype must be 'q4_0', 'q4_1', 'q4_k', 'q4_0x8' or 'q4_1x8', got '", qtype, "'");
 }
 
 // Bytes per row of K values of type t, checking that K is a whole number of blocks.
@@ -122,14 +166,25 @@ void check_q4_weight(const at::Tensor& weight, cpu::Q4Type t, const std::string&
               weight.sizes());
 }
 
-// float32 [rows, K] from rows [n0, n0 + rows) of a contiguous weight.
-at::Tensor dequantize_rows(const at::Tensor& wc, cpu::Q4Type t, int64_t K, int64_t n0, int64_t rows) {
+// float32 [rows, K] from rows [n0, n0 + rows) of a contiguous weight. Interleaved weights: n0 a
+// multiple of 8; each group is put back in row layout in a small buffer, then dequantised.
+at::Tensor dequantize_rows(const at::Tensor& wc, Q4Format f, int64_t K, int64_t n0, int64_t rows) {
   const int64_t rb = wc.size(1);
   at::Tensor out = at::empty({rows, K}, wc.options().dtype(at::kFloat));
   const uint8_t* src = wc.data_ptr<uint8_t>() + n0 * rb;
   float* dst = out.data_ptr<float>();
+  constexpr int64_t G = cpu::kQ4Interleave;
+  // Rows [0, grouped) of the range are whole interleaved groups; the rest are in row layout.
+  const int64_t grouped = f.interleaved ? std::max<int64_t>(0, std::min(rows, wc.size(0) / G * G - n0)) : 0;
+  TORCH_CHECK(!f.interleaved || n0 % G == 0, "dequantize_rows: n0 = ", n0, " must be a multiple of ", G);
 #pragma omp parallel for schedule(static) if (rows * K >= (1 << 16))
-  for (int64_t n = 0; n < rows; ++n) cpu::dequantize_q4_row(t, src + n * rb, dst + n * K, K);
+  for (int64_t g = 0; g < grouped / G; ++g) {
+    std::vector<uint8_t> rows8(G * rb);
+    cpu::deinterleave_q4_group(f.type, src + g * G * rb, rows8.data(), rb, K);
+    for (int64_t r = 0; r < G; ++r) cpu::dequantize_q4_row(f.type, rows8.data() + r * rb, dst + (g * G + r) * K, K);
+  }
+#pragma omp parallel for schedule(static) if ((rows - grouped) * K >= (1 << 16))
+  for (int64_t n = grouped; n < rows; ++n) cpu::dequantize_q4_row(f.type, src + n * rb, dst + n * K, K);
   return out;
 }
 
@@ -176,18 +231,41 @@ at::Tensor quantize_q4_0_cpu(const at::Tensor& weight) {
 
 at::Tensor dequantize_q4_cpu(const at::Tensor& weight, c10::string_view qtype_view) {
   const std::string qtype(qtype_view);
-  const cpu::Q4Type t = parse_q4_type(qtype);
+  const Q4Format f = parse_q4_type(qtype);
+  const cpu::Q4Type t = f.type;
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) % cpu::q4_block_bytes(t) == 0, "weight must be [N, row bytes] ",
               qtype, " blocks, got shape ", weight.sizes());
   const int64_t K = weight.size(1) / cpu::q4_block_bytes(t) * cpu::q4_block_values(t);
   check_q4_weight(weight, t, qtype, K);
-  return dequantize_rows(weight.contiguous(), t, K, 0, weight.size(0));
+  return dequantize_rows(weight.contiguous(), f, K, 0, weight.size(0));
+}
+
+at::Tensor interleave_q4_cpu(const at::Tensor& weight, c10::string_view qtype_view) {
+  const std::string qtype(qtype_view);
+  const Q4Format f = parse_q4_type(qtype);
+  TORCH_CHECK(!f.interleaved && cpu::q4_interleavable(f.type), "qtype must be 'q4_0' or 'q4_1' (row layout), got '",
+              qtype, "'");
+  const cpu::Q4Type t = f.type;
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) % cpu::q4_block_bytes(t) == 0, "weight must be [N, row bytes] ",
+              qtype, " blocks, got shape ", weight.sizes());
+  const int64_t K = weight.size(1) / cpu::q4_block_bytes(t) * cpu::q4_block_values(t);
+  check_q4_weight(weight, t, qtype, K);
+  const at::Tensor wc = weight.contiguous();
+  at::Tensor out = at::empty(wc.sizes(), wc.options());
+  const int64_t N = wc.size(0), rb = wc.size(1), G = cpu::kQ4Interleave, groups = N / G;
+  const uint8_t* src = wc.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+#pragma omp parallel for schedule(static) if (N * K >= (1 << 16))
+  for (int64_t g = 0; g < groups; ++g) cpu::interleave_q4_group(t, src + g * G * rb, rb, dst + g * G * rb, K);
+  std::memcpy(dst + groups * G * rb, src + groups * G * rb, (N - groups * G) * rb);  // the last N % 8 rows
+  return out;
 }
 
 at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::string_view qtype_view,
                          const c10::optional<at::Tensor>& bias) {
   const std::string qtype(qtype_view);
-  const cpu::Q4Type t = parse_q4_type(qtype);
+  const Q4Format f = parse_q4_type(qtype);
+  const cpu::Q4Type t = f.type;
   TORCH_CHECK(x.device().is_cpu(), "x must be a CPU tensor, got ", x.device());
   TORCH_CHECK(x.dim() == 2, "x must be [M, K], got shape ", x.sizes());
   TORCH_CHECK(at::isFloatingType(x.scalar_type()), "x must be floating point, got ", x.scalar_type());
@@ -205,10 +283,11 @@ at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::str
     // Prefill: ATen's GEMM on dequantised chunks of rows (each chunk about 2 MB of fp32, so the
     // copy stays in cache and memory does not hold a whole dequantised matrix).
     at::Tensor out = at::empty({M, N}, x.options());
-    const int64_t chunk = std::max<int64_t>(64, (int64_t{1} << 19) / K);
+    // (a multiple of 8 rows: an interleaved weight's groups are never split)
+    const int64_t chunk = (std::max<int64_t>(64, (int64_t{1} << 19) / K) + 7) / 8 * 8;
     for (int64_t n0 = 0; n0 < N; n0 += chunk) {
       const int64_t rows = std::min(chunk, N - n0);
-      const at::Tensor w = dequantize_rows(wc, t, K, n0, rows).to(x.scalar_type());
+      const at::Tensor w = dequantize_rows(wc, f, K, n0, rows).to(x.scalar_type());
       const c10::optional<at::Tensor> b =
           has_bias ? c10::optional<at::Tensor>(bias->narrow(0, n0, rows)) : c10::optional<at::Tensor>();
       out.narrow(1, n0, rows).copy_(at::linear(x, w, b));
@@ -236,7 +315,27 @@ at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::str
   const auto kernel = portable                      ? cpu::linear_q4_portable
                       : isa >= cpu::Isa::kAvx512 ? cpu::linear_q4_avx512
                                                  : cpu::linear_q4_avx2;
-  kernel(t, act, wc.data_ptr<uint8_t>(), has_bias ? bf.data_ptr<float>() : nullptr, out.data_ptr<float>(), N, N);
+  const uint8_t* w = wc.data_ptr<uint8_t>();
+  const float* b = has_bias ? bf.data_ptr<float>() : nullptr;
+  float* o = out.data_ptr<float>();
+  if (!f.interleaved) {
+    kernel(t, act, w, b, o, N, N);
+  } else if (!portable) {
+    // Whole groups through the x8 kernel (AVX2, also on AVX-512 CPUs), the last N % 8 rows, in
+    // row layout, through the family's row kernel.
+    const int64_t G = cpu::kQ4Interleave, done = N / G * G, rb = wc.size(1);
+    cpu::linear_q4x8_avx2(t, act, w, b, o, N, done);
+    if (done < N) kernel(t, act, w + done * rb, b != nullptr ? b + done : nullptr, o + done, N, N - done);
+  } else {
+    // No AVX2 (or PAGEWIRE_CPU_ISA=portable after the weight was interleaved): the portable kernel
+    // on a row-layout copy. Slow, but only reached when the family is forced below the one the
+    // weight was prepared for.
+    const int64_t G = cpu::kQ4Interleave, rb = wc.size(1);
+    std::vector<uint8_t> rows(N * rb);
+    for (int64_t g = 0; g < N / G; ++g) cpu::deinterleave_q4_group(t, w + g * G * rb, rows.data() + g * G * rb, rb, K);
+    std::memcpy(rows.data() + N / G * G * rb, w + N / G * G * rb, (N % G) * rb);
+    kernel(t, act, rows.data(), b, o, N, N);
+  }
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 

@@ -51,6 +51,24 @@ inline void q4_k_scale_min(int j, const uint8_t* q, uint8_t* sc, uint8_t* mn) {
 // Dequantises one row of K values (K a multiple of the type's block) to fp32.
 void dequantize_q4_row(Q4Type t, const uint8_t* w, float* out, int64_t K);
 
+// The interleaved ("x8") layout of Q4_0 and Q4_1, which the AVX2 kernel reads fastest
+// (linear_q4x8_avx2.cpp). Rows 8g..8g+7 are rearranged within their own bytes so that one 32-byte
+// load holds four code bytes (eight values) of each of the eight rows, one row per 32-bit lane:
+//   per block b of 32 values: the eight rows' fp16 d (16 bytes), for Q4_1 then their eight fp16 m
+//   (16 bytes), then four 32-byte chunks; chunk c holds bytes 4c..4c+3 of each row's 16 code bytes,
+//   row r at bytes 4r..4r+3 (so low nibbles are values 4c..4c+3, high nibbles 16+4c..16+4c+3).
+// A group occupies exactly its eight rows' bytes (8 * row bytes); the last N % 8 rows of a weight
+// stay in GGUF's row layout. Nothing is dequantised: the codes and scales are the same bytes.
+constexpr int kQ4Interleave = 8;
+inline bool q4_interleavable(Q4Type t) { return t == Q4Type::kQ4_0 || t == Q4Type::kQ4_1; }
+// One group: eight GGUF rows (src, row stride row_bytes) -> the group's interleaved bytes, and back.
+void interleave_q4_group(Q4Type t, const uint8_t* src, int64_t row_bytes, uint8_t* dst, int64_t K);
+void deinterleave_q4_group(Q4Type t, const uint8_t* src, uint8_t* dst, int64_t row_bytes, int64_t K);
+// out[m][n] for the first N / 8 * 8 rows of an interleaved weight (the caller runs the remaining
+// N % 8 rows, in row layout, through linear_q4_avx2); same arguments as linear_q4_avx2.
+void linear_q4x8_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,
+                      int64_t ldo, int64_t N);  // Isa::kAvx2 or better
+
 // out[m][n] = sum over blocks (+ bias[n]), fp32 out [M, N] with row stride ldo; bias fp32 [N] or
 // nullptr; w: [N, K / block * block_bytes] bytes of type t.
 void linear_q4_portable(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,

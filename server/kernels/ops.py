@@ -486,13 +486,19 @@ def _quantize_q4_0_fake(weight):
     return weight.new_empty((weight.shape[0], weight.shape[1] // 32 * 18), dtype=torch.uint8)
 
 
-_Q4_FORMATS = {"q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144)}
+# (values, bytes) per block of each qtype string the 4-bit ops take ("x8": the interleaved layout).
+_Q4_FORMATS = {"q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144), "q4_0x8": (32, 18), "q4_1x8": (32, 20)}
 
 
 @torch.library.register_fake("pagewire::dequantize_q4")
 def _dequantize_q4_fake(weight, qtype):
     values, nbytes = _Q4_FORMATS[qtype]
     return weight.new_empty((weight.shape[0], weight.shape[1] // nbytes * values), dtype=torch.float32)
+
+
+@torch.library.register_fake("pagewire::interleave_q4")
+def _interleave_q4_fake(weight, qtype):
+    return torch.empty_like(weight)
 
 
 @torch.library.register_fake("pagewire::linear_q4")

@@ -164,7 +164,7 @@ def load_gguf_model(
     heads = {"attn_q.weight": config.num_heads, "attn_k.weight": config.num_kv_heads} if permute else {}
     for m in kept:
         module = model if m.layer is None else model._layers[m.layer]
-        qw = build_quantized(f, m, heads)
+        qw = build_quantized(f, m, heads).for_kernels()  # this CPU's fastest layout of the same bytes
         # A registered parameter can only be reassigned to a Parameter: unregister it first, so
         # the never-filled float matrix is freed.
         module._parameters.pop(m.name, None)

@@ -290,7 +290,7 @@ def _replace_with_quantized(module: nn.Module, name: str, qtype: str) -> None:
     weight = getattr(module, name)
     if isinstance(weight, QuantizedWeight):
         return
-    quantized = QuantizedWeight.quantize(weight, qtype)
+    quantized = QuantizedWeight.quantize(weight, qtype).for_kernels()  # this CPU's fastest layout
     # A registered parameter can only be reassigned to a Parameter: unregister it first, so the
     # quantised container becomes a plain attribute and the float matrix is freed.
     module._parameters.pop(name, None)

@@ -159,7 +159,7 @@ def test_bad_arguments_name_the_argument() -> None:
     q0 = random_q4("q4_0", 8, 64, seed=0)
     with pytest.raises(RuntimeError, match="weight must be \\[N, 36\\] q4_0 bytes"):
         torch.ops.pagewire.linear_q4(torch.randn(2, 64), q0.data[:, :30], "q4_0", None)
-    with pytest.raises(RuntimeError, match="qtype must be 'q4_0', 'q4_1' or 'q4_k'"):
+    with pytest.raises(RuntimeError, match="qtype must be 'q4_0', 'q4_1', 'q4_k', 'q4_0x8' or 'q4_1x8', got 'q5_0'"):
         torch.ops.pagewire.linear_q4(torch.randn(2, 64), q0.data, "q5_0", None)
     with pytest.raises(RuntimeError, match="bias must be"):
         torch.ops.pagewire.linear_q4(torch.randn(2, 64), q0.data, "q4_0", torch.randn(9))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from server.engine.config import ConfigError, EngineConfig
+from server.kernels import ops
 from server.kernels.quant import QuantizedWeight
 from server.models.llama import LlamaFamilyForCausalLM
 from server.models.loader import load_model
@@ -54,6 +55,8 @@ def test_gguf_blocks_kept_and_logits_track_the_dequantised_file(
     ref, _ = load_model(path, dtype="float32")
     matrices = [getattr(layer, n) for layer in kept._layers for n in layer.MATRICES] + [kept.lm_head]
     assert all(isinstance(w, QuantizedWeight) and w.qtype == qtype.lower() for w in matrices)
+    # The loader puts Q4_0 / Q4_1 in the layout this CPU's kernel reads fastest.
+    assert all(w.interleaved == (qtype in ("Q4_0", "Q4_1") and ops.cpu_isa() == "avx2") for w in matrices)
     assert not any(p.dtype == torch.uint8 for p in kept.parameters())
     # The kept blocks are the file's: dequantised, they are exactly what the float loader built
     # (which also checks the Q/K un-permutation of whole block rows).
@@ -71,6 +74,7 @@ def test_int4_model_tracks_its_dequantised_weights(k_sized_model: Path) -> None:
     quant.quantize_weights("int4")
     matrices = [getattr(layer, n) for layer in quant._layers for n in layer.MATRICES] + [quant.lm_head]
     assert all(isinstance(w, QuantizedWeight) and w.qtype == "q4_0" for w in matrices)
+    assert all(w.interleaved == (ops.cpu_isa() == "avx2") for w in matrices)
     ref, _ = load_model(k_sized_model, dtype="float32")
     with torch.no_grad():
         for lq, lr in zip(quant._layers, ref._layers):

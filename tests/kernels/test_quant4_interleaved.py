@@ -1,0 +1,140 @@
+"""Q4_0 / Q4_1 in the interleaved x8 layout (csrc/cpu/quant4_kernel.h), which the model loaders
+choose on AVX2 CPUs (QuantizedWeight.for_kernels): the layout is exactly the documented byte
+permutation, dequantises to what the `gguf` package reads from the original rows, and linear_q4
+on it matches a float64 reference on every kernel family this CPU has (the portable family reads
+it through a row-layout copy), row for row whatever the batch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.kernels import batch_invariant, ops
+from server.kernels.quant import QuantizedWeight
+from tests.kernels.test_quant4 import gguf_dequantize, linear_reference, random_q4
+
+X8_TYPES = ["q4_0", "q4_1"]
+
+
+def interleave(qw: QuantizedWeight) -> QuantizedWeight:
+    """The x8 copy of a row-layout weight, whatever this CPU's family (for_kernels decides that)."""
+    data = torch.ops.pagewire.interleave_q4(qw.data, qw.qtype)
+    return QuantizedWeight(qw.qtype, data, qw.shape, interleaved=True)
+
+
+@pytest.mark.parametrize("qtype", X8_TYPES)
+@pytest.mark.parametrize("N", [8, 13, 45])
+def test_interleave_is_the_documented_permutation(qtype: str, N: int) -> None:
+    K = 96
+    qw = random_q4(qtype, N, K, seed=N)
+    x8 = interleave(qw)
+    src, dst = qw.data, x8.data
+    assert dst.shape == src.shape and dst.dtype == torch.uint8
+    block = 18 if qtype == "q4_0" else 20
+    scale_bytes, codes = (16, 2) if qtype == "q4_0" else (32, 4)
+    groups = N // 8
+    for g in range(groups):
+        out = dst[8 * g: 8 * g + 8].reshape(-1)  # the group's bytes, in order
+        for b in range(K // 32):
+            blk = out[b * 8 * block: (b + 1) * 8 * block]
+            for r in range(8):
+                row = src[8 * g + r, b * block: (b + 1) * block]
+                assert torch.equal(blk[2 * r: 2 * r + 2], row[:2])  # d
+                if qtype == "q4_1":
+                    assert torch.equal(blk[16 + 2 * r: 18 + 2 * r], row[2:4])  # m
+                for c in range(4):
+                    start = scale_bytes + 32 * c + 4 * r
+                    assert torch.equal(blk[start: start + 4], row[codes + 4 * c: codes + 4 * c + 4])
+    assert torch.equal(dst[groups * 8:], src[groups * 8:])  # the last N % 8 rows stay as rows
+
+
+@pytest.mark.parametrize("qtype", X8_TYPES)
+@pytest.mark.parametrize("N", [8, 13, 45])
+def test_interleaved_dequantises_to_the_gguf_rows(qtype: str, N: int) -> None:
+    qw = random_q4(qtype, N, 256, seed=2 * N, zero_rows=(3,))
+    assert torch.equal(interleave(qw).dequantize(), gguf_dequantize(qw))
+
+
+@pytest.mark.parametrize("qtype", X8_TYPES)
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 16, 17, 40])
+@pytest.mark.parametrize("N,K", [(8, 32), (37, 256), (96, 768)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_interleaved_linear_matches_float64_reference(
+    cpu_isa: str, qtype: str, M: int, N: int, K: int, dtype: torch.dtype, with_bias: bool
+) -> None:
+    gen = torch.Generator().manual_seed(M * 17 + N + K)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    qw = random_q4(qtype, N, K, seed=M + N + 1, zero_rows=(5,) if N > 5 else ())
+    x8 = interleave(qw)
+    b = torch.randn(N, generator=gen).to(dtype) if with_bias else None
+    y = ops.linear(x, x8, b)
+    assert y.shape == (M, N) and y.dtype == dtype
+    ref = linear_reference(x, qw, b)
+    # 8-bit activation rounding per 32-value block, as in tests/kernels/test_quant4.py; its tail
+    # test's looser bound, since N = 8 or K = 256 leaves few outputs to set the scale.
+    err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err <= 2e-2 + (2.0**-8 if dtype == torch.bfloat16 else 0)
+    if N > 5:  # a row of zero scales gives exactly its bias
+        want_col = b[5].float() if b is not None else torch.zeros(())
+        torch.testing.assert_close(y[:, 5].float(), want_col.expand(M), rtol=0, atol=0)
+    # The same integer dot products as the row layout's kernel: equal up to fp32 summation order.
+    fp32 = dtype == torch.float32  # (bf16 outputs: one rounding each, up to 2**-8 apart)
+    torch.testing.assert_close(y.float(), ops.linear(x, qw, b).float(), rtol=1e-5 if fp32 else 2.0**-7,
+                               atol=1e-4 if fp32 else 1e-2)
+    if M > 16:  # dequantised chunks and torch's GEMM: no activation rounding
+        assert err <= 2.0**-7
+
+
+@pytest.mark.parametrize("qtype", X8_TYPES)
+def test_interleaved_rows_do_not_depend_on_the_batch(cpu_isa: str, qtype: str) -> None:
+    """Deterministic mode: 45 rows (five groups and five rows left in row layout), a row's output
+    bit-identical whatever the number of activation rows beside it."""
+    gen = torch.Generator().manual_seed(11)
+    x8 = interleave(random_q4(qtype, 45, 352, seed=11))
+    x = torch.randn(16, 352, generator=gen).bfloat16()
+    b = torch.randn(45, generator=gen).bfloat16()
+    with batch_invariant.mode(True):
+        alone = [ops.linear(x[r:r + 1], x8, b) for r in range(16)]
+        for m in (2, 3, 4, 5, 7, 8, 13, 16):
+            y = ops.linear(x[:m], x8, b)
+            for r in range(m):
+                assert torch.equal(y[r:r + 1], alone[r]), (m, r)
+
+
+def test_for_kernels_interleaves_only_for_the_avx2_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    q0, q1, qk = random_q4("q4_0", 16, 256, seed=1), random_q4("q4_1", 16, 256, seed=2), random_q4("q4_k", 16, 256, 3)
+    q8 = QuantizedWeight.quantize(torch.randn(16, 256))
+    avx2 = ops.cpu_isa() == "avx2"
+    for qw in (q0, q1):
+        prepared = qw.for_kernels()
+        assert prepared.interleaved == avx2 and prepared.qtype == qw.qtype and prepared.shape == qw.shape
+        assert torch.equal(prepared.dequantize(), qw.dequantize())
+        assert prepared.for_kernels() is prepared
+    for qw in (qk, q8, random_q4("q4_0", 7, 256, seed=4)):  # no x8 layout; fewer than eight rows
+        assert qw.for_kernels() is qw
+    monkeypatch.setenv("PAGEWIRE_CPU_ISA", "portable")
+    assert q0.for_kernels() is q0  # the portable kernel reads rows
+
+
+def test_interleaved_arguments_are_checked() -> None:
+    qk = random_q4("q4_k", 8, 256, seed=0)
+    with pytest.raises(ValueError, match="interleaved: only q4_0 and q4_1 have an interleaved layout, not q4_k"):
+        QuantizedWeight("q4_k", qk.data, (8, 256), interleaved=True)
+    with pytest.raises(RuntimeError, match="qtype must be 'q4_0' or 'q4_1' \\(row layout\\), got 'q4_k'"):
+        torch.ops.pagewire.interleave_q4(qk.data, "q4_k")
+    x8 = interleave(random_q4("q4_0", 8, 64, seed=0))
+    with pytest.raises(RuntimeError, match="qtype must be 'q4_0' or 'q4_1' \\(row layout\\), got 'q4_0x8'"):
+        torch.ops.pagewire.interleave_q4(x8.data, "q4_0x8")
+    with pytest.raises(RuntimeError, match="weight must be \\[N, 36\\] q4_0x8 bytes"):
+        torch.ops.pagewire.linear_q4(torch.randn(2, 64), x8.data[:, :30], "q4_0x8", None)
+
+
+def test_opcheck_interleaved_ops() -> None:
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 256, generator=gen).bfloat16()
+    for qtype in X8_TYPES:
+        qw = random_q4(qtype, 16, 256, seed=6)
+        torch.library.opcheck(torch.ops.pagewire.interleave_q4.default, (qw.data, qtype))
+        x8 = interleave(qw).data
+        torch.library.opcheck(torch.ops.pagewire.dequantize_q4.default, (x8, qtype + "x8"))
+        torch.library.opcheck(torch.ops.pagewire.linear_q4.default, (x, x8, qtype + "x8", None))

@@ -38,9 +38,12 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::
 // cpu/quant_kernel.h. weight: uint8 [N, K / 32 * 34].
 constexpr int64_t kQ8KernelMaxRows = 16;  // larger batches dequantise and use ATen's GEMM
 at::Tensor quantize_q8_0_cpu(const at::Tensor& weight);    // float [N, K] -> Q8_0 bytes
-at::Tensor dequantize_q8_0_cpu(const at::Tensor& weight);  // Q8_0 bytes -> float32 [N, K]
+// interleaved: the weight is in the x8 layout (cpu/quant_kernel.h) that interleave_q8_0 makes.
+at::Tensor dequantize_q8_0_cpu(const at::Tensor& weight, bool interleaved);  // Q8_0 bytes -> float32 [N, K]
+at::Tensor interleave_q8_0_cpu(const at::Tensor& weight);  // row layout -> x8 layout, same shape
 // x [M, K] (float32, bfloat16 or float16) @ dequant(weight)^T + bias [N] -> [M, N] in x's dtype
-at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                           bool interleaved);
 
 // 4-bit quantised weights (GGUF's Q4_0, Q4_1, Q4_K block layouts), see cpu/quant4_kernel.h.
 // weight: uint8 [N, K / block * block bytes]; qtype: "q4_0", "q4_1" or "q4_k", or "q4_0x8" / "q4_1x8"

@@ -29,11 +29,13 @@ TORCH_LIBRARY(pagewire, m) {
         "float eps) -> ()");
   // x [T, 2 I] = cat(gate, up) -> silu(gate) * up [T, I]
   m.def("silu_and_mul(Tensor x) -> Tensor");
-  // Q8_0 weights: uint8 [N, K / 32 * 34], GGUF's block layout (fp16 scale + 32 int8 per block)
+  // Q8_0 weights: uint8 [N, K / 32 * 34], GGUF's block layout (fp16 scale + 32 int8 per block), or
+  // with interleaved=True eight rows at a time (cpu/quant_kernel.h), as interleave_q8_0 makes them
   m.def("quantize_q8_0(Tensor weight) -> Tensor");
-  m.def("dequantize_q8_0(Tensor weight) -> Tensor");
+  m.def("dequantize_q8_0(Tensor weight, bool interleaved=False) -> Tensor");
+  m.def("interleave_q8_0(Tensor weight) -> Tensor");
   // x [M, K] @ dequant(weight)^T + bias [N] -> [M, N] in x's dtype (x quantised per row on the fly)
-  m.def("linear_q8_0(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("linear_q8_0(Tensor x, Tensor weight, Tensor? bias, bool interleaved=False) -> Tensor");
   // 4-bit weights: uint8 [N, K / block * block bytes] in GGUF's Q4_0, Q4_1 or Q4_K layout (qtype
   // "q4_0", "q4_1", "q4_k") or Q4_0 / Q4_1 interleaved eight rows at a time ("q4_0x8", "q4_1x8",
   // cpu/quant4_kernel.h); linear_q4 as linear_q8_0
@@ -61,6 +63,7 @@ TORCH_LIBRARY_IMPL(pagewire, CPU, m) {
   m.impl("quantize_q8_0", &pagewire::quantize_q8_0_cpu);
   m.impl("dequantize_q8_0", &pagewire::dequantize_q8_0_cpu);
   m.impl("linear_q8_0", &pagewire::linear_q8_0_cpu);
+  m.impl("interleave_q8_0", &pagewire::interleave_q8_0_cpu);
   m.impl("quantize_q4_0", &pagewire::quantize_q4_0_cpu);
   m.impl("dequantize_q4", &pagewire::dequantize_q4_cpu);
   m.impl("linear_q4", &pagewire::linear_q4_cpu);

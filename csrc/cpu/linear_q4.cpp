@@ -6,7 +6,7 @@
 // kQ4KernelMaxRows (prefill) dequantise the weight a chunk of rows at a time and run ATen's GEMM
 // on each chunk: compute-bound there, and the chunk keeps the dequantised copy small.
 // interleave_q4 rearranges Q4_0 / Q4_1 weights into the x8 layout (quant4_kernel.h), which every op
-// here also takes (qtype "q4_0x8", "q4_1x8"): linear_q4 runs it through linear_q4x8_avx2.cpp.
+// here also takes (qtype "q4_0x8", "q4_1x8"): linear_q4 runs it through linear_x8_avx2.cpp.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>

@@ -3,6 +3,8 @@
 // linear_q8_0: x @ dequant(w)^T (+ bias) with x quantised per row on the fly, through the best
 // kernel this CPU has: AMX tiles from 4 rows, AVX-512 VNNI, AVX2, or the portable one. Large batches (prefill) dequantise
 // the weight and run ATen's GEMM, which is compute-bound there rather than bandwidth-bound.
+// interleave_q8_0 rearranges a weight into the x8 layout (quant_kernel.h), which dequantize_q8_0 and
+// linear_q8_0 take with interleaved=True: linear_q8_0 then runs linear_x8_avx2.cpp's kernel.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -65,9 +67,42 @@ void linear_q8_0_portable(const Q8Activations& x, const uint8_t* w, const float*
   }
 }
 
+void interleave_q8_0_group(const uint8_t* src, int64_t row_bytes, uint8_t* dst, int64_t K) {
+  for (int64_t b = 0; b < K / kQ8Block; ++b) {
+    uint8_t* o = dst + b * kQ8Interleave * kQ8BlockBytes;
+    for (int r = 0; r < kQ8Interleave; ++r) {
+      const uint8_t* blk = src + r * row_bytes + b * kQ8BlockBytes;
+      std::memcpy(o + 2 * r, blk, 2);
+      for (int c = 0; c < 8; ++c) std::memcpy(o + 16 + 32 * c + 4 * r, blk + 2 + 4 * c, 4);
+    }
+  }
+}
+
+void deinterleave_q8_0_group(const uint8_t* src, uint8_t* dst, int64_t row_bytes, int64_t K) {
+  for (int64_t b = 0; b < K / kQ8Block; ++b) {
+    const uint8_t* in = src + b * kQ8Interleave * kQ8BlockBytes;
+    for (int r = 0; r < kQ8Interleave; ++r) {
+      uint8_t* blk = dst + r * row_bytes + b * kQ8BlockBytes;
+      std::memcpy(blk, in + 2 * r, 2);
+      for (int c = 0; c < 8; ++c) std::memcpy(blk + 2 + 4 * c, in + 16 + 32 * c + 4 * r, 4);
+    }
+  }
+}
+
 }  // namespace cpu
 
 namespace {
+
+// A row-layout copy of an interleaved weight (contiguous [N, row bytes]).
+std::vector<uint8_t> deinterleaved(const at::Tensor& wc, int64_t K) {
+  const int64_t N = wc.size(0), rb = wc.size(1), G = cpu::kQ8Interleave, done = N / G * G;
+  const uint8_t* w = wc.data_ptr<uint8_t>();
+  std::vector<uint8_t> rows(N * rb);
+#pragma omp parallel for schedule(static) if (N * K >= (1 << 16))
+  for (int64_t g = 0; g < N / G; ++g) cpu::deinterleave_q8_0_group(w + g * G * rb, rows.data() + g * G * rb, rb, K);
+  std::memcpy(rows.data() + done * rb, w + done * rb, (N - done) * rb);
+  return rows;
+}
 
 // The K that a Q8_0 weight of shape [N, row_bytes] holds, checked against x's K.
 void check_q8_weight(const at::Tensor& weight, int64_t K) {
@@ -111,14 +146,32 @@ at::Tensor quantize_q8_0_cpu(const at::Tensor& weight) {
   return out;
 }
 
-at::Tensor dequantize_q8_0_cpu(const at::Tensor& weight) {
+at::Tensor interleave_q8_0_cpu(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) % cpu::kQ8BlockBytes == 0,
+              "weight must be [N, K / 32 * 34] Q8_0 bytes, got shape ", weight.sizes());
+  const int64_t N = weight.size(0), K = weight.size(1) / cpu::kQ8BlockBytes * cpu::kQ8Block;
+  check_q8_weight(weight, K);
+  const at::Tensor wc = weight.contiguous();
+  at::Tensor out = at::empty(wc.sizes(), wc.options());
+  const int64_t rb = wc.size(1), G = cpu::kQ8Interleave, done = N / G * G;
+  const uint8_t* src = wc.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+#pragma omp parallel for schedule(static) if (N * K >= (1 << 16))
+  for (int64_t g = 0; g < N / G; ++g) cpu::interleave_q8_0_group(src + g * G * rb, rb, dst + g * G * rb, K);
+  std::memcpy(dst + done * rb, src + done * rb, (N - done) * rb);  // the last N % 8 rows
+  return out;
+}
+
+at::Tensor dequantize_q8_0_cpu(const at::Tensor& weight, bool interleaved) {
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) % cpu::kQ8BlockBytes == 0,
               "weight must be [N, K / 32 * 34] Q8_0 bytes, got shape ", weight.sizes());
   const int64_t N = weight.size(0), nb = weight.size(1) / cpu::kQ8BlockBytes, K = nb * cpu::kQ8Block;
   check_q8_weight(weight, K);
   const at::Tensor wc = weight.contiguous();
   at::Tensor out = at::empty({N, K}, weight.options().dtype(at::kFloat));
-  const uint8_t* src = wc.data_ptr<uint8_t>();
+  std::vector<uint8_t> rows;  // interleaved: a row-layout copy (tests and prefill, not the decode path)
+  if (interleaved) rows = deinterleaved(wc, K);
+  const uint8_t* src = interleaved ? rows.data() : wc.data_ptr<uint8_t>();
   float* dst = out.data_ptr<float>();
 #pragma omp parallel for schedule(static) if (N * K >= (1 << 16))
   for (int64_t n = 0; n < N; ++n) {
@@ -135,7 +188,8 @@ at::Tensor dequantize_q8_0_cpu(const at::Tensor& weight) {
   return out;
 }
 
-at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                           bool interleaved) {
   TORCH_CHECK(x.device().is_cpu(), "x must be a CPU tensor, got ", x.device());
   TORCH_CHECK(x.dim() == 2, "x must be [M, K], got shape ", x.sizes());
   TORCH_CHECK(at::isFloatingType(x.scalar_type()), "x must be floating point, got ", x.scalar_type());
@@ -151,7 +205,7 @@ at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const 
   if (M > kQ8KernelMaxRows) {
     // Prefill: the GEMM is compute-bound, where ATen's blocked kernels win; dequantising costs
     // one pass over the weight.
-    return at::linear(x, dequantize_q8_0_cpu(weight).to(x.scalar_type()), bias);
+    return at::linear(x, dequantize_q8_0_cpu(weight, interleaved).to(x.scalar_type()), bias);
   }
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return out.to(x.scalar_type());
@@ -173,7 +227,23 @@ at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const 
                       : cpu::use_amx(isa, M)     ? cpu::linear_q8_0_amx
                       : isa >= cpu::Isa::kAvx512 ? cpu::linear_q8_0_avx512
                                                  : cpu::linear_q8_0_avx2;
-  kernel(act, wc.data_ptr<uint8_t>(), has_bias ? bf.data_ptr<float>() : nullptr, out.data_ptr<float>(), N, N);
+  const uint8_t* w = wc.data_ptr<uint8_t>();
+  const float* b = has_bias ? bf.data_ptr<float>() : nullptr;
+  float* o = out.data_ptr<float>();
+  if (!interleaved) {
+    kernel(act, w, b, o, N, N);
+  } else if (!portable) {
+    // Whole groups through the x8 kernel (AVX2, also on AVX-512 CPUs), the last N % 8 rows, in
+    // row layout, through the family's row kernel.
+    const int64_t done = N / cpu::kQ8Interleave * cpu::kQ8Interleave, rb = wc.size(1);
+    cpu::linear_q8_0x8_avx2(act, w, b, o, N, done);
+    if (done < N) kernel(act, w + done * rb, b != nullptr ? b + done : nullptr, o + done, N, N - done);
+  } else {
+    // No AVX2 (or PAGEWIRE_CPU_ISA=portable after the weight was interleaved): the portable kernel
+    // on a row-layout copy. Slow, but only reached when the family is forced below the one the
+    // weight was prepared for.
+    kernel(act, deinterleaved(wc, K).data(), b, o, N, N);
+  }
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 

@@ -52,7 +52,7 @@ inline void q4_k_scale_min(int j, const uint8_t* q, uint8_t* sc, uint8_t* mn) {
 void dequantize_q4_row(Q4Type t, const uint8_t* w, float* out, int64_t K);
 
 // The interleaved ("x8") layout of Q4_0 and Q4_1, which the AVX2 kernel reads fastest
-// (linear_q4x8_avx2.cpp). Rows 8g..8g+7 are rearranged within their own bytes so that one 32-byte
+// (linear_x8_avx2.cpp). Rows 8g..8g+7 are rearranged within their own bytes so that one 32-byte
 // load holds four code bytes (eight values) of each of the eight rows, one row per 32-bit lane:
 //   per block b of 32 values: the eight rows' fp16 d (16 bytes), for Q4_1 then their eight fp16 m
 //   (16 bytes), then four 32-byte chunks; chunk c holds bytes 4c..4c+3 of each row's 16 code bytes,

@@ -37,6 +37,21 @@ void linear_q8_0_avx512(const Q8Activations& x, const uint8_t* w, const float* b
 void linear_q8_0_amx(const Q8Activations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
                      int64_t N);  // Isa::kAmx
 
+// The interleaved ("x8") layout of Q8_0, which the AVX2 kernel reads fastest (linear_x8_avx2.cpp):
+// rows 8g..8g+7 rearranged within their own bytes so that one 32-byte load holds four values of
+// each of the eight rows, one row per 32-bit lane. Per block b of 32 values: the eight rows' fp16
+// d (16 bytes), then eight 32-byte chunks; chunk c holds values 4c..4c+3 of each row, row r at
+// bytes 4r..4r+3. A group occupies exactly its eight rows' bytes (8 * row bytes); the last N % 8
+// rows of a weight stay in row layout. The values and scales are the same bytes.
+constexpr int kQ8Interleave = 8;
+// One group: eight row-layout rows (src, row stride row_bytes) -> the group's interleaved bytes, and back.
+void interleave_q8_0_group(const uint8_t* src, int64_t row_bytes, uint8_t* dst, int64_t K);
+void deinterleave_q8_0_group(const uint8_t* src, uint8_t* dst, int64_t row_bytes, int64_t K);
+// out[m][n] for the first N / 8 * 8 rows of an interleaved weight (the caller runs the remaining
+// N % 8 rows, in row layout, through a row kernel); same arguments as linear_q8_0_avx2.
+void linear_q8_0x8_avx2(const Q8Activations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
+                        int64_t N);  // Isa::kAvx2 or better
+
 // fp16 bits -> fp32, portable (the scale of a Q8_0 block).
 inline float fp16_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;

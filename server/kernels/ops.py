@@ -477,7 +477,7 @@ def _quantize_q8_0_fake(weight):
 
 
 @torch.library.register_fake("pagewire::dequantize_q8_0")
-def _dequantize_q8_0_fake(weight):
+def _dequantize_q8_0_fake(weight, interleaved=False):
     return weight.new_empty((weight.shape[0], weight.shape[1] // 34 * 32), dtype=torch.float32)
 
 
@@ -496,6 +496,11 @@ def _dequantize_q4_fake(weight, qtype):
     return weight.new_empty((weight.shape[0], weight.shape[1] // nbytes * values), dtype=torch.float32)
 
 
+@torch.library.register_fake("pagewire::interleave_q8_0")
+def _interleave_q8_0_fake(weight):
+    return torch.empty_like(weight)
+
+
 @torch.library.register_fake("pagewire::interleave_q4")
 def _interleave_q4_fake(weight, qtype):
     return torch.empty_like(weight)
@@ -509,6 +514,6 @@ def _linear_q4_fake(x, weight, qtype, bias):
 
 
 @torch.library.register_fake("pagewire::linear_q8_0")
-def _linear_q8_0_fake(x, weight, bias):
+def _linear_q8_0_fake(x, weight, bias, interleaved=False):
     torch._check(x.shape[-1] // 32 * 34 == weight.shape[1], lambda: "x and weight disagree on K")
     return x.new_empty((*x.shape[:-1], weight.shape[0]))

@@ -12,9 +12,10 @@ Every format is GGUF's block layout, byte for byte, so a tensor read from a GGUF
 
 Float weights are quantised at load with `quantize` (q8_0 and q4_0, GGUF's rounding, in C++).
 
-`for_kernels` gives the layout this CPU's kernel reads fastest: on AVX2-family CPUs Q4_0 and Q4_1
-are interleaved eight rows at a time (the same bytes rearranged, csrc/cpu/quant4_kernel.h), which
-the AVX2 kernel reads about twice as fast as GGUF's rows. The model loaders call it.
+`for_kernels` gives the layout this CPU's kernel reads fastest: on AVX2-family CPUs Q8_0, Q4_0 and
+Q4_1 are interleaved eight rows at a time (the same bytes rearranged, csrc/cpu/quant_kernel.h and
+quant4_kernel.h), which the AVX2 kernels read 1.3-2.5x as fast as GGUF's rows. The model loaders
+call it.
 `server.kernels.ops.linear` runs a QuantizedWeight through pagewire::linear_q8_0 or
 pagewire::linear_q4 (activations quantised per row to 8 bits on the fly, integer block dot products).
 """
@@ -47,7 +48,7 @@ QTYPES: dict[str, BlockFormat] = {
 }
 
 # The formats with an interleaved layout (QuantizedWeight.for_kernels).
-INTERLEAVABLE: tuple[str, ...] = ("q4_0", "q4_1")
+INTERLEAVABLE: tuple[str, ...] = ("q8_0", "q4_0", "q4_1")
 
 # GGUF tensor type names (gguf.GGMLQuantizationType) -> the qtype that keeps them as they are.
 GGUF_QTYPES: dict[str, str] = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k"}
@@ -68,7 +69,7 @@ class QuantizedWeight:
         data: uint8 [N, K / block * block_bytes] on CPU, the blocks row by row (GGUF's layout), or
             with `interleaved` each group of eight rows rearranged within its own bytes.
         shape: the logical (N, K).
-        interleaved: data is in the x8 layout (q4_0 and q4_1 only; see `for_kernels`).
+        interleaved: data is in the x8 layout (q8_0, q4_0 and q4_1; see `for_kernels`).
     """
 
     qtype: str
@@ -88,7 +89,7 @@ class QuantizedWeight:
             raise ValueError(f"data: expected uint8 {list(want)} for {self.qtype} {list(self.shape)}, "
                              f"got {self.data.dtype} {list(self.data.shape)}")
         if self.interleaved and self.qtype not in INTERLEAVABLE:
-            raise ValueError(f"interleaved: only {' and '.join(INTERLEAVABLE)} have an interleaved layout, "
+            raise ValueError(f"interleaved: only {', '.join(INTERLEAVABLE)} have an interleaved layout, "
                              f"not {self.qtype}")
 
     @classmethod
@@ -119,14 +120,17 @@ class QuantizedWeight:
     def for_kernels(self) -> "QuantizedWeight":
         """This weight in the layout that this CPU's kernel reads fastest (itself when that is its own).
 
-        On CPUs whose best family is AVX2 (no AVX-512 VNNI), Q4_0 and Q4_1 weights of at least eight
-        rows are interleaved: a copy of the same bytes, eight rows at a time, so one 32-bit lane of
-        the AVX2 kernel is one weight row (csrc/cpu/linear_q4x8_avx2.cpp). AVX-512 CPUs keep GGUF's
-        rows, which their VNNI kernel reads; so do Q8_0 and Q4_K everywhere."""
+        On CPUs whose best family is AVX2 (no AVX-512 VNNI), Q8_0, Q4_0 and Q4_1 weights of at least
+        eight rows are interleaved: a copy of the same bytes, eight rows at a time, so one 32-bit
+        lane of the AVX2 kernel is one weight row (csrc/cpu/linear_x8_avx2.cpp). AVX-512 CPUs keep
+        GGUF's rows, which their VNNI and AMX kernels read; so does Q4_K everywhere."""
         if (self.interleaved or self.qtype not in INTERLEAVABLE or self.shape[0] < 8
                 or str(server._C.cpu_isa()) != "avx2"):
             return self
-        data = torch.ops.pagewire.interleave_q4(self.data, self.qtype)
+        if self.qtype == "q8_0":
+            data = torch.ops.pagewire.interleave_q8_0(self.data)
+        else:
+            data = torch.ops.pagewire.interleave_q4(self.data, self.qtype)
         return QuantizedWeight(self.qtype, data, self.shape, interleaved=True)
 
     @property
@@ -137,13 +141,13 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The represented weight [N, K] in `dtype` (exact in float32, as GGUF computes it)."""
         if self.qtype == "q8_0":
-            return torch.ops.pagewire.dequantize_q8_0(self.data).to(dtype)
+            return torch.ops.pagewire.dequantize_q8_0(self.data, self.interleaved).to(dtype)
         return torch.ops.pagewire.dequantize_q4(self.data, self._op_qtype).to(dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] @ self^T (+ bias) in x's dtype, through the format's kernel."""
         if self.qtype == "q8_0":
-            return torch.ops.pagewire.linear_q8_0(x, self.data, bias)
+            return torch.ops.pagewire.linear_q8_0(x, self.data, bias, self.interleaved)
         return torch.ops.pagewire.linear_q4(x, self.data, self._op_qtype, bias)
 
     @property

@@ -1,8 +1,8 @@
-"""Q4_0 / Q4_1 in the interleaved x8 layout (csrc/cpu/quant4_kernel.h), which the model loaders
-choose on AVX2 CPUs (QuantizedWeight.for_kernels): the layout is exactly the documented byte
-permutation, dequantises to what the `gguf` package reads from the original rows, and linear_q4
-on it matches a float64 reference on every kernel family this CPU has (the portable family reads
-it through a row-layout copy), row for row whatever the batch."""
+"""Q8_0, Q4_0 and Q4_1 in the interleaved x8 layouts (csrc/cpu/quant_kernel.h, quant4_kernel.h),
+which the model loaders choose on AVX2 CPUs (QuantizedWeight.for_kernels): the layout is exactly
+the documented byte permutation, dequantises to what the `gguf` package reads from the original
+rows, and the linear ops on it match a float64 reference on every kernel family this CPU has (the
+portable family reads it through a row-layout copy), row for row whatever the batch."""
 from __future__ import annotations
 
 import pytest
@@ -12,12 +12,26 @@ from server.kernels import batch_invariant, ops
 from server.kernels.quant import QuantizedWeight
 from tests.kernels.test_quant4 import gguf_dequantize, linear_reference, random_q4
 
-X8_TYPES = ["q4_0", "q4_1"]
+X8_TYPES = ["q8_0", "q4_0", "q4_1"]
+# Per qtype: block bytes, the x8 block's scale bytes, the codes' offset in a row block, chunks per block.
+LAYOUT = {"q8_0": (34, 16, 2, 8), "q4_0": (18, 16, 2, 4), "q4_1": (20, 32, 4, 4)}
+
+
+def random_weight(qtype: str, n: int, k: int, seed: int, zero_rows: tuple[int, ...] = ()) -> QuantizedWeight:
+    """Row-layout blocks: random_q4's for 4-bit, a random matrix quantised for Q8_0 (zero rows: d = 0)."""
+    if qtype != "q8_0":
+        return random_q4(qtype, n, k, seed, zero_rows)
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    w[list(zero_rows)] = 0
+    return QuantizedWeight.quantize(w)
 
 
 def interleave(qw: QuantizedWeight) -> QuantizedWeight:
     """The x8 copy of a row-layout weight, whatever this CPU's family (for_kernels decides that)."""
-    data = torch.ops.pagewire.interleave_q4(qw.data, qw.qtype)
+    if qw.qtype == "q8_0":
+        data = torch.ops.pagewire.interleave_q8_0(qw.data)
+    else:
+        data = torch.ops.pagewire.interleave_q4(qw.data, qw.qtype)
     return QuantizedWeight(qw.qtype, data, qw.shape, interleaved=True)
 
 
@@ -25,12 +39,11 @@ def interleave(qw: QuantizedWeight) -> QuantizedWeight:
 @pytest.mark.parametrize("N", [8, 13, 45])
 def test_interleave_is_the_documented_permutation(qtype: str, N: int) -> None:
     K = 96
-    qw = random_q4(qtype, N, K, seed=N)
+    qw = random_weight(qtype, N, K, seed=N)
     x8 = interleave(qw)
     src, dst = qw.data, x8.data
     assert dst.shape == src.shape and dst.dtype == torch.uint8
-    block = 18 if qtype == "q4_0" else 20
-    scale_bytes, codes = (16, 2) if qtype == "q4_0" else (32, 4)
+    block, scale_bytes, codes, chunks = LAYOUT[qtype]
     groups = N // 8
     for g in range(groups):
         out = dst[8 * g: 8 * g + 8].reshape(-1)  # the group's bytes, in order
@@ -41,7 +54,7 @@ def test_interleave_is_the_documented_permutation(qtype: str, N: int) -> None:
                 assert torch.equal(blk[2 * r: 2 * r + 2], row[:2])  # d
                 if qtype == "q4_1":
                     assert torch.equal(blk[16 + 2 * r: 18 + 2 * r], row[2:4])  # m
-                for c in range(4):
+                for c in range(chunks):
                     start = scale_bytes + 32 * c + 4 * r
                     assert torch.equal(blk[start: start + 4], row[codes + 4 * c: codes + 4 * c + 4])
     assert torch.equal(dst[groups * 8:], src[groups * 8:])  # the last N % 8 rows stay as rows
@@ -50,7 +63,7 @@ def test_interleave_is_the_documented_permutation(qtype: str, N: int) -> None:
 @pytest.mark.parametrize("qtype", X8_TYPES)
 @pytest.mark.parametrize("N", [8, 13, 45])
 def test_interleaved_dequantises_to_the_gguf_rows(qtype: str, N: int) -> None:
-    qw = random_q4(qtype, N, 256, seed=2 * N, zero_rows=(3,))
+    qw = random_weight(qtype, N, 256, seed=2 * N, zero_rows=(3,))
     assert torch.equal(interleave(qw).dequantize(), gguf_dequantize(qw))
 
 
@@ -64,7 +77,7 @@ def test_interleaved_linear_matches_float64_reference(
 ) -> None:
     gen = torch.Generator().manual_seed(M * 17 + N + K)
     x = torch.randn(M, K, generator=gen).to(dtype)
-    qw = random_q4(qtype, N, K, seed=M + N + 1, zero_rows=(5,) if N > 5 else ())
+    qw = random_weight(qtype, N, K, seed=M + N + 1, zero_rows=(5,) if N > 5 else ())
     x8 = interleave(qw)
     b = torch.randn(N, generator=gen).to(dtype) if with_bias else None
     y = ops.linear(x, x8, b)
@@ -90,7 +103,7 @@ def test_interleaved_rows_do_not_depend_on_the_batch(cpu_isa: str, qtype: str) -
     """Deterministic mode: 45 rows (five groups and five rows left in row layout), a row's output
     bit-identical whatever the number of activation rows beside it."""
     gen = torch.Generator().manual_seed(11)
-    x8 = interleave(random_q4(qtype, 45, 352, seed=11))
+    x8 = interleave(random_weight(qtype, 45, 352, seed=11))
     x = torch.randn(16, 352, generator=gen).bfloat16()
     b = torch.randn(45, generator=gen).bfloat16()
     with batch_invariant.mode(True):
@@ -105,20 +118,20 @@ def test_for_kernels_interleaves_only_for_the_avx2_kernel(monkeypatch: pytest.Mo
     q0, q1, qk = random_q4("q4_0", 16, 256, seed=1), random_q4("q4_1", 16, 256, seed=2), random_q4("q4_k", 16, 256, 3)
     q8 = QuantizedWeight.quantize(torch.randn(16, 256))
     avx2 = ops.cpu_isa() == "avx2"
-    for qw in (q0, q1):
+    for qw in (q8, q0, q1):
         prepared = qw.for_kernels()
         assert prepared.interleaved == avx2 and prepared.qtype == qw.qtype and prepared.shape == qw.shape
         assert torch.equal(prepared.dequantize(), qw.dequantize())
         assert prepared.for_kernels() is prepared
-    for qw in (qk, q8, random_q4("q4_0", 7, 256, seed=4)):  # no x8 layout; fewer than eight rows
+    for qw in (qk, random_q4("q4_0", 7, 256, seed=4)):  # no x8 layout; fewer than eight rows
         assert qw.for_kernels() is qw
     monkeypatch.setenv("PAGEWIRE_CPU_ISA", "portable")
-    assert q0.for_kernels() is q0  # the portable kernel reads rows
+    assert q0.for_kernels() is q0 and q8.for_kernels() is q8  # the portable kernels read rows
 
 
 def test_interleaved_arguments_are_checked() -> None:
     qk = random_q4("q4_k", 8, 256, seed=0)
-    with pytest.raises(ValueError, match="interleaved: only q4_0 and q4_1 have an interleaved layout, not q4_k"):
+    with pytest.raises(ValueError, match="interleaved: only q8_0, q4_0, q4_1 have an interleaved layout, not q4_k"):
         QuantizedWeight("q4_k", qk.data, (8, 256), interleaved=True)
     with pytest.raises(RuntimeError, match="qtype must be 'q4_0' or 'q4_1' \\(row layout\\), got 'q4_k'"):
         torch.ops.pagewire.interleave_q4(qk.data, "q4_k")
@@ -127,14 +140,21 @@ def test_interleaved_arguments_are_checked() -> None:
         torch.ops.pagewire.interleave_q4(x8.data, "q4_0x8")
     with pytest.raises(RuntimeError, match="weight must be \\[N, 36\\] q4_0x8 bytes"):
         torch.ops.pagewire.linear_q4(torch.randn(2, 64), x8.data[:, :30], "q4_0x8", None)
+    with pytest.raises(RuntimeError, match="weight must be \\[N, K / 32 \\* 34\\] Q8_0 bytes"):
+        torch.ops.pagewire.interleave_q8_0(torch.zeros(8, 30, dtype=torch.uint8))
 
 
 def test_opcheck_interleaved_ops() -> None:
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(3, 256, generator=gen).bfloat16()
-    for qtype in X8_TYPES:
+    for qtype in ("q4_0", "q4_1"):
         qw = random_q4(qtype, 16, 256, seed=6)
         torch.library.opcheck(torch.ops.pagewire.interleave_q4.default, (qw.data, qtype))
         x8 = interleave(qw).data
         torch.library.opcheck(torch.ops.pagewire.dequantize_q4.default, (x8, qtype + "x8"))
         torch.library.opcheck(torch.ops.pagewire.linear_q4.default, (x, x8, qtype + "x8", None))
+    q8 = random_weight("q8_0", 16, 256, seed=6)
+    torch.library.opcheck(torch.ops.pagewire.interleave_q8_0.default, (q8.data,))
+    x8 = interleave(q8).data
+    torch.library.opcheck(torch.ops.pagewire.dequantize_q8_0.default, (x8, True))
+    torch.library.opcheck(torch.ops.pagewire.linear_q8_0.default, (x, x8, None, True))

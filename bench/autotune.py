@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -53,6 +55,7 @@ def engine_start_s(model_dir: Path, a: argparse.Namespace, on: bool) -> float:
 
 
 def main() -> None:
+    print(f"command: {shlex.join(sys.orig_argv)}")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama-246m", choices=sorted(SHAPES))
     p.add_argument("--dtype", default="bfloat16")

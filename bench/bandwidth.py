@@ -6,6 +6,8 @@ Run alone: .venv/bin/python -m bench.bandwidth
 """
 from __future__ import annotations
 
+import shlex
+import sys
 import time
 
 import torch
@@ -24,6 +26,7 @@ def read_bandwidth_gbs(size_mib: int = 128, repeat: int = 40) -> float:
 
 
 def main() -> None:
+    print(f"command: {shlex.join(sys.orig_argv)}")
     import os
 
     print(f"read bandwidth: {read_bandwidth_gbs():.1f} GB/s  (threads {torch.get_num_threads()}, "

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -77,6 +79,7 @@ def weight_bytes(w: Any) -> int:
 
 
 def main() -> None:
+    print(f"command: {shlex.join(sys.orig_argv)}")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama-246m", choices=sorted(SHAPES))
     p.add_argument("--dtype", default="bfloat16")

@@ -1,6 +1,6 @@
 """Micro-benchmarks of the CPU kernels against the PyTorch baselines (run by hand, not by pytest).
 
-Usage: .venv/bin/python -m bench.kernels [attention|linear|fused] [--dtype bfloat16] [--threads N] [--repeat R]
+Usage: .venv/bin/python -m bench.kernels [attention|linear|quant|fused] [--dtype bfloat16] [--threads N] [--repeat R]
 
 `attention` prints, per case (decode at batch 1 and 64, a 1024-token prefill), SDPA on dense K/V
 and then each paged_attention kernel family this CPU can run (AVX-512, AVX2, portable; forced in
@@ -10,10 +10,17 @@ SDPA (> 1: faster than SDPA) and the best family's speedup over it.
 `linear` prints, per weight shape and row count M: the pagewire bf16 kernel, torch's F.linear on
 the same bf16 weight, and the Q8_0 kernel (int8 blocks, 34 bytes per 32 weights), each in ms and in
 GB/s of weight bytes read, against the plain read bandwidth measured at the start of the run.
+
+`quant` prints, per weight shape, format (Q8_0, Q4_0, Q4_1) and row count M: the quantised kernel
+on GGUF's row layout and on the interleaved x8 layout (`QuantizedWeight.for_kernels` on AVX2 CPUs;
+the x8 figures use the AVX2 x8 kernel whatever the family), each in ms and GB/s of weight bytes,
+and x8's speedup over rows; weights stream from DRAM as in decode.
 """
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
 import time
 from typing import Callable
 
@@ -137,6 +144,50 @@ def bench_linear() -> None:
                   f"   q8_0 {q8:7.3f} ms ({qmb / q8:5.1f} GB/s, {ours / q8:4.2f}x bf16)")
 
 
+def random_q4_1(n: int, k: int, gen: torch.Generator) -> QuantizedWeight:
+    """Q4_1 blocks with random codes and scales of a usual size (there is no Q4_1 quantiser)."""
+    data = torch.randint(0, 256, (n, k // 32, 20), dtype=torch.uint8, generator=gen)
+    for off in (0, 2):
+        scales = ((torch.rand(n, k // 32, generator=gen) * 0.02 + 0.002) * (torch.randint(0, 2, (n, k // 32),
+                  generator=gen) * 2 - 1)).to(torch.float16)
+        data[:, :, off:off + 2] = scales.view(torch.uint8).reshape(n, k // 32, 2)
+    return QuantizedWeight.from_gguf_bytes("q4_1", data.reshape(n, -1), n, k)
+
+
+def interleaved(qw: QuantizedWeight) -> QuantizedWeight:
+    """The x8 layout of a row-layout weight, on any CPU family."""
+    if qw.qtype == "q8_0":
+        return QuantizedWeight("q8_0", torch.ops.pagewire.interleave_q8_0(qw.data), qw.shape, interleaved=True)
+    return QuantizedWeight(qw.qtype, torch.ops.pagewire.interleave_q4(qw.data, qw.qtype), qw.shape, interleaved=True)
+
+
+def bench_quant() -> None:
+    import os
+
+    gen = torch.Generator().manual_seed(0)
+    bw = read_bandwidth_gbs()
+    print(f"CPU kernels: {ops.cpu_isa()}   read bandwidth {bw:.1f} GB/s   threads {torch.get_num_threads()}   "
+          f"load average {os.getloadavg()[0]:.2f}")
+    for N, K in [(1536, 1024), (5632, 1024), (1024, 2816), (32000, 1024)]:
+        for qtype in ("q8_0", "q4_0", "q4_1"):
+            nbytes = N * K // 32 * {"q8_0": 34, "q4_0": 18, "q4_1": 20}[qtype]
+            # Enough copies to exceed the 32 MiB L3, so weights stream from DRAM as in decode.
+            copies = max(1, -(-96 * 2**20 // nbytes))
+            rows = []
+            for _ in range(copies):
+                w = torch.randn(N, K, generator=gen) / 32
+                rows.append(random_q4_1(N, K, gen) if qtype == "q4_1" else QuantizedWeight.quantize(w, qtype))
+            x8s = [interleaved(q) for q in rows]
+            step = iter(range(1 << 60))
+            for M in [1, 2, 4, 8, 16]:
+                x = torch.randn(M, K, generator=gen).bfloat16()
+                t_rows = best_of(lambda: ops.linear(x, rows[next(step) % copies]))
+                t_x8 = best_of(lambda: ops.linear(x, x8s[next(step) % copies]))
+                mb = nbytes / 1e6
+                print(f"N={N:6d} K={K:5d} {qtype} M={M:3d}  rows {t_rows:7.3f} ms ({mb / t_rows:5.1f} GB/s)   "
+                      f"x8 {t_x8:7.3f} ms ({mb / t_x8:5.1f} GB/s)   x8 speedup {t_rows / t_x8:4.2f}x")
+
+
 def bench_fused() -> None:
     """The fused decoder-layer ops against the torch compositions they replace, one token and 1024."""
     import os
@@ -180,8 +231,9 @@ def bench_fused() -> None:
 
 
 def main() -> None:
+    print(f"command: {shlex.join(sys.orig_argv)}")
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("what", choices=["attention", "linear", "fused"], nargs="?", default="attention")
+    parser.add_argument("what", choices=["attention", "linear", "quant", "fused"], nargs="?", default="attention")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=0,
                         help="intra-op threads (0: torch's default); 1 gives steadier figures on a loaded machine")
@@ -195,6 +247,8 @@ def main() -> None:
         bench_attention(getattr(torch, a.dtype))
     elif a.what == "fused":
         bench_fused()
+    elif a.what == "quant":
+        bench_quant()
     else:
         bench_linear()
 

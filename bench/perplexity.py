@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
+import sys
 from pathlib import Path
 
 import torch
@@ -87,6 +89,7 @@ def text_token_ids(model: str | Path) -> list[int]:
 
 
 def main() -> None:
+    print(f"command: {shlex.join(sys.orig_argv)}")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default", help="a Hugging Face folder or .gguf file ('default': the default model)")
     p.add_argument("--dtype", default="bfloat16")

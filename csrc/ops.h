@@ -71,6 +71,24 @@ void rotary_embedding_cpu(at::Tensor& x, const at::Tensor& positions, const at::
 // x: [T, 2 * I] = cat(gate, up) -> silu(gate) * up, [T, I]
 at::Tensor silu_and_mul_cpu(const at::Tensor& x);
 
+// One decoder layer of at most 16 tokens (cpu/decode_layer.cpp): the ops above in the Python
+// layer's order. hidden [T, H] (the residual stream, mutated), delta [T, H] or None (the previous
+// layer's MLP output); *_kind: the linear path per matrix ("kernel", "torch", "q8_0", "q8_0x8", or
+// a linear_q4 qtype); caches mutated. Returns this layer's MLP output [T, H].
+at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>& delta, const at::Tensor& input_norm,
+                            const at::Tensor& post_norm, double eps, const at::Tensor& qkv_weight,
+                            c10::string_view qkv_kind, const c10::optional<at::Tensor>& qkv_bias,
+                            const at::Tensor& o_weight, c10::string_view o_kind, const c10::optional<at::Tensor>& o_bias,
+                            const at::Tensor& gate_up_weight, c10::string_view gate_up_kind,
+                            const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down_weight,
+                            c10::string_view down_kind, const c10::optional<at::Tensor>& down_bias,
+                            const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                            const c10::optional<at::Tensor>& qk_norm, at::Tensor& key_cache, at::Tensor& value_cache,
+                            const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
+                            int64_t max_query_len, int64_t max_seq_len, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim);
+
 // Speculative decoding (cpu/spec_decode.cpp).
 // token_ids: S contiguous int64 vectors (each sequence's prompt + output; may be longer than used),
 // num_tokens: int64 [S] tokens used of each -> int64 [S, k]: per sequence the k tokens that followed

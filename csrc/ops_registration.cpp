@@ -43,6 +43,15 @@ TORCH_LIBRARY(pagewire, m) {
   m.def("dequantize_q4(Tensor weight, str qtype) -> Tensor");
   m.def("linear_q4(Tensor x, Tensor weight, str qtype, Tensor? bias) -> Tensor");
   m.def("interleave_q4(Tensor weight, str qtype) -> Tensor");  // -> the "q4_0x8" / "q4_1x8" layout
+  // One decoder layer of at most 16 tokens in one call (ops.h; CPU only)
+  m.def(
+      "decode_layer(Tensor(a!) hidden, Tensor? delta, Tensor input_norm, Tensor post_norm, float eps, "
+      "Tensor qkv_weight, str qkv_kind, Tensor? qkv_bias, Tensor o_weight, str o_kind, Tensor? o_bias, "
+      "Tensor gate_up_weight, str gate_up_kind, Tensor? gate_up_bias, Tensor down_weight, str down_kind, "
+      "Tensor? down_bias, Tensor positions, Tensor cos, Tensor sin, Tensor? qk_norm, Tensor(b!) key_cache, "
+      "Tensor(c!) value_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
+      "float scale, int sliding_window, int max_query_len, int max_seq_len, int num_heads, int num_kv_heads, "
+      "int head_dim) -> Tensor");
   // Speculative decoding (shapes in ops.h): the n-gram proposer (CPU only: it reads host token
   // lists) and exact verification by rejection sampling.
   m.def("ngram_propose(Tensor[] token_ids, Tensor num_tokens, int k, int min_n, int max_n) -> Tensor");
@@ -68,6 +77,7 @@ TORCH_LIBRARY_IMPL(pagewire, CPU, m) {
   m.impl("dequantize_q4", &pagewire::dequantize_q4_cpu);
   m.impl("linear_q4", &pagewire::linear_q4_cpu);
   m.impl("interleave_q4", &pagewire::interleave_q4_cpu);
+  m.impl("decode_layer", &pagewire::decode_layer_cpu);
   m.impl("ngram_propose", &pagewire::ngram_propose_cpu);
   m.impl("rejection_sample", &pagewire::rejection_sample_cpu);
 }

@@ -211,6 +211,45 @@ def linear(
     return F.linear(x, weight, bias)
 
 
+def linear_kind(dtype: torch.dtype, m: int, weight: torch.Tensor | QuantizedWeight,
+                bias: Optional[torch.Tensor]) -> Optional[str]:
+    """The path `linear` takes for a CPU activation [m, K] of `dtype` (no autograd, not in
+    batch-invariant mode, m <= Q8_KERNEL_MAX_ROWS), named as pagewire::decode_layer takes it:
+    "kernel" (pagewire::linear), "torch" (F.linear), "q8_0" / "q8_0x8", or a linear_q4 qtype; None
+    where that path is not one decode_layer has (dequantise + GEMM, AMX turned off for the call).
+
+    It follows `linear`'s rules line for line; tests/models/test_decode_layer.py checks that the
+    fused layer gives exactly the unfused layer's floats, so the two cannot drift apart unseen."""
+    plans = autotune.active_table()
+    if isinstance(weight, QuantizedWeight):
+        plan = plans.get((weight.qtype, dtype, weight.shape)) if plans is not None else None
+        if plan is not None:
+            choice = plan[autotune.bucket(m)]
+            if choice == autotune.KERNEL_NO_AMX or not choice:
+                return None
+        if weight.qtype == "q8_0":
+            return "q8_0x8" if weight.interleaved else "q8_0"
+        return weight.qtype + "x8" if weight.interleaved else weight.qtype
+    if (
+        (dtype is torch.bfloat16 or dtype is torch.float32)
+        and weight.dtype is dtype
+        and weight.is_cpu
+        and weight.dim() == 2
+        and weight.shape[1] > 0
+        and (bias is None or (bias.dtype is dtype and bias.is_cpu))
+    ):
+        plan = plans.get((dtype, weight.shape)) if plans is not None else None
+        if plan is not None:
+            use_kernel = plan[autotune.bucket(m)]
+            if use_kernel == autotune.KERNEL_NO_AMX:
+                return None
+        else:
+            use_kernel = fixed_rule_takes_kernel(weight, m)
+        if use_kernel:
+            return "kernel"
+    return "torch"
+
+
 def fixed_rule_takes_kernel(weight: torch.Tensor | QuantizedWeight, m: int) -> bool:
     """Whether linear's fixed rule (no autotune table) takes the kernel path for m rows: quantised
     weights up to Q8_KERNEL_MAX_ROWS (above it their op dequantises and runs ATen's GEMM); bf16 on
@@ -494,6 +533,15 @@ _Q4_FORMATS = {"q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144), "q4_0x8":
 def _dequantize_q4_fake(weight, qtype):
     values, nbytes = _Q4_FORMATS[qtype]
     return weight.new_empty((weight.shape[0], weight.shape[1] // nbytes * values), dtype=torch.float32)
+
+
+@torch.library.register_fake("pagewire::decode_layer")
+def _decode_layer_fake(hidden, delta, input_norm, post_norm, eps, qkv_weight, qkv_kind, qkv_bias, o_weight, o_kind,
+                       o_bias, gate_up_weight, gate_up_kind, gate_up_bias, down_weight, down_kind, down_bias,
+                       positions, cos, sin, qk_norm, key_cache, value_cache, slot_mapping, block_tables, seq_lens,
+                       query_start_loc, scale, sliding_window, max_query_len, max_seq_len, num_heads, num_kv_heads,
+                       head_dim):
+    return hidden.new_empty(hidden.shape)
 
 
 @torch.library.register_fake("pagewire::interleave_q8_0")

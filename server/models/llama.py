@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from server.kernels.ops import linear, paged_attention, write_kv_cache
+from server.kernels import autotune, batch_invariant
+from server.kernels.ops import Q8_KERNEL_MAX_ROWS, linear, linear_kind, paged_attention, write_kv_cache
 from server.kernels.quant import QUANTIZATIONS, QuantizedWeight
 from server.models.attention import AttentionMetadata
 from server.models.config import ModelConfig
@@ -117,6 +118,40 @@ class LlamaDecoderLayer(nn.Module):
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
         return hidden, linear(silu_and_mul(gate_up), self.down_weight, self.down_bias)
 
+    def forward_fused(
+        self,
+        hidden: torch.Tensor,
+        delta: torch.Tensor | None,
+        rope: RotaryEmbedding,
+        rope_batch: RopeBatch,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        kinds: tuple[str, str, str, str],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward() in one C++ call (pagewire::decode_layer: the same ops in the same order, so the
+        same floats), for CPU batches of at most 16 tokens; kinds: each matrix's linear path
+        (ops.linear_kind), in MATRICES order."""
+        mlp_out = torch.ops.pagewire.decode_layer(
+            hidden, delta, self.input_norm, self.post_norm, self.eps,
+            _weight_data(self.qkv_weight), kinds[0], self.qkv_bias,
+            _weight_data(self.o_weight), kinds[1], self.o_bias,
+            _weight_data(self.gate_up_weight), kinds[2], self.gate_up_bias,
+            _weight_data(self.down_weight), kinds[3], self.down_bias,
+            rope_batch.positions, rope.cos, rope.sin, self.qk_norm, key_cache, value_cache,
+            meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            self.scale, self.sliding_window, meta.max_query_len, meta.max_seq_len,
+            self.num_heads, self.num_kv_heads, self.head_dim,
+        )
+        return hidden, mlp_out
+
+    def linear_kinds(self, dtype: torch.dtype, tokens: int) -> tuple[str, str, str, str] | None:
+        """Each matrix's path for `tokens` rows as ops.linear would take it (None: one of them has
+        no decode_layer equivalent, so this layer runs forward())."""
+        kinds = tuple(linear_kind(dtype, tokens, getattr(self, n), getattr(self, n.replace("weight", "bias")))
+                      for n in self.MATRICES)
+        return None if None in kinds else cast(tuple[str, str, str, str], kinds)
+
     MATRICES = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
     def quantize_weights(self, qtype: str) -> None:
@@ -197,6 +232,12 @@ class LlamaFamilyForCausalLM(nn.Module):
         # Plain list for the hot loop: iterating nn.ModuleList and calling modules via __call__
         # costs hook checks on every layer of every step.
         self._layers: list[LlamaDecoderLayer] = [cast(LlamaDecoderLayer, m) for m in self.layers]
+        # Small CPU batches run each layer as one C++ call (_fused_kinds); False forces the Python
+        # layers (bench/decode_step.py times both).
+        self.fused_decode = True
+        # (rows, id(autotune table)) -> (that table, each layer's linear kinds); weights are never
+        # swapped after loading (quantize_weights runs before the first step), so kinds stay valid.
+        self._fused_cache: dict[tuple[int, int], tuple[object, list[tuple[str, str, str, str] | None]]] = {}
         self.eval()
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
@@ -231,10 +272,34 @@ class LlamaFamilyForCausalLM(nn.Module):
         hidden = F.embedding(input_ids, self.embed_tokens)
         rope_batch = self.rope.prepare(positions, self.dtype)
         delta: torch.Tensor | None = None
-        for layer, (key_cache, value_cache) in zip(self._layers, kv_caches):
-            hidden, delta = layer.forward(hidden, delta, self.rope, rope_batch, key_cache, value_cache, meta)
+        fused = self._fused_kinds(hidden, rope_batch)
+        for i, (layer, (key_cache, value_cache)) in enumerate(zip(self._layers, kv_caches)):
+            kinds = fused[i] if fused is not None else None
+            if kinds is not None:
+                hidden, delta = layer.forward_fused(hidden, delta, self.rope, rope_batch, key_cache, value_cache,
+                                                    meta, kinds)
+            else:
+                hidden, delta = layer.forward(hidden, delta, self.rope, rope_batch, key_cache, value_cache, meta)
         eps = self.config.rms_norm_eps
         return norm(hidden, self.norm, eps) if delta is None else add_norm(hidden, delta, self.norm, eps)
+
+    def _fused_kinds(self, hidden: torch.Tensor, rope_batch: RopeBatch) -> list[tuple[str, str, str, str] | None] | None:
+        """Per layer, the linear paths for pagewire::decode_layer, or None where the layer must run
+        in Python: always off the CPU, above 16 tokens (quantised weights switch paths there), with
+        RoPE tables gathered in Python, in batch-invariant mode, when `fused_decode` is off, or when
+        this module's `linear` has been replaced (tests and bench/decode_step.py wrap it to see every
+        call). Cached per row count and autotune table: the rules only change with those."""
+        T = hidden.shape[0]
+        if (not self.fused_decode or hidden.device.type != "cpu" or T > Q8_KERNEL_MAX_ROWS
+                or rope_batch.cos is not None or batch_invariant.enabled() or linear is not _LINEAR):
+            return None
+        table = autotune.active_table()
+        key = (T, id(table))
+        cached = self._fused_cache.get(key)
+        if cached is None or cached[0] is not table:
+            cached = (table, [layer.linear_kinds(self.dtype, T) for layer in self._layers])
+            self._fused_cache[key] = cached
+        return cached[1]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -254,6 +319,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         for layer in self._layers:
             layer.quantize_weights(qtype)
         _replace_with_quantized(self, "lm_head", qtype)
+        self._fused_cache.clear()  # the layers' linear kinds changed
 
     def linear_weights(self) -> list[tuple[str, torch.Tensor | QuantizedWeight]]:
         """Every weight the forward and compute_logits pass to `linear`, named by role (for the
@@ -295,3 +361,12 @@ def _replace_with_quantized(module: nn.Module, name: str, qtype: str) -> None:
     # quantised container becomes a plain attribute and the float matrix is freed.
     module._parameters.pop(name, None)
     setattr(module, name, quantized)
+
+
+def _weight_data(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    """The tensor a linear kind reads: the float matrix, or a QuantizedWeight's block bytes."""
+    return weight.data if isinstance(weight, QuantizedWeight) else weight
+
+
+# This module's `linear` as imported: _fused_kinds steps aside when something has replaced it.
+_LINEAR = linear

@@ -1,0 +1,78 @@
+// decode_layer: one Llama-family decoder layer of a small CPU batch (at most 16 tokens: decode
+// steps) in one call. It runs exactly the C++ ops that the Python layer (LlamaDecoderLayer.forward)
+// calls, in the same order on the same tensors, so it gives the same floats; what it saves is the
+// Python between them: about ten op dispatches per layer through torch.ops, the wrappers' checks
+// and the layer's own bytecode, which cost as much as the small matrices' kernels on a model like
+// SmolLM2-135M (30 layers of 576-wide matrices; bench/RESULTS.md).
+//
+// Which kernel each matrix takes is decided in Python, by the same rules as ops.linear (fixed
+// rules, the autotune table), and passed in as a kind per matrix (see run_linear).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+
+#include <string>
+
+#include "../ops.h"
+
+namespace pagewire {
+namespace {
+
+// x @ w^T (+ b) by the path ops.linear would take: "kernel" (pagewire::linear), "torch"
+// (F.linear, i.e. at::linear), "q8_0" / "q8_0x8" (pagewire::linear_q8_0, row or interleaved
+// layout), or a 4-bit qtype of pagewire::linear_q4 ("q4_0", "q4_1", "q4_k", "q4_0x8", "q4_1x8").
+at::Tensor run_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
+                      const std::string& kind) {
+  if (kind == "kernel") return linear_cpu(x, w, b);
+  if (kind == "torch") return at::linear(x, w, b);
+  if (kind == "q8_0") return linear_q8_0_cpu(x, w, b, false);
+  if (kind == "q8_0x8") return linear_q8_0_cpu(x, w, b, true);
+  TORCH_CHECK(kind.rfind("q4_", 0) == 0, "decode_layer: unknown linear kind '", kind, "'");
+  return linear_q4_cpu(x, w, kind, b);
+}
+
+}  // namespace
+
+at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>& delta, const at::Tensor& input_norm,
+                            const at::Tensor& post_norm, double eps, const at::Tensor& qkv_weight,
+                            c10::string_view qkv_kind, const c10::optional<at::Tensor>& qkv_bias,
+                            const at::Tensor& o_weight, c10::string_view o_kind, const c10::optional<at::Tensor>& o_bias,
+                            const at::Tensor& gate_up_weight, c10::string_view gate_up_kind,
+                            const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down_weight,
+                            c10::string_view down_kind, const c10::optional<at::Tensor>& down_bias,
+                            const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                            const c10::optional<at::Tensor>& qk_norm, at::Tensor& key_cache, at::Tensor& value_cache,
+                            const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
+                            int64_t max_query_len, int64_t max_seq_len, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim) {
+  TORCH_CHECK(hidden.device().is_cpu() && hidden.dim() == 2, "hidden must be a CPU [T, hidden] tensor, got ",
+              hidden.sizes(), " on ", hidden.device());
+  const int64_t T = hidden.size(0);
+  TORCH_CHECK(T <= kQ8KernelMaxRows, "decode_layer takes at most ", kQ8KernelMaxRows, " tokens, got ", T);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  // Attention half: norm (with the previous layer's MLP output added), qkv, RoPE on q and k in
+  // place (they are adjacent in qkv), the KV write, paged attention.
+  const at::Tensor x = delta.has_value() && delta->defined() ? add_rms_norm_cpu(hidden, *delta, input_norm, eps)
+                                                             : rms_norm_cpu(hidden, input_norm, eps);
+  const at::Tensor qkv = run_linear(x, qkv_weight, qkv_bias, std::string(qkv_kind));
+  TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decode_layer: qkv has ", qkv.size(1), " columns, heads say ",
+              q_size + 2 * kv_size);
+  at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({T, num_heads + num_kv_heads, head_dim});
+  rotary_embedding_cpu(qk, positions, cos, sin, qk_norm, eps);
+  const at::Tensor query = qk.narrow(1, 0, num_heads);
+  const at::Tensor key = qk.narrow(1, num_heads, num_kv_heads);
+  const at::Tensor value = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
+  write_kv_cache_cpu(key, value, key_cache, value_cache, slot_mapping);
+  at::Tensor attn = at::empty({T, num_heads, head_dim}, hidden.options());
+  paged_attention_cpu(attn, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                      sliding_window, max_query_len, max_seq_len);
+  // MLP half: o projection added into the residual stream by the next norm, gate/up, SiLU-and-mul,
+  // down. The down projection's output is left for the next layer's norm to add (as in Python).
+  const at::Tensor o = run_linear(attn.view({T, q_size}), o_weight, o_bias, std::string(o_kind));
+  const at::Tensor x2 = add_rms_norm_cpu(hidden, o, post_norm, eps);
+  const at::Tensor gate_up = run_linear(x2, gate_up_weight, gate_up_bias, std::string(gate_up_kind));
+  return run_linear(silu_and_mul_cpu(gate_up), down_weight, down_bias, std::string(down_kind));
+}
+
+}  // namespace pagewire

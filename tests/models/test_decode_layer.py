@@ -1,0 +1,160 @@
+"""pagewire::decode_layer, one decoder layer of a small CPU batch in one C++ call: it must give
+exactly the Python layer's floats (logits and every KV cache byte) for each architecture's
+switches (q/k/v bias, Qwen3's q/k norm, sliding windows, llama3 RoPE scaling), every weight kind
+(float kernel or F.linear, Q8_0 and 4-bit in row or interleaved layout), batches of 1 to 16
+tokens, prefill chunks as well as decodes; and the model must step aside to the Python layers
+wherever their paths differ (above 16 tokens, batch-invariant mode, a replaced `linear`, an
+autotune choice decode_layer has no equivalent for)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import server.models.llama as llama
+from server.kernels import autotune, batch_invariant, ops
+from server.models.llama import LlamaFamilyForCausalLM
+from server.models.loader import load_model
+from tests.models.paged_harness import ARCHS, VOCAB, PagedRun, random_tokens
+from tests.tiny_models import LLAMA3_ROPE_SCALING, make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One tiny model per architecture (Mistral with a window shorter than the prompt), K = 64."""
+    out = {}
+    for arch in ARCHS:
+        extra = {"sliding_window": 24} if arch == "mistral" else {}
+        scaling = LLAMA3_ROPE_SCALING if arch == "llama" else None
+        out[arch] = make_tiny_model(tmp_path_factory.mktemp(arch) / arch, arch, vocab_size=VOCAB, hidden_size=64,
+                                    intermediate_size=128, num_hidden_layers=2, rope_scaling=scaling, **extra)
+    return out
+
+
+def _run(model: LlamaFamilyForCausalLM, fused: bool, steps: list[dict[int, list[int]]]) -> tuple[list, PagedRun]:
+    model.fused_decode = fused
+    run = PagedRun(model, seed=5)
+    logits = [run.step(s) for s in steps]
+    return logits, run
+
+
+def _steps(batch: int) -> list[dict[int, list[int]]]:
+    """A 12-token prefill chunk per sequence (several sequences: up to 16 rows together), then decodes."""
+    toks = {s: random_tokens(40, VOCAB, seed=s) for s in range(batch)}
+    steps = [{s: toks[s][:12] for s in range(min(batch, 1))}]
+    steps.append({s: toks[s][:12] for s in range(1, batch)} if batch > 1 else {0: toks[0][12:13]})
+    for t in range(13, 30):
+        steps.append({s: [toks[s][t]] for s in range(batch)})
+    return steps
+
+
+def _assert_same(model: LlamaFamilyForCausalLM, batch: int) -> None:
+    steps = _steps(batch)
+    fused, run_f = _run(model, True, steps)
+    plain, run_p = _run(model, False, steps)
+    for a, b in zip(fused, plain):
+        for sid in a:
+            assert torch.equal(a[sid], b[sid]), sid
+    for (kf, vf), (kp, vp) in zip(run_f.kv_caches, run_p.kv_caches):
+        assert torch.equal(kf, kp) and torch.equal(vf, vp)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fused_layer_gives_the_python_layers_floats(
+    models: dict[str, Path], arch: str, dtype: str, quantization: str, batch: int
+) -> None:
+    model, _ = load_model(models[arch], dtype=dtype)
+    if quantization != "none":
+        model.quantize_weights(quantization)
+    kinds = model._layers[0].linear_kinds(model.dtype, batch)
+    assert kinds is not None
+    if quantization == "none":
+        # bf16: the kernel wherever linear's fixed rule takes it; fp32: F.linear.
+        assert set(kinds) == {"kernel" if ops.fixed_rule_takes_kernel(model._layers[0].qkv_weight, batch) else "torch"}
+    else:
+        want = "q8_0" if quantization == "int8" else "q4_0"
+        assert set(kinds) == {want + "x8" if ops.cpu_isa() == "avx2" else want}
+    _assert_same(model, batch)
+
+
+def test_sixteen_rows_fused_seventeen_not(models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    model, _ = load_model(models["qwen3"], dtype="bfloat16")
+    model.quantize_weights("int8")
+    calls: list[int] = []
+    real = llama.LlamaDecoderLayer.forward_fused
+
+    def counting(self: llama.LlamaDecoderLayer, *args: object) -> object:
+        calls.append(self.layer_idx)
+        return real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(llama.LlamaDecoderLayer, "forward_fused", counting)
+    toks = random_tokens(17, VOCAB, seed=1)
+    fused, _ = _run(model, True, [{0: toks[:16]}])
+    assert calls == [0, 1]  # both layers, one call each
+    plain, _ = _run(model, False, [{0: toks[:16]}])
+    assert calls == [0, 1] and torch.equal(fused[0][0], plain[0][0])
+    _run(model, True, [{0: toks}])
+    assert calls == [0, 1]  # 17 rows: the Python layers
+
+
+def test_python_layers_where_paths_differ(models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    model, _ = load_model(models["llama"], dtype="bfloat16")
+    rope_batch = model.rope.prepare(torch.zeros(1, dtype=torch.int64), model.dtype)
+    hidden = torch.zeros(1, 64, dtype=model.dtype)
+    assert model._fused_kinds(hidden, rope_batch) is not None
+    with batch_invariant.mode(True):
+        assert model._fused_kinds(hidden, rope_batch) is None
+    model.fused_decode = False
+    assert model._fused_kinds(hidden, rope_batch) is None
+    model.fused_decode = True
+    # Something watching every linear call (a test, bench/decode_step.py) sees them all.
+    monkeypatch.setattr(llama, "linear", lambda x, w, b=None: ops.linear(x, w, b))
+    assert model._fused_kinds(hidden, rope_batch) is None
+    monkeypatch.undo()
+    # An autotune choice with no decode_layer equivalent (dequantise + GEMM) keeps that layer in
+    # Python; the other layers' matrices were tuned the same way here, so every layer steps aside.
+    model.quantize_weights("int8")
+    qkv = model._layers[0].qkv_weight
+    plan = {("q8_0", model.dtype, qkv.shape): (False,) * 6}
+    table = autotune.LinearTable(plans=plan)
+    with autotune.active(table):
+        kinds = model._fused_kinds(hidden, rope_batch)
+        assert kinds is not None and all(k is None for k in kinds)
+    with autotune.active(None):
+        kinds = model._fused_kinds(hidden, rope_batch)
+        assert kinds is not None and all(k is not None for k in kinds)
+
+
+def test_opcheck_decode_layer(models: dict[str, Path]) -> None:
+    """The schema's aliasing (hidden and both caches mutated, a fresh output) and the fake's shape."""
+    model, _ = load_model(models["qwen2"], dtype="float32")
+    layer = model._layers[0]
+    run = PagedRun(model)
+    run.step({0: random_tokens(5, VOCAB, seed=2)})  # some context in the cache
+    key_cache, value_cache = run.kv_caches[0]
+    from server.models.attention import AttentionMetadata
+
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([int(run.tables[0][0]) * run.block_size + 5], dtype=torch.int64),
+        block_tables=torch.tensor([run.tables[0]], dtype=torch.int32),
+        seq_lens=torch.tensor([6], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        max_query_len=1,
+        max_seq_len=6,
+    )
+    hidden = torch.randn(1, 64)
+    kinds = layer.linear_kinds(model.dtype, 1)
+    assert kinds is not None
+    args = (hidden, torch.randn(1, 64), layer.input_norm, layer.post_norm, layer.eps,
+            layer.qkv_weight, kinds[0], layer.qkv_bias, layer.o_weight, kinds[1], layer.o_bias,
+            layer.gate_up_weight, kinds[2], layer.gate_up_bias, layer.down_weight, kinds[3], layer.down_bias,
+            torch.tensor([5]), model.rope.cos, model.rope.sin, layer.qk_norm, key_cache.clone(), value_cache.clone(),
+            meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, layer.scale,
+            layer.sliding_window, 1, 6, layer.num_heads, layer.num_kv_heads, layer.head_dim)
+    torch.library.opcheck(torch.ops.pagewire.decode_layer.default, args)
+    with pytest.raises(RuntimeError, match="decode_layer: unknown linear kind 'fp8'"):
+        torch.ops.pagewire.decode_layer(*args[:6], "fp8", *args[7:])

@@ -1,7 +1,9 @@
 """One decode step of a random-weight model, split into its GEMM time and everything else.
 
 For batch sizes B (default 1 and 8), each sequence holding --context cached tokens, it times a full
-decode step (forward + lm_head logits; best of --repeats), then the step's parts separately:
+decode step (forward + lm_head logits; best of --repeats), the same step with every decoder layer
+run op by op from Python instead of as one pagewire::decode_layer call ("Python layers"), then the
+step's parts separately (through the Python layers, which is where they can be told apart):
   * GEMMs alone: exactly the step's linear calls (same weights, shapes and order, recorded from
     one step) replayed back to back;
   * non-GEMM alone: the same step with every linear call answered instantly by the output it
@@ -167,6 +169,12 @@ def time_batches(model: Any, a: argparse.Namespace, bw: float) -> float:
 
         with torch.inference_mode():
             t_step, m_step = best_and_median(step, a.repeats)
+            # The same step with every layer in Python (pagewire::decode_layer off): the C++ layer's gain.
+            model.fused_decode = False
+            try:
+                t_py, m_py = best_and_median(step, a.repeats)
+            finally:
+                model.fused_decode = True
             t_gemm, m_gemm = best_and_median(gemms, a.repeats)
             # Short (milliseconds): many more tries to find an undisturbed one on a loaded machine.
             t_other, m_other = best_and_median(non_gemm, 10 * a.repeats)
@@ -176,7 +184,8 @@ def time_batches(model: Any, a: argparse.Namespace, bw: float) -> float:
         kv_bytes = batch * (a.context + 1) * model.kv_cache_bytes_per_token()
         mbu = (wbytes + kv_bytes) / t_step / (bw * 1e9)
         rel = f"  step / batch-1 step {t_step / step_one[1]:.2f}x" if 1 in step_one and batch != 1 else ""
-        print(f"batch {batch:3d}: step {t_step * 1e3:7.2f} ms (median {m_step * 1e3:7.2f})  GEMMs alone "
+        print(f"batch {batch:3d}: step {t_step * 1e3:7.2f} ms (median {m_step * 1e3:7.2f}; Python layers "
+              f"{t_py * 1e3:7.2f}, median {m_py * 1e3:7.2f}: {m_py / m_step:4.2f}x)  GEMMs alone "
               f"{t_gemm * 1e3:7.2f} ms  non-GEMM alone {t_other * 1e3:6.2f} ms "
               f"({t_other / (t_gemm + t_other) * 100:4.1f}% of GEMMs + non-GEMM)  {batch / t_step:7.1f} tok/s  "
               f"weights {wbytes / 1e6:6.1f} MB + KV {kv_bytes / 1e6:5.1f} MB per step  MBU {mbu * 100:4.1f}% "

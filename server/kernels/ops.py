@@ -213,13 +213,31 @@ def linear(
 
 def linear_kind(dtype: torch.dtype, m: int, weight: torch.Tensor | QuantizedWeight,
                 bias: Optional[torch.Tensor]) -> Optional[str]:
-    """The path `linear` takes for a CPU activation [m, K] of `dtype` (no autograd, not in
-    batch-invariant mode, m <= Q8_KERNEL_MAX_ROWS), named as pagewire::decode_layer takes it:
-    "kernel" (pagewire::linear), "torch" (F.linear), "q8_0" / "q8_0x8", or a linear_q4 qtype; None
-    where that path is not one decode_layer has (dequantise + GEMM, AMX turned off for the call).
+    """The path `linear` takes for a CPU activation [m, K] of `dtype` (no autograd,
+    m <= Q8_KERNEL_MAX_ROWS), named as pagewire::decode_layer takes it: "kernel" (pagewire::linear),
+    "torch" (F.linear), "q8_0" / "q8_0x8", or a linear_q4 qtype; None where that path is not one
+    decode_layer has (dequantise + GEMM, AMX turned off for the call, fixed-block F.linear).
 
-    It follows `linear`'s rules line for line; tests/models/test_decode_layer.py checks that the
-    fused layer gives exactly the unfused layer's floats, so the two cannot drift apart unseen."""
+    It follows `linear`'s rules line for line, batch-invariant mode's included;
+    tests/models/test_decode_layer.py checks that the fused layer gives exactly the unfused layer's
+    floats in both modes, so the two cannot drift apart unseen."""
+    if isinstance(weight, QuantizedWeight):
+        qkind = (("q8_0x8" if weight.interleaved else "q8_0") if weight.qtype == "q8_0"
+                 else weight.qtype + "x8" if weight.interleaved else weight.qtype)
+    float_kernel = (
+        (dtype is torch.bfloat16 or dtype is torch.float32)
+        and isinstance(weight, torch.Tensor)
+        and weight.dtype is dtype
+        and weight.is_cpu
+        and weight.dim() == 2
+        and weight.shape[0] > 0
+        and weight.shape[1] > 0
+        and (bias is None or (bias.dtype is dtype and bias.is_cpu))
+    )
+    if batch_invariant.enabled():  # _linear_batch_invariant's paths
+        if isinstance(weight, QuantizedWeight):
+            return qkind
+        return "kernel" if float_kernel and _ACTIVE_ISA != "portable" else None
     plans = autotune.active_table()
     if isinstance(weight, QuantizedWeight):
         plan = plans.get((weight.qtype, dtype, weight.shape)) if plans is not None else None
@@ -227,17 +245,9 @@ def linear_kind(dtype: torch.dtype, m: int, weight: torch.Tensor | QuantizedWeig
             choice = plan[autotune.bucket(m)]
             if choice == autotune.KERNEL_NO_AMX or not choice:
                 return None
-        if weight.qtype == "q8_0":
-            return "q8_0x8" if weight.interleaved else "q8_0"
-        return weight.qtype + "x8" if weight.interleaved else weight.qtype
-    if (
-        (dtype is torch.bfloat16 or dtype is torch.float32)
-        and weight.dtype is dtype
-        and weight.is_cpu
-        and weight.dim() == 2
-        and weight.shape[1] > 0
-        and (bias is None or (bias.dtype is dtype and bias.is_cpu))
-    ):
+        return qkind
+    if float_kernel:
+        assert isinstance(weight, torch.Tensor)
         plan = plans.get((dtype, weight.shape)) if plans is not None else None
         if plan is not None:
             use_kernel = plan[autotune.bucket(m)]

@@ -235,9 +235,9 @@ class LlamaFamilyForCausalLM(nn.Module):
         # Small CPU batches run each layer as one C++ call (_fused_kinds); False forces the Python
         # layers (bench/decode_step.py times both).
         self.fused_decode = True
-        # (rows, id(autotune table)) -> (that table, each layer's linear kinds); weights are never
+        # (rows, id(autotune table), batch-invariant) -> (that table, each layer's linear kinds); weights are never
         # swapped after loading (quantize_weights runs before the first step), so kinds stay valid.
-        self._fused_cache: dict[tuple[int, int], tuple[object, list[tuple[str, str, str, str] | None]]] = {}
+        self._fused_cache: dict[tuple[int, int, bool], tuple[object, list[tuple[str, str, str, str] | None]]] = {}
         self.eval()
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
@@ -286,15 +286,15 @@ class LlamaFamilyForCausalLM(nn.Module):
     def _fused_kinds(self, hidden: torch.Tensor, rope_batch: RopeBatch) -> list[tuple[str, str, str, str] | None] | None:
         """Per layer, the linear paths for pagewire::decode_layer, or None where the layer must run
         in Python: always off the CPU, above 16 tokens (quantised weights switch paths there), with
-        RoPE tables gathered in Python, in batch-invariant mode, when `fused_decode` is off, or when
-        this module's `linear` has been replaced (tests and bench/decode_step.py wrap it to see every
-        call). Cached per row count and autotune table: the rules only change with those."""
+        RoPE tables gathered in Python, when `fused_decode` is off, or when this module's `linear`
+        has been replaced (tests and bench/decode_step.py wrap it to see every call). Cached per
+        row count, autotune table and batch-invariant mode: the rules only change with those."""
         T = hidden.shape[0]
         if (not self.fused_decode or hidden.device.type != "cpu" or T > Q8_KERNEL_MAX_ROWS
-                or rope_batch.cos is not None or batch_invariant.enabled() or linear is not _LINEAR):
+                or rope_batch.cos is not None or linear is not _LINEAR):
             return None
         table = autotune.active_table()
-        key = (T, id(table))
+        key = (T, id(table), batch_invariant.enabled())
         cached = self._fused_cache.get(key)
         if cached is None or cached[0] is not table:
             cached = (table, [layer.linear_kinds(self.dtype, T) for layer in self._layers])

@@ -2,9 +2,9 @@
 exactly the Python layer's floats (logits and every KV cache byte) for each architecture's
 switches (q/k/v bias, Qwen3's q/k norm, sliding windows, llama3 RoPE scaling), every weight kind
 (float kernel or F.linear, Q8_0 and 4-bit in row or interleaved layout), batches of 1 to 16
-tokens, prefill chunks as well as decodes; and the model must step aside to the Python layers
-wherever their paths differ (above 16 tokens, batch-invariant mode, a replaced `linear`, an
-autotune choice decode_layer has no equivalent for)."""
+tokens, prefill chunks as well as decodes, in batch-invariant mode too (the default for CPU bf16
+on AVX2); and the model must step aside to the Python layers wherever their paths differ (above
+16 tokens, a replaced `linear`, an autotune choice decode_layer has no equivalent for)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -64,21 +64,24 @@ def _assert_same(model: LlamaFamilyForCausalLM, batch: int) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 @pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("invariant", [False, True])
 def test_fused_layer_gives_the_python_layers_floats(
-    models: dict[str, Path], arch: str, dtype: str, quantization: str, batch: int
+    models: dict[str, Path], arch: str, dtype: str, quantization: str, batch: int, invariant: bool
 ) -> None:
     model, _ = load_model(models[arch], dtype=dtype)
     if quantization != "none":
         model.quantize_weights(quantization)
-    kinds = model._layers[0].linear_kinds(model.dtype, batch)
-    assert kinds is not None
-    if quantization == "none":
-        # bf16: the kernel wherever linear's fixed rule takes it; fp32: F.linear.
-        assert set(kinds) == {"kernel" if ops.fixed_rule_takes_kernel(model._layers[0].qkv_weight, batch) else "torch"}
-    else:
-        want = "q8_0" if quantization == "int8" else "q4_0"
-        assert set(kinds) == {want + "x8" if ops.cpu_isa() == "avx2" else want}
-    _assert_same(model, batch)
+    with batch_invariant.mode(invariant):
+        kinds = model._layers[0].linear_kinds(model.dtype, batch)
+        if quantization != "none":
+            want = "q8_0" if quantization == "int8" else "q4_0"
+            assert kinds is not None and set(kinds) == {want + "x8" if ops.cpu_isa() == "avx2" else want}
+        elif invariant:  # pagewire::linear (bf16 and fp32 alike) wherever the CPU has AVX2
+            assert kinds == (("kernel",) * 4 if ops.cpu_isa() != "portable" else None)
+        else:  # bf16: the kernel wherever linear's fixed rule takes it; fp32: F.linear
+            qkv = model._layers[0].qkv_weight
+            assert kinds is not None and set(kinds) == {"kernel" if ops.fixed_rule_takes_kernel(qkv, batch) else "torch"}
+        _assert_same(model, batch)
 
 
 def test_sixteen_rows_fused_seventeen_not(models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -106,8 +109,6 @@ def test_python_layers_where_paths_differ(models: dict[str, Path], monkeypatch: 
     rope_batch = model.rope.prepare(torch.zeros(1, dtype=torch.int64), model.dtype)
     hidden = torch.zeros(1, 64, dtype=model.dtype)
     assert model._fused_kinds(hidden, rope_batch) is not None
-    with batch_invariant.mode(True):
-        assert model._fused_kinds(hidden, rope_batch) is None
     model.fused_decode = False
     assert model._fused_kinds(hidden, rope_batch) is None
     model.fused_decode = True

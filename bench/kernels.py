@@ -154,13 +154,6 @@ def random_q4_1(n: int, k: int, gen: torch.Generator) -> QuantizedWeight:
     return QuantizedWeight.from_gguf_bytes("q4_1", data.reshape(n, -1), n, k)
 
 
-def interleaved(qw: QuantizedWeight) -> QuantizedWeight:
-    """The x8 layout of a row-layout weight, on any CPU family."""
-    if qw.qtype == "q8_0":
-        return QuantizedWeight("q8_0", torch.ops.pagewire.interleave_q8_0(qw.data), qw.shape, interleaved=True)
-    return QuantizedWeight(qw.qtype, torch.ops.pagewire.interleave_q4(qw.data, qw.qtype), qw.shape, interleaved=True)
-
-
 def bench_quant() -> None:
     import os
 
@@ -177,7 +170,7 @@ def bench_quant() -> None:
             for _ in range(copies):
                 w = torch.randn(N, K, generator=gen) / 32
                 rows.append(random_q4_1(N, K, gen) if qtype == "q4_1" else QuantizedWeight.quantize(w, qtype))
-            x8s = [interleaved(q) for q in rows]
+            x8s = [q.interleave() for q in rows]
             step = iter(range(1 << 60))
             for M in [1, 2, 4, 8, 16]:
                 x = torch.randn(M, K, generator=gen).bfloat16()

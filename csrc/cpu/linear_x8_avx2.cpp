@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 // Headers first: inline functions they define must keep the baseline ISA.
@@ -143,6 +144,32 @@ void group8(const Q8Activations& x, int64_t m0, const uint8_t* w, const float* b
   for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out + (m0 + m) * ldo, _mm256_add_ps(acc[m], bv));
 }
 
+// Every whole group of eight weight rows (group_bytes each) against all M activation rows, in
+// tiles of four, then two, then one rows: tile(std::integral_constant<int, MB>, m0, group's bytes,
+// group's bias or nullptr, group's first output column). Static schedule: each thread streams one
+// contiguous slice of the weight.
+constexpr int64_t kGroupRows = 8;
+static_assert(kQ4Interleave == kGroupRows && kQ8Interleave == kGroupRows, "one group size for both layouts");
+
+template <class Tile>
+void for_each_group(int64_t M, int64_t K, int64_t N, int64_t group_bytes, const uint8_t* w, const float* bias,
+                    float* out, const Tile& tile) {
+  const int64_t groups = N / kGroupRows;
+#pragma omp parallel for schedule(static) if (N * K * M >= 65536)
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wg = w + g * group_bytes;
+    const float* bg = bias != nullptr ? bias + g * kGroupRows : nullptr;
+    float* og = out + g * kGroupRows;
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) tile(std::integral_constant<int, 4>{}, m, wg, bg, og);
+    if (m + 2 <= M) {
+      tile(std::integral_constant<int, 2>{}, m, wg, bg, og);
+      m += 2;
+    }
+    if (m < M) tile(std::integral_constant<int, 1>{}, m, wg, bg, og);
+  }
+}
+
 template <Q4Type T>
 void run4(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t N) {
   const int64_t nb = x.K / 32;
@@ -156,21 +183,10 @@ void run4(const Q8SumActivations& x, const uint8_t* w, const float* bias, float*
     for (int64_t i = 0; i < x.M * nb; ++i) offset[i] = -8.f * x.s[i];  // exact: a power of two
     xc = offset.data();
   }
-  const int64_t groups = N / kQ4Interleave;
-  // Static schedule: each thread streams one contiguous slice of the weight.
-#pragma omp parallel for schedule(static) if (N * x.K * x.M >= 65536)
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* wg = w + g * group_bytes;
-    const int64_t n = g * kQ4Interleave;
-    const float* bg = bias != nullptr ? bias + n : nullptr;
-    int64_t m = 0;
-    for (; m + 4 <= x.M; m += 4) group4<T, 4>(x, xc, m, wg, bg, out + n, ldo);
-    if (m + 2 <= x.M) {
-      group4<T, 2>(x, xc, m, wg, bg, out + n, ldo);
-      m += 2;
-    }
-    if (m < x.M) group4<T, 1>(x, xc, m, wg, bg, out + n, ldo);
-  }
+  for_each_group(x.M, x.K, N, group_bytes, w, bias, out, [&](auto mb, int64_t m, const uint8_t* wg, const float* bg,
+                                                            float* og) {
+    group4<T, decltype(mb)::value>(x, xc, m, wg, bg, og, ldo);
+  });
 }
 
 }  // namespace
@@ -178,21 +194,10 @@ void run4(const Q8SumActivations& x, const uint8_t* w, const float* bias, float*
 void linear_q8_0x8_avx2(const Q8Activations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
                         int64_t N) {
   const int64_t group_bytes = kQ8Interleave * (x.K / kQ8Block) * kQ8BlockBytes;
-  const int64_t groups = N / kQ8Interleave;
-  // Static schedule: each thread streams one contiguous slice of the weight.
-#pragma omp parallel for schedule(static) if (N * x.K * x.M >= 65536)
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* wg = w + g * group_bytes;
-    const int64_t n = g * kQ8Interleave;
-    const float* bg = bias != nullptr ? bias + n : nullptr;
-    int64_t m = 0;
-    for (; m + 4 <= x.M; m += 4) group8<4>(x, m, wg, bg, out + n, ldo);
-    if (m + 2 <= x.M) {
-      group8<2>(x, m, wg, bg, out + n, ldo);
-      m += 2;
-    }
-    if (m < x.M) group8<1>(x, m, wg, bg, out + n, ldo);
-  }
+  for_each_group(x.M, x.K, N, group_bytes, w, bias, out, [&](auto mb, int64_t m, const uint8_t* wg, const float* bg,
+                                                            float* og) {
+    group8<decltype(mb)::value>(x, m, wg, bg, og, ldo);
+  });
 }
 
 void linear_q4x8_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,

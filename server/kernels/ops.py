@@ -221,9 +221,6 @@ def linear_kind(dtype: torch.dtype, m: int, weight: torch.Tensor | QuantizedWeig
     It follows `linear`'s rules line for line, batch-invariant mode's included;
     tests/models/test_decode_layer.py checks that the fused layer gives exactly the unfused layer's
     floats in both modes, so the two cannot drift apart unseen."""
-    if isinstance(weight, QuantizedWeight):
-        qkind = (("q8_0x8" if weight.interleaved else "q8_0") if weight.qtype == "q8_0"
-                 else weight.qtype + "x8" if weight.interleaved else weight.qtype)
     float_kernel = (
         (dtype is torch.bfloat16 or dtype is torch.float32)
         and isinstance(weight, torch.Tensor)
@@ -236,7 +233,7 @@ def linear_kind(dtype: torch.dtype, m: int, weight: torch.Tensor | QuantizedWeig
     )
     if batch_invariant.enabled():  # _linear_batch_invariant's paths
         if isinstance(weight, QuantizedWeight):
-            return qkind
+            return weight.op_qtype
         return "kernel" if float_kernel and _ACTIVE_ISA != "portable" else None
     plans = autotune.active_table()
     if isinstance(weight, QuantizedWeight):
@@ -245,7 +242,7 @@ def linear_kind(dtype: torch.dtype, m: int, weight: torch.Tensor | QuantizedWeig
             choice = plan[autotune.bucket(m)]
             if choice == autotune.KERNEL_NO_AMX or not choice:
                 return None
-        return qkind
+        return weight.op_qtype
     if float_kernel:
         assert isinstance(weight, torch.Tensor)
         plan = plans.get((dtype, weight.shape)) if plans is not None else None
@@ -465,113 +462,5 @@ def rejection_sample(
     return out, num_emitted
 
 
-# Fake (meta) kernels: the in-place ops produce no new tensors, so shape propagation is trivial.
-@torch.library.register_fake("pagewire::write_kv_cache")
-def _write_kv_cache_fake(key, value, key_cache, value_cache, slot_mapping) -> None:
-    return None
-
-
-@torch.library.register_fake("pagewire::paged_attention")
-def _paged_attention_fake(
-    out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-    scale, sliding_window, max_query_len, max_seq_len,
-) -> None:
-    return None
-
-
-@torch.library.register_fake("pagewire::copy_blocks")
-def _copy_blocks_fake(key_caches, value_caches, block_mapping) -> None:
-    return None
-
-
-@torch.library.register_fake("pagewire::linear")
-def _linear_fake(x, weight, bias):
-    torch._check(x.shape[-1] == weight.shape[1], lambda: "x and weight disagree on K")
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-@torch.library.register_fake("pagewire::rms_norm")
-def _rms_norm_fake(x, weight, eps):
-    return x.new_empty(x.shape)
-
-
-@torch.library.register_fake("pagewire::add_rms_norm")
-def _add_rms_norm_fake(residual, delta, weight, eps):
-    return residual.new_empty(residual.shape)
-
-
-@torch.library.register_fake("pagewire::rotary_embedding")
-def _rotary_embedding_fake(x, positions, cos, sin, norm_weight, eps) -> None:
-    return None
-
-
-@torch.library.register_fake("pagewire::silu_and_mul")
-def _silu_and_mul_fake(x):
-    torch._check(x.shape[-1] % 2 == 0, lambda: "x's last dim must be even")
-    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
-
-
-@torch.library.register_fake("pagewire::ngram_propose")
-def _ngram_propose_fake(token_ids, num_tokens, k, min_n, max_n):
-    return num_tokens.new_empty((num_tokens.shape[0], k))
-
-
-# rejection_sample has no fake kernel: its output width (the largest k_i) depends on cu_num_draft's
-# values, and it only ever runs eagerly, on the host's control path.
-
-
-@torch.library.register_fake("pagewire::quantize_q8_0")
-def _quantize_q8_0_fake(weight):
-    return weight.new_empty((weight.shape[0], weight.shape[1] // 32 * 34), dtype=torch.uint8)
-
-
-@torch.library.register_fake("pagewire::dequantize_q8_0")
-def _dequantize_q8_0_fake(weight, interleaved=False):
-    return weight.new_empty((weight.shape[0], weight.shape[1] // 34 * 32), dtype=torch.float32)
-
-
-@torch.library.register_fake("pagewire::quantize_q4_0")
-def _quantize_q4_0_fake(weight):
-    return weight.new_empty((weight.shape[0], weight.shape[1] // 32 * 18), dtype=torch.uint8)
-
-
-# (values, bytes) per block of each qtype string the 4-bit ops take ("x8": the interleaved layout).
-_Q4_FORMATS = {"q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144), "q4_0x8": (32, 18), "q4_1x8": (32, 20)}
-
-
-@torch.library.register_fake("pagewire::dequantize_q4")
-def _dequantize_q4_fake(weight, qtype):
-    values, nbytes = _Q4_FORMATS[qtype]
-    return weight.new_empty((weight.shape[0], weight.shape[1] // nbytes * values), dtype=torch.float32)
-
-
-@torch.library.register_fake("pagewire::decode_layer")
-def _decode_layer_fake(hidden, delta, input_norm, post_norm, eps, qkv_weight, qkv_kind, qkv_bias, o_weight, o_kind,
-                       o_bias, gate_up_weight, gate_up_kind, gate_up_bias, down_weight, down_kind, down_bias,
-                       positions, cos, sin, qk_norm, key_cache, value_cache, slot_mapping, block_tables, seq_lens,
-                       query_start_loc, scale, sliding_window, max_query_len, max_seq_len, num_heads, num_kv_heads,
-                       head_dim):
-    return hidden.new_empty(hidden.shape)
-
-
-@torch.library.register_fake("pagewire::interleave_q8_0")
-def _interleave_q8_0_fake(weight):
-    return torch.empty_like(weight)
-
-
-@torch.library.register_fake("pagewire::interleave_q4")
-def _interleave_q4_fake(weight, qtype):
-    return torch.empty_like(weight)
-
-
-@torch.library.register_fake("pagewire::linear_q4")
-def _linear_q4_fake(x, weight, qtype, bias):
-    values, nbytes = _Q4_FORMATS[qtype]
-    torch._check(x.shape[-1] // values * nbytes == weight.shape[1], lambda: "x and weight disagree on K")
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-@torch.library.register_fake("pagewire::linear_q8_0")
-def _linear_q8_0_fake(x, weight, bias, interleaved=False):
-    torch._check(x.shape[-1] // 32 * 34 == weight.shape[1], lambda: "x and weight disagree on K")
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+# Fake (meta) kernels of every op, for torch.compile and opcheck (registered on import).
+import server.kernels.op_fakes  # noqa: E402,F401

@@ -127,6 +127,13 @@ class QuantizedWeight:
         if (self.interleaved or self.qtype not in INTERLEAVABLE or self.shape[0] < 8
                 or str(server._C.cpu_isa()) != "avx2"):
             return self
+        return self.interleave()
+
+    def interleave(self) -> "QuantizedWeight":
+        """A copy in the interleaved x8 layout, whatever this CPU (for_kernels decides where it pays)."""
+        if self.interleaved or self.qtype not in INTERLEAVABLE:
+            raise ValueError(f"interleaved: {self.qtype} {'is already' if self.interleaved else 'has no'} "
+                             "interleaved layout")
         if self.qtype == "q8_0":
             data = torch.ops.pagewire.interleave_q8_0(self.data)
         else:
@@ -134,21 +141,22 @@ class QuantizedWeight:
         return QuantizedWeight(self.qtype, data, self.shape, interleaved=True)
 
     @property
-    def _op_qtype(self) -> str:
-        """The qtype string of the C++ ops: the layout's name ("q4_0x8") when interleaved."""
+    def op_qtype(self) -> str:
+        """The format and layout as the C++ ops name them: the qtype, with "x8" when interleaved
+        ("q4_0x8"; also pagewire::decode_layer's linear kind of this weight)."""
         return self.qtype + "x8" if self.interleaved else self.qtype
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The represented weight [N, K] in `dtype` (exact in float32, as GGUF computes it)."""
         if self.qtype == "q8_0":
             return torch.ops.pagewire.dequantize_q8_0(self.data, self.interleaved).to(dtype)
-        return torch.ops.pagewire.dequantize_q4(self.data, self._op_qtype).to(dtype)
+        return torch.ops.pagewire.dequantize_q4(self.data, self.op_qtype).to(dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] @ self^T (+ bias) in x's dtype, through the format's kernel."""
         if self.qtype == "q8_0":
             return torch.ops.pagewire.linear_q8_0(x, self.data, bias, self.interleaved)
-        return torch.ops.pagewire.linear_q4(x, self.data, self._op_qtype, bias)
+        return torch.ops.pagewire.linear_q4(x, self.data, self.op_qtype, bias)
 
     @property
     def nbytes(self) -> int:

@@ -28,11 +28,7 @@ def random_weight(qtype: str, n: int, k: int, seed: int, zero_rows: tuple[int, .
 
 def interleave(qw: QuantizedWeight) -> QuantizedWeight:
     """The x8 copy of a row-layout weight, whatever this CPU's family (for_kernels decides that)."""
-    if qw.qtype == "q8_0":
-        data = torch.ops.pagewire.interleave_q8_0(qw.data)
-    else:
-        data = torch.ops.pagewire.interleave_q4(qw.data, qw.qtype)
-    return QuantizedWeight(qw.qtype, data, qw.shape, interleaved=True)
+    return qw.interleave()
 
 
 @pytest.mark.parametrize("qtype", X8_TYPES)
@@ -135,7 +131,11 @@ def test_interleaved_arguments_are_checked() -> None:
         QuantizedWeight("q4_k", qk.data, (8, 256), interleaved=True)
     with pytest.raises(RuntimeError, match="qtype must be 'q4_0' or 'q4_1' \\(row layout\\), got 'q4_k'"):
         torch.ops.pagewire.interleave_q4(qk.data, "q4_k")
+    with pytest.raises(ValueError, match="interleaved: q4_k has no interleaved layout"):
+        qk.interleave()
     x8 = interleave(random_q4("q4_0", 8, 64, seed=0))
+    with pytest.raises(ValueError, match="interleaved: q4_0 is already interleaved layout"):
+        x8.interleave()
     with pytest.raises(RuntimeError, match="qtype must be 'q4_0' or 'q4_1' \\(row layout\\), got 'q4_0x8'"):
         torch.ops.pagewire.interleave_q4(x8.data, "q4_0x8")
     with pytest.raises(RuntimeError, match="weight must be \\[N, 36\\] q4_0x8 bytes"):

@@ -3,6 +3,8 @@ endpoints (/health, /v1/models, /tokenize, /detokenize, /metrics).
 
 Routes, and where each request goes next:
     POST /v1/completions, /v1/chat/completions → server.api.openai_http → server.serving.service
+    POST /v1/messages[/count_tokens]           → server.api.anthropic_http → server.serving.service
+    /api/chat, /api/generate, /api/tags, ...   → server.api.ollama_http    → server.serving.service
     /v1/files, /v1/batches                     → server.gateway.http → server.gateway.batch → service
     WS   /v1/ws                                → server.api.ws          → server.serving.service
     GET  /v1/usage                             → server.gateway.usage (SQL over the ledger)
@@ -25,9 +27,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 
+from server.api.anthropic_http import CountTokensEndpoint, MessagesEndpoint
 from server.api.context import ApiContext
 from server.api.decode import decode
+from server.api.error_shapes import payload_for
 from server.api.http_io import error_payload, retry_headers
+from server.api.ollama_http import OllamaApi
 from server.api.openai_format import messages_to_dicts
 from server.api.openai_http import GenerateEndpoint
 from server.api.origins import OriginGuard, OriginPolicy
@@ -187,11 +192,14 @@ def build_app(rt: Runtime) -> Starlette:
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         if exc.status_code == 404:
-            return _error(NotFound(f"no route {request.method} {request.url.path}", code="route_not_found"))
-        err = PagewireError(str(exc.detail), code="method_not_allowed" if exc.status_code == 405 else "http_error")
-        err.status = exc.status_code
-        err.error_type = "invalid_request_error"
-        return _error(err)
+            err: PagewireError = NotFound(f"no route {request.method} {request.url.path}", code="route_not_found")
+        else:
+            err = PagewireError(str(exc.detail), code="method_not_allowed" if exc.status_code == 405 else "http_error")
+            err.status = exc.status_code
+            err.error_type = "invalid_request_error"
+        # In the shape of the API the path belongs to (Anthropic's, Ollama's or OpenAI's).
+        return JSONResponse(payload_for(request.url.path, err), status_code=err.status,
+                            headers={k.decode(): v.decode() for k, v in retry_headers(err)})
 
     return Starlette(
         routes=[
@@ -199,6 +207,9 @@ def build_app(rt: Runtime) -> Starlette:
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/completions", GenerateEndpoint(api, "completion"), methods=["POST"]),
             Route("/v1/chat/completions", GenerateEndpoint(api, "chat"), methods=["POST"]),
+            Route("/v1/messages", MessagesEndpoint(api), methods=["POST"]),
+            Route("/v1/messages/count_tokens", CountTokensEndpoint(api), methods=["POST"]),
+            *OllamaApi(api).routes(),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/metrics", metrics, methods=["GET"]),

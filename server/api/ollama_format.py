@@ -23,17 +23,18 @@ from __future__ import annotations
 
 import datetime
 import re
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, Callable, Optional, Union
 
 import msgspec
 from msgspec import Meta, Struct
 
 from server.api.format_common import call_arguments, piece_parser, renamed
-from server.api.openai_format import apply_tool_plan, generation_spec
-from server.api.protocol import Penalty, SamplingFields, Seed
+from server.api.openai_format import apply_tool_plan, generation_spec, logprobs_count
+from server.api.protocol import Penalty, SamplingFields, Seed, TopLogprobs
 from server.api.tools import ToolPlan, check_messages, plan_request
+from server.engine.outputs import TokenLogprob
 from server.serving.errors import InvalidRequest, PagewireError
-from server.serving.jobs import GenerationSpec
+from server.serving.jobs import GenerationSpec, logprobs_from_stored
 from server.serving.lifecycle import end_error
 from server.serving.streams import DeltaEvent, EndEvent
 from server.text.tool_parsers import ArgsDelta, CallStart, Content, Piece, ToolCallParser
@@ -102,6 +103,8 @@ class ChatRequest(Struct, kw_only=True):
     stream: bool = True
     keep_alive: KeepAlive = None
     think: Union[None, bool, str] = None
+    logprobs: bool = False
+    top_logprobs: Optional[TopLogprobs] = None
 
 
 class GenerateRequest(Struct, kw_only=True):
@@ -120,6 +123,8 @@ class GenerateRequest(Struct, kw_only=True):
     stream: bool = True
     keep_alive: KeepAlive = None
     think: Union[None, bool, str] = None
+    logprobs: bool = False
+    top_logprobs: Optional[TopLogprobs] = None
 
 
 class ModelRequest(Struct, kw_only=True):
@@ -275,6 +280,7 @@ def chat_spec(req: ChatRequest, peer: str, model: str, tool_parser: str, marker_
         plan = plan_request(req.tools or None, None, None, tool_parser, marker_special)
         spec = generation_spec(kind="chat", api="ollama", peer=peer, model=model,
                                fields=sampling_fields(req.options), idempotency_key=idem,
+                               logprobs=logprobs_count(req.logprobs, req.top_logprobs),
                                params_record=_record(req.options, req.format),
                                response_format=response_format(req.format))
         spec.messages = chat_messages(req.messages)
@@ -297,7 +303,8 @@ def generate_spec(req: GenerateRequest, peer: str, model: str, idem: Optional[st
         if req.raw and req.system:
             raise _bad("system", "cannot be combined with raw: a raw prompt is sent as is")
         common: dict[str, Any] = dict(api="ollama", peer=peer, model=model, fields=sampling_fields(req.options),
-                                      idempotency_key=idem, params_record=_record(req.options, req.format),
+                                      idempotency_key=idem, logprobs=logprobs_count(req.logprobs, req.top_logprobs),
+                                      params_record=_record(req.options, req.format),
                                       response_format=response_format(req.format))
         if req.raw:
             spec = generation_spec(kind="completion", prompt=req.prompt, **common)
@@ -373,20 +380,39 @@ def _read(plan: Optional[ToolPlan], text: str) -> tuple[str, list[tuple[str, str
     return "".join(content), [(n, a) for n, a in calls]
 
 
-def chat_body(model: str, end: EndEvent, plan: Optional[ToolPlan], stats: dict[str, Any]) -> dict[str, Any]:
+TokenText = Callable[[int], str]
+
+
+def logprobs_list(lps: Optional[list[TokenLogprob]], token_text: TokenText) -> Optional[list[dict[str, Any]]]:
+    """Ollama's `logprobs`: per generated token its text, logprob and the top alternatives."""
+    if lps is None:
+        return None
+    return [{"token": token_text(lp.token_id), "logprob": lp.logprob,
+             "top_logprobs": [{"token": token_text(t), "logprob": v} for t, v in lp.top]} for lp in lps]
+
+
+def _with_logprobs(body: dict[str, Any], sample: dict[str, Any], token_text: TokenText) -> dict[str, Any]:
+    lps = logprobs_list(logprobs_from_stored(sample.get("logprobs")), token_text)
+    if lps is not None:
+        body["logprobs"] = lps
+    return body
+
+
+def chat_body(model: str, end: EndEvent, plan: Optional[ToolPlan], stats: dict[str, Any],
+              token_text: TokenText) -> dict[str, Any]:
     sample = (end.output or {}).get("samples", [{}])[0]
     content, calls = _read(plan, sample.get("text", ""))
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = ollama_calls(calls)
-    return {"model": model, "created_at": created_at(), "message": message, "done_reason": done_reason(sample),
-            "done": True, **stats}
+    return _with_logprobs({"model": model, "created_at": created_at(), "message": message,
+                           "done_reason": done_reason(sample), "done": True, **stats}, sample, token_text)
 
 
-def generate_body(model: str, end: EndEvent, stats: dict[str, Any]) -> dict[str, Any]:
+def generate_body(model: str, end: EndEvent, stats: dict[str, Any], token_text: TokenText) -> dict[str, Any]:
     sample = (end.output or {}).get("samples", [{}])[0]
-    return {"model": model, "created_at": created_at(), "response": sample.get("text", ""),
-            "done_reason": done_reason(sample), "done": True, **stats}
+    return _with_logprobs({"model": model, "created_at": created_at(), "response": sample.get("text", ""),
+                           "done_reason": done_reason(sample), "done": True, **stats}, sample, token_text)
 
 
 def load_body(model: str, kind: str, keep_alive: KeepAlive) -> dict[str, Any]:
@@ -411,7 +437,9 @@ def ndjson(obj: Any) -> bytes:
 class NdjsonStream:
     """The lines of one streamed /api/chat or /api/generate response (a follow.StreamRenderer)."""
 
-    def __init__(self, model: str, kind: str, plan: Optional[ToolPlan], timing: Timing, clock: Any) -> None:
+    def __init__(self, model: str, kind: str, plan: Optional[ToolPlan], timing: Timing, clock: Any,
+                 token_text: TokenText) -> None:
+        self.token_text = token_text
         self.model = model
         self.kind = kind
         self.timing = timing
@@ -452,6 +480,10 @@ class NdjsonStream:
             self.finished_parsing = True
             pieces += self.parser.finish()
         text = self._content(pieces)
+        # A token's logprobs go on the line of its delta, even while a possible call holds its text.
+        lps = logprobs_list(ev.logprobs, self.token_text)
+        if lps:
+            return self._line(text, logprobs=lps)
         return self._line(text) if text else b""
 
     def end(self, ev: EndEvent) -> bytes:

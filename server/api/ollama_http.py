@@ -244,7 +244,8 @@ class _Generate:
         kind = "chat" if self.kind == "chat" else "generate"
         if req.stream:
             await follow_stream(api, send, receive, admitted, b"application/x-ndjson",
-                                NdjsonStream(req.model, kind, plan, timing, clock), "ollama", headers)
+                                NdjsonStream(req.model, kind, plan, timing, clock, api.formatter.token_text),
+                                "ollama", headers)
             return
 
         def first() -> None:
@@ -261,7 +262,9 @@ class _Generate:
             await send_error(send, end_error(end.request_id, end.reason, end.message))
             return
         stats = timing.stats(end, clock())
-        out = chat_body(req.model, end, plan, stats) if kind == "chat" else generate_body(req.model, end, stats)
+        text_of = api.formatter.token_text
+        out = chat_body(req.model, end, plan, stats, text_of) if kind == "chat" else \
+            generate_body(req.model, end, stats, text_of)
         try:
             await send_json(send, 200, out, [(b"x-request-id", admitted.request_id.encode()), *headers])
         except OSError:

@@ -114,6 +114,25 @@ def test_options_map_to_the_sampling_fields(client: ollama.Client, oa: openai.Op
     assert long.done_reason == "length" and long.eval_count == 5
 
 
+def test_logprobs_match_the_openai_edge(client: ollama.Client, oa: openai.OpenAI) -> None:
+    opts = {"temperature": 0, "num_predict": 6}
+    r = client.chat(model="demo", messages=USER, options=opts, logprobs=True, top_logprobs=3)
+    ref = oa.chat.completions.create(model="demo", messages=USER, temperature=0, max_tokens=6,  # type: ignore[arg-type]
+                                     logprobs=True, top_logprobs=3)
+    assert r.logprobs is not None and ref.choices[0].logprobs is not None
+    mine = [(lp.token, lp.logprob, [(t.token, t.logprob) for t in lp.top_logprobs or []]) for lp in r.logprobs]
+    theirs = [(c.token, c.logprob, [(t.token, t.logprob) for t in c.top_logprobs])
+              for c in ref.choices[0].logprobs.content or []]
+    assert len(mine) == 6 and [m[0] for m in mine] == [t[0] for t in theirs]
+    for (_, lp, top), (_, ref_lp, ref_top) in zip(mine, theirs):
+        assert lp == pytest.approx(ref_lp, abs=1e-4) and [t for t, _ in top] == [t for t, _ in ref_top]
+    streamed = [lp for ch in client.chat(model="demo", messages=USER, options=opts, logprobs=True, top_logprobs=3,
+                                         stream=True) for lp in (ch.logprobs or [])]
+    assert [lp.token for lp in streamed] == [m[0] for m in mine]
+    gen = client.generate(model="demo", prompt="Once", raw=True, options=opts, logprobs=True)
+    assert gen.logprobs is not None and len(gen.logprobs) == 6 and not gen.logprobs[0].top_logprobs
+
+
 def test_format_json_and_schema(client: ollama.Client) -> None:
     schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
                                                "days": {"type": "integer", "minimum": 1, "maximum": 9}},
@@ -311,6 +330,8 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("/api/generate", {"model": "demo", "prompt": "x", "context": [1, 2]}, "context"),
     ("/api/generate", {"model": "demo", "prompt": "x", "raw": True, "system": "s"}, "system"),
     ("/api/generate", {"model": "demo", "prompt": 7}, "prompt"),
+    ("/api/generate", {"model": "demo", "prompt": "x", "top_logprobs": 2}, "top_logprobs"),
+    ("/api/chat", {"model": "demo", "messages": USER, "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
     ("/api/show", {}, "model"),
 ]
 

@@ -291,7 +291,8 @@ def prompt_spec(req: PromptFields, peer: str, model: str, tool_parser: str, mark
             apply_tool_plan(spec, plan, "tool_choice")
     except PagewireError as e:
         raise renamed(e, table) from None
-    spec.field_names = _rename_names(spec.field_names, table)
+    # Errors found at admission (SamplingParams' checks) name the sampling field as Anthropic does.
+    spec.field_names = {"stop": "stop_sequences", **_rename_names(spec.field_names, table)}
     return spec, plan
 
 

@@ -207,7 +207,8 @@ def response_format(fmt: Format) -> Optional[dict[str, Any]]:
 _RENAMES = [("response_format.json_schema.schema", "format"), ("response_format", "format"),
             ("max_tokens", "options.num_predict"), ("stop", "options.stop"), ("seed", "options.seed"),
             ("temperature", "options.temperature"), ("top_p", "options.top_p"), ("top_k", "options.top_k"),
-            ("min_p", "options.min_p"), ("repetition_penalty", "options.repeat_penalty")]
+            ("min_p", "options.min_p"), ("repetition_penalty", "options.repeat_penalty"),
+            ("presence_penalty", "options.presence_penalty"), ("frequency_penalty", "options.frequency_penalty")]
 
 
 def _check_think(think: Union[None, bool, str]) -> None:
@@ -267,6 +268,8 @@ def _finish_spec(spec: GenerationSpec, plan: Optional[ToolPlan]) -> GenerationSp
         apply_tool_plan(spec, plan, "tools")
     spec.field_names = {k: renamed(InvalidRequest(v, param=v), _RENAMES).param or v
                         for k, v in spec.field_names.items()}
+    # Errors found at admission (SamplingParams' checks) name the option, as the client sent it.
+    spec.field_names.update({old: new for old, new in _RENAMES if new.startswith("options.") and old != "max_tokens"})
     spec.max_tokens_field = "options.num_predict"
     return spec
 

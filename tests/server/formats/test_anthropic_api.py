@@ -301,6 +301,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
                                                                        "schema": {"type": "wrong"}}}},
      "output_config.format.schema"),
     ({"max_tokens": 4000, "messages": USER}, "max_tokens"),
+    ({"max_tokens": 4, "messages": USER, "stop_sequences": [""]}, "stop_sequences"),
 ]
 
 
@@ -336,3 +337,4 @@ def test_idempotency_key(fmt_server: FormatServer) -> None:
     assert a["id"] == b["id"] and a["content"] == b["content"]
     r = httpx.post(fmt_server.base + "/v1/messages", json={**body, "max_tokens": 7}, headers=h, timeout=120)
     assert r.status_code == 409 and r.json()["type"] == "error"
+    assert r.json()["error"]["message"].startswith("Idempotency-Key:")

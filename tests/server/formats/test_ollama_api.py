@@ -319,6 +319,8 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("/api/chat", {"model": "demo", "messages": USER, "options": {"mirostat": 2}}, "options.mirostat"),
     ("/api/chat", {"model": "demo", "messages": USER, "options": {"typical_p": 0.5}}, "options.typical_p"),
     ("/api/chat", {"model": "demo", "messages": USER, "options": {"stop": 5}}, "options.stop"),
+    ("/api/chat", {"model": "demo", "messages": USER, "options": {"stop": ["", "x"]}}, "options.stop"),
+    ("/api/generate", {"model": "demo", "prompt": "x", "options": {"top_p": 0}}, "options.top_p"),
     ("/api/chat", {"model": "demo", "messages": USER, "format": "xml"}, "format"),
     ("/api/chat", {"model": "demo", "messages": USER, "format": {"type": "wrong"}}, "format"),
     ("/api/chat", {"model": "demo", "messages": USER, "tools": [{"type": "function", "function": {"name": "a b"}}]},

@@ -1,8 +1,9 @@
 """Authentication: who is calling, decided once per HTTP request or WebSocket upgrade.
 
 Credentials, in order: the `Authorization: Bearer <secret>` header (HTTP and WebSocket upgrade),
-else, for browsers (which cannot set headers on a WebSocket), a `Sec-WebSocket-Protocol` entry
-`pagewire-key.<secret>` next to `pagewire`; the server then answers with the `pagewire`
+else an `x-api-key: <secret>` header (how Anthropic's clients send it), else, for browsers (which
+cannot set headers on a WebSocket), a `Sec-WebSocket-Protocol` entry `pagewire-key.<secret>` next
+to `pagewire`; the server then answers with the `pagewire`
 subprotocol, never echoing the secret (docs/websocket.md).
 
 When auth is required (`AuthPolicy`), every route except /health and the chat page's static
@@ -147,7 +148,7 @@ class Authenticator:
         if not secret:
             if not self.required:
                 return None
-            raise InvalidApiKey("missing API key: send it as `Authorization: Bearer <key>`")
+            raise InvalidApiKey("missing API key: send it as `Authorization: Bearer <key>` (or `x-api-key: <key>`)")
         if self._admin_hash is not None and secret_matches(secret, self._admin_hash):
             return Principal(ADMIN_ID, admin=True)
         key_id = key_id_of(secret)
@@ -188,6 +189,9 @@ def credentials(scope: dict[str, Any]) -> Optional[str]:
     token = bearer(_header(scope, b"authorization"))
     if token:
         return token
+    api_key = _header(scope, b"x-api-key")  # Anthropic's clients send the key this way
+    if api_key and api_key.strip():
+        return api_key.strip()
     if scope["type"] == "websocket":
         for p in ws_protocols(scope):
             if p.startswith(WS_KEY_PREFIX):

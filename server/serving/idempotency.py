@@ -64,7 +64,8 @@ def check_reuse(spec: GenerationSpec, stored: Optional[str], request_id: str) ->
     fingerprints existed (`stored` None) cannot be compared and are accepted as before."""
     if stored is None or stored == fingerprint(spec):
         return
-    field = "Idempotency-Key" if spec.api == "http" else "idempotency_key"
+    # The HTTP APIs (OpenAI's, Anthropic's, Ollama's) take the key as a header.
+    field = "Idempotency-Key" if spec.api in ("http", "anthropic", "ollama") else "idempotency_key"
     err = Conflict(
         f"{field}: this key was already used for a different request ({request_id}) with another "
         "body or endpoint; use a new key for a new request", param=field, code="idempotency_key_reused")

@@ -54,6 +54,7 @@ class Admitted:
     request_id: str
     record: Optional[RequestRecord] = None
     existing: bool = False
+    prompt_tokens: Optional[int] = None  # known for a new request (Anthropic's message_start shows it)
 
 
 class RequestService:
@@ -132,7 +133,7 @@ class RequestService:
         except asyncio.CancelledError:
             task.add_done_callback(self._abandon_accepted)
             raise
-        return Admitted(job.request_id)
+        return Admitted(job.request_id, prompt_tokens=len(job.prompt_token_ids))
 
     def _settle_claim(self, key: str, task: "asyncio.Task[Job]") -> None:
         fut = self._idem.get(key)
@@ -161,7 +162,9 @@ class RequestService:
         check_reuse(spec, stored, request_id)
 
     def _existing(self, request_id: str, record: Optional[RequestRecord]) -> Admitted:
-        return Admitted(request_id, record=record, existing=True)
+        job = self._jobs.get(request_id)
+        n = len(job.prompt_token_ids) if job is not None else record.prompt_tokens if record is not None else None
+        return Admitted(request_id, record=record, existing=True, prompt_tokens=n)
 
     async def _accept(self, spec: GenerationSpec) -> Job:
         checked = self.preparer.check_sampling(spec)

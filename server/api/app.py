@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import math
 import time
 from typing import Any, AsyncIterator, Optional
 
@@ -60,9 +61,15 @@ def _epoch(text: Optional[str], name: str) -> Optional[float]:
     if text is None or text == "":
         return None
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
         pass
+    else:
+        # float() takes "nan", "inf" and "1e309" (which overflows to inf); none is a time, and
+        # a non-finite bound would reach the JSON answer, which cannot hold it.
+        if not math.isfinite(value):
+            raise InvalidRequest(f"{name}: must be a finite number of Unix seconds, got {text!r}", param=name)
+        return value
     try:
         dt = datetime.datetime.fromisoformat(text)
     except ValueError:

@@ -136,7 +136,11 @@ def build_app(rt: Runtime) -> Starlette:
         try:
             req = await body_of(request, TokenizeRequest)
             tok = rt.tokenizer
-            assert tok is not None
+            assert tok is not None and rt.service is not None
+            # Long texts are tokenised off the loop, within the same per-client budget as prompts.
+            preparer = rt.service.preparer
+            who = principal_of(request.scope)
+            client = who.key_id if who is not None else (request.client.host if request.client else "unknown")
             if req.messages is not None:
                 tools = check_tools(req.tools) if req.tools is not None else None
                 try:
@@ -144,9 +148,9 @@ def build_app(rt: Runtime) -> Starlette:
                                        api.tool_parser)
                 except ChatTemplateError as e:
                     raise InvalidRequest(f"messages: {e}", param="messages") from None
-                ids = tok.encode(text, add_special_tokens=False)
+                ids = await preparer.encode_text(text, client, add_special_tokens=False)
             elif req.prompt is not None:
-                ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+                ids = await preparer.encode_text(req.prompt, client, add_special_tokens=req.add_special_tokens)
             else:
                 raise InvalidRequest("prompt: either prompt or messages is required", param="prompt")
         except PagewireError as e:

@@ -13,7 +13,9 @@ everything a key may, over every key's requests.
 
 Keys are cached in memory by id; the cache is reloaded when the `key_generation` counter in the
 ledger changes (one indexed read per request, so `pagewire keys revoke` takes effect on the next
-request of a running server). Secrets are compared as SHA-256 digests with `hmac.compare_digest`.
+request of a running server). An open WebSocket is re-checked (`recheck`) on every request it
+submits and once a second while it is open (server/api/ws.py), so a revoke, an expiry, or auth
+turning on closes it. Secrets are compared as SHA-256 digests with `hmac.compare_digest`.
 Nothing here logs a secret: log lines name the key id (`pw-…`) only.
 """
 from __future__ import annotations
@@ -133,6 +135,33 @@ class Authenticator:
             return True
         self.refresh()
         return bool(self._keys) or self._admin_hash is not None
+
+    @property
+    def generation(self) -> int:
+        """The key generation the cache was last loaded at (every key change bumps it)."""
+        return self._generation
+
+    def recheck(self, who: Optional[Principal], refresh: bool = True) -> Optional[Principal]:
+        """The caller `who`, authenticated earlier (a WebSocket at its upgrade), as it stands now:
+        with its key's current limits. Raises InvalidApiKey when it may no longer act: its key
+        was revoked, removed or has expired, or `who` is None (no key) and authentication has
+        since become required (the first key was created). `refresh=False` trusts the cache (a
+        caller re-checking many sockets refreshes once)."""
+        if refresh:
+            self.refresh()
+        if who is None:
+            if self.required:
+                raise InvalidApiKey("authentication is now required on this server; reconnect with an API key")
+            return None
+        if who.admin:
+            return who
+        key = self._keys.get(who.key_id)
+        if key is None:
+            raise InvalidApiKey(f"API key {who.key_id} no longer exists")
+        status = key.status(time.time())
+        if status != "active":
+            raise InvalidApiKey(f"API key {who.key_id} is {status}")
+        return who if key == who.key else Principal(key.key_id, key=key)
 
     def get(self, key_id: str) -> Optional[ApiKey]:
         return self._keys.get(key_id)

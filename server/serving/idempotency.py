@@ -21,13 +21,14 @@ MAX_KEY_LENGTH = 256  # the WebSocket frame's limit (protocol.IdemKey); HTTP enf
 
 
 def check_header_key(value: Optional[str], field: str = "Idempotency-Key") -> Optional[str]:
-    """The key from an HTTP header, or None when absent. An empty or overlong key is a 400: an
-    empty header is not "no key" (two clients sending one would share a request)."""
+    """The key from an HTTP header or a WebSocket frame's `idempotency_key`, or None when absent.
+    An empty, whitespace-only or overlong key is a 400 on both edges: an empty key is not "no
+    key" (two clients sending one would share a request)."""
     if value is None:
         return None
     if not value.strip():
-        raise InvalidRequest(f"{field}: must not be empty (omit the header to send no key)", param=field,
-                             code="invalid_idempotency_key")
+        raise InvalidRequest(f"{field}: must not be empty or only whitespace (omit it to send no key)",
+                             param=field, code="invalid_idempotency_key")
     if len(value) > MAX_KEY_LENGTH:
         raise InvalidRequest(f"{field}: is {len(value)} characters; at most {MAX_KEY_LENGTH} are allowed",
                              param=field, code="invalid_idempotency_key")

@@ -169,7 +169,7 @@ class RequestService:
     async def _accept(self, spec: GenerationSpec) -> Job:
         checked = self.preparer.check_sampling(spec)
         await self.preparer.compile_structured(checked, spec)  # 400 for a grammar that won't compile
-        ids = await self.preparer.token_ids(spec)
+        ids = await self.preparer.token_ids(spec, self.bridge.max_model_len)
         self.check_serving()  # the model may have stopped while we tokenised
         params = self.preparer.finalize(spec, len(ids), self.bridge.max_model_len)
         # The most this request can cost: its prompt and every sample's max_tokens.
@@ -464,6 +464,9 @@ class RequestService:
         """Stop accepting; let in-flight requests finish for up to `grace_s`; interrupt the rest;
         make sure every ledger row is terminal."""
         self.draining = True
+        # Requests still being tokenised are not accepted yet: they get 503 now, rather than
+        # hold their connections (and the exit) until their tokenisation ends.
+        self.preparer.abort_waits(Unavailable("the server is shutting down", code="shutting_down"))
         if self._jobs:
             log.info("draining: waiting up to %.1fs for %d request(s)", grace_s, len(self._jobs))
             try:

@@ -22,9 +22,9 @@ from tests.server.harness import ServerProcess
 
 @pytest.fixture(scope="module")
 def tokenizer(demo_model: Path):  # type: ignore[no-untyped-def]
-    from server.text.tokenizer import Tokenizer
+    from server.text.loader import load_tokenizer
 
-    return Tokenizer.load(demo_model)
+    return load_tokenizer(demo_model)
 
 
 def test_the_length_bound_is_sound_for_the_real_tokenizer(tokenizer) -> None:  # type: ignore[no-untyped-def]
@@ -65,9 +65,9 @@ def test_a_long_tokenisation_leaves_the_loop_running(demo_model: Path) -> None:
     the moments before the Rust code took over)."""
     from server.serving.jobs import GenerationSpec
     from server.serving.prompts import PromptPreparer
-    from server.text.tokenizer import Tokenizer
+    from server.text.loader import load_tokenizer
 
-    tokenizer = Tokenizer.load(demo_model)
+    tokenizer = load_tokenizer(demo_model)
     inside = threading.Event()
 
     class Watched:  # the backend, with a flag raised while a call is inside it

@@ -405,7 +405,7 @@ def test_every_route_answers_without_importing_torch(demo_model: Path, tmp_path:
         "POST /tokenize": 200, "POST /detokenize": 200, "GET /metrics": 200, "GET /v1/usage": 200,
         "GET /v1/requests/{id}": 404, "POST /v1/files": 200, "GET /v1/files/{id}": 200,
         "GET /v1/files/{id}/content": 200, "POST /v1/batches": 200, "GET /v1/batches": 200,
-        "GET /v1/batches/{id}": 200, "POST /v1/batches/{id}/cancel": 200, "GET /": 200,
+        "GET /v1/batches/{id}": 200, "POST /v1/batches/{id}/cancel": 200, "GET /": 200, "GET /ui/{file}": 200,
     }, seen["statuses"]
     assert seen["codes"]["POST /v1/completions"] == seen["codes"]["POST /v1/chat/completions"] == "starting"
     assert seen["codes"]["GET /v1/requests/{id}"] == "request_not_found"

@@ -28,6 +28,7 @@ from starlette.routing import Route, WebSocketRoute
 from server.api.context import ApiContext
 from server.api.decode import decode
 from server.api.http_io import error_payload, retry_headers
+from server.api.metrics_listener import MetricsListener
 from server.api.openai_format import messages_to_dicts
 from server.api.openai_http import GenerateEndpoint
 from server.api.origins import OriginGuard, OriginPolicy
@@ -72,8 +73,9 @@ def _epoch(text: Optional[str], name: str) -> Optional[float]:
     return dt.timestamp()
 
 
-def build_app(rt: Runtime) -> Starlette:
-    """The app for one Runtime. The Runtime starts in the lifespan, before the socket accepts."""
+def build_app(rt: Runtime, metrics_port: Optional[int] = None) -> Starlette:
+    """The app for one Runtime. The Runtime starts in the lifespan, before the socket accepts.
+    `metrics_port`: the port of the --metrics-port listener, which serves /metrics alone."""
     api = ApiContext(rt)
     from server.gateway.http import BatchGateway  # the batch tier (files, batches); see server/gateway
 
@@ -81,7 +83,18 @@ def build_app(rt: Runtime) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await rt.start()
+        try:
+            await rt.start()
+        except Exception as e:
+            # A serving process exits with one line (server.serving.serve); uvicorn would print
+            # the traceback instead. Nothing else starts; the shutdown below closes what did.
+            if not rt.start_failed(e):
+                raise
+            try:
+                yield
+            finally:
+                await rt.close()
+            return
         if rt.tokenizer is not None:
             log.info("tool calls (tool_choice auto): parser %s (%s)", api.tool_parser,
                      "--tool-call-parser" if rt.settings.tool_call_parser != "auto" else "from the chat template")
@@ -213,6 +226,7 @@ def build_app(rt: Runtime) -> Starlette:
         # Outermost: a page from a disallowed origin is refused before any route runs.
         # Then the AuthGuard: every route but /health and the page needs a key once auth is on.
         middleware=[Middleware(CaptureTransport),
+                    Middleware(MetricsListener, port=metrics_port),
                     Middleware(OriginGuard, policy=OriginPolicy.parse(rt.settings.allowed_origins, rt.settings.host)),
                     Middleware(AuthGuard, auth=lambda: rt.auth)],
     )

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
 
 from server.gateway import redact
-from server.gateway.auth import Authenticator, read_admin_key
+from server.gateway.auth import Authenticator, read_admin_key, read_metrics_key
 from server.gateway.quotas import QuotaBook
 from server.gateway.usage import daily_usage, recent_usage
 from server.models.generation_defaults import generation_defaults
@@ -39,6 +39,11 @@ from server.serving.streams import StreamRegistry
 from server.text.tokenizer import Tokenizer
 
 log = logging.getLogger("pagewire")
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's text on one line (whitespace folded), or its type when it has none."""
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 class Runtime:
@@ -59,6 +64,7 @@ class Runtime:
         self._keys_conn: Optional[sqlite3.Connection] = None
         self.metrics: Metrics
         self._drain_hooks: list[Callable[[], Awaitable[None]]] = []
+        self._fatal_hooks: list[Callable[[str], None]] = []
         self._drained = False
         self._closed = False
 
@@ -69,6 +75,11 @@ class Runtime:
     def on_drain(self, hook: Callable[[], Awaitable[None]]) -> None:
         """Run `hook` at the end of `drain()`, after every request has ended and its row is terminal."""
         self._drain_hooks.append(hook)
+
+    def on_fatal(self, hook: Callable[[str], None]) -> None:
+        """Call `hook(one-line reason)` on the loop if the model fails to load: the process that
+        serves it exits non-zero (server.serving.serve) rather than answer 503 forever."""
+        self._fatal_hooks.append(hook)
 
     async def start(self) -> None:
         s = self.settings
@@ -82,7 +93,8 @@ class Runtime:
         self._keys_conn = sqlite3.connect(str(s.db_path), check_same_thread=False, isolation_level=None)
         self._keys_conn.execute("PRAGMA busy_timeout=1000")
         admin = read_admin_key(s.admin_key_file) if s.admin_key_file else None
-        self.auth = Authenticator(self._keys_conn, s.auth, admin, s.insecure_no_auth)
+        metrics_token = read_metrics_key(s.metrics_key_file) if s.metrics_key_file else None
+        self.auth = Authenticator(self._keys_conn, s.auth, admin, s.insecure_no_auth, metrics_token)
         self.quotas = QuotaBook(self.auth.limits_of)
         day = QuotaBook.day_of(self.quotas.clock())
         self.quotas.load_daily(await daily_usage(self.ledger, day), day)
@@ -121,12 +133,25 @@ class Runtime:
         assert self.service is not None
         self.service.submit(job)
 
+    def start_failed(self, exc: BaseException) -> bool:
+        """`start()` raised: hand the one-line reason to the fatal hooks (the serving process exits
+        with it; the traceback only at debug level). False when there is no hook to tell."""
+        log.debug("start-up failed", exc_info=exc)
+        return self._fatal(f"start-up failed: {one_line(exc)}")
+
+    def _fatal(self, reason: str) -> bool:
+        for hook in self._fatal_hooks:
+            hook(reason)
+        return bool(self._fatal_hooks)
+
     async def _report_ready(self) -> None:
         assert self.bridge is not None
         while not self.bridge.ready and self.bridge.error is None:
             await asyncio.sleep(0.05)
         if self.bridge.error is not None:
-            log.error("model failed to load: %s", self.bridge.error)
+            # The traceback is logged at debug level by the engine thread.
+            if not self._fatal(f"model failed to load: {one_line(self.bridge.error)}"):
+                log.error("model failed to load: %s", self.bridge.error)  # in-process: keep answering 503
         else:
             log.info("model loaded: %s (max_model_len %d); ready", self.model_name, self.bridge.max_model_len)
 

@@ -40,6 +40,7 @@ class PagewireServer(uvicorn.Server):
         self.runtime = runtime
         self._signals = 0
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self.failure: Optional[str] = None  # why start-up failed after the socket was up (see fail)
 
     async def serve(self, sockets: Optional[list] = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -70,6 +71,13 @@ class PagewireServer(uvicorn.Server):
         else:
             self._force_exit()
 
+    def fail(self, message: str) -> None:
+        """Start-up failed after serving began (the model did not load): exit, and `run` raises
+        StartupError(message), so a supervisor sees a non-zero exit instead of a server that
+        answers 503 forever. Called on the loop."""
+        self.failure = message
+        self.should_exit = True
+
     def _start_drain(self) -> None:
         task = asyncio.get_running_loop().create_task(self._drain_then_exit())
         task.add_done_callback(lambda _: None)
@@ -95,26 +103,33 @@ class PagewireServer(uvicorn.Server):
 
 def _check_auth(settings: ServeSettings) -> None:
     """Refuse (AuthConfigError) to serve a non-loopback address without authentication."""
-    from server.gateway.auth import check_policy, read_admin_key
+    from server.gateway.auth import check_policy, read_admin_key, read_metrics_key
     from server.gateway.keys import count_keys
 
     has_admin = bool(settings.admin_key_file) and bool(read_admin_key(settings.admin_key_file or ""))
+    if settings.metrics_key_file:
+        read_metrics_key(settings.metrics_key_file)  # a missing or short file: refused before anything starts
     check_policy(settings.auth, settings.host, count_keys(settings.db_path) > 0, has_admin,
                  settings.insecure_no_auth)
 
 
 def run(settings: ServeSettings, model_dir: Path, model_name: str) -> None:
     """Serve until a signal stops us. Blocks. Raises LedgerLocked (naming the holder's PID) at
-    once, before anything is loaded or bound, when another server owns the same ledger."""
+    once, before anything is loaded or bound, when another server owns the same ledger, and
+    StartupError when a port cannot be bound (before anything loads) or the model fails to load."""
     from server.api.app import build_app
     from server.gateway import redact
     from server.serving.db_lock import LedgerLock
+    from server.serving.listen import StartupError, bind_listeners, log_listening
 
     redact.install()  # before uvicorn logs anything (it logs request headers at debug level)
     # Held until the process exits (or the ledger closes); a crash releases it with the fd.
     lock = LedgerLock.acquire(settings.db_path)
     try:
         _check_auth(settings)
+        # Bound before the Runtime starts anything (see server.serving.listen).
+        listeners = bind_listeners(settings.host, settings.port, settings.metrics_host or settings.host,
+                                   settings.metrics_port)
     except BaseException:
         lock.release()
         raise
@@ -124,7 +139,7 @@ def run(settings: ServeSettings, model_dir: Path, model_name: str) -> None:
         # the issue asks for this one, and it is fully functional.
         warnings.filterwarnings("ignore", message=r"The `websockets` implementation is deprecated")
         config = uvicorn.Config(
-            build_app(runtime),
+            build_app(runtime, metrics_port=listeners.metrics_port),
             host=settings.host,
             port=settings.port,
             loop="uvloop",
@@ -137,4 +152,9 @@ def run(settings: ServeSettings, model_dir: Path, model_name: str) -> None:
             access_log=False,
         )
         config.load()
-    PagewireServer(config, runtime).run()
+    server = PagewireServer(config, runtime)
+    runtime.on_fatal(server.fail)
+    log_listening(listeners)
+    server.run(sockets=listeners.all)
+    if server.failure is not None:
+        raise StartupError(server.failure)

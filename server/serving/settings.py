@@ -117,6 +117,10 @@ class ServeSettings:
     # the gateway (server.gateway): keys, auth, what the ledger keeps of request text
     auth: str = "auto"
     admin_key_file: Optional[str] = None
+    # Prometheus: a token that may read /metrics only, and/or a listener that serves only /metrics
+    metrics_key_file: Optional[str] = None
+    metrics_port: Optional[int] = None
+    metrics_host: Optional[str] = None
     insecure_no_auth: bool = False
     ledger_text: str = "all"
     # engine: defaults come from EngineConfig, the one place they are defined
@@ -216,6 +220,11 @@ OPTIONS: tuple[Option, ...] = (
            "--admin-key-file is given; a non-loopback bind with no keys refuses to start)"),
     Option("admin_key_file", str, "file holding the admin key (admin endpoints: /metrics; every key's usage "
            "and requests)"),
+    Option("metrics_key_file", str, "file holding a metrics token (16+ characters): `Authorization: Bearer "
+           "<token>` may read /metrics and nothing else, for a Prometheus scrape once auth is on"),
+    Option("metrics_port", _opt_int, "also listen on this port (0 picks a free one) for GET /metrics only; "
+           "no key is needed there unless --metrics-key-file is given (docs/operations.md)"),
+    Option("metrics_host", str, "address the --metrics-port listener binds (default: --host)"),
     Option("insecure_no_auth", _bool, "allow serving a non-loopback address without authentication"),
     Option("ledger_text", _choice("none", "prompt", "all"),
            "what the ledger keeps of each request's text: none, the prompt, or all (prompt and output; "

@@ -37,7 +37,7 @@ import llguidance
 import torch
 
 from server.engine.grammar import CompiledGrammar, compile_params
-from server.engine.sampling_params import SamplingParams
+from server.engine.sampling_params import ReasoningGate, SamplingParams
 from server.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -50,38 +50,87 @@ logger = logging.getLogger("pagewire.engine")
 DEAD_END = "grammar_dead_end"
 
 
+_WAIT, _DECIDE = "wait", "decide"
+
+
 class GrammarState:
-    """One sequence's matcher and how many tokens it has consumed."""
+    """One sequence's matcher and how many tokens it has consumed.
 
-    __slots__ = ("matcher", "num_consumed", "grammar")
+    With a ReasoningGate the grammar starts after the model's reasoning block: `gate` is "wait"
+    (inside the block: no mask, tokens not consumed) until the block's end token, or "decide"
+    (first token of a prompt that did not open a block: the grammar's mask plus the block's
+    start token), and None once the grammar applies. The tokens taken before that are kept, so a
+    rollback past them restores the gate."""
 
-    def __init__(self, grammar: CompiledGrammar, matcher: Optional[llguidance.LLMatcher] = None) -> None:
+    __slots__ = ("matcher", "num_consumed", "grammar", "reasoning", "gate", "pre")
+
+    def __init__(self, grammar: CompiledGrammar, matcher: Optional[llguidance.LLMatcher] = None,
+                 reasoning: Optional[ReasoningGate] = None) -> None:
         self.grammar = grammar
         self.matcher = matcher if matcher is not None else grammar.new_matcher()
         self.num_consumed = 0
+        self.reasoning = reasoning
+        self.pre: list[int] = []  # tokens taken while gated
+        self.gate: Optional[str] = self._initial_gate()
+
+    def _initial_gate(self) -> Optional[str]:
+        if self.reasoning is None:
+            return None
+        return _WAIT if self.reasoning.open else _DECIDE
 
     def fork(self) -> "GrammarState":
-        child = GrammarState(self.grammar, self.matcher.deep_copy())
+        child = GrammarState(self.grammar, self.matcher.deep_copy(), self.reasoning)
         child.num_consumed = self.num_consumed
+        child.pre = list(self.pre)
+        child.gate = self.gate
         return child
 
+    def _step_gate(self, token: int) -> bool:
+        """Take `token` while gated; False when it goes to the matcher instead (gate lifted)."""
+        r = self.reasoning
+        assert r is not None
+        if self.gate == _DECIDE:
+            if token == r.start_token_id:
+                self.gate = _WAIT
+                self.pre.append(token)
+                return True
+            self.gate = None
+            return False
+        self.pre.append(token)
+        if token == r.end_token_id:
+            self.gate = None
+        return True
+
     def consume(self, token: int) -> bool:
+        if self.gate is not None and self._step_gate(token):
+            return True
         ok = bool(self.matcher.consume_token(token))
         if ok:
             self.num_consumed += 1
         return ok
 
+    @property
+    def total(self) -> int:
+        return len(self.pre) + self.num_consumed
+
     def rollback(self, k: int) -> None:
-        if not 0 <= k <= self.num_consumed:
-            raise ValueError(f"rollback: k must be in [0, {self.num_consumed}], got {k}")
-        if k and not self.matcher.rollback(k):
-            raise RuntimeError(f"grammar matcher could not roll back {k} tokens: {self.matcher.get_error()}")
-        self.num_consumed -= k
+        if not 0 <= k <= self.total:
+            raise ValueError(f"rollback: k must be in [0, {self.total}], got {k}")
+        m = min(k, self.num_consumed)
+        if m and not self.matcher.rollback(m):
+            raise RuntimeError(f"grammar matcher could not roll back {m} tokens: {self.matcher.get_error()}")
+        self.num_consumed -= m
+        if self.num_consumed == 0 and self.reasoning is not None:
+            # Back to (or into) the gated prefix: the gate is what replaying what is left of it gives.
+            keep = self.pre[: len(self.pre) - (k - m)]
+            self.pre, self.gate = [], self._initial_gate()
+            for t in keep:
+                self._step_gate(t)
 
     @property
     def is_complete(self) -> bool:
         """Nothing but EOS may follow (the grammar is satisfied and cannot grow)."""
-        return bool(self.matcher.is_stopped()) and not self.matcher.is_error()
+        return self.gate is None and bool(self.matcher.is_stopped()) and not self.matcher.is_error()
 
     @property
     def error(self) -> str:
@@ -132,8 +181,9 @@ class StructuredDecoder:
         return compile_params(self.tokenizer, so)
 
     @staticmethod
-    def new_state(grammar: Optional[CompiledGrammar]) -> Optional[GrammarState]:
-        return GrammarState(grammar) if grammar is not None else None
+    def new_state(grammar: Optional[CompiledGrammar], reasoning: Optional[ReasoningGate] = None
+                  ) -> Optional[GrammarState]:
+        return GrammarState(grammar, reasoning=reasoning) if grammar is not None else None
 
     @staticmethod
     def fork(parent: "Seq", child: "Seq") -> None:
@@ -157,7 +207,7 @@ class StructuredDecoder:
         rows: dict[int, int] = {}
         for share in scheduled:
             state: Optional[GrammarState] = share.seq.grammar
-            if state is None or not share.samples:
+            if state is None or not share.samples or state.gate == _WAIT:
                 continue
             rows[share.seq.seq_id] = len(jobs)
             jobs.append((state.matcher, len(jobs)))
@@ -192,7 +242,8 @@ class StructuredDecoder:
         `blocked[i]` are tokens the sampler will forbid on row i anyway (EOS before min_tokens):
         they are cleared here so that a row left with nothing allowed is detected as a dead end.
         """
-        idx = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        # Rows inside a reasoning block are unconstrained (the grammar starts after it).
+        idx = [i for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.gate != _WAIT]
         if not idx:
             return None, []
         out = torch.full((len(seqs), self._words), -1, dtype=torch.int32)
@@ -213,6 +264,11 @@ class StructuredDecoder:
             executor, _ = self._ensure_threads()
             executor.unsafe_compute_mask_ptr(late, out.data_ptr(), self._words * 4, len(seqs))
         for i in idx:
+            state = seqs[i].grammar
+            if state.gate == _DECIDE:  # the first token may also open the reasoning block
+                t = state.reasoning.start_token_id
+                if 0 <= t < self._words * 32:
+                    out[i, t // 32] |= (1 << (t % 32)) if t % 32 != 31 else -0x80000000
             for t in blocked[i]:  # usually none: only EOS / stop ids before min_tokens
                 if 0 <= t < self._words * 32:
                     b = t % 32
@@ -223,7 +279,8 @@ class StructuredDecoder:
         any_allowed = (rows[:, :full] != 0).any(dim=1)
         if rem:
             any_allowed |= (rows[:, full] & ((1 << rem) - 1)) != 0
-        dead = [i for i, ok in zip(idx, any_allowed.tolist()) if not ok or seqs[i].grammar.matcher.is_error()]
+        dead = [i for i, ok in zip(idx, any_allowed.tolist())
+                if not ok or (seqs[i].grammar.gate is None and seqs[i].grammar.matcher.is_error())]
         for i in dead:
             out[i] = -1
         return out, dead
@@ -252,6 +309,8 @@ class StructuredDecoder:
         state: Optional[GrammarState] = seq.grammar
         if state is None:
             return len(tokens)
+        if state.gate is not None:  # gated sequences do not speculate (server.engine.spec_decode)
+            return 0
         return int(state.matcher.validate_tokens(tokens))
 
     def draft_masks(self, items: Sequence[tuple["Seq", int, list[int]]], num_rows: int) -> torch.Tensor:
@@ -261,7 +320,8 @@ class StructuredDecoder:
         rolls it back, so the matchers end where they started. Rows of no item allow everything.
         The drafts must have passed `validate_draft`."""
         out = torch.full((num_rows, self._words), -1, dtype=torch.int32)
-        jobs = [(seq.grammar.matcher, first, list(draft)) for seq, first, draft in items if seq.grammar is not None]
+        jobs = [(seq.grammar.matcher, first, list(draft)) for seq, first, draft in items
+                if seq.grammar is not None and seq.grammar.gate is None]
         if jobs:
             executor, _ = self._ensure_threads()
             executor.unsafe_compute_mask_ptr_with_draft_token(jobs, out.data_ptr(), self._words * 4, num_rows)

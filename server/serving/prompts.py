@@ -32,15 +32,38 @@ def _content_chars(messages: list[dict[str, Any]]) -> int:
     return n
 
 
+# Template variables a request's `chat_template_kwargs` may not set: the renderer's own.
+RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                    "unk_token", "pad_token"})
+
+
+def check_template_kwargs(kwargs: Any, field: str = "chat_template_kwargs") -> dict[str, Any]:
+    """A request's extra chat-template variables (e.g. {"enable_thinking": false}); InvalidRequest
+    naming the field for anything but an object of plain names."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest(f"{field}: must be an object", param=field)
+    for k in kwargs:
+        if not isinstance(k, str) or not k.isidentifier():
+            raise InvalidRequest(f"{field}: {k!r} is not a template variable name", param=field)
+        if k in RESERVED_TEMPLATE_VARS:
+            raise InvalidRequest(f"{field}.{k}: set by the server, not by the request", param=f"{field}.{k}")
+    return dict(kwargs)
+
+
 def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                tools: Optional[list[dict[str, Any]]] = None, tool_format: str = "none") -> str:
+                tools: Optional[list[dict[str, Any]]] = None, tool_format: str = "none",
+                template_kwargs: Optional[dict[str, Any]] = None) -> str:
     """A conversation's prompt text (ChatTemplateError if the template fails). Tool parts go to
     the template as transformers passes them; a template that lacks a tool feature gets them
-    rewritten into plain messages (server.serving.tool_render)."""
+    rewritten into plain messages (server.serving.tool_render). `template_kwargs` are extra
+    template variables (`chat_template_kwargs`)."""
     if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
         source = tokenizer.template_source(tools)
         messages, tools = fit_to_template(messages, tools, source, tool_format)
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools or None)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools or None,
+                                         **(template_kwargs or {}))
 
 
 def _with_field(exc: SamplingParamsError, spec: GenerationSpec) -> InvalidRequest:
@@ -62,6 +85,11 @@ class PromptPreparer:
         self.default_max_tokens: Optional[int] = defaults.pop("max_tokens", None)
         self.sampling_defaults = defaults
         self._grammar_compiler: Any = None  # server.engine.grammar.GrammarCompiler, on first use
+
+    def tokenizer_has_special(self, *token_ids: int) -> bool:
+        """Whether any of these ids is a special token (which decoding would drop)."""
+        special = set(self.tokenizer.all_special_ids)
+        return any(t in special for t in token_ids)
 
     def _sampling(self, spec: GenerationSpec) -> dict[str, Any]:
         return {**self.sampling_defaults, **spec.sampling}
@@ -113,7 +141,7 @@ class PromptPreparer:
 
     def _render_chat(self, spec: GenerationSpec) -> list[int]:
         text = render_chat(self.tokenizer, spec.messages or [], spec.add_generation_prompt, spec.tools,
-                           spec.tool_format)
+                           spec.tool_format, spec.chat_template_kwargs)
         # Templates add BOS themselves; adding special tokens again would double it.
         return self.tokenizer.encode(text, add_special_tokens=False)
 

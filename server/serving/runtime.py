@@ -36,9 +36,39 @@ from server.serving.prompts import PromptPreparer
 from server.serving.service import RequestService
 from server.serving.settings import ServeSettings
 from server.serving.streams import StreamRegistry
-from server.text.tokenizer import Tokenizer
+from server.text.reasoning import ReasoningFormat, detect_reasoning_parser, reasoning_format
+from server.text.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger("pagewire")
+
+
+def pick_reasoning_format(tokenizer: Tokenizer, name: str) -> Optional[ReasoningFormat]:
+    """The reasoning parser (`--reasoning-parser`): the one named, or with `auto` the one the chat
+    template implies. A named parser whose tags are not single tokens is a start-up error (a
+    ValueError naming the option); `auto` then serves without one."""
+    if name == "none":
+        return None
+    if name == "auto":
+        try:
+            source: Optional[str] = tokenizer.template_source()
+        except ChatTemplateError:
+            source = None
+        detected = detect_reasoning_parser(source)
+        if detected is None:
+            return None
+        try:
+            fmt = reasoning_format(detected, tokenizer.token_to_id)
+        except ValueError as e:
+            log.info("reasoning parser: none (the template looks like %s, but %s)", detected, e)
+            return None
+        log.info("reasoning parser: %s (from the chat template)", fmt.parser)
+        return fmt
+    try:
+        fmt = reasoning_format(name, tokenizer.token_to_id)
+    except ValueError as e:
+        raise ValueError(f"--reasoning-parser {name}: {e}") from None
+    log.info("reasoning parser: %s (--reasoning-parser)", fmt.parser)
+    return fmt
 
 
 def one_line(exc: BaseException) -> str:
@@ -56,6 +86,7 @@ class Runtime:
         self.ledger: Optional[Ledger] = None
         self.tokenizer: Optional[Tokenizer] = None
         self.sampling_defaults: dict[str, Any] = {}
+        self.reasoning: Optional[ReasoningFormat] = None  # the reasoning parser in use (set in start)
         self.bridge: Optional[EngineBridge] = None
         self.service: Optional[RequestService] = None
         self.admission: Optional[AdmissionQueue[Job]] = None
@@ -103,6 +134,7 @@ class Runtime:
                  f"mode {s.auth}" + (", admin key set" if admin else ""))
         self.tokenizer = await loop.run_in_executor(None, Tokenizer.load, self.model_dir)
         self.sampling_defaults = await loop.run_in_executor(None, generation_defaults, self.model_dir)
+        self.reasoning = pick_reasoning_format(self.tokenizer, s.reasoning_parser)
         log.info("model: %s; default sampling values from the model: %s", self.model_dir,
                  self.sampling_defaults or "none (pagewire's own defaults apply)")
         self.bridge = EngineBridge(s.engine_config(str(self.model_dir)), self._dispatch)
@@ -118,7 +150,7 @@ class Runtime:
             PromptPreparer(self.tokenizer, s.offload_chars, self.sampling_defaults), self.metrics,
             s.request_timeout if s.request_timeout > 0 else None,
             OutputBudget(s.max_output_bytes, s.max_client_output_bytes),
-            quotas=self.quotas, ledger_text=s.ledger_text,
+            quotas=self.quotas, ledger_text=s.ledger_text, reasoning=self.reasoning,
         )
         self.metrics.add_gauges(self.service.memory_gauges)
         self.bridge.start()

@@ -49,6 +49,15 @@ def tool_parser_name(text: str) -> str:
     if text not in names:
         raise ValueError(f"expected one of {', '.join(names)}, got {text!r}")
     return text
+def reasoning_parser_name(text: str) -> str:
+    from server.text.reasoning import REASONING_PARSERS
+
+    names = ("auto", "none", *REASONING_PARSERS)
+    if text not in names:
+        raise ValueError(f"expected one of {', '.join(names)}, got {text!r}")
+    return text
+
+
 def _choice(*allowed: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         v = text.strip().lower()
@@ -114,6 +123,7 @@ class ServeSettings:
     offload_chars: int = 2048
     allowed_origins: str = "loopback"
     tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
     # the gateway (server.gateway): keys, auth, what the ledger keeps of request text
     auth: str = "auto"
     admin_key_file: Optional[str] = None
@@ -215,6 +225,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("tool_call_parser", tool_parser_name,
            "format of the model's own tool calls for tool_choice auto: hermes (<tool_call> blocks), "
            "llama3_json, none (no parsing), or auto (detected from the chat template)"),
+    Option("reasoning_parser", reasoning_parser_name,
+           "split a thinking model's <think>...</think> from its answer into reasoning_content: qwen3, "
+           "deepseek_r1, none, or auto (from the chat template when it has a <think> block; docs/reasoning.md)"),
     Option("auth", _choice("auto", "on", "off"),
            "API-key authentication: on, off (loopback binds only) or auto (on once any key exists or "
            "--admin-key-file is given; a non-loopback bind with no keys refuses to start)"),

@@ -3,6 +3,7 @@ endpoints (/health, /v1/models, /tokenize, /detokenize, /metrics).
 
 Routes, and where each request goes next:
     POST /v1/completions, /v1/chat/completions → server.api.openai_http → server.serving.service
+    POST /v1/responses, GET|DELETE /v1/responses/{id} → server.api.responses_http → service
     /v1/files, /v1/batches                     → server.gateway.http → server.gateway.batch → service
     WS   /v1/ws                                → server.api.ws          → server.serving.service
     GET  /v1/usage                             → server.gateway.usage (SQL over the ledger)
@@ -33,6 +34,7 @@ from server.api.openai_format import messages_to_dicts
 from server.api.openai_http import GenerateEndpoint
 from server.api.origins import OriginGuard, OriginPolicy
 from server.api.protocol import DetokenizeRequest, TokenizeRequest
+from server.api.responses_http import routes as responses_routes
 from server.api.tools import check_tools
 from server.api.ui import ui_routes
 from server.api.ws import WsEndpoint
@@ -212,6 +214,7 @@ def build_app(rt: Runtime, metrics_port: Optional[int] = None) -> Starlette:
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/completions", GenerateEndpoint(api, "completion"), methods=["POST"]),
             Route("/v1/chat/completions", GenerateEndpoint(api, "chat"), methods=["POST"]),
+            *responses_routes(api),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/metrics", metrics, methods=["GET"]),

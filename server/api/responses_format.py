@@ -234,6 +234,7 @@ def responses_spec(req: ResponsesRequest, peer: str, model: str, idem: Optional[
                                chat_template_kwargs=req.chat_template_kwargs)
         spec.messages = check_messages(messages)
         spec.max_tokens_field = "max_output_tokens"
+        spec.messages_field = "input"
         spec.klass = klass_of(req.priority, req.service_tier)
         if plan.tools:
             apply_tool_plan(spec, plan, "tool_choice")

@@ -62,6 +62,8 @@ class GenerationSpec:
     tools: Optional[list[dict[str, Any]]] = None
     tool_format: str = "none"
     key_id: Optional[str] = None  # the owning API key (server.gateway.auth.bind); None: auth off
+    # How the edge names a chat's conversation in errors (the Responses API: `input`).
+    messages_field: str = "messages"
     # Extra chat-template variables (`chat_template_kwargs`, e.g. {"enable_thinking": false}).
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 

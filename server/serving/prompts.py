@@ -148,14 +148,14 @@ class PromptPreparer:
     async def token_ids(self, spec: GenerationSpec) -> list[int]:
         if spec.kind == "chat":
             if not spec.messages:
-                raise InvalidRequest("messages: must be a non-empty list", param="messages")
+                raise InvalidRequest(f"{spec.messages_field}: must be a non-empty list", param=spec.messages_field)
             tools_chars = len(json.dumps(spec.tools)) if spec.tools else 0
             big = _content_chars(spec.messages) + tools_chars > self.offload_chars
             try:
                 ids: list[int] = await self._run(big, self._render_chat, spec)
             except ChatTemplateError as e:
-                raise InvalidRequest(f"messages: {e}", param="messages") from None
-            field = "messages"
+                raise InvalidRequest(f"{spec.messages_field}: {e}", param=spec.messages_field) from None
+            field = spec.messages_field
         elif isinstance(spec.prompt, list):
             ids = list(spec.prompt)
             try:
@@ -175,7 +175,7 @@ class PromptPreparer:
     def finalize(self, spec: GenerationSpec, n_prompt: int, max_model_len: int) -> SamplingParams:
         """The context check (the engine's own `check_context`; both numbers in the message, never
         truncation) and the final params."""
-        field = "messages" if spec.kind == "chat" else "prompt"
+        field = spec.messages_field if spec.kind == "chat" else "prompt"
         room = max_model_len - n_prompt
         max_tokens: Optional[int] = spec.max_tokens
         try:

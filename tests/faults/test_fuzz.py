@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from tests.server.harness import ServerProcess, ledger_rows
 
-HTTP_EXAMPLES = 3000  # × 2 endpoints
+HTTP_EXAMPLES = 3000  # × 3 endpoints
 WS_EXAMPLES = 4000
 
 FIELDS = ["model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p",
@@ -34,7 +34,10 @@ FIELDS = ["model", "prompt", "messages", "n", "max_tokens", "max_completion_toke
           "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens", "include_stop_str_in_output",
           "user", "stream", "stream_options", "logprobs", "top_logprobs", "echo", "best_of", "suffix",
           "priority", "service_tier", "timeout", "tools", "tool_choice", "response_format",
-          "add_generation_prompt"]
+          "add_generation_prompt", "chat_template_kwargs",
+          # the Responses API's (POST /v1/responses)
+          "input", "instructions", "max_output_tokens", "text", "previous_response_id", "store", "reasoning",
+          "metadata", "background", "truncation", "parallel_tool_calls"]
 
 ints = st.one_of(st.integers(-3, 40), st.integers(-(2**70), 2**70), st.sampled_from([0, 1, 2**31, 2**63, -(2**63) - 1]))
 floats = st.one_of(st.floats(allow_nan=False, allow_infinity=False, width=32),
@@ -47,6 +50,11 @@ values = st.recursive(scalars, lambda kids: st.one_of(st.lists(kids, max_size=4)
                       max_leaves=6)
 messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", ""])},
                                           optional={"content": values, "name": values}), max_size=3)
+# The Responses API's input items, of every kind it knows and some it does not.
+input_items = st.lists(st.fixed_dictionaries(
+    {"type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "item_reference", ""])},
+    optional={"role": st.sampled_from(["user", "assistant", "developer", "system", "tool", ""]), "content": values,
+              "call_id": texts, "name": texts, "arguments": values, "output": values}), max_size=3)
 # A body: mostly the real fields with small sane values (so some of them really generate), mixed
 # with random values for the same fields and unknown keys.
 SANE = {
@@ -54,7 +62,13 @@ SANE = {
     "max_tokens": st.integers(-1, 6), "n": st.integers(0, 3), "temperature": st.floats(-1, 3), "stream": st.booleans(),
     "logprobs": st.one_of(st.booleans(), st.integers(-1, 25)), "top_logprobs": st.integers(-1, 25),
     "stop": st.one_of(texts, st.lists(texts, max_size=5)), "seed": ints, "stop_token_ids": st.lists(ints, max_size=3),
-    "messages": messages, "timeout": floats, "echo": st.booleans(), "priority": ints}
+    "messages": messages, "timeout": floats, "echo": st.booleans(), "priority": ints,
+    "input": st.one_of(texts, input_items), "max_output_tokens": st.integers(-1, 6),
+    "previous_response_id": st.one_of(texts, st.just("resp_0")), "store": st.booleans(),
+    "text": st.fixed_dictionaries({"format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "x"])}, optional={"schema": values})}),
+    "tools": st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search"])},
+                                            optional={"name": texts, "parameters": values}), max_size=2)}
 # A few of the real fields at a time (drawing all of them every time costs more than the request).
 sane = st.lists(st.sampled_from(sorted(SANE)), max_size=5, unique=True).flatmap(
     lambda names: st.fixed_dictionaries({k: SANE[k] for k in names}))
@@ -92,7 +106,7 @@ FUZZ = settings(deadline=None, database=None, derandomize=True,
 HTTP_SENDERS = 8
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
 def test_fuzz_http_bodies_never_500(srv: ServerProcess, path: str) -> None:
     seen: dict[int, int] = {}
     faults: list[tuple[int, bytes, str]] = []
@@ -142,8 +156,9 @@ def test_fuzz_http_bodies_never_500(srv: ServerProcess, path: str) -> None:
     # does real work on this endpoint.
     # Its own `timeout` lifts the server's 3 s default deadline, which a loaded machine can pass
     # (a whole-suite run beside two others at load 9 got 504 here): the check is that it answers.
-    valid = ({"prompt": "hi", "max_tokens": 1, "timeout": 600} if path == "/v1/completions"
-             else {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "timeout": 600})
+    valid = {"/v1/completions": {"prompt": "hi", "max_tokens": 1, "timeout": 600},
+             "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "timeout": 600},
+             "/v1/responses": {"input": "hi", "max_output_tokens": 1, "timeout": 600}}[path]
     r = httpx.post(srv.base + path, json=valid, timeout=120)
     assert r.status_code == 200, r.text
     assert srv.proc is not None and srv.proc.poll() is None

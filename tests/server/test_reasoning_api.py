@@ -148,3 +148,21 @@ def test_websocket_deltas_carry_reasoning_content(srv: ServerProcess, thinking: 
     assert [t for f in deltas for t in f["token_ids"]] == ids  # token for token, thinking included
     done = frames[-1]
     assert done["type"] == "done" and done["usage"]["reasoning_tokens"] > 0
+
+
+def test_responses_api_gives_a_reasoning_item(client: openai.OpenAI, thinking: dict[str, Any]) -> None:
+    text, ids = _reference(thinking)
+    want_reasoning, want_content = split_whole(text, True)
+    r = client.responses.create(model="demo", input=PROMPT, max_output_tokens=MAX, temperature=0)  # type: ignore[arg-type]
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == want_reasoning and r.output_text == want_content
+    assert r.usage.output_tokens_details.reasoning_tokens == ids.index(thinking["end_id"]) + 1
+    reasoning, kinds = "", []
+    with client.responses.stream(model="demo", input=PROMPT, max_output_tokens=MAX,  # type: ignore[arg-type]
+                                 temperature=0) as stream:
+        for ev in stream:
+            kinds.append(ev.type)
+            if ev.type == "response.reasoning_text.delta":
+                reasoning += ev.delta
+    assert reasoning == want_reasoning
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.done")

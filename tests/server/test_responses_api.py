@@ -161,6 +161,13 @@ def test_bad_input_is_a_400_naming_the_field(server: ServerProcess, body: dict[s
     assert err["param"] == field or (err["param"] or "").startswith(field), err
 
 
+def test_too_long_names_input_and_max_output_tokens(server: ServerProcess) -> None:
+    r = httpx.post(server.base + "/v1/responses", json={"input": "word " * 5000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+    r = httpx.post(server.base + "/v1/responses", json={"input": "hi", "max_output_tokens": 10**6})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_tokens"
+
+
 def test_unknown_previous_response_is_404(server: ServerProcess) -> None:
     r = httpx.post(server.base + "/v1/responses", json={"input": "x", "previous_response_id": "resp_nope"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"

@@ -203,7 +203,7 @@ class ResponsesPlan:
     tools: ToolPlan
     req: ResponsesRequest
     conversation: list[dict[str, Any]]  # the messages before this turn's output (no instructions)
-    echo: dict[str, Any] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.time)
 
 
 def responses_spec(req: ResponsesRequest, peer: str, model: str, idem: Optional[str], parser: str,

@@ -72,6 +72,12 @@ def _turn(items: list[dict[str, Any]]) -> dict[str, Any]:
     return turn
 
 
+def _created(plan: ResponsesPlan, admitted: Admitted) -> int:
+    """The response's created_at: when it was parsed, or an idempotent retry's original request's."""
+    rec = admitted.record
+    return int(rec.created_at if rec is not None else plan.created_at)
+
+
 class ResponsesEndpoint:
     """POST /v1/responses (a plain ASGI app, like the chat endpoints: it controls when the
     response starts and sees the disconnect at any moment)."""
@@ -128,8 +134,7 @@ class ResponsesEndpoint:
         """The final response object, stored (committed) first when `store` is on."""
         response_id = response_id_of(admitted.request_id)
         finish = end.finish_reason
-        created = (admitted.record.created_at if admitted.record is not None else None) or time.time()
-        body = response_body(plan, response_id, int(created), status_of(finish), items, end.usage, finish)
+        body = response_body(plan, response_id, _created(plan, admitted), status_of(finish), items, end.usage, finish)
         if plan.req.store:
             assert self.rt.ledger is not None
             await store.save(self.rt.ledger, body, plan.conversation + [_turn(items)], admitted.request_id,
@@ -176,7 +181,7 @@ class ResponsesEndpoint:
         watch = DisconnectWatch(receive, outbox.close)
         events = ResponseEvents(response_id, admitted.request_id, plan.tools)
         timeout = rt.settings.send_timeout
-        created = int(time.time())
+        created = _created(plan, admitted)
         stream_ = None
         ok = await send_with_timeout(send, {
             "type": "http.response.start", "status": 200,

@@ -166,3 +166,30 @@ def test_responses_api_gives_a_reasoning_item(client: openai.OpenAI, thinking: d
                 reasoning += ev.delta
     assert reasoning == want_reasoning
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.done")
+
+
+def test_forced_tool_call_waits_for_the_end_of_the_thinking(client: openai.OpenAI, thinking: dict[str, Any],
+                                                            srv: ServerProcess) -> None:
+    """A named tool call is grammar-forced; while the model thinks nothing is forced: with tools in
+    the prompt this model keeps thinking past 24 tokens, and those are exactly its unconstrained
+    greedy tokens (a grammar applied from the first token would have forced JSON instead)."""
+    import httpx
+    import torch
+    import transformers as tf
+
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": SCHEMA}}
+    prompt = httpx.post(srv.base + "/tokenize", json={"messages": PROMPT, "tools": [tool]}).json()["tokens"]
+    model = tf.AutoModelForCausalLM.from_pretrained(thinking["path"], dtype=torch.float32).eval()
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX, do_sample=False, eos_token_id=None, pad_token_id=0)
+    ref = [int(t) for t in out[0, len(prompt):]]
+    assert thinking["end_id"] not in ref
+    want = httpx.post(srv.base + "/detokenize", json={"tokens": ref}).json()["prompt"]
+    r = client.chat.completions.create(model="demo", messages=PROMPT, max_tokens=MAX, temperature=0,
+                                       tools=[tool], tool_choice={"type": "function", "function": {"name": "lookup"}})
+    msg = r.choices[0].message
+    assert msg.model_extra["reasoning_content"] == split_whole(want, True)[0]
+    # Cut by max_tokens before the answer began: the named call has no arguments yet (a call cut
+    # by length keeps what it has, as OpenAI's do), and the finish reason stays `length`.
+    assert r.choices[0].finish_reason == "length"
+    assert [(c.function.name, c.function.arguments) for c in msg.tool_calls or []] in ([], [("lookup", "")])
+    assert r.usage.completion_tokens_details.reasoning_tokens == MAX

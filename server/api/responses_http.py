@@ -10,6 +10,7 @@ gets it whole or hears `response.completed`.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -59,6 +60,11 @@ def _sse(event: dict[str, Any]) -> bytes:
     import json
 
     return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
+
+
+def _error_event(e: PagewireError) -> dict[str, Any]:
+    """The fields of a stream `error` event (the SDK's ResponseErrorEvent: code, message, param)."""
+    return {"code": e.code, "message": e.message, "param": e.param}
 
 
 def _turn(items: list[dict[str, Any]]) -> dict[str, Any]:
@@ -149,13 +155,13 @@ class ResponsesEndpoint:
         try:
             stream_ = await self.api.service.attach(admitted.request_id, waiter, 0, admitted.record)
             end = await waiter.future
-        except Exception as e:
-            if watch.disconnected:
-                return  # the client left; `finally` detaches, which cancels the request
-            if isinstance(e, PagewireError):
-                await send_error(send, e)
-                return
-            raise
+        except asyncio.CancelledError:
+            if not watch.disconnected:
+                raise
+            return  # the client left; `finally` detaches, which cancels the request
+        except PagewireError as e:
+            await send_error(send, e)
+            return
         finally:
             watch.stop()
             if stream_ is not None:
@@ -190,12 +196,13 @@ class ResponsesEndpoint:
         try:
             if not ok:
                 return
+            # Attached before anything else is sent: from here a disconnect (detach) cancels it.
+            stream_ = await self.api.service.attach(admitted.request_id, sub, 0, admitted.record)
             start = response_body(plan, response_id, created, "in_progress", [], None)
             first = _sse(events.event("response.created", response=start)) + \
                 _sse(events.event("response.in_progress", response=start))
             ok = await send_with_timeout(send, {"type": "http.response.body", "body": first, "more_body": True},
                                          timeout)
-            stream_ = await self.api.service.attach(admitted.request_id, sub, 0, admitted.record)
             while ok:
                 batch = await outbox.get()
                 if outbox.overflowed:  # stuck consumer: keep it running for an idempotent retry
@@ -204,7 +211,7 @@ class ResponsesEndpoint:
                     err = Unavailable("stream consumer too slow; retry with the same Idempotency-Key to fetch "
                                       "the result", code="slow_consumer")
                     await send_with_timeout(send, {"type": "http.response.body", "more_body": False,
-                                                   "body": _sse(events.event("error", **error_payload(err)["error"]))},
+                                                   "body": _sse(events.event("error", **_error_event(err)))},
                                             1.0)
                     return
                 if not batch:
@@ -238,7 +245,7 @@ class ResponsesEndpoint:
         try:
             body = await self._finish(plan, admitted, end, events.items)
         except PagewireError as e:  # the store did not commit: say so instead of `completed`
-            return out + [_sse(events.event("error", **error_payload(e)["error"]))]
+            return out + [_sse(events.event("error", **_error_event(e)))]
         kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
         return out + [_sse(events.event(kind, response=body))]
 

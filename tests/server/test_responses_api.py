@@ -186,3 +186,27 @@ def test_disconnect_mid_stream_cancels(server: ServerProcess) -> None:
         time.sleep(0.05)
     row = ledger_rows(server.db)[rid]
     assert row["state"] == "cancelled" and row["completion_tokens"] < 400
+
+
+def test_disconnect_while_waiting_for_the_whole_response_cancels(server: ServerProcess) -> None:
+    body = {"model": "demo", "input": "Tell me a very long story", "max_output_tokens": 400, "temperature": 0}
+    before = set(ledger_rows(server.db))
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(server.base + "/v1/responses", json=body, timeout=httpx.Timeout(60, read=1.0))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        new = [r for rid, r in ledger_rows(server.db).items() if rid not in before]
+        if new and new[0]["state"] == "cancelled":
+            break
+        time.sleep(0.05)
+    assert new and new[0]["state"] == "cancelled" and new[0]["completion_tokens"] < 400
+
+
+def test_idempotency_key_returns_the_same_response(client: openai.OpenAI) -> None:
+    kw: Any = dict(model="demo", input="Count to three", max_output_tokens=6, temperature=0,
+                   extra_headers={"Idempotency-Key": "resp-idem-1"})
+    a = client.responses.create(**kw)
+    b = client.responses.create(**kw)
+    assert (b.id, b.output_text, b.created_at) == (a.id, a.output_text, a.created_at)
+    with pytest.raises(openai.ConflictError):  # the same key with another body
+        client.responses.create(**{**kw, "input": "Count to four"})

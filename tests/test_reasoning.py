@@ -121,3 +121,31 @@ def test_format_needs_single_tokens() -> None:
         reasoning_format("qwen3", {"<think>": 3}.get)
     with pytest.raises(ValueError, match="expected one of"):
         reasoning_format("granite", vocab.get)
+
+
+def test_a_job_splits_its_deltas_and_resumes_from_the_ledger_at_every_seq() -> None:
+    """The job's split (live events) and the stored output's replay after any seq (a resume from
+    the ledger) give the same thinking and answer, with the reasoning-token count kept."""
+    from server.engine.outputs import RequestDelta, SampleDelta
+    from server.engine.sampling_params import SamplingParams
+    from server.serving.jobs import GenerationSpec, Job, events_from_output
+
+    pieces = [("<th", [7]), ("ink>I think", [100, 101]), (" so</th", [102, 103]), ("ink>\n\nYes", [8, 104]),
+              (", done.", [105])]
+    job = Job("req-x", GenerationSpec(kind="chat", api="ws", client="c", model="m"), [1, 2], SamplingParams(),
+              0.0, 0.0, FMT)
+    live = []
+    for i, (text, ids) in enumerate(pieces):
+        last = i == len(pieces) - 1
+        live += job.apply(RequestDelta("req-x", [SampleDelta(0, ids, text, finish_reason="stop" if last else None)],
+                                       last, 2, 0, 0.0))
+    want = split_whole("".join(t for t, _ in pieces), False)
+    assert ("".join(e.reasoning for e in live), "".join(e.text for e in live)) == want == ("I think so", "Yes, done.")
+    assert job.usage().reasoning_tokens == 6  # the <think> token, 2, 2, and the </think> token
+    out = job.output()
+    assert out["samples"][0]["reasoning"] == want[0] and out["samples"][0]["reasoning_tokens"] == 6
+    for k in range(len(live) + 1):
+        seen = [e for e in live if e.seq <= k]
+        rest = events_from_output(out, k)
+        assert "".join(e.reasoning for e in seen + rest) == want[0]
+        assert "".join(e.text for e in seen + rest) == want[1]

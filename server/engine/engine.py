@@ -180,7 +180,9 @@ class LLMEngine:
             max_total_tokens=max_total,
         )
         seq = self._add_sequence(req, 0, list(ids))
-        seq.grammar = StructuredDecoder.new_state(grammar)
+        gate = params.reasoning_gate
+        assert not isinstance(gate, dict)  # SamplingParams.validate made it a ReasoningGate
+        seq.grammar = StructuredDecoder.new_state(grammar, gate)
         self.scheduler.add(seq)
         self.requests[request_id] = req
 

@@ -43,7 +43,7 @@ from server.engine.sampler import _GREEDY_EPS, SamplingBatch, sampling_probs
 from server.engine.scheduler import ScheduledSeq, SchedulerOutput
 from server.engine.spec_config import SpeculativeConfig
 from server.models.config import ModelConfig
-from server.models.llama import LlamaFamilyForCausalLM
+from server.models.protocol import CausalLM
 from server.models.loader import load_model
 from server.text.tokenizer import Tokenizer
 
@@ -98,7 +98,7 @@ def check_draft_model(spec: SpeculativeConfig, target: str) -> None:
 
 
 def load_draft_model(spec: SpeculativeConfig, config: EngineConfig, target_config: ModelConfig,
-                     target_tok: Tokenizer) -> tuple[LlamaFamilyForCausalLM, ModelConfig]:
+                     target_tok: Tokenizer) -> tuple[CausalLM, ModelConfig]:
     """Load the draft model of `spec` (HF folder or GGUF) in the engine's dtype and device, and check
     its vocabulary against the target's. Load errors are reported as speculative_config.model."""
     assert spec.model is not None  # SpeculativeConfig requires it for method draft_model
@@ -129,7 +129,7 @@ class _Draft:
 class DraftModelProposer:
     """Proposes with a draft model (see the module docstring); implements proposer.Proposer."""
 
-    def __init__(self, model: LlamaFamilyForCausalLM, num_blocks: int, block_size: int, device: torch.device,
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device,
                  max_num_batched_tokens: int, enable_prefix_caching: bool, target_kv: KVCacheManager) -> None:
         self.model = model
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)

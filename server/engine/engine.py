@@ -35,7 +35,7 @@ from server.engine.spec_decode import SpecDecoder, SpecStats
 from server.engine.structured import DEAD_END, PendingMasks, StructuredDecoder
 from server.kernels import autotune, batch_invariant
 from server.kernels.ops import cpu_isa
-from server.models.llama import LlamaFamilyForCausalLM
+from server.models.protocol import CausalLM
 from server.models.loader import load_model
 from server.text.tokenizer import Tokenizer
 from server.text.vocab import check_token_ids
@@ -138,7 +138,7 @@ class LLMEngine:
         self.linear_table = self._autotune_linears(config, draft)
 
     def _autotune_linears(self, config: EngineConfig,
-                          draft: Optional[LlamaFamilyForCausalLM]) -> Optional[autotune.LinearTable]:
+                          draft: Optional[CausalLM]) -> Optional[autotune.LinearTable]:
         """The linear paths' table for this engine's steps (server.kernels.autotune), or None (fixed rules)."""
         on = config.autotune if config.autotune is not None else config.device == "cpu"
         if not on or self.deterministic:

@@ -20,13 +20,15 @@ from server.models.gguf_file import GGUFFile
 
 __all__ = ["KeptMatrix", "plan_kept_matrices", "build_quantized"]
 
-# Each decoder matrix of LlamaDecoderLayer and the GGUF tensors that make it, rows in this order.
+# Each decoder matrix of DecoderLayer and the GGUF tensors that make it, rows in this order.
 _LAYER_MATRICES = {
     "qkv_weight": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
     "o_weight": ("attn_output.weight",),
     "gate_up_weight": ("ffn_gate.weight", "ffn_up.weight"),
     "down_weight": ("ffn_down.weight",),
 }
+# Phi-3 files store them fused already (ffn_up is gate and up, stacked).
+_FUSED_LAYER_MATRICES = {**_LAYER_MATRICES, "qkv_weight": ("attn_qkv.weight",), "gate_up_weight": ("ffn_up.weight",)}
 
 
 @dataclass(frozen=True)
@@ -40,12 +42,13 @@ class KeptMatrix:
     parts: tuple[str, ...]
 
 
-def plan_kept_matrices(f: GGUFFile, num_layers: int, tied: bool) -> list[KeptMatrix]:
+def plan_kept_matrices(f: GGUFFile, num_layers: int, tied: bool, fused: bool = False) -> list[KeptMatrix]:
     """The matrices of a `num_layers` model that stay in the file's block format. A tied model's
-    lm_head is kept from token_embd's blocks (the embedding table itself is still dequantised)."""
+    lm_head is kept from token_embd's blocks (the embedding table itself is still dequantised).
+    `fused`: the file stores qkv and gate_up as one tensor each (ModelConfig.fused_checkpoint)."""
     groups: list[tuple[int | None, str, tuple[str, ...]]] = []
     for i in range(num_layers):
-        for name, parts in _LAYER_MATRICES.items():
+        for name, parts in (_FUSED_LAYER_MATRICES if fused else _LAYER_MATRICES).items():
             groups.append((i, name, tuple(f"blk.{i}.{p}" for p in parts)))
     head = "token_embd.weight" if tied or "output.weight" not in f.tensors else "output.weight"
     groups.append((None, "lm_head", (head,)))

@@ -1,5 +1,5 @@
 """Small numeric building blocks shared by the model files: RMSNorm (with the residual add) and the
-SiLU-gated MLP activation, each routed to pagewire's fused C++ op on CPU and composed from torch
+SiLU- and GELU-tanh-gated MLP activations, each routed to pagewire's fused C++ op on CPU and composed from torch
 ops elsewhere (or, for SiLU, on large CPU batches where torch's vectorised kernel wins).
 
 They are plain functions over tensors (no nn.Module), because the per-layer loop runs every engine
@@ -77,3 +77,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     half = gate_up.shape[-1] // 2
     out = F.silu(gate_up[:, :half])
     return out.mul_(gate_up[:, half:])
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Args: gate_up [T, 2 * I] = cat(gate, up). Returns gelu_tanh(gate) * up, [T, I] (Gemma's MLP,
+    transformers' "gelu_pytorch_tanh"). Torch ops until the fused op lands (issue 26 section 4,
+    `ops.gelu_tanh_and_mul`); switching is the one line below."""
+    half = gate_up.shape[-1] // 2
+    return F.gelu(gate_up[:, :half], approximate="tanh").mul_(gate_up[:, half:])

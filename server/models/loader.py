@@ -18,8 +18,10 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from server.models.config import ModelConfig, ModelFileNotFoundError, ModelLoadError, UnsupportedModelError
+from server.models.decoder import WeightTarget
 from server.models.gguf_file import is_gguf_path
-from server.models.llama import LlamaFamilyForCausalLM, WeightTarget
+from server.models.protocol import CausalLM
+from server.models.registry import model_class
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -38,8 +40,8 @@ def resolve_dtype(dtype: str, config: ModelConfig) -> torch.dtype:
 
 def load_model(
     model_dir: str | Path, dtype: str = "auto", device: str | torch.device = "cpu", keep_gguf_blocks: bool = False
-) -> tuple[LlamaFamilyForCausalLM, ModelConfig]:
-    """Load a Llama/Mistral/Qwen2/Qwen3 checkpoint folder or GGUF file.
+) -> tuple[CausalLM, ModelConfig]:
+    """Load a checkpoint folder or GGUF file of any registered family (server.models.registry).
 
     Args:
         model_dir: folder with config.json and model.safetensors, or model-0000x-of-0000y.safetensors
@@ -71,8 +73,8 @@ def load_model(
         # uses that matrix); we do the same, then re-tie below if the two are equal anyway.
         has_lm_head = any("lm_head.weight" in h.keys() for _, h in handles)
         tied = config.tie_word_embeddings and not has_lm_head
-        model = LlamaFamilyForCausalLM(config, torch_dtype, torch.device(device), tie_word_embeddings=tied)
-        targets = model.checkpoint_tensors()
+        model = model_class(config)(config, torch_dtype, torch.device(device), tie_word_embeddings=tied)
+        targets = model.checkpoint_tensors()  # type: ignore[attr-defined]
         loaded: set[str] = set()
         with torch.no_grad():
             _copy_tensors(handles, targets, loaded, config)
@@ -85,9 +87,10 @@ def load_model(
         if len(missing) > 1:
             more = f" (and {len(missing) - 1} more: {', '.join(missing[1:4])}{', ...' if len(missing) > 4 else ''})"
         raise ModelLoadError(f"tensor {name!r} not found in {where}{more}")
-    if (config.tie_word_embeddings and has_lm_head and isinstance(model.lm_head, torch.Tensor)
-            and torch.equal(model.lm_head, model.embed_tokens)):
-        model.tie_lm_head()
+    lm_head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
+    if (config.tie_word_embeddings and has_lm_head and isinstance(lm_head, torch.Tensor)
+            and isinstance(embed, torch.Tensor) and torch.equal(lm_head, embed)):
+        model.tie_lm_head()  # type: ignore[attr-defined]
     return model, config
 
 
@@ -160,4 +163,6 @@ def _copy_one(
     tensor = handle.get_tensor(name)
     # copy_ converts dtype and device, and broadcasts per-head norm vectors over their rows.
     target.dest.copy_(tensor)
+    if target.offset:  # Gemma's norms scale by 1 + w: added once here, in the serving dtype
+        target.dest.add_(target.offset)
     loaded.add(name)

@@ -43,8 +43,8 @@ def test_rope_defaults_and_old_type_key() -> None:
 
 
 def test_unsupported_rope_type_names_it() -> None:
-    with pytest.raises(UnsupportedModelError, match="yarn"):
-        _cfg(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
+    with pytest.raises(UnsupportedModelError, match="dynamic"):
+        _cfg(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0})
 
 
 def test_head_dim_explicit_wins_over_hidden_over_heads() -> None:

@@ -23,11 +23,13 @@ import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, MutableMapping, Optional
+from typing import Any, MutableMapping, Optional
 
 from server.gateway.keys import ApiKey, KeyStore, hash_secret, key_id_of, secret_matches
 from server.gateway.quotas import Limits
-from server.serving.errors import InvalidApiKey, PagewireError, PermissionDenied
+from server.serving.admission import BATCH
+from server.serving.errors import InvalidApiKey
+from server.serving.jobs import GenerationSpec
 
 log = logging.getLogger("pagewire.auth")
 
@@ -204,66 +206,13 @@ def ws_subprotocol(scope: dict[str, Any]) -> Optional[str]:
     return WS_SUBPROTOCOL if WS_SUBPROTOCOL in ws_protocols(scope) else None
 
 
-class AuthGuard:
-    """ASGI middleware: authenticates every request before any route runs.
-
-    A refused WebSocket is accepted and then sent one `error` frame (`invalid_api_key`) and closed
-    with 1008, because a browser shows nothing of an HTTP 401 on an upgrade.
-    """
-
-    def __init__(self, app: Any, auth: Callable[[], Optional[Authenticator]]) -> None:
-        self.app = app
-        self._auth = auth
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        auth = self._auth()
-        if scope["type"] not in ("http", "websocket") or auth is None:
-            await self.app(scope, receive, send)
-            return
-        path = scope.get("path", "")
-        if scope["type"] == "http" and (path in OPEN_PATHS or path == "/" or path.startswith("/ui/")):
-            await self.app(scope, receive, send)
-            return
-        try:
-            who = auth.authenticate(credentials(scope))
-            if path in ADMIN_PATHS and auth.required and not (who is not None and who.admin):
-                raise PermissionDenied(f"{path} needs the admin key")
-        except PagewireError as e:
-            await self._refuse(scope, receive, send, e)
-            return
-        scope[SCOPE_KEY] = who
-        await self.app(scope, receive, send)
-
-    async def _refuse(self, scope: dict[str, Any], receive: Any, send: Any, e: PagewireError) -> None:
-        from server.api.http_io import send_error
-
-        if scope["type"] == "http":
-            await send_error(send, e)
-            return
-        import json
-
-        msg = await receive()
-        if msg["type"] != "websocket.connect":
-            return
-        accept: dict[str, Any] = {"type": "websocket.accept"}
-        sub = ws_subprotocol(scope)
-        if sub is not None:
-            accept["subprotocol"] = sub
-        await send(accept)
-        await send({"type": "websocket.send", "text": json.dumps(
-            {"type": "error", "code": e.code, "status": e.status, "message": e.message})})
-        await send({"type": "websocket.close", "code": 1008})
-
-
-def bind(spec: Any, who: Optional[Principal]) -> None:
+def bind(spec: GenerationSpec, who: Optional[Principal]) -> None:
     """Tie a GenerationSpec to its caller: the owning key (recorded in the ledger), the admission
     fairness key (round-robin is across API keys, so one key's flood cannot starve another's
     requests, whatever `user` they send), idempotency keys scoped per API key, and a batch-only
     key's requests in the batch class."""
     if who is None:
         return
-    from server.serving.admission import BATCH
-
     spec.key_id = who.key_id
     spec.client = who.key_id
     if spec.idempotency_key is not None:

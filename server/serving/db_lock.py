@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from server.serving.ledger import LedgerError
+from server.serving.errors import LedgerError
 
 FILE_MODE = 0o600
 DIR_MODE = 0o700

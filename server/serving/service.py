@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from server.engine.outputs import RequestDelta
-from server.gateway.auth import Principal
-from server.gateway.quotas import QuotaBook, Reservation
+from server.serving.access import Caller, Quotas, Reservation
 from server.serving.admission import AdmissionQueue
 from server.serving.bridge import EngineBridge
 from server.serving.errors import NotFound, PagewireError, Unavailable
@@ -61,7 +60,7 @@ class RequestService:
     def __init__(self, bridge: EngineBridge, ledger: Ledger, admission: AdmissionQueue[Job],
                  registry: StreamRegistry, preparer: PromptPreparer, metrics: Metrics,
                  default_timeout_s: Optional[float], budget: Optional[OutputBudget] = None,
-                 quotas: Optional[QuotaBook] = None, ledger_text: str = "all") -> None:
+                 quotas: Optional[Quotas] = None, ledger_text: str = "all") -> None:
         self.bridge = bridge
         self.ledger = ledger
         self.admission = admission
@@ -72,7 +71,7 @@ class RequestService:
         # Bytes of output live requests may hold (see output_budget); unbounded only when built
         # without one (offline tests of the service alone).
         self.budget = budget if budget is not None else OutputBudget(1 << 62, 1 << 62)
-        # Token quotas per API key (server.gateway.quotas): reserved in `_accept`, settled in
+        # Token quotas per API key (server.serving.access.Quotas; the gateway's QuotaBook): reserved in `_accept`, settled in
         # `_commit_end`. None when auth is off.
         self.quotas = quotas
         self._reservations: dict[str, Reservation] = {}
@@ -231,7 +230,7 @@ class RequestService:
     async def attach(self, request_id: str, sub: Subscriber, after_seq: int = 0,
                      record: Optional[RequestRecord] = None,
                      on_found: Optional[Callable[[], None]] = None,
-                     caller: Optional[Principal] = None) -> Optional[RequestStream]:
+                     caller: Optional[Caller] = None) -> Optional[RequestStream]:
         """Replay what `sub` has not seen (from memory, else the ledger) and follow live output.
 
         `on_found` runs once the request is known to exist, immediately before the replay and in

@@ -196,17 +196,6 @@ class Tokenizer:
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
-    def load(cls, model: str | Path) -> "Tokenizer":
-        """The tokenizer of a Hugging Face model folder or of a GGUF file (built from its metadata)."""
-        from server.models.gguf_file import is_gguf_path
-
-        if is_gguf_path(model):
-            from server.text.gguf_tokenizer import tokenizer_from_gguf
-
-            return tokenizer_from_gguf(model)
-        return cls.from_dir(model)
-
-    @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
         """Load the tokenizer of a Hugging Face model folder.
 

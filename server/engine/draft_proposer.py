@@ -29,7 +29,6 @@ token string and the EOS ids at start-up and names the first difference.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -43,8 +42,9 @@ from server.engine.sampler import _GREEDY_EPS, SamplingBatch, sampling_probs
 from server.engine.scheduler import ScheduledSeq, SchedulerOutput
 from server.engine.spec_config import SpeculativeConfig
 from server.models.config import ModelConfig
-from server.models.protocol import CausalLM
 from server.models.loader import load_model
+from server.models.protocol import CausalLM
+from server.models.registry import read_model_config
 from server.text.loader import load_tokenizer
 from server.text.tokenizer import Tokenizer
 
@@ -75,14 +75,7 @@ def check_vocabulary(target_config: ModelConfig, target_tok: Tokenizer, draft_co
 
 def _read_config(path: str) -> ModelConfig:
     """A model's config without its weights: config.json, or a GGUF file's metadata."""
-    from server.models.gguf_file import is_gguf_path
-
-    if is_gguf_path(path):
-        from server.models.gguf_config import config_from_gguf
-        from server.models.gguf_file import GGUFFile
-
-        return config_from_gguf(GGUFFile.open(path))
-    return ModelConfig.from_model_dir(Path(path))
+    return read_model_config(path)
 
 
 def check_draft_model(spec: SpeculativeConfig, target: str) -> None:

@@ -35,8 +35,8 @@ from server.engine.spec_decode import SpecDecoder, SpecStats
 from server.engine.structured import DEAD_END, PendingMasks, StructuredDecoder
 from server.kernels import autotune, batch_invariant
 from server.kernels.ops import cpu_isa
-from server.models.protocol import CausalLM
 from server.models.loader import load_model
+from server.models.protocol import CausalLM
 from server.text.loader import load_tokenizer
 from server.text.vocab import check_token_ids
 

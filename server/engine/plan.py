@@ -37,15 +37,11 @@ def parse_bytes(text: str) -> int:
 
 
 def read_model_config(path: Path) -> ModelConfig:
-    """The config of a Hugging Face folder (config.json) or a GGUF file (its metadata only)."""
-    from server.models.gguf_file import is_gguf_path
+    """The config of a Hugging Face folder (config.json) or a GGUF file (its metadata only), by
+    its architecture's translation (server.models.registry)."""
+    from server.models.registry import read_model_config as read
 
-    if is_gguf_path(path):
-        from server.models.gguf_config import config_from_gguf
-        from server.models.gguf_file import GGUFFile
-
-        return config_from_gguf(GGUFFile.open(path))
-    return ModelConfig.from_model_dir(path)
+    return read(path)
 
 
 def resolved_dtype(config: EngineConfig, mc: ModelConfig) -> str:

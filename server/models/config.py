@@ -1,19 +1,18 @@
 """ModelConfig: the shared description of a decoder every architecture translates into.
 
 A Hugging Face `config.json` and a GGUF file's metadata are each translated into this one
-torch-free dataclass by the architecture's entry in `server.models.registry` (the translations
-live in `server.models.families`). The model code reads only these fields: the decoder layer is
-described by its parts (norm placement and weight offset, activation, attention variant, RoPE per
-layer) rather than by the architecture's name. This module also owns the model-loading error
-types, so callers can catch one family of exceptions.
+torch-free dataclass by the architecture's entry in the registry (`server.models.registry`
+reads a model path; the translations live in `server.models.families`). The model code reads
+only these fields: the decoder layer is described by its parts (norm placement and weight
+offset, activation, attention variant, RoPE per layer) rather than by the architecture's name.
+This module also owns the model-loading error types, so callers can catch one family of
+exceptions.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
-
-from server.jsonfile import read_json_object
+from typing import Optional
 
 NORM_PLACEMENTS = ("pre", "post", "both")
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -145,26 +144,3 @@ class ModelConfig:
     @property
     def rope_scaling(self) -> Optional[RopeScaling]:
         return self.ropes[0].scaling
-
-    @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> "ModelConfig":
-        """Read `<model_dir>/config.json`; raises ModelFileNotFoundError naming the missing path."""
-        model_dir = Path(model_dir)
-        if not model_dir.is_dir():
-            raise ModelFileNotFoundError(model_dir, "model directory")
-        path = model_dir / "config.json"
-        if not path.is_file():
-            raise ModelFileNotFoundError(path, "model config")
-        return cls.from_dict(read_json_object(path, ModelLoadError), source=str(path))
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
-        """Parse a config dict in transformers-4 or transformers-5 layout with its architecture's
-        translation (server.models.registry).
-
-        Raises UnsupportedModelError for other architectures/features, ModelLoadError for
-        missing or ill-typed fields (the message names `source` and the field).
-        """
-        from server.models.registry import config_from_hf
-
-        return config_from_hf(raw, source)

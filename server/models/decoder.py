@@ -6,9 +6,10 @@ ModelConfig -- norm placement (pre, post, both) and `1 + w` weights, SiLU or GEL
 bias, q/k RMSNorm per head or over the projection, per-layer sliding windows and RoPE tables
 (NoPE layers, partial rotary, scaled frequencies), logit soft-capping, attention scale and
 Granite's multipliers. Layers the fused C++ layer expresses (DecoderLayer.fusable) run as one
-pagewire::decode_layer call for small CPU batches; the others run the Python layer. Weights are stored fused (one qkv and one gate_up matrix
-per layer) so CPU inference runs fewer, larger matmuls; `checkpoint_tensors()` tells the loader
-where each Hugging Face tensor lands inside the fused parameters.
+pagewire::decode_layer call for small CPU batches; the others run the Python layer. Weights are
+stored fused (one qkv and one gate_up matrix per layer) so CPU inference runs fewer, larger
+matmuls; `checkpoint_tensors()` tells the loader where each Hugging Face tensor lands inside the
+fused parameters.
 """
 from __future__ import annotations
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.models.config import ModelConfig, RopeSpec
+from server.models.architecture import Architecture
+from server.models.config import ModelConfig, ModelLoadError, RopeSpec
 from server.models.gguf_config import gguf_base, gguf_windows
 from server.models.gguf_file import GGUFFile
 from server.models.hf_config import HFFields, hf_base, windows
-from server.models.registry import Architecture
 
 
 def _every(n: int) -> list[bool]:
@@ -179,8 +179,6 @@ def _granite_gguf(f: GGUFFile, arch: str) -> ModelConfig:
 
 
 def _field_error(source: str, key: str, what: str) -> Exception:
-    from server.models.config import ModelLoadError
-
     return ModelLoadError(f"{source}: field {key!r} {what}")
 
 

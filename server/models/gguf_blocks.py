@@ -18,7 +18,7 @@ import torch
 from server.kernels.quant import GGUF_QTYPES, QuantizedWeight
 from server.models.gguf_file import GGUFFile
 
-__all__ = ["KeptMatrix", "plan_kept_matrices", "build_quantized"]
+__all__ = ["KeptMatrix", "plan_kept_matrices", "build_quantized", "unpermute_qk"]
 
 # Each decoder matrix of DecoderLayer and the GGUF tensors that make it, rows in this order.
 _LAYER_MATRICES = {
@@ -69,8 +69,6 @@ def plan_kept_matrices(f: GGUFFile, num_layers: int, tied: bool, fused: bool = F
 def build_quantized(f: GGUFFile, m: KeptMatrix, permute_heads: dict[str, int]) -> QuantizedWeight:
     """The QuantizedWeight of `m` from the file's block bytes; `permute_heads` maps a part's GGUF
     suffix ("attn_q.weight", "attn_k.weight") to its head count when llama.cpp permuted its rows."""
-    from server.models.gguf_loader import unpermute_qk
-
     rows = []
     k = f.tensors[m.parts[0]].shape[1]
     for part in m.parts:
@@ -81,3 +79,16 @@ def build_quantized(f: GGUFFile, m: KeptMatrix, permute_heads: dict[str, int]) -
         rows.append(unpermute_qk(raw, heads) if heads else raw)
     data = rows[0] if len(rows) == 1 else torch.cat(rows)
     return QuantizedWeight.from_gguf_bytes(m.qtype, data.contiguous(), int(data.shape[0]), int(k))
+
+
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row order.
+
+    The converter regroups each head's rows from HF's [first half | second half] (rotate-half RoPE)
+    to interleaved pairs (ggml's "normal" RoPE): row (h, i, j) of shape [heads, half, 2] came from
+    HF row (h, j, i) of [heads, 2, half]. Swapping the two small axes back restores HF's order.
+    Works for weights [rows, in] and biases [rows].
+    """
+    rows = w.shape[0]
+    half = rows // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

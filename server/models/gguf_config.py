@@ -13,20 +13,12 @@ from typing import Any, Optional
 
 import numpy as np
 
-from server.models.config import ModelConfig, ModelLoadError, RopeScaling, RopeSpec, UnsupportedModelError
+from server.models.config import ModelLoadError, RopeScaling, RopeSpec, UnsupportedModelError
 from server.models.gguf_file import GGUFFile
 
 _FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 # Tensors a translation reads into the config (longrope's factors) rather than the loader into weights.
 CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
-
-
-def config_from_gguf(f: GGUFFile) -> ModelConfig:
-    """The file's ModelConfig by its architecture's translation (server.models.registry).
-    Raises UnsupportedModelError (unknown arch, feature) or ModelLoadError naming file and key."""
-    from server.models.registry import config_from_gguf as translate
-
-    return translate(f)
 
 
 def gguf_dtype(f: GGUFFile) -> str:

@@ -20,11 +20,12 @@ import torch
 from tqdm import tqdm
 
 from server.models.config import ModelConfig, ModelLoadError, UnsupportedModelError
-from server.models.gguf_blocks import build_quantized, plan_kept_matrices
-from server.models.gguf_config import CONFIG_TENSORS, config_from_gguf
+from server.models.dtype import resolve_dtype
+from server.models.gguf_blocks import build_quantized, plan_kept_matrices, unpermute_qk
+from server.models.gguf_config import CONFIG_TENSORS
 from server.models.gguf_file import GGUFFile, GGUFTensor
 from server.models.protocol import CausalLM
-from server.models.registry import gguf_permuted_qk, model_class
+from server.models.registry import config_from_gguf, gguf_permuted_qk, model_class
 
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
@@ -96,19 +97,6 @@ def dequantize(t: GGUFTensor, path: Path) -> np.ndarray:
         raise ModelLoadError(f"{path}: tensor {t.name!r} ({t.type_name}, shape {list(t.shape)}) is corrupt: {e}") from None
 
 
-def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row order.
-
-    The converter regroups each head's rows from HF's [first half | second half] (rotate-half RoPE)
-    to interleaved pairs (ggml's "normal" RoPE): row (h, i, j) of shape [heads, half, 2] came from
-    HF row (h, j, i) of [heads, 2, half]. Swapping the two small axes back restores HF's order.
-    Works for weights [rows, in] and biases [rows].
-    """
-    rows = w.shape[0]
-    half = rows // n_heads // 2
-    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
 def load_gguf_model(
     path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu", keep_quantized: bool = False
 ) -> tuple[CausalLM, ModelConfig]:
@@ -127,8 +115,6 @@ def load_gguf_model(
         ModelFileNotFoundError, UnsupportedModelError (architecture, tensor type, RoPE), or
         ModelLoadError naming the file and the tensor or metadata key.
     """
-    from server.models.loader import resolve_dtype
-
     f = GGUFFile.open(path)
     config = config_from_gguf(f)
     torch_dtype = resolve_dtype(dtype, config)

@@ -19,23 +19,15 @@ from tqdm import tqdm
 
 from server.models.config import ModelConfig, ModelFileNotFoundError, ModelLoadError, UnsupportedModelError
 from server.models.decoder import WeightTarget
+from server.models.dtype import resolve_dtype
 from server.models.gguf_file import is_gguf_path
 from server.models.protocol import CausalLM
-from server.models.registry import model_class
+from server.models.registry import hf_config_from_dir, model_class
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 __all__ = ["load_model", "resolve_dtype", "ModelLoadError", "UnsupportedModelError", "ModelFileNotFoundError"]
-
-
-def resolve_dtype(dtype: str, config: ModelConfig) -> torch.dtype:
-    """"auto" -> the checkpoint's dtype (config dtype/torch_dtype, default float32); else the named dtype."""
-    name = config.torch_dtype if dtype == "auto" else dtype
-    if name not in _DTYPES:
-        raise ModelLoadError(f"dtype: must be 'auto' or one of {', '.join(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[name]
 
 
 def load_model(
@@ -63,7 +55,7 @@ def load_model(
         return load_gguf_model(model_dir, dtype, device, keep_quantized=keep_gguf_blocks)
     if keep_gguf_blocks:
         raise ValueError(f"quantization: 'gguf' keeps a GGUF file's quantised blocks; {model_dir} is not a GGUF file")
-    config = ModelConfig.from_model_dir(model_dir)
+    config = hf_config_from_dir(model_dir)
     torch_dtype = resolve_dtype(dtype, config)
     files, index_map = _weight_files(model_dir)
 
@@ -74,7 +66,7 @@ def load_model(
         has_lm_head = any("lm_head.weight" in h.keys() for _, h in handles)
         tied = config.tie_word_embeddings and not has_lm_head
         model = model_class(config)(config, torch_dtype, torch.device(device), tie_word_embeddings=tied)
-        targets = model.checkpoint_tensors()  # type: ignore[attr-defined]
+        targets = model.checkpoint_tensors()
         loaded: set[str] = set()
         with torch.no_grad():
             _copy_tensors(handles, targets, loaded, config)

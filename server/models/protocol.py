@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from server.kernels.quant import QuantizedWeight
     from server.models.attention import AttentionMetadata
+    from server.models.decoder import WeightTarget
 
 
 class CausalLM(Protocol):
@@ -50,4 +51,16 @@ class CausalLM(Protocol):
         ...
 
     def parameters(self, recurse: bool = True) -> "Iterator[torch.nn.Parameter]":
+        ...
+
+    def checkpoint_tensors(self) -> "dict[str, WeightTarget]":
+        """Every Hugging Face tensor name the loaders fill, mapped to where it is copied."""
+        ...
+
+
+class CausalLMClass(Protocol):
+    """A model class as the registry names it: built from the config, weights uninitialised."""
+
+    def __call__(self, config: ModelConfig, dtype: "torch.dtype", device: "torch.device | str" = "cpu",
+                 tie_word_embeddings: bool | None = None) -> CausalLM:
         ...

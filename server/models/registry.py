@@ -8,63 +8,50 @@ checks use it without loading torch). The layers' KV specs (`kv_specs`) come fro
 config, so the allocator's KV groups read one description for every family.
 
 The entries themselves live in server.models.families; adding a family is one entry there.
+Reading a model's config (`read_model_config`: a folder's config.json or a GGUF file's metadata)
+goes through here, so every caller gets the same translation.
 """
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
 
-from server.models.config import ModelConfig, UnsupportedModelError
+from server.jsonfile import read_json_object
+from server.models.architecture import Architecture, KVSpec
+from server.models.config import ModelConfig, ModelFileNotFoundError, ModelLoadError, UnsupportedModelError
+from server.models.families import FAMILIES
 
 if TYPE_CHECKING:  # pragma: no cover
     from server.models.gguf_file import GGUFFile
-    from server.models.protocol import CausalLM
+    from server.models.protocol import CausalLMClass
 
-HFTranslation = Callable[[dict[str, Any], str, str], ModelConfig]  # (raw config, source, HF name)
-GGUFTranslation = Callable[["GGUFFile", str], ModelConfig]  # (file, GGUF architecture)
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """One family. `hf` and `gguf` translate into the shared ModelConfig; `model` is
-    "module:Class" of its CausalLM."""
-
-    family: str
-    hf_names: tuple[str, ...]
-    gguf_names: tuple[str, ...]
-    hf: HFTranslation
-    gguf: Optional[GGUFTranslation]
-    # llama.cpp's converter permutes Q/K rows for architectures it runs with "normal" (interleaved)
-    # RoPE; files of NeoX-RoPE architectures keep HF's rotate-half order.
-    gguf_permuted_qk: bool = False
-    model: str = "server.models.decoder:DecoderForCausalLM"
-
-    def model_class(self) -> "type[CausalLM]":
-        module, name = self.model.split(":")
-        return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
-
-
-@dataclass(frozen=True)
-class KVSpec:
-    """What one layer keeps in the KV cache: its kv heads, head size and attention window
-    (None = every token). Layers with equal specs can share a KV group."""
-
-    num_kv_heads: int
-    head_dim: int
-    sliding_window: Optional[int]
-
-
-_ENTRIES: list[Architecture] = []
+__all__ = ["Architecture", "KVSpec", "architectures", "read_model_config", "config_from_hf", "config_from_gguf",
+           "hf_config_from_dir", "kv_specs", "model_class", "gguf_permuted_qk"]
 
 
 def architectures() -> list[Architecture]:
     """Every registered family, in the README's order."""
-    if not _ENTRIES:
-        from server.models.families import FAMILIES
+    return FAMILIES
 
-        _ENTRIES.extend(FAMILIES)
-    return _ENTRIES
+
+def read_model_config(path: str | Path) -> ModelConfig:
+    """The config of a Hugging Face folder (config.json) or a GGUF file (its metadata only)."""
+    from server.models.gguf_file import GGUFFile, is_gguf_path
+
+    if is_gguf_path(path):
+        return config_from_gguf(GGUFFile.open(path))
+    return hf_config_from_dir(path)
+
+
+def hf_config_from_dir(model_dir: str | Path) -> ModelConfig:
+    """Read `<model_dir>/config.json`; raises ModelFileNotFoundError naming the missing path."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelFileNotFoundError(model_dir, "model directory")
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ModelFileNotFoundError(path, "model config")
+    return config_from_hf(read_json_object(path, ModelLoadError), source=str(path))
 
 
 def supported_hf_names() -> tuple[str, ...]:
@@ -91,7 +78,7 @@ def architecture_of(config: ModelConfig) -> Architecture:
     return arch
 
 
-def config_from_hf(raw: dict[str, Any], source: str) -> ModelConfig:
+def config_from_hf(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
     """The first of `raw["architectures"]` that pagewire supports, translated; the error lists
     the supported names."""
     names = raw.get("architectures") or []
@@ -129,5 +116,5 @@ def kv_specs(config: ModelConfig) -> tuple[KVSpec, ...]:
     return tuple(KVSpec(config.num_kv_heads, config.head_dim, w) for w in config.layer_sliding_windows)
 
 
-def model_class(config: ModelConfig) -> "type[CausalLM]":
+def model_class(config: ModelConfig) -> "CausalLMClass":
     return architecture_of(config).model_class()

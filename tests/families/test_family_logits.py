@@ -1,0 +1,68 @@
+"""Each family's logits against transformers' (eager attention), float32, through a prefill and
+decode steps on a paged cache with shuffled blocks; and each family's GGUF copy loads into exactly
+the HF folder's parameters with the same config.
+
+Logits, not only argmax: the final soft-cap (Gemma 2) and Granite's logits divisor are monotonic,
+so greedy tokens alone would not see them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+from server.models.loader import load_model
+from tests.families.conftest import FAMILIES
+from tests.models.paged_harness import PagedRun, hf_logits, random_tokens
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_logits_match_transformers_through_prefill_and_decode(family_model: Callable[[str, str], Path],
+                                                              arch: str) -> None:
+    hf_dir = family_model(arch, "hf")
+    model, config = load_model(hf_dir)
+    tokens = random_tokens(72, config.vocab_size, seed=2)  # past the windows and Phi-3's threshold
+    run = PagedRun(model)
+    # Two sequences in one batch, then decode steps; for Phi-3 the first stays within its 64
+    # original positions (short factors) and the second is beyond them from its prompt on (long),
+    # which is what one transformers forward over the whole sequence picks as well.
+    first = run.step({0: tokens[:40], 1: tokens[:66]})
+    ours = {0: [first[0]], 1: [first[1]]}
+    for i in range(3):
+        step = run.step({0: [tokens[40 + i]], 1: [tokens[66 + i]]})
+        ours[0].append(step[0])
+        ours[1].append(step[1])
+    for sid, n in ((0, 43), (1, 69)):
+        ref = hf_logits(hf_dir, tokens[:n])
+        got = torch.cat(ours[sid])
+        torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4, msg=f"{arch} sequence {sid}")
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_gguf_copy_holds_exactly_the_hf_parameters(family_model: Callable[[str, str], Path], arch: str) -> None:
+    g_model, g_cfg = load_model(family_model(arch, "gguf"))
+    h_model, h_cfg = load_model(family_model(arch, "hf"))
+    hp = dict(h_model.named_parameters())  # type: ignore[attr-defined]
+    for name, p in g_model.named_parameters():  # type: ignore[attr-defined]
+        assert torch.equal(p, hp[name]), name
+    for field in ("architecture", "num_layers", "head_dim", "layer_sliding_windows", "norm_placement", "activation",
+                  "qk_norm", "qk_norm_over", "fused_checkpoint", "tie_word_embeddings"):
+        assert getattr(g_cfg, field) == getattr(h_cfg, field), field
+    for field in ("attention_scale", "attn_logit_softcap", "final_logit_softcap", "embedding_multiplier",
+                  "residual_multiplier", "logits_divisor"):
+        assert getattr(g_cfg, field) == pytest.approx(getattr(h_cfg, field), rel=1e-6), field
+    # The same table per layer (the GGUF side may hold two equal tables as one); the file's
+    # longrope factors are float32, as transformers' tables use them.
+    for g, h in zip(g_cfg.layer_ropes, h_cfg.layer_ropes):
+        assert (g is None) == (h is None)
+        if g is not None and h is not None:
+            gr, hr = g_cfg.ropes[g], h_cfg.ropes[h]
+            assert (gr.theta, gr.rotary_dim) == (hr.theta, hr.rotary_dim)
+            assert (gr.scaling is None) == (hr.scaling is None)
+            if gr.scaling is not None and hr.scaling is not None:
+                assert gr.scaling.rope_type == hr.scaling.rope_type
+                assert gr.scaling.factor == pytest.approx(hr.scaling.factor)
+                assert gr.scaling.long_factor == pytest.approx(hr.scaling.long_factor)
+                assert gr.scaling.attention_factor == pytest.approx(hr.scaling.attention_factor)

@@ -66,3 +66,33 @@ def test_gguf_copy_holds_exactly_the_hf_parameters(family_model: Callable[[str, 
                 assert gr.scaling.factor == pytest.approx(hr.scaling.factor)
                 assert gr.scaling.long_factor == pytest.approx(hr.scaling.long_factor)
                 assert gr.scaling.attention_factor == pytest.approx(hr.scaling.attention_factor)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_plan_counts_what_each_family_loads(family_model: Callable[[str, str], Path], arch: str,
+                                            tmp_path: Path) -> None:
+    """`pagewire plan` counts exactly the bytes a family's model holds: float32 from the HF
+    folder, and with --quantization gguf the Q8_0 blocks kept from a GGUF file (Phi-3's fused
+    attn_qkv / ffn_up included)."""
+    from server.engine.config import EngineConfig
+    from server.engine.plan import make_plan, read_model_config
+    from server.kernels.quant import QuantizedWeight
+    from tests.gateway.test_plan import _loaded_weight_bytes
+    from tests.gguf_files import write_gguf
+
+    hf_dir = family_model(arch, "hf")
+    model, _ = load_model(hf_dir, dtype="float32")
+    config = EngineConfig(str(hf_dir), dtype="float32", kv_cache_tokens=1024)
+    assert make_plan("m", read_model_config(hf_dir), config, None, None).weights.total == _loaded_weight_bytes(model)
+
+    path = write_gguf(tmp_path / f"{arch}-q8.gguf", hf_dir, "Q8_0")
+    kept, _ = load_model(path, dtype="float32", keep_gguf_blocks=True)
+    layer = kept._layers[0]  # type: ignore[attr-defined]
+    assert isinstance(layer.qkv_weight, QuantizedWeight) and isinstance(layer.gate_up_weight, QuantizedWeight)
+    config = EngineConfig(str(path), dtype="float32", quantization="gguf", kv_cache_tokens=1024)
+    assert make_plan("m", read_model_config(path), config, None, None).weights.total == _loaded_weight_bytes(kept)
+    # The kept blocks compute what the dequantised file computes (same values, other kernels).
+    plain, _ = load_model(path, dtype="float32")
+    tokens = random_tokens(30, plain.config.vocab_size, seed=4)
+    a, b = PagedRun(kept).step({0: tokens})[0], PagedRun(plain).step({0: tokens})[0]
+    torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)

@@ -126,6 +126,7 @@ class LLMEngine:
         self._pending: list[RequestDelta] = []  # abort deltas produced between steps
         self.last_step_progressed = True  # the latest step scheduled work or emitted deltas
         self._stats = EngineStats(num_blocks=num_blocks)
+        logger.info("%s", self.model.summary())
         logger.info("%s", layout.log_line())
         # Deterministic mode: as configured, or (None, "auto") on where it is cheap.
         self.deterministic = (

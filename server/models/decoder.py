@@ -307,6 +307,17 @@ class DecoderForCausalLM(nn.Module):
         self._fused_cache: dict[tuple[int, int, bool], tuple[object, list[tuple[str, str, str, str] | None]]] = {}
         self.eval()
 
+    def summary(self) -> str:
+        """e.g. "Gemma3ForCausalLM: 26 layers (22 with a 512-token window, 4 full, 0 NoPE);
+        fused decode_layer (CPU, up to 16 tokens) for 0 of 26; the others run the Python layers"."""
+        c = self.config
+        windows = [w for w in c.layer_sliding_windows if w is not None]
+        kinds = f"{len(windows)} with a {max(windows)}-token window, " if windows else ""
+        nope = sum(r is None for r in c.layer_ropes)
+        fused = sum(layer.fusable for layer in self._layers)
+        return (f"{c.architecture}: {c.num_layers} layers ({kinds}{c.num_layers - len(windows)} full, {nope} NoPE); "
+                f"fused decode_layer (CPU, up to 16 tokens) for {fused} of {c.num_layers}; the others run the Python layers")
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         """Shape of one layer's key cache (and, separately, its value cache)."""
         return (num_blocks, self.config.num_kv_heads, block_size, self.config.head_dim)

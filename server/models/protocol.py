@@ -53,6 +53,10 @@ class CausalLM(Protocol):
     def parameters(self, recurse: bool = True) -> "Iterator[torch.nn.Parameter]":
         ...
 
+    def summary(self) -> str:
+        """One line for the start-up log: the architecture, its layer kinds, how many run fused."""
+        ...
+
     def checkpoint_tensors(self) -> "dict[str, WeightTarget]":
         """Every Hugging Face tensor name the loaders fill, mapped to where it is copied."""
         ...

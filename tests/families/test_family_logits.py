@@ -40,6 +40,21 @@ def test_logits_match_transformers_through_prefill_and_decode(family_model: Call
         torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4, msg=f"{arch} sequence {sid}")
 
 
+# Layers pagewire::decode_layer expresses, per tiny family config (DecoderLayer.fusable): none of
+# Gemma's (four norms, GELU), Phi-3's (partial rotary here), OLMo's (post-norms, projection q/k
+# norm) or Granite's (residual multiplier); SmolLM3's RoPE layers but not its NoPE layer.
+_FUSED = {"gemma2": (0, 4), "gemma3": (0, 6), "phi3": (0, 2), "olmo2": (0, 2), "olmo3": (0, 4), "smollm3": (3, 4),
+          "granite": (0, 2)}
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_the_fused_layer_choice_is_explicit(family_model: Callable[[str, str], Path], arch: str) -> None:
+    model, _ = load_model(family_model(arch, "hf"))
+    fused, total = _FUSED[arch]
+    assert [layer.fusable for layer in model._layers].count(True) == fused  # type: ignore[attr-defined]
+    assert f"fused decode_layer (CPU, up to 16 tokens) for {fused} of {total};" in model.summary()
+
+
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_gguf_copy_holds_exactly_the_hf_parameters(family_model: Callable[[str, str], Path], arch: str) -> None:
     g_model, g_cfg = load_model(family_model(arch, "gguf"))

@@ -111,3 +111,24 @@ def test_plan_counts_what_each_family_loads(family_model: Callable[[str, str], P
     tokens = random_tokens(30, plain.config.vocab_size, seed=4)
     a, b = PagedRun(kept).step({0: tokens})[0], PagedRun(plain).step({0: tokens})[0]
     torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+def test_phi3_full_rotary_longrope_runs_fused_and_matches(tiny_model: Callable[..., Path]) -> None:
+    """Phi-3-mini's shape of the part: longrope over the whole head. Its layers are ones
+    decode_layer expresses; the long table's rows reach the C++ layer as positions, so decode
+    steps (fused) on both sides of the threshold still give transformers' logits."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+            "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.5 + 0.5 * i for i in range(8)]}
+    hf_dir = tiny_model("phi3", rope_parameters=rope)
+    model, config = load_model(hf_dir)
+    assert all(layer.fusable for layer in model._layers)  # type: ignore[attr-defined]
+    tokens = random_tokens(72, config.vocab_size, seed=6)
+    run = PagedRun(model)
+    first = run.step({0: tokens[:40], 1: tokens[:66]})
+    ours = {0: [first[0]], 1: [first[1]]}
+    for i in range(3):
+        step = run.step({0: [tokens[40 + i]], 1: [tokens[66 + i]]})
+        ours[0].append(step[0])
+        ours[1].append(step[1])
+    for sid, n in ((0, 43), (1, 69)):
+        torch.testing.assert_close(torch.cat(ours[sid]), hf_logits(hf_dir, tokens[:n]), atol=2e-4, rtol=1e-4)

@@ -154,6 +154,10 @@ def run(settings: ServeSettings, model_dir: Path, model_name: str) -> None:
             lifespan="on",
             log_level=settings.log_level,
             ws_max_size=max(16 * 1024 * 1024, 2 * settings.max_request_bytes),
+            # pagewire owns WebSocket liveness (server.api.ws_watchdog): the library's keepalive
+            # would close a client that stops reading with 1011 before the slow-consumer cut.
+            ws_ping_interval=None,
+            ws_ping_timeout=None,
             timeout_graceful_shutdown=5,
             access_log=False,
         )

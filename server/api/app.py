@@ -3,6 +3,8 @@ endpoints (/health, /v1/models, /tokenize, /detokenize, /metrics, /v1/usage: ser
 
 Routes, and where each request goes next:
     POST /v1/completions, /v1/chat/completions → server.api.openai_http → server.serving.service
+    POST /v1/messages[/count_tokens]           → server.api.anthropic_http → server.serving.service
+    /api/chat, /api/generate, /api/tags, ...   → server.api.ollama_http    → server.serving.service
     /v1/files, /v1/batches                     → server.api.batch_http → server.serving.batch → service
     WS   /v1/ws                                → server.api.ws          → server.serving.service
     GET  /v1/usage                             → server.gateway.usage (SQL over the ledger)
@@ -20,13 +22,17 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 
+from server.api.anthropic_http import CountTokensEndpoint, MessagesEndpoint
 from server.api.auth_guard import AuthGuard
 from server.api.batch_http import BatchRoutes
 from server.api.context import ApiContext
-from server.api.endpoints import StatusEndpoints, TokenEndpoints, UsageEndpoint, error_response
+from server.api.endpoints import StatusEndpoints, TokenEndpoints, UsageEndpoint
+from server.api.error_shapes import payload_for
+from server.api.http_io import retry_headers
+from server.api.ollama_http import OllamaApi
 from server.api.openai_http import GenerateEndpoint
 from server.api.origins import OriginGuard, OriginPolicy
 from server.api.requests_view import request_route
@@ -41,14 +47,17 @@ log = logging.getLogger("pagewire")
 
 
 async def http_error(request: Request, exc: Exception) -> Response:
-    """Starlette's own 404/405 in OpenAI's error shape."""
+    """Starlette's own 404/405, in the error shape of the API the path belongs to (Anthropic's,
+    Ollama's or OpenAI's)."""
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
-        return error_response(NotFound(f"no route {request.method} {request.url.path}", code="route_not_found"))
-    err = PagewireError(str(exc.detail), code="method_not_allowed" if exc.status_code == 405 else "http_error")
-    err.status = exc.status_code
-    err.error_type = "invalid_request_error"
-    return error_response(err)
+        err: PagewireError = NotFound(f"no route {request.method} {request.url.path}", code="route_not_found")
+    else:
+        err = PagewireError(str(exc.detail), code="method_not_allowed" if exc.status_code == 405 else "http_error")
+        err.status = exc.status_code
+        err.error_type = "invalid_request_error"
+    return JSONResponse(payload_for(request.url.path, err), status_code=err.status,
+                        headers={k.decode(): v.decode() for k, v in retry_headers(err)})
 
 
 def build_app(rt: Runtime, gateway: Gateway) -> Starlette:
@@ -77,6 +86,9 @@ def build_app(rt: Runtime, gateway: Gateway) -> Starlette:
             Route("/v1/models", status.models, methods=["GET"]),
             Route("/v1/completions", GenerateEndpoint(api, "completion"), methods=["POST"]),
             Route("/v1/chat/completions", GenerateEndpoint(api, "chat"), methods=["POST"]),
+            Route("/v1/messages", MessagesEndpoint(api), methods=["POST"]),
+            Route("/v1/messages/count_tokens", CountTokensEndpoint(api), methods=["POST"]),
+            *OllamaApi(api).routes(),
             Route("/tokenize", tokens.tokenize, methods=["POST"]),
             Route("/detokenize", tokens.detokenize, methods=["POST"]),
             Route("/metrics", status.metrics, methods=["GET"]),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Optional
 
-from server.api.http_io import send_error
+from server.api.error_shapes import send_error_for
 from server.gateway.auth import ADMIN_PATHS, OPEN_PATHS, SCOPE_KEY, Authenticator, credentials, ws_subprotocol
 from server.serving.errors import PagewireError, PermissionDenied
 
@@ -46,7 +46,7 @@ class AuthGuard:
 
     async def _refuse(self, scope: dict[str, Any], receive: Any, send: Any, e: PagewireError) -> None:
         if scope["type"] == "http":
-            await send_error(send, e)
+            await send_error_for(scope.get("path", ""), send, e)  # in the shape of the API called
             return
         msg = await receive()
         if msg["type"] != "websocket.connect":

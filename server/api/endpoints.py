@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 import time
 from typing import Optional, TypeVar
 
@@ -55,9 +56,15 @@ def report_bound(text: Optional[str], name: str) -> Optional[float]:
     if text is None or text == "":
         return None
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
         pass
+    else:
+        # float() takes "nan", "inf" and "1e309" (which overflows to inf); none is a time, and
+        # a non-finite bound would reach the JSON answer, which cannot hold it.
+        if not math.isfinite(value):
+            raise InvalidRequest(f"{name}: must be a finite number of Unix seconds, got {text!r}", param=name)
+        return value
     try:
         dt = datetime.datetime.fromisoformat(text)
     except ValueError:
@@ -114,8 +121,12 @@ class TokenEndpoints:
         try:
             req = await read_body(api, request, TokenizeRequest)
             tok = rt.tokenizer
-            if tok is None:
+            if tok is None or rt.service is None:
                 raise Unavailable("server is starting", code="starting", retry_after_s=2)
+            # Long texts are tokenised off the loop, within the same per-client budget as prompts.
+            preparer = rt.service.preparer
+            who = principal_of(request.scope)
+            client = who.key_id if who is not None else (request.client.host if request.client else "unknown")
             if req.messages is not None:
                 tools = check_tools(req.tools) if req.tools is not None else None
                 try:
@@ -123,9 +134,9 @@ class TokenEndpoints:
                                        api.tool_parser)
                 except ChatTemplateError as e:
                     raise InvalidRequest(f"messages: {e}", param="messages") from None
-                ids = tok.encode(text, add_special_tokens=False)
+                ids = await preparer.encode_text(text, client, add_special_tokens=False)
             elif req.prompt is not None:
-                ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+                ids = await preparer.encode_text(req.prompt, client, add_special_tokens=req.add_special_tokens)
             else:
                 raise InvalidRequest("prompt: either prompt or messages is required", param="prompt")
         except PagewireError as e:

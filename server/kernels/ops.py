@@ -14,12 +14,13 @@ import torch.nn.functional as F
 
 import server._C  # (also loads the TORCH_LIBRARY(pagewire) registrations)
 from server.kernels import batch_invariant, linear_plan
+from server.kernels.kinds import LinearKind
 from server.kernels.quant import QuantizedWeight
 
 __all__ = [
     "write_kv_cache", "paged_attention", "copy_blocks", "linear", "rms_norm", "add_rms_norm",
-    "rotary_embedding", "silu_and_mul", "ngram_propose", "rejection_sample", "cpu_isa", "detected_cpu_isa", "cpu_features",
-    "without_amx",
+    "rotary_embedding", "silu_and_mul", "gelu_tanh_and_mul", "ngram_propose", "rejection_sample", "cpu_isa",
+    "detected_cpu_isa", "cpu_features", "without_amx",
 ]
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ def paged_attention(
     sliding_window: int,
     max_query_len: int,
     max_seq_len: int,
+    softcap: float = 0.0,
 ) -> None:
     """Causal attention of a flat mixed batch (prefill chunks and decodes) over the paged cache.
 
@@ -100,14 +102,16 @@ def paged_attention(
         block_tables: int32 [S, max_blocks], physical block ids of each sequence.
         seq_lens: int32 [S], tokens in the cache after this step (context + new).
         query_start_loc: int32 [S + 1], prefix sum of new tokens per sequence; every q_len >= 1.
-        scale: softmax scale, usually D ** -0.5.
+        scale: the scores' scale (per layer: usually D ** -0.5, Gemma's query_pre_attn_scalar ** -0.5).
         sliding_window: window size in tokens (the token itself included); <= 0 disables it.
         max_query_len: an upper bound on q_len over the batch.
         max_seq_len: an upper bound on seq_lens over the batch.
+        softcap: 0 for none; > 0 caps every scaled score s to softcap * tanh(s / softcap) before
+            the mask and softmax (Gemma 2's attn_logit_softcapping).
     """
     torch.ops.pagewire.paged_attention(
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        scale, sliding_window, max_query_len, max_seq_len,
+        scale, sliding_window, max_query_len, max_seq_len, softcap,
     )
 
 
@@ -212,7 +216,7 @@ def linear(
 
 
 def linear_kind(dtype: torch.dtype, m: int, weight: torch.Tensor | QuantizedWeight,
-                bias: Optional[torch.Tensor]) -> Optional[str]:
+                bias: Optional[torch.Tensor]) -> Optional[LinearKind]:
     """The path `linear` takes for a CPU activation [m, K] of `dtype` (no autograd,
     m <= Q8_KERNEL_MAX_ROWS), named as pagewire::decode_layer takes it: "kernel" (pagewire::linear),
     "torch" (F.linear), "q8_0" / "q8_0x8", or a linear_q4 qtype; None where that path is not one
@@ -234,7 +238,7 @@ def linear_kind(dtype: torch.dtype, m: int, weight: torch.Tensor | QuantizedWeig
     if batch_invariant.enabled():  # _linear_batch_invariant's paths
         if isinstance(weight, QuantizedWeight):
             return weight.op_qtype
-        return "kernel" if float_kernel and _ACTIVE_ISA != "portable" else None
+        return LinearKind.KERNEL if float_kernel and _ACTIVE_ISA != "portable" else None
     plans = linear_plan.active_table()
     if isinstance(weight, QuantizedWeight):
         plan = plans.get((weight.qtype, dtype, weight.shape)) if plans is not None else None
@@ -253,8 +257,8 @@ def linear_kind(dtype: torch.dtype, m: int, weight: torch.Tensor | QuantizedWeig
         else:
             use_kernel = fixed_rule_takes_kernel(weight, m)
         if use_kernel:
-            return "kernel"
-    return "torch"
+            return LinearKind.KERNEL
+    return LinearKind.TORCH
 
 
 def fixed_rule_takes_kernel(weight: torch.Tensor | QuantizedWeight, m: int) -> bool:
@@ -400,6 +404,12 @@ def rotary_embedding(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """Args: x [T, 2 * I] = cat(gate, up), contiguous in the last dim. Returns silu(gate) * up [T, I] (CPU op)."""
     return torch.ops.pagewire.silu_and_mul(x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Args: x [T, 2 * I] = cat(gate, up), contiguous in the last dim. Returns
+    gelu(gate, approximate="tanh") * up [T, I] (CPU op; Gemma's gelu_pytorch_tanh MLP)."""
+    return torch.ops.pagewire.gelu_tanh_and_mul(x)
 
 
 def ngram_propose(

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from server.kernels import autotune, batch_invariant
-from server.kernels.ops import Q8_KERNEL_MAX_ROWS, linear, linear_kind, write_kv_cache
+from server.kernels.ops import Q8_KERNEL_MAX_ROWS, linear, linear_kind, paged_attention, write_kv_cache
 from server.kernels.quant import QUANTIZATIONS, QuantizedWeight
-from server.models.attention import AttentionMetadata, paged_attention
+from server.models.attention import AttentionMetadata
 from server.models.config import ModelConfig
 from server.models.layers import add_norm, gelu_tanh_and_mul, norm, rms_norm, silu_and_mul
 from server.models.rope import RopeBatch, RotaryEmbedding
@@ -66,6 +66,7 @@ class DecoderLayer(nn.Module):
         self.sliding_window = window if window is not None else 0  # the op reads <= 0 as "no window"
         self.rope_index = c.layer_ropes[layer_idx]  # None: a NoPE layer
         self.rotary_dim = c.ropes[self.rope_index].rotary_dim if self.rope_index is not None else 0
+        self.activation = c.activation  # "silu" or "gelu_tanh"; the kernels and decode_layer take both
         self.gelu = c.activation == "gelu_tanh"
         self.residual_multiplier = c.residual_multiplier
 
@@ -90,10 +91,10 @@ class DecoderLayer(nn.Module):
         self.down_bias = _param((H,), dtype, device) if c.mlp_bias else None
         self.norm_offset = c.norm_weight_offset
         self.fused_checkpoint = c.fused_checkpoint
-        # The layers pagewire::decode_layer expresses: pre-norm, SiLU, full-width RoPE with
-        # optional per-head q/k norm, no soft-cap, no residual multiplier. The others run forward().
-        self.fusable = (c.norm_placement == "pre" and not self.gelu and self.softcap == 0.0
-                        and self.q_norm is None and self.rope_index is not None
+        # The layers pagewire::decode_layer expresses: pre-norm, full-width RoPE with optional
+        # per-head q/k norm, no residual multiplier (SiLU or GELU-tanh, soft-capping or not). The
+        # others run forward().
+        self.fusable = (c.norm_placement == "pre" and self.q_norm is None and self.rope_index is not None
                         and self.rotary_dim == c.head_dim and self.residual_multiplier == 1.0)
 
     def forward(
@@ -137,7 +138,8 @@ class DecoderLayer(nn.Module):
 
         write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping)
         attn = torch.empty((T, nh, d), dtype=hidden.dtype, device=hidden.device)
-        paged_attention(attn, query, key_cache, value_cache, meta, self.scale, self.sliding_window, self.softcap)
+        paged_attention(attn, query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                        self.scale, self.sliding_window, meta.max_query_len, meta.max_seq_len, self.softcap)
         out = linear(attn.view(T, self.q_size), self.o_weight, self.o_bias)
         x = _enter(hidden, self._leave(out, self.attn_post_norm), self.mlp_norm, self.eps)
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
@@ -176,7 +178,7 @@ class DecoderLayer(nn.Module):
             rope_batch.positions, rope.cos, rope.sin, self.qk_norm, key_cache, value_cache,
             meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             self.scale, self.sliding_window, meta.max_query_len, meta.max_seq_len,
-            self.num_heads, self.num_kv_heads, self.head_dim,
+            self.num_heads, self.num_kv_heads, self.head_dim, self.softcap, self.activation,
         )
         return hidden, mlp_out
 
@@ -340,8 +342,10 @@ class DecoderForCausalLM(nn.Module):
         Args:
             input_ids: int64 [T], the flat batch (no padding), sequences in query_start_loc order.
             positions: int64 [T], each token's position in its sequence (< max_position_embeddings).
-            kv_caches: per layer (key_cache, value_cache), each kv_cache_shape(num_blocks, block_size).
-            meta: where each token's K/V is written and which blocks each sequence reads.
+            kv_caches: per layer (key_cache, value_cache), each kv_cache_shape(num_blocks, block_size);
+                layers of different KV groups may share tensors (their blocks never overlap).
+            meta: where each token's K/V is written and which blocks each sequence reads (per
+                layer: meta.for_layer(i)).
         Returns:
             [T, hidden_size] final-normed hidden states; pass the rows to sample to compute_logits.
         """
@@ -358,10 +362,11 @@ class DecoderForCausalLM(nn.Module):
             r = layer.rope_index
             rope, batch = (self.ropes[r], batches[r]) if r is not None else (None, None)
             kinds = fused[i] if fused is not None else None
+            m = meta.for_layer(i)  # the layer's KV group's slots and block tables
             if kinds is not None and rope is not None and batch is not None:
-                hidden, delta = layer.forward_fused(hidden, delta, rope, batch, key_cache, value_cache, meta, kinds)
+                hidden, delta = layer.forward_fused(hidden, delta, rope, batch, key_cache, value_cache, m, kinds)
             else:
-                hidden, delta = layer.forward(hidden, delta, rope, batch, key_cache, value_cache, meta)
+                hidden, delta = layer.forward(hidden, delta, rope, batch, key_cache, value_cache, m)
         eps = self.config.rms_norm_eps
         return norm(hidden, self.norm, eps) if delta is None else add_norm(hidden, delta, self.norm, eps)
 
@@ -377,12 +382,12 @@ class DecoderForCausalLM(nn.Module):
     def _fused_kinds(self, hidden: torch.Tensor,
                      batches: list[RopeBatch]) -> list[tuple[str, str, str, str] | None] | None:
         """Per layer, the linear paths for pagewire::decode_layer, or None where the layer must run
-        in Python: a layer the C++ layer cannot express (DecoderLayer.fusable: post-norms,
-        GELU, soft-capping, NoPE, partial rotary, q/k norm over the projection, residual
-        multipliers), always off the CPU, above 16 tokens (quantised weights switch paths there), with
-        RoPE tables gathered in Python, when `fused_decode` is off, or when this module's `linear`
-        has been replaced (tests and bench/decode_step.py wrap it to see every call). Cached per
-        row count, autotune table and batch-invariant mode: the rules only change with those."""
+        in Python: a layer the C++ layer cannot express (DecoderLayer.fusable: post-norms, NoPE,
+        partial rotary, q/k norm over the projection, residual multipliers), always off the CPU,
+        above 16 tokens (quantised weights switch paths there), with RoPE tables gathered in
+        Python, when `fused_decode` is off, or when this module's `linear` has been replaced
+        (tests and bench/decode_step.py wrap it to see every call). Cached per row count,
+        autotune table and batch-invariant mode: the rules only change with those."""
         T = hidden.shape[0]
         if (not self.fused_decode or hidden.device.type != "cpu" or T > Q8_KERNEL_MAX_ROWS
                 or any(b.cos is not None for b in batches) or linear is not _LINEAR):

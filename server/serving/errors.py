@@ -94,6 +94,15 @@ class Conflict(PagewireError):
     error_type = "invalid_request_error"
 
 
+class Interrupted(Conflict):
+    """A request the server stopped (shutdown, crash) before it finished: the server's doing, so
+    OpenAI's `server_error` type, not the client's `invalid_request_error`. Still 409 for an
+    idempotent retry (the key names a request that can no longer produce its output)."""
+
+    code = "request_interrupted"
+    error_type = "server_error"
+
+
 class InvalidApiKey(PagewireError):
     """A missing, wrong, revoked or expired API key (server.gateway.auth)."""
 
@@ -111,7 +120,8 @@ class PermissionDenied(PagewireError):
 
 
 class RateLimited(PagewireError):
-    """429 with OpenAI's rate-limit headers (`headers`) and a retry hint."""
+    """429 with OpenAI's rate-limit headers (`headers`) and a retry hint (server.gateway.quotas raises it;
+    the service and the batch tier catch it by type)."""
 
     status = 429
     code = "rate_limit_exceeded"

@@ -135,7 +135,10 @@ class Runtime:
         await self.drain()
         if self.bridge is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.bridge.shutdown, 5.0)
-        if self.ledger is not None:
-            await self.ledger.close()
+        # The policy's keys connection first: the ledger's close releases the lock, whose
+        # descriptor on the database file must outlive every SQLite connection of this process
+        # (db_lock).
         if self.policy is not None:
             self.policy.close()
+        if self.ledger is not None:
+            await self.ledger.close()

@@ -54,6 +54,7 @@ class Admitted:
     request_id: str
     record: Optional[RequestRecord] = None
     existing: bool = False
+    prompt_tokens: Optional[int] = None  # known for a new request (Anthropic's message_start shows it)
 
 
 class RequestService:
@@ -132,7 +133,7 @@ class RequestService:
         except asyncio.CancelledError:
             task.add_done_callback(self._abandon_accepted)
             raise
-        return Admitted(job.request_id)
+        return Admitted(job.request_id, prompt_tokens=len(job.prompt_token_ids))
 
     def _settle_claim(self, key: str, task: "asyncio.Task[Job]") -> None:
         fut = self._idem.get(key)
@@ -161,12 +162,14 @@ class RequestService:
         check_reuse(spec, stored, request_id)
 
     def _existing(self, request_id: str, record: Optional[RequestRecord]) -> Admitted:
-        return Admitted(request_id, record=record, existing=True)
+        job = self._jobs.get(request_id)
+        n = len(job.prompt_token_ids) if job is not None else record.prompt_tokens if record is not None else None
+        return Admitted(request_id, record=record, existing=True, prompt_tokens=n)
 
     async def _accept(self, spec: GenerationSpec) -> Job:
         checked = self.preparer.check_sampling(spec)
         await self.preparer.compile_structured(checked, spec)  # 400 for a grammar that won't compile
-        ids = await self.preparer.token_ids(spec)
+        ids = await self.preparer.token_ids(spec, self.bridge.max_model_len)
         self.check_serving()  # the model may have stopped while we tokenised
         params = self.preparer.finalize(spec, len(ids), self.bridge.max_model_len)
         # The most this request can cost: its prompt and every sample's max_tokens.
@@ -461,6 +464,9 @@ class RequestService:
         """Stop accepting; let in-flight requests finish for up to `grace_s`; interrupt the rest;
         make sure every ledger row is terminal."""
         self.draining = True
+        # Requests still being tokenised are not accepted yet: they get 503 now, rather than
+        # hold their connections (and the exit) until their tokenisation ends.
+        self.preparer.abort_waits(Unavailable("the server is shutting down", code="shutting_down"))
         if self._jobs:
             log.info("draining: waiting up to %.1fs for %d request(s)", grace_s, len(self._jobs))
             try:

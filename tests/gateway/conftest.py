@@ -43,7 +43,8 @@ class InProcessServer:
                                       **settings)
         self.rt, self.gateway, app = compose(self.settings, demo_model, "demo")
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, loop="asyncio",
-                                lifespan="on", ws="websockets", log_level="warning")
+                                lifespan="on", ws="websockets", log_level="warning",
+                                ws_ping_interval=None, ws_ping_timeout=None)  # as serve.py: pagewire pings
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
 

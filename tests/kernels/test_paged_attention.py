@@ -1,17 +1,21 @@
-"""paged_attention against a float64 reference: mixed batches, GQA ratios, head dims, dtypes, windows."""
+"""paged_attention against a float64 reference: mixed batches, GQA ratios, head dims, dtypes, windows,
+logit soft-capping."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from server.kernels import ops
+from tests.kernels.conftest import available_isas
 from tests.kernels.paged_reference import (
     TOLERANCE,
     PagedBatch,
     make_paged_batch,
     reference_paged_attention,
     relative_error,
+    release_out_of_window,
 )
+from tests.pairwise import pairwise
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (num_heads, num_kv_heads): GQA ratios 1 (MHA), 2, 4, 8 and multi-query.
@@ -24,34 +28,39 @@ MIXED = [(0, 1), (14, 1), (15, 1), (16, 1), (31, 1), (32, 1), (0, 15), (0, 17), 
 @pytest.fixture
 def isa(cpu_isa: str) -> str:
     """Runs a test on every attention kernel this CPU can execute: AVX-512, AVX2 and the portable
-    one (conftest's `cpu_isa` caps PAGEWIRE_CPU_ISA per run and skips families the CPU lacks)."""
+    one (conftest's `cpu_isa` caps PAGEWIRE_CPU_ISA per run, over the families this CPU has)."""
     return cpu_isa
 
 
-def run_kernel(batch: PagedBatch, scale: float, sliding_window: int) -> torch.Tensor:
+def run_kernel(batch: PagedBatch, scale: float, sliding_window: int, softcap: float = 0.0) -> torch.Tensor:
     out = torch.full_like(batch.query, float("nan"))  # rows the kernel forgets stay NaN and fail
     ops.paged_attention(
         out, batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
-        batch.query_start_loc, scale, sliding_window, batch.max_query_len, batch.max_seq_len,
+        batch.query_start_loc, scale, sliding_window, batch.max_query_len, batch.max_seq_len, softcap,
     )
     return out
 
 
-def check(batch: PagedBatch, dtype: torch.dtype, sliding_window: int = 0) -> None:
-    scale = batch.query.shape[-1] ** -0.5
-    out = run_kernel(batch, scale, sliding_window)
-    err = relative_error(out, reference_paged_attention(batch, scale, sliding_window))
+def check(batch: PagedBatch, dtype: torch.dtype, sliding_window: int = 0, softcap: float = 0.0,
+          scale: float | None = None) -> None:
+    scale = batch.query.shape[-1] ** -0.5 if scale is None else scale
+    out = run_kernel(batch, scale, sliding_window, softcap)
+    err = relative_error(out, reference_paged_attention(batch, scale, sliding_window, softcap))
     assert err <= TOLERANCE[dtype], f"relative error {err:.3g} > {TOLERANCE[dtype]} for {dtype}"
 
 
-# The portable kernel is slow and has no per-head-dim code paths, so it skips two of the five dims.
+# Every pair of (family, head dim, GQA ratio, dtype) values (tests/pairwise.py), on the attention
+# kernels this CPU has; the portable kernel is slow and has no per-head-dim code paths, so it
+# takes three of the five dims. In full for each family: the largest head dim with multi-query
+# attention in both 16-bit dtypes, and the smallest with MHA in float32.
+_ATTENTION_ISAS = [isa for isa in ("avx512bf16", "avx2", "portable") if isa in available_isas()]
 GRID = [
     pytest.param(isa, dtype, heads, head_dim, id=f"{isa}-{head_dim}-{heads[0]}q{heads[1]}kv-{dtype}")
-    for isa in ("avx512bf16", "avx2", "portable")
-    for head_dim in HEAD_DIMS
-    if isa != "portable" or head_dim in (64, 80, 256)
-    for heads in HEADS
-    for dtype in DTYPES
+    for isa, head_dim, heads, dtype in pairwise(
+        [_ATTENTION_ISAS, HEAD_DIMS, HEADS, DTYPES],
+        edges=[(isa, 256, (16, 1), dt) for isa in _ATTENTION_ISAS for dt in (torch.bfloat16, torch.float16)]
+        + [(isa, 64, (4, 4), torch.float32) for isa in _ATTENTION_ISAS],
+        allowed=lambda r: r[0] != "portable" or r[1] in (64, 80, 256))
 ]
 
 
@@ -84,6 +93,41 @@ def test_sliding_window(isa: str, dtype: torch.dtype, window: int) -> None:
     gen = torch.Generator().manual_seed(window)
     specs = [(0, 1), (3, 1), (60, 1), (70, 12), (0, 40), (33, 33)]
     check(make_paged_batch(specs, 8, 2, 64, dtype, gen), dtype, sliding_window=window)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 72, 36])
+@pytest.mark.parametrize("softcap", [0.5, 3.0, 50.0])
+@pytest.mark.parametrize("window", [0, 17])
+def test_logit_softcapping(isa: str, dtype: torch.dtype, head_dim: int, softcap: float, window: int) -> None:
+    """Gemma 2's soft-capping on every kernel (head_dim 64: AVX-512 / AVX2; 72: AVX2; 36: portable):
+    a cap of 0.5 squashes almost every score into tanh's flat part, 50 leaves them nearly linear.
+    The per-layer scale is Gemma's query_pre_attn_scalar ** -0.5 here, not head_dim ** -0.5, and
+    large enough (scores of several units) that capping changes the result."""
+    gen = torch.Generator().manual_seed(int(softcap * 10) + head_dim + window)
+    batch = make_paged_batch(MIXED + [(70, 9)], 8, 2, head_dim, dtype, gen)
+    check(batch, dtype, sliding_window=window, softcap=softcap, scale=256**-0.5 * 4)
+    plain = reference_paged_attention(batch, 256**-0.5 * 4, window)
+    capped = reference_paged_attention(batch, 256**-0.5 * 4, window, softcap)
+    if softcap < 50:  # the reference itself must differ, or the test would prove nothing
+        assert relative_error(plain, capped) > 10 * TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 72, 36])
+@pytest.mark.parametrize("window", [5, 16, 40, 130])
+def test_released_blocks_before_the_window_are_never_read(isa: str, dtype: torch.dtype, head_dim: int,
+                                                          window: int) -> None:
+    """A sliding-window group's table holds -1 where its blocks left the window (kv_groups.py): no
+    kernel reads those entries, nor the 64-position span start below the window (its zero rows)."""
+    gen = torch.Generator().manual_seed(window + head_dim)
+    batch = make_paged_batch([(0, 1), (60, 1), (70, 12), (150, 1), (200, 40), (129, 3)], 8, 2, head_dim, dtype, gen)
+    scale = head_dim**-0.5
+    ref = reference_paged_attention(batch, scale, window)
+    released = release_out_of_window(batch, window)
+    assert (released.block_tables == -1).any()
+    err = relative_error(run_kernel(released, scale, window), ref)
+    assert err <= TOLERANCE[dtype], f"relative error {err:.3g}"
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (8, 1)], ids=lambda h: f"{h[0]}q{h[1]}kv")
@@ -149,6 +193,10 @@ def test_bad_arguments_name_the_argument() -> None:
         call(4, bad_table)
     with pytest.raises(RuntimeError, match="max_seq_len"):
         call(10, 3)
+    with pytest.raises(RuntimeError, match="softcap must be 0 \\(off\\) or a positive finite number, got -1"):
+        ops.paged_attention(*args, -1.0)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="softcap must be"):
+        ops.paged_attention(*args, float("inf"))  # type: ignore[arg-type]
 
 
 def test_opcheck() -> None:
@@ -162,4 +210,9 @@ def test_opcheck() -> None:
         torch.ops.pagewire.paged_attention.default,
         (out, b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.125, 0,
          b.max_query_len, b.max_seq_len),
+    )
+    torch.library.opcheck(
+        torch.ops.pagewire.paged_attention.default,
+        (out, b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.125, 0,
+         b.max_query_len, b.max_seq_len, 20.0),
     )

@@ -35,8 +35,8 @@ from server.engine.spec_decode import SpecDecoder, SpecStats
 from server.engine.structured import PendingMasks, StructuredDecoder
 from server.kernels import autotune, batch_invariant
 from server.kernels.ops import cpu_isa
-from server.models.llama import LlamaFamilyForCausalLM
 from server.models.loader import load_model
+from server.models.protocol import CausalLM
 from server.text.loader import load_tokenizer
 from server.text.vocab import check_token_ids
 
@@ -126,6 +126,7 @@ class LLMEngine:
         self._pending: list[RequestDelta] = []  # abort deltas produced between steps
         self.last_step_progressed = True  # the latest step scheduled work or emitted deltas
         self._stats = EngineStats(num_blocks=num_blocks)
+        logger.info("%s", self.model.summary())
         logger.info("%s", layout.log_line())
         # Deterministic mode: as configured, or (None, "auto") on where it is cheap.
         self.deterministic = (
@@ -138,7 +139,7 @@ class LLMEngine:
         self.linear_table = self._autotune_linears(config, draft)
 
     def _autotune_linears(self, config: EngineConfig,
-                          draft: Optional[LlamaFamilyForCausalLM]) -> Optional[autotune.LinearTable]:
+                          draft: Optional[CausalLM]) -> Optional[autotune.LinearTable]:
         """The linear paths' table for this engine's steps (server.kernels.autotune), or None (fixed rules)."""
         on = config.autotune if config.autotune is not None else config.device == "cpu"
         if not on or self.deterministic:

@@ -14,13 +14,13 @@ from server.engine.kv_cache_manager import KVCacheManager
 from server.engine.scheduler import SchedulerOutput
 from server.kernels import ops
 from server.models.attention import AttentionMetadata
-from server.models.llama import LlamaFamilyForCausalLM
+from server.models.protocol import CausalLM
 
 
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaFamilyForCausalLM,
+        model: CausalLM,
         num_blocks: int,
         block_size: int,
         kv_cache: KVCacheManager,
@@ -57,6 +57,7 @@ class ModelRunner:
         q_lens: list[int] = []
         seq_lens: list[int] = []
         tables: list[list[int]] = []
+        prompt_lens: list[int] = []
         sample_rows: list[int] = []
         qsl = [0]
         for share in out.scheduled:
@@ -69,6 +70,7 @@ class ModelRunner:
             starts.append(c)
             q_lens.append(n)
             seq_lens.append(c + n)
+            prompt_lens.append(seq.num_prompt_tokens)
             tables.append(self.kv_cache.block_table(seq))
             qsl.append(qsl[-1] + n)
             if share.samples:  # the last position, and the num_spec before it (lookahead)
@@ -94,6 +96,7 @@ class ModelRunner:
             query_start_loc=qsl_t.to(torch.int32).to(self.device),
             max_query_len=max(q_lens),
             max_seq_len=max(seq_lens),
+            prompt_lens=torch.tensor(prompt_lens, dtype=torch.int32, device=self.device),
         )
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         return input_ids, positions.to(self.device), meta, torch.tensor(sample_rows, dtype=torch.int64)

@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 
 from server.engine.config import EngineConfig
-from server.gateway.plan import make_plan, parse_bytes, read_model_config, render
+from server.engine.plan import make_plan, parse_bytes, read_model_config, render
 
 OUT = Path(__file__).resolve().parent / "out" / "kv_groups"
 

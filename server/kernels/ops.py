@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import server._C  # (also loads the TORCH_LIBRARY(pagewire) registrations)
-from server.kernels import autotune, batch_invariant
+from server.kernels import batch_invariant, linear_plan
 from server.kernels.quant import QuantizedWeight
 
 __all__ = [
@@ -179,11 +179,11 @@ def linear(
     if not grad and batch_invariant.enabled():  # (autograd keeps F.linear: the kernels have no backward)
         return _linear_batch_invariant(x, weight, bias)
     if isinstance(weight, QuantizedWeight):
-        plans = autotune.active_table()
+        plans = linear_plan.active_table()
         plan = plans.get((weight.qtype, x.dtype, weight.shape)) if plans is not None else None
         if plan is not None:
-            choice = plan[autotune.bucket(x.numel() // weight.shape[1])]
-            if choice == autotune.KERNEL_NO_AMX:
+            choice = plan[linear_plan.bucket(x.numel() // weight.shape[1])]
+            if choice == linear_plan.KERNEL_NO_AMX:
                 return without_amx(_quant_kernel_path, x, weight, bias)
             return (_quant_kernel_path if choice else _quant_gemm_path)(x, weight, bias)
         return _linear_quantized(x, weight, bias)
@@ -201,11 +201,11 @@ def linear(
         and (bias is None or (bias.dtype is dtype and bias.is_cpu))
     ):
         m = x.numel() // weight.shape[1]
-        plans = autotune.active_table()
+        plans = linear_plan.active_table()
         plan = plans.get((dtype, weight.shape)) if plans is not None else None
         if plan is not None:
-            use_kernel = plan[autotune.bucket(m)]
-            if use_kernel == autotune.KERNEL_NO_AMX:
+            use_kernel = plan[linear_plan.bucket(m)]
+            if use_kernel == linear_plan.KERNEL_NO_AMX:
                 return without_amx(_float_kernel_path, x, weight, bias)
         else:
             use_kernel = fixed_rule_takes_kernel(weight, m)
@@ -238,20 +238,20 @@ def linear_kind(dtype: torch.dtype, m: int, weight: torch.Tensor | QuantizedWeig
         if isinstance(weight, QuantizedWeight):
             return weight.op_qtype
         return "kernel" if float_kernel and _ACTIVE_ISA != "portable" else None
-    plans = autotune.active_table()
+    plans = linear_plan.active_table()
     if isinstance(weight, QuantizedWeight):
         plan = plans.get((weight.qtype, dtype, weight.shape)) if plans is not None else None
         if plan is not None:
-            choice = plan[autotune.bucket(m)]
-            if choice == autotune.KERNEL_NO_AMX or not choice:
+            choice = plan[linear_plan.bucket(m)]
+            if choice == linear_plan.KERNEL_NO_AMX or not choice:
                 return None
         return weight.op_qtype
     if float_kernel:
         assert isinstance(weight, torch.Tensor)
         plan = plans.get((dtype, weight.shape)) if plans is not None else None
         if plan is not None:
-            use_kernel = plan[autotune.bucket(m)]
-            if use_kernel == autotune.KERNEL_NO_AMX:
+            use_kernel = plan[linear_plan.bucket(m)]
+            if use_kernel == linear_plan.KERNEL_NO_AMX:
                 return None
         else:
             use_kernel = fixed_rule_takes_kernel(weight, m)

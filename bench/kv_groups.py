@@ -9,7 +9,7 @@ sequence holds, sequences of 32k that fit the same memory, and the ratio. The is
 
 With --serve it also runs the engine: a tiny random-weight model with the same 5 : 1 pattern
 (window --serve-window) is given a KV pool that holds --serve-fit sequences of --serve-len tokens
-with every layer global, and --serve-requests such prompts at once; it reports how many sequences
+(+ --serve-max-tokens outputs) with every layer global, and --serve-requests such prompts at once; it reports how many sequences
 held their whole prompt in the pool at the same time, and preemptions, with KV groups and with the
 same model's layers all global (capacity only: the two models compute different things).
 
@@ -49,9 +49,10 @@ def write_config(name: str, layers: int, heads: int, kv: int, head_dim: int, hid
     return d
 
 
-def serve_run(window: int, seq_len: int, fit: int, requests: int, every_layer_global: bool) -> dict[str, int]:
-    """Runs `requests` prompts of seq_len tokens (+ 8 outputs) through an engine whose pool holds
-    `fit` all-global sequences; returns the peak of sequences holding their whole prompt at once."""
+def serve_run(window: int, seq_len: int, fit: int, requests: int, every_layer_global: bool,
+              max_tokens: int) -> dict[str, int]:
+    """Runs `requests` prompts of seq_len tokens (+ max_tokens outputs) through an engine whose pool
+    holds `fit` all-global sequences; returns the peak of sequences holding their whole prompt at once."""
     import random
 
     import torch
@@ -73,13 +74,13 @@ def serve_run(window: int, seq_len: int, fit: int, requests: int, every_layer_gl
                           bos_token_id=info.bos_token_id, eos_token_id=list(info.eos_token_ids))
         torch.manual_seed(0)
         Qwen2ForCausalLM(cfg).eval().save_pretrained(d)
-    bpt_tokens = fit * (seq_len + 8)  # tokens of every layer's KV: `fit` sequences all-global
-    engine = LLMEngine(EngineConfig(str(d), kv_cache_tokens=bpt_tokens, max_model_len=seq_len + 8, max_num_seqs=64,
-                                    max_num_batched_tokens=512))
+    bpt_tokens = fit * (seq_len + max_tokens)  # tokens of every layer's KV: `fit` sequences all-global
+    engine = LLMEngine(EngineConfig(str(d), kv_cache_tokens=bpt_tokens, max_model_len=seq_len + max_tokens,
+                                    max_num_seqs=64, max_num_batched_tokens=512))
     rng = random.Random(0)
     for i in range(requests):
         prompt = [rng.randrange(4, 500) for _ in range(seq_len)]
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     peak = 0
     while engine.has_unfinished_requests():
         engine.step()
@@ -99,6 +100,7 @@ def main() -> None:
     ap.add_argument("--serve-len", type=int, default=2048)
     ap.add_argument("--serve-fit", type=int, default=2)
     ap.add_argument("--serve-requests", type=int, default=16)
+    ap.add_argument("--serve-max-tokens", type=int, default=64)
     args = ap.parse_args()
     memory = parse_bytes(args.memory)
     print(f"# python -m bench.kv_groups --memory {args.memory} --context {args.context}")
@@ -118,10 +120,12 @@ def main() -> None:
               f"({'meets' if ratio <= 0.3 else 'MISSES'} the 0.3x bar); {g.sequences_fitting(args.context)} vs "
               f"{f.sequences_fitting(args.context)} such sequences fit {args.memory}")
     if args.serve:
-        print(f"\n# serving run: {args.serve_requests} prompts of {args.serve_len} tokens at once, a pool holding "
-              f"{args.serve_fit} all-global sequences, window {args.serve_window}")
+        print(f"\n# serving run: {args.serve_requests} prompts of {args.serve_len} tokens at once "
+              f"({args.serve_max_tokens} outputs each), a pool holding {args.serve_fit} all-global sequences, "
+              f"window {args.serve_window}")
         for flat in (False, True):
-            r = serve_run(args.serve_window, args.serve_len, args.serve_fit, args.serve_requests, flat)
+            r = serve_run(args.serve_window, args.serve_len, args.serve_fit, args.serve_requests, flat,
+                          args.serve_max_tokens)
             print(f"{'all layers global' if flat else 'KV groups (5 local : 1 global)'}: {r}")
 
 

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from server.serving.db_url import DbSpecError, DbTarget
 from server.serving.settings import ServeSettings, add_serve_arguments, default_db_path, settings_from_args
 
 DEMO_BANNER = """\
@@ -179,11 +180,20 @@ def _fmt_time(t: Optional[float]) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
 
 
-def _db(ns: argparse.Namespace) -> Path:
+def _db_target(ns: argparse.Namespace) -> "DbTarget":
+    """What --db (else PAGEWIRE_DB, else the default file) names; DbSpecError for a bad value."""
     import os
 
-    raw = ns.db or os.environ.get("PAGEWIRE_DB")
-    return Path(raw).expanduser() if raw else default_db_path()
+    from server.serving.db_url import parse_db
+
+    return parse_db(ns.db or os.environ.get("PAGEWIRE_DB"), default_db_path())
+
+
+def _db(ns: argparse.Namespace) -> Path:
+    t = _db_target(ns)
+    if t.path is None:
+        raise DbSpecError(f"--db {t.display()}: this command needs a SQLite ledger file")
+    return t.path
 
 
 def _requests(ns: argparse.Namespace) -> int:
@@ -228,6 +238,12 @@ def _print_requests(ns: argparse.Namespace, conn: Any) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ns = _parser().parse_args(argv)
+    if ns.command in ("requests", "keys", "usage"):
+        try:
+            _db_target(ns)
+        except DbSpecError as e:  # before anything is opened or created
+            print(f"pagewire: {e}", file=sys.stderr)
+            return 2
     if ns.command == "serve":
         return _serve(ns)
     if ns.command in ("keys", "usage"):

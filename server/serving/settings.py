@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from server.engine.config import EngineConfig
+from server.serving.db_url import DbSpecError, DbTarget, check_db_value, parse_db
 
 
 def default_db_path() -> Path:
@@ -144,8 +145,17 @@ class ServeSettings:
         return EngineConfig(model=model_dir, **kw)
 
     @property
+    def db_target(self) -> "DbTarget":
+        """What --db names: a SQLite file or a PostgreSQL URL (server.serving.db_url)."""
+        return parse_db(self.db)
+
+    @property
     def db_path(self) -> Path:
-        return Path(self.db).expanduser() if self.db else default_db_path()
+        """The SQLite file (the single-box ledger); a PostgreSQL --db has none."""
+        t = self.db_target
+        if t.path is None:
+            raise DbSpecError(f"--db {t.display()}: a PostgreSQL ledger has no file path")
+        return t.path
 
     @property
     def in_engine_limit(self) -> int:
@@ -180,7 +190,8 @@ class Option:
 OPTIONS: tuple[Option, ...] = (
     Option("host", str, "address to bind"),
     Option("port", int, "port to bind (0 picks a free one)"),
-    Option("db", str, "ledger database file (default: the user data dir's pagewire/ledger.db)"),
+    Option("db", check_db_value, "the ledger: a SQLite file path or sqlite:PATH (default: the user data dir's "
+           "pagewire/ledger.db), or postgresql://… for a database shared by several replicas"),
     Option("served_model_name", str, "model name clients use (default: the model folder's name)"),
     Option("demo_model", _bool,
            "with no model given, serve the built-in random-weight demo model instead of SmolLM2-135M-Instruct"),

@@ -201,7 +201,13 @@ def _requests(ns: argparse.Namespace) -> int:
     from server.serving.ledger_sync import open_readonly
 
     try:
-        conn = open_readonly(_db(ns))
+        t = _db_target(ns)
+        if t.url is not None:
+            from server.serving.ledger_pg_sync import connect_sync
+
+            conn: Any = connect_sync(t.url)
+        else:
+            conn = open_readonly(_db(ns))
     except LedgerError as e:
         print(f"pagewire: {e}", file=sys.stderr)
         return 1
@@ -230,7 +236,7 @@ def _print_requests(ns: argparse.Namespace, conn: Any) -> int:
         return 0
     rec = get_record(conn, ns.request_id)
     if rec is None:
-        print(f"pagewire: request_id: no request {ns.request_id!r} in {_db(ns)}", file=sys.stderr)
+        print(f"pagewire: request_id: no request {ns.request_id!r} in {_db_target(ns)}", file=sys.stderr)
         return 1
     print(json.dumps(record_json(rec), indent=2, ensure_ascii=False))
     return 0
@@ -249,7 +255,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if ns.command in ("keys", "usage"):
         from server.gateway.cli import run_keys, run_usage
 
-        return (run_keys if ns.command == "keys" else run_usage)(ns, _db(ns))
+        return (run_keys if ns.command == "keys" else run_usage)(ns, _db_target(ns))
     if ns.command == "plan":
         return _plan(ns)
     if ns.command == "batch":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sqlite3
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
@@ -57,6 +58,7 @@ class Runtime:
         self.auth: Optional[Authenticator] = None  # server.gateway.auth; set in start()
         self.quotas: Optional[QuotaBook] = None
         self._keys_conn: Optional[sqlite3.Connection] = None
+        self._keys_task: Optional[asyncio.Task[None]] = None
         self.metrics: Metrics
         self._drain_hooks: list[Callable[[], Awaitable[None]]] = []
         self._drained = False
@@ -73,20 +75,24 @@ class Runtime:
     async def start(self) -> None:
         s = self.settings
         loop = asyncio.get_running_loop()
-        self.ledger = await Ledger.open(s.db_path, lock=self.lock)
-        log.info("ledger: %s (%d request(s) marked interrupted from the previous run)",
-                 s.db_path, self.ledger.interrupted_at_start)
-        redact.install()  # before any request can log a header
-        # The gateway's key cache reads the api_keys table through its own small connection
-        # (used on the loop only; the ledger migrated the schema above).
-        self._keys_conn = sqlite3.connect(str(s.db_path), check_same_thread=False, isolation_level=None)
-        self._keys_conn.execute("PRAGMA busy_timeout=1000")
         admin = read_admin_key(s.admin_key_file) if s.admin_key_file else None
-        self.auth = Authenticator(self._keys_conn, s.auth, admin, s.insecure_no_auth)
-        self.quotas = QuotaBook(self.auth.limits_of)
-        day = QuotaBook.day_of(self.quotas.clock())
-        self.quotas.load_daily(await daily_usage(self.ledger, day), day)
-        self.quotas.load_window(await recent_usage(self.ledger, self.quotas.clock() - 60.0))
+        if s.db_target.is_postgres:
+            await self._start_shared(admin)
+        else:
+            self.ledger = await Ledger.open(s.db_path, lock=self.lock)
+            log.info("ledger: %s (%d request(s) marked interrupted from the previous run)",
+                     s.db_path, self.ledger.interrupted_at_start)
+            # The gateway's key cache reads the api_keys table through its own small connection
+            # (used on the loop only; the ledger migrated the schema above).
+            self._keys_conn = sqlite3.connect(str(s.db_path), check_same_thread=False, isolation_level=None)
+            self._keys_conn.execute("PRAGMA busy_timeout=1000")
+            self.auth = Authenticator(self._keys_conn, s.auth, admin, s.insecure_no_auth)
+            self.quotas = QuotaBook(self.auth.limits_of)
+            day = QuotaBook.day_of(self.quotas.clock())
+            self.quotas.load_daily(await daily_usage(self.ledger, day), day)
+            self.quotas.load_window(await recent_usage(self.ledger, self.quotas.clock() - 60.0))
+        assert self.ledger is not None and self.auth is not None
+        redact.install()  # before any request can log a header
         log.info("auth: %s (%s)", "required" if self.auth.required else "off",
                  f"mode {s.auth}" + (", admin key set" if admin else ""))
         self.tokenizer = await loop.run_in_executor(None, Tokenizer.load, self.model_dir)
@@ -111,6 +117,37 @@ class Runtime:
         self.metrics.add_gauges(self.service.memory_gauges)
         self.bridge.start()
         loop.create_task(self._report_ready())
+
+    async def _start_shared(self, admin: Optional[str]) -> None:
+        """A PostgreSQL ledger shared with other replicas (server.serving.ledger_pg): quotas in the
+        database (server.gateway.quota_db); keys polled every KEYS_POLL_S, because a synchronous
+        read on the event loop could stall it for as long as the network to the database does."""
+        from server.gateway.keys import load_keys
+        from server.gateway.quota_db import DbQuotas
+        from server.serving.ledger_pg import PgLedger
+
+        s = self.settings
+        assert s.db_target.url is not None
+        ledger = await PgLedger.open(s.db_target.url, name=f"{s.host}:{s.port} pid {os.getpid()}")
+        self.ledger = ledger
+        log.info("ledger: %s as replica %s (%d request(s) of lapsed replicas marked interrupted)",
+                 s.db_target.display(), ledger.instance_id, ledger.interrupted_at_start)
+        self.auth = Authenticator(None, s.auth, admin, s.insecure_no_auth)
+        self.auth.load(*await load_keys(ledger))
+        self.quotas = DbQuotas(ledger, self.auth.limits_of)
+
+        async def poll_keys() -> None:
+            while True:
+                await asyncio.sleep(self.KEYS_POLL_S)
+                try:
+                    assert self.auth is not None
+                    self.auth.load(*await load_keys(ledger))
+                except Exception as e:  # the database is away; keep the cache, try again
+                    log.debug("key poll failed: %s", e)
+
+        self._keys_task = asyncio.get_running_loop().create_task(poll_keys(), name="keys-poll")
+
+    KEYS_POLL_S = 0.5
 
     # Indirections so the bridge and admission can be built before the service exists.
     def _dispatch(self, deltas: list[Any]) -> None:
@@ -148,6 +185,8 @@ class Runtime:
         await self.drain()
         if self.bridge is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.bridge.shutdown, 5.0)
+        if self._keys_task is not None:
+            self._keys_task.cancel()
         if self.ledger is not None:
             await self.ledger.close()
         if self._keys_conn is not None:

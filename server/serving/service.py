@@ -26,10 +26,10 @@ from server.gateway.auth import Principal
 from server.gateway.quotas import QuotaBook, Reservation
 from server.serving.admission import AdmissionQueue
 from server.serving.bridge import EngineBridge
-from server.serving.errors import NotFound, PagewireError, Unavailable
+from server.serving.errors import Conflict, NotFound, PagewireError, Unavailable
 from server.serving.idempotency import check_reuse, fingerprint
 from server.serving.jobs import GenerationSpec, Job, end_from_record, events_from_output, now_pair
-from server.serving.ledger import Ledger, NewRequest, RequestRecord, Terminal
+from server.serving.ledger import IdempotencyConflict, Ledger, NewRequest, RequestRecord, Terminal
 from server.serving.ledger_health import unrecorded_end
 from server.serving.lifecycle import (
     CANCEL_ENDS,
@@ -102,7 +102,20 @@ class RequestService:
             raise Unavailable("model is still loading", code="starting", retry_after_s=2)
 
     async def start(self, spec: GenerationSpec) -> Admitted:
-        """Accept a request (row committed) or return the original for a reused idempotency key."""
+        """Accept a request (row committed) or return the original for a reused idempotency key.
+
+        The ledger's unique constraint is what decides between two attempts with one key: on a
+        shared ledger another replica may commit the key between our lookup and our insert; the
+        insert then fails (IdempotencyConflict) and the next pass finds that replica's row."""
+        for _ in range(3):
+            try:
+                return await self._start_once(spec)
+            except IdempotencyConflict:
+                continue
+        raise Unavailable("idempotency key is being claimed concurrently; retry", code="ledger_unavailable",
+                          retry_after_s=1)
+
+    async def _start_once(self, spec: GenerationSpec) -> Admitted:
         self.check_serving()
         key = spec.idempotency_key
         while key is not None:
@@ -172,9 +185,11 @@ class RequestService:
         params = self.preparer.finalize(spec, len(ids), self.bridge.max_model_len)
         # The most this request can cost: its prompt and every sample's max_tokens.
         reservation: Optional[Reservation] = None
+        request_id = f"req-{uuid.uuid4().hex[:24]}"
         if self.quotas is not None and spec.key_id is not None:
             try:
-                reservation = self.quotas.reserve(spec.key_id, len(ids) + params.n * (params.max_tokens or 0))
+                reservation = await self.quotas.acquire(spec.key_id, len(ids) + params.n * (params.max_tokens or 0),
+                                                        request_id)
             except PagewireError:
                 self.metrics.keys.add(spec.key_id, rate_limited=1)
                 raise
@@ -193,7 +208,7 @@ class RequestService:
                 self.quotas.settle(reservation, 0, ran=False)  # type: ignore[union-attr]
             raise
         wall, mono = now_pair()
-        job = Job(f"req-{uuid.uuid4().hex[:24]}", spec, ids, params, wall, mono)
+        job = Job(request_id, spec, ids, params, wall, mono)
         job.output_bytes = output_bytes
         try:
             await self.ledger.insert(NewRequest(
@@ -253,6 +268,13 @@ class RequestService:
         if stream is None and record is None:
             raise NotFound(f"request_id: no request {request_id!r}", param="request_id",
                            code="request_not_found")
+        if stream is None and record is not None and not record.terminal and self.ledger.shared \
+                and record.instance_id != self.ledger.instance_id:
+            # Still running on another replica: its output lives there until its terminal row
+            # commits. Say where, rather than replay a partial row as if it were the end.
+            where = await self.ledger.instance_label(record.instance_id)
+            raise Conflict(f"request_id: {request_id} is still running on replica {where}; resume it there "
+                           "(or retry here once it has ended)", param="request_id", code="request_running_elsewhere")
         if on_found is not None:
             on_found()
         if stream is None:

@@ -74,6 +74,13 @@ def pg_migration(sql: str) -> str:
     return re.sub(r"\bBLOB\b", "BYTEA", re.sub(r"\bREAL\b", "DOUBLE PRECISION", sql))
 
 
+def _no_nul(v: Any) -> Any:
+    """PostgreSQL text cannot hold NUL (SQLite's can). A NUL in a free-text column (a model's raw
+    `output_text`, an error) is stored as U+FFFD; the exact output is kept in `output_json`,
+    whose JSON escapes it (`\\u0000`), and that is what resume and the API read."""
+    return v.replace("\x00", "\ufffd") if isinstance(v, str) and "\x00" in v else v
+
+
 def live_instances_sql() -> str:
     return f"SELECT instance_id FROM instances WHERE lease_until >= {NOW}"
 
@@ -269,22 +276,17 @@ class PgLedger(Ledger):
     async def _commit_batch(self, batch: list[_Op]) -> None:
         psycopg = _driver()
         conn = await self._reconnect()
-        results: list[tuple[Optional[BaseException], int]] = []
-        async with conn.transaction():
-            for op in batch:
-                sql = pg_sql(op.sql)
-                if not sql.lstrip().upper().startswith("INSERT"):
-                    cur = await conn.execute(sql, op.args)
-                    results.append((None, int(cur.rowcount)))
-                    continue
-                try:
-                    async with conn.transaction():  # SAVEPOINT: a duplicate key undoes only this insert
-                        cur = await conn.execute(sql, op.args)
-                    results.append((None, int(cur.rowcount)))
-                except psycopg.IntegrityError as e:
-                    results.append((e, 0))
-                    if op.future is None:
-                        log.error("ledger write failed: %s (%s)", e, op.sql.split(" ")[0])
+        # Errors that belong to one statement, not to the database: the statement fails alone
+        # (as under SQLite's ABORT rule) and the rest of the batch commits.
+        own = (psycopg.IntegrityError, psycopg.DataError, psycopg.ProgrammingError)
+        try:
+            # Inserts (which may hit a unique key another replica holds) in a SAVEPOINT each; the
+            # rest run bare: one round trip per statement in the common case.
+            results = await self._run_batch(conn, batch, own, every_savepoint=False)
+        except own:
+            # A statement failed outside a savepoint, which aborts the transaction: run the batch
+            # again with every statement in its own, so only the culprit fails.
+            results = await self._run_batch(conn, batch, own, every_savepoint=True)
         self.commits += 1
         self.write_error = None
         for op, (err, n) in zip(batch, results):
@@ -293,6 +295,26 @@ class PgLedger(Ledger):
                     op.future.set_result(n)
                 else:
                     op.future.set_exception(err)
+
+    async def _run_batch(self, conn: Any, batch: list[_Op], own: tuple[type[BaseException], ...],
+                         every_savepoint: bool) -> list[tuple[Optional[BaseException], int]]:
+        results: list[tuple[Optional[BaseException], int]] = []
+        async with conn.transaction():
+            for op in batch:
+                sql, args = pg_sql(op.sql), tuple(_no_nul(a) for a in op.args)
+                if not every_savepoint and not sql.lstrip().upper().startswith("INSERT"):
+                    cur = await conn.execute(sql, args)
+                    results.append((None, int(cur.rowcount)))
+                    continue
+                try:
+                    async with conn.transaction():  # SAVEPOINT: a failure undoes only this statement
+                        cur = await conn.execute(sql, args)
+                    results.append((None, int(cur.rowcount)))
+                except own as e:
+                    results.append((e, 0))
+                    if op.future is None:
+                        log.error("ledger write failed: %s (%s)", e, op.sql.split(" ")[0])
+        return results
 
     async def interrupt_open(self, reason: str) -> None:
         """At the end of this replica's drain: its own open rows (never another replica's) become

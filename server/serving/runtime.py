@@ -128,7 +128,8 @@ class Runtime:
 
         s = self.settings
         assert s.db_target.url is not None
-        ledger = await PgLedger.open(s.db_target.url, name=f"{s.host}:{s.port} pid {os.getpid()}")
+        ledger = await PgLedger.open(s.db_target.url, name=f"{s.host}:{s.port} pid {os.getpid()}",
+                                     lease_s=s.instance_lease)
         self.ledger = ledger
         log.info("ledger: %s as replica %s (%d request(s) of lapsed replicas marked interrupted)",
                  s.db_target.display(), ledger.instance_id, ledger.interrupted_at_start)

@@ -129,6 +129,8 @@ class RequestService:
             record = await self.ledger.find_by_idempotency_key(key)
             if record is not None:
                 await self._check_same_request(spec, record.request_id, record)
+                if self._elsewhere(record):
+                    record = await self._await_end_elsewhere(record, spec.timeout_s or self.default_timeout_s)
                 return self._existing(record.request_id, record)
             if key in self._idem:  # someone claimed it while we read the ledger
                 continue
@@ -173,6 +175,30 @@ class RequestService:
                 record = await self.ledger.get(request_id)
             stored = record.request_hash if record is not None else None
         check_reuse(spec, stored, request_id)
+
+    def _elsewhere(self, record: RequestRecord) -> bool:
+        """Open on another replica of a shared ledger (its output lives there until it ends)."""
+        return not record.terminal and self.ledger.shared and record.instance_id != self.ledger.instance_id
+
+    ELSEWHERE_POLL_S = 0.1
+
+    async def _await_end_elsewhere(self, record: RequestRecord, timeout_s: Optional[float]) -> RequestRecord:
+        """An idempotent retry of a request that another replica is running: wait for its terminal
+        row (or for its replica's lease to lapse, when a sweep interrupts it), then answer from the
+        ledger, so the same key gives one request and one output wherever it is retried. Polled:
+        the row is the only news one replica has of another's request."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (timeout_s or 600.0)
+        while True:
+            await asyncio.sleep(self.ELSEWHERE_POLL_S)
+            await self.ledger.sweep_dead()
+            fresh = await self.ledger.get(record.request_id)
+            if fresh is not None and fresh.terminal:
+                return fresh
+            if loop.time() >= deadline:
+                where = await self.ledger.instance_label(record.instance_id)
+                raise Conflict(f"request {record.request_id} (this idempotency key's) is still running on replica "
+                               f"{where}; retry later", code="request_running_elsewhere")
 
     def _existing(self, request_id: str, record: Optional[RequestRecord]) -> Admitted:
         return Admitted(request_id, record=record, existing=True)

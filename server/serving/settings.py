@@ -120,6 +120,7 @@ class ServeSettings:
     admin_key_file: Optional[str] = None
     insecure_no_auth: bool = False
     ledger_text: str = "all"
+    instance_lease: float = 10.0  # seconds; a shared (PostgreSQL) ledger's replica lease
     # engine: defaults come from EngineConfig, the one place they are defined
     dtype: str = _ENGINE_DEFAULTS["dtype"]
     max_model_len: Optional[int] = _ENGINE_DEFAULTS["max_model_len"]
@@ -231,6 +232,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("ledger_text", _choice("none", "prompt", "all"),
            "what the ledger keeps of each request's text: none, the prompt, or all (prompt and output; "
            "resuming a finished request from the ledger needs all); usage is always kept"),
+    Option("instance_lease", float, "with a postgresql:// --db: seconds this replica's lease lasts (renewed every "
+           "quarter of it); another replica interrupts its open requests only after it lapses"),
     Option("dtype", str, "auto, float32, bfloat16 or float16", engine=True),
     Option("max_model_len", _opt_int, "longest prompt + output (default: the model's)", engine=True),
     Option("kv_cache_tokens", _opt_int, "KV cache capacity in tokens", engine=True),

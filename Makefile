@@ -9,7 +9,7 @@ MAX_JOBS ?= 2
 export MAX_JOBS
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv browser sysdeps build serve test test-fast lint bench clean
+.PHONY: venv browser sysdeps build serve test test-fast lint bench clean cluster cluster-stop
 
 $(VENV)/.deps-stamp: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,13 @@ test: build sysdeps
 
 test-fast: build sysdeps
 	$(PY) -m pytest -q -x tests -m "not slow"
+
+# PostgreSQL, two replicas and HAProxy on this machine, loopback only (docs/scale-out.md).
+cluster: build sysdeps
+	PY=$(abspath $(PY)) examples/scale-out/cluster.sh start
+
+cluster-stop:
+	PY=$(abspath $(PY)) examples/scale-out/cluster.sh stop
 
 # ruff (style, bugs, import order) over everything, mypy over the package (config in pyproject.toml).
 lint: venv

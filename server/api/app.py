@@ -103,6 +103,14 @@ def build_app(rt: Runtime) -> Starlette:
         api.check_model(getattr(obj, "model", None))
         return obj
 
+    def load_of(rt: Any) -> dict[str, Any]:
+        """What a router reads (server.serving.router_view): queue, running, free KV, prefix hits."""
+        from server.serving.router_view import router_view
+
+        return router_view(rt.bridge.stats() if rt.bridge is not None else None,
+                           rt.admission.queued if rt.admission is not None else 0, rt.stopping,
+                           rt.ledger.instance_id if rt.ledger is not None else None)
+
     async def health(request: Request) -> Response:
         bridge = rt.bridge
         if rt.stopping:
@@ -114,7 +122,7 @@ def build_app(rt: Runtime) -> Starlette:
         ledger = ledger_health(rt.ledger)
         if ledger["status"] != "ok":  # writes are failing: nothing new can be recorded
             return JSONResponse({"status": "degraded", "model": rt.model_name, "ledger": ledger}, status_code=503)
-        return JSONResponse({"status": "ok", "model": rt.model_name, "ledger": ledger})
+        return JSONResponse({"status": "ok", "model": rt.model_name, "ledger": ledger, "load": load_of(rt)})
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{

@@ -34,6 +34,7 @@ from server.serving.ledger import Ledger
 from server.serving.metrics import Metrics
 from server.serving.output_budget import OutputBudget
 from server.serving.prompts import PromptPreparer
+from server.serving.router_view import router_gauges
 from server.serving.service import RequestService
 from server.serving.settings import ServeSettings
 from server.serving.streams import StreamRegistry
@@ -115,6 +116,8 @@ class Runtime:
             quotas=self.quotas, ledger_text=s.ledger_text,
         )
         self.metrics.add_gauges(self.service.memory_gauges)
+        bridge = self.bridge
+        self.metrics.add_gauges(lambda: router_gauges(bridge.stats()))
         self.bridge.start()
         loop.create_task(self._report_ready())
 

@@ -201,8 +201,9 @@ class PgLedger(Ledger):
         while not self._closed:
             await asyncio.sleep(period)
             try:
-                await self.renew()
-                await self.sweep_dead()
+                # Bounded: a paused network must not stall the renewals for good.
+                await asyncio.wait_for(self.renew(), self.commit_timeout_s)
+                await asyncio.wait_for(self.sweep_dead(), self.commit_timeout_s)
                 for hook in list(self.on_tick):
                     await hook()
             except asyncio.CancelledError:

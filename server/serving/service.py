@@ -127,6 +127,8 @@ class RequestService:
                     return self._existing(rid, None)
                 continue  # the first attempt was rejected before acceptance: try afresh
             record = await self.ledger.find_by_idempotency_key(key)
+            if record is not None and await self._reclaim_orphan(record):
+                record = None  # the first attempt's ambiguous commit landed, but it never ran
             if record is not None:
                 await self._check_same_request(spec, record.request_id, record)
                 if self._elsewhere(record):
@@ -175,6 +177,21 @@ class RequestService:
                 record = await self.ledger.get(request_id)
             stored = record.request_hash if record is not None else None
         check_reuse(spec, stored, request_id)
+
+    async def _reclaim_orphan(self, record: RequestRecord) -> bool:
+        """Reconcile an ambiguous commit by its idempotency key. A `queued` row of this instance
+        with no job here is the insert of an attempt whose COMMIT did not answer in time (the
+        client was told 503 and is retrying): it may have landed, but it was never run. Its row
+        is removed (only while still `queued` and ours) so that the retry runs it, once."""
+        if record.state != "queued" or record.instance_id != self.ledger.instance_id or \
+                record.request_id in self._jobs:
+            return False
+        n = await self.ledger.execute("DELETE FROM requests WHERE request_id = ? AND state = 'queued' AND "
+                                      "instance_id = ?", (record.request_id, self.ledger.instance_id))
+        if n:
+            log.warning("ledger: %s was committed by an attempt that timed out and never ran; its retry "
+                        "(same idempotency key) replaces it", record.request_id)
+        return bool(n)
 
     def _elsewhere(self, record: RequestRecord) -> bool:
         """Open on another replica of a shared ledger (its output lives there until it ends)."""

@@ -83,9 +83,9 @@ def agreement(a: list[int], b: list[int]) -> tuple[int, int]:
 
 
 def text_token_ids(model: str | Path) -> list[int]:
-    from server.text.tokenizer import Tokenizer
+    from server.text.loader import load_tokenizer
 
-    return Tokenizer.load(str(model)).encode(TEXT_PATH.read_text())
+    return load_tokenizer(str(model)).encode(TEXT_PATH.read_text())
 
 
 def main() -> None:

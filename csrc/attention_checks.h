@@ -43,7 +43,8 @@ inline void check_cache(const at::Tensor& cache, const char* name, const at::Dev
 inline PagedAttentionDims check_paged_attention_args(const at::Tensor& out, const at::Tensor& query,
                                                      const at::Tensor& key_cache, const at::Tensor& value_cache,
                                                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                                     const at::Tensor& query_start_loc, double scale) {
+                                                     const at::Tensor& query_start_loc, double scale,
+                                                     double softcap) {
   const at::Device device = query.device();
   TORCH_CHECK(query.dim() == 3, "query must be [T, num_heads, head_dim], got shape ", query.sizes());
   const at::ScalarType dtype = query.scalar_type();
@@ -77,6 +78,8 @@ inline PagedAttentionDims check_paged_attention_args(const at::Tensor& out, cons
   detail::check_int32_vector(seq_lens, "seq_lens", d.num_seqs, device);
   detail::check_int32_vector(query_start_loc, "query_start_loc", d.num_seqs + 1, device);
   TORCH_CHECK(std::isfinite(scale) && scale > 0, "scale must be a positive finite number, got ", scale);
+  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0, "softcap must be 0 (off) or a positive finite number, got ",
+              softcap);
   return d;
 }
 

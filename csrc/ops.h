@@ -20,10 +20,12 @@ void write_kv_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tens
 // block_tables:           int32 [S, max_blocks]
 // seq_lens:               int32 [S]       tokens in cache after this step
 // query_start_loc:        int32 [S + 1]   prefix sum of new tokens per sequence
+// scale multiplies q.k; softcap > 0 then caps each score to softcap * tanh(score / softcap)
+// (Gemma 2's attention soft-capping) before the mask and softmax; softcap 0 is off.
 void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                          const at::Tensor& value_cache, const at::Tensor& block_tables,
                          const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                         int64_t sliding_window, int64_t max_query_len, int64_t max_seq_len);
+                         int64_t sliding_window, int64_t max_query_len, int64_t max_seq_len, double softcap);
 
 // key_caches, value_caches: one [num_blocks, num_kv_heads, block_size, head_dim] per layer (mutated)
 // block_mapping:            int64 [N, 2] rows of (src, dst) physical block ids
@@ -70,11 +72,14 @@ void rotary_embedding_cpu(at::Tensor& x, const at::Tensor& positions, const at::
                           const c10::optional<at::Tensor>& norm_weight, double eps);
 // x: [T, 2 * I] = cat(gate, up) -> silu(gate) * up, [T, I]
 at::Tensor silu_and_mul_cpu(const at::Tensor& x);
+// x: [T, 2 * I] = cat(gate, up) -> gelu_tanh(gate) * up, [T, I] (Gemma's gelu_pytorch_tanh)
+at::Tensor gelu_tanh_and_mul_cpu(const at::Tensor& x);
 
 // One decoder layer of at most 16 tokens (cpu/decode_layer.cpp): the ops above in the Python
 // layer's order. hidden [T, H] (the residual stream, mutated), delta [T, H] or None (the previous
 // layer's MLP output); *_kind: the linear path per matrix ("kernel", "torch", "q8_0", "q8_0x8", or
-// a linear_q4 qtype); caches mutated. Returns this layer's MLP output [T, H].
+// a linear_q4 qtype); caches mutated; softcap as paged_attention's; activation "silu" or
+// "gelu_tanh" (the gated MLP's). Returns this layer's MLP output [T, H].
 at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>& delta, const at::Tensor& input_norm,
                             const at::Tensor& post_norm, double eps, const at::Tensor& qkv_weight,
                             c10::string_view qkv_kind, const c10::optional<at::Tensor>& qkv_bias,
@@ -87,7 +92,7 @@ at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>&
                             const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
                             int64_t max_query_len, int64_t max_seq_len, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim);
+                            int64_t head_dim, double softcap, c10::string_view activation);
 
 // Speculative decoding (cpu/spec_decode.cpp).
 // token_ids: S contiguous int64 vectors (each sequence's prompt + output; may be longer than used),

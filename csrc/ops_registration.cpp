@@ -10,11 +10,11 @@ TORCH_LIBRARY(pagewire, m) {
       "write_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");
   // out, query: [T, num_heads, head_dim]; block_tables int32 [S, max_blocks]; seq_lens int32 [S];
-  // query_start_loc int32 [S + 1]
+  // query_start_loc int32 [S + 1]; softcap > 0: scores capped to softcap * tanh(score / softcap)
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window, "
-      "int max_query_len, int max_seq_len) -> ()");
+      "int max_query_len, int max_seq_len, float softcap=0.0) -> ()");
   // block_mapping int64 [N, 2] of (src, dst), applied to every layer's caches
   m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
   // x [M, K], weight [N, K], bias [N] -> [M, N]; F.linear semantics (small-batch bf16 kernel on CPU)
@@ -29,6 +29,8 @@ TORCH_LIBRARY(pagewire, m) {
         "float eps) -> ()");
   // x [T, 2 I] = cat(gate, up) -> silu(gate) * up [T, I]
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  // x [T, 2 I] = cat(gate, up) -> gelu(gate, approximate="tanh") * up [T, I]
+  m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
   // Q8_0 weights: uint8 [N, K / 32 * 34], GGUF's block layout (fp16 scale + 32 int8 per block), or
   // with interleaved=True eight rows at a time (cpu/quant_kernel.h), as interleave_q8_0 makes them
   m.def("quantize_q8_0(Tensor weight) -> Tensor");
@@ -51,7 +53,7 @@ TORCH_LIBRARY(pagewire, m) {
       "Tensor? down_bias, Tensor positions, Tensor cos, Tensor sin, Tensor? qk_norm, Tensor(b!) key_cache, "
       "Tensor(c!) value_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
       "float scale, int sliding_window, int max_query_len, int max_seq_len, int num_heads, int num_kv_heads, "
-      "int head_dim) -> Tensor");
+      "int head_dim, float softcap=0.0, str activation=\"silu\") -> Tensor");
   // Speculative decoding (shapes in ops.h): the n-gram proposer (CPU only: it reads host token
   // lists) and exact verification by rejection sampling.
   m.def("ngram_propose(Tensor[] token_ids, Tensor num_tokens, int k, int min_n, int max_n) -> Tensor");
@@ -69,6 +71,7 @@ TORCH_LIBRARY_IMPL(pagewire, CPU, m) {
   m.impl("add_rms_norm", &pagewire::add_rms_norm_cpu);
   m.impl("rotary_embedding", &pagewire::rotary_embedding_cpu);
   m.impl("silu_and_mul", &pagewire::silu_and_mul_cpu);
+  m.impl("gelu_tanh_and_mul", &pagewire::gelu_tanh_and_mul_cpu);
   m.impl("quantize_q8_0", &pagewire::quantize_q8_0_cpu);
   m.impl("dequantize_q8_0", &pagewire::dequantize_q8_0_cpu);
   m.impl("linear_q8_0", &pagewire::linear_q8_0_cpu);

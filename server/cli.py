@@ -1,6 +1,6 @@
 """The `pagewire` command: `serve` runs the server; `requests list|show` reads the ledger;
 `keys …` and `usage` are the gateway's (server.gateway.cli); `plan` sizes a deployment
-(server.gateway.plan); `batch submit` sends a batch file to a running server.
+(server.engine.plan); `batch submit` sends a batch file to a running server.
 
 Everything here is torch-free until `serve` actually starts the engine (or builds the demo model),
 so `pagewire requests …` and `pagewire --help` are instant.
@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
                           description="Reads the model's config only (no weights). The engine options are "
                                       "serve's, so the KV figures equal serve's start-up log for the same settings.")
     add_plan_arguments(plan)
-    from server.gateway.batch_cli import add_batch_arguments
+    from server.api.batch_cli import add_batch_arguments
 
     add_batch_arguments(sub.add_parser("batch", help="submit, show or cancel a batch on a running server"))
     return p
@@ -88,7 +88,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 def _plan(ns: argparse.Namespace) -> int:
     from server.engine.config import ConfigError
-    from server.gateway.plan import make_plan, parse_bytes, read_model_config, render
+    from server.engine.plan import make_plan, parse_bytes, read_model_config, render
     from server.models.config import ModelLoadError
 
     try:
@@ -162,8 +162,8 @@ def _serve(ns: argparse.Namespace) -> int:
     if banner:
         print(banner, file=sys.stderr, flush=True)
     from server.gateway.auth import AuthConfigError
+    from server.serve import run
     from server.serving.ledger import LedgerError
-    from server.serving.serve import run
 
     try:
         run(settings, model_dir, name)
@@ -218,7 +218,7 @@ def _requests(ns: argparse.Namespace) -> int:
 
 
 def _print_requests(ns: argparse.Namespace, conn: Any) -> int:
-    from server.gateway.requests_view import record_json, record_summary
+    from server.api.requests_view import record_json, record_summary
     from server.serving.ledger_sync import get_record, list_records
 
     if ns.action == "list":
@@ -259,7 +259,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if ns.command == "plan":
         return _plan(ns)
     if ns.command == "batch":
-        from server.gateway.batch_cli import run_batch
+        from server.api.batch_cli import run_batch
 
         return run_batch(ns)
     return _requests(ns)

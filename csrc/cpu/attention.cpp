@@ -49,10 +49,10 @@ Kernel pick_kernel(int head_dim) {
 void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                          const at::Tensor& value_cache, const at::Tensor& block_tables,
                          const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                         int64_t sliding_window, int64_t max_query_len, int64_t max_seq_len) {
+                         int64_t sliding_window, int64_t max_query_len, int64_t max_seq_len, double softcap) {
   TORCH_CHECK(query.device().is_cpu(), "query must be a CPU tensor, got ", query.device());
   const PagedAttentionDims dims = check_paged_attention_args(out, query, key_cache, value_cache, block_tables,
-                                                             seq_lens, query_start_loc, scale);
+                                                             seq_lens, query_start_loc, scale, softcap);
   const cpu::ElemType dtype = elem_type(query.scalar_type());
   const int64_t num_tokens = dims.num_tokens, num_heads = dims.num_heads, head_dim = dims.head_dim;
   const int64_t num_blocks = dims.num_blocks, num_kv_heads = dims.num_kv_heads, block_size = dims.block_size;
@@ -84,8 +84,9 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
     TORCH_CHECK(seq_len <= max_blocks * block_size, "seq_lens[", s, "] = ", seq_len, " needs more than the ",
                 max_blocks, " blocks of block_tables");
     const int first_pos = seq_len - q_len;
-    // The kernel reads from the window's start rounded down to its 64-position span (attention_tile.h).
-    const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, first_pos - sliding_window + 1) / 64 * 64 : 0;
+    // Only blocks from the first query's window start on are read; a sliding-window group's table
+    // holds no block (-1) before it once the allocator has released them (kv_groups.py).
+    const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, first_pos - sliding_window + 1) : 0;
     for (int64_t b = lo / block_size; b <= (seq_len - 1) / block_size; ++b) {
       const int32_t phys = table[s * table_stride + b];
       TORCH_CHECK(phys >= 0 && phys < num_blocks, "block_tables[", s, ", ", b, "] = ", phys, " is out of range [0, ",
@@ -126,6 +127,7 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   args.block_size = static_cast<int>(block_size);
   args.max_tile_tokens = max_tile;
   args.scale = static_cast<float>(scale);
+  args.softcap = static_cast<float>(softcap);
   args.sliding_window = sliding_window > 0 ? static_cast<int>(std::min<int64_t>(sliding_window, 1 << 30)) : 0;
   args.dtype = dtype;
   args.items = sorted.data();

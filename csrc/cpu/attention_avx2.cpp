@@ -149,6 +149,23 @@ inline void qk(const float* q, int rows, int D, const S* const* k_rows, int ncol
   }
 }
 
+// s[r][c] = cap * tanh(s[r][c] / cap) for `rows` rows of ncols (a multiple of 8) scores: logit
+// soft-capping. tanh|y| = (1 - e) / (1 + e) with e = exp(-2|y|) <= 1 (exp8's domain), the sign put
+// back from y; absolute error ~1e-7 * cap. Elementwise, so it keeps the invariance contract.
+inline void cap_scores(float* s, int rows, int ncols, float cap) {
+  const __m256 c = _mm256_set1_ps(cap), inv = _mm256_set1_ps(1.f / cap);
+  const __m256 one = _mm256_set1_ps(1.f), m2 = _mm256_set1_ps(-2.f), sign = _mm256_set1_ps(-0.f);
+  for (int r = 0; r < rows; ++r) {
+    for (int j = 0; j < ncols; j += 8) {
+      float* p = s + r * kSpan + j;
+      const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(p), inv);
+      const __m256 e = exp8(_mm256_mul_ps(m2, _mm256_andnot_ps(sign, y)));
+      const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+      _mm256_storeu_ps(p, _mm256_mul_ps(c, _mm256_or_ps(t, _mm256_and_ps(sign, y))));
+    }
+  }
+}
+
 // Scores outside [lo, hi) become -inf.
 inline void mask_row(float* srow, int ncols, int lo, int hi) {
   const __m256 ninf = _mm256_set1_ps(kNegInf);
@@ -373,6 +390,7 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
       }
       qk(s.q, rows, D, k_rows, ncols, s.s);
     }
+    if (a.softcap > 0.f) cap_scores(s.s, rows, ncols, a.softcap);
 
     // A span every row sees in full needs no mask (the common case in long contexts).
     const bool full = j0 == 0 && n == kSpan && p0 + kSpan - 1 <= pos0 && (W <= 0 || pos_last - p0 < W);

@@ -1,7 +1,6 @@
 // AVX-512 micro-kernels for CPU paged attention (16 fp32 lanes per vector), compiled for that
 // ISA via a target pragma and chosen at runtime, so the .so still loads on CPUs without it.
-#include <immintrin.h>
-
+// Emulated builds (tests/kernels/emu_build.py) compile it unchanged with SIMDe's intrinsics.
 #include <omp.h>
 
 #include <algorithm>
@@ -18,13 +17,13 @@
 // or the linker could pick an AVX-512 copy for code that runs on older CPUs.
 #include "attention_kernel.h"
 #include "elem.h"
+#include "x86_target.h"
 
 
 // GCC 12's own intrinsic headers trip -Wmaybe-uninitialized (the _mm256_undefined_* idiom).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma")
+PAGEWIRE_TARGET_PUSH("avx512f,avx512bw,avx512vl,avx512bf16,fma")
 
 #include "attention_tile.h"
 #include "avx512_util.h"
@@ -217,6 +216,26 @@ struct Avx512Isa {
     }
   }
 
+  // s[r][j] = cap * tanh(s[r][j] / cap) for j < nw (a multiple of 16): tanh|y| = (1 - e) / (1 + e)
+  // with e = exp(-2|y|) <= 1, the sign put back from y; absolute error ~1e-7 * cap, which is what a
+  // softmax input's error costs.
+  static void cap_scores(float* s, int rows, int nw, float cap) {
+    const __m512 c = _mm512_set1_ps(cap), inv = _mm512_set1_ps(1.f / cap);
+    const __m512 one = _mm512_set1_ps(1.f), m2 = _mm512_set1_ps(-2.f);
+    const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+    for (int r = 0; r < rows; ++r) {
+      for (int j = 0; j < nw; j += 16) {
+        float* p = s + r * kSpan + j;
+        const __m512 y = _mm512_mul_ps(_mm512_load_ps(p), inv);
+        const __m512 e = exp512(_mm512_mul_ps(m2, _mm512_abs_ps(y)));
+        const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+        const __m512i signed_t = _mm512_or_si512(_mm512_castps_si512(t),
+                                                 _mm512_and_si512(_mm512_castps_si512(y), sign));
+        _mm512_store_ps(p, _mm512_mul_ps(c, _mm512_castsi512_ps(signed_t)));
+      }
+    }
+  }
+
   static void mask_row(float* srow, int nw, int lo, int hi) {
     // Bit j set = column j visible.
     const uint64_t below_hi = hi >= 64 ? ~0ull : (hi <= 0 ? 0ull : (1ull << hi) - 1);
@@ -266,4 +285,4 @@ void paged_attention_avx512(const PagedAttentionArgs& args) { dispatch_paged_att
 
 }  // namespace pagewire::cpu
 
-#pragma GCC pop_options
+PAGEWIRE_TARGET_POP

@@ -11,7 +11,7 @@
 // Include only inside the AVX-512 target region (see avx512_util.h).
 #pragma once
 
-#include <immintrin.h>
+#include "x86_target.h"  // <immintrin.h>, or nothing in emulated builds
 
 #include <algorithm>
 #include <cstdint>

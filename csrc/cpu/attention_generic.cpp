@@ -46,6 +46,13 @@ struct GenericIsa {
     }
   }
 
+  // s[r][j] = cap * tanh(s[r][j] / cap) for j < nw: logit soft-capping.
+  static void cap_scores(float* s, int rows, int nw, float cap) {
+    for (int r = 0; r < rows; ++r) {
+      for (int j = 0; j < nw; ++j) s[r * kSpan + j] = cap * std::tanh(s[r * kSpan + j] / cap);
+    }
+  }
+
   // Scores outside [lo, hi) become -inf.
   static void mask_row(float* srow, int nw, int lo, int hi) {
     for (int j = 0; j < nw; ++j) {

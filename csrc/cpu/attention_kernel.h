@@ -29,6 +29,9 @@ struct PagedAttentionArgs {
   int num_heads, num_kv_heads, head_dim, block_size;
   int max_tile_tokens;  // largest WorkItem::q_count, sizes the per-thread scratch
   float scale;
+  // > 0: logit soft-capping (Gemma 2), scores become softcap * tanh(score / softcap) after the
+  // scale and before the mask and softmax; <= 0: off.
+  float softcap;
   int sliding_window;  // <= 0: no window
   ElemType dtype;      // query, out and both caches share it
   const WorkItem* items;

@@ -1,6 +1,7 @@
 // The ISA-independent part of the CPU paged-attention kernel: one (query tile, KV head) work unit
 // with a flash-style online softmax over KV spans of up to 64 positions, templated on the
-// micro-kernels (an Isa struct: load_q, load_k, load_v, qk, mask_row, softmax_step, pv, store_o).
+// micro-kernels (an Isa struct: load_q, load_k, load_v, qk, cap_scores, mask_row, softmax_step, pv,
+// store_o).
 // Buffer layouts are the Isa's business per element type: the driver only passes them along.
 //
 // Spans start at absolute multiples of 64 (kv_lo below is rounded down), so a row meets the same
@@ -44,11 +45,12 @@ struct Scratch {
   float* m;      // [rows] running max
   float* l;      // [rows] running sum of exp
   float* alpha;  // [rows] rescale factor of acc for the current span
+  float* zero;   // [D] zeros: the K/V row of every position below the window (never read from the cache)
   void* base;
 
   Scratch(int64_t rows, int64_t D) {
     const int64_t r16 = (rows + 15) / 16 * 16;
-    const int64_t floats = 2 * r16 * D + r16 * kSpan + 2 * D * kSpan + 3 * r16;
+    const int64_t floats = 2 * r16 * D + r16 * kSpan + 2 * D * kSpan + 3 * r16 + D;
     base = std::aligned_alloc(64, static_cast<size_t>(floats) * sizeof(float));
     if (base == nullptr) throw std::bad_alloc();
     float* p = static_cast<float*>(base);
@@ -59,7 +61,9 @@ struct Scratch {
     v = p, p += D * kSpan;
     m = p, p += r16;
     l = p, p += r16;
-    alpha = p;
+    alpha = p, p += r16;
+    zero = p;
+    std::fill(zero, zero + D, 0.f);
   }
   ~Scratch() { std::free(base); }
   Scratch(const Scratch&) = delete;
@@ -88,20 +92,24 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
   const E* value_cache = static_cast<const E*>(a.value_cache);
   auto tile_of = [&](int b) { return (static_cast<int64_t>(table[b]) * a.num_kv_heads + kvh) * tile_elems; };
   // Union of the rows' visible ranges, its start rounded down to a multiple of kSpan; positions
-  // at or beyond the sequence's length are never loaded, so stale or uninitialised cache slots
-  // (possibly NaN) cannot leak into P @ V (those before the window were written, and are masked).
+  // at or beyond the sequence's length, or before the first row's window, are never loaded, so
+  // stale or uninitialised cache slots (possibly NaN) cannot leak into P @ V.
   // The rounding makes every row's spans [64 j, 64 (j + 1)) whatever tile it falls in, so a
   // sliding-window row's online-softmax steps (and so its rounding) do not depend on how its
   // sequence was cut into tiles and prefill chunks: spans wholly outside a row's window or past
   // its position are exact no-ops for it (docs/determinism.md).
-  const int kv_lo = W > 0 ? std::max(0, pos0 - W + 1) / kSpan * kSpan : 0;
+  // Positions below win_lo (the first row's window start) are not read at all: they point at a
+  // zero row, as in the AVX2 kernel, so a sliding-window group's block table may hold no block
+  // there (the allocator returned those blocks to the pool, server/engine/kv_groups.py).
+  const int win_lo = W > 0 ? std::max(0, pos0 - W + 1) : 0;
+  const int kv_lo = win_lo / kSpan * kSpan;
   const int kv_hi = pos_last + 1;
   // Physical blocks are scattered, so the hardware prefetcher cannot guess the next tile. The first
   // span is requested here, overlapping the Q load; later spans are prefetched a line per load
   // while the previous span is read. Measured on a bf16 decode batch (64 seqs x ~300 ctx, one
   // thread, caches in DRAM): no prefetch 3.8 ms, one burst per span 2.8 ms, interleaved 1.5 ms
   // (1.1 ms with the caches in L3).
-  for (int b = kv_lo / bs; b <= (std::min(kv_lo + kSpan, kv_hi) - 1) / bs; ++b) {
+  for (int b = win_lo / bs; b <= (std::min(kv_lo + kSpan, kv_hi) - 1) / bs; ++b) {
     prefetch_bytes(key_cache + tile_of(b), tile_elems * sizeof(E));
     prefetch_bytes(value_cache + tile_of(b), tile_elems * sizeof(E));
   }
@@ -126,9 +134,12 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
   const E** v_rows = rows_buf[1];
   const E** k_next = rows_buf[2];
   const E** v_next = rows_buf[3];
+  const E* zero_row = reinterpret_cast<const E*>(s.zero);  // all-zero bits are 0 in every type
   auto fill_rows = [&](int p0, const E** kr, const E** vr) {
     const int n = std::min(kSpan, kv_hi - p0);
-    for (int j = 0, b = p0 / bs, off = p0 % bs; j < n; ++j) {
+    int j = 0;
+    for (; j < n && p0 + j < win_lo; ++j) kr[j] = vr[j] = zero_row;
+    for (int pos = p0 + j, b = pos / bs, off = pos % bs; j < n; ++j) {
       const int64_t at = tile_of(b) + static_cast<int64_t>(off) * D;
       kr[j] = key_cache + at;
       vr[j] = value_cache + at;
@@ -143,6 +154,8 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
     Isa::load_k(k_rows, n, D, s.kt, k_next, n_next);
     Isa::load_v(v_rows, n, D, s.v, v_next, n_next);
     Isa::template qk<E>(s.q, rows, D, s.kt, nw, s.s, a.scale);
+    // Soft-capping is elementwise on each row's own scores, so it keeps the invariance above.
+    if (a.softcap > 0.f) Isa::cap_scores(s.s, rows, nw, a.softcap);
 
     // A span visible to every row in full needs no masking (the common case in long contexts).
     const bool full = n == nw && p0 + n - 1 <= pos0 && (W <= 0 || pos_last - p0 < W);

@@ -5,7 +5,7 @@
 // of a translation unit whose callers check cpu::active_isa() (cpu_features.h); everything here has internal linkage.
 #pragma once
 
-#include <immintrin.h>
+#include "x86_target.h"  // <immintrin.h>, or nothing in emulated builds
 
 #include "elem.h"
 

@@ -1,4 +1,4 @@
-// decode_layer: one Llama-family decoder layer of a small CPU batch (at most 16 tokens: decode
+// decode_layer: one Llama-family (pre-norm, gated MLP) decoder layer of a small CPU batch (at most 16 tokens: decode
 // steps) in one call. It runs exactly the C++ ops that the Python layer (LlamaDecoderLayer.forward)
 // calls, in the same order on the same tensors, so it gives the same floats; what it saves is the
 // Python between them: about ten op dispatches per layer through torch.ops, the wrappers' checks
@@ -45,12 +45,16 @@ at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>&
                             const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
                             int64_t max_query_len, int64_t max_seq_len, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim) {
+                            int64_t head_dim, double softcap, c10::string_view activation) {
   TORCH_CHECK(hidden.device().is_cpu() && hidden.dim() == 2, "hidden must be a CPU [T, hidden] tensor, got ",
               hidden.sizes(), " on ", hidden.device());
   const int64_t T = hidden.size(0);
   TORCH_CHECK(T <= kQ8KernelMaxRows, "decode_layer takes at most ", kQ8KernelMaxRows, " tokens, got ", T);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  // Checked before anything is written, so a bad name leaves hidden and the caches untouched.
+  const bool gelu = activation == "gelu_tanh";
+  TORCH_CHECK(gelu || activation == "silu", "decode_layer: activation must be 'silu' or 'gelu_tanh', got '",
+              std::string(activation), "'");
   // Attention half: norm (with the previous layer's MLP output added), qkv, RoPE on q and k in
   // place (they are adjacent in qkv), the KV write, paged attention.
   const at::Tensor x = delta.has_value() && delta->defined() ? add_rms_norm_cpu(hidden, *delta, input_norm, eps)
@@ -66,13 +70,14 @@ at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>&
   write_kv_cache_cpu(key, value, key_cache, value_cache, slot_mapping);
   at::Tensor attn = at::empty({T, num_heads, head_dim}, hidden.options());
   paged_attention_cpu(attn, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                      sliding_window, max_query_len, max_seq_len);
-  // MLP half: o projection added into the residual stream by the next norm, gate/up, SiLU-and-mul,
-  // down. The down projection's output is left for the next layer's norm to add (as in Python).
+                      sliding_window, max_query_len, max_seq_len, softcap);
+  // MLP half: o projection added into the residual stream by the next norm, gate/up, the gated
+  // activation (SiLU or GELU-tanh) times up, down. The down projection's output is left for the next layer's norm to add (as in Python).
   const at::Tensor o = run_linear(attn.view({T, q_size}), o_weight, o_bias, std::string(o_kind));
   const at::Tensor x2 = add_rms_norm_cpu(hidden, o, post_norm, eps);
   const at::Tensor gate_up = run_linear(x2, gate_up_weight, gate_up_bias, std::string(gate_up_kind));
-  return run_linear(silu_and_mul_cpu(gate_up), down_weight, down_bias, std::string(down_kind));
+  const at::Tensor act = gelu ? gelu_tanh_and_mul_cpu(gate_up) : silu_and_mul_cpu(gate_up);
+  return run_linear(act, down_weight, down_bias, std::string(down_kind));
 }
 
 }  // namespace pagewire

@@ -1,6 +1,7 @@
-// AVX2+FMA body of the fused silu_and_mul op (fused_ops.cpp calls it when cpu::active_isa() is at
-// least Isa::kAvx2): 8 values per step with a vectorised exp, where the portable loop pays one
-// libm expf call per value and loses to torch's own vectorised SiLU.
+// AVX2+FMA bodies of the fused silu_and_mul and gelu_tanh_and_mul ops (fused_ops.cpp calls them
+// when cpu::active_isa() is at least Isa::kAvx2): 8 values per step with a vectorised exp, where
+// the portable loop pays one libm expf (or tanhf) call per value and loses to torch's own
+// vectorised activations.
 #include <immintrin.h>
 
 #include <cmath>
@@ -36,10 +37,30 @@ inline __m256 exp_ps(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-inline __m256 silu_ps(__m256 g) {
-  const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g));
-  return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-}
+// The activations, 8 lanes (vec) and one value (one) at a time, as torch computes them in fp32.
+struct SiluOp {
+  static __m256 vec(__m256 g) {
+    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+  }
+  static float one(float g) { return g / (1.0f + std::exp(-g)); }
+};
+
+struct GeluTanhOp {  // 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), torch's formula
+  static constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;
+  static __m256 vec(__m256 g) {
+    const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+    const __m256 z = _mm256_mul_ps(_mm256_set1_ps(kBeta), _mm256_fmadd_ps(_mm256_set1_ps(kKappa), g3, g));
+    // tanh|z| = (1 - e) / (1 + e), e = exp(-2|z|) in (0, 1]: no overflow, and 1 + tanh keeps an
+    // absolute error of ~1e-7, so the product keeps fp32's relative precision.
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    const __m256 e = exp_ps(_mm256_mul_ps(_mm256_set1_ps(-2.0f), _mm256_andnot_ps(sign, z)));
+    const __m256 t = _mm256_or_ps(_mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e)),
+                                  _mm256_and_ps(sign, z));
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(one, t));
+  }
+  static float one(float g) { return 0.5f * g * (1.0f + std::tanh(kBeta * (g + kKappa * g * g * g))); }
+};
 
 inline __m256 load_bf16(const uint16_t* p) {
   const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -80,7 +101,10 @@ inline uint16_t scalar_to_bf16(float f) {
 
 }  // namespace
 
-void silu_and_mul_bf16_avx2(const uint16_t* x, int64_t ldx, uint16_t* out, int64_t T, int64_t I) {
+namespace {
+
+template <class Act>
+void gated_bf16(const uint16_t* x, int64_t ldx, uint16_t* out, int64_t T, int64_t I) {
 #pragma omp parallel for schedule(static) if (T * I >= (1 << 16))
   for (int64_t t = 0; t < T; ++t) {
     const uint16_t* g = x + t * ldx;
@@ -88,19 +112,19 @@ void silu_and_mul_bf16_avx2(const uint16_t* x, int64_t ldx, uint16_t* out, int64
     uint16_t* o = out + t * I;
     int64_t j = 0;
     for (; j + 8 <= I; j += 8) {
-      // silu(gate) is a bf16 tensor in transformers before it multiplies up.
-      const __m256 s = round_bf16(silu_ps(load_bf16(g + j)));
+      // act(gate) is a bf16 tensor in transformers before it multiplies up.
+      const __m256 s = round_bf16(Act::vec(load_bf16(g + j)));
       store_bf16(o + j, _mm256_mul_ps(s, load_bf16(u + j)));
     }
     for (; j < I; ++j) {
-      const float gv = scalar_bf16(g[j]);
-      const float s = scalar_bf16(scalar_to_bf16(gv / (1.0f + std::exp(-gv))));
+      const float s = scalar_bf16(scalar_to_bf16(Act::one(scalar_bf16(g[j]))));
       o[j] = scalar_to_bf16(s * scalar_bf16(u[j]));
     }
   }
 }
 
-void silu_and_mul_f32_avx2(const float* x, int64_t ldx, float* out, int64_t T, int64_t I) {
+template <class Act>
+void gated_f32(const float* x, int64_t ldx, float* out, int64_t T, int64_t I) {
 #pragma omp parallel for schedule(static) if (T * I >= (1 << 16))
   for (int64_t t = 0; t < T; ++t) {
     const float* g = x + t * ldx;
@@ -108,10 +132,25 @@ void silu_and_mul_f32_avx2(const float* x, int64_t ldx, float* out, int64_t T, i
     float* o = out + t * I;
     int64_t j = 0;
     for (; j + 8 <= I; j += 8) {
-      _mm256_storeu_ps(o + j, _mm256_mul_ps(silu_ps(_mm256_loadu_ps(g + j)), _mm256_loadu_ps(u + j)));
+      _mm256_storeu_ps(o + j, _mm256_mul_ps(Act::vec(_mm256_loadu_ps(g + j)), _mm256_loadu_ps(u + j)));
     }
-    for (; j < I; ++j) o[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
+    for (; j < I; ++j) o[j] = Act::one(g[j]) * u[j];
   }
+}
+
+}  // namespace
+
+void silu_and_mul_bf16_avx2(const uint16_t* x, int64_t ldx, uint16_t* out, int64_t T, int64_t I) {
+  gated_bf16<SiluOp>(x, ldx, out, T, I);
+}
+void silu_and_mul_f32_avx2(const float* x, int64_t ldx, float* out, int64_t T, int64_t I) {
+  gated_f32<SiluOp>(x, ldx, out, T, I);
+}
+void gelu_tanh_and_mul_bf16_avx2(const uint16_t* x, int64_t ldx, uint16_t* out, int64_t T, int64_t I) {
+  gated_bf16<GeluTanhOp>(x, ldx, out, T, I);
+}
+void gelu_tanh_and_mul_f32_avx2(const float* x, int64_t ldx, float* out, int64_t T, int64_t I) {
+  gated_f32<GeluTanhOp>(x, ldx, out, T, I);
 }
 
 }  // namespace pagewire::cpu

@@ -10,5 +10,8 @@ namespace pagewire::cpu {
 // transformers does (bf16: silu rounded to bf16 before the multiply). out: [T, I] contiguous.
 void silu_and_mul_bf16_avx2(const uint16_t* x, int64_t ldx, uint16_t* out, int64_t T, int64_t I);
 void silu_and_mul_f32_avx2(const float* x, int64_t ldx, float* out, int64_t T, int64_t I);
+// The same with gelu(x, approximate="tanh") in place of silu.
+void gelu_tanh_and_mul_bf16_avx2(const uint16_t* x, int64_t ldx, uint16_t* out, int64_t T, int64_t I);
+void gelu_tanh_and_mul_f32_avx2(const float* x, int64_t ldx, float* out, int64_t T, int64_t I);
 
 }  // namespace pagewire::cpu

@@ -1,6 +1,6 @@
 // Fused elementwise CPU ops for the decoder layer: RMSNorm (optionally with the residual add),
-// rotary embedding in place on q and k (optionally after Qwen3's per-head q/k RMSNorm) and
-// SiLU-and-mul. Each replaces 4-8 small ATen kernels, whose per-call overhead dominates a decode
+// rotary embedding in place on q and k (optionally after Qwen3's per-head q/k RMSNorm) and the
+// gated activations SiLU-and-mul and GELU-tanh-and-mul. Each replaces 4-8 small ATen kernels, whose per-call overhead dominates a decode
 // step's non-GEMM time at batch 1.
 //
 // Rounding follows transformers step for step (the reference the model tests compare against):
@@ -157,20 +157,38 @@ void rope_rows(scalar_t* xp, int64_t st, int64_t sh, int64_t T, int64_t n, int64
   }
 }
 
-// out[t] = silu(gate) * up for T rows of x = cat(gate, up) (row stride ldx), I values each.
-template <typename scalar_t>
-void silu_rows(const scalar_t* xp, int64_t ldx, scalar_t* op, int64_t T, int64_t I) {
+// The gated MLP activations, on one fp32 gate value as torch computes them (in fp32 for every
+// activation dtype).
+struct Silu {
+  static float apply(float g) { return g / (1.0f + std::exp(-g)); }
+};
+struct GeluTanh {  // F.gelu(approximate="tanh"), torch's formula and constants
+  static float apply(float g) {
+    constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;  // sqrt(2 / pi)
+    return 0.5f * g * (1.0f + std::tanh(kBeta * (g + kKappa * g * g * g)));
+  }
+};
+
+// out[t] = act(gate) * up for T rows of x = cat(gate, up) (row stride ldx), I values each.
+template <typename Act, typename scalar_t>
+void gated_rows(const scalar_t* xp, int64_t ldx, scalar_t* op, int64_t T, int64_t I) {
 #pragma omp parallel for schedule(static) if (T * I >= kParallelElems)
   for (int64_t t = 0; t < T; ++t) {
     const scalar_t* g = xp + t * ldx;
     const scalar_t* u = g + I;
     scalar_t* o = op + t * I;
     for (int64_t j = 0; j < I; ++j) {
-      const float gv = to_f<scalar_t>(g[j]);
-      // silu(gate) is a tensor of the activation dtype in transformers, then times up.
-      o[j] = from_f<scalar_t>(rnd<scalar_t>(gv / (1.0f + std::exp(-gv))) * to_f<scalar_t>(u[j]));
+      // act(gate) is a tensor of the activation dtype in transformers, then times up.
+      o[j] = from_f<scalar_t>(rnd<scalar_t>(Act::apply(to_f<scalar_t>(g[j]))) * to_f<scalar_t>(u[j]));
     }
   }
+}
+
+at::Tensor check_gated_input(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu(), "x must be a CPU tensor, got ", x.device());
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "x must be [T, 2 * I], got shape ", x.sizes());
+  TORCH_CHECK(x.stride(1) == 1, "x must be contiguous in its last dim");
+  return at::empty({x.size(0), x.size(1) / 2}, x.options());
 }
 
 }  // namespace
@@ -251,11 +269,8 @@ void rotary_embedding_cpu(at::Tensor& x, const at::Tensor& positions, const at::
 }
 
 at::Tensor silu_and_mul_cpu(const at::Tensor& x) {
-  TORCH_CHECK(x.device().is_cpu(), "x must be a CPU tensor, got ", x.device());
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "x must be [T, 2 * I], got shape ", x.sizes());
-  TORCH_CHECK(x.stride(1) == 1, "x must be contiguous in its last dim");
-  const int64_t T = x.size(0), I = x.size(1) / 2;
-  at::Tensor out = at::empty({T, I}, x.options());
+  at::Tensor out = check_gated_input(x);
+  const int64_t T = x.size(0), I = out.size(1);
   if (cpu::active_isa() != cpu::Isa::kPortable && x.scalar_type() == at::kBFloat16) {
     cpu::silu_and_mul_bf16_avx2(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
                                 reinterpret_cast<uint16_t*>(out.data_ptr()), T, I);
@@ -266,7 +281,25 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& x) {
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "pagewire::silu_and_mul", [&] {
-    silu_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), out.data_ptr<scalar_t>(), T, I);
+    gated_rows<Silu, scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), out.data_ptr<scalar_t>(), T, I);
+  });
+  return out;
+}
+
+at::Tensor gelu_tanh_and_mul_cpu(const at::Tensor& x) {
+  at::Tensor out = check_gated_input(x);
+  const int64_t T = x.size(0), I = out.size(1);
+  if (cpu::active_isa() != cpu::Isa::kPortable && x.scalar_type() == at::kBFloat16) {
+    cpu::gelu_tanh_and_mul_bf16_avx2(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
+                                     reinterpret_cast<uint16_t*>(out.data_ptr()), T, I);
+    return out;
+  }
+  if (cpu::active_isa() != cpu::Isa::kPortable && x.scalar_type() == at::kFloat) {
+    cpu::gelu_tanh_and_mul_f32_avx2(x.data_ptr<float>(), x.stride(0), out.data_ptr<float>(), T, I);
+    return out;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "pagewire::gelu_tanh_and_mul", [&] {
+    gated_rows<GeluTanh, scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), out.data_ptr<scalar_t>(), T, I);
   });
   return out;
 }

@@ -30,7 +30,7 @@ __global__ void paged_attention_kernel(T* __restrict__ out, const T* __restrict_
                                        const int32_t* __restrict__ query_start_loc, int num_seqs, int64_t out_st,
                                        int64_t out_sh, int64_t q_st, int64_t q_sh, int64_t bt_stride,
                                        int num_kv_heads, int block_size, int head_dim, int group, float scale,
-                                       int sliding_window) {
+                                       float softcap, int sliding_window) {
   const int t = blockIdx.x, h = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
@@ -62,6 +62,7 @@ __global__ void paged_attention_kernel(T* __restrict__ out, const T* __restrict_
       if (d < head_dim) dot += q[i] * static_cast<float>(key_cache[base + d]);
     }
     for (int off = 16; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+    if (softcap > 0.f) dot = softcap * tanhf(dot / softcap);  // q was scaled: the capped score
     const float m_new = fmaxf(m, dot);
     const float alpha = __expf(m - m_new), pexp = __expf(dot - m_new);
     l = l * alpha + pexp;
@@ -100,10 +101,10 @@ __global__ void paged_attention_kernel(T* __restrict__ out, const T* __restrict_
 void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                           const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                           const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
-                          int64_t max_query_len, int64_t max_seq_len) {
+                          int64_t max_query_len, int64_t max_seq_len, double softcap) {
   const at::Device device = query.device();
   const PagedAttentionDims dims = check_paged_attention_args(out, query, key_cache, value_cache, block_tables,
-                                                             seq_lens, query_start_loc, scale);
+                                                             seq_lens, query_start_loc, scale, softcap);
   const int64_t T = dims.num_tokens, num_heads = dims.num_heads, head_dim = dims.head_dim;
   const int64_t num_kv_heads = dims.num_kv_heads, S = dims.num_seqs;
   // CUDA-only limits: the kernel keeps head_dim / 32 values per lane and indexes block_tables rows
@@ -124,7 +125,8 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
         block_tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), qsl.data_ptr<int32_t>(), static_cast<int>(S),
         out.stride(0), out.stride(1), query.stride(0), query.stride(1), block_tables.stride(0),
         static_cast<int>(num_kv_heads), static_cast<int>(key_cache.size(2)), static_cast<int>(head_dim),
-        static_cast<int>(num_heads / num_kv_heads), static_cast<float>(scale), window);
+        static_cast<int>(num_heads / num_kv_heads), static_cast<float>(scale),
+        static_cast<float>(softcap), window);
   };
   switch (query.scalar_type()) {
     case at::kFloat:

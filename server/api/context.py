@@ -1,15 +1,17 @@
-"""What the API layer's endpoints share for one Runtime.
+"""What the API layer's endpoints share for one Runtime and its Gateway.
 
 The serving layer (`server.serving.runtime.Runtime`) knows nothing of HTTP, WebSockets or
-OpenAI's shapes; the API-layer state that outlives one request lives here instead: the
-formatter of OpenAI shapes (built once the Runtime has loaded the tokenizer) and the request-spec
-builder shared by the HTTP and WebSocket edges.
+OpenAI's shapes, nor of the gateway (`server.gateway.policy.Gateway`, passed beside it); the
+API-layer state that outlives one request lives here instead: the formatter of OpenAI shapes
+(built once the Runtime has loaded the tokenizer) and the request-spec builder shared by the
+HTTP and WebSocket edges.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 from server.api.openai_format import Formatter
+from server.gateway.policy import Gateway
 from server.serving.errors import NotFound
 from server.serving.runtime import Runtime
 from server.serving.service import RequestService
@@ -18,8 +20,9 @@ from server.text.tool_parsers import HERMES_OPEN, PYTHON_TAG, detect_parser
 
 
 class ApiContext:
-    def __init__(self, rt: Runtime) -> None:
+    def __init__(self, rt: Runtime, gateway: Gateway) -> None:
         self.rt = rt
+        self.gateway = gateway  # who a caller is (auth) and what its key has left (quotas)
         self._formatter: Optional[Formatter] = None
         self._tool_parser: Optional[tuple[str, bool]] = None
 

@@ -18,6 +18,7 @@ from server.engine.outputs import TokenLogprob
 from server.engine.sampling_params import StructuredOutputsParams
 from server.serving.admission import BATCH, INTERACTIVE
 from server.serving.errors import InvalidRequest
+from server.serving.idempotency import check_header_key
 from server.serving.jobs import GenerationSpec, logprobs_from_stored
 from server.serving.streams import DeltaEvent, EndEvent, Usage
 from server.text.tokenizer import Tokenizer
@@ -216,7 +217,8 @@ def ws_spec(frame: GenerateFrame, peer: str, model: str) -> GenerationSpec:
         messages=frame.messages, add_generation_prompt=frame.add_generation_prompt,
         logprobs=logprobs_count(p.logprobs, p.top_logprobs, "params."),
         max_completion_tokens=p.max_completion_tokens, priority=frame.priority,
-        idempotency_key=frame.idempotency_key, detach=frame.detach, timeout=frame.timeout,
+        idempotency_key=check_header_key(frame.idempotency_key, "idempotency_key"), detach=frame.detach,
+        timeout=frame.timeout,
         params_record=params_record(p, ()), field_prefix="params.", response_format=p.response_format,
     )
 

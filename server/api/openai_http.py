@@ -56,7 +56,7 @@ class GenerateEndpoint:
             return
         # OpenAI sends the key's x-ratelimit-* on every response, not only on a 429: the state
         # right after this request's reservation (no headers for a key without limits).
-        quotas, key_id = self.rt.quotas, specs[0].key_id
+        quotas, key_id = self.api.gateway.quotas, specs[0].key_id
         limits = [(k.encode(), v.encode()) for k, v in quotas.headers(key_id).items()] \
             if quotas is not None and key_id is not None else []
         if stream:

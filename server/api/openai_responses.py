@@ -34,28 +34,9 @@ from server.serving.jobs import GenerationSpec
 from server.serving.lifecycle import end_error as lifecycle_error
 from server.serving.outbox import Outbox, Subscription
 from server.serving.service import Admitted
-from server.serving.streams import DeltaEvent, EndEvent, Event, Replay
+from server.serving.streams import DeltaEvent, EndEvent, EndWaiter
 
 MAX_BATCH = 64
-
-
-class EndWaiter:
-    """A subscriber that only wants the end of a request (non-streamed responses)."""
-
-    def __init__(self) -> None:
-        self.future: asyncio.Future[EndEvent] = asyncio.get_running_loop().create_future()
-
-    def push(self, event: Event) -> None:
-        if isinstance(event, EndEvent) and not self.future.done():
-            self.future.set_result(event)
-
-    def catch_up(self, replay: Replay) -> None:
-        for ev in replay.drain():  # only the end matters here, and it is at most one event away
-            self.push(ev)
-
-    def cancel(self) -> None:
-        if not self.future.done():
-            self.future.cancel()
 
 
 def end_error(end: EndEvent) -> PagewireError:

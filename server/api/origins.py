@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from typing import Any, Awaitable, Callable, Optional
 
-from server.api.http_io import error_payload, send_json
+from server.api.error_shapes import payload_for
+from server.api.http_io import send_json
 from server.serving.errors import PagewireError
 from server.serving.origin_policy import OriginPolicy
 
@@ -81,7 +82,7 @@ class OriginGuard:
             err = OriginNotAllowed(
                 f"Origin: {origin} may not call this server; start it with --allowed-origins "
                 f"including that origin to allow it", param="Origin")
-            await send_json(send, err.status, error_payload(err), [(b"vary", b"origin")])
+            await send_json(send, err.status, payload_for(scope.get("path", ""), err), [(b"vary", b"origin")])
             return
         cors = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"origin"),
                 (b"access-control-expose-headers", _EXPOSE_HEADERS)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -33,6 +34,19 @@ MAX_TOOLS = 128
 # Keys of a call in the constrained `required` output, in the order the grammar makes them.
 CALL_NAME_KEY = "name"
 CALL_ARGS_KEY = "parameters"
+
+
+def _finite(text: str) -> float:
+    """json's parse_float for arguments: 1e309 would become inf, which no JSON can carry on."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is not a finite number")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    """json's parse_constant: NaN and Infinity are not JSON."""
+    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
 
 
 def _bad(field_name: str, message: str) -> InvalidRequest:
@@ -150,7 +164,7 @@ def _check_call(call: dict[str, Any], where: str) -> dict[str, Any]:
     args: Any = fn.get("arguments", "{}")
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
+            args = json.loads(args, parse_float=_finite, parse_constant=_no_constant) if args.strip() else {}
         except ValueError as e:
             raise _bad(f"{where}.function.arguments", f"is not valid JSON: {e}") from None
     if not isinstance(args, dict):

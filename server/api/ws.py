@@ -5,12 +5,18 @@ its own task (admission awaits the ledger commit, and one slow admission must no
 socket's other requests). The writer is the only task that sends: it drains the connection's
 Outbox, so frames of one request keep their order (accepted → deltas → done), and a slow client
 is paced: a resume's replay, or a request whose backlog passes the outbox's bound, is pulled from
-the request's resume buffer as the socket drains (see `server.serving.streams`). If one send
-stays blocked past `send_timeout` (or control frames alone overflow the outbox), the connection
-is closed with a resumable `slow_consumer` error and its requests keep running for a later
-`resume`.
+the request's resume buffer as the socket drains (see `server.serving.streams`). The writer also
+sends the connection's pings (see `ws_watchdog`, which owns liveness). If one send stays blocked
+past `send_timeout`, a ping goes unanswered that long, the transport stays paused that long, or
+control frames alone overflow the outbox, the connection is cut: a resumable `slow_consumer`
+error, close 1013, and its requests keep running for a later `resume`.
 
 Closing the socket cancels its requests, except those generated with `detach: true`.
+
+The caller is authenticated at the upgrade (`gateway.auth.AuthGuard`) and re-checked on every
+`generate` and `resume` and once a second (`WsEndpoint._recheck_keys`): a revoked or expired key,
+or a key-less socket once auth has turned on, gets an `invalid_api_key` error and close 1008,
+and every request it started is cancelled, detached ones included (no one may resume them).
 """
 from __future__ import annotations
 
@@ -36,7 +42,11 @@ log = logging.getLogger("pagewire.ws")
 _enc = msgspec.json.Encoder()
 
 CLOSE_GOING_AWAY = 1001
+CLOSE_POLICY_VIOLATION = 1008
 CLOSE_TRY_AGAIN_LATER = 1013
+# How often open sockets' keys are re-checked (a revoke from the CLI reaches a socket that
+# submits nothing within this; one indexed ledger read per tick for all sockets together).
+KEY_RECHECK_S = 1.0
 
 
 @dataclass
@@ -81,9 +91,12 @@ class WsConnection:
         self._client_gone = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._cutting: Optional[asyncio.Task[None]] = None  # the slow-consumer close, once begun
+        self._cut_reason: Optional[str] = None  # set by request_cut; the writer performs the cut
+        self._cut_asked = asyncio.Event()
         client = scope.get("client")
         self.peer = str(client[0]) if client else "unknown"
-        self.principal = principal_of(scope)  # the caller (None: auth off), fixed at the upgrade
+        self.principal = principal_of(scope)  # the caller (None: auth off), re-checked (check_auth)
+        self._revoked = False
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -96,10 +109,11 @@ class WsConnection:
             accept["subprotocol"] = sub
         await self._send(accept)
         self.endpoint.joined(self)
+        s = self.rt.settings
+        self.liveness = ws_watchdog.Liveness(self.scope.get(ws_watchdog.SCOPE_KEY), s.send_timeout,
+                                             s.ws_ping_interval, self.peer, self.request_cut)
         writer = asyncio.get_running_loop().create_task(self._writer())
-        # Cuts a peer that stops reading while only the protocol layer writes (pongs to a ping flood).
-        watchdog = asyncio.get_running_loop().create_task(
-            ws_watchdog.watch(self.scope.get(ws_watchdog.SCOPE_KEY), self.rt.settings.send_timeout, self.peer))
+        watchdog = asyncio.get_running_loop().create_task(self.liveness.watch())
         try:
             while True:
                 msg = await self._receive()
@@ -124,42 +138,124 @@ class WsConnection:
             self.outbox.close()
             await writer
 
+    def check_auth(self, refresh: bool = True) -> bool:
+        """Whether this socket's caller may still act; if not, close it (see module)."""
+        auth = self.api.gateway.auth
+        if self._revoked:
+            return False
+        if auth is None:
+            return True
+        try:
+            self.principal = auth.recheck(self.principal, refresh)
+        except PagewireError as e:
+            self._revoke(e)
+            return False
+        return True
+
+    def _revoke(self, e: PagewireError) -> None:
+        self._revoked = True
+        log.info("ws %s: %s; closing with %d", self.peer, e.message, CLOSE_POLICY_VIOLATION)
+        for alias in list(self.aliases.values()):
+            if alias.request_id is not None:
+                self.api.service.cancel(alias.request_id)
+            else:
+                alias.cancel_requested = True  # still being admitted
+        self.outbox.push(("err", None), Frame({"type": "error", "code": e.code, "status": e.status,
+                                              "message": e.message}))
+        self.shutdown(CLOSE_POLICY_VIOLATION)
+
     def shutdown(self, code: int = CLOSE_GOING_AWAY) -> None:
         """Server stopping: flush what is queued, then close with `code`."""
         self.close_code = code
         self.outbox.close()
 
+    def request_cut(self, why: str) -> None:
+        """Cut this consumer as stuck (see `ws_watchdog`). The writer does it: it is the only task
+        that writes, and it may be blocked in a send that must be abandoned first."""
+        if self._cut_reason is None:
+            self._cut_reason = why
+            self._cut_asked.set()
+
     # -- writer ---------------------------------------------------------------------------------
     async def _writer(self) -> None:
-        timeout = self.rt.settings.send_timeout
+        loop = asyncio.get_running_loop()
+        cut_asked = loop.create_task(self._cut_asked.wait())
+        get: Optional[asyncio.Task[Any]] = None
         try:
             while True:
-                batch = await self.outbox.get()
+                if get is None:
+                    get = loop.create_task(self.outbox.get())
+                await asyncio.wait({get, cut_asked}, timeout=self._ping_wait(),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if self._cut_reason is not None:
+                    await self._stuck(self._cut_reason)
+                    return
+                if not get.done():  # a ping is due and nothing to send
+                    if not await self._send_bounded(self.liveness.ping(), cut_asked):
+                        return
+                    continue
+                batch, get = get.result(), None
                 if self.outbox.overflowed:
                     await self._stuck("its buffer is full")
                     return
                 for key, ev in batch:
                     if self._client_gone:
                         return
-                    try:
-                        await asyncio.wait_for(self._send({"type": "websocket.send", "text": self._render(key, ev)}),
-                                               timeout)
-                    except asyncio.TimeoutError:
-                        await self._stuck(f"a send stayed blocked for {timeout:g}s")
+                    msg = {"type": "websocket.send", "text": self._render(key, ev)}
+                    if not await self._send_bounded(self._send(msg), cut_asked):
                         return
                     if isinstance(ev, EndEvent):
                         self._unsent_ends.pop((str(key), ev.request_id), None)
+                    wait = self._ping_wait()
+                    if wait is not None and wait <= 0:  # a busy socket is pinged too
+                        if not await self._send_bounded(self.liveness.ping(), cut_asked):
+                            return
                 if not batch and self.outbox.closed:
                     break
             if not self._client_gone:
                 await self._send({"type": "websocket.close", "code": self.close_code})
-        except (OSError, RuntimeError):  # the peer vanished mid-send
+        except (OSError, RuntimeError, AssertionError):  # the peer vanished mid-send
             self._client_gone = True
         except asyncio.CancelledError:
             raise
+        finally:
+            cut_asked.cancel()
+            if get is not None:
+                get.cancel()
+
+    def _ping_wait(self) -> Optional[float]:
+        wait = self.liveness.ping_delay()
+        return None if wait is None else max(0.0, wait)
+
+    async def _send_bounded(self, send: Any, cut_asked: "asyncio.Task[Any]") -> bool:
+        """Run one send (a frame or a ping) until it completes (True), or until it has stayed
+        blocked for `send_timeout` or a cut is asked for: then abandon it, cut, and return False."""
+        timeout = self.rt.settings.send_timeout
+        task = asyncio.get_running_loop().create_task(send)
+        try:
+            await asyncio.wait({task, cut_asked}, timeout=timeout if timeout > 0 else None,
+                               return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if task.done():
+            exc = task.exception()
+            if isinstance(exc, asyncio.TimeoutError):  # the ASGI server's own send timeout
+                await self._stuck(f"a send stayed blocked for {timeout:g}s")
+                return False
+            if exc is not None:
+                raise exc
+            return True
+        # Abandon the blocked send: its frame is already in the transport's buffer whole (the
+        # protocol writes a frame before it waits for the drain), so nothing is torn.
+        task.cancel()
+        await asyncio.wait({task})
+        await self._stuck(self._cut_reason or f"a send stayed blocked for {timeout:g}s")
+        return False
 
     async def _stuck(self, why: str) -> None:
         """Close a consumer that cannot keep up; its requests keep running for `resume`."""
+        self.liveness.cutting()
         resumable = resumable_requests(self.aliases, self._unsent_ends)
         for r in resumable:
             self.api.service.keep_for_resume(r["request_id"])
@@ -172,7 +268,7 @@ class WsConnection:
         # The error frame and the close are written in one task that is never cancelled: a send
         # cancelled half-way (its bytes queued, the close handshake not begun) would leave the
         # socket open for good. The writer waits a moment for it; the rest happens as soon as
-        # the client reads again.
+        # the client reads again (within `send_timeout`: then the watchdog aborts the transport).
         self._cutting = asyncio.get_running_loop().create_task(self._cut(_enc.encode(frame).decode()))
         try:
             await asyncio.wait_for(asyncio.shield(self._cutting), 2.0)
@@ -183,7 +279,9 @@ class WsConnection:
         try:
             await self._send({"type": "websocket.send", "text": text})
             await self._send({"type": "websocket.close", "code": CLOSE_TRY_AGAIN_LATER})
-        except (OSError, RuntimeError):
+        except (OSError, RuntimeError, AssertionError):
+            # AssertionError: the protocol's reader was itself waiting on the drain (answering a
+            # ping flood); the watchdog aborts the transport after the client's window.
             pass
 
     def _render(self, key: Any, ev: Any) -> str:
@@ -246,6 +344,8 @@ class WsConnection:
                     f"type: unknown frame type {ftype!r}; expected one of {', '.join(CLIENT_FRAMES)}",
                     param="type", code="unknown_frame_type")
             frame = convert(obj, CLIENT_FRAMES[ftype])
+            if self._revoked or (isinstance(frame, (GenerateFrame, ResumeFrame)) and not self.check_auth()):
+                return  # closing with 1008 (see check_auth)
             if isinstance(frame, GenerateFrame):
                 self._on_generate(frame)
             elif isinstance(frame, CancelFrame):
@@ -346,6 +446,7 @@ class WsEndpoint:
         self.connections: set[WsConnection] = set()
         self._none_left = asyncio.Event()
         self._none_left.set()
+        self._rechecking: Optional[asyncio.Task[None]] = None
         api.rt.on_drain(self.close_all)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -359,6 +460,25 @@ class WsEndpoint:
     def joined(self, conn: WsConnection) -> None:
         self.connections.add(conn)
         self._none_left.clear()
+        if self._rechecking is None or self._rechecking.done():
+            self._rechecking = asyncio.get_running_loop().create_task(self._recheck_keys())
+
+    async def _recheck_keys(self) -> None:
+        """While sockets are open: re-check every socket's caller once a tick, so a revoke (from
+        the CLI, another process: there is nothing to wait on but the ledger's key generation),
+        an expiry, or auth turning on closes sockets that submit nothing."""
+        auth = self.api.gateway.auth
+        if auth is None:
+            return
+        while self.connections:
+            await asyncio.sleep(KEY_RECHECK_S)
+            try:
+                auth.refresh()
+            except Exception:  # a busy ledger: keep the cache, try again next tick
+                log.warning("re-checking WebSocket keys failed", exc_info=True)
+                continue
+            for conn in list(self.connections):
+                conn.check_auth(refresh=False)
 
     def left(self, conn: WsConnection) -> None:
         self.connections.discard(conn)

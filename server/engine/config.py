@@ -7,19 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
+from server.engine.errors import ConfigError  # re-exported: the settings' error type
+
 if TYPE_CHECKING:
     from server.engine.spec_config import SpeculativeConfig
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SUPPORTED_QUANTIZATIONS = ("none", "int8", "int4", "gguf")
-
-
-class ConfigError(ValueError):
-    """An invalid engine setting; `field` names it."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
 
 
 @dataclass

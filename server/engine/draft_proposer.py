@@ -45,6 +45,7 @@ from server.engine.spec_config import SpeculativeConfig
 from server.models.config import ModelConfig
 from server.models.llama import LlamaFamilyForCausalLM
 from server.models.loader import load_model
+from server.text.loader import load_tokenizer
 from server.text.tokenizer import Tokenizer
 
 _FIELD = "speculative_config.model"
@@ -91,10 +92,10 @@ def check_draft_model(spec: SpeculativeConfig, target: str) -> None:
     if spec.method != "draft_model" or spec.model is None:
         return
     try:
-        draft_config, draft_tok = _read_config(spec.model), Tokenizer.load(spec.model)
+        draft_config, draft_tok = _read_config(spec.model), load_tokenizer(spec.model)
     except (OSError, ValueError) as e:
         raise ConfigError(_FIELD, f"cannot load the draft model {spec.model!r}: {e}") from None
-    check_vocabulary(_read_config(target), Tokenizer.load(target), draft_config, draft_tok, spec.model)
+    check_vocabulary(_read_config(target), load_tokenizer(target), draft_config, draft_tok, spec.model)
 
 
 def load_draft_model(spec: SpeculativeConfig, config: EngineConfig, target_config: ModelConfig,
@@ -104,7 +105,7 @@ def load_draft_model(spec: SpeculativeConfig, config: EngineConfig, target_confi
     assert spec.model is not None  # SpeculativeConfig requires it for method draft_model
     try:
         model, mc = load_model(spec.model, config.dtype, config.device)
-        tok = Tokenizer.load(spec.model)
+        tok = load_tokenizer(spec.model)
     except ConfigError:
         raise
     except (OSError, ValueError) as e:  # missing files, unsupported architectures, bad tensors

@@ -37,7 +37,7 @@ from server.kernels import autotune, batch_invariant
 from server.kernels.ops import cpu_isa
 from server.models.llama import LlamaFamilyForCausalLM
 from server.models.loader import load_model
-from server.text.tokenizer import Tokenizer
+from server.text.loader import load_tokenizer
 from server.text.vocab import check_token_ids
 
 logger = logging.getLogger("pagewire.engine")
@@ -73,7 +73,7 @@ class LLMEngine:
         )
         if config.quantization not in ("none", "gguf"):  # "gguf" is done by the loader
             self.model.quantize_weights(config.quantization)
-        self.tokenizer = Tokenizer.load(config.model)
+        self.tokenizer = load_tokenizer(config.model)
         mc = self.model_config
         self.device = torch.device(config.device)
         kv_dtype = next(self.model.parameters()).dtype
@@ -207,6 +207,19 @@ class LLMEngine:
             self._pending.append(delta)
         return True
 
+    def fail_request(self, request_id: str, message: str) -> None:
+        """End a request now with finish_reason "error" and `message` (its forward raised, see
+        isolation): free its blocks and queue its final delta."""
+        if not self.abort_request(request_id):
+            return
+        for delta in reversed(self._pending):
+            if delta.request_id == request_id:
+                delta.error = message
+                for s in delta.samples:
+                    if s.finish_reason in (None, "abort"):
+                        s.finish_reason = "error"
+                break
+
     def abort_all(self) -> list[RequestDelta]:
         """Abort every request now; returns their final deltas (with any already queued)."""
         for rid in list(self.requests):
@@ -264,9 +277,15 @@ class LLMEngine:
         self.structured.begin(out.scheduled)
         try:
             # The forward; if it raises, isolation finds and fails only the request(s) that cause it.
-            logits, out = execute_isolating(self, out)
+            step = execute_isolating(self.runner.execute, out)
         finally:
             grammar_masks = self.structured.collect()
+        logits, out = step.logits, step.out
+        # Failed only after the mask worker has joined: it may have been reading their matchers.
+        for rid, exc in step.failed.items():
+            self.fail_request(rid, f"engine error: {type(exc).__name__}: {exc}")
+        if step.failed and self.config.enable_prefix_caching:
+            self.kv_cache.reset_prefix_cache()  # their blocks may hold unwritten K/V (see isolation)
         rows = self._advance(out.scheduled)
         touched: dict[str, Request] = {}
         if rows and self.spec is not None:  # sequences with proposals: verified and applied there

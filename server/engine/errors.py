@@ -1,4 +1,5 @@
-"""Errors the engine raises for requests, and the checks that raise them.
+"""Errors the engine raises for invalid settings (`ConfigError`) and for requests, and the checks
+that raise them.
 
 Torch-free so the edge can catch them by type and the engine thread can run the checks on the
 caller's thread, before a request is queued.
@@ -7,6 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+
+
+class ConfigError(ValueError):
+    """An invalid engine setting; `field` names it."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
 
 
 class RequestTooLongError(ValueError):

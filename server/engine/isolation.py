@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Callable, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
 
 from server.engine.scheduler import ScheduledSeq, SchedulerOutput
-
-if TYPE_CHECKING:
-    from server.engine.engine import LLMEngine
 
 logger = logging.getLogger("pagewire.engine")
 
@@ -91,21 +89,31 @@ def _run(execute: Execute, out: SchedulerOutput) -> torch.Tensor:
     return execute(out)
 
 
-def execute_isolating(engine: "LLMEngine", out: SchedulerOutput) -> tuple[torch.Tensor, SchedulerOutput]:
-    """Run the step's forward; on failure, isolate and fail the requests that raise.
+@dataclass
+class Isolated:
+    """A step's forward after isolation: the logits of the sequences that go on (`out`), and the
+    requests that raised, with the cause, for the engine to fail (`LLMEngine.fail_request`)."""
+
+    logits: torch.Tensor
+    out: SchedulerOutput
+    failed: dict[str, BaseException] = field(default_factory=dict)
+
+
+def execute_isolating(execute: Execute, out: SchedulerOutput) -> Isolated:
+    """Run the step's forward; on failure, isolate the requests that raise.
 
     Returns the logits and the SchedulerOutput of the sequences that go on (the input `out`
-    itself when nothing failed). Failed requests get their final delta queued as the engine's
-    pending deltas, with finish_reason "error" and the cause.
+    itself when nothing failed), and the failed requests. Failing them (finish_reason "error",
+    the cause in the error) and dropping the prefix cache's hashes is the engine's.
     """
     try:
-        return _run(engine.runner.execute, out), out
+        return Isolated(_run(execute, out), out)
     except Exception as first:  # noqa: BLE001
         if len(out.scheduled) == 0:
             raise
         logger.warning("engine step failed (%s); isolating the request that causes it among %d",
                        first, len(out.scheduled))
-        b = _Bisection(engine.runner.execute, out)
+        b = _Bisection(execute, out)
         b.solve(list(range(len(out.scheduled))), first)
     bad_requests = {out.scheduled[i].seq.request.request_id: exc for i, exc in b.culprits.items()}
     survivors: list[ScheduledSeq] = []
@@ -117,24 +125,7 @@ def execute_isolating(engine: "LLMEngine", out: SchedulerOutput) -> tuple[torch.
         row = b.rows.get(i)
         if row is not None:
             rows.append(row)
-    for rid, exc in bad_requests.items():
-        fail_request(engine, rid, f"engine error: {type(exc).__name__}: {exc}")
-    if bad_requests and engine.config.enable_prefix_caching:
-        engine.kv_cache.reset_prefix_cache()
     logger.warning("engine step: failed %d request(s) (%s) after %d isolating forward(s); %d continue",
                    len(bad_requests), ", ".join(bad_requests), b.runs, len(survivors))
     logits = torch.cat(rows) if rows else torch.empty((0, 0), dtype=torch.float32)
-    return logits, SchedulerOutput(survivors, out.preempted)
-
-
-def fail_request(engine: "LLMEngine", request_id: str, message: str) -> None:
-    """End a request now with finish_reason "error": free its blocks and queue its final delta."""
-    if not engine.abort_request(request_id):
-        return
-    for delta in reversed(engine._pending):
-        if delta.request_id == request_id:
-            delta.error = message
-            for s in delta.samples:
-                if s.finish_reason in (None, "abort"):
-                    s.finish_reason = "error"
-            break
+    return Isolated(logits, SchedulerOutput(survivors, out.preempted), bad_requests)

@@ -39,10 +39,8 @@ from typing import Callable, Optional
 
 from server.engine.kv_budget import default_watermark
 from server.engine.kv_cache_manager import KVCacheManager
+from server.engine.priority import BACKGROUND_PRIORITY
 from server.engine.request import SeqStatus, Sequence
-
-# Priorities at or above this are background work (the batch tier, server.gateway.batch).
-BACKGROUND_PRIORITY = 1 << 30
 
 
 @dataclass(slots=True)

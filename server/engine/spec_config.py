@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
-from server.engine.config import ConfigError
+from server.engine.errors import ConfigError
 
 METHODS = ("ngram", "draft_model")
 _PREFIX = "speculative_config"

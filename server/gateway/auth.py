@@ -1,8 +1,9 @@
 """Authentication: who is calling, decided once per HTTP request or WebSocket upgrade.
 
 Credentials, in order: the `Authorization: Bearer <secret>` header (HTTP and WebSocket upgrade),
-else, for browsers (which cannot set headers on a WebSocket), a `Sec-WebSocket-Protocol` entry
-`pagewire-key.<secret>` next to `pagewire`; the server then answers with the `pagewire`
+else an `x-api-key: <secret>` header (how Anthropic's clients send it), else, for browsers (which
+cannot set headers on a WebSocket), a `Sec-WebSocket-Protocol` entry `pagewire-key.<secret>` next
+to `pagewire`; the server then answers with the `pagewire`
 subprotocol, never echoing the secret (docs/websocket.md).
 
 When auth is required (`AuthPolicy`), every route except /health and the chat page's static
@@ -12,7 +13,9 @@ everything a key may, over every key's requests.
 
 Keys are cached in memory by id; the cache is reloaded when the `key_generation` counter in the
 ledger changes (one indexed read per request, so `pagewire keys revoke` takes effect on the next
-request of a running server). Secrets are compared as SHA-256 digests with `hmac.compare_digest`.
+request of a running server). An open WebSocket is re-checked (`recheck`) on every request it
+submits and once a second while it is open (server/api/ws.py), so a revoke, an expiry, or auth
+turning on closes it. Secrets are compared as SHA-256 digests with `hmac.compare_digest`.
 Nothing here logs a secret: log lines name the key id (`pw-…`) only.
 """
 from __future__ import annotations
@@ -23,11 +26,13 @@ import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, MutableMapping, Optional
+from typing import Any, MutableMapping, Optional
 
 from server.gateway.keys import ApiKey, KeyStore, hash_secret, key_id_of, secret_matches
 from server.gateway.quotas import Limits
-from server.serving.errors import InvalidApiKey, PagewireError, PermissionDenied
+from server.serving.admission import BATCH
+from server.serving.errors import InvalidApiKey
+from server.serving.jobs import GenerationSpec
 
 log = logging.getLogger("pagewire.auth")
 
@@ -136,6 +141,33 @@ class Authenticator:
         self.refresh()
         return bool(self._keys) or self._admin_hash is not None
 
+    @property
+    def generation(self) -> int:
+        """The key generation the cache was last loaded at (every key change bumps it)."""
+        return self._generation
+
+    def recheck(self, who: Optional[Principal], refresh: bool = True) -> Optional[Principal]:
+        """The caller `who`, authenticated earlier (a WebSocket at its upgrade), as it stands now:
+        with its key's current limits. Raises InvalidApiKey when it may no longer act: its key
+        was revoked, removed or has expired, or `who` is None (no key) and authentication has
+        since become required (the first key was created). `refresh=False` trusts the cache (a
+        caller re-checking many sockets refreshes once)."""
+        if refresh:
+            self.refresh()
+        if who is None:
+            if self.required:
+                raise InvalidApiKey("authentication is now required on this server; reconnect with an API key")
+            return None
+        if who.admin:
+            return who
+        key = self._keys.get(who.key_id)
+        if key is None:
+            raise InvalidApiKey(f"API key {who.key_id} no longer exists")
+        status = key.status(time.time())
+        if status != "active":
+            raise InvalidApiKey(f"API key {who.key_id} is {status}")
+        return who if key == who.key else Principal(key.key_id, key=key)
+
     def get(self, key_id: str) -> Optional[ApiKey]:
         return self._keys.get(key_id)
 
@@ -150,7 +182,7 @@ class Authenticator:
         if not secret:
             if not self.required:
                 return None
-            raise InvalidApiKey("missing API key: send it as `Authorization: Bearer <key>`")
+            raise InvalidApiKey("missing API key: send it as `Authorization: Bearer <key>` (or `x-api-key: <key>`)")
         if self._admin_hash is not None and secret_matches(secret, self._admin_hash):
             return Principal(ADMIN_ID, admin=True)
         key_id = key_id_of(secret)
@@ -191,6 +223,9 @@ def credentials(scope: dict[str, Any]) -> Optional[str]:
     token = bearer(_header(scope, b"authorization"))
     if token:
         return token
+    api_key = _header(scope, b"x-api-key")  # Anthropic's clients send the key this way
+    if api_key and api_key.strip():
+        return api_key.strip()
     if scope["type"] == "websocket":
         for p in ws_protocols(scope):
             if p.startswith(WS_KEY_PREFIX):
@@ -209,66 +244,13 @@ def ws_subprotocol(scope: dict[str, Any]) -> Optional[str]:
     return WS_SUBPROTOCOL if WS_SUBPROTOCOL in ws_protocols(scope) else None
 
 
-class AuthGuard:
-    """ASGI middleware: authenticates every request before any route runs.
-
-    A refused WebSocket is accepted and then sent one `error` frame (`invalid_api_key`) and closed
-    with 1008, because a browser shows nothing of an HTTP 401 on an upgrade.
-    """
-
-    def __init__(self, app: Any, auth: Callable[[], Optional[Authenticator]]) -> None:
-        self.app = app
-        self._auth = auth
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        auth = self._auth()
-        if scope["type"] not in ("http", "websocket") or auth is None:
-            await self.app(scope, receive, send)
-            return
-        path = scope.get("path", "")
-        if scope["type"] == "http" and (path in OPEN_PATHS or path == "/" or path.startswith("/ui/")):
-            await self.app(scope, receive, send)
-            return
-        try:
-            who = auth.authenticate(credentials(scope))
-            if path in ADMIN_PATHS and auth.required and not (who is not None and who.admin):
-                raise PermissionDenied(f"{path} needs the admin key")
-        except PagewireError as e:
-            await self._refuse(scope, receive, send, e)
-            return
-        scope[SCOPE_KEY] = who
-        await self.app(scope, receive, send)
-
-    async def _refuse(self, scope: dict[str, Any], receive: Any, send: Any, e: PagewireError) -> None:
-        from server.api.http_io import send_error
-
-        if scope["type"] == "http":
-            await send_error(send, e)
-            return
-        import json
-
-        msg = await receive()
-        if msg["type"] != "websocket.connect":
-            return
-        accept: dict[str, Any] = {"type": "websocket.accept"}
-        sub = ws_subprotocol(scope)
-        if sub is not None:
-            accept["subprotocol"] = sub
-        await send(accept)
-        await send({"type": "websocket.send", "text": json.dumps(
-            {"type": "error", "code": e.code, "status": e.status, "message": e.message})})
-        await send({"type": "websocket.close", "code": 1008})
-
-
-def bind(spec: Any, who: Optional[Principal]) -> None:
+def bind(spec: GenerationSpec, who: Optional[Principal]) -> None:
     """Tie a GenerationSpec to its caller: the owning key (recorded in the ledger), the admission
     fairness key (round-robin is across API keys, so one key's flood cannot starve another's
     requests, whatever `user` they send), idempotency keys scoped per API key, and a batch-only
     key's requests in the batch class."""
     if who is None:
         return
-    from server.serving.admission import BATCH
-
     spec.key_id = who.key_id
     spec.client = who.key_id
     if spec.idempotency_key is not None:

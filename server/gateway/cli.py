@@ -17,6 +17,7 @@ import asyncio
 import csv
 import datetime
 import json
+import math
 import sqlite3
 import sys
 import time
@@ -72,9 +73,13 @@ def parse_when(text: str, name: str, end_of_day: bool = False) -> float:
     """Unix seconds, `7d`/`12h` (ago), or an ISO date/date-time (UTC unless it names a zone)."""
     t = text.strip()
     try:
-        return float(t)
+        value = float(t)
     except ValueError:
         pass
+    else:
+        if not math.isfinite(value):  # "nan", "inf", "1e309": no time
+            raise ValueError(f"{name}: must be a finite number of Unix seconds, got {text!r}")
+        return value
     if t[:-1].isdigit() and t[-1:] in ("d", "h"):
         return time.time() - int(t[:-1]) * (86400 if t[-1] == "d" else 3600)
     try:

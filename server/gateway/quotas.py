@@ -19,23 +19,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from server.serving.errors import PagewireError
+from server.serving.access import Reservation
+from server.serving.errors import RateLimited
+
+__all__ = ["Limits", "QuotaBook", "RateLimited", "Reservation"]  # RateLimited and Reservation: re-exported
 
 DAY_S = 86400.0
 WINDOW_S = 60.0
-
-
-class RateLimited(PagewireError):
-    """429 with OpenAI's rate-limit headers (`headers`) and a retry hint."""
-
-    status = 429
-    code = "rate_limit_exceeded"
-    error_type = "rate_limit_error"
-
-    def __init__(self, message: str, *, headers: dict[str, str], retry_after_s: Optional[float],
-                 code: Optional[str] = None) -> None:
-        super().__init__(message, code=code, retry_after_s=retry_after_s)
-        self.headers = headers
 
 
 def _duration(s: float) -> str:
@@ -95,16 +85,6 @@ class _KeyState:
     used_today: int = 0  # settled cost of requests created today (UTC)
     reserved: int = 0  # outstanding reservations, not yet settled
     live: set[int] = field(default_factory=set)
-
-
-@dataclass
-class Reservation:
-    key_id: str
-    tokens: int
-    day: int
-    ident: int
-    settled: bool = False
-    hold_id: Optional[str] = None  # its row in quota_holds when the database holds it (quota_db)
 
 
 class QuotaBook:

@@ -17,7 +17,7 @@ def _write_kv_cache_fake(key, value, key_cache, value_cache, slot_mapping) -> No
 @torch.library.register_fake("pagewire::paged_attention")
 def _paged_attention_fake(
     out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-    scale, sliding_window, max_query_len, max_seq_len,
+    scale, sliding_window, max_query_len, max_seq_len, softcap=0.0,
 ) -> None:
     return None
 
@@ -50,6 +50,12 @@ def _rotary_embedding_fake(x, positions, cos, sin, norm_weight, eps) -> None:
 
 @torch.library.register_fake("pagewire::silu_and_mul")
 def _silu_and_mul_fake(x):
+    torch._check(x.shape[-1] % 2 == 0, lambda: "x's last dim must be even")
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+@torch.library.register_fake("pagewire::gelu_tanh_and_mul")
+def _gelu_tanh_and_mul_fake(x):
     torch._check(x.shape[-1] % 2 == 0, lambda: "x's last dim must be even")
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
@@ -93,7 +99,7 @@ def _decode_layer_fake(hidden, delta, input_norm, post_norm, eps, qkv_weight, qk
                        o_bias, gate_up_weight, gate_up_kind, gate_up_bias, down_weight, down_kind, down_bias,
                        positions, cos, sin, qk_norm, key_cache, value_cache, slot_mapping, block_tables, seq_lens,
                        query_start_loc, scale, sliding_window, max_query_len, max_seq_len, num_heads, num_kv_heads,
-                       head_dim):
+                       head_dim, softcap=0.0, activation="silu"):
     return hidden.new_empty(hidden.shape)
 
 

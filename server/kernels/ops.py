@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 
 import server._C  # (also loads the TORCH_LIBRARY(pagewire) registrations)
-from server.kernels import autotune, batch_invariant
+from server.kernels import batch_invariant, linear_plan
 from server.kernels.quant import QuantizedWeight
 
 __all__ = [
     "write_kv_cache", "paged_attention", "copy_blocks", "linear", "rms_norm", "add_rms_norm",
-    "rotary_embedding", "silu_and_mul", "ngram_propose", "rejection_sample", "cpu_isa", "detected_cpu_isa", "cpu_features",
-    "without_amx",
+    "rotary_embedding", "silu_and_mul", "gelu_tanh_and_mul", "ngram_propose", "rejection_sample", "cpu_isa",
+    "detected_cpu_isa", "cpu_features", "without_amx",
 ]
 
 logger = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ def paged_attention(
     sliding_window: int,
     max_query_len: int,
     max_seq_len: int,
+    softcap: float = 0.0,
 ) -> None:
     """Causal attention of a flat mixed batch (prefill chunks and decodes) over the paged cache.
 
@@ -100,14 +101,16 @@ def paged_attention(
         block_tables: int32 [S, max_blocks], physical block ids of each sequence.
         seq_lens: int32 [S], tokens in the cache after this step (context + new).
         query_start_loc: int32 [S + 1], prefix sum of new tokens per sequence; every q_len >= 1.
-        scale: softmax scale, usually D ** -0.5.
+        scale: the scores' scale (per layer: usually D ** -0.5, Gemma's query_pre_attn_scalar ** -0.5).
         sliding_window: window size in tokens (the token itself included); <= 0 disables it.
         max_query_len: an upper bound on q_len over the batch.
         max_seq_len: an upper bound on seq_lens over the batch.
+        softcap: 0 for none; > 0 caps every scaled score s to softcap * tanh(s / softcap) before
+            the mask and softmax (Gemma 2's attn_logit_softcapping).
     """
     torch.ops.pagewire.paged_attention(
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        scale, sliding_window, max_query_len, max_seq_len,
+        scale, sliding_window, max_query_len, max_seq_len, softcap,
     )
 
 
@@ -176,11 +179,11 @@ def linear(
     if not grad and batch_invariant.enabled():  # (autograd keeps F.linear: the kernels have no backward)
         return _linear_batch_invariant(x, weight, bias)
     if isinstance(weight, QuantizedWeight):
-        plans = autotune.active_table()
+        plans = linear_plan.active_table()
         plan = plans.get((weight.qtype, x.dtype, weight.shape)) if plans is not None else None
         if plan is not None:
-            choice = plan[autotune.bucket(x.numel() // weight.shape[1])]
-            if choice == autotune.KERNEL_NO_AMX:
+            choice = plan[linear_plan.bucket(x.numel() // weight.shape[1])]
+            if choice == linear_plan.KERNEL_NO_AMX:
                 return without_amx(_quant_kernel_path, x, weight, bias)
             return (_quant_kernel_path if choice else _quant_gemm_path)(x, weight, bias)
         return _linear_quantized(x, weight, bias)
@@ -198,11 +201,11 @@ def linear(
         and (bias is None or (bias.dtype is dtype and bias.is_cpu))
     ):
         m = x.numel() // weight.shape[1]
-        plans = autotune.active_table()
+        plans = linear_plan.active_table()
         plan = plans.get((dtype, weight.shape)) if plans is not None else None
         if plan is not None:
-            use_kernel = plan[autotune.bucket(m)]
-            if use_kernel == autotune.KERNEL_NO_AMX:
+            use_kernel = plan[linear_plan.bucket(m)]
+            if use_kernel == linear_plan.KERNEL_NO_AMX:
                 return without_amx(_float_kernel_path, x, weight, bias)
         else:
             use_kernel = fixed_rule_takes_kernel(weight, m)
@@ -235,20 +238,20 @@ def linear_kind(dtype: torch.dtype, m: int, weight: torch.Tensor | QuantizedWeig
         if isinstance(weight, QuantizedWeight):
             return weight.op_qtype
         return "kernel" if float_kernel and _ACTIVE_ISA != "portable" else None
-    plans = autotune.active_table()
+    plans = linear_plan.active_table()
     if isinstance(weight, QuantizedWeight):
         plan = plans.get((weight.qtype, dtype, weight.shape)) if plans is not None else None
         if plan is not None:
-            choice = plan[autotune.bucket(m)]
-            if choice == autotune.KERNEL_NO_AMX or not choice:
+            choice = plan[linear_plan.bucket(m)]
+            if choice == linear_plan.KERNEL_NO_AMX or not choice:
                 return None
         return weight.op_qtype
     if float_kernel:
         assert isinstance(weight, torch.Tensor)
         plan = plans.get((dtype, weight.shape)) if plans is not None else None
         if plan is not None:
-            use_kernel = plan[autotune.bucket(m)]
-            if use_kernel == autotune.KERNEL_NO_AMX:
+            use_kernel = plan[linear_plan.bucket(m)]
+            if use_kernel == linear_plan.KERNEL_NO_AMX:
                 return None
         else:
             use_kernel = fixed_rule_takes_kernel(weight, m)
@@ -400,6 +403,12 @@ def rotary_embedding(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """Args: x [T, 2 * I] = cat(gate, up), contiguous in the last dim. Returns silu(gate) * up [T, I] (CPU op)."""
     return torch.ops.pagewire.silu_and_mul(x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Args: x [T, 2 * I] = cat(gate, up), contiguous in the last dim. Returns
+    gelu(gate, approximate="tanh") * up [T, I] (CPU op; Gemma's gelu_pytorch_tanh MLP)."""
+    return torch.ops.pagewire.gelu_tanh_and_mul(x)
 
 
 def ngram_propose(

@@ -7,6 +7,7 @@ read them ("run").
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -16,7 +17,8 @@ class AttentionMetadata:
     """Shapes: T = tokens in the flat batch, S = sequences in the batch.
 
     slot_mapping:    int64 [T]      cache slot (block * block_size + offset) for each new token; -1 = skip
-    block_tables:    int32 [S, B]   physical block ids of each sequence (padded with 0)
+    block_tables:    int32 [S, B]   physical block ids of each sequence (padded with 0; -1 where a
+                                    sliding-window KV group released a block, never read)
     seq_lens:        int32 [S]      tokens in cache for each sequence after this step (context + new)
     query_start_loc: int32 [S + 1]  prefix sum of new tokens per sequence; q_len = diff
     max_query_len / max_seq_len:    host ints, for kernels that size launches by them
@@ -28,3 +30,10 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    # With several KV groups (server/engine/kv_groups.py), per layer the metadata of its group: its
+    # own slot_mapping and block_tables, the same lengths. None: every layer uses this one.
+    per_layer: Optional[list[AttentionMetadata]] = None
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata layer `layer` reads and writes its K/V through."""
+        return self if self.per_layer is None else self.per_layer[layer]

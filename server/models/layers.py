@@ -1,5 +1,5 @@
 """Small numeric building blocks shared by the model files: RMSNorm (with the residual add) and the
-SiLU-gated MLP activation, each routed to pagewire's fused C++ op on CPU and composed from torch
+gated MLP activations (SiLU, GELU-tanh), each routed to pagewire's fused C++ op on CPU and composed from torch
 ops elsewhere (or, for SiLU, on large CPU batches where torch's vectorised kernel wins).
 
 They are plain functions over tensors (no nn.Module), because the per-layer loop runs every engine
@@ -76,4 +76,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return ops.silu_and_mul(gate_up)
     half = gate_up.shape[-1] // 2
     out = F.silu(gate_up[:, :half])
+    return out.mul_(gate_up[:, half:])
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Args: gate_up [T, 2 * I] = cat(gate, up). Returns gelu(gate, approximate="tanh") * up, [T, I]
+    (Gemma's MLP); routed as silu_and_mul is."""
+    if gate_up.device.type == "cpu" and (_FUSED_SILU_ANY_SIZE or gate_up.shape[0] <= FUSED_SILU_MAX_TOKENS):
+        return ops.gelu_tanh_and_mul(gate_up)
+    half = gate_up.shape[-1] // 2
+    out = F.gelu(gate_up[:, :half], approximate="tanh")
     return out.mul_(gate_up[:, half:])

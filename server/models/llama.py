@@ -19,7 +19,7 @@ from server.kernels.ops import Q8_KERNEL_MAX_ROWS, linear, linear_kind, paged_at
 from server.kernels.quant import QUANTIZATIONS, QuantizedWeight
 from server.models.attention import AttentionMetadata
 from server.models.config import ModelConfig
-from server.models.layers import add_norm, norm, silu_and_mul
+from server.models.layers import add_norm, gelu_tanh_and_mul, norm, silu_and_mul
 from server.models.rope import RopeBatch, RotaryEmbedding
 
 
@@ -53,6 +53,11 @@ class LlamaDecoderLayer(nn.Module):
         self.scale = c.head_dim**-0.5
         window = c.layer_sliding_windows[layer_idx]
         self.sliding_window = window if window is not None else 0  # the op reads <= 0 as "no window"
+        # Attention logit soft-capping (0: off) and the gated MLP's activation ("silu" or
+        # "gelu_tanh"): both kernels take them, in forward and in decode_layer alike. The four
+        # Llama-family architectures use neither; a family that does sets them from its config.
+        self.softcap = 0.0
+        self.activation = "silu"
 
         H, I, qkv = c.hidden_size, c.intermediate_size, c.q_size + 2 * c.kv_size
         self.input_norm = _param((H,), dtype, device)
@@ -113,10 +118,12 @@ class LlamaDecoderLayer(nn.Module):
             self.sliding_window,
             meta.max_query_len,
             meta.max_seq_len,
+            self.softcap,
         )
         x = add_norm(hidden, linear(attn.view(T, self.q_size), self.o_weight, self.o_bias), self.post_norm, self.eps)
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
-        return hidden, linear(silu_and_mul(gate_up), self.down_weight, self.down_bias)
+        act = gelu_tanh_and_mul(gate_up) if self.activation == "gelu_tanh" else silu_and_mul(gate_up)
+        return hidden, linear(act, self.down_weight, self.down_bias)
 
     def forward_fused(
         self,
@@ -141,7 +148,7 @@ class LlamaDecoderLayer(nn.Module):
             rope_batch.positions, rope.cos, rope.sin, self.qk_norm, key_cache, value_cache,
             meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             self.scale, self.sliding_window, meta.max_query_len, meta.max_seq_len,
-            self.num_heads, self.num_kv_heads, self.head_dim,
+            self.num_heads, self.num_kv_heads, self.head_dim, self.softcap, self.activation,
         )
         return hidden, mlp_out
 
@@ -262,8 +269,10 @@ class LlamaFamilyForCausalLM(nn.Module):
         Args:
             input_ids: int64 [T], the flat batch (no padding), sequences in query_start_loc order.
             positions: int64 [T], each token's position in its sequence (< max_position_embeddings).
-            kv_caches: per layer (key_cache, value_cache), each kv_cache_shape(num_blocks, block_size).
-            meta: where each token's K/V is written and which blocks each sequence reads.
+            kv_caches: per layer (key_cache, value_cache), each kv_cache_shape(num_blocks, block_size);
+                layers of different KV groups may share tensors (their blocks never overlap).
+            meta: where each token's K/V is written and which blocks each sequence reads (per
+                layer: meta.for_layer(i)).
         Returns:
             [T, hidden_size] final-normed hidden states; pass the rows to sample to compute_logits.
         """
@@ -275,11 +284,12 @@ class LlamaFamilyForCausalLM(nn.Module):
         fused = self._fused_kinds(hidden, rope_batch)
         for i, (layer, (key_cache, value_cache)) in enumerate(zip(self._layers, kv_caches)):
             kinds = fused[i] if fused is not None else None
+            m = meta.for_layer(i)  # the layer's KV group's slots and block tables
             if kinds is not None:
                 hidden, delta = layer.forward_fused(hidden, delta, self.rope, rope_batch, key_cache, value_cache,
-                                                    meta, kinds)
+                                                    m, kinds)
             else:
-                hidden, delta = layer.forward(hidden, delta, self.rope, rope_batch, key_cache, value_cache, meta)
+                hidden, delta = layer.forward(hidden, delta, self.rope, rope_batch, key_cache, value_cache, m)
         eps = self.config.rms_norm_eps
         return norm(hidden, self.norm, eps) if delta is None else add_norm(hidden, delta, self.norm, eps)
 

@@ -1,11 +1,22 @@
-"""One server per ledger: an exclusive `flock` on a sidecar file next to the database.
+"""One server per ledger: an exclusive `flock` on the database file itself, and on a sidecar.
 
 A second `pagewire serve` on the same database would run its start-up sweep (open rows become
-`interrupted`) over the first server's live requests, so it must refuse to start. The lock is a
-kernel `flock` on `<db>.lock`: the kernel drops it when the holder's file descriptor closes,
-which includes a crash or SIGKILL, so no stale lock is ever left behind. The holder writes its
-PID into the file so the refusal can name it. SQLite's own locks cannot do this: WAL mode lets
-many writers take turns on the same file, which is exactly what must not happen here.
+`interrupted`) over the first server's live requests, so it must refuse to start. The locks are
+kernel `flock`s: the kernel drops them when the holder's file descriptor closes, which includes a
+crash or SIGKILL, so no stale lock is ever left behind. SQLite's own locks cannot do this: WAL
+mode lets many writers take turns on the same file, which is exactly what must not happen here.
+
+"The same database" is the same file, not the same name: a symlink or a hard link to a live
+server's ledger must be refused too. So the path is resolved (`realpath`) and the lock that
+decides is an `flock` on the database file's own inode (its device and inode number), which every
+name of the file shares. The sidecar `<realpath>.lock` is locked as well and holds the holder's
+PID, so the refusal can name it (for a hard link under another name the PID comes from
+/proc/locks, which lists each flock by device and inode).
+
+Why an fd on the database file is safe beside SQLite: Linux `flock` and SQLite's POSIX record
+locks are independent, but closing *any* descriptor of a file drops the process's POSIX locks on
+it. So the descriptor is opened before SQLite opens the file and closed (`release`) only after
+the ledger's connections are closed.
 
 The sidecar (and, when pagewire creates them, the database's folder and file) are private to the
 user: the ledger holds prompts and outputs (see `secure_paths`).
@@ -16,9 +27,9 @@ import errno
 import fcntl
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
-from server.serving.ledger import LedgerError
+from server.serving.errors import LedgerError
 
 FILE_MODE = 0o600
 DIR_MODE = 0o700
@@ -81,44 +92,88 @@ def secure_paths(db: Path) -> None:
     create_private_file(db)
 
 
+def resolve(db: str | os.PathLike[str]) -> Path:
+    """The database's real path: `~` expanded, absolute, every symlink followed."""
+    return Path(os.path.realpath(Path(db).expanduser()))
+
+
 class LedgerLock:
     """Holds the exclusive lock for one database for the life of the process (or until release)."""
 
-    def __init__(self, db: Path, fd: int, lock_path: Path) -> None:
+    def __init__(self, db: Path, fd: int, lock_path: Path, db_fd: int) -> None:
         self.db = db
         self.path = lock_path
         self._fd: Optional[int] = fd
+        self._db_fd: Optional[int] = db_fd
 
     @classmethod
     def acquire(cls, db: str | os.PathLike[str]) -> "LedgerLock":
-        """Take the lock or raise LedgerLocked naming the holder's PID. Never blocks."""
-        p = Path(db).expanduser().absolute()
+        """Take the lock or raise LedgerLocked naming the holder's PID. Never blocks.
+
+        Creates the database file (empty, 0600) when missing, so that its inode can be locked."""
+        p = resolve(db)
         ensure_private_dir(p.parent)
         lp = lock_path_for(p)
         fd = os.open(lp, os.O_RDWR | os.O_CREAT, FILE_MODE)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = _read_pid(fd)
+            _flock(fd, p, lp, holder=lambda: _read_pid(fd))
+            # The sidecar only covers this name; the database's inode covers every name.
+            create_private_file(p)
+            db_fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+        except BaseException:
             os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise LedgerLocked(p, lp, holder) from None
-            raise LedgerError(f"ledger lock {lp}: {e.strerror}") from None
+            raise
+        try:
+            st = os.fstat(db_fd)
+            _flock(db_fd, p, lp, holder=lambda: _flock_holder(st.st_dev, st.st_ino))
+        except BaseException:
+            os.close(db_fd)
+            os.close(fd)
+            raise
         # Ours now: record who holds it (the previous holder's PID may still be in the file).
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        return cls(p, fd, lp)
+        return cls(p, fd, lp, db_fd)
 
     @property
     def held(self) -> bool:
         return self._fd is not None
 
     def release(self) -> None:
-        """Drop the lock (closing the descriptor drops the flock). Idempotent. The file stays:
-        deleting it would race with a newcomer that already opened it."""
+        """Drop the locks (closing the descriptors drops the flocks). Idempotent. Call it only
+        after this process's SQLite connections to the file are closed (see module). The sidecar
+        stays: deleting it would race with a newcomer that already opened it."""
+        if self._db_fd is not None:
+            dfd, self._db_fd = self._db_fd, None
+            os.close(dfd)
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)
+
+
+def _flock(fd: int, db: Path, lock_path: Path, holder: Callable[[], Optional[int]]) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise LedgerLocked(db, lock_path, holder()) from None
+        raise LedgerError(f"ledger lock {lock_path}: {e.strerror}") from None
+
+
+def _flock_holder(dev: int, ino: int, proc_locks: str = "/proc/locks") -> Optional[int]:
+    """The PID holding an flock on (dev, ino), from /proc/locks (Linux); None when unknown.
+
+    A line reads `1: FLOCK  ADVISORY  WRITE 1234 08:02:5678 0 EOF` (device as hex major:minor)."""
+    want = f"{os.major(dev):02x}:{os.minor(dev):02x}:{ino}"
+    try:
+        with open(proc_locks, encoding="ascii", errors="replace") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == want and parts[4].isdigit():
+                    return int(parts[4])
+    except OSError:
+        pass
+    return None
 
 
 def _read_pid(fd: int) -> Optional[int]:

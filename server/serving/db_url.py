@@ -28,6 +28,13 @@ SCHEMES_HELP = "a file path, sqlite:PATH, postgresql://… or postgres://…"
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+):(.*)$", re.S)
 
 
+def default_db_path() -> Path:
+    """The single-box default: the user data dir's pagewire/ledger.db."""
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("pagewire")) / "ledger.db"
+
+
 class DbSpecError(argparse.ArgumentTypeError, ValueError):
     """A `--db` value that names neither a file nor a supported database URL (argparse shows the
     message as it is; the environment path reports it as a ValueError naming the variable)."""
@@ -71,8 +78,6 @@ def parse_db(value: Optional[str], default: Optional[Path] = None) -> DbTarget:
     Raises DbSpecError naming the supported schemes for anything URL-shaped that is not one."""
     if value is None or not value.strip():
         if default is None:
-            from server.serving.settings import default_db_path
-
             default = default_db_path()
         return DbTarget("sqlite", path=default)
     text = value.strip()

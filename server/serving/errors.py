@@ -3,6 +3,8 @@
 Each carries what both edges need: the HTTP status, a stable machine-readable `code`, the
 offending request field (`param`) when there is one, and a retry hint for backpressure. The
 HTTP edge renders them in OpenAI's error shape; the WebSocket edge as `error` frames.
+`LedgerError` (an unusable database) is here too, below both the ledger and its lock
+(server.serving.db_lock), which raise it.
 """
 from __future__ import annotations
 
@@ -92,6 +94,15 @@ class Conflict(PagewireError):
     error_type = "invalid_request_error"
 
 
+class Interrupted(Conflict):
+    """A request the server stopped (shutdown, crash) before it finished: the server's doing, so
+    OpenAI's `server_error` type, not the client's `invalid_request_error`. Still 409 for an
+    idempotent retry (the key names a request that can no longer produce its output)."""
+
+    code = "request_interrupted"
+    error_type = "server_error"
+
+
 class InvalidApiKey(PagewireError):
     """A missing, wrong, revoked or expired API key (server.gateway.auth)."""
 
@@ -106,3 +117,20 @@ class PermissionDenied(PagewireError):
     status = 403
     code = "permission_denied"
     error_type = "invalid_request_error"
+
+
+class RateLimited(PagewireError):
+    """429 with OpenAI's rate-limit headers (`headers`) and a retry hint."""
+
+    status = 429
+    code = "rate_limit_exceeded"
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, *, headers: dict[str, str], retry_after_s: Optional[float],
+                 code: Optional[str] = None) -> None:
+        super().__init__(message, code=code, retry_after_s=retry_after_s)
+        self.headers = headers
+
+
+class LedgerError(RuntimeError):
+    """The database is unusable (e.g. written by a newer pagewire), or another server holds it."""

@@ -21,13 +21,14 @@ MAX_KEY_LENGTH = 256  # the WebSocket frame's limit (protocol.IdemKey); HTTP enf
 
 
 def check_header_key(value: Optional[str], field: str = "Idempotency-Key") -> Optional[str]:
-    """The key from an HTTP header, or None when absent. An empty or overlong key is a 400: an
-    empty header is not "no key" (two clients sending one would share a request)."""
+    """The key from an HTTP header or a WebSocket frame's `idempotency_key`, or None when absent.
+    An empty, whitespace-only or overlong key is a 400 on both edges: an empty key is not "no
+    key" (two clients sending one would share a request)."""
     if value is None:
         return None
     if not value.strip():
-        raise InvalidRequest(f"{field}: must not be empty (omit the header to send no key)", param=field,
-                             code="invalid_idempotency_key")
+        raise InvalidRequest(f"{field}: must not be empty or only whitespace (omit it to send no key)",
+                             param=field, code="invalid_idempotency_key")
     if len(value) > MAX_KEY_LENGTH:
         raise InvalidRequest(f"{field}: is {len(value)} characters; at most {MAX_KEY_LENGTH} are allowed",
                              param=field, code="invalid_idempotency_key")
@@ -64,7 +65,8 @@ def check_reuse(spec: GenerationSpec, stored: Optional[str], request_id: str) ->
     fingerprints existed (`stored` None) cannot be compared and are accepted as before."""
     if stored is None or stored == fingerprint(spec):
         return
-    field = "Idempotency-Key" if spec.api == "http" else "idempotency_key"
+    # The HTTP APIs (OpenAI's, Anthropic's, Ollama's) take the key as a header.
+    field = "Idempotency-Key" if spec.api in ("http", "anthropic", "ollama") else "idempotency_key"
     err = Conflict(
         f"{field}: this key was already used for a different request ({request_id}) with another "
         "body or endpoint; use a new key for a new request", param=field, code="idempotency_key_reused")

@@ -25,7 +25,7 @@ class GenerationSpec:
 
     Args:
         kind: "completion" (prompt) or "chat" (messages through the chat template).
-        api: "http" or "ws" (recorded in the ledger).
+        api: "http" (OpenAI), "ws", "batch", "anthropic" or "ollama" (recorded in the ledger).
         client: fairness key (the `user` field, else the peer address).
         sampling: SamplingParams keyword arguments, except max_tokens.
         max_tokens: what the client asked for, or None.

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import aiosqlite
 
-from server.serving.errors import Unavailable
+from server.serving.errors import LedgerError, Unavailable  # LedgerError: re-exported
 from server.serving.lifecycle import END_RULES, OPEN_STATES, TERMINAL_STATES, EndReason, LedgerState
 
 if TYPE_CHECKING:
@@ -188,10 +188,6 @@ COLUMNS = (
     "completion_tokens, cached_tokens, finish_reason, error, output_text, output_json, request_hash, key_id, "
     "instance_id"
 )
-
-
-class LedgerError(RuntimeError):
-    """The database is unusable (e.g. written by a newer pagewire)."""
 
 
 class IdempotencyConflict(LedgerError):

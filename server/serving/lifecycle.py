@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Optional
 
-from server.serving.errors import Conflict, DeadlineExceeded, GenerationFailed, PagewireError
+from server.serving.errors import Conflict, DeadlineExceeded, GenerationFailed, Interrupted, PagewireError
 
 
 class _StrEnum(str, Enum):
@@ -146,7 +146,7 @@ END_RULES: dict[EndReason, EndRule] = {
         DeadlineExceeded, "deadline_exceeded", "request {request_id}: {message}", "error"),
     EndReason.INTERRUPTED: EndRule(
         LedgerState.INTERRUPTED, "interrupted", "server stopped before the request finished",
-        Conflict, "request_interrupted", "request {request_id} was interrupted: {message}", "error"),
+        Interrupted, "request_interrupted", "request {request_id} was interrupted: {message}", "error"),
     EndReason.FAILED: EndRule(
         LedgerState.FAILED, "generation_failed", "generation failed",
         GenerationFailed, "generation_failed", "request {request_id} failed: {message}", "error"),

@@ -1,24 +1,47 @@
 """Prompt preparation for admission: chat template, tokenisation (off the loop when long), the
 context-length check, and the final SamplingParams.
 
-Tokenising a long prompt takes milliseconds of CPU that would stall every other stream if done
-on the event loop, so prompts above `offload_chars` go to the default thread pool (the
-tokenizers backend is thread-safe and releases the GIL). Short prompts stay on the loop, where
-a thread hop would cost more than the work.
+Long prompts are a way for one client to stall everyone (issue 29: two 7.5 MB prompts pushed
+/health to 10.9 s; sixteen made the server unresponsive for minutes). Three defences, in order:
+
+* **A cheap length bound first.** A prompt whose character count alone proves that it cannot fit
+  `max_model_len` (at most `Tokenizer.max_chars_per_token` characters per token) is refused with
+  `context_length_exceeded` before any tokenising: no multi-megabyte prompt is tokenised only to
+  be refused.
+* **Off the loop, without the GIL.** Prompts above `offload_chars` are tokenised on their own
+  daemon thread, through the tokenizers library's batch path, which releases the GIL (its plain
+  `encode` holds it, so a thread alone did not free the loop). Daemon threads: a shutdown does
+  not wait for a tokenisation nobody will use.
+* **A bound on the work in flight.** `TokenizeBudget`: characters being tokenised off the loop,
+  per client (the admission fairness key: the API key, else the peer) and in total; beyond it a
+  request gets 429 `tokenizer_busy` with a retry-after. Each thread's characters are returned
+  when the thread ends, not when its caller gives up.
+
+After a large tokenisation, once nothing is being tokenised, freed memory is handed back to the
+OS (`heap.trim`). Short prompts stay on the loop, where a thread hop would cost more than the work.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Optional
+import logging
+import threading
+from typing import Any, Callable, Optional, TypeVar
 
 from server.engine.errors import RequestTooLongError, check_context
 from server.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
-from server.serving.errors import InvalidRequest
+from server.serving import heap
+from server.serving.errors import InvalidRequest, Overloaded
 from server.serving.jobs import GenerationSpec
 from server.serving.tool_render import fit_to_template
 from server.text.tokenizer import ChatTemplateError, Tokenizer
 from server.text.vocab import TokenIdError, check_token_ids
+
+log = logging.getLogger("pagewire")
+T = TypeVar("T")
+
+# After a tokenisation of at least this many characters, trim the heap once the tokenizer is idle.
+TRIM_AFTER_CHARS = 1 << 20
 
 
 def _content_chars(messages: list[dict[str, Any]]) -> int:
@@ -43,6 +66,37 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_genera
     return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools or None)
 
 
+class TokenizeBudget:
+    """Characters being tokenised off the loop, per client and in total (event loop only)."""
+
+    def __init__(self, per_client: int, total: int) -> None:
+        self.per_client = per_client
+        self.total = total
+        self.in_flight = 0
+        self._by_client: dict[str, int] = {}
+
+    def take(self, client: str, chars: int) -> None:
+        """Reserve `chars` for `client` or raise Overloaded (429). One prompt larger than the
+        per-client bound is still let through when the client has nothing in flight (the body
+        limit already bounds it), so no valid prompt is refused for good."""
+        mine = self._by_client.get(client, 0)
+        if mine and mine + chars > self.per_client or self.in_flight and self.in_flight + chars > self.total:
+            raise Overloaded(
+                f"too much prompt text is being tokenised ({mine} characters for this client, "
+                f"{self.in_flight} in all); retry once earlier requests are admitted",
+                code="tokenizer_busy", retry_after_s=1.0)
+        self._by_client[client] = mine + chars
+        self.in_flight += chars
+
+    def give(self, client: str, chars: int) -> None:
+        left = self._by_client.get(client, 0) - chars
+        if left > 0:
+            self._by_client[client] = left
+        else:
+            self._by_client.pop(client, None)
+        self.in_flight -= chars
+
+
 def _with_field(exc: SamplingParamsError, spec: GenerationSpec) -> InvalidRequest:
     name = spec.max_tokens_field if exc.field == "max_tokens" else spec.field_names.get(exc.field, exc.field)
     return InvalidRequest(f"{name}: {exc.message}", param=name)
@@ -52,12 +106,18 @@ class PromptPreparer:
     """Turns a spec into (prompt token ids, SamplingParams), or raises InvalidRequest naming the field."""
 
     def __init__(
-        self, tokenizer: Tokenizer, offload_chars: int = 2048, sampling_defaults: Optional[dict[str, Any]] = None
+        self, tokenizer: Tokenizer, offload_chars: int = 2048, sampling_defaults: Optional[dict[str, Any]] = None,
+        budget: Optional[TokenizeBudget] = None,
     ) -> None:
         """sampling_defaults: the model's suggested SamplingParams values (generation_config.json or
-        GGUF metadata), used for every field a request leaves unset, as vLLM does."""
+        GGUF metadata), used for every field a request leaves unset, as vLLM does. budget: the
+        bound on characters tokenised off the loop (default: 8 M per client, 32 M in all)."""
         self.tokenizer = tokenizer
         self.offload_chars = offload_chars
+        self.budget = budget or TokenizeBudget(8 << 20, 32 << 20)
+        self.chars_per_token = tokenizer.max_chars_per_token()
+        self._peak = 0  # the largest tokenisation since the last trim
+        self._waits: set[asyncio.Future[Any]] = set()  # callers awaiting a tokenising thread
         defaults = dict(sampling_defaults or {})
         self.default_max_tokens: Optional[int] = defaults.pop("max_tokens", None)
         self.sampling_defaults = defaults
@@ -106,10 +166,70 @@ class PromptPreparer:
         self._grammar_compiler = compiler_for(self.tokenizer)
         compile_params(self.tokenizer, so)
 
-    async def _run(self, big: bool, fn: Any, *args: Any) -> Any:
-        if big:
-            return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-        return fn(*args)
+    async def _run(self, client: str, chars: int, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)`: on the loop when short, else on a daemon thread within the budget."""
+        if chars <= self.offload_chars:
+            return fn(*args)
+        self.budget.take(client, chars)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+
+        def ended(result: Any, exc: Optional[BaseException]) -> None:  # on the loop
+            self.budget.give(client, chars)
+            self._peak = max(self._peak, chars)
+            if self.budget.in_flight == 0 and self._peak >= TRIM_AFTER_CHARS:
+                self._peak = 0
+                threading.Thread(target=heap.trim, name="pagewire-trim", daemon=True).start()
+            if fut.done():  # the caller went away
+                return
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+        def work() -> None:
+            result: Any = None
+            exc: Optional[BaseException] = None
+            try:
+                result = fn(*args)
+            except BaseException as e:  # handed to the awaiting task
+                exc = e
+            try:
+                loop.call_soon_threadsafe(ended, result, exc)
+            except RuntimeError:  # the loop has closed: the server is exiting
+                pass
+
+        threading.Thread(target=work, name="pagewire-tokenize", daemon=True).start()
+        self._waits.add(fut)
+        try:
+            return await fut
+        finally:
+            self._waits.discard(fut)
+
+    def abort_waits(self, exc: BaseException) -> None:
+        """Fail every caller still waiting for a tokenising thread with `exc` (shutdown). The
+        threads themselves run on as daemons; their characters return to the budget as they end."""
+        for fut in list(self._waits):
+            if not fut.done():
+                fut.set_exception(exc)
+
+    def check_fits(self, chars: int, field: str, max_model_len: Optional[int]) -> None:
+        """Refuse, before tokenising, a prompt of `chars` characters that cannot fit the context
+        (see the module docstring). Exact for what it refuses: it needs more than max_model_len
+        tokens whatever they are."""
+        per = self.chars_per_token
+        if per is None or not max_model_len:
+            return
+        at_least = chars // per
+        if at_least >= max_model_len:
+            raise InvalidRequest(
+                f"{field}: the prompt is {chars} characters, so at least {at_least} tokens, which does not fit "
+                f"this model's maximum context length of {max_model_len} tokens (at least one output token "
+                "is needed)", param=field, code="context_length_exceeded")
+
+    async def encode_text(self, text: str, client: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` (/tokenize), off the loop and within the budget when long."""
+        return await self._run(client, len(text), self.tokenizer.encode, text, add_special_tokens)
 
     def _render_chat(self, spec: GenerationSpec) -> list[int]:
         text = render_chat(self.tokenizer, spec.messages or [], spec.add_generation_prompt, spec.tools,
@@ -117,14 +237,17 @@ class PromptPreparer:
         # Templates add BOS themselves; adding special tokens again would double it.
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    async def token_ids(self, spec: GenerationSpec) -> list[int]:
+    async def token_ids(self, spec: GenerationSpec, max_model_len: Optional[int] = None) -> list[int]:
+        """The prompt's token ids; with `max_model_len`, a prompt that cannot fit it is refused
+        before it is tokenised (`check_fits`)."""
         if spec.kind == "chat":
             if not spec.messages:
                 raise InvalidRequest("messages: must be a non-empty list", param="messages")
+            content = _content_chars(spec.messages)
+            self.check_fits(content, "messages", max_model_len)
             tools_chars = len(json.dumps(spec.tools)) if spec.tools else 0
-            big = _content_chars(spec.messages) + tools_chars > self.offload_chars
             try:
-                ids: list[int] = await self._run(big, self._render_chat, spec)
+                ids: list[int] = await self._run(spec.client, content + tools_chars, self._render_chat, spec)
             except ChatTemplateError as e:
                 raise InvalidRequest(f"messages: {e}", param="messages") from None
             field = "messages"
@@ -136,7 +259,8 @@ class PromptPreparer:
                 raise InvalidRequest(str(e), param="prompt") from None
             field = "prompt"
         elif isinstance(spec.prompt, str):
-            ids = await self._run(len(spec.prompt) > self.offload_chars, self.tokenizer.encode, spec.prompt)
+            self.check_fits(len(spec.prompt), "prompt", max_model_len)
+            ids = await self._run(spec.client, len(spec.prompt), self.tokenizer.encode, spec.prompt)
             field = "prompt"
         else:
             raise InvalidRequest("prompt: is required", param="prompt")

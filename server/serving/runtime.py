@@ -4,28 +4,25 @@ Start (ASGI lifespan, before the socket accepts): open the ledger (which turns r
 process left open into `interrupted`), load the tokenizer, wire admission/streams/metrics/service,
 and start the engine thread, which loads the weights in the background (/health is 503 until then).
 
-Stop, in two stages (see `server.serving.serve`): `drain()` stops accepting, gives in-flight requests the
+Stop, in two stages (see `server.serve`): `drain()` stops accepting, gives in-flight requests the
 grace period, interrupts the rest, makes every ledger row terminal, then runs the drain hooks that
 the edges registered (the WebSocket endpoint closes its sockets with 1001 after flushing their
 final frames); `close()` stops the engine thread and the ledger.
 
-The Runtime knows nothing of the API layer (HTTP, WebSocket, OpenAI shapes): the edges import it,
-never the other way round.
+The Runtime knows nothing of the API layer (HTTP, WebSocket, OpenAI shapes) nor of the gateway:
+the edges import it, never the other way round, and the gateway's policy (keys, quotas) comes in
+as an `AccessPolicy` (server.serving.access) from the composition root, `server/serve.py`.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
-import sqlite3
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
 
-from server.gateway import redact
-from server.gateway.auth import Authenticator, read_admin_key
-from server.gateway.quotas import QuotaBook
-from server.gateway.usage import daily_usage, recent_usage
 from server.models.generation_defaults import generation_defaults
+from server.serving.access import AccessPolicy
 from server.serving.admission import AdmissionQueue
 from server.serving.bridge import EngineBridge
 from server.serving.db_lock import LedgerLock
@@ -38,6 +35,7 @@ from server.serving.router_view import router_gauges
 from server.serving.service import RequestService
 from server.serving.settings import ServeSettings
 from server.serving.streams import StreamRegistry
+from server.text.loader import load_tokenizer
 from server.text.tokenizer import Tokenizer
 
 log = logging.getLogger("pagewire")
@@ -45,7 +43,7 @@ log = logging.getLogger("pagewire")
 
 class Runtime:
     def __init__(self, settings: ServeSettings, model_dir: Path, model_name: str,
-                 lock: Optional[LedgerLock] = None) -> None:
+                 lock: Optional[LedgerLock] = None, policy: Optional[AccessPolicy] = None) -> None:
         self.settings = settings
         self.lock = lock  # the ledger's exclusive lock, when taken before start (serve.run)
         self.model_dir = model_dir
@@ -56,10 +54,9 @@ class Runtime:
         self.bridge: Optional[EngineBridge] = None
         self.service: Optional[RequestService] = None
         self.admission: Optional[AdmissionQueue[Job]] = None
-        self.auth: Optional[Authenticator] = None  # server.gateway.auth; set in start()
-        self.quotas: Optional[QuotaBook] = None
-        self._keys_conn: Optional[sqlite3.Connection] = None
-        self._keys_task: Optional[asyncio.Task[None]] = None
+        # Who may do what, and how much (server.gateway.policy.Gateway in a server; None: no
+        # keys, no quotas). Started once the ledger is open, closed after it.
+        self.policy = policy
         self.metrics: Metrics
         self._drain_hooks: list[Callable[[], Awaitable[None]]] = []
         self._drained = False
@@ -76,27 +73,21 @@ class Runtime:
     async def start(self) -> None:
         s = self.settings
         loop = asyncio.get_running_loop()
-        admin = read_admin_key(s.admin_key_file) if s.admin_key_file else None
-        if s.db_target.is_postgres:
-            await self._start_shared(admin)
+        if s.db_target.is_postgres:  # shared by replicas (server.serving.ledger_pg)
+            from server.serving.ledger_pg import PgLedger
+
+            assert s.db_target.url is not None
+            self.ledger = await PgLedger.open(s.db_target.url, name=f"{s.host}:{s.port} pid {os.getpid()}",
+                                              lease_s=s.instance_lease)
+            log.info("ledger: %s as replica %s (%d request(s) of lapsed replicas marked interrupted)",
+                     s.db_target.display(), self.ledger.instance_id, self.ledger.interrupted_at_start)
         else:
             self.ledger = await Ledger.open(s.db_path, lock=self.lock)
             log.info("ledger: %s (%d request(s) marked interrupted from the previous run)",
                      s.db_path, self.ledger.interrupted_at_start)
-            # The gateway's key cache reads the api_keys table through its own small connection
-            # (used on the loop only; the ledger migrated the schema above).
-            self._keys_conn = sqlite3.connect(str(s.db_path), check_same_thread=False, isolation_level=None)
-            self._keys_conn.execute("PRAGMA busy_timeout=1000")
-            self.auth = Authenticator(self._keys_conn, s.auth, admin, s.insecure_no_auth)
-            self.quotas = QuotaBook(self.auth.limits_of)
-            day = QuotaBook.day_of(self.quotas.clock())
-            self.quotas.load_daily(await daily_usage(self.ledger, day), day)
-            self.quotas.load_window(await recent_usage(self.ledger, self.quotas.clock() - 60.0))
-        assert self.ledger is not None and self.auth is not None
-        redact.install()  # before any request can log a header
-        log.info("auth: %s (%s)", "required" if self.auth.required else "off",
-                 f"mode {s.auth}" + (", admin key set" if admin else ""))
-        self.tokenizer = await loop.run_in_executor(None, Tokenizer.load, self.model_dir)
+        if self.policy is not None:
+            await self.policy.start(self.ledger)
+        self.tokenizer = await loop.run_in_executor(None, load_tokenizer, self.model_dir)
         self.sampling_defaults = await loop.run_in_executor(None, generation_defaults, self.model_dir)
         log.info("model: %s; default sampling values from the model: %s", self.model_dir,
                  self.sampling_defaults or "none (pagewire's own defaults apply)")
@@ -113,45 +104,13 @@ class Runtime:
             PromptPreparer(self.tokenizer, s.offload_chars, self.sampling_defaults), self.metrics,
             s.request_timeout if s.request_timeout > 0 else None,
             OutputBudget(s.max_output_bytes, s.max_client_output_bytes),
-            quotas=self.quotas, ledger_text=s.ledger_text,
+            quotas=self.policy.quotas if self.policy is not None else None, ledger_text=s.ledger_text,
         )
         self.metrics.add_gauges(self.service.memory_gauges)
         bridge = self.bridge
         self.metrics.add_gauges(lambda: router_gauges(bridge.stats()))
         self.bridge.start()
         loop.create_task(self._report_ready())
-
-    async def _start_shared(self, admin: Optional[str]) -> None:
-        """A PostgreSQL ledger shared with other replicas (server.serving.ledger_pg): quotas in the
-        database (server.gateway.quota_db); keys polled every KEYS_POLL_S, because a synchronous
-        read on the event loop could stall it for as long as the network to the database does."""
-        from server.gateway.keys import load_keys
-        from server.gateway.quota_db import DbQuotas
-        from server.serving.ledger_pg import PgLedger
-
-        s = self.settings
-        assert s.db_target.url is not None
-        ledger = await PgLedger.open(s.db_target.url, name=f"{s.host}:{s.port} pid {os.getpid()}",
-                                     lease_s=s.instance_lease)
-        self.ledger = ledger
-        log.info("ledger: %s as replica %s (%d request(s) of lapsed replicas marked interrupted)",
-                 s.db_target.display(), ledger.instance_id, ledger.interrupted_at_start)
-        self.auth = Authenticator(None, s.auth, admin, s.insecure_no_auth)
-        self.auth.load(*await load_keys(ledger))
-        self.quotas = DbQuotas(ledger, self.auth.limits_of)
-
-        async def poll_keys() -> None:
-            while True:
-                await asyncio.sleep(self.KEYS_POLL_S)
-                try:
-                    assert self.auth is not None
-                    self.auth.load(*await load_keys(ledger))
-                except Exception as e:  # the database is away; keep the cache, try again
-                    log.debug("key poll failed: %s", e)
-
-        self._keys_task = asyncio.get_running_loop().create_task(poll_keys(), name="keys-poll")
-
-    KEYS_POLL_S = 0.5
 
     # Indirections so the bridge and admission can be built before the service exists.
     def _dispatch(self, deltas: list[Any]) -> None:
@@ -189,9 +148,10 @@ class Runtime:
         await self.drain()
         if self.bridge is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.bridge.shutdown, 5.0)
-        if self._keys_task is not None:
-            self._keys_task.cancel()
+        # The policy's keys connection first: the ledger's close releases the lock, whose
+        # descriptor on the database file must outlive every SQLite connection of this process
+        # (db_lock).
+        if self.policy is not None:
+            self.policy.close()
         if self.ledger is not None:
             await self.ledger.close()
-        if self._keys_conn is not None:
-            self._keys_conn.close()

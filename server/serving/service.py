@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from server.engine.outputs import RequestDelta
-from server.gateway.auth import Principal
-from server.gateway.quotas import QuotaBook, Reservation
+from server.serving.access import Caller, Quotas, Reservation
 from server.serving.admission import AdmissionQueue
 from server.serving.bridge import EngineBridge
 from server.serving.errors import Conflict, NotFound, PagewireError, Unavailable
@@ -55,13 +54,14 @@ class Admitted:
     request_id: str
     record: Optional[RequestRecord] = None
     existing: bool = False
+    prompt_tokens: Optional[int] = None  # known for a new request (Anthropic's message_start shows it)
 
 
 class RequestService:
     def __init__(self, bridge: EngineBridge, ledger: Ledger, admission: AdmissionQueue[Job],
                  registry: StreamRegistry, preparer: PromptPreparer, metrics: Metrics,
                  default_timeout_s: Optional[float], budget: Optional[OutputBudget] = None,
-                 quotas: Optional[QuotaBook] = None, ledger_text: str = "all") -> None:
+                 quotas: Optional[Quotas] = None, ledger_text: str = "all") -> None:
         self.bridge = bridge
         self.ledger = ledger
         self.admission = admission
@@ -72,7 +72,7 @@ class RequestService:
         # Bytes of output live requests may hold (see output_budget); unbounded only when built
         # without one (offline tests of the service alone).
         self.budget = budget if budget is not None else OutputBudget(1 << 62, 1 << 62)
-        # Token quotas per API key (server.gateway.quotas): reserved in `_accept`, settled in
+        # Token quotas per API key (server.serving.access.Quotas; the gateway's QuotaBook): reserved in `_accept`, settled in
         # `_commit_end`. None when auth is off.
         self.quotas = quotas
         self._reservations: dict[str, Reservation] = {}
@@ -150,7 +150,7 @@ class RequestService:
         except asyncio.CancelledError:
             task.add_done_callback(self._abandon_accepted)
             raise
-        return Admitted(job.request_id)
+        return Admitted(job.request_id, prompt_tokens=len(job.prompt_token_ids))
 
     def _settle_claim(self, key: str, task: "asyncio.Task[Job]") -> None:
         fut = self._idem.get(key)
@@ -218,12 +218,14 @@ class RequestService:
                                f"{where}; retry later", code="request_running_elsewhere")
 
     def _existing(self, request_id: str, record: Optional[RequestRecord]) -> Admitted:
-        return Admitted(request_id, record=record, existing=True)
+        job = self._jobs.get(request_id)
+        n = len(job.prompt_token_ids) if job is not None else record.prompt_tokens if record is not None else None
+        return Admitted(request_id, record=record, existing=True, prompt_tokens=n)
 
     async def _accept(self, spec: GenerationSpec) -> Job:
         checked = self.preparer.check_sampling(spec)
         await self.preparer.compile_structured(checked, spec)  # 400 for a grammar that won't compile
-        ids = await self.preparer.token_ids(spec)
+        ids = await self.preparer.token_ids(spec, self.bridge.max_model_len)
         self.check_serving()  # the model may have stopped while we tokenised
         params = self.preparer.finalize(spec, len(ids), self.bridge.max_model_len)
         # The most this request can cost: its prompt and every sample's max_tokens.
@@ -289,7 +291,7 @@ class RequestService:
     async def attach(self, request_id: str, sub: Subscriber, after_seq: int = 0,
                      record: Optional[RequestRecord] = None,
                      on_found: Optional[Callable[[], None]] = None,
-                     caller: Optional[Principal] = None) -> Optional[RequestStream]:
+                     caller: Optional[Caller] = None) -> Optional[RequestStream]:
         """Replay what `sub` has not seen (from memory, else the ledger) and follow live output.
 
         `on_found` runs once the request is known to exist, immediately before the replay and in
@@ -527,6 +529,9 @@ class RequestService:
         """Stop accepting; let in-flight requests finish for up to `grace_s`; interrupt the rest;
         make sure every ledger row is terminal."""
         self.draining = True
+        # Requests still being tokenised are not accepted yet: they get 503 now, rather than
+        # hold their connections (and the exit) until their tokenisation ends.
+        self.preparer.abort_waits(Unavailable("the server is shutting down", code="shutting_down"))
         if self._jobs:
             log.info("draining: waiting up to %.1fs for %d request(s)", grace_s, len(self._jobs))
             try:

@@ -13,13 +13,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from server.engine.config import EngineConfig
-from server.serving.db_url import DbSpecError, DbTarget, check_db_value, parse_db
+from server.serving.db_url import DbSpecError, DbTarget, check_db_value, default_db_path, parse_db
 
-
-def default_db_path() -> Path:
-    import platformdirs
-
-    return Path(platformdirs.user_data_dir("pagewire")) / "ledger.db"
+__all__ = ["ServeSettings", "default_db_path"]  # default_db_path: re-exported (server.serving.db_url)
 
 
 def _bool(text: str) -> bool:
@@ -112,6 +108,7 @@ class ServeSettings:
     max_request_bytes: int = 8 * 1024 * 1024
     outbox_bytes: int = 1024 * 1024
     send_timeout: float = 30.0
+    ws_ping_interval: float = 20.0
     offload_chars: int = 2048
     allowed_origins: str = "loopback"
     tool_call_parser: str = "auto"
@@ -213,8 +210,11 @@ OPTIONS: tuple[Option, ...] = (
            "larger than it on its own)"),
     Option("max_request_bytes", int, "largest HTTP body or WebSocket message (413 beyond)"),
     Option("outbox_bytes", int, "per-connection live backlog; beyond it a request catches up from its resume buffer"),
-    Option("send_timeout", float, "seconds one send may block before a consumer counts as stuck "
-           "(a WebSocket peer that reads nothing at all is aborted after twice this)"),
+    Option("send_timeout", float, "seconds a client may go without reading before it counts as stuck: one "
+           "send blocked this long, or a WebSocket ping unanswered this long, cuts it with a resumable "
+           "slow_consumer error (close 1013); it then has this long again to read that error"),
+    Option("ws_ping_interval", float, "seconds between the server's WebSocket pings (each must be answered "
+           "within --send-timeout; 0: no pings)"),
     Option("offload_chars", int, "prompts longer than this are tokenised off the event loop"),
     Option("allowed_origins", origin_list,
            "comma-separated browser Origins allowed to call the server: exact origins "

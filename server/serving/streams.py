@@ -191,6 +191,25 @@ class Subscriber(Protocol):
     def catch_up(self, replay: Replay) -> None: ...
 
 
+class EndWaiter:
+    """A subscriber that only wants the end of a request (non-streamed responses, batch lines)."""
+
+    def __init__(self) -> None:
+        self.future: asyncio.Future[EndEvent] = asyncio.get_running_loop().create_future()
+
+    def push(self, event: Event) -> None:
+        if isinstance(event, EndEvent) and not self.future.done():
+            self.future.set_result(event)
+
+    def catch_up(self, replay: Replay) -> None:
+        for ev in replay.drain():  # only the end matters here, and it is at most one event away
+            self.push(ev)
+
+    def cancel(self) -> None:
+        if not self.future.done():
+            self.future.cancel()
+
+
 class RequestStream:
     """One request's events. The resume buffer holds every delta until the registry drops the
     stream (the retention window after its end); after that, resume reads the ledger."""

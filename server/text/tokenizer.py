@@ -193,19 +193,9 @@ class Tokenizer:
         self.all_special_ids: frozenset[int] = frozenset(special)
         self._jinja: Optional[ImmutableSandboxedEnvironment] = None
         self._compiled: dict[str, jinja2.Template] = {}
+        self._chars_per_token: Optional[int] = None  # max_chars_per_token, computed on first use
 
     # -- construction ----------------------------------------------------------------------------
-    @classmethod
-    def load(cls, model: str | Path) -> "Tokenizer":
-        """The tokenizer of a Hugging Face model folder or of a GGUF file (built from its metadata)."""
-        from server.models.gguf_file import is_gguf_path
-
-        if is_gguf_path(model):
-            from server.text.gguf_tokenizer import tokenizer_from_gguf
-
-            return tokenizer_from_gguf(model)
-        return cls.from_dir(model)
-
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
         """Load the tokenizer of a Hugging Face model folder.
@@ -254,10 +244,29 @@ class Tokenizer:
         there); BOS is prepended only if tokenizer_config asks for it and it is not already first.
         Special-token strings inside `text` (e.g. "<|im_start|>") map to their ids, as in HF.
         """
-        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) >= GIL_FREE_CHARS:
+            # The batch path releases the GIL while Rust works (`encode` holds it throughout),
+            # so the event loop keeps running while a long prompt is tokenised on another thread.
+            ids: list[int] = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
             ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]
         return ids
+
+    def max_chars_per_token(self) -> Optional[int]:
+        """The most characters of input text one token can stand for, or None when this
+        tokenizer's pipeline gives no such bound (a normalizer or pre-tokenizer that can delete
+        characters: whitespace splitting, strip, regex replacements). Admission refuses a prompt
+        whose character count alone proves it cannot fit the context, without tokenising it.
+
+        A token's vocabulary string has at least as many characters as the text it covers
+        (byte-level BPE spells each byte as one character; SentencePiece spells a space as one
+        `▁`), so the longest vocabulary string bounds it, times what the normalizer can
+        compress (NFC/NFKC compose at most a few code points into one)."""
+        if self._chars_per_token is None:
+            self._chars_per_token = _chars_per_token_bound(self._tok) or -1
+        return self._chars_per_token if self._chars_per_token > 0 else None
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text for `ids`. No clean-up of spaces before punctuation: that step corrupts BPE output
@@ -374,3 +383,61 @@ class Tokenizer:
             # A template is untrusted code run on client data: any failure inside it (raise_exception,
             # adding a list to a string, ...) means this conversation does not fit it, not a server bug.
             raise ChatTemplateError(f"chat template error: {e}") from None
+
+
+# Texts this long are encoded through the GIL-releasing batch path (see Tokenizer.encode).
+GIL_FREE_CHARS = 2048
+
+# How many characters a normalizer may turn into one (None: it may delete characters). NFC and
+# NFKC compose a base and its combining marks (or a Hangul syllable's jamo) into one code point;
+# 4 is above any composition Unicode has.
+_NORMALIZER_COMPRESSION = {"NFD": 1, "NFKD": 1, "NFC": 4, "NFKC": 4, "Lowercase": 1, "Prepend": 1,
+                           "BertNormalizer": None, "Strip": None, "StripAccents": None, "Precompiled": None,
+                           "Nmt": None}
+# Pre-tokenizers that keep every character (others, like Whitespace, drop some).
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts"}
+
+
+def _normalizer_factor(spec: Optional[dict[str, Any]]) -> Optional[float]:
+    if spec is None:
+        return 1.0
+    kind = spec.get("type")
+    if kind == "Sequence":
+        f = 1.0
+        for part in spec.get("normalizers", []):
+            g = _normalizer_factor(part)
+            if g is None:
+                return None
+            f *= g
+        return f
+    if kind == "Replace":
+        pattern, content = spec.get("pattern", {}), spec.get("content", "")
+        if "String" not in pattern or not content:
+            return None
+        return max(1.0, len(pattern["String"]) / len(content))
+    factor = _NORMALIZER_COMPRESSION.get(str(kind))
+    return None if factor is None else float(factor)
+
+
+def _pre_tokenizer_keeps_all(spec: Optional[dict[str, Any]]) -> bool:
+    if spec is None:
+        return True
+    kind = spec.get("type")
+    if kind == "Sequence":
+        return all(_pre_tokenizer_keeps_all(p) for p in spec.get("pretokenizers", []))
+    if kind in ("Split", "Punctuation"):
+        return spec.get("behavior") != "Removed"
+    return kind in _KEEPING_PRE_TOKENIZERS
+
+
+def _chars_per_token_bound(backend: _BackendTokenizer) -> Optional[int]:
+    """See Tokenizer.max_chars_per_token."""
+    try:
+        pipeline = json.loads(backend.to_str())
+    except (ValueError, TypeError):
+        return None
+    factor = _normalizer_factor(pipeline.get("normalizer"))
+    if factor is None or not _pre_tokenizer_keeps_all(pipeline.get("pre_tokenizer")):
+        return None
+    longest = max((len(t) for t in backend.get_vocab(with_added_tokens=True)), default=0)
+    return int(longest * factor + 0.999) if longest else None

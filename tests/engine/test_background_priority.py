@@ -7,8 +7,8 @@ from typing import Callable
 
 from server.engine.config import EngineConfig
 from server.engine.engine import LLMEngine
+from server.engine.priority import BACKGROUND_PRIORITY
 from server.engine.sampling_params import SamplingParams
-from server.engine.scheduler import BACKGROUND_PRIORITY
 
 
 def _engine(path: Path, **kw: int) -> LLMEngine:

@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from server.api.context import ApiContext
 from server.api.ws import WsEndpoint
+from server.gateway.policy import Gateway
 from server.serving.runtime import Runtime
 from server.serving.settings import ServeSettings
 
@@ -26,7 +27,7 @@ FAST = {"max_num_seqs": 8, "kv_cache_tokens": 4096, "max_num_batched_tokens": 25
 async def running(model_dir: Path, db: Path, **overrides: Any) -> AsyncIterator[Runtime]:
     """A started Runtime whose model has loaded; drained and closed on exit."""
     settings = ServeSettings(db=str(db), **{**FAST, **overrides})
-    rt = Runtime(settings, model_dir, "demo")
+    rt = Runtime(settings, model_dir, "demo", policy=Gateway(settings))  # as server.serve.compose wires it
     await rt.start()
     try:
         assert rt.bridge is not None
@@ -90,8 +91,14 @@ class FakeSocket:
         return [f for f in self.frames if f.get("id") == cid]
 
 
+def api_of(rt: Runtime) -> ApiContext:
+    """The edge's context for a Runtime that `running` started (its policy is the Gateway)."""
+    assert isinstance(rt.policy, Gateway)
+    return ApiContext(rt, rt.policy)
+
+
 def ws_endpoint(rt: Runtime) -> WsEndpoint:
-    return WsEndpoint(ApiContext(rt))
+    return WsEndpoint(api_of(rt))
 
 
 def connect(endpoint: WsEndpoint, sock: FakeSocket) -> "asyncio.Task[None]":

@@ -30,10 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from server.api.context import ApiContext
 from server.api.openai_http import GenerateEndpoint
 from server.engine.outputs import RequestDelta
-from tests.faults.inproc import FakeSocket, connect, running, until, ws_endpoint
+from tests.faults.inproc import FakeSocket, api_of, connect, running, until, ws_endpoint
 from tests.server.harness import ledger_rows
 
 NORMAL = 8
@@ -108,7 +107,7 @@ def test_drain_finishes_every_request_despite_stalled_clients_leavers_and_load(d
             scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [
                 (b"content-type", b"application/json")], "client": ("127.0.0.1", 50001)}
             sse_task = asyncio.get_running_loop().create_task(
-                GenerateEndpoint(ApiContext(rt), "completion")(scope, sse.receive, sse.send))
+                GenerateEndpoint(api_of(rt), "completion")(scope, sse.receive, sse.send))
             await sse.started.wait()
             # The long ones producing (a normal one may already have finished on a slow machine:
             # the drain must then still deliver its `done`, which is checked below all the same).

@@ -17,7 +17,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import httpx
 import pytest
@@ -92,8 +92,23 @@ FUZZ = settings(deadline=None, database=None, derandomize=True,
 HTTP_SENDERS = 8
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_fuzz_http_bodies_never_500(srv: ServerProcess, path: str) -> None:
+def _openai_shaped(body: Any) -> bool:
+    return isinstance(body, dict) and "error" in body
+
+
+def _anthropic_shaped(body: Any) -> bool:
+    return isinstance(body, dict) and body.get("type") == "error" and isinstance(body.get("error"), dict) \
+        and isinstance(body["error"].get("type"), str) and isinstance(body["error"].get("message"), str)
+
+
+def _ollama_shaped(body: Any) -> bool:
+    return isinstance(body, dict) and isinstance(body.get("error"), str)
+
+
+def _fuzz_http(srv: ServerProcess, path: str, strategy: Any, examples: int, shaped: Any,
+               valid: Optional[dict[str, Any]]) -> None:
+    """Send `examples` generated bodies to `path`; no 500, every error in the route's own shape
+    (`shaped`), and afterwards a known-valid body (when the route has one) still gets its 200."""
     seen: dict[int, int] = {}
     faults: list[tuple[int, bytes, str]] = []
     lock = threading.Lock()
@@ -111,9 +126,11 @@ def test_fuzz_http_bodies_never_500(srv: ServerProcess, path: str) -> None:
         fault = r.status_code >= 500 and r.status_code not in (503, 504)
         if r.status_code >= 400 and not fault:
             try:
-                fault = "error" not in r.json()
+                fault = not shaped(r.json())
             except ValueError:
                 fault = True
+        # A streamed 200 (Ollama streams by default) carries a failure as an error line/event.
+        fault = fault or "internal error" in r.text
         with lock:
             seen[r.status_code] = seen.get(r.status_code, 0) + 1
             if fault:
@@ -122,8 +139,8 @@ def test_fuzz_http_bodies_never_500(srv: ServerProcess, path: str) -> None:
     with ThreadPoolExecutor(HTTP_SENDERS) as pool:
         sent: list[Future[None]] = []
 
-        @settings(FUZZ, max_examples=HTTP_EXAMPLES)
-        @given(body=st.one_of(bodies.map(_encode), raw))
+        @settings(FUZZ, max_examples=examples)
+        @given(body=st.one_of(strategy.map(_encode), raw))
         def one(body: bytes) -> None:
             sent.append(pool.submit(post, body))
 
@@ -135,19 +152,105 @@ def test_fuzz_http_bodies_never_500(srv: ServerProcess, path: str) -> None:
             for c in clients:
                 c.close()
     assert not faults, faults[:3]
-    assert len(sent) >= HTTP_EXAMPLES
+    assert len(sent) >= examples
     assert sum(seen.values()) == len(sent) and 400 in seen, seen
     # Whether the generated bodies include a valid one is chance (one quiet run drew 3,000 chat
     # bodies that all answered 400), so a known-valid body after the fuzz shows the server still
     # does real work on this endpoint.
+    if valid is not None:
+        r = httpx.post(srv.base + path, json=valid, timeout=120)
+        assert r.status_code == 200, r.text
+    assert srv.proc is not None and srv.proc.poll() is None
+    assert httpx.get(srv.base + "/health", timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_fuzz_http_bodies_never_500(srv: ServerProcess, path: str) -> None:
     # Its own `timeout` lifts the server's 3 s default deadline, which a loaded machine can pass
     # (a whole-suite run beside two others at load 9 got 504 here): the check is that it answers.
     valid = ({"prompt": "hi", "max_tokens": 1, "timeout": 600} if path == "/v1/completions"
              else {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "timeout": 600})
-    r = httpx.post(srv.base + path, json=valid, timeout=120)
-    assert r.status_code == 200, r.text
-    assert srv.proc is not None and srv.proc.poll() is None
-    assert httpx.get(srv.base + "/health", timeout=30).status_code == 200
+    _fuzz_http(srv, path, bodies, HTTP_EXAMPLES, _openai_shaped, valid)
+
+
+# -- Anthropic's and Ollama's routes: their own field names, nested shapes and error shapes --------
+
+FORMAT_EXAMPLES = 1000
+
+blocks = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "tool_use", "tool_result", "image", "thinking", "document", "x"])},
+    optional={"text": st.one_of(texts, values), "id": values, "name": values, "input": values,
+              "tool_use_id": values, "content": st.one_of(texts, values), "is_error": values})
+anthropic_messages = st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "system", ""])},
+    optional={"content": st.one_of(texts, st.lists(blocks, max_size=3), values)}), max_size=3)
+ANTHROPIC_SANE = {
+    "model": st.sampled_from(["demo", "claude-x"]), "messages": anthropic_messages, "max_tokens": st.integers(-1, 4),
+    "system": st.one_of(texts, st.lists(blocks, max_size=2)), "stop_sequences": st.lists(texts, max_size=3),
+    "stream": st.booleans(), "temperature": st.floats(-1, 2), "top_k": ints,
+    "tools": st.lists(st.fixed_dictionaries({"name": st.sampled_from(["f", "bad name"])},
+                                            optional={"input_schema": values, "type": values}), max_size=2),
+    "tool_choice": st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool", "none", "x"])},
+                                         optional={"name": values, "disable_parallel_tool_use": values}),
+    "output_config": st.fixed_dictionaries({"format": st.one_of(values, st.fixed_dictionaries(
+        {"type": st.just("json_schema")}, optional={"schema": values}))}),
+    "metadata": values, "thinking": values, "seed": ints}
+ANTHROPIC_FIELDS = sorted(ANTHROPIC_SANE) + ["top_p", "output_format", "service_tier"]
+
+ollama_messages = st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "system", "tool", ""])},
+    optional={"content": st.one_of(texts, values), "images": values, "tool_name": values,
+              "tool_calls": st.one_of(values, st.lists(st.fixed_dictionaries({"function": values}), max_size=2))}),
+    max_size=3)
+OPTION_NAMES = ["temperature", "top_p", "top_k", "min_p", "num_predict", "stop", "seed", "repeat_penalty",
+                "presence_penalty", "frequency_penalty", "mirostat", "tfs_z", "typical_p", "num_ctx", "x"]
+options = st.one_of(st.dictionaries(st.sampled_from(OPTION_NAMES), values, max_size=4),
+                    st.fixed_dictionaries({"num_predict": st.integers(-3, 4)},
+                                          optional={"temperature": st.floats(-1, 2), "seed": ints,
+                                                    "stop": st.lists(texts, max_size=2), "top_k": st.integers(-1, 9)}),
+                    values)
+OLLAMA_SANE = {
+    "model": st.sampled_from(["demo", "demo:latest", "llama3"]), "messages": ollama_messages, "prompt": texts,
+    "system": texts, "raw": st.booleans(), "stream": st.booleans(), "options": options,
+    "format": st.one_of(st.sampled_from(["", "json", "xml"]), values), "keep_alive": st.one_of(ints, texts, values),
+    "tools": values, "think": values, "input": st.one_of(texts, st.lists(texts, max_size=2), values)}
+OLLAMA_FIELDS = sorted(OLLAMA_SANE) + ["suffix", "template", "context", "images", "name", "truncate", "dimensions"]
+
+
+def _route_bodies(sane_map: dict[str, Any], fields: list[str]) -> Any:
+    sane_route = st.lists(st.sampled_from(sorted(sane_map)), max_size=5, unique=True).flatmap(
+        lambda names: st.fixed_dictionaries({k: sane_map[k] for k in names}))
+    return st.one_of(
+        st.builds(lambda a, b: {**a, **b}, sane_route, st.dictionaries(st.sampled_from(fields), values, max_size=3)),
+        sane_route, values)
+
+
+USER_HI = [{"role": "user", "content": "hi"}]
+FORMAT_ROUTES: list[tuple[str, Any, Any, Optional[dict[str, Any]], int]] = [
+    ("/v1/messages", _route_bodies(ANTHROPIC_SANE, ANTHROPIC_FIELDS), _anthropic_shaped,
+     {"model": "demo", "max_tokens": 1, "messages": USER_HI}, FORMAT_EXAMPLES),
+    ("/v1/messages/count_tokens", _route_bodies(ANTHROPIC_SANE, ANTHROPIC_FIELDS), _anthropic_shaped,
+     {"model": "demo", "messages": USER_HI}, FORMAT_EXAMPLES // 2),
+    ("/api/chat", _route_bodies(OLLAMA_SANE, OLLAMA_FIELDS), _ollama_shaped,
+     {"model": "demo", "messages": USER_HI, "stream": False, "options": {"num_predict": 1}}, FORMAT_EXAMPLES),
+    ("/api/generate", _route_bodies(OLLAMA_SANE, OLLAMA_FIELDS), _ollama_shaped,
+     {"model": "demo", "prompt": "hi", "options": {"num_predict": 1}}, FORMAT_EXAMPLES),
+    ("/api/show", _route_bodies(OLLAMA_SANE, OLLAMA_FIELDS), _ollama_shaped, {"model": "demo"}, FORMAT_EXAMPLES // 4),
+    # No embedding model is served, so no body of /api/embed is valid (checked below).
+    ("/api/embed", _route_bodies(OLLAMA_SANE, OLLAMA_FIELDS), _ollama_shaped, None, FORMAT_EXAMPLES // 4),
+]
+
+
+@pytest.mark.parametrize("path,strategy,shaped,valid,examples", FORMAT_ROUTES, ids=[r[0] for r in FORMAT_ROUTES])
+def test_fuzz_format_routes_never_500(srv: ServerProcess, path: str, strategy: Any, shaped: Any,
+                                      valid: Optional[dict[str, Any]], examples: int) -> None:
+    _fuzz_http(srv, path, strategy, examples, shaped, valid)
+    if path == "/api/embed":  # every well-formed body is the 400 naming `model`
+        r = httpx.post(srv.base + path, json={"model": "demo", "input": "hi"}, timeout=120)
+        assert r.status_code == 400 and r.json()["error"].startswith("model:")
+    for get in ("/api/tags", "/api/ps", "/api/version"):
+        r = httpx.get(srv.base + get, timeout=60)
+        assert r.status_code == 200 and isinstance(r.json(), dict), get
 
 
 def test_fuzz_ws_frames_never_internal_error(srv: ServerProcess) -> None:

@@ -100,3 +100,43 @@ def test_a_new_ledger_is_private(demo_model: Path, tmp_path: Path) -> None:
     finally:
         srv.stop()
     assert ledger_rows(db)
+
+
+# Issue 29, break 1: the lock is on the file, not the name. A symlink or a hard link to a live
+# server's ledger is the same ledger; a second server on it would sweep the first one's rows.
+@pytest.mark.parametrize("how", ["symlink", "hardlink"])
+def test_ledger_lock_covers_other_names_of_the_same_file(tmp_path: Path, how: str) -> None:
+    from server.serving.db_lock import LedgerLock, LedgerLocked
+
+    db = tmp_path / "real" / "ledger.db"
+    held = LedgerLock.acquire(db)  # creates the (empty) database file, 0600
+    other_dir = tmp_path / "elsewhere"
+    other_dir.mkdir()
+    link = other_dir / "alias.db"
+    if how == "symlink":
+        link.symlink_to(db)
+    else:
+        os.link(db, link)
+    try:
+        with pytest.raises(LedgerLocked) as info:
+            LedgerLock.acquire(link)
+        assert info.value.pid == os.getpid(), info.value  # named, even through a hard link
+    finally:
+        held.release()
+    LedgerLock.acquire(link).release()  # free again once the first holder lets go
+
+
+def test_second_server_on_a_symlink_to_a_live_ledger_refuses(demo_model: Path, tmp_path: Path) -> None:
+    from server.serving.db_lock import LedgerLock
+
+    db = tmp_path / "live.db"
+    held = LedgerLock.acquire(db)  # stands in for the live server (the refusal comes before loading)
+    link = tmp_path / "link.db"
+    link.symlink_to(db)
+    try:
+        second = _second_server(demo_model, link)
+        assert second.returncode != 0
+        assert f"process {os.getpid()}" in second.stderr, second.stderr
+        assert str(db) in second.stderr, second.stderr  # the real path is named
+    finally:
+        held.release()

@@ -34,17 +34,17 @@ class InProcessServer:
     def __init__(self, demo_model: Path, db: Path, **settings: Any) -> None:
         import uvicorn
 
-        from server.api.app import build_app
-        from server.serving.runtime import Runtime
+        from server.serve import compose
         from server.serving.settings import ServeSettings
 
         self.port = free_port()
         self.settings = ServeSettings(host="127.0.0.1", port=self.port, db=str(db), max_num_seqs=8,
                                       kv_cache_tokens=4096, max_num_batched_tokens=256, num_threads=1,
                                       **settings)
-        self.rt = Runtime(self.settings, demo_model, "demo")
-        config = uvicorn.Config(build_app(self.rt), host="127.0.0.1", port=self.port, loop="asyncio",
-                                lifespan="on", ws="websockets", log_level="warning")
+        self.rt, self.gateway, app = compose(self.settings, demo_model, "demo")
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, loop="asyncio",
+                                lifespan="on", ws="websockets", log_level="warning",
+                                ws_ping_interval=None, ws_ping_timeout=None)  # as serve.py: pagewire pings
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from server.gateway.files import FileLimits, FileStore
 from server.serving.errors import InvalidRequest, NotFound, TooLarge
+from server.serving.files import FileLimits, FileStore
 from server.serving.ledger import Ledger
 
 

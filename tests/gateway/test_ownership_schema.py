@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from server.gateway.auth import ADMIN_ID, Principal
-from server.gateway.batch import BatchManager
-from server.gateway.files import FileStore
+from server.serving.batch import BatchManager
 from server.serving.errors import NotFound
+from server.serving.files import FileStore
 from server.serving.ledger import _MIGRATIONS, SCHEMA_VERSION, Ledger
 
 ALICE = Principal("pw-aaaaaaaaaaaa")

@@ -14,7 +14,7 @@ import pytest
 
 from server.cli import main
 from server.engine.config import ConfigError, EngineConfig
-from server.gateway.plan import make_plan, parse_bytes, read_model_config
+from server.engine.plan import make_plan, parse_bytes, read_model_config
 from tests.server.harness import REPO, ServerProcess
 
 

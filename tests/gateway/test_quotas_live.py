@@ -53,8 +53,8 @@ def test_tpm_429_headers_and_the_openai_sdk_retry(in_process: Any, make_key: Any
     key_id, secret = make_key(db, "tpm", tpm=100)
     srv = in_process(db)
     clock = FakeClock()
-    assert srv.rt.quotas is not None
-    srv.rt.quotas.clock = clock
+    assert srv.gateway.quotas is not None
+    srv.gateway.quotas.clock = clock
     sleeps: list[float] = []
     c = _client(srv.base, secret, 0, clock, sleeps)
     ok = c.completions.with_raw_response.create(model="demo", prompt=PROMPT, max_tokens=57,
@@ -100,9 +100,9 @@ def test_reservations_are_released_on_cancel_and_failure(in_process: Any, make_k
     key_id, secret = make_key(db, "rec", tpm=1000)
     srv = in_process(db)
     clock = FakeClock()
-    assert srv.rt.quotas is not None
-    srv.rt.quotas.clock = clock
-    book = srv.rt.quotas
+    assert srv.gateway.quotas is not None
+    srv.gateway.quotas.clock = clock
+    book = srv.gateway.quotas
 
     async def cancel_after_first_delta() -> dict[str, Any]:
         from websockets.asyncio.client import connect

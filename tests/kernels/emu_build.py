@@ -19,11 +19,14 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 EMU = ROOT / "tests" / "kernels" / "emu"
 CPU_SRC = ROOT / "csrc" / "cpu"
 SIMDE = Path("/usr/include/simde/x86/avx512.h")
+# torch's headers, for the header-only c10 fp16 conversions elem.h uses (nothing of libtorch is linked).
+TORCH_INCLUDE = Path(torch.__file__).resolve().parent / "include"
 
 
 def build(name: str, sources: list[str]) -> ctypes.CDLL:
@@ -38,7 +41,8 @@ def build(name: str, sources: list[str]) -> ctypes.CDLL:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
         cmd = ["g++", "-O2", "-std=c++17", "-fopenmp", "-shared", "-fPIC", "-w", "-DPAGEWIRE_X86_EMULATE",
-               "-include", str(EMU / "x86_emu.h"), f"-I{CPU_SRC}", f"-I{EMU}", *map(str, files), "-o", str(tmp)]
+               "-include", str(EMU / "x86_emu.h"), f"-I{CPU_SRC}", f"-I{EMU}", f"-I{TORCH_INCLUDE}",
+               *map(str, files), "-o", str(tmp)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"emulated build of {name} failed:\n{' '.join(cmd)}\n{done.stderr[-4000:]}")

@@ -84,8 +84,10 @@ def gather_kv(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.T
     return blocks.permute(1, 0, 2, 3).reshape(num_kv_heads, nb * block_size, head_dim)[:, :seq_len]
 
 
-def reference_paged_attention(batch: PagedBatch, scale: float, sliding_window: int) -> torch.Tensor:
-    """[T, H, D] float64 attention with the causal (+ Mistral sliding-window) mask, softmax in float64."""
+def reference_paged_attention(batch: PagedBatch, scale: float, sliding_window: int, softcap: float = 0.0) -> torch.Tensor:
+    """[T, H, D] float64 attention with the causal (+ Mistral sliding-window) mask, softmax in float64;
+    softcap > 0 caps the scaled scores to softcap * tanh(s / softcap) first (Gemma 2's
+    attn_logit_softcapping, as transformers applies it: after the scale, before the mask)."""
     query = batch.query.double()
     num_heads = query.shape[1]
     out = torch.empty_like(query)
@@ -99,6 +101,8 @@ def reference_paged_attention(batch: PagedBatch, scale: float, sliding_window: i
         k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)  # [H, L, D]
         q = query[q0:q1].transpose(0, 1)  # [H, q_len, D]
         scores = (q @ k.transpose(1, 2)) * scale  # [H, q_len, L]
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
         pos_q = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
         pos_k = torch.arange(seq_len).unsqueeze(0)
         visible = pos_k <= pos_q
@@ -107,6 +111,20 @@ def reference_paged_attention(batch: PagedBatch, scale: float, sliding_window: i
         scores = scores.masked_fill(~visible, float("-inf"))
         out[q0:q1] = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1)
     return out
+
+
+def release_out_of_window(batch: PagedBatch, sliding_window: int, null: int = -1) -> PagedBatch:
+    """The batch with every block-table entry wholly before its sequence's first query's window
+    set to `null`, as a sliding-window KV group's table is once the allocator has returned those
+    blocks to the pool. Compute the reference on the original batch: this one reads no such block."""
+    tables = batch.block_tables.clone()
+    bs = batch.key_cache.shape[2]
+    for s in range(tables.shape[0]):
+        q_len = int(batch.query_start_loc[s + 1] - batch.query_start_loc[s])
+        first_pos = int(batch.seq_lens[s]) - q_len
+        tables[s, : max(0, first_pos - sliding_window + 1) // bs] = null
+    return PagedBatch(batch.query, batch.key_cache, batch.value_cache, tables, batch.seq_lens,
+                      batch.query_start_loc, batch.max_query_len, batch.max_seq_len)
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

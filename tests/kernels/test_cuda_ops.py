@@ -21,19 +21,20 @@ def needs_cuda_kernels() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("heads,head_dim", [((8, 2), 64), ((4, 4), 80), ((8, 1), 128), ((4, 2), 256)])
-@pytest.mark.parametrize("window", [0, 17])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (17, 0.0), (0, 3.0), (17, 0.5)])
 def test_paged_attention_cuda_matches_reference(dtype: torch.dtype, heads: tuple[int, int], head_dim: int,
-                                                window: int) -> None:
+                                                window: int, softcap: float) -> None:
     needs_cuda_kernels()
     gen = torch.Generator().manual_seed(head_dim + window)
     b = make_paged_batch(MIXED, heads[0], heads[1], head_dim, dtype, gen)
     dev = torch.device("cuda")
     out = torch.full_like(b.query, float("nan"), device=dev)
+    scale = 256**-0.5 * 4 if softcap else head_dim**-0.5  # a per-layer scale with the cap
     ops.paged_attention(
         out, b.query.to(dev), b.key_cache.to(dev), b.value_cache.to(dev), b.block_tables.to(dev),
-        b.seq_lens.to(dev), b.query_start_loc.to(dev), head_dim**-0.5, window, b.max_query_len, b.max_seq_len,
+        b.seq_lens.to(dev), b.query_start_loc.to(dev), scale, window, b.max_query_len, b.max_seq_len, softcap,
     )
-    ref = reference_paged_attention(b, head_dim**-0.5, window)
+    ref = reference_paged_attention(b, scale, window, softcap)
     assert relative_error(out.cpu(), ref) <= TOLERANCE[dtype]
 
 

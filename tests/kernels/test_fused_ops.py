@@ -1,4 +1,5 @@
-"""The fused decoder ops (pagewire::rms_norm, add_rms_norm, rotary_embedding, silu_and_mul) against
+"""The fused decoder ops (pagewire::rms_norm, add_rms_norm, rotary_embedding, silu_and_mul,
+gelu_tanh_and_mul) against
 float64 references, against the torch compositions the model uses off-CPU, and under opcheck."""
 from __future__ import annotations
 
@@ -134,6 +135,26 @@ def test_silu_and_mul(cpu_isa: str, dtype: torch.dtype, T: int, I: int) -> None:
                                atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,I", [(1, 2816), (3, 40), (70, 1003)])
+def test_gelu_tanh_and_mul(cpu_isa: str, dtype: torch.dtype, T: int, I: int) -> None:
+    """GELU-tanh (Gemma's MLP) on every kernel family: the float64 formula, and torch's own
+    F.gelu(approximate="tanh") * up (the models' off-CPU path and transformers' rounding)."""
+    gen = torch.Generator().manual_seed(T * I + 1)
+    x = (torch.randn(T, 2 * I, generator=gen) * 4).to(dtype)
+    x[0, :8] = torch.tensor([0.0, -0.0, 1e-4, -1e-4, 9.5, -9.5, 30.0, -30.0]).to(dtype)  # tanh's ends and middle
+    y = ops.gelu_tanh_and_mul(x)
+    g, u = x[:, :I].double(), x[:, I:].double()
+    ref = 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3))) * u
+    assert_close_to(y, ref, roundings=3 if dtype != torch.float32 else 16)
+    # torch's vectorised tanh saturates to -1 sooner (gelu of a gate below ~ -5 becomes exactly 0 there):
+    # absolute agreement at fp32 precision of the largest value.
+    torch.testing.assert_close(y, F.gelu(x[:, :I], approximate="tanh") * x[:, I:],
+                               rtol=ulp(dtype) if dtype != torch.float32 else 1e-6,
+                               atol=1e-6 * float(ref.abs().max()))
+    assert torch.equal(layers.gelu_tanh_and_mul(x), y)
+
+
 def test_bad_arguments_name_the_argument() -> None:
     x = torch.randn(2, 8)
     with pytest.raises(RuntimeError, match="weight must be \\[hidden\\]"):
@@ -145,6 +166,8 @@ def test_bad_arguments_name_the_argument() -> None:
         ops.rotary_embedding(torch.randn(2, 1, 8), torch.tensor([0, 16]), rope.cos, rope.sin)
     with pytest.raises(RuntimeError, match="x must be \\[T, 2 \\* I\\]"):
         ops.silu_and_mul(torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match="x must be \\[T, 2 \\* I\\]"):
+        ops.gelu_tanh_and_mul(torch.randn(2, 7))
 
 
 def test_opcheck_fused_ops() -> None:
@@ -160,4 +183,5 @@ def test_opcheck_fused_ops() -> None:
     torch.library.opcheck(torch.ops.pagewire.rotary_embedding.default,
                           (qk, torch.tensor([0, 5, 31]), rope.cos, rope.sin, torch.ones(4, 16).bfloat16(), 1e-6))
     torch.library.opcheck(torch.ops.pagewire.silu_and_mul.default, (x,))
+    torch.library.opcheck(torch.ops.pagewire.gelu_tanh_and_mul.default, (x,))
     assert math.isfinite(float(x.float().sum()))

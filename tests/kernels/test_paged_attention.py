@@ -1,4 +1,5 @@
-"""paged_attention against a float64 reference: mixed batches, GQA ratios, head dims, dtypes, windows."""
+"""paged_attention against a float64 reference: mixed batches, GQA ratios, head dims, dtypes, windows,
+logit soft-capping."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +12,7 @@ from tests.kernels.paged_reference import (
     make_paged_batch,
     reference_paged_attention,
     relative_error,
+    release_out_of_window,
 )
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -28,19 +30,20 @@ def isa(cpu_isa: str) -> str:
     return cpu_isa
 
 
-def run_kernel(batch: PagedBatch, scale: float, sliding_window: int) -> torch.Tensor:
+def run_kernel(batch: PagedBatch, scale: float, sliding_window: int, softcap: float = 0.0) -> torch.Tensor:
     out = torch.full_like(batch.query, float("nan"))  # rows the kernel forgets stay NaN and fail
     ops.paged_attention(
         out, batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
-        batch.query_start_loc, scale, sliding_window, batch.max_query_len, batch.max_seq_len,
+        batch.query_start_loc, scale, sliding_window, batch.max_query_len, batch.max_seq_len, softcap,
     )
     return out
 
 
-def check(batch: PagedBatch, dtype: torch.dtype, sliding_window: int = 0) -> None:
-    scale = batch.query.shape[-1] ** -0.5
-    out = run_kernel(batch, scale, sliding_window)
-    err = relative_error(out, reference_paged_attention(batch, scale, sliding_window))
+def check(batch: PagedBatch, dtype: torch.dtype, sliding_window: int = 0, softcap: float = 0.0,
+          scale: float | None = None) -> None:
+    scale = batch.query.shape[-1] ** -0.5 if scale is None else scale
+    out = run_kernel(batch, scale, sliding_window, softcap)
+    err = relative_error(out, reference_paged_attention(batch, scale, sliding_window, softcap))
     assert err <= TOLERANCE[dtype], f"relative error {err:.3g} > {TOLERANCE[dtype]} for {dtype}"
 
 
@@ -84,6 +87,41 @@ def test_sliding_window(isa: str, dtype: torch.dtype, window: int) -> None:
     gen = torch.Generator().manual_seed(window)
     specs = [(0, 1), (3, 1), (60, 1), (70, 12), (0, 40), (33, 33)]
     check(make_paged_batch(specs, 8, 2, 64, dtype, gen), dtype, sliding_window=window)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 72, 36])
+@pytest.mark.parametrize("softcap", [0.5, 3.0, 50.0])
+@pytest.mark.parametrize("window", [0, 17])
+def test_logit_softcapping(isa: str, dtype: torch.dtype, head_dim: int, softcap: float, window: int) -> None:
+    """Gemma 2's soft-capping on every kernel (head_dim 64: AVX-512 / AVX2; 72: AVX2; 36: portable):
+    a cap of 0.5 squashes almost every score into tanh's flat part, 50 leaves them nearly linear.
+    The per-layer scale is Gemma's query_pre_attn_scalar ** -0.5 here, not head_dim ** -0.5, and
+    large enough (scores of several units) that capping changes the result."""
+    gen = torch.Generator().manual_seed(int(softcap * 10) + head_dim + window)
+    batch = make_paged_batch(MIXED + [(70, 9)], 8, 2, head_dim, dtype, gen)
+    check(batch, dtype, sliding_window=window, softcap=softcap, scale=256**-0.5 * 4)
+    plain = reference_paged_attention(batch, 256**-0.5 * 4, window)
+    capped = reference_paged_attention(batch, 256**-0.5 * 4, window, softcap)
+    if softcap < 50:  # the reference itself must differ, or the test would prove nothing
+        assert relative_error(plain, capped) > 10 * TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 72, 36])
+@pytest.mark.parametrize("window", [5, 16, 40, 130])
+def test_released_blocks_before_the_window_are_never_read(isa: str, dtype: torch.dtype, head_dim: int,
+                                                          window: int) -> None:
+    """A sliding-window group's table holds -1 where its blocks left the window (kv_groups.py): no
+    kernel reads those entries, nor the 64-position span start below the window (its zero rows)."""
+    gen = torch.Generator().manual_seed(window + head_dim)
+    batch = make_paged_batch([(0, 1), (60, 1), (70, 12), (150, 1), (200, 40), (129, 3)], 8, 2, head_dim, dtype, gen)
+    scale = head_dim**-0.5
+    ref = reference_paged_attention(batch, scale, window)
+    released = release_out_of_window(batch, window)
+    assert (released.block_tables == -1).any()
+    err = relative_error(run_kernel(released, scale, window), ref)
+    assert err <= TOLERANCE[dtype], f"relative error {err:.3g}"
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (8, 1)], ids=lambda h: f"{h[0]}q{h[1]}kv")
@@ -149,6 +187,10 @@ def test_bad_arguments_name_the_argument() -> None:
         call(4, bad_table)
     with pytest.raises(RuntimeError, match="max_seq_len"):
         call(10, 3)
+    with pytest.raises(RuntimeError, match="softcap must be 0 \\(off\\) or a positive finite number, got -1"):
+        ops.paged_attention(*args, -1.0)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="softcap must be"):
+        ops.paged_attention(*args, float("inf"))  # type: ignore[arg-type]
 
 
 def test_opcheck() -> None:
@@ -162,4 +204,9 @@ def test_opcheck() -> None:
         torch.ops.pagewire.paged_attention.default,
         (out, b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.125, 0,
          b.max_query_len, b.max_seq_len),
+    )
+    torch.library.opcheck(
+        torch.ops.pagewire.paged_attention.default,
+        (out, b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.125, 0,
+         b.max_query_len, b.max_seq_len, 20.0),
     )

@@ -3,8 +3,9 @@ exactly the Python layer's floats (logits and every KV cache byte) for each arch
 switches (q/k/v bias, Qwen3's q/k norm, sliding windows, llama3 RoPE scaling), every weight kind
 (float kernel or F.linear, Q8_0 and 4-bit in row or interleaved layout), batches of 1 to 16
 tokens, prefill chunks as well as decodes, in batch-invariant mode too (the default for CPU bf16
-on AVX2); and the model must step aside to the Python layers wherever their paths differ (above
-16 tokens, a replaced `linear`, an autotune choice decode_layer has no equivalent for)."""
+on AVX2), with Gemma's logit soft-capping and GELU-tanh MLP; and the model must step aside to
+the Python layers wherever their paths differ (above 16 tokens, a replaced `linear`, an autotune
+choice decode_layer has no equivalent for)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -82,6 +83,30 @@ def test_fused_layer_gives_the_python_layers_floats(
             qkv = model._layers[0].qkv_weight
             assert kinds is not None and set(kinds) == {"kernel" if ops.fixed_rule_takes_kernel(qkv, batch) else "torch"}
         _assert_same(model, batch)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_fused_layer_with_softcap_and_gelu_tanh(models: dict[str, Path], dtype: str, quantization: str) -> None:
+    """decode_layer's soft-capping and GELU-tanh switches (Gemma's) give the Python layer's floats,
+    and they are really applied: the logits differ from the plain layers'."""
+    model, _ = load_model(models["mistral"], dtype=dtype)
+    if quantization != "none":
+        model.quantize_weights(quantization)
+    steps = _steps(3)
+    plain, _ = _run(model, True, steps)
+    for layer in model._layers:
+        layer.softcap, layer.activation = 0.5, "gelu_tanh"
+    _assert_same(model, 3)
+    capped, _ = _run(model, True, steps)
+    assert not torch.equal(plain[-1][0], capped[-1][0])
+
+
+def test_decode_layer_rejects_an_unknown_activation(models: dict[str, Path]) -> None:
+    model, _ = load_model(models["llama"], dtype="float32")
+    model._layers[0].activation = "relu"
+    with pytest.raises(RuntimeError, match="decode_layer: activation must be 'silu' or 'gelu_tanh', got 'relu'"):
+        _run(model, True, _steps(1)[:1])
 
 
 def test_sixteen_rows_fused_seventeen_not(models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,7 +17,8 @@ from server import LLM, SamplingParams
 from server.models import ModelFileNotFoundError, ModelLoadError, UnsupportedModelError
 from server.models.gguf_file import GGUFFile
 from server.models.loader import load_model
-from server.text.tokenizer import Tokenizer, TokenizerError
+from server.text.loader import load_tokenizer
+from server.text.tokenizer import TokenizerError
 from tests.gguf_files import K_BLOCK_BYTES, llama_cpp_permute, write_gguf
 from tests.models.paged_harness import ARCHS, VOCAB
 from tests.tiny_models import make_tiny_model
@@ -176,7 +177,7 @@ def test_missing_metadata_key_is_named(tiny_model_dirs: dict[str, Path], tmp_pat
 def test_unknown_pre_tokenizer_names_it_and_the_known_ones(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "m.gguf", tiny_model_dirs["llama"], pre="made-up")
     with pytest.raises(TokenizerError, match=r"m\.gguf: .*tokenizer\.ggml\.pre.*'made-up'.*gpt-2.*smollm.*llama-bpe.*qwen2"):
-        Tokenizer.load(path)
+        load_tokenizer(path)
 
 
 @pytest.mark.parametrize("keep", [0.999, 0.6, 0.02, 0.0005])

@@ -103,7 +103,7 @@ def test_gguf_quantization_is_validated(k_sized_model: Path) -> None:
 @pytest.mark.parametrize("qtype", ["Q4_1", "F32"])
 def test_plan_counts_the_kept_blocks(qtype: str, k_sized_model: Path, tmp_path: Path) -> None:
     """`pagewire plan --quantization gguf` counts exactly the bytes the loaded model holds (F32: nothing kept)."""
-    from server.gateway.plan import make_plan, read_model_config
+    from server.engine.plan import make_plan, read_model_config
     from tests.gateway.test_plan import _loaded_weight_bytes
 
     path = write_gguf(tmp_path / f"{qtype}.gguf", k_sized_model, qtype)

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import pytest
 
-from server.text.tokenizer import Tokenizer
+from server.text.loader import load_tokenizer
 from tests.gguf_files import CHATML, train_byte_level_vocab, train_sentencepiece_vocab
 
 
@@ -74,7 +74,7 @@ def spm_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_sentencepiece_llama_tokenizer_matches_transformers(spm_file: Path) -> None:
-    ours, ref = Tokenizer.load(spm_file), _reference(spm_file)
+    ours, ref = load_tokenizer(spm_file), _reference(spm_file)
     assert ours.add_bos_token and ours.bos_token == "<s>" and ours.eos_token == "</s>"
     strings = _strings(300, seed=1)
     byte_fallbacks = 0
@@ -94,7 +94,7 @@ def test_sentencepiece_without_prefix_space(tmp_path: Path) -> None:
     tokens, scores, types = train_sentencepiece_vocab(200)
     path = write_tokenizer_gguf(tmp_path / "np.gguf", "llama", tokens, types, scores=scores,
                                 extra={"tokenizer.ggml.add_space_prefix": False, "tokenizer.ggml.add_bos_token": False})
-    tok = Tokenizer.load(path)
+    tok = load_tokenizer(path)
     ids = tok.encode("the cat")
     assert tok.id_to_token(ids[0])[0] != "▁" and tok.decode(ids) == "the cat" and 1 not in ids
 
@@ -103,7 +103,7 @@ def test_sentencepiece_without_prefix_space(tmp_path: Path) -> None:
 def test_byte_level_pre_tokenizers_match_transformers(pre: str, tmp_path: Path) -> None:
     tokens, merges, types = train_byte_level_vocab(600)
     path = write_tokenizer_gguf(tmp_path / "bl.gguf", "gpt2", tokens, types, merges=merges, pre=pre)
-    ours, ref = Tokenizer.load(path), _reference(path)
+    ours, ref = load_tokenizer(path), _reference(path)
     assert not ours.add_bos_token
     for s in _strings(300, seed=2) + ["<|im_start|>user\nhi 12345<|im_end|>"]:
         s = unicodedata.normalize("NFC", s)  # Qwen2 NFC-normalises; transformers' GGUF path does not
@@ -119,7 +119,7 @@ def test_byte_level_pre_tokenizers_match_transformers(pre: str, tmp_path: Path) 
 
 
 def test_chat_template_and_special_ids_come_from_metadata(spm_file: Path) -> None:
-    tok = Tokenizer.load(spm_file)
+    tok = load_tokenizer(spm_file)
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tok.eos_token_ids == frozenset({2}) and tok.bos_token_id == 1

@@ -68,8 +68,8 @@ def test_unique_constraint_decides_idempotency(db_spec: str) -> None:
 
 
 def test_gateway_tables_through_shared_sql(db_spec: str, tmp_path: Any) -> None:
-    from server.gateway.files import FileStore
     from server.gateway.usage import usage_report
+    from server.serving.files import FileStore
 
     async def main() -> None:
         led = await open_ledger(db_spec)

@@ -17,6 +17,7 @@ from server.api.protocol import ChatCompletionRequest
 from server.api.tools import plan_request
 from server.models.demo_model import build_tokenizer
 from server.serving.prompts import PromptPreparer
+from server.text.loader import load_tokenizer
 from server.text.tokenizer import Tokenizer
 from tests.tiny_models import HERMES_TOOL_TEMPLATE, with_chat_template
 
@@ -46,7 +47,7 @@ def smollm2_tokenizer() -> Tokenizer:
     found = find_default_model()
     if found is None:
         pytest.skip(missing_default_model_message())
-    return Tokenizer.load(found.path)
+    return load_tokenizer(found.path)
 
 
 def render(tok: Tokenizer, body: dict[str, Any], parser: str = "hermes") -> str:

@@ -211,7 +211,8 @@ def test_tool_call_parser_option_and_detection(tmp_path: Any) -> None:
     hermes = Tokenizer.from_dir(with_chat_template(tmp_path / "demo", tmp_path / "h", HERMES_TOOL_TEMPLATE))
 
     def ctx(tok: Tokenizer, setting: str) -> ApiContext:
-        return ApiContext(SimpleNamespace(tokenizer=tok, settings=SimpleNamespace(tool_call_parser=setting)))  # type: ignore[arg-type]
+        return ApiContext(SimpleNamespace(tokenizer=tok, settings=SimpleNamespace(tool_call_parser=setting)),  # type: ignore[arg-type]
+                          None)  # type: ignore[arg-type]
 
     assert ctx(hermes, "auto").tool_parser == "hermes"
     assert ctx(demo, "auto").tool_parser == "none"

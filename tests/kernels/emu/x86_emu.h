@@ -16,6 +16,9 @@
 #ifndef __mmask32
 typedef simde__mmask32 __mmask32;
 #endif
+#ifndef __mmask16
+typedef simde__mmask16 __mmask16;
+#endif
 #ifndef _MM_FROUND_NO_EXC
 #define _MM_FROUND_NO_EXC SIMDE_MM_FROUND_NO_EXC
 #endif
@@ -27,6 +30,58 @@ inline __m512 _mm512_cvtepi32_ps(__m512i a) {
 // Lanes in k: a * b + c; the others keep c.
 inline __m512 _mm512_mask3_fmadd_ps(__m512 a, __m512 b, __m512 c, simde__mmask16 k) {
   return _mm512_mask_mov_ps(c, k, _mm512_fmadd_ps(a, b, c));
+}
+
+// Conversions and loads the attention kernel uses, lane by lane through memory.
+inline __m256 _mm512_extractf32x8_ps(__m512 a, int hi) {
+  alignas(64) float f[16];
+  _mm512_store_ps(f, a);
+  return _mm256_loadu_ps(f + 8 * (hi & 1));
+}
+inline __m512i _mm512_cvtepu16_epi32(__m256i a) {
+  alignas(32) uint16_t h[16];
+  alignas(64) int32_t w[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(h), a);
+  for (int i = 0; i < 16; ++i) w[i] = h[i];
+  return _mm512_load_si512(w);
+}
+inline __m512 _mm512_cvtph_ps(__m256i a) {
+  alignas(32) uint16_t h[16];
+  alignas(64) float f[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(h), a);
+  for (int i = 0; i < 16; ++i) f[i] = _cvtsh_ss(h[i]);
+  return _mm512_load_ps(f);
+}
+inline __m256i _mm512_cvtps_ph(__m512 a, int rounding) {
+  alignas(64) float f[16];
+  alignas(32) uint16_t h[16];
+  _mm512_store_ps(f, a);
+  for (int half = 0; half < 2; ++half) {
+    const __m128i r = _mm256_cvtps_ph(_mm256_loadu_ps(f + 8 * half), 0);  // round to nearest even
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(h + 8 * half), r);
+  }
+  (void)rounding;
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(h));
+}
+// Masked-off dwords are neither read nor kept (the mask guards a row's end).
+inline __m512i _mm512_maskz_loadu_epi32(simde__mmask16 k, const void* p) {
+  alignas(64) uint32_t v[16];
+  for (int i = 0; i < 16; ++i) v[i] = ((k >> i) & 1u) != 0 ? static_cast<const uint32_t*>(p)[i] : 0;
+  return _mm512_load_si512(v);
+}
+
+// Horizontal reductions, as GCC's headers compose them: halves added (maxed) down to one lane.
+inline float _mm512_reduce_add_ps(__m512 a) {
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 d = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
+}
+inline float _mm512_reduce_max_ps(__m512 a) {
+  const __m256 h = _mm256_max_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+  const __m128 q = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 d = _mm_max_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_max_ss(d, _mm_movehdup_ps(d)));
 }
 
 // Masked-off elements are neither read nor kept, as on hardware (the mask guards a row's end).

@@ -1,6 +1,6 @@
 """HTTP routes of the batch tier: /v1/files (upload, metadata, content) and /v1/batches (create, get, list, cancel).
 
-`BatchGateway` builds the BatchManager once the Runtime has started (it needs the ledger and the
+`BatchRoutes` builds the BatchManager once the Runtime has started (it needs the ledger and the
 service) and stops it before the Runtime drains. Request bodies of a line are parsed exactly as
 the interactive endpoints parse theirs (`openai_format.chat_spec` / `completion_specs`), and a
 finished line's response body is the interactive endpoint's (`Formatter`), so a batch line and a
@@ -28,9 +28,9 @@ from server.api.http_io import error_payload, retry_headers
 from server.api.openai_format import chat_spec, completion_specs
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
 from server.gateway.auth import ADMIN_ID, Principal, principal_of
-from server.gateway.batch import BatchManager
-from server.gateway.files import FileLimits, FileStore
+from server.serving.batch import BatchManager
 from server.serving.errors import InvalidApiKey, InvalidRequest, PagewireError, TooLarge, Unavailable
+from server.serving.files import FileLimits, FileStore
 from server.serving.jobs import GenerationSpec
 from server.serving.streams import EndEvent
 
@@ -40,7 +40,7 @@ def _error(exc: PagewireError) -> JSONResponse:
                         headers={k.decode(): v.decode() for k, v in retry_headers(exc)})
 
 
-class BatchGateway:
+class BatchRoutes:
     def __init__(self, api: ApiContext, limits: Optional[FileLimits] = None) -> None:
         self.api = api
         self.limits = limits or FileLimits()
@@ -83,7 +83,7 @@ class BatchGateway:
 
     def _check_owner(self, owner: Optional[str]) -> None:
         """A line of a key that was revoked or expired since its batch was created does not run."""
-        auth = self.api.rt.auth
+        auth = self.api.gateway.auth
         if owner is None or owner == ADMIN_ID or auth is None:
             return
         auth.refresh()

@@ -1,5 +1,9 @@
-"""Running the server process: uvicorn on uvloop with httptools and the `websockets` implementation,
-plus pagewire's two-stage shutdown.
+"""The composition root: puts a serving process together (`compose`: the Runtime, its Gateway and
+the app) and runs it: uvicorn on uvloop with httptools and the `websockets` implementation, plus
+pagewire's two-stage shutdown.
+
+It sits at the top level, beside `server/cli.py`, because it is the one module that names every
+layer (api, gateway, serving); no layer imports it (docs/architecture.md, "Layers").
 
 uvicorn's own handling of SIGINT/SIGTERM would stop accepting and then cut WebSockets with 1012
 before the app could finish its requests. We take the signals instead:
@@ -20,10 +24,14 @@ import threading
 import warnings
 from pathlib import Path
 from types import FrameType
-from typing import Iterator, Optional
+from typing import Iterator, NamedTuple, Optional
 
 import uvicorn
+from starlette.applications import Starlette
 
+from server.api.app import build_app
+from server.gateway.policy import Gateway
+from server.serving.db_lock import LedgerLock
 from server.serving.runtime import Runtime
 from server.serving.settings import ServeSettings
 
@@ -116,12 +124,25 @@ def _check_auth(settings: ServeSettings) -> None:
     check_policy(settings.auth, settings.host, n > 0, has_admin, settings.insecure_no_auth)
 
 
+class Composed(NamedTuple):
+    runtime: Runtime
+    gateway: Gateway
+    app: Starlette
+
+
+def compose(settings: ServeSettings, model_dir: Path, model_name: str,
+            lock: Optional[LedgerLock] = None) -> Composed:
+    """One serving process's parts, wired: the gateway is the Runtime's access policy (started
+    by it once the ledger is open) and the app's (the AuthGuard asks it who a caller is)."""
+    gateway = Gateway(settings)
+    runtime = Runtime(settings, model_dir, model_name, lock=lock, policy=gateway)
+    return Composed(runtime, gateway, build_app(runtime, gateway))
+
+
 def run(settings: ServeSettings, model_dir: Path, model_name: str) -> None:
     """Serve until a signal stops us. Blocks. Raises LedgerLocked (naming the holder's PID) at
     once, before anything is loaded or bound, when another server owns the same ledger."""
-    from server.api.app import build_app
     from server.gateway import redact
-    from server.serving.db_lock import LedgerLock
 
     redact.install()  # before uvicorn logs anything (it logs request headers at debug level)
     # Held until the process exits (or the ledger closes); a crash releases it with the fd.
@@ -133,13 +154,13 @@ def run(settings: ServeSettings, model_dir: Path, model_name: str) -> None:
         if lock is not None:
             lock.release()
         raise
-    runtime = Runtime(settings, model_dir, model_name, lock=lock)
+    runtime, _, app = compose(settings, model_dir, model_name, lock=lock)
     with warnings.catch_warnings():
         # uvicorn marks its `websockets` implementation deprecated in favour of `websockets-sansio`;
         # the issue asks for this one, and it is fully functional.
         warnings.filterwarnings("ignore", message=r"The `websockets` implementation is deprecated")
         config = uvicorn.Config(
-            build_app(runtime),
+            app,
             host=settings.host,
             port=settings.port,
             loop="uvloop",
@@ -148,6 +169,10 @@ def run(settings: ServeSettings, model_dir: Path, model_name: str) -> None:
             lifespan="on",
             log_level=settings.log_level,
             ws_max_size=max(16 * 1024 * 1024, 2 * settings.max_request_bytes),
+            # pagewire owns WebSocket liveness (server.api.ws_watchdog): the library's keepalive
+            # would close a client that stops reading with 1011 before the slow-consumer cut.
+            ws_ping_interval=None,
+            ws_ping_timeout=None,
             timeout_graceful_shutdown=5,
             access_log=False,
         )

@@ -35,17 +35,16 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from server.engine.scheduler import BACKGROUND_PRIORITY
-from server.gateway.auth import Principal
-from server.gateway.files import OUTPUT_PURPOSE, FileStore
-from server.gateway.quotas import RateLimited
+from server.engine.priority import BACKGROUND_PRIORITY
+from server.serving.access import Caller
 from server.serving.admission import BATCH
-from server.serving.errors import InvalidRequest, NotFound, Overloaded, PagewireError
+from server.serving.errors import InvalidRequest, NotFound, Overloaded, PagewireError, RateLimited
+from server.serving.files import OUTPUT_PURPOSE, FileStore
 from server.serving.jobs import GenerationSpec
 from server.serving.ledger import Ledger
 from server.serving.lifecycle import CancelReason, EndReason
 from server.serving.service import RequestService
-from server.serving.streams import EndEvent
+from server.serving.streams import EndEvent, EndWaiter
 
 log = logging.getLogger("pagewire.batch")
 
@@ -172,7 +171,7 @@ class BatchManager:
 
     # -- API ------------------------------------------------------------------------------------
     async def create(self, input_file_id: str, endpoint: str, completion_window: str,
-                     metadata: Optional[dict[str, Any]], who: Optional[Principal] = None) -> BatchRecord:
+                     metadata: Optional[dict[str, Any]], who: Optional[Caller] = None) -> BatchRecord:
         """A new batch owned by `who` (None: authentication is off), from one of its own files."""
         if endpoint not in ENDPOINTS:
             raise InvalidRequest(f"endpoint: must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}",
@@ -193,7 +192,7 @@ class BatchManager:
         self._spawn(bid)
         return await self.get(bid)
 
-    async def get(self, batch_id: str, who: Optional[Principal] = None) -> BatchRecord:
+    async def get(self, batch_id: str, who: Optional[Caller] = None) -> BatchRecord:
         """The batch, if `who` may see it (None: no check); another key's gets an unknown id's 404."""
         rows = await self.ledger.query(f"SELECT {BATCH_COLUMNS} FROM batches WHERE batch_id = ?", (batch_id,))
         b = BatchRecord.from_row(rows[0]) if rows else None
@@ -201,7 +200,7 @@ class BatchManager:
             raise NotFound(f"batch_id: no batch {batch_id!r}", param="batch_id", code="batch_not_found")
         return b
 
-    async def list_batches(self, limit: int, after: Optional[str], who: Optional[Principal] = None) -> list[BatchRecord]:
+    async def list_batches(self, limit: int, after: Optional[str], who: Optional[Caller] = None) -> list[BatchRecord]:
         """Newest first; a key lists only its own batches, the admin (or no auth) every one."""
         where: list[str] = []
         args: list[Any] = []
@@ -215,7 +214,7 @@ class BatchManager:
         rows = await self.ledger.query(sql + " ORDER BY created_at DESC LIMIT ?", (*args, limit))
         return [BatchRecord.from_row(r) for r in rows]
 
-    async def cancel(self, batch_id: str, who: Optional[Principal] = None) -> BatchRecord:
+    async def cancel(self, batch_id: str, who: Optional[Caller] = None) -> BatchRecord:
         b = await self.get(batch_id, who)
         if b.status in ("validating", "in_progress", "finalizing"):
             await self.ledger.execute(
@@ -377,8 +376,6 @@ class BatchManager:
             await self.ledger.execute("UPDATE batch_lines SET status = 'cancelled' WHERE batch_id = ? AND "
                                       "line_no = ?", (b.batch_id, line_no))
             return
-        from server.api.openai_responses import EndWaiter
-
         while True:
             try:
                 admitted = await self.service.start(spec)

@@ -3,11 +3,11 @@
 A file is written to `<data dir>/files/<file_id>` through a temporary name, fsynced and renamed, and
 only then recorded in the ledger's `files` table, so a recorded file is always complete on disk.
 The data directory is the ledger database's folder. Purposes: `batch` (uploads: JSONL batch
-input) and `batch_output` (a batch's output and error files, written by server.gateway.batch).
+input) and `batch_output` (a batch's output and error files, written by server.serving.batch).
 
 Ownership: each file records the API key that uploaded it (an output file, its batch's key). A
 key sees only its own files; another key's file id gets the same 404 as an unknown one, so ids
-leak nothing. The admin, and everyone when authentication is off, sees all (`Principal.may_see`).
+leak nothing. The admin, and everyone when authentication is off, sees all (`Caller.may_see`).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from server.gateway.auth import Principal
+from server.serving.access import Caller
 from server.serving.errors import InvalidRequest, NotFound, TooLarge
 from server.serving.ledger import Ledger
 
@@ -112,7 +112,7 @@ class FileStore:
             os.close(fd)
         os.replace(tmp, self.path(file_id))
 
-    async def get(self, file_id: str, param: str = "file_id", who: Optional[Principal] = None) -> FileRecord:
+    async def get(self, file_id: str, param: str = "file_id", who: Optional[Caller] = None) -> FileRecord:
         """The file, if `who` may see it (None: no check, authentication off or the server itself)."""
         rows = await self.ledger.query(
             "SELECT file_id, purpose, filename, bytes, created_at, key_id FROM files WHERE file_id = ?", (file_id,))
@@ -121,7 +121,7 @@ class FileStore:
             raise NotFound(f"{param}: no file {file_id!r}", param=param, code="file_not_found")
         return rec
 
-    async def content(self, file_id: str, who: Optional[Principal] = None) -> bytes:
+    async def content(self, file_id: str, who: Optional[Caller] = None) -> bytes:
         await self.get(file_id, who=who)
         if self.dir is None:
             rows = await self.ledger.query("SELECT content FROM file_blobs WHERE file_id = ?", (file_id,))

@@ -1,0 +1,125 @@
+"""POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API on the one request path.
+
+A request goes the way an OpenAI chat request goes: bounded body read (413) → msgspec Struct (400
+naming the field) → the same GenerationSpec (server.api.anthropic_format) bound to the caller's
+key → `service.start` (quota reserve, ledger row committed) → only then the response starts, whole
+or as Anthropic's SSE events (server.api.follow). A vanished client detaches, which cancels the
+request at the engine's next step. The key comes as `x-api-key` or `Authorization: Bearer`
+(server.gateway.auth); `anthropic-version` and `anthropic-beta` are accepted and not needed;
+`Idempotency-Key` works as on the OpenAI routes. Every error is in Anthropic's shape.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from server.api.anthropic_format import (
+    CountTokensRequest,
+    MessagesRequest,
+    MessageStream,
+    anthropic_error,
+    message_body,
+    messages_spec,
+    prompt_spec,
+)
+from server.api.context import ApiContext
+from server.api.decode import decode
+from server.api.follow import follow_stream, wait_end
+from server.api.http_io import Receive, Scope, Send, header, peer, read_body, retry_headers, send_json
+from server.gateway.auth import bind, principal_of
+from server.serving.errors import GenerationFailed, PagewireError
+from server.serving.idempotency import check_header_key
+from server.serving.lifecycle import end_error
+
+log = logging.getLogger("pagewire.anthropic")
+
+
+async def send_error(send: Send, exc: PagewireError, headers: Optional[list[tuple[bytes, bytes]]] = None) -> None:
+    await send_json(send, exc.status, anthropic_error(exc), retry_headers(exc) + (headers or []))
+
+
+def _limit_headers(api: ApiContext, key_id: Optional[str]) -> list[tuple[bytes, bytes]]:
+    """The key's x-ratelimit-* state right after this request's reservation (as the OpenAI edge sends)."""
+    quotas = api.gateway.quotas
+    if quotas is None or key_id is None:
+        return []
+    return [(k.encode(), v.encode()) for k, v in quotas.headers(key_id).items()]
+
+
+class MessagesEndpoint:
+    """POST /v1/messages."""
+
+    def __init__(self, api: ApiContext) -> None:
+        self.api = api
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        api = self.api
+        try:
+            body = await read_body(scope, receive, api.rt.settings.max_request_bytes)
+        except PagewireError as e:
+            await send_error(send, e)
+            return
+        except ConnectionResetError:
+            return
+        try:
+            idem = check_header_key(header(scope, b"idempotency-key"))
+            req: MessagesRequest = decode(body, MessagesRequest)
+            api.check_model(req.model)
+            spec, plan = messages_spec(req, peer(scope), api.rt.model_name, api.tool_parser,
+                                       api.tool_marker_special, idem)
+            bind(spec, principal_of(scope))
+            admitted = await api.service.start(spec)
+        except PagewireError as e:
+            if e.status == 429:
+                api.rt.metrics.rejected.labels(code=e.code).inc()
+            await send_error(send, e)
+            return
+        except Exception as e:  # a bug or a broken ledger: still answer in Anthropic's shape
+            log.exception("admitting a request failed")
+            await send_error(send, GenerationFailed(f"internal error: {e}", code="internal_error"))
+            return
+        rid = admitted.request_id.encode()
+        headers = [(b"request-id", rid), *_limit_headers(api, spec.key_id)]
+        if req.stream:
+            render = MessageStream(admitted.request_id, api.rt.model_name, plan, req.stop_sequences,
+                                   admitted.prompt_tokens)
+            await follow_stream(api, send, receive, admitted, b"text/event-stream", render, "anthropic", headers)
+            return
+        try:
+            end = await wait_end(api, receive, admitted)
+        except PagewireError as e:
+            await send_error(send, e)
+            return
+        if end is None:
+            return  # the client left; the request was cancelled
+        if not end.finished:
+            await send_error(send, end_error(end.request_id, end.reason, end.message))
+            return
+        out = message_body(end, plan, api.rt.model_name, req.stop_sequences)
+        try:
+            await send_json(send, 200, out, [(b"x-request-id", rid), *headers])
+        except OSError:
+            pass
+
+
+class CountTokensEndpoint:
+    """POST /v1/messages/count_tokens: the prompt's tokens, rendered exactly as /v1/messages renders
+    it (system, messages, tools, through the chat template)."""
+
+    def __init__(self, api: ApiContext) -> None:
+        self.api = api
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        api = self.api
+        try:
+            body = await read_body(scope, receive, api.rt.settings.max_request_bytes)
+            req: CountTokensRequest = decode(body, CountTokensRequest)
+            api.check_model(req.model)
+            spec, _ = prompt_spec(req, peer(scope), api.rt.model_name, api.tool_parser, api.tool_marker_special)
+            ids: list[Any] = await api.service.preparer.token_ids(spec)
+        except PagewireError as e:
+            await send_error(send, e)
+            return
+        except ConnectionResetError:
+            return
+        await send_json(send, 200, {"input_tokens": len(ids)})

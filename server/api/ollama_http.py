@@ -1,0 +1,271 @@
+"""Ollama's API on the one request path: /api/chat, /api/generate (whole or newline-delimited JSON
+streams), /api/tags, /api/show, /api/ps, /api/version, and /api/embed.
+
+Generation goes the way an OpenAI request goes: bounded body read (413) → msgspec Struct (400
+naming the field) → the same GenerationSpec (server.api.ollama_format) bound to the caller's key →
+`service.start` (quota reserve, ledger row committed) → only then the response starts
+(server.api.follow). A vanished client detaches, which cancels the request at the engine's next
+step. As in Ollama, `stream` defaults to true, and a request with no prompt (or no messages)
+only "loads" the model, which is always loaded here. The key is `Authorization: Bearer`, which
+the ollama client sends from OLLAMA_API_KEY or its `headers`. `Idempotency-Key` works as on the
+OpenAI routes. Every error is Ollama's `{"error": "..."}`.
+
+The model is named as Ollama names models, with a tag: `demo` is listed as `demo:latest`, and a
+request may name it either way.
+
+/api/embed: pagewire has no embedding path for this model (it serves a generation model), so a
+well-formed request is a 400 saying so, naming `model`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Optional
+
+from server.api.context import ApiContext
+from server.api.decode import decode
+from server.api.follow import follow_stream, wait_end
+from server.api.http_io import Receive, Scope, Send, header, peer, read_body, retry_headers, send_json
+from server.api.ollama_format import (
+    ChatRequest,
+    EmbedRequest,
+    GenerateRequest,
+    ModelRequest,
+    NdjsonStream,
+    Timing,
+    chat_body,
+    chat_spec,
+    check_keep_alive,
+    generate_body,
+    generate_spec,
+    load_body,
+    ollama_error,
+)
+from server.api.ollama_models import ModelFacts, model_facts
+from server.gateway.auth import bind, principal_of
+from server.serving.errors import GenerationFailed, InvalidRequest, NotFound, PagewireError
+from server.serving.idempotency import check_header_key
+from server.serving.jobs import GenerationSpec
+from server.serving.lifecycle import end_error
+from server.serving.service import Admitted
+
+log = logging.getLogger("pagewire.ollama")
+
+# The Ollama release whose API these routes follow (what /api/version reports; clients compare it
+# to decide which fields they may send).
+OLLAMA_API_VERSION = "0.12.0"
+# A model that never unloads: Ollama reports keep_alive -1 as an expiry far in the future.
+_NEVER = "2318-11-28T00:00:00Z"
+
+
+async def send_error(send: Send, exc: PagewireError) -> None:
+    await send_json(send, exc.status, ollama_error(exc), retry_headers(exc))
+
+
+class OllamaApi:
+    """The /api/* routes for one ApiContext."""
+
+    def __init__(self, api: ApiContext) -> None:
+        self.api = api
+        self._facts: Optional[ModelFacts] = None
+
+    # -- naming ----------------------------------------------------------------------------------
+    @property
+    def tag_name(self) -> str:
+        name = self.api.rt.model_name
+        return name if ":" in name else f"{name}:latest"
+
+    def check_model(self, model: Optional[str]) -> None:
+        names = {self.api.rt.model_name, self.tag_name}
+        if model is not None and model not in names:
+            raise NotFound(f"model '{model}' not found; this server serves '{self.tag_name}'",
+                           param="model", code="model_not_found")
+
+    async def facts(self) -> ModelFacts:
+        if self._facts is None:
+            s = self.api.rt.settings
+            self._facts = await asyncio.get_running_loop().run_in_executor(
+                None, model_facts, self.api.rt.model_dir, s.dtype, s.quantization)
+        return self._facts
+
+    def _entry(self, facts: ModelFacts) -> dict[str, Any]:
+        return {"name": self.tag_name, "model": self.tag_name, "modified_at": facts.modified_at,
+                "size": facts.size, "digest": facts.digest, "details": facts.details()}
+
+    def _context_length(self) -> Optional[int]:
+        bridge = self.api.rt.bridge
+        return bridge.max_model_len if bridge is not None and bridge.ready else None
+
+    # -- routes ----------------------------------------------------------------------------------
+    def routes(self) -> list[Any]:
+        from starlette.routing import Route
+
+        return [
+            Route("/api/chat", _Generate(self, "chat"), methods=["POST"]),
+            Route("/api/generate", _Generate(self, "generate"), methods=["POST"]),
+            Route("/api/tags", _Small(self, self.tags), methods=["GET"]),
+            Route("/api/show", _Small(self, self.show), methods=["POST"]),
+            Route("/api/ps", _Small(self, self.ps), methods=["GET"]),
+            Route("/api/version", _Small(self, self.version), methods=["GET"]),
+            Route("/api/embed", _Small(self, self.embed), methods=["POST"]),
+            Route("/api/embeddings", _Small(self, self.embed), methods=["POST"]),
+        ]
+
+    async def tags(self, body: bytes) -> dict[str, Any]:
+        return {"models": [self._entry(await self.facts())]}
+
+    async def show(self, body: bytes) -> dict[str, Any]:
+        req = decode(body, ModelRequest)
+        name = req.model if req.model is not None else req.name
+        if name is None:
+            raise InvalidRequest("model: is required", param="model")
+        self.check_model(name)
+        facts = await self.facts()
+        rt = self.api.rt
+        tok = rt.tokenizer
+        template = ""
+        tools_template = False
+        if tok is not None and tok.has_chat_template:
+            template = tok.template_source()
+            tools_template = "tools" in tok.template_source(tools=[])
+        params = "\n".join(f"{k} {v}" for k, v in sorted(rt.sampling_defaults.items()))
+        info: dict[str, Any] = {"general.architecture": facts.family,
+                                "general.parameter_count": facts.parameter_count}
+        ctx = self._context_length()
+        if ctx is not None:
+            info[f"{facts.family}.context_length"] = ctx
+        capabilities = ["completion"] + (["tools"] if tools_template and self.api.tool_parser != "none" else [])
+        return {"modelfile": f"# served by pagewire\nFROM {rt.model_dir}\n", "parameters": params,
+                "template": template, "details": facts.details(), "model_info": info,
+                "capabilities": capabilities, "modified_at": facts.modified_at}
+
+    async def ps(self, body: bytes) -> dict[str, Any]:
+        facts = await self.facts()
+        on_gpu = self.api.rt.settings.device.startswith("cuda")
+        return {"models": [{**self._entry(facts), "expires_at": _NEVER,
+                            "size_vram": facts.size if on_gpu else 0, "context_length": self._context_length()}]}
+
+    async def version(self, body: bytes) -> dict[str, Any]:
+        return {"version": OLLAMA_API_VERSION}
+
+    async def embed(self, body: bytes) -> dict[str, Any]:
+        req = decode(body, EmbedRequest)
+        self.check_model(req.model)
+        check_keep_alive(req.keep_alive)
+        raise InvalidRequest(f"model: '{req.model}' is a text-generation model, not an embedding model, so it "
+                             "cannot answer /api/embed; serve an embedding model for embeddings",
+                             param="model", code="not_embedding_model")
+
+
+class _Small:
+    """An ASGI app for a small JSON route: read the body (bounded), answer, errors in Ollama's shape."""
+
+    def __init__(self, owner: OllamaApi, handler: Any) -> None:
+        self.owner = owner
+        self.handler = handler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            body = b""
+            if scope.get("method") == "POST":
+                body = await read_body(scope, receive, self.owner.api.rt.settings.max_request_bytes)
+            out = await self.handler(body)
+        except PagewireError as e:
+            await send_error(send, e)
+            return
+        except ConnectionResetError:
+            return
+        await send_json(send, 200, out)
+
+
+class _Generate:
+    """POST /api/chat (`kind` chat) and /api/generate."""
+
+    def __init__(self, owner: OllamaApi, kind: str) -> None:
+        self.owner = owner
+        self.api = owner.api
+        self.kind = kind
+
+    def _parse(self, scope: Scope, body: bytes) -> tuple[Any, Optional[GenerationSpec], Any]:
+        """(request, spec or None for a load-only request, tool plan)."""
+        api = self.api
+        idem = check_header_key(header(scope, b"idempotency-key"))
+        plan = None
+        if self.kind == "chat":
+            req: Any = decode(body, ChatRequest)
+            self.owner.check_model(req.model)
+            if not req.messages:
+                check_keep_alive(req.keep_alive)
+                return req, None, None
+            spec, plan = chat_spec(req, peer(scope), api.rt.model_name, api.tool_parser,
+                                   api.tool_marker_special, idem)
+        else:
+            req = decode(body, GenerateRequest)
+            self.owner.check_model(req.model)
+            if not req.prompt:
+                check_keep_alive(req.keep_alive)
+                return req, None, None
+            spec = generate_spec(req, peer(scope), api.rt.model_name, idem)
+        bind(spec, principal_of(scope))
+        return req, spec, plan
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        api = self.api
+        clock = time.monotonic_ns
+        timing = Timing(clock())
+        try:
+            body = await read_body(scope, receive, api.rt.settings.max_request_bytes)
+        except PagewireError as e:
+            await send_error(send, e)
+            return
+        except ConnectionResetError:
+            return
+        try:
+            req, spec, plan = self._parse(scope, body)
+            if spec is None:
+                api.service.check_serving()  # "loaded" only once it is
+                await send_json(send, 200, load_body(req.model, "chat" if self.kind == "chat" else "generate",
+                                                     req.keep_alive))
+                return
+            admitted: Admitted = await api.service.start(spec)
+        except PagewireError as e:
+            if e.status == 429:
+                api.rt.metrics.rejected.labels(code=e.code).inc()
+            await send_error(send, e)
+            return
+        except Exception as e:  # a bug or a broken ledger: still answer in Ollama's shape
+            log.exception("admitting a request failed")
+            await send_error(send, GenerationFailed(f"internal error: {e}", code="internal_error"))
+            return
+        quotas = api.gateway.quotas
+        headers = [(k.encode(), v.encode()) for k, v in quotas.headers(spec.key_id).items()] \
+            if quotas is not None and spec.key_id is not None else []
+        kind = "chat" if self.kind == "chat" else "generate"
+        if req.stream:
+            await follow_stream(api, send, receive, admitted, b"application/x-ndjson",
+                                NdjsonStream(req.model, kind, plan, timing, clock, api.formatter.token_text),
+                                "ollama", headers)
+            return
+
+        def first() -> None:
+            timing.first_ns = clock()
+
+        try:
+            end = await wait_end(api, receive, admitted, first)
+        except PagewireError as e:
+            await send_error(send, e)
+            return
+        if end is None:
+            return  # the client left; the request was cancelled
+        if not end.finished:
+            await send_error(send, end_error(end.request_id, end.reason, end.message))
+            return
+        stats = timing.stats(end, clock())
+        text_of = api.formatter.token_text
+        out = chat_body(req.model, end, plan, stats, text_of) if kind == "chat" else \
+            generate_body(req.model, end, stats, text_of)
+        try:
+            await send_json(send, 200, out, [(b"x-request-id", admitted.request_id.encode()), *headers])
+        except OSError:
+            pass

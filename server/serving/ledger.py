@@ -400,18 +400,19 @@ class Ledger:
         self._wake.set()
         return fut
 
-    async def insert(self, req: NewRequest) -> None:
-        """Write the `queued` row and return once it is committed."""
-        fut = self._enqueue(
+    def _insert_op(self, req: NewRequest) -> tuple[str, tuple[Any, ...]]:
+        return (
             "INSERT INTO requests (request_id, idempotency_key, kind, api, client, model, state, "
             "priority, params_json, prompt_json, created_at, prompt_tokens, request_hash, key_id, instance_id) "
             "VALUES (?, ?, ?, ?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?)",
             (req.request_id, req.idempotency_key, req.kind, req.api, req.client, req.model,
              req.priority, json.dumps(req.params),
              json.dumps(req.prompt) if req.prompt is not None else None, req.created_at,
-             req.prompt_tokens, req.request_hash, req.key_id, self.instance_id),
-            wait=True,
-        )
+             req.prompt_tokens, req.request_hash, req.key_id, self.instance_id))
+
+    async def insert(self, req: NewRequest) -> None:
+        """Write the `queued` row and return once it is committed."""
+        fut = self._enqueue(*self._insert_op(req), wait=True)
         assert fut is not None
         try:
             await fut

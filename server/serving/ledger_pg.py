@@ -240,12 +240,14 @@ class PgLedger(Ledger):
 
     # -- writes ---------------------------------------------------------------------------------
     async def insert(self, req: NewRequest) -> None:
-        try:
-            await super().insert(req)
-        except _driver().errors.UniqueViolation:
-            if req.idempotency_key is not None:
-                raise IdempotencyConflict(f"idempotency key {req.idempotency_key!r} is taken") from None
-            raise
+        """The `queued` row, committed. `ON CONFLICT DO NOTHING`: the unique constraint decides, and
+        an insert that lost to a committed key reports it as a rowcount of 0, so it needs no
+        savepoint and can share a pipelined batch."""
+        sql, args = self._insert_op(req)
+        fut = self._enqueue(sql + " ON CONFLICT DO NOTHING", args, wait=True)
+        assert fut is not None
+        if await fut == 0:
+            raise IdempotencyConflict(f"idempotency key {req.idempotency_key!r} is taken")
 
     async def _reconnect(self) -> Any:
         if self._writer is None or self._writer.closed:
@@ -281,12 +283,12 @@ class PgLedger(Ledger):
         # (as under SQLite's ABORT rule) and the rest of the batch commits.
         own = (psycopg.IntegrityError, psycopg.DataError, psycopg.ProgrammingError)
         try:
-            # Inserts (which may hit a unique key another replica holds) in a SAVEPOINT each; the
-            # rest run bare: one round trip per statement in the common case.
-            results = await self._run_batch(conn, batch, own, every_savepoint=False)
+            # The common case: BEGIN, every statement and COMMIT sent in one pipeline (libpq's
+            # pipeline mode), answered together: one round trip per batch, not per statement.
+            results = await self._run_pipelined(conn, batch)
         except own:
-            # A statement failed outside a savepoint, which aborts the transaction: run the batch
-            # again with every statement in its own, so only the culprit fails.
+            # A statement failed, which aborts the transaction: run the batch again with every
+            # statement in a SAVEPOINT of its own, so only the culprit fails.
             results = await self._run_batch(conn, batch, own, every_savepoint=True)
         self.commits += 1
         self.write_error = None
@@ -296,6 +298,14 @@ class PgLedger(Ledger):
                     op.future.set_result(n)
                 else:
                     op.future.set_exception(err)
+
+    async def _run_pipelined(self, conn: Any, batch: list[_Op]) -> list[tuple[Optional[BaseException], int]]:
+        curs = []
+        async with conn.pipeline():
+            async with conn.transaction():
+                for op in batch:
+                    curs.append(await conn.execute(pg_sql(op.sql), tuple(_no_nul(a) for a in op.args)))
+        return [(None, int(c.rowcount)) for c in curs]
 
     async def _run_batch(self, conn: Any, batch: list[_Op], own: tuple[type[BaseException], ...],
                          every_savepoint: bool) -> list[tuple[Optional[BaseException], int]]:
@@ -386,6 +396,12 @@ class PgLedger(Ledger):
         key run one at a time (server.gateway.quota_db)."""
         async with self._conn() as c:
             async with c.transaction():
+                # Visibility, not durability, is what makes the hold count on every replica: it is
+                # visible to the next transaction as soon as it commits, whether or not its WAL
+                # has reached the disk. So this commit does not wait for the WAL flush (the
+                # request's own row, inserted next by the writer, does). A database crash can
+                # forget holds of requests in flight; their rows then count what they cost.
+                await c.execute("SET LOCAL synchronous_commit TO OFF")
                 await c.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"pagewire-quota:{key_id}",))
                 yield KeyTx(c)
 

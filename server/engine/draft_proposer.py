@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from server.engine.config import ConfigError, EngineConfig
+from server.engine.config import ConfigError, EngineConfig, Quantization
 from server.engine.kv_cache_manager import KVCacheManager
 from server.engine.proposer import Proposals
 from server.engine.request import Sequence
@@ -111,7 +111,7 @@ def load_draft_model(spec: SpeculativeConfig, config: EngineConfig, target_confi
     except (OSError, ValueError) as e:  # missing files, unsupported architectures, bad tensors
         raise ConfigError(_FIELD, f"cannot load the draft model {spec.model!r}: {e}") from None
     check_vocabulary(target_config, target_tok, mc, tok, spec.model)
-    if config.quantization != "none":
+    if config.quantization is not Quantization.NONE:
         model.quantize_weights(config.quantization)
     return model, mc
 

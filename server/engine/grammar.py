@@ -59,6 +59,45 @@ class CompiledGrammar:
         return self.matcher.deep_copy()
 
 
+class GrammarState:
+    """One sequence's matcher and how many tokens it has consumed (`Sequence.grammar`; the engine
+    step drives it through server.engine.structured)."""
+
+    __slots__ = ("matcher", "num_consumed", "grammar")
+
+    def __init__(self, grammar: CompiledGrammar, matcher: Optional[llguidance.LLMatcher] = None) -> None:
+        self.grammar = grammar
+        self.matcher = matcher if matcher is not None else grammar.new_matcher()
+        self.num_consumed = 0
+
+    def fork(self) -> "GrammarState":
+        child = GrammarState(self.grammar, self.matcher.deep_copy())
+        child.num_consumed = self.num_consumed
+        return child
+
+    def consume(self, token: int) -> bool:
+        ok = bool(self.matcher.consume_token(token))
+        if ok:
+            self.num_consumed += 1
+        return ok
+
+    def rollback(self, k: int) -> None:
+        if not 0 <= k <= self.num_consumed:
+            raise ValueError(f"rollback: k must be in [0, {self.num_consumed}], got {k}")
+        if k and not self.matcher.rollback(k):
+            raise RuntimeError(f"grammar matcher could not roll back {k} tokens: {self.matcher.get_error()}")
+        self.num_consumed -= k
+
+    @property
+    def is_complete(self) -> bool:
+        """Nothing but EOS may follow (the grammar is satisfied and cannot grow)."""
+        return bool(self.matcher.is_stopped()) and not self.matcher.is_error()
+
+    @property
+    def error(self) -> str:
+        return str(self.matcher.get_error())
+
+
 @dataclass
 class CompilerStats:
     hits: int = 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json as _json
 import math
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Protocol, Sequence, Union
 
 
 class SamplingParamsError(ValueError):
@@ -18,6 +18,17 @@ class SamplingParamsError(ValueError):
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
         self.message = message
+
+
+class CompiledConstraint(Protocol):
+    """A constraint compiled for one tokenizer (server.engine.grammar.CompiledGrammar, which this
+    torch-free module cannot import: grammar imports it)."""
+
+    @property
+    def key(self) -> tuple[str, str]: ...
+
+    @property
+    def compile_s(self) -> float: ...
 
 
 def _finite(name: str, value: float) -> float:
@@ -62,7 +73,7 @@ class StructuredOutputsParams:
     json_object: Optional[bool] = None
     # Set at admission (server.engine.grammar.compile_params): the compiled grammar, so the
     # engine never compiles. Not part of the constraint's identity or repr.
-    compiled: Any = field(default=None, init=False, repr=False, compare=False)
+    compiled: Optional[CompiledConstraint] = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.validate()

@@ -15,7 +15,8 @@ The step, for the constrained rows only (an unconstrained batch costs nothing he
                        such as just-forked children, are computed now), with tokens the sampler
                        blocks cleared, and the rows that allow nothing at all (dead ends)
     (sample: the sampler applies the whole bitmask in one batched op)
-    accept(seq, token) advance the matcher; True when the grammar is complete
+    (emit: OutputProcessor.emit advances the matcher with each emitted token, a rejected
+                       token ending the sample as a dead end, and stops a complete grammar)
 
 Why the worker is joined before `_advance`/`fork`: an LLMatcher must not be used from two threads
 at once, and forking copies the parent's matcher. Nothing else touches matchers between begin
@@ -36,7 +37,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import llguidance
 import torch
 
-from server.engine.grammar import CompiledGrammar, compile_params
+from server.engine.grammar import CompiledGrammar, GrammarState, compile_params
+from server.engine.outputs import FinishReason
 from server.engine.sampling_params import SamplingParams
 from server.text.tokenizer import Tokenizer
 
@@ -47,45 +49,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pagewire.engine")
 
 # The finish reason of a sample whose grammar allows no token (see docs/structured_outputs.md).
-DEAD_END = "grammar_dead_end"
+DEAD_END = FinishReason.GRAMMAR_DEAD_END
 
 
-class GrammarState:
-    """One sequence's matcher and how many tokens it has consumed."""
-
-    __slots__ = ("matcher", "num_consumed", "grammar")
-
-    def __init__(self, grammar: CompiledGrammar, matcher: Optional[llguidance.LLMatcher] = None) -> None:
-        self.grammar = grammar
-        self.matcher = matcher if matcher is not None else grammar.new_matcher()
-        self.num_consumed = 0
-
-    def fork(self) -> "GrammarState":
-        child = GrammarState(self.grammar, self.matcher.deep_copy())
-        child.num_consumed = self.num_consumed
-        return child
-
-    def consume(self, token: int) -> bool:
-        ok = bool(self.matcher.consume_token(token))
-        if ok:
-            self.num_consumed += 1
-        return ok
-
-    def rollback(self, k: int) -> None:
-        if not 0 <= k <= self.num_consumed:
-            raise ValueError(f"rollback: k must be in [0, {self.num_consumed}], got {k}")
-        if k and not self.matcher.rollback(k):
-            raise RuntimeError(f"grammar matcher could not roll back {k} tokens: {self.matcher.get_error()}")
-        self.num_consumed -= k
-
-    @property
-    def is_complete(self) -> bool:
-        """Nothing but EOS may follow (the grammar is satisfied and cannot grow)."""
-        return bool(self.matcher.is_stopped()) and not self.matcher.is_error()
-
-    @property
-    def error(self) -> str:
-        return str(self.matcher.get_error())
+def _matcher_failed(state: Optional[GrammarState]) -> bool:
+    return state is not None and bool(state.matcher.is_error())
 
 
 def _mask_threads() -> int:
@@ -206,6 +174,7 @@ class StructuredDecoder:
                 dst.append(i)
                 src.append(row)
             else:
+                assert seq.grammar is not None  # idx holds the constrained rows only
                 late.append((seq.grammar.matcher, i))
         if dst and pending is not None:  # one gather for every row the worker filled
             out[torch.tensor(dst)] = pending.bitmask[torch.tensor(src)]
@@ -223,21 +192,13 @@ class StructuredDecoder:
         any_allowed = (rows[:, :full] != 0).any(dim=1)
         if rem:
             any_allowed |= (rows[:, full] & ((1 << rem) - 1)) != 0
-        dead = [i for i, ok in zip(idx, any_allowed.tolist()) if not ok or seqs[i].grammar.matcher.is_error()]
+        dead = [i for i, ok in zip(idx, any_allowed.tolist())
+                if not ok or _matcher_failed(seqs[i].grammar)]
         for i in dead:
             out[i] = -1
         return out, dead
 
     # -- after sampling ---------------------------------------------------------------------------
-    @staticmethod
-    def accept(seq: "Seq", token: int) -> bool:
-        """Advance `seq`'s matcher by its sampled token. Returns False if the grammar rejects it
-        (only possible when the token did not come from a masked sample)."""
-        state: Optional[GrammarState] = seq.grammar
-        if state is None:
-            return True
-        return state.consume(token)
-
     @staticmethod
     def rollback(seq: "Seq", k: int) -> None:
         """Undo the last `k` tokens `seq`'s matcher accepted (speculative decoding, replay)."""

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from server.serving.db_url import DbSpecError, DbTarget
 from server.serving.settings import ServeSettings, add_serve_arguments, default_db_path, settings_from_args
 
 DEMO_BANNER = """\
@@ -190,11 +191,20 @@ def _fmt_time(t: Optional[float]) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
 
 
-def _db(ns: argparse.Namespace) -> Path:
+def _db_target(ns: argparse.Namespace) -> "DbTarget":
+    """What --db (else PAGEWIRE_DB, else the default file) names; DbSpecError for a bad value."""
     import os
 
-    raw = ns.db or os.environ.get("PAGEWIRE_DB")
-    return Path(raw).expanduser() if raw else default_db_path()
+    from server.serving.db_url import parse_db
+
+    return parse_db(ns.db or os.environ.get("PAGEWIRE_DB"), default_db_path())
+
+
+def _db(ns: argparse.Namespace) -> Path:
+    t = _db_target(ns)
+    if t.path is None:
+        raise DbSpecError(f"--db {t.display()}: this command needs a SQLite ledger file")
+    return t.path
 
 
 def _requests(ns: argparse.Namespace) -> int:
@@ -202,7 +212,13 @@ def _requests(ns: argparse.Namespace) -> int:
     from server.serving.ledger_sync import open_readonly
 
     try:
-        conn = open_readonly(_db(ns))
+        t = _db_target(ns)
+        if t.url is not None:
+            from server.serving.ledger_pg_sync import connect_sync
+
+            conn: Any = connect_sync(t.url)
+        else:
+            conn = open_readonly(_db(ns))
     except LedgerError as e:
         print(f"pagewire: {e}", file=sys.stderr)
         return 1
@@ -231,7 +247,7 @@ def _print_requests(ns: argparse.Namespace, conn: Any) -> int:
         return 0
     rec = get_record(conn, ns.request_id)
     if rec is None:
-        print(f"pagewire: request_id: no request {ns.request_id!r} in {_db(ns)}", file=sys.stderr)
+        print(f"pagewire: request_id: no request {ns.request_id!r} in {_db_target(ns)}", file=sys.stderr)
         return 1
     print(json.dumps(record_json(rec), indent=2, ensure_ascii=False))
     return 0
@@ -239,12 +255,18 @@ def _print_requests(ns: argparse.Namespace, conn: Any) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ns = _parser().parse_args(argv)
+    if ns.command in ("requests", "keys", "usage"):
+        try:
+            _db_target(ns)
+        except DbSpecError as e:  # before anything is opened or created
+            print(f"pagewire: {e}", file=sys.stderr)
+            return 2
     if ns.command == "serve":
         return _serve(ns)
     if ns.command in ("keys", "usage"):
         from server.gateway.cli import run_keys, run_usage
 
-        return (run_keys if ns.command == "keys" else run_usage)(ns, _db(ns))
+        return (run_keys if ns.command == "keys" else run_usage)(ns, _db_target(ns))
     if ns.command == "plan":
         return _plan(ns)
     if ns.command == "batch":

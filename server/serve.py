@@ -103,7 +103,14 @@ class PagewireServer(uvicorn.Server):
         try:
             from server.serving.ledger_sync import interrupt_open_sync
 
-            interrupt_open_sync(self.runtime.settings.db_path, "server was forced to stop")
+            target, ledger = self.runtime.settings.db_target, self.runtime.ledger
+            if target.is_postgres:  # only this replica's rows
+                from server.serving.ledger_pg_sync import interrupt_own_sync
+
+                assert target.url is not None and ledger is not None
+                interrupt_own_sync(target.url, ledger.instance_id, "server was forced to stop")
+            else:
+                interrupt_open_sync(self.runtime.settings.db_path, "server was forced to stop")
         except Exception as e:  # best effort: the next start interrupts whatever is left
             log.error("could not mark open requests interrupted: %s", e)
         os._exit(130)
@@ -117,8 +124,14 @@ def _check_auth(settings: ServeSettings) -> None:
     has_admin = bool(settings.admin_key_file) and bool(read_admin_key(settings.admin_key_file or ""))
     if settings.metrics_key_file:
         read_metrics_key(settings.metrics_key_file)  # a missing or short file: refused before anything starts
-    check_policy(settings.auth, settings.host, count_keys(settings.db_path) > 0, has_admin,
-                 settings.insecure_no_auth)
+    if settings.db_target.is_postgres:
+        from server.serving.ledger_pg_sync import count_keys_pg
+
+        assert settings.db_target.url is not None
+        n = count_keys_pg(settings.db_target.url)
+    else:
+        n = count_keys(settings.db_path)
+    check_policy(settings.auth, settings.host, n > 0, has_admin, settings.insecure_no_auth)
 
 
 class Composed(NamedTuple):
@@ -146,14 +159,16 @@ def run(settings: ServeSettings, model_dir: Path, model_name: str) -> None:
 
     redact.install()  # before uvicorn logs anything (it logs request headers at debug level)
     # Held until the process exits (or the ledger closes); a crash releases it with the fd.
-    lock = LedgerLock.acquire(settings.db_path)
+    # A PostgreSQL ledger has no lock: replicas share it by design (instance leases instead).
+    lock = None if settings.db_target.is_postgres else LedgerLock.acquire(settings.db_path)
     try:
         _check_auth(settings)
         # Bound before the Runtime starts anything (see server.serving.listen).
         listeners = bind_listeners(settings.host, settings.port, settings.metrics_host or settings.host,
                                    settings.metrics_port)
     except BaseException:
-        lock.release()
+        if lock is not None:
+            lock.release()
         raise
     runtime, _, app = compose(settings, model_dir, model_name, lock=lock, metrics_port=listeners.metrics_port)
     with warnings.catch_warnings():

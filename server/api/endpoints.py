@@ -25,6 +25,7 @@ from server.serving.errors import InvalidRequest, PagewireError, PermissionDenie
 from server.serving.ledger_health import ledger_health
 from server.serving.metrics import CONTENT_TYPE
 from server.serving.prompts import check_template_kwargs, render_chat
+from server.serving.router_view import router_view
 from server.text.tokenizer import ChatTemplateError
 from server.text.vocab import check_token_ids
 
@@ -92,7 +93,10 @@ class StatusEndpoints:
         ledger = ledger_health(rt.ledger)
         if ledger["status"] != "ok":  # writes are failing: nothing new can be recorded
             return JSONResponse({"status": "degraded", "model": rt.model_name, "ledger": ledger}, status_code=503)
-        return JSONResponse({"status": "ok", "model": rt.model_name, "ledger": ledger})
+        # What a router reads (server.serving.router_view): queue, running, free KV, prefix hits.
+        load = router_view(bridge.stats(), rt.admission.queued if rt.admission is not None else 0, rt.stopping,
+                           rt.ledger.instance_id if rt.ledger is not None else None)
+        return JSONResponse({"status": "ok", "model": rt.model_name, "ledger": ledger, "load": load})
 
     async def models(self, request: Request) -> Response:
         rt = self.rt

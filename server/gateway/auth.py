@@ -126,6 +126,11 @@ class Authenticator:
         self._generation = -1
         self.refresh()
 
+    def load(self, generation: int, keys: dict[str, ApiKey]) -> None:
+        """Replace the key cache (a shared database's keys, read asynchronously: `keys.load_keys`)."""
+        if generation != self._generation:
+            self._keys, self._generation = keys, generation
+
     def refresh(self) -> None:
         """Reload the key cache if a key changed since the last look."""
         if self._store is None:

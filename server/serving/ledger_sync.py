@@ -26,9 +26,11 @@ def open_readonly(path: str | os.PathLike[str]) -> sqlite3.Connection:
 def _columns(conn: sqlite3.Connection) -> str:
     """COLUMNS, or its older form for a ledger no newer server has opened yet (read-only here, so
     the CLI cannot migrate it): a column added since reads as NULL."""
+    if getattr(conn, "current_schema", False):  # a PostgreSQL ledger (ledger_pg_sync)
+        return COLUMNS
     names = {row[1] for row in conn.execute("PRAGMA table_info(requests)")}
     cols = COLUMNS
-    for optional in ("request_hash", "key_id", "reasoning_tokens"):  # added in schema v2, v3, v6
+    for optional in ("request_hash", "key_id", "reasoning_tokens", "instance_id"):  # schema v2, v3, v6, v7
         if optional not in names:
             cols = cols.replace(optional, "NULL")
     return cols

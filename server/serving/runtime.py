@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
 
@@ -30,6 +31,7 @@ from server.serving.ledger import Ledger
 from server.serving.metrics import Metrics
 from server.serving.output_budget import OutputBudget
 from server.serving.prompts import PromptPreparer
+from server.serving.router_view import router_gauges
 from server.serving.service import RequestService
 from server.serving.settings import ServeSettings
 from server.serving.streams import StreamRegistry
@@ -113,9 +115,18 @@ class Runtime:
     async def start(self) -> None:
         s = self.settings
         loop = asyncio.get_running_loop()
-        self.ledger = await Ledger.open(s.db_path, lock=self.lock)
-        log.info("ledger: %s (%d request(s) marked interrupted from the previous run)",
-                 s.db_path, self.ledger.interrupted_at_start)
+        if s.db_target.is_postgres:  # shared by replicas (server.serving.ledger_pg)
+            from server.serving.ledger_pg import PgLedger
+
+            assert s.db_target.url is not None
+            self.ledger = await PgLedger.open(s.db_target.url, name=f"{s.host}:{s.port} pid {os.getpid()}",
+                                              lease_s=s.instance_lease)
+            log.info("ledger: %s as replica %s (%d request(s) of lapsed replicas marked interrupted)",
+                     s.db_target.display(), self.ledger.instance_id, self.ledger.interrupted_at_start)
+        else:
+            self.ledger = await Ledger.open(s.db_path, lock=self.lock)
+            log.info("ledger: %s (%d request(s) marked interrupted from the previous run)",
+                     s.db_path, self.ledger.interrupted_at_start)
         if self.policy is not None:
             await self.policy.start(self.ledger)
         self.tokenizer = await loop.run_in_executor(None, load_tokenizer, self.model_dir)
@@ -140,6 +151,8 @@ class Runtime:
             reasoning=self.reasoning,
         )
         self.metrics.add_gauges(self.service.memory_gauges)
+        bridge = self.bridge
+        self.metrics.add_gauges(lambda: router_gauges(bridge.stats()))
         self.bridge.start()
         loop.create_task(self._report_ready())
 

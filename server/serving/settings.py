@@ -13,12 +13,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from server.engine.config import EngineConfig
+from server.serving.db_url import DbSpecError, DbTarget, check_db_value, default_db_path, parse_db
 
-
-def default_db_path() -> Path:
-    import platformdirs
-
-    return Path(platformdirs.user_data_dir("pagewire")) / "ledger.db"
+__all__ = ["ServeSettings", "default_db_path"]  # default_db_path: re-exported (server.serving.db_url)
 
 
 def _bool(text: str) -> bool:
@@ -134,6 +131,7 @@ class ServeSettings:
     metrics_host: Optional[str] = None
     insecure_no_auth: bool = False
     ledger_text: str = "all"
+    instance_lease: float = 10.0  # seconds; a shared (PostgreSQL) ledger's replica lease
     # engine: defaults come from EngineConfig, the one place they are defined
     dtype: str = _ENGINE_DEFAULTS["dtype"]
     max_model_len: Optional[int] = _ENGINE_DEFAULTS["max_model_len"]
@@ -159,8 +157,17 @@ class ServeSettings:
         return EngineConfig(model=model_dir, **kw)
 
     @property
+    def db_target(self) -> "DbTarget":
+        """What --db names: a SQLite file or a PostgreSQL URL (server.serving.db_url)."""
+        return parse_db(self.db)
+
+    @property
     def db_path(self) -> Path:
-        return Path(self.db).expanduser() if self.db else default_db_path()
+        """The SQLite file (the single-box ledger); a PostgreSQL --db has none."""
+        t = self.db_target
+        if t.path is None:
+            raise DbSpecError(f"--db {t.display()}: a PostgreSQL ledger has no file path")
+        return t.path
 
     @property
     def in_engine_limit(self) -> int:
@@ -195,7 +202,8 @@ class Option:
 OPTIONS: tuple[Option, ...] = (
     Option("host", str, "address to bind"),
     Option("port", int, "port to bind (0 picks a free one)"),
-    Option("db", str, "ledger database file (default: the user data dir's pagewire/ledger.db)"),
+    Option("db", check_db_value, "the ledger: a SQLite file path or sqlite:PATH (default: the user data dir's "
+           "pagewire/ledger.db), or postgresql://… for a database shared by several replicas"),
     Option("served_model_name", str, "model name clients use (default: the model folder's name)"),
     Option("demo_model", _bool,
            "with no model given, serve the built-in random-weight demo model instead of SmolLM2-135M-Instruct"),
@@ -246,6 +254,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("ledger_text", _choice("none", "prompt", "all"),
            "what the ledger keeps of each request's text: none, the prompt, or all (prompt and output; "
            "resuming a finished request from the ledger needs all); usage is always kept"),
+    Option("instance_lease", float, "with a postgresql:// --db: seconds this replica's lease lasts (renewed every "
+           "quarter of it); another replica interrupts its open requests only after it lapses"),
     Option("dtype", str, "auto, float32, bfloat16 or float16", engine=True),
     Option("max_model_len", _opt_int, "longest prompt + output (default: the model's)", engine=True),
     Option("kv_cache_tokens", _opt_int, "KV cache capacity in tokens", engine=True),

@@ -44,11 +44,25 @@ build: venv
 serve: build
 	$(VENV)/bin/pagewire serve
 
-test: build sysdeps
-	$(PY) -m pytest -q tests
+# Every run ends with its 15 slowest tests (--durations=15, in pyproject.toml's addopts) and the
+# kernel tests with the CPU families they ran on.
+PYTEST := $(PY) -m pytest -q
 
-test-fast: build sysdeps
-	$(PY) -m pytest -q -x tests -m "not slow"
+test: build sysdeps
+	$(PYTEST) tests
+
+# The pre-commit loop (under 3 minutes on 2 cores, bench/RESULTS.md): the layer and import
+# rules, the edge's units (every route without torch), the pure-Python units (tokenizer,
+# detokenizer, sampler, tool parsers, admission, ledger, keys and quotas, files) and the
+# allocator. No server processes, no model builds beyond the tiny demo one, no kernel grids:
+# those run in `make test`.
+FAST_TESTS := tests/test_layers.py tests/test_pairwise.py tests/test_detokenizer.py tests/test_sampler.py \
+  tests/test_tokenizer.py tests/test_tool_parsers.py tests/allocator tests/server/test_edge_units.py \
+  tests/server/test_tools_validation.py tests/engine/test_kv_cache_manager.py \
+  tests/gateway/test_keys_and_quotas.py tests/gateway/test_files.py tests/gateway/test_ownership_schema.py
+
+test-fast: build
+	$(PYTEST) -x $(FAST_TESTS)
 
 # ruff (style, bugs, import order) over everything, mypy over the package (config in pyproject.toml).
 lint: venv

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-import server.models.llama as llama_mod
+import server.models.decoder as llama_mod
 from bench.bandwidth import read_bandwidth_gbs
 from bench.shapes import SHAPES, is_built, make_random_model, model_dir_for
 from server.kernels import ops

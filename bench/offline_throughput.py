@@ -419,10 +419,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def model_vocab_size(model: Path) -> int:
     if model.is_file():
-        from server.models.gguf_config import config_from_gguf
-        from server.models.gguf_file import GGUFFile
+        from server.models.registry import read_model_config
 
-        return config_from_gguf(GGUFFile.open(model)).vocab_size
+        return read_model_config(model).vocab_size
     return int(json.loads((model / "config.json").read_text())["vocab_size"])
 
 

@@ -22,14 +22,14 @@ from pathlib import Path
 import torch
 
 from server.models.attention import AttentionMetadata
-from server.models.llama import LlamaFamilyForCausalLM
+from server.models.decoder import DecoderForCausalLM
 from server.models.loader import load_model
 
 TEXT_PATH = Path(__file__).resolve().parent.parent / "tests" / "data" / "perplexity_text.txt"
 PROMPT = "The lighthouse keeper woke before the sun, and"
 
 
-def load_quantized(model: str | Path, dtype: str, quantization: str) -> LlamaFamilyForCausalLM:
+def load_quantized(model: str | Path, dtype: str, quantization: str) -> DecoderForCausalLM:
     """The model as the engine would load it with `quantization` (none, int8, int4 or gguf)."""
     m, _ = load_model(model, dtype, keep_gguf_blocks=quantization == "gguf")
     if quantization in ("int8", "int4"):
@@ -38,7 +38,7 @@ def load_quantized(model: str | Path, dtype: str, quantization: str) -> LlamaFam
 
 
 @torch.inference_mode()
-def perplexity(model: LlamaFamilyForCausalLM, token_ids: list[int], chunk: int = 16, block_size: int = 16) -> float:
+def perplexity(model: DecoderForCausalLM, token_ids: list[int], chunk: int = 16, block_size: int = 16) -> float:
     """exp(mean NLL) of token_ids[1:] given their prefixes, fed `chunk` tokens per forward."""
     n = len(token_ids)
     if n < 2:

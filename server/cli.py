@@ -113,19 +113,19 @@ def _plan(ns: argparse.Namespace) -> int:
 def _resolve_model(settings: ServeSettings) -> tuple[Path, str, Optional[str]]:
     """(model path, served name, banner to print or None)."""
     if settings.model_dir:
-        from server.models.gguf_file import is_gguf_path
+        from server.serving.model_path import ModelPathError, resolve_model_path
 
-        d = Path(settings.model_dir).expanduser()
-        if is_gguf_path(d):
-            if not d.is_file():
-                raise SystemExit(f"pagewire: MODEL_DIR {d}: no such GGUF file")
-            return d, settings.served_model_name or d.stem, None
-        if not (d / "config.json").is_file():
-            raise SystemExit(
-                f"pagewire: MODEL_DIR {d}: no config.json there "
-                "(expected a Hugging Face model folder or a .gguf file)"
-            )
-        return d, settings.served_model_name or d.name, None
+        try:
+            d = resolve_model_path(settings.model_dir)
+        except ModelPathError as e:
+            raise SystemExit(f"pagewire: {e}") from None
+        if d.is_file():
+            default_name = d.stem
+        elif d != Path(settings.model_dir).expanduser():  # a Hub id found in the local cache: named by its id
+            default_name = settings.model_dir
+        else:
+            default_name = d.name
+        return d, settings.served_model_name or default_name, None
     if settings.demo_model:
         from server.models.demo_model import ensure_demo_model  # lazy: builds with torch on first run
 
@@ -142,14 +142,24 @@ def _resolve_model(settings: ServeSettings) -> tuple[Path, str, Optional[str]]:
 
 
 def _serve(ns: argparse.Namespace) -> int:
+    from server.serving.model_path import check_model
+
     try:
         settings = settings_from_args(ns)
-        settings.engine_config("-")  # validate the engine knobs before anything starts
     except ValueError as e:
         print(f"pagewire: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_dir, name, banner = _resolve_model(settings)
+    try:
+        # The engine knobs are checked against the real model path (`--quantization gguf` needs
+        # to see that it is a .gguf file), and the model's config is read (no weights) so an
+        # unsupported one is refused here, before the port is bound or the engine starts.
+        settings.engine_config(str(model_dir))
+        check_model(model_dir)
+    except ValueError as e:  # ModelPathError, ConfigError
+        print(f"pagewire: {e}", file=sys.stderr)
+        return 2
     if settings.speculative_config is not None:  # a draft model must share the model's vocabulary
         from server.engine.draft_proposer import check_draft_model
 
@@ -163,10 +173,11 @@ def _serve(ns: argparse.Namespace) -> int:
     from server.gateway.auth import AuthConfigError
     from server.serve import run
     from server.serving.ledger import LedgerError
+    from server.serving.listen import StartupError
 
     try:
         run(settings, model_dir, name)
-    except LedgerError as e:  # e.g. another server holds this ledger
+    except (LedgerError, StartupError) as e:  # another server holds this ledger; port in use; model failed
         print(f"pagewire: {e}", file=sys.stderr)
         return 1
     except AuthConfigError as e:  # e.g. a public bind with no keys

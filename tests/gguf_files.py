@@ -9,6 +9,7 @@ and a byte-level BPE (or SentencePiece-style) vocabulary trained on the demo cor
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -34,14 +35,28 @@ _HF_TO_GGUF_BLOCK = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    # Gemma, OLMo 2: norms on the sub-blocks' outputs; Gemma's pre-MLP norm is ffn_norm.
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    # Phi-3: llama.cpp keeps the fused matrices (ffn_up holds gate and up).
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
 }
+# model_type -> llama.cpp's general.architecture (OLMo 3 files are "olmo2" with a window).
+GGUF_ARCH = {"gemma3_text": "gemma3", "olmo3": "olmo2"}
+# llama.cpp's converter permutes Q/K rows for the architectures it runs with interleaved RoPE.
+PERMUTED = ("llama", "mistral", "smollm3", "granite")
+# Families whose post_attention_layernorm is the attention output's norm, not the MLP input's.
+_POST_NORM_TYPES = ("gemma2", "gemma3_text", "olmo2", "olmo3")
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, model_type: str = "llama") -> str:
+    if hf_name.endswith("post_attention_layernorm.weight") and model_type in _POST_NORM_TYPES:
+        return f"blk.{hf_name.split('.')[2]}.post_attention_norm.weight"
     if hf_name == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf_name == "model.norm.weight":
@@ -158,8 +173,9 @@ def write_gguf(
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     model_type = cfg["model_type"]
-    arch = arch or model_type
+    arch = arch or GGUF_ARCH.get(model_type, model_type)
     rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # per-layer-type RoPE: the file's base is the global one
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     tokens, merges, types = vocab or train_byte_level_vocab(cfg["vocab_size"])
 
@@ -185,8 +201,11 @@ def write_gguf(
     if cfg.get("head_dim"):
         meta[f"{arch}.attention.key_length"] = cfg["head_dim"]
         meta[f"{arch}.attention.value_length"] = cfg["head_dim"]
+    if sliding_window is None and "sliding_attention" in (cfg.get("layer_types") or []):
+        sliding_window = cfg["sliding_window"]
     if sliding_window is not None:
         meta[f"{arch}.attention.sliding_window"] = sliding_window
+    meta.update(_family_metadata(arch, cfg, rope))
     meta.update(extra_metadata or {})
     for key, value in meta.items():
         if key in drop_metadata:
@@ -204,14 +223,19 @@ def write_gguf(
     w.add_array("tokenizer.ggml.token_type", types)
 
     state = load_file(str(hf_dir / "model.safetensors"))
+    if rope.get("rope_type") == "longrope":  # Phi-3: the factors travel as tensors
+        state["rope_factors_long"] = torch.tensor(rope["long_factor"])
+        state["rope_factors_short"] = torch.tensor(rope["short_factor"])
     for seed, (hf_name, tensor) in enumerate(sorted(state.items())):
-        name = gguf_name(hf_name)
+        name = hf_name + ".weight" if hf_name.startswith("rope_factors") else gguf_name(hf_name, model_type)
         if name in skip_tensors:
             continue
         arr = tensor.to(torch.float32).numpy()
-        if model_type in ("llama", "mistral") and name.endswith(("attn_q.weight", "attn_q.bias")):
+        if model_type.startswith("gemma") and name.endswith("norm.weight"):
+            arr = arr + 1.0  # llama.cpp's Gemma converter stores the 1 + w the model scales by
+        if model_type in PERMUTED and name.endswith(("attn_q.weight", "attn_q.bias")):
             arr = llama_cpp_permute(arr, heads)
-        elif model_type in ("llama", "mistral") and name.endswith(("attn_k.weight", "attn_k.bias")):
+        elif model_type in PERMUTED and name.endswith(("attn_k.weight", "attn_k.bias")):
             arr = llama_cpp_permute(arr, kv_heads)
         data, raw = encode_tensor(arr, qtype if arr.ndim == 2 else "F32", seed)
         w.add_tensor(name, data, raw_dtype=raw)
@@ -220,3 +244,29 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _family_metadata(arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    """The `{arch}.*` keys llama.cpp's converter writes for the families beyond Llama/Qwen."""
+    meta: dict[str, Any] = {}
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    prf = rope.get("partial_rotary_factor", 1.0)
+    if prf != 1.0:
+        meta[f"{arch}.rope.dimension_count"] = int(head_dim * prf)
+    if rope.get("rope_type") == "linear":
+        meta[f"{arch}.rope.scaling.type"] = "linear"
+        meta[f"{arch}.rope.scaling.factor"] = float(rope["factor"])
+    if rope.get("rope_type") == "longrope":
+        orig = rope["original_max_position_embeddings"]
+        factor = cfg["max_position_embeddings"] / orig
+        meta[f"{arch}.rope.scaling.original_context_length"] = orig
+        meta[f"{arch}.rope.scaling.attn_factor"] = math.sqrt(1 + math.log(factor) / math.log(orig))
+    if arch == "gemma2":
+        meta[f"{arch}.attn_logit_softcapping"] = float(cfg["attn_logit_softcapping"])
+        meta[f"{arch}.final_logit_softcapping"] = float(cfg["final_logit_softcapping"])
+    if arch == "granite":
+        meta[f"{arch}.attention.scale"] = float(cfg["attention_multiplier"])
+        meta[f"{arch}.embedding_scale"] = float(cfg["embedding_multiplier"])
+        meta[f"{arch}.residual_scale"] = float(cfg["residual_multiplier"])
+        meta[f"{arch}.logit_scale"] = float(cfg["logits_scaling"])
+    return meta

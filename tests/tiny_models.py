@@ -22,6 +22,27 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": 24},
     "qwen2": {"use_sliding_window": False, "sliding_window": None, "max_window_layers": 2},
     "qwen3": {"head_dim": 32, "use_sliding_window": False, "sliding_window": None, "max_window_layers": 2},
+    # The families of issue 26, each with its special case on (windows shorter than the prompts,
+    # interleaved layer kinds, soft-capping, NoPE layers, long-context RoPE factors). head_dim 32
+    # differs from hidden / heads = 16, and query_pre_attn_scalar = head_dim, the scale
+    # llama.cpp hard-wires for Gemma, so the GGUF copies mean the same model.
+    "gemma2": {"num_hidden_layers": 4, "head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 24,
+               "attn_logit_softcapping": 8.0, "final_logit_softcapping": 6.0},
+    "gemma3": {"num_hidden_layers": 6, "head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 24,
+               "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                      "rope_theta": 1000000.0}}},
+    "phi3": {"original_max_position_embeddings": 64,
+             "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                 "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                                 "long_factor": [1.5 + 0.5 * i for i in range(6)]}},
+    "olmo2": {},
+    "olmo3": {"num_hidden_layers": 4, "sliding_window": 24,
+              "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                                  "full_attention": {"rope_type": "default", "rope_theta": 500000.0}}},
+    "smollm3": {"num_hidden_layers": 4},
+    "granite": {"embedding_multiplier": 6.0, "attention_multiplier": 0.2, "residual_multiplier": 0.4,
+                "logits_scaling": 4.0},
 }
 _BASE: dict[str, Any] = {
     "hidden_size": 64,
@@ -54,6 +75,13 @@ def _classes(arch: str) -> tuple[type, type]:
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
+        "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
+        "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM),
+        "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),
+        "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
     }
     if arch not in table:
         raise ValueError(f"arch: expected one of {', '.join(table)}, got {arch!r}")
@@ -78,7 +106,8 @@ def make_tiny_model(
 
     Args:
         out_dir: folder to write (created; existing checkpoint files in it are replaced).
-        arch: "llama" | "mistral" | "qwen2" | "qwen3".
+        arch: a key of _ARCH_DEFAULTS ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",
+            "phi3", "olmo2", "olmo3", "smollm3", "granite").
         dtype: "float32" | "bfloat16" | "float16": the saved weights' dtype and config dtype.
         vocab_size: embedding rows (match the tokenizer the test uses).
         config_format: "v5" (rope_parameters, as transformers 5 writes) or "v4" (top-level
@@ -97,7 +126,9 @@ def make_tiny_model(
     fields = {**_BASE, **_ARCH_DEFAULTS[arch], **config_overrides}
     fields["vocab_size"] = vocab_size
     fields["tie_word_embeddings"] = tie_word_embeddings
-    fields["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta, **(rope_scaling or {})}
+    if "rope_parameters" not in fields:  # a family default above may set its own (per layer type)
+        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta, **(rope_scaling or {})}
+    fields.setdefault("pad_token_id", 0)  # the families' defaults lie outside the tiny vocab
     config = config_cls(**fields)
 
     torch.manual_seed(seed)
@@ -107,7 +138,8 @@ def make_tiny_model(
             # HF initialises norms to 1 and biases to 0, which would let a model that skips them
             # still match; random values make every parameter observable in the logits.
             if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
+                # Gemma scales by 1 + w: around 0 there is around 1 elsewhere.
+                p.uniform_(-0.5, 0.5) if arch.startswith("gemma") else p.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 p.normal_(0.0, 0.1)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]

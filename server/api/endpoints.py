@@ -24,7 +24,7 @@ from server.gateway.usage import usage_report
 from server.serving.errors import InvalidRequest, PagewireError, PermissionDenied, TooLarge, Unavailable
 from server.serving.ledger_health import ledger_health
 from server.serving.metrics import CONTENT_TYPE
-from server.serving.prompts import render_chat
+from server.serving.prompts import check_template_kwargs, render_chat
 from server.text.tokenizer import ChatTemplateError
 from server.text.vocab import check_token_ids
 
@@ -131,7 +131,7 @@ class TokenEndpoints:
                 tools = check_tools(req.tools) if req.tools is not None else None
                 try:
                     text = render_chat(tok, messages_to_dicts(req.messages), req.add_generation_prompt, tools,
-                                       api.tool_parser)
+                                       api.tool_parser, check_template_kwargs(req.chat_template_kwargs))
                 except ChatTemplateError as e:
                     raise InvalidRequest(f"messages: {e}", param="messages") from None
                 ids = await preparer.encode_text(text, client, add_special_tokens=False)

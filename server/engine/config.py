@@ -8,12 +8,25 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from server.engine.errors import ConfigError  # re-exported: the settings' error type
+from server.strenum import StrEnum
 
 if TYPE_CHECKING:
     from server.engine.spec_config import SpeculativeConfig
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
-SUPPORTED_QUANTIZATIONS = ("none", "int8", "int4", "gguf")
+
+
+class Quantization(StrEnum):
+    """How the weights are kept (`EngineConfig.quantization`, `--quantization`); str-valued, so
+    the CLI's strings and the model loader's table keys are these values."""
+
+    NONE = "none"
+    INT8 = "int8"
+    INT4 = "int4"
+    GGUF = "gguf"
+
+
+SUPPORTED_QUANTIZATIONS = tuple(q.value for q in Quantization)
 
 
 @dataclass
@@ -61,7 +74,7 @@ class EngineConfig:
     num_threads: int = 0
     seed: int = 0
     device: str = "cpu"
-    quantization: str = "none"
+    quantization: Quantization = Quantization.NONE  # a plain string of one of its values is accepted
     speculative_config: "SpeculativeConfig | dict[str, Any] | str | None" = None
     deterministic: Optional[bool] = None
     autotune: Optional[bool] = None
@@ -75,13 +88,15 @@ class EngineConfig:
             from server.engine.spec_config import SpeculativeConfig  # (it imports ConfigError from here)
 
             self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
-        if self.quantization not in SUPPORTED_QUANTIZATIONS:
+        try:
+            self.quantization = Quantization(self.quantization)
+        except ValueError:
             raise ConfigError(
                 "quantization", f"must be one of {', '.join(SUPPORTED_QUANTIZATIONS)}, got {self.quantization!r}"
-            )
-        if self.quantization != "none" and self.device != "cpu":
-            raise ConfigError("quantization", f"{self.quantization!r} runs on CPU only, got device {self.device!r}")
-        if self.quantization == "gguf":
+            ) from None
+        if self.quantization is not Quantization.NONE and self.device != "cpu":
+            raise ConfigError("quantization", f"{self.quantization.value!r} runs on CPU only, got device {self.device!r}")
+        if self.quantization is Quantization.GGUF:
             from server.models.gguf_file import is_gguf_path
 
             if not is_gguf_path(self.model):

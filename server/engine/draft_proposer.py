@@ -29,12 +29,11 @@ token string and the EOS ids at start-up and names the first difference.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-from server.engine.config import ConfigError, EngineConfig
+from server.engine.config import ConfigError, EngineConfig, Quantization
 from server.engine.kv_cache_manager import KVCacheManager
 from server.engine.proposer import Proposals
 from server.engine.request import Sequence
@@ -43,8 +42,9 @@ from server.engine.sampler import _GREEDY_EPS, SamplingBatch, sampling_probs
 from server.engine.scheduler import ScheduledSeq, SchedulerOutput
 from server.engine.spec_config import SpeculativeConfig
 from server.models.config import ModelConfig
-from server.models.llama import LlamaFamilyForCausalLM
 from server.models.loader import load_model
+from server.models.protocol import CausalLM
+from server.models.registry import read_model_config
 from server.text.loader import load_tokenizer
 from server.text.tokenizer import Tokenizer
 
@@ -75,14 +75,7 @@ def check_vocabulary(target_config: ModelConfig, target_tok: Tokenizer, draft_co
 
 def _read_config(path: str) -> ModelConfig:
     """A model's config without its weights: config.json, or a GGUF file's metadata."""
-    from server.models.gguf_file import is_gguf_path
-
-    if is_gguf_path(path):
-        from server.models.gguf_config import config_from_gguf
-        from server.models.gguf_file import GGUFFile
-
-        return config_from_gguf(GGUFFile.open(path))
-    return ModelConfig.from_model_dir(Path(path))
+    return read_model_config(path)
 
 
 def check_draft_model(spec: SpeculativeConfig, target: str) -> None:
@@ -99,7 +92,7 @@ def check_draft_model(spec: SpeculativeConfig, target: str) -> None:
 
 
 def load_draft_model(spec: SpeculativeConfig, config: EngineConfig, target_config: ModelConfig,
-                     target_tok: Tokenizer) -> tuple[LlamaFamilyForCausalLM, ModelConfig]:
+                     target_tok: Tokenizer) -> tuple[CausalLM, ModelConfig]:
     """Load the draft model of `spec` (HF folder or GGUF) in the engine's dtype and device, and check
     its vocabulary against the target's. Load errors are reported as speculative_config.model."""
     assert spec.model is not None  # SpeculativeConfig requires it for method draft_model
@@ -111,7 +104,7 @@ def load_draft_model(spec: SpeculativeConfig, config: EngineConfig, target_confi
     except (OSError, ValueError) as e:  # missing files, unsupported architectures, bad tensors
         raise ConfigError(_FIELD, f"cannot load the draft model {spec.model!r}: {e}") from None
     check_vocabulary(target_config, target_tok, mc, tok, spec.model)
-    if config.quantization != "none":
+    if config.quantization is not Quantization.NONE:
         model.quantize_weights(config.quantization)
     return model, mc
 
@@ -130,7 +123,7 @@ class _Draft:
 class DraftModelProposer:
     """Proposes with a draft model (see the module docstring); implements proposer.Proposer."""
 
-    def __init__(self, model: LlamaFamilyForCausalLM, num_blocks: int, block_size: int, device: torch.device,
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device,
                  max_num_batched_tokens: int, enable_prefix_caching: bool, target_kv: KVCacheManager) -> None:
         self.model = model
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)

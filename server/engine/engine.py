@@ -17,14 +17,14 @@ from typing import Sequence as Seq
 
 import torch
 
-from server.engine.config import EngineConfig
+from server.engine.config import EngineConfig, Quantization
 from server.engine.draft_proposer import DraftModelProposer, load_draft_model
 from server.engine.errors import CapacityLimits, check_capacity
 from server.engine.isolation import execute_isolating
 from server.engine.kv_budget import kv_bytes_per_token, kv_layout
 from server.engine.kv_cache_manager import KVCacheManager
 from server.engine.output_processor import OutputProcessor
-from server.engine.outputs import RequestDelta, TokenLogprob
+from server.engine.outputs import FinishReason, RequestDelta, TokenLogprob
 from server.engine.request import Request, Sequence
 from server.engine.runner import ModelRunner
 from server.engine.sampler import Sampler, SamplingBatch
@@ -32,11 +32,11 @@ from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import ScheduledSeq, Scheduler
 from server.engine.spec_config import SpeculativeConfig
 from server.engine.spec_decode import SpecDecoder, SpecStats
-from server.engine.structured import DEAD_END, PendingMasks, StructuredDecoder
+from server.engine.structured import PendingMasks, StructuredDecoder
 from server.kernels import autotune, batch_invariant
 from server.kernels.ops import cpu_isa
-from server.models.llama import LlamaFamilyForCausalLM
 from server.models.loader import load_model
+from server.models.protocol import CausalLM
 from server.text.loader import load_tokenizer
 from server.text.vocab import check_token_ids
 
@@ -69,9 +69,9 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         # Model first: its loader names a missing folder or weights file precisely.
         self.model, self.model_config = load_model(
-            config.model, config.dtype, config.device, keep_gguf_blocks=config.quantization == "gguf"
+            config.model, config.dtype, config.device, keep_gguf_blocks=config.quantization is Quantization.GGUF
         )
-        if config.quantization not in ("none", "gguf"):  # "gguf" is done by the loader
+        if config.quantization not in (Quantization.NONE, Quantization.GGUF):  # GGUF is done by the loader
             self.model.quantize_weights(config.quantization)
         self.tokenizer = load_tokenizer(config.model)
         mc = self.model_config
@@ -129,6 +129,7 @@ class LLMEngine:
         self._pending: list[RequestDelta] = []  # abort deltas produced between steps
         self.last_step_progressed = True  # the latest step scheduled work or emitted deltas
         self._stats = EngineStats(num_blocks=num_blocks)
+        logger.info("%s", self.model.summary())
         logger.info("%s", layout.log_line())
         # Deterministic mode: as configured, or (None, "auto") on where it is cheap.
         self.deterministic = (
@@ -141,7 +142,7 @@ class LLMEngine:
         self.linear_table = self._autotune_linears(config, draft)
 
     def _autotune_linears(self, config: EngineConfig,
-                          draft: Optional[LlamaFamilyForCausalLM]) -> Optional[autotune.LinearTable]:
+                          draft: Optional[CausalLM]) -> Optional[autotune.LinearTable]:
         """The linear paths' table for this engine's steps (server.kernels.autotune), or None (fixed rules)."""
         on = config.autotune if config.autotune is not None else config.device == "cpu"
         if not on or self.deterministic:
@@ -183,7 +184,9 @@ class LLMEngine:
             max_total_tokens=max_total,
         )
         seq = self._add_sequence(req, 0, list(ids))
-        seq.grammar = StructuredDecoder.new_state(grammar)
+        gate = params.reasoning_gate
+        assert not isinstance(gate, dict)  # SamplingParams.validate made it a ReasoningGate
+        seq.grammar = StructuredDecoder.new_state(grammar, gate)
         self.scheduler.add(seq)
         self.requests[request_id] = req
 
@@ -203,7 +206,7 @@ class LLMEngine:
         for seq in req.sequences:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
-                seq.finish_reason = "abort"
+                seq.finish_reason = FinishReason.ABORT
         req.finished = True
         delta = self.outputs.make_delta(req)
         if delta is not None:
@@ -219,8 +222,8 @@ class LLMEngine:
             if delta.request_id == request_id:
                 delta.error = message
                 for s in delta.samples:
-                    if s.finish_reason in (None, "abort"):
-                        s.finish_reason = "error"
+                    if s.finish_reason in (None, FinishReason.ABORT):
+                        s.finish_reason = FinishReason.ERROR
                 break
 
     def abort_all(self) -> list[RequestDelta]:
@@ -239,7 +242,7 @@ class LLMEngine:
             for seq in req.sequences:
                 if not seq.is_finished:
                     self.scheduler.finish(seq)
-                    seq.finish_reason = "error"
+                    seq.finish_reason = FinishReason.ERROR
             req.error = message
             req.finished = True
             delta = self.outputs.make_delta(req)
@@ -366,10 +369,10 @@ class LLMEngine:
             touched[req.request_id] = req
             if i in dead:
                 # The grammar allows no token here: end the sample rather than emit an invalid one.
-                self.outputs.finish(seq, DEAD_END)
+                self.outputs.finish(seq, FinishReason.GRAMMAR_DEAD_END)
                 self.structured.num_dead_ends += 1
                 logger.info("request %s sample %d: grammar dead end (%s)", req.request_id, seq.index,
-                            seq.grammar.error or "no token allowed")
+                            (seq.grammar.error if seq.grammar is not None else "") or "no token allowed")
                 continue
             k = seq.request.params.logprobs
             lp: Optional[TokenLogprob] = None
@@ -380,17 +383,9 @@ class LLMEngine:
                     else []
                 )
                 lp = TokenLogprob(tokens[i], lps[i], top)
-            if seq.grammar is not None and not self.structured.accept(seq, tokens[i]):
-                self.outputs.finish(seq, DEAD_END)  # unreachable while the mask was applied
+            if not self.outputs.emit(seq, tokens[i], lp):  # a dead end: unreachable while the mask was applied
                 dead.add(i)
                 continue
-            self.outputs.append_token(seq, tokens[i], lp)
-            if seq.grammar is not None and seq.grammar.is_complete:
-                # The grammar is satisfied and allows nothing more: stop as if EOS came next.
-                if seq.finish_reason is None:
-                    self.outputs.finish(seq, "stop")
-                elif seq.finish_reason == "length":
-                    seq.finish_reason = "stop"
             if req.first_token_time is None:
                 req.first_token_time = now
         self._stats.generation_tokens += len(seqs) - len(dead)

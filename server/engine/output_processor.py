@@ -3,33 +3,26 @@
 It runs on the engine thread right after sampling, so stop strings end a sequence in the same
 step they appear (no over-generation, exact usage) and the text that leaves the engine is already
 detokenised: never broken UTF-8, never past a stop string.
+
+`emit` is the one way a sampled token joins a sequence, for plain decoding (the engine's sampler
+rows) and speculative decoding (each accepted position, engine/spec_decode.py) alike: the grammar
+accepts it, it is appended with every stop check, and a complete grammar stops the sample.
 """
 from __future__ import annotations
 
 import time
 from typing import Iterable, Optional
 
-from server.engine.outputs import RequestDelta, SampleDelta, TokenLogprob
+from server.engine.outputs import FinishReason, RequestDelta, SampleDelta, TokenLogprob
 from server.engine.request import Request, Sequence
-from server.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from server.text.detokenizer import SampleText
 from server.text.tokenizer import Tokenizer
 
 
-class _TextState:
-    """Per-sample detokenizer + stop-string matcher and the text not yet emitted."""
-
-    __slots__ = ("detok", "stops", "pending", "reported")
-
-    def __init__(self, tokenizer: Tokenizer, seq: Sequence) -> None:
-        p = seq.request.params
-        self.detok = IncrementalDetokenizer(
-            tokenizer, seq.token_ids, skip_special_tokens=p.skip_special_tokens
-        )
-        self.stops: Optional[StopStringMatcher] = (
-            StopStringMatcher(list(p.stop), p.include_stop_str_in_output) if p.stop else None
-        )
-        self.pending = ""
-        self.reported = False  # the finish_reason has been sent (exactly once)
+def _text(seq: Sequence) -> SampleText:
+    state = seq.text_state
+    assert state is not None, "OutputProcessor.init_sequence was not called for this sequence"
+    return state
 
 
 class OutputProcessor:
@@ -39,7 +32,10 @@ class OutputProcessor:
         self.max_model_len = max_model_len
 
     def init_sequence(self, seq: Sequence) -> None:
-        seq.text_state = _TextState(self.tokenizer, seq)
+        p = seq.request.params
+        stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or ())  # validate() made it a list
+        seq.text_state = SampleText(self.tokenizer, seq.token_ids, p.skip_special_tokens, stop,
+                                    p.include_stop_str_in_output)
 
     def blocked_tokens(self, seq: Sequence, ahead: int = 0) -> list[int]:
         """Tokens the sampler must not pick yet: EOS and stop ids until min_tokens is reached.
@@ -51,10 +47,31 @@ class OutputProcessor:
             return []
         return [*self.eos_token_ids, *p.stop_token_ids]
 
+    def emit(self, seq: Sequence, token: int, logprob: Optional[TokenLogprob]) -> bool:
+        """Emit one sampled token to `seq`. Returns False when the token was not emitted: the
+        sequence's grammar rejected it (unreachable while its mask was applied), which ends the
+        sample as a grammar dead end rather than emit a token outside the grammar.
+
+        Otherwise the token is appended and every stop condition checked (`append_token`); a
+        grammar that is then complete (nothing but EOS may follow) stops the sample as EOS would,
+        also over a `length` stop that landed on the same token."""
+        grammar = seq.grammar
+        if grammar is not None and not grammar.consume(token):
+            self.finish(seq, FinishReason.GRAMMAR_DEAD_END)
+            return False
+        self.append_token(seq, token, logprob)
+        if grammar is not None and grammar.is_complete:
+            if seq.finish_reason is None:
+                self.finish(seq, FinishReason.STOP)
+            elif seq.finish_reason == FinishReason.LENGTH:
+                seq.finish_reason = FinishReason.STOP
+        return True
+
     def append_token(self, seq: Sequence, token: int, logprob: Optional[TokenLogprob]) -> None:
-        """Add one sampled token to `seq` and finish it if a stop condition holds."""
+        """Add one sampled token to `seq` and finish it if a stop condition holds (no grammar:
+        `emit` is the caller's entry point)."""
         p = seq.request.params
-        state: _TextState = seq.text_state  # type: ignore[assignment]
+        state = _text(seq)
         seq.token_ids.append(token)
         seq.new_token_ids.append(token)
         if logprob is not None:
@@ -62,10 +79,10 @@ class OutputProcessor:
         n_out = seq.num_output_tokens
         may_stop = n_out >= p.min_tokens
         if may_stop and token in p.stop_token_ids:
-            self._finish(seq, "stop", token)
+            self._finish(seq, FinishReason.STOP, token)
             return
         if may_stop and not p.ignore_eos and token in self.eos_token_ids:
-            self._finish(seq, "stop", None)
+            self._finish(seq, FinishReason.STOP, None)
             return
         text = state.detok.add([token])
         # Stop strings count only once min_tokens are out (vLLM's rule, like EOS and stop ids).
@@ -73,22 +90,23 @@ class OutputProcessor:
             emit, stopped, matched = state.stops.feed(text)
             state.pending += emit
             if stopped:
-                self._finish(seq, "stop", matched, flush=False)
+                self._finish(seq, FinishReason.STOP, matched, flush=False)
                 return
         else:
             state.pending += text
         if (p.max_tokens is not None and n_out >= p.max_tokens) or (
             seq.num_tokens >= seq.request.max_total_tokens
         ):
-            self._finish(seq, "length", None)
+            self._finish(seq, FinishReason.LENGTH, None)
 
-    def finish(self, seq: Sequence, reason: str, stop_reason: Optional[int | str] = None) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason, stop_reason: Optional[int | str] = None) -> None:
         """End `seq` for a reason decided outside this class (structured outputs: the grammar is
         complete, or allows nothing), releasing any text held back."""
         self._finish(seq, reason, stop_reason)
 
-    def _finish(self, seq: Sequence, reason: str, stop_reason: Optional[int | str], flush: bool = True) -> None:
-        state: _TextState = seq.text_state  # type: ignore[assignment]
+    def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: Optional[int | str],
+                flush: bool = True) -> None:
+        state = _text(seq)
         if flush:
             # Release what was held back: an incomplete UTF-8 tail, or a possible stop prefix.
             tail = state.detok.flush()
@@ -105,7 +123,7 @@ class OutputProcessor:
         """Drain every sample's news into one RequestDelta (None if there is nothing to say)."""
         samples: list[SampleDelta] = []
         for seq in req.sequences:
-            state: _TextState = seq.text_state  # type: ignore[assignment]
+            state = _text(seq)
             finishing = seq.is_finished and not state.reported
             if not seq.new_token_ids and not state.pending and not finishing:
                 continue

@@ -9,6 +9,34 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Protocol, Sequence
 
+from server.strenum import StrEnum
+
+
+class FinishReason(StrEnum):
+    """Why one sample stopped (`Sequence.finish_reason`, `SampleDelta.finish_reason`). The engine
+    reports stop, length, abort, error and grammar_dead_end; `cancelled` is what a WebSocket
+    `done` frame says for the samples of a request the client cancelled (server.serving).
+
+    `grammar_dead_end` (structured outputs): the sample's grammar allowed no token at all (for
+    example only EOS, while min_tokens still forbade it, or llguidance hit one of its limits), so
+    the sample ended with the valid prefix it had rather than emit a token outside the grammar.
+    A grammar that is complete stops the sample with `stop`, as EOS does. A request whose samples
+    end this way has still completed (its request ends `finished`, HTTP 200): the reason is the
+    sample's, in `finish_reason`, and nothing was cut short by the server or the client.
+
+    `tool_calls` is what a chat response says for a normal stop whose text held tool calls
+    (server.api.tool_output): the engine and the ledger record that sample as `stop`, and should
+    it ever be recorded as `tool_calls` it is still a complete request.
+    """
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+    CANCELLED = "cancelled"
+    GRAMMAR_DEAD_END = "grammar_dead_end"  # server.engine.structured.DEAD_END
+    TOOL_CALLS = "tool_calls"
+
 
 @dataclass(slots=True)
 class TokenLogprob:
@@ -24,15 +52,15 @@ class SampleDelta:
     """What one sample (index < n) of a request produced in one engine step.
 
     `text` is the newly decoded text (never a broken UTF-8 sequence; stop strings removed).
-    `finish_reason` is None while running, else "stop" | "length" | "abort" | "error".
-    `stop_reason` is the matched stop string or stop token id, when finish_reason == "stop".
+    `finish_reason` is None while running, else why it stopped (`FinishReason`).
+    `stop_reason` is the matched stop string or stop token id, when finish_reason is STOP.
     """
 
     index: int
     token_ids: list[int]
     text: str
     logprobs: Optional[list[TokenLogprob]] = None
-    finish_reason: Optional[str] = None
+    finish_reason: Optional[FinishReason] = None
     stop_reason: Optional[int | str] = None
 
 

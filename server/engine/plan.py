@@ -38,15 +38,11 @@ def parse_bytes(text: str) -> int:
 
 
 def read_model_config(path: Path) -> ModelConfig:
-    """The config of a Hugging Face folder (config.json) or a GGUF file (its metadata only)."""
-    from server.models.gguf_file import is_gguf_path
+    """The config of a Hugging Face folder (config.json) or a GGUF file (its metadata only), by
+    its architecture's translation (server.models.registry)."""
+    from server.models.registry import read_model_config as read
 
-    if is_gguf_path(path):
-        from server.models.gguf_config import config_from_gguf
-        from server.models.gguf_file import GGUFFile
-
-        return config_from_gguf(GGUFFile.open(path))
-    return ModelConfig.from_model_dir(path)
+    return read(path)
 
 
 def resolved_dtype(config: EngineConfig, mc: ModelConfig) -> str:
@@ -65,17 +61,17 @@ class WeightBytes:
 
 
 def weight_bytes(mc: ModelConfig, dtype: str, quantization: str, model_path: Optional[str] = None) -> WeightBytes:
-    """Counted from the shapes `LlamaFamilyForCausalLM` allocates (fused qkv, gate_up); with
+    """Counted from the shapes `DecoderForCausalLM` allocates (fused qkv, gate_up); with
     quantization "gguf", from the sizes of the blocks the GGUF file at `model_path` keeps."""
     e = DTYPE_BYTES[dtype]
     H, I, V = mc.hidden_size, mc.intermediate_size, mc.vocab_size
     qkv = mc.q_size + 2 * mc.kv_size
     matrices = qkv * H + H * mc.q_size + 2 * I * H + H * I
-    small = 2 * H  # the two norms
+    small = H * {"pre": 2, "post": 2, "both": 4}[mc.norm_placement]  # the layer's norms
     small += qkv if mc.qkv_bias else 0
     small += H if mc.o_bias else 0
     small += (2 * I + H) if mc.mlp_bias else 0
-    small += (mc.num_heads + mc.num_kv_heads) * mc.head_dim if mc.qk_norm else 0
+    small += (mc.num_heads + mc.num_kv_heads) * mc.head_dim if mc.qk_norm else 0  # per head or projection
     per_value = QUANTIZED_BYTES_PER_VALUE.get(quantization, e)
     layer_matrices = mc.num_layers * matrices * per_value
     # A tied output projection is the embedding table itself, unless quantisation gives it its own copy.
@@ -101,7 +97,7 @@ def _gguf_matrix_bytes(path: str, mc: ModelConfig, e: int) -> tuple[float, Optio
     from server.models.gguf_file import GGUFFile
 
     f = GGUFFile.open(path)
-    kept = plan_kept_matrices(f, mc.num_layers, mc.tie_word_embeddings)
+    kept = plan_kept_matrices(f, mc.num_layers, mc.tie_word_embeddings, mc.fused_checkpoint)
     kept_bytes = {(m.layer, m.name): sum(int(f.tensors[p].data.nbytes) for p in m.parts) for m in kept}
     H, I = mc.hidden_size, mc.intermediate_size
     sizes = {"qkv_weight": (mc.q_size + 2 * mc.kv_size) * H, "o_weight": H * mc.q_size,

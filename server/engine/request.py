@@ -11,12 +11,14 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
-from server.engine.outputs import TokenLogprob
+from server.engine.grammar import GrammarState
+from server.engine.outputs import FinishReason, TokenLogprob
 from server.engine.sampling_params import SamplingParams
+from server.text.detokenizer import SampleText
 
 
 class SeqStatus(enum.Enum):
@@ -26,6 +28,18 @@ class SeqStatus(enum.Enum):
 
 
 _seq_ids = itertools.count()
+
+
+class SpecState:
+    """A sequence's speculative-decoding acceptance window (engine/spec_decode.py; the proposer
+    keeps its own state)."""
+
+    __slots__ = ("win_proposed", "win_accepted", "off")
+
+    def __init__(self) -> None:
+        self.win_proposed = 0
+        self.win_accepted = 0
+        self.off = False  # acceptance stayed below min_acceptance_rate: no more proposals
 
 
 class Sequence:
@@ -40,7 +54,7 @@ class Sequence:
         "seq_id", "request", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "status", "generator", "text_state", "finish_reason", "stop_reason",
         "new_token_ids", "new_logprobs", "spec_token_ids", "spec_state",
-        "grammar",  # structured outputs: the GrammarState (server.engine.structured), or None
+        "grammar",
     )
 
     def __init__(self, request: "Request", index: int, token_ids: list[int]) -> None:
@@ -52,8 +66,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.status = SeqStatus.WAITING
         self.generator: Optional[torch.Generator] = None
-        self.text_state: object = None  # the output processor's detokenizer state
-        self.finish_reason: Optional[str] = None
+        self.text_state: Optional[SampleText] = None  # set by the output processor (init_sequence)
+        self.finish_reason: Optional[FinishReason] = None
         self.stop_reason: Optional[int | str] = None
         # Tokens produced since the last delta was emitted (drained by the output processor).
         self.new_token_ids: list[int] = []
@@ -62,8 +76,10 @@ class Sequence:
         # after the last verified token and never part of token_ids until accepted; and the
         # proposer's per-sequence state.
         self.spec_token_ids: list[int] = []
-        self.spec_state: object = None
-        self.grammar: Any = None  # structured outputs: set by the engine for constrained requests
+        self.spec_state: Optional[SpecState] = None
+        # Structured outputs: the sequence's matcher (server.engine.structured drives it), set by
+        # the engine for constrained requests; None otherwise.
+        self.grammar: Optional[GrammarState] = None
 
     @property
     def num_tokens(self) -> int:

@@ -20,13 +20,13 @@ from server.engine.request import Sequence
 from server.engine.scheduler import SchedulerOutput
 from server.kernels import ops
 from server.models.attention import AttentionMetadata
-from server.models.llama import LlamaFamilyForCausalLM
+from server.models.protocol import CausalLM
 
 
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaFamilyForCausalLM,
+        model: CausalLM,
         num_blocks: int,
         block_size: int,
         kv_cache: KVCacheManager,
@@ -90,6 +90,7 @@ class ModelRunner:
         q_lens: list[int] = []
         seq_lens: list[int] = []
         seqs: list[Sequence] = []
+        prompt_lens: list[int] = []
         sample_rows: list[int] = []
         qsl = [0]
         for share in out.scheduled:
@@ -103,6 +104,7 @@ class ModelRunner:
             q_lens.append(n)
             seq_lens.append(c + n)
             seqs.append(seq)
+            prompt_lens.append(seq.num_prompt_tokens)
             qsl.append(qsl[-1] + n)
             if share.samples:  # the last position, and the num_spec before it (lookahead)
                 sample_rows.extend(range(qsl[-1] - 1 - share.num_spec, qsl[-1]))
@@ -118,6 +120,7 @@ class ModelRunner:
         block_idx, offset = positions // bs, positions % bs
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
         qsl_dev = qsl_t.to(torch.int32).to(self.device)
+        prompt_lens_t = torch.tensor(prompt_lens, dtype=torch.int32, device=self.device)
         metas = []
         for g in range(tables.shape[0]):  # each KV group: its own slots and tables, the same lengths
             slot_mapping = tables[g][seq_idx, block_idx].to(torch.int64) * bs + offset
@@ -128,6 +131,7 @@ class ModelRunner:
                 query_start_loc=qsl_dev,
                 max_query_len=max(q_lens),
                 max_seq_len=max(seq_lens),
+                prompt_lens=prompt_lens_t,
             ))
         meta = metas[0]
         if len(metas) > 1:

@@ -22,7 +22,8 @@ One step with speculation (the engine's hooks, in order):
    draw from the residual max(p - q, 0);
    after k acceptances draw the bonus token), so emitted tokens are distributed as the target's.
    Uniform draws come from the request's own generator when it has a seed.
-4. Emitted tokens go through the OutputProcessor one at a time, so EOS, stop ids, stop strings,
+4. Emitted tokens go through the OutputProcessor one at a time (`emit`, the same path as the
+   ordinary sampler's tokens), so EOS, stop ids, stop strings,
    min_tokens and max_tokens act at exactly the position they would without speculation (a stop
    inside an accepted run truncates there); logprobs are per emitted position, of its raw logits.
 5. Rollback: `num_computed_tokens` becomes the verified length, the KVCacheManager truncates the
@@ -45,7 +46,7 @@ from server.engine.kv_cache_manager import KVCacheManager
 from server.engine.output_processor import OutputProcessor
 from server.engine.outputs import TokenLogprob
 from server.engine.proposer import NgramProposer, Proposer
-from server.engine.request import Request, Sequence
+from server.engine.request import Request, Sequence, SpecState
 from server.engine.sampler import (
     _GREEDY_EPS,
     Sampler,
@@ -55,7 +56,7 @@ from server.engine.sampler import (
     sampling_probs,
 )
 from server.engine.spec_config import SpeculativeConfig
-from server.engine.structured import DEAD_END, StructuredDecoder
+from server.engine.structured import StructuredDecoder
 from server.kernels import ops
 
 logger = logging.getLogger("pagewire.engine.spec")
@@ -100,15 +101,19 @@ class SpecStats:
         )
 
 
-class _SeqSpecState:
-    """Per-sequence speculation state: the acceptance window (the proposer keeps its own)."""
+@dataclass
+class _Scored:
+    """A step's verification batch (`SpecDecoder._score`): the proposing sequences with their
+    logits rows, the target's raw logits per position, those logits processed as the sampler
+    would (`x`), and the draft tokens in order with their per-sequence offsets (`cu`)."""
 
-    __slots__ = ("win_proposed", "win_accepted", "off")
-
-    def __init__(self) -> None:
-        self.win_proposed = 0
-        self.win_accepted = 0
-        self.off = False
+    spec: list[tuple[int, Sequence]]
+    raw: torch.Tensor
+    x: torch.Tensor
+    batch: SamplingBatch
+    drafts: list[int]
+    cu: list[int]
+    greedy: list[bool]
 
 
 class SpecDecoder:
@@ -179,6 +184,10 @@ class SpecDecoder:
             # grammar allows EOS), so verification never meets a row with nothing allowed.
             if seq.grammar is not None and self.outputs.blocked_tokens(seq):
                 continue
+            # Nor while a grammar waits for the end of a reasoning block: a run could carry the
+            # block's end and then tokens verified without the grammar it switches on.
+            if seq.grammar is not None and seq.grammar.gate is not None:
+                continue
             # The target's own token follows the proposals, so k proposals may emit k + 1 tokens.
             room = seq.request.max_total_tokens - seq.num_tokens - 1
             if room <= 0:
@@ -197,12 +206,10 @@ class SpecDecoder:
             if toks and q is not None:
                 self._draft_probs[seq.seq_id] = q
 
-    def _state(self, seq: Sequence) -> _SeqSpecState:
-        st = seq.spec_state
-        if not isinstance(st, _SeqSpecState):
-            st = _SeqSpecState()
-            seq.spec_state = st
-        return st
+    def _state(self, seq: Sequence) -> SpecState:
+        if seq.spec_state is None:
+            seq.spec_state = SpecState()
+        return seq.spec_state
 
     # -- 3-5. verify, emit, roll back -------------------------------------------------------------
     def verify(
@@ -214,6 +221,13 @@ class SpecDecoder:
         if not spec:
             return rows, 0
         plain = [(r, s) for r, s in rows if not s.spec_token_ids]
+        scored = self._score(logits, spec)
+        out, num_emitted = self._rejection_sample(scored)
+        return plain, self._apply(scored, out, num_emitted, touched, now)
+
+    def _score(self, logits: torch.Tensor, spec: list[tuple[int, Sequence]]) -> _Scored:
+        """The verification batch: every position of every proposing sequence (its 1 + k rows)
+        processed exactly as the sampler would process that position without speculation."""
         idx: list[int] = []
         params = []
         outs: list[list[int]] = []
@@ -258,53 +272,59 @@ class SpecDecoder:
         constrained: list[tuple[Sequence, int, list[int]]] = []
         first = 0
         for _, s in spec:
-            if s.grammar is not None:
+            if s.grammar is not None and s.grammar.gate is None:
                 constrained.append((s, first, s.spec_token_ids))
             first += len(s.spec_token_ids) + 1
         if constrained and self.structured is not None:
             x = apply_token_bitmask(x, self.structured.draft_masks(constrained, x.shape[0]))
-        target_argmax = x.argmax(dim=-1)
-        probs = None if batch.all_greedy else sampling_probs(x, batch).contiguous()
+        return _Scored(spec, raw, x, batch, drafts, cu, greedy)
+
+    def _rejection_sample(self, v: _Scored) -> tuple[list[list[int]], list[int]]:
+        """Accept exactly (server._C rejection_sample, see the module doc): per sequence, the
+        tokens it emits (accepted proposals, then the target's own or residual token) and how many."""
+        probs = None if v.batch.all_greedy else sampling_probs(v.x, v.batch).contiguous()
         uniforms: list[torch.Tensor] = []
-        for (_, s), g in zip(spec, greedy):
+        for (_, s), g in zip(v.spec, v.greedy):
             n = len(s.spec_token_ids) + 1
             if g:
                 uniforms.append(torch.zeros(n, dtype=torch.float64))
             else:
-                gen = s.generator if s.generator is not None else self.sampler.shared_generator(raw.device)
+                gen = s.generator if s.generator is not None else self.sampler.shared_generator(v.raw.device)
                 uniforms.append(torch.rand(n, dtype=torch.float64, generator=gen, device=gen.device).cpu())
-        dev = raw.device
-        draft_ids = torch.tensor(drafts, dtype=torch.int64, device=dev)
+        dev = v.raw.device
+        draft_ids = torch.tensor(v.drafts, dtype=torch.int64, device=dev)
         out, num_emitted = ops.rejection_sample(
             draft_ids,
-            torch.tensor(cu, dtype=torch.int64, device=dev),
-            self._gather_draft_probs(spec, draft_ids, raw.shape[-1]) if probs is not None else None,
+            torch.tensor(v.cu, dtype=torch.int64, device=dev),
+            self._gather_draft_probs(v.spec, draft_ids, v.raw.shape[-1]) if probs is not None else None,
             probs,
-            target_argmax,
-            torch.tensor(greedy, dtype=torch.bool, device=dev),
+            v.x.argmax(dim=-1),
+            torch.tensor(v.greedy, dtype=torch.bool, device=dev),
             torch.cat(uniforms).to(dev),
         )
-        out_l = out.tolist()
-        ne_l = num_emitted.tolist()
+        return out.tolist(), num_emitted.tolist()
+
+    def _apply(self, v: _Scored, out: list[list[int]], num_emitted: list[int], touched: dict[str, Request],
+               now: float) -> int:
+        """Emit each sequence's tokens through the OutputProcessor, one position at a time (a stop
+        inside an accepted run ends it there), count acceptance and roll the rest back. Returns
+        the number of tokens emitted."""
         lps = top_ids = top_lps = None
-        if batch.max_num_logprobs is not None:
-            lp_all = torch.log_softmax(raw, dim=-1)
+        if v.batch.max_num_logprobs is not None:
+            lp_all = torch.log_softmax(v.raw, dim=-1)  # logprobs are of each position's raw logits
             lps = lp_all
-            if batch.max_num_logprobs > 0:
-                top_lps, top_ids = lp_all.topk(batch.max_num_logprobs, dim=-1)
+            if v.batch.max_num_logprobs > 0:
+                top_lps, top_ids = lp_all.topk(v.batch.max_num_logprobs, dim=-1)
         emitted_total = 0
         base = 0
         st_stats = self.stats
-        for i, (_, s) in enumerate(spec):
+        for i, (_, s) in enumerate(v.spec):
             k = len(s.spec_token_ids)
-            n = ne_l[i]
+            n = num_emitted[i]
             accepted = n - 1
             req = s.request
             nlp = req.params.logprobs
-            for j, t in enumerate(out_l[i][:n]):
-                if s.grammar is not None and not StructuredDecoder.accept(s, t):
-                    self.outputs.finish(s, DEAD_END)  # unreachable: every position was masked
-                    break
+            for j, t in enumerate(out[i][:n]):
                 lp: Optional[TokenLogprob] = None
                 if nlp is not None and lps is not None:
                     row = base + j
@@ -314,15 +334,10 @@ class SpecDecoder:
                         else []
                     )
                     lp = TokenLogprob(t, float(lps[row, t]), top)
-                self.outputs.append_token(s, t, lp)
+                if not self.outputs.emit(s, t, lp):  # a dead end: unreachable, every position was masked
+                    break
                 emitted_total += 1
                 st_stats.num_emitted += 1
-                if s.grammar is not None and s.grammar.is_complete:
-                    # The grammar is satisfied and allows nothing more: stop as if EOS came next.
-                    if s.finish_reason is None:
-                        self.outputs.finish(s, "stop")
-                    elif s.finish_reason == "length":
-                        s.finish_reason = "stop"
                 if s.finish_reason is not None:  # a stop inside the accepted run ends it there
                     break
             base += k + 1
@@ -343,7 +358,7 @@ class SpecDecoder:
             if req.first_token_time is None:
                 req.first_token_time = now
             touched[req.request_id] = req
-        return plain, emitted_total
+        return emitted_total
 
     def _gather_draft_probs(self, spec: list[tuple[int, Sequence]], draft_ids: torch.Tensor,
                             vocab: int) -> Optional[torch.Tensor]:
@@ -368,7 +383,7 @@ class SpecDecoder:
 
     def _track_acceptance(self, seq: Sequence, proposed: int, accepted: int) -> None:
         st = seq.spec_state
-        if not isinstance(st, _SeqSpecState):
+        if st is None:
             return
         st.win_proposed += proposed
         st.win_accepted += accepted

@@ -15,7 +15,8 @@ The step, for the constrained rows only (an unconstrained batch costs nothing he
                        such as just-forked children, are computed now), with tokens the sampler
                        blocks cleared, and the rows that allow nothing at all (dead ends)
     (sample: the sampler applies the whole bitmask in one batched op)
-    accept(seq, token) advance the matcher; True when the grammar is complete
+    (emit: OutputProcessor.emit advances the matcher with each emitted token, a rejected
+                       token ending the sample as a dead end, and stops a complete grammar)
 
 Why the worker is joined before `_advance`/`fork`: an LLMatcher must not be used from two threads
 at once, and forking copies the parent's matcher. Nothing else touches matchers between begin
@@ -36,8 +37,9 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import llguidance
 import torch
 
-from server.engine.grammar import CompiledGrammar, compile_params
-from server.engine.sampling_params import SamplingParams
+from server.engine.grammar import GATE_DECIDE, GATE_WAIT, CompiledGrammar, GrammarState, compile_params
+from server.engine.outputs import FinishReason
+from server.engine.sampling_params import ReasoningGate, SamplingParams
 from server.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -47,45 +49,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pagewire.engine")
 
 # The finish reason of a sample whose grammar allows no token (see docs/structured_outputs.md).
-DEAD_END = "grammar_dead_end"
+DEAD_END = FinishReason.GRAMMAR_DEAD_END
 
 
-class GrammarState:
-    """One sequence's matcher and how many tokens it has consumed."""
-
-    __slots__ = ("matcher", "num_consumed", "grammar")
-
-    def __init__(self, grammar: CompiledGrammar, matcher: Optional[llguidance.LLMatcher] = None) -> None:
-        self.grammar = grammar
-        self.matcher = matcher if matcher is not None else grammar.new_matcher()
-        self.num_consumed = 0
-
-    def fork(self) -> "GrammarState":
-        child = GrammarState(self.grammar, self.matcher.deep_copy())
-        child.num_consumed = self.num_consumed
-        return child
-
-    def consume(self, token: int) -> bool:
-        ok = bool(self.matcher.consume_token(token))
-        if ok:
-            self.num_consumed += 1
-        return ok
-
-    def rollback(self, k: int) -> None:
-        if not 0 <= k <= self.num_consumed:
-            raise ValueError(f"rollback: k must be in [0, {self.num_consumed}], got {k}")
-        if k and not self.matcher.rollback(k):
-            raise RuntimeError(f"grammar matcher could not roll back {k} tokens: {self.matcher.get_error()}")
-        self.num_consumed -= k
-
-    @property
-    def is_complete(self) -> bool:
-        """Nothing but EOS may follow (the grammar is satisfied and cannot grow)."""
-        return bool(self.matcher.is_stopped()) and not self.matcher.is_error()
-
-    @property
-    def error(self) -> str:
-        return str(self.matcher.get_error())
+def _matcher_failed(state: Optional[GrammarState]) -> bool:
+    # While gated (inside a reasoning block) the matcher has consumed nothing: it cannot fail.
+    return state is not None and state.gate is None and bool(state.matcher.is_error())
 
 
 def _mask_threads() -> int:
@@ -132,8 +101,9 @@ class StructuredDecoder:
         return compile_params(self.tokenizer, so)
 
     @staticmethod
-    def new_state(grammar: Optional[CompiledGrammar]) -> Optional[GrammarState]:
-        return GrammarState(grammar) if grammar is not None else None
+    def new_state(grammar: Optional[CompiledGrammar], reasoning: Optional[ReasoningGate] = None
+                  ) -> Optional[GrammarState]:
+        return GrammarState(grammar, reasoning=reasoning) if grammar is not None else None
 
     @staticmethod
     def fork(parent: "Seq", child: "Seq") -> None:
@@ -157,7 +127,7 @@ class StructuredDecoder:
         rows: dict[int, int] = {}
         for share in scheduled:
             state: Optional[GrammarState] = share.seq.grammar
-            if state is None or not share.samples:
+            if state is None or not share.samples or state.gate == GATE_WAIT:
                 continue
             rows[share.seq.seq_id] = len(jobs)
             jobs.append((state.matcher, len(jobs)))
@@ -192,7 +162,8 @@ class StructuredDecoder:
         `blocked[i]` are tokens the sampler will forbid on row i anyway (EOS before min_tokens):
         they are cleared here so that a row left with nothing allowed is detected as a dead end.
         """
-        idx = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        # Rows inside a reasoning block are unconstrained (the grammar starts after it).
+        idx = [i for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.gate != GATE_WAIT]
         if not idx:
             return None, []
         out = torch.full((len(seqs), self._words), -1, dtype=torch.int32)
@@ -206,6 +177,7 @@ class StructuredDecoder:
                 dst.append(i)
                 src.append(row)
             else:
+                assert seq.grammar is not None  # idx holds the constrained rows only
                 late.append((seq.grammar.matcher, i))
         if dst and pending is not None:  # one gather for every row the worker filled
             out[torch.tensor(dst)] = pending.bitmask[torch.tensor(src)]
@@ -213,6 +185,12 @@ class StructuredDecoder:
             executor, _ = self._ensure_threads()
             executor.unsafe_compute_mask_ptr(late, out.data_ptr(), self._words * 4, len(seqs))
         for i in idx:
+            state = seqs[i].grammar
+            assert state is not None  # idx holds the constrained rows only
+            if state.gate == GATE_DECIDE and state.reasoning is not None:  # the first token may open the block
+                t = state.reasoning.start_token_id
+                if 0 <= t < self._words * 32:
+                    out[i, t // 32] |= (1 << (t % 32)) if t % 32 != 31 else -0x80000000
             for t in blocked[i]:  # usually none: only EOS / stop ids before min_tokens
                 if 0 <= t < self._words * 32:
                     b = t % 32
@@ -223,21 +201,13 @@ class StructuredDecoder:
         any_allowed = (rows[:, :full] != 0).any(dim=1)
         if rem:
             any_allowed |= (rows[:, full] & ((1 << rem) - 1)) != 0
-        dead = [i for i, ok in zip(idx, any_allowed.tolist()) if not ok or seqs[i].grammar.matcher.is_error()]
+        dead = [i for i, ok in zip(idx, any_allowed.tolist())
+                if not ok or _matcher_failed(seqs[i].grammar)]
         for i in dead:
             out[i] = -1
         return out, dead
 
     # -- after sampling ---------------------------------------------------------------------------
-    @staticmethod
-    def accept(seq: "Seq", token: int) -> bool:
-        """Advance `seq`'s matcher by its sampled token. Returns False if the grammar rejects it
-        (only possible when the token did not come from a masked sample)."""
-        state: Optional[GrammarState] = seq.grammar
-        if state is None:
-            return True
-        return state.consume(token)
-
     @staticmethod
     def rollback(seq: "Seq", k: int) -> None:
         """Undo the last `k` tokens `seq`'s matcher accepted (speculative decoding, replay)."""
@@ -252,6 +222,8 @@ class StructuredDecoder:
         state: Optional[GrammarState] = seq.grammar
         if state is None:
             return len(tokens)
+        if state.gate is not None:  # gated sequences do not speculate (server.engine.spec_decode)
+            return 0
         return int(state.matcher.validate_tokens(tokens))
 
     def draft_masks(self, items: Sequence[tuple["Seq", int, list[int]]], num_rows: int) -> torch.Tensor:
@@ -261,7 +233,8 @@ class StructuredDecoder:
         rolls it back, so the matchers end where they started. Rows of no item allow everything.
         The drafts must have passed `validate_draft`."""
         out = torch.full((num_rows, self._words), -1, dtype=torch.int32)
-        jobs = [(seq.grammar.matcher, first, list(draft)) for seq, first, draft in items if seq.grammar is not None]
+        jobs = [(seq.grammar.matcher, first, list(draft)) for seq, first, draft in items
+                if seq.grammar is not None and seq.grammar.gate is None]
         if jobs:
             executor, _ = self._ensure_threads()
             executor.unsafe_compute_mask_ptr_with_draft_token(jobs, out.data_ptr(), self._words * 4, num_rows)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from server.engine.config import EngineConfig
 from server.engine.errors import CapacityLimits, check_capacity
-from server.engine.outputs import RequestDelta, SampleDelta
+from server.engine.outputs import FinishReason, RequestDelta, SampleDelta
 from server.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the engine (and torch) load on the engine thread, not at import
@@ -124,8 +124,8 @@ class EngineThread:
             from server.engine.engine import LLMEngine
 
             engine = LLMEngine(self.config)
-        except BaseException as e:  # reported through .error; the server answers 503 with it
-            logger.exception("engine failed to load")
+        except BaseException as e:  # reported through .error (the server exits with it, one line)
+            logger.debug("engine failed to load", exc_info=True)
             self.error = e
             self._ready.set()
             return
@@ -204,7 +204,7 @@ class EngineThread:
 def _error_delta(request_id: str, n_prompt: int, arrival: float, message: str) -> RequestDelta:
     return RequestDelta(
         request_id=request_id,
-        samples=[SampleDelta(index=0, token_ids=[], text="", finish_reason="error")],
+        samples=[SampleDelta(index=0, token_ids=[], text="", finish_reason=FinishReason.ERROR)],
         finished=True,
         num_prompt_tokens=n_prompt,
         num_cached_tokens=0,

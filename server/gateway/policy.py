@@ -12,7 +12,7 @@ import sqlite3
 from typing import Optional
 
 from server.gateway import redact
-from server.gateway.auth import Authenticator, read_admin_key
+from server.gateway.auth import Authenticator, read_admin_key, read_metrics_key
 from server.gateway.quotas import QuotaBook
 from server.gateway.usage import daily_usage, recent_usage
 from server.serving.ledger import Ledger
@@ -40,7 +40,8 @@ class Gateway:
         self._keys_conn = sqlite3.connect(str(s.db_path), check_same_thread=False, isolation_level=None)
         self._keys_conn.execute("PRAGMA busy_timeout=1000")
         admin = read_admin_key(s.admin_key_file) if s.admin_key_file else None
-        self.auth = Authenticator(self._keys_conn, s.auth, admin, s.insecure_no_auth)
+        metrics_token = read_metrics_key(s.metrics_key_file) if s.metrics_key_file else None
+        self.auth = Authenticator(self._keys_conn, s.auth, admin, s.insecure_no_auth, metrics_token)
         quotas = QuotaBook(self.auth.limits_of)
         day = QuotaBook.day_of(quotas.clock())
         quotas.load_daily(await daily_usage(ledger, day), day)

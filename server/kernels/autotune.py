@@ -48,6 +48,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from server.kernels import ops
+from server.kernels.kinds import Qtype
 from server.kernels.linear_plan import (
     BUCKETS,
     KERNEL,
@@ -186,7 +187,7 @@ def _tune_amx(ops: ModuleType, table: LinearTable, groups: dict[Key, Site], t_st
             choice = table.choices[key][b]
             if not choice.kernel or choice.how == "budget":
                 continue
-            if isinstance(site.weight, QuantizedWeight) and site.weight.qtype != "q8_0":
+            if isinstance(site.weight, QuantizedWeight) and site.weight.qtype is not Qtype.Q8_0:
                 continue  # the 4-bit formats have no AMX body
             seen = choice.kernel_s if choice.kernel_s is not None else 0.0
             if time.perf_counter() - t_start + 2 * (1 + SAMPLES) * max(seen, MIN_SAMPLE_S) > budget_s:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import server._C  # (also loads the TORCH_LIBRARY(pagewire) registrations)
 from server.kernels import batch_invariant, linear_plan
+from server.kernels.kinds import LinearKind
 from server.kernels.quant import QuantizedWeight
 
 __all__ = [
@@ -215,7 +216,7 @@ def linear(
 
 
 def linear_kind(dtype: torch.dtype, m: int, weight: torch.Tensor | QuantizedWeight,
-                bias: Optional[torch.Tensor]) -> Optional[str]:
+                bias: Optional[torch.Tensor]) -> Optional[LinearKind]:
     """The path `linear` takes for a CPU activation [m, K] of `dtype` (no autograd,
     m <= Q8_KERNEL_MAX_ROWS), named as pagewire::decode_layer takes it: "kernel" (pagewire::linear),
     "torch" (F.linear), "q8_0" / "q8_0x8", or a linear_q4 qtype; None where that path is not one
@@ -237,7 +238,7 @@ def linear_kind(dtype: torch.dtype, m: int, weight: torch.Tensor | QuantizedWeig
     if batch_invariant.enabled():  # _linear_batch_invariant's paths
         if isinstance(weight, QuantizedWeight):
             return weight.op_qtype
-        return "kernel" if float_kernel and _ACTIVE_ISA != "portable" else None
+        return LinearKind.KERNEL if float_kernel and _ACTIVE_ISA != "portable" else None
     plans = linear_plan.active_table()
     if isinstance(weight, QuantizedWeight):
         plan = plans.get((weight.qtype, dtype, weight.shape)) if plans is not None else None
@@ -256,8 +257,8 @@ def linear_kind(dtype: torch.dtype, m: int, weight: torch.Tensor | QuantizedWeig
         else:
             use_kernel = fixed_rule_takes_kernel(weight, m)
         if use_kernel:
-            return "kernel"
-    return "torch"
+            return LinearKind.KERNEL
+    return LinearKind.TORCH
 
 
 def fixed_rule_takes_kernel(weight: torch.Tensor | QuantizedWeight, m: int) -> bool:

@@ -22,13 +22,15 @@ pagewire::linear_q4 (activations quantised per row to 8 bits on the fly, integer
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Union
 
 import torch
 
 import server._C  # noqa: F401  (loads the op registrations)
+from server.kernels.kinds import LinearKind, Qtype
 
-__all__ = ["QuantizedWeight", "QUANTIZATIONS", "QTYPES", "GGUF_QTYPES", "INTERLEAVABLE", "Q8_0_BLOCK", "Q8_0_BLOCK_BYTES"]
+__all__ = ["QuantizedWeight", "Qtype", "QUANTIZATIONS", "QTYPES", "GGUF_QTYPES", "INTERLEAVABLE", "Q8_0_BLOCK",
+           "Q8_0_BLOCK_BYTES"]
 
 Q8_0_BLOCK = 32  # values per block
 Q8_0_BLOCK_BYTES = 34  # fp16 scale + 32 int8
@@ -40,24 +42,31 @@ class BlockFormat(NamedTuple):
 
 
 # Every format a QuantizedWeight can hold, with a kernel in csrc/cpu.
-QTYPES: dict[str, BlockFormat] = {
-    "q8_0": BlockFormat(32, 34),
-    "q4_0": BlockFormat(32, 18),
-    "q4_1": BlockFormat(32, 20),
-    "q4_k": BlockFormat(256, 144),
+QTYPES: dict[Qtype, BlockFormat] = {
+    Qtype.Q8_0: BlockFormat(32, 34),
+    Qtype.Q4_0: BlockFormat(32, 18),
+    Qtype.Q4_1: BlockFormat(32, 20),
+    Qtype.Q4_K: BlockFormat(256, 144),
 }
 
 # The formats with an interleaved layout (QuantizedWeight.for_kernels).
-INTERLEAVABLE: tuple[str, ...] = ("q8_0", "q4_0", "q4_1")
+INTERLEAVABLE: tuple[Qtype, ...] = (Qtype.Q8_0, Qtype.Q4_0, Qtype.Q4_1)
 
 # GGUF tensor type names (gguf.GGMLQuantizationType) -> the qtype that keeps them as they are.
-GGUF_QTYPES: dict[str, str] = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k"}
+GGUF_QTYPES: dict[str, Qtype] = {"Q8_0": Qtype.Q8_0, "Q4_0": Qtype.Q4_0, "Q4_1": Qtype.Q4_1, "Q4_K": Qtype.Q4_K}
 
 # --quantization values that quantise float weights at load, and the format each one stores.
 # ("gguf", which keeps a GGUF file's own block types, is handled by the GGUF loader.)
-QUANTIZATIONS: dict[str, str] = {"int8": "q8_0", "int4": "q4_0"}
+QUANTIZATIONS: dict[str, Qtype] = {"int8": Qtype.Q8_0, "int4": Qtype.Q4_0}
 
-_QUANTIZERS = {"q8_0": "quantize_q8_0", "q4_0": "quantize_q4_0"}
+_QUANTIZERS = {Qtype.Q8_0: "quantize_q8_0", Qtype.Q4_0: "quantize_q4_0"}
+
+
+def _qtype(value: Union[Qtype, str]) -> Qtype:
+    try:
+        return Qtype(value)
+    except ValueError:
+        raise ValueError(f"qtype: must be one of {', '.join(QTYPES)}, got {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -65,22 +74,21 @@ class QuantizedWeight:
     """A linear layer's weight [N, K] (nn.Linear layout) kept in a block-quantised format.
 
     Attributes:
-        qtype: a key of QTYPES.
+        qtype: a key of QTYPES (a plain string of one is accepted and stored as the Qtype).
         data: uint8 [N, K / block * block_bytes] on CPU, the blocks row by row (GGUF's layout), or
             with `interleaved` each group of eight rows rearranged within its own bytes.
         shape: the logical (N, K).
         interleaved: data is in the x8 layout (q8_0, q4_0 and q4_1; see `for_kernels`).
     """
 
-    qtype: str
+    qtype: Qtype
     data: torch.Tensor
     shape: tuple[int, int]
     interleaved: bool = False
 
     def __post_init__(self) -> None:
-        fmt = QTYPES.get(self.qtype)
-        if fmt is None:
-            raise ValueError(f"qtype: must be one of {', '.join(QTYPES)}, got {self.qtype!r}")
+        object.__setattr__(self, "qtype", _qtype(self.qtype))
+        fmt = QTYPES[self.qtype]
         n, k = self.shape
         if k <= 0 or k % fmt.values != 0:
             raise ValueError(f"shape: K = {k} must be a positive multiple of {fmt.values} for {self.qtype}")
@@ -93,29 +101,28 @@ class QuantizedWeight:
                              f"not {self.qtype}")
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, qtype: str = "q8_0") -> "QuantizedWeight":
+    def quantize(cls, weight: torch.Tensor, qtype: Union[Qtype, str] = Qtype.Q8_0) -> "QuantizedWeight":
         """Quantise a float weight [N, K] (K a multiple of 32) with GGUF's rounding (q8_0 or q4_0)."""
-        op = _QUANTIZERS.get(qtype)
+        op = _QUANTIZERS.get(Qtype(qtype)) if qtype in QTYPES else None
         if op is None:
             raise ValueError(f"qtype: quantising at load supports {', '.join(_QUANTIZERS)}, got {qtype!r}")
         data = getattr(torch.ops.pagewire, op)(weight.detach().cpu())
-        return cls(qtype, data, (int(weight.shape[0]), int(weight.shape[1])))
+        return cls(_qtype(qtype), data, (int(weight.shape[0]), int(weight.shape[1])))
 
     @classmethod
-    def from_gguf_bytes(cls, qtype: str, raw: torch.Tensor, n: int, k: int) -> "QuantizedWeight":
+    def from_gguf_bytes(cls, qtype: Union[Qtype, str], raw: torch.Tensor, n: int, k: int) -> "QuantizedWeight":
         """Wrap GGUF tensor data of `qtype` (any uint8 tensor of the right byte count, e.g. a view of
         the mapped file) for a weight of N rows of K values; no copy when raw is contiguous."""
-        fmt = QTYPES.get(qtype)
-        if fmt is None:
-            raise ValueError(f"qtype: must be one of {', '.join(QTYPES)}, got {qtype!r}")
+        q = _qtype(qtype)
+        fmt = QTYPES[q]
         if k % fmt.values != 0:
-            raise ValueError(f"shape: K = {k} must be a multiple of {fmt.values} for {qtype}")
-        return cls(qtype, raw.reshape(n, k // fmt.values * fmt.nbytes), (n, k))
+            raise ValueError(f"shape: K = {k} must be a multiple of {fmt.values} for {q}")
+        return cls(q, raw.reshape(n, k // fmt.values * fmt.nbytes), (n, k))
 
     @classmethod
     def from_q8_0_bytes(cls, raw: torch.Tensor, n: int, k: int) -> "QuantizedWeight":
         """`from_gguf_bytes` for Q8_0."""
-        return cls.from_gguf_bytes("q8_0", raw, n, k)
+        return cls.from_gguf_bytes(Qtype.Q8_0, raw, n, k)
 
     def for_kernels(self) -> "QuantizedWeight":
         """This weight in the layout that this CPU's kernel reads fastest (itself when that is its own).
@@ -134,27 +141,27 @@ class QuantizedWeight:
         if self.interleaved or self.qtype not in INTERLEAVABLE:
             raise ValueError(f"interleaved: {self.qtype} {'is already' if self.interleaved else 'has no'} "
                              "interleaved layout")
-        if self.qtype == "q8_0":
+        if self.qtype is Qtype.Q8_0:
             data = torch.ops.pagewire.interleave_q8_0(self.data)
         else:
             data = torch.ops.pagewire.interleave_q4(self.data, self.qtype)
         return QuantizedWeight(self.qtype, data, self.shape, interleaved=True)
 
     @property
-    def op_qtype(self) -> str:
+    def op_qtype(self) -> LinearKind:
         """The format and layout as the C++ ops name them: the qtype, with "x8" when interleaved
         ("q4_0x8"; also pagewire::decode_layer's linear kind of this weight)."""
-        return self.qtype + "x8" if self.interleaved else self.qtype
+        return LinearKind(self.qtype.value + "x8" if self.interleaved else self.qtype.value)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The represented weight [N, K] in `dtype` (exact in float32, as GGUF computes it)."""
-        if self.qtype == "q8_0":
+        if self.qtype is Qtype.Q8_0:
             return torch.ops.pagewire.dequantize_q8_0(self.data, self.interleaved).to(dtype)
         return torch.ops.pagewire.dequantize_q4(self.data, self.op_qtype).to(dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] @ self^T (+ bias) in x's dtype, through the format's kernel."""
-        if self.qtype == "q8_0":
+        if self.qtype is Qtype.Q8_0:
             return torch.ops.pagewire.linear_q8_0(x, self.data, bias, self.interleaved)
         return torch.ops.pagewire.linear_q4(x, self.data, self.op_qtype, bias)
 

@@ -22,6 +22,8 @@ class AttentionMetadata:
     seq_lens:        int32 [S]      tokens in cache for each sequence after this step (context + new)
     query_start_loc: int32 [S + 1]  prefix sum of new tokens per sequence; q_len = diff
     max_query_len / max_seq_len:    host ints, for kernels that size launches by them
+    prompt_lens:     int32 [S]      each sequence's prompt length, or None (= seq_lens); read only
+                                    by longrope, whose table choice depends on it (rope.long_rows)
     """
 
     slot_mapping: torch.Tensor
@@ -30,6 +32,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    prompt_lens: Optional[torch.Tensor] = None
     # With several KV groups (server/engine/kv_groups.py), per layer the metadata of its group: its
     # own slot_mapping and block_tables, the same lengths. None: every layer uses this one.
     per_layer: Optional[list[AttentionMetadata]] = None

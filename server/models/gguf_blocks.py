@@ -18,15 +18,17 @@ import torch
 from server.kernels.quant import GGUF_QTYPES, QuantizedWeight
 from server.models.gguf_file import GGUFFile
 
-__all__ = ["KeptMatrix", "plan_kept_matrices", "build_quantized"]
+__all__ = ["KeptMatrix", "plan_kept_matrices", "build_quantized", "unpermute_qk"]
 
-# Each decoder matrix of LlamaDecoderLayer and the GGUF tensors that make it, rows in this order.
+# Each decoder matrix of DecoderLayer and the GGUF tensors that make it, rows in this order.
 _LAYER_MATRICES = {
     "qkv_weight": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
     "o_weight": ("attn_output.weight",),
     "gate_up_weight": ("ffn_gate.weight", "ffn_up.weight"),
     "down_weight": ("ffn_down.weight",),
 }
+# Phi-3 files store them fused already (ffn_up is gate and up, stacked).
+_FUSED_LAYER_MATRICES = {**_LAYER_MATRICES, "qkv_weight": ("attn_qkv.weight",), "gate_up_weight": ("ffn_up.weight",)}
 
 
 @dataclass(frozen=True)
@@ -40,12 +42,13 @@ class KeptMatrix:
     parts: tuple[str, ...]
 
 
-def plan_kept_matrices(f: GGUFFile, num_layers: int, tied: bool) -> list[KeptMatrix]:
+def plan_kept_matrices(f: GGUFFile, num_layers: int, tied: bool, fused: bool = False) -> list[KeptMatrix]:
     """The matrices of a `num_layers` model that stay in the file's block format. A tied model's
-    lm_head is kept from token_embd's blocks (the embedding table itself is still dequantised)."""
+    lm_head is kept from token_embd's blocks (the embedding table itself is still dequantised).
+    `fused`: the file stores qkv and gate_up as one tensor each (ModelConfig.fused_checkpoint)."""
     groups: list[tuple[int | None, str, tuple[str, ...]]] = []
     for i in range(num_layers):
-        for name, parts in _LAYER_MATRICES.items():
+        for name, parts in (_FUSED_LAYER_MATRICES if fused else _LAYER_MATRICES).items():
             groups.append((i, name, tuple(f"blk.{i}.{p}" for p in parts)))
     head = "token_embd.weight" if tied or "output.weight" not in f.tensors else "output.weight"
     groups.append((None, "lm_head", (head,)))
@@ -66,8 +69,6 @@ def plan_kept_matrices(f: GGUFFile, num_layers: int, tied: bool) -> list[KeptMat
 def build_quantized(f: GGUFFile, m: KeptMatrix, permute_heads: dict[str, int]) -> QuantizedWeight:
     """The QuantizedWeight of `m` from the file's block bytes; `permute_heads` maps a part's GGUF
     suffix ("attn_q.weight", "attn_k.weight") to its head count when llama.cpp permuted its rows."""
-    from server.models.gguf_loader import unpermute_qk
-
     rows = []
     k = f.tensors[m.parts[0]].shape[1]
     for part in m.parts:
@@ -78,3 +79,16 @@ def build_quantized(f: GGUFFile, m: KeptMatrix, permute_heads: dict[str, int]) -
         rows.append(unpermute_qk(raw, heads) if heads else raw)
     data = rows[0] if len(rows) == 1 else torch.cat(rows)
     return QuantizedWeight.from_gguf_bytes(m.qtype, data.contiguous(), int(data.shape[0]), int(k))
+
+
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row order.
+
+    The converter regroups each head's rows from HF's [first half | second half] (rotate-half RoPE)
+    to interleaved pairs (ggml's "normal" RoPE): row (h, i, j) of shape [heads, half, 2] came from
+    HF row (h, j, i) of [heads, 2, half]. Swapping the two small axes back restores HF's order.
+    Works for weights [rows, in] and biases [rows].
+    """
+    rows = w.shape[0]
+    half = rows // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

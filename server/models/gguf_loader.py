@@ -1,9 +1,11 @@
-"""load_gguf_model: turn a GGUF file into a runnable LlamaFamilyForCausalLM.
+"""load_gguf_model: turn a GGUF file of any registered family into a runnable model.
 
-It owns the GGUF -> Hugging Face tensor-name map, dequantising each tensor at load (with the
+It owns the GGUF -> Hugging Face tensor-name map (which depends on the family's norm placement
+and whether its checkpoint fuses qkv / gate_up), dequantising each tensor at load (with the
 `gguf` package's numpy dequantisers) to the serving dtype -- or, with keep_quantized, leaving the
 matrices `gguf_blocks` can run in their block format as they are -- and undoing the Q/K row permutation
-llama.cpp's converter applies to Llama/Mistral attention weights. Every failure names the file and
+llama.cpp's converter applies to the attention weights of the families it runs with interleaved
+RoPE (Llama, Mistral, SmolLM3, Granite). Every failure names the file and
 the tensor: an unsupported tensor type, a missing or unexpected tensor, a shape mismatch.
 """
 from __future__ import annotations
@@ -11,16 +13,19 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from server.models.config import ModelConfig, ModelLoadError, UnsupportedModelError
-from server.models.gguf_blocks import build_quantized, plan_kept_matrices
-from server.models.gguf_config import PERMUTED_QK_ARCHITECTURES, config_from_gguf
+from server.models.dtype import resolve_dtype
+from server.models.gguf_blocks import build_quantized, plan_kept_matrices, unpermute_qk
+from server.models.gguf_config import CONFIG_TENSORS
 from server.models.gguf_file import GGUFFile, GGUFTensor
-from server.models.llama import LlamaFamilyForCausalLM
+from server.models.protocol import CausalLM
+from server.models.registry import config_from_gguf, gguf_permuted_qk, model_class
 
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
@@ -32,6 +37,9 @@ _GLOBAL_NAMES = {
 _BLOCK_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
@@ -54,14 +62,22 @@ _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 __all__ = ["load_gguf_model", "hf_tensor_name", "dequantize", "unpermute_qk", "SUPPORTED_TENSOR_TYPES"]
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor, or None if pagewire has no use for it."""
+def hf_tensor_name(gguf_name: str, config: ModelConfig | None = None) -> str | None:
+    """The Hugging Face name of a GGUF tensor, or None if pagewire has no use for it. `config`
+    decides the names that differ by family: ffn_norm is Gemma's pre_feedforward_layernorm (its
+    post_attention_layernorm is attn_post_norm), and Phi-3's ffn_up is the fused gate_up_proj."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK.fullmatch(gguf_name)
     if m is None or m.group(2) not in _BLOCK_NAMES:
         return None
-    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"
+    part = m.group(2)
+    name = _BLOCK_NAMES[part]
+    if config is not None and config.norm_placement == "both" and part == "ffn_norm.weight":
+        name = "pre_feedforward_layernorm.weight"
+    if config is not None and config.fused_checkpoint and part == "ffn_up.weight":
+        name = "mlp.gate_up_proj.weight"
+    return f"model.layers.{m.group(1)}.{name}"
 
 
 def dequantize(t: GGUFTensor, path: Path) -> np.ndarray:
@@ -81,23 +97,10 @@ def dequantize(t: GGUFTensor, path: Path) -> np.ndarray:
         raise ModelLoadError(f"{path}: tensor {t.name!r} ({t.type_name}, shape {list(t.shape)}) is corrupt: {e}") from None
 
 
-def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row order.
-
-    The converter regroups each head's rows from HF's [first half | second half] (rotate-half RoPE)
-    to interleaved pairs (ggml's "normal" RoPE): row (h, i, j) of shape [heads, half, 2] came from
-    HF row (h, j, i) of [heads, 2, half]. Swapping the two small axes back restores HF's order.
-    Works for weights [rows, in] and biases [rows].
-    """
-    rows = w.shape[0]
-    half = rows // n_heads // 2
-    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
 def load_gguf_model(
     path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu", keep_quantized: bool = False
-) -> tuple[LlamaFamilyForCausalLM, ModelConfig]:
-    """Load a llama/mistral/qwen2/qwen3 GGUF file, dequantised to `dtype`.
+) -> tuple[CausalLM, ModelConfig]:
+    """Load a GGUF file of a registered family (server.models.registry), dequantised to `dtype`.
 
     Args:
         path: the .gguf file.
@@ -112,26 +115,27 @@ def load_gguf_model(
         ModelFileNotFoundError, UnsupportedModelError (architecture, tensor type, RoPE), or
         ModelLoadError naming the file and the tensor or metadata key.
     """
-    from server.models.loader import resolve_dtype
-
     f = GGUFFile.open(path)
     config = config_from_gguf(f)
     torch_dtype = resolve_dtype(dtype, config)
-    model = LlamaFamilyForCausalLM(config, torch_dtype, torch.device(device))
+    model: Any = model_class(config)(config, torch_dtype, torch.device(device))
     targets = model.checkpoint_tensors()
-    permute = config.model_type in PERMUTED_QK_ARCHITECTURES
+    permute = gguf_permuted_qk(config)
     if keep_quantized and torch.device(device).type != "cpu":
         raise ValueError(f"quantization: 'gguf' runs on CPU only, got device {device!r}")
-    kept = plan_kept_matrices(f, config.num_layers, model.lm_head is model.embed_tokens) if keep_quantized else []
+    kept = (plan_kept_matrices(f, config.num_layers, model.lm_head is model.embed_tokens, config.fused_checkpoint)
+            if keep_quantized else [])
     # Their float destinations are skipped (and replaced below); token_embd still fills the embedding.
-    skip = {hf_tensor_name(p) for m in kept for p in m.parts if p != "token_embd.weight"}
+    skip = {hf_tensor_name(p, config) for m in kept for p in m.parts if p != "token_embd.weight"}
     loaded: set[str] = set()
     bar = tqdm(total=len(f.tensors), desc="Loading GGUF", unit="tensor", file=sys.stderr,
                disable=not sys.stderr.isatty())
     with bar, torch.no_grad():
         for t in f.tensors.values():
             bar.update(1)
-            name = hf_tensor_name(t.name)
+            if t.name in CONFIG_TENSORS:
+                continue  # read by the translation (longrope's factors)
+            name = hf_tensor_name(t.name, config)
             if name is None:
                 raise ModelLoadError(
                     f"unexpected tensor {t.name!r} in {f.path}: the {config.model_type} architecture does not use it"
@@ -158,7 +162,7 @@ def load_gguf_model(
     missing = [name for name in targets if name not in loaded]
     if missing:
         raise ModelLoadError(
-            f"{f.path}: tensor {_gguf_name(missing[0])!r} ({missing[0]}) not found"
+            f"{f.path}: tensor {_gguf_name(missing[0], config)!r} ({missing[0]}) not found"
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
         )
     heads = {"attn_q.weight": config.num_heads, "attn_k.weight": config.num_kv_heads} if permute else {}
@@ -172,14 +176,14 @@ def load_gguf_model(
     return model, config
 
 
-def _gguf_name(hf_name: str) -> str:
+def _gguf_name(hf_name: str, config: ModelConfig) -> str:
     """The GGUF spelling of an HF tensor name, for error messages."""
     for g, h in _GLOBAL_NAMES.items():
         if h == hf_name:
             return g
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
     if m:
-        for g, h in _BLOCK_NAMES.items():
-            if h == m.group(2):
-                return f"blk.{m.group(1)}.{g}"
+        for part in _BLOCK_NAMES:
+            if hf_tensor_name(f"blk.{m.group(1)}.{part}", config) == hf_name:
+                return f"blk.{m.group(1)}.{part}"
     return hf_name

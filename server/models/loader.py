@@ -18,28 +18,22 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from server.models.config import ModelConfig, ModelFileNotFoundError, ModelLoadError, UnsupportedModelError
+from server.models.decoder import WeightTarget
+from server.models.dtype import resolve_dtype
 from server.models.gguf_file import is_gguf_path
-from server.models.llama import LlamaFamilyForCausalLM, WeightTarget
+from server.models.protocol import CausalLM
+from server.models.registry import hf_config_from_dir, model_class
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 __all__ = ["load_model", "resolve_dtype", "ModelLoadError", "UnsupportedModelError", "ModelFileNotFoundError"]
 
 
-def resolve_dtype(dtype: str, config: ModelConfig) -> torch.dtype:
-    """"auto" -> the checkpoint's dtype (config dtype/torch_dtype, default float32); else the named dtype."""
-    name = config.torch_dtype if dtype == "auto" else dtype
-    if name not in _DTYPES:
-        raise ModelLoadError(f"dtype: must be 'auto' or one of {', '.join(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[name]
-
-
 def load_model(
     model_dir: str | Path, dtype: str = "auto", device: str | torch.device = "cpu", keep_gguf_blocks: bool = False
-) -> tuple[LlamaFamilyForCausalLM, ModelConfig]:
-    """Load a Llama/Mistral/Qwen2/Qwen3 checkpoint folder or GGUF file.
+) -> tuple[CausalLM, ModelConfig]:
+    """Load a checkpoint folder or GGUF file of any registered family (server.models.registry).
 
     Args:
         model_dir: folder with config.json and model.safetensors, or model-0000x-of-0000y.safetensors
@@ -61,7 +55,7 @@ def load_model(
         return load_gguf_model(model_dir, dtype, device, keep_quantized=keep_gguf_blocks)
     if keep_gguf_blocks:
         raise ValueError(f"quantization: 'gguf' keeps a GGUF file's quantised blocks; {model_dir} is not a GGUF file")
-    config = ModelConfig.from_model_dir(model_dir)
+    config = hf_config_from_dir(model_dir)
     torch_dtype = resolve_dtype(dtype, config)
     files, index_map = _weight_files(model_dir)
 
@@ -71,7 +65,7 @@ def load_model(
         # uses that matrix); we do the same, then re-tie below if the two are equal anyway.
         has_lm_head = any("lm_head.weight" in h.keys() for _, h in handles)
         tied = config.tie_word_embeddings and not has_lm_head
-        model = LlamaFamilyForCausalLM(config, torch_dtype, torch.device(device), tie_word_embeddings=tied)
+        model = model_class(config)(config, torch_dtype, torch.device(device), tie_word_embeddings=tied)
         targets = model.checkpoint_tensors()
         loaded: set[str] = set()
         with torch.no_grad():
@@ -85,9 +79,10 @@ def load_model(
         if len(missing) > 1:
             more = f" (and {len(missing) - 1} more: {', '.join(missing[1:4])}{', ...' if len(missing) > 4 else ''})"
         raise ModelLoadError(f"tensor {name!r} not found in {where}{more}")
-    if (config.tie_word_embeddings and has_lm_head and isinstance(model.lm_head, torch.Tensor)
-            and torch.equal(model.lm_head, model.embed_tokens)):
-        model.tie_lm_head()
+    lm_head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
+    if (config.tie_word_embeddings and has_lm_head and isinstance(lm_head, torch.Tensor)
+            and isinstance(embed, torch.Tensor) and torch.equal(lm_head, embed)):
+        model.tie_lm_head()  # type: ignore[attr-defined]
     return model, config
 
 
@@ -160,4 +155,6 @@ def _copy_one(
     tensor = handle.get_tensor(name)
     # copy_ converts dtype and device, and broadcasts per-head norm vectors over their rows.
     target.dest.copy_(tensor)
+    if target.offset:  # Gemma's norms scale by 1 + w: added once here, in the serving dtype
+        target.dest.add_(target.offset)
     loaded.add(name)

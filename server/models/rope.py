@@ -15,9 +15,16 @@ from server.models.config import RopeScaling
 from server.models.layers import rms_norm, rms_norm_fixed_blocks
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling]) -> torch.Tensor:
-    """Inverse frequencies, fp32 [head_dim // 2], as transformers computes them."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim))
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling], long: bool = False) -> torch.Tensor:
+    """Inverse frequencies, fp32 [head_dim // 2], as transformers computes them (`head_dim` is the
+    rotary dim). `long` picks longrope's long factors (else its short ones)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    if scaling is not None and scaling.rope_type == "longrope":
+        ext = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float32)
+        return 1.0 / (ext * theta**exponents)
+    if scaling is not None and scaling.rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
+    inv_freq = 1.0 / (theta ** exponents)
     if scaling is None:
         return inv_freq
     if scaling.rope_type == "linear":
@@ -41,6 +48,29 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling]) -
     raise ValueError(f"rope_type {scaling.rope_type!r} is not supported")
 
 
+def _yarn_inv_freq(dim: int, base: float, s: RopeScaling) -> torch.Tensor:
+    """YaRN's blend of interpolated (divided by factor) and extrapolated frequencies, as
+    transformers' _compute_yarn_parameters computes it."""
+    assert s.original_max_position_embeddings is not None
+    orig = s.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (s.factor * pos_freqs)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+
+
 class RopeBatch(NamedTuple):
     """One forward's rotation inputs (from RotaryEmbedding.prepare): positions int64 [T], and on
     devices without the fused op the gathered cos/sin [T, 1, head_dim // 2] in the model dtype."""
@@ -51,13 +81,19 @@ class RopeBatch(NamedTuple):
 
 
 class RotaryEmbedding:
-    """cos/sin tables [max_positions, head_dim // 2] in fp32 on `device`.
+    """cos/sin tables [rows, rotary_dim // 2] in fp32 on `device` (`head_dim` below is the rotary
+    dim: partial rotary rotates the first rotary_dim dims of each head).
 
     Usage per forward: `batch = rope.prepare(positions, dtype)` once, then `rope.rotate_(x, batch)`
     for each layer. On CPU that is one fused C++ op per layer reading the tables directly
     (measured 0.009 ms vs 0.088 ms for one token, 1.9 ms vs 3.3 ms for 1024 tokens x 20 heads x 64,
     against the torch kernels); elsewhere the table gather is paid once per step (in prepare) and
     `apply` rotates with torch ops.
+
+    longrope keeps two tables in one: rows [0, max_positions) from the short factors, rows
+    [max_positions, 2 max_positions) from the long ones; `prepare` turns positions into row
+    indices (see `long_rows`). yarn and longrope tables carry their attention factor, as
+    transformers multiplies cos and sin by it.
     """
 
     def __init__(
@@ -70,12 +106,35 @@ class RotaryEmbedding:
     ) -> None:
         self.head_dim = head_dim
         self.max_positions = max_positions
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        # Same per-element product as transformers' position_ids.float() * inv_freq, so the
-        # tables equal what HF recomputes every forward.
-        freqs = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)[:, None] * inv_freq[None, :]
-        self.cos = freqs.cos().to(device)
-        self.sin = freqs.sin().to(device)
+        self.scaling = scaling
+        longrope = scaling is not None and scaling.rope_type == "longrope"
+        # Rows of the long table start here (0: one table).
+        self.long_offset = max_positions if longrope else 0
+        kinds = (False, True) if longrope else (False,)
+        cos, sin = [], []
+        for long in kinds:
+            inv_freq = rope_inv_freq(head_dim, theta, scaling, long=long)
+            # Same per-element product as transformers' position_ids.float() * inv_freq, so the
+            # tables equal what HF recomputes every forward.
+            freqs = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)[:, None] * inv_freq[None, :]
+            c, s_ = freqs.cos(), freqs.sin()
+            factor = scaling.attention_factor if scaling is not None else 1.0
+            if factor != 1.0:
+                c, s_ = c * factor, s_ * factor
+            cos.append(c)
+            sin.append(s_)
+        self.cos = torch.cat(cos).to(device)
+        self.sin = torch.cat(sin).to(device)
+
+    def long_rows(self, positions: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+        """longrope's table rows for `positions` [T]: transformers picks the long factors for a
+        whole forward when its longest sequence exceeds original_max_position_embeddings; in its
+        greedy generate that is "the prompt is longer, or this token lies beyond", which
+        `context_lens` [T] (each token's max(prompt length, position + 1)) expresses per token, so
+        batching, chunking and speculative lookahead do not change a token's rotation."""
+        assert self.scaling is not None and self.scaling.original_max_position_embeddings is not None
+        long = context_lens > self.scaling.original_max_position_embeddings
+        return positions + long.to(positions.dtype) * self.long_offset
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Args: positions int64 [T] (each < max_positions). Returns cos, sin [T, 1, head_dim // 2] in `dtype`.
@@ -87,8 +146,14 @@ class RotaryEmbedding:
         sin = self.sin.index_select(0, positions).to(dtype).unsqueeze(1)
         return cos, sin
 
-    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeBatch:
-        """Args: positions int64 [T] (each < max_positions). Returns the batch that rotate_ reads."""
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype,
+                context_lens: Optional[torch.Tensor] = None) -> RopeBatch:
+        """Args: positions int64 [T] (each < max_positions); context_lens [T] for longrope (see
+        long_rows). Returns the batch that rotate_ reads (its positions are table rows)."""
+        if self.long_offset:
+            if context_lens is None:
+                context_lens = positions + 1
+            positions = self.long_rows(positions, context_lens)
         if positions.device.type == "cpu":
             return RopeBatch(positions, None, None)
         cos, sin = self.lookup(positions, dtype)

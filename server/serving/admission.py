@@ -160,10 +160,3 @@ class AdmissionQueue(Generic[J]):
             if service_s is not None and service_s >= 0:
                 self.mean_service_s = 0.8 * self.mean_service_s + 0.2 * service_s
             self.pump()
-
-    def drain_queued(self) -> list[J]:
-        """Empty the queue (shutdown); returns the jobs that never reached the engine."""
-        jobs = list(self._where)
-        for job in jobs:
-            self.remove(job)
-        return jobs

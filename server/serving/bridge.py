@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from server.engine.config import EngineConfig
 from server.engine.outputs import RequestDelta
 from server.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # imported in start(), not at import time (it loads torch)
+    from server.engine.engine import EngineStats
+    from server.engine.thread import EngineThread
 
 log = logging.getLogger("pagewire.bridge")
 
@@ -36,12 +40,12 @@ class EngineBridge:
         self.config = config
         self._dispatch = dispatch
         self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._engine: Any = None
+        self._engine: Optional[EngineThread] = None
         self.steps_posted = 0  # count of call_soon_threadsafe hops (one per non-empty step)
 
     def start(self) -> None:
         """Start the engine thread; it loads the weights in the background (see `ready`)."""
-        from server.engine.thread import EngineThread  # lazy: pulls in torch only on its thread
+        from server.engine.thread import EngineThread  # lazy: it imports torch; the edge's imports stay without
 
         self._loop = asyncio.get_running_loop()
         self._engine = EngineThread(self.config, self._on_step)
@@ -83,11 +87,13 @@ class EngineBridge:
     def max_model_len(self) -> int:
         return self._engine.max_model_len if self._engine is not None else 0
 
-    def stats(self) -> Any:
+    def stats(self) -> Optional[EngineStats]:
         return self._engine.stats() if self._engine is not None else None
 
     # -- requests (thread-safe; called from the loop) --------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int) -> None:
+        if self._engine is None:
+            raise RuntimeError("the engine bridge has not started")
         self._engine.submit(request_id, prompt_token_ids, params, priority=priority)
 
     def abort(self, request_id: str) -> None:

@@ -120,7 +120,8 @@ class PermissionDenied(PagewireError):
 
 
 class RateLimited(PagewireError):
-    """429 with OpenAI's rate-limit headers (`headers`) and a retry hint."""
+    """429 with OpenAI's rate-limit headers (`headers`) and a retry hint (server.gateway.quotas raises it;
+    the service and the batch tier catch it by type)."""
 
     status = 429
     code = "rate_limit_exceeded"

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pagewire.ledger")
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 # The one statement that closes rows nobody will finish: at open (rows a previous process left),
 # at the end of a drain, and on a forced exit (`ledger_sync`). Args: (finished_at, error).
@@ -152,12 +152,30 @@ _MIGRATIONS: list[str] = [
     ALTER TABLE batches ADD COLUMN key_id TEXT;
     CREATE INDEX batches_key_created ON batches (key_id, created_at);
     """,
+    # 6: reasoning tokens apart (of completion_tokens: those inside the model's thinking block,
+    # server.text.reasoning), and the Responses API's stored responses (server.api.responses_store):
+    # the conversation a `previous_response_id` continues, owned by a key like requests.
+    """
+    ALTER TABLE requests ADD COLUMN reasoning_tokens INTEGER NOT NULL DEFAULT 0;
+    CREATE TABLE responses (
+        response_id           TEXT PRIMARY KEY,
+        request_id            TEXT,
+        key_id                TEXT,
+        previous_response_id  TEXT,
+        created_at            REAL NOT NULL,
+        body_json             TEXT NOT NULL,
+        conversation_json     TEXT NOT NULL,
+        deleted_at            REAL
+    );
+    CREATE INDEX responses_key_created ON responses (key_id, created_at);
+    """,
 ]
 
 COLUMNS = (
     "request_id, idempotency_key, kind, api, client, model, state, priority, params_json, "
     "prompt_json, created_at, admitted_at, first_token_at, finished_at, prompt_tokens, "
-    "completion_tokens, cached_tokens, finish_reason, error, output_text, output_json, request_hash, key_id"
+    "completion_tokens, cached_tokens, finish_reason, error, output_text, output_json, request_hash, key_id, "
+    "reasoning_tokens"
 )
 
 
@@ -197,6 +215,7 @@ class RequestRecord:
     output: Optional[dict[str, Any]]
     request_hash: Optional[str] = None
     key_id: Optional[str] = None  # the API key that owns the request (None: auth was off)
+    reasoning_tokens: int = 0  # of completion_tokens, those of the model's thinking
 
     @property
     def terminal(self) -> bool:
@@ -205,14 +224,15 @@ class RequestRecord:
     @classmethod
     def from_row(cls, row: tuple[Any, ...]) -> "RequestRecord":
         (rid, key, kind, api, client, model, state, prio, params, prompt, created, admitted,
-         first, finished, ptok, ctok, cached, reason, error, text, output, request_hash, key_id) = row
+         first, finished, ptok, ctok, cached, reason, error, text, output, request_hash, key_id,
+         reasoning) = row
         return cls(
             rid, key, kind, api, client, model, state, prio,
             json.loads(params) if params else None,
             json.loads(prompt) if prompt else None,
             created, admitted, first, finished, ptok, ctok, cached, reason, error, text,
             json.loads(output) if output else None,
-            request_hash, key_id,
+            request_hash, key_id, reasoning or 0,
         )
 
 
@@ -249,6 +269,7 @@ class Terminal:
     output: dict[str, Any]
     first_token_at: Optional[float]
     finished_at: float
+    reasoning_tokens: int = 0
 
 
 async def _apply_pragmas(conn: aiosqlite.Connection, busy_timeout_ms: int) -> None:
@@ -436,11 +457,11 @@ class Ledger:
         fut = self._enqueue(
             "UPDATE requests SET state = ?, finish_reason = ?, error = ?, prompt_tokens = ?, "
             "completion_tokens = ?, cached_tokens = ?, output_text = ?, output_json = ?, "
-            "first_token_at = COALESCE(first_token_at, ?), finished_at = ? "
+            "first_token_at = COALESCE(first_token_at, ?), finished_at = ?, reasoning_tokens = ? "
             "WHERE request_id = ? AND state IN ('queued', 'running')",
             (t.state, t.finish_reason, t.error, t.prompt_tokens, t.completion_tokens,
              t.cached_tokens, t.output_text, json.dumps(t.output), t.first_token_at,
-             t.finished_at, request_id),
+             t.finished_at, t.reasoning_tokens, request_id),
             wait=True,
         )
         assert fut is not None

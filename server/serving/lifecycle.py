@@ -13,20 +13,11 @@ so comparing or serialising them needs no conversion.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import Optional
 
+from server.engine.outputs import FinishReason  # re-exported: the serving layer's name for it
 from server.serving.errors import Conflict, DeadlineExceeded, GenerationFailed, Interrupted, PagewireError
-
-
-class _StrEnum(str, Enum):
-    """A str enum whose str() and format() are its value (as enum.StrEnum, which needs 3.11)."""
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self.value), spec)
+from server.strenum import StrEnum as _StrEnum
 
 
 class JobState(_StrEnum):
@@ -51,32 +42,6 @@ class LedgerState(_StrEnum):
 
 OPEN_STATES = (LedgerState.QUEUED, LedgerState.RUNNING)
 TERMINAL_STATES = (LedgerState.FINISHED, LedgerState.CANCELLED, LedgerState.FAILED, LedgerState.INTERRUPTED)
-
-
-class FinishReason(_StrEnum):
-    """Why one sample stopped. The engine reports stop, length, abort, error and
-    grammar_dead_end; `cancelled` is what a WebSocket `done` frame says for the samples of a
-    request the client cancelled.
-
-    `grammar_dead_end` (structured outputs): the sample's grammar allowed no token at all (for
-    example only EOS, while min_tokens still forbade it, or llguidance hit one of its limits), so
-    the sample ended with the valid prefix it had rather than emit a token outside the grammar.
-    A grammar that is complete stops the sample with `stop`, as EOS does. A request whose samples
-    end this way has still completed (its request ends `finished`, HTTP 200): the reason is the
-    sample's, in `finish_reason`, and nothing was cut short by the server or the client.
-
-    `tool_calls` is what a chat response says for a normal stop whose text held tool calls
-    (server.api.tool_output): the engine and the ledger record that sample as `stop`, and should
-    it ever be recorded as `tool_calls` it is still a complete request.
-    """
-
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
-    ERROR = "error"
-    CANCELLED = "cancelled"
-    GRAMMAR_DEAD_END = "grammar_dead_end"  # = server.engine.structured.DEAD_END
-    TOOL_CALLS = "tool_calls"
 
 
 COMPLETE_REASONS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.GRAMMAR_DEAD_END, FinishReason.TOOL_CALLS)

@@ -6,11 +6,15 @@ collector, so the engine thread never touches prometheus objects and a scrape ne
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:  # the engine's snapshot types (server.engine.engine imports torch)
+    from server.engine.engine import EngineStats
+    from server.engine.spec_decode import SpecStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -34,7 +38,7 @@ class _GaugeCollector(Collector):
 class _EngineCollector(Collector):
     """Reads gauges and counters from callables at scrape time."""
 
-    def __init__(self, engine_stats: Callable[[], Any], admission_depth: Callable[[], int]) -> None:
+    def __init__(self, engine_stats: Callable[[], Optional[EngineStats]], admission_depth: Callable[[], int]) -> None:
         self._stats = engine_stats
         self._depth = admission_depth
 
@@ -69,7 +73,7 @@ class _EngineCollector(Collector):
             yield from _spec_metrics(spec)
 
 
-def _spec_metrics(spec: Any) -> Iterable[Metric]:
+def _spec_metrics(spec: SpecStats) -> Iterable[Metric]:
     """Speculative decoding (server.engine.spec_decode.SpecStats), present only when it is configured."""
     counters = (
         ("pagewire_spec_decode_proposed_tokens", "Tokens proposed for speculative verification.", "num_proposed"),
@@ -145,7 +149,7 @@ class KeyUsage(Collector):
 class Metrics:
     """All metrics of one server. Observe from the event loop only."""
 
-    def __init__(self, engine_stats: Callable[[], Any], admission_depth: Callable[[], int]) -> None:
+    def __init__(self, engine_stats: Callable[[], Optional[EngineStats]], admission_depth: Callable[[], int]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.ttft = Histogram("pagewire_time_to_first_token_seconds", "Time from arrival to the first token.",

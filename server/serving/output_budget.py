@@ -38,9 +38,6 @@ class OutputBudget:
         self.reserved = 0
         self._by_client: dict[str, int] = {}
 
-    def client_reserved(self, client: str) -> int:
-        return self._by_client.get(client, 0)
-
     def reserve(self, client: str, nbytes: int, params: SamplingParams) -> None:
         """Claim `nbytes` for `client`, or refuse: 400 when the request alone is over a bound (a
         retry cannot help), 429 when the live output of earlier requests leaves no room."""

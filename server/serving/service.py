@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from server.engine.outputs import RequestDelta
+from server.engine.sampling_params import ReasoningGate, SamplingParams
 from server.serving.access import Caller, Quotas, Reservation
 from server.serving.admission import AdmissionQueue
 from server.serving.bridge import EngineBridge
@@ -43,6 +44,7 @@ from server.serving.metrics import Metrics
 from server.serving.output_budget import OutputBudget, worst_case_bytes
 from server.serving.prompts import PromptPreparer
 from server.serving.streams import EndEvent, Replay, RequestStream, StreamRegistry, Subscriber
+from server.text.reasoning import ReasoningFormat
 
 log = logging.getLogger("pagewire.service")
 
@@ -61,7 +63,8 @@ class RequestService:
     def __init__(self, bridge: EngineBridge, ledger: Ledger, admission: AdmissionQueue[Job],
                  registry: StreamRegistry, preparer: PromptPreparer, metrics: Metrics,
                  default_timeout_s: Optional[float], budget: Optional[OutputBudget] = None,
-                 quotas: Optional[Quotas] = None, ledger_text: str = "all") -> None:
+                 quotas: Optional[Quotas] = None, ledger_text: str = "all",
+                 reasoning: Optional[ReasoningFormat] = None) -> None:
         self.bridge = bridge
         self.ledger = ledger
         self.admission = admission
@@ -78,6 +81,8 @@ class RequestService:
         self._reservations: dict[str, Reservation] = {}
         # What of a request's text the ledger keeps: none, prompt, or all (usage is always kept).
         self.ledger_text = ledger_text
+        # The reasoning parser (server.text.reasoning): chat output's thinking apart from its answer.
+        self.reasoning = reasoning
         # request id → (completion tokens last written to its row, monotonic time of that write)
         self._progress: dict[str, tuple[int, float]] = {}
         # Accepted requests not yet ended. Only this class reads or changes a Job: the edges go
@@ -194,8 +199,11 @@ class RequestService:
             if reservation is not None:
                 self.quotas.settle(reservation, 0, ran=False)  # type: ignore[union-attr]
             raise
+        reasoning = self.reasoning if spec.kind == "chat" else None
+        if reasoning is not None:
+            self._gate_reasoning(reasoning, ids, params)
         wall, mono = now_pair()
-        job = Job(f"req-{uuid.uuid4().hex[:24]}", spec, ids, params, wall, mono)
+        job = Job(f"req-{uuid.uuid4().hex[:24]}", spec, ids, params, wall, mono, reasoning)
         job.output_bytes = output_bytes
         try:
             await self.ledger.insert(NewRequest(
@@ -228,6 +236,15 @@ class RequestService:
             # passed its cancel sweep, so end this one here (it becomes `interrupted`).
             self._cancel(job, CancelReason.SHUTDOWN)
         return job
+
+    def _gate_reasoning(self, fmt: ReasoningFormat, ids: list[int], params: SamplingParams) -> None:
+        """A reasoning chat: its structured output (a schema, a forced tool call) applies after the
+        thinking (the engine's ReasoningGate), and the tags stay in the text to be split even
+        where the tokenizer marks them special."""
+        if params.structured_outputs is not None:
+            params.reasoning_gate = ReasoningGate(fmt.start_token_id, fmt.end_token_id, fmt.starts_open(ids))
+        if self.preparer.tokenizer_has_special(fmt.start_token_id, fmt.end_token_id):
+            params.skip_special_tokens = False
 
     # -- subscribing ----------------------------------------------------------------------------
     async def attach(self, request_id: str, sub: Subscriber, after_seq: int = 0,
@@ -408,7 +425,7 @@ class RequestService:
             error=end.message, prompt_tokens=end.usage.prompt_tokens,
             completion_tokens=end.usage.completion_tokens, cached_tokens=end.usage.cached_tokens,
             output_text=text, output=output, first_token_at=job.first_token_wall,
-            finished_at=time.time(),
+            finished_at=time.time(), reasoning_tokens=end.usage.reasoning_tokens,
         )
         try:
             await self.ledger.finish(job.request_id, terminal)

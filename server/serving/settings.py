@@ -49,6 +49,15 @@ def tool_parser_name(text: str) -> str:
     if text not in names:
         raise ValueError(f"expected one of {', '.join(names)}, got {text!r}")
     return text
+def reasoning_parser_name(text: str) -> str:
+    from server.text.reasoning import REASONING_PARSERS
+
+    names = ("auto", "none", *REASONING_PARSERS)
+    if text not in names:
+        raise ValueError(f"expected one of {', '.join(names)}, got {text!r}")
+    return text
+
+
 def _choice(*allowed: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         v = text.strip().lower()
@@ -115,9 +124,14 @@ class ServeSettings:
     offload_chars: int = 2048
     allowed_origins: str = "loopback"
     tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
     # the gateway (server.gateway): keys, auth, what the ledger keeps of request text
     auth: str = "auto"
     admin_key_file: Optional[str] = None
+    # Prometheus: a token that may read /metrics only, and/or a listener that serves only /metrics
+    metrics_key_file: Optional[str] = None
+    metrics_port: Optional[int] = None
+    metrics_host: Optional[str] = None
     insecure_no_auth: bool = False
     ledger_text: str = "all"
     # engine: defaults come from EngineConfig, the one place they are defined
@@ -215,11 +229,19 @@ OPTIONS: tuple[Option, ...] = (
     Option("tool_call_parser", tool_parser_name,
            "format of the model's own tool calls for tool_choice auto: hermes (<tool_call> blocks), "
            "llama3_json, none (no parsing), or auto (detected from the chat template)"),
+    Option("reasoning_parser", reasoning_parser_name,
+           "split a thinking model's <think>...</think> from its answer into reasoning_content: qwen3, "
+           "deepseek_r1, none, or auto (from the chat template when it has a <think> block; docs/reasoning.md)"),
     Option("auth", _choice("auto", "on", "off"),
            "API-key authentication: on, off (loopback binds only) or auto (on once any key exists or "
            "--admin-key-file is given; a non-loopback bind with no keys refuses to start)"),
     Option("admin_key_file", str, "file holding the admin key (admin endpoints: /metrics; every key's usage "
            "and requests)"),
+    Option("metrics_key_file", str, "file holding a metrics token (16+ characters): `Authorization: Bearer "
+           "<token>` may read /metrics and nothing else, for a Prometheus scrape once auth is on"),
+    Option("metrics_port", _opt_int, "also listen on this port (0 picks a free one) for GET /metrics only; "
+           "no key is needed there unless --metrics-key-file is given (docs/operations.md)"),
+    Option("metrics_host", str, "address the --metrics-port listener binds (default: --host)"),
     Option("insecure_no_auth", _bool, "allow serving a non-loopback address without authentication"),
     Option("ledger_text", _choice("none", "prompt", "all"),
            "what the ledger keeps of each request's text: none, the prompt, or all (prompt and output; "

@@ -3,7 +3,7 @@
 Torch-free. `IncrementalDetokenizer` turns each new batch of token ids into only the new text,
 never a broken UTF-8 sequence. `StopStringMatcher` finds stop strings that span token boundaries
 and holds back any tail that could still become one. The engine's output processor chains the
-two for each sample.
+two for each sample (`SampleText`).
 """
 from __future__ import annotations
 
@@ -139,3 +139,20 @@ class StopStringMatcher:
         """Release the held-back tail (the sample ended for another reason: length, EOS)."""
         held, self._held = self._held, ""
         return "" if self.stopped else held
+
+
+class SampleText:
+    """One sample's text in the making: its detokenizer, its stop-string matcher (None without
+    stop strings) and the text decoded but not yet emitted. The engine's output processor keeps
+    one per sequence (`Sequence.text_state`)."""
+
+    __slots__ = ("detok", "stops", "pending", "reported")
+
+    def __init__(self, tokenizer: _Decoder, token_ids: Sequence[int], skip_special_tokens: bool,
+                 stop: Sequence[str], include_stop_str_in_output: bool) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, token_ids, skip_special_tokens=skip_special_tokens)
+        self.stops: Optional[StopStringMatcher] = (
+            StopStringMatcher(list(stop), include_stop_str_in_output) if stop else None
+        )
+        self.pending = ""
+        self.reported = False  # the finish_reason has been sent (exactly once)

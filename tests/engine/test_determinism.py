@@ -103,7 +103,7 @@ def _split_k_linear(x: torch.Tensor, weight, bias=None) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_checker_catches_a_batch_dependent_reduction(tiny_model, monkeypatch, dtype: str) -> None:
     model_dir = tiny_model("llama", dtype=dtype)
-    import server.models.llama as llama
+    import server.models.decoder as llama
 
     monkeypatch.setattr(llama, "linear", _split_k_linear)
     checker = DeterminismChecker(model_dir, {"dtype": dtype, "deterministic": True}, _vocab(model_dir), seed=7)

@@ -1,9 +1,15 @@
-"""Fixtures for the kernel tests: `cpu_isa` runs a test once per CPU kernel family this machine can execute.
+"""The kernel tests' CPU families: a test that takes `cpu_isa` runs once per kernel family THIS
+CPU can execute (`pytest_generate_tests`), never once per family with skips for the missing ones,
+so the counts say what ran. Families the CPU lacks are covered by the emulated builds instead
+(test_emulated_*.py: the same kernel sources compiled against SIMDe, tests/kernels/emu_build.py),
+and the run ends with one line naming both.
 
 PAGEWIRE_CPU_ISA caps the family the C++ ops pick (read on every call), so one machine covers
 its own best kernels and every lower one, down to "portable" (the torch / scalar fallbacks).
 """
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch  # noqa: F401  (loads libc10 before the extension)
@@ -19,12 +25,65 @@ def available_isas() -> list[str]:
     return ORDER[: ORDER.index(best) + 1]
 
 
-@pytest.fixture(params=ORDER)
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every test needing `cpu_isa` (directly or through a fixture) runs on each family here,
+    unless it parametrizes `cpu_isa` itself (indirectly, with the families it wants)."""
+    if "cpu_isa" not in metafunc.fixturenames:
+        return
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        names = mark.args[0]
+        if "cpu_isa" in ([n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)):
+            return
+    metafunc.parametrize("cpu_isa", available_isas(), indirect=True)
+
+
+@pytest.fixture
 def cpu_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Forces the C++ ops onto one kernel family for the test; skips families this CPU lacks."""
+    """Forces the C++ ops onto one kernel family (one of `available_isas()`) for the test."""
     isa = str(request.param)
-    if isa not in available_isas():
-        pytest.skip(f"this CPU has no {isa} (detected {server._C.detected_cpu_isa()})")
+    assert isa in available_isas(), f"{isa} is not a family this CPU has ({available_isas()})"
     monkeypatch.setenv("PAGEWIRE_CPU_ISA", isa)
     assert server._C.cpu_isa() == isa
     return isa
+
+
+# -- the summary line --------------------------------------------------------------------------------
+_ran: dict[str, int] = {}  # family -> tests that passed on it natively
+_emulated: dict[str, int] = {}  # family -> emulated-build tests that passed for it
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when != "call" or not report.passed:
+        return
+    item_isa = _isa_of.get(report.nodeid)
+    if item_isa is not None:
+        _ran[item_isa] = _ran.get(item_isa, 0) + 1
+    family = _emulates_of.get(report.nodeid)
+    if family is not None:
+        _emulated[family] = _emulated.get(family, 0) + 1
+
+
+_isa_of: dict[str, str] = {}
+_emulates_of: dict[str, str] = {}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        callspec: Any = getattr(item, "callspec", None)
+        if callspec is not None and "cpu_isa" in callspec.params:
+            _isa_of[item.nodeid] = str(callspec.params["cpu_isa"])
+        module = getattr(item, "module", None)
+        family = getattr(module, "EMULATED_FAMILY", None)
+        if family is not None:
+            _emulates_of[item.nodeid] = str(family)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not _isa_of and not _emulates_of:
+        return
+    native = ", ".join(f"{isa} ({_ran.get(isa, 0)} passed)" for isa in available_isas())
+    missing = [isa for isa in ORDER if isa not in available_isas()]
+    emulated = ", ".join(f"{isa} ({_emulated.get(isa, 0)} passed)" for isa in missing) or "none"
+    terminalreporter.write_line(
+        f"CPU kernel families: run natively: {native}; covered only by emulated builds: {emulated} "
+        f"(detected {server._C.detected_cpu_isa()})")

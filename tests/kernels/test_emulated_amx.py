@@ -19,6 +19,9 @@ import torch
 import server._C  # noqa: F401  (registers torch.ops.pagewire)
 from tests.kernels import emu_build
 
+# The CPU family whose kernels this file checks through emulation (tests/kernels/conftest.py's summary).
+EMULATED_FAMILY = "amx"
+
 I64 = ctypes.c_int64
 PTR = ctypes.c_void_p
 

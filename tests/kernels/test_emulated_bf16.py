@@ -16,6 +16,9 @@ import torch
 
 from tests.kernels import emu_build
 
+# The CPU family whose kernels this file checks through emulation (tests/kernels/conftest.py's summary).
+EMULATED_FAMILY = "avx512bf16"
+
 U16 = ctypes.POINTER(ctypes.c_uint16)
 
 

@@ -20,6 +20,9 @@ import torch
 from server.kernels.quant import QuantizedWeight
 from tests.kernels import emu_build
 
+# The CPU family whose kernels this file checks through emulation (tests/kernels/conftest.py's summary).
+EMULATED_FAMILY = "avx512"
+
 F32 = ctypes.POINTER(ctypes.c_float)
 I8 = ctypes.POINTER(ctypes.c_int8)
 U8 = ctypes.POINTER(ctypes.c_uint8)

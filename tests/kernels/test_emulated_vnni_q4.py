@@ -26,6 +26,9 @@ from server.kernels.quant import QuantizedWeight
 from tests.gguf_files import random_k_blocks
 from tests.kernels import emu_build
 
+# The CPU family whose kernels this file checks through emulation (tests/kernels/conftest.py's summary).
+EMULATED_FAMILY = "avx512"
+
 F32 = ctypes.POINTER(ctypes.c_float)
 I8 = ctypes.POINTER(ctypes.c_int8)
 U8 = ctypes.POINTER(ctypes.c_uint8)

@@ -10,7 +10,9 @@ import torch
 
 from server.kernels import batch_invariant, ops
 from server.kernels.quant import QuantizedWeight
+from tests.kernels.conftest import available_isas
 from tests.kernels.test_quant4 import gguf_dequantize, linear_reference, random_q4
+from tests.pairwise import pairwise
 
 X8_TYPES = ["q8_0", "q4_0", "q4_1"]
 # Per qtype: block bytes, the x8 block's scale bytes, the codes' offset in a row block, chunks per block.
@@ -63,11 +65,17 @@ def test_interleaved_dequantises_to_the_gguf_rows(qtype: str, N: int) -> None:
     assert torch.equal(interleave(qw).dequantize(), gguf_dequantize(qw))
 
 
-@pytest.mark.parametrize("qtype", X8_TYPES)
-@pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 16, 17, 40])
-@pytest.mark.parametrize("N,K", [(8, 32), (37, 256), (96, 768)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("with_bias", [False, True])
+# Every pair of (family, qtype, rows, shape, dtype, bias) values (tests/pairwise.py), and in full
+# for each family and qtype: one decode row on the smallest shape, and 17 (past the 16-row
+# kernel path) and 40 rows (the dequantise + GEMM path) on the largest, with a bias in bf16.
+LINEAR_GRID = [(isa, q, m, n, k, dtype, bias) for isa, q, m, (n, k), dtype, bias in pairwise(
+    [available_isas(), X8_TYPES, [1, 2, 3, 5, 8, 16, 17, 40], [(8, 32), (37, 256), (96, 768)],
+     [torch.bfloat16, torch.float32], [False, True]],
+    edges=[(isa, q, m, nk, torch.bfloat16, True) for isa in available_isas() for q in X8_TYPES
+           for m, nk in ((1, (8, 32)), (17, (96, 768)), (40, (96, 768)))])]
+
+
+@pytest.mark.parametrize("cpu_isa,qtype,M,N,K,dtype,with_bias", LINEAR_GRID, indirect=["cpu_isa"])
 def test_interleaved_linear_matches_float64_reference(
     cpu_isa: str, qtype: str, M: int, N: int, K: int, dtype: torch.dtype, with_bias: bool
 ) -> None:

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from server.kernels import ops
+from tests.kernels.conftest import available_isas
+from tests.pairwise import pairwise
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -17,9 +19,17 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.double() - ref).abs().max() / ref.abs().max()).item()
 
 
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 12, 13, 16, 40])
-@pytest.mark.parametrize("N,K", [(64, 64), (1001, 96), (24, 1000), (512, 2048), (7, 8)])
-@pytest.mark.parametrize("with_bias", [False, True])
+# Every pair of (family, rows, shape, bias) values (tests/pairwise.py), and in full for each family:
+# one decode row and 16 (the kernel's largest) and 40 rows (torch's GEMM) on the largest shape and
+# on the odd tails (N = 1001, K = 1000; N = 7, K = 8), with a bias.
+LINEAR_GRID = [(isa, m, n, k, bias) for isa, m, (n, k), bias in pairwise(
+    [available_isas(), [1, 2, 3, 4, 5, 8, 12, 13, 16, 40], [(64, 64), (1001, 96), (24, 1000), (512, 2048), (7, 8)],
+     [False, True]],
+    edges=[(isa, m, nk, True) for isa in available_isas() for m in (1, 16, 40)
+           for nk in ((512, 2048), (1001, 96), (24, 1000), (7, 8))])]
+
+
+@pytest.mark.parametrize("cpu_isa,M,N,K,with_bias", LINEAR_GRID, indirect=["cpu_isa"])
 def test_bf16_matches_float64_reference(cpu_isa: str, M: int, N: int, K: int, with_bias: bool) -> None:
     """Every kernel family this CPU has (and the torch fallback, "portable"), odd N and K tails included."""
     gen = torch.Generator().manual_seed(M * 7 + N + K)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from server.kernels import ops
+from tests.kernels.conftest import available_isas
 from tests.kernels.paged_reference import (
     TOLERANCE,
     PagedBatch,
@@ -14,6 +15,7 @@ from tests.kernels.paged_reference import (
     relative_error,
     release_out_of_window,
 )
+from tests.pairwise import pairwise
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (num_heads, num_kv_heads): GQA ratios 1 (MHA), 2, 4, 8 and multi-query.
@@ -26,7 +28,7 @@ MIXED = [(0, 1), (14, 1), (15, 1), (16, 1), (31, 1), (32, 1), (0, 15), (0, 17), 
 @pytest.fixture
 def isa(cpu_isa: str) -> str:
     """Runs a test on every attention kernel this CPU can execute: AVX-512, AVX2 and the portable
-    one (conftest's `cpu_isa` caps PAGEWIRE_CPU_ISA per run and skips families the CPU lacks)."""
+    one (conftest's `cpu_isa` caps PAGEWIRE_CPU_ISA per run, over the families this CPU has)."""
     return cpu_isa
 
 
@@ -47,14 +49,18 @@ def check(batch: PagedBatch, dtype: torch.dtype, sliding_window: int = 0, softca
     assert err <= TOLERANCE[dtype], f"relative error {err:.3g} > {TOLERANCE[dtype]} for {dtype}"
 
 
-# The portable kernel is slow and has no per-head-dim code paths, so it skips two of the five dims.
+# Every pair of (family, head dim, GQA ratio, dtype) values (tests/pairwise.py), on the attention
+# kernels this CPU has; the portable kernel is slow and has no per-head-dim code paths, so it
+# takes three of the five dims. In full for each family: the largest head dim with multi-query
+# attention in both 16-bit dtypes, and the smallest with MHA in float32.
+_ATTENTION_ISAS = [isa for isa in ("avx512bf16", "avx2", "portable") if isa in available_isas()]
 GRID = [
     pytest.param(isa, dtype, heads, head_dim, id=f"{isa}-{head_dim}-{heads[0]}q{heads[1]}kv-{dtype}")
-    for isa in ("avx512bf16", "avx2", "portable")
-    for head_dim in HEAD_DIMS
-    if isa != "portable" or head_dim in (64, 80, 256)
-    for heads in HEADS
-    for dtype in DTYPES
+    for isa, head_dim, heads, dtype in pairwise(
+        [_ATTENTION_ISAS, HEAD_DIMS, HEADS, DTYPES],
+        edges=[(isa, 256, (16, 1), dt) for isa in _ATTENTION_ISAS for dt in (torch.bfloat16, torch.float16)]
+        + [(isa, 64, (4, 4), torch.float32) for isa in _ATTENTION_ISAS],
+        allowed=lambda r: r[0] != "portable" or r[1] in (64, 80, 256))
 ]
 
 

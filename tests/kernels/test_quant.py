@@ -9,6 +9,8 @@ import torch
 
 from server.kernels import ops
 from server.kernels.quant import QuantizedWeight
+from tests.kernels.conftest import available_isas
+from tests.pairwise import pairwise
 
 
 def gguf_q8_0_reference(w: torch.Tensor) -> bytes:
@@ -57,10 +59,17 @@ def linear_q8_reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor
     return y + bias.double() if bias is not None else y
 
 
-@pytest.mark.parametrize("M", [1, 2, 3, 8, 16, 17, 40])
-@pytest.mark.parametrize("N,K", [(64, 64), (37, 96), (512, 1024), (45, 800)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("with_bias", [False, True])
+# Every pair of (family, rows, shape, dtype, bias) values (tests/pairwise.py), and in full for each
+# family: one decode row on the smallest shape, 17 rows (past the 16-row kernel path) and 40 (the
+# dequantise + GEMM path) on the largest and on the odd one (K = 800: 25 blocks), bias in bf16.
+LINEAR_GRID = [(isa, m, n, k, dtype, bias) for isa, m, (n, k), dtype, bias in pairwise(
+    [available_isas(), [1, 2, 3, 8, 16, 17, 40], [(64, 64), (37, 96), (512, 1024), (45, 800)],
+     [torch.bfloat16, torch.float32], [False, True]],
+    edges=[(isa, m, nk, torch.bfloat16, True) for isa in available_isas()
+           for m, nk in ((1, (64, 64)), (17, (512, 1024)), (40, (512, 1024)), (17, (45, 800)))])]
+
+
+@pytest.mark.parametrize("cpu_isa,M,N,K,dtype,with_bias", LINEAR_GRID, indirect=["cpu_isa"])
 def test_linear_q8_0_matches_float64_reference(
     cpu_isa: str, M: int, N: int, K: int, dtype: torch.dtype, with_bias: bool
 ) -> None:

@@ -10,6 +10,8 @@ import torch
 from server.kernels import ops
 from server.kernels.quant import QTYPES, QuantizedWeight
 from tests.gguf_files import random_k_blocks
+from tests.kernels.conftest import available_isas
+from tests.pairwise import pairwise
 
 Q4_TYPES = ["q4_0", "q4_1", "q4_k"]
 GGML_NAMES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k": "Q4_K", "q8_0": "Q8_0"}
@@ -70,11 +72,17 @@ def linear_reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | 
     return y + bias.double() if bias is not None else y
 
 
-@pytest.mark.parametrize("qtype", Q4_TYPES)
-@pytest.mark.parametrize("M", [1, 2, 3, 7, 16, 17, 40])
-@pytest.mark.parametrize("N,K", [(37, 256), (96, 768)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("with_bias", [False, True])
+# Every pair of (family, qtype, rows, shape, dtype, bias) values (tests/pairwise.py), and in full
+# for each family and qtype: one decode row, 17 rows (past the 16-row kernel path) and 40 (the
+# dequantised chunks and torch's GEMM) on the larger shape, with a bias in bf16.
+LINEAR_GRID = [(isa, q, m, n, k, dtype, bias) for isa, q, m, (n, k), dtype, bias in pairwise(
+    [available_isas(), Q4_TYPES, [1, 2, 3, 7, 16, 17, 40], [(37, 256), (96, 768)],
+     [torch.bfloat16, torch.float32], [False, True]],
+    edges=[(isa, q, m, (96, 768), torch.bfloat16, True) for isa in available_isas() for q in Q4_TYPES
+           for m in (1, 17, 40)])]
+
+
+@pytest.mark.parametrize("cpu_isa,qtype,M,N,K,dtype,with_bias", LINEAR_GRID, indirect=["cpu_isa"])
 def test_linear_q4_matches_float64_reference(
     cpu_isa: str, qtype: str, M: int, N: int, K: int, dtype: torch.dtype, with_bias: bool
 ) -> None:

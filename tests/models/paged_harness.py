@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from server.models.attention import AttentionMetadata
-from server.models.llama import LlamaFamilyForCausalLM
+from server.models.decoder import DecoderForCausalLM
 
 VOCAB = 384  # token ids only: these tests need no tokenizer
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -20,7 +20,7 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 class PagedRun:
     """Drives `model` step by step over several sequences sharing one paged cache."""
 
-    def __init__(self, model: LlamaFamilyForCausalLM, num_blocks: int = 48, block_size: int = 16, seed: int = 0):
+    def __init__(self, model: DecoderForCausalLM, num_blocks: int = 48, block_size: int = 16, seed: int = 0):
         g = torch.Generator().manual_seed(seed)
         shape = model.kv_cache_shape(num_blocks, block_size)
         # Finite garbage, not zeros: a kernel that read a slot it never wrote would show it.

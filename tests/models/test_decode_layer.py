@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import server.models.llama as llama
+import server.models.decoder as llama
 from server.kernels import autotune, batch_invariant, ops
-from server.models.llama import LlamaFamilyForCausalLM
+from server.models.decoder import DecoderForCausalLM
 from server.models.loader import load_model
 from tests.models.paged_harness import ARCHS, VOCAB, PagedRun, random_tokens
 from tests.tiny_models import LLAMA3_ROPE_SCALING, make_tiny_model
@@ -33,7 +33,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def _run(model: LlamaFamilyForCausalLM, fused: bool, steps: list[dict[int, list[int]]]) -> tuple[list, PagedRun]:
+def _run(model: DecoderForCausalLM, fused: bool, steps: list[dict[int, list[int]]]) -> tuple[list, PagedRun]:
     model.fused_decode = fused
     run = PagedRun(model, seed=5)
     logits = [run.step(s) for s in steps]
@@ -50,7 +50,7 @@ def _steps(batch: int) -> list[dict[int, list[int]]]:
     return steps
 
 
-def _assert_same(model: LlamaFamilyForCausalLM, batch: int) -> None:
+def _assert_same(model: DecoderForCausalLM, batch: int) -> None:
     steps = _steps(batch)
     fused, run_f = _run(model, True, steps)
     plain, run_p = _run(model, False, steps)
@@ -113,13 +113,13 @@ def test_sixteen_rows_fused_seventeen_not(models: dict[str, Path], monkeypatch: 
     model, _ = load_model(models["qwen3"], dtype="bfloat16")
     model.quantize_weights("int8")
     calls: list[int] = []
-    real = llama.LlamaDecoderLayer.forward_fused
+    real = llama.DecoderLayer.forward_fused
 
-    def counting(self: llama.LlamaDecoderLayer, *args: object) -> object:
+    def counting(self: llama.DecoderLayer, *args: object) -> object:
         calls.append(self.layer_idx)
         return real(self, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(llama.LlamaDecoderLayer, "forward_fused", counting)
+    monkeypatch.setattr(llama.DecoderLayer, "forward_fused", counting)
     toks = random_tokens(17, VOCAB, seed=1)
     fused, _ = _run(model, True, [{0: toks[:16]}])
     assert calls == [0, 1]  # both layers, one call each
@@ -131,15 +131,15 @@ def test_sixteen_rows_fused_seventeen_not(models: dict[str, Path], monkeypatch: 
 
 def test_python_layers_where_paths_differ(models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     model, _ = load_model(models["llama"], dtype="bfloat16")
-    rope_batch = model.rope.prepare(torch.zeros(1, dtype=torch.int64), model.dtype)
+    rope_batch = model.ropes[0].prepare(torch.zeros(1, dtype=torch.int64), model.dtype)
     hidden = torch.zeros(1, 64, dtype=model.dtype)
-    assert model._fused_kinds(hidden, rope_batch) is not None
+    assert model._fused_kinds(hidden, [rope_batch]) is not None
     model.fused_decode = False
-    assert model._fused_kinds(hidden, rope_batch) is None
+    assert model._fused_kinds(hidden, [rope_batch]) is None
     model.fused_decode = True
     # Something watching every linear call (a test, bench/decode_step.py) sees them all.
     monkeypatch.setattr(llama, "linear", lambda x, w, b=None: ops.linear(x, w, b))
-    assert model._fused_kinds(hidden, rope_batch) is None
+    assert model._fused_kinds(hidden, [rope_batch]) is None
     monkeypatch.undo()
     # An autotune choice with no decode_layer equivalent (dequantise + GEMM) keeps that layer in
     # Python; the other layers' matrices were tuned the same way here, so every layer steps aside.
@@ -148,10 +148,10 @@ def test_python_layers_where_paths_differ(models: dict[str, Path], monkeypatch: 
     plan = {("q8_0", model.dtype, qkv.shape): (False,) * 6}
     table = autotune.LinearTable(plans=plan)
     with autotune.active(table):
-        kinds = model._fused_kinds(hidden, rope_batch)
+        kinds = model._fused_kinds(hidden, [rope_batch])
         assert kinds is not None and all(k is None for k in kinds)
     with autotune.active(None):
-        kinds = model._fused_kinds(hidden, rope_batch)
+        kinds = model._fused_kinds(hidden, [rope_batch])
         assert kinds is not None and all(k is not None for k in kinds)
 
 
@@ -175,10 +175,10 @@ def test_opcheck_decode_layer(models: dict[str, Path]) -> None:
     hidden = torch.randn(1, 64)
     kinds = layer.linear_kinds(model.dtype, 1)
     assert kinds is not None
-    args = (hidden, torch.randn(1, 64), layer.input_norm, layer.post_norm, layer.eps,
+    args = (hidden, torch.randn(1, 64), layer.attn_norm, layer.mlp_norm, layer.eps,
             layer.qkv_weight, kinds[0], layer.qkv_bias, layer.o_weight, kinds[1], layer.o_bias,
             layer.gate_up_weight, kinds[2], layer.gate_up_bias, layer.down_weight, kinds[3], layer.down_bias,
-            torch.tensor([5]), model.rope.cos, model.rope.sin, layer.qk_norm, key_cache.clone(), value_cache.clone(),
+            torch.tensor([5]), model.ropes[0].cos, model.ropes[0].sin, layer.qk_norm, key_cache.clone(), value_cache.clone(),
             meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, layer.scale,
             layer.sliding_window, 1, 6, layer.num_heads, layer.num_kv_heads, layer.head_dim)
     torch.library.opcheck(torch.ops.pagewire.decode_layer.default, args)

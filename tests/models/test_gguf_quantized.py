@@ -11,7 +11,7 @@ import torch
 from server.engine.config import ConfigError, EngineConfig
 from server.kernels import ops
 from server.kernels.quant import QuantizedWeight
-from server.models.llama import LlamaFamilyForCausalLM
+from server.models.decoder import DecoderForCausalLM
 from server.models.loader import load_model
 from tests.gguf_files import write_gguf
 from tests.models.paged_harness import VOCAB, PagedRun, random_tokens
@@ -28,7 +28,7 @@ def k_sized_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
                            hidden_size=256, intermediate_size=512, num_hidden_layers=2)
 
 
-def _logits(model: LlamaFamilyForCausalLM, tokens: list[int]) -> torch.Tensor:
+def _logits(model: DecoderForCausalLM, tokens: list[int]) -> torch.Tensor:
     """A 40-token prefill (dequantised chunks + GEMM) then single-token decodes (the kernels)."""
     run = PagedRun(model)
     rows = [run.step({0: tokens[:PROMPT_LEN]})[0]]

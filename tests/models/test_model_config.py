@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from server.models.config import ModelConfig, ModelLoadError, RopeScaling, UnsupportedModelError
+from server.models.registry import config_from_hf
 from server.models.rope import RotaryEmbedding, rope_inv_freq
 
 _LLAMA: dict[str, Any] = {
@@ -24,7 +25,7 @@ _LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "orig
 
 
 def _cfg(**fields: Any) -> ModelConfig:
-    return ModelConfig.from_dict({**_LLAMA, **fields})
+    return config_from_hf({**_LLAMA, **fields})
 
 
 def test_v4_and_v5_llama3_rope_layouts_parse_the_same() -> None:
@@ -43,8 +44,8 @@ def test_rope_defaults_and_old_type_key() -> None:
 
 
 def test_unsupported_rope_type_names_it() -> None:
-    with pytest.raises(UnsupportedModelError, match="yarn"):
-        _cfg(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
+    with pytest.raises(UnsupportedModelError, match="dynamic"):
+        _cfg(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0})
 
 
 def test_head_dim_explicit_wins_over_hidden_over_heads() -> None:
@@ -79,7 +80,7 @@ def test_token_ids_and_missing_fields() -> None:
     raw = dict(_LLAMA)
     del raw["vocab_size"]
     with pytest.raises(ModelLoadError, match="vocab_size"):
-        ModelConfig.from_dict(raw, source="/x/config.json")
+        config_from_hf(raw, source="/x/config.json")
     with pytest.raises(ModelLoadError, match="hidden_size"):
         _cfg(hidden_size="64")
 
@@ -97,6 +98,9 @@ def test_unsupported_architecture_and_activation() -> None:
         {"rope_type": "default", "rope_theta": 10000.0},
         {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
         {"rope_type": "llama3", "rope_theta": 500000.0, **_LLAMA3, "original_max_position_embeddings": 64},
+        {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64},
+        {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 32,
+         "beta_fast": 16, "beta_slow": 2, "mscale": 0.8, "mscale_all_dim": 0.5},
     ],
 )
 def test_rope_tables_equal_transformers_rotary_embedding(rope: dict[str, Any]) -> None:
@@ -114,3 +118,47 @@ def test_rope_tables_equal_transformers_rotary_embedding(rope: dict[str, Any]) -
     cos, sin = ours.lookup(positions, torch.float32)
     assert torch.equal(torch.cat([cos, cos], -1)[:, 0], cos_hf[0])
     assert torch.equal(torch.cat([sin, sin], -1)[:, 0], sin_hf[0])
+
+
+def test_longrope_partial_rotary_tables_equal_transformers() -> None:
+    """Phi-3's longrope: short factors while the sequence is within original_max_position_embeddings,
+    long beyond, both scaled by the attention factor; over the leading rotary dims only."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "short_factor": [1.0, 1.2, 1.4, 1.6], "long_factor": [2.0, 3.0, 4.0, 5.0],
+            "original_max_position_embeddings": 64}
+    shape = {k: v for k, v in _LLAMA.items() if k not in ("architectures", "model_type")}
+    hf_cfg = Phi3Config(**{**shape, "max_position_embeddings": 256, "pad_token_id": 0}, rope_parameters=rope)
+    ours_cfg = config_from_hf({**_LLAMA, "architectures": ["Phi3ForCausalLM"], "max_position_embeddings": 256,
+                               "rope_parameters": rope})
+    spec = ours_cfg.ropes[0]
+    assert spec.rotary_dim == 8
+    ours = RotaryEmbedding(spec.rotary_dim, 256, spec.theta, spec.scaling)
+    hf = Phi3RotaryEmbedding(hf_cfg)
+    for seq_len in (40, 64, 65, 200):  # transformers picks the table by the forward's longest sequence
+        positions = torch.arange(seq_len)
+        cos_hf, sin_hf = hf(torch.zeros(1, dtype=torch.float32), positions[None])
+        batch = ours.prepare(positions, torch.float32, torch.full((seq_len,), seq_len))
+        cos, sin = ours.lookup(batch.positions, torch.float32)
+        assert torch.equal(torch.cat([cos, cos], -1)[:, 0], cos_hf[0]), seq_len
+        assert torch.equal(torch.cat([sin, sin], -1)[:, 0], sin_hf[0]), seq_len
+
+
+def test_registry_names_translations_and_kv_specs() -> None:
+    from server.models.registry import architectures, by_gguf_name, by_hf_name, kv_specs
+
+    for arch in architectures():
+        assert all(by_hf_name(n) is arch for n in arch.hf_names)
+        assert all(by_gguf_name(n) is arch for n in arch.gguf_names)
+    gemma3 = config_from_hf({**_LLAMA, "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 6,
+                             "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 8,
+                             "query_pre_attn_scalar": 64, "rope_theta": 1e6, "rope_local_base_freq": 1e4})
+    assert [s.sliding_window for s in kv_specs(gemma3)] == [8, 8, 8, 8, 8, None]
+    assert [gemma3.ropes[r].theta for r in gemma3.layer_ropes if r is not None] == [1e4] * 5 + [1e6]
+    assert gemma3.attention_scale == 64**-0.5 and gemma3.norm_placement == "both"
+    smol = config_from_hf({**_LLAMA, "architectures": ["SmolLM3ForCausalLM"], "num_hidden_layers": 8})
+    assert smol.layer_ropes == (0, 0, 0, None, 0, 0, 0, None)
+    with pytest.raises(UnsupportedModelError, match="hidden_act 'silu'.*gelu_pytorch_tanh"):
+        config_from_hf({**_LLAMA, "architectures": ["Gemma2ForCausalLM"]})

@@ -1,7 +1,8 @@
 """Quality of quantised weights on the real default model (SmolLM2-135M-Instruct, a Q4_1 GGUF):
 perplexity on tests/data/perplexity_text.txt through bench.perplexity, int8 at most 1% and the
 file's own Q4_1 blocks kept (--quantization gguf) at most 5% above the bf16-dequantised model; greedy
-agreement with bf16 on the first 32 tokens is recorded (and printed with -s), not asserted equal."""
+agreement with bf16 on the first 32 tokens is printed (with -s) and bounded below: at least the
+first 8 tokens equal (see the test for why not more)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -40,6 +41,14 @@ def test_int8_and_kept_q4_1_perplexity_and_greedy_agreement(record_property: Cal
         print(line)
         record_property(q, line)
         assert len(tokens[q]) == 32
+        # Why a lower bound on the agreeing prefix, and no more: a greedy continuation leaves
+        # bf16's at its first near-tie between two tokens, where a rounding of the size the
+        # perplexity bound allows picks the other one; from there the two texts are different
+        # continuations, so positions after it say nothing about quality (and an equal count
+        # there would be chance). Where the first near-tie falls is a property of the prompt, not
+        # of the format: measured 9, 9 (2026-11-30), 11 and 32 (2026-12-01, interleaved kernels)
+        # of 32. A broken kernel (a wrong scale, a lost block) diverges within the first tokens.
+        assert lead >= 8, line
     # The targets bound the loss: a perplexity no more than 1% (int8) / 5% (4-bit) above bf16's.
     # (Measured: int8 -1.00%, gguf -0.54%, i.e. slightly below bf16's 19.62, whose bf16 weights
     # round the file's values too; see docs/quantization.md.)

@@ -56,6 +56,7 @@ def main(model_dir: str, db: str) -> None:
         answers["GET /v1/batches/{id}"] = c.get(f"/v1/batches/{bid}")
         answers["POST /v1/batches/{id}/cancel"] = c.post(f"/v1/batches/{bid}/cancel")
         answers["GET /"] = c.get("/")
+        answers["GET /ui/{file}"] = c.get("/ui/chat.js")
         seen["statuses"] = {route: r.status_code for route, r in answers.items()}
         seen["codes"] = {route: r.json().get("error", {}).get("code") for route, r in answers.items()
                          if r.headers.get("content-type", "").startswith("application/json")

@@ -405,9 +405,42 @@ def test_every_route_answers_without_importing_torch(demo_model: Path, tmp_path:
         "POST /tokenize": 200, "POST /detokenize": 200, "GET /metrics": 200, "GET /v1/usage": 200,
         "GET /v1/requests/{id}": 404, "POST /v1/files": 200, "GET /v1/files/{id}": 200,
         "GET /v1/files/{id}/content": 200, "POST /v1/batches": 200, "GET /v1/batches": 200,
-        "GET /v1/batches/{id}": 200, "POST /v1/batches/{id}/cancel": 200, "GET /": 200,
+        "GET /v1/batches/{id}": 200, "POST /v1/batches/{id}/cancel": 200, "GET /": 200, "GET /ui/{file}": 200,
     }, seen["statuses"]
     assert seen["codes"]["POST /v1/completions"] == seen["codes"]["POST /v1/chat/completions"] == "starting"
     assert seen["codes"]["GET /v1/requests/{id}"] == "request_not_found"
     assert seen["ws_frame"]["type"] == "error" and seen["ws_frame"]["code"] == "starting", seen["ws_frame"]
     assert seen["torch"] is False
+
+
+def test_the_small_endpoints_answer_when_called_directly(tmp_path: Path) -> None:
+    """build_app's handlers are importable methods: called here without an app or a server."""
+    import json
+
+    from starlette.requests import Request
+
+    from server.api.context import ApiContext
+    from server.api.endpoints import StatusEndpoints, UsageEndpoint, report_bound
+    from server.gateway.policy import Gateway
+    from server.serving.runtime import Runtime
+    from server.serving.settings import ServeSettings
+
+    settings = ServeSettings(db=str(tmp_path / "l.db"))
+    api = ApiContext(Runtime(settings, tmp_path, "demo"), Gateway(settings))  # built, never started
+
+    def get(path: str, query: bytes = b"") -> Request:
+        return Request({"type": "http", "method": "GET", "path": path, "query_string": query, "headers": []})
+
+    async def main() -> None:
+        health = await StatusEndpoints(api).health(get("/health"))
+        assert health.status_code == 503 and json.loads(bytes(health.body)) == {"status": "loading"}
+        models = await StatusEndpoints(api).models(get("/v1/models"))
+        assert json.loads(bytes(models.body))["data"][0]["id"] == "demo"
+        usage = await UsageEndpoint(api).usage(get("/v1/usage"))  # no ledger yet: 503, not a 500
+        assert usage.status_code == 503 and json.loads(bytes(usage.body))["error"]["code"] == "starting"
+        bad = await UsageEndpoint(api).usage(get("/v1/usage", b"start=yesterday"))
+        assert bad.status_code == 400 and json.loads(bytes(bad.body))["error"]["param"] == "start"
+
+    asyncio.run(main())
+    assert report_bound("2026-12-01", "start") == 1796083200.0
+    assert report_bound("1796083200.5", "end") == 1796083200.5 and report_bound("", "end") is None

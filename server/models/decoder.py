@@ -1,10 +1,15 @@
-"""LlamaFamilyForCausalLM: the Llama / Mistral / Qwen2 / Qwen3 decoder running on pagewire's paged KV cache.
+"""DecoderForCausalLM: the decoder of every supported family, built from the parts ModelConfig
+names, running on pagewire's paged KV cache.
 
-One module covers the four architectures because they differ only in switches read from
-ModelConfig: q/k/v bias (Qwen2), per-head q/k RMSNorm before RoPE (Qwen3), a sliding attention
-window (Mistral, optionally Qwen2/3). Weights are stored fused (one qkv and one gate_up matrix
-per layer) so CPU inference runs fewer, larger matmuls; `checkpoint_tensors()` tells the loader
-where each Hugging Face tensor lands inside the fused parameters.
+No class per model: the families (server.models.families) differ only in parts read from
+ModelConfig -- norm placement (pre, post, both) and `1 + w` weights, SiLU or GELU-tanh, q/k/v
+bias, q/k RMSNorm per head or over the projection, per-layer sliding windows and RoPE tables
+(NoPE layers, partial rotary, scaled frequencies), logit soft-capping, attention scale and
+Granite's multipliers. Layers the fused C++ layer expresses (DecoderLayer.fusable) run as one
+pagewire::decode_layer call for small CPU batches; the others run the Python layer. Weights are
+stored fused (one qkv and one gate_up matrix per layer) so CPU inference runs fewer, larger
+matmuls; `checkpoint_tensors()` tells the loader where each Hugging Face tensor lands inside the
+fused parameters.
 """
 from __future__ import annotations
 
@@ -19,15 +24,17 @@ from server.kernels.ops import Q8_KERNEL_MAX_ROWS, linear, linear_kind, paged_at
 from server.kernels.quant import QUANTIZATIONS, QuantizedWeight
 from server.models.attention import AttentionMetadata
 from server.models.config import ModelConfig
-from server.models.layers import add_norm, gelu_tanh_and_mul, norm, silu_and_mul
+from server.models.layers import add_norm, gelu_tanh_and_mul, norm, rms_norm, silu_and_mul
 from server.models.rope import RopeBatch, RotaryEmbedding
 
 
 class WeightTarget(NamedTuple):
-    """Where one checkpoint tensor goes: `dest` (a view into a parameter) and the shape it must have."""
+    """Where one checkpoint tensor goes: `dest` (a view into a parameter), the shape it must have,
+    and `offset`, added after copying (Gemma checkpoints store norm weights as w - 1)."""
 
     dest: torch.Tensor
     shape: tuple[int, ...]
+    offset: float = 0.0
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -35,12 +42,15 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
-class LlamaDecoderLayer(nn.Module):
-    """One pre-norm decoder block: attention over the paged cache, then a SiLU-gated MLP.
+class DecoderLayer(nn.Module):
+    """One decoder block built from the config's parts: attention over the paged cache, then a
+    gated MLP, with norms where `norm_placement` puts them.
 
     Parameters (fused): qkv_weight [q + 2 kv, H], o_weight [H, q], gate_up_weight [2 I, H],
-    down_weight [H, I], norms [H], and for Qwen3 qk_norm [num_heads + num_kv_heads, head_dim]
-    (q_norm repeated over query heads, then k_norm over kv heads, so one op normalises both).
+    down_weight [H, I]; norms [H]: attn_norm / mlp_norm before each sub-block ("pre", "both"),
+    attn_post_norm / mlp_post_norm on each sub-block's output ("post", "both"). Per-head q/k norm
+    is qk_norm [num_heads + num_kv_heads, head_dim] (q_norm repeated over query heads, then k_norm
+    over kv heads, so one op normalises both); over the projection it is q_norm [q] and k_norm [kv].
     """
 
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -50,80 +60,100 @@ class LlamaDecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.q_size, self.kv_size = c.q_size, c.kv_size
         self.eps = c.rms_norm_eps
-        self.scale = c.head_dim**-0.5
+        self.scale = c.attention_scale
+        self.softcap = c.attn_logit_softcap
         window = c.layer_sliding_windows[layer_idx]
         self.sliding_window = window if window is not None else 0  # the op reads <= 0 as "no window"
-        # Attention logit soft-capping (0: off) and the gated MLP's activation ("silu" or
-        # "gelu_tanh"): both kernels take them, in forward and in decode_layer alike. The four
-        # Llama-family architectures use neither; a family that does sets them from its config.
-        self.softcap = 0.0
-        self.activation = "silu"
+        self.rope_index = c.layer_ropes[layer_idx]  # None: a NoPE layer
+        self.rotary_dim = c.ropes[self.rope_index].rotary_dim if self.rope_index is not None else 0
+        self.activation = c.activation  # "silu" or "gelu_tanh"; the kernels and decode_layer take both
+        self.gelu = c.activation == "gelu_tanh"
+        self.residual_multiplier = c.residual_multiplier
 
         H, I, qkv = c.hidden_size, c.intermediate_size, c.q_size + 2 * c.kv_size
-        self.input_norm = _param((H,), dtype, device)
+        pre, post = c.norm_placement in ("pre", "both"), c.norm_placement in ("post", "both")
+        self.attn_norm = _param((H,), dtype, device) if pre else None
+        self.attn_post_norm = _param((H,), dtype, device) if post else None
+        self.mlp_norm = _param((H,), dtype, device) if pre else None
+        self.mlp_post_norm = _param((H,), dtype, device) if post else None
         # The four matrices may be replaced by QuantizedWeight (quantize_weights) after loading.
         self.qkv_weight: torch.Tensor | QuantizedWeight = _param((qkv, H), dtype, device)
         self.qkv_bias = _param((qkv,), dtype, device) if c.qkv_bias else None
-        self.qk_norm = _param((c.num_heads + c.num_kv_heads, c.head_dim), dtype, device) if c.qk_norm else None
+        per_head, whole = c.qk_norm and c.qk_norm_over == "head", c.qk_norm and c.qk_norm_over == "projection"
+        self.qk_norm = _param((c.num_heads + c.num_kv_heads, c.head_dim), dtype, device) if per_head else None
+        self.q_norm = _param((c.q_size,), dtype, device) if whole else None
+        self.k_norm = _param((c.kv_size,), dtype, device) if whole else None
         self.o_weight: torch.Tensor | QuantizedWeight = _param((H, c.q_size), dtype, device)
         self.o_bias = _param((H,), dtype, device) if c.o_bias else None
-        self.post_norm = _param((H,), dtype, device)
         self.gate_up_weight: torch.Tensor | QuantizedWeight = _param((2 * I, H), dtype, device)
         self.gate_up_bias = _param((2 * I,), dtype, device) if c.mlp_bias else None
         self.down_weight: torch.Tensor | QuantizedWeight = _param((H, I), dtype, device)
         self.down_bias = _param((H,), dtype, device) if c.mlp_bias else None
+        self.norm_offset = c.norm_weight_offset
+        self.fused_checkpoint = c.fused_checkpoint
+        # The layers pagewire::decode_layer expresses: pre-norm, full-width RoPE with optional
+        # per-head q/k norm, no residual multiplier (SiLU or GELU-tanh, soft-capping or not). The
+        # others run forward().
+        self.fusable = (c.norm_placement == "pre" and self.q_norm is None and self.rope_index is not None
+                        and self.rotary_dim == c.head_dim and self.residual_multiplier == 1.0)
 
     def forward(
         self,
         hidden: torch.Tensor,
         delta: torch.Tensor | None,
-        rope: RotaryEmbedding,
-        rope_batch: RopeBatch,
+        rope: RotaryEmbedding | None,
+        rope_batch: RopeBatch | None,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Args: hidden [T, H], the residual stream (updated in place); delta [T, H], the previous
-        layer's MLP output not yet added to it (None for the first layer).
+        layer's MLP output not yet added to it (None for the first layer); rope and rope_batch:
+        this layer's table (None for a NoPE layer).
 
         Returns (hidden, this layer's MLP output): the add is left to the next norm, which fuses it.
         """
         T = hidden.shape[0]
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
 
-        if delta is None:
-            x = norm(hidden, self.input_norm, self.eps)
-        else:
-            x = add_norm(hidden, delta, self.input_norm, self.eps)
+        x = _enter(hidden, delta, self.attn_norm, self.eps)
         qkv = linear(x, self.qkv_weight, self.qkv_bias)  # [T, q + 2 kv]
+        if self.q_norm is not None and self.k_norm is not None:  # OLMo 2: over the whole projection
+            q, kv = self.q_size, self.kv_size
+            qkv[:, :q] = norm(qkv[:, :q].contiguous(), self.q_norm, self.eps)
+            qkv[:, q : q + kv] = norm(qkv[:, q : q + kv].contiguous(), self.k_norm, self.eps)
         # q and k are adjacent in qkv, so norm and RoPE treat them as nh + nkv heads in one pass,
         # in place (query and key stay strided views of qkv; the attention ops take strides).
         qk = qkv[:, : self.q_size + self.kv_size].view(T, nh + nkv, d)
-        rope.rotate_(qk, rope_batch, self.qk_norm, self.eps)
+        if rope is not None and rope_batch is not None and self.rotary_dim == d:
+            rope.rotate_(qk, rope_batch, self.qk_norm, self.eps)
+        else:
+            if self.qk_norm is not None:
+                qk.copy_(rms_norm(qk, self.qk_norm, self.eps))
+            if rope is not None and rope_batch is not None:  # partial rotary: the leading dims
+                rope.rotate_(qk[..., : self.rotary_dim], rope_batch)
         query = qk[:, :nh]
         key = qk[:, nh:]
         value = qkv[:, self.q_size + self.kv_size :].view(T, nkv, d)
 
         write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping)
         attn = torch.empty((T, nh, d), dtype=hidden.dtype, device=hidden.device)
-        paged_attention(
-            attn,
-            query,
-            key_cache,
-            value_cache,
-            meta.block_tables,
-            meta.seq_lens,
-            meta.query_start_loc,
-            self.scale,
-            self.sliding_window,
-            meta.max_query_len,
-            meta.max_seq_len,
-            self.softcap,
-        )
-        x = add_norm(hidden, linear(attn.view(T, self.q_size), self.o_weight, self.o_bias), self.post_norm, self.eps)
+        paged_attention(attn, query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                        self.scale, self.sliding_window, meta.max_query_len, meta.max_seq_len, self.softcap)
+        out = linear(attn.view(T, self.q_size), self.o_weight, self.o_bias)
+        x = _enter(hidden, self._leave(out, self.attn_post_norm), self.mlp_norm, self.eps)
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
-        act = gelu_tanh_and_mul(gate_up) if self.activation == "gelu_tanh" else silu_and_mul(gate_up)
-        return hidden, linear(act, self.down_weight, self.down_bias)
+        act = gelu_tanh_and_mul(gate_up) if self.gelu else silu_and_mul(gate_up)
+        return hidden, self._leave(linear(act, self.down_weight, self.down_bias), self.mlp_post_norm)
+
+    def _leave(self, out: torch.Tensor, post_norm: torch.Tensor | None) -> torch.Tensor:
+        """A sub-block's output as it joins the residual stream: post-normed (OLMo 2, Gemma) and
+        scaled by the residual multiplier (Granite: residual + out * m)."""
+        if post_norm is not None:
+            out = norm(out, post_norm, self.eps)
+        if self.residual_multiplier != 1.0:
+            out = out * self.residual_multiplier
+        return out
 
     def forward_fused(
         self,
@@ -140,7 +170,7 @@ class LlamaDecoderLayer(nn.Module):
         same floats), for CPU batches of at most 16 tokens; kinds: each matrix's linear path
         (ops.linear_kind), in MATRICES order."""
         mlp_out = torch.ops.pagewire.decode_layer(
-            hidden, delta, self.input_norm, self.post_norm, self.eps,
+            hidden, delta, self.attn_norm, self.mlp_norm, self.eps,
             _weight_data(self.qkv_weight), kinds[0], self.qkv_bias,
             _weight_data(self.o_weight), kinds[1], self.o_bias,
             _weight_data(self.gate_up_weight), kinds[2], self.gate_up_bias,
@@ -175,17 +205,28 @@ class LlamaDecoderLayer(nn.Module):
         assert isinstance(self.o_weight, torch.Tensor) and isinstance(self.down_weight, torch.Tensor)
         assert isinstance(self.gate_up_weight, torch.Tensor)
         a, m = prefix + "self_attn.", prefix + "mlp."
-        t: dict[str, WeightTarget] = {
-            prefix + "input_layernorm.weight": WeightTarget(self.input_norm, (H,)),
-            prefix + "post_attention_layernorm.weight": WeightTarget(self.post_norm, (H,)),
-            a + "q_proj.weight": WeightTarget(self.qkv_weight[:q], (q, H)),
-            a + "k_proj.weight": WeightTarget(self.qkv_weight[q : q + kv], (kv, H)),
-            a + "v_proj.weight": WeightTarget(self.qkv_weight[q + kv :], (kv, H)),
-            a + "o_proj.weight": WeightTarget(self.o_weight, (H, q)),
-            m + "gate_proj.weight": WeightTarget(self.gate_up_weight[:I], (I, H)),
-            m + "up_proj.weight": WeightTarget(self.gate_up_weight[I:], (I, H)),
-            m + "down_proj.weight": WeightTarget(self.down_weight, (H, I)),
-        }
+        off = self.norm_offset
+        t: dict[str, WeightTarget] = {a + "o_proj.weight": WeightTarget(self.o_weight, (H, q)),
+                                      m + "down_proj.weight": WeightTarget(self.down_weight, (H, I))}
+        # HF's norm names by placement: Llama's post_attention_layernorm is the MLP's input norm;
+        # Gemma's and OLMo 2's is the attention output's.
+        norms = {"input_layernorm": self.attn_norm,
+                 "post_attention_layernorm": self.attn_post_norm if self.attn_post_norm is not None
+                 else self.mlp_norm,
+                 "pre_feedforward_layernorm": self.mlp_norm if self.attn_post_norm is not None else None,
+                 "post_feedforward_layernorm": self.mlp_post_norm}
+        for name, w in norms.items():
+            if w is not None:
+                t[prefix + name + ".weight"] = WeightTarget(w, (H,), off)
+        if self.fused_checkpoint:  # Phi-3: one qkv_proj and one gate_up_proj, rows in our order
+            t[a + "qkv_proj.weight"] = WeightTarget(self.qkv_weight, (q + 2 * kv, H))
+            t[m + "gate_up_proj.weight"] = WeightTarget(self.gate_up_weight, (2 * I, H))
+        else:
+            t[a + "q_proj.weight"] = WeightTarget(self.qkv_weight[:q], (q, H))
+            t[a + "k_proj.weight"] = WeightTarget(self.qkv_weight[q : q + kv], (kv, H))
+            t[a + "v_proj.weight"] = WeightTarget(self.qkv_weight[q + kv :], (kv, H))
+            t[m + "gate_proj.weight"] = WeightTarget(self.gate_up_weight[:I], (I, H))
+            t[m + "up_proj.weight"] = WeightTarget(self.gate_up_weight[I:], (I, H))
         if self.qkv_bias is not None:
             t[a + "q_proj.bias"] = WeightTarget(self.qkv_bias[:q], (q,))
             t[a + "k_proj.bias"] = WeightTarget(self.qkv_bias[q : q + kv], (kv,))
@@ -194,8 +235,11 @@ class LlamaDecoderLayer(nn.Module):
             t[a + "o_proj.bias"] = WeightTarget(self.o_bias, (H,))
         if self.qk_norm is not None:
             # A [d] checkpoint vector broadcasts over every head's row when copied in.
-            t[a + "q_norm.weight"] = WeightTarget(self.qk_norm[:nh], (d,))
-            t[a + "k_norm.weight"] = WeightTarget(self.qk_norm[nh:], (d,))
+            t[a + "q_norm.weight"] = WeightTarget(self.qk_norm[:nh], (d,), off)
+            t[a + "k_norm.weight"] = WeightTarget(self.qk_norm[nh:], (d,), off)
+        if self.q_norm is not None and self.k_norm is not None:
+            t[a + "q_norm.weight"] = WeightTarget(self.q_norm, (q,), off)
+            t[a + "k_norm.weight"] = WeightTarget(self.k_norm, (kv,), off)
         if self.gate_up_bias is not None and self.down_bias is not None:
             t[m + "gate_proj.bias"] = WeightTarget(self.gate_up_bias[:I], (I,))
             t[m + "up_proj.bias"] = WeightTarget(self.gate_up_bias[I:], (I,))
@@ -203,8 +247,19 @@ class LlamaDecoderLayer(nn.Module):
         return t
 
 
-class LlamaFamilyForCausalLM(nn.Module):
-    """A decoder-only causal LM over a flat batch of new tokens and a paged KV cache.
+def _enter(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None,
+           eps: float) -> torch.Tensor:
+    """A sub-block's input: the residual stream with `delta` (the previous sub-block's output)
+    added in place, then RMSNorm'ed by `weight` (one fused op), or the stream itself when the
+    block has no input norm (OLMo 2's post-norm layers)."""
+    if weight is None:
+        return hidden if delta is None else hidden.add_(delta)
+    return norm(hidden, weight, eps) if delta is None else add_norm(hidden, delta, weight, eps)
+
+
+class DecoderForCausalLM(nn.Module):
+    """A decoder-only causal LM over a flat batch of new tokens and a paged KV cache; every
+    architecture of server.models.families is this class with a different ModelConfig.
 
     Build it with `server.models.loader.load_model`; the constructor leaves weights uninitialised.
     dtype and device are fixed at construction (the RoPE tables and `dtype` attribute follow them),
@@ -228,17 +283,24 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.device = torch.device(device)
         c, dev = config, self.device
         self.embed_tokens = _param((c.vocab_size, c.hidden_size), dtype, dev)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(c, i, dtype, dev) for i in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, dev) for i in range(c.num_layers))
         self.norm = _param((c.hidden_size,), dtype, dev)
         tied = c.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
         # Tied checkpoints store one matrix; the output projection reuses the embedding table.
         self.lm_head: torch.Tensor | QuantizedWeight = (
             self.embed_tokens if tied else _param((c.vocab_size, c.hidden_size), dtype, dev)
         )
-        self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dev)
+        # One table per distinct RoPE (Gemma 3: local and global bases); layers index into it.
+        self.ropes = [RotaryEmbedding(r.rotary_dim, c.max_position_embeddings, r.theta, r.scaling, dev)
+                      for r in c.ropes]
+        self._longrope = any(r.long_offset for r in self.ropes)
+        # Gemma scales embeddings by sqrt(hidden) rounded to the model dtype, Granite by its
+        # embedding_multiplier.
+        self._embed_scale = (torch.tensor(c.embedding_multiplier, dtype=dtype, device=dev)
+                             if c.embedding_multiplier != 1.0 else None)
         # Plain list for the hot loop: iterating nn.ModuleList and calling modules via __call__
         # costs hook checks on every layer of every step.
-        self._layers: list[LlamaDecoderLayer] = [cast(LlamaDecoderLayer, m) for m in self.layers]
+        self._layers: list[DecoderLayer] = [cast(DecoderLayer, m) for m in self.layers]
         # Small CPU batches run each layer as one C++ call (_fused_kinds); False forces the Python
         # layers (bench/decode_step.py times both).
         self.fused_decode = True
@@ -246,6 +308,17 @@ class LlamaFamilyForCausalLM(nn.Module):
         # swapped after loading (quantize_weights runs before the first step), so kinds stay valid.
         self._fused_cache: dict[tuple[int, int, bool], tuple[object, list[tuple[str, str, str, str] | None]]] = {}
         self.eval()
+
+    def summary(self) -> str:
+        """e.g. "Gemma3ForCausalLM: 26 layers (22 with a 512-token window, 4 full, 0 NoPE);
+        fused decode_layer (CPU, up to 16 tokens) for 0 of 26; the others run the Python layers"."""
+        c = self.config
+        windows = [w for w in c.layer_sliding_windows if w is not None]
+        kinds = f"{len(windows)} with a {max(windows)}-token window, " if windows else ""
+        nope = sum(r is None for r in c.layer_ropes)
+        fused = sum(layer.fusable for layer in self._layers)
+        return (f"{c.architecture}: {c.num_layers} layers ({kinds}{c.num_layers - len(windows)} full, {nope} NoPE); "
+                f"fused decode_layer (CPU, up to 16 tokens) for {fused} of {c.num_layers}; the others run the Python layers")
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         """Shape of one layer's key cache (and, separately, its value cache)."""
@@ -279,42 +352,64 @@ class LlamaFamilyForCausalLM(nn.Module):
         if len(kv_caches) != len(self._layers):
             raise ValueError(f"kv_caches: expected {len(self._layers)} (key, value) pairs, got {len(kv_caches)}")
         hidden = F.embedding(input_ids, self.embed_tokens)
-        rope_batch = self.rope.prepare(positions, self.dtype)
+        if self._embed_scale is not None:
+            hidden = hidden * self._embed_scale
+        context_lens = self._context_lens(positions, meta) if self._longrope else None
+        batches = [rope.prepare(positions, self.dtype, context_lens) for rope in self.ropes]
         delta: torch.Tensor | None = None
-        fused = self._fused_kinds(hidden, rope_batch)
+        fused = self._fused_kinds(hidden, batches)
         for i, (layer, (key_cache, value_cache)) in enumerate(zip(self._layers, kv_caches)):
+            r = layer.rope_index
+            rope, batch = (self.ropes[r], batches[r]) if r is not None else (None, None)
             kinds = fused[i] if fused is not None else None
             m = meta.for_layer(i)  # the layer's KV group's slots and block tables
-            if kinds is not None:
-                hidden, delta = layer.forward_fused(hidden, delta, self.rope, rope_batch, key_cache, value_cache,
-                                                    m, kinds)
+            if kinds is not None and rope is not None and batch is not None:
+                hidden, delta = layer.forward_fused(hidden, delta, rope, batch, key_cache, value_cache, m, kinds)
             else:
-                hidden, delta = layer.forward(hidden, delta, self.rope, rope_batch, key_cache, value_cache, m)
+                hidden, delta = layer.forward(hidden, delta, rope, batch, key_cache, value_cache, m)
         eps = self.config.rms_norm_eps
         return norm(hidden, self.norm, eps) if delta is None else add_norm(hidden, delta, self.norm, eps)
 
-    def _fused_kinds(self, hidden: torch.Tensor, rope_batch: RopeBatch) -> list[tuple[str, str, str, str] | None] | None:
+    @staticmethod
+    def _context_lens(positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Per token, max(its sequence's prompt length, position + 1): what longrope's table
+        choice reads (RotaryEmbedding.long_rows)."""
+        q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()
+        prompt = meta.prompt_lens if meta.prompt_lens is not None else meta.seq_lens
+        per_token = torch.repeat_interleave(prompt.to(positions.dtype), q_lens)
+        return torch.maximum(per_token, positions + 1)
+
+    def _fused_kinds(self, hidden: torch.Tensor,
+                     batches: list[RopeBatch]) -> list[tuple[str, str, str, str] | None] | None:
         """Per layer, the linear paths for pagewire::decode_layer, or None where the layer must run
-        in Python: always off the CPU, above 16 tokens (quantised weights switch paths there), with
-        RoPE tables gathered in Python, when `fused_decode` is off, or when this module's `linear`
-        has been replaced (tests and bench/decode_step.py wrap it to see every call). Cached per
-        row count, autotune table and batch-invariant mode: the rules only change with those."""
+        in Python: a layer the C++ layer cannot express (DecoderLayer.fusable: post-norms, NoPE,
+        partial rotary, q/k norm over the projection, residual multipliers), always off the CPU,
+        above 16 tokens (quantised weights switch paths there), with RoPE tables gathered in
+        Python, when `fused_decode` is off, or when this module's `linear` has been replaced
+        (tests and bench/decode_step.py wrap it to see every call). Cached per row count,
+        autotune table and batch-invariant mode: the rules only change with those."""
         T = hidden.shape[0]
         if (not self.fused_decode or hidden.device.type != "cpu" or T > Q8_KERNEL_MAX_ROWS
-                or rope_batch.cos is not None or linear is not _LINEAR):
+                or any(b.cos is not None for b in batches) or linear is not _LINEAR):
             return None
         table = autotune.active_table()
         key = (T, id(table), batch_invariant.enabled())
         cached = self._fused_cache.get(key)
         if cached is None or cached[0] is not table:
-            cached = (table, [layer.linear_kinds(self.dtype, T) for layer in self._layers])
+            cached = (table, [layer.linear_kinds(self.dtype, T) if layer.fusable else None for layer in self._layers])
             self._fused_cache[key] = cached
         return cached[1]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Args: hidden [S, hidden_size] rows from forward(). Returns float32 logits [S, vocab_size]."""
-        return linear(hidden, self.lm_head).float()
+        logits = linear(hidden, self.lm_head)
+        c = self.config
+        if c.logits_divisor != 1.0:  # Granite's logits_scaling
+            logits = logits / c.logits_divisor
+        if c.final_logit_softcap:  # Gemma 2, in transformers' order
+            logits = torch.tanh(logits / c.final_logit_softcap) * c.final_logit_softcap
+        return logits.float()
 
     def quantize_weights(self, quantization: str) -> None:
         """Keep every decoder matrix and the output projection quantised (`quantization` is a key
@@ -350,7 +445,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         c = self.config
         targets = {
             "model.embed_tokens.weight": WeightTarget(self.embed_tokens, (c.vocab_size, c.hidden_size)),
-            "model.norm.weight": WeightTarget(self.norm, (c.hidden_size,)),
+            "model.norm.weight": WeightTarget(self.norm, (c.hidden_size,), c.norm_weight_offset),
         }
         if self.lm_head is not self.embed_tokens:
             assert isinstance(self.lm_head, torch.Tensor), "checkpoint_tensors: the model is already quantised"

@@ -1,0 +1,31 @@
+"""The names the C++ ops take, typed: block formats (`Qtype`) and the path of each matrix that
+pagewire::decode_layer takes (`LinearKind`). Both are str-valued (server.strenum), so a plain
+string of one of their values is accepted wherever they are, and the ops receive the same strings.
+"""
+from __future__ import annotations
+
+from server.strenum import StrEnum
+
+
+class Qtype(StrEnum):
+    """A block-quantised weight format (GGUF's block layouts, lower-case)."""
+
+    Q8_0 = "q8_0"
+    Q4_0 = "q4_0"
+    Q4_1 = "q4_1"
+    Q4_K = "q4_k"
+
+
+class LinearKind(StrEnum):
+    """One matrix's path in pagewire::decode_layer (`ops.linear_kind`): pagewire::linear, F.linear,
+    or a QuantizedWeight's format and layout (`QuantizedWeight.op_qtype`; "x8": interleaved)."""
+
+    KERNEL = "kernel"
+    TORCH = "torch"
+    Q8_0 = "q8_0"
+    Q8_0X8 = "q8_0x8"
+    Q4_0 = "q4_0"
+    Q4_0X8 = "q4_0x8"
+    Q4_1 = "q4_1"
+    Q4_1X8 = "q4_1x8"
+    Q4_K = "q4_k"

@@ -1,0 +1,200 @@
+"""The supported families: one registry entry each, with its Hugging Face and GGUF translations.
+
+Each translation starts from the shared reading (`hf_base`, `gguf_base`: sizes, heads, RoPE,
+biases, special ids) and overrides the parts its family changes. A family the parts of
+ModelConfig express needs nothing else: no model class, no loader code.
+
+Where llama.cpp hard-wires a choice instead of writing a metadata key (Gemma's attention scale
+and sliding-window period, SmolLM3's NoPE period, Gemma 3's local RoPE base), the GGUF
+translation follows llama.cpp's rule, so a file from its converter means what llama.cpp runs.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from server.models.architecture import Architecture
+from server.models.config import ModelConfig, ModelLoadError, RopeSpec
+from server.models.gguf_config import gguf_base, gguf_windows
+from server.models.gguf_file import GGUFFile
+from server.models.hf_config import HFFields, hf_base, windows
+
+
+def _every(n: int) -> list[bool]:
+    return [True] * n
+
+
+def _period(n: int, period: int) -> list[bool]:
+    """Layers i with (i + 1) % period != 0 slide: transformers' sliding_window_pattern rule."""
+    return [(i + 1) % period != 0 for i in range(n)]
+
+
+# -- Llama, Mistral, Qwen2, Qwen3 ------------------------------------------------------------------
+def _llama_hf(raw: dict[str, Any], source: str, name: str) -> ModelConfig:
+    return ModelConfig(**hf_base(raw, source, name))
+
+
+def _mistral_hf(raw: dict[str, Any], source: str, name: str) -> ModelConfig:
+    base = hf_base(raw, source, name)
+    p = HFFields(raw, source)
+    return ModelConfig(**{**base, **windows(p, base["num_layers"], p.window(), _every(base["num_layers"]))})
+
+
+def _qwen_hf(raw: dict[str, Any], source: str, name: str) -> ModelConfig:
+    base = hf_base(raw, source, name)
+    p, n = HFFields(raw, source), base["num_layers"]
+    # Qwen configs carry a sliding_window value even when it is switched off; when on, only
+    # layers from max_window_layers on slide.
+    window = p.window() if raw.get("use_sliding_window", False) else None
+    first = raw.get("max_window_layers", 28)
+    parts = windows(p, n, window, [i >= first for i in range(n)])
+    if name == "Qwen2ForCausalLM":  # always q/k/v bias and never an o_proj bias
+        return ModelConfig(**{**base, **parts, "qkv_bias": True, "o_bias": False})
+    return ModelConfig(**{**base, **parts, "qk_norm": True})
+
+
+def _llama_gguf(f: GGUFFile, arch: str) -> ModelConfig:
+    names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+             "qwen3": "Qwen3ForCausalLM"}
+    base = gguf_base(f, arch, names[arch])
+    if arch in ("qwen2", "qwen3"):
+        # Qwen files carry no per-layer pattern; llama.cpp runs them without a window.
+        return ModelConfig(**{**base, "qkv_bias": base["qkv_bias"] or arch == "qwen2", "qk_norm": arch == "qwen3"})
+    return ModelConfig(**{**base, **gguf_windows(f, arch, base["num_layers"], None)})
+
+
+# -- Gemma 2, Gemma 3 ------------------------------------------------------------------------------
+def _gemma_hf(raw: dict[str, Any], source: str, name: str) -> ModelConfig:
+    base = hf_base(raw, source, name, activations=("gelu_tanh",))
+    p, n = HFFields(raw, source), base["num_layers"]
+    gemma3 = name == "Gemma3ForCausalLM"
+    period = raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", 6)) if gemma3 else 2
+    parts = dict(
+        windows(p, n, p.window(), _period(n, period)),
+        norm_placement="both", norm_weight_offset=1.0,
+        attention_scale=p.number("query_pre_attn_scalar", 256.0) ** -0.5,
+        # transformers' Gemma 3 attention does not apply attn_logit_softcapping; Gemma 2's does.
+        attn_logit_softcap=0.0 if gemma3 else p.number("attn_logit_softcapping", None) or 0.0,
+        final_logit_softcap=p.number("final_logit_softcapping", None) or 0.0,
+        embedding_multiplier=base["hidden_size"] ** 0.5,
+        qk_norm=gemma3,
+    )
+    if gemma3 and not isinstance((raw.get("rope_parameters") or {}).get("full_attention"), dict):
+        # transformers 4 layout: rope_theta/rope_scaling for global layers, rope_local_base_freq local.
+        glob = base["ropes"][0]
+        local = RopeSpec(p.number("rope_local_base_freq", 10000.0), None, glob.rotary_dim)
+        slide = parts["layer_sliding_windows"]
+        parts.update(ropes=(glob, local), layer_ropes=tuple(1 if w else 0 for w in slide))
+    return ModelConfig(**{**base, **parts})
+
+
+def _gemma_gguf(f: GGUFFile, arch: str) -> ModelConfig:
+    gemma3 = arch == "gemma3"
+    base = gguf_base(f, arch, "Gemma3ForCausalLM" if gemma3 else "Gemma2ForCausalLM")
+    n, k = base["num_layers"], arch + "."
+    parts: dict[str, Any] = dict(
+        gguf_windows(f, arch, n, 6 if gemma3 else 2),
+        norm_placement="both", activation="gelu_tanh",  # llama.cpp's converter stored 1 + w already
+        embedding_multiplier=base["hidden_size"] ** 0.5, qk_norm=gemma3,
+        attn_logit_softcap=0.0 if gemma3 else f.get_float(k + "attn_logit_softcapping", 0.0),
+        final_logit_softcap=f.get_float(k + "final_logit_softcapping", 0.0),
+    )
+    if k + "attention.scale" not in f.metadata:
+        # llama.cpp: 1/sqrt(hidden / heads) for the 27B shapes (46 / 62 layers), else 1/sqrt(head size).
+        big = n == (62 if gemma3 else 46)
+        parts["attention_scale"] = (base["hidden_size"] / base["num_heads"] if big else base["head_dim"]) ** -0.5
+    if gemma3:  # local layers: their own base (llama.cpp's default 10000) and no scaling
+        glob = base["ropes"][0]
+        local = RopeSpec(f.get_float(k + "rope.freq_base_swa", 10000.0), None, glob.rotary_dim)
+        parts.update(ropes=(glob, local), layer_ropes=tuple(1 if w else 0 for w in parts["layer_sliding_windows"]))
+    return ModelConfig(**{**base, **parts})
+
+
+# -- Phi-3 / Phi-4 ---------------------------------------------------------------------------------
+def _phi3_hf(raw: dict[str, Any], source: str, name: str) -> ModelConfig:
+    base = hf_base(raw, source, name)
+    p = HFFields(raw, source)
+    parts = windows(p, base["num_layers"], p.window(), _every(base["num_layers"]))
+    return ModelConfig(**{**base, **parts, "fused_checkpoint": True, "qkv_bias": False, "o_bias": False})
+
+
+def _phi3_gguf(f: GGUFFile, arch: str) -> ModelConfig:
+    base = gguf_base(f, arch, "Phi3ForCausalLM")
+    return ModelConfig(**{**base, **gguf_windows(f, arch, base["num_layers"], None), "fused_checkpoint": True})
+
+
+# -- OLMo 2 / OLMo 3 -------------------------------------------------------------------------------
+def _olmo_hf(raw: dict[str, Any], source: str, name: str) -> ModelConfig:
+    base = hf_base(raw, source, name)
+    p, n = HFFields(raw, source), base["num_layers"]
+    window = p.window() if name == "Olmo3ForCausalLM" else None
+    parts = windows(p, n, window, _period(n, 4))
+    return ModelConfig(**{**base, **parts, "norm_placement": "post", "qk_norm": True, "qk_norm_over": "projection"})
+
+
+def _olmo_gguf(f: GGUFFile, arch: str) -> ModelConfig:
+    # llama.cpp files OLMo 3 under "olmo2", with the window (period 4 unless a pattern is written).
+    parts = gguf_windows(f, arch, f.get_int(arch + ".block_count"), 4)
+    name = "Olmo3ForCausalLM" if parts["sliding_window"] is not None else "Olmo2ForCausalLM"
+    base = gguf_base(f, arch, name)
+    return ModelConfig(**{**base, **parts, "norm_placement": "post", "qk_norm": True, "qk_norm_over": "projection"})
+
+
+# -- SmolLM3 ---------------------------------------------------------------------------------------
+def _smollm3_hf(raw: dict[str, Any], source: str, name: str) -> ModelConfig:
+    base = hf_base(raw, source, name)
+    p, n = HFFields(raw, source), base["num_layers"]
+    use = raw.get("no_rope_layers")
+    if use is None:
+        interval = p.positive_int("no_rope_layer_interval", 4)
+        use = [int((i + 1) % interval != 0) for i in range(n)]
+    if not isinstance(use, list) or len(use) != n or not all(u in (0, 1) for u in use):
+        raise _field_error(source, "no_rope_layers", f"must list {n} entries of 0 or 1")
+    window = p.window() if raw.get("use_sliding_window", False) else None
+    parts = windows(p, n, window, _every(n))
+    return ModelConfig(**{**base, **parts, "layer_ropes": tuple(0 if u else None for u in use)})
+
+
+def _smollm3_gguf(f: GGUFFile, arch: str) -> ModelConfig:
+    base = gguf_base(f, arch, "SmolLM3ForCausalLM")
+    n = base["num_layers"]  # llama.cpp hard-wires a NoPE layer every 4th (n_no_rope_layer_step)
+    return ModelConfig(**{**base, "layer_ropes": tuple(None if (i + 1) % 4 == 0 else 0 for i in range(n))})
+
+
+# -- Granite 3 -------------------------------------------------------------------------------------
+def _granite_hf(raw: dict[str, Any], source: str, name: str) -> ModelConfig:
+    base = hf_base(raw, source, name)
+    p = HFFields(raw, source)
+    return ModelConfig(**{**base, "embedding_multiplier": p.number("embedding_multiplier", 1.0),
+                          "attention_scale": p.number("attention_multiplier", base["attention_scale"]),
+                          "residual_multiplier": p.number("residual_multiplier", 1.0),
+                          "logits_divisor": p.number("logits_scaling", 1.0)})
+
+
+def _granite_gguf(f: GGUFFile, arch: str) -> ModelConfig:
+    base = gguf_base(f, arch, "GraniteForCausalLM")  # attention.scale is read by gguf_base
+    k = arch + "."
+    return ModelConfig(**{**base, "embedding_multiplier": f.get_float(k + "embedding_scale", 1.0),
+                          "residual_multiplier": f.get_float(k + "residual_scale", 1.0),
+                          "logits_divisor": f.get_float(k + "logit_scale", 1.0)})
+
+
+def _field_error(source: str, key: str, what: str) -> Exception:
+    return ModelLoadError(f"{source}: field {key!r} {what}")
+
+
+FAMILIES: list[Architecture] = [
+    Architecture("llama", ("LlamaForCausalLM",), ("llama",), _llama_hf, _llama_gguf, gguf_permuted_qk=True),
+    Architecture("mistral", ("MistralForCausalLM",), ("mistral",), _mistral_hf, _llama_gguf, gguf_permuted_qk=True),
+    Architecture("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), _qwen_hf, _llama_gguf),
+    Architecture("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), _qwen_hf, _llama_gguf),
+    Architecture("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), _gemma_hf, _gemma_gguf),
+    Architecture("gemma3", ("Gemma3ForCausalLM",), ("gemma3",), _gemma_hf, _gemma_gguf),
+    Architecture("phi3", ("Phi3ForCausalLM",), ("phi3",), _phi3_hf, _phi3_gguf),
+    Architecture("olmo2", ("Olmo2ForCausalLM", "Olmo3ForCausalLM"), ("olmo2",), _olmo_hf, _olmo_gguf),
+    Architecture("smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), _smollm3_hf, _smollm3_gguf,
+                 gguf_permuted_qk=True),
+    Architecture("granite", ("GraniteForCausalLM",), ("granite",), _granite_hf, _granite_gguf,
+                 gguf_permuted_qk=True),
+]
+
+

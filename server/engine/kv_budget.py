@@ -85,8 +85,17 @@ def kv_layout(config: EngineConfig, *, num_layers: int, num_kv_heads: int, head_
         raise ConfigError("dtype", f"must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
     bpt = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, DTYPE_BYTES[dtype])
     bs = config.block_size
-    tokens = kv_cache_tokens or config.kv_cache_tokens or int(config.kv_cache_memory_gb * 2**30 // bpt)
+    explicit = kv_cache_tokens or config.kv_cache_tokens
+    tokens = explicit or int(config.kv_cache_memory_gb * 2**30 // bpt)
     num_blocks = tokens * bpt // ((bpt + draft_bytes_per_token) * bs)
+    if not explicit:
+        # kv_cache_memory_gb is a budget, not a size: the pool needs no more than max_num_seqs
+        # sequences of max_model_len at once (plus the watermark). A small model would otherwise
+        # commit the whole budget (the demo model: 2 GiB of zeros for a pool of megabytes).
+        # A larger pool, for prefix caching, is asked for with kv_cache_tokens.
+        longest = config.max_model_len or max_position_embeddings
+        need = -(-config.max_num_seqs * longest // bs)
+        num_blocks = min(num_blocks, need + default_watermark(need) + 1)
     if num_blocks < 1:
         raise ConfigError("kv_cache_memory_gb", "leaves room for no KV block at all")
     watermark = default_watermark(num_blocks)

@@ -227,7 +227,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("dtype", str, "auto, float32, bfloat16 or float16", engine=True),
     Option("max_model_len", _opt_int, "longest prompt + output (default: the model's)", engine=True),
     Option("kv_cache_tokens", _opt_int, "KV cache capacity in tokens", engine=True),
-    Option("kv_cache_memory_gb", float, "KV cache budget when --kv-cache-tokens is not given", engine=True),
+    Option("kv_cache_memory_gb", float, "KV cache budget when --kv-cache-tokens is not given: the pool is what "
+           "--max-num-seqs sequences of --max-model-len need, at most this", engine=True),
     Option("block_size", int, "tokens per KV block", engine=True),
     Option("max_num_seqs", int, "most sequences per engine step", engine=True),
     Option("max_num_batched_tokens", int, "token budget per engine step", engine=True),

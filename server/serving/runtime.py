@@ -63,6 +63,11 @@ class Runtime:
         self._closed = False
 
     @property
+    def closed(self) -> bool:
+        """close() has run: every part is stopped and the ledger is closed."""
+        return self._closed
+
+    @property
     def stopping(self) -> bool:
         return self.service is not None and self.service.draining
 

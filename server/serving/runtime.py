@@ -108,7 +108,8 @@ class Runtime:
         self.metrics = Metrics(self.bridge.stats, lambda: self.admission.queued if self.admission else 0)
         self.service = RequestService(
             self.bridge, self.ledger, self.admission, StreamRegistry(s.stream_retention, s.stream_retention_bytes),
-            PromptPreparer(self.tokenizer, s.offload_chars, self.sampling_defaults), self.metrics,
+            PromptPreparer(self.tokenizer, s.offload_chars, self.sampling_defaults,
+                           grammar_timeout_s=s.grammar_compile_timeout), self.metrics,
             s.request_timeout if s.request_timeout > 0 else None,
             OutputBudget(s.max_output_bytes, s.max_client_output_bytes),
             quotas=self.quotas, ledger_text=s.ledger_text,

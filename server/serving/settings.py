@@ -113,6 +113,7 @@ class ServeSettings:
     send_timeout: float = 30.0
     ws_ping_interval: float = 20.0
     offload_chars: int = 2048
+    grammar_compile_timeout: float = 10.0
     allowed_origins: str = "loopback"
     tool_call_parser: str = "auto"
     # the gateway (server.gateway): keys, auth, what the ledger keeps of request text
@@ -208,6 +209,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("ws_ping_interval", float, "seconds between the server's WebSocket pings (each must be answered "
            "within --send-timeout; 0: no pings)"),
     Option("offload_chars", int, "prompts longer than this are tokenised off the event loop"),
+    Option("grammar_compile_timeout", float, "seconds a structured-output constraint may take to compile "
+           "(on a low-priority thread, one at a time) before the request gets a 400"),
     Option("allowed_origins", origin_list,
            "comma-separated browser Origins allowed to call the server: exact origins "
            "(https://app.example:8443), 'loopback' (pages on localhost/127.0.0.1/[::1]), '*' (any), "

@@ -39,7 +39,8 @@ def main() -> int:
         run_rounds(sweep, a.rounds, folder, until=until, progress=True)
     done = sum(s.usage is not None for s in sweep.acked.values())
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC crash sweep, mode {a.mode}, seed {a.seed}")
-    print(f"rounds {sweep.rounds_done} of {a.rounds} asked, {time.monotonic() - t0:.0f}s; acknowledged requests {len(sweep.acked)} "
+    print(f"rounds {sweep.rounds_done} of {a.rounds} asked, {time.monotonic() - t0:.0f}s; "
+          f"acknowledged requests {len(sweep.acked)} "
           f"({done} with a done received), idempotent retries {len(sweep.retries)}, batches {len(sweep.batches)}; "
           f"violations {len(sweep.violations)}")
     if sweep.exit_s:

@@ -99,8 +99,9 @@ class Liveness:
         self._ping: Optional[Callable[[], Awaitable[Awaitable[float]]]] = (
             ping if callable(ping) and ping_interval > 0 and send_timeout > 0 else None)
         self.ping_interval = ping_interval
-        if proto is not None and send_timeout > 0 and isinstance(getattr(proto, "close_timeout", None), (int, float)):
-            proto.close_timeout = max(float(proto.close_timeout), send_timeout)
+        close_timeout = getattr(proto, "close_timeout", None)
+        if proto is not None and send_timeout > 0 and isinstance(close_timeout, (int, float)):
+            setattr(proto, "close_timeout", max(float(close_timeout), send_timeout))  # noqa: B010
         self._loop = asyncio.get_running_loop()
         self._next_ping = self._loop.time() + ping_interval
         self._pong: Optional[asyncio.Future[Any]] = None

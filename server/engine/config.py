@@ -36,7 +36,8 @@ class EngineConfig:
     dtype: "auto" (the checkpoint's torch_dtype), "float32", "bfloat16" or "float16".
     max_model_len: longest prompt + output in tokens; default: the model's max_position_embeddings.
     kv_cache_tokens: KV capacity in tokens; default derived from kv_cache_memory_gb.
-    kv_cache_memory_gb: KV budget used when kv_cache_tokens is not given.
+    kv_cache_memory_gb: KV budget used when kv_cache_tokens is not given: the pool is what
+        max_num_seqs sequences of max_model_len need, capped by this (engine/kv_budget.py).
     block_size: tokens per KV block.
     max_num_seqs: most sequences in one step.
     max_num_batched_tokens: token budget per step (prefill chunks + decodes). On a CPU a step's

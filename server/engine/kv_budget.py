@@ -132,9 +132,18 @@ def kv_layout(config: EngineConfig, *, num_layers: int, num_kv_heads: int, head_
     bpt = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, e)
     bs = config.block_size
     block_bytes = kv_bytes_per_token(groups.group_size, num_kv_heads, head_dim, e) * bs
-    tokens = kv_cache_tokens or config.kv_cache_tokens or int(config.kv_cache_memory_gb * 2**30 // bpt)
+    explicit = kv_cache_tokens or config.kv_cache_tokens
+    tokens = explicit or int(config.kv_cache_memory_gb * 2**30 // bpt)
     budget = tokens * bpt
     num_blocks = budget // (block_bytes + draft_bytes_per_token * bs)
+    if not explicit:
+        # kv_cache_memory_gb is a budget, not a size: the pool needs no more than max_num_seqs
+        # sequences of max_model_len at once, over every KV group (plus the watermark). A small
+        # model would otherwise commit the whole budget (the demo model: 2 GiB of zeros for a
+        # pool of megabytes). A larger pool, for prefix caching, is asked for with kv_cache_tokens.
+        longest = config.max_model_len or max_position_embeddings
+        need = config.max_num_seqs * groups.blocks_for(longest, bs, config.max_num_batched_tokens)
+        num_blocks = min(num_blocks, need + default_watermark(need) + 1)
     if num_blocks < 1:
         raise ConfigError("kv_cache_memory_gb", "leaves room for no KV block at all")
     watermark = default_watermark(num_blocks)

@@ -32,6 +32,7 @@ from server.engine.errors import RequestTooLongError, check_context
 from server.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from server.serving import heap
 from server.serving.errors import InvalidRequest, Overloaded
+from server.serving.grammar_worker import GrammarWorker
 from server.serving.jobs import GenerationSpec
 from server.serving.tool_render import fit_to_template
 from server.text.tokenizer import ChatTemplateError, Tokenizer
@@ -130,7 +131,7 @@ class PromptPreparer:
 
     def __init__(
         self, tokenizer: Tokenizer, offload_chars: int = 2048, sampling_defaults: Optional[dict[str, Any]] = None,
-        budget: Optional[TokenizeBudget] = None,
+        budget: Optional[TokenizeBudget] = None, grammar_timeout_s: float = 10.0,
     ) -> None:
         """sampling_defaults: the model's suggested SamplingParams values (generation_config.json or
         GGUF metadata), used for every field a request leaves unset, as vLLM does. budget: the
@@ -145,6 +146,8 @@ class PromptPreparer:
         self.default_max_tokens: Optional[int] = defaults.pop("max_tokens", None)
         self.sampling_defaults = defaults
         self._grammar_compiler: Any = None  # server.engine.grammar.GrammarCompiler, on first use
+        self._grammar_worker = GrammarWorker()
+        self.grammar_timeout_s = grammar_timeout_s
 
     def tokenizer_has_special(self, *token_ids: int) -> bool:
         """Whether any of these ids is a special token (which decoding would drop)."""
@@ -173,8 +176,8 @@ class PromptPreparer:
         """Compile the request's grammar (structured outputs) now, at admission, so that a
         schema llguidance cannot compile is a 400 naming the field, and the engine thread only
         ever copies compiled grammars. A cache hit stays on the loop; a compile (and the first
-        use's tokenizer conversion) runs on the default thread pool, since it can take from a
-        millisecond to a second of CPU (llguidance drops the GIL meanwhile)."""
+        use's tokenizer conversion) runs on the grammar worker's low-priority thread, within
+        `grammar_timeout_s` (server.serving.grammar_worker)."""
         so = params.structured_outputs
         if so is None or isinstance(so, dict):
             return
@@ -183,10 +186,17 @@ class PromptPreparer:
             if hit is not None:
                 so.compiled = hit
                 return
+        fut = self._grammar_worker.submit(lambda: self._compile(so))
         try:
-            await asyncio.get_running_loop().run_in_executor(None, self._compile, so)
+            await asyncio.wait_for(asyncio.wrap_future(fut), self.grammar_timeout_s)
         except SamplingParamsError as e:  # GrammarError: the field and llguidance's reason
             raise _with_field(e, spec) from None
+        except asyncio.TimeoutError:
+            fut.cancel()  # dropped if it had not started; else it finishes and is cached
+            raise _with_field(SamplingParamsError(
+                f"structured_outputs.{so.kind}",
+                f"the constraint did not compile within {self.grammar_timeout_s:g}s (it is too large, or the "
+                "grammar compiler is busy with others); simplify it or retry later"), spec) from None
 
     def _compile(self, so: StructuredOutputsParams) -> None:
         from server.engine.grammar import compile_params, compiler_for

@@ -100,6 +100,11 @@ class Runtime:
         self._closed = False
 
     @property
+    def closed(self) -> bool:
+        """close() has run: every part is stopped and the ledger is closed."""
+        return self._closed
+
+    @property
     def stopping(self) -> bool:
         return self.service is not None and self.service.draining
 
@@ -144,7 +149,8 @@ class Runtime:
         self.metrics = Metrics(self.bridge.stats, lambda: self.admission.queued if self.admission else 0)
         self.service = RequestService(
             self.bridge, self.ledger, self.admission, StreamRegistry(s.stream_retention, s.stream_retention_bytes),
-            PromptPreparer(self.tokenizer, s.offload_chars, self.sampling_defaults), self.metrics,
+            PromptPreparer(self.tokenizer, s.offload_chars, self.sampling_defaults,
+                           grammar_timeout_s=s.grammar_compile_timeout), self.metrics,
             s.request_timeout if s.request_timeout > 0 else None,
             OutputBudget(s.max_output_bytes, s.max_client_output_bytes),
             quotas=self.policy.quotas if self.policy is not None else None, ledger_text=s.ledger_text,

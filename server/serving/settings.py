@@ -119,6 +119,7 @@ class ServeSettings:
     send_timeout: float = 30.0
     ws_ping_interval: float = 20.0
     offload_chars: int = 2048
+    grammar_compile_timeout: float = 10.0
     allowed_origins: str = "loopback"
     tool_call_parser: str = "auto"
     reasoning_parser: str = "auto"
@@ -230,6 +231,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("ws_ping_interval", float, "seconds between the server's WebSocket pings (each must be answered "
            "within --send-timeout; 0: no pings)"),
     Option("offload_chars", int, "prompts longer than this are tokenised off the event loop"),
+    Option("grammar_compile_timeout", float, "seconds a structured-output constraint may take to compile "
+           "(on a low-priority thread, one at a time) before the request gets a 400"),
     Option("allowed_origins", origin_list,
            "comma-separated browser Origins allowed to call the server: exact origins "
            "(https://app.example:8443), 'loopback' (pages on localhost/127.0.0.1/[::1]), '*' (any), "
@@ -259,7 +262,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("dtype", str, "auto, float32, bfloat16 or float16", engine=True),
     Option("max_model_len", _opt_int, "longest prompt + output (default: the model's)", engine=True),
     Option("kv_cache_tokens", _opt_int, "KV cache capacity in tokens", engine=True),
-    Option("kv_cache_memory_gb", float, "KV cache budget when --kv-cache-tokens is not given", engine=True),
+    Option("kv_cache_memory_gb", float, "KV cache budget when --kv-cache-tokens is not given: the pool is what "
+           "--max-num-seqs sequences of --max-model-len need, at most this", engine=True),
     Option("block_size", int, "tokens per KV block", engine=True),
     Option("max_num_seqs", int, "most sequences per engine step", engine=True),
     Option("max_num_batched_tokens", int, "token budget per engine step", engine=True),

@@ -77,3 +77,27 @@ def test_without_prefix_caching_nothing_is_registered() -> None:
     _step(kv, seq, 25)
     assert spy.calls == [] and kv.registered_tokens(seq) == 0
     assert kv.blocks_for_tokens(25) == 7 and len(kv.block_table(seq)) == 7
+
+
+def test_default_pool_is_sized_from_max_num_seqs_and_max_model_len_capped_by_the_budget() -> None:
+    """Issue 29: the demo model's server committed a 2 GiB pool for a model that needs megabytes.
+    The default pool is max_num_seqs x max_model_len (plus the watermark), capped by the budget."""
+    from server.engine.config import EngineConfig
+    from server.engine.kv_budget import kv_bytes_per_token, kv_layout
+
+    demo = dict(num_layers=4, num_kv_heads=4, head_dim=32, dtype="float32", max_position_embeddings=2048)
+    bpt = kv_bytes_per_token(4, 4, 32, 4)
+    lay = kv_layout(EngineConfig(model="m"), **demo)  # type: ignore[arg-type]
+    need = 64 * 2048  # max_num_seqs x max_model_len, the defaults
+    assert need <= lay.total_tokens <= need * 1.02 + 32
+    assert lay.max_model_len == 2048 and lay.sequences_fitting(2048) >= 64
+    assert lay.total_bytes < 2**30  # 0.5 GiB (float32, 64 x 2048 tokens), not the 2 GiB budget
+    small = kv_layout(EngineConfig(model="m", max_num_seqs=4, max_model_len=512), **demo)  # type: ignore[arg-type]
+    assert 4 * 512 <= small.total_tokens <= 4 * 512 + 64 and small.sequences_fitting(512) >= 4
+    # A model whose sequences need more than the budget: the budget caps it, as before.
+    big = dict(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32", max_position_embeddings=8192)
+    capped = kv_layout(EngineConfig(model="m"), **big)  # type: ignore[arg-type]
+    assert capped.total_bytes <= 2 * 2**30 and capped.total_bytes > 1.9 * 2**30
+    # An explicit size is honoured whatever max_num_seqs needs.
+    exact = kv_layout(EngineConfig(model="m", kv_cache_tokens=1 << 20), **demo)  # type: ignore[arg-type]
+    assert exact.total_tokens == 1 << 20 and exact.total_bytes == (1 << 20) * bpt

@@ -9,7 +9,7 @@ MAX_JOBS ?= 2
 export MAX_JOBS
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv browser sysdeps build serve test test-fast lint bench clean
+.PHONY: venv browser sysdeps build serve test test-fast lint bench clean cluster cluster-stop
 
 $(VENV)/.deps-stamp: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,9 +32,12 @@ browser:
 # Debian's SIMDe headers: the kernel tests build AVX-512 and AMX kernels against them to check
 # kernels for instruction sets this CPU lacks (tests/kernels/emu_build.py). Without apt-get (not
 # Debian) those tests skip and say why.
+# Debian's PostgreSQL and HAProxy: the scale-out tests (tests/scaleout/) start a real server of each.
 sysdeps:
-	test -f /usr/include/simde/x86/avx512.h || ! command -v apt-get >/dev/null || \
-	  { $(SUDO) apt-get update && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y libsimde-dev; }
+	test -f /usr/include/simde/x86/avx512.h -a -n "$$(ls /usr/lib/postgresql/*/bin/initdb 2>/dev/null)" \
+	  -a -x /usr/sbin/haproxy || ! command -v apt-get >/dev/null || \
+	  { $(SUDO) apt-get update && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y libsimde-dev \
+	    postgresql haproxy; }
 
 # In-place build keeps ninja's object files in build/, so a rebuild only compiles what changed.
 # flock serialises concurrent builds of the same tree.
@@ -63,6 +66,13 @@ FAST_TESTS := tests/test_layers.py tests/test_pairwise.py tests/test_detokenizer
 
 test-fast: build
 	$(PYTEST) -x $(FAST_TESTS)
+
+# PostgreSQL, two replicas and HAProxy on this machine, loopback only (docs/scale-out.md).
+cluster: build sysdeps
+	PY=$(abspath $(PY)) examples/scale-out/cluster.sh start
+
+cluster-stop:
+	PY=$(abspath $(PY)) examples/scale-out/cluster.sh stop
 
 # ruff (style, bugs, import order) over everything, mypy over the package (config in pyproject.toml).
 lint: venv

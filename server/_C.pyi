@@ -10,7 +10,7 @@ Python-visible class is the KV block allocator, which the engine reaches solely 
 
 Errors: C++ std::invalid_argument surfaces as ValueError, std::runtime_error as RuntimeError.
 """
-from typing import Sequence, TypedDict
+from typing import Any, Sequence, TypedDict
 
 class AllocatorStats(TypedDict):
     num_blocks: int
@@ -25,12 +25,19 @@ class BlockAllocator:
     """Paged KV block allocator with refcounted sharing, copy-on-write and prefix caching."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, hash_bits: int = 64
-    ) -> None: ...
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, hash_bits: int = 64,
+        group_windows: Sequence[int] = (0,),
+    ) -> None:
+        """group_windows: one entry per KV group, 0 = full attention, W > 0 = a sliding window of W
+        tokens whose blocks go back to the pool once they leave it."""
     @property
     def num_blocks(self) -> int: ...
     @property
     def block_size(self) -> int: ...
+    @property
+    def num_groups(self) -> int: ...
+    @property
+    def group_windows(self) -> list[int]: ...
     @property
     def num_free_blocks(self) -> int:
         """Blocks allocatable now: truly free + evictable cached."""
@@ -41,14 +48,19 @@ class BlockAllocator:
         self, seq_id: int, num_computed_tokens: int, num_new_tokens: int
     ) -> list[tuple[int, int]] | None:
         """Grow the block table; returns copy-on-write (src, dst) copies, or None if out of blocks."""
-    def blocks_needed(self, seq_id: int, num_computed_tokens: int, num_new_tokens: int) -> int: ...
+    def blocks_needed(self, seq_id: int, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """Net blocks allocate_slots would take now (new + copy-on-write, less what windows give back; may be < 0)."""
     def cache_full_blocks(self, seq_id: int, token_ids: Sequence[int], start: int = 0) -> None:
         """Register newly full blocks; token_ids are the sequence's tokens at [start, start + len)."""
     def registered_tokens(self, seq_id: int) -> int: ...
     def fork(self, parent_id: int, child_id: int) -> None: ...
-    def truncate(self, seq_id: int, num_tokens: int) -> None: ...
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Keep ceil(num_tokens / block_size) blocks per group; ValueError below a released window."""
     def free(self, seq_id: int) -> None: ...
-    def block_table(self, seq_id: int) -> list[int]: ...
+    def block_table(self, seq_id: int, group: int = 0) -> list[int]:
+        """Group `group`'s table; -1 where a sliding window released the block."""
+    def fill_block_tables(self, seq_ids: Sequence[int], out: Any) -> int:
+        """Every group's tables into a writable int32 buffer out[g, row, :]; returns the longest table."""
     def refcount(self, block_id: int) -> int: ...
     def stats(self) -> AllocatorStats: ...
     def reset_prefix_cache(self) -> None: ...

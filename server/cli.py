@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from server.serving.db_url import DbSpecError, DbTarget
 from server.serving.settings import ServeSettings, add_serve_arguments, default_db_path, settings_from_args
 
 DEMO_BANNER = """\
@@ -113,19 +114,19 @@ def _plan(ns: argparse.Namespace) -> int:
 def _resolve_model(settings: ServeSettings) -> tuple[Path, str, Optional[str]]:
     """(model path, served name, banner to print or None)."""
     if settings.model_dir:
-        from server.models.gguf_file import is_gguf_path
+        from server.serving.model_path import ModelPathError, resolve_model_path
 
-        d = Path(settings.model_dir).expanduser()
-        if is_gguf_path(d):
-            if not d.is_file():
-                raise SystemExit(f"pagewire: MODEL_DIR {d}: no such GGUF file")
-            return d, settings.served_model_name or d.stem, None
-        if not (d / "config.json").is_file():
-            raise SystemExit(
-                f"pagewire: MODEL_DIR {d}: no config.json there "
-                "(expected a Hugging Face model folder or a .gguf file)"
-            )
-        return d, settings.served_model_name or d.name, None
+        try:
+            d = resolve_model_path(settings.model_dir)
+        except ModelPathError as e:
+            raise SystemExit(f"pagewire: {e}") from None
+        if d.is_file():
+            default_name = d.stem
+        elif d != Path(settings.model_dir).expanduser():  # a Hub id found in the local cache: named by its id
+            default_name = settings.model_dir
+        else:
+            default_name = d.name
+        return d, settings.served_model_name or default_name, None
     if settings.demo_model:
         from server.models.demo_model import ensure_demo_model  # lazy: builds with torch on first run
 
@@ -142,14 +143,24 @@ def _resolve_model(settings: ServeSettings) -> tuple[Path, str, Optional[str]]:
 
 
 def _serve(ns: argparse.Namespace) -> int:
+    from server.serving.model_path import check_model
+
     try:
         settings = settings_from_args(ns)
-        settings.engine_config("-")  # validate the engine knobs before anything starts
     except ValueError as e:
         print(f"pagewire: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_dir, name, banner = _resolve_model(settings)
+    try:
+        # The engine knobs are checked against the real model path (`--quantization gguf` needs
+        # to see that it is a .gguf file), and the model's config is read (no weights) so an
+        # unsupported one is refused here, before the port is bound or the engine starts.
+        settings.engine_config(str(model_dir))
+        check_model(model_dir)
+    except ValueError as e:  # ModelPathError, ConfigError
+        print(f"pagewire: {e}", file=sys.stderr)
+        return 2
     if settings.speculative_config is not None:  # a draft model must share the model's vocabulary
         from server.engine.draft_proposer import check_draft_model
 
@@ -163,10 +174,11 @@ def _serve(ns: argparse.Namespace) -> int:
     from server.gateway.auth import AuthConfigError
     from server.serve import run
     from server.serving.ledger import LedgerError
+    from server.serving.listen import StartupError
 
     try:
         run(settings, model_dir, name)
-    except LedgerError as e:  # e.g. another server holds this ledger
+    except (LedgerError, StartupError) as e:  # another server holds this ledger; port in use; model failed
         print(f"pagewire: {e}", file=sys.stderr)
         return 1
     except AuthConfigError as e:  # e.g. a public bind with no keys
@@ -179,11 +191,20 @@ def _fmt_time(t: Optional[float]) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
 
 
-def _db(ns: argparse.Namespace) -> Path:
+def _db_target(ns: argparse.Namespace) -> "DbTarget":
+    """What --db (else PAGEWIRE_DB, else the default file) names; DbSpecError for a bad value."""
     import os
 
-    raw = ns.db or os.environ.get("PAGEWIRE_DB")
-    return Path(raw).expanduser() if raw else default_db_path()
+    from server.serving.db_url import parse_db
+
+    return parse_db(ns.db or os.environ.get("PAGEWIRE_DB"), default_db_path())
+
+
+def _db(ns: argparse.Namespace) -> Path:
+    t = _db_target(ns)
+    if t.path is None:
+        raise DbSpecError(f"--db {t.display()}: this command needs a SQLite ledger file")
+    return t.path
 
 
 def _requests(ns: argparse.Namespace) -> int:
@@ -191,7 +212,13 @@ def _requests(ns: argparse.Namespace) -> int:
     from server.serving.ledger_sync import open_readonly
 
     try:
-        conn = open_readonly(_db(ns))
+        t = _db_target(ns)
+        if t.url is not None:
+            from server.serving.ledger_pg_sync import connect_sync
+
+            conn: Any = connect_sync(t.url)
+        else:
+            conn = open_readonly(_db(ns))
     except LedgerError as e:
         print(f"pagewire: {e}", file=sys.stderr)
         return 1
@@ -220,7 +247,7 @@ def _print_requests(ns: argparse.Namespace, conn: Any) -> int:
         return 0
     rec = get_record(conn, ns.request_id)
     if rec is None:
-        print(f"pagewire: request_id: no request {ns.request_id!r} in {_db(ns)}", file=sys.stderr)
+        print(f"pagewire: request_id: no request {ns.request_id!r} in {_db_target(ns)}", file=sys.stderr)
         return 1
     print(json.dumps(record_json(rec), indent=2, ensure_ascii=False))
     return 0
@@ -228,12 +255,18 @@ def _print_requests(ns: argparse.Namespace, conn: Any) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ns = _parser().parse_args(argv)
+    if ns.command in ("requests", "keys", "usage"):
+        try:
+            _db_target(ns)
+        except DbSpecError as e:  # before anything is opened or created
+            print(f"pagewire: {e}", file=sys.stderr)
+            return 2
     if ns.command == "serve":
         return _serve(ns)
     if ns.command in ("keys", "usage"):
         from server.gateway.cli import run_keys, run_usage
 
-        return (run_keys if ns.command == "keys" else run_usage)(ns, _db(ns))
+        return (run_keys if ns.command == "keys" else run_usage)(ns, _db_target(ns))
     if ns.command == "plan":
         return _plan(ns)
     if ns.command == "batch":

@@ -48,6 +48,7 @@ class PagewireServer(uvicorn.Server):
         self.runtime = runtime
         self._signals = 0
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self.failure: Optional[str] = None  # why start-up failed after the socket was up (see fail)
 
     async def serve(self, sockets: Optional[list] = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -78,6 +79,13 @@ class PagewireServer(uvicorn.Server):
         else:
             self._force_exit()
 
+    def fail(self, message: str) -> None:
+        """Start-up failed after serving began (the model did not load): exit, and `run` raises
+        StartupError(message), so a supervisor sees a non-zero exit instead of a server that
+        answers 503 forever. Called on the loop."""
+        self.failure = message
+        self.should_exit = True
+
     def _start_drain(self) -> None:
         task = asyncio.get_running_loop().create_task(self._drain_then_exit())
         task.add_done_callback(lambda _: None)
@@ -95,7 +103,14 @@ class PagewireServer(uvicorn.Server):
         try:
             from server.serving.ledger_sync import interrupt_open_sync
 
-            interrupt_open_sync(self.runtime.settings.db_path, "server was forced to stop")
+            target, ledger = self.runtime.settings.db_target, self.runtime.ledger
+            if target.is_postgres:  # only this replica's rows
+                from server.serving.ledger_pg_sync import interrupt_own_sync
+
+                assert target.url is not None and ledger is not None
+                interrupt_own_sync(target.url, ledger.instance_id, "server was forced to stop")
+            else:
+                interrupt_open_sync(self.runtime.settings.db_path, "server was forced to stop")
         except Exception as e:  # best effort: the next start interrupts whatever is left
             log.error("could not mark open requests interrupted: %s", e)
         os._exit(130)
@@ -103,12 +118,20 @@ class PagewireServer(uvicorn.Server):
 
 def _check_auth(settings: ServeSettings) -> None:
     """Refuse (AuthConfigError) to serve a non-loopback address without authentication."""
-    from server.gateway.auth import check_policy, read_admin_key
+    from server.gateway.auth import check_policy, read_admin_key, read_metrics_key
     from server.gateway.keys import count_keys
 
     has_admin = bool(settings.admin_key_file) and bool(read_admin_key(settings.admin_key_file or ""))
-    check_policy(settings.auth, settings.host, count_keys(settings.db_path) > 0, has_admin,
-                 settings.insecure_no_auth)
+    if settings.metrics_key_file:
+        read_metrics_key(settings.metrics_key_file)  # a missing or short file: refused before anything starts
+    if settings.db_target.is_postgres:
+        from server.serving.ledger_pg_sync import count_keys_pg
+
+        assert settings.db_target.url is not None
+        n = count_keys_pg(settings.db_target.url)
+    else:
+        n = count_keys(settings.db_path)
+    check_policy(settings.auth, settings.host, n > 0, has_admin, settings.insecure_no_auth)
 
 
 class Composed(NamedTuple):
@@ -118,28 +141,36 @@ class Composed(NamedTuple):
 
 
 def compose(settings: ServeSettings, model_dir: Path, model_name: str,
-            lock: Optional[LedgerLock] = None) -> Composed:
+            lock: Optional[LedgerLock] = None, metrics_port: Optional[int] = None) -> Composed:
     """One serving process's parts, wired: the gateway is the Runtime's access policy (started
-    by it once the ledger is open) and the app's (the AuthGuard asks it who a caller is)."""
+    by it once the ledger is open) and the app's (the AuthGuard asks it who a caller is).
+    `metrics_port`: the port of the --metrics-port listener, which serves /metrics alone."""
     gateway = Gateway(settings)
     runtime = Runtime(settings, model_dir, model_name, lock=lock, policy=gateway)
-    return Composed(runtime, gateway, build_app(runtime, gateway))
+    return Composed(runtime, gateway, build_app(runtime, gateway, metrics_port=metrics_port))
 
 
 def run(settings: ServeSettings, model_dir: Path, model_name: str) -> None:
     """Serve until a signal stops us. Blocks. Raises LedgerLocked (naming the holder's PID) at
-    once, before anything is loaded or bound, when another server owns the same ledger."""
+    once, before anything is loaded or bound, when another server owns the same ledger, and
+    StartupError when a port cannot be bound (before anything loads) or the model fails to load."""
     from server.gateway import redact
+    from server.serving.listen import StartupError, bind_listeners, log_listening
 
     redact.install()  # before uvicorn logs anything (it logs request headers at debug level)
     # Held until the process exits (or the ledger closes); a crash releases it with the fd.
-    lock = LedgerLock.acquire(settings.db_path)
+    # A PostgreSQL ledger has no lock: replicas share it by design (instance leases instead).
+    lock = None if settings.db_target.is_postgres else LedgerLock.acquire(settings.db_path)
     try:
         _check_auth(settings)
+        # Bound before the Runtime starts anything (see server.serving.listen).
+        listeners = bind_listeners(settings.host, settings.port, settings.metrics_host or settings.host,
+                                   settings.metrics_port)
     except BaseException:
-        lock.release()
+        if lock is not None:
+            lock.release()
         raise
-    runtime, _, app = compose(settings, model_dir, model_name, lock=lock)
+    runtime, _, app = compose(settings, model_dir, model_name, lock=lock, metrics_port=listeners.metrics_port)
     with warnings.catch_warnings():
         # uvicorn marks its `websockets` implementation deprecated in favour of `websockets-sansio`;
         # the issue asks for this one, and it is fully functional.
@@ -162,4 +193,9 @@ def run(settings: ServeSettings, model_dir: Path, model_name: str) -> None:
             access_log=False,
         )
         config.load()
-    PagewireServer(config, runtime).run()
+    server = PagewireServer(config, runtime)
+    runtime.on_fatal(server.fail)
+    log_listening(listeners)
+    server.run(sockets=listeners.all)
+    if server.failure is not None:
+        raise StartupError(server.failure)

@@ -70,9 +70,14 @@ Args:
     block_size: tokens per block (>= 1).
     enable_prefix_caching: register full blocks and reuse them across sequences.
     hash_bits: bits of the 64-bit hash kept (1..64); fewer bits force collisions in tests.
+    group_windows: one entry per KV group: 0 for full attention, W > 0 for a sliding window of W
+        tokens, whose blocks return to the pool once they leave it (block_allocator.h).
 )doc")
-      .def(py::init<int64_t, int64_t, bool, int>(), py::arg("num_blocks"), py::arg("block_size"),
-           py::arg("enable_prefix_caching") = true, py::arg("hash_bits") = 64)
+      .def(py::init<int64_t, int64_t, bool, int, std::vector<int64_t>>(), py::arg("num_blocks"),
+           py::arg("block_size"), py::arg("enable_prefix_caching") = true, py::arg("hash_bits") = 64,
+           py::arg("group_windows") = std::vector<int64_t>{0})
+      .def_property_readonly("num_groups", &BlockAllocator::num_groups)
+      .def_property_readonly("group_windows", &BlockAllocator::group_windows)
       .def_property_readonly("num_blocks", &BlockAllocator::num_blocks)
       .def_property_readonly("block_size", &BlockAllocator::block_size)
       .def_property_readonly("num_free_blocks", &BlockAllocator::num_free_blocks,
@@ -153,7 +158,31 @@ kept and not duplicated. No-op with caching disabled.
            "Keep ceil(num_tokens / block_size) blocks; an unshared partial tail loses its hash.")
       .def("free", &BlockAllocator::free, py::arg("seq_id"),
            "Release the sequence's blocks tail first and forget it; unknown ids are a no-op.")
-      .def("block_table", &BlockAllocator::block_table, py::arg("seq_id"))
+      .def("block_table", &BlockAllocator::block_table, py::arg("seq_id"), py::arg("group") = 0,
+           "Group `group`'s block table; -1 where a sliding window released the block.")
+      .def(
+          "fill_block_tables",
+          [](const PyBlockAllocator& self, const std::vector<int64_t>& seq_ids, const py::buffer& out) {
+            py::buffer_info info = out.request(true);
+            if (info.format != py::format_descriptor<int32_t>::format() || info.ndim != 3)
+              throw std::invalid_argument("fill_block_tables: out must be a writable int32 array [groups, rows, "
+                                          "width], got format '" + info.format + "' with " +
+                                          std::to_string(info.ndim) + " dims");
+            if (info.shape[0] < self.num_groups() || info.shape[1] < static_cast<py::ssize_t>(seq_ids.size()))
+              throw std::invalid_argument("fill_block_tables: out has room for " + std::to_string(info.shape[0]) +
+                                          " groups x " + std::to_string(info.shape[1]) + " rows, needs " +
+                                          std::to_string(self.num_groups()) + " x " + std::to_string(seq_ids.size()));
+            if (info.strides[2] != 4 || info.strides[0] % 4 != 0 || info.strides[1] % 4 != 0)
+              throw std::invalid_argument("fill_block_tables: out must be contiguous in its last dim");
+            return self.fill_block_tables(seq_ids, static_cast<int32_t*>(info.ptr), info.strides[0] / 4,
+                                          info.strides[1] / 4, info.shape[2]);
+          },
+          py::arg("seq_ids"), py::arg("out"), R"doc(
+Write every group's block tables of seq_ids into out[g, r, :] (row r = seq_ids[r]) in one call; columns
+past a table's end (up to the longest) are 0, released entries -1. out: a writable int32 buffer
+[>= num_groups, >= len(seq_ids), width], contiguous in its last dim (a numpy view of a persistent
+torch tensor). Returns the longest table (ValueError if wider than out, before writing).
+)doc")
       .def("refcount", &BlockAllocator::refcount, py::arg("block_id"))
       .def("stats",
            [](const PyBlockAllocator& self) {

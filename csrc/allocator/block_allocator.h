@@ -11,6 +11,17 @@
 // generation changes whenever its hash is dropped or it is handed out fresh, so a child that
 // points at a recycled or rewritten parent can never match again.
 //
+// KV groups (vLLM v1's hybrid KV cache manager): a sequence holds one block table per group. A
+// group is a set of layers sharing a window (0: full attention, server/engine/kv_groups.py); a
+// block of the pool holds bs tokens of K/V for every layer of ONE group, so all groups draw from
+// the same pool and the refcount / copy-on-write / LRU rules are the same for every block. A
+// full-attention group keeps every block; a sliding-window group of window W gives back the blocks
+// no future token can see (every position < num_computed - W + 1) when allocate_slots grows the
+// sequence: their entries become kNullBlock (-1). Nulls are always a prefix of a group's table.
+// Prefix hashes are chained per group (seeded by the group, so identical tokens in two groups
+// never match each other); a prefix hit is the longest prefix EVERY group matches, and attaches
+// only the blocks each group still needs for the next token.
+//
 // Not thread-safe. The Python bindings hold the GIL for every call (calls are short), which
 // serialises all access from the engine.
 #pragma once
@@ -34,14 +45,21 @@ struct TokenView {
   int64_t total_len = 0;
 };
 
+// A group's table entry for a block released from its sliding window.
+constexpr int32_t kNullBlock = -1;
+
 class BlockAllocator {
  public:
-  // Throws std::invalid_argument for num_blocks <= 0, block_size <= 0, hash_bits outside [1, 64].
+  // group_windows: one entry per KV group, 0 for full attention, W > 0 for a sliding window of W
+  // tokens. Throws std::invalid_argument for num_blocks <= 0, block_size <= 0, hash_bits outside
+  // [1, 64], no group or a negative window.
   BlockAllocator(int64_t num_blocks, int64_t block_size, bool enable_prefix_caching = true,
-                 int hash_bits = 64);
+                 int hash_bits = 64, std::vector<int64_t> group_windows = {0});
 
   int64_t num_blocks() const { return num_blocks_; }
   int64_t block_size() const { return block_size_; }
+  int num_groups() const { return static_cast<int>(windows_.size()); }
+  const std::vector<int64_t>& group_windows() const { return windows_; }
   bool prefix_caching_enabled() const { return enable_prefix_caching_; }
   // Blocks allocatable now: free + evictable cached.
   int64_t num_free_blocks() const { return static_cast<int64_t>(free_list_.size()) + lru_size_; }
@@ -59,7 +77,8 @@ class BlockAllocator {
   std::optional<std::vector<std::pair<int32_t, int32_t>>> allocate_slots(int64_t seq_id,
                                                                          int64_t num_computed,
                                                                          int64_t num_new);
-  // Fresh blocks allocate_slots would take right now (new blocks + copy-on-write copies).
+  // Net blocks allocate_slots would take from the pool right now: new blocks + copy-on-write
+  // copies over every group, minus the blocks it releases from sliding windows (may be negative).
   int64_t blocks_needed(int64_t seq_id, int64_t num_computed, int64_t num_new) const;
 
   // Registers every full block not yet registered. view.begin must be <= registered_tokens() and
@@ -70,10 +89,18 @@ class BlockAllocator {
   int64_t registered_tokens(int64_t seq_id) const;
 
   void fork(int64_t parent_id, int64_t child_id);
+  // Keeps ceil(num_tokens / block_size) blocks per group. Throws std::invalid_argument when a
+  // sliding group has released blocks the token at num_tokens would need.
   void truncate(int64_t seq_id, int64_t num_tokens);
   void free(int64_t seq_id);  // unknown id: no-op
 
-  const std::vector<int32_t>& block_table(int64_t seq_id) const;
+  // Group `group`'s table (kNullBlock where a sliding window released a block).
+  const std::vector<int32_t>& block_table(int64_t seq_id, int group = 0) const;
+  // Writes the tables of seq_ids into out[g][r][0, width) for every group g (row r = seq_ids[r]):
+  // entries past a table's end are 0. Returns the longest table; throws std::invalid_argument if
+  // it exceeds width (nothing is then written) or a sequence is unknown.
+  int64_t fill_block_tables(const std::vector<int64_t>& seq_ids, int32_t* out, int64_t group_stride,
+                            int64_t row_stride, int64_t width) const;
   int32_t refcount(int64_t block_id) const;
 
   struct Stats {
@@ -96,10 +123,20 @@ class BlockAllocator {
     int32_t block;
     uint64_t gen;
   };
+  // Per group g: blocks[g] (all groups' tables have the same length), chain[g] its registered
+  // prefix (chain[g].size() <= blocks[g].size()); closed[g] once a registration met a released
+  // block (after a reset_prefix_cache), after which that group registers nothing more for this
+  // sequence: passed[g] then counts the full blocks it has let by (its registration point).
   struct Sequence {
-    std::vector<int32_t> blocks;
-    std::vector<ChainLink> chain;  // chain.size() <= blocks.size(): registered prefix
+    std::vector<std::vector<int32_t>> blocks;
+    std::vector<std::vector<ChainLink>> chain;
+    std::vector<uint8_t> closed;
+    std::vector<int64_t> passed;
   };
+  Sequence new_sequence() const;
+  Sequence& get_or_create(int64_t seq_id);
+  // First logical block a token at position `pos` (and every later one) can still see in group g.
+  int64_t first_needed(int g, int64_t pos) const;
 
   Sequence& get_seq(int64_t seq_id, const char* what);
   const Sequence& get_seq(int64_t seq_id, const char* what) const;
@@ -117,20 +154,22 @@ class BlockAllocator {
   void lru_push_back(int32_t block);
   void lru_remove(int32_t block);
 
-  // Counts for allocate_slots / blocks_needed: new blocks to append and shared blocks to copy.
-  void plan(const Sequence* seq, int64_t num_computed, int64_t num_new, int64_t* new_blocks,
-            int64_t* cow_blocks) const;
+  // Counts for allocate_slots / blocks_needed: fresh blocks (appended, copied on write, or
+  // replacing a released entry in the write range) and released blocks that return to the pool.
+  void plan(const Sequence* seq, int64_t num_computed, int64_t num_new, int64_t* fresh_blocks,
+            int64_t* released_blocks) const;
 
   const int64_t num_blocks_;
   const int64_t block_size_;
   const bool enable_prefix_caching_;
   const uint64_t hash_mask_;
+  const std::vector<int64_t> windows_;
 
   std::vector<int32_t> refcount_;
   std::vector<uint8_t> state_;
   std::vector<uint8_t> hashed_;
   std::vector<uint64_t> hash_;
-  std::vector<int32_t> parent_;  // -1: the block is the first of its chain
+  std::vector<int32_t> parent_;  // root_parent(g) (< 0): the block is the first of group g's chain
   std::vector<uint64_t> parent_gen_;
   std::vector<uint64_t> gen_;
   std::vector<int32_t> tokens_;  // [num_blocks * block_size]: token ids of registered blocks

@@ -20,17 +20,35 @@ std::string blk(int64_t b) { return "block " + std::to_string(b); }
 void BlockAllocator::check_invariants() const {
   const size_t n = static_cast<size_t>(num_blocks_);
 
-  // Refcounts equal the number of block-table entries holding each block.
+  // Refcounts equal the number of block-table entries holding each block, over every group. All
+  // of a sequence's group tables have one length; released entries (kNullBlock) only in sliding
+  // groups, and only as a prefix of the table.
   std::vector<int64_t> held(n, 0);
+  const size_t groups = windows_.size();
   for (const auto& kv : seqs_) {
     const Sequence& seq = kv.second;
-    for (int32_t b : seq.blocks) {
-      if (b < 0 || b >= num_blocks_)
-        fail("seq_id " + std::to_string(kv.first) + " holds out-of-range " + blk(b));
-      ++held[b];
+    const std::string who = "seq_id " + std::to_string(kv.first);
+    if (seq.blocks.size() != groups || seq.chain.size() != groups || seq.closed.size() != groups ||
+        seq.passed.size() != groups)
+      fail(who + " has tables for " + std::to_string(seq.blocks.size()) + " groups, not " + std::to_string(groups));
+    for (size_t g = 0; g < groups; ++g) {
+      const std::vector<int32_t>& blocks = seq.blocks[g];
+      const std::string where = who + " group " + std::to_string(g);
+      if (blocks.size() != seq.blocks[0].size()) fail(where + " has a table of another length than group 0's");
+      bool released = true;  // still inside the leading run of released entries
+      for (int32_t b : blocks) {
+        if (b == kNullBlock) {
+          if (windows_[g] == 0) fail(where + " (full attention) holds a released entry");
+          if (!released) fail(where + " has a released entry after a held block");
+          continue;
+        }
+        released = false;
+        if (b < 0 || b >= num_blocks_) fail(where + " holds out-of-range " + blk(b));
+        ++held[b];
+      }
+      if (seq.chain[g].size() > blocks.size()) fail(where + " has more registered links than blocks");
+      if (seq.passed[g] > static_cast<int64_t>(blocks.size())) fail(where + " let by more blocks than it holds");
     }
-    if (seq.chain.size() > seq.blocks.size())
-      fail("seq_id " + std::to_string(kv.first) + " has more registered links than blocks");
   }
 
   int64_t used = 0, free_count = 0, cached = 0, hashed = 0;

@@ -3,6 +3,7 @@ endpoints (/health, /v1/models, /tokenize, /detokenize, /metrics, /v1/usage: ser
 
 Routes, and where each request goes next:
     POST /v1/completions, /v1/chat/completions → server.api.openai_http → server.serving.service
+    POST /v1/responses, GET|DELETE /v1/responses/{id} → server.api.responses_http → service
     POST /v1/messages[/count_tokens]           → server.api.anthropic_http → server.serving.service
     /api/chat, /api/generate, /api/tags, ...   → server.api.ollama_http    → server.serving.service
     /v1/files, /v1/batches                     → server.api.batch_http → server.serving.batch → service
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -32,10 +33,12 @@ from server.api.context import ApiContext
 from server.api.endpoints import StatusEndpoints, TokenEndpoints, UsageEndpoint
 from server.api.error_shapes import payload_for
 from server.api.http_io import retry_headers
+from server.api.metrics_listener import MetricsListener
 from server.api.ollama_http import OllamaApi
 from server.api.openai_http import GenerateEndpoint
 from server.api.origins import OriginGuard, OriginPolicy
 from server.api.requests_view import request_route
+from server.api.responses_http import routes as responses_routes
 from server.api.ui import ui_routes
 from server.api.ws import WsEndpoint
 from server.api.ws_watchdog import CaptureTransport
@@ -60,16 +63,28 @@ async def http_error(request: Request, exc: Exception) -> Response:
                         headers={k.decode(): v.decode() for k, v in retry_headers(err)})
 
 
-def build_app(rt: Runtime, gateway: Gateway) -> Starlette:
+def build_app(rt: Runtime, gateway: Gateway, metrics_port: Optional[int] = None) -> Starlette:
     """The app for one Runtime and its Gateway (the Runtime's access policy). The Runtime, and
-    with it the gateway, starts in the lifespan, before the socket accepts."""
+    with it the gateway, starts in the lifespan, before the socket accepts. `metrics_port`: the
+    port of the --metrics-port listener, which serves /metrics alone."""
     api = ApiContext(rt, gateway)
     batches = BatchRoutes(api)  # the batch tier's routes (files, batches); see docs/batch.md
     status, tokens, usage = StatusEndpoints(api), TokenEndpoints(api), UsageEndpoint(api)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await rt.start()
+        try:
+            await rt.start()
+        except Exception as e:
+            # A serving process exits with one line (server.serve); uvicorn would print the
+            # traceback instead. Nothing else starts; the shutdown below closes what did.
+            if not rt.start_failed(e):
+                raise
+            try:
+                yield
+            finally:
+                await rt.close()
+            return
         if rt.tokenizer is not None:
             log.info("tool calls (tool_choice auto): parser %s (%s)", api.tool_parser,
                      "--tool-call-parser" if rt.settings.tool_call_parser != "auto" else "from the chat template")
@@ -88,6 +103,7 @@ def build_app(rt: Runtime, gateway: Gateway) -> Starlette:
             Route("/v1/chat/completions", GenerateEndpoint(api, "chat"), methods=["POST"]),
             Route("/v1/messages", MessagesEndpoint(api), methods=["POST"]),
             Route("/v1/messages/count_tokens", CountTokensEndpoint(api), methods=["POST"]),
+            *responses_routes(api),
             *OllamaApi(api).routes(),
             Route("/tokenize", tokens.tokenize, methods=["POST"]),
             Route("/detokenize", tokens.detokenize, methods=["POST"]),
@@ -103,6 +119,7 @@ def build_app(rt: Runtime, gateway: Gateway) -> Starlette:
         # Outermost: a page from a disallowed origin is refused before any route runs.
         # Then the AuthGuard: every route but /health and the page needs a key once auth is on.
         middleware=[Middleware(CaptureTransport),
+                    Middleware(MetricsListener, port=metrics_port),
                     Middleware(OriginGuard, policy=OriginPolicy.parse(rt.settings.allowed_origins, rt.settings.host)),
                     Middleware(AuthGuard, auth=lambda: gateway.auth)],
     )

@@ -10,8 +10,17 @@ import json
 from typing import Any, Callable, Optional
 
 from server.api.error_shapes import send_error_for
-from server.gateway.auth import ADMIN_PATHS, OPEN_PATHS, SCOPE_KEY, Authenticator, credentials, ws_subprotocol
-from server.serving.errors import PagewireError, PermissionDenied
+from server.gateway.auth import (
+    ADMIN_PATHS,
+    METRICS_LISTENER,
+    METRICS_PATHS,
+    OPEN_PATHS,
+    SCOPE_KEY,
+    Authenticator,
+    credentials,
+    ws_subprotocol,
+)
+from server.serving.errors import InvalidApiKey, PagewireError, PermissionDenied
 
 
 class AuthGuard:
@@ -35,9 +44,21 @@ class AuthGuard:
             await self.app(scope, receive, send)
             return
         try:
-            who = auth.authenticate(credentials(scope))
+            secret = credentials(scope)
+            if scope.get(METRICS_LISTENER):
+                # The --metrics-port listener (it lets /metrics alone through): open, or the
+                # metrics token (or the admin key) once one is set.
+                if auth.has_metrics_token and not (auth.is_metrics_token(secret) or auth.is_admin(secret)):
+                    raise InvalidApiKey("/metrics on the metrics port needs the metrics token "
+                                        "(--metrics-key-file) as `Authorization: Bearer <token>`")
+                await self.app(scope, receive, send)
+                return
+            if path in METRICS_PATHS and auth.is_metrics_token(secret):
+                await self.app(scope, receive, send)
+                return
+            who = auth.authenticate(secret)
             if path in ADMIN_PATHS and auth.required and not (who is not None and who.admin):
-                raise PermissionDenied(f"{path} needs the admin key")
+                raise PermissionDenied(f"{path} needs the admin key or the metrics token")
         except PagewireError as e:
             await self._refuse(scope, receive, send, e)
             return

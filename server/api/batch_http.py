@@ -50,10 +50,13 @@ class BatchRoutes:
     async def start(self) -> None:
         rt = self.api.rt
         assert rt.ledger is not None
-        self.files = FileStore(rt.ledger, rt.ledger.path.parent / "files", self.limits)
+        folder = rt.ledger.path.parent / "files" if rt.ledger.path is not None else None  # None: in the database
+        self.files = FileStore(rt.ledger, folder, self.limits)
         self.manager = BatchManager(rt.ledger, self.files, self.api.service, self._spec, self._render,
                                     error_payload, concurrency=max(1, rt.settings.max_num_seqs // 2))
         await self.manager.start()
+        if rt.ledger.shared:  # other replicas create batches, and may die holding lines
+            rt.ledger.on_tick.append(self.manager.pick_up)  # type: ignore[attr-defined]
 
     async def stop(self) -> None:
         if self.manager is not None:

@@ -24,7 +24,8 @@ from server.gateway.usage import usage_report
 from server.serving.errors import InvalidRequest, PagewireError, PermissionDenied, TooLarge, Unavailable
 from server.serving.ledger_health import ledger_health
 from server.serving.metrics import CONTENT_TYPE
-from server.serving.prompts import render_chat
+from server.serving.prompts import check_template_kwargs, render_chat
+from server.serving.router_view import router_view
 from server.text.tokenizer import ChatTemplateError
 from server.text.vocab import check_token_ids
 
@@ -92,7 +93,10 @@ class StatusEndpoints:
         ledger = ledger_health(rt.ledger)
         if ledger["status"] != "ok":  # writes are failing: nothing new can be recorded
             return JSONResponse({"status": "degraded", "model": rt.model_name, "ledger": ledger}, status_code=503)
-        return JSONResponse({"status": "ok", "model": rt.model_name, "ledger": ledger})
+        # What a router reads (server.serving.router_view): queue, running, free KV, prefix hits.
+        load = router_view(bridge.stats(), rt.admission.queued if rt.admission is not None else 0, rt.stopping,
+                           rt.ledger.instance_id if rt.ledger is not None else None)
+        return JSONResponse({"status": "ok", "model": rt.model_name, "ledger": ledger, "load": load})
 
     async def models(self, request: Request) -> Response:
         rt = self.rt
@@ -131,7 +135,7 @@ class TokenEndpoints:
                 tools = check_tools(req.tools) if req.tools is not None else None
                 try:
                     text = render_chat(tok, messages_to_dicts(req.messages), req.add_generation_prompt, tools,
-                                       api.tool_parser)
+                                       api.tool_parser, check_template_kwargs(req.chat_template_kwargs))
                 except ChatTemplateError as e:
                     raise InvalidRequest(f"messages: {e}", param="messages") from None
                 ids = await preparer.encode_text(text, client, add_special_tokens=False)

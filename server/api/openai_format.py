@@ -20,6 +20,7 @@ from server.serving.admission import BATCH, INTERACTIVE
 from server.serving.errors import InvalidRequest
 from server.serving.idempotency import check_header_key
 from server.serving.jobs import GenerationSpec, logprobs_from_stored
+from server.serving.prompts import check_template_kwargs
 from server.serving.streams import DeltaEvent, EndEvent, Usage
 from server.text.tokenizer import Tokenizer
 
@@ -124,7 +125,8 @@ def generation_spec(*, kind: str, api: str, peer: str, model: str, fields: Sampl
                     service_tier: Optional[str] = None, idempotency_key: Optional[str] = None,
                     detach: bool = False, timeout: Optional[float] = None,
                     params_record: Optional[dict[str, Any]] = None, field_prefix: str = "",
-                    response_format: Optional[dict[str, Any]] = None) -> GenerationSpec:
+                    response_format: Optional[dict[str, Any]] = None,
+                    chat_template_kwargs: Optional[dict[str, Any]] = None) -> GenerationSpec:
     """The one builder of a GenerationSpec, for both HTTP endpoints and the WebSocket.
 
     `fields` carries the shared sampling knobs; `field_prefix` is how the edge names them in
@@ -148,6 +150,7 @@ def generation_spec(*, kind: str, api: str, peer: str, model: str, fields: Sampl
         max_tokens_field=field_prefix + max_field, default_max_tokens=16 if kind == "completion" else None,
         priority=priority, klass=klass_of(priority, service_tier), idempotency_key=idempotency_key,
         detach=detach, timeout_s=timeout, params_record=params_record or {}, field_names=so_names,
+        chat_template_kwargs=check_template_kwargs(chat_template_kwargs),
     )
 
 
@@ -178,6 +181,7 @@ def chat_spec(req: ChatCompletionRequest, api: str, client: str, model: str, ide
         max_completion_tokens=req.max_completion_tokens, priority=req.priority,
         service_tier=req.service_tier, idempotency_key=idem, timeout=req.timeout,
         params_record=params_record(req, ("messages",)), response_format=req.response_format,
+        chat_template_kwargs=req.chat_template_kwargs,
     )
     if tools is not None and tools.tools:
         apply_tool_plan(spec, tools, "tool_choice")
@@ -220,12 +224,14 @@ def ws_spec(frame: GenerateFrame, peer: str, model: str) -> GenerationSpec:
         idempotency_key=check_header_key(frame.idempotency_key, "idempotency_key"), detach=frame.detach,
         timeout=frame.timeout,
         params_record=params_record(p, ()), field_prefix="params.", response_format=p.response_format,
+        chat_template_kwargs=frame.chat_template_kwargs,
     )
 
 
 def usage_dict(u: Usage) -> dict[str, Any]:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.total_tokens, "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+            "total_tokens": u.total_tokens, "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens}}
 
 
 class Formatter:
@@ -288,8 +294,10 @@ class Formatter:
         for s in (end.output or {}).get("samples", []):
             message: dict[str, Any] = {"role": "assistant", "content": s["text"]}
             finish = s.get("finish_reason")
-            if tools is not None and tools.active:
+            if tools is not None and tools.active:  # tool calls are read from the answer, after any thinking
                 message, finish = whole_message(tools, end.request_id, s["index"], s["text"], finish)
+            if "reasoning" in s:  # a reasoning parser is on (docs/reasoning.md)
+                message["reasoning_content"] = s["reasoning"] or None
             choices.append({
                 "index": s["index"], "message": message,
                 "logprobs": self.chat_logprobs(logprobs_from_stored(s.get("logprobs"))),
@@ -318,6 +326,8 @@ class Formatter:
             delta: dict[str, Any] = {"content": ev.text}
         else:
             delta, finish = tools.delta(ev.index, ev.text, ev.finish_reason)
+        if ev.reasoning:
+            delta["reasoning_content"] = ev.reasoning
         if first:
             delta = {"role": "assistant", "content": None, **delta} if tools is not None else \
                 {"role": "assistant", **delta}

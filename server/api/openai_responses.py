@@ -69,6 +69,9 @@ def _merge_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
     total["prompt_tokens_details"] = {
         "cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
     }
+    total["completion_tokens_details"] = {
+        "reasoning_tokens": sum(u["completion_tokens_details"]["reasoning_tokens"] for u in usages)
+    }
     return total
 
 

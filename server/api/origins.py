@@ -32,7 +32,7 @@ from server.serving.origin_policy import OriginPolicy
 Scope = dict[str, Any]
 ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]
 
-_ALLOW_METHODS = b"GET, POST, OPTIONS"
+_ALLOW_METHODS = b"GET, POST, DELETE, OPTIONS"
 _DEFAULT_ALLOW_HEADERS = b"content-type, authorization, idempotency-key"
 _EXPOSE_HEADERS = b"x-request-id, retry-after"
 

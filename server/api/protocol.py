@@ -110,6 +110,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tool_choice: Optional[Any] = None
     parallel_tool_calls: Optional[bool] = None
     response_format: Optional[dict[str, Any]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # extra template variables (vLLM's field)
 
 
 class TokenizeRequest(Struct, kw_only=True):
@@ -121,6 +122,7 @@ class TokenizeRequest(Struct, kw_only=True):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     tools: Optional[list[Any]] = None  # rendered with the messages, as in a chat request
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
 class DetokenizeRequest(Struct, kw_only=True):
@@ -152,6 +154,7 @@ class GenerateFrame(Struct, kw_only=True):
     detach: bool = False
     timeout: Optional[Seconds] = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
 class CancelFrame(Struct, kw_only=True):

@@ -27,6 +27,7 @@ def record_summary(r: RequestRecord) -> dict[str, Any]:
         "created_at": r.created_at, "admitted_at": r.admitted_at, "first_token_at": r.first_token_at,
         "finished_at": r.finished_at, "prompt_tokens": r.prompt_tokens,
         "completion_tokens": r.completion_tokens, "cached_tokens": r.cached_tokens,
+        "reasoning_tokens": r.reasoning_tokens,
         "finish_reason": r.finish_reason, "error": r.error,
     }
 

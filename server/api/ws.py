@@ -291,6 +291,8 @@ class WsConnection:
         if isinstance(ev, DeltaEvent):
             d: dict[str, Any] = {"type": "delta", "id": cid, "seq": ev.seq, "index": ev.index,
                                  "text": ev.text, "token_ids": ev.token_ids}
+            if ev.reasoning:  # the model's thinking (a reasoning parser is on: docs/reasoning.md)
+                d["reasoning_content"] = ev.reasoning
             if ev.finish_reason is not None:
                 d["finish_reason"] = ev.finish_reason
             if ev.logprobs is not None:
@@ -302,7 +304,8 @@ class WsConnection:
         assert isinstance(ev, EndEvent)
         u = ev.usage
         usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                 "total_tokens": u.total_tokens, "cached_tokens": u.cached_tokens}
+                 "total_tokens": u.total_tokens, "cached_tokens": u.cached_tokens,
+                 "reasoning_tokens": u.reasoning_tokens}
         rule = ev.rule
         if rule.ws_frame == "done":
             reasons: list[Optional[str]] = list(ev.finish_reasons)

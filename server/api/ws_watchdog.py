@@ -1,7 +1,7 @@
 """WebSocket liveness: the one mechanism that decides a peer has stopped reading, or is gone.
 
 uvicorn's own keepalive (the `websockets` library's ping every 20 s, closing with 1011 when no
-pong comes within 20 s) is turned off (`ws_ping_interval=None` in `server.serving.serve`): it
+pong comes within 20 s) is turned off (`ws_ping_interval=None` in `server.serve`): it
 raced the slow-consumer cut and won, so a client that stopped reading got 1011 "keepalive ping
 timeout" (or 1006) and its requests were cancelled, never the documented resumable
 `slow_consumer` error and close 1013. pagewire owns liveness instead, with one rule: **a peer

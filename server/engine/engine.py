@@ -89,13 +89,14 @@ class LLMEngine:
         layout = kv_layout(
             config, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             dtype=str(kv_dtype).replace("torch.", ""), max_position_embeddings=mc.max_position_embeddings,
-            draft_bytes_per_token=draft_bpt,
+            draft_bytes_per_token=draft_bpt, layer_windows=mc.layer_sliding_windows,
         )
         self.kv_layout = layout
         bs = layout.block_size
         num_blocks = layout.num_blocks
         max_model_len = layout.max_model_len
-        self.kv_cache = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        # One pool, a block table per KV group (sliding-window layers hold only their window).
+        self.kv_cache = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, layout.groups.windows)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    watermark_blocks=layout.watermark_blocks)
         self.max_model_len = max_model_len
@@ -105,8 +106,10 @@ class LLMEngine:
             num_blocks=num_blocks,
             watermark_blocks=self.scheduler.watermark,
             max_num_seqs=config.max_num_seqs,
+            groups=layout.groups,
+            chunk_tokens=layout.chunk_tokens,
         )
-        self.runner = ModelRunner(self.model, num_blocks, bs, self.kv_cache, self.device, kv_dtype)
+        self.runner = ModelRunner(self.model, num_blocks, bs, self.kv_cache, self.device, kv_dtype, layout.groups)
         self.sampler = Sampler(seed=config.seed)
         eos = set(self.tokenizer.eos_token_ids) | set(getattr(mc, "eos_token_ids", ()) or ())
         self.outputs = OutputProcessor(self.tokenizer, eos, max_model_len)
@@ -181,7 +184,9 @@ class LLMEngine:
             max_total_tokens=max_total,
         )
         seq = self._add_sequence(req, 0, list(ids))
-        seq.grammar = StructuredDecoder.new_state(grammar)
+        gate = params.reasoning_gate
+        assert not isinstance(gate, dict)  # SamplingParams.validate made it a ReasoningGate
+        seq.grammar = StructuredDecoder.new_state(grammar, gate)
         self.scheduler.add(seq)
         self.requests[request_id] = req
 

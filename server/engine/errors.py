@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from server.engine.kv_groups import KVGroupLayout
+
 
 class ConfigError(ValueError):
     """An invalid engine setting; `field` names it."""
@@ -55,6 +57,10 @@ class CapacityLimits:
     num_blocks: int
     watermark_blocks: int  # free blocks the scheduler keeps back when it admits a sequence
     max_num_seqs: int
+    # The pool's KV groups (a sequence holds blocks in each; None: one full-attention group) and the
+    # most tokens one step writes for a sequence (a sliding group holds its window plus those).
+    groups: Optional[KVGroupLayout] = None
+    chunk_tokens: int = 1
 
     @property
     def admission_limit_blocks(self) -> int:
@@ -89,11 +95,13 @@ def check_capacity(num_prompt_tokens: int, max_tokens: Optional[int], n: int, li
     total = num_prompt_tokens + max_tokens if max_tokens is not None else limits.max_model_len
     bs = limits.block_size
     # The last sampled token ends the sequence before its K/V is ever computed.
-    need = -(-(total - 1) // bs)
+    need = (limits.groups.blocks_for(total - 1, bs, limits.chunk_tokens) if limits.groups is not None
+            else -(-(total - 1) // bs))
     limit = limits.admission_limit_blocks
     if need <= limit:
         return
-    prompt_need = -(-num_prompt_tokens // bs)
+    prompt_need = (limits.groups.blocks_for(num_prompt_tokens, bs, limits.chunk_tokens) if limits.groups is not None
+                   else -(-num_prompt_tokens // bs))
     asked = f"max_tokens ({max_tokens})" if max_tokens is not None else f"output up to max_model_len ({total})"
     field_name = "prompt" if prompt_need > limit else "max_tokens"
     raise KVCapacityError(

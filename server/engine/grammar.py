@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import llguidance
 
-from server.engine.sampling_params import SamplingParamsError, StructuredOutputsParams
+from server.engine.sampling_params import ReasoningGate, SamplingParamsError, StructuredOutputsParams
 from server.text.tokenizer import Tokenizer
 
 # Compiled grammars kept per tokenizer; the least recently used is dropped beyond this.
@@ -59,39 +59,88 @@ class CompiledGrammar:
         return self.matcher.deep_copy()
 
 
+GATE_WAIT, GATE_DECIDE = "wait", "decide"
+
+
 class GrammarState:
     """One sequence's matcher and how many tokens it has consumed (`Sequence.grammar`; the engine
-    step drives it through server.engine.structured)."""
+    step drives it through server.engine.structured).
 
-    __slots__ = ("matcher", "num_consumed", "grammar")
+    With a ReasoningGate the grammar starts after the model's reasoning block: `gate` is "wait"
+    (inside the block: no mask, tokens not consumed) until the block's end token, or "decide"
+    (first token of a prompt that did not open a block: the grammar's mask plus the block's
+    start token), and None once the grammar applies. The tokens taken before that are kept, so a
+    rollback past them restores the gate."""
 
-    def __init__(self, grammar: CompiledGrammar, matcher: Optional[llguidance.LLMatcher] = None) -> None:
+    __slots__ = ("matcher", "num_consumed", "grammar", "reasoning", "gate", "pre")
+
+    def __init__(self, grammar: CompiledGrammar, matcher: Optional[llguidance.LLMatcher] = None,
+                 reasoning: Optional[ReasoningGate] = None) -> None:
         self.grammar = grammar
         self.matcher = matcher if matcher is not None else grammar.new_matcher()
         self.num_consumed = 0
+        self.reasoning = reasoning
+        self.pre: list[int] = []  # tokens taken while gated
+        self.gate: Optional[str] = self._initial_gate()
+
+    def _initial_gate(self) -> Optional[str]:
+        if self.reasoning is None:
+            return None
+        return GATE_WAIT if self.reasoning.open else GATE_DECIDE
 
     def fork(self) -> "GrammarState":
-        child = GrammarState(self.grammar, self.matcher.deep_copy())
+        child = GrammarState(self.grammar, self.matcher.deep_copy(), self.reasoning)
         child.num_consumed = self.num_consumed
+        child.pre = list(self.pre)
+        child.gate = self.gate
         return child
 
+    def _step_gate(self, token: int) -> bool:
+        """Take `token` while gated; False when it goes to the matcher instead (gate lifted)."""
+        r = self.reasoning
+        assert r is not None
+        if self.gate == GATE_DECIDE:
+            if token == r.start_token_id:
+                self.gate = GATE_WAIT
+                self.pre.append(token)
+                return True
+            self.gate = None
+            return False
+        self.pre.append(token)
+        if token == r.end_token_id:
+            self.gate = None
+        return True
+
     def consume(self, token: int) -> bool:
+        if self.gate is not None and self._step_gate(token):
+            return True
         ok = bool(self.matcher.consume_token(token))
         if ok:
             self.num_consumed += 1
         return ok
 
+    @property
+    def total(self) -> int:
+        return len(self.pre) + self.num_consumed
+
     def rollback(self, k: int) -> None:
-        if not 0 <= k <= self.num_consumed:
-            raise ValueError(f"rollback: k must be in [0, {self.num_consumed}], got {k}")
-        if k and not self.matcher.rollback(k):
-            raise RuntimeError(f"grammar matcher could not roll back {k} tokens: {self.matcher.get_error()}")
-        self.num_consumed -= k
+        if not 0 <= k <= self.total:
+            raise ValueError(f"rollback: k must be in [0, {self.total}], got {k}")
+        m = min(k, self.num_consumed)
+        if m and not self.matcher.rollback(m):
+            raise RuntimeError(f"grammar matcher could not roll back {m} tokens: {self.matcher.get_error()}")
+        self.num_consumed -= m
+        if self.num_consumed == 0 and self.reasoning is not None:
+            # Back to (or into) the gated prefix: the gate is what replaying what is left of it gives.
+            keep = self.pre[: len(self.pre) - (k - m)]
+            self.pre, self.gate = [], self._initial_gate()
+            for t in keep:
+                self._step_gate(t)
 
     @property
     def is_complete(self) -> bool:
         """Nothing but EOS may follow (the grammar is satisfied and cannot grow)."""
-        return bool(self.matcher.is_stopped()) and not self.matcher.is_error()
+        return self.gate is None and bool(self.matcher.is_stopped()) and not self.matcher.is_error()
 
     @property
     def error(self) -> str:

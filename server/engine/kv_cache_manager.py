@@ -2,7 +2,8 @@
 
 Every allocator call the engine makes goes through here: the scheduler asks it for prefix
 matches, block counts and slot allocations, the engine forks samples through it, the runner reads
-block tables from it. It speaks in `Sequence`s; the allocator's integer sequence ids stay inside.
+block tables from it (every KV group's, in one call into a persistent tensor). It speaks in
+`Sequence`s; the allocator's integer sequence ids stay inside.
 
 What lives where: which physical blocks a sequence holds, their refcounts, and how far its full
 blocks are registered in the prefix cache are allocator state, kept in C++ only. This class keeps
@@ -12,7 +13,8 @@ touch), so registering blocks costs O(new blocks), never O(sequence).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
+from typing import Sequence as Seq
 
 from server import _C
 from server.engine.request import Sequence
@@ -34,8 +36,12 @@ class KVCacheStats:
 class KVCacheManager:
     """Owns the block allocator: blocks per sequence, copy-on-write forks and the prefix cache."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        self._alloc = _C.BlockAllocator(num_blocks, block_size, enable_prefix_caching)
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 group_windows: Seq[int] = (0,)) -> None:
+        """group_windows: per KV group its window, 0 = full attention (KVGroupLayout.windows)."""
+        self._alloc = _C.BlockAllocator(num_blocks, block_size, enable_prefix_caching, 64, list(group_windows))
+        self.group_windows = tuple(group_windows)
+        self.num_groups = len(self.group_windows)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -50,11 +56,12 @@ class KVCacheManager:
         return self._alloc.num_free_blocks
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
-        """Blocks that hold num_tokens tokens of one sequence."""
+        """Blocks of one KV group's table that hold num_tokens tokens of one sequence."""
         return -(-num_tokens // self.block_size)
 
     def blocks_needed(self, seq: Sequence, num_new: int) -> int:
-        """Fresh blocks `allocate(seq, num_new)` would take now (new blocks + copy-on-write copies)."""
+        """Net blocks `allocate(seq, num_new)` would take now: new blocks and copy-on-write copies in
+        every KV group, less those its sliding windows give back."""
         return self._alloc.blocks_needed(seq.seq_id, seq.num_computed_tokens, num_new)
 
     # -- a sequence's blocks ----------------------------------------------------------------------
@@ -123,8 +130,14 @@ class KVCacheManager:
         """Call `listener(seq)` after every `free(seq)`."""
         self._free_listeners.append(listener)
 
-    def block_table(self, seq: Sequence) -> list[int]:
-        return self._alloc.block_table(seq.seq_id)
+    def block_table(self, seq: Sequence, group: int = 0) -> list[int]:
+        """KV group `group`'s blocks of `seq` (-1 where its sliding window released one)."""
+        return self._alloc.block_table(seq.seq_id, group)
+
+    def fill_block_tables(self, seqs: list[Sequence], out: Any) -> int:
+        """Write every group's tables of `seqs` into out[g, row, :] in one C++ call (out: a writable
+        int32 buffer, e.g. the numpy view of the runner's persistent tensor). Returns the longest table."""
+        return self._alloc.fill_block_tables([s.seq_id for s in seqs], out)
 
     # -- introspection (metrics and tests) --------------------------------------------------------
     def registered_tokens(self, seq: Sequence) -> int:

@@ -1,6 +1,7 @@
 """`pagewire plan`: capacity planning from a model's config, without loading its weights.
 
-It owns the napkin math of serving a model in a memory budget: weight bytes, KV bytes per token,
+It owns the napkin math of serving a model in a memory budget: weight bytes, KV bytes per token and
+per sequence (counted per KV group: a sliding-window group holds only its window),
 the KV budget left after weights and activations, how many sequences of each length fit, and the
 decode roofline (tokens/s = bandwidth / bytes read per step). The KV pool itself is sized by
 `server.engine.kv_budget.kv_layout`, the function the engine uses at start-up, so the `KV cache:`
@@ -124,6 +125,8 @@ class LengthRow:
     batch: int  # min(fits, max_num_seqs): the batch the roofline assumes
     roofline_b1: Optional[float]  # tokens/s at batch 1
     roofline_bn: Optional[float]  # tokens/s at `batch`
+    kv_bytes: int = 0  # KV one decoding sequence of seq_len holds, every KV group counted
+    vs_all_global: float = 1.0  # kv_bytes / the same shape's with every layer full attention
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,8 @@ class Plan:
             "weight_bytes_read_per_step": self.weights.read_per_step, "parameters": self.weights.parameters,
             "activation_bytes": self.activations, "kv_budget_bytes": self.kv_budget_bytes,
             "kv_bytes_per_token": lay.bytes_per_token, "block_size": lay.block_size,
+            "kv_groups": [{"window": g.window, "layers": list(g.layers)} for g in lay.groups.groups],
+            "kv_bytes_per_block": lay.bytes_per_block,
             "num_blocks": lay.num_blocks, "kv_tokens": lay.total_tokens, "kv_bytes": lay.total_bytes,
             "max_model_len": lay.max_model_len, "kv_log_line": lay.log_line(),
             "serve_flags": self.serve_flags(), "bandwidth_gbs": self.bandwidth_gbs,
@@ -190,17 +195,20 @@ def make_plan(model: str, mc: ModelConfig, config: EngineConfig, memory_bytes: O
             raise ConfigError("memory", f"leaves {budget} bytes for KV, less than one block")
     layout = kv_layout(config, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                        dtype=dtype, max_position_embeddings=mc.max_position_embeddings,
-                       kv_cache_tokens=kv_tokens)
+                       kv_cache_tokens=kv_tokens, layer_windows=mc.layer_sliding_windows)
     rows = []
     for n in _lengths(layout.max_model_len):
         fits = layout.sequences_fitting(n)
         batch = max(1, min(fits, config.max_num_seqs))
+        seq_bytes = layout.seq_bytes(n)
         b1 = bn = None
         if bandwidth_gbs:
+            # A step reads every block a sequence holds (a sliding group's are its window's).
             bw = bandwidth_gbs * 1e9
-            b1 = bw / (weights.read_per_step + n * layout.bytes_per_token)
-            bn = batch * bw / (weights.read_per_step + batch * n * layout.bytes_per_token)
-        rows.append(LengthRow(n, fits, batch, b1, bn))
+            b1 = bw / (weights.read_per_step + seq_bytes)
+            bn = batch * bw / (weights.read_per_step + batch * seq_bytes)
+        all_global = -(-n // layout.block_size) * layout.block_size * layout.bytes_per_token
+        rows.append(LengthRow(n, fits, batch, b1, bn, seq_bytes, seq_bytes / all_global))
     return Plan(model, dtype, config.quantization, memory_bytes, weights, acts, budget, layout,
                 config.max_num_seqs, bandwidth_gbs, rows)
 
@@ -233,19 +241,24 @@ def render(plan: Plan) -> str:
     lines += [
         f"KV per token:     {lay.bytes_per_token} bytes (2 x layers x kv_heads x head_dim x "
         f"{DTYPE_BYTES[plan.dtype]} bytes)",
+        f"KV groups:        {lay.groups.describe()}; {lay.bytes_per_block} bytes/block of {lay.block_size} "
+        "tokens (a sliding group holds only its window's blocks)",
         lay.log_line(),
         f"serve with:       pagewire serve MODEL {plan.serve_flags()}",
         "",
-        f"{'seq len':>8} {'fit':>7} {'batch':>6} {'tok/s b=1':>10} {'tok/s b=N':>10}",
+        f"{'seq len':>8} {'fit':>7} {'batch':>6} {'KV/seq':>10} {'x global':>8} {'tok/s b=1':>10} {'tok/s b=N':>10}",
     ]
     for r in plan.rows:
         b1 = f"{r.roofline_b1:.1f}" if r.roofline_b1 is not None else "-"
         bn = f"{r.roofline_bn:.1f}" if r.roofline_bn is not None else "-"
-        lines.append(f"{r.seq_len:>8} {r.fits:>7} {r.batch:>6} {b1:>10} {bn:>10}")
+        lines.append(f"{r.seq_len:>8} {r.fits:>7} {r.batch:>6} {_gib(r.kv_bytes):>10} {r.vs_all_global:>8.3f} "
+                     f"{b1:>10} {bn:>10}")
+    lines.append("KV/seq: KV bytes one decoding sequence holds; x global: that over the same shape with every "
+                 "layer full attention.")
     lines.append("")
     if plan.bandwidth_gbs:
         lines.append(f"roofline: tokens/s = batch x {plan.bandwidth_gbs:g} GB/s / (weights read per step + "
-                     "batch x seq len x KV bytes/token); batch N = min(fit, max_num_seqs "
+                     "batch x KV/seq); batch N = min(fit, max_num_seqs "
                      f"{plan.max_num_seqs}). Compute and overheads only lower it.")
     else:
         lines.append("roofline: pass --bandwidth-gbs B (memory read bandwidth). Measure it on this machine "

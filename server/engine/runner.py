@@ -1,16 +1,22 @@
 """ModelRunner: turns a SchedulerOutput into one flat model forward over the paged KV cache.
 
-It owns the model and the per-layer KV cache tensors. Each step it plans the attention metadata
-on the host (token ids, positions, slot mapping, block tables, sequence lengths), applies the
-step's copy-on-write block copies, runs the forward and returns the logits of the sequences
-that are up to date (one row per ScheduledSeq that samples, in scheduling order; 1 + k rows for
-a decode with k proposed tokens, see spec_decode.py).
+It owns the model and the KV cache tensors (one key/value pair per slot of a KV group, shared by
+the groups: server/engine/kv_groups.py). Each step it plans the attention metadata on the host
+(token ids, positions, and per KV group a slot mapping and block tables, which the allocator
+writes into a persistent tensor in one call), applies the step's copy-on-write block copies, runs
+the forward and returns the logits of the sequences that are up to date (one row per ScheduledSeq
+that samples, in scheduling order; 1 + k rows for a decode with k proposed tokens, see
+spec_decode.py).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 from server.engine.kv_cache_manager import KVCacheManager
+from server.engine.kv_groups import KVGroupLayout, kv_groups
+from server.engine.request import Sequence
 from server.engine.scheduler import SchedulerOutput
 from server.kernels import ops
 from server.models.attention import AttentionMetadata
@@ -26,11 +32,19 @@ class ModelRunner:
         kv_cache: KVCacheManager,
         device: torch.device,
         kv_dtype: torch.dtype,
+        groups: Optional[KVGroupLayout] = None,
     ) -> None:
+        """groups: the model's KV groups, those kv_cache was built with (None: one full-attention
+        group of every layer)."""
         self.model = model
         self.block_size = block_size
         self.kv_cache = kv_cache
         self.device = device
+        num_layers = model.config.num_layers
+        self.groups = groups if groups is not None else kv_groups([None] * num_layers)
+        if len(self.groups.groups) != kv_cache.num_groups or self.groups.num_layers != num_layers:
+            raise ValueError(f"groups: {self.groups.describe()} over {self.groups.num_layers} layers does not match "
+                             f"the KV cache's {kv_cache.num_groups} groups and the model's {num_layers} layers")
         shape = model.kv_cache_shape(num_blocks, block_size)  # [blocks, kv_heads, block_size, head_dim]
         # torch.zeros, not torch.empty, so every page of the pool is committed now. Positions are
         # only ever read after they were written (the kernel's causal bound), but with lazily
@@ -39,15 +53,34 @@ class ModelRunner:
         # cycles through the whole pool): ~1 GB over 5,000 requests, which looked like a leak
         # (issue 13, bug 9). Committed up front, the server's footprint is known at start and an
         # over-sized --kv-cache-memory-gb fails there, not hours later.
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
+        # One (key, value) pair per slot of a KV group, shared by the groups: a block id belongs to
+        # one group at a time, so layer i (group g, slot j) owns its block's rows of slot j's
+        # tensors. With one group there is a pair per layer, as before groups.
+        slots = [
             (
                 torch.zeros(shape, dtype=kv_dtype, device=device),
                 torch.zeros(shape, dtype=kv_dtype, device=device),
             )
-            for _ in range(model.config.num_layers)
+            for _ in range(self.groups.group_size)
         ]
-        self._key_caches = [k for k, _ in self.kv_caches]
-        self._value_caches = [v for _, v in self.kv_caches]
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [slots[j] for j in self.groups.layer_slot]
+        # copy_blocks copies a block in every slot: all layers of the group that holds it.
+        self._key_caches = [k for k, _ in slots]
+        self._value_caches = [v for _, v in slots]
+        # Persistent int32 block tables [groups, rows, width], filled by the allocator in one call
+        # per step (KVCacheManager.fill_block_tables), grown when a batch outgrows them.
+        self._tables = torch.zeros((kv_cache.num_groups, 0, 0), dtype=torch.int32)
+        self._tables_np = self._tables.numpy()
+
+    def _block_tables(self, seqs: list[Sequence], width: int) -> torch.Tensor:
+        """[groups, len(seqs), longest table] view of the persistent tables, filled for `seqs`."""
+        _, rows, cols = self._tables.shape
+        if len(seqs) > rows or width > cols:
+            self._tables = torch.zeros((self.kv_cache.num_groups, max(len(seqs), 2 * rows), max(width, 2 * cols)),
+                                       dtype=torch.int32)
+            self._tables_np = self._tables.numpy()
+        longest = self.kv_cache.fill_block_tables(seqs, self._tables_np)
+        return self._tables[:, : len(seqs), :longest]
 
     def _plan(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Host-side metadata for the flat batch. Returns (input_ids, positions, meta, sample_rows)."""
@@ -56,7 +89,7 @@ class ModelRunner:
         starts: list[int] = []
         q_lens: list[int] = []
         seq_lens: list[int] = []
-        tables: list[list[int]] = []
+        seqs: list[Sequence] = []
         prompt_lens: list[int] = []
         sample_rows: list[int] = []
         qsl = [0]
@@ -70,34 +103,39 @@ class ModelRunner:
             starts.append(c)
             q_lens.append(n)
             seq_lens.append(c + n)
+            seqs.append(seq)
             prompt_lens.append(seq.num_prompt_tokens)
-            tables.append(self.kv_cache.block_table(seq))
             qsl.append(qsl[-1] + n)
             if share.samples:  # the last position, and the num_spec before it (lookahead)
                 sample_rows.extend(range(qsl[-1] - 1 - share.num_spec, qsl[-1]))
 
         num_seqs = len(q_lens)
-        max_blocks = max(len(t) for t in tables)
-        block_tables = torch.zeros((num_seqs, max_blocks), dtype=torch.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        tables = self._block_tables(seqs, -(-max(seq_lens) // bs))
         q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
         # positions: start_i + arange(q_len_i), vectorised over the flat batch.
         seq_idx = torch.repeat_interleave(torch.arange(num_seqs), q_lens_t)
         qsl_t = torch.tensor(qsl, dtype=torch.int64)
         offsets = torch.arange(qsl[-1], dtype=torch.int64) - qsl_t[:-1][seq_idx]
         positions = torch.tensor(starts, dtype=torch.int64)[seq_idx] + offsets
-        slot_mapping = block_tables[seq_idx, positions // bs].to(torch.int64) * bs + positions % bs
-
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(self.device),
-            block_tables=block_tables.to(self.device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-            query_start_loc=qsl_t.to(torch.int32).to(self.device),
-            max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens),
-            prompt_lens=torch.tensor(prompt_lens, dtype=torch.int32, device=self.device),
-        )
+        block_idx, offset = positions // bs, positions % bs
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
+        qsl_dev = qsl_t.to(torch.int32).to(self.device)
+        prompt_lens_t = torch.tensor(prompt_lens, dtype=torch.int32, device=self.device)
+        metas = []
+        for g in range(tables.shape[0]):  # each KV group: its own slots and tables, the same lengths
+            slot_mapping = tables[g][seq_idx, block_idx].to(torch.int64) * bs + offset
+            metas.append(AttentionMetadata(
+                slot_mapping=slot_mapping.to(self.device),
+                block_tables=tables[g].to(self.device),
+                seq_lens=seq_lens_t,
+                query_start_loc=qsl_dev,
+                max_query_len=max(q_lens),
+                max_seq_len=max(seq_lens),
+                prompt_lens=prompt_lens_t,
+            ))
+        meta = metas[0]
+        if len(metas) > 1:
+            meta.per_layer = [metas[g] for g in self.groups.layer_group]
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         return input_ids, positions.to(self.device), meta, torch.tensor(sample_rows, dtype=torch.int64)
 

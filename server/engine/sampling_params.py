@@ -156,6 +156,33 @@ class StructuredOutputsParams:
         return kind, spec
 
 
+@dataclass(frozen=True)
+class ReasoningGate:
+    """Structured outputs wait for the end of the model's reasoning block (server.text.reasoning):
+    the grammar applies from the token after `end_token_id`. With `open` (the prompt opened the
+    block) the output starts inside it, unconstrained; otherwise the first token is either
+    `start_token_id` (the block opens; unconstrained until its end) or the grammar's."""
+
+    start_token_id: int
+    end_token_id: int
+    open: bool = False
+
+    @classmethod
+    def from_value(cls, value: Any) -> "ReasoningGate":
+        if isinstance(value, ReasoningGate):
+            return value
+        if not isinstance(value, dict):
+            raise SamplingParamsError("reasoning_gate", f"must be an object, got {type(value).__name__}")
+        try:
+            gate = cls(**value)
+        except TypeError as e:
+            raise SamplingParamsError("reasoning_gate", str(e)) from None
+        for name in ("start_token_id", "end_token_id"):
+            if _int(f"reasoning_gate.{name}", getattr(gate, name)) < 0:
+                raise SamplingParamsError(f"reasoning_gate.{name}", "must be a token id (>= 0)")
+        return gate
+
+
 @dataclass
 class SamplingParams:
     """How to sample and when to stop.
@@ -185,6 +212,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # A grammar constraint (JSON schema, regex, choice, grammar); a dict is accepted too.
     structured_outputs: Union[None, StructuredOutputsParams, dict[str, Any]] = None
+    # With structured outputs: the constraint starts after the reasoning block (ReasoningGate).
+    reasoning_gate: Union[None, ReasoningGate, dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -260,6 +289,8 @@ class SamplingParams:
             raise SamplingParamsError("stop_token_ids", f"token id {bad} is negative")
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
+        if self.reasoning_gate is not None:
+            self.reasoning_gate = ReasoningGate.from_value(self.reasoning_gate)
 
     # -- derived views used by the sampler ----------------------------------------------------
     @property

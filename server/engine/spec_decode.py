@@ -184,6 +184,10 @@ class SpecDecoder:
             # grammar allows EOS), so verification never meets a row with nothing allowed.
             if seq.grammar is not None and self.outputs.blocked_tokens(seq):
                 continue
+            # Nor while a grammar waits for the end of a reasoning block: a run could carry the
+            # block's end and then tokens verified without the grammar it switches on.
+            if seq.grammar is not None and seq.grammar.gate is not None:
+                continue
             # The target's own token follows the proposals, so k proposals may emit k + 1 tokens.
             room = seq.request.max_total_tokens - seq.num_tokens - 1
             if room <= 0:
@@ -268,7 +272,7 @@ class SpecDecoder:
         constrained: list[tuple[Sequence, int, list[int]]] = []
         first = 0
         for _, s in spec:
-            if s.grammar is not None:
+            if s.grammar is not None and s.grammar.gate is None:
                 constrained.append((s, first, s.spec_token_ids))
             first += len(s.spec_token_ids) + 1
         if constrained and self.structured is not None:

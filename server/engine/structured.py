@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import llguidance
 import torch
 
-from server.engine.grammar import CompiledGrammar, GrammarState, compile_params
+from server.engine.grammar import GATE_DECIDE, GATE_WAIT, CompiledGrammar, GrammarState, compile_params
 from server.engine.outputs import FinishReason
-from server.engine.sampling_params import SamplingParams
+from server.engine.sampling_params import ReasoningGate, SamplingParams
 from server.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -53,7 +53,8 @@ DEAD_END = FinishReason.GRAMMAR_DEAD_END
 
 
 def _matcher_failed(state: Optional[GrammarState]) -> bool:
-    return state is not None and bool(state.matcher.is_error())
+    # While gated (inside a reasoning block) the matcher has consumed nothing: it cannot fail.
+    return state is not None and state.gate is None and bool(state.matcher.is_error())
 
 
 def _mask_threads() -> int:
@@ -100,8 +101,9 @@ class StructuredDecoder:
         return compile_params(self.tokenizer, so)
 
     @staticmethod
-    def new_state(grammar: Optional[CompiledGrammar]) -> Optional[GrammarState]:
-        return GrammarState(grammar) if grammar is not None else None
+    def new_state(grammar: Optional[CompiledGrammar], reasoning: Optional[ReasoningGate] = None
+                  ) -> Optional[GrammarState]:
+        return GrammarState(grammar, reasoning=reasoning) if grammar is not None else None
 
     @staticmethod
     def fork(parent: "Seq", child: "Seq") -> None:
@@ -125,7 +127,7 @@ class StructuredDecoder:
         rows: dict[int, int] = {}
         for share in scheduled:
             state: Optional[GrammarState] = share.seq.grammar
-            if state is None or not share.samples:
+            if state is None or not share.samples or state.gate == GATE_WAIT:
                 continue
             rows[share.seq.seq_id] = len(jobs)
             jobs.append((state.matcher, len(jobs)))
@@ -160,7 +162,8 @@ class StructuredDecoder:
         `blocked[i]` are tokens the sampler will forbid on row i anyway (EOS before min_tokens):
         they are cleared here so that a row left with nothing allowed is detected as a dead end.
         """
-        idx = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        # Rows inside a reasoning block are unconstrained (the grammar starts after it).
+        idx = [i for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.gate != GATE_WAIT]
         if not idx:
             return None, []
         out = torch.full((len(seqs), self._words), -1, dtype=torch.int32)
@@ -182,6 +185,12 @@ class StructuredDecoder:
             executor, _ = self._ensure_threads()
             executor.unsafe_compute_mask_ptr(late, out.data_ptr(), self._words * 4, len(seqs))
         for i in idx:
+            state = seqs[i].grammar
+            assert state is not None  # idx holds the constrained rows only
+            if state.gate == GATE_DECIDE and state.reasoning is not None:  # the first token may open the block
+                t = state.reasoning.start_token_id
+                if 0 <= t < self._words * 32:
+                    out[i, t // 32] |= (1 << (t % 32)) if t % 32 != 31 else -0x80000000
             for t in blocked[i]:  # usually none: only EOS / stop ids before min_tokens
                 if 0 <= t < self._words * 32:
                     b = t % 32
@@ -213,6 +222,8 @@ class StructuredDecoder:
         state: Optional[GrammarState] = seq.grammar
         if state is None:
             return len(tokens)
+        if state.gate is not None:  # gated sequences do not speculate (server.engine.spec_decode)
+            return 0
         return int(state.matcher.validate_tokens(tokens))
 
     def draft_masks(self, items: Sequence[tuple["Seq", int, list[int]]], num_rows: int) -> torch.Tensor:
@@ -222,7 +233,8 @@ class StructuredDecoder:
         rolls it back, so the matchers end where they started. Rows of no item allow everything.
         The drafts must have passed `validate_draft`."""
         out = torch.full((num_rows, self._words), -1, dtype=torch.int32)
-        jobs = [(seq.grammar.matcher, first, list(draft)) for seq, first, draft in items if seq.grammar is not None]
+        jobs = [(seq.grammar.matcher, first, list(draft)) for seq, first, draft in items
+                if seq.grammar is not None and seq.grammar.gate is None]
         if jobs:
             executor, _ = self._ensure_threads()
             executor.unsafe_compute_mask_ptr_with_draft_token(jobs, out.data_ptr(), self._words * 4, num_rows)

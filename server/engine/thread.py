@@ -124,8 +124,8 @@ class EngineThread:
             from server.engine.engine import LLMEngine
 
             engine = LLMEngine(self.config)
-        except BaseException as e:  # reported through .error; the server answers 503 with it
-            logger.exception("engine failed to load")
+        except BaseException as e:  # reported through .error (the server exits with it, one line)
+            logger.debug("engine failed to load", exc_info=True)
             self.error = e
             self._ready.set()
             return

@@ -9,7 +9,10 @@ subprotocol, never echoing the secret (docs/websocket.md).
 When auth is required (`AuthPolicy`), every route except /health and the chat page's static
 files needs a valid key: 401 `invalid_api_key` otherwise. Admin routes (/metrics) need the admin
 key (`--admin-key-file`): 403 `permission_denied` for any other key. The admin key may also do
-everything a key may, over every key's requests.
+everything a key may, over every key's requests. The metrics token (`--metrics-key-file`) may read
+/metrics and nothing else (anywhere else it is an unknown key's 401), so a Prometheus scrape needs
+no admin secret. The `--metrics-port` listener serves /metrics alone (server.api.metrics_listener)
+and, with a metrics token set, asks for it there too.
 
 Keys are cached in memory by id; the cache is reloaded when the `key_generation` counter in the
 ledger changes (one indexed read per request, so `pagewire keys revoke` takes effect on the next
@@ -42,6 +45,8 @@ WS_SUBPROTOCOL = "pagewire"
 WS_KEY_PREFIX = "pagewire-key."
 OPEN_PATHS = ("/health",)
 ADMIN_PATHS = ("/metrics",)
+METRICS_PATHS = ("/metrics",)  # what the metrics token may read
+METRICS_LISTENER = "pagewire.metrics_listener"  # scope flag: the request came in on --metrics-port
 
 
 @dataclass(frozen=True)
@@ -70,15 +75,19 @@ class AuthConfigError(ValueError):
     """`serve` refuses to start with this auth configuration (the message says why and what to do)."""
 
 
-def read_admin_key(path: str) -> str:
+def read_admin_key(path: str, option: str = "--admin-key-file", what: str = "the admin key") -> str:
     p = Path(path).expanduser()
     try:
         secret = p.read_text(encoding="utf-8").strip()
     except OSError as e:
-        raise AuthConfigError(f"--admin-key-file {p}: {e.strerror}") from None
+        raise AuthConfigError(f"{option} {p}: {e.strerror}") from None
     if len(secret) < 16:
-        raise AuthConfigError(f"--admin-key-file {p}: the admin key must be at least 16 characters")
+        raise AuthConfigError(f"{option} {p}: {what} must be at least 16 characters")
     return secret
+
+
+def read_metrics_key(path: str) -> str:
+    return read_admin_key(path, "--metrics-key-file", "the metrics token")
 
 
 def check_policy(mode: str, host: str, has_keys: bool, has_admin: bool, insecure_no_auth: bool) -> None:
@@ -106,14 +115,21 @@ class Authenticator:
     """Turns a secret into a Principal. Runs on the event loop (its reads are small and indexed)."""
 
     def __init__(self, conn: Optional[sqlite3.Connection], mode: str = "auto",
-                 admin_secret: Optional[str] = None, insecure_no_auth: bool = False) -> None:
+                 admin_secret: Optional[str] = None, insecure_no_auth: bool = False,
+                 metrics_secret: Optional[str] = None) -> None:
         self._store = KeyStore(conn) if conn is not None else None
         self.mode = mode
         self._admin_hash = hash_secret(admin_secret) if admin_secret else None
+        self._metrics_hash = hash_secret(metrics_secret) if metrics_secret else None
         self.insecure_no_auth = insecure_no_auth
         self._keys: dict[str, ApiKey] = {}
         self._generation = -1
         self.refresh()
+
+    def load(self, generation: int, keys: dict[str, ApiKey]) -> None:
+        """Replace the key cache (a shared database's keys, read asynchronously: `keys.load_keys`)."""
+        if generation != self._generation:
+            self._keys, self._generation = keys, generation
 
     def refresh(self) -> None:
         """Reload the key cache if a key changed since the last look."""
@@ -163,12 +179,23 @@ class Authenticator:
             raise InvalidApiKey(f"API key {who.key_id} is {status}")
         return who if key == who.key else Principal(key.key_id, key=key)
 
+    @property
+    def has_metrics_token(self) -> bool:
+        return self._metrics_hash is not None
+
+    def is_metrics_token(self, secret: Optional[str]) -> bool:
+        """Whether `secret` is the metrics token (good for /metrics only)."""
+        return bool(secret) and self._metrics_hash is not None and secret_matches(secret or "", self._metrics_hash)
+
     def get(self, key_id: str) -> Optional[ApiKey]:
         return self._keys.get(key_id)
 
     def limits_of(self, key_id: str) -> Optional[Limits]:
         k = self._keys.get(key_id)
         return Limits(tpm=k.tpm, rpm=k.rpm, daily_tokens=k.daily_tokens) if k is not None else None
+
+    def is_admin(self, secret: Optional[str]) -> bool:
+        return bool(secret) and self._admin_hash is not None and secret_matches(secret or "", self._admin_hash)
 
     def authenticate(self, secret: Optional[str]) -> Optional[Principal]:
         """The caller for `secret`; None when auth is not required and no secret was given.

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from server.gateway.keys import PRIORITIES, ApiKey, KeyError_, KeyStore
+from server.serving.db_url import DbTarget
 
 
 def add_parsers(sub: Any, db_help: str) -> None:
@@ -92,10 +93,19 @@ def parse_when(text: str, name: str, end_of_day: bool = False) -> float:
     return dt.timestamp()
 
 
-def _open_for_keys(db: Path) -> tuple[sqlite3.Connection, Any]:
-    """A read-write connection with the current schema, and the lock when we took it (see module)."""
+def _open_for_keys(db: "Path | DbTarget") -> tuple[Any, Any]:
+    """A read-write connection with the current schema, and the lock when we took it (see module).
+    A PostgreSQL ledger needs no lock (nothing here sweeps; replicas share it)."""
     from server.serving.db_lock import LedgerLock, LedgerLocked, secure_paths
     from server.serving.ledger import SCHEMA_VERSION, LedgerError, _migrate
+
+    if isinstance(db, DbTarget):
+        if db.url is not None:
+            from server.serving.ledger_pg_sync import open_for_keys
+
+            return open_for_keys(db.url), None
+        assert db.path is not None
+        db = db.path
 
     lock: Any = None
     holder: Optional[LedgerLocked] = None
@@ -130,6 +140,19 @@ def _open_for_keys(db: Path) -> tuple[sqlite3.Connection, Any]:
     return conn, lock
 
 
+def _open_readonly(db: "Path | DbTarget") -> Any:
+    from server.serving.ledger_sync import open_readonly
+
+    if isinstance(db, DbTarget):
+        if db.url is not None:
+            from server.serving.ledger_pg_sync import connect_sync
+
+            return connect_sync(db.url)
+        assert db.path is not None
+        db = db.path
+    return open_readonly(db)
+
+
 def _has_table(conn: sqlite3.Connection, name: str) -> bool:
     return conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name=?", (name,)).fetchone() is not None
 
@@ -152,7 +175,7 @@ def _print_keys(keys: list[ApiKey], as_json: bool) -> None:
               f"{n(k.rpm):>6} {k.max_priority:<11} {_fmt(k.created_at):<16} {_fmt(k.expires_at):<16}")
 
 
-def run_keys(ns: argparse.Namespace, db: Path) -> int:
+def run_keys(ns: argparse.Namespace, db: "Path | DbTarget") -> int:
     from server.serving.ledger import LedgerError
 
     try:
@@ -197,15 +220,14 @@ def run_keys(ns: argparse.Namespace, db: Path) -> int:
     return 0
 
 
-def run_usage(ns: argparse.Namespace, db: Path) -> int:
+def run_usage(ns: argparse.Namespace, db: "Path | DbTarget") -> int:
     from server.gateway.usage import usage_report_sync
     from server.serving.ledger import LedgerError
-    from server.serving.ledger_sync import open_readonly
 
     try:
         start = parse_when(ns.since, "--since") if ns.since else None
         end = parse_when(ns.until, "--until") if ns.until else None
-        conn = open_readonly(db)
+        conn = _open_readonly(db)
     except (ValueError, LedgerError) as e:
         print(f"pagewire: {e}", file=sys.stderr)
         return 2 if isinstance(e, ValueError) and not isinstance(e, LedgerError) else 1

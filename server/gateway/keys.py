@@ -169,6 +169,14 @@ class KeyStore:
         return self.require(key_id)
 
 
+async def load_keys(ledger: Any) -> tuple[int, dict[str, ApiKey]]:
+    """(generation, keys by id) read through an async ledger (a shared database, where the server
+    polls for key changes instead of reading synchronously on the event loop)."""
+    gen = await ledger.query("SELECT generation FROM key_generation")
+    rows = await ledger.query(f"SELECT {_FIELDS} FROM api_keys ORDER BY created_at")
+    return (int(gen[0][0]) if gen else 0), {r[0]: ApiKey(*r) for r in rows}
+
+
 def count_keys(db: "str | Path") -> int:
     """How many keys a ledger file holds (0 when it does not exist yet or predates keys)."""
     p = Path(db).expanduser()

@@ -161,6 +161,11 @@ class QuotaBook:
                 h[f"x-ratelimit-reset-{kind}"] = _duration(b.reset_s())
         return h
 
+    async def acquire(self, key_id: str, cost: int, hold_id: str) -> Reservation:
+        """`reserve`, awaited by the service: the in-memory book answers at once; the database's
+        (server.gateway.quota_db, several replicas) reserves in a transaction."""
+        return self.reserve(key_id, cost)
+
     def reserve(self, key_id: str, cost: int) -> Reservation:
         """Reserve `cost` tokens and one request for `key_id`, or raise RateLimited."""
         lim = self._limits_of(key_id) or Limits()

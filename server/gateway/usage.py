@@ -8,8 +8,7 @@ A request belongs to the UTC day (and report window) of its `created_at`.
 """
 from __future__ import annotations
 
-import sqlite3
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from server.serving.errors import InvalidRequest
 from server.serving.ledger import Ledger
@@ -20,7 +19,7 @@ DAY_S = 86400.0
 GROUPS = {
     "key": "COALESCE(key_id, '-')",
     "model": "COALESCE(model, '-')",
-    "day": "date(created_at, 'unixepoch')",
+    "day": "date(created_at, 'unixepoch')",  # the backend's own spelling replaces it (day_sql)
 }
 
 
@@ -44,7 +43,7 @@ async def recent_usage(ledger: Ledger, since: float) -> dict[str, list[tuple[flo
 
 
 def usage_query(start: Optional[float], end: Optional[float], group_by: str,
-                key_id: Optional[str]) -> tuple[str, tuple[Any, ...]]:
+                key_id: Optional[str], day_sql: Optional[Callable[[str], str]] = None) -> tuple[str, tuple[Any, ...]]:
     """The report's SQL: per group, request count and token sums (billable included)."""
     if group_by not in GROUPS:
         raise InvalidRequest(f"group_by: expected one of {', '.join(GROUPS)}, got {group_by!r}", param="group_by")
@@ -59,7 +58,7 @@ def usage_query(start: Optional[float], end: Optional[float], group_by: str,
     if key_id is not None:
         where.append("key_id = ?")
         args.append(key_id)
-    g = GROUPS[group_by]
+    g = day_sql("created_at") if group_by == "day" and day_sql is not None else GROUPS[group_by]
     sql = (f"SELECT {g} AS grp, COUNT(*), SUM(prompt_tokens), SUM(completion_tokens), "
            f"SUM(cached_tokens), SUM({BILLABLE_SQL}) FROM requests"
            + (" WHERE " + " AND ".join(where) if where else "") + " GROUP BY grp ORDER BY grp")
@@ -74,11 +73,12 @@ def rows_to_report(rows: list[tuple[Any, ...]], group_by: str) -> list[dict[str,
 
 async def usage_report(ledger: Ledger, start: Optional[float], end: Optional[float], group_by: str,
                        key_id: Optional[str]) -> list[dict[str, Any]]:
-    sql, args = usage_query(start, end, group_by, key_id)
+    sql, args = usage_query(start, end, group_by, key_id, ledger.day_sql)
     return rows_to_report(await ledger.query(sql, args), group_by)
 
 
-def usage_report_sync(conn: sqlite3.Connection, start: Optional[float], end: Optional[float],
+def usage_report_sync(conn: Any, start: Optional[float], end: Optional[float],
                       group_by: str, key_id: Optional[str]) -> list[dict[str, Any]]:
-    sql, args = usage_query(start, end, group_by, key_id)
+    """Over a sqlite3 connection or a PostgreSQL one (ledger_pg_sync.PgSyncConn)."""
+    sql, args = usage_query(start, end, group_by, key_id, getattr(conn, "day_sql", None))
     return rows_to_report([tuple(r) for r in conn.execute(sql, args)], group_by)

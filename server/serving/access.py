@@ -39,12 +39,17 @@ class Reservation:
     day: int
     ident: int
     settled: bool = False
+    hold_id: Optional[str] = None  # its row in quota_holds when the database holds it (gateway.quota_db)
 
 
 class Quotas(Protocol):
     """Token quotas per key (the gateway's `QuotaBook`). `reserve` raises RateLimited (429)."""
 
     def reserve(self, key_id: str, cost: int) -> Reservation: ...
+
+    async def acquire(self, key_id: str, cost: int, hold_id: str) -> Reservation:
+        """`reserve`, awaited: a quota book in a shared database reserves in a transaction."""
+        ...
 
     def settle(self, res: Reservation, actual: int, *, ran: bool = True) -> None: ...
 

@@ -236,6 +236,18 @@ class BatchManager:
             log.info("resuming batch %s", bid)
             self._spawn(bid)
 
+    async def pick_up(self) -> None:
+        """Run the open batches no task here is running (a shared ledger: batches created on
+        another replica, or lines left by one whose lease lapsed). Called on each lease tick."""
+        if self._stopping:
+            return
+        rows = await self.ledger.query(
+            f"SELECT batch_id FROM batches WHERE status IN ({', '.join('?' * len(OPEN_STATUSES))}) "
+            "ORDER BY created_at", OPEN_STATUSES)
+        for (bid,) in rows:
+            if bid not in self._runs:
+                self._spawn(bid)
+
     async def stop(self) -> None:
         """Stop running batches (shutdown). Their lines in flight end as `interrupted` with the
         server's drain and are resumed by the next start."""
@@ -269,9 +281,12 @@ class BatchManager:
             await self._validate(b)
             b = await self.get(batch_id)
         if b.status == "in_progress":
+            # Open lines no live replica holds (with SQLite, no instance is registered: all of them).
             lines = await self.ledger.query(
-                "SELECT line_no, status, attempt FROM batch_lines WHERE batch_id = ? AND status IN "
-                "('pending', 'running') ORDER BY line_no", (batch_id,))
+                "SELECT line_no, status, attempt FROM batch_lines WHERE batch_id = ? AND (status = 'pending' OR "
+                "(status = 'running' AND (lease_owner IS NULL OR lease_owner NOT IN "
+                "(SELECT instance_id FROM instances WHERE lease_until >= ?)))) ORDER BY line_no",
+                (batch_id, time.time()))
             if lines:
                 raw = (await self.files.content(b.input_file_id)).decode("utf-8")
                 texts = [ln for ln in raw.splitlines() if ln.strip()]
@@ -307,15 +322,15 @@ class BatchManager:
         for i, text in enumerate(texts):
             try:
                 cid, _body = parse_line(text, b.endpoint, seen)
-                stmts.append(("INSERT OR IGNORE INTO batch_lines (batch_id, line_no, custom_id, status) "
-                              "VALUES (?, ?, ?, 'pending')", (b.batch_id, i, cid)))
+                stmts.append(("INSERT INTO batch_lines (batch_id, line_no, custom_id, status) "
+                              "VALUES (?, ?, ?, 'pending') ON CONFLICT DO NOTHING", (b.batch_id, i, cid)))
             except LineInvalid as e:
                 failed += 1
                 cid_any = _custom_id_of(text)
                 result = {"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": cid_any, "response": None,
                           "error": {"code": e.code, "message": f"line {i + 1}: {e.message}"}}
-                stmts.append(("INSERT OR IGNORE INTO batch_lines (batch_id, line_no, custom_id, status, "
-                              "result_json) VALUES (?, ?, ?, 'error', ?)",
+                stmts.append(("INSERT INTO batch_lines (batch_id, line_no, custom_id, status, "
+                              "result_json) VALUES (?, ?, ?, 'error', ?) ON CONFLICT DO NOTHING",
                               (b.batch_id, i, cid_any, json.dumps(result))))
         stmts.append(("UPDATE batches SET status = 'in_progress', in_progress_at = ?, total = ?, failed = ? "
                       "WHERE batch_id = ? AND status = 'validating'", (time.time(), len(texts), failed, b.batch_id)))
@@ -330,6 +345,12 @@ class BatchManager:
     async def _run_line_inner(self, b: BatchRecord, line_no: int, text: str, attempt: int) -> None:
         kind = _kind(b.endpoint)
         cid, body = parse_line(text, b.endpoint, set())
+        # The line's lease: this replica's claim, which no other takes while this one's lease holds
+        # (on a shared ledger another replica may run it: then it is not ours). Claimed before
+        # the prior attempt is read, so an attempt of a lapsed owner is already `interrupted`.
+        if not await self.ledger.claim_batch_line(b.batch_id, line_no, attempt):
+            return
+        first = attempt
         while True:
             key = f"batch-{b.batch_id}-{line_no}-{attempt}"
             prior = await self.ledger.find_by_idempotency_key(key)
@@ -348,8 +369,9 @@ class BatchManager:
         spec.klass = BATCH
         spec.detach = True  # nobody follows a batch line; it must not be cancelled for that
         spec.timeout_s = LINE_TIMEOUT_S
-        await self.ledger.execute("UPDATE batch_lines SET status = 'running', attempt = ? WHERE batch_id = ? "
-                                  "AND line_no = ?", (attempt, b.batch_id, line_no))
+        if attempt != first:
+            await self.ledger.execute("UPDATE batch_lines SET attempt = ? WHERE batch_id = ? AND line_no = ?",
+                                      (attempt, b.batch_id, line_no))
         if await self._status(b.batch_id) == "cancelling":  # cancelled while this line was being set up
             await self.ledger.execute("UPDATE batch_lines SET status = 'cancelled' WHERE batch_id = ? AND "
                                       "line_no = ?", (b.batch_id, line_no))
@@ -411,9 +433,9 @@ class BatchManager:
             ("UPDATE batch_lines SET status = ?, request_id = ?, result_json = ? WHERE batch_id = ? AND line_no = ? "
              "AND status IN ('pending', 'running')",
              ("done" if ok else "error", request_id, json.dumps(result), batch_id, line_no)),
-            ("UPDATE batches SET completed = (SELECT COUNT(*) FROM batch_lines WHERE batch_id = ?1 AND "
-             "status = 'done'), failed = (SELECT COUNT(*) FROM batch_lines WHERE batch_id = ?1 AND status = 'error') "
-             "WHERE batch_id = ?1", (batch_id,)),
+            ("UPDATE batches SET completed = (SELECT COUNT(*) FROM batch_lines WHERE batch_id = ? AND "
+             "status = 'done'), failed = (SELECT COUNT(*) FROM batch_lines WHERE batch_id = ? AND status = 'error') "
+             "WHERE batch_id = ?", (batch_id, batch_id, batch_id)),
         ])
 
     async def _finalize(self, batch_id: str) -> None:
@@ -423,8 +445,10 @@ class BatchManager:
             return
         cancelling = status == "cancelling"
         if not cancelling:
-            await self.ledger.execute("UPDATE batches SET status = 'finalizing', finalizing_at = ? WHERE batch_id = ? "
-                                      "AND status = 'in_progress'", (time.time(), batch_id))
+            won = await self.ledger.execute("UPDATE batches SET status = 'finalizing', finalizing_at = ? "
+                                            "WHERE batch_id = ? AND status = 'in_progress'", (time.time(), batch_id))
+            if not won and status == "in_progress":
+                return  # another replica finished the last line at the same moment and finalizes
         rows = await self.ledger.query("SELECT status, result_json FROM batch_lines WHERE batch_id = ? "
                                        "ORDER BY line_no", (batch_id,))
         owner = (await self.get(batch_id)).key_id

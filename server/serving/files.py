@@ -49,13 +49,19 @@ class FileLimits:
 
 
 class FileStore:
-    def __init__(self, ledger: Ledger, directory: Path, limits: FileLimits = FileLimits()) -> None:
+    """Files under `directory`, or, with `directory` None (a ledger shared by replicas that share
+    no disk: PostgreSQL), their bytes in the ledger's `file_blobs` table, written in the same
+    transaction as their metadata row, so every replica can read every file."""
+
+    def __init__(self, ledger: Ledger, directory: Optional[Path], limits: FileLimits = FileLimits()) -> None:
         self.ledger = ledger
         self.dir = directory
         self.limits = limits
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if directory is not None:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def path(self, file_id: str) -> Path:
+        assert self.dir is not None
         return self.dir / file_id
 
     async def upload(self, purpose: str, filename: str, data: bytes, key_id: Optional[str] = None) -> FileRecord:
@@ -81,14 +87,22 @@ class FileStore:
                     key_id: Optional[str] = None) -> FileRecord:
         rec = FileRecord(file_id or f"file-{uuid.uuid4().hex[:24]}", purpose, filename, len(data), time.time(),
                          key_id)
+        meta = ("INSERT INTO files (file_id, purpose, filename, bytes, created_at, key_id) VALUES (?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (file_id) DO UPDATE SET purpose = excluded.purpose, filename = excluded.filename, "
+                "bytes = excluded.bytes, created_at = excluded.created_at, key_id = excluded.key_id",
+                (rec.file_id, rec.purpose, rec.filename, rec.bytes, rec.created_at, rec.key_id))
+        if self.dir is None:
+            await self.ledger.execute_many([
+                ("INSERT INTO file_blobs (file_id, content) VALUES (?, ?) "
+                 "ON CONFLICT (file_id) DO UPDATE SET content = excluded.content", (rec.file_id, data)),
+                meta])
+            return rec
         await asyncio.get_running_loop().run_in_executor(None, self._write_bytes, rec.file_id, data)
-        await self.ledger.execute(
-            "INSERT OR REPLACE INTO files (file_id, purpose, filename, bytes, created_at, key_id) "
-            "VALUES (?, ?, ?, ?, ?, ?)",
-            (rec.file_id, rec.purpose, rec.filename, rec.bytes, rec.created_at, rec.key_id))
+        await self.ledger.execute(*meta)
         return rec
 
     def _write_bytes(self, file_id: str, data: bytes) -> None:
+        assert self.dir is not None
         tmp = self.dir / f".{file_id}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -109,4 +123,7 @@ class FileStore:
 
     async def content(self, file_id: str, who: Optional[Caller] = None) -> bytes:
         await self.get(file_id, who=who)
+        if self.dir is None:
+            rows = await self.ledger.query("SELECT content FROM file_blobs WHERE file_id = ?", (file_id,))
+            return bytes(rows[0][0])
         return await asyncio.get_running_loop().run_in_executor(None, self.path(file_id).read_bytes)

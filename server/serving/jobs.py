@@ -10,13 +10,14 @@ long after the in-memory stream is gone (`events_from_output`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from server.engine.outputs import RequestDelta, TokenLogprob, fold_delta
+from server.engine.outputs import RequestDelta, SampleDelta, TokenLogprob, fold_delta
 from server.engine.sampling_params import SamplingParams
 from server.serving.lifecycle import END_RULES, CancelReason, EndReason, JobState, end_reason_of_row
 from server.serving.streams import DeltaEvent, EndEvent, RequestStream, Usage
+from server.text.reasoning import ReasoningFormat, ReasoningSplitter
 
 
 @dataclass
@@ -61,22 +62,31 @@ class GenerationSpec:
     tools: Optional[list[dict[str, Any]]] = None
     tool_format: str = "none"
     key_id: Optional[str] = None  # the owning API key (server.gateway.auth.bind); None: auth off
+    # How the edge names a chat's conversation in errors (the Responses API: `input`).
+    messages_field: str = "messages"
+    # Extra chat-template variables (`chat_template_kwargs`, e.g. {"enable_thinking": false}).
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 class SampleAcc:
     """Everything one sample produced so far."""
 
-    __slots__ = ("index", "parts", "text_len", "token_ids", "logprobs", "finish_reason", "stop_reason", "marks")
+    __slots__ = ("index", "parts", "text_len", "token_ids", "logprobs", "finish_reason", "stop_reason", "marks",
+                 "reasoning_parts", "reasoning_len", "splitter")
 
-    def __init__(self, index: int, want_logprobs: bool) -> None:
+    def __init__(self, index: int, want_logprobs: bool, splitter: Optional[ReasoningSplitter] = None) -> None:
         self.index = index
         self.parts: list[str] = []
         self.text_len = 0
+        # With a reasoning parser: the thinking, apart from the answer in `parts`.
+        self.splitter = splitter
+        self.reasoning_parts: list[str] = []
+        self.reasoning_len = 0
         self.token_ids: list[int] = []
         self.logprobs: Optional[list[TokenLogprob]] = [] if want_logprobs else None
         self.finish_reason: Optional[str] = None
         self.stop_reason: Optional[int | str] = None
-        self.marks: list[tuple[int, int, int]] = []
+        self.marks: list[tuple[int, ...]] = []  # (seq, text length, tokens[, reasoning length])
 
     def add_text(self, text: str) -> None:
         self.parts.append(text)
@@ -88,20 +98,49 @@ class SampleAcc:
             self.parts = ["".join(self.parts)]
         return self.parts[0] if self.parts else ""
 
+    @property
+    def reasoning(self) -> str:
+        if len(self.reasoning_parts) > 1:
+            self.reasoning_parts = ["".join(self.reasoning_parts)]
+        return self.reasoning_parts[0] if self.reasoning_parts else ""
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self.splitter.reasoning_tokens if self.splitter is not None else 0
+
+    def split(self, delta: SampleDelta) -> tuple[SampleDelta, str]:
+        """(the delta with only its answer text, its thinking text), releasing what the splitter
+        held when the sample finishes."""
+        assert self.splitter is not None
+        thought, answer = self.splitter.feed(delta.text, delta.token_ids)
+        if delta.finish_reason is not None:
+            more_thought, more_answer = self.splitter.finish()
+            thought, answer = thought + more_thought, answer + more_answer
+        if thought:
+            self.reasoning_parts.append(thought)
+            self.reasoning_len += len(thought)
+        return replace(delta, text=answer), thought
+
 
 class Job:
     """An accepted request. Lives on the event loop and is changed only by the service;
     `state` moves queued → running → ending → ended."""
 
     def __init__(self, request_id: str, spec: GenerationSpec, prompt_token_ids: list[int],
-                 params: SamplingParams, created_wall: float, created_mono: float) -> None:
+                 params: SamplingParams, created_wall: float, created_mono: float,
+                 reasoning: Optional[ReasoningFormat] = None) -> None:
+        """`reasoning`: split each sample's thinking from its answer (a chat with a reasoning parser)."""
         self.request_id = request_id
         self.spec = spec
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.want_logprobs = params.logprobs is not None
         self.stream = RequestStream(request_id)
-        self.samples = [SampleAcc(i, self.want_logprobs) for i in range(params.n)]
+        self.reasoning = reasoning
+        opened = reasoning.starts_open(prompt_token_ids) if reasoning is not None else False
+        self.samples = [SampleAcc(i, self.want_logprobs,
+                                  ReasoningSplitter(reasoning, opened) if reasoning is not None else None)
+                        for i in range(params.n)]
         self.created_wall = created_wall
         self.created_mono = created_mono
         self.admitted_mono: Optional[float] = None
@@ -130,17 +169,29 @@ class Job:
         self.cached_tokens = delta.num_cached_tokens
         if delta.error:
             self.error = delta.error
-        events = self.stream.publish(delta.samples, self.want_logprobs)
-        fold_delta(self.samples, delta.samples)
+        samples = delta.samples
+        thoughts: Optional[dict[int, str]] = None
+        if self.reasoning is not None:
+            samples, thoughts = [], {}
+            for d in delta.samples:
+                if d.index < len(self.samples):
+                    d, thoughts[d.index] = self.samples[d.index].split(d)
+                samples.append(d)
+        events = self.stream.publish(samples, self.want_logprobs, thoughts)
+        fold_delta(self.samples, samples)
         # One event per sample per step, so each sample's totals now are those after its event.
         for ev in events:
             if ev.index < len(self.samples):
                 s = self.samples[ev.index]
-                s.marks.append((ev.seq, s.text_len, len(s.token_ids)))
+                if self.reasoning is not None:
+                    s.marks.append((ev.seq, s.text_len, len(s.token_ids), s.reasoning_len))
+                else:
+                    s.marks.append((ev.seq, s.text_len, len(s.token_ids)))
         return events
 
     def usage(self) -> Usage:
-        return Usage(len(self.prompt_token_ids), self.completion_tokens, self.cached_tokens)
+        return Usage(len(self.prompt_token_ids), self.completion_tokens, self.cached_tokens,
+                     sum(s.reasoning_tokens for s in self.samples))
 
     def output(self) -> dict[str, Any]:
         """The stored form of the output (ledger `output_json`)."""
@@ -157,6 +208,8 @@ class Job:
                     "finish_reason": s.finish_reason,
                     "stop_reason": s.stop_reason,
                     "marks": [list(m) for m in s.marks],
+                    **({"reasoning": s.reasoning, "reasoning_tokens": s.reasoning_tokens}
+                       if s.splitter is not None else {}),
                 }
                 for s in self.samples
             ],
@@ -181,11 +234,12 @@ def events_from_output(output: dict[str, Any], after_seq: int) -> list[DeltaEven
     events: list[DeltaEvent] = []
     for s in output.get("samples", []):
         marks = s.get("marks") or []
-        text_len = tok_len = 0
-        for seq, tl, kl in marks:
-            if seq > after_seq:
+        text_len = tok_len = reasoning_len = 0
+        for mark in marks:  # (seq, text length, token count[, reasoning length]) after each delta
+            if mark[0] > after_seq:
                 break
-            text_len, tok_len = tl, kl
+            text_len, tok_len = mark[1], mark[2]
+            reasoning_len = mark[3] if len(mark) > 3 else 0
         if not marks or marks[-1][0] <= after_seq:
             continue  # the client has all of this sample
         lps = logprobs_from_stored(s.get("logprobs"))
@@ -196,6 +250,7 @@ def events_from_output(output: dict[str, Any], after_seq: int) -> list[DeltaEven
             token_ids=list(s["token_ids"][tok_len:]),
             logprobs=lps[tok_len:] if lps is not None else None,
             finish_reason=s.get("finish_reason"),
+            reasoning=(s.get("reasoning") or "")[reasoning_len:],
         ))
     events.sort(key=lambda e: e.seq)
     return events
@@ -211,7 +266,7 @@ def end_from_record(record: Any) -> EndEvent:
         request_id=record.request_id,
         reason=reason,
         finish_reasons=[s.get("finish_reason") for s in output.get("samples", [])] or [record.finish_reason],
-        usage=Usage(record.prompt_tokens, record.completion_tokens, record.cached_tokens),
+        usage=Usage(record.prompt_tokens, record.completion_tokens, record.cached_tokens, record.reasoning_tokens),
         last_seq=int(output.get("last_seq", 0)),
         message=message,
         output=output,

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pagewire.ledger")
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 7
 
 # The one statement that closes rows nobody will finish: at open (rows a previous process left),
 # at the end of a drain, and on a forced exit (`ledger_sync`). Args: (finished_at, error).
@@ -152,13 +152,64 @@ _MIGRATIONS: list[str] = [
     ALTER TABLE batches ADD COLUMN key_id TEXT;
     CREATE INDEX batches_key_created ON batches (key_id, created_at);
     """,
+    # 6: reasoning tokens apart (of completion_tokens: those inside the model's thinking block,
+    # server.text.reasoning), and the Responses API's stored responses (server.api.responses_store):
+    # the conversation a `previous_response_id` continues, owned by a key like requests.
+    """
+    ALTER TABLE requests ADD COLUMN reasoning_tokens INTEGER NOT NULL DEFAULT 0;
+    CREATE TABLE responses (
+        response_id           TEXT PRIMARY KEY,
+        request_id            TEXT,
+        key_id                TEXT,
+        previous_response_id  TEXT,
+        created_at            REAL NOT NULL,
+        body_json             TEXT NOT NULL,
+        conversation_json     TEXT NOT NULL,
+        deleted_at            REAL
+    );
+    CREATE INDEX responses_key_created ON responses (key_id, created_at);
+    """,
+    # 7: several replicas on one database (server.serving.ledger_pg). Each replica registers an
+    # instance with a lease it renews; a request row and a claimed batch line name their instance;
+    # quota_holds are the outstanding token reservations (server.gateway.quota_db); file_blobs hold
+    # file bytes where replicas share no disk. SQLite (one process) keeps its flock, in-memory
+    # quotas and files folder; it gets the same tables so both backends share one schema.
+    """
+    CREATE TABLE instances (
+        instance_id  TEXT PRIMARY KEY,
+        name         TEXT NOT NULL,
+        started_at   REAL NOT NULL,
+        lease_until  REAL NOT NULL
+    );
+    ALTER TABLE requests ADD COLUMN instance_id TEXT;
+    CREATE INDEX requests_instance_state ON requests (instance_id, state);
+    ALTER TABLE batch_lines ADD COLUMN lease_owner TEXT;
+    CREATE TABLE quota_holds (
+        hold_id      TEXT PRIMARY KEY,
+        key_id       TEXT NOT NULL,
+        tokens       INTEGER NOT NULL,
+        created_at   REAL NOT NULL,
+        instance_id  TEXT NOT NULL
+    );
+    CREATE INDEX quota_holds_key ON quota_holds (key_id, created_at);
+    CREATE TABLE file_blobs (
+        file_id  TEXT PRIMARY KEY,
+        content  BLOB NOT NULL
+    );
+    """,
 ]
 
 COLUMNS = (
     "request_id, idempotency_key, kind, api, client, model, state, priority, params_json, "
     "prompt_json, created_at, admitted_at, first_token_at, finished_at, prompt_tokens, "
-    "completion_tokens, cached_tokens, finish_reason, error, output_text, output_json, request_hash, key_id"
+    "completion_tokens, cached_tokens, finish_reason, error, output_text, output_json, request_hash, key_id, "
+    "reasoning_tokens, instance_id"
 )
+
+
+class IdempotencyConflict(LedgerError):
+    """An insert lost to a committed row with the same idempotency key (the unique constraint
+    decided: another replica, or an earlier attempt whose commit was ambiguous, holds the key)."""
 
 
 class LedgerWriteError(LedgerError, Unavailable):
@@ -197,6 +248,8 @@ class RequestRecord:
     output: Optional[dict[str, Any]]
     request_hash: Optional[str] = None
     key_id: Optional[str] = None  # the API key that owns the request (None: auth was off)
+    reasoning_tokens: int = 0  # of completion_tokens, those of the model's thinking
+    instance_id: Optional[str] = None  # the replica that accepted it (server.serving.ledger_pg)
 
     @property
     def terminal(self) -> bool:
@@ -205,14 +258,15 @@ class RequestRecord:
     @classmethod
     def from_row(cls, row: tuple[Any, ...]) -> "RequestRecord":
         (rid, key, kind, api, client, model, state, prio, params, prompt, created, admitted,
-         first, finished, ptok, ctok, cached, reason, error, text, output, request_hash, key_id) = row
+         first, finished, ptok, ctok, cached, reason, error, text, output, request_hash, key_id,
+         reasoning, instance_id) = row
         return cls(
             rid, key, kind, api, client, model, state, prio,
             json.loads(params) if params else None,
             json.loads(prompt) if prompt else None,
             created, admitted, first, finished, ptok, ctok, cached, reason, error, text,
             json.loads(output) if output else None,
-            request_hash, key_id,
+            request_hash, key_id, reasoning or 0, instance_id,
         )
 
 
@@ -249,6 +303,7 @@ class Terminal:
     output: dict[str, Any]
     first_token_at: Optional[float]
     finished_at: float
+    reasoning_tokens: int = 0
 
 
 async def _apply_pragmas(conn: aiosqlite.Connection, busy_timeout_ms: int) -> None:
@@ -283,7 +338,8 @@ async def _migrate(conn: aiosqlite.Connection) -> None:
 class _Op:
     __slots__ = ("sql", "args", "future")
 
-    def __init__(self, sql: str, args: tuple[Any, ...], future: Optional[asyncio.Future[None]]):
+    # The future's result is the statement's rowcount (a claim checks that it won the row).
+    def __init__(self, sql: str, args: tuple[Any, ...], future: Optional[asyncio.Future[Any]]):
         self.sql = sql
         self.args = args
         self.future = future
@@ -292,8 +348,14 @@ class _Op:
 class Ledger:
     """Async front of the ledger. Create with `await Ledger.open(path)`; all methods run on the loop."""
 
-    def __init__(self, path: Path, writer: aiosqlite.Connection, reader: aiosqlite.Connection):
-        self.path = path
+    # One process owns a SQLite ledger; a PostgreSQL one (ledger_pg) is shared by replicas.
+    shared = False
+
+    def __init__(self, path: Optional[Path], writer: Any, reader: Any):
+        self.path = path  # the database file; None where there is none (PostgreSQL)
+        # This process's instance id, recorded on every row it accepts (see migration 6).
+        self.instance_id = f"{os.uname().nodename}-{os.getpid()}-{os.urandom(3).hex()}"
+        self.instance_name = self.instance_id
         self._writer = writer
         self._reader = reader
         self._ops: list[_Op] = []
@@ -349,28 +411,34 @@ class Ledger:
         return ledger
 
     # -- writes ---------------------------------------------------------------------------------
-    def _enqueue(self, sql: str, args: tuple[Any, ...], wait: bool) -> Optional[asyncio.Future[None]]:
+    def _enqueue(self, sql: str, args: tuple[Any, ...], wait: bool) -> Optional[asyncio.Future[Any]]:
         if self._closed:
             raise LedgerError("ledger is closed")
-        fut: Optional[asyncio.Future[None]] = asyncio.get_running_loop().create_future() if wait else None
+        fut: Optional[asyncio.Future[Any]] = asyncio.get_running_loop().create_future() if wait else None
         self._ops.append(_Op(sql, args, fut))
         self._wake.set()
         return fut
 
-    async def insert(self, req: NewRequest) -> None:
-        """Write the `queued` row and return once it is committed."""
-        fut = self._enqueue(
+    def _insert_op(self, req: NewRequest) -> tuple[str, tuple[Any, ...]]:
+        return (
             "INSERT INTO requests (request_id, idempotency_key, kind, api, client, model, state, "
-            "priority, params_json, prompt_json, created_at, prompt_tokens, request_hash, key_id) "
-            "VALUES (?, ?, ?, ?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?)",
+            "priority, params_json, prompt_json, created_at, prompt_tokens, request_hash, key_id, instance_id) "
+            "VALUES (?, ?, ?, ?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?)",
             (req.request_id, req.idempotency_key, req.kind, req.api, req.client, req.model,
              req.priority, json.dumps(req.params),
              json.dumps(req.prompt) if req.prompt is not None else None, req.created_at,
-             req.prompt_tokens, req.request_hash, req.key_id),
-            wait=True,
-        )
+             req.prompt_tokens, req.request_hash, req.key_id, self.instance_id))
+
+    async def insert(self, req: NewRequest) -> None:
+        """Write the `queued` row and return once it is committed."""
+        fut = self._enqueue(*self._insert_op(req), wait=True)
         assert fut is not None
-        await fut
+        try:
+            await fut
+        except sqlite3.IntegrityError as e:
+            if req.idempotency_key is not None and "idempotency_key" in str(e):
+                raise IdempotencyConflict(f"idempotency key {req.idempotency_key!r} is taken") from None
+            raise
 
     def mark_running(self, request_id: str, admitted_at: float) -> None:
         """Queued → running (handed to the engine). Not awaited: FIFO order keeps it before the end."""
@@ -432,15 +500,15 @@ class Ledger:
                 del self._owed[rid]
         return ok
 
-    def _finish_op(self, request_id: str, t: Terminal) -> "asyncio.Future[None]":
+    def _finish_op(self, request_id: str, t: Terminal) -> "asyncio.Future[Any]":
         fut = self._enqueue(
             "UPDATE requests SET state = ?, finish_reason = ?, error = ?, prompt_tokens = ?, "
             "completion_tokens = ?, cached_tokens = ?, output_text = ?, output_json = ?, "
-            "first_token_at = COALESCE(first_token_at, ?), finished_at = ? "
+            "first_token_at = COALESCE(first_token_at, ?), finished_at = ?, reasoning_tokens = ? "
             "WHERE request_id = ? AND state IN ('queued', 'running')",
             (t.state, t.finish_reason, t.error, t.prompt_tokens, t.completion_tokens,
              t.cached_tokens, t.output_text, json.dumps(t.output), t.first_token_at,
-             t.finished_at, request_id),
+             t.finished_at, t.reasoning_tokens, request_id),
             wait=True,
         )
         assert fut is not None
@@ -478,12 +546,14 @@ class Ledger:
         # One transaction per batch. A failing statement (e.g. a duplicate idempotency key) only
         # rolls back itself under SQLite's default ABORT conflict rule, so the rest still commit.
         errors: list[Optional[BaseException]] = []
+        counts: list[int] = []
         storage_error: Optional[str] = None
         try:
             await self._writer.execute("BEGIN IMMEDIATE")
             for op in batch:
                 try:
-                    await self._writer.execute(op.sql, op.args)
+                    cur = await self._writer.execute(op.sql, op.args)
+                    counts.append(cur.rowcount)
                     errors.append(None)
                 except sqlite3.Error as exc:
                     failure: BaseException = exc
@@ -491,6 +561,7 @@ class Ledger:
                         storage_error = f"{exc}"
                         failure = LedgerWriteError(f"ledger write failed: {exc}")
                     errors.append(failure)
+                    counts.append(0)
                     if op.future is None:
                         log.error("ledger write failed: %s (%s)", exc, op.sql.split(" ")[0])
             await self._writer.execute("COMMIT")
@@ -512,10 +583,10 @@ class Ledger:
         self.write_error = storage_error
         if storage_error is not None:
             self.failed_commits += 1
-        for op, err in zip(batch, errors):
+        for op, err, n in zip(batch, errors, counts):
             if op.future is not None and not op.future.done():
                 if err is None:
-                    op.future.set_result(None)
+                    op.future.set_result(n)
                 else:
                     op.future.set_exception(err)
 
@@ -531,11 +602,38 @@ class Ledger:
         return RequestRecord.from_row(tuple(row)) if row else None
 
     # -- the batch tier's tables (server.gateway): same writer queue, same reader ---------------
-    async def execute(self, sql: str, args: tuple[Any, ...] = ()) -> None:
-        """One write through the writer queue; returns once committed (FIFO with request writes)."""
+    async def execute(self, sql: str, args: tuple[Any, ...] = ()) -> int:
+        """One write through the writer queue; returns its rowcount once committed (FIFO with
+        request writes). Callers write the SQL both backends share (`?` placeholders, ON CONFLICT
+        upserts, no engine-specific functions); a backend translates what it must."""
         fut = self._enqueue(sql, args, wait=True)
         assert fut is not None
-        await fut
+        return int(await fut)
+
+    def execute_nowait(self, sql: str, args: tuple[Any, ...] = ()) -> None:
+        """A write queued behind everything already queued, not awaited (like mark_running)."""
+        self._enqueue(sql, args, wait=False)
+
+    def day_sql(self, column: str) -> str:
+        """The SQL expression for the UTC day (YYYY-MM-DD) of a Unix-seconds column."""
+        return f"date({column}, 'unixepoch')"
+
+    async def instance_label(self, instance_id: Optional[str]) -> str:
+        """How to name a replica in a message (its registered name, else its id)."""
+        return instance_id or "unknown"
+
+    async def sweep_dead(self) -> int:
+        """Interrupt the rows of replicas whose lease lapsed: none here (one process owns the file;
+        its start-up sweep did this)."""
+        return 0
+
+    async def claim_batch_line(self, batch_id: str, line_no: int, attempt: int) -> bool:
+        """Take a batch line for this process: one process owns a SQLite ledger, so every line a
+        previous run left open is its to resume. True when the line was still open."""
+        n = await self.execute(
+            "UPDATE batch_lines SET status = 'running', attempt = ?, lease_owner = ? WHERE batch_id = ? "
+            "AND line_no = ? AND status IN ('pending', 'running')", (attempt, self.instance_id, batch_id, line_no))
+        return n == 1
 
     async def execute_many(self, statements: list[tuple[str, tuple[Any, ...]]]) -> None:
         """Several writes queued back to back, so they commit in one transaction (group commit)."""
@@ -562,7 +660,10 @@ class Ledger:
         if self._retry_task is not None:
             self._retry_task.cancel()
         await self._task
-        await self._reader.close()
-        await self._writer.close()
+        await self._close_connections()
         if self.lock is not None:
             self.lock.release()
+
+    async def _close_connections(self) -> None:
+        await self._reader.close()
+        await self._writer.close()

@@ -24,11 +24,16 @@ def open_readonly(path: str | os.PathLike[str]) -> sqlite3.Connection:
 
 
 def _columns(conn: sqlite3.Connection) -> str:
-    """COLUMNS, or its schema-v1/v2 form for a ledger no v2 server has opened yet (read-only here,
-    so the CLI cannot migrate it): `request_hash` reads as NULL."""
+    """COLUMNS, or its older form for a ledger no newer server has opened yet (read-only here, so
+    the CLI cannot migrate it): a column added since reads as NULL."""
+    if getattr(conn, "current_schema", False):  # a PostgreSQL ledger (ledger_pg_sync)
+        return COLUMNS
     names = {row[1] for row in conn.execute("PRAGMA table_info(requests)")}
-    cols = COLUMNS if "request_hash" in names else COLUMNS.replace("request_hash", "NULL")
-    return cols if "key_id" in names else cols.replace("key_id", "NULL")
+    cols = COLUMNS
+    for optional in ("request_hash", "key_id", "reasoning_tokens", "instance_id"):  # schema v2, v3, v6, v7
+        if optional not in names:
+            cols = cols.replace(optional, "NULL")
+    return cols
 
 
 def list_records(conn: sqlite3.Connection, limit: int = 50, state: Optional[str] = None,
@@ -40,7 +45,7 @@ def list_records(conn: sqlite3.Connection, limit: int = 50, state: Optional[str]
         where.append("state = ?")
         args += (state,)
     if key_id:
-        if not cols.endswith("key_id"):  # a ledger from before keys (read as NULL): no request has a key
+        if "key_id" not in cols:  # a ledger from before keys (read as NULL): no request has a key
             return []
         where.append("key_id = ?")
         args += (key_id,)

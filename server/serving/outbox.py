@@ -40,7 +40,7 @@ REPLAY_CHUNK_BYTES = 64 * 1024
 def _copy(ev: DeltaEvent) -> DeltaEvent:
     """A private copy for merging: the stream's resume buffer must not see a connection's merges."""
     return DeltaEvent(ev.seq, ev.index, ev.text, list(ev.token_ids),
-                      list(ev.logprobs) if ev.logprobs is not None else None, ev.finish_reason)
+                      list(ev.logprobs) if ev.logprobs is not None else None, ev.finish_reason, ev.reasoning)
 
 
 class Outbox:

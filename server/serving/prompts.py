@@ -55,15 +55,38 @@ def _content_chars(messages: list[dict[str, Any]]) -> int:
     return n
 
 
+# Template variables a request's `chat_template_kwargs` may not set: the renderer's own.
+RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                    "unk_token", "pad_token"})
+
+
+def check_template_kwargs(kwargs: Any, field: str = "chat_template_kwargs") -> dict[str, Any]:
+    """A request's extra chat-template variables (e.g. {"enable_thinking": false}); InvalidRequest
+    naming the field for anything but an object of plain names."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest(f"{field}: must be an object", param=field)
+    for k in kwargs:
+        if not isinstance(k, str) or not k.isidentifier():
+            raise InvalidRequest(f"{field}: {k!r} is not a template variable name", param=field)
+        if k in RESERVED_TEMPLATE_VARS:
+            raise InvalidRequest(f"{field}.{k}: set by the server, not by the request", param=f"{field}.{k}")
+    return dict(kwargs)
+
+
 def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                tools: Optional[list[dict[str, Any]]] = None, tool_format: str = "none") -> str:
+                tools: Optional[list[dict[str, Any]]] = None, tool_format: str = "none",
+                template_kwargs: Optional[dict[str, Any]] = None) -> str:
     """A conversation's prompt text (ChatTemplateError if the template fails). Tool parts go to
     the template as transformers passes them; a template that lacks a tool feature gets them
-    rewritten into plain messages (server.serving.tool_render)."""
+    rewritten into plain messages (server.serving.tool_render). `template_kwargs` are extra
+    template variables (`chat_template_kwargs`)."""
     if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
         source = tokenizer.template_source(tools)
         messages, tools = fit_to_template(messages, tools, source, tool_format)
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools or None)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools or None,
+                                         **(template_kwargs or {}))
 
 
 class TokenizeBudget:
@@ -122,6 +145,11 @@ class PromptPreparer:
         self.default_max_tokens: Optional[int] = defaults.pop("max_tokens", None)
         self.sampling_defaults = defaults
         self._grammar_compiler: Any = None  # server.engine.grammar.GrammarCompiler, on first use
+
+    def tokenizer_has_special(self, *token_ids: int) -> bool:
+        """Whether any of these ids is a special token (which decoding would drop)."""
+        special = set(self.tokenizer.all_special_ids)
+        return any(t in special for t in token_ids)
 
     def _sampling(self, spec: GenerationSpec) -> dict[str, Any]:
         return {**self.sampling_defaults, **spec.sampling}
@@ -233,7 +261,7 @@ class PromptPreparer:
 
     def _render_chat(self, spec: GenerationSpec) -> list[int]:
         text = render_chat(self.tokenizer, spec.messages or [], spec.add_generation_prompt, spec.tools,
-                           spec.tool_format)
+                           spec.tool_format, spec.chat_template_kwargs)
         # Templates add BOS themselves; adding special tokens again would double it.
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -242,15 +270,15 @@ class PromptPreparer:
         before it is tokenised (`check_fits`)."""
         if spec.kind == "chat":
             if not spec.messages:
-                raise InvalidRequest("messages: must be a non-empty list", param="messages")
+                raise InvalidRequest(f"{spec.messages_field}: must be a non-empty list", param=spec.messages_field)
             content = _content_chars(spec.messages)
-            self.check_fits(content, "messages", max_model_len)
+            self.check_fits(content, spec.messages_field, max_model_len)
             tools_chars = len(json.dumps(spec.tools)) if spec.tools else 0
             try:
                 ids: list[int] = await self._run(spec.client, content + tools_chars, self._render_chat, spec)
             except ChatTemplateError as e:
-                raise InvalidRequest(f"messages: {e}", param="messages") from None
-            field = "messages"
+                raise InvalidRequest(f"{spec.messages_field}: {e}", param=spec.messages_field) from None
+            field = spec.messages_field
         elif isinstance(spec.prompt, list):
             ids = list(spec.prompt)
             try:
@@ -271,7 +299,7 @@ class PromptPreparer:
     def finalize(self, spec: GenerationSpec, n_prompt: int, max_model_len: int) -> SamplingParams:
         """The context check (the engine's own `check_context`; both numbers in the message, never
         truncation) and the final params."""
-        field = "messages" if spec.kind == "chat" else "prompt"
+        field = spec.messages_field if spec.kind == "chat" else "prompt"
         room = max_model_len - n_prompt
         max_tokens: Optional[int] = spec.max_tokens
         try:

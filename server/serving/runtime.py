@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
 
@@ -30,13 +31,49 @@ from server.serving.ledger import Ledger
 from server.serving.metrics import Metrics
 from server.serving.output_budget import OutputBudget
 from server.serving.prompts import PromptPreparer
+from server.serving.router_view import router_gauges
 from server.serving.service import RequestService
 from server.serving.settings import ServeSettings
 from server.serving.streams import StreamRegistry
 from server.text.loader import load_tokenizer
-from server.text.tokenizer import Tokenizer
+from server.text.reasoning import ReasoningFormat, detect_reasoning_parser, reasoning_format
+from server.text.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger("pagewire")
+
+
+def pick_reasoning_format(tokenizer: Tokenizer, name: str) -> Optional[ReasoningFormat]:
+    """The reasoning parser (`--reasoning-parser`): the one named, or with `auto` the one the chat
+    template implies. A named parser whose tags are not single tokens is a start-up error (a
+    ValueError naming the option); `auto` then serves without one."""
+    if name == "none":
+        return None
+    if name == "auto":
+        try:
+            source: Optional[str] = tokenizer.template_source()
+        except ChatTemplateError:
+            source = None
+        detected = detect_reasoning_parser(source)
+        if detected is None:
+            return None
+        try:
+            fmt = reasoning_format(detected, tokenizer.token_to_id)
+        except ValueError as e:
+            log.info("reasoning parser: none (the template looks like %s, but %s)", detected, e)
+            return None
+        log.info("reasoning parser: %s (from the chat template)", fmt.parser)
+        return fmt
+    try:
+        fmt = reasoning_format(name, tokenizer.token_to_id)
+    except ValueError as e:
+        raise ValueError(f"--reasoning-parser {name}: {e}") from None
+    log.info("reasoning parser: %s (--reasoning-parser)", fmt.parser)
+    return fmt
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's text on one line (whitespace folded), or its type when it has none."""
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 class Runtime:
@@ -49,6 +86,7 @@ class Runtime:
         self.ledger: Optional[Ledger] = None
         self.tokenizer: Optional[Tokenizer] = None
         self.sampling_defaults: dict[str, Any] = {}
+        self.reasoning: Optional[ReasoningFormat] = None  # the reasoning parser in use (set in start)
         self.bridge: Optional[EngineBridge] = None
         self.service: Optional[RequestService] = None
         self.admission: Optional[AdmissionQueue[Job]] = None
@@ -57,6 +95,7 @@ class Runtime:
         self.policy = policy
         self.metrics: Metrics
         self._drain_hooks: list[Callable[[], Awaitable[None]]] = []
+        self._fatal_hooks: list[Callable[[str], None]] = []
         self._drained = False
         self._closed = False
 
@@ -68,16 +107,31 @@ class Runtime:
         """Run `hook` at the end of `drain()`, after every request has ended and its row is terminal."""
         self._drain_hooks.append(hook)
 
+    def on_fatal(self, hook: Callable[[str], None]) -> None:
+        """Call `hook(one-line reason)` on the loop if the model fails to load: the process that
+        serves it exits non-zero (server.serve) rather than answer 503 forever."""
+        self._fatal_hooks.append(hook)
+
     async def start(self) -> None:
         s = self.settings
         loop = asyncio.get_running_loop()
-        self.ledger = await Ledger.open(s.db_path, lock=self.lock)
-        log.info("ledger: %s (%d request(s) marked interrupted from the previous run)",
-                 s.db_path, self.ledger.interrupted_at_start)
+        if s.db_target.is_postgres:  # shared by replicas (server.serving.ledger_pg)
+            from server.serving.ledger_pg import PgLedger
+
+            assert s.db_target.url is not None
+            self.ledger = await PgLedger.open(s.db_target.url, name=f"{s.host}:{s.port} pid {os.getpid()}",
+                                              lease_s=s.instance_lease)
+            log.info("ledger: %s as replica %s (%d request(s) of lapsed replicas marked interrupted)",
+                     s.db_target.display(), self.ledger.instance_id, self.ledger.interrupted_at_start)
+        else:
+            self.ledger = await Ledger.open(s.db_path, lock=self.lock)
+            log.info("ledger: %s (%d request(s) marked interrupted from the previous run)",
+                     s.db_path, self.ledger.interrupted_at_start)
         if self.policy is not None:
             await self.policy.start(self.ledger)
         self.tokenizer = await loop.run_in_executor(None, load_tokenizer, self.model_dir)
         self.sampling_defaults = await loop.run_in_executor(None, generation_defaults, self.model_dir)
+        self.reasoning = pick_reasoning_format(self.tokenizer, s.reasoning_parser)
         log.info("model: %s; default sampling values from the model: %s", self.model_dir,
                  self.sampling_defaults or "none (pagewire's own defaults apply)")
         self.bridge = EngineBridge(s.engine_config(str(self.model_dir)), self._dispatch)
@@ -94,8 +148,11 @@ class Runtime:
             s.request_timeout if s.request_timeout > 0 else None,
             OutputBudget(s.max_output_bytes, s.max_client_output_bytes),
             quotas=self.policy.quotas if self.policy is not None else None, ledger_text=s.ledger_text,
+            reasoning=self.reasoning,
         )
         self.metrics.add_gauges(self.service.memory_gauges)
+        bridge = self.bridge
+        self.metrics.add_gauges(lambda: router_gauges(bridge.stats()))
         self.bridge.start()
         loop.create_task(self._report_ready())
 
@@ -108,12 +165,25 @@ class Runtime:
         assert self.service is not None
         self.service.submit(job)
 
+    def start_failed(self, exc: BaseException) -> bool:
+        """`start()` raised: hand the one-line reason to the fatal hooks (the serving process exits
+        with it; the traceback only at debug level). False when there is no hook to tell."""
+        log.debug("start-up failed", exc_info=exc)
+        return self._fatal(f"start-up failed: {one_line(exc)}")
+
+    def _fatal(self, reason: str) -> bool:
+        for hook in self._fatal_hooks:
+            hook(reason)
+        return bool(self._fatal_hooks)
+
     async def _report_ready(self) -> None:
         assert self.bridge is not None
         while not self.bridge.ready and self.bridge.error is None:
             await asyncio.sleep(0.05)
         if self.bridge.error is not None:
-            log.error("model failed to load: %s", self.bridge.error)
+            # The traceback is logged at debug level by the engine thread.
+            if not self._fatal(f"model failed to load: {one_line(self.bridge.error)}"):
+                log.error("model failed to load: %s", self.bridge.error)  # in-process: keep answering 503
         else:
             log.info("model loaded: %s (max_model_len %d); ready", self.model_name, self.bridge.max_model_len)
 

@@ -22,13 +22,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from server.engine.outputs import RequestDelta
+from server.engine.sampling_params import ReasoningGate, SamplingParams
 from server.serving.access import Caller, Quotas, Reservation
 from server.serving.admission import AdmissionQueue
 from server.serving.bridge import EngineBridge
-from server.serving.errors import NotFound, PagewireError, Unavailable
+from server.serving.errors import Conflict, NotFound, PagewireError, Unavailable
 from server.serving.idempotency import check_reuse, fingerprint
 from server.serving.jobs import GenerationSpec, Job, end_from_record, events_from_output, now_pair
-from server.serving.ledger import Ledger, NewRequest, RequestRecord, Terminal
+from server.serving.ledger import IdempotencyConflict, Ledger, NewRequest, RequestRecord, Terminal
 from server.serving.ledger_health import unrecorded_end
 from server.serving.lifecycle import (
     CANCEL_ENDS,
@@ -43,6 +44,7 @@ from server.serving.metrics import Metrics
 from server.serving.output_budget import OutputBudget, worst_case_bytes
 from server.serving.prompts import PromptPreparer
 from server.serving.streams import EndEvent, Replay, RequestStream, StreamRegistry, Subscriber
+from server.text.reasoning import ReasoningFormat
 
 log = logging.getLogger("pagewire.service")
 
@@ -61,7 +63,8 @@ class RequestService:
     def __init__(self, bridge: EngineBridge, ledger: Ledger, admission: AdmissionQueue[Job],
                  registry: StreamRegistry, preparer: PromptPreparer, metrics: Metrics,
                  default_timeout_s: Optional[float], budget: Optional[OutputBudget] = None,
-                 quotas: Optional[Quotas] = None, ledger_text: str = "all") -> None:
+                 quotas: Optional[Quotas] = None, ledger_text: str = "all",
+                 reasoning: Optional[ReasoningFormat] = None) -> None:
         self.bridge = bridge
         self.ledger = ledger
         self.admission = admission
@@ -78,6 +81,8 @@ class RequestService:
         self._reservations: dict[str, Reservation] = {}
         # What of a request's text the ledger keeps: none, prompt, or all (usage is always kept).
         self.ledger_text = ledger_text
+        # The reasoning parser (server.text.reasoning): chat output's thinking apart from its answer.
+        self.reasoning = reasoning
         # request id → (completion tokens last written to its row, monotonic time of that write)
         self._progress: dict[str, tuple[int, float]] = {}
         # Accepted requests not yet ended. Only this class reads or changes a Job: the edges go
@@ -102,7 +107,20 @@ class RequestService:
             raise Unavailable("model is still loading", code="starting", retry_after_s=2)
 
     async def start(self, spec: GenerationSpec) -> Admitted:
-        """Accept a request (row committed) or return the original for a reused idempotency key."""
+        """Accept a request (row committed) or return the original for a reused idempotency key.
+
+        The ledger's unique constraint is what decides between two attempts with one key: on a
+        shared ledger another replica may commit the key between our lookup and our insert; the
+        insert then fails (IdempotencyConflict) and the next pass finds that replica's row."""
+        for _ in range(3):
+            try:
+                return await self._start_once(spec)
+            except IdempotencyConflict:
+                continue
+        raise Unavailable("idempotency key is being claimed concurrently; retry", code="ledger_unavailable",
+                          retry_after_s=1)
+
+    async def _start_once(self, spec: GenerationSpec) -> Admitted:
         self.check_serving()
         key = spec.idempotency_key
         while key is not None:
@@ -114,8 +132,12 @@ class RequestService:
                     return self._existing(rid, None)
                 continue  # the first attempt was rejected before acceptance: try afresh
             record = await self.ledger.find_by_idempotency_key(key)
+            if record is not None and await self._reclaim_orphan(record):
+                record = None  # the first attempt's ambiguous commit landed, but it never ran
             if record is not None:
                 await self._check_same_request(spec, record.request_id, record)
+                if self._elsewhere(record):
+                    record = await self._await_end_elsewhere(record, spec.timeout_s or self.default_timeout_s)
                 return self._existing(record.request_id, record)
             if key in self._idem:  # someone claimed it while we read the ledger
                 continue
@@ -161,6 +183,45 @@ class RequestService:
             stored = record.request_hash if record is not None else None
         check_reuse(spec, stored, request_id)
 
+    async def _reclaim_orphan(self, record: RequestRecord) -> bool:
+        """Reconcile an ambiguous commit by its idempotency key. A `queued` row of this instance
+        with no job here is the insert of an attempt whose COMMIT did not answer in time (the
+        client was told 503 and is retrying): it may have landed, but it was never run. Its row
+        is removed (only while still `queued` and ours) so that the retry runs it, once."""
+        if record.state != "queued" or record.instance_id != self.ledger.instance_id or \
+                record.request_id in self._jobs:
+            return False
+        n = await self.ledger.execute("DELETE FROM requests WHERE request_id = ? AND state = 'queued' AND "
+                                      "instance_id = ?", (record.request_id, self.ledger.instance_id))
+        if n:
+            log.warning("ledger: %s was committed by an attempt that timed out and never ran; its retry "
+                        "(same idempotency key) replaces it", record.request_id)
+        return bool(n)
+
+    def _elsewhere(self, record: RequestRecord) -> bool:
+        """Open on another replica of a shared ledger (its output lives there until it ends)."""
+        return not record.terminal and self.ledger.shared and record.instance_id != self.ledger.instance_id
+
+    ELSEWHERE_POLL_S = 0.1
+
+    async def _await_end_elsewhere(self, record: RequestRecord, timeout_s: Optional[float]) -> RequestRecord:
+        """An idempotent retry of a request that another replica is running: wait for its terminal
+        row (or for its replica's lease to lapse, when a sweep interrupts it), then answer from the
+        ledger, so the same key gives one request and one output wherever it is retried. Polled:
+        the row is the only news one replica has of another's request."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (timeout_s or 600.0)
+        while True:
+            await asyncio.sleep(self.ELSEWHERE_POLL_S)
+            await self.ledger.sweep_dead()
+            fresh = await self.ledger.get(record.request_id)
+            if fresh is not None and fresh.terminal:
+                return fresh
+            if loop.time() >= deadline:
+                where = await self.ledger.instance_label(record.instance_id)
+                raise Conflict(f"request {record.request_id} (this idempotency key's) is still running on replica "
+                               f"{where}; retry later", code="request_running_elsewhere")
+
     def _existing(self, request_id: str, record: Optional[RequestRecord]) -> Admitted:
         job = self._jobs.get(request_id)
         n = len(job.prompt_token_ids) if job is not None else record.prompt_tokens if record is not None else None
@@ -174,9 +235,11 @@ class RequestService:
         params = self.preparer.finalize(spec, len(ids), self.bridge.max_model_len)
         # The most this request can cost: its prompt and every sample's max_tokens.
         reservation: Optional[Reservation] = None
+        request_id = f"req-{uuid.uuid4().hex[:24]}"
         if self.quotas is not None and spec.key_id is not None:
             try:
-                reservation = self.quotas.reserve(spec.key_id, len(ids) + params.n * (params.max_tokens or 0))
+                reservation = await self.quotas.acquire(spec.key_id, len(ids) + params.n * (params.max_tokens or 0),
+                                                        request_id)
             except PagewireError:
                 self.metrics.keys.add(spec.key_id, rate_limited=1)
                 raise
@@ -194,8 +257,11 @@ class RequestService:
             if reservation is not None:
                 self.quotas.settle(reservation, 0, ran=False)  # type: ignore[union-attr]
             raise
+        reasoning = self.reasoning if spec.kind == "chat" else None
+        if reasoning is not None:
+            self._gate_reasoning(reasoning, ids, params)
         wall, mono = now_pair()
-        job = Job(f"req-{uuid.uuid4().hex[:24]}", spec, ids, params, wall, mono)
+        job = Job(request_id, spec, ids, params, wall, mono, reasoning)
         job.output_bytes = output_bytes
         try:
             await self.ledger.insert(NewRequest(
@@ -229,6 +295,15 @@ class RequestService:
             self._cancel(job, CancelReason.SHUTDOWN)
         return job
 
+    def _gate_reasoning(self, fmt: ReasoningFormat, ids: list[int], params: SamplingParams) -> None:
+        """A reasoning chat: its structured output (a schema, a forced tool call) applies after the
+        thinking (the engine's ReasoningGate), and the tags stay in the text to be split even
+        where the tokenizer marks them special."""
+        if params.structured_outputs is not None:
+            params.reasoning_gate = ReasoningGate(fmt.start_token_id, fmt.end_token_id, fmt.starts_open(ids))
+        if self.preparer.tokenizer_has_special(fmt.start_token_id, fmt.end_token_id):
+            params.skip_special_tokens = False
+
     # -- subscribing ----------------------------------------------------------------------------
     async def attach(self, request_id: str, sub: Subscriber, after_seq: int = 0,
                      record: Optional[RequestRecord] = None,
@@ -255,6 +330,13 @@ class RequestService:
         if stream is None and record is None:
             raise NotFound(f"request_id: no request {request_id!r}", param="request_id",
                            code="request_not_found")
+        if stream is None and record is not None and not record.terminal and self.ledger.shared \
+                and record.instance_id != self.ledger.instance_id:
+            # Still running on another replica: its output lives there until its terminal row
+            # commits. Say where, rather than replay a partial row as if it were the end.
+            where = await self.ledger.instance_label(record.instance_id)
+            raise Conflict(f"request_id: {request_id} is still running on replica {where}; resume it there "
+                           "(or retry here once it has ended)", param="request_id", code="request_running_elsewhere")
         if on_found is not None:
             on_found()
         if stream is None:
@@ -408,7 +490,7 @@ class RequestService:
             error=end.message, prompt_tokens=end.usage.prompt_tokens,
             completion_tokens=end.usage.completion_tokens, cached_tokens=end.usage.cached_tokens,
             output_text=text, output=output, first_token_at=job.first_token_wall,
-            finished_at=time.time(),
+            finished_at=time.time(), reasoning_tokens=end.usage.reasoning_tokens,
         )
         try:
             await self.ledger.finish(job.request_id, terminal)

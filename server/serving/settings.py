@@ -13,12 +13,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from server.engine.config import EngineConfig
+from server.serving.db_url import DbSpecError, DbTarget, check_db_value, default_db_path, parse_db
 
-
-def default_db_path() -> Path:
-    import platformdirs
-
-    return Path(platformdirs.user_data_dir("pagewire")) / "ledger.db"
+__all__ = ["ServeSettings", "default_db_path"]  # default_db_path: re-exported (server.serving.db_url)
 
 
 def _bool(text: str) -> bool:
@@ -49,6 +46,15 @@ def tool_parser_name(text: str) -> str:
     if text not in names:
         raise ValueError(f"expected one of {', '.join(names)}, got {text!r}")
     return text
+def reasoning_parser_name(text: str) -> str:
+    from server.text.reasoning import REASONING_PARSERS
+
+    names = ("auto", "none", *REASONING_PARSERS)
+    if text not in names:
+        raise ValueError(f"expected one of {', '.join(names)}, got {text!r}")
+    return text
+
+
 def _choice(*allowed: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         v = text.strip().lower()
@@ -115,11 +121,17 @@ class ServeSettings:
     offload_chars: int = 2048
     allowed_origins: str = "loopback"
     tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
     # the gateway (server.gateway): keys, auth, what the ledger keeps of request text
     auth: str = "auto"
     admin_key_file: Optional[str] = None
+    # Prometheus: a token that may read /metrics only, and/or a listener that serves only /metrics
+    metrics_key_file: Optional[str] = None
+    metrics_port: Optional[int] = None
+    metrics_host: Optional[str] = None
     insecure_no_auth: bool = False
     ledger_text: str = "all"
+    instance_lease: float = 10.0  # seconds; a shared (PostgreSQL) ledger's replica lease
     # engine: defaults come from EngineConfig, the one place they are defined
     dtype: str = _ENGINE_DEFAULTS["dtype"]
     max_model_len: Optional[int] = _ENGINE_DEFAULTS["max_model_len"]
@@ -145,8 +157,17 @@ class ServeSettings:
         return EngineConfig(model=model_dir, **kw)
 
     @property
+    def db_target(self) -> "DbTarget":
+        """What --db names: a SQLite file or a PostgreSQL URL (server.serving.db_url)."""
+        return parse_db(self.db)
+
+    @property
     def db_path(self) -> Path:
-        return Path(self.db).expanduser() if self.db else default_db_path()
+        """The SQLite file (the single-box ledger); a PostgreSQL --db has none."""
+        t = self.db_target
+        if t.path is None:
+            raise DbSpecError(f"--db {t.display()}: a PostgreSQL ledger has no file path")
+        return t.path
 
     @property
     def in_engine_limit(self) -> int:
@@ -181,7 +202,8 @@ class Option:
 OPTIONS: tuple[Option, ...] = (
     Option("host", str, "address to bind"),
     Option("port", int, "port to bind (0 picks a free one)"),
-    Option("db", str, "ledger database file (default: the user data dir's pagewire/ledger.db)"),
+    Option("db", check_db_value, "the ledger: a SQLite file path or sqlite:PATH (default: the user data dir's "
+           "pagewire/ledger.db), or postgresql://… for a database shared by several replicas"),
     Option("served_model_name", str, "model name clients use (default: the model folder's name)"),
     Option("demo_model", _bool,
            "with no model given, serve the built-in random-weight demo model instead of SmolLM2-135M-Instruct"),
@@ -215,15 +237,25 @@ OPTIONS: tuple[Option, ...] = (
     Option("tool_call_parser", tool_parser_name,
            "format of the model's own tool calls for tool_choice auto: hermes (<tool_call> blocks), "
            "llama3_json, none (no parsing), or auto (detected from the chat template)"),
+    Option("reasoning_parser", reasoning_parser_name,
+           "split a thinking model's <think>...</think> from its answer into reasoning_content: qwen3, "
+           "deepseek_r1, none, or auto (from the chat template when it has a <think> block; docs/reasoning.md)"),
     Option("auth", _choice("auto", "on", "off"),
            "API-key authentication: on, off (loopback binds only) or auto (on once any key exists or "
            "--admin-key-file is given; a non-loopback bind with no keys refuses to start)"),
     Option("admin_key_file", str, "file holding the admin key (admin endpoints: /metrics; every key's usage "
            "and requests)"),
+    Option("metrics_key_file", str, "file holding a metrics token (16+ characters): `Authorization: Bearer "
+           "<token>` may read /metrics and nothing else, for a Prometheus scrape once auth is on"),
+    Option("metrics_port", _opt_int, "also listen on this port (0 picks a free one) for GET /metrics only; "
+           "no key is needed there unless --metrics-key-file is given (docs/operations.md)"),
+    Option("metrics_host", str, "address the --metrics-port listener binds (default: --host)"),
     Option("insecure_no_auth", _bool, "allow serving a non-loopback address without authentication"),
     Option("ledger_text", _choice("none", "prompt", "all"),
            "what the ledger keeps of each request's text: none, the prompt, or all (prompt and output; "
            "resuming a finished request from the ledger needs all); usage is always kept"),
+    Option("instance_lease", float, "with a postgresql:// --db: seconds this replica's lease lasts (renewed every "
+           "quarter of it); another replica interrupts its open requests only after it lapses"),
     Option("dtype", str, "auto, float32, bfloat16 or float16", engine=True),
     Option("max_model_len", _opt_int, "longest prompt + output (default: the model's)", engine=True),
     Option("kv_cache_tokens", _opt_int, "KV cache capacity in tokens", engine=True),

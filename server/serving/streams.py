@@ -52,6 +52,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    reasoning_tokens: int = 0  # of completion_tokens, those inside the reasoning block
 
     @property
     def total_tokens(self) -> int:
@@ -60,7 +61,9 @@ class Usage:
 
 @dataclass(slots=True)
 class DeltaEvent:
-    """New output of one sample: text, token ids, optional logprobs; finish_reason on its last."""
+    """New output of one sample: text, token ids, optional logprobs; finish_reason on its last.
+    With a reasoning parser (server.text.reasoning), `text` is the answer and `reasoning` the
+    thinking; `token_ids` and `logprobs` cover both."""
 
     seq: int
     index: int
@@ -68,10 +71,11 @@ class DeltaEvent:
     token_ids: list[int]
     logprobs: Optional[list[TokenLogprob]] = None
     finish_reason: Optional[str] = None
+    reasoning: str = ""
 
     def size(self) -> int:
         """Bytes this delta holds in memory (see the constants above: a model, close to CPython's)."""
-        return DELTA_BYTES + len(self.text) * CHAR_BYTES + TOKEN_BYTES * len(self.token_ids) + (
+        return DELTA_BYTES + (len(self.text) + len(self.reasoning)) * CHAR_BYTES + TOKEN_BYTES * len(self.token_ids) + (
             LOGPROB_BYTES * sum(1 + len(lp.top) for lp in self.logprobs) if self.logprobs else 0
         )
 
@@ -84,6 +88,8 @@ class DeltaEvent:
         event-loop time that the other streams paid for."""
         self.seq = later.seq
         self.text += later.text
+        if later.reasoning:
+            self.reasoning += later.reasoning
         self.token_ids.extend(later.token_ids)
         if later.logprobs is not None:
             if self.logprobs is None:
@@ -228,16 +234,19 @@ class RequestStream:
         its end carries (the same content again)."""
         return self.bytes * 2 if self.end is not None and self.end.output is not None else self.bytes
 
-    def publish(self, samples: list[SampleDelta], want_logprobs: bool) -> list[DeltaEvent]:
-        """Turn one engine step's sample deltas into seq-numbered events and push them."""
+    def publish(self, samples: list[SampleDelta], want_logprobs: bool,
+                reasoning: Optional[dict[int, str]] = None) -> list[DeltaEvent]:
+        """Turn one engine step's sample deltas into seq-numbered events and push them;
+        `reasoning` is each sample's thinking text of this step (its `text` the answer)."""
         out: list[DeltaEvent] = []
         for s in samples:
-            if not s.token_ids and not s.text and s.finish_reason is None:
+            thought = reasoning.get(s.index, "") if reasoning else ""
+            if not s.token_ids and not s.text and not thought and s.finish_reason is None:
                 continue
             self.last_seq += 1
             ev = DeltaEvent(self.last_seq, s.index, s.text, list(s.token_ids),
                             list(s.logprobs) if (want_logprobs and s.logprobs) else None,
-                            s.finish_reason)
+                            s.finish_reason, thought)
             self.deltas.append(ev)
             self.bytes += ev.size()
             out.append(ev)

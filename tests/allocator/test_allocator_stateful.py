@@ -6,6 +6,11 @@ holds the whole prefix tokens[:p + 1]: a block served under the wrong parent is 
 step each live sequence must read its
 own tokens back from its blocks: that proves prefix hits attach correct contents, copy-on-write
 protects sharers, and no block is handed out while someone still reads it.
+
+KV groups: the allocator runs with 1-3 groups, full attention (0) or sliding windows of 1-6 tokens.
+Every group of a sequence must read back, through its own table, every position the next token can
+see (all of them in a full group, the window in a sliding one), and a sliding group must hold no
+block wholly before that window once a step has run: its blocks went back to the pool.
 """
 import pytest
 from hypothesis import HealthCheck, settings
@@ -23,9 +28,12 @@ class AllocatorMachine(RuleBasedStateMachine):
         block_size=st.integers(1, 4),
         hash_bits=st.sampled_from([2, 64]),
         caching=st.booleans(),
+        windows=st.lists(st.sampled_from([0, 0, 1, 2, 3, 5, 6]), min_size=1, max_size=3),
     )
-    def setup(self, num_blocks, block_size, hash_bits, caching):
-        self.alloc = BlockAllocator(num_blocks, block_size, caching, hash_bits)
+    def setup(self, num_blocks, block_size, hash_bits, caching, windows):
+        self.alloc = BlockAllocator(num_blocks, block_size, caching, hash_bits, windows)
+        assert self.alloc.num_groups == len(windows) and self.alloc.group_windows == windows
+        self.windows = windows
         self.caching = caching
         self.bs = block_size
         self.kv = {b: [None] * block_size for b in range(num_blocks)}
@@ -40,15 +48,45 @@ class AllocatorMachine(RuleBasedStateMachine):
     def pick(self, index):
         return sorted(self.seqs)[index % len(self.seqs)]
 
+    def tables(self, sid):
+        return [self.alloc.block_table(sid, g) for g in range(len(self.windows))]
+
+    def visible_from(self, g, computed):
+        """The first position the next token (at `computed`) sees in group g."""
+        w = self.windows[g]
+        return max(0, computed - w + 1) if w else 0
+
+    def check_reads(self, sid, tokens, computed, what):
+        """Every group reads back what the next token can see; a sliding group holds nothing wholly
+        below its window (-1 there), and nothing it holds is stale."""
+        for g, table in enumerate(self.tables(sid)):
+            lo = self.visible_from(g, computed)
+            for pos in range(lo, computed):
+                assert table[pos // self.bs] >= 0, (what, g, pos, "a visible block was released")
+                assert self.kv[table[pos // self.bs]][pos % self.bs] == tuple(tokens[:pos + 1]), (what, sid, g, pos)
+            if self.windows[g] == 0:
+                assert -1 not in table
+
     def admit(self, prompt):
         sid, self.next_id = self.next_id, self.next_id + 1
         covered = self.alloc.match_prefix(sid, prompt[:-1])
         assert covered % self.bs == 0 and 0 <= covered <= len(prompt) - 1
-        table = self.alloc.block_table(sid)
-        assert len(table) * self.bs == covered
-        for pos in range(covered):
-            assert self.kv[table[pos // self.bs]][pos % self.bs] == tuple(prompt[:pos + 1]), "hit served wrong KV"
+        for g, table in enumerate(self.tables(sid)):
+            assert len(table) * self.bs == covered
+            # A hit attaches only what the next token sees: blocks wholly below its window are -1.
+            lo = self.visible_from(g, covered)
+            assert all(b == -1 for b in table[: lo // self.bs]) and -1 not in table[lo // self.bs :], (g, table)
+        self.check_reads(sid, prompt, covered, "hit served wrong KV")
         self.seqs[sid] = {"tokens": list(prompt), "computed": covered, "reset": False}
+
+    def rollback_floor(self, sid):
+        """The least num_tokens truncate accepts: a sliding group's released blocks stay released."""
+        floor = 0
+        for g, table in enumerate(self.tables(sid)):
+            released = next((i for i, b in enumerate(table) if b != -1), len(table))
+            if released:
+                floor = max(floor, released * self.bs + self.windows[g] - 1)
+        return floor
 
     # -- rules ---------------------------------------------------------------------------------
 
@@ -81,12 +119,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert self.alloc.num_free_blocks == free_before - needed
         for src, dst in copies:  # copy_blocks runs before the step writes
             self.kv[dst] = list(self.kv[src])
-        table = self.alloc.block_table(sid)
-        assert len(table) * self.bs >= start + num_new
-        for pos in range(start, start + num_new):
-            block = table[pos // self.bs]
-            assert self.alloc.refcount(block) == 1, "writing into a block someone else reads"
-            self.kv[block][pos % self.bs] = tuple(seq["tokens"][:pos + 1])
+        for g, table in enumerate(self.tables(sid)):
+            assert len(table) * self.bs >= start + num_new
+            # What the first new token cannot see went back to the pool.
+            lo = self.visible_from(g, start)
+            assert all(b == -1 for b in table[: lo // self.bs]), (g, lo, table)
+            for pos in range(start, start + num_new):
+                block = table[pos // self.bs]
+                assert self.alloc.refcount(block) == 1, "writing into a block someone else reads"
+                self.kv[block][pos % self.bs] = tuple(seq["tokens"][:pos + 1])
         seq["computed"] = start + num_new
         # The engine's way (KVCacheManager): pass only this step's tokens, from the first block
         # they touch. The allocator knows how far the sequence is registered: exactly to that
@@ -98,8 +139,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         else:
             first = min(first, registered)
         self.alloc.cache_full_blocks(sid, seq["tokens"][first:seq["computed"]], first)
-        if self.caching:
+        if self.caching and not seq["reset"]:
             assert self.alloc.registered_tokens(sid) == seq["computed"] // self.bs * self.bs
+        elif self.caching:  # a sliding group re-registering after a reset stops at its first released block
+            assert self.alloc.registered_tokens(sid) >= seq["computed"] // self.bs * self.bs
 
     @precondition(lambda self: self.seqs and len(self.seqs) < 8)
     @rule(index=st.integers(0, 100))
@@ -107,7 +150,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         parent = self.pick(index)
         child, self.next_id = self.next_id, self.next_id + 1
         self.alloc.fork(parent, child)
-        assert self.alloc.block_table(child) == self.alloc.block_table(parent)
+        assert self.tables(child) == self.tables(parent)
         self.seqs[child] = {"tokens": list(self.seqs[parent]["tokens"]), "computed": self.seqs[parent]["computed"],
                             "reset": self.seqs[parent]["reset"]}
 
@@ -118,8 +161,13 @@ class AllocatorMachine(RuleBasedStateMachine):
         sid = self.pick(index)
         seq = self.seqs[sid]
         keep = max(0, seq["computed"] - rejected)
+        floor = self.rollback_floor(sid)
+        if keep < floor:  # below what a sliding group released: refused, nothing changes
+            with pytest.raises(ValueError, match="truncate: num_tokens"):
+                self.alloc.truncate(sid, keep)
+            keep = floor
         self.alloc.truncate(sid, keep)
-        assert len(self.alloc.block_table(sid)) == -(-keep // self.bs)
+        assert all(len(t) == -(-keep // self.bs) for t in self.tables(sid))
         seq["computed"] = keep
         del seq["tokens"][keep:]  # later steps sample different tokens into the same slots
 
@@ -143,12 +191,12 @@ class AllocatorMachine(RuleBasedStateMachine):
             return  # the engine drops the proposals and decodes plainly (the `step` rule)
         for src, dst in copies:
             self.kv[dst] = list(self.kv[src])
-        table = self.alloc.block_table(sid)
         looked_ahead = seq["tokens"] + drafts
-        for pos in range(start, start + 1 + k):
-            block = table[pos // self.bs]
-            assert self.alloc.refcount(block) == 1, "writing into a block someone else reads"
-            self.kv[block][pos % self.bs] = tuple(looked_ahead[:pos + 1])
+        for table in self.tables(sid):
+            for pos in range(start, start + 1 + k):
+                block = table[pos // self.bs]
+                assert self.alloc.refcount(block) == 1, "writing into a block someone else reads"
+                self.kv[block][pos % self.bs] = tuple(looked_ahead[:pos + 1])
         # At schedule time only the verified token is offered to the prefix cache.
         registered = self.alloc.registered_tokens(sid)
         first = min(start // self.bs * self.bs, registered)
@@ -157,8 +205,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         a = min(accepted, k)
         seq["tokens"] += drafts[:a] + [bonus]
         seq["computed"] = start + 1 + a
-        self.alloc.truncate(sid, seq["computed"])
-        assert len(self.alloc.block_table(sid)) == -(-seq["computed"] // self.bs)
+        self.alloc.truncate(sid, seq["computed"])  # never below the allocated start: always accepted
+        assert all(len(t) == -(-seq["computed"] // self.bs) for t in self.tables(sid))
         registered = self.alloc.registered_tokens(sid)
         end = seq["computed"] // self.bs * self.bs
         if end > registered:
@@ -205,8 +253,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert self.alloc.num_free_blocks == s["free_blocks"] + s["cached_blocks"]
         holders = {}
         for sid in self.seqs:
-            for block in self.alloc.block_table(sid):
-                holders[block] = holders.get(block, 0) + 1
+            for table in self.tables(sid):
+                for block in table:
+                    if block != -1:
+                        holders[block] = holders.get(block, 0) + 1
         for block in range(s["num_blocks"]):
             assert self.alloc.refcount(block) == holders.get(block, 0) >= 0
         assert s["used_blocks"] == len(holders)
@@ -214,9 +264,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     @invariant()
     def every_sequence_reads_back_its_own_tokens(self):
         for sid, seq in self.seqs.items():
-            table = self.alloc.block_table(sid)
-            for pos in range(seq["computed"]):
-                assert self.kv[table[pos // self.bs]][pos % self.bs] == tuple(seq["tokens"][:pos + 1]), (sid, pos)
+            self.check_reads(sid, seq["tokens"], seq["computed"], "stale KV")
 
     def teardown(self):
         if not hasattr(self, "alloc"):

@@ -139,3 +139,32 @@ def test_parse_bytes() -> None:
     assert parse_bytes("1000") == 1000
     with pytest.raises(ValueError):
         parse_bytes("lots")
+
+
+def test_plan_equals_the_engines_pool_with_kv_groups(tiny_model: Callable[..., Path],
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """Interleaved sliding and full layers: plan counts blocks per KV group exactly as the engine
+    allocates and admits them, and a long sequence costs less than with every layer global."""
+    from server.engine.engine import LLMEngine
+
+    path = tiny_model("qwen2", "float32", use_sliding_window=True, sliding_window=16, num_hidden_layers=4,
+                      layer_types=["sliding_attention", "full_attention"] * 2)
+    base = EngineConfig(str(path), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512)
+    plan = make_plan("m", read_model_config(path), base, parse_bytes("64MiB"), bandwidth_gbs=10.0)
+    lay = plan.layout
+    assert lay.groups.windows == (16, 0) and lay.groups.group_size == 2
+    assert lay.total_bytes <= plan.kv_budget_bytes
+    cfg = EngineConfig(str(path), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512,
+                       kv_cache_tokens=lay.total_tokens)
+    with caplog.at_level(logging.INFO, logger="pagewire.engine"):
+        engine = LLMEngine(cfg)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:")]
+    assert lines == [lay.log_line()] and "1 sliding 16, 1 full" in lines[0]
+    assert engine.kv_cache.num_blocks == lay.num_blocks and engine.kv_cache.group_windows == (16, 0)
+    tensors = {id(t): t for pair in engine.runner.kv_caches for t in pair}  # layers share a slot's pair
+    assert len(tensors) == 2 * 2
+    assert sum(t.numel() * t.element_size() for t in tensors.values()) == lay.total_bytes
+    last = plan.rows[-1]
+    assert last.fits == lay.num_blocks // lay.seq_blocks(last.seq_len)
+    assert last.kv_bytes == lay.seq_blocks(512) * lay.bytes_per_block
+    assert 0.5 < last.vs_all_global < 0.6  # the full half of the layers, plus the window's blocks

@@ -5,7 +5,8 @@
 //   key         idempotency key, chosen here before the first send
 //   req         the generate frame's body (kind, messages, params, detach), kept for re-sending
 //   request_id  the server's id, known once `accepted` arrived
-//   seq         the seq of the last delta whose text is in msg.content
+//   seq         the seq of the last delta whose text is in msg.content (and its thinking in
+//               msg.reasoning: a reasoning model's `reasoning_content`, shown folded)
 //   state       sending → queued → streaming → done | cancelled | interrupted | error
 //               (busy: refused with a retry hint, waiting to try again)
 // msg.content and gen.seq are always saved together, so after a reload or a reconnect the page
@@ -212,6 +213,7 @@
         if (!g.resumes) msg.stats.ttft_ms = Math.round(t.first - t.sent);
       }
       msg.content += f.text;
+      if (f.reasoning_content) msg.reasoning = (msg.reasoning || "") + f.reasoning_content;
       g.seq = f.seq;
       g.state = "streaming";
       save(false);
@@ -347,6 +349,7 @@
 
   // -- rendering -------------------------------------------------------------------------------
   const nodes = new WeakMap(); // msg → its <article>
+  const openThinking = new WeakSet(); // messages whose folded thinking the reader opened
   const dirty = new Set();
   let frame = 0;
 
@@ -428,6 +431,7 @@
     if (msg.role === "user") {
       body.textContent = msg.content;
     } else {
+      if (msg.reasoning) parts.splice(1, 0, thinkingNode(msg, streaming && !msg.content));
       body.append(md.render(msg.content));
       if (!msg.content && g && (g.state === "sending" || g.state === "queued")) {
         body.append(el("p", "status-" + g.state, g.state === "queued" ? "Queued: waiting for a free slot in the model…" : "Sending…"));
@@ -441,6 +445,16 @@
     }
     parts.push(metaNode(conv, msg));
     art.replaceChildren(...parts);
+  }
+
+  // A reasoning model's thinking: folded under "Thinking" (open on click). Repaints rebuild the
+  // node, so whether the reader opened it is kept per message.
+  function thinkingNode(msg, thinking) {
+    const d = el("details", "thinking");
+    d.open = openThinking.has(msg);
+    d.addEventListener("toggle", () => { if (d.open) openThinking.add(msg); else openThinking.delete(msg); });
+    d.append(el("summary", null, thinking ? "Thinking…" : "Thinking"), md.render(msg.reasoning));
+    return d;
   }
 
   // The deepest last block, so the typing cursor sits right after the last character.

@@ -67,7 +67,6 @@ class DecoderLayer(nn.Module):
         self.rope_index = c.layer_ropes[layer_idx]  # None: a NoPE layer
         self.rotary_dim = c.ropes[self.rope_index].rotary_dim if self.rope_index is not None else 0
         self.activation = c.activation  # "silu" or "gelu_tanh"; the kernels and decode_layer take both
-        self.gelu = c.activation == "gelu_tanh"
         self.residual_multiplier = c.residual_multiplier
 
         H, I, qkv = c.hidden_size, c.intermediate_size, c.q_size + 2 * c.kv_size
@@ -143,7 +142,7 @@ class DecoderLayer(nn.Module):
         out = linear(attn.view(T, self.q_size), self.o_weight, self.o_bias)
         x = _enter(hidden, self._leave(out, self.attn_post_norm), self.mlp_norm, self.eps)
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
-        act = gelu_tanh_and_mul(gate_up) if self.gelu else silu_and_mul(gate_up)
+        act = gelu_tanh_and_mul(gate_up) if self.activation == "gelu_tanh" else silu_and_mul(gate_up)
         return hidden, self._leave(linear(act, self.down_weight, self.down_bias), self.mlp_post_norm)
 
     def _leave(self, out: torch.Tensor, post_norm: torch.Tensor | None) -> torch.Tensor:

@@ -15,9 +15,9 @@ def test_grammar_compile_is_bounded_and_off_the_engine(demo_model: Path) -> None
     from server.serving.errors import InvalidRequest
     from server.serving.jobs import GenerationSpec
     from server.serving.prompts import PromptPreparer
-    from server.text.tokenizer import Tokenizer
+    from server.text.loader import load_tokenizer
 
-    prep = PromptPreparer(Tokenizer.load(demo_model), grammar_timeout_s=0.5)
+    prep = PromptPreparer(load_tokenizer(demo_model), grammar_timeout_s=0.5)
     seen: dict[str, int] = {}
     original = prep._compile
 

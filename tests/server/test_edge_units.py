@@ -4,7 +4,6 @@ torch-free edge."""
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 import subprocess
 import sys
 import threading
@@ -19,7 +18,7 @@ from server.engine.outputs import RequestDelta, SampleDelta, TokenLogprob
 from server.serving.admission import BATCH, INTERACTIVE, AdmissionQueue
 from server.serving.errors import InvalidRequest, Overloaded
 from server.serving.jobs import events_from_output
-from server.serving.ledger import Ledger, NewRequest, Terminal
+from server.serving.ledger import IdempotencyConflict, Ledger, NewRequest, Terminal
 from server.serving.outbox import REPLAY_CHUNK_BYTES, Outbox, Subscription
 from server.serving.streams import DeltaEvent, EndEvent, Replay, RequestStream, Usage
 
@@ -291,7 +290,7 @@ def test_ledger_group_commits_recovers_open_rows_and_keeps_keys_unique(tmp_path:
                 for i in range(20)]
         await asyncio.gather(*(led.insert(r) for r in reqs))
         assert led.commits <= 2  # twenty inserts, grouped
-        with pytest.raises(sqlite3.IntegrityError):  # the idempotency key is unique
+        with pytest.raises(IdempotencyConflict):  # the idempotency key is unique (the constraint decides)
             await led.insert(NewRequest("dup", "completion", "ws", "c", "m", 0, {}, "p", 2, time.time(), "k1"))
         led.mark_running("r0", time.time())
         await led.finish("r0", Terminal("finished", "stop", None, 2, 3, 0, "abc", {"samples": []}, None, time.time()))

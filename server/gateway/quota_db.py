@@ -15,8 +15,11 @@ the key's state is derived from the ledger itself, never from a replica's memory
 The limits' checks and messages are `QuotaBook.reserve`'s own, run on that derived state, and the
 hold is inserted before the lock is released, so the next reservation on any replica sees it.
 A replica that dies leaves holds behind; the lease sweep (`PgLedger.sweep_dead`) deletes them
-when it interrupts that replica's rows, which then count what they emitted. So one key's TPM
-and daily budget hold across replicas within one request's reservation. Cost: one extra
+when it interrupts that replica's rows, which then count what they emitted. The daily budget so
+holds across replicas within one request's reservation. The per-minute buckets do not yet: the
+decayed sum equals a real bucket only while the window's charges stay within the capacity, and
+in steady state it admits up to twice the rate (bench/RESULTS.md); the bucket's own state (level,
+time) belongs in a table read and written under the same lock. Cost: one extra
 transaction per request at admission (lock, three indexed reads, one insert) and one DELETE
 queued into the group commit at the end; bench/RESULTS.md has the figure.
 """

@@ -93,7 +93,7 @@ def test_a_v4_ledger_migrates_and_files_and_batches_are_owned_per_key(tmp_path: 
     asyncio.run(run())
     c = sqlite3.connect(db)
     try:
-        assert c.execute("SELECT version FROM schema_version").fetchone()[0] == SCHEMA_VERSION == 6
+        assert c.execute("SELECT version FROM schema_version").fetchone()[0] == SCHEMA_VERSION == 7
         assert {r[1] for r in c.execute("PRAGMA table_info(batches)")} >= {"key_id"}
     finally:
         c.close()

@@ -97,7 +97,8 @@ def _open_for_keys(db: "Path | DbTarget") -> tuple[Any, Any]:
     """A read-write connection with the current schema, and the lock when we took it (see module).
     A PostgreSQL ledger needs no lock (nothing here sweeps; replicas share it)."""
     from server.serving.db_lock import LedgerLock, LedgerLocked, secure_paths
-    from server.serving.ledger import SCHEMA_VERSION, LedgerError, _migrate
+    from server.serving.ledger import LedgerError, _migrate
+    from server.serving.schema import SCHEMA_VERSION
 
     if isinstance(db, DbTarget):
         if db.url is not None:

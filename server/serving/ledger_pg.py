@@ -40,10 +40,8 @@ import time
 from typing import Any, AsyncIterator, Optional
 
 from server.serving.ledger import (
-    _MIGRATIONS,
     COLUMNS,
     INTERRUPTED_MESSAGE,
-    SCHEMA_VERSION,
     IdempotencyConflict,
     Ledger,
     LedgerError,
@@ -53,6 +51,7 @@ from server.serving.ledger import (
     _Op,
 )
 from server.serving.lifecycle import OPEN_STATES, LedgerState
+from server.serving.schema import MIGRATIONS, SCHEMA_VERSION
 
 log = logging.getLogger("pagewire.ledger.pg")
 
@@ -69,7 +68,7 @@ def pg_sql(sql: str) -> str:
 
 
 def pg_migration(sql: str) -> str:
-    """A migration from `ledger._MIGRATIONS` for PostgreSQL: REAL (8-byte in SQLite, 4-byte in
+    """A migration from `schema.MIGRATIONS` for PostgreSQL: REAL (8-byte in SQLite, 4-byte in
     PostgreSQL) becomes DOUBLE PRECISION, so timestamps keep their microseconds; BLOB is BYTEA."""
     return re.sub(r"\bBLOB\b", "BYTEA", re.sub(r"\bREAL\b", "DOUBLE PRECISION", sql))
 
@@ -117,7 +116,7 @@ async def migrate(conn: Any) -> int:
                 f"ledger schema version {version} is newer than this pagewire understands "
                 f"({SCHEMA_VERSION}); use a newer pagewire or another --db")
         for v in range(version, SCHEMA_VERSION):
-            await conn.execute(pg_migration(_MIGRATIONS[v]))  # several statements, no parameters
+            await conn.execute(pg_migration(MIGRATIONS[v]))  # several statements, no parameters
         if row is None:
             await conn.execute("INSERT INTO schema_version (version) VALUES (%s)", (SCHEMA_VERSION,))
         elif version < SCHEMA_VERSION:

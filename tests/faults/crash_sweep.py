@@ -157,7 +157,9 @@ class Sweep:
             olds = [s for s in self.acked.values() if s.kind == "whole" and s.usage is not None]
             if olds:
                 prev = self.rng.choice(olds)
-                old = Seen("whole", prev.key, prev.body, main)
+                # Idempotency keys are scoped to the API key that sent them, so the retry
+                # goes out under the original's key (a quota request's retry too).
+                old = Seen("whole", prev.key, prev.body, prev.secret)
                 jobs.append(_whole(c, srv.base, old))
             ws = [Seen("ws", f"r{n}-ws-{i}", body(self.rng.randint(16, 120)), main) for i in range(3)]
             seen.extend(ws)

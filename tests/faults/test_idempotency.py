@@ -76,12 +76,13 @@ def test_idempotency_keys_are_validated_and_never_shared_across_requests(demo_mo
 def test_a_v1_ledger_is_readable_by_the_cli_and_migrated_by_the_server(tmp_path: Path) -> None:
     import sqlite3
 
-    from server.serving.ledger import _MIGRATIONS, SCHEMA_VERSION, Ledger
+    from server.serving.ledger import Ledger
     from server.serving.ledger_sync import get_record, list_records, open_readonly
+    from server.serving.schema import MIGRATIONS, SCHEMA_VERSION
 
     db = tmp_path / "v1.db"
     c = sqlite3.connect(db)
-    c.executescript(_MIGRATIONS[0] + "; CREATE TABLE schema_version (version INTEGER NOT NULL);"
+    c.executescript(MIGRATIONS[0] + "; CREATE TABLE schema_version (version INTEGER NOT NULL);"
                     "INSERT INTO schema_version VALUES (1);")
     c.execute("INSERT INTO requests (request_id, idempotency_key, kind, api, state, created_at) "
               "VALUES ('r1', 'old-key', 'completion', 'http', 'finished', 1.0)")
@@ -105,5 +106,5 @@ def test_a_v1_ledger_is_readable_by_the_cli_and_migrated_by_the_server(tmp_path:
 
     asyncio.run(migrate())
     c = sqlite3.connect(db)
-    assert c.execute("SELECT version FROM schema_version").fetchone()[0] == SCHEMA_VERSION == len(_MIGRATIONS)
+    assert c.execute("SELECT version FROM schema_version").fetchone()[0] == SCHEMA_VERSION == len(MIGRATIONS)
     c.close()

@@ -14,7 +14,8 @@ from server.gateway.auth import ADMIN_ID, Principal
 from server.serving.batch import BatchManager
 from server.serving.errors import NotFound
 from server.serving.files import FileStore
-from server.serving.ledger import _MIGRATIONS, SCHEMA_VERSION, Ledger
+from server.serving.ledger import Ledger
+from server.serving.schema import MIGRATIONS, SCHEMA_VERSION
 
 ALICE = Principal("pw-aaaaaaaaaaaa")
 BOB = Principal("pw-bbbbbbbbbbbb")
@@ -24,7 +25,7 @@ ADMIN = Principal(ADMIN_ID, admin=True)
 def _v4_ledger(db: Path) -> None:
     c = sqlite3.connect(db)
     c.executescript("CREATE TABLE schema_version (version INTEGER NOT NULL); INSERT INTO schema_version VALUES (4);"
-                    + ";".join(_MIGRATIONS[:4]))
+                    + ";".join(MIGRATIONS[:4]))
     c.execute("INSERT INTO files (file_id, purpose, filename, bytes, created_at) VALUES "
               "('file-old', 'batch', 'old.jsonl', 3, 1.0)")
     c.execute("INSERT INTO batches (batch_id, input_file_id, endpoint, completion_window, status, created_at, "
@@ -93,7 +94,7 @@ def test_a_v4_ledger_migrates_and_files_and_batches_are_owned_per_key(tmp_path: 
     asyncio.run(run())
     c = sqlite3.connect(db)
     try:
-        assert c.execute("SELECT version FROM schema_version").fetchone()[0] == SCHEMA_VERSION == 7
+        assert c.execute("SELECT version FROM schema_version").fetchone()[0] == SCHEMA_VERSION == 8
         assert {r[1] for r in c.execute("PRAGMA table_info(batches)")} >= {"key_id"}
     finally:
         c.close()

@@ -38,6 +38,9 @@ def test_prompt_preparer_fills_only_unset_fields() -> None:
     class _Tok:
         vocab_size = 100
 
+        def max_chars_per_token(self) -> int:
+            return 16
+
     prep = PromptPreparer(_Tok(), sampling_defaults={"temperature": 0.6, "top_k": 20, "max_tokens": 50})  # type: ignore[arg-type]
     spec = GenerationSpec(kind="completion", api="http", client="c", model="m", prompt=[1, 2],
                           sampling={"temperature": 0.0})

@@ -128,6 +128,41 @@ def ledger_rows(db: Path) -> dict[str, dict[str, Any]]:
     return rows
 
 
+def hang_up_while_generating(base: str, path: str, body: dict[str, Any], headers: dict[str, str], db: Path,
+                             idempotency_key: str, timeout: float = 300.0) -> str:
+    """Send a whole (non-streamed) request, wait until the ledger shows it generating, then hang up.
+
+    Returns its request id. A client that gives up after a fixed read timeout races the model: on
+    a quiet machine the demo model can finish 1500 tokens inside the timeout, and the request then
+    ends `finished`, not `cancelled`. This waits on the ledger's own progress instead (the row is
+    `running` with its first token stamped), so the hang-up always lands mid-generation. The
+    request carries an idempotency key so its row can be found (keys are stored as `key_id:key`
+    when the request is authenticated).
+    """
+    from urllib.parse import urlsplit
+
+    url = urlsplit(base)
+    payload = json.dumps(body).encode()
+    head = [f"POST {path} HTTP/1.1", f"Host: {url.netloc}", "Content-Type: application/json",
+            f"Content-Length: {len(payload)}", f"Idempotency-Key: {idempotency_key}"]
+    head += [f"{k}: {v}" for k, v in headers.items()]
+    sock = socket.create_connection((url.hostname or "127.0.0.1", url.port or 80), timeout=60)
+    try:
+        sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            rows = [r for r in ledger_rows(db).values()
+                    if (r["idempotency_key"] or "") in (idempotency_key, ) or
+                    (r["idempotency_key"] or "").endswith(":" + idempotency_key)]
+            if rows and (rows[0]["state"] not in ("queued", "running") or rows[0]["first_token_at"] is not None):
+                assert rows[0]["state"] == "running", f"it ended {rows[0]['state']} before the hang-up"
+                return str(rows[0]["request_id"])
+            time.sleep(0.02)
+        raise AssertionError(f"no generating row for {idempotency_key} within {timeout} s")
+    finally:
+        sock.close()  # the hang-up: the server sees the connection end while it generates
+
+
 class WsClient:
     """A thin asyncio WebSocket client speaking pagewire frames (JSON dicts)."""
 

@@ -4,7 +4,8 @@ perplexity() feeds the text's tokens through the model in chunks of --chunk toke
 default: each chunk's matrix products then run the small-batch kernels -- the quantised ones for a
 quantised model -- rather than prefill's dequantised GEMM), each chunk attending to everything
 before it in a paged KV cache, and returns exp(mean negative log-likelihood of every next token).
-greedy_tokens() generates with the engine (temperature 0) so agreement can be compared.
+greedy_tokens() generates with the engine (temperature 0) so agreement can be compared, and
+divergence_margin() says whether a continuation that leaves the baseline's does so at a near-tie.
 
 The text is tests/data/perplexity_text.txt (self-written for this project, 2.6 KB of plain English).
 The tests in tests/models/test_quant_quality.py import this module; run it directly to print the
@@ -18,6 +19,7 @@ import math
 import shlex
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -69,11 +71,49 @@ def perplexity(model: DecoderForCausalLM, token_ids: list[int], chunk: int = 16,
 
 def greedy_tokens(model: str | Path, dtype: str, quantization: str, prompt: str = PROMPT, n: int = 32) -> list[int]:
     """The first `n` greedy tokens the engine generates for `prompt` (ignore_eos)."""
+    return greedy_run(model, dtype, quantization, prompt, n)[1]
+
+
+def greedy_run(model: str | Path, dtype: str, quantization: str, prompt: str = PROMPT,
+               n: int = 32) -> tuple[list[int], list[int]]:
+    """(the prompt's token ids, the first `n` greedy tokens) as the engine generates them."""
     from server import LLM, SamplingParams
 
     llm = LLM(str(model), dtype=dtype, quantization=quantization, num_threads=torch.get_num_threads())
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-    return list(out[0].outputs[0].token_ids)
+    return list(out[0].prompt_token_ids), list(out[0].outputs[0].token_ids)
+
+
+@torch.inference_mode()
+def position_logits(model: DecoderForCausalLM, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """The model's next-token logits (float64) after each prefix of `token_ids`, in one forward."""
+    n = len(token_ids)
+    num_blocks = (n + block_size - 1) // block_size
+    shape = model.kv_cache_shape(num_blocks, block_size)
+    kv = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+          for _ in range(model.config.num_layers)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n, dtype=torch.int64),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32).view(1, -1),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        max_query_len=n,
+        max_seq_len=n,
+    )
+    hidden = model(torch.tensor(token_ids, dtype=torch.int64), torch.arange(n, dtype=torch.int64), kv, meta)
+    return model.compute_logits(hidden).double()
+
+
+def divergence_margin(model: DecoderForCausalLM, prompt_ids: list[int], base: list[int],
+                      other: list[int]) -> Optional[float]:
+    """Where `other` first leaves the baseline continuation `base`: how far below its own pick the
+    baseline model (`model`) scored `other`'s token there, in logits (None if they never part).
+    Near 0 means a near-tie of the baseline, which any rounding may tip either way."""
+    lead, _ = agreement(base, other)
+    if lead >= min(len(base), len(other)):
+        return None
+    row = position_logits(model, prompt_ids + base[:lead])[-1]
+    return float(row[base[lead]] - row[other[lead]])
 
 
 def agreement(a: list[int], b: list[int]) -> tuple[int, int]:

@@ -20,8 +20,8 @@ that dies leaves holds behind; the lease sweep (`PgLedger.sweep_dead`) deletes t
 interrupts that replica's rows, which then count what they emitted. Its buckets keep the full
 reservations taken (nothing gives the unused part back): conservative, never over the limit.
 So the daily budget and the per-minute buckets hold across replicas within one request's
-reservation. Cost: one extra transaction per request at admission (lock, four indexed reads, up
-to three writes) and two statements queued into the group commit at the end; bench/RESULTS.md
+reservation. Cost: one extra transaction per request at admission (lock, two reads, up to three
+writes) and two statements queued into the group commit at the end; bench/RESULTS.md
 has the figures.
 """
 from __future__ import annotations
@@ -58,12 +58,10 @@ class DbQuotas(QuotaBook):
             now = self.clock()
             day = self.day_of(now)
             start = day * DAY_S
-            held_today = (await tx.query(
-                "SELECT COALESCE(SUM(tokens), 0) FROM quota_holds WHERE key_id = ? AND created_at >= ?",
-                (key_id, start)))[0][0]
-            settled_today = (await tx.query(
-                f"SELECT COALESCE(SUM({BILLABLE_SQL}), 0) FROM requests r WHERE key_id = ? AND created_at >= ? "
-                f"AND {_NO_HOLD}", (key_id, start)))[0][0]
+            held_today, settled_today = (await tx.query(
+                "SELECT (SELECT COALESCE(SUM(tokens), 0) FROM quota_holds WHERE key_id = ? AND created_at >= ?), "
+                f"(SELECT COALESCE(SUM({BILLABLE_SQL}), 0) FROM requests r WHERE key_id = ? AND created_at >= ? "
+                f"AND {_NO_HOLD})", (key_id, start, key_id, start)))[0]
             st = self._state(key_id)
             st.day, st.used_today, st.reserved = day, int(settled_today or 0), int(held_today or 0)
             st.tokens = st.requests = None

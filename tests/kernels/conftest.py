@@ -53,33 +53,32 @@ _emulated: dict[str, int] = {}  # family -> emulated-build tests that passed for
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # The family rides on the report's user_properties (set at collection), so this also counts
+    # under pytest-xdist, where the reports reach a controller that collected nothing.
     if report.when != "call" or not report.passed:
         return
-    item_isa = _isa_of.get(report.nodeid)
+    props = dict(report.user_properties)
+    item_isa = props.get("cpu_isa")
     if item_isa is not None:
-        _ran[item_isa] = _ran.get(item_isa, 0) + 1
-    family = _emulates_of.get(report.nodeid)
+        _ran[str(item_isa)] = _ran.get(str(item_isa), 0) + 1
+    family = props.get("emulates")
     if family is not None:
-        _emulated[family] = _emulated.get(family, 0) + 1
-
-
-_isa_of: dict[str, str] = {}
-_emulates_of: dict[str, str] = {}
+        _emulated[str(family)] = _emulated.get(str(family), 0) + 1
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         callspec: Any = getattr(item, "callspec", None)
         if callspec is not None and "cpu_isa" in callspec.params:
-            _isa_of[item.nodeid] = str(callspec.params["cpu_isa"])
+            item.user_properties.append(("cpu_isa", str(callspec.params["cpu_isa"])))
         module = getattr(item, "module", None)
         family = getattr(module, "EMULATED_FAMILY", None)
         if family is not None:
-            _emulates_of[item.nodeid] = str(family)
+            item.user_properties.append(("emulates", str(family)))
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if not _isa_of and not _emulates_of:
+    if not _ran and not _emulated:
         return
     native = ", ".join(f"{isa} ({_ran.get(isa, 0)} passed)" for isa in available_isas())
     missing = [isa for isa in ORDER if isa not in available_isas()]

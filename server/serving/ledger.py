@@ -25,14 +25,17 @@ import logging
 import os
 import sqlite3
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import aiosqlite
 
 from server.serving.errors import LedgerError, Unavailable  # LedgerError: re-exported
-from server.serving.lifecycle import END_RULES, OPEN_STATES, TERMINAL_STATES, EndReason, LedgerState
+from server.serving.ledger_rows import COLUMNS as COLUMNS  # re-exported: the row types' old home
+from server.serving.ledger_rows import NewRequest as NewRequest
+from server.serving.ledger_rows import RequestRecord as RequestRecord
+from server.serving.ledger_rows import Terminal as Terminal
+from server.serving.lifecycle import END_RULES, OPEN_STATES, EndReason, LedgerState
 from server.serving.schema import MIGRATIONS, SCHEMA_VERSION  # SCHEMA_VERSION: re-exported
 
 if TYPE_CHECKING:
@@ -49,14 +52,6 @@ INTERRUPT_OPEN_SQL = (
 )
 INTERRUPTED_MESSAGE = END_RULES[EndReason.INTERRUPTED].message
 
-COLUMNS = (
-    "request_id, idempotency_key, kind, api, client, model, state, priority, params_json, "
-    "prompt_json, created_at, admitted_at, first_token_at, finished_at, prompt_tokens, "
-    "completion_tokens, cached_tokens, finish_reason, error, output_text, output_json, request_hash, key_id, "
-    "reasoning_tokens, instance_id"
-)
-
-
 class IdempotencyConflict(LedgerError):
     """An insert lost to a committed row with the same idempotency key (the unique constraint
     decided: another replica, or an earlier attempt whose commit was ambiguous, holds the key)."""
@@ -69,91 +64,6 @@ class LedgerWriteError(LedgerError, Unavailable):
 
     def __init__(self, message: str) -> None:
         Unavailable.__init__(self, message, code="ledger_unavailable", retry_after_s=5)
-
-
-@dataclass
-class RequestRecord:
-    """One ledger row. `output` is the decoded `output_json` (per-sample text, tokens, seq marks)."""
-
-    request_id: str
-    idempotency_key: Optional[str]
-    kind: str
-    api: str
-    client: Optional[str]
-    model: Optional[str]
-    state: str
-    priority: int
-    params: Optional[dict[str, Any]]
-    prompt: Any
-    created_at: float
-    admitted_at: Optional[float]
-    first_token_at: Optional[float]
-    finished_at: Optional[float]
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    finish_reason: Optional[str]
-    error: Optional[str]
-    output_text: Optional[str]
-    output: Optional[dict[str, Any]]
-    request_hash: Optional[str] = None
-    key_id: Optional[str] = None  # the API key that owns the request (None: auth was off)
-    reasoning_tokens: int = 0  # of completion_tokens, those of the model's thinking
-    instance_id: Optional[str] = None  # the replica that accepted it (server.serving.ledger_pg)
-
-    @property
-    def terminal(self) -> bool:
-        return self.state in TERMINAL_STATES
-
-    @classmethod
-    def from_row(cls, row: tuple[Any, ...]) -> "RequestRecord":
-        (rid, key, kind, api, client, model, state, prio, params, prompt, created, admitted,
-         first, finished, ptok, ctok, cached, reason, error, text, output, request_hash, key_id,
-         reasoning, instance_id) = row
-        return cls(
-            rid, key, kind, api, client, model, state, prio,
-            json.loads(params) if params else None,
-            json.loads(prompt) if prompt else None,
-            created, admitted, first, finished, ptok, ctok, cached, reason, error, text,
-            json.loads(output) if output else None,
-            request_hash, key_id, reasoning or 0, instance_id,
-        )
-
-
-@dataclass
-class NewRequest:
-    """What is known when a request is accepted; written as a `queued` row."""
-
-    request_id: str
-    kind: str
-    api: str
-    client: Optional[str]
-    model: Optional[str]
-    priority: int
-    params: dict[str, Any]
-    prompt: Any
-    prompt_tokens: int
-    created_at: float
-    idempotency_key: Optional[str] = None
-    request_hash: Optional[str] = None  # fingerprint of the request, kept with an idempotency key
-    key_id: Optional[str] = None  # the owning API key
-
-
-@dataclass
-class Terminal:
-    """A request's final state, usage and output, written in one statement."""
-
-    state: str
-    finish_reason: Optional[str]
-    error: Optional[str]
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    output_text: Optional[str]
-    output: dict[str, Any]
-    first_token_at: Optional[float]
-    finished_at: float
-    reasoning_tokens: int = 0
 
 
 async def _apply_pragmas(conn: aiosqlite.Connection, busy_timeout_ms: int) -> None:

@@ -9,7 +9,7 @@ MAX_JOBS ?= 2
 export MAX_JOBS
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv browser sysdeps build serve test test-fast lint bench clean cluster cluster-stop
+.PHONY: venv browser sysdeps build serve test test-fast test-postgres lint bench clean cluster cluster-stop
 
 $(VENV)/.deps-stamp: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,8 +57,17 @@ PYTEST := $(PY) -m pytest -q
 # min serial, 12.8 min with two workers). TEST_WORKERS=0 runs serially.
 TEST_WORKERS ?= 2
 
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
+# Then the gateway suite again on a real PostgreSQL ledger (PAGEWIRE_TEST_LEDGER, see
+# tests/server/harness.py); `make test-postgres` adds the fault suite (about 7 more minutes).
 test: build sysdeps
-	$(PYTEST) $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) tests
+	$(PYTEST) $(XDIST) tests
+	PAGEWIRE_TEST_LEDGER=postgresql $(PYTEST) $(XDIST) tests/gateway
+
+# The ledger, gateway and fault suites on PostgreSQL (tests marked sqlite_only skip, saying why).
+test-postgres: build sysdeps
+	PAGEWIRE_TEST_LEDGER=postgresql $(PYTEST) $(XDIST) tests/gateway tests/faults tests/scaleout/test_ledger_backends.py
 
 # The pre-commit loop (under 3 minutes on 2 cores, bench/RESULTS.md): the layer and import
 # rules, the edge's units (every route without torch), the pure-Python units (tokenizer,

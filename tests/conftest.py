@@ -22,7 +22,13 @@ if os.environ.get("CI"):
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`cuda` tests skip (with the reason) when no GPU is visible."""
+    """`cuda` tests skip (with the reason) when no GPU is visible; `sqlite_only` ones when the
+    ledger backend under test is PostgreSQL (tests.server.harness.LEDGER_BACKEND)."""
+    if os.environ.get("PAGEWIRE_TEST_LEDGER") == "postgresql":
+        on_pg = pytest.mark.skip(reason="checks the SQLite ledger file itself (PAGEWIRE_TEST_LEDGER=postgresql)")
+        for item in items:
+            if "sqlite_only" in item.keywords:
+                item.add_marker(on_pg)
     try:
         import torch
 

@@ -28,8 +28,12 @@ async def save(ledger: Ledger, body: dict[str, Any], conversation: list[dict[str
                key_id: Optional[str]) -> None:
     """Store (or, for an idempotent retry, store again) one response; returns once committed."""
     await ledger.execute(
-        "INSERT OR REPLACE INTO responses (response_id, request_id, key_id, previous_response_id, created_at, "
-        "body_json, conversation_json) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        # The upsert both backends speak (SQLite >= 3.24, PostgreSQL), not SQLite's INSERT OR REPLACE.
+        "INSERT INTO responses (response_id, request_id, key_id, previous_response_id, created_at, "
+        "body_json, conversation_json) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (response_id) DO UPDATE SET "
+        "request_id = excluded.request_id, key_id = excluded.key_id, "
+        "previous_response_id = excluded.previous_response_id, created_at = excluded.created_at, "
+        "body_json = excluded.body_json, conversation_json = excluded.conversation_json, deleted_at = NULL",
         (body["id"], request_id, key_id, body.get("previous_response_id"), float(body["created_at"]),
          json.dumps(body), json.dumps(conversation)))
 

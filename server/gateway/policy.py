@@ -69,7 +69,8 @@ class Gateway:
         assert isinstance(ledger, PgLedger)
         s = self.settings
         admin = read_admin_key(s.admin_key_file) if s.admin_key_file else None
-        auth = Authenticator(None, s.auth, admin, s.insecure_no_auth)
+        metrics_token = read_metrics_key(s.metrics_key_file) if s.metrics_key_file else None
+        auth = Authenticator(None, s.auth, admin, s.insecure_no_auth, metrics_token)
         auth.load(*await load_keys(ledger))
         self.auth = auth
         self._quotas = DbQuotas(ledger, auth.limits_of)

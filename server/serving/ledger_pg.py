@@ -69,14 +69,19 @@ def pg_sql(sql: str) -> str:
 
 def pg_migration(sql: str) -> str:
     """A migration from `schema.MIGRATIONS` for PostgreSQL: REAL (8-byte in SQLite, 4-byte in
-    PostgreSQL) becomes DOUBLE PRECISION, so timestamps keep their microseconds; BLOB is BYTEA."""
-    return re.sub(r"\bBLOB\b", "BYTEA", re.sub(r"\bREAL\b", "DOUBLE PRECISION", sql))
+    PostgreSQL) becomes DOUBLE PRECISION, so timestamps keep their microseconds; BLOB is BYTEA;
+    INTEGER (8-byte in SQLite, 4-byte in PostgreSQL) is BIGINT, so a priority or token count the
+    API accepts fits on both. (A database created before this mapping keeps its 4-byte columns.)"""
+    return re.sub(r"\bINTEGER\b", "BIGINT",
+                  re.sub(r"\bBLOB\b", "BYTEA", re.sub(r"\bREAL\b", "DOUBLE PRECISION", sql)))
 
 
 def _no_nul(v: Any) -> Any:
     """PostgreSQL text cannot hold NUL (SQLite's can). A NUL in a free-text column (a model's raw
     `output_text`, an error) is stored as U+FFFD; the exact output is kept in `output_json`,
-    whose JSON escapes it (`\\u0000`), and that is what resume and the API read."""
+    whose JSON escapes it (`\\u0000`), and that is what resume and the API read.
+    Query parameters get the same replacement: a value with a NUL (a client's id, say) then
+    matches what a write of it stored, and never reaches the server as an error."""
     return v.replace("\x00", "\ufffd") if isinstance(v, str) and "\x00" in v else v
 
 
@@ -371,7 +376,7 @@ class PgLedger(Ledger):
     async def query(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         async def run() -> list[tuple[Any, ...]]:
             async with self._conn() as c:
-                cur = await c.execute(pg_sql(sql), args)
+                cur = await c.execute(pg_sql(sql), tuple(_no_nul(a) for a in args))
                 return [tuple(r) for r in await cur.fetchall()]
         try:
             return await asyncio.wait_for(run(), self.read_timeout_s)
@@ -431,9 +436,9 @@ class KeyTx:
         self._c = conn
 
     async def query(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-        cur = await self._c.execute(pg_sql(sql), args)
+        cur = await self._c.execute(pg_sql(sql), tuple(_no_nul(a) for a in args))
         return [tuple(r) for r in await cur.fetchall()]
 
     async def execute(self, sql: str, args: tuple[Any, ...] = ()) -> int:
-        cur = await self._c.execute(pg_sql(sql), args)
+        cur = await self._c.execute(pg_sql(sql), tuple(_no_nul(a) for a in args))
         return int(cur.rowcount)

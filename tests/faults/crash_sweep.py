@@ -40,7 +40,7 @@ from typing import Any, Iterator, Optional
 
 import httpx
 
-from tests.server.harness import REPO, ServerProcess
+from tests.server.harness import REPO, ServerProcess, db_arg
 
 QUOTA_TOKENS = 3000
 GRACE_S = 3.0
@@ -245,9 +245,9 @@ class Sweep:
         loop = asyncio.get_running_loop()
         if self.churn:
             victim = self.churn.pop(0)
-            await loop.run_in_executor(None, _cli, "keys", "revoke", victim, "--db", str(self.db))
+            await loop.run_in_executor(None, _cli, "keys", "revoke", victim, "--db", db_arg(self.db))
         out = await loop.run_in_executor(None, _cli, "keys", "create", "--name", f"churn-{self.rounds_done}",
-                                         "--db", str(self.db), "--json")
+                                         "--db", db_arg(self.db), "--json")
         if out.returncode == 0:
             self.churn.append(json.loads(out.stdout)["key_id"])
 
@@ -365,7 +365,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _create_key(db: Path, name: str, *extra: str) -> tuple[str, str]:
-    out = _cli("keys", "create", "--name", name, "--db", str(db), "--json", *extra)
+    out = _cli("keys", "create", "--name", name, "--db", db_arg(db), "--json", *extra)
     if out.returncode != 0:
         raise RuntimeError(out.stderr)
     d = json.loads(out.stdout)

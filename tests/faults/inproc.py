@@ -19,6 +19,7 @@ from server.api.ws import WsEndpoint
 from server.gateway.policy import Gateway
 from server.serving.runtime import Runtime
 from server.serving.settings import ServeSettings
+from tests.server.harness import db_arg
 
 FAST = {"max_num_seqs": 8, "kv_cache_tokens": 4096, "max_num_batched_tokens": 256, "num_threads": 1}
 
@@ -26,7 +27,7 @@ FAST = {"max_num_seqs": 8, "kv_cache_tokens": 4096, "max_num_batched_tokens": 25
 @contextlib.asynccontextmanager
 async def running(model_dir: Path, db: Path, **overrides: Any) -> AsyncIterator[Runtime]:
     """A started Runtime whose model has loaded; drained and closed on exit."""
-    settings = ServeSettings(db=str(db), **{**FAST, **overrides})
+    settings = ServeSettings(db=db_arg(db), **{**FAST, **overrides})
     rt = Runtime(settings, model_dir, "demo", policy=Gateway(settings))  # as server.serve.compose wires it
     await rt.start()
     try:

@@ -10,6 +10,10 @@ import pytest
 
 from tests.faults.crash_sweep import Sweep, ledger_folder, run_rounds
 
+# The sweep reads and fills the SQLite file itself (its diskfull mode, its invariants' SQL);
+# tests/scaleout/test_faults_pg.py kills PostgreSQL replicas.
+pytestmark = pytest.mark.sqlite_only
+
 # CI runs a handful; PAGEWIRE_SWEEP_ROUNDS asks for more.
 ROUNDS = {"sigkill": int(os.environ.get("PAGEWIRE_SWEEP_ROUNDS", "6")), "sigterm": 2, "diskfull": 2}
 

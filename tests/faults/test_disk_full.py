@@ -16,9 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.faults.diskfull import fill, small_filesystem
 from tests.server.harness import ServerProcess, WsClient, ledger_rows, tokens_of
+
+# A full disk under the SQLite file; PostgreSQL's own storage is the database server's
+# (tests/scaleout/test_faults_pg.py restarts it).
+pytestmark = pytest.mark.sqlite_only
 
 
 def _wait_health(srv: ServerProcess, status: int, timeout: float = 60.0) -> httpx.Response:

@@ -13,6 +13,10 @@ import pytest
 
 from tests.server.harness import FAST_ENGINE, REPO, ServerProcess, free_port, ledger_rows
 
+# The SQLite ledger's lock file and file modes; PostgreSQL replicas share one database by design
+# (tests/scaleout).
+pytestmark = pytest.mark.sqlite_only
+
 
 def _second_server(demo_model: Path, db: Path) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "server.cli", "serve", str(demo_model), "--port", str(free_port()),

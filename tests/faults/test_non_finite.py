@@ -16,7 +16,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.server.harness import REPO, ServerProcess, WsClient
+from tests.server.harness import REPO, ServerProcess, WsClient, db_arg
 
 NON_FINITE = ["1e309", "-1e309", "nan", "NaN", "inf", "-Infinity"]
 
@@ -84,7 +84,7 @@ def test_websocket_frame(srv: ServerProcess) -> None:
 @pytest.mark.parametrize("value", ["nan", "1e309", "-inf"])
 def test_usage_cli_bound(tmp_path: Path, value: str) -> None:
     db = tmp_path / "cli.db"
-    r = subprocess.run([sys.executable, "-m", "server.cli", "usage", "--db", str(db), f"--since={value}",
+    r = subprocess.run([sys.executable, "-m", "server.cli", "usage", "--db", db_arg(db), f"--since={value}",
                         "--format", "json"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
     assert "--since" in r.stderr and "finite" in r.stderr, r.stderr

@@ -15,7 +15,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from tests.server.harness import ServerProcess, WsClient, ledger_rows
+from tests.server.harness import ServerProcess, WsClient, ledger_rows, wait_swept
 
 SOCKETS = 8
 PER_SOCKET = 8  # 64 streams
@@ -71,7 +71,8 @@ def test_sigkill_during_64_streams_then_restart(demo_model: Path, tmp_path: Path
     assert len(acked) == SOCKETS * PER_SOCKET
     assert any(s["done"] is None for s in acked.values())  # the kill did cut streams short
 
-    restarted = ServerProcess(demo_model, db).start()  # recovery runs at start-up
+    restarted = ServerProcess(demo_model, db).start()  # recovery runs at start-up (a lease later on PostgreSQL)
+    wait_swept(db, set(acked))
     restarted.stop()
     rows = ledger_rows(db)
     assert set(acked) <= set(rows)

@@ -10,7 +10,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.server.harness import free_port
+from tests.server.harness import db_arg, free_port
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +38,7 @@ class InProcessServer:
         from server.serving.settings import ServeSettings
 
         self.port = free_port()
-        self.settings = ServeSettings(host="127.0.0.1", port=self.port, db=str(db), max_num_seqs=8,
+        self.settings = ServeSettings(host="127.0.0.1", port=self.port, db=db_arg(db), max_num_seqs=8,
                                       kv_cache_tokens=4096, max_num_batched_tokens=256, num_threads=1,
                                       **settings)
         self.rt, self.gateway, app = compose(self.settings, demo_model, "demo")
@@ -76,9 +76,10 @@ def make_key(tmp_path: Path) -> Any:
     """make_key(db, name, **limits) -> (key_id, secret), written by the keys CLI's own store."""
     from server.gateway.cli import _open_for_keys
     from server.gateway.keys import KeyStore
+    from server.serving.db_url import parse_db
 
     def make(db: Path, name: str, **limits: Any) -> tuple[str, str]:
-        conn, lock = _open_for_keys(db)
+        conn, lock = _open_for_keys(parse_db(db_arg(db)))
         try:
             key, secret = KeyStore(conn).create(name, **limits)
         finally:

@@ -4,7 +4,6 @@ which no line runs twice and every attempt is billed to the batch's key."""
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -12,7 +11,7 @@ from typing import Any, Iterator, Optional
 import httpx
 import pytest
 
-from tests.server.harness import ServerProcess, ledger_rows
+from tests.server.harness import ServerProcess, ledger_query, ledger_rows
 
 CHAT = "/v1/chat/completions"
 
@@ -197,11 +196,7 @@ def test_sigkill_mid_batch_then_restart_runs_no_line_twice(demo_model: Path, tmp
     assert set(before) <= out_ids
     for rid, r in before.items():
         assert ledger_rows(db)[rid]["finished_at"] == r["finished_at"]
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        statuses = {s for (s,) in conn.execute("SELECT status FROM batch_lines WHERE batch_id = ?", (bid,))}
-    finally:
-        conn.close()
+    statuses = {s for (s,) in ledger_query(db, "SELECT status FROM batch_lines WHERE batch_id = ?", (bid,))}
     assert statuses == {"done"}
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -14,18 +13,14 @@ from typing import Any
 import httpx
 
 from tests.gateway.test_isolation_live import PROMPT, _create, _h
-from tests.server.harness import ServerProcess, ledger_rows
+from tests.server.harness import ON_POSTGRES, ServerProcess, ledger_query, ledger_rows
 
 DAILY = 1900
 
 
 def _completion_tokens(db: Path, rid: str) -> int:
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        row = conn.execute("SELECT completion_tokens FROM requests WHERE request_id = ?", (rid,)).fetchone()
-    finally:
-        conn.close()
-    return int(row[0]) if row else 0
+    rows = ledger_query(db, "SELECT completion_tokens FROM requests WHERE request_id = ?", (rid,))
+    return int(rows[0][0]) if rows else 0
 
 
 async def _start_detached(url: str, secret: str, db: Path) -> str:
@@ -64,6 +59,13 @@ def test_daily_quota_counts_an_interrupted_request_across_sigkill(demo_model: Pa
     srv2 = ServerProcess(demo_model, db).start()
     try:
         row = ledger_rows(db)[rid]
+        # On SQLite the restart interrupts the dead process's rows at open; a PostgreSQL replica
+        # sweeps another's rows only once that replica's lease has lapsed (--instance-lease, 10 s),
+        # so there the check waits for the sweep, within a bound.
+        deadline = time.monotonic() + 120
+        while ON_POSTGRES and row["state"] == "running" and time.monotonic() < deadline:
+            time.sleep(0.2)
+            row = ledger_rows(db)[rid]
         assert row["state"] == "interrupted" and row["completion_tokens"] >= 16
         used = 10 + 3 + row["completion_tokens"]
         usage = httpx.get(srv2.base + "/v1/usage", headers=_h(secret)).json()["data"]

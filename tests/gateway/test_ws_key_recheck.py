@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import httpx
 
-from tests.server.harness import REPO, ServerProcess, ledger_rows
+from tests.server.harness import REPO, ServerProcess, db_arg, ledger_rows
 
 LONG = {"temperature": 0, "ignore_eos": True, "max_tokens": 100000}
 
@@ -27,7 +27,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _create(db: Path, name: str) -> tuple[str, str]:
-    out = _cli("keys", "create", "--name", name, "--db", str(db), "--json")
+    out = _cli("keys", "create", "--name", name, "--db", db_arg(db), "--json")
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
     return d["key_id"], d["secret"]
@@ -78,7 +78,7 @@ def test_revoke_closes_an_open_socket_of_that_key(demo_model: Path, tmp_path: Pa
     other_id, other = _create(db, "other")
     with ServerProcess(demo_model, db) as srv:
         frames, code, rid = asyncio.run(_live_socket_then(
-            srv, ["keys", "revoke", key_id, "--db", str(db)], {"Authorization": f"Bearer {secret}"}))
+            srv, ["keys", "revoke", key_id, "--db", db_arg(db)], {"Authorization": f"Bearer {secret}"}))
         # Another key's socket and HTTP are untouched; the revoked key gets 401 over HTTP too.
         r = httpx.post(srv.base + "/v1/completions", headers={"Authorization": f"Bearer {other}"},
                        json={"model": "demo", "prompt": "x", "max_tokens": 2}, timeout=60)
@@ -93,7 +93,7 @@ def test_first_key_closes_an_unauthenticated_socket(demo_model: Path, tmp_path: 
     db = tmp_path / "turn-on.db"
     with ServerProcess(demo_model, db) as srv:  # no keys yet: auth is off on loopback
         frames, code, rid = asyncio.run(_live_socket_then(
-            srv, ["keys", "create", "--name", "first", "--db", str(db)], None))
+            srv, ["keys", "create", "--name", "first", "--db", db_arg(db)], None))
         _check_closed(frames, code, rid, db, srv, "authentication is now required")
 
 

@@ -59,7 +59,7 @@ class ServerProcess:
         model = [str(self.model_dir)] if self.model_dir is not None else []
         name = ["--served-model-name", self.served_model_name] if self.served_model_name is not None else []
         cmd = [sys.executable, "-m", "server.cli", "serve", *model, "--port", str(self.port),
-               "--db", str(self.db), *name, "--log-level", "warning", *FAST_ENGINE, *self.extra]
+               "--db", db_arg(self.db), *name, "--log-level", "warning", *FAST_ENGINE, *self.extra]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
@@ -115,17 +115,87 @@ class ServerProcess:
         self.stop()
 
 
-def ledger_rows(db: Path) -> dict[str, dict[str, Any]]:
-    """Every ledger row, by request id (read-only, as an operator would)."""
+# -- the ledger backend under test ----------------------------------------------------------------
+# PAGEWIRE_TEST_LEDGER=postgresql runs the suites built on these helpers (tests/gateway,
+# tests/faults, tests/server) against a real PostgreSQL (tests/scaleout/postgres.py): each ledger
+# path a test names stands for a fresh database on one server per test process, given to servers
+# and the CLI as their --db (`db_arg`) and read back by `ledger_rows`. A test of the SQLite file
+# itself (its lock, its permissions, a full disk under it, its old schema versions) is marked
+# `sqlite_only`. Unset, or `sqlite`, is the embedded default.
+LEDGER_BACKEND = os.environ.get("PAGEWIRE_TEST_LEDGER", "sqlite")
+if LEDGER_BACKEND not in ("sqlite", "postgresql"):
+    raise RuntimeError(f"PAGEWIRE_TEST_LEDGER: 'sqlite' or 'postgresql', not {LEDGER_BACKEND!r}")
+ON_POSTGRES = LEDGER_BACKEND == "postgresql"
+_pg_server: Any = None
+_pg_urls: dict[str, str] = {}
+
+
+def db_arg(db: Path) -> str:
+    """The --db value a server or CLI under test gets for the ledger at `db`."""
+    if not ON_POSTGRES:
+        return str(db)
+    global _pg_server
+    key = str(Path(db).resolve())
+    if key not in _pg_urls:
+        if _pg_server is None:
+            import atexit
+
+            from tests.scaleout.postgres import PostgresServer, missing_reason
+
+            reason = missing_reason()
+            if reason is not None:
+                raise RuntimeError(f"PAGEWIRE_TEST_LEDGER=postgresql: {reason}")
+            _pg_server = PostgresServer().start()
+            atexit.register(_pg_server.cleanup)
+        _pg_urls[key] = _pg_server.new_database()
+    return _pg_urls[key]
+
+
+def ledger_query(db: Path, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """A read-only query (`?` placeholders) on the ledger at `db`, on either backend."""
+    if ON_POSTGRES:
+        import psycopg
+
+        with psycopg.connect(db_arg(db)) as pg:
+            return [tuple(r) for r in pg.execute(sql.replace("?", "%s"), args)]  # type: ignore[arg-type]
     conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    conn.row_factory = sqlite3.Row
     try:
-        rows = {r["request_id"]: dict(r) for r in conn.execute("SELECT * FROM requests")}
+        return [tuple(r) for r in conn.execute(sql, args)]
     finally:
         conn.close()
+
+
+def ledger_rows(db: Path) -> dict[str, dict[str, Any]]:
+    """Every ledger row, by request id (read-only, as an operator would), on either backend."""
+    if ON_POSTGRES:
+        import psycopg
+        from psycopg.rows import dict_row
+
+        with psycopg.connect(db_arg(db), row_factory=dict_row) as pg:
+            rows = {r["request_id"]: dict(r) for r in pg.execute("SELECT * FROM requests")}
+    else:
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        conn.row_factory = sqlite3.Row
+        try:
+            rows = {r["request_id"]: dict(r) for r in conn.execute("SELECT * FROM requests")}
+        finally:
+            conn.close()
     for r in rows.values():
         r["output"] = json.loads(r["output_json"]) if r.get("output_json") else None
     return rows
+
+
+def wait_swept(db: Path, request_ids: "set[str] | list[str]", timeout: float = 120.0) -> None:
+    """After a restart that follows a kill: on SQLite the new server interrupted the dead one's
+    open rows when it opened the file; a PostgreSQL replica does so only once the dead replica's
+    lease has lapsed (--instance-lease, 10 s, docs/scale-out.md). Wait, while a server runs, until
+    none of `request_ids` is still open (returns at once on SQLite)."""
+    deadline = time.monotonic() + timeout
+    while ON_POSTGRES and time.monotonic() < deadline:
+        rows = ledger_rows(db)
+        if not any(rows.get(r, {}).get("state") in ("queued", "running") for r in request_ids):
+            return
+        time.sleep(0.2)
 
 
 def hang_up_while_generating(base: str, path: str, body: dict[str, Any], headers: dict[str, str], db: Path,

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import websockets
 
-from tests.server.harness import REPO, ServerProcess, WsClient, ledger_rows, tokens_of
+from tests.server.harness import REPO, ServerProcess, WsClient, db_arg, ledger_rows, tokens_of
 
 LONG = {"prompt": "Keep going", "params": {"max_tokens": 1500, "ignore_eos": True, "temperature": 0}}
 
@@ -66,10 +66,10 @@ def test_sigkill_mid_streams_then_restart_keeps_every_acknowledged_request(demo_
                 assert row["finished_at"] is not None
         assert httpx.get(again.base + "/health").status_code == 200
     # The operator's view of the same ledger.
-    out = subprocess.run([sys.executable, "-m", "server.cli", "requests", "show", acknowledged["l0"], "--db", str(db)],
+    out = subprocess.run([sys.executable, "-m", "server.cli", "requests", "show", acknowledged["l0"], "--db", db_arg(db)],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and json.loads(out.stdout)["state"] == "interrupted"
-    listing = subprocess.run([sys.executable, "-m", "server.cli", "requests", "list", "--db", str(db),
+    listing = subprocess.run([sys.executable, "-m", "server.cli", "requests", "list", "--db", db_arg(db),
                               "--state", "finished"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert listing.returncode == 0 and all(acknowledged[f"s{i}"] in listing.stdout for i in range(4))
 

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.server.harness import REPO, ServerProcess, ledger_rows
+from tests.server.harness import REPO, ServerProcess, db_arg, ledger_rows
 from tests.tiny_models import HERMES_TOOL_TEMPLATE, with_chat_template
 
 ADMIN = "admin-" + "k" * 32
@@ -28,7 +28,7 @@ DAILY = 40  # tokens per day for `tight`: less than any prompt + max_tokens belo
 
 
 def _create_key(db: Path, name: str, *extra: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "server.cli", "keys", "create", "--name", name, "--db", str(db),
+    out = subprocess.run([sys.executable, "-m", "server.cli", "keys", "create", "--name", name, "--db", db_arg(db),
                           "--json", *extra], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return str(json.loads(out.stdout)["secret"])

@@ -141,7 +141,8 @@ class OllamaApi:
         ctx = self._context_length()
         if ctx is not None:
             info[f"{facts.family}.context_length"] = ctx
-        capabilities = ["completion"] + (["tools"] if tools_template and self.api.tool_parser != "none" else [])
+        capabilities = ["embedding"] if rt.pooler is not None else \
+            ["completion"] + (["tools"] if tools_template and self.api.tool_parser != "none" else [])
         return {"modelfile": f"# served by pagewire\nFROM {rt.model_dir}\n", "parameters": params,
                 "template": template, "details": facts.details(), "model_info": info,
                 "capabilities": capabilities, "modified_at": facts.modified_at}

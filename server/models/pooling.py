@@ -16,6 +16,7 @@ to answer requests for the wrong task, and the engine reads the same recipe to p
 """
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +24,11 @@ from typing import Any, Optional
 
 from server.jsonfile import read_json_object
 from server.models.config import ModelLoadError, UnsupportedModelError
-from server.strenum import StrEnum
 
 
-class Task(StrEnum):
+# Plain enums: server.strenum is outside this layer's imports (tests/test_layers.py); callers read
+# `.value` where they need the string.
+class Task(enum.Enum):
     """What a served model does (`--task`)."""
 
     AUTO = "auto"
@@ -37,7 +39,7 @@ class Task(StrEnum):
 TASKS = tuple(t.value for t in Task)
 
 
-class PoolingMethod(StrEnum):
+class PoolingMethod(enum.Enum):
     LAST = "last"  # the last prompt token's hidden state
     MEAN = "mean"  # the mean over every prompt token
     CLS = "cls"  # the first prompt token's

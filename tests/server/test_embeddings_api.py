@@ -133,6 +133,23 @@ def test_token_ids_dimensions_and_prefix_cache(emb: EmbedServer, oa: openai.Open
     assert close(short, reference(emb.model_dir, a, 16)) and abs(sum(x * x for x in short) - 1.0) < 1e-5
 
 
+def test_idempotency_key_returns_the_same_vectors(emb: EmbedServer) -> None:
+    body = {"model": "emb", "input": ["first", "second"], "encoding_format": "float"}
+    headers = {**emb.bearer(), "Idempotency-Key": "embed-retry-1"}
+    first = httpx.post(emb.base + "/v1/embeddings", json=body, headers=headers, timeout=300)
+    again = httpx.post(emb.base + "/v1/embeddings", json={**body, "encoding_format": "base64"}, headers=headers,
+                       timeout=300)
+    assert first.status_code == again.status_code == 200
+    assert first.headers["x-request-id"] == again.headers["x-request-id"]  # the same two requests
+    for f, b in zip(first.json()["data"], again.json()["data"]):
+        raw = base64.b64decode(b["embedding"])
+        assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == \
+            [struct.unpack("<f", struct.pack("<f", x))[0] for x in f["embedding"]]
+    other = httpx.post(emb.base + "/v1/embeddings", json={**body, "input": ["other", "second"]}, headers=headers,
+                       timeout=300)
+    assert other.status_code == 409 and other.json()["error"]["param"] == "Idempotency-Key"
+
+
 @pytest.mark.parametrize("body, field", [
     ({"input": "x", "dimensions": 65}, "dimensions"),
     ({"input": "x", "dimensions": 0}, "dimensions"),

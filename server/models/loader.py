@@ -73,7 +73,13 @@ def load_model(
         model = model_class(config)(config, torch_dtype, torch.device(device), tie_word_embeddings=tied)
         targets = model.checkpoint_tensors()
         loaded: set[str] = set()
-        if headless and not any(k.startswith("model.") for _, h in handles for k in h.keys()):
+        base_model = not any(k.startswith("model.") for _, h in handles for k in h.keys()) and \
+            any(k == "embed_tokens.weight" for _, h in handles for k in h.keys())
+        if base_model and not headless:
+            raise ModelLoadError(f"{model_dir}: the checkpoint is a base model without an LM head (tensors named "
+                                 "`layers.*`, not `model.layers.*`), as embedding models are saved; serve it "
+                                 "with --task embed")
+        if base_model:
             # A base-model checkpoint: the same tensors, named without the causal LM's prefix.
             targets = {name.removeprefix("model."): t for name, t in targets.items()}
         with torch.no_grad():

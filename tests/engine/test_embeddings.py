@@ -162,6 +162,11 @@ def test_task_detection_and_refusals(tiny_model, embed_model, tmp_path) -> None:
     plain = LLM(str(gen), max_model_len=64, kv_cache_tokens=512)
     with pytest.raises(ValueError, match="model: .* generation, not embeddings"):
         plain.embed(p)
+    # A base-model checkpoint (no LM head) cannot generate, and says how to serve it.
+    from server.models.config import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="base model without an LM head.*--task embed"):
+        LLM(str(embed_model("qwen3", "cls")), task="generate", max_model_len=64, kv_cache_tokens=512)
 
 
 def test_unsupported_pooling_configs_are_named(tiny_model, tmp_path) -> None:

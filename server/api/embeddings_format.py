@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 
 from msgspec import Struct
 
-from server.serving.errors import InvalidRequest
+from server.serving.errors import Conflict, InvalidRequest
 from server.serving.jobs import GenerationSpec
 from server.serving.streams import EndEvent
 
@@ -109,10 +109,14 @@ def embedding_specs(inputs: list[EmbeddingInput], *, api: str, client: str, mode
 
 
 def vector_of(end: EndEvent) -> list[float]:
-    """The vector a finished embedding request produced (kept with its output, also in the ledger)."""
+    """The vector a finished embedding request produced (kept with its output, also in the
+    ledger). A 409 when it is gone: an idempotent retry answered from a ledger that keeps no
+    output (`--ledger-text none|prompt`)."""
     vec = (end.output or {}).get("embedding")
     if not isinstance(vec, list):
-        raise ValueError(f"request {end.request_id} finished without an embedding")
+        raise Conflict(f"Idempotency-Key: request {end.request_id} (this key's) finished, but its vector was not "
+                       "kept (the ledger stores no output with --ledger-text none or prompt); send the request "
+                       "with a new key", param="Idempotency-Key", code="output_not_kept")
     return vec
 
 

@@ -94,6 +94,7 @@ class EmbeddingsEndpoint:
         try:
             specs, fmt = self._parse(scope, body)
             ends = await run_embeddings(self.api, receive, specs)
+            out = openai_body(self.api.rt.model_name, ends, fmt) if ends is not None else None
         except PagewireError as e:
             await send_error(send, e)
             return
@@ -101,9 +102,8 @@ class EmbeddingsEndpoint:
             log.exception("an embeddings request failed")
             await send_error(send, GenerationFailed(f"internal error: {e}", code="internal_error"))
             return
-        if ends is None:
+        if ends is None or out is None:
             return  # the client left; what still ran was cancelled
-        out = openai_body(self.api.rt.model_name, ends, fmt)
         headers = [(b"x-request-id", ",".join(e.request_id for e in ends).encode()),
                    *limit_headers(self.api, specs[0].key_id)]
         try:

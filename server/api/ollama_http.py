@@ -223,6 +223,7 @@ class _Embed:
         try:
             model, specs = self.owner.embed_specs(scope, body, self.legacy)
             ends = await run_embeddings(api, receive, specs)
+            vectors = [vector_of(e) for e in ends] if ends is not None else []
         except PagewireError as e:
             await send_error(send, e)
             return
@@ -232,7 +233,6 @@ class _Embed:
             return
         if ends is None:
             return  # the client left; what still ran was cancelled
-        vectors = [vector_of(e) for e in ends]
         if self.legacy:
             out: dict[str, Any] = {"embedding": vectors[0]}
         else:

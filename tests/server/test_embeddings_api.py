@@ -222,3 +222,20 @@ def test_quota_reserves_and_settles_the_input_tokens(emb: EmbedServer) -> None:
     assert e.value.status_code == 429 and e.value.body["type"]  # type: ignore[index]
     usage = httpx.get(emb.base + "/v1/usage", headers=emb.bearer(emb.tight)).json()
     assert usage["data"][0]["prompt_tokens"] == TIGHT_DAILY and usage["data"][0]["completion_tokens"] == 0
+
+
+def test_a_retry_whose_vector_was_not_kept_is_a_409_not_a_500() -> None:
+    """With --ledger-text none (or prompt) the ledger keeps no output, so an idempotent retry
+    answered from the ledger has no vector to return: a 409 naming the key, never a 500."""
+    from server.api.embeddings_format import encode_vector, vector_of
+    from server.serving.errors import Conflict
+    from server.serving.lifecycle import EndReason
+    from server.serving.streams import EndEvent, Usage
+
+    kept = EndEvent("req-a", EndReason.FINISHED, ["stop"], Usage(3, 0), 1, output={"embedding": [0.5, -1.25]})
+    assert vector_of(kept) == [0.5, -1.25]
+    assert base64.b64decode(str(encode_vector([0.5, -1.25], "base64"))) == struct.pack("<2f", 0.5, -1.25)
+    gone = EndEvent("req-b", EndReason.FINISHED, ["stop"], Usage(3, 0), 1, output={})
+    with pytest.raises(Conflict) as e:
+        vector_of(gone)
+    assert e.value.status == 409 and e.value.param == "Idempotency-Key" and e.value.code == "output_not_kept"

@@ -157,7 +157,7 @@ def _serve(ns: argparse.Namespace) -> int:
         # to see that it is a .gguf file), and the model's config is read (no weights) so an
         # unsupported one is refused here, before the port is bound or the engine starts.
         settings.engine_config(str(model_dir))
-        check_model(model_dir)
+        check_model(model_dir, settings.task)
     except ValueError as e:  # ModelPathError, ConfigError
         print(f"pagewire: {e}", file=sys.stderr)
         return 2

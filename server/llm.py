@@ -12,7 +12,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 from server.engine.config import EngineConfig
 from server.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, fold_delta
-from server.engine.sampling_params import SamplingParams
+from server.engine.sampling_params import EmbeddingParams, SamplingParams
 
 PromptType = Union[str, Sequence[int]]
 Conversation = Sequence[Mapping[str, Any]]
@@ -127,6 +127,27 @@ class LLM:
         ]
         return self._run(staged, sampling_params, use_tqdm, priority)
 
+    def embed(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        dimensions: Optional[int] = None,
+    ) -> list[RequestOutput]:
+        """Embed every prompt (a string or a list of token ids) with an embedding model (served
+        with task "embed", or a folder with a pooling config: server.models.pooling); each
+        output's `embedding` is its vector. Outputs keep input order."""
+        items: list[Any]
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            items = [prompts]
+        else:
+            items = list(prompts)
+        tok = self.engine.tokenizer
+        staged: list[tuple[Optional[str], list[int]]] = [
+            (p, tok.encode(p)) if isinstance(p, str) else (None, list(p)) for p in items
+        ]
+        # One "output token" bounds the context check; nothing is sampled.
+        params = SamplingParams(max_tokens=1, embedding=EmbeddingParams(dimensions))
+        return self._run(staged, params, False, None)
+
     def _run(
         self,
         prompts: list[tuple[Optional[str], list[int]]],
@@ -210,3 +231,5 @@ def _apply(out: RequestOutput, delta: RequestDelta) -> None:
     if delta.error is not None:
         raise RuntimeError(f"request {delta.request_id} failed: {delta.error}")
     out.finished = delta.finished
+    if delta.embedding is not None:
+        out.embedding = delta.embedding

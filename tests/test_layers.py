@@ -26,7 +26,8 @@ ALLOWED: dict[str, set[str]] = {
     # Keys, auth, quotas and usage: over the service's types and the ledger.
     "gateway": {"serving"},
     # The request path: the engine (through the bridge; its torch-free types elsewhere), prompts
-    # through text, and models.generation_defaults (a model's suggested sampling values).
+    # through text, models.generation_defaults (a model's suggested sampling values), and
+    # models.pooling / models.registry (an embedding model's recipe and width, torch-free).
     "serving": {"engine", "text", "models", "server.strenum"},
     "engine": {"text", "models", "kernels", "server._C", "server.strenum"},
     # The tokenizer reads GGUF files with models.gguf_file (and its error type, models.config).

@@ -129,6 +129,25 @@ def test_bos_follows_config_when_post_processor_adds_none(demo_dir: Path, tmp_pa
     assert tok.encode(f"{BOS_TOKEN}x").count(bos) == 1
 
 
+@pytest.mark.parametrize("add_eos", [True, False])
+def test_eos_follows_add_eos_token(demo_dir: Path, tmp_path: Path, add_eos: bool) -> None:
+    # gte-Qwen2's tokenizer_config sets add_eos_token (its last-token pooling reads that EOS).
+    d = _copy_with_config(demo_dir, tmp_path / "m", add_eos_token=add_eos, add_bos_token=False)
+    tj = json.loads((d / "tokenizer.json").read_text())
+    tj["post_processor"] = None
+    (d / "tokenizer.json").write_text(json.dumps(tj))
+    tok = Tokenizer.from_dir(d)
+    eos = tok.eos_token_id
+    assert eos is not None
+    body = tok.encode("plain words", add_special_tokens=False)
+    assert tok.encode("plain words") == body + ([eos] if add_eos else [])
+    assert tok.encode(f"x{EOS_TOKEN}").count(eos) == 1
+    assert tok.encode("plain words", add_special_tokens=False) == body  # chat prompts: never added
+    bad = _copy_with_config(demo_dir, tmp_path / "bad", add_eos_token="yes")
+    with pytest.raises(TokenizerError, match="add_eos_token"):
+        Tokenizer.from_dir(bad)
+
+
 def test_bos_from_post_processor_is_not_doubled(ours: Tokenizer, hf) -> None:
     # The demo tokenizer's post-processor adds BOS and its config sets add_bos_token too.
     for text in ["plain words", ""]:

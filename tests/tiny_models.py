@@ -229,3 +229,42 @@ def with_chat_template(model_dir: str | Path, out_dir: str | Path, template: str
     cfg["chat_template"] = template
     cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return out
+
+
+# sentence-transformers' pooling config keys, by pagewire's method name (server.models.pooling).
+_ST_POOLING_KEYS = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token"}
+
+
+def with_pooling_config(model_dir: str | Path, out_dir: str | Path, method: str, normalize: bool = True,
+                        base_model: bool = False) -> Path:
+    """A copy of a model folder made a sentence-transformers embedding model: modules.json, its
+    1_Pooling/config.json pooling by `method` ("last", "mean" or "cls"), and a 2_Normalize module
+    when `normalize`. `base_model` re-saves the weights as transformers' AutoModel does (tensor
+    names without the `model.` prefix, no lm_head), as real embedding checkpoints are stored."""
+    if method not in _ST_POOLING_KEYS:
+        raise ValueError(f"method: expected one of {', '.join(_ST_POOLING_KEYS)}, got {method!r}")
+    out = Path(out_dir)
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(model_dir, out)
+    if base_model:
+        from safetensors.torch import load_file, save_file
+
+        weights = load_file(str(out / "model.safetensors"))
+        bare = {k.removeprefix("model."): v for k, v in weights.items() if k != "lm_head.weight"}
+        save_file(bare, str(out / "model.safetensors"), metadata={"format": "pt"})
+    modules: list[dict[str, Any]] = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        (out / "2_Normalize").mkdir()
+    (out / "modules.json").write_text(json.dumps(modules, indent=2) + "\n")
+    hidden = json.loads((out / "config.json").read_text())["hidden_size"]
+    pooling = {"word_embedding_dimension": hidden, "include_prompt": True, "pooling_mode_max_tokens": False,
+               "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_weightedmean_tokens": False,
+               **{key: m == method for m, key in _ST_POOLING_KEYS.items()}}
+    (out / "1_Pooling").mkdir()
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2) + "\n")
+    return out

@@ -3,6 +3,7 @@ endpoints (/health, /v1/models, /tokenize, /detokenize, /metrics, /v1/usage: ser
 
 Routes, and where each request goes next:
     POST /v1/completions, /v1/chat/completions → server.api.openai_http → server.serving.service
+    POST /v1/embeddings                        → server.api.embeddings_http → server.serving.service
     POST /v1/responses, GET|DELETE /v1/responses/{id} → server.api.responses_http → service
     POST /v1/messages[/count_tokens]           → server.api.anthropic_http → server.serving.service
     /api/chat, /api/generate, /api/tags, ...   → server.api.ollama_http    → server.serving.service
@@ -30,6 +31,7 @@ from server.api.anthropic_http import CountTokensEndpoint, MessagesEndpoint
 from server.api.auth_guard import AuthGuard
 from server.api.batch_http import BatchRoutes
 from server.api.context import ApiContext
+from server.api.embeddings_http import EmbeddingsEndpoint
 from server.api.endpoints import StatusEndpoints, TokenEndpoints, UsageEndpoint
 from server.api.error_shapes import payload_for
 from server.api.http_io import retry_headers
@@ -101,6 +103,7 @@ def build_app(rt: Runtime, gateway: Gateway, metrics_port: Optional[int] = None)
             Route("/v1/models", status.models, methods=["GET"]),
             Route("/v1/completions", GenerateEndpoint(api, "completion"), methods=["POST"]),
             Route("/v1/chat/completions", GenerateEndpoint(api, "chat"), methods=["POST"]),
+            Route("/v1/embeddings", EmbeddingsEndpoint(api), methods=["POST"]),
             Route("/v1/messages", MessagesEndpoint(api), methods=["POST"]),
             Route("/v1/messages/count_tokens", CountTokensEndpoint(api), methods=["POST"]),
             *responses_routes(api),

@@ -75,6 +75,32 @@ async def wait_end(api: ApiContext, receive: Receive, admitted: Admitted,
         api.service.detach(stream, waiter)
 
 
+async def wait_ends(api: ApiContext, receive: Receive, admitted: list[Admitted]) -> Optional[list[EndEvent]]:
+    """Every request's EndEvent, in order (a batch of embedding inputs), or None when the client
+    disconnected first (what still runs is then cancelled). Raises PagewireError when one cannot
+    be followed."""
+    waiters = [EndWaiter() for _ in admitted]
+
+    def cancel_all() -> None:
+        for w in waiters:
+            w.cancel()
+
+    watch = DisconnectWatch(receive, cancel_all)
+    attached: list[tuple[Any, EndWaiter]] = []
+    try:
+        for a, w in zip(admitted, waiters):
+            attached.append((await api.service.attach(a.request_id, w, 0, a.record), w))
+        return list(await asyncio.gather(*(w.future for w in waiters)))
+    except asyncio.CancelledError:
+        if not watch.disconnected:
+            raise
+        return None  # `finally` detaches, which cancels what still runs
+    finally:
+        watch.stop()
+        for stream, w in attached:
+            api.service.detach(stream, w)
+
+
 async def follow_stream(api: ApiContext, send: Send, receive: Receive, admitted: Admitted, content_type: bytes,
                         render: StreamRenderer, edge: str, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     """Start a 200 streamed response and send the request's events through `render` until its end.

@@ -13,8 +13,12 @@ OpenAI routes. Every error is Ollama's `{"error": "..."}`.
 The model is named as Ollama names models, with a tag: `demo` is listed as `demo:latest`, and a
 request may name it either way.
 
-/api/embed: pagewire has no embedding path for this model (it serves a generation model), so a
-well-formed request is a 400 saying so, naming `model`.
+/api/embed (and the older /api/embeddings): with an embedding model (server.models.pooling) each
+input is one engine request and ledger row, as on /v1/embeddings (server.api.embeddings_http);
+the answer is Ollama's `{model, embeddings, total_duration, load_duration, prompt_eval_count}`,
+or the older route's `{embedding}`. A generation model answers 400 `not_embedding_model` naming
+`model`. Inputs are never truncated: one longer than the context is a 400 (Ollama's
+`truncate` is accepted; docs/apis.md).
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ from typing import Any, Optional
 
 from server.api.context import ApiContext
 from server.api.decode import decode
+from server.api.embeddings_format import embedding_inputs, embedding_specs, vector_of
+from server.api.embeddings_http import limit_headers, run_embeddings
 from server.api.follow import follow_stream, wait_end
 from server.api.http_io import Receive, Scope, Send, header, peer, read_body, retry_headers, send_json
 from server.api.ollama_format import (
@@ -108,8 +114,8 @@ class OllamaApi:
             Route("/api/show", _Small(self, self.show), methods=["POST"]),
             Route("/api/ps", _Small(self, self.ps), methods=["GET"]),
             Route("/api/version", _Small(self, self.version), methods=["GET"]),
-            Route("/api/embed", _Small(self, self.embed), methods=["POST"]),
-            Route("/api/embeddings", _Small(self, self.embed), methods=["POST"]),
+            Route("/api/embed", _Embed(self, legacy=False), methods=["POST"]),
+            Route("/api/embeddings", _Embed(self, legacy=True), methods=["POST"]),
         ]
 
     async def tags(self, body: bytes) -> dict[str, Any]:
@@ -135,7 +141,8 @@ class OllamaApi:
         ctx = self._context_length()
         if ctx is not None:
             info[f"{facts.family}.context_length"] = ctx
-        capabilities = ["completion"] + (["tools"] if tools_template and self.api.tool_parser != "none" else [])
+        capabilities = ["embedding"] if rt.pooler is not None else \
+            ["completion"] + (["tools"] if tools_template and self.api.tool_parser != "none" else [])
         return {"modelfile": f"# served by pagewire\nFROM {rt.model_dir}\n", "parameters": params,
                 "template": template, "details": facts.details(), "model_info": info,
                 "capabilities": capabilities, "modified_at": facts.modified_at}
@@ -149,13 +156,30 @@ class OllamaApi:
     async def version(self, body: bytes) -> dict[str, Any]:
         return {"version": OLLAMA_API_VERSION}
 
-    async def embed(self, body: bytes) -> dict[str, Any]:
+    def embed_specs(self, scope: Scope, body: bytes, legacy: bool) -> tuple[str, list[GenerationSpec]]:
+        """(the model as the request named it, one spec per input)."""
         req = decode(body, EmbedRequest)
         self.check_model(req.model)
         check_keep_alive(req.keep_alive)
-        raise InvalidRequest(f"model: '{req.model}' is a text-generation model, not an embedding model, so it "
-                             "cannot answer /api/embed; serve an embedding model for embeddings",
-                             param="model", code="not_embedding_model")
+        api = self.api
+        if legacy:  # /api/embeddings: one `prompt`
+            if not req.prompt:
+                raise InvalidRequest("prompt: is required (a non-empty string)", param="prompt")
+            inputs = embedding_inputs(req.prompt, "prompt", allow_ids=False)
+            field = "prompt"
+        else:
+            if req.input is None:
+                raise InvalidRequest("input: is required (a string or a list of strings)", param="input")
+            inputs = embedding_inputs(req.input, "input", allow_ids=False)
+            field = "input"
+        record: dict[str, Any] = {"dimensions": req.dimensions, "truncate": req.truncate, "inputs": len(inputs)}
+        specs = embedding_specs(inputs, api="ollama", client=peer(scope), model=api.rt.model_name,
+                                idem=check_header_key(header(scope, b"idempotency-key")),
+                                dimensions=req.dimensions, params_record=record, field=field)
+        who = principal_of(scope)
+        for spec in specs:
+            bind(spec, who)
+        return req.model, specs
 
 
 class _Small:
@@ -177,6 +201,51 @@ class _Small:
         except ConnectionResetError:
             return
         await send_json(send, 200, out)
+
+
+class _Embed:
+    """POST /api/embed (`legacy` False) and /api/embeddings."""
+
+    def __init__(self, owner: OllamaApi, legacy: bool) -> None:
+        self.owner = owner
+        self.legacy = legacy
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        api = self.owner.api
+        start = time.monotonic_ns()
+        try:
+            body = await read_body(scope, receive, api.rt.settings.max_request_bytes)
+        except PagewireError as e:
+            await send_error(send, e)
+            return
+        except ConnectionResetError:
+            return
+        try:
+            model, specs = self.owner.embed_specs(scope, body, self.legacy)
+            ends = await run_embeddings(api, receive, specs)
+            vectors = [vector_of(e) for e in ends] if ends is not None else []
+        except PagewireError as e:
+            await send_error(send, e)
+            return
+        except Exception as e:  # a bug or a broken ledger: still answer in Ollama's shape
+            log.exception("an embeddings request failed")
+            await send_error(send, GenerationFailed(f"internal error: {e}", code="internal_error"))
+            return
+        if ends is None:
+            return  # the client left; what still ran was cancelled
+        if self.legacy:
+            out: dict[str, Any] = {"embedding": vectors[0]}
+        else:
+            # The model is always loaded here, so load_duration is 0 (as Ollama reports a warm model).
+            out = {"model": model, "embeddings": vectors,
+                   "total_duration": time.monotonic_ns() - start, "load_duration": 0,
+                   "prompt_eval_count": sum(e.usage.prompt_tokens for e in ends)}
+        headers = [(b"x-request-id", ",".join(e.request_id for e in ends).encode()),
+                   *limit_headers(api, specs[0].key_id)]
+        try:
+            await send_json(send, 200, out, headers)
+        except OSError:
+            pass
 
 
 class _Generate:

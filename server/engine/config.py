@@ -61,6 +61,8 @@ class EngineConfig:
         bucket at start-up and follow the faster (server.kernels.autotune, about 1-2 s). None
         (auto, the default): on for CPU, off on CUDA (no CPU kernels there). Never in
         deterministic mode, whose path must not depend on the row count.
+    task: "generate", "embed" (prefill-only requests pooled into vectors: server.models.pooling)
+        or "auto" (embed when the folder has a sentence-transformers pooling config).
     """
 
     model: str
@@ -79,6 +81,7 @@ class EngineConfig:
     speculative_config: "SpeculativeConfig | dict[str, Any] | str | None" = None
     deterministic: Optional[bool] = None
     autotune: Optional[bool] = None
+    task: str = "auto"
 
     def __post_init__(self) -> None:
         if self.deterministic is not None and not isinstance(self.deterministic, bool):
@@ -104,6 +107,8 @@ class EngineConfig:
                 raise ConfigError(
                     "quantization", f"'gguf' keeps a GGUF file's quantised blocks; {self.model!r} is not a .gguf file"
                 )
+        if self.task not in ("auto", "generate", "embed"):
+            raise ConfigError("task", f"must be one of auto, generate, embed, got {self.task!r}")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ConfigError("dtype", f"must be one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

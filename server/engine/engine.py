@@ -16,10 +16,11 @@ from typing import Optional
 from typing import Sequence as Seq
 
 import torch
+import torch.nn.functional as F
 
 from server.engine.config import EngineConfig, Quantization
 from server.engine.draft_proposer import DraftModelProposer, load_draft_model
-from server.engine.errors import CapacityLimits, check_capacity
+from server.engine.errors import CapacityLimits, ConfigError, check_capacity
 from server.engine.isolation import execute_isolating
 from server.engine.kv_budget import kv_bytes_per_token, kv_layout
 from server.engine.kv_cache_manager import KVCacheManager
@@ -36,6 +37,7 @@ from server.engine.structured import PendingMasks, StructuredDecoder
 from server.kernels import autotune, batch_invariant
 from server.kernels.ops import cpu_isa
 from server.models.loader import load_model
+from server.models.pooling import Pooler, PoolingMethod, resolve_pooler
 from server.models.protocol import CausalLM
 from server.text.loader import load_tokenizer
 from server.text.vocab import check_token_ids
@@ -67,9 +69,15 @@ class LLMEngine:
         self.config = config
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
-        # Model first: its loader names a missing folder or weights file precisely.
+        # An embedding model (None: generation): pools prompts instead of sampling.
+        self.pooler: Optional[Pooler] = resolve_pooler(config.task, config.model)
+        if self.pooler is not None and config.speculative_config is not None:
+            raise ConfigError("speculative_config", "an embedding model samples nothing to speculate on")
+        # Model first: its loader names a missing folder or weights file precisely. An embedding
+        # checkpoint may lack the LM head (a base model saved without it).
         self.model, self.model_config = load_model(
-            config.model, config.dtype, config.device, keep_gguf_blocks=config.quantization is Quantization.GGUF
+            config.model, config.dtype, config.device, keep_gguf_blocks=config.quantization is Quantization.GGUF,
+            headless=self.pooler is not None,
         )
         if config.quantization not in (Quantization.NONE, Quantization.GGUF):  # GGUF is done by the loader
             self.model.quantize_weights(config.quantization)
@@ -171,6 +179,7 @@ class LLMEngine:
         if not ids:
             raise ValueError("prompt: must contain at least one token")
         check_token_ids(ids, self.vocab_size, "prompt")
+        self._check_task(params)
         n = len(ids)
         check_capacity(n, params.max_tokens, params.n, self.limits)
         grammar = self.structured.prepare(params)  # structured outputs; raises naming the field
@@ -182,6 +191,7 @@ class LLMEngine:
             priority=priority,
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             max_total_tokens=max_total,
+            pooler=self.pooler,
         )
         seq = self._add_sequence(req, 0, list(ids))
         gate = params.reasoning_gate
@@ -189,6 +199,19 @@ class LLMEngine:
         seq.grammar = StructuredDecoder.new_state(grammar, gate)
         self.scheduler.add(seq)
         self.requests[request_id] = req
+
+    def _check_task(self, params: SamplingParams) -> None:
+        """An embedding request needs an embedding model and the other way round (ValueError
+        naming `model`), and `dimensions` at most the model's width."""
+        name = self.config.model
+        if self.pooler is None and params.embedding is not None:
+            raise ValueError(f"model: {name} is served for generation, not embeddings")
+        if self.pooler is not None and params.embedding is None:
+            raise ValueError(f"model: {name} is an embedding model; it answers embedding requests only")
+        dims = getattr(params.embedding, "dimensions", None)
+        width = self.model_config.hidden_size
+        if dims is not None and not 1 <= dims <= width:
+            raise ValueError(f"dimensions: must be between 1 and {width} (this model's embedding size), got {dims}")
 
     def _add_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
         seq = Sequence(req, index, token_ids)
@@ -292,8 +315,10 @@ class LLMEngine:
             self.fail_request(rid, f"engine error: {type(exc).__name__}: {exc}")
         if step.failed and self.config.enable_prefix_caching:
             self.kv_cache.reset_prefix_cache()  # their blocks may hold unwritten K/V (see isolation)
-        rows = self._advance(out.scheduled)
         touched: dict[str, Request] = {}
+        if self.pooler is not None:
+            self._pool(out.scheduled, touched)
+        rows = self._advance(out.scheduled)
         if rows and self.spec is not None:  # sequences with proposals: verified and applied there
             rows, emitted = self.spec.verify(logits, rows, touched, now)
             self._stats.generation_tokens += emitted
@@ -325,7 +350,7 @@ class LLMEngine:
             samples = share.samples
             n_rows = share.num_logit_rows  # (both read num_computed_tokens: before it advances)
             seq.num_computed_tokens += share.num_new_tokens - share.num_spec  # proposals: see verify
-            if not samples:
+            if not samples or seq.request.pooler is not None:  # embeddings: pooled in _pool
                 continue
             rows.append((row, seq))
             req = seq.request
@@ -340,6 +365,44 @@ class LLMEngine:
                 req.forked = True
             row += n_rows
         return rows
+
+    def _pool(self, scheduled: list[ScheduledSeq], touched: dict[str, Request]) -> None:
+        """Fold each embedding share's rows (the runner's `ScheduledSeq.pooled`) into its request;
+        a share that brings the prompt up to date ends it with the vector (`Request.embedding`)
+        and finish_reason stop. Runs before `_advance`, so `share.samples` still reads the
+        pre-step `num_computed_tokens`."""
+        for share in scheduled:
+            req = share.seq.request
+            pooler = req.pooler
+            if pooler is None:
+                continue
+            part = share.pooled
+            share.pooled = None
+            if part is not None:
+                # Mean: a share from position 0 starts the sum afresh (a preempted request
+                # recomputes its whole prompt, never from a prefix hit: see the scheduler).
+                if pooler.method is PoolingMethod.MEAN and share.seq.num_computed_tokens > 0 and req.pooled is not None:
+                    req.pooled = req.pooled + part  # (inference tensors: no in-place add outside the forward)
+                else:
+                    req.pooled = part
+            if not share.samples:
+                continue
+            vec = req.pooled
+            assert vec is not None, "an embedding request's last share pools its prompt"
+            if pooler.method is PoolingMethod.MEAN:
+                vec = vec / len(req.prompt_token_ids)
+            dims = getattr(req.params.embedding, "dimensions", None)
+            if dims is not None:
+                vec = vec[:dims]  # Matryoshka: the leading dimensions, normalised again below
+            if pooler.normalize:
+                vec = F.normalize(vec, p=2.0, dim=0)  # sentence-transformers' Normalize module
+            req.embedding = vec.tolist()
+            req.pooled = None
+            seq = share.seq
+            seq.finish_reason = FinishReason.STOP
+            touched[req.request_id] = req
+            if req.first_token_time is None:
+                req.first_token_time = time.time()
 
     def _sample_and_apply(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict[str, Request],
                           grammar_masks: Optional[PendingMasks] = None) -> None:

@@ -156,5 +156,6 @@ class OutputProcessor:
             first_token_time=req.first_token_time,
             finished_time=t if req.finished else None,
             error=req.error,
+            embedding=req.embedding if req.finished else None,
         )
 

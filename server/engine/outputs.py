@@ -78,6 +78,8 @@ class RequestDelta:
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None
     error: Optional[str] = None  # set with finish_reason "error"
+    # An embedding request's vector (set in its final delta; server.models.pooling's recipe).
+    embedding: Optional[list[float]] = None
 
 
 class SampleResult(Protocol):
@@ -136,3 +138,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    embedding: Optional[list[float]] = None  # an embedding request's vector (`LLM.embed`)

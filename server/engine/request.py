@@ -18,6 +18,7 @@ import torch
 from server.engine.grammar import GrammarState
 from server.engine.outputs import FinishReason, TokenLogprob
 from server.engine.sampling_params import SamplingParams
+from server.models.pooling import Pooler
 from server.text.detokenizer import SampleText
 
 
@@ -129,6 +130,11 @@ class Request:
     # Set by the engine once every sample has finished (or the request was aborted); after that
     # the request emits its final delta and is forgotten.
     finished: bool = False
+    # An embedding request: the model's pooling recipe, the pooled state so far (float32 [hidden]:
+    # a running sum for mean pooling, the row itself for cls and last), and the final vector.
+    pooler: Optional[Pooler] = None
+    pooled: Optional[torch.Tensor] = None
+    embedding: Optional[list[float]] = None
 
     def all_samples_done(self) -> bool:
         """True when every sample exists (forked, for n > 1) and has finished."""

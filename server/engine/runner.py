@@ -20,6 +20,7 @@ from server.engine.request import Sequence
 from server.engine.scheduler import SchedulerOutput
 from server.kernels import ops
 from server.models.attention import AttentionMetadata
+from server.models.pooling import PoolingMethod
 from server.models.protocol import CausalLM
 
 
@@ -106,7 +107,7 @@ class ModelRunner:
             seqs.append(seq)
             prompt_lens.append(seq.num_prompt_tokens)
             qsl.append(qsl[-1] + n)
-            if share.samples:  # the last position, and the num_spec before it (lookahead)
+            if share.num_logit_rows:  # the last position, and the num_spec before it (lookahead)
                 sample_rows.extend(range(qsl[-1] - 1 - share.num_spec, qsl[-1]))
 
         num_seqs = len(q_lens)
@@ -139,6 +140,27 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         return input_ids, positions.to(self.device), meta, torch.tensor(sample_rows, dtype=torch.int64)
 
+    @staticmethod
+    def _pool(out: SchedulerOutput, hidden: torch.Tensor) -> None:
+        """Each embedding share's contribution from its rows of the final-norm hidden states, in
+        float32 (`ScheduledSeq.pooled`): for mean pooling the sum of its rows, for cls the first
+        prompt position's row (when this share holds it), for last-token the last row (when the
+        share brings the prompt up to date). Set on the share, not folded: isolation may run a
+        share again after a failed batch, and only the engine folds, once, for survivors."""
+        r = 0
+        for share in out.scheduled:
+            n = share.num_new_tokens
+            pooler = share.seq.request.pooler
+            if pooler is not None:
+                rows = hidden[r : r + n]
+                if pooler.method is PoolingMethod.MEAN:
+                    share.pooled = rows.float().sum(0)
+                elif pooler.method is PoolingMethod.CLS:
+                    share.pooled = rows[0].float().clone() if share.seq.num_computed_tokens == 0 else None
+                else:
+                    share.pooled = rows[-1].float().clone() if share.samples else None
+            r += n
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run one step. Returns float32 logits [sum of num_logit_rows, vocab] (possibly 0 rows)."""
@@ -148,6 +170,7 @@ class ModelRunner:
             ops.copy_blocks(self._key_caches, self._value_caches, mapping)
         input_ids, positions, meta, sample_rows = self._plan(out)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        self._pool(out, hidden)
         if sample_rows.numel() == 0:
             return hidden.new_empty((0, 0), dtype=torch.float32)
         return self.model.compute_logits(hidden.index_select(0, sample_rows.to(hidden.device)))

@@ -183,6 +183,31 @@ class ReasoningGate:
         return gate
 
 
+@dataclass(frozen=True)
+class EmbeddingParams:
+    """An embedding request (`SamplingParams.embedding`): prefill-only, nothing is sampled; the
+    engine pools the prompt's final-norm hidden states by the model's recipe
+    (server.models.pooling). `dimensions` keeps the first N values (Matryoshka), normalised again
+    afterwards when the model normalises; the engine checks it against the model's width."""
+
+    dimensions: Optional[int] = None
+
+    @classmethod
+    def from_value(cls, value: Any) -> "EmbeddingParams":
+        if isinstance(value, EmbeddingParams):
+            params = value
+        elif isinstance(value, dict):
+            try:
+                params = cls(**value)
+            except TypeError as e:
+                raise SamplingParamsError("embedding", str(e)) from None
+        else:
+            raise SamplingParamsError("embedding", f"must be an object, got {type(value).__name__}")
+        if params.dimensions is not None and _int("dimensions", params.dimensions) < 1:
+            raise SamplingParamsError("dimensions", f"must be at least 1, got {params.dimensions}")
+        return params
+
+
 @dataclass
 class SamplingParams:
     """How to sample and when to stop.
@@ -214,6 +239,8 @@ class SamplingParams:
     structured_outputs: Union[None, StructuredOutputsParams, dict[str, Any]] = None
     # With structured outputs: the constraint starts after the reasoning block (ReasoningGate).
     reasoning_gate: Union[None, ReasoningGate, dict[str, Any]] = None
+    # An embedding request (EmbeddingParams): the prompt is pooled instead of sampled.
+    embedding: Union[None, EmbeddingParams, dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -291,6 +318,12 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         if self.reasoning_gate is not None:
             self.reasoning_gate = ReasoningGate.from_value(self.reasoning_gate)
+        if self.embedding is not None:
+            self.embedding = EmbeddingParams.from_value(self.embedding)
+            if self.n != 1:
+                raise SamplingParamsError("n", f"an embedding request has one result, got n={self.n}")
+            if self.structured_outputs is not None:
+                raise SamplingParamsError("structured_outputs", "an embedding request samples nothing to constrain")
 
     # -- derived views used by the sampler ----------------------------------------------------
     @property

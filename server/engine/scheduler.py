@@ -35,12 +35,15 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from server.engine.kv_budget import default_watermark
 from server.engine.kv_cache_manager import KVCacheManager
 from server.engine.priority import BACKGROUND_PRIORITY
 from server.engine.request import SeqStatus, Sequence
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 
 @dataclass(slots=True)
@@ -51,6 +54,9 @@ class ScheduledSeq:
     num_new_tokens: int
     copies: list[tuple[int, int]] = field(default_factory=list)  # CoW (src, dst) before the write
     num_spec: int = 0  # of num_new_tokens, the proposed (unverified) tokens: seq.spec_token_ids
+    # An embedding request's share: what its rows contribute to the pooled vector (set by the
+    # runner after the forward; engine._pool folds it in).
+    pooled: "Optional[torch.Tensor]" = None
 
     @property
     def samples(self) -> bool:
@@ -59,8 +65,9 @@ class ScheduledSeq:
 
     @property
     def num_logit_rows(self) -> int:
-        """Logits rows the forward returns for this share: 1 + num_spec when it samples, else 0."""
-        return 1 + self.num_spec if self.samples else 0
+        """Logits rows the forward returns for this share: 1 + num_spec when it samples, else 0
+        (an embedding request never samples: its rows are pooled instead)."""
+        return 1 + self.num_spec if self.samples and self.seq.request.pooler is None else 0
 
 
 @dataclass(slots=True)
@@ -205,7 +212,11 @@ class Scheduler:
             if foreground and seq.request.priority >= BACKGROUND_PRIORITY:
                 break  # background waits for an idle step
             n_samples = seq.request.params.n if not seq.request.forked else 1
-            if seq.num_computed_tokens == 0 and not kv.has_blocks(seq):
+            pooler = seq.request.pooler
+            # Mean and cls pooling need every position's hidden state, which the prefix cache does
+            # not keep (its blocks hold K/V): such a request recomputes its prompt (pooling.py).
+            if seq.num_computed_tokens == 0 and not kv.has_blocks(seq) and \
+                    (pooler is None or not pooler.needs_every_position):
                 seq.num_computed_tokens = kv.match_prefix(seq)
                 if seq.index == 0 and seq.num_output_tokens == 0:
                     seq.request.num_cached_tokens = seq.num_computed_tokens

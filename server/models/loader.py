@@ -31,7 +31,8 @@ __all__ = ["load_model", "resolve_dtype", "ModelLoadError", "UnsupportedModelErr
 
 
 def load_model(
-    model_dir: str | Path, dtype: str = "auto", device: str | torch.device = "cpu", keep_gguf_blocks: bool = False
+    model_dir: str | Path, dtype: str = "auto", device: str | torch.device = "cpu", keep_gguf_blocks: bool = False,
+    headless: bool = False,
 ) -> tuple[CausalLM, ModelConfig]:
     """Load a checkpoint folder or GGUF file of any registered family (server.models.registry).
 
@@ -42,6 +43,10 @@ def load_model(
         device: where the parameters live.
         keep_gguf_blocks: for a GGUF file, keep its Q8_0/Q4_0/Q4_1/Q4_K matrices quantised
             (`--quantization gguf`, see gguf_blocks); a ValueError for a Hugging Face folder.
+        headless: the model serves embeddings (server.models.pooling), so its LM head is never
+            used: a checkpoint without lm_head.weight loads with the head tied to the embedding
+            table, and one saved as a base model (transformers' AutoModel: `layers.0...` without
+            the `model.` prefix, as sentence-transformers folders are) is read under that prefix.
     Returns:
         (model, config); the model is in eval mode with requires_grad off.
     Raises:
@@ -64,10 +69,19 @@ def load_model(
         # transformers 5 unties a tied config whose checkpoint still stores lm_head.weight (and
         # uses that matrix); we do the same, then re-tie below if the two are equal anyway.
         has_lm_head = any("lm_head.weight" in h.keys() for _, h in handles)
-        tied = config.tie_word_embeddings and not has_lm_head
+        tied = (config.tie_word_embeddings or headless) and not has_lm_head
         model = model_class(config)(config, torch_dtype, torch.device(device), tie_word_embeddings=tied)
         targets = model.checkpoint_tensors()
         loaded: set[str] = set()
+        base_model = not any(k.startswith("model.") for _, h in handles for k in h.keys()) and \
+            any(k == "embed_tokens.weight" for _, h in handles for k in h.keys())
+        if base_model and not headless:
+            raise ModelLoadError(f"{model_dir}: the checkpoint is a base model without an LM head (tensors named "
+                                 "`layers.*`, not `model.layers.*`), as embedding models are saved; serve it "
+                                 "with --task embed")
+        if base_model:
+            # A base-model checkpoint: the same tensors, named without the causal LM's prefix.
+            targets = {name.removeprefix("model."): t for name, t in targets.items()}
         with torch.no_grad():
             _copy_tensors(handles, targets, loaded, config)
 

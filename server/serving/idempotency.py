@@ -35,7 +35,9 @@ def check_header_key(value: Optional[str], field: str = "Idempotency-Key") -> Op
     return value
 
 
-_DELIVERY = ("stream", "stream_options")
+# How the answer is sent, not what is computed: a retry may change them (an embedding's
+# `encoding_format` is the same vector as float or base64).
+_DELIVERY = ("stream", "stream_options", "encoding_format")
 
 
 def _canonical(spec: GenerationSpec) -> dict[str, Any]:

@@ -25,7 +25,8 @@ class GenerationSpec:
     """A parsed generation request, edge-independent.
 
     Args:
-        kind: "completion" (prompt) or "chat" (messages through the chat template).
+        kind: "completion" (prompt), "chat" (messages through the chat template) or "embedding"
+            (prompt, pooled by an embedding model: sampling carries `embedding`, max_tokens is 1).
         api: "http" (OpenAI), "ws", "batch", "anthropic" or "ollama" (recorded in the ledger).
         client: fairness key (the `user` field, else the peer address).
         sampling: SamplingParams keyword arguments, except max_tokens.
@@ -64,6 +65,8 @@ class GenerationSpec:
     key_id: Optional[str] = None  # the owning API key (server.gateway.auth.bind); None: auth off
     # How the edge names a chat's conversation in errors (the Responses API: `input`).
     messages_field: str = "messages"
+    # How the edge names the prompt in errors (`input` for embeddings).
+    prompt_field: str = "prompt"
     # Extra chat-template variables (`chat_template_kwargs`, e.g. {"enable_thinking": false}).
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -156,6 +159,7 @@ class Job:
         self.deadline_timer: Any = None
         self.end: Optional[EndEvent] = None
         self.output_bytes = 0  # its reservation in the output budget, released at the end
+        self.embedding: Optional[list[float]] = None  # an embedding request's vector (its final delta)
 
     def __repr__(self) -> str:
         return f"Job({self.request_id}, {self.state})"
@@ -167,6 +171,8 @@ class Job:
     def apply(self, delta: RequestDelta) -> list[DeltaEvent]:
         """Fold one engine step's delta into the samples and publish its events."""
         self.cached_tokens = delta.num_cached_tokens
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
         if delta.error:
             self.error = delta.error
         samples = delta.samples
@@ -213,6 +219,8 @@ class Job:
                 }
                 for s in self.samples
             ],
+            # Kept with the output, so an idempotent retry answered from the ledger has it too.
+            **({"embedding": self.embedding} if self.embedding is not None else {}),
         }
 
     def finish_reasons(self) -> list[Optional[str]]:

@@ -73,14 +73,17 @@ def resolve_model_path(text: str) -> Path:
         f"MODEL_DIR {d}: no config.json there (expected a Hugging Face model folder or a .gguf file)")
 
 
-def check_model(path: Path) -> None:
+def check_model(path: Path, task: str = "auto") -> None:
     """Refuse (ModelPathError, one line naming the file and the cause) a model pagewire cannot
-    serve: an unsupported architecture or feature, a malformed config. Reads the config only."""
+    serve: an unsupported architecture or feature, a malformed config, a pooling config it cannot
+    reproduce (for `task` auto or embed: server.models.pooling). Reads the configs only."""
     from server.engine.plan import read_model_config
     from server.models.config import ModelLoadError
+    from server.models.pooling import resolve_pooler
 
     try:
         read_model_config(path)
+        resolve_pooler(task, path)
     except ModelLoadError as e:
         raise ModelPathError(f"cannot serve {path}: {e}") from None
     except (OSError, ValueError) as e:  # e.g. a truncated GGUF header

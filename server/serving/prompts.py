@@ -290,18 +290,18 @@ class PromptPreparer:
                 raise InvalidRequest(f"{spec.messages_field}: {e}", param=spec.messages_field) from None
             field = spec.messages_field
         elif isinstance(spec.prompt, list):
+            field = spec.prompt_field
             ids = list(spec.prompt)
             try:
-                check_token_ids(ids, self.tokenizer.vocab_size, "prompt")
+                check_token_ids(ids, self.tokenizer.vocab_size, field)
             except TokenIdError as e:
-                raise InvalidRequest(str(e), param="prompt") from None
-            field = "prompt"
+                raise InvalidRequest(str(e), param=field) from None
         elif isinstance(spec.prompt, str):
-            self.check_fits(len(spec.prompt), "prompt", max_model_len)
+            field = spec.prompt_field
+            self.check_fits(len(spec.prompt), field, max_model_len)
             ids = await self._run(spec.client, len(spec.prompt), self.tokenizer.encode, spec.prompt)
-            field = "prompt"
         else:
-            raise InvalidRequest("prompt: is required", param="prompt")
+            raise InvalidRequest(f"{spec.prompt_field}: is required", param=spec.prompt_field)
         if not ids:
             raise InvalidRequest(f"{field}: must not be empty", param=field)
         return ids
@@ -309,7 +309,7 @@ class PromptPreparer:
     def finalize(self, spec: GenerationSpec, n_prompt: int, max_model_len: int) -> SamplingParams:
         """The context check (the engine's own `check_context`; both numbers in the message, never
         truncation) and the final params."""
-        field = spec.messages_field if spec.kind == "chat" else "prompt"
+        field = spec.messages_field if spec.kind == "chat" else spec.prompt_field
         room = max_model_len - n_prompt
         max_tokens: Optional[int] = spec.max_tokens
         try:

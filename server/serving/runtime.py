@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
 
 from server.models.generation_defaults import generation_defaults
+from server.models.pooling import Pooler, resolve_pooler
+from server.models.registry import read_model_config
 from server.serving.access import AccessPolicy
 from server.serving.admission import AdmissionQueue
 from server.serving.bridge import EngineBridge
@@ -87,6 +89,8 @@ class Runtime:
         self.tokenizer: Optional[Tokenizer] = None
         self.sampling_defaults: dict[str, Any] = {}
         self.reasoning: Optional[ReasoningFormat] = None  # the reasoning parser in use (set in start)
+        # An embedding model's pooling recipe (set in start; None: a generation model), --task.
+        self.pooler: Optional[Pooler] = None
         self.bridge: Optional[EngineBridge] = None
         self.service: Optional[RequestService] = None
         self.admission: Optional[AdmissionQueue[Job]] = None
@@ -137,6 +141,14 @@ class Runtime:
         self.tokenizer = await loop.run_in_executor(None, load_tokenizer, self.model_dir)
         self.sampling_defaults = await loop.run_in_executor(None, generation_defaults, self.model_dir)
         self.reasoning = pick_reasoning_format(self.tokenizer, s.reasoning_parser)
+        # The engine reads the same recipe; read here too (torch-free) so that requests for the
+        # other task are refused before they are queued.
+        self.pooler = await loop.run_in_executor(None, resolve_pooler, s.task, self.model_dir)
+        width: Optional[int] = None
+        if self.pooler is not None:
+            width = (await loop.run_in_executor(None, read_model_config, self.model_dir)).hidden_size
+            log.info("task: embed (%s pooling%s, from %s)", self.pooler.method.value,
+                     ", normalised" if self.pooler.normalize else "", self.pooler.source)
         log.info("model: %s; default sampling values from the model: %s", self.model_dir,
                  self.sampling_defaults or "none (pagewire's own defaults apply)")
         self.bridge = EngineBridge(s.engine_config(str(self.model_dir)), self._dispatch)
@@ -154,7 +166,7 @@ class Runtime:
             s.request_timeout if s.request_timeout > 0 else None,
             OutputBudget(s.max_output_bytes, s.max_client_output_bytes),
             quotas=self.policy.quotas if self.policy is not None else None, ledger_text=s.ledger_text,
-            reasoning=self.reasoning,
+            reasoning=self.reasoning, embedding_width=width,
         )
         self.metrics.add_gauges(self.service.memory_gauges)
         bridge = self.bridge

@@ -26,7 +26,7 @@ from server.engine.sampling_params import ReasoningGate, SamplingParams
 from server.serving.access import Caller, Quotas, Reservation
 from server.serving.admission import AdmissionQueue
 from server.serving.bridge import EngineBridge
-from server.serving.errors import Conflict, NotFound, PagewireError, Unavailable
+from server.serving.errors import Conflict, InvalidRequest, NotFound, PagewireError, Unavailable
 from server.serving.idempotency import check_reuse, fingerprint
 from server.serving.jobs import GenerationSpec, Job, end_from_record, events_from_output, now_pair
 from server.serving.ledger import IdempotencyConflict, Ledger, NewRequest, RequestRecord, Terminal
@@ -64,7 +64,7 @@ class RequestService:
                  registry: StreamRegistry, preparer: PromptPreparer, metrics: Metrics,
                  default_timeout_s: Optional[float], budget: Optional[OutputBudget] = None,
                  quotas: Optional[Quotas] = None, ledger_text: str = "all",
-                 reasoning: Optional[ReasoningFormat] = None) -> None:
+                 reasoning: Optional[ReasoningFormat] = None, embedding_width: Optional[int] = None) -> None:
         self.bridge = bridge
         self.ledger = ledger
         self.admission = admission
@@ -83,6 +83,9 @@ class RequestService:
         self.ledger_text = ledger_text
         # The reasoning parser (server.text.reasoning): chat output's thinking apart from its answer.
         self.reasoning = reasoning
+        # The width of the served model's embeddings when it pools them (server.models.pooling)
+        # rather than generating; None for a generation model.
+        self.embedding_width = embedding_width
         # request id → (completion tokens last written to its row, monotonic time of that write)
         self._progress: dict[str, tuple[int, float]] = {}
         # Accepted requests not yet ended. Only this class reads or changes a Job: the edges go
@@ -227,7 +230,25 @@ class RequestService:
         n = len(job.prompt_token_ids) if job is not None else record.prompt_tokens if record is not None else None
         return Admitted(request_id, record=record, existing=True, prompt_tokens=n)
 
+    def _check_task(self, spec: GenerationSpec) -> None:
+        """A 400 naming the model when a request is for the task the model does not serve: every
+        edge's generation request to an embedding model, and embeddings from a generation model."""
+        if spec.kind == "embedding" and self.embedding_width is None:
+            raise InvalidRequest(f"model: '{spec.model}' is a text-generation model, not an embedding model, so it "
+                                 "cannot answer embedding requests; serve an embedding model (--task embed)",
+                                 param="model", code="not_embedding_model")
+        if spec.kind != "embedding" and self.embedding_width is not None:
+            raise InvalidRequest(f"model: '{spec.model}' is an embedding model; it answers embedding requests "
+                                 "(/v1/embeddings, /api/embed) only, not text generation",
+                                 param="model", code="not_generation_model")
+        dims = (spec.sampling.get("embedding") or {}).get("dimensions") if spec.kind == "embedding" else None
+        width = self.embedding_width
+        if isinstance(dims, int) and width is not None and not 1 <= dims <= width:
+            raise InvalidRequest(f"dimensions: must be between 1 and {width} (this model's embedding size), "
+                                 f"got {dims}", param="dimensions")
+
     async def _accept(self, spec: GenerationSpec) -> Job:
+        self._check_task(spec)
         checked = self.preparer.check_sampling(spec)
         await self.preparer.compile_structured(checked, spec)  # 400 for a grammar that won't compile
         ids = await self.preparer.token_ids(spec, self.bridge.max_model_len)
@@ -238,8 +259,9 @@ class RequestService:
         request_id = f"req-{uuid.uuid4().hex[:24]}"
         if self.quotas is not None and spec.key_id is not None:
             try:
-                reservation = await self.quotas.acquire(spec.key_id, len(ids) + params.n * (params.max_tokens or 0),
-                                                        request_id)
+                # An embedding request emits nothing: it costs exactly its input tokens.
+                output = params.n * (params.max_tokens or 0) if params.embedding is None else 0
+                reservation = await self.quotas.acquire(spec.key_id, len(ids) + output, request_id)
             except PagewireError:
                 self.metrics.keys.add(spec.key_id, rate_limited=1)
                 raise

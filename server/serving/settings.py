@@ -152,6 +152,7 @@ class ServeSettings:
     speculative_config: Any = None  # a server.engine.spec_config.SpeculativeConfig, or None (off)
     deterministic: Optional[bool] = _ENGINE_DEFAULTS["deterministic"]
     autotune: Optional[bool] = _ENGINE_DEFAULTS["autotune"]
+    task: str = _ENGINE_DEFAULTS["task"]
 
     def engine_config(self, model_dir: str) -> EngineConfig:
         kw = {o.name: getattr(self, o.name) for o in OPTIONS if o.engine}
@@ -284,6 +285,10 @@ OPTIONS: tuple[Option, ...] = (
            "on, off or auto: at start-up, time linear's paths (pagewire kernel or torch) per weight shape "
            "and batch-size bucket and use the faster; auto (default) is on for CPU, off on CUDA; never in "
            "deterministic mode", engine=True),
+    Option("task", _choice("auto", "generate", "embed"),
+           "generate, embed (answer /v1/embeddings and Ollama's /api/embed with pooled vectors), or auto "
+           "(embed when the model folder has a sentence-transformers pooling config: modules.json, "
+           "1_Pooling/config.json; docs/apis.md)", engine=True),
 )
 
 

@@ -160,6 +160,7 @@ class Tokenizer:
         pad_token: Optional[str] = None,
         unk_token: Optional[str] = None,
         add_bos_token: bool = False,
+        add_eos_token: bool = False,
         chat_template: dict[str, str] | str | None = None,
         model_max_length: Optional[int] = None,
         extra_eos_token_ids: Iterable[int] = (),
@@ -179,6 +180,9 @@ class Tokenizer:
         self.eos_token_id = self.token_to_id(eos_token)
         self.pad_token_id = self.token_to_id(pad_token)
         self.add_bos_token = add_bos_token and self.bos_token_id is not None
+        # gte-Qwen2's tokenizer_config asks for EOS after every text, which its last-token pooling
+        # reads; transformers appends it, so encode does too.
+        self.add_eos_token = add_eos_token and self.eos_token_id is not None
         self.chat_template = chat_template
         self.model_max_length = model_max_length
         eos = set(extra_eos_token_ids)
@@ -223,6 +227,9 @@ class Tokenizer:
         add_bos = cfg.get("add_bos_token", False)
         if not isinstance(add_bos, bool):
             raise TokenizerError(f"{cfg_path}: add_bos_token must be true or false, got {add_bos!r}")
+        add_eos = cfg.get("add_eos_token", False)
+        if not isinstance(add_eos, bool):
+            raise TokenizerError(f"{cfg_path}: add_eos_token must be true or false, got {add_eos!r}")
         return cls(
             backend,
             bos_token=_token_content(cfg.get("bos_token"), "bos_token", cfg_path),
@@ -230,6 +237,7 @@ class Tokenizer:
             pad_token=_token_content(cfg.get("pad_token"), "pad_token", cfg_path),
             unk_token=_token_content(cfg.get("unk_token"), "unk_token", cfg_path),
             add_bos_token=add_bos,
+            add_eos_token=add_eos,
             chat_template=_load_chat_templates(d, cfg, cfg_path),
             model_max_length=int(max_len) if max_len is not None else None,
             extra_eos_token_ids=eos_ids,
@@ -241,7 +249,8 @@ class Tokenizer:
         """Token ids for `text`.
 
         With add_special_tokens, the tokenizer's own post-processor runs (e.g. Llama 3 adds BOS
-        there); BOS is prepended only if tokenizer_config asks for it and it is not already first.
+        there); BOS is prepended only if tokenizer_config asks for it and it is not already first,
+        and EOS appended likewise (`add_eos_token`) unless it is already last.
         Special-token strings inside `text` (e.g. "<|im_start|>") map to their ids, as in HF.
         """
         if len(text) >= GIL_FREE_CHARS:
@@ -252,6 +261,8 @@ class Tokenizer:
             ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
             ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]
+        if add_special_tokens and self.add_eos_token and (not ids or ids[-1] != self.eos_token_id):
+            ids.append(self.eos_token_id)  # type: ignore[arg-type]
         return ids
 
     def max_chars_per_token(self) -> Optional[int]:

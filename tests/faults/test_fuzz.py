@@ -245,3 +245,42 @@ def test_ledger_is_consistent_after_the_fuzz(srv: ServerProcess) -> None:
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     finally:
         conn.close()
+
+
+# Embeddings (/v1/embeddings, Ollama's /api/embed): their own fields, on a server whose model
+# pools (the demo model with --task embed), so valid bodies really embed.
+EMBED_EXAMPLES = 1500
+EMBED_FIELDS = ["model", "input", "prompt", "dimensions", "encoding_format", "user", "truncate", "keep_alive",
+                "options"]
+EMBED_SANE = {
+    "model": st.sampled_from(["demo", "demo:latest", "other"]),
+    "input": st.one_of(texts, st.lists(texts, max_size=4), st.lists(st.integers(-2, 300), max_size=5),
+                       st.lists(st.lists(st.integers(-2, 300), max_size=4), max_size=3)),
+    "prompt": texts, "dimensions": st.one_of(st.integers(-2, 80), ints), "user": texts,
+    "encoding_format": st.sampled_from(["float", "base64", "int8", ""])}
+embed_bodies = st.one_of(
+    st.builds(lambda a, b: {**a, **b},
+              st.lists(st.sampled_from(sorted(EMBED_SANE)), max_size=4, unique=True).flatmap(
+                  lambda names: st.fixed_dictionaries({k: EMBED_SANE[k] for k in names})),
+              st.dictionaries(st.sampled_from(EMBED_FIELDS), values, max_size=3)),
+    values,
+)
+
+
+@pytest.fixture(scope="module")
+def embed_srv(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    proc = ServerProcess(demo_model, tmp_path_factory.mktemp("fuzz-embed") / "fuzz.db", "--task", "embed",
+                         "--max-model-len", "16", "--request-timeout", "3", "--max-queue", "4096").start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/api/embed", "/api/embeddings"])
+def test_fuzz_embedding_bodies_never_500(embed_srv: ServerProcess, path: str) -> None:
+    openai_route = path.startswith("/v1/")
+    valid = {"/v1/embeddings": {"input": ["hi", "there"]}, "/api/embed": {"model": "demo", "input": "hi"},
+             "/api/embeddings": {"model": "demo", "prompt": "hi"}}[path]
+    _fuzz_http(embed_srv, path, embed_bodies, EMBED_EXAMPLES, _openai_shaped if openai_route else _ollama_shaped,
+               valid)

@@ -35,6 +35,8 @@ def main(model_dir: str, db: str) -> None:
             "POST /v1/chat/completions": c.post("/v1/chat/completions", json={
                 **gen, "messages": [{"role": "user", "content": "hi"}],
                 "response_format": {"type": "json_object"}}),
+            "POST /v1/embeddings": c.post("/v1/embeddings", json={"model": "demo", "input": ["hi", "there"],
+                                                                   "encoding_format": "base64"}),
             "POST /tokenize": c.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}),
             "POST /detokenize": c.post("/detokenize", json={"tokens": [1, 2, 3]}),
             "GET /metrics": c.get("/metrics"),

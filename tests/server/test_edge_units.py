@@ -401,12 +401,13 @@ def test_every_route_answers_without_importing_torch(demo_model: Path, tmp_path:
     # rest served (an unknown request id: the 404 for it).
     assert seen["statuses"] == {
         "GET /health": 503, "GET /v1/models": 200, "POST /v1/completions": 503, "POST /v1/chat/completions": 503,
-        "POST /tokenize": 200, "POST /detokenize": 200, "GET /metrics": 200, "GET /v1/usage": 200,
+        "POST /v1/embeddings": 503, "POST /tokenize": 200, "POST /detokenize": 200, "GET /metrics": 200, "GET /v1/usage": 200,
         "GET /v1/requests/{id}": 404, "POST /v1/files": 200, "GET /v1/files/{id}": 200,
         "GET /v1/files/{id}/content": 200, "POST /v1/batches": 200, "GET /v1/batches": 200,
         "GET /v1/batches/{id}": 200, "POST /v1/batches/{id}/cancel": 200, "GET /": 200, "GET /ui/{file}": 200,
     }, seen["statuses"]
     assert seen["codes"]["POST /v1/completions"] == seen["codes"]["POST /v1/chat/completions"] == "starting"
+    assert seen["codes"]["POST /v1/embeddings"] == "starting"
     assert seen["codes"]["GET /v1/requests/{id}"] == "request_not_found"
     assert seen["ws_frame"]["type"] == "error" and seen["ws_frame"]["code"] == "starting", seen["ws_frame"]
     assert seen["torch"] is False

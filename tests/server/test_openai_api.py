@@ -136,6 +136,14 @@ def test_unknown_model_is_404_in_openai_shape(client: openai.OpenAI) -> None:
     assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
 
 
+def test_embeddings_from_a_generation_model_are_a_400_naming_it(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model="demo", input=["a", "b"])
+    body = e.value.body
+    assert isinstance(body, dict) and body["param"] == "model" and body["code"] == "not_embedding_model"
+    assert body["message"].startswith("model: 'demo' is a text-generation model")
+
+
 def test_http_idempotency_key_returns_the_original(server: ServerProcess) -> None:
     body = {"model": "demo", "prompt": "Once", "max_tokens": 6, "temperature": 1.0}
     headers = {"Idempotency-Key": "http-key-1"}

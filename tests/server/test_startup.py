@@ -99,6 +99,23 @@ def test_unsupported_model_exits_2_with_one_line_before_binding(demo_model: Path
         s.bind(("127.0.0.1", port))
 
 
+def test_an_unsupported_pooling_config_exits_2_with_one_line(demo_model: Path, tmp_path: Path) -> None:
+    """An embedding folder whose sentence-transformers modules pagewire cannot reproduce is refused
+    before binding, naming the file; `--task generate` ignores the pooling files."""
+    from tests.tiny_models import with_pooling_config
+
+    d = with_pooling_config(demo_model, tmp_path / "emb", "mean")
+    modules = json.loads((d / "modules.json").read_text())
+    (d / "modules.json").write_text(json.dumps(modules + [{"path": "2_Dense", "type": "sentence_transformers.models.Dense"}]))
+    out = _serve(str(d), "--port", str(free_port()), "--db", str(tmp_path / "p.db"))
+    assert out.returncode == 2
+    line = _one_line_error(out)
+    assert "modules.json" in line and "sentence_transformers.models.Dense" in line and "not supported" in line
+    with ServerProcess(d, tmp_path / "g.db", "--task", "generate") as proc:
+        r = httpx.post(proc.base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=300)
+        assert r.status_code == 200
+
+
 def test_weights_that_fail_to_load_exit_1_with_one_line(demo_model: Path, tmp_path: Path) -> None:
     """A load failure on the engine thread (after the socket is up) ends the process too."""
     broken = tmp_path / "broken-model"

@@ -212,17 +212,14 @@ class LLM:
 
 
 def _open_final_message(text: str, messages: list[dict[str, Any]], index: int) -> str:
-    """Cut the rendered prompt right after the final message's content, dropping the turn end the
-    template wrote, so generation continues that message (transformers' continue_final_message)."""
-    content = messages[-1].get("content")
-    if isinstance(content, list):
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    if not isinstance(content, str) or not content.strip():
-        raise ValueError(f"messages[{index}]: continue_final_message needs a final message with text content")
-    at = text.rfind(content.strip())
-    if at < 0:
-        raise ValueError(f"messages[{index}]: the chat template does not reproduce the final message's content")
-    return text[: at + len(content.strip())]
+    """`prompts.open_final_message`, its refusal a ValueError naming the conversation."""
+    from server.serving.prompts import open_final_message
+    from server.text.tokenizer import ChatTemplateError
+
+    try:
+        return open_final_message(text, messages)
+    except ChatTemplateError as e:
+        raise ValueError(f"messages[{index}]: {e}") from None
 
 
 def _apply(out: RequestOutput, delta: RequestDelta) -> None:

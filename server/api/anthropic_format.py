@@ -146,8 +146,13 @@ def chat_messages(req: PromptFields) -> list[dict[str, Any]]:
     for i, m in enumerate(req.messages):
         where = f"messages[{i}]"
         if i == last and m.role == "assistant":
-            raise _bad(f"{where}.role", "a final assistant message (prefill) is not supported; "
-                       "end the conversation with a user message")
+            # A prefill: the model continues this text (GenerationSpec.continue_final_message).
+            # Anthropic refuses one that ends in whitespace, and so do we, with its message.
+            final = m.content if isinstance(m.content, str) else "".join(
+                b["text"] for b in m.content
+                if isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str))
+            if final != final.rstrip():
+                raise _bad(f"{where}.content", "final assistant content cannot end with trailing whitespace")
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
@@ -287,6 +292,8 @@ def prompt_spec(req: PromptFields, peer: str, model: str, tool_parser: str, mark
                                messages=None, idempotency_key=idem, params_record=record,
                                response_format=fmt)
         spec.messages = check_messages(messages)
+        if req.messages and req.messages[-1].role == "assistant":
+            spec.continue_final_message, spec.add_generation_prompt = True, False
         if plan.tools:
             apply_tool_plan(spec, plan, "tool_choice")
     except PagewireError as e:

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from server.api.context import ApiContext
 from server.api.decode import decode
 from server.api.http_io import error_payload, retry_headers
-from server.api.openai_format import messages_to_dicts
+from server.api.openai_format import check_continuation, messages_to_dicts
 from server.api.protocol import DetokenizeRequest, TokenizeRequest
 from server.api.tools import check_tools
 from server.gateway.auth import principal_of
@@ -134,8 +134,10 @@ class TokenEndpoints:
             if req.messages is not None:
                 tools = check_tools(req.tools) if req.tools is not None else None
                 try:
+                    check_continuation(req.continue_final_message, req.add_generation_prompt, req.messages)
                     text = render_chat(tok, messages_to_dicts(req.messages), req.add_generation_prompt, tools,
-                                       api.tool_parser, check_template_kwargs(req.chat_template_kwargs))
+                                       api.tool_parser, check_template_kwargs(req.chat_template_kwargs),
+                                       req.continue_final_message)
                 except ChatTemplateError as e:
                     raise InvalidRequest(f"messages: {e}", param="messages") from None
                 ids = await preparer.encode_text(text, client, add_special_tokens=False)

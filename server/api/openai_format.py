@@ -120,7 +120,8 @@ def logprobs_count(logprobs: bool, top_logprobs: Optional[int], prefix: str = ""
 
 def generation_spec(*, kind: str, api: str, peer: str, model: str, fields: SamplingFields,
                     prompt: Any = None, messages: Optional[list[ChatMessage]] = None,
-                    add_generation_prompt: bool = True, logprobs: Optional[int] = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    logprobs: Optional[int] = None,
                     max_completion_tokens: Optional[int] = None, priority: int = 0,
                     service_tier: Optional[str] = None, idempotency_key: Optional[str] = None,
                     detach: bool = False, timeout: Optional[float] = None,
@@ -146,12 +147,28 @@ def generation_spec(*, kind: str, api: str, peer: str, model: str, fields: Sampl
     return GenerationSpec(
         kind=kind, api=api, client=fields.user or peer, model=model, prompt=prompt,
         messages=messages_to_dicts(messages) if messages is not None else None,
-        add_generation_prompt=add_generation_prompt, sampling=kw, max_tokens=max_tokens,
+        add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+        sampling=kw, max_tokens=max_tokens,
         max_tokens_field=field_prefix + max_field, default_max_tokens=16 if kind == "completion" else None,
         priority=priority, klass=klass_of(priority, service_tier), idempotency_key=idempotency_key,
         detach=detach, timeout_s=timeout, params_record=params_record or {}, field_names=so_names,
         chat_template_kwargs=check_template_kwargs(chat_template_kwargs),
     )
+
+
+def check_continuation(continue_final_message: bool, add_generation_prompt: bool,
+                       messages: Optional[list[ChatMessage]]) -> None:
+    """vLLM's rule for `continue_final_message`: not with `add_generation_prompt`, and only when the
+    conversation ends with an assistant message to continue."""
+    if not continue_final_message:
+        return
+    if add_generation_prompt:
+        raise InvalidRequest("continue_final_message: cannot be combined with add_generation_prompt (set it to "
+                             "false)", param="continue_final_message")
+    if messages and messages[-1].role != "assistant":
+        raise InvalidRequest(f"messages[{len(messages) - 1}].role: continue_final_message needs a final "
+                             f"assistant message to continue, not {messages[-1].role!r}",
+                             param=f"messages[{len(messages) - 1}].role")
 
 
 def completion_spec(req: CompletionRequest, api: str, client: str, model: str, idem: Optional[str],
@@ -174,9 +191,10 @@ def completion_spec(req: CompletionRequest, api: str, client: str, model: str, i
 def chat_spec(req: ChatCompletionRequest, api: str, client: str, model: str, idem: Optional[str],
               tools: Optional[ToolPlan] = None) -> GenerationSpec:
     """The spec of a chat request; `tools` is its validated tool plan (server.api.tools)."""
+    check_continuation(req.continue_final_message, req.add_generation_prompt, req.messages)
     spec = generation_spec(
         kind="chat", api=api, peer=client, model=model, fields=req, messages=req.messages,
-        add_generation_prompt=req.add_generation_prompt,
+        add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
         logprobs=logprobs_count(req.logprobs, req.top_logprobs),
         max_completion_tokens=req.max_completion_tokens, priority=req.priority,
         service_tier=req.service_tier, idempotency_key=idem, timeout=req.timeout,

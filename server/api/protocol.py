@@ -103,6 +103,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: Optional[TopLogprobs] = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: continue the final assistant message
     priority: Priority = 0
     service_tier: Optional[str] = None
     timeout: Optional[Seconds] = None
@@ -121,6 +122,7 @@ class TokenizeRequest(Struct, kw_only=True):
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: Optional[list[Any]] = None  # rendered with the messages, as in a chat request
     chat_template_kwargs: Optional[dict[str, Any]] = None
 

@@ -243,13 +243,16 @@ def run_usage(ns: argparse.Namespace, db: "Path | DbTarget") -> int:
     if ns.format == "json":
         print(json.dumps(rows, indent=2))
     elif ns.format == "csv":
-        cols = [ns.group_by, "requests", "prompt_tokens", "completion_tokens", "cached_tokens", "billable_tokens"]
+        cols = [ns.group_by, "requests", "prompt_tokens", "completion_tokens", "reasoning_tokens", "cached_tokens",
+                "billable_tokens"]
         w = csv.DictWriter(sys.stdout, fieldnames=cols, lineterminator="\n")
         w.writeheader()
         w.writerows(rows)
     else:
-        print(f"{ns.group_by.upper():<16} {'REQUESTS':>9} {'PROMPT':>10} {'COMPLETION':>11} {'CACHED':>9} {'BILLABLE':>10}")
+        print(f"{ns.group_by.upper():<16} {'REQUESTS':>9} {'PROMPT':>10} {'COMPLETION':>11} {'REASONING':>10} "
+              f"{'CACHED':>9} {'BILLABLE':>10}")
         for r in rows:
             print(f"{str(r[ns.group_by]):<16} {r['requests']:>9} {r['prompt_tokens']:>10} "
-                  f"{r['completion_tokens']:>11} {r['cached_tokens']:>9} {r['billable_tokens']:>10}")
+                  f"{r['completion_tokens']:>11} {r['reasoning_tokens']:>10} {r['cached_tokens']:>9} "
+                  f"{r['billable_tokens']:>10}")
     return 0

@@ -44,7 +44,9 @@ async def recent_usage(ledger: Ledger, since: float) -> dict[str, list[tuple[flo
 
 def usage_query(start: Optional[float], end: Optional[float], group_by: str,
                 key_id: Optional[str], day_sql: Optional[Callable[[str], str]] = None) -> tuple[str, tuple[Any, ...]]:
-    """The report's SQL: per group, request count and token sums (billable included)."""
+    """The report's SQL: per group, request count and token sums (billable included; reasoning
+    tokens are the part of completion tokens the model spent thinking, OpenAI's
+    `completion_tokens_details.reasoning_tokens`)."""
     if group_by not in GROUPS:
         raise InvalidRequest(f"group_by: expected one of {', '.join(GROUPS)}, got {group_by!r}", param="group_by")
     where: list[str] = []
@@ -60,15 +62,15 @@ def usage_query(start: Optional[float], end: Optional[float], group_by: str,
         args.append(key_id)
     g = day_sql("created_at") if group_by == "day" and day_sql is not None else GROUPS[group_by]
     sql = (f"SELECT {g} AS grp, COUNT(*), SUM(prompt_tokens), SUM(completion_tokens), "
-           f"SUM(cached_tokens), SUM({BILLABLE_SQL}) FROM requests"
+           f"SUM(cached_tokens), SUM({BILLABLE_SQL}), SUM(COALESCE(reasoning_tokens, 0)) FROM requests"
            + (" WHERE " + " AND ".join(where) if where else "") + " GROUP BY grp ORDER BY grp")
     return sql, tuple(args)
 
 
 def rows_to_report(rows: list[tuple[Any, ...]], group_by: str) -> list[dict[str, Any]]:
     return [{group_by: r[0], "requests": int(r[1]), "prompt_tokens": int(r[2] or 0),
-             "completion_tokens": int(r[3] or 0), "cached_tokens": int(r[4] or 0),
-             "billable_tokens": int(r[5] or 0)} for r in rows]
+             "completion_tokens": int(r[3] or 0), "reasoning_tokens": int(r[6] or 0),
+             "cached_tokens": int(r[4] or 0), "billable_tokens": int(r[5] or 0)} for r in rows]
 
 
 async def usage_report(ledger: Ledger, start: Optional[float], end: Optional[float], group_by: str,

@@ -47,6 +47,7 @@ def _canonical(spec: GenerationSpec) -> dict[str, Any]:
         "prompt": spec.prompt,
         "messages": spec.messages,
         "add_generation_prompt": spec.add_generation_prompt,
+        "continue_final_message": spec.continue_final_message,
         "params": {k: v for k, v in spec.params_record.items() if k not in _DELIVERY},
         "sampling": spec.sampling,
         "max_tokens": spec.max_tokens,

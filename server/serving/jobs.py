@@ -47,6 +47,7 @@ class GenerationSpec:
     prompt: Optional[str | list[int]] = None
     messages: Optional[list[dict[str, Any]]] = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the final (assistant) message is continued (a prefill)
     sampling: dict[str, Any] = field(default_factory=dict)
     max_tokens: Optional[int] = None
     max_tokens_field: str = "max_tokens"

@@ -78,16 +78,35 @@ def check_template_kwargs(kwargs: Any, field: str = "chat_template_kwargs") -> d
 
 def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
                 tools: Optional[list[dict[str, Any]]] = None, tool_format: str = "none",
-                template_kwargs: Optional[dict[str, Any]] = None) -> str:
+                template_kwargs: Optional[dict[str, Any]] = None, continue_final_message: bool = False) -> str:
     """A conversation's prompt text (ChatTemplateError if the template fails). Tool parts go to
     the template as transformers passes them; a template that lacks a tool feature gets them
     rewritten into plain messages (server.serving.tool_render). `template_kwargs` are extra
-    template variables (`chat_template_kwargs`)."""
+    template variables (`chat_template_kwargs`). `continue_final_message` leaves the last
+    (assistant) message open, so the model continues it (`open_final_message`)."""
     if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
         source = tokenizer.template_source(tools)
         messages, tools = fit_to_template(messages, tools, source, tool_format)
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools or None,
-                                         **(template_kwargs or {}))
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt and not
+                                         continue_final_message, tools=tools or None, **(template_kwargs or {}))
+    return open_final_message(text, messages) if continue_final_message else text
+
+
+def open_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    """Cut the rendered prompt right after the final message's content, dropping the turn end the
+    template wrote, so generation continues that message (transformers' continue_final_message:
+    Anthropic's prefill, vLLM's `continue_final_message`). ChatTemplateError when the final
+    message has no text, or the template does not write it verbatim."""
+    content = messages[-1].get("content") if messages else None
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if not isinstance(content, str) or not content.strip():
+        raise ChatTemplateError("continue_final_message needs a final message with text content")
+    at = text.rfind(content.strip())
+    if at < 0:
+        raise ChatTemplateError("the chat template does not reproduce the final message's content, so it "
+                                "cannot be continued")
+    return text[: at + len(content.strip())]
 
 
 class TokenizeBudget:
@@ -271,7 +290,7 @@ class PromptPreparer:
 
     def _render_chat(self, spec: GenerationSpec) -> list[int]:
         text = render_chat(self.tokenizer, spec.messages or [], spec.add_generation_prompt, spec.tools,
-                           spec.tool_format, spec.chat_template_kwargs)
+                           spec.tool_format, spec.chat_template_kwargs, spec.continue_final_message)
         # Templates add BOS themselves; adding special tokens again would double it.
         return self.tokenizer.encode(text, add_special_tokens=False)
 

@@ -84,7 +84,7 @@ def test_gateway_tables_through_shared_sql(db_spec: str, tmp_path: Any) -> None:
             await led.finish("u1", _term(5))
             day = await usage_report(led, None, None, "day", None)
             assert day == [{"day": "2024-10-04", "requests": 1, "prompt_tokens": 2, "completion_tokens": 5,
-                            "cached_tokens": 0, "billable_tokens": 7}]
+                            "reasoning_tokens": 0, "cached_tokens": 0, "billable_tokens": 7}]
             n = await led.execute("UPDATE requests SET client = ? WHERE request_id = ?", ("z", "u1"))
             assert n == 1
         finally:

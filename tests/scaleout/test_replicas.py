@@ -92,7 +92,7 @@ def test_idempotency_requests_and_usage_across_replicas(replicas: Any, pg_url: s
     assert {rid, ra, rb} == {r["request_id"] for r in listed}
     assert len({r.get("instance_id") for r in listed} | set()) >= 1
     usage = json.loads(_cli("usage", "--db", pg_url, "--format", "json"))
-    assert usage == [{"key": key_id, "requests": 3, "prompt_tokens": 9, "completion_tokens": 24,
+    assert usage == [{"key": key_id, "requests": 3, "prompt_tokens": 9, "completion_tokens": 24, "reasoning_tokens": 0,
                       "cached_tokens": usage[0]["cached_tokens"], "billable_tokens": 33}]
     day = json.loads(_cli("usage", "--db", pg_url, "--format", "json", "--group-by", "day"))
     assert len(day) == 1 and day[0]["requests"] == 3

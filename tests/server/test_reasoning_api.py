@@ -9,6 +9,7 @@ import asyncio
 import json
 from typing import Any, Iterator
 
+import httpx
 import openai
 import pytest
 
@@ -66,6 +67,10 @@ def test_whole_and_streamed_split_match_transformers(client: openai.OpenAI, thin
     # The ledger keeps the count apart.
     row = ledger_rows(srv.db)[r.id.removeprefix("chatcmpl-")]
     assert row["reasoning_tokens"] == end + 1 and row["completion_tokens"] == MAX
+    # And the usage report sums it apart from the rest of the completion tokens.
+    report = httpx.get(srv.base + "/v1/usage").json()["data"]
+    assert sum(u["reasoning_tokens"] for u in report) == sum(x["reasoning_tokens"] for x in ledger_rows(srv.db).values())
+    assert sum(u["reasoning_tokens"] for u in report) >= end + 1
     assert row["output"]["samples"][0]["reasoning"] == want_reasoning
 
     reasoning, content = "", ""

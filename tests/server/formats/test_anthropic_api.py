@@ -276,7 +276,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
      "messages[0].content[0].type"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
-    ({"max_tokens": 4, "messages": [*USER, {"role": "assistant", "content": "The answer is"}]}, "messages[1].role"),
+    ({"max_tokens": 4, "messages": [*USER, {"role": "assistant", "content": "The answer is "}]}, "messages[1].content"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "tool_result"}]}]},
      "messages[0].content[0].tool_use_id"),
     ({"max_tokens": 4, "messages": USER, "system": [{"type": "image"}]}, "system[0].type"),
@@ -329,3 +329,53 @@ def test_idempotency_key(fmt_server: FormatServer) -> None:
     r = httpx.post(fmt_server.base + "/v1/messages", json={**body, "max_tokens": 7}, headers=h, timeout=120)
     assert r.status_code == 409 and r.json()["type"] == "error"
     assert r.json()["error"]["message"].startswith("Idempotency-Key:")
+
+
+PREFILL = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+
+
+def _continuation_reference(fmt_server: FormatServer, n: int) -> tuple[str, int]:
+    """The greedy continuation of transformers' own `continue_final_message` rendering of PREFILL
+    (the template's turn end cut after the final message), asked as a plain completion by token ids."""
+    import transformers
+
+    from tests.tiny_models import HERMES_TOOL_TEMPLATE
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(fmt_server.proc.model_dir))
+    text = tok.apply_chat_template(PREFILL, chat_template=HERMES_TOOL_TEMPLATE, tokenize=False,
+                                   add_generation_prompt=False, continue_final_message=True)
+    assert isinstance(text, str) and text.endswith("The colour is")
+    ids = tok.encode(text, add_special_tokens=False)
+    r = httpx.post(fmt_server.base + "/v1/completions", headers=fmt_server.bearer(), timeout=300,
+                   json={"model": "demo", "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"], len(ids)
+
+
+def test_prefill_continues_the_final_assistant_message(fmt_server: FormatServer, client: anthropic.Anthropic) -> None:
+    want, n_prompt = _continuation_reference(fmt_server, 12)
+    msg = client.messages.create(model="demo", max_tokens=12, messages=PREFILL,  # type: ignore[arg-type]
+                                 extra_body={**GREEDY, "ignore_eos": True})
+    assert msg.content[0].text == want  # type: ignore[union-attr]  # only the continuation
+    assert msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0) == n_prompt
+    # OpenAI's edge, with vLLM's field, continues the same way.
+    oa = openai.OpenAI(base_url=fmt_server.base + "/v1", api_key=fmt_server.key, max_retries=0)
+    chat = oa.chat.completions.create(model="demo", messages=PREFILL, max_tokens=12, temperature=0,  # type: ignore[arg-type]
+                                      extra_body={"add_generation_prompt": False, "continue_final_message": True,
+                                                  "ignore_eos": True})
+    assert chat.choices[0].message.content == want and chat.usage is not None
+    assert chat.usage.prompt_tokens == n_prompt
+
+
+def test_prefill_refusals_name_the_field(fmt_server: FormatServer, client: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model="demo", max_tokens=4,
+                               messages=[PREFILL[0], {"role": "assistant", "content": "The colour is "}])
+    assert "messages[1].content" in e.value.message and "trailing whitespace" in e.value.message
+    oa = openai.OpenAI(base_url=fmt_server.base + "/v1", api_key=fmt_server.key, max_retries=0)
+    for extra, field in (({"continue_final_message": True}, "continue_final_message"),
+                         ({"continue_final_message": True, "add_generation_prompt": False}, "messages[0].role")):
+        with pytest.raises(openai.BadRequestError) as oe:
+            oa.chat.completions.create(model="demo", messages=PREFILL if field == "continue_final_message" else USER,  # type: ignore[arg-type]
+                                       max_tokens=4, extra_body=extra)
+        assert oe.value.body["param"] == field, oe.value.body  # type: ignore[index]

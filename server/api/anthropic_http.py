@@ -38,14 +38,6 @@ async def send_error(send: Send, exc: PagewireError, headers: Optional[list[tupl
     await send_json(send, exc.status, anthropic_error(exc), retry_headers(exc) + (headers or []))
 
 
-def _limit_headers(api: ApiContext, key_id: Optional[str]) -> list[tuple[bytes, bytes]]:
-    """The key's x-ratelimit-* state right after this request's reservation (as the OpenAI edge sends)."""
-    quotas = api.gateway.quotas
-    if quotas is None or key_id is None:
-        return []
-    return [(k.encode(), v.encode()) for k, v in quotas.headers(key_id).items()]
-
-
 class MessagesEndpoint:
     """POST /v1/messages."""
 
@@ -79,7 +71,7 @@ class MessagesEndpoint:
             await send_error(send, GenerationFailed(f"internal error: {e}", code="internal_error"))
             return
         rid = admitted.request_id.encode()
-        headers = [(b"request-id", rid), *_limit_headers(api, spec.key_id)]
+        headers = [(b"request-id", rid), *api.limit_headers(spec.key_id)]
         if req.stream:
             render = MessageStream(admitted.request_id, api.rt.model_name, plan, req.stop_sequences,
                                    admitted.prompt_tokens)

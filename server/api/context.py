@@ -72,6 +72,15 @@ class ApiContext:
             raise RuntimeError("the runtime has not started: no request service yet")
         return self.rt.service
 
+    def limit_headers(self, key_id: Optional[str]) -> list[tuple[bytes, bytes]]:
+        """The key's x-ratelimit-* (OpenAI's names) as ASGI headers, the state right after this
+        request's reservation; every API sends them on every answer, not only on a 429 (none for a
+        key without limits, or with auth off)."""
+        quotas = self.gateway.quotas
+        if quotas is None or key_id is None:
+            return []
+        return [(k.encode(), v.encode()) for k, v in quotas.headers(key_id).items()]
+
     def check_model(self, model: Optional[str]) -> None:
         """404 `model_not_found` unless `model` is absent or names the served model."""
         if model is not None and model != self.rt.model_name:

@@ -53,14 +53,6 @@ async def run_embeddings(api: ApiContext, receive: Receive, specs: list[Generati
     return ends
 
 
-def limit_headers(api: ApiContext, key_id: Optional[str]) -> list[tuple[bytes, bytes]]:
-    """The key's x-ratelimit-* as of its reservation (none for a key without limits)."""
-    quotas = api.gateway.quotas
-    if quotas is None or key_id is None:
-        return []
-    return [(k.encode(), v.encode()) for k, v in quotas.headers(key_id).items()]
-
-
 class EmbeddingsEndpoint:
     """POST /v1/embeddings."""
 
@@ -105,7 +97,7 @@ class EmbeddingsEndpoint:
         if ends is None or out is None:
             return  # the client left; what still ran was cancelled
         headers = [(b"x-request-id", ",".join(e.request_id for e in ends).encode()),
-                   *limit_headers(self.api, specs[0].key_id)]
+                   *self.api.limit_headers(specs[0].key_id)]
         try:
             await send_json(send, 200, out, headers)
         except OSError:

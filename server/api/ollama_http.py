@@ -30,7 +30,7 @@ from typing import Any, Optional
 from server.api.context import ApiContext
 from server.api.decode import decode
 from server.api.embeddings_format import embedding_inputs, embedding_specs, vector_of
-from server.api.embeddings_http import limit_headers, run_embeddings
+from server.api.embeddings_http import run_embeddings
 from server.api.follow import follow_stream, wait_end
 from server.api.http_io import Receive, Scope, Send, header, peer, read_body, retry_headers, send_json
 from server.api.ollama_format import (
@@ -241,7 +241,7 @@ class _Embed:
                    "total_duration": time.monotonic_ns() - start, "load_duration": 0,
                    "prompt_eval_count": sum(e.usage.prompt_tokens for e in ends)}
         headers = [(b"x-request-id", ",".join(e.request_id for e in ends).encode()),
-                   *limit_headers(api, specs[0].key_id)]
+                   *api.limit_headers(specs[0].key_id)]
         try:
             await send_json(send, 200, out, headers)
         except OSError:
@@ -307,9 +307,7 @@ class _Generate:
             log.exception("admitting a request failed")
             await send_error(send, GenerationFailed(f"internal error: {e}", code="internal_error"))
             return
-        quotas = api.gateway.quotas
-        headers = [(k.encode(), v.encode()) for k, v in quotas.headers(spec.key_id).items()] \
-            if quotas is not None and spec.key_id is not None else []
+        headers = api.limit_headers(spec.key_id)
         kind = "chat" if self.kind == "chat" else "generate"
         if req.stream:
             await follow_stream(api, send, receive, admitted, b"application/x-ndjson",

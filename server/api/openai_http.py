@@ -54,11 +54,7 @@ class GenerateEndpoint:
             log.exception("admitting a request failed")
             await send_error(send, GenerationFailed(f"internal error: {e}", code="internal_error"))
             return
-        # OpenAI sends the key's x-ratelimit-* on every response, not only on a 429: the state
-        # right after this request's reservation (no headers for a key without limits).
-        quotas, key_id = self.api.gateway.quotas, specs[0].key_id
-        limits = [(k.encode(), v.encode()) for k, v in quotas.headers(key_id).items()] \
-            if quotas is not None and key_id is not None else []
+        limits = self.api.limit_headers(specs[0].key_id)
         if stream:
             await respond.stream(self.api, send, receive, self.kind, admitted, n, include_usage, tools, limits)
         else:

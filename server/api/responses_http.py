@@ -112,9 +112,7 @@ class ResponsesEndpoint:
             log.exception("admitting a responses request failed")
             await send_error(send, GenerationFailed(f"internal error: {e}", code="internal_error"))
             return
-        quotas, key_id = self.api.gateway.quotas, plan.spec.key_id
-        limits = [(k.encode(), v.encode()) for k, v in quotas.headers(key_id).items()] \
-            if quotas is not None and key_id is not None else []
+        limits = self.api.limit_headers(plan.spec.key_id)
         headers = [(b"x-request-id", admitted.request_id.encode()), *limits]
         if plan.req.stream:
             await self._stream(send, receive, plan, admitted, headers)

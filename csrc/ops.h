@@ -77,19 +77,27 @@ at::Tensor gelu_tanh_and_mul_cpu(const at::Tensor& x);
 
 // One decoder layer of at most 16 tokens (cpu/decode_layer.cpp): the ops above in the Python
 // layer's order. hidden [T, H] (the residual stream, mutated), delta [T, H] or None (the previous
-// layer's MLP output); *_kind: the linear path per matrix ("kernel", "torch", "q8_0", "q8_0x8", or
-// a linear_q4 qtype); caches mutated; softcap as paged_attention's; activation "silu" or
-// "gelu_tanh" (the gated MLP's). Returns this layer's MLP output [T, H].
-at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>& delta, const at::Tensor& input_norm,
-                            const at::Tensor& post_norm, double eps, const at::Tensor& qkv_weight,
+// layer's MLP output); norms [H] or None by placement (attn_norm/mlp_norm before each sub-block,
+// attn_post_norm/mlp_post_norm on its output); residual_multiplier scales each sub-block's output;
+// q_norm [q] / k_norm [kv]: RMSNorm over the whole projection (OLMo 2), qk_norm [heads, head_dim]:
+// per head (Qwen3, Gemma 3); cos/sin None: a NoPE layer, narrower than head_dim / 2: partial
+// rotary; *_kind: the linear path per matrix ("kernel", "torch", "q8_0", "q8_0x8", or a linear_q4
+// qtype); caches mutated; softcap as paged_attention's; activation "silu" or "gelu_tanh" (the gated
+// MLP's). Returns this layer's MLP output [T, H] as it joins the residual stream.
+at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>& delta,
+                            const c10::optional<at::Tensor>& attn_norm, const c10::optional<at::Tensor>& attn_post_norm,
+                            const c10::optional<at::Tensor>& mlp_norm, const c10::optional<at::Tensor>& mlp_post_norm,
+                            double eps, double residual_multiplier, const at::Tensor& qkv_weight,
                             c10::string_view qkv_kind, const c10::optional<at::Tensor>& qkv_bias,
+                            const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
                             const at::Tensor& o_weight, c10::string_view o_kind, const c10::optional<at::Tensor>& o_bias,
                             const at::Tensor& gate_up_weight, c10::string_view gate_up_kind,
                             const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down_weight,
                             c10::string_view down_kind, const c10::optional<at::Tensor>& down_bias,
-                            const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
-                            const c10::optional<at::Tensor>& qk_norm, at::Tensor& key_cache, at::Tensor& value_cache,
-                            const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            const at::Tensor& positions, const c10::optional<at::Tensor>& cos,
+                            const c10::optional<at::Tensor>& sin, const c10::optional<at::Tensor>& qk_norm,
+                            at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
                             int64_t max_query_len, int64_t max_seq_len, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, double softcap, c10::string_view activation);

@@ -47,13 +47,14 @@ TORCH_LIBRARY(pagewire, m) {
   m.def("interleave_q4(Tensor weight, str qtype) -> Tensor");  // -> the "q4_0x8" / "q4_1x8" layout
   // One decoder layer of at most 16 tokens in one call (ops.h; CPU only)
   m.def(
-      "decode_layer(Tensor(a!) hidden, Tensor? delta, Tensor input_norm, Tensor post_norm, float eps, "
-      "Tensor qkv_weight, str qkv_kind, Tensor? qkv_bias, Tensor o_weight, str o_kind, Tensor? o_bias, "
-      "Tensor gate_up_weight, str gate_up_kind, Tensor? gate_up_bias, Tensor down_weight, str down_kind, "
-      "Tensor? down_bias, Tensor positions, Tensor cos, Tensor sin, Tensor? qk_norm, Tensor(b!) key_cache, "
-      "Tensor(c!) value_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
-      "float scale, int sliding_window, int max_query_len, int max_seq_len, int num_heads, int num_kv_heads, "
-      "int head_dim, float softcap=0.0, str activation=\"silu\") -> Tensor");
+      "decode_layer(Tensor(a!) hidden, Tensor? delta, Tensor? attn_norm, Tensor? attn_post_norm, Tensor? mlp_norm, "
+      "Tensor? mlp_post_norm, float eps, float residual_multiplier, Tensor qkv_weight, str qkv_kind, Tensor? qkv_bias, "
+      "Tensor? q_norm, Tensor? k_norm, Tensor o_weight, str o_kind, Tensor? o_bias, Tensor gate_up_weight, "
+      "str gate_up_kind, Tensor? gate_up_bias, Tensor down_weight, str down_kind, Tensor? down_bias, Tensor positions, "
+      "Tensor? cos, Tensor? sin, Tensor? qk_norm, Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window, "
+      "int max_query_len, int max_seq_len, int num_heads, int num_kv_heads, int head_dim, float softcap=0.0, "
+      "str activation=\"silu\") -> Tensor");
   // Speculative decoding (shapes in ops.h): the n-gram proposer (CPU only: it reads host token
   // lists) and exact verification by rejection sampling.
   m.def("ngram_propose(Tensor[] token_ids, Tensor num_tokens, int k, int min_n, int max_n) -> Tensor");

@@ -1,7 +1,8 @@
-// decode_layer: one Llama-family (pre-norm, gated MLP) decoder layer of a small CPU batch (at most 16 tokens: decode
-// steps) in one call. It runs exactly the C++ ops that the Python layer (LlamaDecoderLayer.forward)
-// calls, in the same order on the same tensors, so it gives the same floats; what it saves is the
-// Python between them: about ten op dispatches per layer through torch.ops, the wrappers' checks
+// decode_layer: one decoder layer of a small CPU batch (at most 16 tokens: decode steps) in one
+// call, for every norm placement (pre: Llama; post: OLMo 2; both: Gemma), q/k norm per head or over
+// the projection, full, partial or no RoPE, and Granite's residual multiplier. It runs exactly the
+// C++ ops that the Python layer (server/models/decoder.py, DecoderLayer.forward) calls, in the same
+// order on the same tensors, so it gives the same floats; what it saves is the Python between them: about ten op dispatches per layer through torch.ops, the wrappers' checks
 // and the layer's own bytecode, which cost as much as the small matrices' kernels on a model like
 // SmolLM2-135M (30 layers of 576-wide matrices; bench/RESULTS.md).
 //
@@ -10,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/mul.h>
 
 #include <string>
 
@@ -31,18 +33,40 @@ at::Tensor run_linear(const at::Tensor& x, const at::Tensor& w, const c10::optio
   return linear_q4_cpu(x, w, kind, b);
 }
 
+// A sub-block's input (the Python layer's _enter): the residual stream with `delta` (the previous
+// sub-block's output) added in place, then RMSNorm'ed by `norm` in one fused op; without an input
+// norm (OLMo 2's post-norm layers) the stream itself.
+at::Tensor enter(at::Tensor& hidden, const c10::optional<at::Tensor>& delta, const c10::optional<at::Tensor>& norm,
+                 double eps) {
+  const bool has_delta = delta.has_value() && delta->defined();
+  if (!norm.has_value() || !norm->defined()) return has_delta ? hidden.add_(*delta) : hidden;
+  return has_delta ? add_rms_norm_cpu(hidden, *delta, *norm, eps) : rms_norm_cpu(hidden, *norm, eps);
+}
+
+// A sub-block's output as it joins the residual stream (_leave): post-normed (OLMo 2, Gemma), then
+// scaled by the residual multiplier (Granite). at::mul by a Scalar is the op Python's `out * m` runs.
+at::Tensor leave(const at::Tensor& out, const c10::optional<at::Tensor>& post_norm, double eps,
+                 double residual_multiplier) {
+  at::Tensor r = post_norm.has_value() && post_norm->defined() ? rms_norm_cpu(out, *post_norm, eps) : out;
+  return residual_multiplier != 1.0 ? at::mul(r, residual_multiplier) : r;
+}
+
 }  // namespace
 
-at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>& delta, const at::Tensor& input_norm,
-                            const at::Tensor& post_norm, double eps, const at::Tensor& qkv_weight,
+at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>& delta,
+                            const c10::optional<at::Tensor>& attn_norm, const c10::optional<at::Tensor>& attn_post_norm,
+                            const c10::optional<at::Tensor>& mlp_norm, const c10::optional<at::Tensor>& mlp_post_norm,
+                            double eps, double residual_multiplier, const at::Tensor& qkv_weight,
                             c10::string_view qkv_kind, const c10::optional<at::Tensor>& qkv_bias,
+                            const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
                             const at::Tensor& o_weight, c10::string_view o_kind, const c10::optional<at::Tensor>& o_bias,
                             const at::Tensor& gate_up_weight, c10::string_view gate_up_kind,
                             const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down_weight,
                             c10::string_view down_kind, const c10::optional<at::Tensor>& down_bias,
-                            const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
-                            const c10::optional<at::Tensor>& qk_norm, at::Tensor& key_cache, at::Tensor& value_cache,
-                            const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            const at::Tensor& positions, const c10::optional<at::Tensor>& cos,
+                            const c10::optional<at::Tensor>& sin, const c10::optional<at::Tensor>& qk_norm,
+                            at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
                             int64_t max_query_len, int64_t max_seq_len, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, double softcap, c10::string_view activation) {
@@ -51,19 +75,38 @@ at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>&
   const int64_t T = hidden.size(0);
   TORCH_CHECK(T <= kQ8KernelMaxRows, "decode_layer takes at most ", kQ8KernelMaxRows, " tokens, got ", T);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  // Checked before anything is written, so a bad name leaves hidden and the caches untouched.
+  // Checked before anything is written, so a bad argument leaves hidden and the caches untouched.
   const bool gelu = activation == "gelu_tanh";
   TORCH_CHECK(gelu || activation == "silu", "decode_layer: activation must be 'silu' or 'gelu_tanh', got '",
               std::string(activation), "'");
-  // Attention half: norm (with the previous layer's MLP output added), qkv, RoPE on q and k in
-  // place (they are adjacent in qkv), the KV write, paged attention.
-  const at::Tensor x = delta.has_value() && delta->defined() ? add_rms_norm_cpu(hidden, *delta, input_norm, eps)
-                                                             : rms_norm_cpu(hidden, input_norm, eps);
+  const bool has_rope = cos.has_value() && cos->defined();
+  TORCH_CHECK(has_rope == (sin.has_value() && sin->defined()), "decode_layer: cos and sin come together (both None: a NoPE layer)");
+  const bool proj_norm = q_norm.has_value() && q_norm->defined();
+  TORCH_CHECK(proj_norm == (k_norm.has_value() && k_norm->defined()), "decode_layer: q_norm and k_norm come together");
+  const bool head_norm = qk_norm.has_value() && qk_norm->defined();
+  TORCH_CHECK(!(head_norm && proj_norm), "decode_layer: q/k norm is per head (qk_norm) or over the projection (q_norm, k_norm), not both");
+  const int64_t rotary_dim = has_rope ? 2 * cos->size(1) : 0;
+  TORCH_CHECK(!has_rope || (rotary_dim > 0 && rotary_dim <= head_dim), "decode_layer: the RoPE tables rotate ",
+              rotary_dim, " dims of a ", head_dim, "-dim head");
+  // The per-head norm rides on the rotation (rotary_embedding's norm_weight); a NoPE or partial-rotary
+  // layer with it runs the Python layer, whose norm there is a different op.
+  TORCH_CHECK(!head_norm || rotary_dim == head_dim, "decode_layer: a per-head q/k norm needs full-width RoPE");
+  // Attention half: input norm (with the previous layer's MLP output added), qkv, q/k norm over the
+  // projection (OLMo 2), RoPE on q and k in place (they are adjacent in qkv; partial rotary turns
+  // only the leading dims, NoPE none), the KV write, paged attention.
+  const at::Tensor x = enter(hidden, delta, attn_norm, eps);
   const at::Tensor qkv = run_linear(x, qkv_weight, qkv_bias, std::string(qkv_kind));
   TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decode_layer: qkv has ", qkv.size(1), " columns, heads say ",
               q_size + 2 * kv_size);
+  if (proj_norm) {
+    qkv.narrow(1, 0, q_size).copy_(rms_norm_cpu(qkv.narrow(1, 0, q_size).contiguous(), *q_norm, eps));
+    qkv.narrow(1, q_size, kv_size).copy_(rms_norm_cpu(qkv.narrow(1, q_size, kv_size).contiguous(), *k_norm, eps));
+  }
   at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({T, num_heads + num_kv_heads, head_dim});
-  rotary_embedding_cpu(qk, positions, cos, sin, qk_norm, eps);
+  if (has_rope) {
+    at::Tensor turned = rotary_dim == head_dim ? qk : qk.narrow(2, 0, rotary_dim);
+    rotary_embedding_cpu(turned, positions, *cos, *sin, head_norm ? qk_norm : c10::nullopt, eps);
+  }
   const at::Tensor query = qk.narrow(1, 0, num_heads);
   const at::Tensor key = qk.narrow(1, num_heads, num_kv_heads);
   const at::Tensor value = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
@@ -71,13 +114,16 @@ at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>&
   at::Tensor attn = at::empty({T, num_heads, head_dim}, hidden.options());
   paged_attention_cpu(attn, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
                       sliding_window, max_query_len, max_seq_len, softcap);
-  // MLP half: o projection added into the residual stream by the next norm, gate/up, the gated
-  // activation (SiLU or GELU-tanh) times up, down. The down projection's output is left for the next layer's norm to add (as in Python).
+  // MLP half: o projection (post-normed and scaled as it leaves) added into the residual stream by
+  // the MLP's input norm, gate/up, the gated activation (SiLU or GELU-tanh) times up, down. The
+  // down projection's output, as it leaves, is left for the next layer's norm to add (as in Python).
   const at::Tensor o = run_linear(attn.view({T, q_size}), o_weight, o_bias, std::string(o_kind));
-  const at::Tensor x2 = add_rms_norm_cpu(hidden, o, post_norm, eps);
+  const c10::optional<at::Tensor> attn_out = leave(o, attn_post_norm, eps, residual_multiplier);
+  const at::Tensor x2 = enter(hidden, attn_out, mlp_norm, eps);
   const at::Tensor gate_up = run_linear(x2, gate_up_weight, gate_up_bias, std::string(gate_up_kind));
   const at::Tensor act = gelu ? gelu_tanh_and_mul_cpu(gate_up) : silu_and_mul_cpu(gate_up);
-  return run_linear(act, down_weight, down_bias, std::string(down_kind));
+  return leave(run_linear(act, down_weight, down_bias, std::string(down_kind)), mlp_post_norm, eps,
+               residual_multiplier);
 }
 
 }  // namespace pagewire

@@ -95,11 +95,12 @@ def _dequantize_q4_fake(weight, qtype):
 
 
 @torch.library.register_fake("pagewire::decode_layer")
-def _decode_layer_fake(hidden, delta, input_norm, post_norm, eps, qkv_weight, qkv_kind, qkv_bias, o_weight, o_kind,
-                       o_bias, gate_up_weight, gate_up_kind, gate_up_bias, down_weight, down_kind, down_bias,
-                       positions, cos, sin, qk_norm, key_cache, value_cache, slot_mapping, block_tables, seq_lens,
-                       query_start_loc, scale, sliding_window, max_query_len, max_seq_len, num_heads, num_kv_heads,
-                       head_dim, softcap=0.0, activation="silu"):
+def _decode_layer_fake(hidden, delta, attn_norm, attn_post_norm, mlp_norm, mlp_post_norm, eps, residual_multiplier,
+                       qkv_weight, qkv_kind, qkv_bias, q_norm, k_norm, o_weight, o_kind, o_bias, gate_up_weight,
+                       gate_up_kind, gate_up_bias, down_weight, down_kind, down_bias, positions, cos, sin, qk_norm,
+                       key_cache, value_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
+                       sliding_window, max_query_len, max_seq_len, num_heads, num_kv_heads, head_dim, softcap=0.0,
+                       activation="silu"):
     return hidden.new_empty(hidden.shape)
 
 

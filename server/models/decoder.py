@@ -90,11 +90,12 @@ class DecoderLayer(nn.Module):
         self.down_bias = _param((H,), dtype, device) if c.mlp_bias else None
         self.norm_offset = c.norm_weight_offset
         self.fused_checkpoint = c.fused_checkpoint
-        # The layers pagewire::decode_layer expresses: pre-norm, full-width RoPE with optional
-        # per-head q/k norm, no residual multiplier (SiLU or GELU-tanh, soft-capping or not). The
+        # The layers pagewire::decode_layer expresses: every norm placement, q/k norm over the
+        # projection, full, partial or no RoPE, residual multipliers, SiLU or GELU-tanh, soft-capping
+        # or not. Not a per-head q/k norm on a NoPE or partial-rotary layer (no family has one): there
+        # forward() norms with torch ops, where the C++ layer's norm rides on the rotation. The
         # others run forward().
-        self.fusable = (c.norm_placement == "pre" and self.q_norm is None and self.rope_index is not None
-                        and self.rotary_dim == c.head_dim and self.residual_multiplier == 1.0)
+        self.fusable = self.qk_norm is None or (self.rope_index is not None and self.rotary_dim == c.head_dim)
 
     def forward(
         self,
@@ -158,23 +159,26 @@ class DecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         delta: torch.Tensor | None,
-        rope: RotaryEmbedding,
-        rope_batch: RopeBatch,
+        rope: RotaryEmbedding | None,
+        positions: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         kinds: tuple[str, str, str, str],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """forward() in one C++ call (pagewire::decode_layer: the same ops in the same order, so the
-        same floats), for CPU batches of at most 16 tokens; kinds: each matrix's linear path
-        (ops.linear_kind), in MATRICES order."""
+        same floats), for CPU batches of at most 16 tokens; rope: this layer's table (None: NoPE)
+        and positions the rows to read from it (RopeBatch.positions); kinds: each matrix's linear
+        path (ops.linear_kind), in MATRICES order."""
         mlp_out = torch.ops.pagewire.decode_layer(
-            hidden, delta, self.attn_norm, self.mlp_norm, self.eps,
-            _weight_data(self.qkv_weight), kinds[0], self.qkv_bias,
+            hidden, delta, self.attn_norm, self.attn_post_norm, self.mlp_norm, self.mlp_post_norm, self.eps,
+            self.residual_multiplier,
+            _weight_data(self.qkv_weight), kinds[0], self.qkv_bias, self.q_norm, self.k_norm,
             _weight_data(self.o_weight), kinds[1], self.o_bias,
             _weight_data(self.gate_up_weight), kinds[2], self.gate_up_bias,
             _weight_data(self.down_weight), kinds[3], self.down_bias,
-            rope_batch.positions, rope.cos, rope.sin, self.qk_norm, key_cache, value_cache,
+            positions, rope.cos if rope is not None else None, rope.sin if rope is not None else None,
+            self.qk_norm, key_cache, value_cache,
             meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             self.scale, self.sliding_window, meta.max_query_len, meta.max_seq_len,
             self.num_heads, self.num_kv_heads, self.head_dim, self.softcap, self.activation,
@@ -362,8 +366,9 @@ class DecoderForCausalLM(nn.Module):
             rope, batch = (self.ropes[r], batches[r]) if r is not None else (None, None)
             kinds = fused[i] if fused is not None else None
             m = meta.for_layer(i)  # the layer's KV group's slots and block tables
-            if kinds is not None and rope is not None and batch is not None:
-                hidden, delta = layer.forward_fused(hidden, delta, rope, batch, key_cache, value_cache, m, kinds)
+            if kinds is not None:
+                rows = batch.positions if batch is not None else positions
+                hidden, delta = layer.forward_fused(hidden, delta, rope, rows, key_cache, value_cache, m, kinds)
             else:
                 hidden, delta = layer.forward(hidden, delta, rope, batch, key_cache, value_cache, m)
         eps = self.config.rms_norm_eps
@@ -381,8 +386,7 @@ class DecoderForCausalLM(nn.Module):
     def _fused_kinds(self, hidden: torch.Tensor,
                      batches: list[RopeBatch]) -> list[tuple[str, str, str, str] | None] | None:
         """Per layer, the linear paths for pagewire::decode_layer, or None where the layer must run
-        in Python: a layer the C++ layer cannot express (DecoderLayer.fusable: post-norms, NoPE,
-        partial rotary, q/k norm over the projection, residual multipliers), always off the CPU,
+        in Python: a layer the C++ layer cannot express (DecoderLayer.fusable), always off the CPU,
         above 16 tokens (quantised weights switch paths there), with RoPE tables gathered in
         Python, when `fused_decode` is off, or when this module's `linear` has been replaced
         (tests and bench/decode_step.py wrap it to see every call). Cached per row count,

@@ -40,11 +40,11 @@ def test_logits_match_transformers_through_prefill_and_decode(family_model: Call
         torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4, msg=f"{arch} sequence {sid}")
 
 
-# Layers pagewire::decode_layer expresses, per tiny family config (DecoderLayer.fusable): none of
-# Gemma's (four norms, GELU), Phi-3's (partial rotary here), OLMo's (post-norms, projection q/k
-# norm) or Granite's (residual multiplier); SmolLM3's RoPE layers but not its NoPE layer.
-_FUSED = {"gemma2": (0, 4), "gemma3": (0, 6), "phi3": (0, 2), "olmo2": (0, 2), "olmo3": (0, 4), "smollm3": (3, 4),
-          "granite": (0, 2)}
+# Layers pagewire::decode_layer expresses, per tiny family config (DecoderLayer.fusable): all of
+# them, Gemma's four norms, OLMo's post-norms and projection q/k norm, Phi-3's partial rotary,
+# SmolLM3's NoPE layer and Granite's residual multiplier included.
+_FUSED = {"gemma2": (4, 4), "gemma3": (6, 6), "phi3": (2, 2), "olmo2": (2, 2), "olmo3": (4, 4), "smollm3": (4, 4),
+          "granite": (2, 2)}
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

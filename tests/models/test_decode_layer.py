@@ -3,7 +3,9 @@ exactly the Python layer's floats (logits and every KV cache byte) for each arch
 switches (q/k/v bias, Qwen3's q/k norm, sliding windows, llama3 RoPE scaling), every weight kind
 (float kernel or F.linear, Q8_0 and 4-bit in row or interleaved layout), batches of 1 to 16
 tokens, prefill chunks as well as decodes, in batch-invariant mode too (the default for CPU bf16
-on AVX2), with Gemma's logit soft-capping and GELU-tanh MLP; and the model must step aside to
+on AVX2), with Gemma's logit soft-capping and GELU-tanh MLP, and for every family's layer parts
+(Gemma's four norms, OLMo 2's post-norms and projection q/k norm, Phi-3's partial rotary,
+SmolLM3's NoPE layers, Granite's residual multiplier); and the model must step aside to
 the Python layers wherever their paths differ (above 16 tokens, a replaced `linear`, an autotune
 choice decode_layer has no equivalent for)."""
 from __future__ import annotations
@@ -102,6 +104,69 @@ def test_fused_layer_with_softcap_and_gelu_tanh(models: dict[str, Path], dtype: 
     assert not torch.equal(plain[-1][0], capped[-1][0])
 
 
+FAMILIES = ("gemma2", "gemma3", "phi3", "olmo2", "olmo3", "smollm3", "granite")
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each family's tiny config (tests.tiny_models: windows shorter than the prompts, Phi-3's
+    partial rotary and longrope, SmolLM3's NoPE layer, Granite's multipliers), vocabulary VOCAB."""
+    return {arch: make_tiny_model(tmp_path_factory.mktemp(arch) / arch, arch, vocab_size=VOCAB) for arch in FAMILIES}
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_every_family_runs_fused_with_the_python_layers_floats(
+    family_models: dict[str, Path], arch: str, dtype: str, quantization: str, batch: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every layer of every family runs as one decode_layer call, with exactly the Python layers'
+    logits and KV bytes: norms before, after and on both sides of each sub-block, q/k norm over the
+    projection, partial and no RoPE, residual multipliers."""
+    model, _ = load_model(family_models[arch], dtype=dtype)
+    if quantization != "none":
+        model.quantize_weights(quantization)
+    assert all(layer.fusable for layer in model._layers)
+    calls: list[int] = []
+    real = llama.DecoderLayer.forward_fused
+
+    def counting(self: llama.DecoderLayer, *args: object) -> object:
+        calls.append(self.layer_idx)
+        return real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(llama.DecoderLayer, "forward_fused", counting)
+    _assert_same(model, batch)
+    # Every layer of every step of at most 16 rows ran fused (batch 3's second step has 24).
+    small = sum(sum(map(len, step.values())) <= 16 for step in _steps(batch))
+    assert calls == list(range(model.config.num_layers)) * small
+
+
+def test_a_per_head_qk_norm_without_full_rope_runs_the_python_layer(tmp_path: Path) -> None:
+    """No family has one, but the parts allow it: a per-head q/k norm on a NoPE layer. The Python
+    layer norms there with torch ops, so the C++ layer refuses it (and the model does not ask)."""
+    folder = make_tiny_model(tmp_path / "q3", "qwen3", vocab_size=VOCAB)
+    model, _ = load_model(folder, dtype="float32")
+    layer = model._layers[0]
+    assert layer.fusable and layer.qk_norm is not None
+    run = PagedRun(model)
+    run.step({0: random_tokens(3, VOCAB, seed=1)})
+    hidden = torch.randn(1, 64)
+    kinds = layer.linear_kinds(model.dtype, 1)
+    assert kinds is not None
+    key_cache, value_cache = run.kv_caches[0]
+    args = _op_args(model, layer, run, kinds, hidden, key_cache, value_cache)
+    nope = list(args)
+    nope[23] = nope[24] = None  # cos, sin
+    with pytest.raises(RuntimeError, match="decode_layer: a per-head q/k norm needs full-width RoPE"):
+        torch.ops.pagewire.decode_layer(*nope)
+    one_sided = list(args)
+    one_sided[24] = None
+    with pytest.raises(RuntimeError, match="decode_layer: cos and sin come together"):
+        torch.ops.pagewire.decode_layer(*one_sided)
+
+
 def test_decode_layer_rejects_an_unknown_activation(models: dict[str, Path]) -> None:
     model, _ = load_model(models["llama"], dtype="float32")
     model._layers[0].activation = "relu"
@@ -161,7 +226,33 @@ def test_opcheck_decode_layer(models: dict[str, Path]) -> None:
     layer = model._layers[0]
     run = PagedRun(model)
     run.step({0: random_tokens(5, VOCAB, seed=2)})  # some context in the cache
+    hidden = torch.randn(1, 64)
+    kinds = layer.linear_kinds(model.dtype, 1)
+    assert kinds is not None
     key_cache, value_cache = run.kv_caches[0]
+    args = _op_args(model, layer, run, kinds, hidden, key_cache.clone(), value_cache.clone())
+    torch.library.opcheck(torch.ops.pagewire.decode_layer.default, args)
+    with pytest.raises(RuntimeError, match="decode_layer: unknown linear kind 'fp8'"):
+        torch.ops.pagewire.decode_layer(*args[:9], "fp8", *args[10:])
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "olmo2", "granite"])
+def test_opcheck_decode_layer_with_the_families_parts(family_models: dict[str, Path], arch: str) -> None:
+    """The same with Gemma's four norms, OLMo 2's post-norms and projection q/k norm, Granite's multiplier."""
+    model, _ = load_model(family_models[arch], dtype="float32")
+    layer = model._layers[0]
+    run = PagedRun(model)
+    run.step({0: random_tokens(5, VOCAB, seed=2)})
+    kinds = layer.linear_kinds(model.dtype, 1)
+    assert kinds is not None
+    key_cache, value_cache = run.kv_caches[0]
+    args = _op_args(model, layer, run, kinds, torch.randn(1, 64), key_cache.clone(), value_cache.clone())
+    torch.library.opcheck(torch.ops.pagewire.decode_layer.default, args)
+
+
+def _op_args(model: DecoderForCausalLM, layer: llama.DecoderLayer, run: PagedRun, kinds: tuple[str, str, str, str],
+             hidden: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple:
+    """decode_layer's arguments for one new token at position 5 of sequence 0 (5 tokens cached)."""
     from server.models.attention import AttentionMetadata
 
     meta = AttentionMetadata(
@@ -172,15 +263,10 @@ def test_opcheck_decode_layer(models: dict[str, Path]) -> None:
         max_query_len=1,
         max_seq_len=6,
     )
-    hidden = torch.randn(1, 64)
-    kinds = layer.linear_kinds(model.dtype, 1)
-    assert kinds is not None
-    args = (hidden, torch.randn(1, 64), layer.attn_norm, layer.mlp_norm, layer.eps,
-            layer.qkv_weight, kinds[0], layer.qkv_bias, layer.o_weight, kinds[1], layer.o_bias,
-            layer.gate_up_weight, kinds[2], layer.gate_up_bias, layer.down_weight, kinds[3], layer.down_bias,
-            torch.tensor([5]), model.ropes[0].cos, model.ropes[0].sin, layer.qk_norm, key_cache.clone(), value_cache.clone(),
-            meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, layer.scale,
-            layer.sliding_window, 1, 6, layer.num_heads, layer.num_kv_heads, layer.head_dim)
-    torch.library.opcheck(torch.ops.pagewire.decode_layer.default, args)
-    with pytest.raises(RuntimeError, match="decode_layer: unknown linear kind 'fp8'"):
-        torch.ops.pagewire.decode_layer(*args[:6], "fp8", *args[7:])
+    return (hidden, torch.randn(1, 64), layer.attn_norm, layer.attn_post_norm, layer.mlp_norm, layer.mlp_post_norm,
+            layer.eps, layer.residual_multiplier, layer.qkv_weight, kinds[0], layer.qkv_bias, layer.q_norm,
+            layer.k_norm, layer.o_weight, kinds[1], layer.o_bias, layer.gate_up_weight, kinds[2], layer.gate_up_bias,
+            layer.down_weight, kinds[3], layer.down_bias, torch.tensor([5]), model.ropes[0].cos, model.ropes[0].sin,
+            layer.qk_norm, key_cache, value_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+            meta.query_start_loc, layer.scale, layer.sliding_window, 1, 6, layer.num_heads, layer.num_kv_heads,
+            layer.head_dim)

@@ -13,8 +13,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
 # Per-architecture defaults on top of _BASE. Mistral's window is smaller than test prompts (~50
 # tokens) so the window actually masks; Qwen3's head_dim differs from hidden/heads on purpose.
 _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -122,6 +120,8 @@ def make_tiny_model(
         raise ValueError(f"config_format: expected 'v4' or 'v5', got {config_format!r}")
     if num_shards < 1:
         raise ValueError(f"num_shards: must be >= 1, got {num_shards}")
+    import torch  # here: the chat-template helpers below import without torch (make test-py310)
+
     config_cls, model_cls = _classes(arch)
     fields = {**_BASE, **_ARCH_DEFAULTS[arch], **config_overrides}
     fields["vocab_size"] = vocab_size

@@ -4,7 +4,9 @@ template) that pagewire can serve and test against with no download.
 `ensure_demo_model()` builds it once into the user cache and re-uses it after; `build_tokenizer()`
 writes just the tokenizer files, so tests can pair it with their own tiny models. Weights and
 tokenizer are deterministic (fixed seed, fixed corpus), so two builds give identical folders.
-This module must not import transformers (a test-only dependency).
+This module must not import transformers (a test-only dependency), and imports torch only to
+write the weights: `build_tokenizer` runs where torch is not installed (the torch-free edge suite
+on Python 3.10, `make test-py310`).
 """
 from __future__ import annotations
 
@@ -13,11 +15,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+if TYPE_CHECKING:
+    import torch
 
 DEMO_MODEL_NAME = "demo-model-v1"  # bump the suffix whenever the folder's contents change
 BOS_TOKEN = "<|begin_of_text|>"
@@ -290,11 +293,13 @@ def demo_config(info: TokenizerInfo) -> dict:
     }
 
 
-def _random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
+def _random_weights(config: dict, seed: int) -> dict[str, "torch.Tensor"]:
     """HF-named float32 tensors. Linear weights use std 1/sqrt(fan_in) so activations keep unit
     scale: attention then has real structure (not uniform) and logits spread to std ~3, which
     keeps greedy argmax margins well above float32 noise when implementations are compared.
     Norm weights sit near (not at) 1 so a loader that ignores them is caught."""
+    import torch  # here, not at the top: build_tokenizer must import without torch
+
     g = torch.Generator().manual_seed(seed)
     h, inter, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     hd = config["head_dim"]
@@ -352,6 +357,8 @@ def ensure_demo_model(cache_dir: Optional[Path] = None) -> Path:
         config = demo_config(info)
         _write_json(tmp / "config.json", config)
         weights = _random_weights(config, WEIGHT_SEED)
+        from safetensors.torch import save_file
+
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         try:
             os.rename(tmp, final)

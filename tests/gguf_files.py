@@ -43,9 +43,10 @@ _HF_TO_GGUF_BLOCK = {
     "mlp.gate_up_proj.weight": "ffn_up.weight",
 }
 # model_type -> llama.cpp's general.architecture (OLMo 3 files are "olmo2" with a window).
-GGUF_ARCH = {"gemma3_text": "gemma3", "olmo3": "olmo2"}
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama",
+             "gemma3_text": "gemma3", "olmo3": "olmo2"}
 # llama.cpp's converter permutes Q/K rows for the architectures it runs with interleaved RoPE.
-PERMUTED = ("llama", "mistral", "smollm3", "granite")
+PERMUTED = ("llama", "mistral", "smollm3", "granite", "mixtral")
 # Families whose post_attention_layernorm is the attention output's norm, not the MLP input's.
 _POST_NORM_TYPES = ("gemma2", "gemma3_text", "olmo2", "olmo3")
 CHATML = (
@@ -65,6 +66,36 @@ def gguf_name(hf_name: str, model_type: str = "llama") -> str:
         return "output.weight"
     parts = hf_name.split(".", 3)  # model, layers, N, rest
     return f"blk.{parts[2]}.{_HF_TO_GGUF_BLOCK[parts[3]]}"
+
+
+# Mixture of experts: llama.cpp's converter stacks each layer's experts into one tensor per matrix
+# ([E, I, H] gate and up, [E, H, I] down), keeps the router (ffn_gate_inp) and Qwen2-MoE's shared
+# expert gate (ffn_gate_inp_shexp, a [H] vector) in F32, and names the shared expert's matrices *_shexp.
+_EXPERT_PARTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                 "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+_MOE_NAMES = {"gate.weight": "ffn_gate_inp.weight", "shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+              "shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+              "shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+              "shared_expert.down_proj.weight": "ffn_down_shexp.weight"}
+F32_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+
+
+def stack_experts(state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """Pops every MoE tensor (mlp.* or Mixtral's block_sparse_moe.*) from `state` and returns them
+    under their GGUF names, the experts stacked."""
+    out: dict[str, np.ndarray] = {}
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for name in [n for n in state if ".mlp." in n or ".block_sparse_moe." in n]:
+        parts = name.split(".")
+        layer, rest = parts[2], ".".join(parts[4:])
+        if parts[4] == "experts":
+            experts.setdefault((layer, _EXPERT_PARTS[parts[6]]), {})[int(parts[5])] = state.pop(name).float().numpy()
+        elif rest in _MOE_NAMES:
+            arr = state.pop(name).float().numpy()
+            out[f"blk.{layer}.{_MOE_NAMES[rest]}"] = arr.reshape(-1) if rest == "shared_expert_gate.weight" else arr
+    for (layer, part), by_expert in experts.items():
+        out[f"blk.{layer}.{part}.weight"] = np.stack([by_expert[e] for e in sorted(by_expert)])
+    return out
 
 
 def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -226,6 +257,17 @@ def write_gguf(
     if rope.get("rope_type") == "longrope":  # Phi-3: the factors travel as tensors
         state["rope_factors_long"] = torch.tensor(rope["long_factor"])
         state["rope_factors_short"] = torch.tensor(rope["short_factor"])
+    moe = stack_experts(state) if cfg.get("num_experts") or cfg.get("num_local_experts") else {}
+    for seed, (name, arr) in enumerate(sorted(moe.items())):
+        if name in skip_tensors:
+            continue
+        if name.endswith(F32_TENSORS) or arr.ndim == 1:
+            w.add_tensor(name, arr.astype(np.float32))
+            continue
+        flat = arr.reshape(-1, arr.shape[-1])
+        data, raw = encode_tensor(flat, qtype, 1000 + seed)
+        w.add_tensor(name, data.reshape(*arr.shape[:-1], -1) if raw is not None else data.reshape(arr.shape),
+                     raw_dtype=raw)
     for seed, (hf_name, tensor) in enumerate(sorted(state.items())):
         name = hf_name + ".weight" if hf_name.startswith("rope_factors") else gguf_name(hf_name, model_type)
         if name in skip_tensors:
@@ -261,6 +303,16 @@ def _family_metadata(arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> di
         factor = cfg["max_position_embeddings"] / orig
         meta[f"{arch}.rope.scaling.original_context_length"] = orig
         meta[f"{arch}.rope.scaling.attn_factor"] = math.sqrt(1 + math.log(factor) / math.log(orig))
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if experts:  # llama.cpp's MoE keys (Mixtral: "llama" with a window when its config has one)
+        meta[f"{arch}.expert_count"] = experts
+        meta[f"{arch}.expert_used_count"] = cfg["num_experts_per_tok"]
+        if cfg.get("moe_intermediate_size"):
+            meta[f"{arch}.expert_feed_forward_length"] = cfg["moe_intermediate_size"]
+        if cfg.get("shared_expert_intermediate_size"):
+            meta[f"{arch}.expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
+        if cfg["model_type"] == "mixtral" and cfg.get("sliding_window"):
+            meta[f"{arch}.attention.sliding_window"] = cfg["sliding_window"]
     if arch == "gemma2":
         meta[f"{arch}.attn_logit_softcapping"] = float(cfg["attn_logit_softcapping"])
         meta[f"{arch}.final_logit_softcapping"] = float(cfg["final_logit_softcapping"])

@@ -36,6 +36,17 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
              "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
                                  "short_factor": [1.0 + 0.1 * i for i in range(6)],
                                  "long_factor": [1.5 + 0.5 * i for i in range(6)]}},
+    # Mixture of experts (issue 27): more experts than top-k, top-k > 1, renormalisation on
+    # (Qwen3-MoE, Mixtral) and off (OLMoE, Qwen2-MoE), a dense layer among sparse ones (Qwen3-MoE's
+    # mlp_only_layers), Mixtral's window shorter than the prompts, Qwen2-MoE's gated shared expert.
+    "qwen3moe": {"num_hidden_layers": 3, "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                 "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1],
+                 "use_sliding_window": False, "sliding_window": None},
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64, "sliding_window": 24},
+    "olmoe": {"num_experts": 8, "num_experts_per_tok": 3, "intermediate_size": 32, "norm_topk_prob": False},
+    "qwen2moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                 "shared_expert_intermediate_size": 64, "norm_topk_prob": False, "use_sliding_window": False,
+                 "sliding_window": None},
     "olmo2": {},
     "olmo3": {"num_hidden_layers": 4, "sliding_window": 24,
               "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 500000.0},
@@ -78,6 +89,10 @@ def _classes(arch: str) -> tuple[type, type]:
         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
         "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
+        "qwen3moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+        "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
+        "qwen2moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
         "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
         "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM),
         "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),

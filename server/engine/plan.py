@@ -58,6 +58,8 @@ class WeightBytes:
     total: int
     read_per_step: int  # all but the embedding table when it is not also the output projection
     parameters: int
+    # A mixture of experts: the parameters one token reads (its top-k experts); None: all of them.
+    active_parameters: Optional[int] = None
 
 
 def weight_bytes(mc: ModelConfig, dtype: str, quantization: str, model_path: Optional[str] = None) -> WeightBytes:
@@ -86,6 +88,8 @@ def weight_bytes(mc: ModelConfig, dtype: str, quantization: str, model_path: Opt
     total = int(layer_matrices + mc.num_layers * small * e + embed + H * e + head)
     read = total - (embed if separate_head else 0)  # a separate embedding table: only rows are read
     params = mc.num_layers * (matrices + small) + V * H + H + (V * H if not mc.tie_word_embeddings else 0)
+    if mc.is_moe:  # experts in place of the sparse layers' dense MLP; a token reads only its top-k
+        return _expert_bytes(mc, e, quantization, model_path, total, read, params)
     return WeightBytes(total, read, params)
 
 
@@ -105,6 +109,50 @@ def _gguf_matrix_bytes(path: str, mc: ModelConfig, e: int) -> tuple[float, Optio
     layers = sum(kept_bytes.get((i, n), v * e) for i in range(mc.num_layers) for n, v in sizes.items())
     head = kept_bytes.get((None, "lm_head"))
     return float(layers), (float(head) if head is not None else None)
+
+
+def _expert_bytes(mc: ModelConfig, e: int, quantization: str, model_path: Optional[str], total: int, read: int,
+                  params: int) -> WeightBytes:
+    """`weight_bytes` of a mixture-of-experts model: each sparse layer holds its router, experts and
+    shared expert (server.models.moe) in place of the dense MLP counted above, and one token reads
+    only its top-k experts (read_per_step and active_parameters count those, as a batch-1 step does).
+    The router and the shared expert's gate stay float; the experts are quantised like the other
+    matrices (with --quantization gguf: the blocks the file keeps, gguf_blocks)."""
+    H, E, k, Ie = mc.hidden_size, mc.num_experts, mc.num_experts_per_tok, mc.moe_intermediate_size
+    S, I = mc.shared_expert_intermediate_size, mc.intermediate_size
+    per_value = QUANTIZED_BYTES_PER_VALUE.get(quantization, e)
+    kept: dict[tuple[Optional[int], str], int] = {}
+    if quantization == "gguf" and model_path is not None:
+        from server.models.gguf_blocks import plan_kept_matrices
+        from server.models.gguf_file import GGUFFile
+
+        f = GGUFFile.open(model_path)
+        kept = {(m.layer, m.name): sum(int(f.tensors[p].data.nbytes) for p in m.parts)
+                for m in plan_kept_matrices(f, mc.num_layers, mc.tie_word_embeddings, mc.fused_checkpoint)}
+        per_value = e  # what is not kept is dequantised
+    inactive_params = 0
+    for i in range(mc.num_layers):
+        if mc.mlp_kind(i) != "sparse":
+            continue
+        sizes = {"moe.experts_gate_up": 2 * E * Ie * H, "moe.experts_down": E * H * Ie,
+                 "moe.shared_gate_up_weight": 2 * S * H, "moe.shared_down_weight": S * H}
+        got = {n: kept.get((i, n), v * per_value) for n, v in sizes.items()}
+        small = E * H + (H if S else 0)  # the router and the shared expert's gate, float
+        total += int(sum(got.values()) + small * e - 3 * I * H * per_value)
+        params += sum(sizes.values()) + small - 3 * I * H
+        read -= int((got["moe.experts_gate_up"] + got["moe.experts_down"]) * (E - k) / E)
+        inactive_params += 3 * (E - k) * Ie * H
+        read += int(sum(got.values()) + small * e - 3 * I * H * per_value)
+    return WeightBytes(total, read, params, params - inactive_params)
+
+
+def _parameter_text(w: WeightBytes) -> str:
+    """"135.0M parameters", or for a mixture of experts "3.3B parameters, 0.8B active per token"."""
+    def n(x: int) -> str:
+        return f"{x / 1e9:.1f}B" if x >= 1e9 else f"{x / 1e6:.1f}M"
+
+    active = w.active_parameters
+    return f"{n(w.parameters)} parameters" + (f", {n(active)} active per token" if active is not None else "")
 
 
 def activation_bytes(mc: ModelConfig, dtype: str, config: EngineConfig) -> int:
@@ -149,6 +197,7 @@ class Plan:
             "model": self.model, "dtype": self.dtype, "quantization": self.quantization,
             "memory_bytes": self.memory_bytes, "weight_bytes": self.weights.total,
             "weight_bytes_read_per_step": self.weights.read_per_step, "parameters": self.weights.parameters,
+            "active_parameters": self.weights.active_parameters,
             "activation_bytes": self.activations, "kv_budget_bytes": self.kv_budget_bytes,
             "kv_bytes_per_token": lay.bytes_per_token, "block_size": lay.block_size,
             "kv_groups": [{"window": g.window, "layers": list(g.layers)} for g in lay.groups.groups],
@@ -232,7 +281,7 @@ def render(plan: Plan) -> str:
         lines.append(f"memory:           {_gib(plan.memory_bytes)} ({plan.memory_bytes} bytes)")
     lines += [
         f"weights:          {_gib(plan.weights.total)} ({plan.weights.total} bytes, "
-        f"{plan.weights.parameters / 1e6:.1f}M parameters); read per decode step "
+        f"{_parameter_text(plan.weights)}); read per decode step "
         f"{_gib(plan.weights.read_per_step)}",
         f"activations:      {_gib(plan.activations)} (estimate: one step's largest tensors + logits)",
     ]

@@ -17,6 +17,8 @@ from typing import Optional
 NORM_PLACEMENTS = ("pre", "post", "both")
 ACTIVATIONS = ("silu", "gelu_tanh")
 QK_NORMS = ("head", "projection")
+MLP_KINDS = ("dense", "sparse")
+MOE_CHECKPOINTS = ("mlp", "mixtral")
 
 
 class ModelLoadError(Exception):
@@ -119,6 +121,18 @@ class ModelConfig:
     logits_divisor: float = 1.0
     # Phi-3 checkpoints store qkv_proj and gate_up_proj already fused (HF names only).
     fused_checkpoint: bool = False
+    # Mixture of experts (server.models.moe): each layer's MLP is "dense" (the gated MLP) or
+    # "sparse" (a softmax router over num_experts, the top num_experts_per_tok of them, weights
+    # renormalised when norm_topk_prob; experts of moe_intermediate_size; Qwen2-MoE's shared expert
+    # of shared_expert_intermediate_size with a sigmoid gate, 0 = none). () = every layer dense.
+    layer_mlp_kinds: tuple[str, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    # HF expert names: "mlp" (mlp.experts.N.{gate,up,down}_proj) or "mixtral" (block_sparse_moe.experts.N.w1/w3/w2).
+    moe_checkpoint: str = "mlp"
 
     def __post_init__(self) -> None:
         # Internal consistency of a translation (a bug in a family entry, not bad user input).
@@ -127,6 +141,17 @@ class ModelConfig:
         assert all(r is None or 0 <= r < len(self.ropes) for r in self.layer_ropes), "layer_ropes"
         assert self.norm_placement in NORM_PLACEMENTS and self.activation in ACTIVATIONS
         assert self.qk_norm_over in QK_NORMS
+        assert len(self.layer_mlp_kinds) in (0, n) and all(k in MLP_KINDS for k in self.layer_mlp_kinds)
+        assert self.moe_checkpoint in MOE_CHECKPOINTS
+        assert "sparse" not in self.layer_mlp_kinds or 0 < self.num_experts_per_tok <= self.num_experts
+
+    def mlp_kind(self, layer: int) -> str:
+        """"dense" or "sparse" (a mixture-of-experts MLP) for `layer`."""
+        return self.layer_mlp_kinds[layer] if self.layer_mlp_kinds else "dense"
+
+    @property
+    def is_moe(self) -> bool:
+        return "sparse" in self.layer_mlp_kinds
 
     @property
     def q_size(self) -> int:

@@ -25,6 +25,7 @@ from server.kernels.quant import QUANTIZATIONS, QuantizedWeight
 from server.models.attention import AttentionMetadata
 from server.models.config import ModelConfig
 from server.models.layers import add_norm, gelu_tanh_and_mul, norm, rms_norm, silu_and_mul
+from server.models.moe import SparseMoE, attach_moe, parameter_summary
 from server.models.rope import RopeBatch, RotaryEmbedding
 
 
@@ -96,6 +97,10 @@ class DecoderLayer(nn.Module):
         # forward() norms with torch ops, where the C++ layer's norm rides on the rotation. The
         # others run forward().
         self.fusable = self.qk_norm is None or (self.rope_index is not None and self.rotary_dim == c.head_dim)
+        # Mixture of experts: a sparse layer's MLP is its router and experts (server.models.moe);
+        # decode_layer has no experts, so such a layer runs forward().
+        self.moe: SparseMoE | None = None
+        attach_moe(self, c, layer_idx, dtype, device)
 
     def forward(
         self,
@@ -142,6 +147,8 @@ class DecoderLayer(nn.Module):
                         self.scale, self.sliding_window, meta.max_query_len, meta.max_seq_len, self.softcap)
         out = linear(attn.view(T, self.q_size), self.o_weight, self.o_bias)
         x = _enter(hidden, self._leave(out, self.attn_post_norm), self.mlp_norm, self.eps)
+        if self.moe is not None:  # a sparse layer: the router, then pagewire::moe_experts
+            return hidden, self._leave(self.moe(x), self.mlp_post_norm)
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
         act = gelu_tanh_and_mul(gate_up) if self.activation == "gelu_tanh" else silu_and_mul(gate_up)
         return hidden, self._leave(linear(act, self.down_weight, self.down_bias), self.mlp_post_norm)
@@ -192,12 +199,14 @@ class DecoderLayer(nn.Module):
                       for n in self.MATRICES)
         return None if None in kinds else cast(tuple[str, str, str, str], kinds)
 
-    MATRICES = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+    MATRICES: tuple[str, ...] = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
     def quantize_weights(self, qtype: str) -> None:
         """Replace the four matrices by QuantizedWeight(qtype) (biases and norms stay as they are)."""
         for name in self.MATRICES:
             _replace_with_quantized(self, name, qtype)
+        if self.moe is not None:
+            self.moe.quantize_weights(qtype)
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, WeightTarget]:
         """HF tensor names under `prefix` (e.g. "model.layers.3.") mapped to slices of the fused parameters."""
@@ -247,6 +256,10 @@ class DecoderLayer(nn.Module):
             t[m + "gate_proj.bias"] = WeightTarget(self.gate_up_bias[:I], (I,))
             t[m + "up_proj.bias"] = WeightTarget(self.gate_up_bias[I:], (I,))
             t[m + "down_proj.bias"] = WeightTarget(self.down_bias, (H,))
+        if self.moe is not None:  # the MLP's tensors are the router's and the experts'
+            for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight", "gate_up_proj.weight"):
+                t.pop(m + n, None)
+            t.update(self.moe.checkpoint_tensors(prefix))
         return t
 
 
@@ -321,7 +334,8 @@ class DecoderForCausalLM(nn.Module):
         nope = sum(r is None for r in c.layer_ropes)
         fused = sum(layer.fusable for layer in self._layers)
         return (f"{c.architecture}: {c.num_layers} layers ({kinds}{c.num_layers - len(windows)} full, {nope} NoPE); "
-                f"fused decode_layer (CPU, up to 16 tokens) for {fused} of {c.num_layers}; the others run the Python layers")
+                f"fused decode_layer (CPU, up to 16 tokens) for {fused} of {c.num_layers}; the others run the Python layers"
+                + parameter_summary(self))
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         """Shape of one layer's key cache (and, separately, its value cache)."""
@@ -434,8 +448,11 @@ class DecoderForCausalLM(nn.Module):
         start-up autotune, server.kernels.autotune)."""
         out: list[tuple[str, torch.Tensor | QuantizedWeight]] = []
         for layer in self._layers:
-            out += [("qkv", layer.qkv_weight), ("o", layer.o_weight), ("gate_up", layer.gate_up_weight),
-                    ("down", layer.down_weight)]
+            out += [("qkv", layer.qkv_weight), ("o", layer.o_weight)]
+            if layer.moe is None:
+                out += [("gate_up", layer.gate_up_weight), ("down", layer.down_weight)]
+            else:
+                out += layer.moe.linear_weights()
         out.append(("lm_head", self.lm_head))
         return out
 

@@ -66,16 +66,11 @@ def weight_bytes(mc: ModelConfig, dtype: str, quantization: str, model_path: Opt
     """Counted from the shapes `DecoderForCausalLM` allocates (fused qkv, gate_up); with
     quantization "gguf", from the sizes of the blocks the GGUF file at `model_path` keeps."""
     e = DTYPE_BYTES[dtype]
-    H, I, V = mc.hidden_size, mc.intermediate_size, mc.vocab_size
-    qkv = mc.q_size + 2 * mc.kv_size
-    matrices = qkv * H + H * mc.q_size + 2 * I * H + H * I
-    small = H * {"pre": 2, "post": 2, "both": 4}[mc.norm_placement]  # the layer's norms
-    small += qkv if mc.qkv_bias else 0
-    small += H if mc.o_bias else 0
-    small += (2 * I + H) if mc.mlp_bias else 0
-    small += (mc.num_heads + mc.num_kv_heads) * mc.head_dim if mc.qk_norm else 0  # per head or projection
+    H, V = mc.hidden_size, mc.vocab_size
+    shapes = [_layer_sizes(mc, i) for i in range(mc.num_layers)]
+    matrices, small = sum(m for m, _ in shapes), sum(s for _, s in shapes)
     per_value = QUANTIZED_BYTES_PER_VALUE.get(quantization, e)
-    layer_matrices = mc.num_layers * matrices * per_value
+    layer_matrices = matrices * per_value
     # A tied output projection is the embedding table itself, unless quantisation gives it its own copy.
     separate_head = (not mc.tie_word_embeddings) or quantization != "none"
     head = V * H * per_value if separate_head else 0
@@ -85,12 +80,37 @@ def weight_bytes(mc: ModelConfig, dtype: str, quantization: str, model_path: Opt
         separate_head = kept_head is not None or not mc.tie_word_embeddings
         head = kept_head if kept_head is not None else (V * H * e if separate_head else 0)
     embed = V * H * e
-    total = int(layer_matrices + mc.num_layers * small * e + embed + H * e + head)
-    read = total - (embed if separate_head else 0)  # a separate embedding table: only rows are read
-    params = mc.num_layers * (matrices + small) + V * H + H + (V * H if not mc.tie_word_embeddings else 0)
+    # Per-layer input embeddings (Gemma 4): a table (only rows are read) and a projection with its norm.
+    P, L = mc.per_layer_input_size, mc.num_layers
+    ple_table, ple_rest = mc.per_layer_vocab_size * L * P, L * P * H + P
+    total = int(layer_matrices + (small + ple_table + ple_rest) * e + embed + H * e + head)
+    read = total - (embed if separate_head else 0) - ple_table * e  # a separate embedding table: only rows are read
+    params = matrices + small + ple_table + ple_rest + V * H + H + (V * H if not mc.tie_word_embeddings else 0)
     if mc.is_moe:  # experts in place of the sparse layers' dense MLP; a token reads only its top-k
         return _expert_bytes(mc, e, quantization, model_path, total, read, params)
     return WeightBytes(total, read, params)
+
+
+def _layer_sizes(mc: ModelConfig, i: int) -> tuple[int, int]:
+    """(values in layer i's four matrices, values in its other parameters), as DecoderLayer
+    allocates them: per-layer head size, KV heads and MLP width, no K/V rows for a layer that
+    reads another's KV, no V rows when values are the keys (Gemma 4)."""
+    H, I, d = mc.hidden_size, mc.intermediate_of(i), mc.head_dim_of(i)
+    q, kv = mc.num_heads * d, mc.kv_heads_of(i) * d
+    shares = mc.kv_source(i) != i
+    qkv = q + (0 if shares else (1 if mc.value_from_key(i) else 2) * kv)
+    matrices = qkv * H + H * q + 2 * I * H + H * I
+    small = H * {"pre": 2, "post": 2, "both": 4}[mc.norm_placement]  # the layer's norms
+    small += qkv if mc.qkv_bias else 0
+    small += H if mc.o_bias else 0
+    small += (2 * I + H) if mc.mlp_bias else 0
+    if mc.qk_norm and mc.qk_norm_over == "head":  # stored per head, q's then k's
+        small += (mc.num_heads + (0 if shares else mc.kv_heads_of(i))) * d
+    elif mc.qk_norm:
+        small += q + kv
+    small += 1 if mc.layer_scalar else 0
+    small += 2 * mc.per_layer_input_size * H + H if mc.per_layer_input_size else 0  # the per-layer input block
+    return matrices, small
 
 
 def _gguf_matrix_bytes(path: str, mc: ModelConfig, e: int) -> tuple[float, Optional[float]]:
@@ -103,10 +123,14 @@ def _gguf_matrix_bytes(path: str, mc: ModelConfig, e: int) -> tuple[float, Optio
     f = GGUFFile.open(path)
     kept = plan_kept_matrices(f, mc.num_layers, mc.tie_word_embeddings, mc.fused_checkpoint)
     kept_bytes = {(m.layer, m.name): sum(int(f.tensors[p].data.nbytes) for p in m.parts) for m in kept}
-    H, I = mc.hidden_size, mc.intermediate_size
-    sizes = {"qkv_weight": (mc.q_size + 2 * mc.kv_size) * H, "o_weight": H * mc.q_size,
-             "gate_up_weight": 2 * I * H, "down_weight": H * I}
-    layers = sum(kept_bytes.get((i, n), v * e) for i in range(mc.num_layers) for n, v in sizes.items())
+    H = mc.hidden_size
+    layers = 0
+    for i in range(mc.num_layers):
+        I, d = mc.intermediate_of(i), mc.head_dim_of(i)
+        q = mc.num_heads * d
+        qkv = _layer_sizes(mc, i)[0] - H * q - 3 * I * H
+        sizes = {"qkv_weight": qkv, "o_weight": H * q, "gate_up_weight": 2 * I * H, "down_weight": H * I}
+        layers += sum(kept_bytes.get((i, n), v * e) for n, v in sizes.items())
     head = kept_bytes.get((None, "lm_head"))
     return float(layers), (float(head) if head is not None else None)
 
@@ -236,15 +260,17 @@ def make_plan(model: str, mc: ModelConfig, config: EngineConfig, memory_bytes: O
             raise ConfigError(
                 "memory", f"{_gib(memory_bytes)} does not hold the weights ({_gib(weights.total)}) and "
                 f"activations ({_gib(acts)}); nothing is left for the KV cache")
-        from server.engine.kv_budget import kv_bytes_per_token
+        from server.models.registry import kv_specs
 
-        bpt = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, DTYPE_BYTES[dtype])
+        # K and V of one token over the layers that keep their own (Gemma 4's shared ones keep none).
+        bpt = 2 * sum(s.num_kv_heads * s.head_dim for s in kv_specs(mc) if s.kv_source is None) * DTYPE_BYTES[dtype]
         kv_tokens = budget // bpt
         if kv_tokens < config.block_size:
             raise ConfigError("memory", f"leaves {budget} bytes for KV, less than one block")
-    layout = kv_layout(config, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                       dtype=dtype, max_position_embeddings=mc.max_position_embeddings,
-                       kv_cache_tokens=kv_tokens, layer_windows=mc.layer_sliding_windows)
+    from server.models.registry import kv_shape
+
+    layout = kv_layout(config, dtype=dtype, max_position_embeddings=mc.max_position_embeddings,
+                       kv_cache_tokens=kv_tokens, **kv_shape(mc))
     rows = []
     for n in _lengths(layout.max_model_len):
         fits = layout.sequences_fitting(n)
@@ -288,8 +314,8 @@ def render(plan: Plan) -> str:
     if plan.kv_budget_bytes is not None:
         lines.append(f"KV budget:        {_gib(plan.kv_budget_bytes)} (memory - weights - activations)")
     lines += [
-        f"KV per token:     {lay.bytes_per_token} bytes (2 x layers x kv_heads x head_dim x "
-        f"{DTYPE_BYTES[plan.dtype]} bytes)",
+        f"KV per token:     {lay.bytes_per_token} bytes (2 x kv_heads x head_dim x "
+        f"{DTYPE_BYTES[plan.dtype]} bytes over the layers that keep KV)",
         f"KV groups:        {lay.groups.describe()}; {lay.bytes_per_block} bytes/block of {lay.block_size} "
         "tokens (a sliding group holds only its window's blocks)",
         lay.log_line(),

@@ -14,6 +14,7 @@ from typing import Any
 
 from server.models.architecture import Architecture
 from server.models.config import ModelConfig, ModelLoadError, RopeSpec, UnsupportedModelError
+from server.models.gemma4_config import gemma4_gguf, gemma4_hf
 from server.models.gguf_config import gguf_base, gguf_windows
 from server.models.gguf_file import GGUFFile
 from server.models.hf_config import HFFields, hf_base, windows
@@ -268,6 +269,8 @@ FAMILIES: list[Architecture] = [
     Architecture("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), _qwen_hf, _llama_gguf),
     Architecture("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), _gemma_hf, _gemma_gguf),
     Architecture("gemma3", ("Gemma3ForCausalLM",), ("gemma3",), _gemma_hf, _gemma_gguf),
+    Architecture("gemma4", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), ("gemma4",), gemma4_hf,
+                 gemma4_gguf),
     Architecture("phi3", ("Phi3ForCausalLM",), ("phi3",), _phi3_hf, _phi3_gguf),
     Architecture("olmo2", ("Olmo2ForCausalLM", "Olmo3ForCausalLM"), ("olmo2",), _olmo_hf, _olmo_gguf),
     Architecture("smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), _smollm3_hf, _smollm3_gguf,

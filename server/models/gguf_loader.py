@@ -33,6 +33,10 @@ _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    # Gemma 4's per-layer input embeddings.
+    "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
 }
 _BLOCK_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -56,6 +60,11 @@ _BLOCK_NAMES = {
     "ffn_gate.bias": "mlp.gate_proj.bias",
     "ffn_up.bias": "mlp.up_proj.bias",
     "ffn_down.bias": "mlp.down_proj.bias",
+    # Gemma 4: the per-layer input block and the layer's scalar.
+    "inp_gate.weight": "per_layer_input_gate.weight",
+    "proj.weight": "per_layer_projection.weight",
+    "post_norm.weight": "post_per_layer_input_norm.weight",
+    "layer_output_scale.weight": "layer_scalar",
 }
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
@@ -154,6 +163,8 @@ def load_gguf_model(
     model: Any = model_class(config)(config, torch_dtype, torch.device(device))
     targets = model.checkpoint_tensors()
     permute = gguf_permuted_qk(config)
+    # Tensors the file may carry that the model does not use (Gemma 4's shared-KV layers' K/V).
+    ignored = model.ignored_checkpoint_tensors() if hasattr(model, "ignored_checkpoint_tensors") else frozenset()
     if keep_quantized and torch.device(device).type != "cpu":
         raise ValueError(f"quantization: 'gguf' runs on CPU only, got device {device!r}")
     kept = (plan_kept_matrices(f, config.num_layers, model.lm_head is model.embed_tokens, config.fused_checkpoint)
@@ -179,6 +190,8 @@ def load_gguf_model(
                     f"unexpected tensor {t.name!r} in {f.path}: the {config.model_type} architecture does not use it"
                 )
             target = targets.get(name)
+            if target is None and name in ignored:
+                continue
             if target is None:
                 raise ModelLoadError(
                     f"unexpected tensor {t.name!r} in {f.path}: this model's config does not use it ({name})"

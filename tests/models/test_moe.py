@@ -110,3 +110,21 @@ def test_summary_and_plan_report_active_parameters(tiny_model: Callable[..., Pat
     assert plan.weights.total - plan.weights.read_per_step == (model.embed_tokens.numel()  # type: ignore[attr-defined]
                                                                 + 2 * 6 * 3 * 32 * 64) * 4
     assert "active per token" in render(plan) and plan.to_json()["active_parameters"] == active
+
+
+@pytest.mark.parametrize("dtype,quantization", [("bfloat16", "none"), ("float32", "int8")])
+def test_deterministic_mode_a_requests_tokens_do_not_depend_on_its_batch(tiny_model: Callable[..., Path],
+                                                                         dtype: str, quantization: str) -> None:
+    """Deterministic mode holds for MoE: the same prompt alone and among others (which route other
+    tokens to the same experts) gives the same tokens and logprobs."""
+    from server import LLM, SamplingParams
+
+    hf_dir = tiny_model("olmoe", dtype=dtype)
+    llm = LLM(str(hf_dir), dtype=dtype, quantization=quantization, deterministic=True, max_model_len=256,
+              kv_cache_tokens=4096)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    prompts = [random_tokens(n, 500, seed=n) for n in (9, 40, 23, 31)]
+    alone = llm.generate(prompts[:1], params)[0].outputs[0]
+    together = llm.generate(prompts, params)[0].outputs[0]
+    assert together.token_ids == alone.token_ids
+    assert [lp for lp in together.logprobs] == [lp for lp in alone.logprobs]  # type: ignore[union-attr]

@@ -102,6 +102,16 @@ at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>&
                             int64_t max_query_len, int64_t max_seq_len, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, double softcap, c10::string_view activation);
 
+// The routed experts of a mixture-of-experts layer (cpu/moe.cpp). x [T, H] (float32, bfloat16 or
+// float16); topk_ids int64 [T, k] (expert per slot, -1 = empty), topk_weights float32 [T, k];
+// gate_up [E, 2I, H] and down [E, H, I] stacked per expert, each either float of x's dtype (kind
+// "float") or uint8 GGUF blocks [E, rows, row bytes] (kind "q8_0", "q8_0x8" or a linear_q4 qtype).
+// Tokens are grouped by expert and only the experts used are read; each token's k results are
+// summed in slot order in fp32. Returns [T, H] in x's dtype.
+at::Tensor moe_experts_cpu(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                           const at::Tensor& gate_up, c10::string_view gate_up_kind, const at::Tensor& down,
+                           c10::string_view down_kind);
+
 // Speculative decoding (cpu/spec_decode.cpp).
 // token_ids: S contiguous int64 vectors (each sequence's prompt + output; may be longer than used),
 // num_tokens: int64 [S] tokens used of each -> int64 [S, k]: per sequence the k tokens that followed

@@ -55,6 +55,9 @@ TORCH_LIBRARY(pagewire, m) {
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window, "
       "int max_query_len, int max_seq_len, int num_heads, int num_kv_heads, int head_dim, float softcap=0.0, "
       "str activation=\"silu\") -> Tensor");
+  // The routed experts of an MoE layer (shapes in ops.h): tokens grouped by expert, only the experts used read
+  m.def("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, str gate_up_kind, "
+        "Tensor down, str down_kind) -> Tensor");
   // Speculative decoding (shapes in ops.h): the n-gram proposer (CPU only: it reads host token
   // lists) and exact verification by rejection sampling.
   m.def("ngram_propose(Tensor[] token_ids, Tensor num_tokens, int k, int min_n, int max_n) -> Tensor");
@@ -82,6 +85,7 @@ TORCH_LIBRARY_IMPL(pagewire, CPU, m) {
   m.impl("linear_q4", &pagewire::linear_q4_cpu);
   m.impl("interleave_q4", &pagewire::interleave_q4_cpu);
   m.impl("decode_layer", &pagewire::decode_layer_cpu);
+  m.impl("moe_experts", &pagewire::moe_experts_cpu);
   m.impl("ngram_propose", &pagewire::ngram_propose_cpu);
   m.impl("rejection_sample", &pagewire::rejection_sample_cpu);
 }

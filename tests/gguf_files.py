@@ -41,13 +41,27 @@ _HF_TO_GGUF_BLOCK = {
     # Phi-3: llama.cpp keeps the fused matrices (ffn_up holds gate and up).
     "self_attn.qkv_proj.weight": "attn_qkv.weight",
     "mlp.gate_up_proj.weight": "ffn_up.weight",
+    # Gemma 4: the per-layer input block and the layer scalar (llama.cpp appends ".weight" to it).
+    "per_layer_input_gate.weight": "inp_gate.weight",
+    "per_layer_projection.weight": "proj.weight",
+    "post_per_layer_input_norm.weight": "post_norm.weight",
+    "layer_scalar": "layer_output_scale.weight",
+}
+_HF_TO_GGUF_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+    "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
+    "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
 }
 # model_type -> llama.cpp's general.architecture (OLMo 3 files are "olmo2" with a window).
-GGUF_ARCH = {"gemma3_text": "gemma3", "olmo3": "olmo2"}
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama",
+             "gemma3_text": "gemma3", "gemma4_text": "gemma4", "olmo3": "olmo2"}
 # llama.cpp's converter permutes Q/K rows for the architectures it runs with interleaved RoPE.
-PERMUTED = ("llama", "mistral", "smollm3", "granite")
+PERMUTED = ("llama", "mistral", "smollm3", "granite", "mixtral")
 # Families whose post_attention_layernorm is the attention output's norm, not the MLP input's.
-_POST_NORM_TYPES = ("gemma2", "gemma3_text", "olmo2", "olmo3")
+_POST_NORM_TYPES = ("gemma2", "gemma3_text", "gemma4_text", "olmo2", "olmo3")
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -57,14 +71,40 @@ CHATML = (
 def gguf_name(hf_name: str, model_type: str = "llama") -> str:
     if hf_name.endswith("post_attention_layernorm.weight") and model_type in _POST_NORM_TYPES:
         return f"blk.{hf_name.split('.')[2]}.post_attention_norm.weight"
-    if hf_name == "model.embed_tokens.weight":
-        return "token_embd.weight"
-    if hf_name == "model.norm.weight":
-        return "output_norm.weight"
-    if hf_name == "lm_head.weight":
-        return "output.weight"
+    if hf_name in _HF_TO_GGUF_GLOBAL:
+        return _HF_TO_GGUF_GLOBAL[hf_name]
     parts = hf_name.split(".", 3)  # model, layers, N, rest
     return f"blk.{parts[2]}.{_HF_TO_GGUF_BLOCK[parts[3]]}"
+
+
+# Mixture of experts: llama.cpp's converter stacks each layer's experts into one tensor per matrix
+# ([E, I, H] gate and up, [E, H, I] down), keeps the router (ffn_gate_inp) and Qwen2-MoE's shared
+# expert gate (ffn_gate_inp_shexp, a [H] vector) in F32, and names the shared expert's matrices *_shexp.
+_EXPERT_PARTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                 "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+_MOE_NAMES = {"gate.weight": "ffn_gate_inp.weight", "shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+              "shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+              "shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+              "shared_expert.down_proj.weight": "ffn_down_shexp.weight"}
+F32_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+
+
+def stack_experts(state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """Pops every MoE tensor (mlp.* or Mixtral's block_sparse_moe.*) from `state` and returns them
+    under their GGUF names, the experts stacked."""
+    out: dict[str, np.ndarray] = {}
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for name in [n for n in state if ".mlp." in n or ".block_sparse_moe." in n]:
+        parts = name.split(".")
+        layer, rest = parts[2], ".".join(parts[4:])
+        if parts[4] == "experts":
+            experts.setdefault((layer, _EXPERT_PARTS[parts[6]]), {})[int(parts[5])] = state.pop(name).float().numpy()
+        elif rest in _MOE_NAMES:
+            arr = state.pop(name).float().numpy()
+            out[f"blk.{layer}.{_MOE_NAMES[rest]}"] = arr.reshape(-1) if rest == "shared_expert_gate.weight" else arr
+    for (layer, part), by_expert in experts.items():
+        out[f"blk.{layer}.{part}.weight"] = np.stack([by_expert[e] for e in sorted(by_expert)])
+    return out
 
 
 def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -210,7 +250,9 @@ def write_gguf(
     for key, value in meta.items():
         if key in drop_metadata:
             continue
-        if isinstance(value, bool):
+        if isinstance(value, list):
+            w.add_array(key, value)
+        elif isinstance(value, bool):
             w.add_bool(key, value)
         elif isinstance(value, int):
             w.add_uint32(key, value)
@@ -226,18 +268,35 @@ def write_gguf(
     if rope.get("rope_type") == "longrope":  # Phi-3: the factors travel as tensors
         state["rope_factors_long"] = torch.tensor(rope["long_factor"])
         state["rope_factors_short"] = torch.tensor(rope["short_factor"])
+    if model_type == "gemma4_text":  # proportional RoPE as per-pair frequency factors (1: rotates, 1e30: still)
+        hd = _gemma4_global_head_dim(cfg)
+        rot = int(hd * rope["partial_rotary_factor"] / 2)
+        state["rope_freqs"] = torch.tensor([1.0] * rot + [1e30] * (hd // 2 - rot))
+    moe = stack_experts(state) if cfg.get("num_experts") or cfg.get("num_local_experts") else {}
+    for seed, (name, arr) in enumerate(sorted(moe.items())):
+        if name in skip_tensors:
+            continue
+        if name.endswith(F32_TENSORS) or arr.ndim == 1:
+            w.add_tensor(name, arr.astype(np.float32))
+            continue
+        flat = arr.reshape(-1, arr.shape[-1])
+        data, raw = encode_tensor(flat, qtype, 1000 + seed)
+        w.add_tensor(name, data.reshape(*arr.shape[:-1], -1) if raw is not None else data.reshape(arr.shape),
+                     raw_dtype=raw)
     for seed, (hf_name, tensor) in enumerate(sorted(state.items())):
-        name = hf_name + ".weight" if hf_name.startswith("rope_factors") else gguf_name(hf_name, model_type)
+        name = hf_name + ".weight" if hf_name.startswith("rope_") else gguf_name(hf_name, model_type)
         if name in skip_tensors:
             continue
         arr = tensor.to(torch.float32).numpy()
-        if model_type.startswith("gemma") and name.endswith("norm.weight"):
-            arr = arr + 1.0  # llama.cpp's Gemma converter stores the 1 + w the model scales by
+        if model_type in ("gemma2", "gemma3_text") and name.endswith("norm.weight"):
+            arr = arr + 1.0  # llama.cpp's Gemma 2/3 converter stores the 1 + w the model scales by (Gemma 4: w)
         if model_type in PERMUTED and name.endswith(("attn_q.weight", "attn_q.bias")):
             arr = llama_cpp_permute(arr, heads)
         elif model_type in PERMUTED and name.endswith(("attn_k.weight", "attn_k.bias")):
             arr = llama_cpp_permute(arr, kv_heads)
-        data, raw = encode_tensor(arr, qtype if arr.ndim == 2 else "F32", seed)
+        # Rows that do not fill whole blocks stay F32, as llama.cpp's converter falls back for them.
+        fits = arr.ndim == 2 and arr.shape[1] % QUANT_BLOCK.get(qtype, 1) == 0
+        data, raw = encode_tensor(arr, qtype if fits else "F32", seed)
         w.add_tensor(name, data, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -261,12 +320,59 @@ def _family_metadata(arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> di
         factor = cfg["max_position_embeddings"] / orig
         meta[f"{arch}.rope.scaling.original_context_length"] = orig
         meta[f"{arch}.rope.scaling.attn_factor"] = math.sqrt(1 + math.log(factor) / math.log(orig))
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if experts:  # llama.cpp's MoE keys (Mixtral: "llama" with a window when its config has one)
+        meta[f"{arch}.expert_count"] = experts
+        meta[f"{arch}.expert_used_count"] = cfg["num_experts_per_tok"]
+        if cfg.get("moe_intermediate_size"):
+            meta[f"{arch}.expert_feed_forward_length"] = cfg["moe_intermediate_size"]
+        if cfg.get("shared_expert_intermediate_size"):
+            meta[f"{arch}.expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
+        if cfg["model_type"] == "mixtral" and cfg.get("sliding_window"):
+            meta[f"{arch}.attention.sliding_window"] = cfg["sliding_window"]
     if arch == "gemma2":
         meta[f"{arch}.attn_logit_softcapping"] = float(cfg["attn_logit_softcapping"])
         meta[f"{arch}.final_logit_softcapping"] = float(cfg["final_logit_softcapping"])
+    if arch == "gemma4":
+        meta.update(_gemma4_metadata(arch, cfg))
     if arch == "granite":
         meta[f"{arch}.attention.scale"] = float(cfg["attention_multiplier"])
         meta[f"{arch}.embedding_scale"] = float(cfg["embedding_multiplier"])
         meta[f"{arch}.residual_scale"] = float(cfg["residual_multiplier"])
         meta[f"{arch}.logit_scale"] = float(cfg["logits_scaling"])
+    return meta
+
+
+def _gemma4_global_head_dim(cfg: dict[str, Any]) -> int:
+    over = [v["head_dim"] for v in (cfg.get("per_layer_config") or {}).values() if "head_dim" in v]
+    return int(over[0]) if over else int(cfg.get("global_head_dim", 512))
+
+
+def _gemma4_metadata(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """What llama.cpp's Gemma 4 converter writes beyond Gemma 3's keys: the global head size as
+    key_length and the local one as key_length_swa, KV heads and MLP widths per layer when they
+    differ, the sliding pattern as one bool per layer, the shared-KV layer count and the per-layer
+    input size (norms are stored as w: Gemma 4 does not add 1)."""
+    n = cfg["num_hidden_layers"]
+    swa = [t == "sliding_attention" for t in cfg["layer_types"]]
+    hd, ghd = cfg["head_dim"], _gemma4_global_head_dim(cfg)
+    over = [v.get("num_key_value_heads") for v in (cfg.get("per_layer_config") or {}).values()]
+    global_kv = over[0] if over and over[0] else cfg.get("num_global_key_value_heads")
+    shared = cfg.get("num_kv_shared_layers") or 0
+    meta: dict[str, Any] = {
+        f"{arch}.attention.key_length": ghd, f"{arch}.attention.value_length": ghd,
+        f"{arch}.attention.key_length_swa": hd, f"{arch}.attention.value_length_swa": hd,
+        f"{arch}.attention.sliding_window_pattern": swa,
+        f"{arch}.attention.shared_kv_layers": shared,
+        f"{arch}.embedding_length_per_layer_input": cfg.get("hidden_size_per_layer_input") or 0,
+        f"{arch}.rope.dimension_count": ghd, f"{arch}.rope.dimension_count_swa": hd,
+        f"{arch}.rope.freq_base_swa": float(cfg["rope_parameters"]["sliding_attention"]["rope_theta"]),
+    }
+    if global_kv is not None:
+        meta[f"{arch}.attention.head_count_kv"] = [cfg["num_key_value_heads"] if s else global_kv for s in swa]
+    if cfg.get("use_double_wide_mlp"):
+        ff = cfg["intermediate_size"]
+        meta[f"{arch}.feed_forward_length"] = [ff if i < n - shared else 2 * ff for i in range(n)]
+    if cfg.get("final_logit_softcapping"):
+        meta[f"{arch}.final_logit_softcapping"] = float(cfg["final_logit_softcapping"])
     return meta

@@ -30,10 +30,33 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
                "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                    "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                       "rope_theta": 1000000.0}}},
+    # Gemma 4 with every special case on: global layers with their own head size (64 vs 16) and
+    # KV heads (1 vs 2, so a global layer's K/V per token is twice a local one's), proportional
+    # RoPE, values from the keys (attention_k_eq_v), the last two layers reading earlier layers'
+    # KV with a double-wide MLP, per-layer input embeddings and final soft-capping.
+    "gemma4": {"num_hidden_layers": 6, "head_dim": 16, "global_head_dim": 64, "num_global_key_value_heads": 1,
+               "attention_k_eq_v": True, "sliding_window": 24, "num_kv_shared_layers": 2,
+               "use_double_wide_mlp": True, "hidden_size_per_layer_input": 8, "final_logit_softcapping": 10.0,
+               "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                               "sliding_attention", "full_attention"],
+               "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                      "rope_theta": 1000000.0}}},
     "phi3": {"original_max_position_embeddings": 64,
              "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
                                  "short_factor": [1.0 + 0.1 * i for i in range(6)],
                                  "long_factor": [1.5 + 0.5 * i for i in range(6)]}},
+    # Mixture of experts (issue 27): more experts than top-k, top-k > 1, renormalisation on
+    # (Qwen3-MoE, Mixtral) and off (OLMoE, Qwen2-MoE), a dense layer among sparse ones (Qwen3-MoE's
+    # mlp_only_layers), Mixtral's window shorter than the prompts, Qwen2-MoE's gated shared expert.
+    "qwen3moe": {"num_hidden_layers": 3, "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                 "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1],
+                 "use_sliding_window": False, "sliding_window": None},
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64, "sliding_window": 24},
+    "olmoe": {"num_experts": 8, "num_experts_per_tok": 3, "intermediate_size": 32, "norm_topk_prob": False},
+    "qwen2moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                 "shared_expert_intermediate_size": 64, "norm_topk_prob": False, "use_sliding_window": False,
+                 "sliding_window": None},
     "olmo2": {},
     "olmo3": {"num_hidden_layers": 4, "sliding_window": 24,
               "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 500000.0},
@@ -75,7 +98,12 @@ def _classes(arch: str) -> tuple[type, type]:
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
         "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+        "gemma4": (tf.Gemma4TextConfig, tf.Gemma4ForCausalLM),
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
+        "qwen3moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+        "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
+        "qwen2moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
         "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
         "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM),
         "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),
@@ -125,6 +153,8 @@ def make_tiny_model(
     config_cls, model_cls = _classes(arch)
     fields = {**_BASE, **_ARCH_DEFAULTS[arch], **config_overrides}
     fields["vocab_size"] = vocab_size
+    if arch == "gemma4":  # the per-layer input table has the tokenizer's vocabulary too
+        fields.setdefault("vocab_size_per_layer_input", vocab_size)
     fields["tie_word_embeddings"] = tie_word_embeddings
     if "rope_parameters" not in fields:  # a family default above may set its own (per layer type)
         fields["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta, **(rope_scaling or {})}
@@ -138,10 +168,13 @@ def make_tiny_model(
             # HF initialises norms to 1 and biases to 0, which would let a model that skips them
             # still match; random values make every parameter observable in the logits.
             if name.endswith("norm.weight"):
-                # Gemma scales by 1 + w: around 0 there is around 1 elsewhere.
-                p.uniform_(-0.5, 0.5) if arch.startswith("gemma") else p.uniform_(0.5, 1.5)
+                # Gemma 2/3 scale by 1 + w: around 0 there is around 1 elsewhere (Gemma 4 scales by w).
+                p.uniform_(-0.5, 0.5) if arch in ("gemma2", "gemma3") else p.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 p.normal_(0.0, 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's per-layer scalar (a saved buffer, init 1)
+                b.uniform_(0.5, 1.5)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     model = model.to(torch_dtype)
     model.config.dtype = torch_dtype

@@ -104,6 +104,10 @@ def load_draft_model(spec: SpeculativeConfig, config: EngineConfig, target_confi
     except (OSError, ValueError) as e:  # missing files, unsupported architectures, bad tensors
         raise ConfigError(_FIELD, f"cannot load the draft model {spec.model!r}: {e}") from None
     check_vocabulary(target_config, target_tok, mc, tok, spec.model)
+    if mc.layer_head_dims or mc.layer_kv_heads or mc.layer_kv_sources:
+        # Its pool is one [blocks, kv_heads, block_size, head_dim] tensor pair per layer.
+        raise ConfigError(_FIELD, f"the draft model {spec.model!r} has layers of different KV shapes or layers "
+                          "that read another layer's KV (Gemma 4); a draft model needs one KV shape for all layers")
     if config.quantization is not Quantization.NONE:
         model.quantize_weights(config.quantization)
     return model, mc

@@ -39,6 +39,7 @@ from server.kernels.ops import cpu_isa
 from server.models.loader import load_model
 from server.models.pooling import Pooler, PoolingMethod, resolve_pooler
 from server.models.protocol import CausalLM
+from server.models.registry import kv_shape
 from server.text.loader import load_tokenizer
 from server.text.vocab import check_token_ids
 
@@ -95,9 +96,8 @@ class LLMEngine:
                                            next(draft.parameters()).element_size())
         # One sizing function for the engine and `pagewire plan`, so their figures always agree.
         layout = kv_layout(
-            config, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-            dtype=str(kv_dtype).replace("torch.", ""), max_position_embeddings=mc.max_position_embeddings,
-            draft_bytes_per_token=draft_bpt, layer_windows=mc.layer_sliding_windows,
+            config, dtype=str(kv_dtype).replace("torch.", ""), max_position_embeddings=mc.max_position_embeddings,
+            draft_bytes_per_token=draft_bpt, **kv_shape(mc),
         )
         self.kv_layout = layout
         bs = layout.block_size

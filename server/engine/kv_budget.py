@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from server.engine.config import ConfigError, EngineConfig
-from server.engine.kv_groups import KVGroupLayout, kv_groups
+from server.engine.kv_groups import KVGroupLayout, kv_groups, kv_layer_groups
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -107,13 +107,18 @@ class KVLayout:
 def kv_layout(config: EngineConfig, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str,
               max_position_embeddings: int, kv_cache_tokens: Optional[int] = None,
               draft_bytes_per_token: int = 0,
-              layer_windows: Optional[Sequence[Optional[int]]] = None) -> KVLayout:
+              layer_windows: Optional[Sequence[Optional[int]]] = None,
+              layer_elems: Optional[Sequence[int]] = None,
+              layer_sources: Optional[Sequence[Optional[int]]] = None) -> KVLayout:
     """Size the pool from `config` (kv_cache_tokens, else kv_cache_memory_gb) for a model of this shape
     whose KV is stored in `dtype`. `kv_cache_tokens` overrides the config's (plan's --memory budget);
     either counts tokens of every layer's KV, so the budget in bytes is the same with or without groups.
 
     layer_windows: per layer, its sliding window (None or 0: full attention), from which the KV
     groups are built (kv_groups.py); None: every layer full, one group.
+    layer_elems, layer_sources: per layer, kv_heads x head_dim and the layer whose KV it reads (None:
+    its own), for models whose layers differ (Gemma 4); None: every layer num_kv_heads x head_dim,
+    its own. Layers that read another's KV cost no bytes.
 
     With a draft model (`draft_bytes_per_token` > 0) the budget, in bytes, is split so that the
     target's pool and the draft's have the same number of blocks: the draft can then hold K/V for
@@ -127,11 +132,20 @@ def kv_layout(config: EngineConfig, *, num_layers: int, num_kv_heads: int, head_
     windows = list(layer_windows) if layer_windows is not None else [None] * num_layers
     if len(windows) != num_layers:
         raise ConfigError("layer_windows", f"lists {len(windows)} layers, the model has {num_layers}")
-    groups = kv_groups(windows)
     e = DTYPE_BYTES[dtype]
-    bpt = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, e)
     bs = config.block_size
-    block_bytes = kv_bytes_per_token(groups.group_size, num_kv_heads, head_dim, e) * bs
+    if layer_elems is None and layer_sources is None:
+        groups = kv_groups(windows)
+        bpt = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, e)
+        block_bytes = kv_bytes_per_token(groups.group_size, num_kv_heads, head_dim, e) * bs
+    else:
+        elems = list(layer_elems) if layer_elems is not None else [num_kv_heads * head_dim] * num_layers
+        sources = list(layer_sources) if layer_sources is not None else [None] * num_layers
+        if len(elems) != num_layers or len(sources) != num_layers:
+            raise ConfigError("layer_elems", f"lists {len(elems)} layers, the model has {num_layers}")
+        groups = kv_layer_groups(windows, elems, sources)
+        bpt = 2 * sum(elems[i] for i in range(num_layers) if groups.layer_source[i] == i) * e
+        block_bytes = 2 * groups.group_size * groups.slot_elems * e * bs
     explicit = kv_cache_tokens or config.kv_cache_tokens
     tokens = explicit or int(config.kv_cache_memory_gb * 2**30 // bpt)
     budget = tokens * bpt

@@ -58,22 +58,19 @@ class WeightBytes:
     total: int
     read_per_step: int  # all but the embedding table when it is not also the output projection
     parameters: int
+    # A mixture of experts: the parameters one token reads (its top-k experts); None: all of them.
+    active_parameters: Optional[int] = None
 
 
 def weight_bytes(mc: ModelConfig, dtype: str, quantization: str, model_path: Optional[str] = None) -> WeightBytes:
     """Counted from the shapes `DecoderForCausalLM` allocates (fused qkv, gate_up); with
     quantization "gguf", from the sizes of the blocks the GGUF file at `model_path` keeps."""
     e = DTYPE_BYTES[dtype]
-    H, I, V = mc.hidden_size, mc.intermediate_size, mc.vocab_size
-    qkv = mc.q_size + 2 * mc.kv_size
-    matrices = qkv * H + H * mc.q_size + 2 * I * H + H * I
-    small = H * {"pre": 2, "post": 2, "both": 4}[mc.norm_placement]  # the layer's norms
-    small += qkv if mc.qkv_bias else 0
-    small += H if mc.o_bias else 0
-    small += (2 * I + H) if mc.mlp_bias else 0
-    small += (mc.num_heads + mc.num_kv_heads) * mc.head_dim if mc.qk_norm else 0  # per head or projection
+    H, V = mc.hidden_size, mc.vocab_size
+    shapes = [_layer_sizes(mc, i) for i in range(mc.num_layers)]
+    matrices, small = sum(m for m, _ in shapes), sum(s for _, s in shapes)
     per_value = QUANTIZED_BYTES_PER_VALUE.get(quantization, e)
-    layer_matrices = mc.num_layers * matrices * per_value
+    layer_matrices = matrices * per_value
     # A tied output projection is the embedding table itself, unless quantisation gives it its own copy.
     separate_head = (not mc.tie_word_embeddings) or quantization != "none"
     head = V * H * per_value if separate_head else 0
@@ -83,10 +80,37 @@ def weight_bytes(mc: ModelConfig, dtype: str, quantization: str, model_path: Opt
         separate_head = kept_head is not None or not mc.tie_word_embeddings
         head = kept_head if kept_head is not None else (V * H * e if separate_head else 0)
     embed = V * H * e
-    total = int(layer_matrices + mc.num_layers * small * e + embed + H * e + head)
-    read = total - (embed if separate_head else 0)  # a separate embedding table: only rows are read
-    params = mc.num_layers * (matrices + small) + V * H + H + (V * H if not mc.tie_word_embeddings else 0)
+    # Per-layer input embeddings (Gemma 4): a table (only rows are read) and a projection with its norm.
+    P, L = mc.per_layer_input_size, mc.num_layers
+    ple_table, ple_rest = mc.per_layer_vocab_size * L * P, L * P * H + P
+    total = int(layer_matrices + (small + ple_table + ple_rest) * e + embed + H * e + head)
+    read = total - (embed if separate_head else 0) - ple_table * e  # a separate embedding table: only rows are read
+    params = matrices + small + ple_table + ple_rest + V * H + H + (V * H if not mc.tie_word_embeddings else 0)
+    if mc.is_moe:  # experts in place of the sparse layers' dense MLP; a token reads only its top-k
+        return _expert_bytes(mc, e, quantization, model_path, total, read, params)
     return WeightBytes(total, read, params)
+
+
+def _layer_sizes(mc: ModelConfig, i: int) -> tuple[int, int]:
+    """(values in layer i's four matrices, values in its other parameters), as DecoderLayer
+    allocates them: per-layer head size, KV heads and MLP width, no K/V rows for a layer that
+    reads another's KV, no V rows when values are the keys (Gemma 4)."""
+    H, I, d = mc.hidden_size, mc.intermediate_of(i), mc.head_dim_of(i)
+    q, kv = mc.num_heads * d, mc.kv_heads_of(i) * d
+    shares = mc.kv_source(i) != i
+    qkv = q + (0 if shares else (1 if mc.value_from_key(i) else 2) * kv)
+    matrices = qkv * H + H * q + 2 * I * H + H * I
+    small = H * {"pre": 2, "post": 2, "both": 4}[mc.norm_placement]  # the layer's norms
+    small += qkv if mc.qkv_bias else 0
+    small += H if mc.o_bias else 0
+    small += (2 * I + H) if mc.mlp_bias else 0
+    if mc.qk_norm and mc.qk_norm_over == "head":  # stored per head, q's then k's
+        small += (mc.num_heads + (0 if shares else mc.kv_heads_of(i))) * d
+    elif mc.qk_norm:
+        small += q + kv
+    small += 1 if mc.layer_scalar else 0
+    small += 2 * mc.per_layer_input_size * H + H if mc.per_layer_input_size else 0  # the per-layer input block
+    return matrices, small
 
 
 def _gguf_matrix_bytes(path: str, mc: ModelConfig, e: int) -> tuple[float, Optional[float]]:
@@ -99,12 +123,60 @@ def _gguf_matrix_bytes(path: str, mc: ModelConfig, e: int) -> tuple[float, Optio
     f = GGUFFile.open(path)
     kept = plan_kept_matrices(f, mc.num_layers, mc.tie_word_embeddings, mc.fused_checkpoint)
     kept_bytes = {(m.layer, m.name): sum(int(f.tensors[p].data.nbytes) for p in m.parts) for m in kept}
-    H, I = mc.hidden_size, mc.intermediate_size
-    sizes = {"qkv_weight": (mc.q_size + 2 * mc.kv_size) * H, "o_weight": H * mc.q_size,
-             "gate_up_weight": 2 * I * H, "down_weight": H * I}
-    layers = sum(kept_bytes.get((i, n), v * e) for i in range(mc.num_layers) for n, v in sizes.items())
+    H = mc.hidden_size
+    layers = 0
+    for i in range(mc.num_layers):
+        I, d = mc.intermediate_of(i), mc.head_dim_of(i)
+        q = mc.num_heads * d
+        qkv = _layer_sizes(mc, i)[0] - H * q - 3 * I * H
+        sizes = {"qkv_weight": qkv, "o_weight": H * q, "gate_up_weight": 2 * I * H, "down_weight": H * I}
+        layers += sum(kept_bytes.get((i, n), v * e) for n, v in sizes.items())
     head = kept_bytes.get((None, "lm_head"))
     return float(layers), (float(head) if head is not None else None)
+
+
+def _expert_bytes(mc: ModelConfig, e: int, quantization: str, model_path: Optional[str], total: int, read: int,
+                  params: int) -> WeightBytes:
+    """`weight_bytes` of a mixture-of-experts model: each sparse layer holds its router, experts and
+    shared expert (server.models.moe) in place of the dense MLP counted above, and one token reads
+    only its top-k experts (read_per_step and active_parameters count those, as a batch-1 step does).
+    The router and the shared expert's gate stay float; the experts are quantised like the other
+    matrices (with --quantization gguf: the blocks the file keeps, gguf_blocks)."""
+    H, E, k, Ie = mc.hidden_size, mc.num_experts, mc.num_experts_per_tok, mc.moe_intermediate_size
+    S, I = mc.shared_expert_intermediate_size, mc.intermediate_size
+    per_value = QUANTIZED_BYTES_PER_VALUE.get(quantization, e)
+    kept: dict[tuple[Optional[int], str], int] = {}
+    if quantization == "gguf" and model_path is not None:
+        from server.models.gguf_blocks import plan_kept_matrices
+        from server.models.gguf_file import GGUFFile
+
+        f = GGUFFile.open(model_path)
+        kept = {(m.layer, m.name): sum(int(f.tensors[p].data.nbytes) for p in m.parts)
+                for m in plan_kept_matrices(f, mc.num_layers, mc.tie_word_embeddings, mc.fused_checkpoint)}
+        per_value = e  # what is not kept is dequantised
+    inactive_params = 0
+    for i in range(mc.num_layers):
+        if mc.mlp_kind(i) != "sparse":
+            continue
+        sizes = {"moe.experts_gate_up": 2 * E * Ie * H, "moe.experts_down": E * H * Ie,
+                 "moe.shared_gate_up_weight": 2 * S * H, "moe.shared_down_weight": S * H}
+        got = {n: kept.get((i, n), v * per_value) for n, v in sizes.items()}
+        small = E * H + (H if S else 0)  # the router and the shared expert's gate, float
+        total += int(sum(got.values()) + small * e - 3 * I * H * per_value)
+        params += sum(sizes.values()) + small - 3 * I * H
+        read -= int((got["moe.experts_gate_up"] + got["moe.experts_down"]) * (E - k) / E)
+        inactive_params += 3 * (E - k) * Ie * H
+        read += int(sum(got.values()) + small * e - 3 * I * H * per_value)
+    return WeightBytes(total, read, params, params - inactive_params)
+
+
+def _parameter_text(w: WeightBytes) -> str:
+    """"135.0M parameters", or for a mixture of experts "3.3B parameters, 0.8B active per token"."""
+    def n(x: int) -> str:
+        return f"{x / 1e9:.1f}B" if x >= 1e9 else f"{x / 1e6:.1f}M"
+
+    active = w.active_parameters
+    return f"{n(w.parameters)} parameters" + (f", {n(active)} active per token" if active is not None else "")
 
 
 def activation_bytes(mc: ModelConfig, dtype: str, config: EngineConfig) -> int:
@@ -149,6 +221,7 @@ class Plan:
             "model": self.model, "dtype": self.dtype, "quantization": self.quantization,
             "memory_bytes": self.memory_bytes, "weight_bytes": self.weights.total,
             "weight_bytes_read_per_step": self.weights.read_per_step, "parameters": self.weights.parameters,
+            "active_parameters": self.weights.active_parameters,
             "activation_bytes": self.activations, "kv_budget_bytes": self.kv_budget_bytes,
             "kv_bytes_per_token": lay.bytes_per_token, "block_size": lay.block_size,
             "kv_groups": [{"window": g.window, "layers": list(g.layers)} for g in lay.groups.groups],
@@ -187,15 +260,17 @@ def make_plan(model: str, mc: ModelConfig, config: EngineConfig, memory_bytes: O
             raise ConfigError(
                 "memory", f"{_gib(memory_bytes)} does not hold the weights ({_gib(weights.total)}) and "
                 f"activations ({_gib(acts)}); nothing is left for the KV cache")
-        from server.engine.kv_budget import kv_bytes_per_token
+        from server.models.registry import kv_specs
 
-        bpt = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, DTYPE_BYTES[dtype])
+        # K and V of one token over the layers that keep their own (Gemma 4's shared ones keep none).
+        bpt = 2 * sum(s.num_kv_heads * s.head_dim for s in kv_specs(mc) if s.kv_source is None) * DTYPE_BYTES[dtype]
         kv_tokens = budget // bpt
         if kv_tokens < config.block_size:
             raise ConfigError("memory", f"leaves {budget} bytes for KV, less than one block")
-    layout = kv_layout(config, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                       dtype=dtype, max_position_embeddings=mc.max_position_embeddings,
-                       kv_cache_tokens=kv_tokens, layer_windows=mc.layer_sliding_windows)
+    from server.models.registry import kv_shape
+
+    layout = kv_layout(config, dtype=dtype, max_position_embeddings=mc.max_position_embeddings,
+                       kv_cache_tokens=kv_tokens, **kv_shape(mc))
     rows = []
     for n in _lengths(layout.max_model_len):
         fits = layout.sequences_fitting(n)
@@ -232,15 +307,15 @@ def render(plan: Plan) -> str:
         lines.append(f"memory:           {_gib(plan.memory_bytes)} ({plan.memory_bytes} bytes)")
     lines += [
         f"weights:          {_gib(plan.weights.total)} ({plan.weights.total} bytes, "
-        f"{plan.weights.parameters / 1e6:.1f}M parameters); read per decode step "
+        f"{_parameter_text(plan.weights)}); read per decode step "
         f"{_gib(plan.weights.read_per_step)}",
         f"activations:      {_gib(plan.activations)} (estimate: one step's largest tensors + logits)",
     ]
     if plan.kv_budget_bytes is not None:
         lines.append(f"KV budget:        {_gib(plan.kv_budget_bytes)} (memory - weights - activations)")
     lines += [
-        f"KV per token:     {lay.bytes_per_token} bytes (2 x layers x kv_heads x head_dim x "
-        f"{DTYPE_BYTES[plan.dtype]} bytes)",
+        f"KV per token:     {lay.bytes_per_token} bytes (2 x kv_heads x head_dim x "
+        f"{DTYPE_BYTES[plan.dtype]} bytes over the layers that keep KV)",
         f"KV groups:        {lay.groups.describe()}; {lay.bytes_per_block} bytes/block of {lay.block_size} "
         "tokens (a sliding group holds only its window's blocks)",
         lay.log_line(),

@@ -22,6 +22,7 @@ from server.kernels import ops
 from server.models.attention import AttentionMetadata
 from server.models.pooling import PoolingMethod
 from server.models.protocol import CausalLM
+from server.models.registry import kv_specs
 
 
 class ModelRunner:
@@ -57,14 +58,26 @@ class ModelRunner:
         # One (key, value) pair per slot of a KV group, shared by the groups: a block id belongs to
         # one group at a time, so layer i (group g, slot j) owns its block's rows of slot j's
         # tensors. With one group there is a pair per layer, as before groups.
+        g = self.groups
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+        if g.slot_elems:  # layer sizes differ (Gemma 4): a slot holds slot_elems values per token
+            shape = (num_blocks, 1, block_size, g.slot_elems)
         slots = [
             (
                 torch.zeros(shape, dtype=kv_dtype, device=device),
                 torch.zeros(shape, dtype=kv_dtype, device=device),
             )
-            for _ in range(self.groups.group_size)
+            for _ in range(g.group_size)
         ]
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [slots[j] for j in self.groups.layer_slot]
+        if g.slot_elems:
+            # Layer i views its slot as ratio x num_blocks blocks of its own shape (contiguous, as
+            # the kernels need) and uses block b * ratio + sub for the pool's block b (_plan).
+            specs = kv_specs(model.config)
+            self.kv_caches = [tuple(t.view(num_blocks * g.layer_ratio[i], specs[i].num_kv_heads, block_size,
+                                           specs[i].head_dim) for t in slots[g.layer_slot[i]])  # type: ignore[misc]
+                              for i in range(num_layers)]
+        else:
+            self.kv_caches = [slots[j] for j in g.layer_slot]
         # copy_blocks copies a block in every slot: all layers of the group that holds it.
         self._key_caches = [k for k, _ in slots]
         self._value_caches = [v for _, v in slots]
@@ -135,8 +148,23 @@ class ModelRunner:
                 prompt_lens=prompt_lens_t,
             ))
         meta = metas[0]
-        if len(metas) > 1:
-            meta.per_layer = [metas[g] for g in self.groups.layer_group]
+        lay = self.groups
+        if lay.slot_elems and any(r > 1 for r in lay.layer_ratio):
+            # A layer packed `ratio` to a slot reads block b * ratio + sub where the group's table says b
+            # (released blocks stay -1, never read).
+            packed: dict[tuple[int, int, int], AttentionMetadata] = {}
+            for grp, r, sub in set(zip(lay.layer_group, lay.layer_ratio, lay.layer_sub)):
+                base = metas[grp]
+                t = tables[grp]
+                packed[(grp, r, sub)] = AttentionMetadata(
+                    slot_mapping=((t[seq_idx, block_idx].to(torch.int64) * r + sub) * bs + offset).to(self.device),
+                    block_tables=torch.where(t >= 0, t * r + sub, t).to(self.device),
+                    seq_lens=base.seq_lens, query_start_loc=base.query_start_loc, max_query_len=base.max_query_len,
+                    max_seq_len=base.max_seq_len, prompt_lens=base.prompt_lens)
+            meta = packed[(lay.layer_group[0], lay.layer_ratio[0], lay.layer_sub[0])]
+            meta.per_layer = [packed[k] for k in zip(lay.layer_group, lay.layer_ratio, lay.layer_sub)]
+        elif len(metas) > 1:
+            meta.per_layer = [metas[grp] for grp in lay.layer_group]
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         return input_ids, positions.to(self.device), meta, torch.tensor(sample_rows, dtype=torch.int64)
 

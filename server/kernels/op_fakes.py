@@ -60,6 +60,11 @@ def _gelu_tanh_and_mul_fake(x):
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
+@torch.library.register_fake("pagewire::moe_experts")
+def _moe_experts_fake(x, topk_ids, topk_weights, gate_up, gate_up_kind, down, down_kind):
+    return x.new_empty(x.shape)
+
+
 @torch.library.register_fake("pagewire::ngram_propose")
 def _ngram_propose_fake(token_ids, num_tokens, k, min_n, max_n):
     return num_tokens.new_empty((num_tokens.shape[0], k))

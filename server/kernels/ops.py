@@ -15,11 +15,11 @@ import torch.nn.functional as F
 import server._C  # (also loads the TORCH_LIBRARY(pagewire) registrations)
 from server.kernels import batch_invariant, linear_plan
 from server.kernels.kinds import LinearKind
-from server.kernels.quant import QuantizedWeight
+from server.kernels.quant import QuantizedExperts, QuantizedWeight
 
 __all__ = [
     "write_kv_cache", "paged_attention", "copy_blocks", "linear", "rms_norm", "add_rms_norm",
-    "rotary_embedding", "silu_and_mul", "gelu_tanh_and_mul", "ngram_propose", "rejection_sample", "cpu_isa",
+    "rotary_embedding", "silu_and_mul", "gelu_tanh_and_mul", "moe_experts", "ngram_propose", "rejection_sample", "cpu_isa",
     "detected_cpu_isa", "cpu_features", "without_amx",
 ]
 
@@ -410,6 +410,30 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """Args: x [T, 2 * I] = cat(gate, up), contiguous in the last dim. Returns
     gelu(gate, approximate="tanh") * up [T, I] (CPU op; Gemma's gelu_pytorch_tanh MLP)."""
     return torch.ops.pagewire.gelu_tanh_and_mul(x)
+
+
+def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                gate_up: torch.Tensor | QuantizedExperts, down: torch.Tensor | QuantizedExperts) -> torch.Tensor:
+    """The routed experts of a mixture-of-experts layer (CPU op, csrc/cpu/moe.cpp): for each token
+    t, sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = topk_ids[t, j].
+
+    Tokens are grouped by expert and each expert used runs its matrices once over its rows on the
+    small-M kernels (float, or its GGUF blocks); experts no token chose are not read. Each token's
+    k results are summed in slot order in fp32, so in batch-invariant mode a token's output does
+    not depend on the other tokens of the step.
+
+    Args:
+        x: [T, H] float32, bfloat16 or float16.
+        topk_ids: int64 [T, k], the chosen experts (-1: an empty slot).
+        topk_weights: float32 [T, k], their weights.
+        gate_up: [E, 2I, H] in x's dtype (gate rows, then up rows, per expert), or QuantizedExperts.
+        down: [E, H, I] in x's dtype, or QuantizedExperts.
+    Returns:
+        [T, H] in x's dtype.
+    """
+    gk, gw = (gate_up.op_qtype, gate_up.data) if isinstance(gate_up, QuantizedExperts) else ("float", gate_up)
+    dk, dw = (down.op_qtype, down.data) if isinstance(down, QuantizedExperts) else ("float", down)
+    return torch.ops.pagewire.moe_experts(x, topk_ids, topk_weights, gw, str(gk), dw, str(dk))
 
 
 def ngram_propose(

@@ -29,8 +29,8 @@ import torch
 import server._C  # noqa: F401  (loads the op registrations)
 from server.kernels.kinds import LinearKind, Qtype
 
-__all__ = ["QuantizedWeight", "Qtype", "QUANTIZATIONS", "QTYPES", "GGUF_QTYPES", "INTERLEAVABLE", "Q8_0_BLOCK",
-           "Q8_0_BLOCK_BYTES"]
+__all__ = ["QuantizedWeight", "QuantizedExperts", "Qtype", "QUANTIZATIONS", "QTYPES", "GGUF_QTYPES", "INTERLEAVABLE",
+           "Q8_0_BLOCK", "Q8_0_BLOCK_BYTES"]
 
 Q8_0_BLOCK = 32  # values per block
 Q8_0_BLOCK_BYTES = 34  # fp16 scale + 32 int8
@@ -164,6 +164,83 @@ class QuantizedWeight:
         if self.qtype is Qtype.Q8_0:
             return torch.ops.pagewire.linear_q8_0(x, self.data, bias, self.interleaved)
         return torch.ops.pagewire.linear_q4(x, self.data, self.op_qtype, bias)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+@dataclass(frozen=True)
+class QuantizedExperts:
+    """A mixture-of-experts layer's stacked expert matrices [E, N, K] (gate_up: N = 2I, K = H;
+    down: N = H, K = I) kept in a block format: each expert's matrix is a QuantizedWeight's bytes,
+    one after another, so pagewire::moe_experts hands the format's row kernel one expert at a time.
+
+    Attributes:
+        qtype: a key of QTYPES.
+        data: uint8 [E, N, K / block * block_bytes]; with `interleaved` each expert's rows in the x8
+            layout (only when N is a multiple of 8, so no group spans two experts).
+        shape: the logical (E, N, K).
+    """
+
+    qtype: Qtype
+    data: torch.Tensor
+    shape: tuple[int, int, int]
+    interleaved: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "qtype", _qtype(self.qtype))
+        fmt = QTYPES[self.qtype]
+        e, n, k = self.shape
+        if k <= 0 or k % fmt.values != 0:
+            raise ValueError(f"shape: K = {k} must be a positive multiple of {fmt.values} for {self.qtype}")
+        want = (e, n, k // fmt.values * fmt.nbytes)
+        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != want:
+            raise ValueError(f"data: expected uint8 {list(want)} for {self.qtype} {list(self.shape)}, "
+                             f"got {self.data.dtype} {list(self.data.shape)}")
+        if self.interleaved and (self.qtype not in INTERLEAVABLE or n % 8):
+            raise ValueError(f"interleaved: needs {', '.join(INTERLEAVABLE)} and rows per expert a multiple of 8")
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, qtype: Union[Qtype, str] = Qtype.Q8_0) -> "QuantizedExperts":
+        """Quantise float experts [E, N, K] (K a multiple of 32) with GGUF's rounding (q8_0 or q4_0)."""
+        e, n, k = (int(s) for s in weight.shape)
+        flat = QuantizedWeight.quantize(weight.detach().reshape(e * n, k), qtype)
+        return cls(flat.qtype, flat.data.reshape(e, n, -1), (e, n, k))
+
+    @classmethod
+    def from_gguf_bytes(cls, qtype: Union[Qtype, str], raw: torch.Tensor, e: int, n: int, k: int) -> "QuantizedExperts":
+        """Wrap a GGUF `*_exps` tensor's data (E experts of N rows of K values)."""
+        q = _qtype(qtype)
+        fmt = QTYPES[q]
+        if k % fmt.values != 0:
+            raise ValueError(f"shape: K = {k} must be a multiple of {fmt.values} for {q}")
+        return cls(q, raw.reshape(e, n, k // fmt.values * fmt.nbytes), (e, n, k))
+
+    def for_kernels(self) -> "QuantizedExperts":
+        """The layout this CPU's kernel reads fastest (QuantizedWeight.for_kernels per expert)."""
+        e, n, k = self.shape
+        if self.interleaved or n % 8 or self.qtype not in INTERLEAVABLE:
+            return self
+        flat = QuantizedWeight(self.qtype, self.data.reshape(e * n, -1), (e * n, k)).for_kernels()
+        if not flat.interleaved:
+            return self
+        return QuantizedExperts(self.qtype, flat.data.reshape(self.data.shape), self.shape, interleaved=True)
+
+    @property
+    def op_qtype(self) -> LinearKind:
+        """The kind pagewire::moe_experts takes for these experts ("q8_0", "q4_0x8", ...)."""
+        return LinearKind(self.qtype.value + "x8" if self.interleaved else self.qtype.value)
+
+    def expert(self, i: int) -> QuantizedWeight:
+        """Expert i's matrix [N, K] (a view of the same bytes)."""
+        return QuantizedWeight(self.qtype, self.data[i], (self.shape[1], self.shape[2]), self.interleaved)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The represented experts [E, N, K] in `dtype`."""
+        e, n, k = self.shape
+        flat = QuantizedWeight(self.qtype, self.data.reshape(e * n, -1), (e * n, k), self.interleaved)
+        return flat.dequantize(dtype).reshape(e, n, k)
 
     @property
     def nbytes(self) -> int:

@@ -43,8 +43,10 @@ class Architecture:
 @dataclass(frozen=True)
 class KVSpec:
     """What one layer keeps in the KV cache: its kv heads, head size and attention window
-    (None = every token). Layers with equal specs can share a KV group."""
+    (None = every token), or, with `kv_source`, the earlier layer whose KV it reads instead of
+    keeping its own (Gemma 4). Layers with equal specs can share a KV group."""
 
     num_kv_heads: int
     head_dim: int
     sliding_window: Optional[int]
+    kv_source: Optional[int] = None

@@ -17,6 +17,8 @@ from typing import Optional
 NORM_PLACEMENTS = ("pre", "post", "both")
 ACTIVATIONS = ("silu", "gelu_tanh")
 QK_NORMS = ("head", "projection")
+MLP_KINDS = ("dense", "sparse")
+MOE_CHECKPOINTS = ("mlp", "mixtral")
 
 
 class ModelLoadError(Exception):
@@ -44,7 +46,8 @@ class RopeScaling:
     blends interpolated and extrapolated frequencies between beta_fast and beta_slow rotations;
     "longrope" divides by `short_factor` per frequency while a sequence is within
     original_max_position_embeddings and by `long_factor` beyond it. yarn and longrope also
-    scale cos/sin by `attention_factor`.
+    scale cos/sin by `attention_factor`. "proportional" rotates the first `proportion` of the
+    head's frequency pairs and leaves the others still (Gemma 4's global layers).
     """
 
     rope_type: str
@@ -58,6 +61,9 @@ class RopeScaling:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     truncate: bool = True
+    # "proportional" (Gemma 4's global layers): the table spans the whole head, but only the first
+    # `proportion` of its frequencies rotate (base ** (-2i / head_dim)); the rest are 0 (identity).
+    proportion: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,32 @@ class ModelConfig:
     logits_divisor: float = 1.0
     # Phi-3 checkpoints store qkv_proj and gate_up_proj already fused (HF names only).
     fused_checkpoint: bool = False
+    # Mixture of experts (server.models.moe): each layer's MLP is "dense" (the gated MLP) or
+    # "sparse" (a softmax router over num_experts, the top num_experts_per_tok of them, weights
+    # renormalised when norm_topk_prob; experts of moe_intermediate_size; Qwen2-MoE's shared expert
+    # of shared_expert_intermediate_size with a sigmoid gate, 0 = none). () = every layer dense.
+    layer_mlp_kinds: tuple[str, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    # HF expert names: "mlp" (mlp.experts.N.{gate,up,down}_proj) or "mixtral" (block_sparse_moe.experts.N.w1/w3/w2).
+    moe_checkpoint: str = "mlp"
+    # Per-layer shapes and KV sharing (Gemma 4); an empty tuple means "every layer the same".
+    layer_head_dims: tuple[int, ...] = ()  # else head_dim
+    layer_kv_heads: tuple[int, ...] = ()  # else num_kv_heads
+    layer_intermediate_sizes: tuple[int, ...] = ()  # else intermediate_size
+    # The earlier layer whose K/V this layer attends over instead of writing its own (None: its own).
+    layer_kv_sources: tuple[Optional[int], ...] = ()
+    # Layers whose values are the key projection's output (no v_proj; Gemma 4's attention_k_eq_v).
+    layer_value_from_key: tuple[bool, ...] = ()
+    value_norm: bool = False  # RMSNorm of each value head, without a weight
+    layer_scalar: bool = False  # each layer ends by scaling the residual stream by its own scalar
+    # Per-layer input embeddings (Gemma 4's PLE): a [per_layer_vocab_size, num_layers x this] table
+    # plus a projection of the embeddings, fed to a gated block at the end of each layer (0: none).
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
 
     def __post_init__(self) -> None:
         # Internal consistency of a translation (a bug in a family entry, not bad user input).
@@ -127,6 +159,39 @@ class ModelConfig:
         assert all(r is None or 0 <= r < len(self.ropes) for r in self.layer_ropes), "layer_ropes"
         assert self.norm_placement in NORM_PLACEMENTS and self.activation in ACTIVATIONS
         assert self.qk_norm_over in QK_NORMS
+        assert len(self.layer_mlp_kinds) in (0, n) and all(k in MLP_KINDS for k in self.layer_mlp_kinds)
+        assert self.moe_checkpoint in MOE_CHECKPOINTS
+        assert "sparse" not in self.layer_mlp_kinds or 0 < self.num_experts_per_tok <= self.num_experts
+        for name in ("layer_head_dims", "layer_kv_heads", "layer_intermediate_sizes", "layer_kv_sources",
+                     "layer_value_from_key"):
+            assert len(getattr(self, name)) in (0, n), name
+        assert all(s is None or 0 <= s < i and self.kv_source(s) == s
+                   for i, s in enumerate(self.layer_kv_sources)), "layer_kv_sources: an earlier, writing layer"
+
+    def head_dim_of(self, layer: int) -> int:
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    def kv_heads_of(self, layer: int) -> int:
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_kv_heads
+
+    def intermediate_of(self, layer: int) -> int:
+        return self.layer_intermediate_sizes[layer] if self.layer_intermediate_sizes else self.intermediate_size
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose KV cache `layer` reads (itself unless it shares an earlier layer's)."""
+        s = self.layer_kv_sources[layer] if self.layer_kv_sources else None
+        return layer if s is None else s
+
+    def value_from_key(self, layer: int) -> bool:
+        return bool(self.layer_value_from_key[layer]) if self.layer_value_from_key else False
+
+    def mlp_kind(self, layer: int) -> str:
+        """"dense" or "sparse" (a mixture-of-experts MLP) for `layer`."""
+        return self.layer_mlp_kinds[layer] if self.layer_mlp_kinds else "dense"
+
+    @property
+    def is_moe(self) -> bool:
+        return "sparse" in self.layer_mlp_kinds
 
     @property
     def q_size(self) -> int:

@@ -25,6 +25,7 @@ from server.kernels.quant import QUANTIZATIONS, QuantizedWeight
 from server.models.attention import AttentionMetadata
 from server.models.config import ModelConfig
 from server.models.layers import add_norm, gelu_tanh_and_mul, norm, rms_norm, silu_and_mul
+from server.models.moe import SparseMoE, attach_moe, parameter_summary
 from server.models.rope import RopeBatch, RotaryEmbedding
 
 
@@ -57,8 +58,13 @@ class DecoderLayer(nn.Module):
         super().__init__()
         c = config
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.q_size, self.kv_size = c.q_size, c.kv_size
+        # Per-layer shapes (Gemma 4's global layers have their own head size and KV heads).
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.kv_heads_of(layer_idx), c.head_dim_of(layer_idx)
+        self.q_size, self.kv_size = c.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # Gemma 4: a layer may attend over an earlier layer's KV cache, projecting no keys or values
+        # of its own; another may take its values from the key projection (attention_k_eq_v).
+        self.shares_kv = c.kv_source(layer_idx) != layer_idx
+        self.value_from_key = c.value_from_key(layer_idx) and not self.shares_kv
         self.eps = c.rms_norm_eps
         self.scale = c.attention_scale
         self.softcap = c.attn_logit_softcap
@@ -69,7 +75,9 @@ class DecoderLayer(nn.Module):
         self.activation = c.activation  # "silu" or "gelu_tanh"; the kernels and decode_layer take both
         self.residual_multiplier = c.residual_multiplier
 
-        H, I, qkv = c.hidden_size, c.intermediate_size, c.q_size + 2 * c.kv_size
+        H, I = c.hidden_size, c.intermediate_of(layer_idx)
+        own_kv = 0 if self.shares_kv else (1 if self.value_from_key else 2) * self.kv_size
+        qkv = self.q_size + own_kv  # q, then k and v rows unless shared (k only when v is k)
         pre, post = c.norm_placement in ("pre", "both"), c.norm_placement in ("post", "both")
         self.attn_norm = _param((H,), dtype, device) if pre else None
         self.attn_post_norm = _param((H,), dtype, device) if post else None
@@ -79,15 +87,26 @@ class DecoderLayer(nn.Module):
         self.qkv_weight: torch.Tensor | QuantizedWeight = _param((qkv, H), dtype, device)
         self.qkv_bias = _param((qkv,), dtype, device) if c.qkv_bias else None
         per_head, whole = c.qk_norm and c.qk_norm_over == "head", c.qk_norm and c.qk_norm_over == "projection"
-        self.qk_norm = _param((c.num_heads + c.num_kv_heads, c.head_dim), dtype, device) if per_head else None
-        self.q_norm = _param((c.q_size,), dtype, device) if whole else None
-        self.k_norm = _param((c.kv_size,), dtype, device) if whole else None
-        self.o_weight: torch.Tensor | QuantizedWeight = _param((H, c.q_size), dtype, device)
+        kv_heads_normed = 0 if self.shares_kv else self.num_kv_heads
+        self.qk_norm = _param((c.num_heads + kv_heads_normed, self.head_dim), dtype, device) if per_head else None
+        self.q_norm = _param((self.q_size,), dtype, device) if whole else None
+        self.k_norm = _param((self.kv_size,), dtype, device) if whole else None
+        # Gemma 4's value norm: RMSNorm of each value head with no weight (ones: x * r * 1 == x * r).
+        self.v_norm = (torch.ones(self.head_dim, dtype=dtype, device=device)
+                       if c.value_norm and not self.shares_kv else None)
+        self.o_weight: torch.Tensor | QuantizedWeight = _param((H, self.q_size), dtype, device)
         self.o_bias = _param((H,), dtype, device) if c.o_bias else None
         self.gate_up_weight: torch.Tensor | QuantizedWeight = _param((2 * I, H), dtype, device)
         self.gate_up_bias = _param((2 * I,), dtype, device) if c.mlp_bias else None
         self.down_weight: torch.Tensor | QuantizedWeight = _param((H, I), dtype, device)
         self.down_bias = _param((H,), dtype, device) if c.mlp_bias else None
+        # Gemma 4's end of layer: a gated block over the per-layer input embedding (PLE), then the
+        # whole residual stream scaled by the layer's scalar.
+        P = c.per_layer_input_size
+        self.ple_gate = _param((P, H), dtype, device) if P else None
+        self.ple_proj = _param((H, P), dtype, device) if P else None
+        self.ple_norm = _param((H,), dtype, device) if P else None
+        self.layer_scalar = _param((1,), dtype, device) if c.layer_scalar else None
         self.norm_offset = c.norm_weight_offset
         self.fused_checkpoint = c.fused_checkpoint
         # The layers pagewire::decode_layer expresses: every norm placement, q/k norm over the
@@ -95,7 +114,17 @@ class DecoderLayer(nn.Module):
         # or not. Not a per-head q/k norm on a NoPE or partial-rotary layer (no family has one): there
         # forward() norms with torch ops, where the C++ layer's norm rides on the rotation. The
         # others run forward().
-        self.fusable = self.qk_norm is None or (self.rope_index is not None and self.rotary_dim == c.head_dim)
+        self.fusable = self.qk_norm is None or (self.rope_index is not None and self.rotary_dim == self.head_dim)
+        # Gemma 4's parts (KV read from another layer, values from the key projection, the value
+        # norm, the per-layer input block and the layer scalar) are Python-only: decode_layer does
+        # not express them, so such layers run forward().
+        if (self.shares_kv or self.value_from_key or self.v_norm is not None or self.ple_gate is not None
+                or self.layer_scalar is not None):
+            self.fusable = False
+        # Mixture of experts: a sparse layer's MLP is its router and experts (server.models.moe);
+        # decode_layer has no experts, so such a layer runs forward().
+        self.moe: SparseMoE | None = None
+        attach_moe(self, c, layer_idx, dtype, device)
 
     def forward(
         self,
@@ -106,25 +135,34 @@ class DecoderLayer(nn.Module):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        per_layer_input: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Args: hidden [T, H], the residual stream (updated in place); delta [T, H], the previous
         layer's MLP output not yet added to it (None for the first layer); rope and rope_batch:
-        this layer's table (None for a NoPE layer).
+        this layer's table (None for a NoPE layer); per_layer_input [T, P], this layer's slice of
+        the per-layer input embeddings (models with them only).
 
-        Returns (hidden, this layer's MLP output): the add is left to the next norm, which fuses it.
+        Returns (hidden, this layer's MLP output): the add is left to the next norm, which fuses it
+        (None when the layer ends by adding it itself: the per-layer input block, the layer scalar).
         """
         T = hidden.shape[0]
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        nk = 0 if self.shares_kv else nkv  # key heads this layer projects
 
         x = _enter(hidden, delta, self.attn_norm, self.eps)
-        qkv = linear(x, self.qkv_weight, self.qkv_bias)  # [T, q + 2 kv]
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)  # [T, q + 2 kv] (q + kv, q: see own_kv)
+        q, kv = self.q_size, self.kv_size
         if self.q_norm is not None and self.k_norm is not None:  # OLMo 2: over the whole projection
-            q, kv = self.q_size, self.kv_size
             qkv[:, :q] = norm(qkv[:, :q].contiguous(), self.q_norm, self.eps)
             qkv[:, q : q + kv] = norm(qkv[:, q : q + kv].contiguous(), self.k_norm, self.eps)
         # q and k are adjacent in qkv, so norm and RoPE treat them as nh + nkv heads in one pass,
         # in place (query and key stay strided views of qkv; the attention ops take strides).
-        qk = qkv[:, : self.q_size + self.kv_size].view(T, nh + nkv, d)
+        value = None
+        if self.value_from_key:  # attention_k_eq_v: the values are the key projection, before norm and RoPE
+            value = qkv[:, q : q + kv].clone(memory_format=torch.contiguous_format).view(T, nkv, d)
+        elif not self.shares_kv:
+            value = qkv[:, q + kv :].view(T, nkv, d)
+        qk = qkv[:, : self.q_size + nk * d].view(T, nh + nk, d)
         if rope is not None and rope_batch is not None and self.rotary_dim == d:
             rope.rotate_(qk, rope_batch, self.qk_norm, self.eps)
         else:
@@ -133,18 +171,36 @@ class DecoderLayer(nn.Module):
             if rope is not None and rope_batch is not None:  # partial rotary: the leading dims
                 rope.rotate_(qk[..., : self.rotary_dim], rope_batch)
         query = qk[:, :nh]
-        key = qk[:, nh:]
-        value = qkv[:, self.q_size + self.kv_size :].view(T, nkv, d)
-
-        write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        if value is not None:  # a sharing layer reads the KV its source layer wrote this step
+            if self.v_norm is not None:
+                value = rms_norm(value, self.v_norm, self.eps)
+            write_kv_cache(qk[:, nh:], value, key_cache, value_cache, meta.slot_mapping)
         attn = torch.empty((T, nh, d), dtype=hidden.dtype, device=hidden.device)
         paged_attention(attn, query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                         self.scale, self.sliding_window, meta.max_query_len, meta.max_seq_len, self.softcap)
         out = linear(attn.view(T, self.q_size), self.o_weight, self.o_bias)
         x = _enter(hidden, self._leave(out, self.attn_post_norm), self.mlp_norm, self.eps)
+        if self.moe is not None:  # a sparse layer: the router, then pagewire::moe_experts
+            return hidden, self._leave(self.moe(x), self.mlp_post_norm)
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
         act = gelu_tanh_and_mul(gate_up) if self.activation == "gelu_tanh" else silu_and_mul(gate_up)
-        return hidden, self._leave(linear(act, self.down_weight, self.down_bias), self.mlp_post_norm)
+        mlp = self._leave(linear(act, self.down_weight, self.down_bias), self.mlp_post_norm)
+        if self.ple_gate is None and self.layer_scalar is None:
+            return hidden, mlp
+        return self._finish(hidden, mlp, per_layer_input), None
+
+    def _finish(self, hidden: torch.Tensor, mlp: torch.Tensor, per_layer_input: torch.Tensor | None) -> torch.Tensor:
+        """Gemma 4's end of layer, in transformers' order: add the MLP output; add the per-layer
+        input block's output, norm(proj(act(gate(h)) * per_layer_input)); scale the stream."""
+        hidden.add_(mlp)
+        if self.ple_gate is not None and self.ple_proj is not None and self.ple_norm is not None:
+            assert per_layer_input is not None, "per_layer_input: this model has per-layer input embeddings"
+            gate = linear(hidden, self.ple_gate)
+            gate = (F.gelu(gate, approximate="tanh") if self.activation == "gelu_tanh" else F.silu(gate))
+            hidden.add_(norm(linear(gate.mul_(per_layer_input), self.ple_proj), self.ple_norm, self.eps))
+        if self.layer_scalar is not None:
+            hidden.mul_(self.layer_scalar)
+        return hidden
 
     def _leave(self, out: torch.Tensor, post_norm: torch.Tensor | None) -> torch.Tensor:
         """A sub-block's output as it joins the residual stream: post-normed (OLMo 2, Gemma) and
@@ -192,12 +248,14 @@ class DecoderLayer(nn.Module):
                       for n in self.MATRICES)
         return None if None in kinds else cast(tuple[str, str, str, str], kinds)
 
-    MATRICES = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+    MATRICES: tuple[str, ...] = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
     def quantize_weights(self, qtype: str) -> None:
         """Replace the four matrices by QuantizedWeight(qtype) (biases and norms stay as they are)."""
         for name in self.MATRICES:
             _replace_with_quantized(self, name, qtype)
+        if self.moe is not None:
+            self.moe.quantize_weights(qtype)
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, WeightTarget]:
         """HF tensor names under `prefix` (e.g. "model.layers.3.") mapped to slices of the fused parameters."""
@@ -226,8 +284,10 @@ class DecoderLayer(nn.Module):
             t[m + "gate_up_proj.weight"] = WeightTarget(self.gate_up_weight, (2 * I, H))
         else:
             t[a + "q_proj.weight"] = WeightTarget(self.qkv_weight[:q], (q, H))
-            t[a + "k_proj.weight"] = WeightTarget(self.qkv_weight[q : q + kv], (kv, H))
-            t[a + "v_proj.weight"] = WeightTarget(self.qkv_weight[q + kv :], (kv, H))
+            if not self.shares_kv:
+                t[a + "k_proj.weight"] = WeightTarget(self.qkv_weight[q : q + kv], (kv, H))
+            if not self.shares_kv and not self.value_from_key:
+                t[a + "v_proj.weight"] = WeightTarget(self.qkv_weight[q + kv :], (kv, H))
             t[m + "gate_proj.weight"] = WeightTarget(self.gate_up_weight[:I], (I, H))
             t[m + "up_proj.weight"] = WeightTarget(self.gate_up_weight[I:], (I, H))
         if self.qkv_bias is not None:
@@ -239,7 +299,8 @@ class DecoderLayer(nn.Module):
         if self.qk_norm is not None:
             # A [d] checkpoint vector broadcasts over every head's row when copied in.
             t[a + "q_norm.weight"] = WeightTarget(self.qk_norm[:nh], (d,), off)
-            t[a + "k_norm.weight"] = WeightTarget(self.qk_norm[nh:], (d,), off)
+            if not self.shares_kv:
+                t[a + "k_norm.weight"] = WeightTarget(self.qk_norm[nh:], (d,), off)
         if self.q_norm is not None and self.k_norm is not None:
             t[a + "q_norm.weight"] = WeightTarget(self.q_norm, (q,), off)
             t[a + "k_norm.weight"] = WeightTarget(self.k_norm, (kv,), off)
@@ -247,6 +308,17 @@ class DecoderLayer(nn.Module):
             t[m + "gate_proj.bias"] = WeightTarget(self.gate_up_bias[:I], (I,))
             t[m + "up_proj.bias"] = WeightTarget(self.gate_up_bias[I:], (I,))
             t[m + "down_proj.bias"] = WeightTarget(self.down_bias, (H,))
+        if self.layer_scalar is not None:
+            t[prefix + "layer_scalar"] = WeightTarget(self.layer_scalar, (1,))
+        if self.ple_gate is not None and self.ple_proj is not None and self.ple_norm is not None:
+            P = self.ple_gate.shape[0]
+            t[prefix + "per_layer_input_gate.weight"] = WeightTarget(self.ple_gate, (P, H))
+            t[prefix + "per_layer_projection.weight"] = WeightTarget(self.ple_proj, (H, P))
+            t[prefix + "post_per_layer_input_norm.weight"] = WeightTarget(self.ple_norm, (H,), off)
+        if self.moe is not None:  # the MLP's tensors are the router's and the experts'
+            for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight", "gate_up_proj.weight"):
+                t.pop(m + n, None)
+            t.update(self.moe.checkpoint_tensors(prefix))
         return t
 
 
@@ -288,6 +360,13 @@ class DecoderForCausalLM(nn.Module):
         self.embed_tokens = _param((c.vocab_size, c.hidden_size), dtype, dev)
         self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, dev) for i in range(c.num_layers))
         self.norm = _param((c.hidden_size,), dtype, dev)
+        # Per-layer input embeddings (Gemma 4): a token table of num_layers x P per token, and a
+        # projection of the (scaled) embeddings to the same size, RMSNorm'ed per layer slice.
+        P, L = c.per_layer_input_size, c.num_layers
+        self.embed_tokens_per_layer = _param((c.per_layer_vocab_size, L * P), dtype, dev) if P else None
+        self.per_layer_projection = _param((L * P, c.hidden_size), dtype, dev) if P else None
+        self.per_layer_projection_norm = _param((P,), dtype, dev) if P else None
+        self._ple_scale = torch.tensor(P**0.5, dtype=dtype, device=dev) if P else None
         tied = c.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
         # Tied checkpoints store one matrix; the output projection reuses the embedding table.
         self.lm_head: torch.Tensor | QuantizedWeight = (
@@ -321,16 +400,18 @@ class DecoderForCausalLM(nn.Module):
         nope = sum(r is None for r in c.layer_ropes)
         fused = sum(layer.fusable for layer in self._layers)
         return (f"{c.architecture}: {c.num_layers} layers ({kinds}{c.num_layers - len(windows)} full, {nope} NoPE); "
-                f"fused decode_layer (CPU, up to 16 tokens) for {fused} of {c.num_layers}; the others run the Python layers")
+                f"fused decode_layer (CPU, up to 16 tokens) for {fused} of {c.num_layers}; the others run the Python layers"
+                + parameter_summary(self))
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         """Shape of one layer's key cache (and, separately, its value cache)."""
         return (num_blocks, self.config.num_kv_heads, block_size, self.config.head_dim)
 
     def kv_cache_bytes_per_token(self) -> int:
-        """Bytes of K and V per token across all layers, at the model's dtype."""
+        """Bytes of K and V per token across all layers that write their own, at the model's dtype."""
         c = self.config
-        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        elems = sum(c.kv_heads_of(i) * c.head_dim_of(i) for i in range(c.num_layers) if c.kv_source(i) == i)
+        return 2 * elems * torch.empty((), dtype=self.dtype).element_size()
 
     @torch.inference_mode()
     def forward(
@@ -359,6 +440,7 @@ class DecoderForCausalLM(nn.Module):
             hidden = hidden * self._embed_scale
         context_lens = self._context_lens(positions, meta) if self._longrope else None
         batches = [rope.prepare(positions, self.dtype, context_lens) for rope in self.ropes]
+        per_layer = self._per_layer_inputs(input_ids, hidden)  # [T, L, P] or None
         delta: torch.Tensor | None = None
         fused = self._fused_kinds(hidden, batches)
         for i, (layer, (key_cache, value_cache)) in enumerate(zip(self._layers, kv_caches)):
@@ -370,9 +452,23 @@ class DecoderForCausalLM(nn.Module):
                 rows = batch.positions if batch is not None else positions
                 hidden, delta = layer.forward_fused(hidden, delta, rope, rows, key_cache, value_cache, m, kinds)
             else:
-                hidden, delta = layer.forward(hidden, delta, rope, batch, key_cache, value_cache, m)
+                ple = per_layer[:, i] if per_layer is not None else None
+                hidden, delta = layer.forward(hidden, delta, rope, batch, key_cache, value_cache, m, ple)
         eps = self.config.rms_norm_eps
         return norm(hidden, self.norm, eps) if delta is None else add_norm(hidden, delta, self.norm, eps)
+
+    def _per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor | None:
+        """Gemma 4's per-layer inputs [T, L, P], as transformers' get_per_layer_inputs and
+        project_per_layer_inputs compute them: (norm(embeds @ W * H^-0.5) + table[ids] * sqrt(P)) / sqrt(2)."""
+        if self.embed_tokens_per_layer is None or self.per_layer_projection is None:
+            return None
+        assert self.per_layer_projection_norm is not None and self._ple_scale is not None
+        c, T = self.config, input_ids.shape[0]
+        shape = (T, c.num_layers, c.per_layer_input_size)
+        tokens = (F.embedding(input_ids, self.embed_tokens_per_layer) * self._ple_scale).view(shape)
+        proj = (linear(embeds, self.per_layer_projection) * c.hidden_size**-0.5).view(shape)
+        proj = rms_norm(proj, self.per_layer_projection_norm, c.rms_norm_eps)
+        return (proj + tokens) * 2.0**-0.5
 
     @staticmethod
     def _context_lens(positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -434,8 +530,11 @@ class DecoderForCausalLM(nn.Module):
         start-up autotune, server.kernels.autotune)."""
         out: list[tuple[str, torch.Tensor | QuantizedWeight]] = []
         for layer in self._layers:
-            out += [("qkv", layer.qkv_weight), ("o", layer.o_weight), ("gate_up", layer.gate_up_weight),
-                    ("down", layer.down_weight)]
+            out += [("qkv", layer.qkv_weight), ("o", layer.o_weight)]
+            if layer.moe is None:
+                out += [("gate_up", layer.gate_up_weight), ("down", layer.down_weight)]
+            else:
+                out += layer.moe.linear_weights()
         out.append(("lm_head", self.lm_head))
         return out
 
@@ -455,7 +554,23 @@ class DecoderForCausalLM(nn.Module):
             targets["lm_head.weight"] = WeightTarget(self.lm_head, (c.vocab_size, c.hidden_size))
         for i, layer in enumerate(self._layers):
             targets.update(layer.checkpoint_tensors(f"model.layers.{i}."))
+        if self.embed_tokens_per_layer is not None and self.per_layer_projection is not None:
+            assert self.per_layer_projection_norm is not None
+            targets["model.embed_tokens_per_layer.weight"] = WeightTarget(
+                self.embed_tokens_per_layer, tuple(self.embed_tokens_per_layer.shape))
+            targets["model.per_layer_model_projection.weight"] = WeightTarget(
+                self.per_layer_projection, tuple(self.per_layer_projection.shape))
+            targets["model.per_layer_projection_norm.weight"] = WeightTarget(
+                self.per_layer_projection_norm, (c.per_layer_input_size,), c.norm_weight_offset)
         return targets
+
+    def ignored_checkpoint_tensors(self) -> frozenset[str]:
+        """Tensors a checkpoint may hold that this model has no use for: the K/V projections and
+        key norm of layers that read another layer's KV (Gemma 4 checkpoints keep them; transformers
+        ignores them too)."""
+        names = ("k_proj.weight", "v_proj.weight", "k_norm.weight", "k_proj.bias", "v_proj.bias")
+        return frozenset(f"model.layers.{i}.self_attn.{n}" for i, layer in enumerate(self._layers)
+                         if layer.shares_kv for n in names)
 
 
 

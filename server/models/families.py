@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from server.models.architecture import Architecture
-from server.models.config import ModelConfig, ModelLoadError, RopeSpec
+from server.models.config import ModelConfig, ModelLoadError, RopeSpec, UnsupportedModelError
+from server.models.gemma4_config import gemma4_gguf, gemma4_hf
 from server.models.gguf_config import gguf_base, gguf_windows
 from server.models.gguf_file import GGUFFile
 from server.models.hf_config import HFFields, hf_base, windows
@@ -56,6 +57,8 @@ def _llama_gguf(f: GGUFFile, arch: str) -> ModelConfig:
     names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM"}
     base = gguf_base(f, arch, names[arch])
+    if arch == "llama" and f.get_int("llama.expert_count", 0, positive=False):  # Mixtral: ffn_*_exps tensors
+        return _moe_gguf(f, arch)
     if arch in ("qwen2", "qwen3"):
         # Qwen files carry no per-layer pattern; llama.cpp runs them without a window.
         return ModelConfig(**{**base, "qkv_bias": base["qkv_bias"] or arch == "qwen2", "qk_norm": arch == "qwen3"})
@@ -178,6 +181,83 @@ def _granite_gguf(f: GGUFFile, arch: str) -> ModelConfig:
                           "logits_divisor": f.get_float(k + "logit_scale", 1.0)})
 
 
+# -- Mixture of experts: Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE ---------------------------------------
+def _sparse_layers(raw: dict[str, Any], source: str, n: int) -> tuple[str, ...]:
+    """transformers' Qwen-MoE rule: layer i is sparse unless listed in mlp_only_layers, and only
+    every decoder_sparse_step-th layer ((i + 1) % step == 0) is."""
+    p = HFFields(raw, source)
+    step = p.positive_int("decoder_sparse_step", 1)
+    dense = raw.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+        raise _field_error(source, "mlp_only_layers", "must list layer indices")
+    return tuple("sparse" if i not in dense and (i + 1) % step == 0 else "dense" for i in range(n))
+
+
+def _moe_hf(raw: dict[str, Any], source: str, name: str) -> ModelConfig:
+    base = hf_base(raw, source, name)
+    p, n = HFFields(raw, source), base["num_layers"]
+    mixtral, olmoe = name == "MixtralForCausalLM", name == "OlmoeForCausalLM"
+    # Mixtral (and transformers 5 for every family) writes num_local_experts; Qwen and OLMoE num_experts.
+    experts = p.positive_int("num_local_experts", None) or p.positive_int("num_experts")
+    parts: dict[str, Any] = dict(
+        num_experts=experts, num_experts_per_tok=p.positive_int("num_experts_per_tok"),
+        # Mixtral's router always renormalises; the others follow norm_topk_prob (default off).
+        norm_topk_prob=True if mixtral else bool(raw.get("norm_topk_prob", False)),
+        moe_intermediate_size=(base["intermediate_size"] if mixtral or olmoe
+                               else p.positive_int("moe_intermediate_size")),
+        layer_mlp_kinds=("sparse",) * n if mixtral or olmoe else _sparse_layers(raw, source, n),
+        moe_checkpoint="mixtral" if mixtral else "mlp",
+    )
+    if parts["num_experts_per_tok"] > experts:
+        raise _field_error(source, "num_experts_per_tok", f"must be at most the {experts} experts")
+    if mixtral:  # every layer slides when sliding_window is set (Mistral's attention)
+        parts.update(windows(p, n, p.window(), _every(n)))
+    elif olmoe:  # q/k RMSNorm over the whole projections
+        if raw.get("clip_qkv") is not None:
+            raise UnsupportedModelError(f"{source}: clip_qkv is not supported")
+        parts.update(qk_norm=True, qk_norm_over="projection")
+    else:
+        window = p.window() if raw.get("use_sliding_window", False) else None
+        if name == "Qwen2MoeForCausalLM":
+            first = raw.get("max_window_layers", 28)
+            parts.update(windows(p, n, window, [bool((i + 1) % 2) and i < first for i in range(n)]),
+                         qkv_bias=bool(raw.get("qkv_bias", True)), o_bias=False,
+                         shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0))
+        else:  # Qwen3-MoE: per-head q/k norm; a window, when on, on every layer
+            parts.update(windows(p, n, window, _every(n)), qk_norm=True)
+    return ModelConfig(**{**base, **parts})
+
+
+def _moe_gguf(f: GGUFFile, arch: str) -> ModelConfig:
+    """llama.cpp's MoE keys (`{arch}.expert_count`, `expert_used_count`, `expert_feed_forward_length`,
+    `expert_shared_feed_forward_length`); a layer is sparse when it has `ffn_gate_inp` (the router).
+    Renormalisation follows llama.cpp's per-architecture rule (qwen3moe and Mixtral's llama: on;
+    qwen2moe, olmoe: off) unless the file states `{arch}.expert_weights_norm`."""
+    names = {"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+             "llama": "MixtralForCausalLM"}
+    base = gguf_base(f, arch, names[arch])
+    k, n = arch + ".", base["num_layers"]
+    kinds = tuple("sparse" if f"blk.{i}.ffn_gate_inp.weight" in f.tensors else "dense" for i in range(n))
+    down = next((t for t in f.tensors.values() if t.name.endswith("ffn_down_shexp.weight")), None)
+    shexp = int(down.shape[-1]) if down is not None else 0
+    parts: dict[str, Any] = dict(
+        layer_mlp_kinds=kinds, num_experts=f.get_int(k + "expert_count"),
+        num_experts_per_tok=f.get_int(k + "expert_used_count"),
+        moe_intermediate_size=f.get_int(k + "expert_feed_forward_length", base["intermediate_size"]),
+        norm_topk_prob=f.get_bool(k + "expert_weights_norm", arch in ("qwen3moe", "llama")),
+        # Qwen2-MoE's shared expert: its size is the key, or the shexp tensors' (older files).
+        shared_expert_intermediate_size=f.get_int(k + "expert_shared_feed_forward_length", shexp, positive=False),
+        moe_checkpoint="mixtral" if arch == "llama" else "mlp",
+    )
+    if arch == "llama":
+        parts.update(gguf_windows(f, arch, n, None))
+    elif arch == "olmoe":
+        parts.update(qk_norm_over="projection")
+    elif arch == "qwen2moe":
+        parts.update(qkv_bias=True, o_bias=False)
+    return ModelConfig(**{**base, **parts})
+
+
 def _field_error(source: str, key: str, what: str) -> Exception:
     return ModelLoadError(f"{source}: field {key!r} {what}")
 
@@ -189,12 +269,19 @@ FAMILIES: list[Architecture] = [
     Architecture("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), _qwen_hf, _llama_gguf),
     Architecture("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), _gemma_hf, _gemma_gguf),
     Architecture("gemma3", ("Gemma3ForCausalLM",), ("gemma3",), _gemma_hf, _gemma_gguf),
+    Architecture("gemma4", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), ("gemma4",), gemma4_hf,
+                 gemma4_gguf),
     Architecture("phi3", ("Phi3ForCausalLM",), ("phi3",), _phi3_hf, _phi3_gguf),
     Architecture("olmo2", ("Olmo2ForCausalLM", "Olmo3ForCausalLM"), ("olmo2",), _olmo_hf, _olmo_gguf),
     Architecture("smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), _smollm3_hf, _smollm3_gguf,
                  gguf_permuted_qk=True),
     Architecture("granite", ("GraniteForCausalLM",), ("granite",), _granite_hf, _granite_gguf,
                  gguf_permuted_qk=True),
+    # Mixture of experts (server.models.moe). Mixtral's GGUF files are "llama" with ffn_*_exps tensors.
+    Architecture("qwen3moe", ("Qwen3MoeForCausalLM",), ("qwen3moe",), _moe_hf, _moe_gguf),
+    Architecture("mixtral", ("MixtralForCausalLM",), (), _moe_hf, None, gguf_permuted_qk=True),
+    Architecture("olmoe", ("OlmoeForCausalLM",), ("olmoe",), _moe_hf, _moe_gguf),
+    Architecture("qwen2moe", ("Qwen2MoeForCausalLM",), ("qwen2moe",), _moe_hf, _moe_gguf),
 ]
 
 

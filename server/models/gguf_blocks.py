@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from server.kernels.quant import GGUF_QTYPES, QuantizedWeight
+from server.kernels.quant import GGUF_QTYPES, QuantizedExperts, QuantizedWeight
 from server.models.gguf_file import GGUFFile
 
 __all__ = ["KeptMatrix", "plan_kept_matrices", "build_quantized", "unpermute_qk"]
@@ -28,6 +28,14 @@ _LAYER_MATRICES = {
     "down_weight": ("ffn_down.weight",),
 }
 # Phi-3 files store them fused already (ffn_up is gate and up, stacked).
+# A mixture-of-experts layer's (server.models.moe.SparseMoE, under the layer's `moe`): the stacked
+# experts ([E, N, K] tensors, concatenated per expert: gate rows, then up rows) and Qwen2-MoE's shared expert.
+_MOE_MATRICES = {
+    "moe.experts_gate_up": ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
+    "moe.experts_down": ("ffn_down_exps.weight",),
+    "moe.shared_gate_up_weight": ("ffn_gate_shexp.weight", "ffn_up_shexp.weight"),
+    "moe.shared_down_weight": ("ffn_down_shexp.weight",),
+}
 _FUSED_LAYER_MATRICES = {**_LAYER_MATRICES, "qkv_weight": ("attn_qkv.weight",), "gate_up_weight": ("ffn_up.weight",)}
 
 
@@ -50,6 +58,8 @@ def plan_kept_matrices(f: GGUFFile, num_layers: int, tied: bool, fused: bool = F
     for i in range(num_layers):
         for name, parts in (_FUSED_LAYER_MATRICES if fused else _LAYER_MATRICES).items():
             groups.append((i, name, tuple(f"blk.{i}.{p}" for p in parts)))
+        if f"blk.{i}.ffn_gate_inp.weight" in f.tensors:  # a sparse layer
+            groups += [(i, name, tuple(f"blk.{i}.{p}" for p in parts)) for name, parts in _MOE_MATRICES.items()]
     head = "token_embd.weight" if tied or "output.weight" not in f.tensors else "output.weight"
     groups.append((None, "lm_head", (head,)))
     kept = []
@@ -60,17 +70,28 @@ def plan_kept_matrices(f: GGUFFile, num_layers: int, tied: bool, fused: bool = F
             continue  # missing (the loader reports it) or mixed types: dequantised
         qtype = GGUF_QTYPES.get(types.pop())
         k = tensors[0].shape[-1] if tensors[0] is not None else 0
-        if qtype is None or any(t is None or len(t.shape) != 2 or t.shape[1] != k for t in tensors):
+        dims = 3 if name.startswith("moe.experts") else 2  # experts: [E, N, K], alike in E
+        lead = tensors[0].shape[0] if tensors[0] is not None else 0
+        if qtype is None or any(t is None or len(t.shape) != dims or t.shape[-1] != k
+                                or (dims == 3 and t.shape[0] != lead) for t in tensors):
             continue
         kept.append(KeptMatrix(layer, name, qtype, parts))
     return kept
 
 
-def build_quantized(f: GGUFFile, m: KeptMatrix, permute_heads: dict[str, int]) -> QuantizedWeight:
+def build_quantized(f: GGUFFile, m: KeptMatrix,
+                    permute_heads: dict[str, int]) -> QuantizedWeight | QuantizedExperts:
     """The QuantizedWeight of `m` from the file's block bytes; `permute_heads` maps a part's GGUF
     suffix ("attn_q.weight", "attn_k.weight") to its head count when llama.cpp permuted its rows."""
+    first = f.tensors[m.parts[0]]
+    if len(first.shape) == 3:  # stacked experts: each expert's rows of every part, in order
+        e, k = first.shape[0], first.shape[2]
+        stacked = [torch.from_numpy(np.array(f.tensors[p].data, dtype=np.uint8)).reshape(e, f.tensors[p].shape[1], -1)
+                   for p in m.parts]
+        data3 = stacked[0] if len(stacked) == 1 else torch.cat(stacked, dim=1)
+        return QuantizedExperts.from_gguf_bytes(m.qtype, data3.contiguous(), int(e), int(data3.shape[1]), int(k))
     rows = []
-    k = f.tensors[m.parts[0]].shape[1]
+    k = first.shape[1]
     for part in m.parts:
         t = f.tensors[part]
         # A copy: the mapped file is read-only, and the model must not depend on it staying open.

@@ -18,7 +18,8 @@ from server.models.gguf_file import GGUFFile
 
 _FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 # Tensors a translation reads into the config (longrope's factors) rather than the loader into weights.
-CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight",
+                  "rope_freqs.weight")  # Gemma 4's proportional RoPE (server.models.gemma4_config)
 
 
 def gguf_dtype(f: GGUFFile) -> str:

@@ -33,6 +33,10 @@ _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    # Gemma 4's per-layer input embeddings.
+    "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
 }
 _BLOCK_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -56,6 +60,11 @@ _BLOCK_NAMES = {
     "ffn_gate.bias": "mlp.gate_proj.bias",
     "ffn_up.bias": "mlp.up_proj.bias",
     "ffn_down.bias": "mlp.down_proj.bias",
+    # Gemma 4: the per-layer input block and the layer's scalar.
+    "inp_gate.weight": "per_layer_input_gate.weight",
+    "proj.weight": "per_layer_projection.weight",
+    "post_norm.weight": "post_per_layer_input_norm.weight",
+    "layer_output_scale.weight": "layer_scalar",
 }
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
@@ -68,6 +77,9 @@ def hf_tensor_name(gguf_name: str, config: ModelConfig | None = None) -> str | N
     post_attention_layernorm is attn_post_norm), and Phi-3's ffn_up is the fused gate_up_proj."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    moe = _moe_tensor_names(gguf_name, config)
+    if moe is not None and len(moe) == 1:
+        return moe[0]
     m = _BLOCK.fullmatch(gguf_name)
     if m is None or m.group(2) not in _BLOCK_NAMES:
         return None
@@ -78,6 +90,36 @@ def hf_tensor_name(gguf_name: str, config: ModelConfig | None = None) -> str | N
     if config is not None and config.fused_checkpoint and part == "ffn_up.weight":
         name = "mlp.gate_up_proj.weight"
     return f"model.layers.{m.group(1)}.{name}"
+
+
+# Mixture of experts: the router, Qwen2-MoE's shared expert, and the experts stacked per matrix
+# ([E, I, H] gate and up, [E, H, I] down), which the loader copies into each expert's HF name.
+_MOE_NAMES = {
+    "ffn_gate_inp.weight": "gate.weight",
+    "ffn_gate_inp_shexp.weight": "shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "shared_expert.down_proj.weight",
+}
+_EXPERT_PARTS = {"ffn_gate_exps.weight": ("gate_proj", "w1"), "ffn_up_exps.weight": ("up_proj", "w3"),
+                 "ffn_down_exps.weight": ("down_proj", "w2")}
+
+
+def _moe_tensor_names(gguf_name: str, config: ModelConfig | None) -> list[str] | None:
+    """The HF names of an MoE tensor: one for the router and the shared expert, one per expert
+    for a stacked `ffn_*_exps` tensor; None for any other tensor."""
+    m = _BLOCK.fullmatch(gguf_name)
+    if m is None or config is None or not config.num_experts:
+        return None
+    mixtral = config.moe_checkpoint == "mixtral"
+    prefix = f"model.layers.{m.group(1)}." + ("block_sparse_moe." if mixtral else "mlp.")
+    part = m.group(2)
+    if part in _MOE_NAMES:
+        return [prefix + _MOE_NAMES[part]]
+    if part in _EXPERT_PARTS:
+        hf = _EXPERT_PARTS[part][1 if mixtral else 0]
+        return [f"{prefix}experts.{e}.{hf}.weight" for e in range(config.num_experts)]
+    return None
 
 
 def dequantize(t: GGUFTensor, path: Path) -> np.ndarray:
@@ -121,12 +163,15 @@ def load_gguf_model(
     model: Any = model_class(config)(config, torch_dtype, torch.device(device))
     targets = model.checkpoint_tensors()
     permute = gguf_permuted_qk(config)
+    # Tensors the file may carry that the model does not use (Gemma 4's shared-KV layers' K/V).
+    ignored = model.ignored_checkpoint_tensors() if hasattr(model, "ignored_checkpoint_tensors") else frozenset()
     if keep_quantized and torch.device(device).type != "cpu":
         raise ValueError(f"quantization: 'gguf' runs on CPU only, got device {device!r}")
     kept = (plan_kept_matrices(f, config.num_layers, model.lm_head is model.embed_tokens, config.fused_checkpoint)
             if keep_quantized else [])
     # Their float destinations are skipped (and replaced below); token_embd still fills the embedding.
     skip = {hf_tensor_name(p, config) for m in kept for p in m.parts if p != "token_embd.weight"}
+    kept_parts = {p for m in kept for p in m.parts}
     loaded: set[str] = set()
     bar = tqdm(total=len(f.tensors), desc="Loading GGUF", unit="tensor", file=sys.stderr,
                disable=not sys.stderr.isatty())
@@ -135,17 +180,23 @@ def load_gguf_model(
             bar.update(1)
             if t.name in CONFIG_TENSORS:
                 continue  # read by the translation (longrope's factors)
+            experts = _moe_tensor_names(t.name, config)
+            if experts is not None and len(experts) > 1:
+                _load_experts(f, t, experts, targets, loaded, kept_parts)
+                continue
             name = hf_tensor_name(t.name, config)
             if name is None:
                 raise ModelLoadError(
                     f"unexpected tensor {t.name!r} in {f.path}: the {config.model_type} architecture does not use it"
                 )
             target = targets.get(name)
+            if target is None and name in ignored:
+                continue
             if target is None:
                 raise ModelLoadError(
                     f"unexpected tensor {t.name!r} in {f.path}: this model's config does not use it ({name})"
                 )
-            if t.shape != target.shape:
+            if t.shape != target.shape and (1, *t.shape) != target.shape:  # ([H]: llama.cpp's shexp gate)
                 raise ModelLoadError(
                     f"tensor {t.name!r} in {f.path} has shape {list(t.shape)}, expected {list(target.shape)}"
                 )
@@ -168,12 +219,32 @@ def load_gguf_model(
     heads = {"attn_q.weight": config.num_heads, "attn_k.weight": config.num_kv_heads} if permute else {}
     for m in kept:
         module = model if m.layer is None else model._layers[m.layer]
+        owner, _, attr = m.name.rpartition(".")  # "moe.experts_gate_up": the layer's SparseMoE
+        module = getattr(module, owner) if owner else module
         qw = build_quantized(f, m, heads).for_kernels()  # this CPU's fastest layout of the same bytes
         # A registered parameter can only be reassigned to a Parameter: unregister it first, so
         # the never-filled float matrix is freed.
-        module._parameters.pop(m.name, None)
-        setattr(module, m.name, qw)
+        module._parameters.pop(attr, None)
+        setattr(module, attr, qw)
     return model, config
+
+
+def _load_experts(f: GGUFFile, t: GGUFTensor, names: list[str], targets: dict[str, Any], loaded: set[str],
+                  kept_parts: set[str]) -> None:
+    """A stacked `ffn_*_exps` tensor [E, N, K] into each expert's target (or only marked loaded
+    when --quantization gguf keeps its blocks)."""
+    for name in names:
+        target = targets.get(name)
+        if target is None:
+            raise ModelLoadError(f"unexpected tensor {t.name!r} in {f.path}: this model's config does not use it ({name})")
+        if tuple(t.shape) != (len(names), *target.shape):
+            raise ModelLoadError(f"tensor {t.name!r} in {f.path} has shape {list(t.shape)}, expected "
+                                 f"{[len(names), *target.shape]}")
+    if t.name not in kept_parts:
+        values = torch.from_numpy(dequantize(t, f.path))
+        for e, name in enumerate(names):
+            targets[name].dest.copy_(values[e])
+    loaded.update(names)
 
 
 def _gguf_name(hf_name: str, config: ModelConfig) -> str:

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 
 from server.models.config import ModelLoadError, RopeScaling, RopeSpec, UnsupportedModelError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 _DTYPE_NAMES = {
     "float32": "float32",
     "float": "float32",
@@ -194,6 +194,11 @@ def rope_spec(params: dict[str, Any], raw: dict[str, Any], source: str, field: s
     prf = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if isinstance(prf, bool) or not isinstance(prf, (int, float)) or not 0 < prf <= 1:
         raise ModelLoadError(f"{source}: partial_rotary_factor must be in (0, 1], got {prf!r}")
+    if params.get("rope_type") == "proportional":  # Gemma 4: a whole-head table, partly still
+        factor = params.get("factor", 1.0)
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise ModelLoadError(f"{source}: {field}.factor must be a positive number, got {factor!r}")
+        return RopeSpec(float(theta), RopeScaling("proportional", float(factor), proportion=float(prf)), head_dim)
     rotary_dim = int(head_dim * prf)
     if rotary_dim % 2:
         raise ModelLoadError(f"{source}: head_dim x partial_rotary_factor = {rotary_dim} must be even")

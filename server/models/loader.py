@@ -25,6 +25,7 @@ from server.models.protocol import CausalLM
 from server.models.registry import hf_config_from_dir, model_class
 
 SINGLE_FILE = "model.safetensors"
+WRAPPED_PREFIX = "model.language_model."  # a multimodal checkpoint's language model
 INDEX_FILE = "model.safetensors.index.json"
 
 __all__ = ["load_model", "resolve_dtype", "ModelLoadError", "UnsupportedModelError", "ModelFileNotFoundError"]
@@ -72,7 +73,19 @@ def load_model(
         tied = (config.tie_word_embeddings or headless) and not has_lm_head
         model = model_class(config)(config, torch_dtype, torch.device(device), tie_word_embeddings=tied)
         targets = model.checkpoint_tensors()
-        loaded: set[str] = set()
+        # Tensors the checkpoint may carry that the model does not use (Gemma 4's shared-KV layers).
+        ignored: frozenset[str] = getattr(model, "ignored_checkpoint_tensors", frozenset)()
+        names = [k for _, h in handles for k in h.keys()]
+        if any(k.startswith(WRAPPED_PREFIX) for k in names):
+            # A multimodal checkpoint (Gemma4ForConditionalGeneration): its language model is ours,
+            # stored under model.language_model.; the vision and audio towers are not loaded.
+            def wrapped(name: str) -> str:
+                return WRAPPED_PREFIX + name.removeprefix("model.") if name.startswith("model.") else name
+
+            targets = {wrapped(name): t for name, t in targets.items()}
+            towers = {k for k in names if not k.startswith(WRAPPED_PREFIX) and k != "lm_head.weight"}
+            ignored = frozenset(wrapped(name) for name in ignored) | frozenset(towers)
+        loaded: set[str] = set(ignored)
         base_model = not any(k.startswith("model.") for _, h in handles for k in h.keys()) and \
             any(k == "embed_tokens.weight" for _, h in handles for k in h.keys())
         if base_model and not headless:
@@ -155,7 +168,7 @@ def _copy_one(
     path: Path, handle: Any, name: str, targets: dict[str, WeightTarget], loaded: set[str], config: ModelConfig
 ) -> None:
     # HF once saved RoPE frequency buffers; we rebuild them from the config.
-    if name.endswith("rotary_emb.inv_freq"):
+    if name.endswith("rotary_emb.inv_freq") or (name in loaded and name not in targets):
         return
     target = targets.get(name)
     if target is None:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from server.models.protocol import CausalLMClass
 
 __all__ = ["Architecture", "KVSpec", "architectures", "read_model_config", "config_from_hf", "config_from_gguf",
-           "hf_config_from_dir", "kv_specs", "model_class", "gguf_permuted_qk"]
+           "hf_config_from_dir", "kv_specs", "kv_shape", "model_class", "gguf_permuted_qk"]
 
 
 def architectures() -> list[Architecture]:
@@ -112,8 +112,23 @@ def gguf_permuted_qk(config: ModelConfig) -> bool:
 
 
 def kv_specs(config: ModelConfig) -> tuple[KVSpec, ...]:
-    """Per layer, what it keeps in the KV cache (its sliding window, or every token)."""
-    return tuple(KVSpec(config.num_kv_heads, config.head_dim, w) for w in config.layer_sliding_windows)
+    """Per layer, what it keeps in the KV cache (its shape, its sliding window or every token), or
+    which earlier layer's KV it reads."""
+    c = config
+    return tuple(KVSpec(c.kv_heads_of(i), c.head_dim_of(i), w, None if c.kv_source(i) == i else c.kv_source(i))
+                 for i, w in enumerate(c.layer_sliding_windows))
+
+
+def kv_shape(config: ModelConfig) -> dict[str, Any]:
+    """server.engine.kv_budget.kv_layout's model arguments for `config`: the layer count, shape
+    and windows, plus per-layer sizes and sources when the layers differ (Gemma 4)."""
+    specs = kv_specs(config)
+    out: dict[str, Any] = dict(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
+                               head_dim=config.head_dim, layer_windows=config.layer_sliding_windows)
+    if any((s.num_kv_heads, s.head_dim, s.kv_source) != (config.num_kv_heads, config.head_dim, None) for s in specs):
+        out.update(layer_elems=[s.num_kv_heads * s.head_dim for s in specs],
+                   layer_sources=[s.kv_source for s in specs])
+    return out
 
 
 def model_class(config: ModelConfig) -> "CausalLMClass":

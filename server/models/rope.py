@@ -24,6 +24,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling], l
         return 1.0 / (ext * theta**exponents)
     if scaling is not None and scaling.rope_type == "yarn":
         return _yarn_inv_freq(head_dim, theta, scaling)
+    if scaling is not None and scaling.rope_type == "proportional":
+        # transformers' _compute_proportional_rope_parameters: the rotated pairs keep the whole
+        # head's exponents; the remaining frequencies are 0 (cos 1, sin 0: those dims pass through).
+        angles = int(scaling.proportion * head_dim // 2)
+        rotated = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).to(torch.float32) / head_dim))
+        return torch.cat((rotated, torch.zeros(head_dim // 2 - angles, dtype=torch.float32))) / scaling.factor
     inv_freq = 1.0 / (theta ** exponents)
     if scaling is None:
         return inv_freq

@@ -72,3 +72,43 @@ def test_admission_counts_blocks_per_group() -> None:
         check_capacity(100_000, 100, 1, CapacityLimits(1 << 20, 16, full.num_blocks, full.watermark_blocks, 8))
     with pytest.raises(ConfigError, match="layer_windows"):
         kv_layout(cfg, **shape, layer_windows=[32] * 3)
+
+
+def test_layers_of_different_sizes_share_slots_and_readers_hold_nothing() -> None:
+    """Gemma 4's shape: global layers' K/V twice a local one's, the last two layers reading earlier
+    layers' KV. Two local layers pack into one slot; every writing layer of a group has its own
+    (slot, place), so no two layers of a block overlap; a reader takes its source's place."""
+    from server.engine.kv_groups import kv_layer_groups
+
+    windows, elems, sources = [24, 24, None, 24, 24, None], [32, 32, 64, 32, 32, 64], [None] * 4 + [3, 2]
+    g = kv_layer_groups(windows, elems, sources)
+    assert g.slot_elems == 64 and g.group_size == 1
+    assert g.layer_ratio == (2, 2, 1, 2, 2, 1) and g.layer_source == (0, 1, 2, 3, 3, 2)
+    assert [(grp.window, grp.layers) for grp in g.groups] == [(24, (0, 1)), (0, (2,)), (24, (3,))]
+    for grp_index, grp in enumerate(g.groups):
+        places = [(g.layer_slot[i], g.layer_sub[i]) for i in grp.layers]
+        assert len(set(places)) == len(places)
+        assert all(g.layer_group[i] == grp_index and g.layer_sub[i] < g.layer_ratio[i] for i in grp.layers)
+    for reader, source in ((4, 3), (5, 2)):
+        assert (g.layer_group[reader], g.layer_slot[reader], g.layer_sub[reader]) == \
+            (g.layer_group[source], g.layer_slot[source], g.layer_sub[source])
+    assert g.describe() == "3 groups of 1 slots: 2 sliding 24, 1 full; 2 layers read another layer's KV"
+    # Gemma-4-E2B-like: 35 layers, 15 writing (13 local of 256, 2 global of 512), 20 reading.
+    n = 35
+    kinds = [(i + 1) % 6 != 0 for i in range(n)]
+    big = kv_layer_groups([512 if s else None for s in kinds], [256 if s else 512 for s in kinds],
+                          [None] * 15 + [14 if s else 11 for s in kinds[15:]])
+    assert big.group_size == 2 and sum(len(grp.layers) for grp in big.groups) == 15
+    with pytest.raises(ValueError, match="earlier layer"):
+        kv_layer_groups([None, None], [8, 8], [1, None])
+
+
+def test_layout_counts_only_the_layers_that_write_kv() -> None:
+    cfg = EngineConfig("m", kv_cache_tokens=4096, block_size=16, max_model_len=256)
+    shape = dict(num_layers=6, num_kv_heads=2, head_dim=16, dtype="float32", max_position_embeddings=512)
+    lay = kv_layout(cfg, **shape, layer_windows=[24, 24, None, 24, 24, None], layer_elems=[32, 32, 64, 32, 32, 64],
+                    layer_sources=[None] * 4 + [3, 2])
+    assert lay.bytes_per_token == 2 * (3 * 32 + 64) * 4  # layers 4 and 5 keep nothing
+    assert lay.bytes_per_block == 2 * 1 * 64 * 4 * 16  # one slot of 64 values per token, K and V
+    # A 256-token sequence: the full group holds 16 blocks, each sliding group 3 (its window + the step).
+    assert lay.seq_blocks(256) == 16 + 2 * lay.groups.group_blocks(0, 256, 16)

@@ -6,7 +6,8 @@ from typing import Callable
 
 import pytest
 
-FAMILIES = ("gemma2", "gemma3", "phi3", "olmo2", "olmo3", "smollm3", "granite")
+FAMILIES = ("gemma2", "gemma3", "gemma4", "phi3", "olmo2", "olmo3", "smollm3", "granite",
+            "qwen3moe", "mixtral", "olmoe", "qwen2moe")
 
 
 @pytest.fixture(scope="session")

@@ -22,15 +22,17 @@ class PagedRun:
 
     def __init__(self, model: DecoderForCausalLM, num_blocks: int = 48, block_size: int = 16, seed: int = 0):
         g = torch.Generator().manual_seed(seed)
-        shape = model.kv_cache_shape(num_blocks, block_size)
-        # Finite garbage, not zeros: a kernel that read a slot it never wrote would show it.
-        self.kv_caches = [
-            (
-                (torch.randn(shape, generator=g) * 50).to(model.dtype),
-                (torch.randn(shape, generator=g) * 50).to(model.dtype),
-            )
-            for _ in range(model.config.num_layers)
-        ]
+        c = model.config
+        # Finite garbage, not zeros: a kernel that read a slot it never wrote would show it. Each
+        # layer's own shape; a layer that reads another's KV (Gemma 4) gets that layer's tensors.
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i in range(c.num_layers):
+            if c.kv_source(i) != i:
+                self.kv_caches.append(self.kv_caches[c.kv_source(i)])
+                continue
+            shape = (num_blocks, c.kv_heads_of(i), block_size, c.head_dim_of(i))
+            self.kv_caches.append(((torch.randn(shape, generator=g) * 50).to(model.dtype),
+                                   (torch.randn(shape, generator=g) * 50).to(model.dtype)))
         self.model = model
         self.block_size = block_size
         self.free = torch.randperm(num_blocks, generator=g).tolist()

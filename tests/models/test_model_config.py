@@ -162,3 +162,15 @@ def test_registry_names_translations_and_kv_specs() -> None:
     assert smol.layer_ropes == (0, 0, 0, None, 0, 0, 0, None)
     with pytest.raises(UnsupportedModelError, match="hidden_act 'silu'.*gelu_pytorch_tanh"):
         config_from_hf({**_LLAMA, "architectures": ["Gemma2ForCausalLM"]})
+
+
+def test_gemma4_refuses_its_mixture_of_experts_variant_naming_the_field() -> None:
+    raw = {"architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "enable_moe_block": True,
+           "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
+           "vocab_size": 128}
+    with pytest.raises(UnsupportedModelError, match="enable_moe_block"):
+        config_from_hf(raw, "config.json")
+    text = {k: v for k, v in raw.items() if k not in ("architectures", "enable_moe_block")}
+    wrapped = config_from_hf({"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
+                              "text_config": {**text, "head_dim": 16, "global_head_dim": 32}})
+    assert wrapped.layer_head_dims == (16, 32) and wrapped.layer_sliding_windows == (512, None)

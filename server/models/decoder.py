@@ -13,7 +13,7 @@ fused parameters.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -25,22 +25,9 @@ from server.kernels.quant import QUANTIZATIONS, QuantizedWeight
 from server.models.attention import AttentionMetadata
 from server.models.config import ModelConfig
 from server.models.layers import add_norm, gelu_tanh_and_mul, norm, rms_norm, silu_and_mul
-from server.models.moe import SparseMoE, attach_moe, parameter_summary
+from server.models.moe import SparseMoE, parameter_summary
 from server.models.rope import RopeBatch, RotaryEmbedding
-
-
-class WeightTarget(NamedTuple):
-    """Where one checkpoint tensor goes: `dest` (a view into a parameter), the shape it must have,
-    and `offset`, added after copying (Gemma checkpoints store norm weights as w - 1)."""
-
-    dest: torch.Tensor
-    shape: tuple[int, ...]
-    offset: float = 0.0
-
-
-def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    # Uninitialised on purpose: the loader fills every parameter or fails naming the missing tensor.
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+from server.models.weights import WeightTarget, param
 
 
 class DecoderLayer(nn.Module):
@@ -79,34 +66,34 @@ class DecoderLayer(nn.Module):
         own_kv = 0 if self.shares_kv else (1 if self.value_from_key else 2) * self.kv_size
         qkv = self.q_size + own_kv  # q, then k and v rows unless shared (k only when v is k)
         pre, post = c.norm_placement in ("pre", "both"), c.norm_placement in ("post", "both")
-        self.attn_norm = _param((H,), dtype, device) if pre else None
-        self.attn_post_norm = _param((H,), dtype, device) if post else None
-        self.mlp_norm = _param((H,), dtype, device) if pre else None
-        self.mlp_post_norm = _param((H,), dtype, device) if post else None
+        self.attn_norm = param((H,), dtype, device) if pre else None
+        self.attn_post_norm = param((H,), dtype, device) if post else None
+        self.mlp_norm = param((H,), dtype, device) if pre else None
+        self.mlp_post_norm = param((H,), dtype, device) if post else None
         # The four matrices may be replaced by QuantizedWeight (quantize_weights) after loading.
-        self.qkv_weight: torch.Tensor | QuantizedWeight = _param((qkv, H), dtype, device)
-        self.qkv_bias = _param((qkv,), dtype, device) if c.qkv_bias else None
+        self.qkv_weight: torch.Tensor | QuantizedWeight = param((qkv, H), dtype, device)
+        self.qkv_bias = param((qkv,), dtype, device) if c.qkv_bias else None
         per_head, whole = c.qk_norm and c.qk_norm_over == "head", c.qk_norm and c.qk_norm_over == "projection"
         kv_heads_normed = 0 if self.shares_kv else self.num_kv_heads
-        self.qk_norm = _param((c.num_heads + kv_heads_normed, self.head_dim), dtype, device) if per_head else None
-        self.q_norm = _param((self.q_size,), dtype, device) if whole else None
-        self.k_norm = _param((self.kv_size,), dtype, device) if whole else None
+        self.qk_norm = param((c.num_heads + kv_heads_normed, self.head_dim), dtype, device) if per_head else None
+        self.q_norm = param((self.q_size,), dtype, device) if whole else None
+        self.k_norm = param((self.kv_size,), dtype, device) if whole else None
         # Gemma 4's value norm: RMSNorm of each value head with no weight (ones: x * r * 1 == x * r).
         self.v_norm = (torch.ones(self.head_dim, dtype=dtype, device=device)
                        if c.value_norm and not self.shares_kv else None)
-        self.o_weight: torch.Tensor | QuantizedWeight = _param((H, self.q_size), dtype, device)
-        self.o_bias = _param((H,), dtype, device) if c.o_bias else None
-        self.gate_up_weight: torch.Tensor | QuantizedWeight = _param((2 * I, H), dtype, device)
-        self.gate_up_bias = _param((2 * I,), dtype, device) if c.mlp_bias else None
-        self.down_weight: torch.Tensor | QuantizedWeight = _param((H, I), dtype, device)
-        self.down_bias = _param((H,), dtype, device) if c.mlp_bias else None
+        self.o_weight: torch.Tensor | QuantizedWeight = param((H, self.q_size), dtype, device)
+        self.o_bias = param((H,), dtype, device) if c.o_bias else None
+        self.gate_up_weight: torch.Tensor | QuantizedWeight = param((2 * I, H), dtype, device)
+        self.gate_up_bias = param((2 * I,), dtype, device) if c.mlp_bias else None
+        self.down_weight: torch.Tensor | QuantizedWeight = param((H, I), dtype, device)
+        self.down_bias = param((H,), dtype, device) if c.mlp_bias else None
         # Gemma 4's end of layer: a gated block over the per-layer input embedding (PLE), then the
         # whole residual stream scaled by the layer's scalar.
         P = c.per_layer_input_size
-        self.ple_gate = _param((P, H), dtype, device) if P else None
-        self.ple_proj = _param((H, P), dtype, device) if P else None
-        self.ple_norm = _param((H,), dtype, device) if P else None
-        self.layer_scalar = _param((1,), dtype, device) if c.layer_scalar else None
+        self.ple_gate = param((P, H), dtype, device) if P else None
+        self.ple_proj = param((H, P), dtype, device) if P else None
+        self.ple_norm = param((H,), dtype, device) if P else None
+        self.layer_scalar = param((1,), dtype, device) if c.layer_scalar else None
         self.norm_offset = c.norm_weight_offset
         self.fused_checkpoint = c.fused_checkpoint
         # The layers pagewire::decode_layer expresses: every norm placement, q/k norm over the
@@ -124,7 +111,7 @@ class DecoderLayer(nn.Module):
         # Mixture of experts: a sparse layer's MLP is its router and experts (server.models.moe);
         # decode_layer has no experts, so such a layer runs forward().
         self.moe: SparseMoE | None = None
-        attach_moe(self, c, layer_idx, dtype, device)
+        _attach_moe(self, c, layer_idx, dtype, device)
 
     def forward(
         self,
@@ -322,6 +309,21 @@ class DecoderLayer(nn.Module):
         return t
 
 
+def _attach_moe(layer: DecoderLayer, config: ModelConfig, layer_idx: int, dtype: torch.dtype,
+                device: torch.device) -> None:
+    """Give DecoderLayer `layer` its sparse MLP when config says layer_idx is sparse: `layer.moe`
+    (else None). A sparse layer has no dense gate_up/down (they become empty [0, H] / [H, 0]), its
+    MATRICES are the attention's only, and it runs the Python layer (fusable False)."""
+    if config.mlp_kind(layer_idx) != "sparse":
+        return
+    H = config.hidden_size
+    layer.moe = SparseMoE(config, dtype, device)
+    layer.gate_up_weight = param((0, H), dtype, device)
+    layer.down_weight = param((H, 0), dtype, device)
+    layer.MATRICES = ("qkv_weight", "o_weight")
+    layer.fusable = False
+
+
 def _enter(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None,
            eps: float) -> torch.Tensor:
     """A sub-block's input: the residual stream with `delta` (the previous sub-block's output)
@@ -357,20 +359,20 @@ class DecoderForCausalLM(nn.Module):
         self.dtype = dtype
         self.device = torch.device(device)
         c, dev = config, self.device
-        self.embed_tokens = _param((c.vocab_size, c.hidden_size), dtype, dev)
+        self.embed_tokens = param((c.vocab_size, c.hidden_size), dtype, dev)
         self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, dev) for i in range(c.num_layers))
-        self.norm = _param((c.hidden_size,), dtype, dev)
+        self.norm = param((c.hidden_size,), dtype, dev)
         # Per-layer input embeddings (Gemma 4): a token table of num_layers x P per token, and a
         # projection of the (scaled) embeddings to the same size, RMSNorm'ed per layer slice.
         P, L = c.per_layer_input_size, c.num_layers
-        self.embed_tokens_per_layer = _param((c.per_layer_vocab_size, L * P), dtype, dev) if P else None
-        self.per_layer_projection = _param((L * P, c.hidden_size), dtype, dev) if P else None
-        self.per_layer_projection_norm = _param((P,), dtype, dev) if P else None
+        self.embed_tokens_per_layer = param((c.per_layer_vocab_size, L * P), dtype, dev) if P else None
+        self.per_layer_projection = param((L * P, c.hidden_size), dtype, dev) if P else None
+        self.per_layer_projection_norm = param((P,), dtype, dev) if P else None
         self._ple_scale = torch.tensor(P**0.5, dtype=dtype, device=dev) if P else None
         tied = c.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
         # Tied checkpoints store one matrix; the output projection reuses the embedding table.
         self.lm_head: torch.Tensor | QuantizedWeight = (
-            self.embed_tokens if tied else _param((c.vocab_size, c.hidden_size), dtype, dev)
+            self.embed_tokens if tied else param((c.vocab_size, c.hidden_size), dtype, dev)
         )
         # One table per distinct RoPE (Gemma 3: local and global bases); layers index into it.
         self.ropes = [RotaryEmbedding(r.rotary_dim, c.max_position_embeddings, r.theta, r.scaling, dev)

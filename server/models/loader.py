@@ -18,11 +18,11 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from server.models.config import ModelConfig, ModelFileNotFoundError, ModelLoadError, UnsupportedModelError
-from server.models.decoder import WeightTarget
 from server.models.dtype import resolve_dtype
 from server.models.gguf_file import is_gguf_path
 from server.models.protocol import CausalLM
 from server.models.registry import hf_config_from_dir, model_class
+from server.models.weights import WeightTarget
 
 SINGLE_FILE = "model.safetensors"
 WRAPPED_PREFIX = "model.language_model."  # a multimodal checkpoint's language model

@@ -20,7 +20,6 @@ Python layer (DecoderLayer.fusable is False): pagewire::decode_layer has no expe
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,14 +28,7 @@ from server.kernels.ops import linear, moe_experts
 from server.kernels.quant import QuantizedExperts, QuantizedWeight
 from server.models.config import ModelConfig
 from server.models.layers import silu_and_mul
-
-if TYPE_CHECKING:  # pragma: no cover  (decoder imports this module)
-    from server.models.decoder import DecoderLayer, WeightTarget
-
-
-def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    # Uninitialised on purpose: the loader fills every parameter or fails naming the missing tensor.
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+from server.models.weights import WeightTarget, param
 
 
 class SparseMoE(nn.Module):
@@ -50,13 +42,13 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k, self.norm_topk_prob = E, c.num_experts_per_tok, c.norm_topk_prob
         self.intermediate_size = I
         self.checkpoint_layout = c.moe_checkpoint
-        self.router_weight = _param((E, H), dtype, device)
-        self.experts_gate_up: torch.Tensor | QuantizedExperts = _param((E, 2 * I, H), dtype, device)
-        self.experts_down: torch.Tensor | QuantizedExperts = _param((E, H, I), dtype, device)
+        self.router_weight = param((E, H), dtype, device)
+        self.experts_gate_up: torch.Tensor | QuantizedExperts = param((E, 2 * I, H), dtype, device)
+        self.experts_down: torch.Tensor | QuantizedExperts = param((E, H, I), dtype, device)
         self.shared_gate_up_weight: torch.Tensor | QuantizedWeight | None = (
-            _param((2 * S, H), dtype, device) if S else None)
-        self.shared_down_weight: torch.Tensor | QuantizedWeight | None = _param((H, S), dtype, device) if S else None
-        self.shared_gate_weight = _param((1, H), dtype, device) if S else None
+            param((2 * S, H), dtype, device) if S else None)
+        self.shared_down_weight: torch.Tensor | QuantizedWeight | None = param((H, S), dtype, device) if S else None
+        self.shared_gate_weight = param((1, H), dtype, device) if S else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_ids int64 [T, k], topk_weights float32 [T, k]) as transformers' routers compute
@@ -107,12 +99,11 @@ class SparseMoE(nn.Module):
             shared += 3 * int(self.shared_down_weight.shape[0]) * int(self.shared_down_weight.shape[1])
         return E * H + self.top_k * 3 * I * H + shared
 
-    def checkpoint_tensors(self, prefix: str) -> dict[str, "WeightTarget"]:
+    def checkpoint_tensors(self, prefix: str) -> dict[str, WeightTarget]:
         """HF names under `prefix` ("model.layers.3.") -> slices of the stacked parameters:
         `mlp.experts.N.{gate,up,down}_proj` (Qwen-MoE, OLMoE) or Mixtral's
         `block_sparse_moe.experts.N.{w1,w3,w2}` (gate, up, down), the router `*.gate.weight`, and
         Qwen2-MoE's `mlp.shared_expert.*` and `mlp.shared_expert_gate.weight`."""
-        from server.models.decoder import WeightTarget  # noqa: F811  (decoder imports this module)
 
         gu, dn = self.experts_gate_up, self.experts_down
         assert isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor), "checkpoint_tensors: already quantised"
@@ -135,20 +126,6 @@ class SparseMoE(nn.Module):
             t[m + "shared_expert.down_proj.weight"] = WeightTarget(sdn, (H, S))
             t[m + "shared_expert_gate.weight"] = WeightTarget(sg, (1, H))
         return t
-
-
-def attach_moe(layer: "DecoderLayer", config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Give DecoderLayer `layer` its sparse MLP when config says layer_idx is sparse: `layer.moe`
-    (else None). A sparse layer has no dense gate_up/down (they become empty [0, H] / [H, 0]), its
-    MATRICES are the attention's only, and it runs the Python layer (fusable False)."""
-    if config.mlp_kind(layer_idx) != "sparse":
-        return
-    H = config.hidden_size
-    layer.moe = SparseMoE(config, dtype, device)
-    layer.gate_up_weight = _param((0, H), dtype, device)
-    layer.down_weight = _param((H, 0), dtype, device)
-    layer.MATRICES = ("qkv_weight", "o_weight")
-    layer.fusable = False
 
 
 def parameter_summary(model: nn.Module) -> str:

@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from server.kernels.quant import QuantizedWeight
     from server.models.attention import AttentionMetadata
-    from server.models.decoder import WeightTarget
+    from server.models.weights import WeightTarget
 
 
 class CausalLM(Protocol):

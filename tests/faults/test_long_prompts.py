@@ -106,7 +106,12 @@ def test_a_long_tokenisation_leaves_the_loop_running(demo_model: Path) -> None:
     ticks, n = asyncio.run(scenario())
     assert n > 1000
     assert ticks > 5000, ticks  # the loop turned freely while the tokenizer worked (GIL-bound: hundreds)
-    assert not [t for t in threading.enumerate() if t.name == "pagewire-tokenize" and t not in before]
+    # The thread hands its result over before it returns, so it may still be alive for a moment:
+    # wait for it to end (a join, not a sleep), and fail if it never does.
+    started = [t for t in threading.enumerate() if t.name == "pagewire-tokenize" and t not in before]
+    for t in started:
+        t.join(timeout=60)
+    assert not [t for t in started if t.is_alive()]
 
 
 def test_the_tokenize_budget_bounds_one_client_and_all() -> None:

@@ -129,14 +129,7 @@ def test_every_family_runs_fused_with_the_python_layers_floats(
     if quantization != "none":
         model.quantize_weights(quantization)
     assert all(layer.fusable for layer in model._layers)
-    calls: list[int] = []
-    real = llama.DecoderLayer.forward_fused
-
-    def counting(self: llama.DecoderLayer, *args: object) -> object:
-        calls.append(self.layer_idx)
-        return real(self, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(llama.DecoderLayer, "forward_fused", counting)
+    calls = _count_fused_calls(monkeypatch)
     _assert_same(model, batch)
     # Every layer of every step of at most 16 rows ran fused (batch 3's second step has 24).
     small = sum(sum(map(len, step.values())) <= 16 for step in _steps(batch))
@@ -177,14 +170,7 @@ def test_decode_layer_rejects_an_unknown_activation(models: dict[str, Path]) -> 
 def test_sixteen_rows_fused_seventeen_not(models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     model, _ = load_model(models["qwen3"], dtype="bfloat16")
     model.quantize_weights("int8")
-    calls: list[int] = []
-    real = llama.DecoderLayer.forward_fused
-
-    def counting(self: llama.DecoderLayer, *args: object) -> object:
-        calls.append(self.layer_idx)
-        return real(self, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(llama.DecoderLayer, "forward_fused", counting)
+    calls = _count_fused_calls(monkeypatch)
     toks = random_tokens(17, VOCAB, seed=1)
     fused, _ = _run(model, True, [{0: toks[:16]}])
     assert calls == [0, 1]  # both layers, one call each
@@ -248,6 +234,19 @@ def test_opcheck_decode_layer_with_the_families_parts(family_models: dict[str, P
     key_cache, value_cache = run.kv_caches[0]
     args = _op_args(model, layer, run, kinds, torch.randn(1, 64), key_cache.clone(), value_cache.clone())
     torch.library.opcheck(torch.ops.pagewire.decode_layer.default, args)
+
+
+def _count_fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that collects the layer index of every forward_fused call from now on."""
+    calls: list[int] = []
+    real = llama.DecoderLayer.forward_fused
+
+    def counting(self: llama.DecoderLayer, *args: object) -> object:
+        calls.append(self.layer_idx)
+        return real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(llama.DecoderLayer, "forward_fused", counting)
+    return calls
 
 
 def _op_args(model: DecoderForCausalLM, layer: llama.DecoderLayer, run: PagedRun, kinds: tuple[str, str, str, str],

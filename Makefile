@@ -9,7 +9,7 @@ MAX_JOBS ?= 2
 export MAX_JOBS
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv browser sysdeps build serve test test-fast test-py310 test-postgres lint bench clean cluster cluster-stop
+.PHONY: venv venv310 browser sysdeps build serve test test-fast test-py310 test-postgres lint bench clean cluster cluster-stop
 
 $(VENV)/.deps-stamp: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -84,10 +84,13 @@ PY310_TESTS := tests/test_layers.py tests/server/test_edge_units.py tests/test_t
   tests/test_detokenizer.py tests/server/test_tools_validation.py tests/gateway/test_keys_and_quotas.py \
   tests/gateway/test_files.py tests/gateway/test_ownership_schema.py
 
-test-py310:
+# venv310 alone is the set-up half: .ci/run starts it beside the other set-up steps.
+venv310:
 	@test -n "$(PY310)" || { echo "test-py310: no python3.10 on this machine"; exit 1; }
 	test -x $(VENV310)/bin/python || $(PY310) -m venv $(VENV310)
 	$(VENV310)/bin/python -m pip install -q $(PY310_DEPS)
+
+test-py310: venv310
 	! $(VENV310)/bin/python -c "import torch" 2>/dev/null  # the point of this run: no torch at all
 	PYTHONPATH=$(CURDIR) $(VENV310)/bin/python -m pytest -q -p no:cacheprovider -rs $(PY310_TESTS)
 

@@ -21,6 +21,21 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each worker's intra-op threads get its share of the cores.
+
+    `make test` runs two workers on two cores. With torch's default (one thread per core) each
+    worker's OpenMP regions ran two threads on cores the other worker also wanted: every barrier
+    then waited for a descheduled thread, which cost a whole scheduler slice per region (a 32-token
+    prefill measured 3.1 s alone and 19.8 s beside one busy process, bench/RESULTS.md). Set before
+    torch is imported (collection imports it), so torch and the extension's OpenMP read it. Tests
+    that check thread-count invariance set their thread counts themselves (test_determinism,
+    test_attention_batch_invariance, test_thread_invariance)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(workers)))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`cuda` tests skip (with the reason) when no GPU is visible; `sqlite_only` ones when the
     ledger backend under test is PostgreSQL (tests.server.harness.LEDGER_BACKEND)."""

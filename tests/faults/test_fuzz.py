@@ -12,6 +12,7 @@ WebSocket frames are pipelined on one socket (a reader thread collects the answe
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -26,7 +27,10 @@ from hypothesis import strategies as st
 
 from tests.server.harness import ServerProcess, ledger_rows
 
-HTTP_EXAMPLES = 3000  # × 3 endpoints
+# Issue 13 asks for at least 10,000 generated HTTP bodies and WebSocket frames: 2,000 × 3 chat
+# routes + 4,000 frames (+ the embedding routes' own below); PAGEWIRE_FUZZ_EXAMPLES asks for more
+# per route in a longer run (it was 3,000 per route, which cost CI a minute).
+HTTP_EXAMPLES = int(os.environ.get("PAGEWIRE_FUZZ_EXAMPLES", "2000"))  # × 3 endpoints
 WS_EXAMPLES = 4000
 
 FIELDS = ["model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p",

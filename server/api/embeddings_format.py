@@ -6,8 +6,10 @@ own ledger row (`kind` "embedding"; an Idempotency-Key `K` becomes `K#i` for inp
 batched completion prompt does. `dimensions` travels to the engine, which keeps the leading
 values and normalises again when the model normalises (Matryoshka; it also checks the bound).
 `encoding_format` "base64" sends each vector as its little-endian float32 bytes in base64, which
-is what the openai client asks for by default and decodes with numpy. Ollama's /api/embed builds
-its specs here too (server.api.ollama_http).
+is what the openai client asks for by default and decodes with numpy. An input longer than the
+context is a 400 naming it, as OpenAI answers, unless vLLM's `truncate_prompt_tokens` asks for
+its last k tokens (server.serving.truncation). Ollama's /api/embed builds its specs here too
+(server.api.ollama_http).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from msgspec import Struct
 from server.serving.errors import Conflict, InvalidRequest
 from server.serving.jobs import GenerationSpec
 from server.serving.streams import EndEvent
+from server.serving.truncation import Truncation
 
 # Inputs per request: each is an engine request and a ledger row, admitted in order.
 MAX_INPUTS = 128
@@ -36,6 +39,9 @@ class EmbeddingRequest(Struct, kw_only=True):
     dimensions: Optional[int] = None
     encoding_format: str = "float"
     user: Optional[str] = None
+    # vLLM's extension (the openai client sends it through `extra_body`): keep the last k tokens of
+    # an input longer than k; -1: as many as the context holds (server.serving.truncation).
+    truncate_prompt_tokens: Optional[int] = None
 
 
 def embedding_inputs(value: Any, field: str = "input", allow_ids: bool = True) -> list[EmbeddingInput]:
@@ -91,18 +97,31 @@ def check_dimensions(value: Any, field: str = "dimensions") -> Optional[int]:
     return int(value)
 
 
+def check_truncate_prompt_tokens(value: Optional[int], field: str = "truncate_prompt_tokens") -> Optional[Truncation]:
+    """vLLM's `truncate_prompt_tokens` as a Truncation keeping the input's last tokens, or None; a
+    400 naming the field unless it is -1 or a positive integer (the bound, the context, is checked
+    when the request is prepared)."""
+    if value is None:
+        return None
+    if value != -1 and value < 1:
+        raise InvalidRequest(f"{field}: must be -1 (as many as the context holds) or a positive integer, "
+                             f"got {value}", param=field)
+    return Truncation(keep_end=True, tokens=None if value == -1 else value, field=field)
+
+
 def embedding_specs(inputs: list[EmbeddingInput], *, api: str, client: str, model: str, idem: Optional[str],
                     dimensions: Optional[int], params_record: dict[str, Any],
-                    field: str = "input") -> list[GenerationSpec]:
+                    field: str = "input", truncate: Optional[Truncation] = None) -> list[GenerationSpec]:
     """One GenerationSpec per input (`kind` "embedding"): nothing is sampled, so max_tokens is the
-    one position the context check asks an output to leave."""
+    one position the context check asks an output to leave. With `truncate`, an input that does
+    not fit is cut (server.serving.truncation) instead of refused."""
     many = len(inputs) > 1
     return [
         GenerationSpec(
             kind="embedding", api=api, client=client, model=model, prompt=x,
             sampling={"embedding": {"dimensions": dimensions}}, max_tokens=1, params_record=params_record,
             idempotency_key=(f"{idem}#{i}" if many else idem) if idem is not None else None,
-            prompt_field=f"{field}[{i}]" if many else field,
+            prompt_field=f"{field}[{i}]" if many else field, truncate=truncate,
         )
         for i, x in enumerate(inputs)
     ]

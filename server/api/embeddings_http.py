@@ -19,6 +19,7 @@ from server.api.embeddings_format import (
     EmbeddingRequest,
     check_dimensions,
     check_encoding,
+    check_truncate_prompt_tokens,
     embedding_inputs,
     embedding_specs,
     openai_body,
@@ -58,10 +59,13 @@ class EmbeddingsEndpoint:
         api.check_model(req.model)
         fmt = check_encoding(req.encoding_format)
         dims = check_dimensions(req.dimensions)
+        truncate = check_truncate_prompt_tokens(req.truncate_prompt_tokens)
         inputs = embedding_inputs(req.input)
         record: dict[str, Any] = {"dimensions": dims, "encoding_format": fmt, "inputs": len(inputs)}
+        if truncate is not None:
+            record["truncate_prompt_tokens"] = req.truncate_prompt_tokens
         specs = embedding_specs(inputs, api="http", client=req.user or peer(scope), model=api.rt.model_name,
-                                idem=idem, dimensions=dims, params_record=record)
+                                idem=idem, dimensions=dims, params_record=record, truncate=truncate)
         who = principal_of(scope)
         for spec in specs:
             bind(spec, who)

@@ -17,8 +17,9 @@ request may name it either way.
 input is one engine request and ledger row, as on /v1/embeddings (server.api.embeddings_http);
 the answer is Ollama's `{model, embeddings, total_duration, load_duration, prompt_eval_count}`,
 or the older route's `{embedding}`. A generation model answers 400 `not_embedding_model` naming
-`model`. Inputs are never truncated: one longer than the context is a 400 (Ollama's
-`truncate` is accepted; docs/apis.md).
+`model`. As in Ollama, /api/embed cuts an input longer than the context to its first tokens
+(`truncate`, default true; `options.num_ctx` may lower the bound), or with `truncate: false`
+refuses it with a 400 naming it (server.serving.truncation); /api/embeddings always refuses it.
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ from server.serving.idempotency import check_header_key
 from server.serving.jobs import GenerationSpec
 from server.serving.service import Admitted
 from server.serving.streams import EndEvent
+from server.serving.truncation import Truncation
 
 # The Ollama release whose API these routes follow (what /api/version reports; clients compare it
 # to decide which fields they may send).
@@ -171,9 +173,16 @@ class OllamaApi:
             inputs = embedding_inputs(req.input, "input", allow_ids=False)
             field = "input"
         record: dict[str, Any] = {"dimensions": req.dimensions, "truncate": req.truncate, "inputs": len(inputs)}
+        num_ctx = req.options.num_ctx if req.options is not None else None
+        if num_ctx is not None and num_ctx < 1:
+            raise InvalidRequest(f"options.num_ctx: must be a positive integer, got {num_ctx}", param="options.num_ctx")
+        # /api/embed truncates unless told not to: the first tokens, as many as the context (or a
+        # smaller num_ctx) holds. The older /api/embeddings has no `truncate` and cuts nothing.
+        truncate = None if legacy or req.truncate is False else \
+            Truncation(keep_end=False, tokens=num_ctx, field=field, clamp=True)
         specs = embedding_specs(inputs, api="ollama", client=peer(scope), model=api.rt.model_name,
                                 idem=check_header_key(header(scope, b"idempotency-key")),
-                                dimensions=req.dimensions, params_record=record, field=field)
+                                dimensions=req.dimensions, params_record=record, field=field, truncate=truncate)
         who = principal_of(scope)
         for spec in specs:
             bind(spec, who)

@@ -17,9 +17,13 @@ import base64
 import struct
 from typing import Any, Optional, Union
 
+import msgspec
 from msgspec import Struct
 
+from server.api.openai_format import klass_of
+from server.api.protocol import GenerateFrame, WsParams
 from server.serving.errors import Conflict, InvalidRequest
+from server.serving.idempotency import check_header_key
 from server.serving.jobs import GenerationSpec
 from server.serving.streams import EndEvent
 from server.serving.truncation import Truncation
@@ -125,6 +129,32 @@ def embedding_specs(inputs: list[EmbeddingInput], *, api: str, client: str, mode
         )
         for i, x in enumerate(inputs)
     ]
+
+
+def ws_embedding_spec(frame: GenerateFrame, peer: str, model: str) -> GenerationSpec:
+    """The spec of a WebSocket `generate` frame of kind "embedding" (docs/websocket.md): its
+    `prompt`, a string or a list of token ids, is one input; `dimensions` and
+    `truncate_prompt_tokens` as on /v1/embeddings. Sampling `params` do not apply (only
+    `params.user`, the fairness key)."""
+    if frame.messages is not None:
+        raise InvalidRequest("messages: not used when kind is 'embedding'; send the text as prompt", param="messages")
+    if frame.prompt is None:
+        raise InvalidRequest("prompt: required when kind is 'embedding'", param="prompt")
+    if msgspec.structs.replace(frame.params, user=None) != WsParams():
+        raise InvalidRequest("params: sampling parameters do not apply when kind is 'embedding' (only params.user)",
+                             param="params")
+    dims = check_dimensions(frame.dimensions)
+    truncate = check_truncate_prompt_tokens(frame.truncate_prompt_tokens)
+    inputs = embedding_inputs(frame.prompt, "prompt")
+    record: dict[str, Any] = {"dimensions": dims, "inputs": 1}
+    if truncate is not None:
+        record["truncate_prompt_tokens"] = frame.truncate_prompt_tokens
+    spec = embedding_specs(inputs, api="ws", client=frame.params.user or peer, model=model,
+                           idem=check_header_key(frame.idempotency_key, "idempotency_key"), dimensions=dims,
+                           params_record=record, field="prompt", truncate=truncate)[0]
+    spec.priority, spec.klass = frame.priority, klass_of(frame.priority, None)
+    spec.detach, spec.timeout_s = frame.detach, frame.timeout
+    return spec
 
 
 def vector_of(end: EndEvent) -> list[float]:

@@ -16,12 +16,12 @@ from server.api.admission import read_and_admit
 from server.api.anthropic_format import (
     CountTokensRequest,
     MessagesRequest,
-    MessageStream,
     anthropic_error,
-    message_body,
     messages_spec,
     prompt_spec,
+    thinking_mode,
 )
+from server.api.anthropic_output import MessageStream, message_body
 from server.api.context import ApiContext
 from server.api.decode import decode
 from server.api.follow import follow_stream, wait_finished
@@ -60,17 +60,18 @@ class MessagesEndpoint:
         if got is None:
             return
         req, spec, plan, admitted = got
+        thinking = thinking_mode(req) is True  # checked with max_tokens when the spec was built
         rid = admitted.request_id.encode()
         headers = [(b"request-id", rid), *api.limit_headers(spec.key_id)]
         if req.stream:
             render = MessageStream(admitted.request_id, api.rt.model_name, plan, req.stop_sequences,
-                                   admitted.prompt_tokens)
+                                   admitted.prompt_tokens, thinking)
             await follow_stream(api, send, receive, admitted, b"text/event-stream", render, "anthropic", headers)
             return
         end = await wait_finished(api, send, receive, admitted, send_error)
         if end is None:
             return  # the client left (the request was cancelled), or the error was answered
-        out = message_body(end, plan, api.rt.model_name, req.stop_sequences)
+        out = message_body(end, plan, api.rt.model_name, req.stop_sequences, thinking)
         try:
             await send_json(send, 200, out, [(b"x-request-id", rid), *headers])
         except OSError:

@@ -25,15 +25,7 @@ from starlette.routing import Route
 
 from server.api.context import ApiContext
 from server.api.decode import decode
-from server.api.embeddings_format import (
-    EmbeddingRequest,
-    check_dimensions,
-    check_encoding,
-    check_truncate_prompt_tokens,
-    embedding_inputs,
-    embedding_specs,
-    openai_body,
-)
+from server.api.embeddings_format import EmbeddingRequest, openai_body, request_specs
 from server.api.http_io import error_payload, retry_headers
 from server.api.openai_format import chat_spec, completion_specs
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
@@ -98,18 +90,11 @@ class BatchRoutes:
         prompt a completions line), so each line is one engine request and one ledger row."""
         req: EmbeddingRequest = decode(body, EmbeddingRequest)
         self.api.check_model(req.model)
-        fmt = check_encoding(req.encoding_format)
-        dims = check_dimensions(req.dimensions)
-        truncate = check_truncate_prompt_tokens(req.truncate_prompt_tokens)
-        inputs = embedding_inputs(req.input)
-        if len(inputs) != 1:
-            raise InvalidRequest(f"input: a batch line takes one input, got {len(inputs)}; put each input on its "
+        specs, _ = request_specs(req, api="batch", client=client, model=self.api.rt.model_name, idem=key)
+        if len(specs) != 1:
+            raise InvalidRequest(f"input: a batch line takes one input, got {len(specs)}; put each input on its "
                                  "own line", param="input")
-        record: dict[str, Any] = {"dimensions": dims, "encoding_format": fmt, "inputs": 1}
-        if truncate is not None:
-            record["truncate_prompt_tokens"] = req.truncate_prompt_tokens
-        return embedding_specs(inputs, api="batch", client=client, model=self.api.rt.model_name, idem=key,
-                               dimensions=dims, params_record=record, truncate=truncate)[0]
+        return specs[0]
 
     def _check_owner(self, owner: Optional[str]) -> None:
         """A line of a key that was revoked or expired since its batch was created does not run."""

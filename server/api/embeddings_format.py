@@ -131,6 +131,21 @@ def embedding_specs(inputs: list[EmbeddingInput], *, api: str, client: str, mode
     ]
 
 
+def request_specs(req: EmbeddingRequest, *, api: str, client: str, model: str,
+                  idem: Optional[str]) -> tuple[list[GenerationSpec], str]:
+    """A /v1/embeddings body's specs (one per input) and its encoding_format, each field checked
+    (a 400 naming it); the route and the batch tier's /v1/embeddings lines read bodies this way."""
+    fmt = check_encoding(req.encoding_format)
+    dims = check_dimensions(req.dimensions)
+    truncate = check_truncate_prompt_tokens(req.truncate_prompt_tokens)
+    inputs = embedding_inputs(req.input)
+    record: dict[str, Any] = {"dimensions": dims, "encoding_format": fmt, "inputs": len(inputs)}
+    if truncate is not None:
+        record["truncate_prompt_tokens"] = req.truncate_prompt_tokens
+    return embedding_specs(inputs, api=api, client=client, model=model, idem=idem, dimensions=dims,
+                           params_record=record, truncate=truncate), fmt
+
+
 def ws_embedding_spec(frame: GenerateFrame, peer: str, model: str) -> GenerationSpec:
     """The spec of a WebSocket `generate` frame of kind "embedding" (docs/websocket.md): its
     `prompt`, a string or a list of token ids, is one input; `dimensions` and

@@ -15,15 +15,7 @@ from typing import Any, Optional
 from server.api.admission import read_and_admit
 from server.api.context import ApiContext
 from server.api.decode import decode
-from server.api.embeddings_format import (
-    EmbeddingRequest,
-    check_dimensions,
-    check_encoding,
-    check_truncate_prompt_tokens,
-    embedding_inputs,
-    embedding_specs,
-    openai_body,
-)
+from server.api.embeddings_format import EmbeddingRequest, openai_body, request_specs
 from server.api.follow import wait_ends
 from server.api.http_io import Receive, Scope, Send, header, peer, send_error, send_json
 from server.api.openai_responses import admit_all, end_error
@@ -57,15 +49,8 @@ class EmbeddingsEndpoint:
         idem = check_header_key(header(scope, b"idempotency-key"))
         req = decode(body, EmbeddingRequest)
         api.check_model(req.model)
-        fmt = check_encoding(req.encoding_format)
-        dims = check_dimensions(req.dimensions)
-        truncate = check_truncate_prompt_tokens(req.truncate_prompt_tokens)
-        inputs = embedding_inputs(req.input)
-        record: dict[str, Any] = {"dimensions": dims, "encoding_format": fmt, "inputs": len(inputs)}
-        if truncate is not None:
-            record["truncate_prompt_tokens"] = req.truncate_prompt_tokens
-        specs = embedding_specs(inputs, api="http", client=req.user or peer(scope), model=api.rt.model_name,
-                                idem=idem, dimensions=dims, params_record=record, truncate=truncate)
+        specs, fmt = request_specs(req, api="http", client=req.user or peer(scope), model=api.rt.model_name,
+                                   idem=idem)
         who = principal_of(scope)
         for spec in specs:
             bind(spec, who)

@@ -312,13 +312,11 @@ class WsConnection:
             reasons: list[Optional[str]] = list(ev.finish_reasons)
             if rule.ws_finish_reason is not None:
                 reasons = [rule.ws_finish_reason] * len(reasons)
-            done: dict[str, Any] = {"type": "done", "id": cid, "request_id": ev.request_id,
-                                    "finish_reason": reasons[0] if reasons else None, "finish_reasons": reasons,
-                                    "usage": usage, "last_seq": ev.last_seq}
-            vector = (ev.output or {}).get("embedding")
-            if vector is not None:  # an embedding request's vector (kept with its output)
-                done["embedding"] = vector
-            return _enc.encode(done).decode()
+            vector = (ev.output or {}).get("embedding")  # an embedding request's (kept with its output)
+            return _enc.encode({"type": "done", "id": cid, "request_id": ev.request_id,
+                                "finish_reason": reasons[0] if reasons else None, "finish_reasons": reasons,
+                                "usage": usage, "last_seq": ev.last_seq,
+                                **({"embedding": vector} if vector is not None else {})}).decode()
         return _enc.encode({"type": "error", "id": cid, "request_id": ev.request_id, "code": ev.code,
                             "message": ev.message, "usage": usage, "last_seq": ev.last_seq}).decode()
 

@@ -235,3 +235,34 @@ def test_missing_or_malformed_files_name_the_path(demo_dir: Path, tmp_path: Path
     (d / "generation_config.json").unlink()
     with pytest.raises(TokenizerError, match="bos_token"):
         Tokenizer.from_dir(d)
+
+
+@pytest.mark.parametrize("keep_end", [False, True])
+def test_truncation_keeps_the_special_tokens_as_transformers_does(ours: Tokenizer, demo_dir: Path,
+                                                                  keep_end: bool) -> None:
+    # The demo tokenizer's post-processor puts BOS first; truncation cuts the text's own tokens
+    # and keeps it, as transformers' `truncation=True, max_length=k` does from either side.
+    from transformers import AutoTokenizer
+
+    from server.serving.truncation import truncate_ids
+
+    assert ours.special_ends() == (1, 0)
+    hf_side = AutoTokenizer.from_pretrained(demo_dir, truncation_side="left" if keep_end else "right")
+    text = "the quick brown fox jumps over the lazy dog, " * 4
+    ids = ours.encode(text)
+    for k in (2, 5, 17, len(ids) - 1, len(ids), len(ids) + 3):
+        want = hf_side(text, truncation=True, max_length=k)["input_ids"]
+        assert truncate_ids(ids, k, keep_end, *ours.special_ends()) == want, k
+
+
+def test_special_ends_count_a_configured_eos(demo_dir: Path, tmp_path: Path) -> None:
+    d = _copy_with_config(demo_dir, tmp_path / "m", add_eos_token=True)
+    tok = Tokenizer.from_dir(d)
+    assert tok.special_ends() == (1, 1)
+    from server.serving.errors import InvalidRequest
+    from server.serving.truncation import truncate_ids
+
+    ids = tok.encode("one two three four five six")
+    assert truncate_ids(ids, 4, keep_end=True, lead=1, trail=1) == ids[:1] + ids[-3:-1] + ids[-1:]
+    with pytest.raises(InvalidRequest, match="leaves none of its text"):
+        truncate_ids(ids, 2, keep_end=False, lead=1, trail=1, field="input[3]")

@@ -15,31 +15,24 @@ The request becomes the same spec an OpenAI chat request does (`openai_format.ge
     becomes a JSON-schema constraint, as OpenAI's `response_format` does;
   - `stop_sequences`, `temperature`, `top_p`, `top_k`, `max_tokens`, `metadata.user_id` map to
     the same sampling fields; `seed` is accepted as a pagewire extension.
+  - `thinking` (`{"type": "enabled", "budget_tokens"}`, `"adaptive"` or `"disabled"`) turns a
+    reasoning model's thinking on or off through the chat template (`enable_thinking`, the
+    Qwen3 switch), and on, asks for `thinking` blocks in the answer (server.api.anthropic_output).
 Errors name Anthropic's fields (`tools[0].input_schema`, `tool_choice.name`), in Anthropic's
-error shape (`anthropic_error`).
-
-Output: text and tool calls are read from the sample's text by the request's tool parser
-(server.text.tool_parsers), as the OpenAI edge does, into `text` and `tool_use` blocks. A stream
-is Anthropic's event sequence: message_start, then per block content_block_start /
-content_block_delta (text_delta, input_json_delta) / content_block_stop, a ping after the first
-block starts, then message_delta (stop_reason, stop_sequence, usage) and message_stop.
+error shape (`anthropic_error`). The answer's shapes are server.api.anthropic_output's.
 """
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-import msgspec
 from msgspec import Meta, Struct
 
-from server.api.format_common import call_arguments, piece_parser, renamed
+from server.api.format_common import renamed
 from server.api.openai_format import apply_tool_plan, generation_spec, params_record
 from server.api.protocol import PosInt, SamplingFields, Seed
-from server.api.tools import ToolPlan, call_id, check_messages, plan_request
+from server.api.tools import ToolPlan, check_messages, plan_request
 from server.serving.errors import InvalidRequest, PagewireError
 from server.serving.jobs import GenerationSpec
-from server.serving.lifecycle import end_error
-from server.serving.streams import DeltaEvent, EndEvent, Usage
-from server.text.tool_parsers import ArgsDelta, CallStart, Content, Piece, ToolCallParser
 
 # -- requests ---------------------------------------------------------------------------------------
 
@@ -61,7 +54,7 @@ class PromptFields(Struct, kw_only=True):
     system: Union[None, str, list[Any]] = None
     tools: Optional[list[Any]] = None
     tool_choice: Optional[dict[str, Any]] = None
-    # Accepted; no thinking blocks are produced (see docs/apis.md).
+    # Extended thinking: `thinking_mode` reads it.
     thinking: Optional[dict[str, Any]] = None
     output_config: Optional[dict[str, Any]] = None
     output_format: Optional[dict[str, Any]] = None
@@ -276,6 +269,31 @@ def _rename_names(names: dict[str, str], table: list[tuple[str, str]]) -> dict[s
     return out
 
 
+def thinking_mode(req: PromptFields, max_tokens: Optional[int] = None) -> Optional[bool]:
+    """Whether the request turns thinking on (True: `enabled` or `adaptive`), off (False:
+    `disabled`) or leaves the model's default (None: no `thinking`); a 400 naming the field for a
+    malformed one. `budget_tokens` must be a positive integer below `max_tokens`, as Anthropic
+    requires; its floor of 1024 is Claude's and is not applied (a small local model thinks in far
+    fewer tokens). The budget itself is not enforced: `max_tokens` bounds the thinking and the
+    answer together, as it does in Anthropic's API (docs/apis.md)."""
+    t = req.thinking
+    if t is None:
+        return None
+    kind = t.get("type")
+    if kind == "disabled":
+        return False
+    if kind == "adaptive":
+        return True
+    if kind != "enabled":
+        raise _bad("thinking.type", f"must be 'enabled', 'adaptive' or 'disabled', got {kind!r}")
+    budget = t.get("budget_tokens")
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise _bad("thinking.budget_tokens", f"required with type 'enabled', a positive integer; got {budget!r}")
+    if max_tokens is not None and budget >= max_tokens:
+        raise _bad("thinking.budget_tokens", f"must be less than max_tokens ({max_tokens}), got {budget}")
+    return True
+
+
 def prompt_spec(req: PromptFields, peer: str, model: str, tool_parser: str, marker_special: bool,
                 fields: Optional[SamplingFields] = None, idem: Optional[str] = None,
                 record: Optional[dict[str, Any]] = None) -> tuple[GenerationSpec, ToolPlan]:
@@ -287,10 +305,12 @@ def prompt_spec(req: PromptFields, peer: str, model: str, tool_parser: str, mark
         choice, parallel = _tool_choice(req.tool_choice, bool(tools))
         plan = plan_request(tools, choice, parallel, tool_parser, marker_special)
         messages = chat_messages(req)
+        thinking = thinking_mode(req, fields.max_tokens if fields is not None else None)
         spec = generation_spec(kind="chat", api="anthropic", peer=peer, model=model,
                                fields=fields if fields is not None else SamplingFields(),
                                messages=None, idempotency_key=idem, params_record=record,
-                               response_format=fmt)
+                               response_format=fmt,
+                               chat_template_kwargs=None if thinking is None else {"enable_thinking": thinking})
         spec.messages = check_messages(messages)
         if req.messages and req.messages[-1].role == "assistant":
             spec.continue_final_message, spec.add_generation_prompt = True, False
@@ -322,179 +342,3 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
 def anthropic_error(exc: PagewireError) -> dict[str, Any]:
     """Anthropic's error body: {"type": "error", "error": {"type", "message"}}."""
     return {"type": "error", "error": {"type": _ERROR_TYPES.get(exc.status, "api_error"), "message": exc.message}}
-
-
-# -- responses --------------------------------------------------------------------------------------
-
-
-def message_id(request_id: str) -> str:
-    return "msg_" + request_id.removeprefix("req-")
-
-
-def tool_use_id(request_id: str, call: int) -> str:
-    """Derived from the request, as OpenAI call ids are, so an idempotent retry sees the same ids."""
-    return "toolu_" + call_id(request_id, 0, call).removeprefix("call_")
-
-
-def usage_dict(u: Usage) -> dict[str, Any]:
-    """Anthropic counts prompt tokens read from the (prefix) cache apart from the rest."""
-    return {"input_tokens": u.prompt_tokens - u.cached_tokens, "output_tokens": u.completion_tokens,
-            "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0}
-
-
-def stop_fields(sample: dict[str, Any], made_calls: bool, stop_sequences: Optional[list[str]]
-                ) -> tuple[Optional[str], Optional[str]]:
-    """(stop_reason, stop_sequence) of the finished sample."""
-    reason = sample.get("finish_reason")
-    if reason == "length":
-        return "max_tokens", None
-    if made_calls:
-        return "tool_use", None
-    matched = sample.get("stop_reason")
-    if isinstance(matched, str) and stop_sequences and matched in stop_sequences:
-        return "stop_sequence", matched
-    return "end_turn", None
-
-
-class _Blocks:
-    """A sample's pieces as Anthropic content blocks (text and tool_use), in order."""
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self.blocks: list[dict[str, Any]] = []
-        self._args: list[str] = []  # per tool_use block, its arguments text so far
-
-    @property
-    def calls(self) -> int:
-        return len(self._args)
-
-    def add(self, pieces: list[Piece]) -> None:
-        for p in pieces:
-            if isinstance(p, Content):
-                if self.blocks and self.blocks[-1]["type"] == "text":
-                    self.blocks[-1]["text"] += p.text
-                else:
-                    self.blocks.append({"type": "text", "text": p.text})
-            elif isinstance(p, CallStart):
-                self.blocks.append({"type": "tool_use", "id": tool_use_id(self.request_id, p.index),
-                                    "name": p.name, "input": {}})
-                self._args.append(p.arguments)
-            elif isinstance(p, ArgsDelta):
-                self._args[p.index] += p.text
-
-    def final(self) -> list[dict[str, Any]]:
-        k = 0
-        for b in self.blocks:
-            if b["type"] == "tool_use":
-                b["input"] = call_arguments(self._args[k]) or {}
-                k += 1
-        return self.blocks or [{"type": "text", "text": ""}]
-
-
-def message_body(end: EndEvent, plan: Optional[ToolPlan], model: str,
-                 stop_sequences: Optional[list[str]]) -> dict[str, Any]:
-    """The whole `message` of a finished request."""
-    sample = (end.output or {}).get("samples", [{}])[0]
-    parser = piece_parser(plan)
-    blocks = _Blocks(end.request_id)
-    blocks.add(parser.feed(sample.get("text", "")) + parser.finish())
-    reason, seq = stop_fields(sample, blocks.calls > 0, stop_sequences)
-    return {"id": message_id(end.request_id), "type": "message", "role": "assistant", "model": model,
-            "content": blocks.final(), "stop_reason": reason, "stop_sequence": seq,
-            "usage": usage_dict(end.usage)}
-
-
-_enc = msgspec.json.Encoder()
-
-
-def sse_event(payload: dict[str, Any]) -> bytes:
-    """One server-sent event named by its payload's type, as Anthropic sends them."""
-    return b"event: " + str(payload["type"]).encode() + b"\ndata: " + _enc.encode(payload) + b"\n\n"
-
-
-class MessageStream:
-    """The events of one streamed message (a server.api.follow.StreamRenderer)."""
-
-    def __init__(self, request_id: str, model: str, plan: Optional[ToolPlan], stop_sequences: Optional[list[str]],
-                 input_tokens: Optional[int]) -> None:
-        self.request_id = request_id
-        self.model = model
-        self.stop_sequences = stop_sequences
-        self.input_tokens = input_tokens
-        self.parser: ToolCallParser = piece_parser(plan)
-        self.index = -1  # the open block's index; -1 before the first
-        self.open: Optional[str] = None  # the open block's type
-        self.calls = 0
-        self.finished_parsing = False
-        self.pinged = False
-
-    def start(self) -> bytes:
-        return sse_event({"type": "message_start", "message": {
-            "id": message_id(self.request_id), "type": "message", "role": "assistant", "model": self.model,
-            "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": self.input_tokens or 0, "output_tokens": 0}}})
-
-    def _open(self, block: dict[str, Any], out: list[bytes]) -> None:
-        self._close(out)
-        self.index += 1
-        self.open = block["type"]
-        out.append(sse_event({"type": "content_block_start", "index": self.index, "content_block": block}))
-        if not self.pinged:  # Anthropic's streams carry a ping after the first block starts
-            self.pinged = True
-            out.append(sse_event({"type": "ping"}))
-
-    def _close(self, out: list[bytes]) -> None:
-        if self.open is not None:
-            out.append(sse_event({"type": "content_block_stop", "index": self.index}))
-            self.open = None
-
-    def _pieces(self, pieces: list[Piece], out: list[bytes]) -> None:
-        for p in pieces:
-            if isinstance(p, Content):
-                if not p.text:
-                    continue
-                if self.open != "text":
-                    self._open({"type": "text", "text": ""}, out)
-                out.append(sse_event({"type": "content_block_delta", "index": self.index,
-                                      "delta": {"type": "text_delta", "text": p.text}}))
-            elif isinstance(p, CallStart):
-                self.calls += 1
-                self._open({"type": "tool_use", "id": tool_use_id(self.request_id, p.index), "name": p.name,
-                            "input": {}}, out)
-                if p.arguments:
-                    out.append(self._json_delta(p.arguments))
-            elif isinstance(p, ArgsDelta) and p.text:
-                out.append(self._json_delta(p.text))
-
-    def _json_delta(self, text: str) -> bytes:
-        return sse_event({"type": "content_block_delta", "index": self.index,
-                          "delta": {"type": "input_json_delta", "partial_json": text}})
-
-    def delta(self, ev: DeltaEvent) -> bytes:
-        out: list[bytes] = []
-        pieces = self.parser.feed(ev.text)
-        if ev.finish_reason is not None and not self.finished_parsing:
-            self.finished_parsing = True
-            pieces += self.parser.finish()
-        self._pieces(pieces, out)
-        return b"".join(out)
-
-    def end(self, ev: EndEvent) -> bytes:
-        if not ev.finished:
-            return self.error(end_error(ev.request_id, ev.reason, ev.message))
-        out: list[bytes] = []
-        if not self.finished_parsing:
-            self.finished_parsing = True
-            self._pieces(self.parser.finish(), out)
-        if self.index < 0:  # nothing was written: one empty text block, as a whole response has
-            self._open({"type": "text", "text": ""}, out)
-        self._close(out)
-        sample = (ev.output or {}).get("samples", [{}])[0]
-        reason, seq = stop_fields(sample, self.calls > 0, self.stop_sequences)
-        out.append(sse_event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-                              "usage": usage_dict(ev.usage)}))
-        out.append(sse_event({"type": "message_stop"}))
-        return b"".join(out)
-
-    def error(self, err: PagewireError) -> bytes:
-        return sse_event(anthropic_error(err))

@@ -10,28 +10,28 @@ request at the engine's next step. The key comes as `x-api-key` or `Authorizatio
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
+from server.api.admission import read_and_admit
 from server.api.anthropic_format import (
     CountTokensRequest,
     MessagesRequest,
-    MessageStream,
     anthropic_error,
-    message_body,
     messages_spec,
     prompt_spec,
+    thinking_mode,
 )
+from server.api.anthropic_output import MessageStream, message_body
 from server.api.context import ApiContext
 from server.api.decode import decode
-from server.api.follow import follow_stream, wait_end
-from server.api.http_io import Receive, Scope, Send, header, peer, read_body, retry_headers, send_json
+from server.api.follow import follow_stream, wait_finished
+from server.api.http_io import Receive, Scope, Send, header, peer, retry_headers, send_json
+from server.api.tools import ToolPlan
 from server.gateway.auth import bind, principal_of
-from server.serving.errors import GenerationFailed, PagewireError
+from server.serving.errors import PagewireError
 from server.serving.idempotency import check_header_key
-from server.serving.lifecycle import end_error
-
-log = logging.getLogger("pagewire.anthropic")
+from server.serving.jobs import GenerationSpec
+from server.serving.service import Admitted
 
 
 async def send_error(send: Send, exc: PagewireError, headers: Optional[list[tuple[bytes, bytes]]] = None) -> None:
@@ -46,48 +46,32 @@ class MessagesEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         api = self.api
-        try:
-            body = await read_body(scope, receive, api.rt.settings.max_request_bytes)
-        except PagewireError as e:
-            await send_error(send, e)
-            return
-        except ConnectionResetError:
-            return
-        try:
+
+        async def admit(body: bytes) -> tuple[MessagesRequest, GenerationSpec, ToolPlan, Admitted]:
             idem = check_header_key(header(scope, b"idempotency-key"))
             req: MessagesRequest = decode(body, MessagesRequest)
             api.check_model(req.model)
             spec, plan = messages_spec(req, peer(scope), api.rt.model_name, api.tool_parser,
                                        api.tool_marker_special, idem)
             bind(spec, principal_of(scope))
-            admitted = await api.service.start(spec)
-        except PagewireError as e:
-            if e.status == 429:
-                api.rt.metrics.rejected.labels(code=e.code).inc()
-            await send_error(send, e)
+            return req, spec, plan, await api.service.start(spec)
+
+        got = await read_and_admit(api, scope, receive, send, send_error, admit)
+        if got is None:
             return
-        except Exception as e:  # a bug or a broken ledger: still answer in Anthropic's shape
-            log.exception("admitting a request failed")
-            await send_error(send, GenerationFailed(f"internal error: {e}", code="internal_error"))
-            return
+        req, spec, plan, admitted = got
+        thinking = thinking_mode(req) is True  # checked with max_tokens when the spec was built
         rid = admitted.request_id.encode()
         headers = [(b"request-id", rid), *api.limit_headers(spec.key_id)]
         if req.stream:
             render = MessageStream(admitted.request_id, api.rt.model_name, plan, req.stop_sequences,
-                                   admitted.prompt_tokens)
+                                   admitted.prompt_tokens, thinking)
             await follow_stream(api, send, receive, admitted, b"text/event-stream", render, "anthropic", headers)
             return
-        try:
-            end = await wait_end(api, receive, admitted)
-        except PagewireError as e:
-            await send_error(send, e)
-            return
+        end = await wait_finished(api, send, receive, admitted, send_error)
         if end is None:
-            return  # the client left; the request was cancelled
-        if not end.finished:
-            await send_error(send, end_error(end.request_id, end.reason, end.message))
-            return
-        out = message_body(end, plan, api.rt.model_name, req.stop_sequences)
+            return  # the client left (the request was cancelled), or the error was answered
+        out = message_body(end, plan, api.rt.model_name, req.stop_sequences, thinking)
         try:
             await send_json(send, 200, out, [(b"x-request-id", rid), *headers])
         except OSError:
@@ -103,15 +87,14 @@ class CountTokensEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         api = self.api
-        try:
-            body = await read_body(scope, receive, api.rt.settings.max_request_bytes)
+
+        async def count(body: bytes) -> int:
             req: CountTokensRequest = decode(body, CountTokensRequest)
             api.check_model(req.model)
             spec, _ = prompt_spec(req, peer(scope), api.rt.model_name, api.tool_parser, api.tool_marker_special)
             ids: list[Any] = await api.service.preparer.token_ids(spec)
-        except PagewireError as e:
-            await send_error(send, e)
-            return
-        except ConnectionResetError:
-            return
-        await send_json(send, 200, {"input_tokens": len(ids)})
+            return len(ids)
+
+        n = await read_and_admit(api, scope, receive, send, send_error, count, "counting tokens")
+        if n is not None:
+            await send_json(send, 200, {"input_tokens": n})

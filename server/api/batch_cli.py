@@ -28,7 +28,7 @@ def add_batch_arguments(p: argparse.ArgumentParser) -> None:
     submit = sub.add_parser("submit", help="upload a JSONL batch file and create a batch")
     submit.add_argument("file", type=Path, help="JSONL: one {custom_id, method, url, body} per line")
     submit.add_argument("--endpoint", default="/v1/chat/completions",
-                        choices=["/v1/chat/completions", "/v1/completions"])
+                        choices=["/v1/chat/completions", "/v1/completions", "/v1/embeddings"])
     submit.add_argument("--wait", action="store_true", help="wait for the batch to end and download its files")
     submit.add_argument("--output-dir", type=Path, default=Path("."),
                         help="with --wait: where <batch id>_output.jsonl and _error.jsonl are written")

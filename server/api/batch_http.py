@@ -2,8 +2,9 @@
 
 `BatchRoutes` builds the BatchManager once the Runtime has started (it needs the ledger and the
 service) and stops it before the Runtime drains. Request bodies of a line are parsed exactly as
-the interactive endpoints parse theirs (`openai_format.chat_spec` / `completion_specs`), and a
-finished line's response body is the interactive endpoint's (`Formatter`), so a batch line and a
+the interactive endpoints parse theirs (`openai_format.chat_spec` / `completion_specs`,
+`embeddings_format` for /v1/embeddings lines), and a finished line's response body is the
+interactive endpoint's (`Formatter`, `embeddings_format.openai_body`), so a batch line and a
 direct request give the same answer.
 
 Ownership (like OpenAI's): files and batches belong to the API key that created them. A key
@@ -24,6 +25,7 @@ from starlette.routing import Route
 
 from server.api.context import ApiContext
 from server.api.decode import decode
+from server.api.embeddings_format import EmbeddingRequest, openai_body, request_specs
 from server.api.http_io import error_payload, retry_headers
 from server.api.openai_format import chat_spec, completion_specs
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
@@ -66,7 +68,9 @@ class BatchRoutes:
     def _spec(self, kind: str, body: bytes, client: str, key: Optional[str], owner: Optional[str]) -> GenerationSpec:
         model = self.api.rt.model_name
         self._check_owner(owner)
-        if kind == "chat":
+        if kind == "embedding":
+            spec = self._embedding_spec(body, client, key)
+        elif kind == "chat":
             chat: ChatCompletionRequest = decode(body, ChatCompletionRequest)
             self.api.check_model(chat.model)
             spec = chat_spec(chat, "batch", client, model, key)
@@ -81,6 +85,17 @@ class BatchRoutes:
         spec.key_id = owner  # billed to, and quota-checked against, the batch's key
         return spec
 
+    def _embedding_spec(self, body: bytes, client: str, key: Optional[str]) -> GenerationSpec:
+        """An /v1/embeddings line, parsed as the interactive route parses it; one input a line (as one
+        prompt a completions line), so each line is one engine request and one ledger row."""
+        req: EmbeddingRequest = decode(body, EmbeddingRequest)
+        self.api.check_model(req.model)
+        specs, _ = request_specs(req, api="batch", client=client, model=self.api.rt.model_name, idem=key)
+        if len(specs) != 1:
+            raise InvalidRequest(f"input: a batch line takes one input, got {len(specs)}; put each input on its "
+                                 "own line", param="input")
+        return specs[0]
+
     def _check_owner(self, owner: Optional[str]) -> None:
         """A line of a key that was revoked or expired since its batch was created does not run."""
         auth = self.api.gateway.auth
@@ -92,7 +107,10 @@ class BatchRoutes:
         if status != "active":
             raise InvalidApiKey(f"API key {owner} is {status}; the rest of its batch does not run")
 
-    def _render(self, kind: str, end: EndEvent) -> dict[str, Any]:
+    def _render(self, kind: str, body: bytes, end: EndEvent) -> dict[str, Any]:
+        if kind == "embedding":
+            req: EmbeddingRequest = decode(body, EmbeddingRequest)  # parsed before: it decodes
+            return openai_body(self.api.rt.model_name, [end], req.encoding_format)
         fmt = self.api.formatter
         return fmt.chat_response(end) if kind == "chat" else fmt.completion_response(end)
 

@@ -6,8 +6,10 @@ own ledger row (`kind` "embedding"; an Idempotency-Key `K` becomes `K#i` for inp
 batched completion prompt does. `dimensions` travels to the engine, which keeps the leading
 values and normalises again when the model normalises (Matryoshka; it also checks the bound).
 `encoding_format` "base64" sends each vector as its little-endian float32 bytes in base64, which
-is what the openai client asks for by default and decodes with numpy. Ollama's /api/embed builds
-its specs here too (server.api.ollama_http).
+is what the openai client asks for by default and decodes with numpy. An input longer than the
+context is a 400 naming it, as OpenAI answers, unless vLLM's `truncate_prompt_tokens` asks for
+its last k tokens (server.serving.truncation). Ollama's /api/embed builds its specs here too
+(server.api.ollama_http).
 """
 from __future__ import annotations
 
@@ -15,11 +17,16 @@ import base64
 import struct
 from typing import Any, Optional, Union
 
+import msgspec
 from msgspec import Struct
 
+from server.api.openai_format import klass_of
+from server.api.protocol import GenerateFrame, WsParams
 from server.serving.errors import Conflict, InvalidRequest
+from server.serving.idempotency import check_header_key
 from server.serving.jobs import GenerationSpec
 from server.serving.streams import EndEvent
+from server.serving.truncation import Truncation
 
 # Inputs per request: each is an engine request and a ledger row, admitted in order.
 MAX_INPUTS = 128
@@ -36,6 +43,9 @@ class EmbeddingRequest(Struct, kw_only=True):
     dimensions: Optional[int] = None
     encoding_format: str = "float"
     user: Optional[str] = None
+    # vLLM's extension (the openai client sends it through `extra_body`): keep the last k tokens of
+    # an input longer than k; -1: as many as the context holds (server.serving.truncation).
+    truncate_prompt_tokens: Optional[int] = None
 
 
 def embedding_inputs(value: Any, field: str = "input", allow_ids: bool = True) -> list[EmbeddingInput]:
@@ -91,21 +101,75 @@ def check_dimensions(value: Any, field: str = "dimensions") -> Optional[int]:
     return int(value)
 
 
+def check_truncate_prompt_tokens(value: Optional[int], field: str = "truncate_prompt_tokens") -> Optional[Truncation]:
+    """vLLM's `truncate_prompt_tokens` as a Truncation keeping the input's last tokens, or None; a
+    400 naming the field unless it is -1 or a positive integer (the bound, the context, is checked
+    when the request is prepared)."""
+    if value is None:
+        return None
+    if value != -1 and value < 1:
+        raise InvalidRequest(f"{field}: must be -1 (as many as the context holds) or a positive integer, "
+                             f"got {value}", param=field)
+    return Truncation(keep_end=True, tokens=None if value == -1 else value, field=field)
+
+
 def embedding_specs(inputs: list[EmbeddingInput], *, api: str, client: str, model: str, idem: Optional[str],
                     dimensions: Optional[int], params_record: dict[str, Any],
-                    field: str = "input") -> list[GenerationSpec]:
+                    field: str = "input", truncate: Optional[Truncation] = None) -> list[GenerationSpec]:
     """One GenerationSpec per input (`kind` "embedding"): nothing is sampled, so max_tokens is the
-    one position the context check asks an output to leave."""
+    one position the context check asks an output to leave. With `truncate`, an input that does
+    not fit is cut (server.serving.truncation) instead of refused."""
     many = len(inputs) > 1
     return [
         GenerationSpec(
             kind="embedding", api=api, client=client, model=model, prompt=x,
             sampling={"embedding": {"dimensions": dimensions}}, max_tokens=1, params_record=params_record,
             idempotency_key=(f"{idem}#{i}" if many else idem) if idem is not None else None,
-            prompt_field=f"{field}[{i}]" if many else field,
+            prompt_field=f"{field}[{i}]" if many else field, truncate=truncate,
         )
         for i, x in enumerate(inputs)
     ]
+
+
+def request_specs(req: EmbeddingRequest, *, api: str, client: str, model: str,
+                  idem: Optional[str]) -> tuple[list[GenerationSpec], str]:
+    """A /v1/embeddings body's specs (one per input) and its encoding_format, each field checked
+    (a 400 naming it); the route and the batch tier's /v1/embeddings lines read bodies this way."""
+    fmt = check_encoding(req.encoding_format)
+    dims = check_dimensions(req.dimensions)
+    truncate = check_truncate_prompt_tokens(req.truncate_prompt_tokens)
+    inputs = embedding_inputs(req.input)
+    record: dict[str, Any] = {"dimensions": dims, "encoding_format": fmt, "inputs": len(inputs)}
+    if truncate is not None:
+        record["truncate_prompt_tokens"] = req.truncate_prompt_tokens
+    return embedding_specs(inputs, api=api, client=client, model=model, idem=idem, dimensions=dims,
+                           params_record=record, truncate=truncate), fmt
+
+
+def ws_embedding_spec(frame: GenerateFrame, peer: str, model: str) -> GenerationSpec:
+    """The spec of a WebSocket `generate` frame of kind "embedding" (docs/websocket.md): its
+    `prompt`, a string or a list of token ids, is one input; `dimensions` and
+    `truncate_prompt_tokens` as on /v1/embeddings. Sampling `params` do not apply (only
+    `params.user`, the fairness key)."""
+    if frame.messages is not None:
+        raise InvalidRequest("messages: not used when kind is 'embedding'; send the text as prompt", param="messages")
+    if frame.prompt is None:
+        raise InvalidRequest("prompt: required when kind is 'embedding'", param="prompt")
+    if msgspec.structs.replace(frame.params, user=None) != WsParams():
+        raise InvalidRequest("params: sampling parameters do not apply when kind is 'embedding' (only params.user)",
+                             param="params")
+    dims = check_dimensions(frame.dimensions)
+    truncate = check_truncate_prompt_tokens(frame.truncate_prompt_tokens)
+    inputs = embedding_inputs(frame.prompt, "prompt")
+    record: dict[str, Any] = {"dimensions": dims, "inputs": 1}
+    if truncate is not None:
+        record["truncate_prompt_tokens"] = frame.truncate_prompt_tokens
+    spec = embedding_specs(inputs, api="ws", client=frame.params.user or peer, model=model,
+                           idem=check_header_key(frame.idempotency_key, "idempotency_key"), dimensions=dims,
+                           params_record=record, field="prompt", truncate=truncate)[0]
+    spec.priority, spec.klass = frame.priority, klass_of(frame.priority, None)
+    spec.detach, spec.timeout_s = frame.detach, frame.timeout
+    return spec
 
 
 def vector_of(end: EndEvent) -> list[float]:

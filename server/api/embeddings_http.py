@@ -10,40 +10,25 @@ A vanished client detaches, which cancels what still runs.
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
+from server.api.admission import read_and_admit
 from server.api.context import ApiContext
 from server.api.decode import decode
-from server.api.embeddings_format import (
-    EmbeddingRequest,
-    check_dimensions,
-    check_encoding,
-    embedding_inputs,
-    embedding_specs,
-    openai_body,
-)
+from server.api.embeddings_format import EmbeddingRequest, openai_body, request_specs
 from server.api.follow import wait_ends
-from server.api.http_io import Receive, Scope, Send, header, peer, read_body, send_error, send_json
+from server.api.http_io import Receive, Scope, Send, header, peer, send_error, send_json
 from server.api.openai_responses import admit_all, end_error
 from server.gateway.auth import bind, principal_of
-from server.serving.errors import GenerationFailed, PagewireError
 from server.serving.idempotency import check_header_key
 from server.serving.jobs import GenerationSpec
 from server.serving.streams import EndEvent
-
-log = logging.getLogger("pagewire.http")
 
 
 async def run_embeddings(api: ApiContext, receive: Receive, specs: list[GenerationSpec]) -> Optional[list[EndEvent]]:
     """Admit every input's request and wait for all of them: their EndEvents in input order, or
     None when the client left. Raises PagewireError for a refusal or an input that did not finish."""
-    try:
-        admitted = await admit_all(api, specs)
-    except PagewireError as e:
-        if e.status == 429:
-            api.rt.metrics.rejected.labels(code=e.code).inc()
-        raise
+    admitted = await admit_all(api, specs)
     ends = await wait_ends(api, receive, admitted)
     if ends is None:
         return None
@@ -64,37 +49,24 @@ class EmbeddingsEndpoint:
         idem = check_header_key(header(scope, b"idempotency-key"))
         req = decode(body, EmbeddingRequest)
         api.check_model(req.model)
-        fmt = check_encoding(req.encoding_format)
-        dims = check_dimensions(req.dimensions)
-        inputs = embedding_inputs(req.input)
-        record: dict[str, Any] = {"dimensions": dims, "encoding_format": fmt, "inputs": len(inputs)}
-        specs = embedding_specs(inputs, api="http", client=req.user or peer(scope), model=api.rt.model_name,
-                                idem=idem, dimensions=dims, params_record=record)
+        specs, fmt = request_specs(req, api="http", client=req.user or peer(scope), model=api.rt.model_name,
+                                   idem=idem)
         who = principal_of(scope)
         for spec in specs:
             bind(spec, who)
         return specs, fmt
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            body = await read_body(scope, receive, self.api.rt.settings.max_request_bytes)
-        except PagewireError as e:
-            await send_error(send, e)
-            return
-        except ConnectionResetError:
-            return
-        try:
+        async def answer(body: bytes) -> tuple[list[GenerationSpec], Optional[list[EndEvent]], Any]:
             specs, fmt = self._parse(scope, body)
             ends = await run_embeddings(self.api, receive, specs)
-            out = openai_body(self.api.rt.model_name, ends, fmt) if ends is not None else None
-        except PagewireError as e:
-            await send_error(send, e)
+            return specs, ends, openai_body(self.api.rt.model_name, ends, fmt) if ends is not None else None
+
+        got = await read_and_admit(self.api, scope, receive, send, send_error, answer, "an embeddings request")
+        if got is None:
             return
-        except Exception as e:  # a bug or a broken ledger: still answer in OpenAI's shape
-            log.exception("an embeddings request failed")
-            await send_error(send, GenerationFailed(f"internal error: {e}", code="internal_error"))
-            return
-        if ends is None or out is None:
+        specs, ends, out = got
+        if ends is None:
             return  # the client left; what still ran was cancelled
         headers = [(b"x-request-id", ",".join(e.request_id for e in ends).encode()),
                    *self.api.limit_headers(specs[0].key_id)]

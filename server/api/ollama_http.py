@@ -17,21 +17,22 @@ request may name it either way.
 input is one engine request and ledger row, as on /v1/embeddings (server.api.embeddings_http);
 the answer is Ollama's `{model, embeddings, total_duration, load_duration, prompt_eval_count}`,
 or the older route's `{embedding}`. A generation model answers 400 `not_embedding_model` naming
-`model`. Inputs are never truncated: one longer than the context is a 400 (Ollama's
-`truncate` is accepted; docs/apis.md).
+`model`. As in Ollama, /api/embed cuts an input longer than the context to its first tokens
+(`truncate`, default true; `options.num_ctx` may lower the bound), or with `truncate: false`
+refuses it with a 400 naming it (server.serving.truncation); /api/embeddings always refuses it.
 """
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from typing import Any, Optional
 
+from server.api.admission import read_and_admit
 from server.api.context import ApiContext
 from server.api.decode import decode
 from server.api.embeddings_format import embedding_inputs, embedding_specs, vector_of
 from server.api.embeddings_http import run_embeddings
-from server.api.follow import follow_stream, wait_end
+from server.api.follow import follow_stream, wait_finished
 from server.api.http_io import Receive, Scope, Send, header, peer, read_body, retry_headers, send_json
 from server.api.ollama_format import (
     ChatRequest,
@@ -50,13 +51,12 @@ from server.api.ollama_format import (
 )
 from server.api.ollama_models import ModelFacts, model_facts
 from server.gateway.auth import bind, principal_of
-from server.serving.errors import GenerationFailed, InvalidRequest, NotFound, PagewireError
+from server.serving.errors import InvalidRequest, NotFound, PagewireError
 from server.serving.idempotency import check_header_key
 from server.serving.jobs import GenerationSpec
-from server.serving.lifecycle import end_error
 from server.serving.service import Admitted
-
-log = logging.getLogger("pagewire.ollama")
+from server.serving.streams import EndEvent
+from server.serving.truncation import Truncation
 
 # The Ollama release whose API these routes follow (what /api/version reports; clients compare it
 # to decide which fields they may send).
@@ -173,9 +173,16 @@ class OllamaApi:
             inputs = embedding_inputs(req.input, "input", allow_ids=False)
             field = "input"
         record: dict[str, Any] = {"dimensions": req.dimensions, "truncate": req.truncate, "inputs": len(inputs)}
+        num_ctx = req.options.num_ctx if req.options is not None else None
+        if num_ctx is not None and num_ctx < 1:
+            raise InvalidRequest(f"options.num_ctx: must be a positive integer, got {num_ctx}", param="options.num_ctx")
+        # /api/embed truncates unless told not to: the first tokens, as many as the context (or a
+        # smaller num_ctx) holds. The older /api/embeddings has no `truncate` and cuts nothing.
+        truncate = None if legacy or req.truncate is False else \
+            Truncation(keep_end=False, tokens=num_ctx, field=field, clamp=True)
         specs = embedding_specs(inputs, api="ollama", client=peer(scope), model=api.rt.model_name,
                                 idem=check_header_key(header(scope, b"idempotency-key")),
-                                dimensions=req.dimensions, params_record=record, field=field)
+                                dimensions=req.dimensions, params_record=record, field=field, truncate=truncate)
         who = principal_of(scope)
         for spec in specs:
             bind(spec, who)
@@ -213,26 +220,18 @@ class _Embed:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         api = self.owner.api
         start = time.monotonic_ns()
-        try:
-            body = await read_body(scope, receive, api.rt.settings.max_request_bytes)
-        except PagewireError as e:
-            await send_error(send, e)
-            return
-        except ConnectionResetError:
-            return
-        try:
+
+        async def answer(body: bytes) -> tuple[str, list[GenerationSpec], Optional[list[EndEvent]]]:
             model, specs = self.owner.embed_specs(scope, body, self.legacy)
-            ends = await run_embeddings(api, receive, specs)
-            vectors = [vector_of(e) for e in ends] if ends is not None else []
-        except PagewireError as e:
-            await send_error(send, e)
+            return model, specs, await run_embeddings(api, receive, specs)
+
+        got = await read_and_admit(api, scope, receive, send, send_error, answer, "an embeddings request")
+        if got is None:
             return
-        except Exception as e:  # a bug or a broken ledger: still answer in Ollama's shape
-            log.exception("an embeddings request failed")
-            await send_error(send, GenerationFailed(f"internal error: {e}", code="internal_error"))
-            return
+        model, specs, ends = got
         if ends is None:
             return  # the client left; what still ran was cancelled
+        vectors = [vector_of(e) for e in ends]
         if self.legacy:
             out: dict[str, Any] = {"embedding": vectors[0]}
         else:
@@ -283,29 +282,21 @@ class _Generate:
         api = self.api
         clock = time.monotonic_ns
         timing = Timing(clock())
-        try:
-            body = await read_body(scope, receive, api.rt.settings.max_request_bytes)
-        except PagewireError as e:
-            await send_error(send, e)
-            return
-        except ConnectionResetError:
-            return
-        try:
+
+        async def admit(body: bytes) -> tuple[Any, Optional[GenerationSpec], Any, Optional[Admitted]]:
             req, spec, plan = self._parse(scope, body)
             if spec is None:
                 api.service.check_serving()  # "loaded" only once it is
-                await send_json(send, 200, load_body(req.model, "chat" if self.kind == "chat" else "generate",
-                                                     req.keep_alive))
-                return
-            admitted: Admitted = await api.service.start(spec)
-        except PagewireError as e:
-            if e.status == 429:
-                api.rt.metrics.rejected.labels(code=e.code).inc()
-            await send_error(send, e)
+                return req, None, None, None
+            return req, spec, plan, await api.service.start(spec)
+
+        got = await read_and_admit(api, scope, receive, send, send_error, admit)
+        if got is None:
             return
-        except Exception as e:  # a bug or a broken ledger: still answer in Ollama's shape
-            log.exception("admitting a request failed")
-            await send_error(send, GenerationFailed(f"internal error: {e}", code="internal_error"))
+        req, spec, plan, admitted = got
+        if spec is None or admitted is None:  # a load-only request
+            await send_json(send, 200, load_body(req.model, "chat" if self.kind == "chat" else "generate",
+                                                 req.keep_alive))
             return
         headers = api.limit_headers(spec.key_id)
         kind = "chat" if self.kind == "chat" else "generate"
@@ -318,16 +309,9 @@ class _Generate:
         def first() -> None:
             timing.first_ns = clock()
 
-        try:
-            end = await wait_end(api, receive, admitted, first)
-        except PagewireError as e:
-            await send_error(send, e)
-            return
+        end = await wait_finished(api, send, receive, admitted, send_error, first)
         if end is None:
-            return  # the client left; the request was cancelled
-        if not end.finished:
-            await send_error(send, end_error(end.request_id, end.reason, end.message))
-            return
+            return  # the client left (the request was cancelled), or the error was answered
         stats = timing.stats(end, clock())
         text_of = api.formatter.token_text
         out = chat_body(req.model, end, plan, stats, text_of) if kind == "chat" else \

@@ -8,22 +8,20 @@ subscriber, such as an idempotent retry, still follows it).
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
 from server.api import openai_responses as respond
+from server.api.admission import read_and_admit
 from server.api.context import ApiContext
 from server.api.decode import decode
-from server.api.http_io import Receive, Scope, Send, header, peer, read_body, send_error
+from server.api.http_io import Receive, Scope, Send, header, peer, send_error
 from server.api.openai_format import chat_spec, completion_specs
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
 from server.api.tools import ToolPlan, plan_request
 from server.gateway.auth import bind, principal_of
-from server.serving.errors import GenerationFailed, PagewireError
 from server.serving.idempotency import check_header_key
 from server.serving.jobs import GenerationSpec
-
-log = logging.getLogger("pagewire.http")
+from server.serving.service import Admitted
 
 
 class GenerateEndpoint:
@@ -35,25 +33,15 @@ class GenerateEndpoint:
         self.kind = kind
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            body = await read_body(scope, receive, self.rt.settings.max_request_bytes)
-        except PagewireError as e:
-            await send_error(send, e)
-            return
-        except ConnectionResetError:
-            return
-        try:
+        async def admit(body: bytes) -> tuple[list[GenerationSpec], list[Admitted], bool, bool, int,
+                                              Optional[ToolPlan]]:
             specs, stream, include_usage, n, tools = self._parse(scope, body)
-            admitted = await respond.admit_all(self.api, specs)
-        except PagewireError as e:
-            if e.status == 429:
-                self.rt.metrics.rejected.labels(code=e.code).inc()
-            await send_error(send, e)
+            return specs, await respond.admit_all(self.api, specs), stream, include_usage, n, tools
+
+        got = await read_and_admit(self.api, scope, receive, send, send_error, admit)
+        if got is None:
             return
-        except Exception as e:  # a bug or a broken ledger: still answer in OpenAI's shape
-            log.exception("admitting a request failed")
-            await send_error(send, GenerationFailed(f"internal error: {e}", code="internal_error"))
-            return
+        specs, admitted, stream, include_usage, n, tools = got
         limits = self.api.limit_headers(specs[0].key_id)
         if stream:
             await respond.stream(self.api, send, receive, self.kind, admitted, n, include_usage, tools, limits)

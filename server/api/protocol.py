@@ -147,7 +147,7 @@ class WsParams(SamplingFields, kw_only=True):
 class GenerateFrame(Struct, kw_only=True):
     type: Literal["generate"]
     id: ClientId
-    kind: Literal["completion", "chat"] = "completion"
+    kind: Literal["completion", "chat", "embedding"] = "completion"
     prompt: Union[None, str, list[Annotated[int, Meta(ge=0)]]] = None
     messages: Optional[Annotated[list[ChatMessage], Meta(min_length=1)]] = None
     params: WsParams = msgspec.field(default_factory=WsParams)
@@ -157,6 +157,10 @@ class GenerateFrame(Struct, kw_only=True):
     timeout: Optional[Seconds] = None
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # kind "embedding" only (an embedding model; /v1/embeddings' names): the vector's width, and
+    # vLLM's truncation of an over-long input to its last k tokens.
+    dimensions: Optional[int] = None
+    truncate_prompt_tokens: Optional[int] = None
 
 
 class CancelFrame(Struct, kw_only=True):

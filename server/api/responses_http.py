@@ -10,8 +10,6 @@ gets it whole or hears `response.completed`.
 """
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 from typing import Any
 
@@ -19,23 +17,22 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from server.api import responses_store as store
+from server.api.admission import read_and_admit
 from server.api.context import ApiContext
 from server.api.decode import decode
+from server.api.follow import follow_streams, wait_finished
 from server.api.http_io import (
-    DisconnectWatch,
     Receive,
     Scope,
     Send,
     error_payload,
     header,
     peer,
-    read_body,
     retry_headers,
     send_error,
     send_json,
-    send_with_timeout,
 )
-from server.api.openai_responses import EndWaiter, admit_all, end_error
+from server.api.openai_responses import admit_all, end_error
 from server.api.responses_events import ResponseEvents
 from server.api.responses_format import (
     ResponsesPlan,
@@ -47,13 +44,10 @@ from server.api.responses_format import (
     whole_output,
 )
 from server.gateway.auth import bind, principal_of
-from server.serving.errors import GenerationFailed, PagewireError, Unavailable
+from server.serving.errors import PagewireError
 from server.serving.idempotency import check_header_key
-from server.serving.outbox import Outbox, Subscription
 from server.serving.service import Admitted
 from server.serving.streams import DeltaEvent, EndEvent
-
-log = logging.getLogger("pagewire.http")
 
 
 def _sse(event: dict[str, Any]) -> bytes:
@@ -93,27 +87,16 @@ class ResponsesEndpoint:
         self.rt = api.rt
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            body = await read_body(scope, receive, self.rt.settings.max_request_bytes)
-        except PagewireError as e:
-            await send_error(send, e)
-            return
-        except ConnectionResetError:
-            return
-        try:
+        async def admit(body: bytes) -> tuple[ResponsesPlan, Admitted]:
             plan = await self._parse(scope, body)
-            admitted = (await admit_all(self.api, [plan.spec]))[0]
-        except PagewireError as e:
-            if e.status == 429:
-                self.rt.metrics.rejected.labels(code=e.code).inc()
-            await send_error(send, e)
+            return plan, (await admit_all(self.api, [plan.spec]))[0]
+
+        got = await read_and_admit(self.api, scope, receive, send, send_error, admit,
+                                   "admitting a responses request")
+        if got is None:
             return
-        except Exception as e:  # a bug or a broken ledger: still answer in OpenAI's shape
-            log.exception("admitting a responses request failed")
-            await send_error(send, GenerationFailed(f"internal error: {e}", code="internal_error"))
-            return
-        limits = self.api.limit_headers(plan.spec.key_id)
-        headers = [(b"x-request-id", admitted.request_id.encode()), *limits]
+        plan, admitted = got
+        headers = self.api.limit_headers(plan.spec.key_id)
         if plan.req.stream:
             await self._stream(send, receive, plan, admitted, headers)
         else:
@@ -147,30 +130,13 @@ class ResponsesEndpoint:
 
     async def _whole(self, send: Send, receive: Receive, plan: ResponsesPlan, admitted: Admitted,
                      headers: list[tuple[bytes, bytes]]) -> None:
-        waiter = EndWaiter()
-        watch = DisconnectWatch(receive, waiter.cancel)
-        stream_ = None
-        try:
-            stream_ = await self.api.service.attach(admitted.request_id, waiter, 0, admitted.record)
-            end = await waiter.future
-        except asyncio.CancelledError:
-            if not watch.disconnected:
-                raise
-            return  # the client left; `finally` detaches, which cancels the request
-        except PagewireError as e:
-            await send_error(send, e)
-            return
-        finally:
-            watch.stop()
-            if stream_ is not None:
-                self.api.service.detach(stream_, waiter)
-        if not end.finished:
-            await send_error(send, end_error(end))
-            return
+        end = await wait_finished(self.api, send, receive, admitted, send_error)
+        if end is None:
+            return  # the client left (the request was cancelled), or the error was answered
         items = whole_output(plan, end, response_id_of(admitted.request_id))
         try:
             body = await self._finish(plan, admitted, end, items)
-            await send_json(send, 200, body, headers)
+            await send_json(send, 200, body, [(b"x-request-id", admitted.request_id.encode()), *headers])
         except PagewireError as e:
             await send_error(send, e)
         except OSError:
@@ -178,59 +144,9 @@ class ResponsesEndpoint:
 
     async def _stream(self, send: Send, receive: Receive, plan: ResponsesPlan, admitted: Admitted,
                       headers: list[tuple[bytes, bytes]]) -> None:
-        rt = self.rt
-        response_id = response_id_of(admitted.request_id)
-        outbox = Outbox(rt.settings.outbox_bytes)
-        sub = Subscription(outbox, admitted.request_id)
-        watch = DisconnectWatch(receive, outbox.close)
-        events = ResponseEvents(response_id, admitted.request_id, plan.tools)
-        timeout = rt.settings.send_timeout
-        created = _created(plan, admitted)
-        stream_ = None
-        ok = await send_with_timeout(send, {
-            "type": "http.response.start", "status": 200,
-            "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), *headers],
-        }, timeout)
-        try:
-            if not ok:
-                return
-            # Attached before anything else is sent: from here a disconnect (detach) cancels it.
-            stream_ = await self.api.service.attach(admitted.request_id, sub, 0, admitted.record)
-            start = response_body(plan, response_id, created, "in_progress", [], None)
-            first = _sse(events.event("response.created", response=start)) + \
-                _sse(events.event("response.in_progress", response=start))
-            ok = await send_with_timeout(send, {"type": "http.response.body", "body": first, "more_body": True},
-                                         timeout)
-            while ok:
-                batch = await outbox.get()
-                if outbox.overflowed:  # stuck consumer: keep it running for an idempotent retry
-                    self.api.service.keep_for_resume(admitted.request_id)
-                    rt.metrics.slow_consumers.labels(edge="sse").inc()
-                    err = Unavailable("stream consumer too slow; retry with the same Idempotency-Key to fetch "
-                                      "the result", code="slow_consumer")
-                    await send_with_timeout(send, {"type": "http.response.body", "more_body": False,
-                                                   "body": _sse(events.event("error", **_error_event(err)))},
-                                            1.0)
-                    return
-                if not batch:
-                    return  # the client disconnected
-                chunks: list[bytes] = []
-                done = False
-                for _rid, ev in batch:
-                    if isinstance(ev, DeltaEvent):
-                        chunks += [_sse(e) for e in events.delta(ev.reasoning, ev.text, ev.finish_reason)]
-                    elif isinstance(ev, EndEvent):
-                        chunks += await self._end(plan, admitted, ev, events)
-                        done = True
-                        break
-                ok = await send_with_timeout(send, {"type": "http.response.body", "body": b"".join(chunks),
-                                                    "more_body": not done}, timeout)
-                if done:
-                    return
-        finally:
-            watch.stop()
-            if stream_ is not None:
-                self.api.service.detach(stream_, sub)
+        events = ResponseEvents(response_id_of(admitted.request_id), admitted.request_id, plan.tools)
+        await follow_streams(self.api, send, receive, [admitted], b"text/event-stream",
+                             _EventStream(self, plan, admitted, events), "sse", headers)
 
     async def _end(self, plan: ResponsesPlan, admitted: Admitted, end: EndEvent,
                    events: ResponseEvents) -> list[bytes]:
@@ -246,6 +162,33 @@ class ResponsesEndpoint:
             return out + [_sse(events.event("error", **_error_event(e)))]
         kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
         return out + [_sse(events.event(kind, response=body))]
+
+
+class _EventStream:
+    """Responses' typed SSE events for one response: the EventsRenderer that `follow_streams` drives.
+    Its end stores the response (when `store`) before `response.completed` is sent."""
+
+    def __init__(self, owner: ResponsesEndpoint, plan: ResponsesPlan, admitted: Admitted,
+                 events: ResponseEvents) -> None:
+        self.owner = owner
+        self.plan = plan
+        self.admitted = admitted
+        self.events = events
+
+    def start(self) -> bytes:
+        start = response_body(self.plan, self.events.response_id, _created(self.plan, self.admitted),
+                              "in_progress", [], None)
+        return _sse(self.events.event("response.created", response=start)) + \
+            _sse(self.events.event("response.in_progress", response=start))
+
+    def delta(self, request_id: str, ev: DeltaEvent) -> bytes:
+        return b"".join(_sse(e) for e in self.events.delta(ev.reasoning, ev.text, ev.finish_reason))
+
+    async def end(self, request_id: str, ev: EndEvent) -> tuple[bytes, bool]:
+        return b"".join(await self.owner._end(self.plan, self.admitted, ev, self.events)), True
+
+    def error(self, err: PagewireError) -> bytes:
+        return _sse(self.events.event("error", **_error_event(err)))
 
 
 def _error(exc: PagewireError) -> JSONResponse:

@@ -30,6 +30,7 @@ import msgspec
 from server.api import ws_watchdog
 from server.api.context import ApiContext
 from server.api.decode import convert, parse_json
+from server.api.embeddings_format import ws_embedding_spec
 from server.api.openai_format import ws_spec
 from server.api.protocol import CLIENT_FRAMES, CancelFrame, GenerateFrame, ResumeFrame
 from server.gateway.auth import bind, principal_of, ws_subprotocol
@@ -311,9 +312,11 @@ class WsConnection:
             reasons: list[Optional[str]] = list(ev.finish_reasons)
             if rule.ws_finish_reason is not None:
                 reasons = [rule.ws_finish_reason] * len(reasons)
+            vector = (ev.output or {}).get("embedding")  # an embedding request's (kept with its output)
             return _enc.encode({"type": "done", "id": cid, "request_id": ev.request_id,
                                 "finish_reason": reasons[0] if reasons else None, "finish_reasons": reasons,
-                                "usage": usage, "last_seq": ev.last_seq}).decode()
+                                "usage": usage, "last_seq": ev.last_seq,
+                                **({"embedding": vector} if vector is not None else {})}).decode()
         return _enc.encode({"type": "error", "id": cid, "request_id": ev.request_id, "code": ev.code,
                             "message": ev.message, "usage": usage, "last_seq": ev.last_seq}).decode()
 
@@ -375,7 +378,8 @@ class WsConnection:
         task.add_done_callback(self._tasks.discard)
 
     def _on_generate(self, f: GenerateFrame) -> None:
-        spec = ws_spec(f, self.peer, self.rt.model_name)
+        build = ws_embedding_spec if f.kind == "embedding" else ws_spec
+        spec = build(f, self.peer, self.rt.model_name)
         bind(spec, self.principal)
         alias = self._claim(f.id, None)
         self._spawn(self._generate(f.id, alias, spec))

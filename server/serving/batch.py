@@ -1,4 +1,6 @@
 """The batch tier (OpenAI's Batch API subset): batches of JSONL request lines, run as background work.
+A batch's endpoint is /v1/chat/completions, /v1/completions or /v1/embeddings; each line is one
+engine request (one prompt, or one embeddings input).
 
 Where state lives (all durable in the ledger, so a batch resumes after a crash or a restart):
 - `batches`: one row per batch, its status, timestamps and request counts;
@@ -48,7 +50,7 @@ from server.serving.streams import EndEvent, EndWaiter
 
 log = logging.getLogger("pagewire.batch")
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 COMPLETION_WINDOWS = ("24h",)
 OPEN_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
 LINE_TIMEOUT_S = 24 * 3600.0  # a line may wait in the queue as long as the completion window
@@ -116,14 +118,15 @@ class LineInvalid(Exception):
 # (kind, body bytes, client, idempotency key, owning key id) → a GenerationSpec owned by that key;
 # raises PagewireError naming the field (or InvalidApiKey when the owner can no longer spend).
 SpecBuilder = Callable[[str, bytes, str, Optional[str], Optional[str]], GenerationSpec]
-# (kind, end) → the response body of a finished request.
-Renderer = Callable[[str, EndEvent], dict[str, Any]]
+# (kind, the line's body, end) → the response body of a finished request (the body says how: an
+# embeddings line's encoding_format).
+Renderer = Callable[[str, bytes, EndEvent], dict[str, Any]]
 # PagewireError → OpenAI's error body.
 ErrorBody = Callable[[PagewireError], dict[str, Any]]
 
 
 def _kind(endpoint: str) -> str:
-    return "chat" if endpoint == "/v1/chat/completions" else "completion"
+    return {"/v1/chat/completions": "chat", "/v1/embeddings": "embedding"}.get(endpoint, "completion")
 
 
 def parse_line(raw: str, endpoint: str, seen: set[str]) -> tuple[str, bytes]:
@@ -411,7 +414,7 @@ class BatchManager:
             self.service.detach(stream, waiter)
             live.pop(line_no, None)
         if end.reason is EndReason.FINISHED:
-            await self._record(b.batch_id, line_no, cid, end.request_id, 200, self.render(kind, end), ok=True)
+            await self._record(b.batch_id, line_no, cid, end.request_id, 200, self.render(kind, body, end), ok=True)
         elif end.reason is EndReason.CANCELLED:
             await self.ledger.execute("UPDATE batch_lines SET status = 'cancelled' WHERE batch_id = ? AND "
                                       "line_no = ?", (b.batch_id, line_no))

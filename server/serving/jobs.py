@@ -17,6 +17,7 @@ from server.engine.outputs import RequestDelta, SampleDelta, TokenLogprob, fold_
 from server.engine.sampling_params import SamplingParams
 from server.serving.lifecycle import END_RULES, CancelReason, EndReason, JobState, end_reason_of_row
 from server.serving.streams import DeltaEvent, EndEvent, RequestStream, Usage
+from server.serving.truncation import Truncation
 from server.text.reasoning import ReasoningFormat, ReasoningSplitter
 
 
@@ -70,6 +71,8 @@ class GenerationSpec:
     prompt_field: str = "prompt"
     # Extra chat-template variables (`chat_template_kwargs`, e.g. {"enable_thinking": false}).
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # An embedding input that does not fit is cut this way instead of refused (server.serving.truncation).
+    truncate: Optional[Truncation] = None
 
 
 class SampleAcc:

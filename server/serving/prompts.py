@@ -35,6 +35,7 @@ from server.serving.errors import InvalidRequest, Overloaded
 from server.serving.grammar_worker import GrammarWorker
 from server.serving.jobs import GenerationSpec
 from server.serving.tool_render import fit_to_template
+from server.serving.truncation import truncate_ids, truncation_limit
 from server.text.tokenizer import ChatTemplateError, Tokenizer
 from server.text.vocab import TokenIdError, check_token_ids
 
@@ -315,10 +316,20 @@ class PromptPreparer:
                 check_token_ids(ids, self.tokenizer.vocab_size, field)
             except TokenIdError as e:
                 raise InvalidRequest(str(e), param=field) from None
+            if spec.truncate is not None and max_model_len:  # token ids are all the input's own
+                ids = truncate_ids(ids, truncation_limit(spec.truncate, max_model_len), spec.truncate.keep_end,
+                                   field=field)
         elif isinstance(spec.prompt, str):
             field = spec.prompt_field
-            self.check_fits(len(spec.prompt), field, max_model_len)
+            if spec.truncate is None:
+                self.check_fits(len(spec.prompt), field, max_model_len)
+            # A truncated input is tokenised whole (within the tokenize budget, and the body limit
+            # bounds it): cutting the text first could change the tokens at the cut.
             ids = await self._run(spec.client, len(spec.prompt), self.tokenizer.encode, spec.prompt)
+            if spec.truncate is not None and max_model_len and ids:
+                lead, trail = self.tokenizer.special_ends()
+                ids = truncate_ids(ids, truncation_limit(spec.truncate, max_model_len), spec.truncate.keep_end,
+                                   lead, trail, field)
         else:
             raise InvalidRequest(f"{spec.prompt_field}: is required", param=spec.prompt_field)
         if not ids:

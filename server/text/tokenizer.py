@@ -198,6 +198,7 @@ class Tokenizer:
         self._jinja: Optional[ImmutableSandboxedEnvironment] = None
         self._compiled: dict[str, jinja2.Template] = {}
         self._chars_per_token: Optional[int] = None  # max_chars_per_token, computed on first use
+        self._special_ends: Optional[tuple[int, int]] = None  # special_ends, computed on first use
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -264,6 +265,16 @@ class Tokenizer:
         if add_special_tokens and self.add_eos_token and (not ids or ids[-1] != self.eos_token_id):
             ids.append(self.eos_token_id)  # type: ignore[arg-type]
         return ids
+
+    def special_ends(self) -> tuple[int, int]:
+        """How many special tokens `encode` puts before and after a text's own tokens (a BOS from
+        the post-processor or add_bos_token; an EOS likewise): what truncation keeps in place."""
+        if self._special_ends is None:
+            bare = self.encode("a", add_special_tokens=False)
+            full = self.encode("a")
+            lead = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), 0)
+            self._special_ends = (lead, len(full) - len(bare) - lead)
+        return self._special_ends
 
     def max_chars_per_token(self) -> Optional[int]:
         """The most characters of input text one token can stand for, or None when this

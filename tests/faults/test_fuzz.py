@@ -255,13 +255,15 @@ def test_ledger_is_consistent_after_the_fuzz(srv: ServerProcess) -> None:
 # pools (the demo model with --task embed), so valid bodies really embed.
 EMBED_EXAMPLES = 1500
 EMBED_FIELDS = ["model", "input", "prompt", "dimensions", "encoding_format", "user", "truncate", "keep_alive",
-                "options"]
+                "options", "truncate_prompt_tokens"]
 EMBED_SANE = {
     "model": st.sampled_from(["demo", "demo:latest", "other"]),
     "input": st.one_of(texts, st.lists(texts, max_size=4), st.lists(st.integers(-2, 300), max_size=5),
                        st.lists(st.lists(st.integers(-2, 300), max_size=4), max_size=3)),
     "prompt": texts, "dimensions": st.one_of(st.integers(-2, 80), ints), "user": texts,
-    "encoding_format": st.sampled_from(["float", "base64", "int8", ""])}
+    "encoding_format": st.sampled_from(["float", "base64", "int8", ""]),
+    "truncate": st.booleans(), "truncate_prompt_tokens": st.one_of(st.integers(-3, 40), ints),
+    "options": st.fixed_dictionaries({}, optional={"num_ctx": st.one_of(st.integers(-2, 40), ints)})}
 embed_bodies = st.one_of(
     st.builds(lambda a, b: {**a, **b},
               st.lists(st.sampled_from(sorted(EMBED_SANE)), max_size=4, unique=True).flatmap(

@@ -119,7 +119,7 @@ def test_bad_uploads_and_ids_are_4xx_naming_the_field(server: ServerProcess) -> 
     assert httpx.get(server.base + "/v1/batches/batch_nope").status_code == 404
     assert httpx.post(server.base + "/v1/batches/batch_nope/cancel").status_code == 404
     fid = _upload(server.base, _line("a", "b")).json()["id"]
-    r = httpx.post(server.base + "/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/embeddings",
+    r = httpx.post(server.base + "/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/moderations",
                                                       "completion_window": "24h"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "endpoint"
     r = httpx.post(server.base + "/v1/batches", json={"input_file_id": "file-x", "endpoint": CHAT})

@@ -236,15 +236,17 @@ def hang_up_while_generating(base: str, path: str, body: dict[str, Any], headers
 class WsClient:
     """A thin asyncio WebSocket client speaking pagewire frames (JSON dicts)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, headers: Optional[dict[str, str]] = None) -> None:
         self.url = url
+        self.headers = headers
         self.conn: Any = None
 
     async def __aenter__(self) -> "WsClient":
         from websockets.asyncio.client import connect
 
         # A short close timeout: after a server crash the close handshake cannot complete.
-        self.conn = await connect(self.url, proxy=None, max_size=8 * 1024 * 1024, close_timeout=1)
+        self.conn = await connect(self.url, proxy=None, max_size=8 * 1024 * 1024, close_timeout=1,
+                                  additional_headers=self.headers)
         return self
 
     async def __aexit__(self, *exc: Any) -> None:

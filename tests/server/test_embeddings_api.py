@@ -1,4 +1,5 @@
-"""Embeddings over HTTP, with the official `openai` and `ollama` clients against a live server.
+"""Embeddings over HTTP, the WebSocket and the batch tier, with the official `openai` and `ollama`
+clients (and a plain WebSocket client) against a live server.
 
 The served model is a tiny random-weight Qwen3 saved as a sentence-transformers embedding model
 (last-token pooling, Normalize; a base-model checkpoint without `model.` prefixes or lm_head:
@@ -239,3 +240,86 @@ def test_a_retry_whose_vector_was_not_kept_is_a_409_not_a_500() -> None:
     with pytest.raises(Conflict) as e:
         vector_of(gone)
     assert e.value.status == 409 and e.value.param == "Idempotency-Key" and e.value.code == "output_not_kept"
+
+
+def test_websocket_embedding_requests(emb: EmbedServer, oa: openai.OpenAI) -> None:
+    """`generate` frames of kind "embedding", multiplexed on one socket: accepted, an empty delta,
+    then a `done` carrying the vector, equal to /v1/embeddings' and to transformers'; bad frames are errors naming
+    the field."""
+    import asyncio
+
+    from tests.server.harness import WsClient
+
+    tok = Tokenizer.from_dir(emb.model_dir)
+    ids = [5, 17, 99, 230, 7]
+
+    async def main() -> dict[str, list[dict[str, Any]]]:
+        async with WsClient(emb.proc.ws_url, emb.bearer()) as ws:
+            return await ws.run({
+                "a": {"kind": "embedding", "prompt": TEXTS[0]},
+                "b": {"kind": "embedding", "prompt": ids, "dimensions": 8},
+                "c": {"kind": "embedding", "prompt": TEXTS[2], "params": {"user": "someone"}},
+                "no-prompt": {"kind": "embedding", "messages": [{"role": "user", "content": "x"}]},
+                "sampling": {"kind": "embedding", "prompt": "x", "params": {"temperature": 0.5}},
+                "dims": {"kind": "embedding", "prompt": "x", "dimensions": 0},
+                "chat": {"kind": "chat", "messages": [{"role": "user", "content": "x"}]},
+            })
+
+    got = asyncio.run(main())
+    for cid, text in (("a", TEXTS[0]), ("c", TEXTS[2])):
+        frames = got[cid]
+        # Nothing is generated: one empty delta ends the sample, then `done` carries the vector.
+        assert [f["type"] for f in frames] == ["accepted", "delta", "done"], frames
+        assert (frames[1]["text"], frames[1]["token_ids"], frames[1]["finish_reason"]) == ("", [], "stop")
+        done = frames[-1]
+        assert done["usage"]["prompt_tokens"] == len(tok.encode(text)) and done["usage"]["completion_tokens"] == 0
+        assert close(done["embedding"], reference(emb.model_dir, tok.encode(text)))
+        http = oa.embeddings.create(model="emb", input=text, encoding_format="float").data[0].embedding
+        assert done["embedding"] == http
+    assert close(got["b"][-1]["embedding"], reference(emb.model_dir, ids, 8))
+    rows = ledger_rows(emb.proc.db)
+    row = rows[got["a"][-1]["request_id"]]
+    assert (row["kind"], row["api"], row["state"]) == ("embedding", "ws", "finished")
+    for cid, field in (("no-prompt", "messages"), ("sampling", "params"), ("dims", "dimensions"), ("chat", "model")):
+        err = got[cid][-1]
+        assert err["type"] == "error" and err["param"] == field, err
+
+
+def test_batch_of_embedding_lines_with_the_openai_client(emb: EmbedServer, oa: openai.OpenAI) -> None:
+    """An OpenAI Batch API file of `url: /v1/embeddings` lines: each line's response body is what
+    /v1/embeddings answers (float and base64), a line with several inputs or a bad field goes to
+    the error file, and the lines run as the key's requests."""
+    import json
+    import time
+
+    def line(cid: str, **body: Any) -> str:
+        return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/embeddings",
+                           "body": {"model": "emb", **body}})
+
+    lines = [line("a", input=TEXTS[0], encoding_format="float"), line("b", input=[TEXTS[1]], encoding_format="base64"),
+             line("ids", input=[9, 8, 7], dimensions=4, encoding_format="float"),
+             line("many", input=TEXTS[:2]), line("dims", input="x", dimensions=0)]
+    f = oa.files.create(file=("emb.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch")
+    b = oa.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+    deadline = time.monotonic() + 300
+    while b.status not in ("completed", "failed", "cancelled"):
+        assert time.monotonic() < deadline, b
+        time.sleep(0.1)
+        b = oa.batches.retrieve(b.id)
+    assert b.status == "completed" and b.request_counts is not None
+    assert (b.request_counts.total, b.request_counts.completed, b.request_counts.failed) == (5, 3, 2)
+    assert b.output_file_id and b.error_file_id
+    out = {o["custom_id"]: o["response"] for o in map(json.loads, oa.files.content(b.output_file_id).text.splitlines())}
+    direct = oa.embeddings.create(model="emb", input=TEXTS[0], encoding_format="float")
+    assert out["a"]["status_code"] == 200 and out["a"]["body"] == direct.model_dump(exclude_unset=True)
+    raw = base64.b64decode(out["b"]["body"]["data"][0]["embedding"])
+    tok = Tokenizer.from_dir(emb.model_dir)
+    assert close(list(struct.unpack(f"<{len(raw) // 4}f", raw)), reference(emb.model_dir, tok.encode(TEXTS[1])))
+    assert close(out["ids"]["body"]["data"][0]["embedding"], reference(emb.model_dir, [9, 8, 7], 4))
+    assert out["ids"]["body"]["usage"] == {"prompt_tokens": 3, "total_tokens": 3}
+    errors = {e["custom_id"]: e["response"] for e in map(json.loads, oa.files.content(b.error_file_id).text.splitlines())}
+    assert errors["many"]["status_code"] == 400 and errors["many"]["body"]["error"]["param"] == "input"
+    assert errors["dims"]["status_code"] == 400 and errors["dims"]["body"]["error"]["param"] == "dimensions"
+    rows = [r for r in ledger_rows(emb.proc.db).values() if (r["idempotency_key"] or "").startswith(f"batch-{b.id}-")]
+    assert len(rows) == 3 and all(r["kind"] == "embedding" and r["api"] == "batch" and r["state"] == "finished"
+                                  for r in rows)

@@ -198,3 +198,78 @@ def test_forced_tool_call_waits_for_the_end_of_the_thinking(client: openai.OpenA
     assert r.choices[0].finish_reason == "length"
     assert [(c.function.name, c.function.arguments) for c in msg.tool_calls or []] in ([], [("lookup", "")])
     assert r.usage.completion_tokens_details.reasoning_tokens == MAX
+
+
+@pytest.fixture
+def claude(srv: ServerProcess) -> Any:
+    import anthropic
+
+    return anthropic.Anthropic(base_url=srv.base, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_anthropic_thinking_blocks_whole_and_streamed(claude: Any, thinking: dict[str, Any]) -> None:
+    """`thinking: {type: enabled, budget_tokens}` on /v1/messages, with the anthropic SDK: the
+    model's thinking (transformers' greedy tokens) comes first as a `thinking` block with a
+    signature, the answer as a `text` block; streamed, as thinking_delta events and a
+    signature_delta before the block stops, which the SDK's accumulator folds into the same
+    message."""
+    import base64
+    import hashlib
+
+    text, ids = _reference(thinking)
+    want_reasoning, want_content = split_whole(text, True)
+    # This SDK release has no `temperature` argument: it goes in extra_body, as older clients send it.
+    args: dict[str, Any] = {"model": "demo", "max_tokens": MAX, "messages": PROMPT, "extra_body": {"temperature": 0},
+                            "thinking": {"type": "enabled", "budget_tokens": 16}}
+    m = claude.messages.create(**args)
+    assert [b.type for b in m.content] == ["thinking", "text"]
+    assert m.content[0].thinking == want_reasoning and m.content[1].text == want_content
+    assert m.content[0].signature == base64.b64encode(hashlib.sha256(want_reasoning.encode()).digest()).decode()
+    assert m.usage.output_tokens == len(ids) == MAX and m.stop_reason == "max_tokens"
+
+    kinds: list[str] = []
+    with claude.messages.stream(**args) as stream:
+        for ev in stream:
+            if ev.type == "content_block_delta":
+                kinds.append(ev.delta.type)
+            elif ev.type in ("content_block_start", "content_block_stop"):
+                kinds.append(ev.type)
+        final = stream.get_final_message()
+    def blocks(msg: Any) -> list[tuple[str, Any, Any]]:
+        return [(b.type, getattr(b, "thinking", getattr(b, "text", None)), getattr(b, "signature", None))
+                for b in msg.content]
+
+    assert blocks(final) == blocks(m) and final.usage.output_tokens == MAX
+    # One thinking block (its deltas, then the signature), then the text block.
+    first_stop = kinds.index("content_block_stop")
+    assert set(kinds[1:first_stop - 1]) == {"thinking_delta"} and kinds[first_stop - 1] == "signature_delta"
+    assert kinds[first_stop + 1] == "content_block_start" and "text_delta" in kinds[first_stop:]
+
+    # Without `thinking` the answer is as before: the text alone (the thinking is not shown).
+    plain = claude.messages.create(model="demo", max_tokens=MAX, messages=PROMPT, extra_body={"temperature": 0})
+    assert [b.type for b in plain.content] == ["text"] and plain.content[0].text == want_content
+
+
+def test_anthropic_thinking_disabled_reaches_the_template(claude: Any, thinking: dict[str, Any]) -> None:
+    text, _ids = _reference(thinking, enable_thinking=False)
+    args: dict[str, Any] = {"model": "demo", "messages": PROMPT, "thinking": {"type": "disabled"}}
+    m = claude.messages.create(max_tokens=MAX, extra_body={"temperature": 0}, **args)
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == split_whole(text, False)[1]
+    # count_tokens renders the same prompt: the template's closed, empty block included.
+    prompt_tokens = m.usage.input_tokens + m.usage.cache_read_input_tokens  # (cache hits are apart)
+    assert claude.messages.count_tokens(**args).input_tokens == prompt_tokens
+    assert claude.messages.count_tokens(model="demo", messages=PROMPT).input_tokens < prompt_tokens
+
+
+@pytest.mark.parametrize("value, field", [
+    ({"type": "enabled"}, "thinking.budget_tokens"),
+    ({"type": "enabled", "budget_tokens": MAX}, "thinking.budget_tokens"),
+    ({"type": "enabled", "budget_tokens": "16"}, "thinking.budget_tokens"),
+    ({"type": "sometimes"}, "thinking.type"),
+])
+def test_anthropic_bad_thinking_is_a_400_naming_the_field(claude: Any, value: dict[str, Any], field: str) -> None:
+    import anthropic
+
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="demo", max_tokens=MAX, messages=PROMPT, thinking=value)
+    assert e.value.body["error"]["message"].startswith(field + ":")

@@ -69,9 +69,9 @@ def plan_kept_matrices(f: GGUFFile, config: ModelConfig, tied: bool) -> list[Kep
     dequantised). A fused checkpoint (Phi-3) stores qkv and gate_up as one tensor each."""
     groups: list[tuple[int | None, str, tuple[str, ...]]] = []
     for i in range(config.num_layers):
-        layer = _FUSED_LAYER_MATRICES if config.fused_checkpoint else {**_LAYER_MATRICES,
-                                                                       "qkv_weight": _qkv_parts(config, i)}
-        for name, parts in layer.items():
+        matrices = (_FUSED_LAYER_MATRICES if config.fused_checkpoint
+                    else {**_LAYER_MATRICES, "qkv_weight": _qkv_parts(config, i)})
+        for name, parts in matrices.items():
             groups.append((i, name, tuple(f"blk.{i}.{p}" for p in parts)))
         if f"blk.{i}.ffn_gate_inp.weight" in f.tensors:  # a sparse layer
             groups += [(i, name, tuple(f"blk.{i}.{p}" for p in parts)) for name, parts in _MOE_MATRICES.items()]

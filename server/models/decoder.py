@@ -5,7 +5,8 @@ No class per model: the families (server.models.families) differ only in parts r
 ModelConfig -- norm placement (pre, post, both) and `1 + w` weights, SiLU or GELU-tanh, q/k/v
 bias, q/k RMSNorm per head or over the projection, per-layer sliding windows and RoPE tables
 (NoPE layers, partial rotary, scaled frequencies), logit soft-capping, attention scale and
-Granite's multipliers. Layers the fused C++ layer expresses (DecoderLayer.fusable) run as one
+Granite's multipliers, Gemma 4's per-layer shapes, KV sharing, value norm, per-layer inputs and
+layer scalar. Layers the fused C++ layer expresses (DecoderLayer.fusable) run as one
 pagewire::decode_layer call for small CPU batches; the others run the Python layer. Weights are
 stored fused (one qkv and one gate_up matrix per layer) so CPU inference runs fewer, larger
 matmuls; `checkpoint_tensors()` tells the loader where each Hugging Face tensor lands inside the
@@ -403,7 +404,7 @@ class DecoderForCausalLM(nn.Module):
 
     def summary(self) -> str:
         """e.g. "Gemma3ForCausalLM: 26 layers (22 with a 512-token window, 4 full, 0 NoPE);
-        fused decode_layer (CPU, up to 16 tokens) for 0 of 26; the others run the Python layers"."""
+        fused decode_layer (CPU, up to 16 tokens) for 26 of 26; the others run the Python layers"."""
         c = self.config
         windows = [w for w in c.layer_sliding_windows if w is not None]
         kinds = f"{len(windows)} with a {max(windows)}-token window, " if windows else ""

@@ -57,9 +57,16 @@ def best_and_median(fn: Callable[[], object], repeat: int) -> tuple[float, float
 def decode_batch(model: Any, batch: int, context: int, block_size: int = 16) -> tuple[Any, ...]:
     """Inputs of one decode step: `batch` sequences, each with `context` tokens already cached."""
     blocks_per_seq = context // block_size + 1
-    shape = model.kv_cache_shape(batch * blocks_per_seq, block_size)
-    kv = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
-          for _ in range(model.config.num_layers)]
+    c = model.config
+    # Each layer's own K/V shape (Gemma 4's global layers differ); a layer that reads another
+    # layer's KV gets that layer's tensors.
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for i in range(c.num_layers):
+        if c.kv_source(i) != i:
+            kv.append(kv[c.kv_source(i)])
+            continue
+        shape = (batch * blocks_per_seq, c.kv_heads_of(i), block_size, c.head_dim_of(i))
+        kv.append((torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype)))
     tables = torch.arange(batch * blocks_per_seq, dtype=torch.int32).view(batch, blocks_per_seq)
     pos = context  # the new token's position
     meta = AttentionMetadata(

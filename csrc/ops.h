@@ -83,7 +83,12 @@ at::Tensor gelu_tanh_and_mul_cpu(const at::Tensor& x);
 // per head (Qwen3, Gemma 3); cos/sin None: a NoPE layer, narrower than head_dim / 2: partial
 // rotary; *_kind: the linear path per matrix ("kernel", "torch", "q8_0", "q8_0x8", or a linear_q4
 // qtype); caches mutated; softcap as paged_attention's; activation "silu" or "gelu_tanh" (the gated
-// MLP's). Returns this layer's MLP output [T, H] as it joins the residual stream.
+// MLP's). Gemma 4's parts: v_norm [head_dim] (the weightless value norm); shares_kv: the layer
+// projects queries only and attends over the caches given (an earlier layer's), writing nothing;
+// value_from_key: no v rows in qkv, the values are the key projection; per_layer_input [T, P] with
+// ple_gate [P, H], ple_proj [H, P] (and their kinds), ple_norm [H]: the per-layer input block;
+// layer_scalar [1]. Returns this layer's MLP output [T, H] as it joins the residual stream, or, when
+// the layer ends itself (per-layer input block or layer scalar: the output already added), [0, H].
 at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>& delta,
                             const c10::optional<at::Tensor>& attn_norm, const c10::optional<at::Tensor>& attn_post_norm,
                             const c10::optional<at::Tensor>& mlp_norm, const c10::optional<at::Tensor>& mlp_post_norm,
@@ -100,7 +105,12 @@ at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>&
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
                             int64_t max_query_len, int64_t max_seq_len, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim, double softcap, c10::string_view activation);
+                            int64_t head_dim, double softcap, c10::string_view activation,
+                            const c10::optional<at::Tensor>& v_norm, bool shares_kv, bool value_from_key,
+                            const c10::optional<at::Tensor>& per_layer_input, const c10::optional<at::Tensor>& ple_gate,
+                            c10::string_view ple_gate_kind, const c10::optional<at::Tensor>& ple_proj,
+                            c10::string_view ple_proj_kind, const c10::optional<at::Tensor>& ple_norm,
+                            const c10::optional<at::Tensor>& layer_scalar);
 
 // The routed experts of a mixture-of-experts layer (cpu/moe.cpp). x [T, H] (float32, bfloat16 or
 // float16); topk_ids int64 [T, k] (expert per slot, -1 = empty), topk_weights float32 [T, k];

@@ -1,6 +1,8 @@
 // decode_layer: one decoder layer of a small CPU batch (at most 16 tokens: decode steps) in one
 // call, for every norm placement (pre: Llama; post: OLMo 2; both: Gemma), q/k norm per head or over
-// the projection, full, partial or no RoPE, and Granite's residual multiplier. It runs exactly the
+// the projection, full, partial or no RoPE, Granite's residual multiplier, and Gemma 4's parts (a
+// layer reading an earlier layer's KV, values from the key projection, the weightless value norm,
+// the per-layer input block and the layer scalar). It runs exactly the
 // C++ ops that the Python layer (server/models/decoder.py, DecoderLayer.forward) calls, in the same
 // order on the same tensors, so it gives the same floats; what it saves is the Python between them: about ten op dispatches per layer through torch.ops, the wrappers' checks
 // and the layer's own bytecode, which cost as much as the small matrices' kernels on a model like
@@ -10,8 +12,10 @@
 // rules, the autotune table), and passed in as a kind per matrix (see run_linear).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mul.h>
+#include <ATen/ops/silu.h>
 
 #include <string>
 
@@ -51,6 +55,16 @@ at::Tensor leave(const at::Tensor& out, const c10::optional<at::Tensor>& post_no
   return residual_multiplier != 1.0 ? at::mul(r, residual_multiplier) : r;
 }
 
+// The Python layer's torch-op RMSNorm (server/models/layers.py rms_norm, Gemma 4's value norm)
+// op for op: statistics in fp32, the fp32 result scaled by w, or rounded to x's dtype and then
+// scaled (transformers' rounding for bf16).
+at::Tensor torch_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  const bool f32 = x.scalar_type() == at::kFloat;
+  const at::Tensor xf = f32 ? x : x.to(at::kFloat);
+  const at::Tensor inv_rms = xf.pow(2).mean(at::IntArrayRef{-1}, true).add_(eps).rsqrt_();
+  return f32 ? xf.mul(inv_rms).mul_(w) : w.mul(xf.mul(inv_rms).to(x.scalar_type()));
+}
+
 }  // namespace
 
 at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>& delta,
@@ -69,7 +83,12 @@ at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>&
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
                             int64_t max_query_len, int64_t max_seq_len, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim, double softcap, c10::string_view activation) {
+                            int64_t head_dim, double softcap, c10::string_view activation,
+                            const c10::optional<at::Tensor>& v_norm, bool shares_kv, bool value_from_key,
+                            const c10::optional<at::Tensor>& per_layer_input, const c10::optional<at::Tensor>& ple_gate,
+                            c10::string_view ple_gate_kind, const c10::optional<at::Tensor>& ple_proj,
+                            c10::string_view ple_proj_kind, const c10::optional<at::Tensor>& ple_norm,
+                            const c10::optional<at::Tensor>& layer_scalar) {
   TORCH_CHECK(hidden.device().is_cpu() && hidden.dim() == 2, "hidden must be a CPU [T, hidden] tensor, got ",
               hidden.sizes(), " on ", hidden.device());
   const int64_t T = hidden.size(0);
@@ -91,26 +110,47 @@ at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>&
   // The per-head norm rides on the rotation (rotary_embedding's norm_weight); a NoPE or partial-rotary
   // layer with it runs the Python layer, whose norm there is a different op.
   TORCH_CHECK(!head_norm || rotary_dim == head_dim, "decode_layer: a per-head q/k norm needs full-width RoPE");
+  // Gemma 4: a KV-sharing layer projects queries only and reads the caches it is given (its source
+  // layer's); with value_from_key the values are the key projection (no v rows in qkv).
+  TORCH_CHECK(!(shares_kv && (value_from_key || proj_norm)),
+              "decode_layer: a layer reading another layer's KV has no keys to norm or take values from");
+  const bool ple = ple_gate.has_value() && ple_gate->defined();
+  TORCH_CHECK(ple == (ple_proj.has_value() && ple_proj->defined()) &&
+                  ple == (ple_norm.has_value() && ple_norm->defined()) &&
+                  ple == (per_layer_input.has_value() && per_layer_input->defined()),
+              "decode_layer: per_layer_input, ple_gate, ple_proj and ple_norm come together");
+  const bool scalar = layer_scalar.has_value() && layer_scalar->defined();
+  const int64_t key_heads = shares_kv ? 0 : num_kv_heads;  // key heads this layer projects
+  const int64_t own_kv = shares_kv ? 0 : (value_from_key ? 1 : 2) * kv_size;
   // Attention half: input norm (with the previous layer's MLP output added), qkv, q/k norm over the
   // projection (OLMo 2), RoPE on q and k in place (they are adjacent in qkv; partial rotary turns
-  // only the leading dims, NoPE none), the KV write, paged attention.
+  // only the leading dims, NoPE none), the value norm (Gemma 4), the KV write (none for a layer
+  // reading another's KV), paged attention.
   const at::Tensor x = enter(hidden, delta, attn_norm, eps);
   const at::Tensor qkv = run_linear(x, qkv_weight, qkv_bias, std::string(qkv_kind));
-  TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decode_layer: qkv has ", qkv.size(1), " columns, heads say ",
-              q_size + 2 * kv_size);
+  TORCH_CHECK(qkv.size(1) == q_size + own_kv, "decode_layer: qkv has ", qkv.size(1), " columns, heads say ",
+              q_size + own_kv);
   if (proj_norm) {
     qkv.narrow(1, 0, q_size).copy_(rms_norm_cpu(qkv.narrow(1, 0, q_size).contiguous(), *q_norm, eps));
     qkv.narrow(1, q_size, kv_size).copy_(rms_norm_cpu(qkv.narrow(1, q_size, kv_size).contiguous(), *k_norm, eps));
   }
-  at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({T, num_heads + num_kv_heads, head_dim});
+  // attention_k_eq_v: the values are a copy of the key projection taken before norm and RoPE.
+  at::Tensor value;
+  if (value_from_key) {
+    value = qkv.narrow(1, q_size, kv_size).clone(at::MemoryFormat::Contiguous).view({T, num_kv_heads, head_dim});
+  } else if (!shares_kv) {
+    value = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
+  }
+  at::Tensor qk = qkv.narrow(1, 0, q_size + key_heads * head_dim).view({T, num_heads + key_heads, head_dim});
   if (has_rope) {
     at::Tensor turned = rotary_dim == head_dim ? qk : qk.narrow(2, 0, rotary_dim);
     rotary_embedding_cpu(turned, positions, *cos, *sin, head_norm ? qk_norm : c10::nullopt, eps);
   }
   const at::Tensor query = qk.narrow(1, 0, num_heads);
-  const at::Tensor key = qk.narrow(1, num_heads, num_kv_heads);
-  const at::Tensor value = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
-  write_kv_cache_cpu(key, value, key_cache, value_cache, slot_mapping);
+  if (value.defined()) {
+    if (v_norm.has_value() && v_norm->defined()) value = torch_rms_norm(value, *v_norm, eps);
+    write_kv_cache_cpu(qk.narrow(1, num_heads, num_kv_heads), value, key_cache, value_cache, slot_mapping);
+  }
   at::Tensor attn = at::empty({T, num_heads, head_dim}, hidden.options());
   paged_attention_cpu(attn, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
                       sliding_window, max_query_len, max_seq_len, softcap);
@@ -122,8 +162,21 @@ at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>&
   const at::Tensor x2 = enter(hidden, attn_out, mlp_norm, eps);
   const at::Tensor gate_up = run_linear(x2, gate_up_weight, gate_up_bias, std::string(gate_up_kind));
   const at::Tensor act = gelu ? gelu_tanh_and_mul_cpu(gate_up) : silu_and_mul_cpu(gate_up);
-  return leave(run_linear(act, down_weight, down_bias, std::string(down_kind)), mlp_post_norm, eps,
-               residual_multiplier);
+  at::Tensor mlp = leave(run_linear(act, down_weight, down_bias, std::string(down_kind)), mlp_post_norm, eps,
+                         residual_multiplier);
+  if (!ple && !scalar) return mlp;
+  // Gemma 4's end of layer (DecoderLayer._finish): the MLP output added, the per-layer input
+  // block's norm(proj(act(gate(h)) * per_layer_input)) added, the stream scaled by the layer's
+  // scalar. Nothing is left to add: an empty [0, H] result says so.
+  hidden.add_(mlp);
+  if (ple) {
+    at::Tensor gate = run_linear(hidden, *ple_gate, c10::nullopt, std::string(ple_gate_kind));
+    gate = gelu ? at::gelu(gate, "tanh") : at::silu(gate);
+    hidden.add_(rms_norm_cpu(run_linear(gate.mul_(*per_layer_input), *ple_proj, c10::nullopt, std::string(ple_proj_kind)),
+                             *ple_norm, eps));
+  }
+  if (scalar) hidden.mul_(*layer_scalar);
+  return at::empty({0, hidden.size(1)}, hidden.options());
 }
 
 }  // namespace pagewire

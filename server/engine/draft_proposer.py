@@ -26,6 +26,11 @@ target's do. Forks and registration in the draft's prefix cache cover verified t
 
 The draft must share the target's vocabulary: `check_vocabulary` compares the logits width, every
 token string and the EOS ids at start-up and names the first difference.
+
+Its pool keeps every layer's K/V for the whole sequence (no sliding-window groups: a draft's
+rollbacks and forks may reach further back than a window). A draft whose layers differ in K/V size
+or read another layer's KV (Gemma 4) is packed by the same KV-groups machinery as the target's
+(`draft_kv_groups`, server/engine/kv_groups.py): one block table per size kind, all full.
 """
 from __future__ import annotations
 
@@ -34,7 +39,9 @@ from typing import Optional
 import torch
 
 from server.engine.config import ConfigError, EngineConfig, Quantization
+from server.engine.kv_budget import kv_bytes_per_token
 from server.engine.kv_cache_manager import KVCacheManager
+from server.engine.kv_groups import KVGroupLayout, kv_groups, kv_layer_groups
 from server.engine.proposer import Proposals
 from server.engine.request import Sequence
 from server.engine.runner import ModelRunner
@@ -44,7 +51,7 @@ from server.engine.spec_config import SpeculativeConfig
 from server.models.config import ModelConfig
 from server.models.loader import load_model
 from server.models.protocol import CausalLM
-from server.models.registry import read_model_config
+from server.models.registry import kv_shape, read_model_config
 from server.text.loader import load_tokenizer
 from server.text.tokenizer import Tokenizer
 
@@ -104,13 +111,27 @@ def load_draft_model(spec: SpeculativeConfig, config: EngineConfig, target_confi
     except (OSError, ValueError) as e:  # missing files, unsupported architectures, bad tensors
         raise ConfigError(_FIELD, f"cannot load the draft model {spec.model!r}: {e}") from None
     check_vocabulary(target_config, target_tok, mc, tok, spec.model)
-    if mc.layer_head_dims or mc.layer_kv_heads or mc.layer_kv_sources:
-        # Its pool is one [blocks, kv_heads, block_size, head_dim] tensor pair per layer.
-        raise ConfigError(_FIELD, f"the draft model {spec.model!r} has layers of different KV shapes or layers "
-                          "that read another layer's KV (Gemma 4); a draft model needs one KV shape for all layers")
     if config.quantization is not Quantization.NONE:
         model.quantize_weights(config.quantization)
     return model, mc
+
+
+def draft_kv_groups(mc: ModelConfig) -> KVGroupLayout:
+    """The draft's KV groups: every layer full (see the module docstring); layers of different
+    K/V sizes, or reading another layer's KV, packed into slots as the target's are."""
+    shape = kv_shape(mc)
+    full: list[int | None] = [None] * mc.num_layers
+    if "layer_elems" in shape:
+        return kv_layer_groups(full, shape["layer_elems"], shape["layer_sources"])
+    return kv_groups(full)
+
+
+def draft_block_bytes_per_token(groups: KVGroupLayout, mc: ModelConfig, element_size: int) -> int:
+    """Bytes of one draft block per token it holds (kv_layout's draft_bytes_per_token): every
+    layer's K and V with one group, a block's slots with several."""
+    if groups.slot_elems:
+        return 2 * groups.group_size * groups.slot_elems * element_size
+    return kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, element_size)
 
 
 class _Draft:
@@ -128,11 +149,14 @@ class DraftModelProposer:
     """Proposes with a draft model (see the module docstring); implements proposer.Proposer."""
 
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device,
-                 max_num_batched_tokens: int, enable_prefix_caching: bool, target_kv: KVCacheManager) -> None:
+                 max_num_batched_tokens: int, enable_prefix_caching: bool, target_kv: KVCacheManager,
+                 groups: Optional[KVGroupLayout] = None) -> None:
+        """groups: the draft's KV groups (draft_kv_groups; None: one group of every layer)."""
         self.model = model
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        groups = groups if groups is not None else draft_kv_groups(model.config)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, groups.windows)
         kv_dtype = next(model.parameters()).dtype
-        self.runner = ModelRunner(model, num_blocks, block_size, self.kv, device, kv_dtype)
+        self.runner = ModelRunner(model, num_blocks, block_size, self.kv, device, kv_dtype, groups)
         self.device = device
         self.budget = max_num_batched_tokens
         self._drafts: dict[int, _Draft] = {}  # target seq_id -> its draft state

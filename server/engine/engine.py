@@ -19,11 +19,17 @@ import torch
 import torch.nn.functional as F
 
 from server.engine.config import EngineConfig, Quantization
-from server.engine.draft_proposer import DraftModelProposer, load_draft_model
+from server.engine.draft_proposer import (
+    DraftModelProposer,
+    draft_block_bytes_per_token,
+    draft_kv_groups,
+    load_draft_model,
+)
 from server.engine.errors import CapacityLimits, ConfigError, check_capacity
 from server.engine.isolation import execute_isolating
-from server.engine.kv_budget import kv_bytes_per_token, kv_layout
+from server.engine.kv_budget import kv_layout
 from server.engine.kv_cache_manager import KVCacheManager
+from server.engine.kv_groups import KVGroupLayout
 from server.engine.output_processor import OutputProcessor
 from server.engine.outputs import FinishReason, RequestDelta, TokenLogprob
 from server.engine.request import Request, Sequence
@@ -89,11 +95,12 @@ class LLMEngine:
         spec_cfg = config.speculative_config if isinstance(config.speculative_config, SpeculativeConfig) else None
         draft = None
         draft_bpt = 0
+        draft_groups: Optional[KVGroupLayout] = None
         if spec_cfg is not None and spec_cfg.method == "draft_model":
             # Loaded before the KV is sized: its pool is carved from the same budget.
             draft, dmc = load_draft_model(spec_cfg, config, mc, self.tokenizer)
-            draft_bpt = kv_bytes_per_token(dmc.num_layers, dmc.num_kv_heads, dmc.head_dim,
-                                           next(draft.parameters()).element_size())
+            draft_groups = draft_kv_groups(dmc)
+            draft_bpt = draft_block_bytes_per_token(draft_groups, dmc, next(draft.parameters()).element_size())
         # One sizing function for the engine and `pagewire plan`, so their figures always agree.
         layout = kv_layout(
             config, dtype=str(kv_dtype).replace("torch.", ""), max_position_embeddings=mc.max_position_embeddings,
@@ -125,7 +132,7 @@ class LLMEngine:
         self.draft: Optional[DraftModelProposer] = None
         if draft is not None:
             self.draft = DraftModelProposer(draft, num_blocks, bs, self.device, config.max_num_batched_tokens,
-                                            config.enable_prefix_caching, self.kv_cache)
+                                            config.enable_prefix_caching, self.kv_cache, draft_groups)
         if spec_cfg is not None:
             self.spec = SpecDecoder(spec_cfg, self.kv_cache, self.outputs, self.sampler, self.device, self.draft)
         self.vocab_size = mc.vocab_size

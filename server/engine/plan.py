@@ -121,7 +121,7 @@ def _gguf_matrix_bytes(path: str, mc: ModelConfig, e: int) -> tuple[float, Optio
     from server.models.gguf_file import GGUFFile
 
     f = GGUFFile.open(path)
-    kept = plan_kept_matrices(f, mc.num_layers, mc.tie_word_embeddings, mc.fused_checkpoint)
+    kept = plan_kept_matrices(f, mc, mc.tie_word_embeddings)
     kept_bytes = {(m.layer, m.name): sum(int(f.tensors[p].data.nbytes) for p in m.parts) for m in kept}
     H = mc.hidden_size
     layers = 0
@@ -152,7 +152,7 @@ def _expert_bytes(mc: ModelConfig, e: int, quantization: str, model_path: Option
 
         f = GGUFFile.open(model_path)
         kept = {(m.layer, m.name): sum(int(f.tensors[p].data.nbytes) for p in m.parts)
-                for m in plan_kept_matrices(f, mc.num_layers, mc.tie_word_embeddings, mc.fused_checkpoint)}
+                for m in plan_kept_matrices(f, mc, mc.tie_word_embeddings)}
         per_value = e  # what is not kept is dequantised
     inactive_params = 0
     for i in range(mc.num_layers):

@@ -105,8 +105,13 @@ def _decode_layer_fake(hidden, delta, attn_norm, attn_post_norm, mlp_norm, mlp_p
                        gate_up_kind, gate_up_bias, down_weight, down_kind, down_bias, positions, cos, sin, qk_norm,
                        key_cache, value_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
                        sliding_window, max_query_len, max_seq_len, num_heads, num_kv_heads, head_dim, softcap=0.0,
-                       activation="silu"):
-    return hidden.new_empty(hidden.shape)
+                       activation="silu", v_norm=None, shares_kv=False, value_from_key=False, per_layer_input=None,
+                       ple_gate=None, ple_gate_kind="torch", ple_proj=None, ple_proj_kind="torch", ple_norm=None,
+                       layer_scalar=None):
+    # A layer that ends itself (Gemma 4's per-layer input block, layer scalar) has added its MLP
+    # output already and returns an empty [0, H].
+    finishes = ple_gate is not None or layer_scalar is not None
+    return hidden.new_empty((0, hidden.shape[1]) if finishes else hidden.shape)
 
 
 @torch.library.register_fake("pagewire::interleave_q8_0")

@@ -5,7 +5,8 @@ No class per model: the families (server.models.families) differ only in parts r
 ModelConfig -- norm placement (pre, post, both) and `1 + w` weights, SiLU or GELU-tanh, q/k/v
 bias, q/k RMSNorm per head or over the projection, per-layer sliding windows and RoPE tables
 (NoPE layers, partial rotary, scaled frequencies), logit soft-capping, attention scale and
-Granite's multipliers. Layers the fused C++ layer expresses (DecoderLayer.fusable) run as one
+Granite's multipliers, Gemma 4's per-layer shapes, KV sharing, value norm, per-layer inputs and
+layer scalar. Layers the fused C++ layer expresses (DecoderLayer.fusable) run as one
 pagewire::decode_layer call for small CPU batches; the others run the Python layer. Weights are
 stored fused (one qkv and one gate_up matrix per layer) so CPU inference runs fewer, larger
 matmuls; `checkpoint_tensors()` tells the loader where each Hugging Face tensor lands inside the
@@ -98,16 +99,15 @@ class DecoderLayer(nn.Module):
         self.fused_checkpoint = c.fused_checkpoint
         # The layers pagewire::decode_layer expresses: every norm placement, q/k norm over the
         # projection, full, partial or no RoPE, residual multipliers, SiLU or GELU-tanh, soft-capping
-        # or not. Not a per-head q/k norm on a NoPE or partial-rotary layer (no family has one): there
-        # forward() norms with torch ops, where the C++ layer's norm rides on the rotation. The
-        # others run forward().
-        self.fusable = self.qk_norm is None or (self.rope_index is not None and self.rotary_dim == self.head_dim)
-        # Gemma 4's parts (KV read from another layer, values from the key projection, the value
-        # norm, the per-layer input block and the layer scalar) are Python-only: decode_layer does
-        # not express them, so such layers run forward().
-        if (self.shares_kv or self.value_from_key or self.v_norm is not None or self.ple_gate is not None
-                or self.layer_scalar is not None):
-            self.fusable = False
+        # or not, and Gemma 4's parts (KV read from another layer, values from the key projection,
+        # the value norm, the per-layer input block, the layer scalar). Not a per-head q/k norm on a
+        # NoPE or partial-rotary layer (no family has one): there forward() norms with torch ops,
+        # where the C++ layer's norm rides on the rotation; nor a projection q/k norm on a layer with
+        # no keys of its own (no family has one either). Those run forward().
+        self.fusable = ((self.qk_norm is None or (self.rope_index is not None and self.rotary_dim == self.head_dim))
+                        and not (self.shares_kv and self.q_norm is not None))
+        # Gemma 4's layers end by adding their MLP output themselves (_finish): nothing is left over.
+        self.finishes = self.ple_gate is not None or self.layer_scalar is not None
         # Mixture of experts: a sparse layer's MLP is its router and experts (server.models.moe);
         # decode_layer has no experts, so such a layer runs forward().
         self.moe: SparseMoE | None = None
@@ -172,7 +172,7 @@ class DecoderLayer(nn.Module):
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
         act = gelu_tanh_and_mul(gate_up) if self.activation == "gelu_tanh" else silu_and_mul(gate_up)
         mlp = self._leave(linear(act, self.down_weight, self.down_bias), self.mlp_post_norm)
-        if self.ple_gate is None and self.layer_scalar is None:
+        if not self.finishes:
             return hidden, mlp
         return self._finish(hidden, mlp, per_layer_input), None
 
@@ -207,12 +207,15 @@ class DecoderLayer(nn.Module):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
-        kinds: tuple[str, str, str, str],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        kinds: tuple[str, ...],
+        per_layer_input: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward() in one C++ call (pagewire::decode_layer: the same ops in the same order, so the
         same floats), for CPU batches of at most 16 tokens; rope: this layer's table (None: NoPE)
         and positions the rows to read from it (RopeBatch.positions); kinds: each matrix's linear
-        path (ops.linear_kind), in MATRICES order."""
+        path (ops.linear_kind), in MATRICES order, then the per-layer input block's gate and
+        projection (linear_kinds); per_layer_input as forward()'s."""
+        ple = self.ple_gate is not None
         mlp_out = torch.ops.pagewire.decode_layer(
             hidden, delta, self.attn_norm, self.attn_post_norm, self.mlp_norm, self.mlp_post_norm, self.eps,
             self.residual_multiplier,
@@ -225,15 +228,21 @@ class DecoderLayer(nn.Module):
             meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             self.scale, self.sliding_window, meta.max_query_len, meta.max_seq_len,
             self.num_heads, self.num_kv_heads, self.head_dim, self.softcap, self.activation,
+            self.v_norm, self.shares_kv, self.value_from_key, per_layer_input,
+            self.ple_gate, kinds[4] if ple else "torch", self.ple_proj, kinds[5] if ple else "torch",
+            self.ple_norm, self.layer_scalar,
         )
-        return hidden, mlp_out
+        return hidden, (None if self.finishes else mlp_out)
 
-    def linear_kinds(self, dtype: torch.dtype, tokens: int) -> tuple[str, str, str, str] | None:
-        """Each matrix's path for `tokens` rows as ops.linear would take it (None: one of them has
-        no decode_layer equivalent, so this layer runs forward())."""
-        kinds = tuple(linear_kind(dtype, tokens, getattr(self, n), getattr(self, n.replace("weight", "bias")))
-                      for n in self.MATRICES)
-        return None if None in kinds else cast(tuple[str, str, str, str], kinds)
+    def linear_kinds(self, dtype: torch.dtype, tokens: int) -> tuple[str, ...] | None:
+        """Each matrix's path for `tokens` rows as ops.linear would take it, in MATRICES order, then
+        the per-layer input block's gate and projection where the layer has one (None: one of them
+        has no decode_layer equivalent, so this layer runs forward())."""
+        kinds = [linear_kind(dtype, tokens, getattr(self, n), getattr(self, n.replace("weight", "bias")))
+                 for n in self.MATRICES]
+        if self.ple_gate is not None and self.ple_proj is not None:
+            kinds += [linear_kind(dtype, tokens, self.ple_gate, None), linear_kind(dtype, tokens, self.ple_proj, None)]
+        return None if None in kinds else tuple(cast(list[str], kinds))
 
     MATRICES: tuple[str, ...] = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
@@ -390,12 +399,12 @@ class DecoderForCausalLM(nn.Module):
         self.fused_decode = True
         # (rows, id(autotune table), batch-invariant) -> (that table, each layer's linear kinds); weights are never
         # swapped after loading (quantize_weights runs before the first step), so kinds stay valid.
-        self._fused_cache: dict[tuple[int, int, bool], tuple[object, list[tuple[str, str, str, str] | None]]] = {}
+        self._fused_cache: dict[tuple[int, int, bool], tuple[object, list[tuple[str, ...] | None]]] = {}
         self.eval()
 
     def summary(self) -> str:
         """e.g. "Gemma3ForCausalLM: 26 layers (22 with a 512-token window, 4 full, 0 NoPE);
-        fused decode_layer (CPU, up to 16 tokens) for 0 of 26; the others run the Python layers"."""
+        fused decode_layer (CPU, up to 16 tokens) for 26 of 26; the others run the Python layers"."""
         c = self.config
         windows = [w for w in c.layer_sliding_windows if w is not None]
         kinds = f"{len(windows)} with a {max(windows)}-token window, " if windows else ""
@@ -450,11 +459,11 @@ class DecoderForCausalLM(nn.Module):
             rope, batch = (self.ropes[r], batches[r]) if r is not None else (None, None)
             kinds = fused[i] if fused is not None else None
             m = meta.for_layer(i)  # the layer's KV group's slots and block tables
+            ple = per_layer[:, i] if per_layer is not None else None
             if kinds is not None:
                 rows = batch.positions if batch is not None else positions
-                hidden, delta = layer.forward_fused(hidden, delta, rope, rows, key_cache, value_cache, m, kinds)
+                hidden, delta = layer.forward_fused(hidden, delta, rope, rows, key_cache, value_cache, m, kinds, ple)
             else:
-                ple = per_layer[:, i] if per_layer is not None else None
                 hidden, delta = layer.forward(hidden, delta, rope, batch, key_cache, value_cache, m, ple)
         eps = self.config.rms_norm_eps
         return norm(hidden, self.norm, eps) if delta is None else add_norm(hidden, delta, self.norm, eps)
@@ -481,8 +490,7 @@ class DecoderForCausalLM(nn.Module):
         per_token = torch.repeat_interleave(prompt.to(positions.dtype), q_lens)
         return torch.maximum(per_token, positions + 1)
 
-    def _fused_kinds(self, hidden: torch.Tensor,
-                     batches: list[RopeBatch]) -> list[tuple[str, str, str, str] | None] | None:
+    def _fused_kinds(self, hidden: torch.Tensor, batches: list[RopeBatch]) -> list[tuple[str, ...] | None] | None:
         """Per layer, the linear paths for pagewire::decode_layer, or None where the layer must run
         in Python: a layer the C++ layer cannot express (DecoderLayer.fusable), always off the CPU,
         above 16 tokens (quantised weights switch paths there), with RoPE tables gathered in

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from server.kernels.quant import GGUF_QTYPES, QuantizedExperts, QuantizedWeight
+from server.models.config import ModelConfig
 from server.models.gguf_file import GGUFFile
 
 __all__ = ["KeptMatrix", "plan_kept_matrices", "build_quantized", "unpermute_qk"]
@@ -50,13 +51,27 @@ class KeptMatrix:
     parts: tuple[str, ...]
 
 
-def plan_kept_matrices(f: GGUFFile, num_layers: int, tied: bool, fused: bool = False) -> list[KeptMatrix]:
-    """The matrices of a `num_layers` model that stay in the file's block format. A tied model's
-    lm_head is kept from token_embd's blocks (the embedding table itself is still dequantised).
-    `fused`: the file stores qkv and gate_up as one tensor each (ModelConfig.fused_checkpoint)."""
+def _qkv_parts(config: ModelConfig, layer: int) -> tuple[str, ...]:
+    """The GGUF tensors of `layer`'s qkv rows, by what the layer projects (DecoderLayer): queries
+    only when it reads another layer's KV (the file may still carry its unused attn_k / attn_v),
+    queries and keys when its values are the keys (attention_k_eq_v: no attn_v), else all three."""
+    if config.kv_source(layer) != layer:
+        return ("attn_q.weight",)
+    if config.value_from_key(layer):
+        return ("attn_q.weight", "attn_k.weight")
+    return _LAYER_MATRICES["qkv_weight"]
+
+
+def plan_kept_matrices(f: GGUFFile, config: ModelConfig, tied: bool) -> list[KeptMatrix]:
+    """The matrices of `config`'s model that stay in the file's block format, layer by layer (each
+    layer's qkv from the tensors that layer projects: Gemma 4's global and KV-sharing layers differ).
+    A tied model's lm_head is kept from token_embd's blocks (the embedding table itself is still
+    dequantised). A fused checkpoint (Phi-3) stores qkv and gate_up as one tensor each."""
     groups: list[tuple[int | None, str, tuple[str, ...]]] = []
-    for i in range(num_layers):
-        for name, parts in (_FUSED_LAYER_MATRICES if fused else _LAYER_MATRICES).items():
+    for i in range(config.num_layers):
+        matrices = (_FUSED_LAYER_MATRICES if config.fused_checkpoint
+                    else {**_LAYER_MATRICES, "qkv_weight": _qkv_parts(config, i)})
+        for name, parts in matrices.items():
             groups.append((i, name, tuple(f"blk.{i}.{p}" for p in parts)))
         if f"blk.{i}.ffn_gate_inp.weight" in f.tensors:  # a sparse layer
             groups += [(i, name, tuple(f"blk.{i}.{p}" for p in parts)) for name, parts in _MOE_MATRICES.items()]

@@ -167,8 +167,7 @@ def load_gguf_model(
     ignored = model.ignored_checkpoint_tensors() if hasattr(model, "ignored_checkpoint_tensors") else frozenset()
     if keep_quantized and torch.device(device).type != "cpu":
         raise ValueError(f"quantization: 'gguf' runs on CPU only, got device {device!r}")
-    kept = (plan_kept_matrices(f, config.num_layers, model.lm_head is model.embed_tokens, config.fused_checkpoint)
-            if keep_quantized else [])
+    kept = plan_kept_matrices(f, config, model.lm_head is model.embed_tokens) if keep_quantized else []
     # Their float destinations are skipped (and replaced below); token_embd still fills the embedding.
     skip = {hf_tensor_name(p, config) for m in kept for p in m.parts if p != "token_embd.weight"}
     kept_parts = {p for m in kept for p in m.parts}
@@ -216,8 +215,9 @@ def load_gguf_model(
             f"{f.path}: tensor {_gguf_name(missing[0], config)!r} ({missing[0]}) not found"
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
         )
-    heads = {"attn_q.weight": config.num_heads, "attn_k.weight": config.num_kv_heads} if permute else {}
     for m in kept:
+        kv_heads = config.kv_heads_of(m.layer) if m.layer is not None else config.num_kv_heads
+        heads = {"attn_q.weight": config.num_heads, "attn_k.weight": kv_heads} if permute else {}
         module = model if m.layer is None else model._layers[m.layer]
         owner, _, attr = m.name.rpartition(".")  # "moe.experts_gate_up": the layer's SparseMoE
         module = getattr(module, owner) if owner else module

@@ -342,3 +342,31 @@ def test_gguf_draft(tiny_model, tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as e:  # an HF folder's vocabulary is not this GGUF's
         LLM(str(target), speculative_config=_spec(tiny_model("llama", tokenizer_vocab_size=600)))
     assert e.value.field == "speculative_config.model"
+
+
+@pytest.mark.parametrize("target_arch", ["gemma4", "llama"])
+def test_gemma4_draft(tiny_model, target_arch: str) -> None:
+    """A Gemma 4 draft (global layers' K/V twice a local one's, two layers reading earlier layers'
+    KV): its pool is packed by the KV-groups machinery, every layer full, and speculation gives the
+    target's greedy tokens: proposing for itself (every proposal accepted) and for a Llama target
+    of the same vocabulary. Its pool's blocks cost what its groups' slots hold."""
+    from server.engine.draft_proposer import draft_kv_groups
+
+    draft = tiny_model("gemma4")
+    model_dir = draft if target_arch == "gemma4" else tiny_model("llama")
+    prompts = _prompts(3, _vocab(model_dir), 20, 50, seed=23)
+    params = _greedy(30)
+    engine = _engine(model_dir, _spec(draft), max_num_batched_tokens=32)
+    assert engine.draft is not None
+    groups = engine.draft.runner.groups
+    assert groups == draft_kv_groups(engine.draft.model.config)
+    assert all(w == 0 for w in groups.windows) and groups.slot_elems and len(set(groups.layer_ratio)) == 2
+    assert engine.kv_layout.draft_bytes_per_token == 2 * groups.group_size * groups.slot_elems * 4
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    assert _run(engine) == _reference(model_dir, prompts, params, max_num_batched_tokens=32)
+    s = _spec_stats(engine)
+    assert s.num_proposed > 0
+    if target_arch == "gemma4":
+        assert s.num_accepted == s.num_proposed
+    _assert_pools_empty(engine)

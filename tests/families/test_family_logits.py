@@ -42,8 +42,9 @@ def test_logits_match_transformers_through_prefill_and_decode(family_model: Call
 
 # Layers pagewire::decode_layer expresses, per tiny family config (DecoderLayer.fusable): all of
 # them, Gemma's four norms, OLMo's post-norms and projection q/k norm, Phi-3's partial rotary,
-# SmolLM3's NoPE layer and Granite's residual multiplier included.
-_FUSED = {"gemma2": (4, 4), "gemma3": (6, 6), "gemma4": (0, 6), "phi3": (2, 2), "olmo2": (2, 2), "olmo3": (4, 4),
+# SmolLM3's NoPE layer, Granite's residual multiplier and Gemma 4's parts included; the sparse
+# layers of the mixture-of-experts families run the Python layer.
+_FUSED = {"gemma2": (4, 4), "gemma3": (6, 6), "gemma4": (6, 6), "phi3": (2, 2), "olmo2": (2, 2), "olmo3": (4, 4),
           "smollm3": (4, 4), "granite": (2, 2), "qwen3moe": (1, 3), "mixtral": (0, 2), "olmoe": (0, 2), "qwen2moe": (0, 2)}
 
 
@@ -173,3 +174,43 @@ def test_gemma4_conditional_generation_folder_serves_its_language_model(
     assert config.architecture == "Gemma4ForConditionalGeneration" and config.layer_kv_sources[-2:] == (3, 2)
     tokens = random_tokens(40, config.vocab_size, seed=7)
     assert torch.equal(PagedRun(model).step({0: tokens})[0], PagedRun(plain).step({0: tokens})[0])
+
+
+def test_gemma4_gguf_keeps_every_attention_matrix_in_blocks(family_model: Callable[[str, str], Path],
+                                                            tmp_path: Path) -> None:
+    """--quantization gguf on Gemma 4: each layer's qkv is stacked from the tensors that layer
+    projects (a global layer's attn_q and attn_k: its values are its keys; a KV-sharing layer's
+    attn_q alone), so every attention matrix stays in its Q8_0 blocks, with the layer's own rows.
+    The kept model computes what the dequantised file computes: a prefill (over 16 rows the
+    kernels dequantise the blocks) gives the same floats; decode steps run the integer kernels
+    (8-bit activations), fused exactly as the Python layers, within a few % of the float logits."""
+    from server.kernels.quant import QuantizedWeight
+    from tests.gguf_files import write_gguf
+
+    path = write_gguf(tmp_path / "gemma4-q8.gguf", family_model("gemma4", "hf"), "Q8_0")
+    kept, config = load_model(path, dtype="float32", keep_gguf_blocks=True)
+    layers = kept._layers  # type: ignore[attr-defined]
+    assert {(layer.shares_kv, layer.value_from_key) for layer in layers} == {(False, False), (False, True), (True, False)}
+    for layer in layers:
+        assert isinstance(layer.qkv_weight, QuantizedWeight) and isinstance(layer.o_weight, QuantizedWeight)
+        own_kv = 0 if layer.shares_kv else (1 if layer.value_from_key else 2) * layer.kv_size
+        assert layer.qkv_weight.shape == (layer.q_size + own_kv, config.hidden_size)
+        assert layer.o_weight.shape == (config.hidden_size, layer.q_size)
+    plain, _ = load_model(path, dtype="float32")
+    tokens = random_tokens(40, config.vocab_size, seed=4)
+    fused, python, ref = PagedRun(kept), PagedRun(kept), PagedRun(plain)
+
+    def step(run: PagedRun, new: dict[int, list[int]], on: bool) -> dict[int, torch.Tensor]:
+        kept.fused_decode = on  # type: ignore[attr-defined]
+        return run.step(new)
+
+    prefill = {0: tokens[:30], 1: tokens[:12]}
+    a, b, c = step(fused, prefill, True), step(python, prefill, False), ref.step(prefill)
+    assert all(torch.equal(a[s], c[s]) and torch.equal(b[s], c[s]) for s in prefill)
+    for i, t in enumerate(tokens[30:33]):
+        new = {0: [t], 1: [t]}
+        a, b, c = step(fused, new, True), step(python, new, False), ref.step(new)
+        for s in new:
+            assert torch.equal(a[s], b[s])
+            if i == 0:  # the first decode step over the same context: only its own rounding
+                assert (a[s] - c[s]).abs().max() <= 0.05 * c[s].abs().max()

@@ -5,7 +5,8 @@ switches (q/k/v bias, Qwen3's q/k norm, sliding windows, llama3 RoPE scaling), e
 tokens, prefill chunks as well as decodes, in batch-invariant mode too (the default for CPU bf16
 on AVX2), with Gemma's logit soft-capping and GELU-tanh MLP, and for every family's layer parts
 (Gemma's four norms, OLMo 2's post-norms and projection q/k norm, Phi-3's partial rotary,
-SmolLM3's NoPE layers, Granite's residual multiplier); and the model must step aside to
+SmolLM3's NoPE layers, Granite's residual multiplier, Gemma 4's KV-sharing layers, values from the
+keys, value norm, per-layer inputs and layer scalar); and the model must step aside to
 the Python layers wherever their paths differ (above 16 tokens, a replaced `linear`, an autotune
 choice decode_layer has no equivalent for)."""
 from __future__ import annotations
@@ -104,13 +105,14 @@ def test_fused_layer_with_softcap_and_gelu_tanh(models: dict[str, Path], dtype: 
     assert not torch.equal(plain[-1][0], capped[-1][0])
 
 
-FAMILIES = ("gemma2", "gemma3", "phi3", "olmo2", "olmo3", "smollm3", "granite")
+FAMILIES = ("gemma2", "gemma3", "gemma4", "phi3", "olmo2", "olmo3", "smollm3", "granite")
 
 
 @pytest.fixture(scope="module")
 def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Each family's tiny config (tests.tiny_models: windows shorter than the prompts, Phi-3's
-    partial rotary and longrope, SmolLM3's NoPE layer, Granite's multipliers), vocabulary VOCAB."""
+    partial rotary and longrope, SmolLM3's NoPE layer, Granite's multipliers, Gemma 4 with every
+    part on), vocabulary VOCAB."""
     return {arch: make_tiny_model(tmp_path_factory.mktemp(arch) / arch, arch, vocab_size=VOCAB) for arch in FAMILIES}
 
 
@@ -124,7 +126,9 @@ def test_every_family_runs_fused_with_the_python_layers_floats(
 ) -> None:
     """Every layer of every family runs as one decode_layer call, with exactly the Python layers'
     logits and KV bytes: norms before, after and on both sides of each sub-block, q/k norm over the
-    projection, partial and no RoPE, residual multipliers."""
+    projection, partial and no RoPE, residual multipliers; Gemma 4's global layers (their own head
+    size and KV heads, values from the keys), KV-sharing layers, value norm, per-layer inputs and
+    layer scalar."""
     model, _ = load_model(family_models[arch], dtype=dtype)
     if quantization != "none":
         model.quantize_weights(quantization)
@@ -222,18 +226,48 @@ def test_opcheck_decode_layer(models: dict[str, Path]) -> None:
         torch.ops.pagewire.decode_layer(*args[:9], "fp8", *args[10:])
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "olmo2", "granite"])
-def test_opcheck_decode_layer_with_the_families_parts(family_models: dict[str, Path], arch: str) -> None:
-    """The same with Gemma's four norms, OLMo 2's post-norms and projection q/k norm, Granite's multiplier."""
+@pytest.mark.parametrize("arch, index", [("gemma3", 0), ("olmo2", 0), ("granite", 0), ("gemma4", 0), ("gemma4", 2),
+                                         ("gemma4", 4)])
+def test_opcheck_decode_layer_with_the_families_parts(family_models: dict[str, Path], arch: str, index: int) -> None:
+    """The same with Gemma's four norms, OLMo 2's post-norms and projection q/k norm, Granite's
+    multiplier, and Gemma 4's layers: a local one (value norm, per-layer input, layer scalar: the
+    op returns [0, H]), a global one (values from the keys) and one reading layer 3's KV."""
     model, _ = load_model(family_models[arch], dtype="float32")
-    layer = model._layers[0]
+    layer = model._layers[index]
+    if arch == "gemma4":
+        assert (layer.value_from_key, layer.shares_kv) == ((False, False), (True, False), (False, True))[index // 2]
     run = PagedRun(model)
     run.step({0: random_tokens(5, VOCAB, seed=2)})
     kinds = layer.linear_kinds(model.dtype, 1)
     assert kinds is not None
-    key_cache, value_cache = run.kv_caches[0]
+    key_cache, value_cache = run.kv_caches[index]
     args = _op_args(model, layer, run, kinds, torch.randn(1, 64), key_cache.clone(), value_cache.clone())
     torch.library.opcheck(torch.ops.pagewire.decode_layer.default, args)
+    out = torch.ops.pagewire.decode_layer(*args)
+    assert out.shape == ((0, 64) if layer.finishes else (1, 64))
+
+
+def test_decode_layer_refuses_gemma4_parts_that_do_not_go_together(family_models: dict[str, Path]) -> None:
+    """A layer reading another's KV has no keys to take values from; the per-layer input block's
+    tensors come together. Refused before anything is written."""
+    model, _ = load_model(family_models["gemma4"], dtype="float32")
+    layer = model._layers[4]
+    run = PagedRun(model)
+    run.step({0: random_tokens(5, VOCAB, seed=2)})
+    kinds = layer.linear_kinds(model.dtype, 1)
+    assert kinds is not None and layer.shares_kv
+    key_cache, value_cache = run.kv_caches[4]
+    hidden = torch.randn(1, 64)
+    args = list(_op_args(model, layer, run, kinds, hidden.clone(), key_cache, value_cache))
+    both = list(args)
+    both[43] = True  # value_from_key on a sharing layer
+    with pytest.raises(RuntimeError, match="decode_layer: a layer reading another layer's KV has no keys"):
+        torch.ops.pagewire.decode_layer(*both)
+    no_input = list(args)
+    no_input[44] = None  # per_layer_input
+    with pytest.raises(RuntimeError, match="decode_layer: per_layer_input, ple_gate, ple_proj and ple_norm come together"):
+        torch.ops.pagewire.decode_layer(*no_input)
+    assert torch.equal(args[0], hidden)
 
 
 def _count_fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -249,9 +283,10 @@ def _count_fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def _op_args(model: DecoderForCausalLM, layer: llama.DecoderLayer, run: PagedRun, kinds: tuple[str, str, str, str],
+def _op_args(model: DecoderForCausalLM, layer: llama.DecoderLayer, run: PagedRun, kinds: tuple[str, ...],
              hidden: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple:
-    """decode_layer's arguments for one new token at position 5 of sequence 0 (5 tokens cached)."""
+    """decode_layer's arguments for one new token at position 5 of sequence 0 (5 tokens cached);
+    with Gemma 4's parts when the layer has them (a random per-layer input row)."""
     from server.models.attention import AttentionMetadata
 
     meta = AttentionMetadata(
@@ -262,10 +297,18 @@ def _op_args(model: DecoderForCausalLM, layer: llama.DecoderLayer, run: PagedRun
         max_query_len=1,
         max_seq_len=6,
     )
-    return (hidden, torch.randn(1, 64), layer.attn_norm, layer.attn_post_norm, layer.mlp_norm, layer.mlp_post_norm,
+    rope = model.ropes[layer.rope_index if layer.rope_index is not None else 0]
+    args = (hidden, torch.randn(1, 64), layer.attn_norm, layer.attn_post_norm, layer.mlp_norm, layer.mlp_post_norm,
             layer.eps, layer.residual_multiplier, layer.qkv_weight, kinds[0], layer.qkv_bias, layer.q_norm,
             layer.k_norm, layer.o_weight, kinds[1], layer.o_bias, layer.gate_up_weight, kinds[2], layer.gate_up_bias,
-            layer.down_weight, kinds[3], layer.down_bias, torch.tensor([5]), model.ropes[0].cos, model.ropes[0].sin,
+            layer.down_weight, kinds[3], layer.down_bias, torch.tensor([5]), rope.cos, rope.sin,
             layer.qk_norm, key_cache, value_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
             meta.query_start_loc, layer.scale, layer.sliding_window, 1, 6, layer.num_heads, layer.num_kv_heads,
             layer.head_dim)
+    if layer.v_norm is None and not layer.shares_kv and not layer.finishes:
+        return args
+    ple = layer.ple_gate is not None
+    per_layer_input = torch.randn(1, layer.ple_gate.shape[0]) if layer.ple_gate is not None else None
+    return (*args, layer.softcap, layer.activation, layer.v_norm, layer.shares_kv, layer.value_from_key,
+            per_layer_input, layer.ple_gate, kinds[4] if ple else "torch", layer.ple_proj, kinds[5] if ple else "torch",
+            layer.ple_norm, layer.layer_scalar)

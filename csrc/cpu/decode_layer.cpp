@@ -69,7 +69,8 @@ at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>&
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
                             int64_t max_query_len, int64_t max_seq_len, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim, double softcap, c10::string_view activation) {
+                            int64_t head_dim, double softcap, c10::string_view activation,
+                            const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(hidden.device().is_cpu() && hidden.dim() == 2, "hidden must be a CPU [T, hidden] tensor, got ",
               hidden.sizes(), " on ", hidden.device());
   const int64_t T = hidden.size(0);
@@ -113,7 +114,7 @@ at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>&
   write_kv_cache_cpu(key, value, key_cache, value_cache, slot_mapping);
   at::Tensor attn = at::empty({T, num_heads, head_dim}, hidden.options());
   paged_attention_cpu(attn, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                      sliding_window, max_query_len, max_seq_len, softcap);
+                      sliding_window, max_query_len, max_seq_len, softcap, sinks);
   // MLP half: o projection (post-normed and scaled as it leaves) added into the residual stream by
   // the MLP's input norm, gate/up, the gated activation (SiLU or GELU-tanh) times up, down. The
   // down projection's output, as it leaves, is left for the next layer's norm to add (as in Python).

@@ -44,7 +44,8 @@ def test_logits_match_transformers_through_prefill_and_decode(family_model: Call
 # them, Gemma's four norms, OLMo's post-norms and projection q/k norm, Phi-3's partial rotary,
 # SmolLM3's NoPE layer and Granite's residual multiplier included.
 _FUSED = {"gemma2": (4, 4), "gemma3": (6, 6), "gemma4": (0, 6), "phi3": (2, 2), "olmo2": (2, 2), "olmo3": (4, 4),
-          "smollm3": (4, 4), "granite": (2, 2), "qwen3moe": (1, 3), "mixtral": (0, 2), "olmoe": (0, 2), "qwen2moe": (0, 2)}
+          "smollm3": (4, 4), "granite": (2, 2), "qwen3moe": (1, 3), "mixtral": (0, 2), "olmoe": (0, 2), "qwen2moe": (0, 2),
+          "gpt_oss": (0, 4)}
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

@@ -64,7 +64,7 @@ def test_config_translation(family_model: Callable[[str, str], Path], mxfp4_dir:
     assert c.layer_sliding_windows == (24, None, 24, None)  # even layers slide
     assert c.layer_mlp_kinds == ("sparse",) * 4 and (c.num_experts, c.num_experts_per_tok) == (8, 2)
     assert (c.moe_router, c.moe_activation, c.moe_bias, c.attention_sinks) == ("topk_softmax", "swiglu_oai", True, True)
-    assert (c.swiglu_alpha, c.swiglu_limit, c.qkv_bias, c.o_bias) == (1.702, 1.0, True, True)
+    assert (c.swiglu_alpha, c.swiglu_limit, c.qkv_bias, c.o_bias) == (1.702, 7.0, True, True)
     assert c.experts_quantization == ""
     assert config_from_hf(json.loads((mxfp4_dir / "config.json").read_text())).experts_quantization == "mxfp4"
     # The checkpoints' transformers-4 layout: rope_scaling beside rope_theta, experts_per_token.

@@ -92,6 +92,7 @@ def test_mxfp4_experts_decode_exactly(mxfp4_dir: Path) -> None:
         assert torch.equal(layer.moe.experts_down.double(), torch.from_numpy(dn)), i
 
 
+@pytest.mark.slow  # transformers' greedy decode of three prompts, as the family tests' (slow) ones
 def test_mxfp4_folder_matches_transformers(mxfp4_dir: Path) -> None:
     """A mixed-length batch (past the 24-token windows) from the MXFP4 folder gives transformers'
     greedy tokens for the same folder."""

@@ -25,6 +25,7 @@
 #include <ATen/ops/mul.h>
 #include <ATen/ops/sigmoid.h>
 
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -54,8 +55,37 @@ at::Tensor swiglu_oai(const at::Tensor& h, double alpha, double limit) {
   return at::mul(at::add(up, 1), glu);
 }
 
+// One expert's GGML MXFP4 matrix (uint8 [N, K / 32 * 17]: per 32 values an E8M0 scale byte, then
+// 16 bytes of E2M1 codes, value j in the low nibble of byte j and j + 16 in its high nibble) as
+// float32 [N, K]: exact, each value being an E2M1 value times 2 ** (scale - 127). gpt-oss's experts
+// stay in these bytes (4.25 bits a weight) and only the experts a step uses are decoded.
+at::Tensor dequantize_mxfp4_rows(const at::Tensor& w) {
+  static constexpr float kE2M1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                      -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.size(1) % 17 == 0,
+              "moe_experts: mxfp4 experts must be uint8 [E, N, K / 32 * 17], got ", w.sizes());
+  const int64_t N = w.size(0), G = w.size(1) / 17;
+  at::Tensor out = at::empty({N, G * 32}, w.options().dtype(at::kFloat));
+  const at::Tensor wc = w.contiguous();
+  const uint8_t* src = wc.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+#pragma omp parallel for schedule(static) if (N * G >= 4096)
+  for (int64_t b = 0; b < N * G; ++b) {
+    const uint8_t* blk = src + b * 17;
+    const float scale = std::ldexp(1.f, static_cast<int>(blk[0]) - 127);
+    float* o = dst + b * 32;
+    for (int j = 0; j < 16; ++j) {
+      o[j] = kE2M1[blk[1 + j] & 0x0F] * scale;
+      o[j + 16] = kE2M1[blk[1 + j] >> 4] * scale;
+    }
+  }
+  return out;
+}
+
 at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& w, const std::string& kind,
                          const c10::optional<at::Tensor>& bias) {
+  // MXFP4: decoded when used (exactly representable in x's dtype), then the float experts' path.
+  if (kind == "mxfp4") return expert_linear(x, dequantize_mxfp4_rows(w).to(x.scalar_type()), "float", bias);
   const int64_t M = x.size(0);
   const bool invariant = cpu::batch_invariant_mode;
   if (kind == "float") {
@@ -68,7 +98,7 @@ at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& w, const std::st
     return at::linear(x, w, bias);
   }
   TORCH_CHECK(kind == "q8_0" || kind == "q8_0x8" || kind.rfind("q4_", 0) == 0,
-              "moe_experts: kind must be 'float', 'q8_0', 'q8_0x8' or a linear_q4 qtype, got '", kind, "'");
+              "moe_experts: kind must be 'float', 'q8_0', 'q8_0x8', 'mxfp4' or a linear_q4 qtype, got '", kind, "'");
   if (M <= kQ8KernelMaxRows || !invariant) return quant_rows(x, w, kind, bias);
   // Batch-invariant: the integer kernel for every row, never the dequantise-and-GEMM path.
   at::Tensor out = at::empty({M, w.size(0)}, x.options());

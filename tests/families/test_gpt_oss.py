@@ -124,3 +124,21 @@ def test_mxfp4_gguf_holds_the_folders_parameters_and_logits(mxfp4_dir: Path, tmp
     a = PagedRun(g_model).step({0: tokens})[0]  # type: ignore[arg-type]
     b = PagedRun(h_model).step({0: tokens})[0]  # type: ignore[arg-type]
     assert torch.equal(a, b)
+
+
+def test_mxfp4_gguf_experts_stay_in_their_blocks(mxfp4_dir: Path, tmp_path: Path) -> None:
+    """--quantization gguf keeps the file's MXFP4 experts as they are (moe_experts decodes the
+    experts a step uses): the bytes the file holds, and the same logits as the decoded load."""
+    from server.kernels.quant import QuantizedExperts
+
+    path = write_gguf(tmp_path / "gpt-oss-mxfp4.gguf", mxfp4_dir, "F32")
+    kept, _ = load_model(path, keep_gguf_blocks=True)
+    plain, cfg = load_model(path)
+    moe = kept._layers[0].moe  # type: ignore[attr-defined]
+    assert isinstance(moe.experts_gate_up, QuantizedExperts) and moe.experts_gate_up.qtype == "mxfp4"
+    E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    assert moe.experts_gate_up.nbytes + moe.experts_down.nbytes == 3 * E * I * H // 32 * 17
+    tokens = random_tokens(40, cfg.vocab_size, seed=5)
+    a = PagedRun(kept).step({0: tokens})[0]  # type: ignore[arg-type]
+    b = PagedRun(plain).step({0: tokens})[0]  # type: ignore[arg-type]
+    assert torch.equal(a, b)

@@ -202,3 +202,25 @@ def test_bad_expert_biases_and_activation_are_named() -> None:
         ops.moe_experts(x, ids, w, gate_up, down, torch.zeros(E, I), None, "swiglu_oai")
     with pytest.raises(RuntimeError, match="activation must be 'silu' or 'swiglu_oai'"):
         ops.moe_experts(x, ids, w, gate_up, down, None, None, "gelu")
+
+
+def test_mxfp4_experts_equal_their_decoded_floats(cpu_isa: str) -> None:
+    """MXFP4 experts (GGML's blocks, as gpt-oss GGUF files keep them) decode exactly when used: the
+    op equals the same op on the decoded float experts, bit for bit, and the decode equals the
+    gguf package's."""
+    from gguf import GGMLQuantizationType, quants
+
+    gate_up, down = experts(7, torch.float32)
+    t = GGMLQuantizationType.MXFP4
+    packed = [torch.from_numpy(quants.quantize(w.reshape(-1, w.shape[-1]).numpy(), t)).reshape(E, w.shape[1], -1)
+              for w in (gate_up, down)]
+    qgu = QuantizedExperts("mxfp4", packed[0], (E, 2 * I, H))
+    qdn = QuantizedExperts("mxfp4", packed[1], (E, H, I))
+    fgu, fdn = qgu.dequantize(), qdn.dequantize()
+    want = quants.dequantize(packed[0].reshape(E * 2 * I, -1).numpy(), t).reshape(E, 2 * I, H)
+    assert torch.equal(fgu, torch.from_numpy(want))
+    g = torch.Generator().manual_seed(8)
+    x, gub, db = torch.randn(6, H, generator=g), torch.randn(E, 2 * I, generator=g), torch.randn(E, H, generator=g)
+    ids, w = routing(6, 2, seed=9)
+    got = ops.moe_experts(x, ids, w, qgu.for_kernels(), qdn.for_kernels(), gub, db, "swiglu_oai", 1.702, 7.0)
+    assert torch.equal(got, ops.moe_experts(x, ids, w, fgu, fdn, gub, db, "swiglu_oai", 1.702, 7.0))

@@ -83,4 +83,16 @@ inline PagedAttentionDims check_paged_attention_args(const at::Tensor& out, cons
   return d;
 }
 
+// sinks (None, or float32 [num_heads] contiguous on query's device): true when given.
+inline bool check_sinks(const c10::optional<at::Tensor>& sinks, const PagedAttentionDims& d,
+                        const at::Device& device) {
+  if (!sinks.has_value() || !sinks->defined()) return false;
+  const at::Tensor& s = *sinks;
+  TORCH_CHECK(s.device() == device, "sinks must be on ", device, " (query's device), got ", s.device());
+  TORCH_CHECK(s.scalar_type() == at::kFloat, "sinks must be float32, got ", s.scalar_type());
+  TORCH_CHECK(s.dim() == 1 && s.size(0) == d.num_heads && s.is_contiguous(), "sinks must be a contiguous [",
+              d.num_heads, "] (one per query head), got shape ", s.sizes());
+  return true;
+}
+
 }  // namespace pagewire

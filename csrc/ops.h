@@ -22,10 +22,13 @@ void write_kv_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tens
 // query_start_loc:        int32 [S + 1]   prefix sum of new tokens per sequence
 // scale multiplies q.k; softcap > 0 then caps each score to softcap * tanh(score / softcap)
 // (Gemma 2's attention soft-capping) before the mask and softmax; softcap 0 is off.
+// sinks: float32 [num_heads] or None; head h's sink joins every row's softmax denominator as one more
+// logit with no value (gpt-oss), so out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sinks[h])).
 void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                          const at::Tensor& value_cache, const at::Tensor& block_tables,
                          const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                         int64_t sliding_window, int64_t max_query_len, int64_t max_seq_len, double softcap);
+                         int64_t sliding_window, int64_t max_query_len, int64_t max_seq_len, double softcap,
+                         const c10::optional<at::Tensor>& sinks);
 
 // key_caches, value_caches: one [num_blocks, num_kv_heads, block_size, head_dim] per layer (mutated)
 // block_mapping:            int64 [N, 2] rows of (src, dst) physical block ids
@@ -82,7 +85,7 @@ at::Tensor gelu_tanh_and_mul_cpu(const at::Tensor& x);
 // q_norm [q] / k_norm [kv]: RMSNorm over the whole projection (OLMo 2), qk_norm [heads, head_dim]:
 // per head (Qwen3, Gemma 3); cos/sin None: a NoPE layer, narrower than head_dim / 2: partial
 // rotary; *_kind: the linear path per matrix ("kernel", "torch", "q8_0", "q8_0x8", or a linear_q4
-// qtype); caches mutated; softcap as paged_attention's; activation "silu" or "gelu_tanh" (the gated
+// qtype); caches mutated; softcap and sinks as paged_attention's; activation "silu" or "gelu_tanh" (the gated
 // MLP's). Gemma 4's parts: v_norm [head_dim] (the weightless value norm); shares_kv: the layer
 // projects queries only and attends over the caches given (an earlier layer's), writing nothing;
 // value_from_key: no v rows in qkv, the values are the key projection; per_layer_input [T, P] with
@@ -110,17 +113,23 @@ at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>&
                             const c10::optional<at::Tensor>& per_layer_input, const c10::optional<at::Tensor>& ple_gate,
                             c10::string_view ple_gate_kind, const c10::optional<at::Tensor>& ple_proj,
                             c10::string_view ple_proj_kind, const c10::optional<at::Tensor>& ple_norm,
-                            const c10::optional<at::Tensor>& layer_scalar);
+                            const c10::optional<at::Tensor>& layer_scalar,
+                            const c10::optional<at::Tensor>& sinks);
 
 // The routed experts of a mixture-of-experts layer (cpu/moe.cpp). x [T, H] (float32, bfloat16 or
 // float16); topk_ids int64 [T, k] (expert per slot, -1 = empty), topk_weights float32 [T, k];
 // gate_up [E, 2I, H] and down [E, H, I] stacked per expert, each either float of x's dtype (kind
-// "float") or uint8 GGUF blocks [E, rows, row bytes] (kind "q8_0", "q8_0x8" or a linear_q4 qtype).
+// "float") or uint8 GGUF blocks [E, rows, row bytes] (kind "q8_0", "q8_0x8", "mxfp4" or a linear_q4
+// qtype; mxfp4 experts are decoded when used, then multiplied as float).
 // Tokens are grouped by expert and only the experts used are read; each token's k results are
-// summed in slot order in fp32. Returns [T, H] in x's dtype.
+// summed in slot order in fp32. Returns [T, H] in x's dtype. gate_up_bias [E, 2I] and down_bias
+// [E, H] (x's dtype) or None; activation "silu" (SiLU(gate) * up) or "swiglu_oai" (gpt-oss's
+// (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit)).
 at::Tensor moe_experts_cpu(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                            const at::Tensor& gate_up, c10::string_view gate_up_kind, const at::Tensor& down,
-                           c10::string_view down_kind);
+                           c10::string_view down_kind, const c10::optional<at::Tensor>& gate_up_bias,
+                           const c10::optional<at::Tensor>& down_bias, c10::string_view activation, double alpha,
+                           double limit);
 
 // Speculative decoding (cpu/spec_decode.cpp).
 // token_ids: S contiguous int64 vectors (each sequence's prompt + output; may be longer than used),

@@ -10,11 +10,13 @@ TORCH_LIBRARY(pagewire, m) {
       "write_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");
   // out, query: [T, num_heads, head_dim]; block_tables int32 [S, max_blocks]; seq_lens int32 [S];
-  // query_start_loc int32 [S + 1]; softcap > 0: scores capped to softcap * tanh(score / softcap)
+  // query_start_loc int32 [S + 1]; softcap > 0: scores capped to softcap * tanh(score / softcap);
+  // sinks float32 [num_heads] or None: a learned logit per query head that joins each row's softmax
+  // (gpt-oss's attention sinks) and contributes no value
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window, "
-      "int max_query_len, int max_seq_len, float softcap=0.0) -> ()");
+      "int max_query_len, int max_seq_len, float softcap=0.0, Tensor? sinks=None) -> ()");
   // block_mapping int64 [N, 2] of (src, dst), applied to every layer's caches
   m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
   // x [M, K], weight [N, K], bias [N] -> [M, N]; F.linear semantics (small-batch bf16 kernel on CPU)
@@ -56,10 +58,11 @@ TORCH_LIBRARY(pagewire, m) {
       "int max_query_len, int max_seq_len, int num_heads, int num_kv_heads, int head_dim, float softcap=0.0, "
       "str activation=\"silu\", Tensor? v_norm=None, bool shares_kv=False, bool value_from_key=False, "
       "Tensor? per_layer_input=None, Tensor? ple_gate=None, str ple_gate_kind=\"torch\", Tensor? ple_proj=None, "
-      "str ple_proj_kind=\"torch\", Tensor? ple_norm=None, Tensor? layer_scalar=None) -> Tensor");
+      "str ple_proj_kind=\"torch\", Tensor? ple_norm=None, Tensor? layer_scalar=None, Tensor? sinks=None) -> Tensor");
   // The routed experts of an MoE layer (shapes in ops.h): tokens grouped by expert, only the experts used read
   m.def("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, str gate_up_kind, "
-        "Tensor down, str down_kind) -> Tensor");
+        "Tensor down, str down_kind, Tensor? gate_up_bias=None, Tensor? down_bias=None, str activation=\"silu\", "
+        "float alpha=1.702, float limit=7.0) -> Tensor");
   // Speculative decoding (shapes in ops.h): the n-gram proposer (CPU only: it reads host token
   // lists) and exact verification by rejection sampling.
   m.def("ngram_propose(Tensor[] token_ids, Tensor num_tokens, int k, int min_n, int max_n) -> Tensor");

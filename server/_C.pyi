@@ -1,7 +1,7 @@
 """Type stub for `server._C`, the pagewire native extension (built from csrc/).
 
 Importing the module also registers the tensor ops `torch.ops.pagewire.*` (write_kv_cache,
-paged_attention (with logit soft-capping), copy_blocks, linear, the fused layer ops (silu_and_mul,
+paged_attention (with logit soft-capping and attention sinks), copy_blocks, linear, the fused layer ops (silu_and_mul,
 gelu_tanh_and_mul, decode_layer), the mixture-of-experts layer's moe_experts, the Q8_0 and 4-bit (Q4_0/Q4_1/Q4_K) quantised-weight
 ops, and speculative
 decoding's ngram_propose and rejection_sample); their typed wrappers are in `server.kernels.ops`. The only

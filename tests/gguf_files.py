@@ -46,6 +46,8 @@ _HF_TO_GGUF_BLOCK = {
     "per_layer_projection.weight": "proj.weight",
     "post_per_layer_input_norm.weight": "post_norm.weight",
     "layer_scalar": "layer_output_scale.weight",
+    "self_attn.sinks": "attn_sinks.weight",  # gpt-oss
+    "self_attn.o_proj.bias": "attn_output.bias",
 }
 _HF_TO_GGUF_GLOBAL = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -56,12 +58,13 @@ _HF_TO_GGUF_GLOBAL = {
     "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
 }
 # model_type -> llama.cpp's general.architecture (OLMo 3 files are "olmo2" with a window).
-GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama",
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "gpt_oss": "gpt-oss",
              "gemma3_text": "gemma3", "gemma4_text": "gemma4", "olmo3": "olmo2"}
 # llama.cpp's converter permutes Q/K rows for the architectures it runs with interleaved RoPE.
 PERMUTED = ("llama", "mistral", "smollm3", "granite", "mixtral")
-# Families whose post_attention_layernorm is the attention output's norm, not the MLP input's.
-_POST_NORM_TYPES = ("gemma2", "gemma3_text", "gemma4_text", "olmo2", "olmo3")
+# Families whose post_attention_layernorm is written post_attention_norm: the attention output's
+# norm, and gpt-oss's MLP input norm (llama.cpp names it so for that architecture).
+_POST_NORM_TYPES = ("gemma2", "gemma3_text", "gemma4_text", "olmo2", "olmo3", "gpt_oss")
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -272,11 +275,19 @@ def write_gguf(
         hd = _gemma4_global_head_dim(cfg)
         rot = int(hd * rope["partial_rotary_factor"] / 2)
         state["rope_freqs"] = torch.tensor([1.0] * rot + [1e30] * (hd // 2 - rot))
-    moe = stack_experts(state) if cfg.get("num_experts") or cfg.get("num_local_experts") else {}
+    raw_moe: dict[str, np.ndarray] = {}
+    if model_type == "gpt_oss":  # stacked, interleaved experts; an MXFP4 folder's stay MXFP4
+        from tests.gpt_oss_files import gpt_oss_moe
+
+        moe, raw_moe = gpt_oss_moe(state)
+    else:
+        moe = stack_experts(state) if cfg.get("num_experts") or cfg.get("num_local_experts") else {}
+    for name, data in sorted(raw_moe.items()):
+        w.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
     for seed, (name, arr) in enumerate(sorted(moe.items())):
         if name in skip_tensors:
             continue
-        if name.endswith(F32_TENSORS) or arr.ndim == 1:
+        if name.endswith(F32_TENSORS) or arr.ndim == 1 or name.endswith(".bias"):
             w.add_tensor(name, arr.astype(np.float32))
             continue
         flat = arr.reshape(-1, arr.shape[-1])
@@ -315,6 +326,10 @@ def _family_metadata(arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> di
     if rope.get("rope_type") == "linear":
         meta[f"{arch}.rope.scaling.type"] = "linear"
         meta[f"{arch}.rope.scaling.factor"] = float(rope["factor"])
+    if rope.get("rope_type") == "yarn":
+        meta[f"{arch}.rope.scaling.type"] = "yarn"
+        meta[f"{arch}.rope.scaling.factor"] = float(rope["factor"])
+        meta[f"{arch}.rope.scaling.original_context_length"] = rope["original_max_position_embeddings"]
     if rope.get("rope_type") == "longrope":
         orig = rope["original_max_position_embeddings"]
         factor = cfg["max_position_embeddings"] / orig
@@ -324,8 +339,8 @@ def _family_metadata(arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> di
     if experts:  # llama.cpp's MoE keys (Mixtral: "llama" with a window when its config has one)
         meta[f"{arch}.expert_count"] = experts
         meta[f"{arch}.expert_used_count"] = cfg["num_experts_per_tok"]
-        if cfg.get("moe_intermediate_size"):
-            meta[f"{arch}.expert_feed_forward_length"] = cfg["moe_intermediate_size"]
+        if cfg.get("moe_intermediate_size") or cfg["model_type"] == "gpt_oss":
+            meta[f"{arch}.expert_feed_forward_length"] = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
         if cfg.get("shared_expert_intermediate_size"):
             meta[f"{arch}.expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
         if cfg["model_type"] == "mixtral" and cfg.get("sliding_window"):

@@ -57,6 +57,16 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                  "shared_expert_intermediate_size": 64, "norm_topk_prob": False, "use_sliding_window": False,
                  "sliding_window": None},
+    # gpt-oss: 8 experts, top-2 softmaxed after the top-k, biases in the router and experts, the
+    # SwiGLU limit of the checkpoints (7.0, which llama.cpp hard-wires; the experts' gate_up is
+    # scaled up below so the tiny activations cross it), alternating 24-token windows (shorter than
+    # the prompts) and full layers, attention sinks, YaRN with an original context short enough
+    # that the tiny head's frequencies span its ramp.
+    "gpt_oss": {"num_hidden_layers": 4, "head_dim": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
+                "intermediate_size": 32, "sliding_window": 24, "swiglu_limit": 7.0, "attention_bias": True,
+                "max_position_embeddings": 2048,  # = factor x original, as transformers' YaRN check wants
+                "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                    "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}},
     "olmo2": {},
     "olmo3": {"num_hidden_layers": 4, "sliding_window": 24,
               "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 500000.0},
@@ -104,6 +114,7 @@ def _classes(arch: str) -> tuple[type, type]:
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
         "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
         "qwen2moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
+        "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
         "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
         "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM),
         "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),
@@ -170,8 +181,14 @@ def make_tiny_model(
             if name.endswith("norm.weight"):
                 # Gemma 2/3 scale by 1 + w: around 0 there is around 1 elsewhere (Gemma 4 scales by w).
                 p.uniform_(-0.5, 0.5) if arch in ("gemma2", "gemma3") else p.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias")):  # gpt-oss's experts: gate_up_proj_bias, down_proj_bias
                 p.normal_(0.0, 0.1)
+            elif name.endswith(".sinks"):  # gpt-oss: sinks near the scores' size, so they matter
+                p.normal_(0.0, 1.0)
+            elif name.endswith("experts.gate_up_proj"):  # gpt-oss: pre-activations past the limit of 7
+                p.mul_(6.0)
+            elif name.endswith("experts.down_proj"):  # ... and outputs of the usual size again
+                p.div_(6.0)
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):  # Gemma 4's per-layer scalar (a saved buffer, init 1)
                 b.uniform_(0.5, 1.5)

@@ -49,10 +49,12 @@ Kernel pick_kernel(int head_dim) {
 void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                          const at::Tensor& value_cache, const at::Tensor& block_tables,
                          const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                         int64_t sliding_window, int64_t max_query_len, int64_t max_seq_len, double softcap) {
+                         int64_t sliding_window, int64_t max_query_len, int64_t max_seq_len, double softcap,
+                         const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.device().is_cpu(), "query must be a CPU tensor, got ", query.device());
   const PagedAttentionDims dims = check_paged_attention_args(out, query, key_cache, value_cache, block_tables,
                                                              seq_lens, query_start_loc, scale, softcap);
+  const bool has_sinks = check_sinks(sinks, dims, query.device());
   const cpu::ElemType dtype = elem_type(query.scalar_type());
   const int64_t num_tokens = dims.num_tokens, num_heads = dims.num_heads, head_dim = dims.head_dim;
   const int64_t num_blocks = dims.num_blocks, num_kv_heads = dims.num_kv_heads, block_size = dims.block_size;
@@ -128,6 +130,7 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   args.max_tile_tokens = max_tile;
   args.scale = static_cast<float>(scale);
   args.softcap = static_cast<float>(softcap);
+  args.sinks = has_sinks ? sinks->data_ptr<float>() : nullptr;
   args.sliding_window = sliding_window > 0 ? static_cast<int>(std::min<int64_t>(sliding_window, 1 << 30)) : 0;
   args.dtype = dtype;
   args.items = sorted.data();

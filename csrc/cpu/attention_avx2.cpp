@@ -420,7 +420,7 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
       E* dst = out + (q_start + w.q_begin + t) * a.out_stride_t + (kvh * G + g) * a.out_stride_h;
       const float* src = s.acc + static_cast<int64_t>(r) * D;
       // l > 0: every query sees at least its own position.
-      const __m256 inv_l = _mm256_set1_ps(1.f / s.l[r]);
+      const __m256 inv_l = _mm256_set1_ps(sink_inv_l(s.m[r], s.l[r], a.sinks, kvh * G + g));
       for (int d = 0; d < D; d += 8) store8(dst + d, _mm256_mul_ps(_mm256_loadu_ps(src + d), inv_l));
     }
   }

@@ -3,6 +3,7 @@
 // and a work list.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 namespace pagewire::cpu {
@@ -32,6 +33,9 @@ struct PagedAttentionArgs {
   // > 0: logit soft-capping (Gemma 2), scores become softcap * tanh(score / softcap) after the
   // scale and before the mask and softmax; <= 0: off.
   float softcap;
+  // [num_heads] or null: per-head sink logits joining each row's softmax denominator (gpt-oss);
+  // the kernels fold them in at the end with sink_inv_l.
+  const float* sinks;
   int sliding_window;  // <= 0: no window
   ElemType dtype;      // query, out and both caches share it
   const WorkItem* items;
@@ -46,5 +50,18 @@ struct PagedAttentionArgs {
 void paged_attention_generic(const PagedAttentionArgs& args);
 void paged_attention_avx2(const PagedAttentionArgs& args);
 void paged_attention_avx512(const PagedAttentionArgs& args);
+
+// 1 / the softmax denominator of a row whose online softmax ended at running max m and sum l,
+// with the head's sink logit (if any) as one more term: the sink only grows the denominator. Taken
+// relative to max(m, sink) so neither exp overflows: acc * scale / (l * scale + exp(sink - m')),
+// scale = exp(m - m'), which equals acc / (l + exp(sink - m)). Static: each ISA's file keeps its own copy
+// (compiled with its target options), as attention_tile.h's internal linkage does.
+static inline float sink_inv_l(float m, float l, const float* sinks, int head) {
+  if (sinks == nullptr) return 1.f / l;
+  const float sink = sinks[head];
+  const float top = m > sink ? m : sink;
+  const float scale = std::exp(m - top);
+  return scale / (l * scale + std::exp(sink - top));
+}
 
 }  // namespace pagewire::cpu

@@ -181,7 +181,7 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
       const int r = t * G + g;
       E* dst = out + (q_start + w.q_begin + t) * a.out_stride_t + (kvh * G + g) * a.out_stride_h;
       // l > 0: every query sees at least its own position.
-      Isa::store_o(s.acc + static_cast<int64_t>(r) * D, 1.f / s.l[r], D, dst);
+      Isa::store_o(s.acc + static_cast<int64_t>(r) * D, sink_inv_l(s.m[r], s.l[r], a.sinks, kvh * G + g), D, dst);
     }
   }
 }

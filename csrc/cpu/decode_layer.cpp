@@ -88,7 +88,8 @@ at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>&
                             const c10::optional<at::Tensor>& per_layer_input, const c10::optional<at::Tensor>& ple_gate,
                             c10::string_view ple_gate_kind, const c10::optional<at::Tensor>& ple_proj,
                             c10::string_view ple_proj_kind, const c10::optional<at::Tensor>& ple_norm,
-                            const c10::optional<at::Tensor>& layer_scalar) {
+                            const c10::optional<at::Tensor>& layer_scalar,
+                            const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(hidden.device().is_cpu() && hidden.dim() == 2, "hidden must be a CPU [T, hidden] tensor, got ",
               hidden.sizes(), " on ", hidden.device());
   const int64_t T = hidden.size(0);
@@ -153,7 +154,7 @@ at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>&
   }
   at::Tensor attn = at::empty({T, num_heads, head_dim}, hidden.options());
   paged_attention_cpu(attn, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                      sliding_window, max_query_len, max_seq_len, softcap);
+                      sliding_window, max_query_len, max_seq_len, softcap, sinks);
   // MLP half: o projection (post-normed and scaled as it leaves) added into the residual stream by
   // the MLP's input norm, gate/up, the gated activation (SiLU or GELU-tanh) times up, down. The
   // down projection's output, as it leaves, is left for the next layer's norm to add (as in Python).

@@ -5,9 +5,12 @@
 // stacked expert weights (gate_up [E, 2I, H], down [E, H, I], float or kept in GGUF blocks), and:
 //   1. groups the (token, slot) pairs by expert with a counting sort (stable: token order within
 //      an expert);
-//   2. for each expert that has rows, in expert order, gathers its rows and runs gate_up ->
-//      SiLU(gate) * up -> down on the existing small-M kernels (linear_cpu, linear_q8_0_cpu,
-//      linear_q4_cpu), so only the experts used are read;
+//   2. for each expert that has rows, in expert order, gathers its rows and runs gate_up (+ its
+//      bias) -> the activation -> down (+ its bias) on the existing small-M kernels (linear_cpu,
+//      linear_q8_0_cpu, linear_q4_cpu), so only the experts used are read. The activation is
+//      SiLU(gate) * up, or gpt-oss's clamped SwiGLU ("swiglu_oai"): g = min(gate, limit),
+//      u = clamp(up, -limit, limit), (u + 1) * g * sigmoid(alpha * g), as torch ops in x's dtype in
+//      transformers' order (so bf16 rounds as the reference does);
 //   3. sums each token's k results in slot order (fp32, w[t, 0] * y0 + w[t, 1] * y1 + ...), then
 //      rounds once to x's dtype.
 // A row's result is a function of that row alone whenever the kernels' are: in batch-invariant
@@ -15,9 +18,14 @@
 // their integer kernel in blocks of at most kQ8KernelMaxRows rows, and the fixed summation order in
 // step 3 does not depend on which other tokens chose the same expert.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/clamp.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/sigmoid.h>
 
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -31,12 +39,53 @@ namespace {
 
 // x [M, K] @ w^T (one expert's matrix, [N, K] float or [N, row bytes] blocks) by `kind`: "float",
 // "q8_0", "q8_0x8", or a linear_q4 qtype.
-at::Tensor quant_rows(const at::Tensor& x, const at::Tensor& w, const std::string& kind) {
-  if (kind == "q8_0" || kind == "q8_0x8") return linear_q8_0_cpu(x, w, c10::nullopt, kind == "q8_0x8");
-  return linear_q4_cpu(x, w, kind, c10::nullopt);
+at::Tensor quant_rows(const at::Tensor& x, const at::Tensor& w, const std::string& kind,
+                      const c10::optional<at::Tensor>& bias) {
+  if (kind == "q8_0" || kind == "q8_0x8") return linear_q8_0_cpu(x, w, bias, kind == "q8_0x8");
+  return linear_q4_cpu(x, w, kind, bias);
 }
 
-at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& w, const std::string& kind) {
+// gpt-oss's clamped SwiGLU of h [M, 2I] = cat(gate, up) (the checkpoint's interleaved columns are
+// split into gate rows then up rows at load), as transformers' GptOssExperts._apply_gate.
+at::Tensor swiglu_oai(const at::Tensor& h, double alpha, double limit) {
+  const int64_t I = h.size(1) / 2;
+  const at::Tensor gate = at::clamp(h.narrow(1, 0, I), c10::nullopt, limit);
+  const at::Tensor up = at::clamp(h.narrow(1, I, I), -limit, limit);
+  const at::Tensor glu = at::mul(gate, at::sigmoid(at::mul(gate, alpha)));
+  return at::mul(at::add(up, 1), glu);
+}
+
+// One expert's GGML MXFP4 matrix (uint8 [N, K / 32 * 17]: per 32 values an E8M0 scale byte, then
+// 16 bytes of E2M1 codes, value j in the low nibble of byte j and j + 16 in its high nibble) as
+// float32 [N, K]: exact, each value being an E2M1 value times 2 ** (scale - 127). gpt-oss's experts
+// stay in these bytes (4.25 bits a weight) and only the experts a step uses are decoded.
+at::Tensor dequantize_mxfp4_rows(const at::Tensor& w) {
+  static constexpr float kE2M1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                      -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.size(1) % 17 == 0,
+              "moe_experts: mxfp4 experts must be uint8 [E, N, K / 32 * 17], got ", w.sizes());
+  const int64_t N = w.size(0), G = w.size(1) / 17;
+  at::Tensor out = at::empty({N, G * 32}, w.options().dtype(at::kFloat));
+  const at::Tensor wc = w.contiguous();
+  const uint8_t* src = wc.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+#pragma omp parallel for schedule(static) if (N * G >= 4096)
+  for (int64_t b = 0; b < N * G; ++b) {
+    const uint8_t* blk = src + b * 17;
+    const float scale = std::ldexp(1.f, static_cast<int>(blk[0]) - 127);
+    float* o = dst + b * 32;
+    for (int j = 0; j < 16; ++j) {
+      o[j] = kE2M1[blk[1 + j] & 0x0F] * scale;
+      o[j + 16] = kE2M1[blk[1 + j] >> 4] * scale;
+    }
+  }
+  return out;
+}
+
+at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& w, const std::string& kind,
+                         const c10::optional<at::Tensor>& bias) {
+  // MXFP4: decoded when used (exactly representable in x's dtype), then the float experts' path.
+  if (kind == "mxfp4") return expert_linear(x, dequantize_mxfp4_rows(w).to(x.scalar_type()), "float", bias);
   const int64_t M = x.size(0);
   const bool invariant = cpu::batch_invariant_mode;
   if (kind == "float") {
@@ -44,18 +93,18 @@ at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& w, const std::st
     // up to 16 rows elsewhere); ATen's GEMM otherwise.
     const bool bf16 = x.scalar_type() == at::kBFloat16;
     if (invariant || (bf16 && (M <= 16 || cpu::active_isa() == cpu::Isa::kAvx2))) {
-      return linear_cpu(x, w, c10::nullopt);
+      return linear_cpu(x, w, bias);
     }
-    return at::linear(x, w);
+    return at::linear(x, w, bias);
   }
   TORCH_CHECK(kind == "q8_0" || kind == "q8_0x8" || kind.rfind("q4_", 0) == 0,
-              "moe_experts: kind must be 'float', 'q8_0', 'q8_0x8' or a linear_q4 qtype, got '", kind, "'");
-  if (M <= kQ8KernelMaxRows || !invariant) return quant_rows(x, w, kind);
+              "moe_experts: kind must be 'float', 'q8_0', 'q8_0x8', 'mxfp4' or a linear_q4 qtype, got '", kind, "'");
+  if (M <= kQ8KernelMaxRows || !invariant) return quant_rows(x, w, kind, bias);
   // Batch-invariant: the integer kernel for every row, never the dequantise-and-GEMM path.
   at::Tensor out = at::empty({M, w.size(0)}, x.options());
   for (int64_t r = 0; r < M; r += kQ8KernelMaxRows) {
     const int64_t n = std::min<int64_t>(kQ8KernelMaxRows, M - r);
-    out.narrow(0, r, n).copy_(quant_rows(x.narrow(0, r, n), w, kind));
+    out.narrow(0, r, n).copy_(quant_rows(x.narrow(0, r, n), w, kind, bias));
   }
   return out;
 }
@@ -64,8 +113,12 @@ at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& w, const std::st
 
 at::Tensor moe_experts_cpu(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                            const at::Tensor& gate_up, c10::string_view gate_up_kind_view, const at::Tensor& down,
-                           c10::string_view down_kind_view) {
-  const std::string gate_up_kind(gate_up_kind_view), down_kind(down_kind_view);
+                           c10::string_view down_kind_view, const c10::optional<at::Tensor>& gate_up_bias,
+                           const c10::optional<at::Tensor>& down_bias, c10::string_view activation_view,
+                           double alpha, double limit) {
+  const std::string gate_up_kind(gate_up_kind_view), down_kind(down_kind_view), activation(activation_view);
+  TORCH_CHECK(activation == "silu" || activation == "swiglu_oai",
+              "moe_experts: activation must be 'silu' or 'swiglu_oai', got '", activation, "'");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "moe_experts: x must be a CPU [T, H] tensor, got ", x.sizes());
   TORCH_CHECK(at::isFloatingType(x.scalar_type()), "moe_experts: x must be floating point, got ", x.scalar_type());
   const int64_t T = x.size(0), H = x.size(1);
@@ -92,6 +145,14 @@ at::Tensor moe_experts_cpu(const at::Tensor& x, const at::Tensor& topk_ids, cons
                 "moe_experts: float down must be [E, H, I] of x's dtype, got ", down.scalar_type(), " ",
                 down.sizes());
   }
+  const bool has_gub = gate_up_bias.has_value() && gate_up_bias->defined();
+  const bool has_db = down_bias.has_value() && down_bias->defined();
+  TORCH_CHECK(!has_gub || (gate_up_bias->dim() == 2 && gate_up_bias->size(0) == E &&
+                           gate_up_bias->size(1) == gate_up.size(1) && gate_up_bias->scalar_type() == x.scalar_type()),
+              "moe_experts: gate_up_bias must be [E, 2I] = [", E, ", ", gate_up.size(1), "] of x's dtype");
+  TORCH_CHECK(!has_db || (down_bias->dim() == 2 && down_bias->size(0) == E && down_bias->size(1) == H &&
+                          down_bias->scalar_type() == x.scalar_type()),
+              "moe_experts: down_bias must be [E, H] = [", E, ", ", H, "] of x's dtype");
   const at::Tensor ids = topk_ids.contiguous();
   const at::Tensor wts = topk_weights.contiguous();
   const at::Tensor xc = x.contiguous();
@@ -115,7 +176,7 @@ at::Tensor moe_experts_cpu(const at::Tensor& x, const at::Tensor& topk_ids, cons
     }
   }
 
-  // 2. Each expert with rows: gather, gate_up, SiLU * up, down; results kept per (token, slot) in fp32.
+  // 2. Each expert with rows: gather, gate_up, the activation, down; results kept per (token, slot) in fp32.
   std::vector<float> ys(static_cast<size_t>(T * k) * H, 0.f);
   const size_t es = xc.element_size();
   const char* xb = static_cast<const char*>(xc.data_ptr());
@@ -128,9 +189,11 @@ at::Tensor moe_experts_cpu(const at::Tensor& x, const at::Tensor& topk_ids, cons
       const int64_t t = order[start[e] + r] / k;
       std::memcpy(xeb + r * H * es, xb + t * H * es, H * es);
     }
-    const at::Tensor h = expert_linear(xe, gu[e], gate_up_kind);
-    const at::Tensor act = silu_and_mul_cpu(h);
-    const at::Tensor y = expert_linear(act, dn[e], down_kind).to(at::kFloat).contiguous();
+    const c10::optional<at::Tensor> gub = has_gub ? c10::optional<at::Tensor>((*gate_up_bias)[e]) : c10::nullopt;
+    const c10::optional<at::Tensor> db = has_db ? c10::optional<at::Tensor>((*down_bias)[e]) : c10::nullopt;
+    const at::Tensor h = expert_linear(xe, gu[e], gate_up_kind, gub);
+    const at::Tensor act = activation == "silu" ? silu_and_mul_cpu(h) : swiglu_oai(h, alpha, limit);
+    const at::Tensor y = expert_linear(act, dn[e], down_kind, db).to(at::kFloat).contiguous();
     TORCH_CHECK(y.size(1) == H, "moe_experts: down gives ", y.size(1), " columns, expected H = ", H);
     const float* yp = y.data_ptr<float>();
     for (int64_t r = 0; r < n; ++r) {

@@ -30,7 +30,7 @@ __global__ void paged_attention_kernel(T* __restrict__ out, const T* __restrict_
                                        const int32_t* __restrict__ query_start_loc, int num_seqs, int64_t out_st,
                                        int64_t out_sh, int64_t q_st, int64_t q_sh, int64_t bt_stride,
                                        int num_kv_heads, int block_size, int head_dim, int group, float scale,
-                                       float softcap, int sliding_window) {
+                                       float softcap, int sliding_window, const float* __restrict__ sinks) {
   const int t = blockIdx.x, h = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
@@ -85,10 +85,12 @@ __global__ void paged_attention_kernel(T* __restrict__ out, const T* __restrict_
   float m_all = -FLT_MAX;
   for (int w = 0; w < kWarps; ++w) m_all = fmaxf(m_all, sm[w]);
   float l_all = 0.f, wscale[kWarps];
+  if (sinks != nullptr) m_all = fmaxf(m_all, sinks[h]);  // the sink joins the softmax as one more logit
   for (int w = 0; w < kWarps; ++w) {
     wscale[w] = sl[w] > 0.f ? __expf(sm[w] - m_all) : 0.f;  // a warp that saw no position adds nothing
     l_all += sl[w] * wscale[w];
   }
+  if (sinks != nullptr) l_all += __expf(sinks[h] - m_all);  // ... and adds no value
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
     float o = 0.f;
     for (int w = 0; w < kWarps; ++w) o += sacc[w][d] * wscale[w];
@@ -101,10 +103,12 @@ __global__ void paged_attention_kernel(T* __restrict__ out, const T* __restrict_
 void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                           const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                           const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
-                          int64_t max_query_len, int64_t max_seq_len, double softcap) {
+                          int64_t max_query_len, int64_t max_seq_len, double softcap,
+                          const c10::optional<at::Tensor>& sinks) {
   const at::Device device = query.device();
   const PagedAttentionDims dims = check_paged_attention_args(out, query, key_cache, value_cache, block_tables,
                                                              seq_lens, query_start_loc, scale, softcap);
+  const float* sink_ptr = check_sinks(sinks, dims, device) ? sinks->data_ptr<float>() : nullptr;
   const int64_t T = dims.num_tokens, num_heads = dims.num_heads, head_dim = dims.head_dim;
   const int64_t num_kv_heads = dims.num_kv_heads, S = dims.num_seqs;
   // CUDA-only limits: the kernel keeps head_dim / 32 values per lane and indexes block_tables rows
@@ -126,7 +130,7 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
         out.stride(0), out.stride(1), query.stride(0), query.stride(1), block_tables.stride(0),
         static_cast<int>(num_kv_heads), static_cast<int>(key_cache.size(2)), static_cast<int>(head_dim),
         static_cast<int>(num_heads / num_kv_heads), static_cast<float>(scale),
-        static_cast<float>(softcap), window);
+        static_cast<float>(softcap), window, sink_ptr);
   };
   switch (query.scalar_type()) {
     case at::kFloat:

@@ -15,7 +15,8 @@ void write_kv_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::Ten
 void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                           const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                           const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
-                          int64_t max_query_len, int64_t max_seq_len, double softcap);
+                          int64_t max_query_len, int64_t max_seq_len, double softcap,
+                          const c10::optional<at::Tensor>& sinks);
 
 void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping);
 

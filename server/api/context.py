@@ -15,6 +15,7 @@ from server.gateway.policy import Gateway
 from server.serving.errors import NotFound
 from server.serving.runtime import Runtime
 from server.serving.service import RequestService
+from server.text.harmony import CHANNEL
 from server.text.tokenizer import ChatTemplateError
 from server.text.tool_parsers import HERMES_OPEN, PYTHON_TAG, detect_parser
 
@@ -48,7 +49,7 @@ class ApiContext:
                 except ChatTemplateError:
                     source = None
                 name = detect_parser(source) if source is not None else "none"
-            marker = {"hermes": HERMES_OPEN, "llama3_json": PYTHON_TAG}.get(name)
+            marker = {"hermes": HERMES_OPEN, "llama3_json": PYTHON_TAG, "openai": CHANNEL}.get(name)
             marker_id = tok.token_to_id(marker) if marker is not None else None
             self._tool_parser = (name, marker_id is not None and marker_id in tok.all_special_ids)
         return self._tool_parser

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from server.serving.errors import InvalidRequest
+from server.text.harmony import HarmonyToolParser
 from server.text.tool_parsers import (
     HermesParser,
     JsonCallsParser,
@@ -176,8 +177,8 @@ def _check_call(call: dict[str, Any], where: str) -> dict[str, Any]:
 class ToolPlan:
     """How one chat request's tool calls are produced and read back.
 
-    mode: none, auto, required or named; parser: the auto-mode format (hermes, llama3_json or
-    none); parallel: whether several calls may be made; keep_special_tokens: the format's marker
+    mode: none, auto, required or named; parser: the auto-mode format (hermes, llama3_json, openai
+    or none); parallel: whether several calls may be made; keep_special_tokens: the format's marker
     is a special token, so auto mode must keep special tokens in the text to see it.
     """
 
@@ -240,6 +241,8 @@ class ToolPlan:
             return HermesParser(self.names)
         if self.mode == "auto" and self.parser == "llama3_json":
             return Llama3JsonParser(self.names)
+        if self.mode == "auto" and self.parser == "openai":
+            return HarmonyToolParser(self.names)
         return None
 
 

@@ -83,9 +83,11 @@ def weight_bytes(mc: ModelConfig, dtype: str, quantization: str, model_path: Opt
     # Per-layer input embeddings (Gemma 4): a table (only rows are read) and a projection with its norm.
     P, L = mc.per_layer_input_size, mc.num_layers
     ple_table, ple_rest = mc.per_layer_vocab_size * L * P, L * P * H + P
-    total = int(layer_matrices + (small + ple_table + ple_rest) * e + embed + H * e + head)
+    sinks = L * mc.num_heads if mc.attention_sinks else 0  # gpt-oss's, kept in float32
+    total = int(layer_matrices + (small + ple_table + ple_rest) * e + sinks * 4 + embed + H * e + head)
     read = total - (embed if separate_head else 0) - ple_table * e  # a separate embedding table: only rows are read
-    params = matrices + small + ple_table + ple_rest + V * H + H + (V * H if not mc.tie_word_embeddings else 0)
+    params = (matrices + small + ple_table + ple_rest + sinks + V * H + H
+              + (V * H if not mc.tie_word_embeddings else 0))
     if mc.is_moe:  # experts in place of the sparse layers' dense MLP; a token reads only its top-k
         return _expert_bytes(mc, e, quantization, model_path, total, read, params)
     return WeightBytes(total, read, params)
@@ -162,6 +164,7 @@ def _expert_bytes(mc: ModelConfig, e: int, quantization: str, model_path: Option
                  "moe.shared_gate_up_weight": 2 * S * H, "moe.shared_down_weight": S * H}
         got = {n: kept.get((i, n), v * per_value) for n, v in sizes.items()}
         small = E * H + (H if S else 0)  # the router and the shared expert's gate, float
+        small += E + E * (2 * Ie + H) if mc.moe_bias else 0  # gpt-oss: the router's and the experts' biases
         total += int(sum(got.values()) + small * e - 3 * I * H * per_value)
         params += sum(sizes.values()) + small - 3 * I * H
         read -= int((got["moe.experts_gate_up"] + got["moe.experts_down"]) * (E - k) / E)

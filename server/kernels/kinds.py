@@ -14,6 +14,7 @@ class Qtype(StrEnum):
     Q4_0 = "q4_0"
     Q4_1 = "q4_1"
     Q4_K = "q4_k"
+    MXFP4 = "mxfp4"  # experts only (QuantizedExperts in moe_experts): no dense linear kernel
 
 
 class LinearKind(StrEnum):
@@ -29,3 +30,4 @@ class LinearKind(StrEnum):
     Q4_1 = "q4_1"
     Q4_1X8 = "q4_1x8"
     Q4_K = "q4_k"
+    MXFP4 = "mxfp4"  # moe_experts only

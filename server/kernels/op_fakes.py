@@ -17,7 +17,7 @@ def _write_kv_cache_fake(key, value, key_cache, value_cache, slot_mapping) -> No
 @torch.library.register_fake("pagewire::paged_attention")
 def _paged_attention_fake(
     out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-    scale, sliding_window, max_query_len, max_seq_len, softcap=0.0,
+    scale, sliding_window, max_query_len, max_seq_len, softcap=0.0, sinks=None,
 ) -> None:
     return None
 
@@ -61,7 +61,8 @@ def _gelu_tanh_and_mul_fake(x):
 
 
 @torch.library.register_fake("pagewire::moe_experts")
-def _moe_experts_fake(x, topk_ids, topk_weights, gate_up, gate_up_kind, down, down_kind):
+def _moe_experts_fake(x, topk_ids, topk_weights, gate_up, gate_up_kind, down, down_kind, gate_up_bias=None,
+                      down_bias=None, activation="silu", alpha=1.702, limit=7.0):
     return x.new_empty(x.shape)
 
 
@@ -107,7 +108,7 @@ def _decode_layer_fake(hidden, delta, attn_norm, attn_post_norm, mlp_norm, mlp_p
                        sliding_window, max_query_len, max_seq_len, num_heads, num_kv_heads, head_dim, softcap=0.0,
                        activation="silu", v_norm=None, shares_kv=False, value_from_key=False, per_layer_input=None,
                        ple_gate=None, ple_gate_kind="torch", ple_proj=None, ple_proj_kind="torch", ple_norm=None,
-                       layer_scalar=None):
+                       layer_scalar=None, sinks=None):
     # A layer that ends itself (Gemma 4's per-layer input block, layer scalar) has added its MLP
     # output already and returns an empty [0, H].
     finishes = ple_gate is not None or layer_scalar is not None

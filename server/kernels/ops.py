@@ -87,6 +87,7 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Causal attention of a flat mixed batch (prefill chunks and decodes) over the paged cache.
 
@@ -108,10 +109,12 @@ def paged_attention(
         max_seq_len: an upper bound on seq_lens over the batch.
         softcap: 0 for none; > 0 caps every scaled score s to softcap * tanh(s / softcap) before
             the mask and softmax (Gemma 2's attn_logit_softcapping).
+        sinks: None, or float32 [H] on query's device: gpt-oss's attention sinks, one learned logit
+            per query head that joins every row's softmax denominator and carries no value.
     """
     torch.ops.pagewire.paged_attention(
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        scale, sliding_window, max_query_len, max_seq_len, softcap,
+        scale, sliding_window, max_query_len, max_seq_len, softcap, sinks,
     )
 
 
@@ -413,9 +416,13 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                gate_up: torch.Tensor | QuantizedExperts, down: torch.Tensor | QuantizedExperts) -> torch.Tensor:
+                gate_up: torch.Tensor | QuantizedExperts, down: torch.Tensor | QuantizedExperts,
+                gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                activation: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """The routed experts of a mixture-of-experts layer (CPU op, csrc/cpu/moe.cpp): for each token
-    t, sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = topk_ids[t, j].
+    t, sum_j topk_weights[t, j] * down_e(act(gate_up_e(x_t))) with e = topk_ids[t, j], where act is
+    silu(gate) * up or, with activation "swiglu_oai", gpt-oss's clamped SwiGLU
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
 
     Tokens are grouped by expert and each expert used runs its matrices once over its rows on the
     small-M kernels (float, or its GGUF blocks); experts no token chose are not read. Each token's
@@ -428,12 +435,14 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         topk_weights: float32 [T, k], their weights.
         gate_up: [E, 2I, H] in x's dtype (gate rows, then up rows, per expert), or QuantizedExperts.
         down: [E, H, I] in x's dtype, or QuantizedExperts.
+        gate_up_bias, down_bias: None, or [E, 2I] / [E, H] in x's dtype (gpt-oss's expert biases).
     Returns:
         [T, H] in x's dtype.
     """
     gk, gw = (gate_up.op_qtype, gate_up.data) if isinstance(gate_up, QuantizedExperts) else ("float", gate_up)
     dk, dw = (down.op_qtype, down.data) if isinstance(down, QuantizedExperts) else ("float", down)
-    return torch.ops.pagewire.moe_experts(x, topk_ids, topk_weights, gw, str(gk), dw, str(dk))
+    return torch.ops.pagewire.moe_experts(x, topk_ids, topk_weights, gw, str(gk), dw, str(dk), gate_up_bias,
+                                          down_bias, activation, alpha, limit)
 
 
 def ngram_propose(

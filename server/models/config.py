@@ -18,7 +18,9 @@ NORM_PLACEMENTS = ("pre", "post", "both")
 ACTIVATIONS = ("silu", "gelu_tanh")
 QK_NORMS = ("head", "projection")
 MLP_KINDS = ("dense", "sparse")
-MOE_CHECKPOINTS = ("mlp", "mixtral")
+MOE_CHECKPOINTS = ("mlp", "mixtral", "gpt_oss")
+MOE_ROUTERS = ("softmax_topk", "topk_softmax")
+MOE_ACTIVATIONS = ("silu", "swiglu_oai")
 
 
 class ModelLoadError(Exception):
@@ -135,8 +137,22 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
-    # HF expert names: "mlp" (mlp.experts.N.{gate,up,down}_proj) or "mixtral" (block_sparse_moe.experts.N.w1/w3/w2).
+    # HF expert names: "mlp" (mlp.experts.N.{gate,up,down}_proj), "mixtral" (block_sparse_moe.experts.N.w1/w3/w2)
+    # or "gpt_oss" (mlp.router, mlp.experts.{gate_up,down}_proj stacked, gate/up columns interleaved).
     moe_checkpoint: str = "mlp"
+    # gpt-oss's MoE: "topk_softmax" takes the top k router logits and softmaxes those k (the others
+    # softmax over all E, then take the top k); moe_bias: the router and the experts have biases;
+    # "swiglu_oai": (clamp(up, +-swiglu_limit) + 1) * g * sigmoid(swiglu_alpha * g), g = min(gate, swiglu_limit).
+    moe_router: str = "softmax_topk"
+    moe_bias: bool = False
+    moe_activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    # gpt-oss's attention sinks: a learned logit per query head joining every softmax (no value).
+    attention_sinks: bool = False
+    # "mxfp4": the HF checkpoint stores the experts as MXFP4 `*_blocks` / `*_scales` pairs (its
+    # quantization_config's quant_method), decoded at load (server.models.mxfp4); "": float.
+    experts_quantization: str = ""
     # Per-layer shapes and KV sharing (Gemma 4); an empty tuple means "every layer the same".
     layer_head_dims: tuple[int, ...] = ()  # else head_dim
     layer_kv_heads: tuple[int, ...] = ()  # else num_kv_heads
@@ -160,7 +176,8 @@ class ModelConfig:
         assert self.norm_placement in NORM_PLACEMENTS and self.activation in ACTIVATIONS
         assert self.qk_norm_over in QK_NORMS
         assert len(self.layer_mlp_kinds) in (0, n) and all(k in MLP_KINDS for k in self.layer_mlp_kinds)
-        assert self.moe_checkpoint in MOE_CHECKPOINTS
+        assert self.moe_checkpoint in MOE_CHECKPOINTS and self.moe_router in MOE_ROUTERS
+        assert self.moe_activation in MOE_ACTIVATIONS
         assert "sparse" not in self.layer_mlp_kinds or 0 < self.num_experts_per_tok <= self.num_experts
         for name in ("layer_head_dims", "layer_kv_heads", "layer_intermediate_sizes", "layer_kv_sources",
                      "layer_value_from_key"):

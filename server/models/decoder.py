@@ -84,6 +84,8 @@ class DecoderLayer(nn.Module):
                        if c.value_norm and not self.shares_kv else None)
         self.o_weight: torch.Tensor | QuantizedWeight = param((H, self.q_size), dtype, device)
         self.o_bias = param((H,), dtype, device) if c.o_bias else None
+        # gpt-oss's attention sinks [num_heads], float32 as the attention ops take them.
+        self.sinks = param((c.num_heads,), torch.float32, device) if c.attention_sinks else None
         self.gate_up_weight: torch.Tensor | QuantizedWeight = param((2 * I, H), dtype, device)
         self.gate_up_bias = param((2 * I,), dtype, device) if c.mlp_bias else None
         self.down_weight: torch.Tensor | QuantizedWeight = param((H, I), dtype, device)
@@ -164,7 +166,8 @@ class DecoderLayer(nn.Module):
             write_kv_cache(qk[:, nh:], value, key_cache, value_cache, meta.slot_mapping)
         attn = torch.empty((T, nh, d), dtype=hidden.dtype, device=hidden.device)
         paged_attention(attn, query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                        self.scale, self.sliding_window, meta.max_query_len, meta.max_seq_len, self.softcap)
+                        self.scale, self.sliding_window, meta.max_query_len, meta.max_seq_len, self.softcap,
+                        self.sinks)
         out = linear(attn.view(T, self.q_size), self.o_weight, self.o_bias)
         x = _enter(hidden, self._leave(out, self.attn_post_norm), self.mlp_norm, self.eps)
         if self.moe is not None:  # a sparse layer: the router, then pagewire::moe_experts
@@ -230,7 +233,7 @@ class DecoderLayer(nn.Module):
             self.num_heads, self.num_kv_heads, self.head_dim, self.softcap, self.activation,
             self.v_norm, self.shares_kv, self.value_from_key, per_layer_input,
             self.ple_gate, kinds[4] if ple else "torch", self.ple_proj, kinds[5] if ple else "torch",
-            self.ple_norm, self.layer_scalar,
+            self.ple_norm, self.layer_scalar, self.sinks,
         )
         return hidden, (None if self.finishes else mlp_out)
 
@@ -292,6 +295,8 @@ class DecoderLayer(nn.Module):
             t[a + "v_proj.bias"] = WeightTarget(self.qkv_bias[q + kv :], (kv,))
         if self.o_bias is not None:
             t[a + "o_proj.bias"] = WeightTarget(self.o_bias, (H,))
+        if self.sinks is not None:
+            t[a + "sinks"] = WeightTarget(self.sinks, (self.num_heads,))
         if self.qk_norm is not None:
             # A [d] checkpoint vector broadcasts over every head's row when copied in.
             t[a + "q_norm.weight"] = WeightTarget(self.qk_norm[:nh], (d,), off)

@@ -10,6 +10,7 @@ translation follows llama.cpp's rule, so a file from its converter means what ll
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from server.models.architecture import Architecture
@@ -258,6 +259,52 @@ def _moe_gguf(f: GGUFFile, arch: str) -> ModelConfig:
     return ModelConfig(**{**base, **parts})
 
 
+# -- gpt-oss ---------------------------------------------------------------------------------------
+def _gpt_oss_parts(n: int, experts: int, top_k: int, moe_size: int) -> dict[str, Any]:
+    """What gpt-oss changes on top of the shared reading: every layer sparse, biased router and
+    experts, softmax over the top-k logits, the clamped SwiGLU, attention sinks."""
+    return dict(layer_mlp_kinds=("sparse",) * n, num_experts=experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=moe_size, moe_checkpoint="gpt_oss", moe_router="topk_softmax", moe_bias=True,
+                moe_activation="swiglu_oai", attention_sinks=True)
+
+
+def _gpt_oss_hf(raw: dict[str, Any], source: str, name: str) -> ModelConfig:
+    base = hf_base(raw, source, name)
+    p, n = HFFields(raw, source), base["num_layers"]
+    experts = p.positive_int("num_local_experts", None) or p.positive_int("num_experts")
+    top_k = p.positive_int("num_experts_per_tok", None) or p.positive_int("experts_per_token")
+    if top_k > experts:
+        raise _field_error(source, "num_experts_per_tok", f"must be at most the {experts} experts")
+    quant = raw.get("quantization_config")
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    if method not in (None, "mxfp4"):
+        raise UnsupportedModelError(f"{source}: quantization_config.quant_method {method!r} is not supported "
+                                    "(gpt-oss: none or 'mxfp4')")
+    parts = dict(
+        # transformers' default layer_types for gpt-oss: even layers slide, odd layers are full.
+        windows(p, n, p.window(), _period(n, 2)),
+        **_gpt_oss_parts(n, experts, top_k, base["intermediate_size"]),
+        swiglu_alpha=p.number("swiglu_alpha", 1.702), swiglu_limit=p.number("swiglu_limit", 7.0),
+        experts_quantization="mxfp4" if method == "mxfp4" else "",
+    )
+    return ModelConfig(**{**base, **parts})
+
+
+def _gpt_oss_gguf(f: GGUFFile, arch: str) -> ModelConfig:
+    """llama.cpp's `gpt-oss` files: its MoE keys, a window on even layers (its swa pattern of 2), the
+    SwiGLU constants it hard-wires (alpha 1.702, limit 7). YaRN is read as transformers' gpt-oss
+    applies it, without truncating the correction range (the reference implementation's)."""
+    base = gguf_base(f, arch, "GptOssForCausalLM")
+    k, n = arch + ".", base["num_layers"]
+    experts, top_k = f.get_int(k + "expert_count"), f.get_int(k + "expert_used_count")
+    rope = base["ropes"][0]
+    if rope.scaling is not None and rope.scaling.rope_type == "yarn":
+        base["ropes"] = (RopeSpec(rope.theta, dataclasses.replace(rope.scaling, truncate=False), rope.rotary_dim),)
+    parts = dict(gguf_windows(f, arch, n, 2),
+                 **_gpt_oss_parts(n, experts, top_k, f.get_int(k + "expert_feed_forward_length")))
+    return ModelConfig(**{**base, **parts})
+
+
 def _field_error(source: str, key: str, what: str) -> Exception:
     return ModelLoadError(f"{source}: field {key!r} {what}")
 
@@ -282,6 +329,7 @@ FAMILIES: list[Architecture] = [
     Architecture("mixtral", ("MixtralForCausalLM",), (), _moe_hf, None, gguf_permuted_qk=True),
     Architecture("olmoe", ("OlmoeForCausalLM",), ("olmoe",), _moe_hf, _moe_gguf),
     Architecture("qwen2moe", ("Qwen2MoeForCausalLM",), ("qwen2moe",), _moe_hf, _moe_gguf),
+    Architecture("gpt_oss", ("GptOssForCausalLM",), ("gpt-oss",), _gpt_oss_hf, _gpt_oss_gguf),
 ]
 
 

@@ -27,7 +27,7 @@ from server.models.gguf_file import GGUFFile, GGUFTensor
 from server.models.protocol import CausalLM
 from server.models.registry import config_from_gguf, gguf_permuted_qk, model_class
 
-SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -52,6 +52,7 @@ _BLOCK_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_sinks.weight": "self_attn.sinks",  # gpt-oss
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
@@ -109,8 +110,8 @@ def _moe_tensor_names(gguf_name: str, config: ModelConfig | None) -> list[str] |
     """The HF names of an MoE tensor: one for the router and the shared expert, one per expert
     for a stacked `ffn_*_exps` tensor; None for any other tensor."""
     m = _BLOCK.fullmatch(gguf_name)
-    if m is None or config is None or not config.num_experts:
-        return None
+    if m is None or config is None or not config.num_experts or config.moe_checkpoint == "gpt_oss":
+        return None  # gpt-oss: its MoE tensors have targets of their own (_gpt_oss_targets)
     mixtral = config.moe_checkpoint == "mixtral"
     prefix = f"model.layers.{m.group(1)}." + ("block_sparse_moe." if mixtral else "mlp.")
     part = m.group(2)
@@ -162,6 +163,7 @@ def load_gguf_model(
     torch_dtype = resolve_dtype(dtype, config)
     model: Any = model_class(config)(config, torch_dtype, torch.device(device))
     targets = model.checkpoint_tensors()
+    by_gguf = _gpt_oss_targets(model, targets) if config.moe_checkpoint == "gpt_oss" else {}
     permute = gguf_permuted_qk(config)
     # Tensors the file may carry that the model does not use (Gemma 4's shared-KV layers' K/V).
     ignored = model.ignored_checkpoint_tensors() if hasattr(model, "ignored_checkpoint_tensors") else frozenset()
@@ -179,6 +181,10 @@ def load_gguf_model(
             bar.update(1)
             if t.name in CONFIG_TENSORS:
                 continue  # read by the translation (longrope's factors)
+            if t.name in by_gguf:  # gpt-oss's router and stacked experts (and their biases)
+                _load_direct(f, t, by_gguf[t.name], t.name in kept_parts)
+                loaded.add(t.name)
+                continue
             experts = _moe_tensor_names(t.name, config)
             if experts is not None and len(experts) > 1:
                 _load_experts(f, t, experts, targets, loaded, kept_parts)
@@ -209,7 +215,7 @@ def load_gguf_model(
                 tensor = unpermute_qk(tensor, config.num_kv_heads)
             target.dest.copy_(tensor)  # converts to the serving dtype/device
             loaded.add(name)
-    missing = [name for name in targets if name not in loaded]
+    missing = [name for name in [*targets, *by_gguf] if name not in loaded]
     if missing:
         raise ModelLoadError(
             f"{f.path}: tensor {_gguf_name(missing[0], config)!r} ({missing[0]}) not found"
@@ -245,6 +251,29 @@ def _load_experts(f: GGUFFile, t: GGUFTensor, names: list[str], targets: dict[st
         for e, name in enumerate(names):
             targets[name].dest.copy_(values[e])
     loaded.update(names)
+
+
+def _gpt_oss_targets(model: Any, targets: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's MoE targets by GGUF name (SparseMoE.gguf_tensors: llama.cpp stores gate and up
+    apart, the checkpoint interleaves them); their HF-named targets leave `targets`."""
+    out: dict[str, Any] = {}
+    for i, layer in enumerate(model._layers):
+        if layer.moe is None:
+            continue
+        prefix = f"model.layers.{i}.mlp."
+        for name in [n for n in targets if n.startswith(prefix)]:
+            del targets[name]
+        out.update(layer.moe.gguf_tensors(i))
+    return out
+
+
+def _load_direct(f: GGUFFile, t: GGUFTensor, target: Any, kept: bool) -> None:
+    """One tensor into a target named by its GGUF name, shape checked (only checked when
+    --quantization gguf keeps its blocks)."""
+    if tuple(t.shape) != tuple(target.shape):
+        raise ModelLoadError(f"tensor {t.name!r} in {f.path} has shape {list(t.shape)}, expected {list(target.shape)}")
+    if not kept:
+        target.dest.copy_(torch.from_numpy(dequantize(t, f.path)))
 
 
 def _gguf_name(hf_name: str, config: ModelConfig) -> str:

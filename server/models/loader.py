@@ -180,8 +180,12 @@ def _copy_one(
     if shape != target.shape:
         raise ModelLoadError(f"tensor {name!r} in {path} has shape {list(shape)}, expected {list(target.shape)}")
     tensor = handle.get_tensor(name)
+    if target.convert is not None:  # a checkpoint layout that is not dest's (gpt-oss's experts)
+        tensor = target.convert(tensor)
     # copy_ converts dtype and device, and broadcasts per-head norm vectors over their rows.
     target.dest.copy_(tensor)
     if target.offset:  # Gemma's norms scale by 1 + w: added once here, in the serving dtype
         target.dest.add_(target.offset)
     loaded.add(name)
+    if target.after is not None:
+        target.after()

@@ -1,10 +1,14 @@
-"""SparseMoE: the MLP of a mixture-of-experts layer (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE).
+"""SparseMoE: the MLP of a mixture-of-experts layer (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE, gpt-oss).
 
 A router scores each token's hidden row against every expert (softmax over `num_experts` logits),
 keeps the top `num_experts_per_tok`, optionally renormalises their weights to sum to 1
 (`norm_topk_prob`), and the token's output is the weighted sum of those experts' gated MLPs
 (gate_up -> SiLU(gate) * up -> down). Qwen2-MoE adds a shared expert that every token runs,
-scaled by a sigmoid gate of the token's row.
+scaled by a sigmoid gate of the token's row. gpt-oss differs in three parts: its router and experts
+have biases, it softmaxes only the top k logits (`moe_router` "topk_softmax"), and its experts'
+activation is the clamped SwiGLU ("swiglu_oai", in moe_experts); its checkpoint stacks the experts
+transposed with gate and up columns interleaved, which the load de-interleaves into our gate-then-up
+rows, and may ship them as MXFP4 blocks (server.models.mxfp4), decoded at load.
 
 The router is three per-row torch ops (a linear, softmax, top-k); the experts run as one C++ op per
 layer, pagewire::moe_experts (server.kernels.ops.moe_experts, csrc/cpu/moe.cpp): tokens grouped by
@@ -20,6 +24,7 @@ Python layer (DecoderLayer.fusable is False): pagewire::decode_layer has no expe
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import nn
@@ -28,6 +33,7 @@ from server.kernels.ops import linear, moe_experts
 from server.kernels.quant import QuantizedExperts, QuantizedWeight
 from server.models.config import ModelConfig
 from server.models.layers import silu_and_mul
+from server.models.mxfp4 import decode_mxfp4
 from server.models.weights import WeightTarget, param
 
 
@@ -42,9 +48,15 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k, self.norm_topk_prob = E, c.num_experts_per_tok, c.norm_topk_prob
         self.intermediate_size = I
         self.checkpoint_layout = c.moe_checkpoint
+        self.router = c.moe_router
+        self.activation, self.alpha, self.limit = c.moe_activation, c.swiglu_alpha, c.swiglu_limit
+        self.mxfp4 = c.experts_quantization == "mxfp4"
         self.router_weight = param((E, H), dtype, device)
+        self.router_bias = param((E,), dtype, device) if c.moe_bias else None
         self.experts_gate_up: torch.Tensor | QuantizedExperts = param((E, 2 * I, H), dtype, device)
         self.experts_down: torch.Tensor | QuantizedExperts = param((E, H, I), dtype, device)
+        self.experts_gate_up_bias = param((E, 2 * I), dtype, device) if c.moe_bias else None
+        self.experts_down_bias = param((E, H), dtype, device) if c.moe_bias else None
         self.shared_gate_up_weight: torch.Tensor | QuantizedWeight | None = (
             param((2 * S, H), dtype, device) if S else None)
         self.shared_down_weight: torch.Tensor | QuantizedWeight | None = param((H, S), dtype, device) if S else None
@@ -52,8 +64,13 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_ids int64 [T, k], topk_weights float32 [T, k]) as transformers' routers compute
-        them: softmax of the logits in float32, top-k, renormalised when norm_topk_prob."""
-        probs = torch.softmax(linear(x, self.router_weight).float(), dim=-1)
+        them: softmax of the logits in float32, top-k, renormalised when norm_topk_prob; or
+        gpt-oss's: top-k of the logits (with the router's bias), softmax over those k in x's dtype."""
+        logits = linear(x, self.router_weight, self.router_bias)
+        if self.router == "topk_softmax":
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
+            return ids, torch.softmax(top, dim=-1).float()
+        probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -62,7 +79,8 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] (the MLP's normed input) -> [T, H] in x's dtype."""
         ids, weights = self.route(x)
-        out = moe_experts(x, ids, weights, self.experts_gate_up, self.experts_down)
+        out = moe_experts(x, ids, weights, self.experts_gate_up, self.experts_down, self.experts_gate_up_bias,
+                          self.experts_down_bias, self.activation, self.alpha, self.limit)
         if self.shared_gate_up_weight is not None and self.shared_down_weight is not None:
             assert self.shared_gate_weight is not None
             shared = linear(silu_and_mul(linear(x, self.shared_gate_up_weight)), self.shared_down_weight)
@@ -85,7 +103,7 @@ class SparseMoE(nn.Module):
 
     def linear_weights(self) -> list[tuple[str, torch.Tensor | QuantizedWeight]]:
         """The matrices this MLP passes to `linear` (the experts go through moe_experts instead)."""
-        out: list[tuple[str, torch.Tensor | QuantizedWeight]] = [("router", self.router_weight)]
+        out: list[tuple[str, torch.Tensor | QuantizedWeight]] = [("router", self.router_weight)]  # (its bias: linear's)
         if self.shared_gate_up_weight is not None and self.shared_down_weight is not None:
             out += [("shared_gate_up", self.shared_gate_up_weight), ("shared_down", self.shared_down_weight)]
         return out
@@ -108,6 +126,8 @@ class SparseMoE(nn.Module):
         gu, dn = self.experts_gate_up, self.experts_down
         assert isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor), "checkpoint_tensors: already quantised"
         E, I, H = self.num_experts, self.intermediate_size, self.router_weight.shape[1]
+        if self.checkpoint_layout == "gpt_oss":
+            return self._gpt_oss_tensors(prefix + "mlp.", gu, dn)
         mixtral = self.checkpoint_layout == "mixtral"
         m = prefix + ("block_sparse_moe." if mixtral else "mlp.")
         names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
@@ -126,6 +146,76 @@ class SparseMoE(nn.Module):
             t[m + "shared_expert.down_proj.weight"] = WeightTarget(sdn, (H, S))
             t[m + "shared_expert_gate.weight"] = WeightTarget(sg, (1, H))
         return t
+
+    def _gpt_oss_tensors(self, m: str, gu: torch.Tensor, dn: torch.Tensor) -> dict[str, WeightTarget]:
+        """gpt-oss's names under `m` ("model.layers.3.mlp."): router.{weight,bias}, and the experts
+        stacked as transformers keeps them -- experts.gate_up_proj [E, H, 2I] (x @ W, gate and up
+        in alternate columns), experts.down_proj [E, I, H], their biases [E, 2I] (alternating) and
+        [E, H] -- or, in an MXFP4 checkpoint, experts.{gate_up,down}_proj_{blocks,scales} with rows
+        as output features ([E, 2I, H / 32, 16]: rows alternate gate and up)."""
+        E, I, H = self.num_experts, self.intermediate_size, self.router_weight.shape[1]
+        assert self.router_bias is not None and self.experts_gate_up_bias is not None
+        assert self.experts_down_bias is not None
+        x = m + "experts."
+        t = {m + "router.weight": WeightTarget(self.router_weight, (E, H)),
+             m + "router.bias": WeightTarget(self.router_bias, (E,)),
+             x + "gate_up_proj_bias": WeightTarget(self.experts_gate_up_bias, (E, 2 * I), convert=_split_gate_up),
+             x + "down_proj_bias": WeightTarget(self.experts_down_bias, (E, H))}
+        if not self.mxfp4:
+            t[x + "gate_up_proj"] = WeightTarget(gu, (E, H, 2 * I), convert=lambda w: _split_gate_up(w).transpose(1, 2))
+            t[x + "down_proj"] = WeightTarget(dn, (E, I, H), convert=lambda w: w.transpose(1, 2))
+            return t
+        for name, dest, rows, cols, convert in (("gate_up_proj", gu, 2 * I, H, _split_gate_up_rows),
+                                                ("down_proj", dn, H, I, None)):
+            blocks = torch.empty((E, rows, cols // 32, 16), dtype=torch.uint8)
+            scales = torch.empty((E, rows, cols // 32), dtype=torch.uint8)
+            done = _PairDecoder(dest, blocks, scales, convert)
+            t[x + name + "_blocks"] = WeightTarget(blocks, tuple(blocks.shape), after=done.arrived)
+            t[x + name + "_scales"] = WeightTarget(scales, tuple(scales.shape), after=done.arrived)
+        return t
+
+    def gguf_tensors(self, layer: int) -> dict[str, WeightTarget]:
+        """llama.cpp's gpt-oss names for this layer's MLP (`blk.N.ffn_gate_inp.{weight,bias}`, and
+        `ffn_{gate,up,down}_exps.{weight,bias}` stacked [E, I, H] / [E, H, I], gate and up apart)."""
+        gu, dn = self.experts_gate_up, self.experts_down
+        gub, db = self.experts_gate_up_bias, self.experts_down_bias
+        assert isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor), "gguf_tensors: already quantised"
+        assert self.router_bias is not None and gub is not None and db is not None
+        E, I, H = self.num_experts, self.intermediate_size, self.router_weight.shape[1]
+        b = f"blk.{layer}."
+        return {b + "ffn_gate_inp.weight": WeightTarget(self.router_weight, (E, H)),
+                b + "ffn_gate_inp.bias": WeightTarget(self.router_bias, (E,)),
+                b + "ffn_gate_exps.weight": WeightTarget(gu[:, :I], (E, I, H)),
+                b + "ffn_up_exps.weight": WeightTarget(gu[:, I:], (E, I, H)),
+                b + "ffn_down_exps.weight": WeightTarget(dn, (E, H, I)),
+                b + "ffn_gate_exps.bias": WeightTarget(gub[:, :I], (E, I)),
+                b + "ffn_up_exps.bias": WeightTarget(gub[:, I:], (E, I)),
+                b + "ffn_down_exps.bias": WeightTarget(db, (E, H))}
+
+
+def _split_gate_up(w: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's alternating gate/up columns [..., 2I] -> gate columns then up columns."""
+    return torch.cat((w[..., 0::2], w[..., 1::2]), dim=-1)
+
+
+def _split_gate_up_rows(w: torch.Tensor) -> torch.Tensor:
+    """The same over the rows of [E, 2I, K] (MXFP4 blocks are stored by output feature)."""
+    return torch.cat((w[:, 0::2], w[:, 1::2]), dim=1)
+
+
+class _PairDecoder:
+    """Decodes an MXFP4 blocks/scales pair into `dest` once both tensors have been copied in."""
+
+    def __init__(self, dest: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
+                 convert: "Callable[[torch.Tensor], torch.Tensor] | None") -> None:
+        self.dest, self.blocks, self.scales, self.convert, self.count = dest, blocks, scales, convert, 0
+
+    def arrived(self) -> None:
+        self.count += 1
+        if self.count == 2:
+            w = decode_mxfp4(self.blocks, self.scales)  # [E, rows, cols] float32
+            self.dest.copy_(self.convert(w) if self.convert is not None else w)
+            self.blocks = self.scales = torch.empty(0, dtype=torch.uint8)  # the staging bytes are freed
 
 
 def parameter_summary(model: nn.Module) -> str:

@@ -18,7 +18,8 @@ from server.engine.sampling_params import SamplingParams
 from server.serving.lifecycle import END_RULES, CancelReason, EndReason, JobState, end_reason_of_row
 from server.serving.streams import DeltaEvent, EndEvent, RequestStream, Usage
 from server.serving.truncation import Truncation
-from server.text.reasoning import ReasoningFormat, ReasoningSplitter
+from server.text.harmony import HarmonySplitter
+from server.text.reasoning import ReasoningFormat, ReasoningSplitter, new_splitter
 
 
 @dataclass
@@ -81,7 +82,8 @@ class SampleAcc:
     __slots__ = ("index", "parts", "text_len", "token_ids", "logprobs", "finish_reason", "stop_reason", "marks",
                  "reasoning_parts", "reasoning_len", "splitter")
 
-    def __init__(self, index: int, want_logprobs: bool, splitter: Optional[ReasoningSplitter] = None) -> None:
+    def __init__(self, index: int, want_logprobs: bool,
+                 splitter: Optional[ReasoningSplitter | HarmonySplitter] = None) -> None:
         self.index = index
         self.parts: list[str] = []
         self.text_len = 0
@@ -146,7 +148,7 @@ class Job:
         self.reasoning = reasoning
         opened = reasoning.starts_open(prompt_token_ids) if reasoning is not None else False
         self.samples = [SampleAcc(i, self.want_logprobs,
-                                  ReasoningSplitter(reasoning, opened) if reasoning is not None else None)
+                                  new_splitter(reasoning, opened) if reasoning is not None else None)
                         for i in range(params.n)]
         self.created_wall = created_wall
         self.created_mono = created_mono

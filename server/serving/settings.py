@@ -42,7 +42,7 @@ def _opt_int(text: str) -> Optional[int]:
 
 
 def tool_parser_name(text: str) -> str:
-    names = ("auto", "hermes", "llama3_json", "none")
+    names = ("auto", "hermes", "llama3_json", "openai", "none")
     if text not in names:
         raise ValueError(f"expected one of {', '.join(names)}, got {text!r}")
     return text
@@ -240,10 +240,12 @@ OPTIONS: tuple[Option, ...] = (
            "'null'; same-origin is always allowed; other Origins get 403"),
     Option("tool_call_parser", tool_parser_name,
            "format of the model's own tool calls for tool_choice auto: hermes (<tool_call> blocks), "
-           "llama3_json, none (no parsing), or auto (detected from the chat template)"),
+           "llama3_json, openai (gpt-oss's harmony to=functions.NAME messages), none (no parsing), or auto "
+           "(detected from the chat template)"),
     Option("reasoning_parser", reasoning_parser_name,
            "split a thinking model's <think>...</think> from its answer into reasoning_content: qwen3, "
-           "deepseek_r1, none, or auto (from the chat template when it has a <think> block; docs/reasoning.md)"),
+           "deepseek_r1, openai_gptoss (gpt-oss's harmony analysis/final channels), none, or auto (from the "
+           "chat template when it has a <think> block or harmony channels; docs/reasoning.md)"),
     Option("auth", _choice("auto", "on", "off"),
            "API-key authentication: on, off (loopback binds only) or auto (on once any key exists or "
            "--admin-key-file is given; a non-loopback bind with no keys refuses to start)"),

@@ -5,7 +5,9 @@ Parsers (`--reasoning-parser`, vLLM's names):
                already opened the block (ends inside `<think>`) starts the output in it, and one
                that closed it (`enable_thinking: false` renders `<think>\n\n</think>`) does not;
   deepseek_r1  DeepSeek-R1 and its distills: the template opens the block, so the output is
-               thinking until `</think>` (a leading `<think>` the model repeats is dropped).
+               thinking until `</think>` (a leading `<think>` the model repeats is dropped);
+  openai_gptoss  gpt-oss's harmony messages: the `analysis` channel is the reasoning, `final` the
+               answer (server.text.harmony; `new_splitter` picks its splitter).
 `detect_reasoning_parser` picks one from the chat template where that is unambiguous.
 
 The split, for a sample's whole text (`split_whole`), and the same split fed in arbitrary pieces
@@ -22,11 +24,14 @@ including the `</think>` token (all of them while the block is open), counted on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
+
+from server.text.harmony import CHANNEL, END, HarmonySplitter
 
 THINK_START = "<think>"
 THINK_END = "</think>"
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss")
+HARMONY = "openai_gptoss"
 
 
 def detect_reasoning_parser(template: Optional[str]) -> Optional[str]:
@@ -36,6 +41,8 @@ def detect_reasoning_parser(template: Optional[str]) -> Optional[str]:
     generation prompt that opens the block means qwen3; a generation prompt that writes
     `<think>` itself (DeepSeek-R1's) means deepseek_r1."""
     src = template or ""
+    if CHANNEL in src and "analysis" in src:  # gpt-oss's harmony template
+        return HARMONY
     if THINK_START not in src or THINK_END not in src:
         return None
     if "enable_thinking" in src:
@@ -49,7 +56,8 @@ def detect_reasoning_parser(template: Optional[str]) -> Optional[str]:
 
 @dataclass(frozen=True)
 class ReasoningFormat:
-    """A served model's reasoning markers: the parser, and the token ids of the two tags."""
+    """A served model's reasoning markers: the parser, and the token ids of the two tags (for
+    openai_gptoss `<|channel|>` and `<|end|>`, which the detokenizer must keep in the text)."""
 
     parser: str
     start_token_id: int
@@ -57,7 +65,10 @@ class ReasoningFormat:
 
     def starts_open(self, prompt_token_ids: list[int]) -> bool:
         """Whether the output starts inside the block: deepseek_r1 always; qwen3 when the prompt's
-        last `<think>` is not followed by a `</think>` (the template opened the block)."""
+        last `<think>` is not followed by a `</think>` (the template opened the block); never for
+        harmony, whose output opens its own messages."""
+        if self.parser == HARMONY:
+            return False
         if self.parser == "deepseek_r1":
             return True
         for t in reversed(prompt_token_ids):
@@ -187,14 +198,20 @@ class ReasoningSplitter:
         return "".join(reasoning), "".join(answer)
 
 
+def new_splitter(fmt: ReasoningFormat, starts_open: bool) -> Union[ReasoningSplitter, HarmonySplitter]:
+    """A fresh splitter for one sample of a chat served with `fmt`."""
+    return HarmonySplitter() if fmt.parser == HARMONY else ReasoningSplitter(fmt, starts_open)
+
+
 def reasoning_format(parser: str, token_to_id: Callable[[str], Optional[int]]) -> ReasoningFormat:
     """The format for `parser` with the tokenizer's ids of `<think>` / `</think>`. Raises
     ValueError naming what is missing (the tags must be single tokens: the engine gates
     structured outputs on the `</think>` token)."""
     if parser not in REASONING_PARSERS:
         raise ValueError(f"expected one of {', '.join(REASONING_PARSERS)}, got {parser!r}")
-    start, end = token_to_id(THINK_START), token_to_id(THINK_END)
-    missing = [tag for tag, tid in ((THINK_START, start), (THINK_END, end)) if tid is None]
+    tags = (CHANNEL, END) if parser == HARMONY else (THINK_START, THINK_END)
+    start, end = token_to_id(tags[0]), token_to_id(tags[1])
+    missing = [tag for tag, tid in ((tags[0], start), (tags[1], end)) if tid is None]
     if missing or start is None or end is None:
         raise ValueError(f"reasoning parser {parser!r} needs {' and '.join(missing)} as a single token in the "
                          "tokenizer's vocabulary, and this tokenizer has none")

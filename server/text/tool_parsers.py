@@ -30,7 +30,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Union
 
-PARSER_NAMES = ("hermes", "llama3_json", "none")
+PARSER_NAMES = ("hermes", "llama3_json", "openai", "none")  # openai: gpt-oss's harmony (server.text.harmony)
 HERMES_OPEN = "<tool_call>"
 HERMES_CLOSE = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -62,12 +62,15 @@ Piece = Union[Content, CallStart, ArgsDelta]
 def detect_parser(template: Optional[str]) -> str:
     """The tool-call format a chat template teaches its model.
 
-    `<tool_call>` → hermes; `<|python_tag|>` or the `ipython` role → llama3_json. A template that
+    `<|channel|>` → openai (harmony); `<tool_call>` → hermes; `<|python_tag|>` or the `ipython` role →
+    llama3_json. A template that
     never mentions tools gets `hermes`: such models are shown the tools and the Hermes format in a
     system message (server.serving.tool_render), so that is the format they are asked to answer in.
     A template that handles tools in some other format gets `none` (pick one with --tool-call-parser).
     """
     src = template or ""
+    if "<|channel|>" in src:  # gpt-oss's harmony: to=functions.NAME messages
+        return "openai"
     if HERMES_OPEN in src:
         return "hermes"
     if PYTHON_TAG in src or "ipython" in src:

@@ -84,10 +84,13 @@ def gather_kv(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.T
     return blocks.permute(1, 0, 2, 3).reshape(num_kv_heads, nb * block_size, head_dim)[:, :seq_len]
 
 
-def reference_paged_attention(batch: PagedBatch, scale: float, sliding_window: int, softcap: float = 0.0) -> torch.Tensor:
+def reference_paged_attention(batch: PagedBatch, scale: float, sliding_window: int, softcap: float = 0.0,
+                              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """[T, H, D] float64 attention with the causal (+ Mistral sliding-window) mask, softmax in float64;
     softcap > 0 caps the scaled scores to softcap * tanh(s / softcap) first (Gemma 2's
-    attn_logit_softcapping, as transformers applies it: after the scale, before the mask)."""
+    attn_logit_softcapping, as transformers applies it: after the scale, before the mask); sinks
+    [H]: one more logit per head in each row's softmax, dropped after it (gpt-oss, as transformers'
+    eager_attention_forward concatenates and drops it)."""
     query = batch.query.double()
     num_heads = query.shape[1]
     out = torch.empty_like(query)
@@ -109,7 +112,12 @@ def reference_paged_attention(batch: PagedBatch, scale: float, sliding_window: i
         if sliding_window > 0:
             visible &= (pos_q - pos_k) < sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
-        out[q0:q1] = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1)
+        if sinks is not None:
+            sink = sinks.double().view(-1, 1, 1).expand(-1, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out[q0:q1] = (probs @ v).transpose(0, 1)
     return out
 
 

@@ -39,6 +39,26 @@ def test_paged_attention_cuda_matches_reference(dtype: torch.dtype, heads: tuple
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [0, 17])
+def test_paged_attention_cuda_sinks_match_reference(dtype: torch.dtype, window: int) -> None:
+    """gpt-oss's attention sinks on the CUDA kernel: from far below the scores to far above them."""
+    needs_cuda_kernels()
+    gen = torch.Generator().manual_seed(window)
+    b = make_paged_batch(MIXED, 8, 2, 64, dtype, gen)
+    dev = torch.device("cuda")
+    sinks = torch.tensor([-30.0, -2.0, 0.0, 0.5, 1.5, 3.0, 8.0, 60.0])
+    out = torch.full_like(b.query, float("nan"), device=dev)
+    ops.paged_attention(
+        out, b.query.to(dev), b.key_cache.to(dev), b.value_cache.to(dev), b.block_tables.to(dev),
+        b.seq_lens.to(dev), b.query_start_loc.to(dev), 64**-0.5, window, b.max_query_len, b.max_seq_len, 0.0,
+        sinks.to(dev),
+    )
+    ref = reference_paged_attention(b, 64**-0.5, window, sinks=sinks)
+    assert relative_error(out.cpu()[:, :7], ref[:, :7]) <= TOLERANCE[dtype]
+    assert torch.isfinite(out).all() and out.cpu()[:, 7].abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_cache_ops_cuda_match_cpu(dtype: torch.dtype) -> None:
     needs_cuda_kernels()
     gen = torch.Generator().manual_seed(0)

@@ -153,3 +153,74 @@ def test_a_tokens_row_does_not_depend_on_its_batch_in_batch_invariant_mode(kind:
         # a different neighbour set: the rows reversed
         rev = ops.moe_experts(x.flip(0), ids.flip(0), w.flip(0), gate_up, down)
         assert torch.equal(rev.flip(0), batch)
+
+
+def swiglu_oai_reference(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
+                         down: torch.Tensor, gub: torch.Tensor, db: torch.Tensor, alpha: float,
+                         limit: float) -> torch.Tensor:
+    """float64 gpt-oss experts: h = gate_up_e x + b; g = min(gate, limit), u = clamp(up, +-limit);
+    down_e((u + 1) * g * sigmoid(alpha g)) + b, weighted and summed over the token's slots."""
+    x64, gu, dn = x.double(), gate_up.double(), down.double()
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            g, u = (gu[e] @ x64[t] + gub[e].double()).chunk(2)
+            g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+            out[t] += float(w[t, j]) * (dn[e] @ ((u + 1) * g * torch.sigmoid(alpha * g)) + db[e].double())
+    return out
+
+
+@pytest.mark.parametrize("T,k", [(1, 2), (7, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpt_oss_experts_match_float64(cpu_isa: str, dtype: torch.dtype, T: int, k: int) -> None:
+    """gpt-oss's experts: biases on both matrices and the clamped SwiGLU, with a limit the
+    activations cross (so the clamps are exercised), float and Q8_0-kept experts."""
+    gate_up, down = experts(4, dtype)
+    g = torch.Generator().manual_seed(5)
+    gub, db = (torch.randn(E, 2 * I, generator=g) * 0.3).to(dtype), (torch.randn(E, H, generator=g) * 0.3).to(dtype)
+    x = (torch.randn(T, H, generator=g) * 2).to(dtype)
+    ids, w = routing(T, k, seed=6)
+    alpha, limit = 1.702, 0.7
+    pre = torch.einsum("enh,th->ten", gate_up.double(), x.double())
+    assert (pre.abs() > limit).float().mean() > 0.2  # the clamps bite
+    got = ops.moe_experts(x, ids, w, gate_up, down, gub, db, "swiglu_oai", alpha, limit)
+    ref = swiglu_oai_reference(x, ids, w, gate_up, down, gub, db, alpha, limit)
+    tol = 1e-4 if dtype is torch.float32 else 3e-2
+    torch.testing.assert_close(got.double(), ref, atol=tol * float(ref.abs().max()), rtol=tol)
+    qgu, qdn = QuantizedExperts.quantize(gate_up.float(), "q8_0"), QuantizedExperts.quantize(down.float(), "q8_0")
+    got_q = ops.moe_experts(x, ids, w, qgu.for_kernels(), qdn.for_kernels(), gub, db, "swiglu_oai", alpha, limit)
+    ref_q = swiglu_oai_reference(x, ids, w, qgu.dequantize(), qdn.dequantize(), gub, db, alpha, limit)
+    torch.testing.assert_close(got_q.double(), ref_q, atol=3e-2 * float(ref_q.abs().max()), rtol=3e-2)
+
+
+def test_bad_expert_biases_and_activation_are_named() -> None:
+    gate_up, down = experts(1, torch.float32)
+    x = torch.randn(2, H)
+    ids, w = routing(2, 2, seed=1)
+    with pytest.raises(RuntimeError, match="gate_up_bias must be"):
+        ops.moe_experts(x, ids, w, gate_up, down, torch.zeros(E, I), None, "swiglu_oai")
+    with pytest.raises(RuntimeError, match="activation must be 'silu' or 'swiglu_oai'"):
+        ops.moe_experts(x, ids, w, gate_up, down, None, None, "gelu")
+
+
+def test_mxfp4_experts_equal_their_decoded_floats(cpu_isa: str) -> None:
+    """MXFP4 experts (GGML's blocks, as gpt-oss GGUF files keep them) decode exactly when used: the
+    op equals the same op on the decoded float experts, bit for bit, and the decode equals the
+    gguf package's."""
+    from gguf import GGMLQuantizationType, quants
+
+    gate_up, down = experts(7, torch.float32)
+    t = GGMLQuantizationType.MXFP4
+    packed = [torch.from_numpy(quants.quantize(w.reshape(-1, w.shape[-1]).numpy(), t)).reshape(E, w.shape[1], -1)
+              for w in (gate_up, down)]
+    qgu = QuantizedExperts("mxfp4", packed[0], (E, 2 * I, H))
+    qdn = QuantizedExperts("mxfp4", packed[1], (E, H, I))
+    fgu, fdn = qgu.dequantize(), qdn.dequantize()
+    want = quants.dequantize(packed[0].reshape(E * 2 * I, -1).numpy(), t).reshape(E, 2 * I, H)
+    assert torch.equal(fgu, torch.from_numpy(want))
+    g = torch.Generator().manual_seed(8)
+    x, gub, db = torch.randn(6, H, generator=g), torch.randn(E, 2 * I, generator=g), torch.randn(E, H, generator=g)
+    ids, w = routing(6, 2, seed=9)
+    got = ops.moe_experts(x, ids, w, qgu.for_kernels(), qdn.for_kernels(), gub, db, "swiglu_oai", 1.702, 7.0)
+    assert torch.equal(got, ops.moe_experts(x, ids, w, fgu, fdn, gub, db, "swiglu_oai", 1.702, 7.0))

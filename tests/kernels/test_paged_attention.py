@@ -115,6 +115,39 @@ def test_logit_softcapping(isa: str, dtype: torch.dtype, head_dim: int, softcap:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim", [64, 72, 36])
+@pytest.mark.parametrize("window", [0, 17])
+def test_attention_sinks(isa: str, dtype: torch.dtype, head_dim: int, window: int) -> None:
+    """gpt-oss's sinks on every kernel (64: AVX-512 / AVX2, 72: AVX2, 36: portable), with and
+    without a window: per-head logits from far below the scores (no effect) to far above them (the
+    sink takes most of the mass, and must not overflow the running maximum)."""
+    gen = torch.Generator().manual_seed(head_dim + window)
+    batch = make_paged_batch(MIXED + [(70, 9)], 8, 2, head_dim, dtype, gen)
+    sinks = torch.tensor([-30.0, -2.0, 0.0, 0.5, 1.5, 3.0, 8.0, 60.0])
+    scale = head_dim**-0.5
+    out = torch.full_like(batch.query, float("nan"))
+    ops.paged_attention(out, batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
+                        batch.query_start_loc, scale, window, batch.max_query_len, batch.max_seq_len, 0.0, sinks)
+    ref = reference_paged_attention(batch, scale, window, sinks=sinks)
+    assert relative_error(out[:, :7], ref[:, :7]) <= TOLERANCE[dtype]
+    # The 60-logit sink leaves its head ~e^-55 of the mass: the output is ~0 (and finite).
+    assert torch.isfinite(out).all() and out[:, 7].abs().max() < 1e-6
+    plain = reference_paged_attention(batch, scale, window)
+    assert relative_error(plain[:, 3:6], ref[:, 3:6]) > 10 * TOLERANCE[dtype]  # sinks matter here
+
+
+def test_sinks_are_checked(isa: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    b = make_paged_batch([(3, 2)], 4, 2, 64, torch.float32, gen)
+    args = (torch.empty_like(b.query), b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens,
+            b.query_start_loc, 0.125, 0, b.max_query_len, b.max_seq_len, 0.0)
+    with pytest.raises(RuntimeError, match=r"sinks must be a contiguous \[4\]"):
+        ops.paged_attention(*args, torch.zeros(3))  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="sinks must be float32"):
+        ops.paged_attention(*args, torch.zeros(4, dtype=torch.bfloat16))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 72, 36])
 @pytest.mark.parametrize("window", [5, 16, 40, 130])
 def test_released_blocks_before_the_window_are_never_read(isa: str, dtype: torch.dtype, head_dim: int,
                                                           window: int) -> None:
@@ -215,4 +248,9 @@ def test_opcheck() -> None:
         torch.ops.pagewire.paged_attention.default,
         (out, b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.125, 0,
          b.max_query_len, b.max_seq_len, 20.0),
+    )
+    torch.library.opcheck(
+        torch.ops.pagewire.paged_attention.default,
+        (out, b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.125, 0,
+         b.max_query_len, b.max_seq_len, 0.0, torch.tensor([0.5, -1.0, 2.0, 0.0])),
     )

@@ -54,7 +54,9 @@ PYTEST := $(PY) -m pytest -q
 # Two pytest-xdist workers, a test file each at a time (--dist loadfile keeps a file's module and
 # session fixtures, its live servers and browser, in one process): most tests wait on a server
 # subprocess, the browser or the database, so two at once use both cores (bench/RESULTS.md: 19.0
-# min serial, 12.8 min with two workers). TEST_WORKERS=0 runs serially.
+# min serial, 12.8 min with two workers). Each worker runs one OpenMP thread (tests/conftest.py:
+# two threads per worker on two cores ran the kernel and model tests 2x slower, bench/RESULTS.md);
+# tests/kernels/test_thread_invariance.py checks the kernels' thread splits. TEST_WORKERS=0 runs serially.
 TEST_WORKERS ?= 2
 
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)

@@ -96,10 +96,15 @@ def test_tpm_bucket_survives_sigkill(demo_model: Path, tmp_path: Path) -> None:
     key_id, secret = _create(db, "tpm", "--tpm", str(tpm))
     srv = ServerProcess(demo_model, db).start()
     try:
+        sent = time.monotonic()
         big = httpx.post(srv.base + "/v1/completions", headers=_h(secret), timeout=300,
                          json={"model": "demo", "prompt": PROMPT, "max_tokens": 797, "ignore_eos": True})
+        took = time.monotonic() - sent
         assert big.status_code == 200, big.text
-        assert big.headers["x-ratelimit-remaining-tokens"] == str(tpm - 800)
+        # The 800-token reservation leaves 200; the header is read a moment after the reservation,
+        # and the bucket refills tpm/60 tokens a second meanwhile (a loaded host took > 60 ms: 201).
+        left = int(big.headers["x-ratelimit-remaining-tokens"])
+        assert tpm - 800 <= left <= tpm - 800 + tpm * took / 60, (left, took)
         srv.signal(signal.SIGKILL)
         srv.wait(30)
     finally:

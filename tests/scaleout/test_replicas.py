@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import io
 import json
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -105,16 +106,21 @@ def test_one_keys_tpm_holds_across_replicas(replicas: Any, pg_url: str) -> None:
     _, secret = make_key(pg_url, "tpm", tpm=tpm)
     a, b = replicas(2)
     admitted, refused = 0, []
+    start = last_admitted = time.monotonic()
     for i in range(2 * tpm // cost):
         r = _complete((a, b)[i % 2].base, secret, max_tokens=20)
         if r.status_code == 200:
             admitted += 1
+            last_admitted = time.monotonic()
         else:
             assert r.status_code == 429, r.text
             refused.append(r)
     assert refused, "the limit never refused a request"
-    # Each admitted request cost all of its reservation (ignore_eos): the sum is bounded by the limit.
-    assert admitted * cost <= tpm + cost
+    # Each admitted request cost all of its reservation (ignore_eos): the sum is bounded by the limit
+    # plus what the bucket refilled (tpm/60 a second) while the admitted ones were being sent, which
+    # a loaded host stretches to seconds (one such run admitted 10 × 23 against 200 + 23).
+    refill = tpm * (last_admitted - start) / 60
+    assert admitted * cost <= tpm + cost + refill, (admitted, refill)
     assert admitted * cost > tpm - 2 * cost  # and the limit was not far too strict either
     assert refused[0].json()["error"]["code"] == "rate_limit_exceeded"
 

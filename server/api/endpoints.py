@@ -8,20 +8,21 @@ from __future__ import annotations
 import datetime
 import math
 import time
-from typing import Optional, TypeVar
+from typing import Optional, TypeVar, cast
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from server.api.context import ApiContext
 from server.api.decode import decode
-from server.api.http_io import error_payload, retry_headers
+from server.api.http_io import Scope, error_payload, retry_headers
+from server.api.http_io import read_body as read_whole_body
 from server.api.openai_format import check_continuation, messages_to_dicts
 from server.api.protocol import DetokenizeRequest, TokenizeRequest
 from server.api.tools import check_tools
 from server.gateway.auth import principal_of
 from server.gateway.usage import usage_report
-from server.serving.errors import InvalidRequest, PagewireError, PermissionDenied, TooLarge, Unavailable
+from server.serving.errors import InvalidRequest, PagewireError, PermissionDenied, Unavailable
 from server.serving.ledger_health import ledger_health
 from server.serving.metrics import CONTENT_TYPE
 from server.serving.prompts import check_template_kwargs, render_chat
@@ -41,12 +42,13 @@ def error_response(exc: PagewireError) -> JSONResponse:
 async def read_body(api: ApiContext, request: Request, typ: type[T]) -> T:
     """The request body decoded as `typ` (field-naming 400s), within the body limit (413), and
     naming the served model if it names one (404)."""
-    limit = api.rt.settings.max_request_bytes
-    body = b""
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise TooLarge(f"request body exceeds the limit of {limit} bytes")
+    # http_io's reader: one join at the end. Appending each chunk to a bytes object copied the
+    # body so far every time (quadratic: 0.4 s of loop time for one 7.5 MB /tokenize body here).
+    try:
+        # Starlette types the scope as a MutableMapping; the ASGI server hands it a dict.
+        body = await read_whole_body(cast(Scope, request.scope), request.receive, api.rt.settings.max_request_bytes)
+    except ConnectionResetError:
+        raise ClientDisconnect() from None
     obj = decode(body, typ)
     api.check_model(getattr(obj, "model", None))
     return obj

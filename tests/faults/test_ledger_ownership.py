@@ -24,12 +24,24 @@ def _second_server(demo_model: Path, db: Path) -> subprocess.CompletedProcess[st
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
+# Issue 29, break 1: the second server may name the live ledger through a symlink or a hard link
+# (another name of the same file); it must be refused as for the same name, before its start-up
+# sweep marks the first server's running rows `interrupted`.
+@pytest.mark.parametrize("how", ["same", "symlink", "hardlink"])
 def test_second_server_on_the_same_ledger_refuses_and_the_first_keeps_its_rows(demo_model: Path,
-                                                                              tmp_path: Path) -> None:
+                                                                              tmp_path: Path, how: str) -> None:
     import contextlib
 
     db = tmp_path / "shared.db"
     first = ServerProcess(demo_model, db).start()
+    other = tmp_path / "elsewhere" / "alias.db"  # another folder: no sidecar name in common
+    other.parent.mkdir()
+    if how == "symlink":
+        other.symlink_to(db)
+    elif how == "hardlink":
+        os.link(db, other)
+    else:
+        other = db
     try:
         # Live requests of the first server, still open while the second one tries to start. One
         # long request alone can finish before a refused start does (the demo model writes
@@ -44,9 +56,14 @@ def test_second_server_on_the_same_ledger_refuses_and_the_first_keeps_its_rows(d
             lines = rs[0].iter_lines()
             first_chunk = next(ln for ln in lines if ln.startswith("data: "))
             assert first_chunk
-            second = _second_server(demo_model, db)
+            try:
+                second = _second_server(demo_model, other)
+            except subprocess.TimeoutExpired:  # it started serving instead of refusing
+                states = [r_["state"] for r_ in ledger_rows(db).values()]
+                pytest.fail(f"a second server on the {how} name of a live ledger started; rows now {states}")
             assert second.returncode != 0
-            assert str(db) in second.stderr, second.stderr
+            # A symlink is named by the file it resolves to; a hard link is its own real path.
+            assert str(other if how == "hardlink" else db) in second.stderr, second.stderr
             assert f"process {first.proc.pid}" in second.stderr, second.stderr  # type: ignore[union-attr]
             # The refused server did not sweep the first one's live rows into `interrupted`, and
             # some were still open after it had exited (so the check means something).

@@ -8,6 +8,7 @@ first key was created kept working. Now the socket is closed with an `invalid_ap
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -50,6 +51,11 @@ async def _live_socket_then(srv: ServerProcess, change: list[str], headers: Opti
         loop = asyncio.get_running_loop()
         out = await loop.run_in_executor(None, lambda: _cli(*change))
         assert out.returncode == 0, out.stderr
+        # A new detached request right after the change: refused whether the per-request re-check
+        # or the once-a-second one sees the change first (it used to be accepted, run and billed).
+        with contextlib.suppress(ConnectionClosed):  # already closed: the frames before it stay readable
+            await ws.send(json.dumps({"type": "generate", "id": "after", "prompt": "more", "detach": True,
+                                      "params": {**LONG, "max_tokens": 50}}))
         try:
             while True:
                 frames.append(json.loads(await asyncio.wait_for(ws.recv(), 120)))
@@ -65,6 +71,7 @@ def _check_closed(frames: list[dict[str, Any]], code: Optional[int], rid: str, d
     assert err["type"] == "error" and err["code"] == "invalid_api_key" and err["status"] == 401, err
     assert words in err["message"], err
     assert not any(f["type"] == "done" for f in frames)
+    assert not any(f.get("id") == "after" and f["type"] in ("accepted", "delta") for f in frames), frames[-4:]
     # The detached request was cancelled with the socket, not left running and billed.
     srv.stop()  # a clean stop: every row terminal
     row = ledger_rows(db)[rid]

@@ -3,6 +3,7 @@ field, and the server keeps serving afterwards."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import httpx
@@ -50,6 +51,15 @@ def test_http_chat_bad_messages_and_oversize_and_context(server: ServerProcess) 
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     r = _post(server, {**GOOD, "prompt": "x" * 70000})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    # /tokenize and /detokenize read through the same bounded reader, declared length or not.
+    for path, body in (("/tokenize", {"model": "demo", "prompt": "x" * 70000}),
+                       ("/detokenize", {"model": "demo", "tokens": [5] * 40000})):
+        r = _post(server, body, path)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", (path, r.text)
+        raw = json.dumps(body).encode()
+        chunked = (raw[i:i + 8192] for i in range(0, len(raw), 8192))  # a generator: no content-length
+        r = httpx.post(server.base + path, content=chunked, headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", (path, r.text)
     # A prompt over the context: both numbers in the message, never truncated.
     r = _post(server, {**GOOD, "prompt": [5] * 2100})
     assert r.status_code == 400

@@ -37,7 +37,7 @@ import contextlib
 import logging
 import re
 import time
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Awaitable, Optional, TypeVar
 
 from server.serving.ledger import (
     COLUMNS,
@@ -83,6 +83,38 @@ def _no_nul(v: Any) -> Any:
     Query parameters get the same replacement: a value with a NUL (a client's id, say) then
     matches what a write of it stored, and never reaches the server as an error."""
     return v.replace("\x00", "\ufffd") if isinstance(v, str) and "\x00" in v else v
+
+
+T = TypeVar("T")
+
+
+async def bounded(aw: Awaitable[T], timeout_s: float) -> T:
+    """`aw`'s result, or asyncio.TimeoutError after `timeout_s` without waiting for it to unwind.
+
+    Not `asyncio.wait_for`: that cancels the call and then waits, without limit, for it to end.
+    A psycopg call that is cancelled first asks the server to cancel the query (a blocking
+    request on a thread) and then waits for the query's answer; against a database that has
+    stopped answering (a stopped server, a network that drops packets without a reset) neither
+    comes, so the deadline would not hold: the writer stalled behind one commit, every later
+    request waited with it, and none was told 503 (issue 32). The abandoned call is cancelled
+    and left to end on its own once the database answers or its connection is closed."""
+    task = asyncio.ensure_future(aw)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if task in done:
+        return task.result()
+    task.cancel()
+    task.add_done_callback(_consume)
+    raise asyncio.TimeoutError
+
+
+def _consume(task: "asyncio.Future[Any]") -> None:
+    """An abandoned call's outcome is already reported as a timeout: do not log it again."""
+    if not task.cancelled():
+        task.exception()
 
 
 def live_instances_sql() -> str:
@@ -206,8 +238,8 @@ class PgLedger(Ledger):
             await asyncio.sleep(period)
             try:
                 # Bounded: a paused network must not stall the renewals for good.
-                await asyncio.wait_for(self.renew(), self.commit_timeout_s)
-                await asyncio.wait_for(self.sweep_dead(), self.commit_timeout_s)
+                await bounded(self.renew(), self.commit_timeout_s)
+                await bounded(self.sweep_dead(), self.commit_timeout_s)
                 for hook in list(self.on_tick):
                     await hook()
             except asyncio.CancelledError:
@@ -260,7 +292,7 @@ class PgLedger(Ledger):
 
     async def _commit(self, batch: list[_Op]) -> None:
         try:
-            await asyncio.wait_for(self._commit_batch(batch), self.commit_timeout_s)
+            await bounded(self._commit_batch(batch), self.commit_timeout_s)
         except BaseException as exc:
             # The whole batch is lost or its outcome unknown (a timeout): tell every waiter and
             # drop the connection (its state is unknown); the next batch reconnects.
@@ -379,7 +411,7 @@ class PgLedger(Ledger):
                 cur = await c.execute(pg_sql(sql), tuple(_no_nul(a) for a in args))
                 return [tuple(r) for r in await cur.fetchall()]
         try:
-            return await asyncio.wait_for(run(), self.read_timeout_s)
+            return await bounded(run(), self.read_timeout_s)
         except asyncio.TimeoutError:
             raise LedgerUnavailable(f"ledger read did not answer within {self.read_timeout_s:g}s") from None
 

@@ -15,13 +15,10 @@ import os
 import struct
 from pathlib import Path
 
-import pytest
-
 from server.serving.jobs import Job
 from server.serving.outbox import Subscription
 from server.serving.streams import DeltaEvent, EndEvent, RequestStream
 from tests.faults.inproc import FakeSocket, connect, running, until, ws_endpoint
-from tests.server.harness import ON_POSTGRES
 
 ROUNDS = 5
 PER_ROUND = 40  # 200 requests
@@ -45,12 +42,6 @@ def _alive() -> dict[str, int]:
     return counts
 
 
-# Open (issue 32): on a PostgreSQL ledger (PAGEWIRE_TEST_LEDGER=postgresql) this scenario passes
-# when run alone (2026-12-02), but in `make test-postgres`, after the other fault tests in the same
-# worker, the loop idled in one of its waits until the 600 s limit: order-dependent, not
-# understood yet. Not a SQLite-file test, so not `sqlite_only`; skipped there with this reason.
-@pytest.mark.skipif(ON_POSTGRES, reason="order-dependent hang on a PostgreSQL ledger in make test-postgres "
-                                        "(passes alone): open, issue 32")
 def test_per_request_state_returns_to_baseline_after_the_retention_window(demo_model: Path, tmp_path: Path) -> None:
     async def scenario() -> None:
         async with running(demo_model, tmp_path / "steady.db", stream_retention=300.0) as rt:

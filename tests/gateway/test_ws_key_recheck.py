@@ -12,12 +12,13 @@ import contextlib
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
 import httpx
 
-from tests.server.harness import REPO, ServerProcess, db_arg, ledger_rows
+from tests.server.harness import ON_POSTGRES, REPO, ServerProcess, db_arg, ledger_rows
 
 LONG = {"temperature": 0, "ignore_eos": True, "max_tokens": 100000}
 
@@ -51,6 +52,12 @@ async def _live_socket_then(srv: ServerProcess, change: list[str], headers: Opti
         loop = asyncio.get_running_loop()
         out = await loop.run_in_executor(None, lambda: _cli(*change))
         assert out.returncode == 0, out.stderr
+        if ON_POSTGRES:
+            # A shared ledger's keys reach a replica through its key poll (docs/scale-out.md: a revoked
+            # key stops within 0.5 s), not at once as with the SQLite file
+            # the server itself reads: wait until this server's HTTP refuses the socket's
+            # credentials, then check the socket the same way.
+            await loop.run_in_executor(None, lambda: _wait_http_refuses(srv, headers))
         # A new detached request right after the change: refused whether the per-request re-check
         # or the once-a-second one sees the change first (it used to be accepted, run and billed).
         with contextlib.suppress(ConnectionClosed):  # already closed: the frames before it stay readable
@@ -62,6 +69,14 @@ async def _live_socket_then(srv: ServerProcess, change: list[str], headers: Opti
         except ConnectionClosed:
             pass
         return frames, ws.close_code, rid
+
+
+def _wait_http_refuses(srv: ServerProcess, headers: Optional[dict[str, str]]) -> None:
+    deadline = time.monotonic() + 60  # only turns a hang into a failure
+    while httpx.post(srv.base + "/v1/completions", headers=headers or {}, timeout=60,
+                     json={"model": "demo", "prompt": "x", "max_tokens": 1}).status_code != 401:
+        assert time.monotonic() < deadline, "the server never saw the key change"
+        time.sleep(0.05)
 
 
 def _check_closed(frames: list[dict[str, Any]], code: Optional[int], rid: str, db: Path, srv: ServerProcess,

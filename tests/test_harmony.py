@@ -11,6 +11,7 @@ import pytest
 from server.text.harmony import HarmonySplitter, HarmonyToolParser
 from server.text.reasoning import detect_reasoning_parser, new_splitter, reasoning_format
 from server.text.tool_parsers import detect_parser, fold
+from tests.test_reasoning import feed_in_pieces
 
 THINK = "<|channel|>analysis<|message|>The user wants the weather. I should call the tool.<|end|>"
 CALL = '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
@@ -36,15 +37,7 @@ CASES = [
 
 
 def _split(text: str, cuts: tuple[int, ...]) -> tuple[str, str]:
-    sp = HarmonySplitter()
-    reasoning, answer = [], []
-    bounds = (0, *cuts, len(text))
-    for a, b in zip(bounds, bounds[1:]):
-        r, c = sp.feed(text[a:b], [])
-        reasoning.append(r)
-        answer.append(c)
-    r, c = sp.finish()
-    return "".join(reasoning) + r, "".join(answer) + c
+    return feed_in_pieces(HarmonySplitter(), text, cuts)
 
 
 def _calls(text: str, cuts: tuple[int, ...]) -> tuple[str, list[tuple[str, str]]]:

@@ -3,6 +3,7 @@ at every split of the text into two and three pieces, and the parser detection f
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 
@@ -36,7 +37,12 @@ TEXTS = [
 
 
 def _incremental(text: str, cuts: tuple[int, ...], starts_open: bool) -> tuple[str, str]:
-    sp = ReasoningSplitter(FMT, starts_open)
+    return feed_in_pieces(ReasoningSplitter(FMT, starts_open), text, cuts)
+
+
+def feed_in_pieces(sp: Any, text: str, cuts: tuple[int, ...]) -> tuple[str, str]:
+    """(reasoning, answer) of a splitter fed `text` cut at `cuts`, then finished (any splitter
+    with feed(text, token_ids) and finish(), e.g. ReasoningSplitter, HarmonySplitter)."""
     reasoning, answer = [], []
     bounds = (0, *cuts, len(text))
     for a, b in zip(bounds, bounds[1:]):

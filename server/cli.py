@@ -42,6 +42,11 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a model over HTTP (OpenAI API) and WebSocket",
                            description="Every option can also be set by its PAGEWIRE_* environment variable.")
     add_serve_arguments(serve)
+    serve.add_argument("--config", default=None, metavar="FILE",
+                       help="a TOML file of serve options (long names with underscores; [[models]] tables with "
+                            "name and path); flags and PAGEWIRE_* variables override it [env PAGEWIRE_CONFIG]")
+    serve.add_argument("--print-config", action="store_true",
+                       help="print every option's effective value and where it came from, then exit")
     req = sub.add_parser("requests", help="inspect the request ledger")
     req_sub = req.add_subparsers(dest="action", required=True)
     lst = req_sub.add_parser("list", help="most recent requests first")
@@ -117,7 +122,7 @@ def _resolve_model(settings: ServeSettings) -> tuple[Path, str, Optional[str]]:
         from server.serving.model_path import ModelPathError, resolve_model_path
 
         try:
-            d = resolve_model_path(settings.model_dir)
+            d = resolve_model_path(settings.model_dir, settings.allow_download)
         except ModelPathError as e:
             raise SystemExit(f"pagewire: {e}") from None
         if d.is_file():
@@ -142,22 +147,58 @@ def _resolve_model(settings: ServeSettings) -> tuple[Path, str, Optional[str]]:
     return default.path, settings.served_model_name or default.name, banner
 
 
+def _serve_settings(ns: argparse.Namespace) -> tuple[ServeSettings, Optional[str]]:
+    """The settings (flag > env > --config file > default) and, with --print-config, their listing."""
+    import os
+
+    from server.serving.config_file import read_config_file, render_config
+    from server.serving.settings import resolve_values
+
+    path = getattr(ns, "config", None) or os.environ.get("PAGEWIRE_CONFIG")
+    file_values = read_config_file(Path(path).expanduser()) if path else {}
+    values, source = resolve_values(ns, None, file_values)
+    listing = render_config(values, source) if getattr(ns, "print_config", False) else None
+    return ServeSettings(**values), listing
+
+
+def _catalog(settings: ServeSettings) -> tuple[Path, str, Optional[str], list[Any]]:
+    """(default model path, its name, banner, every served model: server.serving.model_catalog)."""
+    from server.serving.model_catalog import ModelEntry, build_catalog
+    from server.serving.model_path import ModelPathError
+
+    others = bool(settings.models or settings.models_dir)
+    default: Optional[ModelEntry] = None
+    banner: Optional[str] = None
+    if settings.model_dir or not others:
+        model_dir, name, banner = _resolve_model(settings)
+        default = ModelEntry(name, model_dir, "MODEL")
+    try:
+        entries = build_catalog(default, settings.models, settings.models_dir, settings.allow_download)
+    except ModelPathError as e:
+        raise SystemExit(f"pagewire: {e}") from None
+    return entries[0].path, entries[0].name, banner, entries
+
+
 def _serve(ns: argparse.Namespace) -> int:
     from server.serving.model_path import check_model
 
     try:
-        settings = settings_from_args(ns)
+        settings, listing = _serve_settings(ns)
     except ValueError as e:
         print(f"pagewire: {e}", file=sys.stderr)
         return 2
+    if listing is not None:
+        print(listing)
+        return 0
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model_dir, name, banner = _resolve_model(settings)
+    model_dir, name, banner, entries = _catalog(settings)
     try:
         # The engine knobs are checked against the real model path (`--quantization gguf` needs
         # to see that it is a .gguf file), and the model's config is read (no weights) so an
         # unsupported one is refused here, before the port is bound or the engine starts.
-        settings.engine_config(str(model_dir))
-        check_model(model_dir, settings.task)
+        for entry in entries:
+            settings.engine_config(str(entry.path))
+            check_model(entry.path, settings.task)
     except ValueError as e:  # ModelPathError, ConfigError
         print(f"pagewire: {e}", file=sys.stderr)
         return 2
@@ -177,7 +218,7 @@ def _serve(ns: argparse.Namespace) -> int:
     from server.serving.listen import StartupError
 
     try:
-        run(settings, model_dir, name)
+        run(settings, model_dir, name, entries)
     except (LedgerError, StartupError) as e:  # another server holds this ledger; port in use; model failed
         print(f"pagewire: {e}", file=sys.stderr)
         return 1

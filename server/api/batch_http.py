@@ -66,18 +66,15 @@ class BatchRoutes:
 
     # -- what a line is and what it answers --------------------------------------------------------
     def _spec(self, kind: str, body: bytes, client: str, key: Optional[str], owner: Optional[str]) -> GenerationSpec:
-        model = self.api.rt.model_name
         self._check_owner(owner)
         if kind == "embedding":
             spec = self._embedding_spec(body, client, key)
         elif kind == "chat":
             chat: ChatCompletionRequest = decode(body, ChatCompletionRequest)
-            self.api.check_model(chat.model)
-            spec = chat_spec(chat, "batch", client, model, key)
+            spec = chat_spec(chat, "batch", client, self.api.for_model(chat.model).model_name, key)
         else:
             req: CompletionRequest = decode(body, CompletionRequest)
-            self.api.check_model(req.model)
-            specs = completion_specs(req, "batch", client, model, key, 1)
+            specs = completion_specs(req, "batch", client, self.api.for_model(req.model).model_name, key, 1)
             if len(specs) != 1:
                 raise InvalidRequest("prompt: a batch line takes one prompt; put each prompt on its own line",
                                      param="prompt")
@@ -89,8 +86,8 @@ class BatchRoutes:
         """An /v1/embeddings line, parsed as the interactive route parses it; one input a line (as one
         prompt a completions line), so each line is one engine request and one ledger row."""
         req: EmbeddingRequest = decode(body, EmbeddingRequest)
-        self.api.check_model(req.model)
-        specs, _ = request_specs(req, api="batch", client=client, model=self.api.rt.model_name, idem=key)
+        specs, _ = request_specs(req, api="batch", client=client, model=self.api.for_model(req.model).model_name,
+                                 idem=key)
         if len(specs) != 1:
             raise InvalidRequest(f"input: a batch line takes one input, got {len(specs)}; put each input on its "
                                  "own line", param="input")
@@ -110,8 +107,9 @@ class BatchRoutes:
     def _render(self, kind: str, body: bytes, end: EndEvent) -> dict[str, Any]:
         if kind == "embedding":
             req: EmbeddingRequest = decode(body, EmbeddingRequest)  # parsed before: it decodes
-            return openai_body(self.api.rt.model_name, [end], req.encoding_format)
-        fmt = self.api.formatter
+            return openai_body(self.api.for_model(req.model).model_name, [end], req.encoding_format)
+        line: Any = decode(body, ChatCompletionRequest if kind == "chat" else CompletionRequest)
+        fmt = self.api.for_model(line.model).formatter
         return fmt.chat_response(end) if kind == "chat" else fmt.completion_response(end)
 
     # -- routes ---------------------------------------------------------------------------------

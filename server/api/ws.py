@@ -84,6 +84,7 @@ class WsConnection:
         self._send = send
         self.outbox = Outbox(self.rt.settings.outbox_bytes)
         self.aliases: dict[str, _Alias] = {}  # client id → request on this socket
+        self._model_of: dict[str, str] = {}  # client id → the model its generate frame named
         # Requests that have ended but whose terminal frame the writer has not yet written to the
         # socket: an alias goes when its end is *queued*, so a cut must still name these (their
         # `done`, and maybe deltas, were lost with the connection) for the client to resume them.
@@ -297,7 +298,7 @@ class WsConnection:
             if ev.finish_reason is not None:
                 d["finish_reason"] = ev.finish_reason
             if ev.logprobs is not None:
-                tt = self.api.formatter.token_text
+                tt = self.api.for_model(self._model_of.get(cid)).formatter.token_text
                 d["logprobs"] = [{"token_id": lp.token_id, "token": tt(lp.token_id), "logprob": lp.logprob,
                                   "top_logprobs": [{"token_id": t, "token": tt(t), "logprob": v} for t, v in lp.top]}
                                  for lp in ev.logprobs]
@@ -379,7 +380,10 @@ class WsConnection:
 
     def _on_generate(self, f: GenerateFrame) -> None:
         build = ws_embedding_spec if f.kind == "embedding" else ws_spec
-        spec = build(f, self.peer, self.rt.model_name)
+        api = self.api.for_model(f.model)  # 404 model_not_found for an unknown name
+        spec = build(f, self.peer, api.model_name)
+        if f.model is not None:
+            self._model_of[f.id] = f.model
         bind(spec, self.principal)
         alias = self._claim(f.id, None)
         self._spawn(self._generate(f.id, alias, spec))

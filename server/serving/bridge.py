@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, ContextManager, Optional
 
 from server.engine.config import EngineConfig
 from server.engine.outputs import RequestDelta
@@ -36,9 +36,12 @@ class EngineBridge:
         dispatch: called on the event loop with each step's deltas, in step order.
     """
 
-    def __init__(self, config: EngineConfig, dispatch: Callable[[list[RequestDelta]], None]) -> None:
+    def __init__(self, config: EngineConfig, dispatch: Callable[[list[RequestDelta]], None],
+                 gate: Optional[ContextManager[object]] = None, name: str = "pagewire-engine") -> None:
         self.config = config
         self._dispatch = dispatch
+        self._gate = gate  # shared by the engines of several models (server.engine.step_gate)
+        self._name = name
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._engine: Optional[EngineThread] = None
         self.steps_posted = 0  # count of call_soon_threadsafe hops (one per non-empty step)
@@ -48,7 +51,7 @@ class EngineBridge:
         from server.engine.thread import EngineThread  # lazy: it imports torch; the edge's imports stay without
 
         self._loop = asyncio.get_running_loop()
-        self._engine = EngineThread(self.config, self._on_step)
+        self._engine = EngineThread(self.config, self._on_step, self._gate, self._name)
         self._engine.start()
 
     # Runs on the ENGINE thread.
@@ -82,6 +85,10 @@ class EngineBridge:
     @property
     def error(self) -> Optional[BaseException]:
         return self._engine.error if self._engine is not None else None
+
+    def wait_ready(self, timeout: Optional[float] = None) -> bool:
+        """Block until the engine has loaded or failed (call via run_in_executor)."""
+        return self._engine is not None and self._engine.wait_ready(timeout)
 
     @property
     def max_model_len(self) -> int:

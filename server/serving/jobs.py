@@ -166,6 +166,10 @@ class Job:
         self.end: Optional[EndEvent] = None
         self.output_bytes = 0  # its reservation in the output budget, released at the end
         self.embedding: Optional[list[float]] = None  # an embedding request's vector (its final delta)
+        # Its model's lane (server.serving.model_lane.ModelLane: admission, engine) and the adapter
+        # its `model` named (None: the base model); set by the service at acceptance.
+        self.lane: Any = None
+        self.adapter: Optional[str] = None
 
     def __repr__(self) -> str:
         return f"Job({self.request_id}, {self.state})"

@@ -202,7 +202,7 @@ class Runtime:
                 log.error("model failed to load: %s", reason)  # in-process: keep answering 503
         else:
             self.service.started = True
-            log.info("model loaded: %s (max_model_len %d); ready", self.model_name, lane.bridge.max_model_len)
+            log.info("model loaded: %s (max_model_len %d); ready", self.model_name, lane.max_model_len)
 
     async def drain(self) -> None:
         """Stage one of shutdown. Idempotent."""

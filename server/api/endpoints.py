@@ -97,8 +97,9 @@ class StatusEndpoints:
             err = service.start_error if service is not None else None
             status: dict[str, Any] = {"status": "failed", "error": err} if err else {"status": "loading"}
             lane = rt.default_lane
-            if lane is not None and lane.stage is not None:
-                status["stage"] = lane.stage  # what the load is doing (server.models.load_progress)
+            stage = lane.stage_text() if lane is not None else None
+            if stage is not None:
+                status["stage"] = stage  # what the load is doing (server.models.load_progress)
             return JSONResponse(status, status_code=503, headers={"retry-after": "2"})
         ledger = ledger_health(rt.ledger)
         if ledger["status"] != "ok":  # writes are failing: nothing new can be recorded

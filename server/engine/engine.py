@@ -42,6 +42,7 @@ from server.engine.spec_decode import SpecDecoder, SpecStats
 from server.engine.structured import PendingMasks, StructuredDecoder
 from server.kernels import autotune, batch_invariant
 from server.kernels.ops import cpu_isa
+from server.models import load_progress
 from server.models.loader import load_model
 from server.models.pooling import Pooler, PoolingMethod, resolve_pooler
 from server.models.protocol import CausalLM
@@ -87,6 +88,7 @@ class LLMEngine:
             headless=self.pooler is not None,
         )
         if config.quantization not in (Quantization.NONE, Quantization.GGUF):  # GGUF is done by the loader
+            load_progress.stage("quantise and repack")
             self.model.quantize_weights(config.quantization)
         self.tokenizer = load_tokenizer(config.model)
         mc = self.model_config
@@ -124,6 +126,7 @@ class LLMEngine:
             groups=layout.groups,
             chunk_tokens=layout.chunk_tokens,
         )
+        load_progress.stage("kv pool", layout.total_bytes)
         self.runner = ModelRunner(self.model, num_blocks, bs, self.kv_cache, self.device, kv_dtype, layout.groups)
         self.sampler = Sampler(seed=config.seed)
         eos = set(self.tokenizer.eos_token_ids) | set(getattr(mc, "eos_token_ids", ()) or ())
@@ -154,6 +157,7 @@ class LLMEngine:
         )
         logger.info("deterministic mode: %s%s", "on" if self.deterministic else "off",
                     " (auto)" if config.deterministic is None else "")
+        load_progress.stage("autotune")
         self.linear_table = self._autotune_linears(config, draft)
 
     def _autotune_linears(self, config: EngineConfig,

@@ -25,6 +25,8 @@ from server.engine.config import EngineConfig
 from server.engine.errors import CapacityLimits, check_capacity
 from server.engine.outputs import FinishReason, RequestDelta, SampleDelta
 from server.engine.sampling_params import SamplingParams
+from server.models import load_progress
+from server.models.load_progress import LoadProgress
 
 if TYPE_CHECKING:  # the engine (and torch) load on the engine thread, not at import
     from server.engine.engine import EngineStats, LLMEngine
@@ -53,8 +55,11 @@ class EngineThread:
     """Owns the engine on its thread. Every public method is safe to call from any thread."""
 
     def __init__(self, config: EngineConfig, on_step: Callable[[list[RequestDelta]], None],
-                 gate: Optional[ContextManager[object]] = None, name: str = "pagewire-engine") -> None:
-        """`gate`: held around each step when several engines share the CPU (step_gate.StepGate)."""
+                 gate: Optional[ContextManager[object]] = None, name: str = "pagewire-engine",
+                 progress: Optional[LoadProgress] = None) -> None:
+        """`gate`: held around each step when several engines share the CPU (step_gate.StepGate);
+        `progress`: where the model's load reports its stages (server.models.load_progress)."""
+        self.progress = progress
         self.config = config
         self._on_step = on_step
         self._gate: ContextManager[object] = gate if gate is not None else contextlib.nullcontext()
@@ -125,9 +130,12 @@ class EngineThread:
         if hasattr(signal, "pthread_sigmask"):
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
-            from server.engine.engine import LLMEngine
+            with load_progress.reporting(self.progress):
+                # The first load's import of torch and the kernels takes seconds of its own.
+                load_progress.stage("import torch and kernels")
+                from server.engine.engine import LLMEngine
 
-            engine = LLMEngine(self.config)
+                engine = LLMEngine(self.config)
         except BaseException as e:  # reported through .error (the server exits with it, one line)
             logger.debug("engine failed to load", exc_info=True)
             self.error = e

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Optional
 from server.engine.config import EngineConfig
 from server.engine.outputs import RequestDelta
 from server.engine.sampling_params import SamplingParams
+from server.models.load_progress import LoadProgress
 
 if TYPE_CHECKING:  # imported in start(), not at import time (it loads torch)
     from server.engine.engine import EngineStats
@@ -37,11 +38,13 @@ class EngineBridge:
     """
 
     def __init__(self, config: EngineConfig, dispatch: Callable[[list[RequestDelta]], None],
-                 gate: Optional[ContextManager[object]] = None, name: str = "pagewire-engine") -> None:
+                 gate: Optional[ContextManager[object]] = None, name: str = "pagewire-engine",
+                 progress: Optional[LoadProgress] = None) -> None:
         self.config = config
         self._dispatch = dispatch
         self._gate = gate  # shared by the engines of several models (server.engine.step_gate)
         self._name = name
+        self.progress = progress  # the load's stages (server.models.load_progress)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._engine: Optional[EngineThread] = None
         self.steps_posted = 0  # count of call_soon_threadsafe hops (one per non-empty step)
@@ -51,7 +54,7 @@ class EngineBridge:
         from server.engine.thread import EngineThread  # lazy: it imports torch; the edge's imports stay without
 
         self._loop = asyncio.get_running_loop()
-        self._engine = EngineThread(self.config, self._on_step, self._gate, self._name)
+        self._engine = EngineThread(self.config, self._on_step, self._gate, self._name, self.progress)
         self._engine.start()
 
     # Runs on the ENGINE thread.

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from server.engine.plan import make_plan, read_model_config
 from server.models.generation_defaults import generation_defaults
+from server.models.load_progress import LoadProgress
 from server.models.pooling import Pooler, resolve_pooler
 from server.serving.admission import AdmissionQueue
 from server.serving.bridge import EngineBridge
@@ -96,7 +97,8 @@ class ModelLane:
         self.load_seconds: Optional[float] = None  # the latest load's duration
         self.load_error: Optional[str] = None  # why the latest load failed
         self.loads = 0
-        self.stage: Optional[str] = None  # what the load is doing (server.models.load_progress)
+        self.stage: Optional[str] = None  # "waiting for memory" or "loading" while it loads
+        self.progress: Optional[LoadProgress] = None  # the engine thread's stages (server.models.load_progress)
         # Counters for /metrics (server.serving.model_metrics), kept here so they survive unloads.
         self.load_seconds_total = 0.0
         self.unloads = 0
@@ -123,10 +125,17 @@ class ModelLane:
             return self.bridge.max_model_len
         return self.planned_max_model_len
 
+    def stage_text(self) -> Optional[str]:
+        """What the load is doing now (`read 12.0/48.0 MiB, 1.2 s`), None when not loading."""
+        if self.state is LaneState.LOADING and self.stage == "loading" and self.progress is not None \
+                and self.progress.stage is not None:
+            return self.progress.describe()
+        return self.stage if self.state is LaneState.LOADING else None
+
     def describe(self) -> dict[str, Any]:
         """/v1/models' and /health's view of this model."""
         return {"state": self.state.value, "footprint_bytes": self.footprint, "live_requests": self.live,
-                "load_seconds": self.load_seconds, "load_error": self.load_error, "stage": self.stage,
+                "load_seconds": self.load_seconds, "load_error": self.load_error, "stage": self.stage_text(),
                 "expires_at": self.expires_at}
 
 

@@ -25,16 +25,54 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from server.engine.step_gate import StepGate
+from server.models.load_progress import LoadProgress
 from server.serving.bridge import EngineBridge
 from server.serving.model_lane import LaneState, ModelLane
 from server.serving.settings import ServeSettings
 
 log = logging.getLogger("pagewire")
+
+
+PROGRESS_LOG_S = 5.0  # without a terminal: a log line this often while a model loads
+PROGRESS_TTY_S = 0.25  # on a terminal: the bar's redraw interval
+
+
+def _bar(p: LoadProgress, width: int = 24) -> str:
+    if not p.total_bytes:
+        return ""
+    frac = min(1.0, p.done_bytes / p.total_bytes)
+    return "[" + "#" * int(frac * width) + "." * (width - int(frac * width)) + f"] {frac * 100:3.0f}% "
+
+
+async def report_progress(name: str, p: LoadProgress, done: asyncio.Event) -> None:
+    """Show a load's stages until `done`: on a terminal a bar per stage (bytes and time), redrawn
+    in place, a finished stage left on its own line; otherwise a log line every PROGRESS_LOG_S."""
+    tty = sys.stderr.isatty()
+    shown = 0
+    while not done.is_set():
+        try:
+            await asyncio.wait_for(done.wait(), PROGRESS_TTY_S if tty else PROGRESS_LOG_S)
+        except asyncio.TimeoutError:
+            pass
+        if tty:
+            for stage, n, secs in p.finished[shown:]:
+                size = f" {n / 2**20:.1f} MiB," if n else ""
+                sys.stderr.write(f"\r\x1b[K{name}: {stage}{size} {secs:.1f} s\n")
+            shown = len(p.finished)
+            if not done.is_set() and p.stage is not None:
+                sys.stderr.write(f"\r\x1b[K{name}: {_bar(p)}{p.describe()}")
+            sys.stderr.flush()
+        elif not done.is_set():
+            log.info("model %s: loading: %s (%.0f s so far)", name, p.describe(), time.monotonic() - p.started)
+    if tty:
+        sys.stderr.write("\r\x1b[K")
+        sys.stderr.flush()
 
 
 @dataclass(frozen=True)
@@ -200,11 +238,18 @@ class ModelPool:
         lane.reserved = True
         lane.stage = "loading"
         log.info("model %s: loading %s", lane.name, lane.entry.path)
+        lane.progress = progress = LoadProgress()
         bridge = EngineBridge(self.settings.engine_config(str(lane.entry.path)), self._dispatch, self.gate,
-                              name=f"pagewire-engine-{lane.name}"[:15])
+                              name=f"pagewire-engine-{lane.name}"[:15], progress=progress)
         lane.bridge = bridge
+        loaded = asyncio.Event()
+        reporter = loop.create_task(report_progress(lane.name, progress, loaded))
         bridge.start()
-        ready = await loop.run_in_executor(None, bridge.wait_ready)
+        try:
+            ready = await loop.run_in_executor(None, bridge.wait_ready)
+        finally:
+            loaded.set()
+            await reporter
         if not ready and bridge.error is None:  # no engine thread was started (the edge's torch-free tests)
             return
         if bridge.error is not None:
@@ -221,7 +266,9 @@ class ModelPool:
         lane.load_seconds_total += lane.load_seconds
         lane.state, lane.stage = LaneState.LOADED, None
         lane.last_used = time.monotonic()
-        log.info("model %s: loaded in %.2fs (max_model_len %d)", lane.name, lane.load_seconds, bridge.max_model_len)
+        stages = ", ".join(f"{st} {secs:.1f}s" for st, _, secs in progress.finished)
+        log.info("model %s: loaded in %.2fs (max_model_len %d; %s)", lane.name, lane.load_seconds,
+                 bridge.max_model_len, stages or "no stages reported")
         self.on_loaded(lane, lane.load_seconds)
         if self.closing:
             return

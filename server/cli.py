@@ -83,6 +83,13 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "is left (default: size the pool from --kv-cache-tokens / --kv-cache-memory-gb as serve does)")
     p.add_argument("--bandwidth-gbs", type=float, default=None, help="memory read bandwidth in GB/s for the roofline")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.add_argument("--model", dest="models", action="append", default=None, metavar="NAME=PATH",
+                   help="another model served beside MODEL_DIR (repeat it): show how they fit --memory-budget")
+    p.add_argument("--models-dir", dest="models_dir", default=None, help="every model in this folder, likewise")
+    p.add_argument("--memory-budget", dest="memory_budget", default=None,
+                   help="the budget several models share (serve's --memory-budget), e.g. 20GiB")
+    p.add_argument("--allow-download", dest="allow_download", action="store_true", default=None,
+                   help=argparse.SUPPRESS)
     for o in OPTIONS:
         if o.engine or o.name in ("demo_model", "cache_dir"):
             if o.name == "demo_model":
@@ -105,6 +112,8 @@ def _plan(ns: argparse.Namespace) -> int:
     if ns.bandwidth_gbs is not None and ns.bandwidth_gbs <= 0:
         print(f"pagewire: --bandwidth-gbs: must be positive, got {ns.bandwidth_gbs}", file=sys.stderr)
         return 2
+    if ns.models or ns.models_dir:
+        return _plan_models(ns, settings)
     model_dir, name, _banner = _resolve_model(settings)
     try:
         config = settings.engine_config(str(model_dir))
@@ -113,6 +122,33 @@ def _plan(ns: argparse.Namespace) -> int:
         print(f"pagewire: {e}", file=sys.stderr)
         return 2
     print(json.dumps(plan.to_json()) if ns.json else render(plan))
+    return 0
+
+
+def _plan_models(ns: argparse.Namespace, settings: ServeSettings) -> int:
+    """`pagewire plan` with several models: each one's footprint and how they fit the budget."""
+    from server.engine.config import ConfigError
+    from server.engine.plan import make_plan, parse_bytes, read_model_config
+    from server.engine.plan_fit import ModelFit, fit_json, render_fit
+    from server.models.config import ModelLoadError
+
+    try:
+        budget = parse_bytes(ns.memory_budget) if ns.memory_budget is not None else None
+    except ValueError as e:
+        print(f"pagewire: --memory-budget: {e}", file=sys.stderr)
+        return 2
+    settings.models = tuple(ns.models or ())
+    settings.models_dir = ns.models_dir
+    _, _, _, entries = _catalog(settings)
+    fits = []
+    try:
+        for entry in entries:
+            fits.append(ModelFit(entry.name, make_plan(entry.name, read_model_config(entry.path),
+                                                       settings.engine_config(str(entry.path)), None, None)))
+    except (ConfigError, ModelLoadError) as err:
+        print(f"pagewire: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(fit_json(fits, budget)) if ns.json else render_fit(fits, budget))
     return 0
 
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -140,3 +141,27 @@ def test_an_uncached_hub_id_offline_is_a_plain_error_naming_the_cache(
         msg = str(e.value)
         assert text in msg and str(cache) in msg and "not in the local cache" in msg
         assert ("HF_HUB_OFFLINE=1 forbids downloading" if allow else "--allow-download") in msg
+
+
+
+def test_plan_shows_how_several_models_fit_a_budget(tiny_model: Callable[..., Path]) -> None:
+    import json
+
+    from server.engine.config import EngineConfig
+    from server.engine.plan import make_plan, read_model_config
+
+    a, b = tiny_model("llama"), tiny_model("qwen2")
+    each = {}
+    for name, p in (("a", a), ("b", b)):
+        plan = make_plan(name, read_model_config(p), EngineConfig(model=str(p), kv_cache_tokens=4096), None, None)
+        each[name] = plan.weights.total + plan.activations + plan.layout.total_bytes
+    budget = max(each.values()) + min(each.values()) // 2  # one at a time
+    cmd = [sys.executable, "-m", "server.cli", "plan", "--model", f"a={a}", "--model", f"b={b}",
+           "--kv-cache-tokens", "4096", "--memory-budget", str(budget)]
+    out = subprocess.run([*cmd, "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert {m["name"]: m["footprint_bytes"] for m in got["models"]} == each
+    assert got["all_fit"] is False and all(m["fits_alone"] for m in got["models"])
+    text = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120).stdout
+    assert "not all at once: 1 stay loaded together" in text, text

@@ -147,13 +147,13 @@ def test_an_uncached_hub_id_offline_is_a_plain_error_naming_the_cache(
 def test_plan_shows_how_several_models_fit_a_budget(tiny_model: Callable[..., Path]) -> None:
     import json
 
-    from server.engine.config import EngineConfig
     from server.engine.plan import make_plan, read_model_config
+    from server.serving.settings import ServeSettings
 
     a, b = tiny_model("llama"), tiny_model("qwen2")
     each = {}
     for name, p in (("a", a), ("b", b)):
-        plan = make_plan(name, read_model_config(p), EngineConfig(model=str(p), kv_cache_tokens=4096), None, None)
+        plan = make_plan(name, read_model_config(p), ServeSettings(kv_cache_tokens=4096).engine_config(str(p)), None, None)
         each[name] = plan.weights.total + plan.activations + plan.layout.total_bytes
     budget = max(each.values()) + min(each.values()) // 2  # one at a time
     cmd = [sys.executable, "-m", "server.cli", "plan", "--model", f"a={a}", "--model", f"b={b}",

@@ -233,6 +233,7 @@ class OllamaApi:
         who = principal_of(scope)
         for spec in specs:
             bind(spec, who)
+            spec.keep_alive_s = keep_alive_seconds(req.keep_alive)
         return req.model, specs
 
 
@@ -340,7 +341,7 @@ class _Generate:
                 if not unloads(req.keep_alive):
                     pool.want(route.lane)
                 return req, None, None, None
-            pool.set_keep_alive(route.lane, keep_alive_seconds(req.keep_alive))
+            spec.keep_alive_s = keep_alive_seconds(req.keep_alive)
             return req, spec, plan, await service.start(spec)
 
         got = await read_and_admit(api, scope, receive, send, send_error, admit)

@@ -70,6 +70,9 @@ class GenerationSpec:
     messages_field: str = "messages"
     # How the edge names the prompt in errors (`input` for embeddings).
     prompt_field: str = "prompt"
+    # How long its model stays loaded once idle after it (Ollama's keep_alive, seconds; negative:
+    # until its memory is needed); None: the server's --keep-alive (server.serving.model_pool).
+    keep_alive_s: Optional[float] = None
     # Extra chat-template variables (`chat_template_kwargs`, e.g. {"enable_thinking": false}).
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # An embedding input that does not fit is cut this way instead of refused (server.serving.truncation).

@@ -156,8 +156,10 @@ class ModelPool:
         return min(idle, key=lambda lane: lane.last_used) if idle else None
 
     # -- requests ---------------------------------------------------------------------------------
-    def hold(self, lane: ModelLane) -> None:
-        """A request for `lane` was accepted: it stays loaded until the request ends."""
+    def hold(self, lane: ModelLane, keep_alive_s: Optional[float] = None) -> None:
+        """A request for `lane` was accepted: it stays loaded until the request ends, then for
+        the request's `keep_alive_s` (None: --keep-alive), as Ollama's latest request sets it."""
+        lane.keep_alive_s = keep_alive_s
         lane.live += 1
         lane.last_used = time.monotonic()
         lane.expires_at = None
@@ -174,11 +176,10 @@ class ModelPool:
             self._schedule_expiry(lane)
 
     def set_keep_alive(self, lane: ModelLane, seconds: Optional[float]) -> None:
-        """A request's keep_alive (Ollama's): how long `lane` stays loaded once idle."""
-        if seconds is not None:
-            lane.keep_alive_s = seconds
-            if lane.live == 0:
-                self._schedule_expiry(lane)
+        """An Ollama load-only request's keep_alive: how long `lane` stays loaded once idle."""
+        lane.keep_alive_s = seconds
+        if lane.live == 0:
+            self._schedule_expiry(lane)
 
     def _schedule_expiry(self, lane: ModelLane) -> None:
         timer = self._timers.pop(lane.name, None)

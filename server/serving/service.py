@@ -331,7 +331,7 @@ class RequestService:
             job.deadline_timer = asyncio.get_running_loop().call_later(timeout, self._expire, job)
         # Held until it ends: its model is never unloaded under it. An unloaded model starts
         # loading now; the job waits in its paused admission queue meanwhile.
-        self.pool.hold(lane)
+        self.pool.hold(lane, spec.keep_alive_s)
         lane.admission.enqueue(job, spec.client, spec.klass, spec.priority)
         self.pool.want(lane)
         if self.draining:

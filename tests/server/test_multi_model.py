@@ -119,6 +119,25 @@ def test_interleaved_concurrent_requests_are_exact_against_each_model_alone(
     assert {m["name"] for m in ps} == {"alpha:latest", "beta:latest", "gamma:latest"}
 
 
+def test_websocket_frames_name_their_model(served: ServerProcess, three: dict[str, Path]) -> None:
+    """One socket, one frame per model (the chat page's picker sends `model`), exact as over HTTP."""
+    from tests.server.harness import WsClient, tokens_of
+
+    async def main() -> dict[str, list[dict[str, Any]]]:
+        async with WsClient(served.ws_url) as ws:
+            frames = {name: {"prompt": PROMPTS[0], "model": name, "params": {"max_tokens": MAX_TOKENS,
+                                                                              "temperature": 0, "ignore_eos": True}}
+                      for name in three}
+            frames["nope"] = {"prompt": PROMPTS[0], "model": "delta"}
+            return await ws.run(frames)
+
+    got = asyncio.run(main())
+    for name, path in three.items():
+        assert got[name][-1]["type"] == "done", got[name][-1]
+        assert tokens_of(got[name]) == reference(path, PROMPTS[0], MAX_TOKENS), name
+    assert got["nope"][-1]["type"] == "error" and got["nope"][-1]["code"] == "model_not_found"
+
+
 def test_ledger_usage_and_metrics_carry_the_model(served: ServerProcess, three: dict[str, Path]) -> None:
     client = openai.OpenAI(base_url=served.base + "/v1", api_key="unused")
     for name in three:
@@ -219,5 +238,12 @@ def test_ollama_keep_alive_zero_unloads_an_idle_model(tiny_model: Callable[..., 
                 break
         assert {m["name"] for m in httpx.get(srv.base + "/api/ps").json()["models"]} == {"a:latest"}
         assert json.loads(httpx.get(srv.base + "/v1/models").text)["data"][1]["state"] == "unloaded"
+        # The next request without keep_alive gets --keep-alive's (forever) again: b stays loaded.
+        r = httpx.post(srv.base + "/api/generate", timeout=300,
+                       json={"model": "b", "prompt": "hi", "stream": False, "options": {"num_predict": 2}})
+        assert r.status_code == 200, r.text
+        ps = httpx.get(srv.base + "/api/ps").json()["models"]
+        assert {m["name"] for m in ps} == {"a:latest", "b:latest"}
+        assert all(m["expires_at"].startswith("2318") for m in ps)  # Ollama's "never"
     finally:
         srv.stop()

@@ -28,7 +28,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 from server.engine.step_gate import StepGate
 from server.models.load_progress import LoadProgress
@@ -210,14 +210,14 @@ class ModelPool:
         task.add_done_callback(self._tasks.discard)
 
     # -- loading ----------------------------------------------------------------------------------
-    async def load(self, lane: ModelLane) -> None:
-        """Load `lane` now (start-up's default model) and wait for it."""
-        if lane.state is LaneState.UNLOADED:
-            lane.state = LaneState.LOADING
-            await self._load(lane)
+    def start_loading(self, lane: ModelLane) -> Awaitable[None]:
+        """Start loading `lane` now, its engine thread started before this returns (start-up's
+        default model, which fits the empty budget); await the result for the load's end."""
+        assert lane.state is LaneState.UNLOADED and self.used + lane.footprint <= self.budget
+        lane.state = LaneState.LOADING
+        return self._finish_load(lane, self._start_engine(lane), time.monotonic())
 
     async def _load(self, lane: ModelLane) -> None:
-        loop = asyncio.get_running_loop()
         t0 = time.monotonic()
         lane.stage = "waiting for memory"
         while self.used + lane.footprint > self.budget:
@@ -236,16 +236,25 @@ class ModelPool:
             if self.closing:
                 lane.state, lane.stage = LaneState.UNLOADED, None
                 return
+        await self._finish_load(lane, self._start_engine(lane), t0)
+
+    def _start_engine(self, lane: ModelLane) -> EngineBridge:
         lane.reserved = True
         lane.stage = "loading"
         log.info("model %s: loading %s", lane.name, lane.entry.path)
-        lane.progress = progress = LoadProgress()
+        lane.progress = LoadProgress()
         bridge = EngineBridge(self.settings.engine_config(str(lane.entry.path)), self._dispatch, self.gate,
-                              name=f"pagewire-engine-{lane.name}"[:15], progress=progress)
+                              name=f"pagewire-engine-{lane.name}"[:15], progress=lane.progress)
         lane.bridge = bridge
+        bridge.start()
+        return bridge
+
+    async def _finish_load(self, lane: ModelLane, bridge: EngineBridge, t0: float) -> None:
+        loop = asyncio.get_running_loop()
+        progress = lane.progress
+        assert progress is not None
         loaded = asyncio.Event()
         reporter = loop.create_task(report_progress(lane.name, progress, loaded))
-        bridge.start()
         try:
             ready = await loop.run_in_executor(None, bridge.wait_ready)
         finally:

@@ -164,7 +164,8 @@ class Runtime:
         pool.on_load_failed = self.service.fail_queued
         self.metrics.add_gauges(self.service.memory_gauges)
         self.metrics.add_gauges(lambda: router_gauges(pool.default.bridge.stats() if pool.default.bridge else None))
-        loop.create_task(self._report_ready())
+        # The default model's engine thread starts now (the others' on demand); ready once it has loaded.
+        loop.create_task(self._report_ready(pool.start_loading(pool.default)))
 
     # Indirections so the bridge and admission can be built before the service exists.
     def _dispatch(self, deltas: list[Any]) -> None:
@@ -186,11 +187,11 @@ class Runtime:
             hook(reason)
         return bool(self._fatal_hooks)
 
-    async def _report_ready(self) -> None:
-        """Load the default model (the others load on demand); the server is ready once it has."""
+    async def _report_ready(self, loading: Awaitable[None]) -> None:
+        """Wait for the default model's load (the others load on demand); ready once it has."""
         assert self.pool is not None and self.service is not None
         lane = self.pool.default
-        await self.pool.load(lane)
+        await loading
         if lane.state is LaneState.LOADING:  # no engine thread was started (the edge's torch-free tests)
             return
         if not lane.ready:

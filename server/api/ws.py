@@ -34,6 +34,7 @@ from server.api.embeddings_format import ws_embedding_spec
 from server.api.openai_format import ws_spec
 from server.api.protocol import CLIENT_FRAMES, CancelFrame, GenerateFrame, ResumeFrame
 from server.gateway.auth import bind, principal_of, ws_subprotocol
+from server.serving import heap
 from server.serving.errors import InvalidRequest, PagewireError, TooLarge
 from server.serving.jobs import GenerationSpec
 from server.serving.outbox import Outbox, Subscription
@@ -393,6 +394,7 @@ class WsConnection:
             if e.status == 429:
                 self.rt.metrics.rejected.labels(code=e.code).inc()
             self._error(cid, e.code, e.message, e.param, e.retry_after_s)
+            heap.release_frames(e)  # the prompt, held in cycles through the traceback
             return
         except Exception as e:  # a bug or a broken ledger: the client still hears about its id
             log.exception("admitting a request failed")

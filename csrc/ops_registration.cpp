@@ -64,6 +64,9 @@ TORCH_LIBRARY(pagewire, m) {
   m.def("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, str gate_up_kind, "
         "Tensor down, str down_kind, Tensor? gate_up_bias=None, Tensor? down_bias=None, str activation=\"silu\", "
         "float alpha=1.702, float limit=7.0) -> Tensor");
+  // LFM2's gated short convolution with its per-sequence state (shapes in ops.h)
+  m.def("short_conv(Tensor bcx, Tensor weight_t, Tensor? bias, Tensor(a!) state, Tensor slots, "
+        "Tensor query_start_loc) -> Tensor");
   // Speculative decoding (shapes in ops.h): the n-gram proposer (CPU only: it reads host token
   // lists) and exact verification by rejection sampling.
   m.def("ngram_propose(Tensor[] token_ids, Tensor num_tokens, int k, int min_n, int max_n) -> Tensor");
@@ -99,6 +102,7 @@ TORCH_LIBRARY_IMPL(pagewire, CPU, m) {
   m.impl("interleave_q4", &pagewire::interleave_q4_cpu);
   m.impl("decode_layer", &pagewire::decode_layer_cpu);
   m.impl("moe_experts", &pagewire::moe_experts_cpu);
+  m.impl("short_conv", &pagewire::short_conv_cpu);
   m.impl("ngram_propose", &pagewire::ngram_propose_cpu);
   m.impl("rejection_sample", &pagewire::rejection_sample_cpu);
   m.impl("gdn_causal_conv1d", &pagewire::gdn_causal_conv1d_cpu);

@@ -67,6 +67,11 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
                 "max_position_embeddings": 2048,  # = factor x original, as transformers' YaRN check wants
                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}},
+    # LFM2 (issue 28): convolution layers around two attention layers, the 3-tap kernel of the
+    # checkpoints, transformers' auto-adjusted MLP width (2/3 x 128 rounded up to 32: 96).
+    "lfm2": {"num_hidden_layers": 5, "layer_types": ["conv", "conv", "full_attention", "conv", "full_attention"],
+             "conv_L_cache": 3, "norm_eps": 1e-5, "block_auto_adjust_ff_dim": True, "block_multiple_of": 32,
+             "block_ffn_dim_multiplier": 1.0},
     "olmo2": {},
     "olmo3": {"num_hidden_layers": 4, "sliding_window": 24,
               "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 500000.0},
@@ -119,6 +124,7 @@ def _classes(arch: str) -> tuple[type, type]:
         "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM),
         "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),
         "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
+        "lfm2": (tf.Lfm2Config, tf.Lfm2ForCausalLM),
     }
     if arch not in table:
         raise ValueError(f"arch: expected one of {', '.join(table)}, got {arch!r}")

@@ -60,6 +60,12 @@ def _gelu_tanh_and_mul_fake(x):
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
+@torch.library.register_fake("pagewire::short_conv")
+def _short_conv_fake(bcx, weight_t, bias, state, slots, query_start_loc):
+    torch._check(bcx.shape[-1] % 3 == 0, lambda: "bcx's last dim must be 3C")
+    return bcx.new_empty((bcx.shape[0], bcx.shape[1] // 3))
+
+
 @torch.library.register_fake("pagewire::moe_experts")
 def _moe_experts_fake(x, topk_ids, topk_weights, gate_up, gate_up_kind, down, down_kind, gate_up_bias=None,
                       down_bias=None, activation="silu", alpha=1.702, limit=7.0):

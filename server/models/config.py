@@ -170,8 +170,18 @@ class ModelConfig:
     # Hybrid models (server/models/state_specs.py): per layer its kind, "attention" (a KV layer) or a
     # recurrent kind keeping a state slot per sequence ("short_conv": LFM2); () = every layer attention.
     layer_types: tuple[str, ...] = ()
-    conv_kernel: int = 0  # LFM2's short convolution: its kernel size (conv_L_cache)
+    conv_kernel: int = 0  # LFM2's short convolution: its kernel size (conv_L_cache); Gated DeltaNet's conv
     conv_bias: bool = False
+    # Gated DeltaNet layers ("gated_deltanet": Qwen3-Next, Qwen3.5; server/models/gated_deltanet.py): key
+    # and value heads and their sizes, and how the checkpoint spells the in-projections ("qkvz" / "split").
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    gdn_checkpoint: str = "split"
+    # The full-attention output gate (Qwen3-Next, Qwen3.5): q_proj also yields a gate per head and the
+    # attention output is multiplied by its sigmoid before o_proj (server/models/qwen3_next.py).
+    attn_output_gate: bool = False
 
     def __post_init__(self) -> None:
         # Internal consistency of a translation (a bug in a family entry, not bad user input).

@@ -55,6 +55,20 @@ def _short_conv_specs(c: ModelConfig, layer: int) -> tuple[StateSpec, ...]:
 
 register_state_kind(SHORT_CONV, _short_conv_specs)
 
+GATED_DELTANET = "gated_deltanet"  # Qwen3-Next / Qwen3.5's linear attention (server/models/gated_deltanet.py)
+
+
+def _gated_deltanet_specs(c: ModelConfig, layer: int) -> tuple[StateSpec, ...]:
+    # The conv's last K - 1 inputs (q, k and v channels, time-major) and the delta rule's state,
+    # kept in float32 as transformers keeps it.
+    conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+    return (StateSpec("conv", (c.conv_kernel - 1, conv_dim)),
+            StateSpec("recurrent", (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
+                      "float32"))
+
+
+register_state_kind(GATED_DELTANET, _gated_deltanet_specs)
+
 
 def layer_type(config: ModelConfig, layer: int) -> str:
     return config.layer_types[layer] if config.layer_types else ATTENTION
@@ -73,7 +87,7 @@ def attention_layers(config: ModelConfig) -> tuple[int, ...]:
 def state_specs(config: ModelConfig) -> tuple[tuple[StateSpec, ...], ...]:
     """Per layer, its state tensors (() for an attention layer). Raises KeyError naming an
     unregistered kind (a family entry's bug, not user input)."""
-    out = []
+    out: list[tuple[StateSpec, ...]] = []
     for i in range(config.num_layers):
         kind = layer_type(config, i)
         if kind == ATTENTION:

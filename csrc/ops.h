@@ -34,6 +34,12 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
 // block_mapping:            int64 [N, 2] rows of (src, dst) physical block ids
 void copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping);
 
+// LFM2's gated short convolution (cpu/short_conv_kernel.h): bcx [T, 3C] = in_proj(x) (B, C, x chunks),
+// weight_t fp32 [K, C], bias fp32 [C] or None, state [slots, K - 1, C] of bcx's dtype (mutated: each
+// sequence's slot), slots int64 [S], query_start_loc int32 [S + 1] -> [T, C] = C * conv(B * x).
+at::Tensor short_conv_cpu(const at::Tensor& bcx, const at::Tensor& weight_t, const c10::optional<at::Tensor>& bias,
+                          at::Tensor& state, const at::Tensor& slots, const at::Tensor& query_start_loc);
+
 // x: [M, K], weight: [N, K] (nn.Linear layout), bias: [N] or None -> [M, N] in x's dtype.
 // bf16 runs the small-batch kernel of the CPU's family (AVX512-BF16 or AVX2+FMA, cpu/cpu_features.h);
 // everything else, and CPUs with neither, is at::linear.

@@ -26,6 +26,7 @@ from server.engine.draft_proposer import (
     load_draft_model,
 )
 from server.engine.errors import CapacityLimits, ConfigError, check_capacity
+from server.engine.hybrid_states import HybridStates
 from server.engine.isolation import execute_isolating
 from server.engine.kv_budget import kv_layout
 from server.engine.kv_cache_manager import KVCacheManager
@@ -39,6 +40,7 @@ from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import ScheduledSeq, Scheduler
 from server.engine.spec_config import SpeculativeConfig
 from server.engine.spec_decode import SpecDecoder, SpecStats
+from server.engine.state_cache import StateCache
 from server.engine.structured import PendingMasks, StructuredDecoder
 from server.kernels import autotune, batch_invariant
 from server.kernels.ops import cpu_isa
@@ -46,6 +48,7 @@ from server.models.loader import load_model
 from server.models.pooling import Pooler, PoolingMethod, resolve_pooler
 from server.models.protocol import CausalLM
 from server.models.registry import kv_shape
+from server.models.state_specs import is_hybrid, state_slot_bytes, state_specs
 from server.text.loader import load_tokenizer
 from server.text.vocab import check_token_ids
 
@@ -93,6 +96,14 @@ class LLMEngine:
         self.device = torch.device(config.device)
         kv_dtype = next(self.model.parameters()).dtype
         spec_cfg = config.speculative_config if isinstance(config.speculative_config, SpeculativeConfig) else None
+        hybrid = is_hybrid(mc)
+        if hybrid and spec_cfg is not None:
+            # Verification would need the recurrent state at every draft position to roll back to
+            # the accepted one (a checkpoint per position); until then hybrids decode plainly.
+            logger.warning("speculative decoding: off: %s is a hybrid model (recurrent layers keep a state that "
+                           "a rejected proposal cannot be rolled back from); decoding without speculation",
+                           mc.architecture)
+            spec_cfg = None
         draft = None
         draft_bpt = 0
         draft_groups: Optional[KVGroupLayout] = None
@@ -105,6 +116,7 @@ class LLMEngine:
         layout = kv_layout(
             config, dtype=str(kv_dtype).replace("torch.", ""), max_position_embeddings=mc.max_position_embeddings,
             draft_bytes_per_token=draft_bpt, **kv_shape(mc),
+            state_slot_bytes=state_slot_bytes(mc, str(kv_dtype).replace("torch.", "")) if hybrid else 0,
         )
         self.kv_layout = layout
         bs = layout.block_size
@@ -112,8 +124,12 @@ class LLMEngine:
         max_model_len = layout.max_model_len
         # One pool, a block table per KV group (sliding-window layers hold only their window).
         self.kv_cache = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, layout.groups.windows)
+        # A hybrid model's second pool: a state slot per running sequence, plus prefix-cache snapshots.
+        state_cache = (StateCache(state_specs(mc), kv_dtype, layout.state_slots, layout.snapshot_slots, self.device)
+                       if hybrid else None)
+        self.states = HybridStates(state_cache, self.kv_cache) if state_cache is not None else None
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens,
-                                   watermark_blocks=layout.watermark_blocks)
+                                   watermark_blocks=layout.watermark_blocks, states=self.states)
         self.max_model_len = max_model_len
         self.limits = CapacityLimits(
             max_model_len=max_model_len,
@@ -124,7 +140,8 @@ class LLMEngine:
             groups=layout.groups,
             chunk_tokens=layout.chunk_tokens,
         )
-        self.runner = ModelRunner(self.model, num_blocks, bs, self.kv_cache, self.device, kv_dtype, layout.groups)
+        self.runner = ModelRunner(self.model, num_blocks, bs, self.kv_cache, self.device, kv_dtype, layout.groups,
+                                  state_cache)
         self.sampler = Sampler(seed=config.seed)
         eos = set(self.tokenizer.eos_token_ids) | set(getattr(mc, "eos_token_ids", ()) or ())
         self.outputs = OutputProcessor(self.tokenizer, eos, max_model_len)
@@ -322,6 +339,8 @@ class LLMEngine:
             self.fail_request(rid, f"engine error: {type(exc).__name__}: {exc}")
         if step.failed and self.config.enable_prefix_caching:
             self.kv_cache.reset_prefix_cache()  # their blocks may hold unwritten K/V (see isolation)
+            if self.states is not None:
+                self.states.reset()
         touched: dict[str, Request] = {}
         if self.pooler is not None:
             self._pool(out.scheduled, touched)
@@ -356,7 +375,10 @@ class LLMEngine:
             seq = share.seq
             samples = share.samples
             n_rows = share.num_logit_rows  # (both read num_computed_tokens: before it advances)
+            before = seq.num_computed_tokens
             seq.num_computed_tokens += share.num_new_tokens - share.num_spec  # proposals: see verify
+            if self.states is not None:  # a prompt's snapshot boundary: save the recurrent state
+                self.states.after_compute(seq, before)
             if not samples or seq.request.pooler is not None:  # embeddings: pooled in _pool
                 continue
             rows.append((row, seq))
@@ -366,6 +388,8 @@ class LLMEngine:
                     child = self._add_sequence(req, i, list(seq.token_ids))
                     self.structured.fork(seq, child)
                     self.kv_cache.fork(seq, child)
+                    if self.states is not None:  # a recurrent state is copied, never shared
+                        self.states.fork(seq, child)
                     child.num_computed_tokens = seq.num_computed_tokens
                     self.scheduler.add_running(child)
                     rows.append((row, child))

@@ -139,6 +139,21 @@ class KVCacheManager:
         int32 buffer, e.g. the numpy view of the runner's persistent tensor). Returns the longest table."""
         return self._alloc.fill_block_tables([s.seq_id for s in seqs], out)
 
+    # -- state snapshots' keys (server/engine/state_cache.py) -------------------------------------
+    def chain_key(self, seq: Sequence, index: int) -> tuple[int, int]:
+        """(block, generation) of `seq`'s registered block `index` in group 0: names the content of
+        tokens [0, (index + 1) * block_size) while `link_valid` holds."""
+        block, gen = self._alloc.chain_link(seq.seq_id, index)
+        return int(block), int(gen)
+
+    def link_valid(self, key: tuple[int, int]) -> bool:
+        """Whether the block of a chain_key is still registered with that generation."""
+        return bool(self._alloc.link_valid(key[0], key[1]))
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep the blocks of `seq`'s first num_tokens tokens (a prefix hit cut back to a state snapshot)."""
+        self._alloc.truncate(seq.seq_id, num_tokens)
+
     # -- introspection (metrics and tests) --------------------------------------------------------
     def registered_tokens(self, seq: Sequence) -> int:
         """Tokens of `seq` whose full blocks are registered in the prefix cache."""

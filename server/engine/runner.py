@@ -18,8 +18,9 @@ from server.engine.kv_cache_manager import KVCacheManager
 from server.engine.kv_groups import KVGroupLayout, kv_groups
 from server.engine.request import Sequence
 from server.engine.scheduler import SchedulerOutput
+from server.engine.state_cache import StateCache
 from server.kernels import ops
-from server.models.attention import AttentionMetadata
+from server.models.attention import AttentionMetadata, StateBatch
 from server.models.pooling import PoolingMethod
 from server.models.protocol import CausalLM
 from server.models.registry import kv_specs
@@ -35,18 +36,21 @@ class ModelRunner:
         device: torch.device,
         kv_dtype: torch.dtype,
         groups: Optional[KVGroupLayout] = None,
+        state_cache: Optional[StateCache] = None,
     ) -> None:
         """groups: the model's KV groups, those kv_cache was built with (None: one full-attention
-        group of every layer)."""
+        group of every layer). state_cache: a hybrid model's recurrent state slots (its KV layers
+        are then its attention layers only)."""
         self.model = model
         self.block_size = block_size
         self.kv_cache = kv_cache
         self.device = device
-        num_layers = model.config.num_layers
+        self.state_cache = state_cache
+        num_layers = len(kv_specs(model.config))  # the layers with a KV cache
         self.groups = groups if groups is not None else kv_groups([None] * num_layers)
         if len(self.groups.groups) != kv_cache.num_groups or self.groups.num_layers != num_layers:
             raise ValueError(f"groups: {self.groups.describe()} over {self.groups.num_layers} layers does not match "
-                             f"the KV cache's {kv_cache.num_groups} groups and the model's {num_layers} layers")
+                             f"the KV cache's {kv_cache.num_groups} groups and the model's {num_layers} KV layers")
         shape = model.kv_cache_shape(num_blocks, block_size)  # [blocks, kv_heads, block_size, head_dim]
         # torch.zeros, not torch.empty, so every page of the pool is committed now. Positions are
         # only ever read after they were written (the kernel's causal bound), but with lazily
@@ -165,6 +169,8 @@ class ModelRunner:
             meta.per_layer = [packed[k] for k in zip(lay.layer_group, lay.layer_ratio, lay.layer_sub)]
         elif len(metas) > 1:
             meta.per_layer = [metas[grp] for grp in lay.layer_group]
+        if self.state_cache is not None:  # a hybrid model: each sequence's recurrent state slot
+            meta.state = StateBatch(self.state_cache.slots_tensor(seqs, self.device), self.state_cache.layers)
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         return input_ids, positions.to(self.device), meta, torch.tensor(sample_rows, dtype=torch.int64)
 

@@ -37,6 +37,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
+from server.engine.hybrid_states import HybridStates
 from server.engine.kv_budget import default_watermark
 from server.engine.kv_cache_manager import KVCacheManager
 from server.engine.priority import BACKGROUND_PRIORITY
@@ -93,8 +94,12 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         watermark_blocks: Optional[int] = None,
+        states: Optional[HybridStates] = None,
     ) -> None:
+        """states: a hybrid model's state slots (engine/hybrid_states.py): admission reserves one per
+        sequence, prefix hits stop at a saved state, prefill chunks end on snapshot boundaries."""
         self.kv_cache = kv_cache
+        self.states = states
         self.block_size = kv_cache.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -174,6 +179,8 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:  # preempted as a victim earlier in this loop
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self.states is not None:
+                num_new = self.states.chunk(seq, num_new)
             num_spec = 0
             if seq.spec_token_ids:  # a decode with lookahead: as much of it as the budget holds
                 num_spec = min(len(seq.spec_token_ids), budget - num_new)
@@ -218,10 +225,16 @@ class Scheduler:
             if seq.num_computed_tokens == 0 and not kv.has_blocks(seq) and \
                     (pooler is None or not pooler.needs_every_position):
                 seq.num_computed_tokens = kv.match_prefix(seq)
+                if self.states is not None:  # a hit needs the recurrent state saved at its boundary
+                    seq.num_computed_tokens = self.states.match(seq, seq.num_computed_tokens)
                 if seq.index == 0 and seq.num_output_tokens == 0:
                     seq.request.num_cached_tokens = seq.num_computed_tokens
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self.states is not None:
+                num_new = self.states.chunk(seq, num_new)
             fits_seqs = len(self.running) + n_samples <= self.max_num_seqs
+            if self.states is not None:  # a state slot per sample, reserved as blocks are
+                fits_seqs = fits_seqs and self.states.free_slots >= n_samples
             need = kv.blocks_needed(seq, num_new)
             fits_kv = need <= kv.num_free_blocks - self.watermark
             if not (fits_seqs and fits_kv):
@@ -236,6 +249,8 @@ class Scheduler:
                 self._release_unadmitted(seq)
                 break
             self.waiting.pop(0)
+            if self.states is not None:
+                self.states.admit(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             scheduled[seq.seq_id] = ScheduledSeq(seq, num_new, copies)

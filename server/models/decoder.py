@@ -374,7 +374,7 @@ class DecoderForCausalLM(nn.Module):
         self.device = torch.device(device)
         c, dev = config, self.device
         self.embed_tokens = param((c.vocab_size, c.hidden_size), dtype, dev)
-        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, dev) for i in range(c.num_layers))
+        self.layers = nn.ModuleList(self._make_layer(c, i, dtype, dev) for i in range(c.num_layers))
         self.norm = param((c.hidden_size,), dtype, dev)
         # Per-layer input embeddings (Gemma 4): a token table of num_layers x P per token, and a
         # projection of the (scaled) embeddings to the same size, RMSNorm'ed per layer slice.
@@ -406,6 +406,10 @@ class DecoderForCausalLM(nn.Module):
         # swapped after loading (quantize_weights runs before the first step), so kinds stay valid.
         self._fused_cache: dict[tuple[int, int, bool], tuple[object, list[tuple[str, ...] | None]]] = {}
         self.eval()
+
+    def _make_layer(self, config: ModelConfig, i: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        """Layer i (a hybrid model's subclass builds its recurrent layers here: models/lfm2.py)."""
+        return DecoderLayer(config, i, dtype, device)
 
     def summary(self) -> str:
         """e.g. "Gemma3ForCausalLM: 26 layers (22 with a 512-token window, 4 full, 0 NoPE);

@@ -126,7 +126,7 @@ at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>&
 // float16); topk_ids int64 [T, k] (expert per slot, -1 = empty), topk_weights float32 [T, k];
 // gate_up [E, 2I, H] and down [E, H, I] stacked per expert, each either float of x's dtype (kind
 // "float") or uint8 GGUF blocks [E, rows, row bytes] (kind "q8_0", "q8_0x8", "mxfp4" or a linear_q4
-// qtype; mxfp4 experts are decoded when used, then multiplied as float).
+// qtype; mxfp4 experts go through linear_q4 with qtype "mxfp4": the integer kernels read their blocks).
 // Tokens are grouped by expert and only the experts used are read; each token's k results are
 // summed in slot order in fp32. Returns [T, H] in x's dtype. gate_up_bias [E, 2I] and down_bias
 // [E, H] (x's dtype) or None; activation "silu" (SiLU(gate) * up) or "swiglu_oai" (gpt-oss's

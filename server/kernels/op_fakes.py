@@ -97,7 +97,8 @@ def _quantize_q4_0_fake(weight):
 
 
 # (values, bytes) per block of each qtype string the 4-bit ops take ("x8": the interleaved layout).
-_Q4_FORMATS = {"q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144), "q4_0x8": (32, 18), "q4_1x8": (32, 20)}
+_Q4_FORMATS = {"q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144), "q4_0x8": (32, 18), "q4_1x8": (32, 20),
+               "mxfp4": (32, 17)}
 
 
 @torch.library.register_fake("pagewire::dequantize_q4")

@@ -150,6 +150,9 @@ class ModelConfig:
     swiglu_limit: float = 7.0
     # gpt-oss's attention sinks: a learned logit per query head joining every softmax (no value).
     attention_sinks: bool = False
+    # gpt-oss's RMSNorm (transformers' GptOssRMSNorm): the weight multiplies in float32 and the
+    # product is rounded once to the model's dtype (Llama's rounds, then multiplies). Same in float32.
+    norm_weight_fp32: bool = False
     # "mxfp4": the HF checkpoint stores the experts as MXFP4 `*_blocks` / `*_scales` pairs (its
     # quantization_config's quant_method), decoded at load (server.models.mxfp4); "": float.
     experts_quantization: str = ""

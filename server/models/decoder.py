@@ -54,6 +54,7 @@ class DecoderLayer(nn.Module):
         self.shares_kv = c.kv_source(layer_idx) != layer_idx
         self.value_from_key = c.value_from_key(layer_idx) and not self.shares_kv
         self.eps = c.rms_norm_eps
+        self.norm_fp32 = c.norm_weight_fp32  # gpt-oss's norm rounding (layers.rms_norm_weight_fp32)
         self.scale = c.attention_scale
         self.softcap = c.attn_logit_softcap
         window = c.layer_sliding_windows[layer_idx]
@@ -138,7 +139,7 @@ class DecoderLayer(nn.Module):
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         nk = 0 if self.shares_kv else nkv  # key heads this layer projects
 
-        x = _enter(hidden, delta, self.attn_norm, self.eps)
+        x = _enter(hidden, delta, self.attn_norm, self.eps, self.norm_fp32)
         qkv = linear(x, self.qkv_weight, self.qkv_bias)  # [T, q + 2 kv] (q + kv, q: see own_kv)
         q, kv = self.q_size, self.kv_size
         if self.q_norm is not None and self.k_norm is not None:  # OLMo 2: over the whole projection
@@ -169,7 +170,7 @@ class DecoderLayer(nn.Module):
                         self.scale, self.sliding_window, meta.max_query_len, meta.max_seq_len, self.softcap,
                         self.sinks)
         out = linear(attn.view(T, self.q_size), self.o_weight, self.o_bias)
-        x = _enter(hidden, self._leave(out, self.attn_post_norm), self.mlp_norm, self.eps)
+        x = _enter(hidden, self._leave(out, self.attn_post_norm), self.mlp_norm, self.eps, self.norm_fp32)
         if self.moe is not None:  # a sparse layer: the router, then pagewire::moe_experts
             return hidden, self._leave(self.moe(x), self.mlp_post_norm)
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
@@ -339,13 +340,15 @@ def _attach_moe(layer: DecoderLayer, config: ModelConfig, layer_idx: int, dtype:
 
 
 def _enter(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None,
-           eps: float) -> torch.Tensor:
+           eps: float, weight_fp32: bool = False) -> torch.Tensor:
     """A sub-block's input: the residual stream with `delta` (the previous sub-block's output)
     added in place, then RMSNorm'ed by `weight` (one fused op), or the stream itself when the
-    block has no input norm (OLMo 2's post-norm layers)."""
+    block has no input norm (OLMo 2's post-norm layers). weight_fp32: gpt-oss's norm rounding."""
     if weight is None:
         return hidden if delta is None else hidden.add_(delta)
-    return norm(hidden, weight, eps) if delta is None else add_norm(hidden, delta, weight, eps)
+    if delta is None:
+        return norm(hidden, weight, eps, weight_fp32)
+    return add_norm(hidden, delta, weight, eps, weight_fp32)
 
 
 class DecoderForCausalLM(nn.Module):
@@ -474,8 +477,8 @@ class DecoderForCausalLM(nn.Module):
                 hidden, delta = layer.forward_fused(hidden, delta, rope, rows, key_cache, value_cache, m, kinds, ple)
             else:
                 hidden, delta = layer.forward(hidden, delta, rope, batch, key_cache, value_cache, m, ple)
-        eps = self.config.rms_norm_eps
-        return norm(hidden, self.norm, eps) if delta is None else add_norm(hidden, delta, self.norm, eps)
+        eps, fp32 = self.config.rms_norm_eps, self.config.norm_weight_fp32
+        return norm(hidden, self.norm, eps, fp32) if delta is None else add_norm(hidden, delta, self.norm, eps, fp32)
 
     def _per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor | None:
         """Gemma 4's per-layer inputs [T, L, P], as transformers' get_per_layer_inputs and

@@ -267,7 +267,7 @@ def _gpt_oss_parts(n: int, experts: int, top_k: int, moe_size: int) -> dict[str,
     experts, softmax over the top-k logits, the clamped SwiGLU, attention sinks."""
     return dict(layer_mlp_kinds=("sparse",) * n, num_experts=experts, num_experts_per_tok=top_k,
                 moe_intermediate_size=moe_size, moe_checkpoint="gpt_oss", moe_router="topk_softmax", moe_bias=True,
-                moe_activation="swiglu_oai", attention_sinks=True)
+                moe_activation="swiglu_oai", attention_sinks=True, norm_weight_fp32=True)
 
 
 def _gpt_oss_hf(raw: dict[str, Any], source: str, name: str) -> ModelConfig:

@@ -61,6 +61,10 @@ class EngineConfig:
         bucket at start-up and follow the faster (server.kernels.autotune, about 1-2 s). None
         (auto, the default): on for CPU, off on CUDA (no CPU kernels there). Never in
         deterministic mode, whose path must not depend on the row count.
+    itl_target_ms: inter-token latency target in milliseconds, or None (off, the default here):
+        while sequences decode, each step's prefill chunk is sized from an online estimate of the
+        step's cost so that the step stays within it (server.engine.step_budget); a step with
+        nothing decoding still takes max_num_batched_tokens. `pagewire serve` defaults to 50.
     task: "generate", "embed" (prefill-only requests pooled into vectors: server.models.pooling)
         or "auto" (embed when the folder has a sentence-transformers pooling config).
     """
@@ -82,6 +86,7 @@ class EngineConfig:
     deterministic: Optional[bool] = None
     autotune: Optional[bool] = None
     task: str = "auto"
+    itl_target_ms: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.deterministic is not None and not isinstance(self.deterministic, bool):
@@ -115,6 +120,8 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(name, f"must be a positive integer, got {v!r}")
+        if self.itl_target_ms is not None and not self.itl_target_ms > 0:
+            raise ConfigError("itl_target_ms", f"must be a positive number of milliseconds, got {self.itl_target_ms!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("max_model_len", f"must be positive, got {self.max_model_len}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:

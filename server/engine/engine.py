@@ -41,9 +41,10 @@ from server.engine.scheduler import ScheduledSeq, Scheduler
 from server.engine.spec_config import SpeculativeConfig
 from server.engine.spec_decode import SpecDecoder, SpecStats
 from server.engine.state_cache import StateCache
+from server.engine.step_budget import StepBudget
 from server.engine.structured import PendingMasks, StructuredDecoder
 from server.kernels import autotune, batch_invariant
-from server.kernels.ops import cpu_isa
+from server.kernels.ops import Q8_KERNEL_MAX_ROWS, cpu_isa
 from server.models.loader import load_model
 from server.models.pooling import Pooler, PoolingMethod, resolve_pooler
 from server.models.protocol import CausalLM
@@ -172,6 +173,15 @@ class LLMEngine:
         logger.info("deterministic mode: %s%s", "on" if self.deterministic else "off",
                     " (auto)" if config.deterministic is None else "")
         self.linear_table = self._autotune_linears(config, draft)
+        # The ITL target's chunk-size policy: it times every step and limits prefill chunks beside
+        # decodes (None: off, every step takes what max_num_batched_tokens holds).
+        self.step_budget: Optional[StepBudget] = None
+        if config.itl_target_ms is not None:
+            self.step_budget = StepBudget(config.itl_target_ms / 1e3, config.max_num_batched_tokens,
+                                          fused_rows=Q8_KERNEL_MAX_ROWS if config.device == "cpu" else 0)
+            self.scheduler.prefill_limit = self.step_budget.prefill_tokens
+            logger.info("ITL target: %.0f ms per step while sequences decode", config.itl_target_ms)
+        self._step_rows = (0, 0)  # (decode rows, prefill tokens) of the step being run
 
     def _autotune_linears(self, config: EngineConfig,
                           draft: Optional[CausalLM]) -> Optional[autotune.LinearTable]:
@@ -305,8 +315,13 @@ class LLMEngine:
         # Deterministic mode: every op of the step (forward, sampling, verification) on this
         # thread takes its batch-invariant path (server.kernels.batch_invariant).
         # The autotuned linear paths (None: the fixed rules) are followed on this thread too.
+        t0 = time.perf_counter()
+        self._step_rows = (0, 0)
         with batch_invariant.mode(self.deterministic), autotune.active(self.linear_table):
-            return self._step()
+            deltas = self._step()
+        if self.step_budget is not None and self._step_rows != (0, 0):
+            self.step_budget.observe(*self._step_rows, time.perf_counter() - t0)
+        return deltas
 
     def _step(self) -> list[RequestDelta]:
         deltas, self._pending = self._pending, []
@@ -318,6 +333,9 @@ class LLMEngine:
         self.last_step_progressed = bool(out.scheduled) or bool(deltas) or not self.requests
         if not out.scheduled:
             return deltas
+        if self.step_budget is not None:
+            dec = sum(s.num_new_tokens for s in out.scheduled if s.seq.num_tokens - s.seq.num_computed_tokens == 1)
+            self._step_rows = (dec, out.num_batched_tokens - dec)
         now = time.time()
         for share in out.scheduled:
             req = share.seq.request

@@ -129,6 +129,8 @@ class ModelRunner:
 
         num_seqs = len(q_lens)
         tables = self._block_tables(seqs, -(-max(seq_lens) // bs))
+        if qsl[-1] == num_seqs and len(self.groups.groups) == 1 and not self.groups.slot_elems:
+            return self._plan_decode(token_ids, starts, seq_lens, prompt_lens, qsl, tables, sample_rows)
         q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
         # positions: start_i + arange(q_len_i), vectorised over the flat batch.
         seq_idx = torch.repeat_interleave(torch.arange(num_seqs), q_lens_t)
@@ -174,6 +176,30 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         return input_ids, positions.to(self.device), meta, torch.tensor(sample_rows, dtype=torch.int64)
 
+    def _plan_decode(self, token_ids: list[int], starts: list[int], seq_lens: list[int], prompt_lens: list[int],
+                     qsl: list[int], tables: torch.Tensor,
+                     sample_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """_plan for a step of one token per sequence and one KV group (every decode step without
+        lookahead): the same tensors, built from host lists in a handful of calls rather than the
+        vectorised index arithmetic a mixed batch needs (a decode step's host work is a share of
+        its time; issue 31)."""
+        bs = self.block_size
+        tnp = self._tables_np[0]
+        slots = [int(tnp[i, c // bs]) * bs + c % bs for i, c in enumerate(starts)]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=tables[0].to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            max_query_len=1,
+            max_seq_len=max(seq_lens),
+            prompt_lens=torch.tensor(prompt_lens, dtype=torch.int32, device=dev),
+        )
+        return (torch.tensor(token_ids, dtype=torch.int64, device=dev),
+                torch.tensor(starts, dtype=torch.int64, device=dev), meta,
+                torch.tensor(sample_rows, dtype=torch.int64))
+
     @staticmethod
     def _pool(out: SchedulerOutput, hidden: torch.Tensor) -> None:
         """Each embedding share's contribution from its rows of the final-norm hidden states, in
@@ -207,4 +233,6 @@ class ModelRunner:
         self._pool(out, hidden)
         if sample_rows.numel() == 0:
             return hidden.new_empty((0, 0), dtype=torch.float32)
+        if sample_rows.numel() == hidden.shape[0]:  # every row samples (decodes): no gather
+            return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden.index_select(0, sample_rows.to(hidden.device)))

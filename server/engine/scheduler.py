@@ -6,7 +6,9 @@ within `max_num_batched_tokens` and at most `max_num_seqs` sequences run.
 
 Order of a step:
 1. running decodes first (one token each), so a long prefill never freezes running streams;
-2. running prefills get chunks from what is left of the token budget;
+2. running prefills get chunks from what is left of the token budget, and with decodes in the
+   step at most `prefill_limit(decode tokens)` in all (the ITL target's chunk size,
+   engine/step_budget.py), admissions included;
 3. waiting sequences are admitted in priority order (lower value first, then arrival) while the KV
    pool keeps a watermark of free blocks (room for the running ones to grow);
 4. if a waiting sequence has strictly better priority than a running one and does not fit, the
@@ -112,6 +114,9 @@ class Scheduler:
                 f"watermark_blocks: must be in [0, {kv_cache.num_blocks}) for a pool of "
                 f"{kv_cache.num_blocks} blocks, got {self.watermark}"
             )
+        # The most prefill tokens a step with this many decode tokens may add (None: no limit);
+        # set by the engine when an ITL target is configured (engine/step_budget.py).
+        self.prefill_limit: Optional[Callable[[int], Optional[int]]] = None
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -173,7 +178,10 @@ class Scheduler:
         # 1 + 2: running sequences, decodes before prefill chunks.
         decodes = [s for s in active if s.num_tokens - s.num_computed_tokens == 1]
         prefills = [s for s in active if s.num_tokens - s.num_computed_tokens > 1]
-        for seq in decodes + prefills:
+        for seq in [*decodes, None, *prefills]:  # None: where the decodes end
+            if seq is None:
+                budget = self._prefill_room(budget)
+                continue
             if budget <= 0:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted as a victim earlier in this loop
@@ -208,6 +216,13 @@ class Scheduler:
         out = list(scheduled.values())
         self._register_full_blocks(out)
         return SchedulerOutput(out, preempted)
+
+    def _prefill_room(self, budget: int) -> int:
+        """What is left of the step's token budget for prefill chunks, once the decodes are in:
+        at most `prefill_limit(decode tokens)` when an ITL target sets one."""
+        decode_tokens = self.max_num_batched_tokens - budget
+        limit = self.prefill_limit(decode_tokens) if self.prefill_limit is not None and decode_tokens else None
+        return budget if limit is None else min(budget, limit)
 
     def _admit(
         self, budget: int, scheduled: dict[int, ScheduledSeq], preempt: Callable[[Sequence], None],

@@ -41,6 +41,17 @@ def _opt_int(text: str) -> Optional[int]:
     return None if text.strip().lower() in ("", "none") else int(text)
 
 
+def _itl_target(text: str) -> float:
+    """--itl-target-ms: milliseconds, or 0 / off for no target."""
+    v = text.strip().lower()
+    if v in ("off", "none"):
+        return 0.0
+    ms = float(v)
+    if not ms >= 0:
+        raise _OptionValueError(f"expected a number of milliseconds >= 0 or off, got {text!r}")
+    return ms
+
+
 def tool_parser_name(text: str) -> str:
     names = ("auto", "hermes", "llama3_json", "openai", "none")
     if text not in names:
@@ -153,9 +164,14 @@ class ServeSettings:
     deterministic: Optional[bool] = _ENGINE_DEFAULTS["deterministic"]
     autotune: Optional[bool] = _ENGINE_DEFAULTS["autotune"]
     task: str = _ENGINE_DEFAULTS["task"]
+    # Serving keeps running streams' cadence while new prompts prefill (server.engine.step_budget);
+    # 0 is off. 50 ms is what a batch-8 decode step plus a fused-size chunk takes on 2 Zen 3 cores
+    # with the default model, with headroom (bench/RESULTS.md).
+    itl_target_ms: float = 50.0
 
     def engine_config(self, model_dir: str) -> EngineConfig:
         kw = {o.name: getattr(self, o.name) for o in OPTIONS if o.engine}
+        kw["itl_target_ms"] = self.itl_target_ms or None  # 0: off
         return EngineConfig(model=model_dir, **kw)
 
     @property
@@ -287,6 +303,10 @@ OPTIONS: tuple[Option, ...] = (
            "on, off or auto: at start-up, time linear's paths (pagewire kernel or torch) per weight shape "
            "and batch-size bucket and use the faster; auto (default) is on for CPU, off on CUDA; never in "
            "deterministic mode", engine=True),
+    Option("itl_target_ms", _itl_target,
+           "inter-token latency target in ms while sequences decode: each step's prefill chunk is sized "
+           "from the measured step cost to stay within it (0 or off: chunks take the whole "
+           "--max-num-batched-tokens budget)", engine=True),
     Option("task", _choice("auto", "generate", "embed"),
            "generate, embed (answer /v1/embeddings and Ollama's /api/embed with pooled vectors), or auto "
            "(embed when the model folder has a sentence-transformers pooling config: modules.json, "

@@ -1,0 +1,257 @@
+"""LoRA adapters over one loaded base model: their weights, checked against the model, and the
+low-rank term a step adds to each projection's output for the rows that use an adapter.
+
+The base weights are never changed (no merge, per request or otherwise): every adapter stays
+as its A [r, in] and B [out, r] pairs, and a step whose rows use adapters adds, after a
+projection's base output (bias included, as PEFT does), scale · B · A · x for each such row:
+
+* per step the adapters present are stacked, per layer and fused matrix (qkv, o, gate_up, down),
+  into one A [R, in] and one Bᵀ [R, out] (R = the sum of their targeted modules' ranks; a module
+  of the fused matrix owns its rows of B, zero elsewhere). The stacks are cached by the set of
+  adapters, so a steady mix costs nothing to build;
+* the rows that use an adapter are gathered (all rows: no gather), multiplied by A, masked so
+  each row keeps only its own adapter's columns, times that adapter's scale (a [rows, R] mask
+  built once per step and matrix), then multiplied by Bᵀ and added back to their rows. Three or
+  four torch calls per matrix and layer, whatever the number of adapters; a row's result is its
+  own adapter's B·A·x exactly (the other columns are exact zeros);
+* rows with no adapter are not touched, and a step with none calls nothing here.
+
+Rank and scale are PEFT's (`r`, lora_alpha / r, or / sqrt(r) with rsLoRA). The term is computed
+in the model's dtype; on a quantised base (GGUF blocks, --quantization) it is added to the
+dequantising kernel's output, the adapter itself stays in the model dtype.
+"""
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+from safetensors import safe_open
+
+from server.models.lora_config import MAX_ADAPTERS, TARGETS, LoraConfig, LoraError
+
+# A PEFT checkpoint's tensor names: base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight
+_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# The stacks of this many adapter sets are kept (most recently used).
+_STACK_CACHE = 16
+
+
+class Slot(NamedTuple):
+    """Where a PEFT module lands in one layer: its fused matrix, its first output row there, its
+    output rows and its input features (DecoderForCausalLM.lora_layout)."""
+
+    matrix: str
+    row: int
+    rows: int
+    inputs: int
+
+
+@dataclass
+class _Adapter:
+    name: str
+    config: LoraConfig
+    # per layer: fused matrix -> (A [cols, in], B [out, cols]); the modules of the matrix it targets
+    # in any layer, in a fixed order (absent in a layer: zeros), `rank` columns each.
+    weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+
+
+class _Stack(NamedTuple):
+    """One set of adapters stacked: per layer, fused matrix -> (A [R, in], Bᵀ [R, out]); per
+    matrix each column's adapter slot and scale."""
+
+    weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    col_slot: dict[str, torch.Tensor]
+    col_scale: dict[str, torch.Tensor]
+
+
+class LoraStep:
+    """One step's low-rank terms: built by LoraSet.step, read by the decoder layers (`add`)."""
+
+    def __init__(self, stack: _Stack, rows: Optional[torch.Tensor], row_slots: torch.Tensor,
+                 dtype: torch.dtype) -> None:
+        self._weights = stack.weights
+        self._rows = rows  # the rows that use an adapter; None: every row does
+        self._masks = {m: ((stack.col_slot[m][None, :] == row_slots[:, None]) * stack.col_scale[m][None, :]).to(dtype)
+                       for m in stack.col_slot}
+
+    def add(self, layer: int, matrix: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out[rows] += mask ⊙ (x[rows] · Aᵀ) · Bᵀ for layer `layer`'s `matrix` (qkv, o, gate_up,
+        down); x is the projection's input [T, in], out its output [T, out], updated in place."""
+        w = self._weights[layer].get(matrix)
+        if w is None:
+            return
+        a, bt = w
+        rows = self._rows
+        if rows is None:
+            out.addmm_(torch.mm(x, a.t()).mul_(self._masks[matrix]), bt)
+        else:
+            t = torch.mm(x.index_select(0, rows), a.t()).mul_(self._masks[matrix])
+            out.index_add_(0, rows, torch.mm(t, bt))
+
+
+class LoraSet:
+    """The adapters loaded over one model, by name; slot 0 is "no adapter", adapters are 1..N."""
+
+    def __init__(self, layout: list[dict[str, Slot]], dtype: torch.dtype, device: torch.device,
+                 vocab_size: int) -> None:
+        """layout: per layer, each PEFT module name it can carry and where it lands
+        (DecoderForCausalLM.lora_layout); modules a layer lacks cannot be targeted there."""
+        self._layout = layout
+        self._dtype = dtype
+        self._device = device
+        self._adapters: list[_Adapter] = []
+        self._slots: dict[str, int] = {}
+        self._stacks: OrderedDict[tuple[int, ...], _Stack] = OrderedDict()
+        # The prefix cache tells adapters apart by offsetting token ids (kv_cache_manager.py).
+        if vocab_size >= 1 << 24:
+            raise LoraError(f"vocab_size: {vocab_size} is too large for LoRA's prefix-cache keys (< 2^24)")
+
+    @property
+    def names(self) -> list[str]:
+        return [a.name for a in self._adapters]
+
+    def slot(self, name: str) -> int:
+        """The adapter's slot (1..N); KeyError for a name not loaded."""
+        return self._slots[name]
+
+    def load(self, name: str, config: LoraConfig) -> int:
+        """Read and check the adapter's tensors against the model; returns its slot. LoraError
+        naming the file and tensor for a missing, unexpected or mis-shaped tensor, a module the
+        layer has no place for, or a rank that is not the config's `r`."""
+        if name in self._slots:
+            raise LoraError(f"--lora: adapter name {name!r} given twice")
+        if len(self._adapters) >= MAX_ADAPTERS:
+            raise LoraError(f"--lora: at most {MAX_ADAPTERS} adapters per server")
+        path = config.weights_path
+        found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                keys = list(f.keys())
+                tensors = {k: f.get_tensor(k) for k in keys}
+        except Exception as e:  # safetensors raises its own types for a corrupt header
+            raise LoraError(f"{path}: not a readable safetensors file: {e}") from None
+        L = len(self._layout)
+        for key, t in tensors.items():
+            m = _KEY.match(key)
+            if m is None:
+                raise LoraError(f"{path}: {key}: not a LoRA tensor of a decoder projection "
+                                "(expected base_model.model.model.layers.N.<self_attn|mlp>.<module>.lora_<A|B>.weight)")
+            layer, module, ab = int(m.group(1)), m.group(3), m.group(4)
+            if layer >= L:
+                raise LoraError(f"{path}: {key}: layer {layer} does not exist (the model has {L})")
+            if module not in self._layout[layer]:
+                raise LoraError(f"{path}: {key}: this model's layer {layer} has no {module} an adapter can target "
+                                f"(it has {', '.join(self._layout[layer]) or 'none'})")
+            if not config.targets_module(layer, module):
+                raise LoraError(f"{path}: {key}: {module} is not in {config.path / 'adapter_config.json'}'s "
+                                "target_modules")
+            found.setdefault((layer, module), {})[ab] = t
+        if not found:
+            raise LoraError(f"{path}: holds no LoRA tensors")
+        r = config.rank
+        for (layer, module), pair in sorted(found.items()):
+            slot = self._layout[layer][module]
+            kind = "self_attn" if slot.matrix in ("qkv", "o") else "mlp"
+            stem = f"base_model.model.model.layers.{layer}.{kind}.{module}"
+            for ab, want in (("A", (r, slot.inputs)), ("B", (slot.rows, r))):
+                t = pair.get(ab)
+                if t is None:
+                    raise LoraError(f"{path}: {stem}.lora_{ab}.weight: missing (its lora_{'B' if ab == 'A' else 'A'} "
+                                    "is there)")
+                if tuple(t.shape) != want:
+                    raise LoraError(f"{path}: {stem}.lora_{ab}.weight: shape {list(t.shape)}, expected {list(want)} "
+                                    f"(r = {r} in adapter_config.json; {module} of layer {layer} maps "
+                                    f"{slot.inputs} -> {slot.rows})")
+                if not t.is_floating_point():
+                    raise LoraError(f"{path}: {stem}.lora_{ab}.weight: dtype {t.dtype} is not a float type")
+        weights = self._fuse(found, r)
+        slot_id = len(self._adapters) + 1
+        self._adapters.append(_Adapter(name, config, weights))
+        self._slots[name] = slot_id
+        self._stacks.clear()
+        return slot_id
+
+    def _fuse(self, found: dict[tuple[int, str], dict[str, torch.Tensor]],
+              r: int) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """Per layer and fused matrix, the adapter's A [k r, in] and B [out, k r] over the k modules
+        of that matrix it targets in any layer (zero where a layer lacks one)."""
+        modules: dict[str, list[str]] = {}
+        for (_, module) in found:
+            matrix = self._slot_any(module).matrix
+            if module not in modules.setdefault(matrix, []):
+                modules[matrix].append(module)
+        order = list(TARGETS)  # one column order for every layer
+        for names in modules.values():
+            names.sort(key=order.index)
+        out: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        for layer, slots in enumerate(self._layout):
+            per: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+            for matrix, names in modules.items():
+                ins = {slots[n].inputs for n in names if n in slots}
+                out_rows = {s.row + s.rows for s in slots.values() if s.matrix == matrix}
+                if not ins or not out_rows:
+                    continue
+                a = torch.zeros((len(names) * r, ins.pop()), dtype=self._dtype, device=self._device)
+                b = torch.zeros((max(out_rows), len(names) * r), dtype=self._dtype, device=self._device)
+                for j, n in enumerate(names):
+                    pair = found.get((layer, n))
+                    if pair is None:
+                        continue
+                    s = slots[n]
+                    a[j * r : (j + 1) * r] = pair["A"].to(self._dtype)
+                    b[s.row : s.row + s.rows, j * r : (j + 1) * r] = pair["B"].to(self._dtype)
+                per[matrix] = (a, b)
+            out.append(per)
+        return out
+
+    def _slot_any(self, module: str) -> Slot:
+        for slots in self._layout:
+            if module in slots:
+                return slots[module]
+        raise LoraError(f"{module}: no layer of this model carries it")  # load() checked each tensor first
+
+    def step(self, row_slots: list[int]) -> Optional[LoraStep]:
+        """The step's terms for its rows (each row's adapter slot, 0 for none); None when no row
+        uses an adapter (the step then runs exactly as without LoRA)."""
+        active = tuple(sorted({s for s in row_slots if s}))
+        if not active:
+            return None
+        stack = self._stacks.get(active)
+        if stack is None:
+            stack = self._stack(active)
+            self._stacks[active] = stack
+            if len(self._stacks) > _STACK_CACHE:
+                self._stacks.popitem(last=False)
+        else:
+            self._stacks.move_to_end(active)
+        slots_t = torch.tensor(row_slots, dtype=torch.int32, device=self._device)
+        if all(row_slots):
+            return LoraStep(stack, None, slots_t, self._dtype)
+        rows = torch.nonzero(slots_t).view(-1)
+        return LoraStep(stack, rows, slots_t.index_select(0, rows), self._dtype)
+
+    def _stack(self, active: tuple[int, ...]) -> _Stack:
+        adapters = [self._adapters[s - 1] for s in active]
+        weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        for layer in range(len(self._layout)):
+            per: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+            matrices = {m for ad in adapters for m in ad.weights[layer]}
+            for m in matrices:
+                parts = [ad.weights[layer][m] for ad in adapters if m in ad.weights[layer]]
+                a = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+                bt = torch.cat([p[1].t() for p in parts]).contiguous()
+                per[m] = (a.contiguous(), bt)
+            weights.append(per)
+        col_slot: dict[str, torch.Tensor] = {}
+        col_scale: dict[str, torch.Tensor] = {}
+        for m in {m for ad in adapters for w in ad.weights for m in w}:
+            slots, scales = [], []
+            for s, ad in zip(active, adapters):
+                cols = next((w[m][0].shape[0] for w in ad.weights if m in w), 0)
+                slots += [s] * cols
+                scales += [ad.config.scale] * cols
+            col_slot[m] = torch.tensor(slots, dtype=torch.int32, device=self._device)
+            col_scale[m] = torch.tensor(scales, dtype=torch.float32, device=self._device)
+        return _Stack(weights, col_slot, col_scale)

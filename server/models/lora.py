@@ -12,8 +12,13 @@ projection's base output (bias included, as PEFT does), scale · B · A · x for
 * the rows that use an adapter are gathered (all rows: no gather), multiplied by A, masked so
   each row keeps only its own adapter's columns, times that adapter's scale (a [rows, R] mask
   built once per step and matrix), then multiplied by Bᵀ and added back to their rows. Three or
-  four torch calls per matrix and layer, whatever the number of adapters; a row's result is its
-  own adapter's B·A·x exactly (the other columns are exact zeros);
+  four torch calls per matrix and layer, whatever the number of adapters; a row gets its own
+  adapter's B·A·x (the other columns are exact zeros; only the GEMM's summation order can differ
+  from the adapter's own product);
+* in deterministic mode (server.kernels.batch_invariant) each adapter's term is computed apart,
+  over its own rows and columns, through ops.linear's batch-invariant path: a row's result then
+  does not depend on the other rows or adapters of its step (docs/determinism.md), at one term
+  per adapter in the step;
 * rows with no adapter are not touched, and a step with none calls nothing here.
 
 Rank and scale are PEFT's (`r`, lora_alpha / r, or / sqrt(r) with rsLoRA). The term is computed
@@ -30,6 +35,8 @@ from typing import NamedTuple, Optional
 import torch
 from safetensors import safe_open
 
+from server.kernels import batch_invariant
+from server.kernels.ops import linear
 from server.models.lora_config import MAX_ADAPTERS, TARGETS, LoraConfig, LoraError
 
 # A PEFT checkpoint's tensor names: base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight
@@ -67,28 +74,42 @@ class _Stack(NamedTuple):
 
 
 class LoraStep:
-    """One step's low-rank terms: built by LoraSet.step, read by the decoder layers (`add`)."""
+    """One step's low-rank terms: built by LoraSet.step, read by the decoder layers (`add`).
 
-    def __init__(self, stack: _Stack, rows: Optional[torch.Tensor], row_slots: torch.Tensor,
-                 dtype: torch.dtype) -> None:
-        self._weights = stack.weights
-        self._rows = rows  # the rows that use an adapter; None: every row does
-        self._masks = {m: ((stack.col_slot[m][None, :] == row_slots[:, None]) * stack.col_scale[m][None, :]).to(dtype)
-                       for m in stack.col_slot}
+    Two forms of the same sum. Stacked (the default): one term over the step's adapters stacked,
+    with a per-row mask. Grouped (deterministic mode, server.kernels.batch_invariant): one term per
+    adapter over its own rows and columns only, through ops.linear's batch-invariant path, so a
+    row's result never depends on which other adapters or rows share its step."""
+
+    def __init__(self, terms: list[tuple[Optional[torch.Tensor], list[dict[str, tuple[torch.Tensor, torch.Tensor]]],
+                                         dict[str, torch.Tensor] | float]], stacked: bool) -> None:
+        # (rows or None for every row, per layer: matrix -> (A, Bᵀ stacked | B grouped), masks | scale)
+        self._terms = terms
+        self._stacked = stacked
 
     def add(self, layer: int, matrix: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out[rows] += mask ⊙ (x[rows] · Aᵀ) · Bᵀ for layer `layer`'s `matrix` (qkv, o, gate_up,
+        """out[rows] += scale · (x[rows] · Aᵀ) · Bᵀ for layer `layer`'s `matrix` (qkv, o, gate_up,
         down); x is the projection's input [T, in], out its output [T, out], updated in place."""
-        w = self._weights[layer].get(matrix)
-        if w is None:
-            return
-        a, bt = w
-        rows = self._rows
-        if rows is None:
-            out.addmm_(torch.mm(x, a.t()).mul_(self._masks[matrix]), bt)
-        else:
-            t = torch.mm(x.index_select(0, rows), a.t()).mul_(self._masks[matrix])
-            out.index_add_(0, rows, torch.mm(t, bt))
+        for rows, weights, scale in self._terms:
+            w = weights[layer].get(matrix)
+            if w is None:
+                continue
+            a, b = w
+            xs = x if rows is None else x.index_select(0, rows)
+            if self._stacked:
+                assert isinstance(scale, dict)
+                t = torch.mm(xs, a.t()).mul_(scale[matrix])
+                if rows is None:
+                    out.addmm_(t, b)
+                else:
+                    out.index_add_(0, rows, torch.mm(t, b))
+            else:
+                assert isinstance(scale, float)
+                d = linear(linear(xs, a).mul_(scale), b)
+                if rows is None:
+                    out.add_(d)
+                else:
+                    out.index_add_(0, rows, d)
 
 
 class LoraSet:
@@ -218,6 +239,15 @@ class LoraSet:
         active = tuple(sorted({s for s in row_slots if s}))
         if not active:
             return None
+        slots_t = torch.tensor(row_slots, dtype=torch.int32, device=self._device)
+        if batch_invariant.enabled():  # grouped: each adapter over its own rows
+            groups: list[tuple[Optional[torch.Tensor], list[dict[str, tuple[torch.Tensor, torch.Tensor]]],
+                               dict[str, torch.Tensor] | float]] = []
+            for s in active:
+                ad = self._adapters[s - 1]
+                rows = None if len(active) == 1 and all(row_slots) else torch.nonzero(slots_t == s).view(-1)
+                groups.append((rows, ad.weights, ad.config.scale))
+            return LoraStep(groups, stacked=False)
         stack = self._stacks.get(active)
         if stack is None:
             stack = self._stack(active)
@@ -226,11 +256,11 @@ class LoraSet:
                 self._stacks.popitem(last=False)
         else:
             self._stacks.move_to_end(active)
-        slots_t = torch.tensor(row_slots, dtype=torch.int32, device=self._device)
-        if all(row_slots):
-            return LoraStep(stack, None, slots_t, self._dtype)
-        rows = torch.nonzero(slots_t).view(-1)
-        return LoraStep(stack, rows, slots_t.index_select(0, rows), self._dtype)
+        rows_t = None if all(row_slots) else torch.nonzero(slots_t).view(-1)
+        used = slots_t if rows_t is None else slots_t.index_select(0, rows_t)
+        masks = {m: ((stack.col_slot[m][None, :] == used[:, None]) * stack.col_scale[m][None, :]).to(self._dtype)
+                 for m in stack.col_slot}
+        return LoraStep([(rows_t, stack.weights, masks)], stacked=True)
 
     def _stack(self, active: tuple[int, ...]) -> _Stack:
         adapters = [self._adapters[s - 1] for s in active]

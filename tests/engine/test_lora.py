@@ -57,13 +57,16 @@ def test_adapters_change_the_output(lora_setup: dict[str, Path]) -> None:
         assert peft_greedy(s["model"], s[name], prompt, MAX_NEW) != base, name
 
 
-def test_mixed_batch_matches_peft(lora_setup: dict[str, Path]) -> None:
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_mixed_batch_matches_peft(lora_setup: dict[str, Path], deterministic: bool) -> None:
     """Base and three adapters' requests in the same steps (prefill chunks and decodes mixed), each
-    token for token equal to transformers + PEFT alone."""
+    token for token equal to transformers + PEFT alone: the stacked terms (default) and the
+    per-adapter ones of deterministic mode."""
     s = lora_setup
     names: list[Optional[str]] = [None, "all", "attn", "mlp", "all", None, "mlp", "attn"]
     prompts = _prompts(len(names), _vocab(s["model"]), seed=7)
-    llm = _llm(s, max_num_batched_tokens=64)
+    llm = _llm(s, max_num_batched_tokens=64, deterministic=deterministic)
+    assert llm.engine.deterministic is deterministic
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW), lora=names)
     for name, p, o in zip(names, prompts, outs):
         want = peft_greedy(s["model"], s[name] if name else None, p, MAX_NEW)
@@ -109,6 +112,19 @@ def test_prefix_cache_is_keyed_by_adapter(lora_setup: dict[str, Path]) -> None:
         hits.append(llm.engine.kv_cache.stats().prefix_hit_tokens - before)
         assert out.outputs[0].token_ids == peft_greedy(s["model"], s[name] if name else None, prompt, MAX_NEW), name
     assert hits == [0, 0, 48, 0, 48]
+
+
+def test_deterministic_mode_keeps_an_adapter_row_independent_of_its_batch(lora_setup: dict[str, Path]) -> None:
+    """Deterministic mode: an adapter request's tokens and logprobs are bit for bit the same alone
+    and among other adapters' and base requests."""
+    s = lora_setup
+    prompts = _prompts(5, _vocab(s["model"]), seed=17)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0)
+    llm = _llm(s, deterministic=True, enable_prefix_caching=False)
+    alone = llm.generate(prompts[:1], params, lora="all")[0].outputs[0]
+    mixed = llm.generate(prompts, params, lora=["all", "attn", None, "mlp", "all"])[0].outputs[0]
+    assert mixed.token_ids == alone.token_ids
+    assert [lp.logprob for lp in mixed.logprobs] == [lp.logprob for lp in alone.logprobs]
 
 
 def test_unknown_adapter_is_refused(lora_setup: dict[str, Path]) -> None:

@@ -49,7 +49,6 @@ class GenerateEndpoint:
             await respond.whole(self.api, send, receive, self.kind, admitted, n, tools, limits)
 
     def _parse(self, scope: Scope, body: bytes) -> tuple[list[GenerationSpec], bool, bool, int, Optional[ToolPlan]]:
-        rt = self.rt
         idem = check_header_key(header(scope, b"idempotency-key"))
         if self.kind == "chat":
             req: Any = decode(body, ChatCompletionRequest)

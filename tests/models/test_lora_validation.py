@@ -17,8 +17,8 @@ from server.engine.config import ConfigError, EngineConfig
 from server.models.loader import load_model
 from server.models.lora import LoraSet
 from server.models.lora_config import LoraError, parse_lora_arg, read_lora_config
-from server.serving.model_names import ModelNames
 from server.serving.errors import NotFound
+from server.serving.model_names import ModelNames
 from tests.lora_adapters import make_lora_adapter
 
 KEY = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"

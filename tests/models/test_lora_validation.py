@@ -151,3 +151,20 @@ def test_serve_refuses_a_bad_adapter_before_binding(base_and_adapter: tuple[Path
     with pytest.raises(SystemExit):  # argparse's own exit 2, with the message
         main(["serve", str(model), "--lora", "sql", "--db", str(tmp_path / "l.db")])
     assert "--lora: expected NAME=PATH (a PEFT adapter folder), got 'sql'" in capsys.readouterr().err
+
+
+def test_lora_flag_and_env_reach_the_engine_config() -> None:
+    import argparse
+
+    from server.serving.settings import add_serve_arguments, settings_from_args
+
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    ns = p.parse_args(["m", "--lora", "a=/x", "--lora", "b=/y"])
+    s = settings_from_args(ns, environ={"PAGEWIRE_LORA": "c=/z"})
+    assert s.lora == (("a", "/x"), ("b", "/y"))  # the flags win over the variable
+    assert s.engine_config("m").adapters == (("a", "/x"), ("b", "/y"))
+    s = settings_from_args(p.parse_args(["m"]), environ={"PAGEWIRE_LORA": "c=/z, d=/w"})
+    assert s.lora == (("c", "/z"), ("d", "/w"))
+    with pytest.raises(ValueError, match="PAGEWIRE_LORA: --lora: expected NAME=PATH"):
+        settings_from_args(p.parse_args(["m"]), environ={"PAGEWIRE_LORA": "oops"})

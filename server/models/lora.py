@@ -6,13 +6,15 @@ as its A [r, in] and B [out, r] pairs, and a step whose rows use adapters adds, 
 projection's base output (bias included, as PEFT does), scale · B · A · x for each such row:
 
 * per step the adapters present are stacked, per layer and fused matrix (qkv, o, gate_up, down),
-  into one A [R, in] and one Bᵀ [R, out] (R = the sum of their targeted modules' ranks; a module
-  of the fused matrix owns its rows of B, zero elsewhere). The stacks are cached by the set of
-  adapters, so a steady mix costs nothing to build;
+  into one A [R, in] (R = the sum of their targeted modules' ranks) and, per PEFT module of the
+  matrix, the Bᵀ of its columns against its own output rows (so B's zero blocks, q's columns
+  against k's rows and so on, are never stored or read: the bytes read are the adapters' own).
+  The stacks are cached by the set of adapters, so a steady mix costs nothing to build;
 * the rows that use an adapter are gathered (all rows: no gather), multiplied by A, masked so
   each row keeps only its own adapter's columns, times that adapter's scale (a [rows, R] mask
-  built once per step and matrix), then multiplied by Bᵀ and added back to their rows. Three or
-  four torch calls per matrix and layer, whatever the number of adapters; a row gets its own
+  built once per step and matrix), then each module's columns are multiplied by its Bᵀ and added
+  to its output rows. One GEMM for A and one per module for B (qkv: 3, gate_up: 2, o and down:
+  1), whatever the number of adapters; a row gets its own
   adapter's B·A·x (the other columns are exact zeros; only the GEMM's summation order can differ
   from the adapter's own product);
 * in deterministic mode (server.kernels.batch_invariant) each adapter's term is computed apart,
@@ -59,16 +61,29 @@ class Slot(NamedTuple):
 class _Adapter:
     name: str
     config: LoraConfig
-    # per layer: fused matrix -> (A [cols, in], B [out, cols]); the modules of the matrix it targets
-    # in any layer, in a fixed order (absent in a layer: zeros), `rank` columns each.
+    # per layer: fused matrix -> (A [cols, in], B [out, cols]) over `modules[matrix]`, the modules of
+    # the matrix it targets in any layer, in TARGETS order (absent in a layer: zeros), `rank` columns each.
     weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    modules: dict[str, list[str]]
+
+
+class _Part(NamedTuple):
+    """One PEFT module's share of a stacked matrix: its output rows [row, row + rows) and its
+    columns [c0, c1) of the stacked A's output (every adapter's that targets it), with their Bᵀ.
+    Kept per module, so B's zero blocks (q's columns against k's rows, ...) are never stored or read."""
+
+    row: int
+    rows: int
+    c0: int
+    c1: int
+    bt: torch.Tensor
 
 
 class _Stack(NamedTuple):
-    """One set of adapters stacked: per layer, fused matrix -> (A [R, in], Bᵀ [R, out]); per
-    matrix each column's adapter slot and scale."""
+    """One set of adapters stacked: per layer, fused matrix -> (A [R, in], its modules' parts);
+    per matrix each column's adapter slot and scale."""
 
-    weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    weights: list[dict[str, tuple[torch.Tensor, list[_Part]]]]
     col_slot: dict[str, torch.Tensor]
     col_scale: dict[str, torch.Tensor]
 
@@ -81,35 +96,42 @@ class LoraStep:
     adapter over its own rows and columns only, through ops.linear's batch-invariant path, so a
     row's result never depends on which other adapters or rows share its step."""
 
-    def __init__(self, terms: list[tuple[Optional[torch.Tensor], list[dict[str, tuple[torch.Tensor, torch.Tensor]]],
-                                         dict[str, torch.Tensor] | float]], stacked: bool) -> None:
-        # (rows or None for every row, per layer: matrix -> (A, Bᵀ stacked | B grouped), masks | scale)
-        self._terms = terms
+    def __init__(self, stacked: Optional[tuple[Optional[torch.Tensor], _Stack, dict[str, torch.Tensor]]] = None,
+                 grouped: Optional[list[tuple[Optional[torch.Tensor], _Adapter]]] = None) -> None:
+        # stacked: (rows or None for every row, the stack, per matrix the [rows, R] mask of scales);
+        # grouped: per adapter, (its rows or None, the adapter).
         self._stacked = stacked
+        self._grouped = grouped or []
 
     def add(self, layer: int, matrix: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out[rows] += scale · (x[rows] · Aᵀ) · Bᵀ for layer `layer`'s `matrix` (qkv, o, gate_up,
         down); x is the projection's input [T, in], out its output [T, out], updated in place."""
-        for rows, weights, scale in self._terms:
-            w = weights[layer].get(matrix)
-            if w is None:
-                continue
-            a, b = w
-            xs = x if rows is None else x.index_select(0, rows)
-            if self._stacked:
-                assert isinstance(scale, dict)
-                t = torch.mm(xs, a.t()).mul_(scale[matrix])
+        if self._stacked is not None:
+            rows, stack, masks = self._stacked
+            w = stack.weights[layer].get(matrix)
+            if w is not None:
+                a, parts = w
+                t = torch.mm(x if rows is None else x.index_select(0, rows), a.t()).mul_(masks[matrix])
                 if rows is None:
-                    out.addmm_(t, b)
+                    for p in parts:
+                        out[:, p.row : p.row + p.rows].addmm_(t[:, p.c0 : p.c1], p.bt)
+                elif len(parts) == 1 and parts[0].rows == out.shape[1]:
+                    out.index_add_(0, rows, torch.mm(t[:, parts[0].c0 : parts[0].c1], parts[0].bt))
                 else:
-                    out.index_add_(0, rows, torch.mm(t, b))
-            else:
-                assert isinstance(scale, float)
-                d = linear(linear(xs, a).mul_(scale), b)
-                if rows is None:
-                    out.add_(d)
-                else:
+                    d = t.new_zeros((t.shape[0], out.shape[1]))
+                    for p in parts:
+                        d[:, p.row : p.row + p.rows].addmm_(t[:, p.c0 : p.c1], p.bt)
                     out.index_add_(0, rows, d)
+        for rows, ad in self._grouped:
+            g = ad.weights[layer].get(matrix)
+            if g is None:
+                continue
+            a, b = g
+            d = linear(linear(x if rows is None else x.index_select(0, rows), a).mul_(ad.config.scale), b)
+            if rows is None:
+                out.add_(d)
+            else:
+                out.index_add_(0, rows, d)
 
 
 class LoraSet:
@@ -187,17 +209,17 @@ class LoraSet:
                                     f"{slot.inputs} -> {slot.rows})")
                 if not t.is_floating_point():
                     raise LoraError(f"{path}: {stem}.lora_{ab}.weight: dtype {t.dtype} is not a float type")
-        weights = self._fuse(found, r)
+        weights, modules = self._fuse(found, r)
         slot_id = len(self._adapters) + 1
-        self._adapters.append(_Adapter(name, config, weights))
+        self._adapters.append(_Adapter(name, config, weights, modules))
         self._slots[name] = slot_id
         self._stacks.clear()
         return slot_id
 
     def _fuse(self, found: dict[tuple[int, str], dict[str, torch.Tensor]],
-              r: int) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+              r: int) -> tuple[list[dict[str, tuple[torch.Tensor, torch.Tensor]]], dict[str, list[str]]]:
         """Per layer and fused matrix, the adapter's A [k r, in] and B [out, k r] over the k modules
-        of that matrix it targets in any layer (zero where a layer lacks one)."""
+        of that matrix it targets in any layer (zero where a layer lacks one); and those modules."""
         modules: dict[str, list[str]] = {}
         for (_, module) in found:
             matrix = self._slot_any(module).matrix
@@ -225,7 +247,7 @@ class LoraSet:
                     b[s.row : s.row + s.rows, j * r : (j + 1) * r] = pair["B"].to(self._dtype)
                 per[matrix] = (a, b)
             out.append(per)
-        return out
+        return out, modules
 
     def _slot_any(self, module: str) -> Slot:
         for slots in self._layout:
@@ -241,13 +263,9 @@ class LoraSet:
             return None
         slots_t = torch.tensor(row_slots, dtype=torch.int32, device=self._device)
         if batch_invariant.enabled():  # grouped: each adapter over its own rows
-            groups: list[tuple[Optional[torch.Tensor], list[dict[str, tuple[torch.Tensor, torch.Tensor]]],
-                               dict[str, torch.Tensor] | float]] = []
-            for s in active:
-                ad = self._adapters[s - 1]
-                rows = None if len(active) == 1 and all(row_slots) else torch.nonzero(slots_t == s).view(-1)
-                groups.append((rows, ad.weights, ad.config.scale))
-            return LoraStep(groups, stacked=False)
+            every = len(active) == 1 and all(row_slots)
+            return LoraStep(grouped=[(None if every else torch.nonzero(slots_t == s).view(-1), self._adapters[s - 1])
+                                     for s in active])
         stack = self._stacks.get(active)
         if stack is None:
             stack = self._stack(active)
@@ -260,28 +278,46 @@ class LoraSet:
         used = slots_t if rows_t is None else slots_t.index_select(0, rows_t)
         masks = {m: ((stack.col_slot[m][None, :] == used[:, None]) * stack.col_scale[m][None, :]).to(self._dtype)
                  for m in stack.col_slot}
-        return LoraStep([(rows_t, stack.weights, masks)], stacked=True)
+        return LoraStep(stacked=(rows_t, stack, masks))
 
     def _stack(self, active: tuple[int, ...]) -> _Stack:
+        """Stack the adapters of `active`: per matrix, columns module by module (TARGETS order) and
+        within a module adapter by adapter, so each module's columns are one contiguous range."""
         adapters = [self._adapters[s - 1] for s in active]
-        weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
-        for layer in range(len(self._layout)):
-            per: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-            matrices = {m for ad in adapters for m in ad.weights[layer]}
-            for m in matrices:
-                parts = [ad.weights[layer][m] for ad in adapters if m in ad.weights[layer]]
-                a = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
-                bt = torch.cat([p[1].t() for p in parts]).contiguous()
-                per[m] = (a.contiguous(), bt)
-            weights.append(per)
+        order = list(TARGETS)
+        cols: dict[str, list[tuple[str, int, int]]] = {}  # matrix -> (module, adapter, its index there)
         col_slot: dict[str, torch.Tensor] = {}
         col_scale: dict[str, torch.Tensor] = {}
-        for m in {m for ad in adapters for w in ad.weights for m in w}:
-            slots, scales = [], []
-            for s, ad in zip(active, adapters):
-                cols = next((w[m][0].shape[0] for w in ad.weights if m in w), 0)
-                slots += [s] * cols
-                scales += [ad.config.scale] * cols
-            col_slot[m] = torch.tensor(slots, dtype=torch.int32, device=self._device)
-            col_scale[m] = torch.tensor(scales, dtype=torch.float32, device=self._device)
+        for m in sorted({m for ad in adapters for m in ad.modules}):
+            modules = sorted({n for ad in adapters for n in ad.modules.get(m, [])}, key=order.index)
+            cols[m] = [(n, k, ad.modules[m].index(n)) for n in modules for k, ad in enumerate(adapters)
+                       if n in ad.modules.get(m, [])]
+            col_slot[m] = torch.tensor([active[k] for _, k, _ in cols[m] for _ in range(adapters[k].config.rank)],
+                                       dtype=torch.int32, device=self._device)
+            col_scale[m] = torch.tensor([adapters[k].config.scale for _, k, _ in cols[m]
+                                         for _ in range(adapters[k].config.rank)], dtype=torch.float32,
+                                        device=self._device)
+        weights: list[dict[str, tuple[torch.Tensor, list[_Part]]]] = []
+        for layer, slots in enumerate(self._layout):
+            per: dict[str, tuple[torch.Tensor, list[_Part]]] = {}
+            for m, spec in cols.items():
+                if not any(m in ad.weights[layer] for ad in adapters):
+                    continue
+                a_rows: list[torch.Tensor] = []
+                parts: list[_Part] = []
+                c = 0
+                for module in dict.fromkeys(n for n, _, _ in spec):
+                    c0, bts = c, []
+                    slot = slots.get(module)
+                    for _, k, j in (e for e in spec if e[0] == module):
+                        r = adapters[k].config.rank
+                        a, b = adapters[k].weights[layer][m]
+                        a_rows.append(a[j * r : (j + 1) * r])
+                        if slot is not None:
+                            bts.append(b[slot.row : slot.row + slot.rows, j * r : (j + 1) * r].t())
+                        c += r
+                    if slot is not None:  # (a layer without this module: its A rows are zeros)
+                        parts.append(_Part(slot.row, slot.rows, c0, c, torch.cat(bts).contiguous()))
+                per[m] = (torch.cat(a_rows).contiguous(), parts)
+            weights.append(per)
         return _Stack(weights, col_slot, col_scale)

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from server.kernels import batch_invariant
 from server.kernels.quant import QuantizedWeight
 from server.models.decoder import DecoderForCausalLM
 from server.models.loader import load_model
@@ -56,14 +57,22 @@ def _logits(model: Any, tokens: list[int]) -> torch.Tensor:
     return torch.cat(rows)
 
 
-def _check(quant: DecoderForCausalLM, ref: DecoderForCausalLM, adapter: Path) -> None:
+def _check(quant: DecoderForCausalLM, ref: DecoderForCausalLM, adapter: Path, exact_prefill: bool = True) -> None:
+    """exact_prefill False: deterministic mode, whose quantised linear runs the 8-bit kernel for
+    the prefill rows too, so they carry its activation rounding like the decode rows."""
     tokens = random_tokens(PROMPT_LEN + DECODE_STEPS, VOCAB, seed=3)
     ours, want = _logits(_WithAdapter(quant, adapter), tokens), _logits(_WithAdapter(ref, adapter), tokens)
-    torch.testing.assert_close(ours[:PROMPT_LEN], want[:PROMPT_LEN], rtol=1e-4, atol=1e-4)
-    err = ((ours[PROMPT_LEN:] - want[PROMPT_LEN:]).abs().max() / want[PROMPT_LEN:].abs().max()).item()
-    assert err < 8e-2  # the bound test_gguf_quantized.py sets without an adapter (2.8-5 % measured here)
-    # The adapter moves the prefill logits by far more than the tolerance they were checked to.
-    moved = (_logits(ref, tokens)[:PROMPT_LEN] - want[:PROMPT_LEN]).abs().max().item()
+    if exact_prefill:
+        torch.testing.assert_close(ours[:PROMPT_LEN], want[:PROMPT_LEN], rtol=1e-4, atol=1e-4)
+    first = PROMPT_LEN if exact_prefill else 0
+    err = ((ours[first:] - want[first:]).abs().max() / want[first:].abs().max()).item()
+    # The bound test_gguf_quantized.py sets without an adapter (2.8-5 % measured here), or the same
+    # model's own error without the adapter, whichever is larger (deterministic int8: 8.7 %).
+    base_ref = _logits(ref, tokens)
+    base_err = ((_logits(quant, tokens)[first:] - base_ref[first:]).abs().max() / base_ref[first:].abs().max()).item()
+    assert err < max(8e-2, 1.25 * base_err), (err, base_err)
+    # The adapter moves the logits by far more than the tolerance they were checked to.
+    moved = (base_ref[:PROMPT_LEN] - want[:PROMPT_LEN]).abs().max().item()
     assert moved > 1e-2, moved
 
 
@@ -77,8 +86,10 @@ def test_adapter_over_kept_gguf_blocks(qtype: str, k_sized: tuple[Path, Path], t
     _check(kept, ref, adapter)
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_adapter_over_weights_quantised_at_load(quantization: str, k_sized: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("quantization, deterministic", [("int8", False), ("int4", False), ("int8", True)])
+def test_adapter_over_weights_quantised_at_load(quantization: str, deterministic: bool,
+                                                k_sized: tuple[Path, Path]) -> None:
+    """Also in deterministic mode, whose per-adapter terms take the batch-invariant linear path."""
     model, adapter = k_sized
     quant, _ = load_model(model, dtype="float32")
     quant.quantize_weights(quantization)
@@ -89,4 +100,5 @@ def test_adapter_over_weights_quantised_at_load(quantization: str, k_sized: tupl
                 getattr(lr, n).copy_(getattr(lq, n).dequantize(torch.float32))
         assert isinstance(quant.lm_head, QuantizedWeight)
         ref.lm_head.copy_(quant.lm_head.dequantize(torch.float32))
-    _check(quant, ref, adapter)
+    with batch_invariant.mode(deterministic):
+        _check(quant, ref, adapter, exact_prefill=not deterministic)

@@ -17,9 +17,8 @@ projection's base output (bias included, as PEFT does), scale · B · A · x for
   1), whatever the number of adapters; a row gets its own
   adapter's B·A·x (the other columns are exact zeros; only the GEMM's summation order can differ
   from the adapter's own product);
-* in deterministic mode (server.kernels.batch_invariant) each adapter's term is computed apart
-  (its own stack: one A, one B per module), over its own rows and columns, through ops.linear's
-  batch-invariant path: a row's result then
+* in deterministic mode (server.kernels.batch_invariant) each adapter's term is computed apart,
+  over its own rows and columns, through ops.linear's batch-invariant path: a row's result then
   does not depend on the other rows or adapters of its step (docs/determinism.md), at one term
   per adapter in the step;
 * rows with no adapter are not touched, and a step with none calls nothing here.
@@ -78,7 +77,6 @@ class _Part(NamedTuple):
     c0: int
     c1: int
     bt: torch.Tensor
-    b: Optional[torch.Tensor]  # B itself [rows, c1 - c0] (ops.linear's layout): one adapter's stack only
 
 
 class _Stack(NamedTuple):
@@ -99,9 +97,9 @@ class LoraStep:
     row's result never depends on which other adapters or rows share its step."""
 
     def __init__(self, stacked: Optional[tuple[Optional[torch.Tensor], _Stack, dict[str, torch.Tensor]]] = None,
-                 grouped: Optional[list[tuple[Optional[torch.Tensor], _Stack, float]]] = None) -> None:
+                 grouped: Optional[list[tuple[Optional[torch.Tensor], _Adapter]]] = None) -> None:
         # stacked: (rows or None for every row, the stack, per matrix the [rows, R] mask of scales);
-        # grouped: per adapter, (its rows or None, its own stack, its scale).
+        # grouped: per adapter, (its rows or None, the adapter).
         self._stacked = stacked
         self._grouped = grouped or []
 
@@ -124,18 +122,15 @@ class LoraStep:
                     for p in parts:
                         d[:, p.row : p.row + p.rows].addmm_(t[:, p.c0 : p.c1], p.bt)
                     out.index_add_(0, rows, d)
-        for rows, one, scale in self._grouped:
-            w = one.weights[layer].get(matrix)
-            if w is None:
+        for rows, ad in self._grouped:
+            g = ad.weights[layer].get(matrix)
+            if g is None:
                 continue
-            a, parts = w
-            t = linear(x if rows is None else x.index_select(0, rows), a).mul_(scale)
-            d = out if rows is None else t.new_zeros((t.shape[0], out.shape[1]))
-            for p in parts:
-                assert p.b is not None
-                tp = t if p.c1 - p.c0 == t.shape[1] else t[:, p.c0 : p.c1].contiguous()
-                d[:, p.row : p.row + p.rows].add_(linear(tp, p.b))
-            if rows is not None:
+            a, b = g
+            d = linear(linear(x if rows is None else x.index_select(0, rows), a).mul_(ad.config.scale), b)
+            if rows is None:
+                out.add_(d)
+            else:
                 out.index_add_(0, rows, d)
 
 
@@ -152,7 +147,6 @@ class LoraSet:
         self._adapters: list[_Adapter] = []
         self._slots: dict[str, int] = {}
         self._stacks: OrderedDict[tuple[int, ...], _Stack] = OrderedDict()
-        self._singles: dict[int, _Stack] = {}
         # The prefix cache tells adapters apart by offsetting token ids (kv_cache_manager.py).
         if vocab_size >= 1 << 24:
             raise LoraError(f"vocab_size: {vocab_size} is too large for LoRA's prefix-cache keys (< 2^24)")
@@ -270,23 +264,8 @@ class LoraSet:
         slots_t = torch.tensor(row_slots, dtype=torch.int32, device=self._device)
         if batch_invariant.enabled():  # grouped: each adapter over its own rows
             every = len(active) == 1 and all(row_slots)
-            return LoraStep(grouped=[(None if every else torch.nonzero(slots_t == s).view(-1), self._cached((s,)),
-                                      self._adapters[s - 1].config.scale) for s in active])
-        stack = self._cached(active)
-        rows_t = None if all(row_slots) else torch.nonzero(slots_t).view(-1)
-        used = slots_t if rows_t is None else slots_t.index_select(0, rows_t)
-        masks = {m: ((stack.col_slot[m][None, :] == used[:, None]) * stack.col_scale[m][None, :]).to(self._dtype)
-                 for m in stack.col_slot}
-        return LoraStep(stacked=(rows_t, stack, masks))
-
-    def _cached(self, active: tuple[int, ...]) -> _Stack:
-        """The stack of `active`, built on first use and kept among the most recently used (one
-        adapter's own, deterministic mode's, for as long as the adapter is loaded)."""
-        if len(active) == 1:
-            one = self._singles.get(active[0])
-            if one is None:
-                one = self._singles[active[0]] = self._stack(active)
-            return one
+            return LoraStep(grouped=[(None if every else torch.nonzero(slots_t == s).view(-1), self._adapters[s - 1])
+                                     for s in active])
         stack = self._stacks.get(active)
         if stack is None:
             stack = self._stack(active)
@@ -295,7 +274,11 @@ class LoraSet:
                 self._stacks.popitem(last=False)
         else:
             self._stacks.move_to_end(active)
-        return stack
+        rows_t = None if all(row_slots) else torch.nonzero(slots_t).view(-1)
+        used = slots_t if rows_t is None else slots_t.index_select(0, rows_t)
+        masks = {m: ((stack.col_slot[m][None, :] == used[:, None]) * stack.col_scale[m][None, :]).to(self._dtype)
+                 for m in stack.col_slot}
+        return LoraStep(stacked=(rows_t, stack, masks))
 
     def _stack(self, active: tuple[int, ...]) -> _Stack:
         """Stack the adapters of `active`: per matrix, columns module by module (TARGETS order) and
@@ -334,9 +317,7 @@ class LoraSet:
                             bts.append(b[slot.row : slot.row + slot.rows, j * r : (j + 1) * r].t())
                         c += r
                     if slot is not None:  # (a layer without this module: its A rows are zeros)
-                        bt = torch.cat(bts).contiguous()
-                        parts.append(_Part(slot.row, slot.rows, c0, c, bt,
-                                           bt.t().contiguous() if len(active) == 1 else None))
+                        parts.append(_Part(slot.row, slot.rows, c0, c, torch.cat(bts).contiguous()))
                 per[m] = (torch.cat(a_rows).contiguous(), parts)
             weights.append(per)
         return _Stack(weights, col_slot, col_scale)

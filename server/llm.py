@@ -35,7 +35,8 @@ class LLM:
     e.g. {"method": "ngram", "num_speculative_tokens": 4}, see docs/speculative_decoding.md;
     deterministic=True/False: batch-invariant results, default None = on where cheap, see
     docs/determinism.md; autotune=True/False: time linear's paths per weight shape at start-up,
-    default None = on for CPU).
+    default None = on for CPU; lora_modules={"name": "path/to/peft-adapter"}: LoRA adapters that
+    generate's `lora` selects, per prompt).
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:
@@ -134,8 +135,11 @@ class LLM:
         sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
         use_tqdm: bool = False,
         priority: Optional[Sequence[int]] = None,
+        lora: Union[None, str, Sequence[Optional[str]]] = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (a string or a list of token ids); outputs keep input order."""
+        """Generate for every prompt (a string or a list of token ids); outputs keep input order.
+        lora: a LoRA adapter's name (of lora_modules) for every prompt, or one per prompt (None:
+        the base model)."""
         items: list[Any]
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
@@ -147,7 +151,7 @@ class LLM:
         staged: list[tuple[Optional[str], list[int]]] = [
             (p, tok.encode(p)) if isinstance(p, str) else (None, list(p)) for p in items
         ]
-        return self._run(staged, sampling_params, use_tqdm, priority)
+        return self._run(staged, sampling_params, use_tqdm, priority, lora)
 
     def embed(
         self,
@@ -187,21 +191,25 @@ class LLM:
         sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]],
         use_tqdm: bool,
         priority: Optional[Sequence[int]],
+        lora: Union[None, str, Sequence[Optional[str]]] = None,
     ) -> list[RequestOutput]:
         """Queue every (text, token ids) prompt, step the engine until all finish, keep input order."""
         params_list = self._params_list(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts")
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora: got {len(loras)} names for {len(prompts)} prompts")
 
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
         # Everything is tokenised before anything is queued, so a bad prompt fails fast.
-        staged = [(text, ids, sp, priority[i] if priority is not None else 0)
+        staged = [(text, ids, sp, priority[i] if priority is not None else 0, loras[i])
                   for i, ((text, ids), sp) in enumerate(zip(prompts, params_list))]
         try:
-            for text, ids, sp, prio in staged:
+            for text, ids, sp, prio, name in staged:
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, ids, sp, priority=prio)
+                self.engine.add_request(rid, ids, sp, priority=prio, lora=name)
                 order.append(rid)
                 results[rid] = RequestOutput(rid, text, ids, [
                     CompletionOutput(i, "", [], None, logprobs=[] if sp.logprobs is not None else None)

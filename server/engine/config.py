@@ -67,6 +67,9 @@ class EngineConfig:
         nothing decoding still takes max_num_batched_tokens. `pagewire serve` defaults to 50.
     task: "generate", "embed" (prefill-only requests pooled into vectors: server.models.pooling)
         or "auto" (embed when the folder has a sentence-transformers pooling config).
+    lora_modules: LoRA adapters over the model, (name, PEFT folder) pairs or a {name: folder}
+        mapping (`--lora NAME=PATH`); a request names one with add_request's `lora`
+        (server.models.lora). Generation models only.
     """
 
     model: str
@@ -87,6 +90,13 @@ class EngineConfig:
     autotune: Optional[bool] = None
     task: str = "auto"
     itl_target_ms: Optional[float] = None
+    lora_modules: "tuple[tuple[str, str], ...] | dict[str, str]" = ()
+
+    @property
+    def adapters(self) -> tuple[tuple[str, str], ...]:
+        """lora_modules as (name, folder) pairs."""
+        m = self.lora_modules
+        return tuple(m.items()) if isinstance(m, dict) else m
 
     def __post_init__(self) -> None:
         if self.deterministic is not None and not isinstance(self.deterministic, bool):
@@ -112,6 +122,10 @@ class EngineConfig:
                 raise ConfigError(
                     "quantization", f"'gguf' keeps a GGUF file's quantised blocks; {self.model!r} is not a .gguf file"
                 )
+        pairs = self.lora_modules.items() if isinstance(self.lora_modules, dict) else self.lora_modules
+        self.lora_modules = tuple((str(n), str(p)) for n, p in pairs)
+        if len({n for n, _ in self.lora_modules}) != len(self.lora_modules):
+            raise ConfigError("lora_modules", "an adapter name is given twice")
         if self.task not in ("auto", "generate", "embed"):
             raise ConfigError("task", f"must be one of auto, generate, embed, got {self.task!r}")
         if self.dtype not in SUPPORTED_DTYPES:

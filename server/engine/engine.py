@@ -46,6 +46,8 @@ from server.engine.structured import PendingMasks, StructuredDecoder
 from server.kernels import autotune, batch_invariant
 from server.kernels.ops import Q8_KERNEL_MAX_ROWS, cpu_isa
 from server.models.loader import load_model
+from server.models.lora import LoraSet
+from server.models.lora_config import read_lora_config
 from server.models.pooling import Pooler, PoolingMethod, resolve_pooler
 from server.models.protocol import CausalLM
 from server.models.registry import kv_shape
@@ -141,8 +143,9 @@ class LLMEngine:
             groups=layout.groups,
             chunk_tokens=layout.chunk_tokens,
         )
+        self.lora = self._load_adapters(config, kv_dtype)
         self.runner = ModelRunner(self.model, num_blocks, bs, self.kv_cache, self.device, kv_dtype, layout.groups,
-                                  state_cache)
+                                  state_cache, self.lora)
         self.sampler = Sampler(seed=config.seed)
         eos = set(self.tokenizer.eos_token_ids) | set(getattr(mc, "eos_token_ids", ()) or ())
         self.outputs = OutputProcessor(self.tokenizer, eos, max_model_len)
@@ -183,6 +186,22 @@ class LLMEngine:
             logger.info("ITL target: %.0f ms per step while sequences decode", config.itl_target_ms)
         self._step_rows = (0, 0)  # (decode rows, prefill tokens) of the step being run
 
+    def _load_adapters(self, config: EngineConfig, dtype: torch.dtype) -> Optional[LoraSet]:
+        """The LoRA adapters of `lora_modules`, checked against the model (None: none given)."""
+        if not config.lora_modules:
+            return None
+        if self.pooler is not None:
+            raise ConfigError("lora_modules", "LoRA adapters apply to generation models, this one serves embeddings")
+        lora = LoraSet(self.model.lora_layout(), dtype, self.device, self.model_config.vocab_size)
+        for name, path in config.adapters:
+            cfg = read_lora_config(path)
+            lora.load(name, cfg)
+            logger.info("LoRA adapter %s: %s (r=%d, scale %g, %s)", name, path, cfg.rank, cfg.scale,
+                        ", ".join(sorted(cfg.targets)) or cfg.target_regex)
+        logger.info("LoRA: %d adapter(s); steps with adapter rows run the Python layers (decode_layer has no "
+                    "low-rank term)", len(lora.names))
+        return lora
+
     def _autotune_linears(self, config: EngineConfig,
                           draft: Optional[CausalLM]) -> Optional[autotune.LinearTable]:
         """The linear paths' table for this engine's steps (server.kernels.autotune), or None (fixed rules)."""
@@ -204,11 +223,14 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: Optional[float] = None,
+        lora: Optional[str] = None,
     ) -> None:
-        """Queue a request. Raises ValueError (naming the field) for anything invalid, and for a
-        request that could never be scheduled (see errors.check_capacity)."""
+        """Queue a request, over LoRA adapter `lora` (a name of `lora_modules`; None: the base
+        model). Raises ValueError (naming the field) for anything invalid, and for a request that
+        could never be scheduled (see errors.check_capacity)."""
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
+        lora_slot = self._lora_slot(lora)
         ids = list(prompt_token_ids)
         if not ids:
             raise ValueError("prompt: must contain at least one token")
@@ -226,6 +248,8 @@ class LLMEngine:
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             max_total_tokens=max_total,
             pooler=self.pooler,
+            lora=lora,
+            lora_slot=lora_slot,
         )
         seq = self._add_sequence(req, 0, list(ids))
         gate = params.reasoning_gate
@@ -233,6 +257,17 @@ class LLMEngine:
         seq.grammar = StructuredDecoder.new_state(grammar, gate)
         self.scheduler.add(seq)
         self.requests[request_id] = req
+
+    def _lora_slot(self, lora: Optional[str]) -> int:
+        """The adapter's slot (0 for None); ValueError naming `model` for an unknown name."""
+        if lora is None:
+            return 0
+        names = self.lora.names if self.lora is not None else []
+        if lora not in names:
+            have = f"the adapters are {', '.join(names)}" if names else "no LoRA adapters are loaded"
+            raise ValueError(f"model: no LoRA adapter named {lora!r}; {have}")
+        assert self.lora is not None
+        return self.lora.slot(lora)
 
     def _check_task(self, params: SamplingParams) -> None:
         """An embedding request needs an embedding model and the other way round (ValueError

@@ -73,7 +73,7 @@ class KVCacheManager:
 
         Never the last token: its logits are needed, so at least one token is always computed.
         """
-        return self._alloc.match_prefix(seq.seq_id, seq.token_ids[:-1])
+        return self._alloc.match_prefix(seq.seq_id, _keyed(seq, seq.token_ids[:-1]))
 
     def allocate(self, seq: Sequence, num_new: int) -> Optional[list[tuple[int, int]]]:
         """Grow `seq` to hold num_computed_tokens + num_new tokens.
@@ -95,7 +95,7 @@ class KVCacheManager:
         start = seq.num_computed_tokens // bs * bs
         end = (seq.num_computed_tokens + num_new) // bs * bs
         if end > start:
-            self._alloc.cache_full_blocks(seq.seq_id, seq.token_ids[start:end], start)
+            self._alloc.cache_full_blocks(seq.seq_id, _keyed(seq, seq.token_ids[start:end]), start)
 
     def rollback(self, seq: Sequence) -> None:
         """After speculative verification: keep blocks for the verified tokens only, then register
@@ -114,7 +114,7 @@ class KVCacheManager:
         start = self._alloc.registered_tokens(seq.seq_id)
         end = keep // self.block_size * self.block_size
         if end > start:
-            self._alloc.cache_full_blocks(seq.seq_id, seq.token_ids[start:end], start)
+            self._alloc.cache_full_blocks(seq.seq_id, _keyed(seq, seq.token_ids[start:end]), start)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give `child` the parent's blocks, shared (refcount + 1 each); writes copy them first."""
@@ -173,3 +173,20 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Raise RuntimeError describing the first broken allocator invariant."""
         self._alloc.check_invariants()
+
+
+# A LoRA adapter's KV differs from the base model's for the same tokens, so the prefix cache must
+# never hand one's blocks to the other: a request over adapter slot k (1..127, Request.lora_slot)
+# offers and matches its tokens as token + k * 2^24, a namespace no base token id (< 2^24, checked
+# when adapters load: server.models.lora) and no other adapter's can meet. Block ids, hashing and
+# identity checks are the allocator's own; only the keys differ.
+_LORA_KEY_SHIFT = 24
+
+
+def _keyed(seq: Sequence, tokens: list[int]) -> list[int]:
+    """`tokens` as the prefix cache keys them for `seq`'s request (unchanged for the base model)."""
+    slot = seq.request.lora_slot
+    if not slot:
+        return tokens
+    offset = slot << _LORA_KEY_SHIFT
+    return [t + offset for t in tokens]

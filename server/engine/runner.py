@@ -21,6 +21,7 @@ from server.engine.scheduler import SchedulerOutput
 from server.engine.state_cache import StateCache
 from server.kernels import ops
 from server.models.attention import AttentionMetadata, StateBatch
+from server.models.lora import LoraSet, LoraStep
 from server.models.pooling import PoolingMethod
 from server.models.protocol import CausalLM
 from server.models.registry import kv_specs
@@ -37,11 +38,14 @@ class ModelRunner:
         kv_dtype: torch.dtype,
         groups: Optional[KVGroupLayout] = None,
         state_cache: Optional[StateCache] = None,
+        lora: Optional[LoraSet] = None,
     ) -> None:
         """groups: the model's KV groups, those kv_cache was built with (None: one full-attention
         group of every layer). state_cache: a hybrid model's recurrent state slots (its KV layers
-        are then its attention layers only)."""
+        are then its attention layers only). lora: the LoRA adapters requests may use (their
+        Request.lora_slot)."""
         self.model = model
+        self.lora = lora
         self.block_size = block_size
         self.kv_cache = kv_cache
         self.device = device
@@ -200,6 +204,16 @@ class ModelRunner:
                 torch.tensor(starts, dtype=torch.int64, device=dev), meta,
                 torch.tensor(sample_rows, dtype=torch.int64))
 
+    def _lora_step(self, out: SchedulerOutput) -> Optional[LoraStep]:
+        """The step's LoRA terms: each row's adapter slot (every row of a share is its request's);
+        None when no adapters are loaded or no scheduled request uses one."""
+        if self.lora is None or not any(share.seq.request.lora_slot for share in out.scheduled):
+            return None
+        rows: list[int] = []
+        for share in out.scheduled:
+            rows += [share.seq.request.lora_slot] * share.num_new_tokens
+        return self.lora.step(rows)
+
     @staticmethod
     def _pool(out: SchedulerOutput, hidden: torch.Tensor) -> None:
         """Each embedding share's contribution from its rows of the final-norm hidden states, in
@@ -229,7 +243,11 @@ class ModelRunner:
             mapping = torch.tensor(copies, dtype=torch.int64, device=self.device)
             ops.copy_blocks(self._key_caches, self._value_caches, mapping)
         input_ids, positions, meta, sample_rows = self._plan(out)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        step = self._lora_step(out)
+        if step is None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, lora=step)
         self._pool(out, hidden)
         if sample_rows.numel() == 0:
             return hidden.new_empty((0, 0), dtype=torch.float32)

@@ -26,6 +26,7 @@ from server.kernels.quant import QUANTIZATIONS, QuantizedWeight
 from server.models.attention import AttentionMetadata
 from server.models.config import ModelConfig
 from server.models.layers import add_norm, gelu_tanh_and_mul, norm, rms_norm, silu_and_mul
+from server.models.lora import LoraStep, Slot
 from server.models.moe import SparseMoE, parameter_summary
 from server.models.rope import RopeBatch, RotaryEmbedding
 from server.models.weights import WeightTarget, param
@@ -65,6 +66,7 @@ class DecoderLayer(nn.Module):
         self.residual_multiplier = c.residual_multiplier
 
         H, I = c.hidden_size, c.intermediate_of(layer_idx)
+        self.hidden_size = H
         own_kv = 0 if self.shares_kv else (1 if self.value_from_key else 2) * self.kv_size
         qkv = self.q_size + own_kv  # q, then k and v rows unless shared (k only when v is k)
         pre, post = c.norm_placement in ("pre", "both"), c.norm_placement in ("post", "both")
@@ -126,11 +128,13 @@ class DecoderLayer(nn.Module):
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         per_layer_input: torch.Tensor | None = None,
+        lora: LoraStep | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Args: hidden [T, H], the residual stream (updated in place); delta [T, H], the previous
         layer's MLP output not yet added to it (None for the first layer); rope and rope_batch:
         this layer's table (None for a NoPE layer); per_layer_input [T, P], this layer's slice of
-        the per-layer input embeddings (models with them only).
+        the per-layer input embeddings (models with them only); lora: the step's LoRA terms, added
+        to each projection's output for the rows that use an adapter (server.models.lora).
 
         Returns (hidden, this layer's MLP output): the add is left to the next norm, which fuses it
         (None when the layer ends by adding it itself: the per-layer input block, the layer scalar).
@@ -141,6 +145,8 @@ class DecoderLayer(nn.Module):
 
         x = _enter(hidden, delta, self.attn_norm, self.eps, self.norm_fp32)
         qkv = linear(x, self.qkv_weight, self.qkv_bias)  # [T, q + 2 kv] (q + kv, q: see own_kv)
+        if lora is not None:
+            lora.add(self.layer_idx, "qkv", x, qkv)
         q, kv = self.q_size, self.kv_size
         if self.q_norm is not None and self.k_norm is not None:  # OLMo 2: over the whole projection
             qkv[:, :q] = norm(qkv[:, :q].contiguous(), self.q_norm, self.eps)
@@ -170,12 +176,19 @@ class DecoderLayer(nn.Module):
                         self.scale, self.sliding_window, meta.max_query_len, meta.max_seq_len, self.softcap,
                         self.sinks)
         out = linear(attn.view(T, self.q_size), self.o_weight, self.o_bias)
+        if lora is not None:
+            lora.add(self.layer_idx, "o", attn.view(T, self.q_size), out)
         x = _enter(hidden, self._leave(out, self.attn_post_norm), self.mlp_norm, self.eps, self.norm_fp32)
         if self.moe is not None:  # a sparse layer: the router, then pagewire::moe_experts
             return hidden, self._leave(self.moe(x), self.mlp_post_norm)
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
+        if lora is not None:
+            lora.add(self.layer_idx, "gate_up", x, gate_up)
         act = gelu_tanh_and_mul(gate_up) if self.activation == "gelu_tanh" else silu_and_mul(gate_up)
-        mlp = self._leave(linear(act, self.down_weight, self.down_bias), self.mlp_post_norm)
+        down = linear(act, self.down_weight, self.down_bias)
+        if lora is not None:
+            lora.add(self.layer_idx, "down", act, down)
+        mlp = self._leave(down, self.mlp_post_norm)
         if not self.finishes:
             return hidden, mlp
         return self._finish(hidden, mlp, per_layer_input), None
@@ -249,6 +262,22 @@ class DecoderLayer(nn.Module):
         return None if None in kinds else tuple(cast(list[str], kinds))
 
     MATRICES: tuple[str, ...] = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+
+    def lora_layout(self) -> dict[str, Slot]:
+        """The PEFT modules a LoRA adapter may target in this layer and where each lands in the
+        fused matrices (server.models.lora): q/k/v in qkv (k and v only where the layer projects
+        its own), o, and gate/up/down where the MLP is dense."""
+        H, q, kv = self.hidden_size, self.q_size, self.kv_size
+        out = {"q_proj": Slot("qkv", 0, q, H), "o_proj": Slot("o", 0, H, q)}
+        if not self.shares_kv:
+            out["k_proj"] = Slot("qkv", q, kv, H)
+            if not self.value_from_key:
+                out["v_proj"] = Slot("qkv", q + kv, kv, H)
+        if self.moe is None:
+            I = self.down_weight.shape[1]
+            out.update(gate_proj=Slot("gate_up", 0, I, H), up_proj=Slot("gate_up", I, I, H),
+                       down_proj=Slot("down", 0, H, I))
+        return out
 
     def quantize_weights(self, qtype: str) -> None:
         """Replace the four matrices by QuantizedWeight(qtype) (biases and norms stay as they are)."""
@@ -443,6 +472,7 @@ class DecoderForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
         """Run the new tokens of every scheduled sequence through the model, writing their K/V.
 
@@ -453,6 +483,9 @@ class DecoderForCausalLM(nn.Module):
                 layers of different KV groups may share tensors (their blocks never overlap).
             meta: where each token's K/V is written and which blocks each sequence reads (per
                 layer: meta.for_layer(i)).
+            lora: the step's LoRA terms (server.models.lora.LoraSet.step), None when no row uses
+                an adapter. A step with one runs the Python layers: pagewire::decode_layer has no
+                low-rank term, so the fused path is taken only by steps without adapter rows.
         Returns:
             [T, hidden_size] final-normed hidden states; pass the rows to sample to compute_logits.
         """
@@ -465,7 +498,7 @@ class DecoderForCausalLM(nn.Module):
         batches = [rope.prepare(positions, self.dtype, context_lens) for rope in self.ropes]
         per_layer = self._per_layer_inputs(input_ids, hidden)  # [T, L, P] or None
         delta: torch.Tensor | None = None
-        fused = self._fused_kinds(hidden, batches)
+        fused = self._fused_kinds(hidden, batches) if lora is None else None
         for i, (layer, (key_cache, value_cache)) in enumerate(zip(self._layers, kv_caches)):
             r = layer.rope_index
             rope, batch = (self.ropes[r], batches[r]) if r is not None else (None, None)
@@ -476,7 +509,7 @@ class DecoderForCausalLM(nn.Module):
                 rows = batch.positions if batch is not None else positions
                 hidden, delta = layer.forward_fused(hidden, delta, rope, rows, key_cache, value_cache, m, kinds, ple)
             else:
-                hidden, delta = layer.forward(hidden, delta, rope, batch, key_cache, value_cache, m, ple)
+                hidden, delta = layer.forward(hidden, delta, rope, batch, key_cache, value_cache, m, ple, lora)
         eps, fp32 = self.config.rms_norm_eps, self.config.norm_weight_fp32
         return norm(hidden, self.norm, eps, fp32) if delta is None else add_norm(hidden, delta, self.norm, eps, fp32)
 
@@ -559,6 +592,10 @@ class DecoderForCausalLM(nn.Module):
                 out += layer.moe.linear_weights()
         out.append(("lm_head", self.lm_head))
         return out
+
+    def lora_layout(self) -> list[dict[str, Slot]]:
+        """Per layer, the modules a LoRA adapter may target and where they land (server.models.lora)."""
+        return [layer.lora_layout() for layer in self._layers]
 
     def tie_lm_head(self) -> None:
         """Drop the separate lm_head and project with the embedding table (frees vocab x hidden)."""

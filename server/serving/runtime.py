@@ -31,6 +31,7 @@ from server.serving.db_lock import LedgerLock
 from server.serving.jobs import Job
 from server.serving.ledger import Ledger
 from server.serving.metrics import Metrics
+from server.serving.model_names import ModelNames
 from server.serving.output_budget import OutputBudget
 from server.serving.prompts import PromptPreparer
 from server.serving.router_view import router_gauges
@@ -89,6 +90,8 @@ class Runtime:
         self.lock = lock  # the ledger's exclusive lock, when taken before start (serve.run)
         self.model_dir = model_dir
         self.model_name = model_name
+        # What a request's `model` may name: this model, or a LoRA adapter over it (--lora).
+        self.names = ModelNames(model_name, [n for n, _ in settings.lora])
         self.ledger: Optional[Ledger] = None
         self.tokenizer: Optional[Tokenizer] = None
         self.sampling_defaults: dict[str, Any] = {}

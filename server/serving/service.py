@@ -422,7 +422,7 @@ class RequestService:
     def submit(self, job: Job) -> None:
         """Admission's hand-off to the engine (must not raise; see AdmissionQueue)."""
         try:
-            self.bridge.submit(job.request_id, job.prompt_token_ids, job.params, job.spec.priority)
+            self.bridge.submit(job.request_id, job.prompt_token_ids, job.params, job.spec.priority, job.spec.lora)
         except Exception as e:  # noqa: BLE001 - reported as the request's failure
             job.error = str(e)
             asyncio.get_running_loop().call_soon(self._end, job, None)

@@ -133,7 +133,8 @@ class ModelRunner:
 
         num_seqs = len(q_lens)
         tables = self._block_tables(seqs, -(-max(seq_lens) // bs))
-        if qsl[-1] == num_seqs and len(self.groups.groups) == 1 and not self.groups.slot_elems:
+        if (qsl[-1] == num_seqs and len(self.groups.groups) == 1 and not self.groups.slot_elems
+                and self.state_cache is None):  # a hybrid's steps also carry the state slots (below)
             return self._plan_decode(token_ids, starts, seq_lens, prompt_lens, qsl, tables, sample_rows)
         q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
         # positions: start_i + arange(q_len_i), vectorised over the flat batch.

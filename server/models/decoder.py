@@ -629,7 +629,7 @@ class DecoderForCausalLM(nn.Module):
         ignores them too)."""
         names = ("k_proj.weight", "v_proj.weight", "k_norm.weight", "k_proj.bias", "v_proj.bias")
         return frozenset(f"model.layers.{i}.self_attn.{n}" for i, layer in enumerate(self._layers)
-                         if layer.shares_kv for n in names)
+                         if getattr(layer, "shares_kv", False) for n in names)  # recurrent layers have no KV
 
 
 

@@ -14,7 +14,7 @@ runner hands `kv_caches` and per-layer metadata for those, in order.
 """
 from __future__ import annotations
 
-from typing import Optional, cast
+from typing import TYPE_CHECKING, Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,9 @@ from server.models.lfm2_config import LFM2_NAMES
 from server.models.moe import parameter_summary
 from server.models.state_specs import attention_layers
 from server.models.weights import WeightTarget, param
+
+if TYPE_CHECKING:
+    from server.models.lora import LoraStep
 
 
 class ShortConvLayer(nn.Module):
@@ -136,9 +139,12 @@ class Lfm2ForCausalLM(DecoderForCausalLM):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                lora: LoraStep | None = None) -> torch.Tensor:
         """As DecoderForCausalLM.forward, with kv_caches (and meta.for_layer) per attention layer and
         meta.state holding the convolution layers' state slots."""
+        if lora is not None:  # the hybrid layers have no low-rank path yet (issue 30 meets issue 28)
+            raise ValueError("LoRA adapters are not supported on hybrid (recurrent-state) models")
         n_attn = sum(i is not None for i in self._kv_index)
         if len(kv_caches) != n_attn:
             raise ValueError(f"kv_caches: expected {n_attn} (key, value) pairs (the attention layers), got {len(kv_caches)}")

@@ -15,7 +15,7 @@ layer's place among them, as for LFM2 (server/models/lfm2.py).
 """
 from __future__ import annotations
 
-from typing import Optional, cast
+from typing import TYPE_CHECKING, Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,9 @@ from server.models.moe import SparseMoE, parameter_summary
 from server.models.rope import RopeBatch, RotaryEmbedding
 from server.models.state_specs import attention_layers
 from server.models.weights import WeightTarget, param
+
+if TYPE_CHECKING:
+    from server.models.lora import LoraStep
 
 
 def gdn_shape(c: ModelConfig) -> GdnShape:
@@ -53,8 +56,8 @@ class GatedAttentionLayer(DecoderLayer):
     def forward(self, hidden: torch.Tensor, delta: torch.Tensor | None, rope: RotaryEmbedding | None,
                 rope_batch: RopeBatch | None, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata, per_layer_input: torch.Tensor | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """As DecoderLayer.forward (the same arguments and result)."""
+                lora: LoraStep | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As DecoderLayer.forward (the same arguments and result; no LoRA term: see the model's forward)."""
         T = hidden.shape[0]
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, kv = self.q_size, self.kv_size
@@ -188,9 +191,12 @@ class Qwen3NextForCausalLM(DecoderForCausalLM):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                lora: LoraStep | None = None) -> torch.Tensor:
         """As DecoderForCausalLM.forward, with kv_caches (and meta.for_layer) per attention layer and
         meta.state holding the Gated DeltaNet layers' state slots."""
+        if lora is not None:  # the hybrid layers have no low-rank path yet (issue 30 meets issue 28)
+            raise ValueError("LoRA adapters are not supported on hybrid (recurrent-state) models")
         n_attn = sum(i is not None for i in self._kv_index)
         if len(kv_caches) != n_attn:
             raise ValueError(f"kv_caches: expected {n_attn} (key, value) pairs (the attention layers), "

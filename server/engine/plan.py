@@ -275,7 +275,6 @@ def make_plan(model: str, mc: ModelConfig, config: EngineConfig, memory_bytes: O
         if kv_tokens < config.block_size:
             raise ConfigError("memory", f"leaves {budget} bytes for KV, less than one block")
     from server.models.registry import kv_shape
-
     from server.models.state_specs import state_slot_bytes
 
     # A hybrid model's state slots (one per running sequence, plus snapshots) share the budget.

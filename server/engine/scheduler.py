@@ -37,8 +37,8 @@ import bisect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
-from server.engine.kv_budget import default_watermark
 from server.engine.hybrid_states import HybridStates
+from server.engine.kv_budget import default_watermark
 from server.engine.kv_cache_manager import KVCacheManager
 from server.engine.priority import BACKGROUND_PRIORITY
 from server.engine.request import SeqStatus, Sequence

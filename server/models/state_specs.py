@@ -73,7 +73,7 @@ def attention_layers(config: ModelConfig) -> tuple[int, ...]:
 def state_specs(config: ModelConfig) -> tuple[tuple[StateSpec, ...], ...]:
     """Per layer, its state tensors (() for an attention layer). Raises KeyError naming an
     unregistered kind (a family entry's bug, not user input)."""
-    out = []
+    out: list[tuple[StateSpec, ...]] = []
     for i in range(config.num_layers):
         kind = layer_type(config, i)
         if kind == ATTENTION:

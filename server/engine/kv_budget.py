@@ -144,8 +144,9 @@ def kv_layout(config: EngineConfig, *, num_layers: int, num_kv_heads: int, head_
     every token the target holds.
 
     state_slot_bytes: a hybrid model's state per sequence (state_specs.state_slot_bytes; 0: none).
-    The same budget then also holds max_num_seqs running slots and, with prefix caching, snapshot
-    slots from an eighth of what is left (at most one per KV block); the KV blocks get the rest.
+    It has max_num_seqs running slots and, with prefix caching, snapshot slots worth an eighth of the
+    KV bytes (at most one per KV block). With kv_cache_memory_gb the budget holds both pools (the
+    KV blocks get what the slots leave); kv_cache_tokens sizes the KV pool alone, slots on top.
 
     Raises ConfigError naming the setting when the pool holds no block or less than one
     `max_model_len` sequence, the state slots alone exceed the budget, or max_model_len exceeds the
@@ -176,13 +177,18 @@ def kv_layout(config: EngineConfig, *, num_layers: int, num_kv_heads: int, head_
     running_slots = config.max_num_seqs if state_slot_bytes else 0
     snapshot_slots = 0
     if state_slot_bytes:
-        budget -= running_slots * state_slot_bytes
-        if budget <= 0:
-            raise ConfigError("kv_cache_memory_gb", f"{running_slots} state slots (max_num_seqs) of {state_slot_bytes} "
-                                                    "bytes leave no room for KV blocks; raise the budget or lower max_num_seqs")
+        # kv_cache_tokens sizes the KV pool itself, the state slots come on top; kv_cache_memory_gb
+        # is a budget for both pools together.
+        if not explicit:
+            budget -= running_slots * state_slot_bytes
+            if budget <= 0:
+                raise ConfigError("kv_cache_memory_gb", f"{running_slots} state slots (max_num_seqs) of "
+                                  f"{state_slot_bytes} bytes leave no room for KV blocks; raise the budget or lower "
+                                  "max_num_seqs")
         if config.enable_prefix_caching:
             snapshot_slots = budget // 8 // state_slot_bytes
-            budget -= snapshot_slots * state_slot_bytes
+            if not explicit:
+                budget -= snapshot_slots * state_slot_bytes
     num_blocks = budget // (block_bytes + draft_bytes_per_token * bs)
     if not explicit:
         # kv_cache_memory_gb is a budget, not a size: the pool needs no more than max_num_seqs

@@ -40,6 +40,8 @@ class ShortConvLayer(nn.Module):
     norm and gated SiLU MLP (its output left for the next layer's norm to add, as DecoderLayer)."""
 
     fusable = False  # no decode_layer equivalent: always the Python layer (one C++ op for the conv)
+    shares_kv = False  # (what DecoderForCausalLM asks of every layer: no KV at all here)
+    moe = None
     MATRICES: tuple[str, ...] = ("in_proj_weight", "out_proj_weight", "gate_up_weight", "down_weight")
 
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device) -> None:

@@ -115,7 +115,7 @@ class Engine:
 
 
 class StatePoolMachine(RuleBasedStateMachine):
-    @initialize(num_blocks=st.integers(6, 30), block_size=st.integers(1, 4), max_seqs=st.integers(1, 4),
+    @initialize(num_blocks=st.integers(12, 40), block_size=st.integers(1, 4), max_seqs=st.integers(1, 4),
                 budget=st.integers(1, 12), snapshots=st.integers(0, 6), interval=st.integers(1, 3),
                 caching=st.booleans())
     def setup(self, num_blocks: int, block_size: int, max_seqs: int, budget: int, snapshots: int, interval: int,
@@ -129,7 +129,7 @@ class StatePoolMachine(RuleBasedStateMachine):
         self.next = 0
         self.token = 0
 
-    @rule(which=st.integers(0, 1), base=st.integers(0, 10), cut=st.integers(0, 12),
+    @rule(which=st.integers(0, 1), base=st.integers(0, 10), cut=st.one_of(st.integers(0, 12), st.just(64)),
           tail=st.lists(st.integers(0, 2), min_size=1, max_size=10), n=st.integers(1, 3),
           max_tokens=st.integers(1, 6))
     def add(self, which: int, base: int, cut: int, tail: list[int], n: int, max_tokens: int) -> None:
@@ -146,6 +146,18 @@ class StatePoolMachine(RuleBasedStateMachine):
     def step(self, which: int) -> None:
         self.token = (self.token + 1) % 3
         self.engines[which].step(self.token)
+
+    @rule(which=st.integers(0, 1))
+    def drain(self, which: int) -> None:
+        """Step until every request has finished, so a later prompt sharing a prefix finds its
+        blocks cached and its state saved (liveness bounds the steps)."""
+        eng = self.engines[which]
+        for _ in range(200):
+            if not eng.live:
+                break
+            self.step(which)
+            eng.check()
+        assert not eng.live, "requests left after 200 steps"
 
     @rule(which=st.integers(0, 1), index=st.integers(0, 50))
     def abort(self, which: int, index: int) -> None:

@@ -92,7 +92,7 @@ def test_preemption_and_recompute_match_transformers(family_model: Callable[[str
     hf_dir = family_model("lfm2", "hf")
     prompts = _prompts(4, _vocab(hf_dir), 30, 40, seed=17)
     # 9 blocks of 16 tokens: four sequences growing to ~56 tokens (4 blocks each) cannot all stay.
-    llm = LLM(str(hf_dir), max_model_len=64, kv_cache_tokens=144, enable_prefix_caching=False)
+    llm = LLM(str(hf_dir), max_model_len=64, kv_cache_tokens=144, enable_prefix_caching=False, max_num_seqs=4)
     outs = llm.generate(prompts, _greedy())
     assert llm.engine.stats().num_preemptions > 0
     assert _tokens(outs) == [hf_greedy(hf_dir, p, MAX_NEW) for p in prompts]

@@ -54,12 +54,12 @@ def test_prefix_hit_on_a_saved_state_matches_transformers(family_model: Callable
 
 @pytest.mark.parametrize("arch", HYBRIDS)
 def test_preemption_and_recompute_matches_transformers(family_model: Callable[[str, str], Path], arch: str) -> None:
-    """Four sequences growing to ~76 tokens (5 blocks each) in a pool of about 12 blocks (less the
-    four state slots' share of the budget) cannot all stay: some are preempted (their state slot
-    dropped) and recomputed from token 0."""
+    """Four sequences admitted at 2 blocks each, growing to 3 blocks each, in a KV pool of 9 blocks (the state
+    slots come on top of it) cannot all stay: some are preempted (their state slot dropped) and
+    recomputed from token 0."""
     hf_dir = family_model(arch, "hf")
-    prompts = _prompts(4, _vocab(hf_dir), 40, 60, seed=11)
-    llm = LLM(str(hf_dir), max_model_len=128, kv_cache_tokens=192, max_num_seqs=4, enable_prefix_caching=False)
+    prompts = _prompts(4, _vocab(hf_dir), 18, 28, seed=11)
+    llm = LLM(str(hf_dir), max_model_len=64, kv_cache_tokens=144, max_num_seqs=4, enable_prefix_caching=False)
     outs = llm.generate(prompts, _greedy())
     assert llm.engine.stats().num_preemptions > 0
     assert _tokens(outs) == [hf_greedy(hf_dir, p) for p in prompts]

@@ -213,6 +213,19 @@ def _catalog(settings: ServeSettings) -> tuple[Path, str, Optional[str], list[An
     except ModelPathError as e:
         raise SystemExit(f"pagewire: {e}") from None
     return entries[0].path, entries[0].name, banner, entries
+def _check_adapters(settings: ServeSettings, names: list[str]) -> None:
+    """--lora: each adapter's folder and adapter_config.json (torch-free; the tensors are checked
+    against the model when it loads), and names that clash with no served model's (`names`, the
+    default model, over which the adapters go, first). ValueError naming the problem."""
+    from server.models.lora_config import read_lora_config
+    from server.serving.model_names import ModelNames
+
+    for _, path in settings.lora:
+        read_lora_config(path)
+    ModelNames(names[0], [n for n, _ in settings.lora])
+    clash = [n for n, _ in settings.lora if n in names[1:]]
+    if clash:
+        raise ValueError(f"--lora: adapter name {clash[0]!r} is also a served model's name; pick another")
 
 
 def _serve(ns: argparse.Namespace) -> int:
@@ -233,9 +246,10 @@ def _serve(ns: argparse.Namespace) -> int:
         # to see that it is a .gguf file), and the model's config is read (no weights) so an
         # unsupported one is refused here, before the port is bound or the engine starts.
         for entry in entries:
-            settings.engine_config(str(entry.path))
+            settings.engine_config(str(entry.path), adapters=entry is entries[0])
             check_model(entry.path, settings.task)
-    except ValueError as e:  # ModelPathError, ConfigError
+        _check_adapters(settings, [e.name for e in entries])
+    except ValueError as e:  # ModelPathError, ConfigError, LoraError
         print(f"pagewire: {e}", file=sys.stderr)
         return 2
     if settings.speculative_config is not None:  # a draft model must share the model's vocabulary

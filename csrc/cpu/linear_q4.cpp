@@ -1,4 +1,4 @@
-// The 4-bit quantised-weight CPU ops (GGUF's Q4_0, Q4_1 and Q4_K layouts, see quant4_kernel.h):
+// The 4-bit quantised-weight CPU ops (GGUF's Q4_0, Q4_1, Q4_K and MXFP4 layouts, see quant4_kernel.h):
 // quantize_q4_0 (float weights at load, GGUF's rounding), dequantize_q4 (tests, prefill), and
 // linear_q4: x @ dequant(w)^T (+ bias) with x quantised per row to Q8 blocks on the fly, through
 // the AVX-512 VNNI kernel (linear_q4_avx512.cpp) when the CPU has it, the AVX2 one
@@ -48,6 +48,16 @@ inline void decode_sub(Q4Type t, const uint8_t* row, int64_t sb, uint8_t* q, flo
     for (int j = 0; j < 32; ++j) q[j] = (qs[j] >> shift) & 0xF;
     return;
   }
+  if (t == Q4Type::kMXFP4) {
+    const uint8_t* blk = row + sb * kMxfp4BlockBytes;
+    *a = mxfp4_scale(blk[0]);
+    *c = -kMxfp4Offset * *a;
+    for (int j = 0; j < 16; ++j) {
+      q[j] = static_cast<uint8_t>(kMxfp4Values[blk[1 + j] & 0xF] + kMxfp4Offset);
+      q[j + 16] = static_cast<uint8_t>(kMxfp4Values[blk[1 + j] >> 4] + kMxfp4Offset);
+    }
+    return;
+  }
   const uint8_t* blk = row + sb * q4_block_bytes(t);
   const float d = load_fp16(blk);
   *a = d;
@@ -69,6 +79,8 @@ void dequantize_q4_row(Q4Type t, const uint8_t* w, float* out, int64_t K) {
     float* o = out + sb * 32;
     if (t == Q4Type::kQ4_0) {
       for (int j = 0; j < 32; ++j) o[j] = a * static_cast<float>(static_cast<int>(q[j]) - 8);  // GGUF: d * (q - 8)
+    } else if (t == Q4Type::kMXFP4) {  // exact: a small integer times a power of two
+      for (int j = 0; j < 32; ++j) o[j] = a * static_cast<float>(static_cast<int>(q[j]) - kMxfp4Offset);
     } else {
       for (int j = 0; j < 32; ++j) o[j] = a * static_cast<float>(q[j]) + c;
     }
@@ -147,7 +159,8 @@ Q4Format parse_q4_type(const std::string& qtype) {
   if (qtype == "q4_k") return {cpu::Q4Type::kQ4_K, false};
   if (qtype == "q4_0x8") return {cpu::Q4Type::kQ4_0, true};
   if (qtype == "q4_1x8") return {cpu::Q4Type::kQ4_1, true};
-  TORCH_CHECK(false, "qtype must be 'q4_0', 'q4_1', 'q4_k', 'q4_0x8' or 'q4_1x8', got '", qtype, "'");
+  if (qtype == "mxfp4") return {cpu::Q4Type::kMXFP4, false};
+  TORCH_CHECK(false, "qtype must be 'q4_0', 'q4_1', 'q4_k', 'q4_0x8', 'q4_1x8' or 'mxfp4', got '", qtype, "'");
 }
 
 // Bytes per row of K values of type t, checking that K is a whole number of blocks.

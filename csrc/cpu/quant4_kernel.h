@@ -7,6 +7,12 @@
 //   Q4_K: 256 values in 144 bytes {fp16 d, fp16 dmin, 12 bytes of eight 6-bit (scale, min) pairs,
 //     128 bytes q}: sub-block s (32 values) is d * sc[s] * q - dmin * mn[s]; bytes 32c..32c+31
 //     hold sub-block 2c in their low nibbles and sub-block 2c + 1 in their high nibbles.
+//   MXFP4: 32 values in 17 bytes {u8 E8M0 exponent e, 16 bytes q} (gpt-oss's experts, GGML type
+//     MXFP4): value = E2M1(q) * 2^(e - 127) = kMxfp4Values[q] * 2^(e - 128), byte j holding value j
+//     low and j + 16 high as in Q4_0. The kernels read each code as kMxfp4Values[q] + 12 (unsigned
+//     0..24, a byte shuffle of the nibble) with the block's offset -12 * 2^(e - 128), so the same
+//     unsigned x signed dot products and offset FMAs as Q4_0 compute it exactly. (e = 255, the
+//     spec's NaN, is read as 2^127, as llama.cpp does.)
 // Every kernel works on activations quantised per row to Q8 blocks of 32 (quant_kernel.h), so a
 // 4-bit weight block times an activation block is one integer dot product of 32 pairs plus the
 // block's offset term (q's offset or min) times the activation block's sum.
@@ -16,17 +22,34 @@
 
 namespace pagewire::cpu {
 
-enum class Q4Type : int { kQ4_0 = 0, kQ4_1 = 1, kQ4_K = 2 };
+enum class Q4Type : int { kQ4_0 = 0, kQ4_1 = 1, kQ4_K = 2, kMXFP4 = 3 };
 
 constexpr int kQ4_0BlockBytes = 18;   // per 32 values
 constexpr int kQ4_1BlockBytes = 20;   // per 32 values
 constexpr int kQ4_KBlock = 256;       // values per super-block
 constexpr int kQ4_KBlockBytes = 144;  // per 256 values
+constexpr int kMxfp4BlockBytes = 17;  // per 32 values
+
+// Twice the E2M1 values (OCP MX table 4), integers; the kernels add kMxfp4Offset to make them unsigned.
+constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+constexpr int kMxfp4Offset = 12;
+
+// 2^(e - 128), the scale of kMxfp4Values for exponent byte e, built from its bits (exact; e < 2
+// gives the subnormals 2^-128 and 2^-127).
+inline float mxfp4_scale(uint8_t e) {
+  const uint32_t bits = e >= 2 ? static_cast<uint32_t>(e - 1) << 23 : 0x00200000u << e;
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
 
 // Values per block and bytes per block of a type.
 inline int q4_block_values(Q4Type t) { return t == Q4Type::kQ4_K ? kQ4_KBlock : 32; }
 inline int q4_block_bytes(Q4Type t) {
-  return t == Q4Type::kQ4_0 ? kQ4_0BlockBytes : t == Q4Type::kQ4_1 ? kQ4_1BlockBytes : kQ4_KBlockBytes;
+  return t == Q4Type::kQ4_0   ? kQ4_0BlockBytes
+         : t == Q4Type::kQ4_1 ? kQ4_1BlockBytes
+         : t == Q4Type::kQ4_K ? kQ4_KBlockBytes
+                              : kMxfp4BlockBytes;
 }
 
 // Activations quantised per row in blocks of 32: x ~= d[b] * q[32 b + j]; s[b] = d[b] * sum_j q.

@@ -14,7 +14,7 @@ class Qtype(StrEnum):
     Q4_0 = "q4_0"
     Q4_1 = "q4_1"
     Q4_K = "q4_k"
-    MXFP4 = "mxfp4"  # experts only (QuantizedExperts in moe_experts): no dense linear kernel
+    MXFP4 = "mxfp4"  # GGUF ships it for experts only (QuantizedExperts in moe_experts)
 
 
 class LinearKind(StrEnum):

@@ -48,8 +48,8 @@ QTYPES: dict[Qtype, BlockFormat] = {
     Qtype.Q4_1: BlockFormat(32, 20),
     Qtype.Q4_K: BlockFormat(256, 144),
     # GGML's MXFP4 (gpt-oss's experts): an E8M0 scale byte, then 16 bytes of E2M1 codes (value j in
-    # the low nibble of byte j, value j + 16 in its high nibble). Kept for experts only: moe_experts
-    # decodes the rows of the experts a step uses (no dense linear kernel, so not for other matrices).
+    # the low nibble of byte j, value j + 16 in its high nibble); the 4-bit kernels read it (linear_q4
+    # qtype "mxfp4", csrc/cpu/quant4_kernel.h). GGUF files ship it for experts only.
     Qtype.MXFP4: BlockFormat(32, 17),
 }
 
@@ -59,7 +59,6 @@ INTERLEAVABLE: tuple[Qtype, ...] = (Qtype.Q8_0, Qtype.Q4_0, Qtype.Q4_1)
 # GGUF tensor type names (gguf.GGMLQuantizationType) -> the qtype that keeps them as they are.
 GGUF_QTYPES: dict[str, Qtype] = {"Q8_0": Qtype.Q8_0, "Q4_0": Qtype.Q4_0, "Q4_1": Qtype.Q4_1, "Q4_K": Qtype.Q4_K,
                                   "MXFP4": Qtype.MXFP4}
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 # --quantization values that quantise float weights at load, and the format each one stores.
 # ("gguf", which keeps a GGUF file's own block types, is handled by the GGUF loader.)
@@ -163,16 +162,12 @@ class QuantizedWeight:
         """The represented weight [N, K] in `dtype` (exact in float32, as GGUF computes it)."""
         if self.qtype is Qtype.Q8_0:
             return torch.ops.pagewire.dequantize_q8_0(self.data, self.interleaved).to(dtype)
-        if self.qtype is Qtype.MXFP4:
-            return _dequantize_mxfp4(self.data, self.shape).to(dtype)
         return torch.ops.pagewire.dequantize_q4(self.data, self.op_qtype).to(dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] @ self^T (+ bias) in x's dtype, through the format's kernel."""
         if self.qtype is Qtype.Q8_0:
             return torch.ops.pagewire.linear_q8_0(x, self.data, bias, self.interleaved)
-        if self.qtype is Qtype.MXFP4:
-            return torch.nn.functional.linear(x, self.dequantize(x.dtype), bias)
         return torch.ops.pagewire.linear_q4(x, self.data, self.op_qtype, bias)
 
     @property
@@ -255,13 +250,3 @@ class QuantizedExperts:
     @property
     def nbytes(self) -> int:
         return self.data.numel()
-
-
-def _dequantize_mxfp4(data: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    """float32 [N, K] of GGML MXFP4 bytes [N, K / 32 * 17] (exact: E2M1 values times 2 ** (e - 127))."""
-    n, k = shape
-    blocks = data.reshape(n, k // 32, 17)
-    codes = torch.cat((blocks[..., 1:] & 0x0F, blocks[..., 1:] >> 4), dim=-1).long()  # [N, G, 32]
-    values = torch.tensor(_E2M1, dtype=torch.float32)[codes]
-    exponent = blocks[..., :1].to(torch.int32).sub(127).to(torch.float32)
-    return torch.ldexp(values, exponent).reshape(n, k)

@@ -67,7 +67,10 @@ def read_config_file(path: Path) -> dict[str, Any]:
         if key == "adapters":
             if "lora" not in by_name:
                 raise ConfigFileError(f"{path}: adapters: this server has no LoRA support (--lora)")
-            values["lora"] = _entries(path, "adapters", value)
+            try:  # (name, folder) pairs, as --lora parses them
+                values["lora"] = tuple(by_name["lora"].parse(e) for e in _entries(path, "adapters", value))
+            except ValueError as e:
+                raise ConfigFileError(f"{path}: adapters: {e}") from None
             continue
         if key == "model_dir":
             values["model_dir"] = _as_text(value)
@@ -113,7 +116,7 @@ def render_config(values: dict[str, Any], source: dict[str, str]) -> str:
         lines.append(f"{name} = {text}  # {where}")
 
     emit("model_dir", settings.model_dir)
-    tables: list[tuple[str, tuple[str, ...], str]] = []
+    tables: list[tuple[str, tuple[Any, ...], str]] = []
     for o in OPTIONS:
         value = getattr(settings, o.name)
         if o.repeated:
@@ -125,6 +128,6 @@ def render_config(values: dict[str, Any], source: dict[str, str]) -> str:
         emit(o.name, value)
     for table, entries, where in tables:
         for entry in entries:
-            name, _, p = entry.partition("=")
+            name, p = entry if isinstance(entry, tuple) else entry.split("=", 1)  # lora's are (name, path)
             lines += ["", f"[[{table}]]  # {where}", f'name = "{name}"', f'path = "{p}"']
     return "\n".join(lines)

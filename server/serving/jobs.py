@@ -40,6 +40,8 @@ class GenerationSpec:
         tool_format: the call format the output is parsed in (server.text.tool_parsers), which
             is also how a tool-unaware template is shown tools and earlier calls.
         key_id: the API key that owns the request (None when auth is off).
+        lora: the LoRA adapter the request's `model` named (the model pool's names; set by the service), None for
+            the base model.
     """
 
     kind: str
@@ -66,6 +68,7 @@ class GenerationSpec:
     tools: Optional[list[dict[str, Any]]] = None
     tool_format: str = "none"
     key_id: Optional[str] = None  # the owning API key (server.gateway.auth.bind); None: auth off
+    lora: Optional[str] = None  # a LoRA adapter's name (its request named it as `model`)
     # How the edge names a chat's conversation in errors (the Responses API: `input`).
     messages_field: str = "messages"
     # How the edge names the prompt in errors (`input` for embeddings).
@@ -169,10 +172,9 @@ class Job:
         self.end: Optional[EndEvent] = None
         self.output_bytes = 0  # its reservation in the output budget, released at the end
         self.embedding: Optional[list[float]] = None  # an embedding request's vector (its final delta)
-        # Its model's lane (server.serving.model_lane.ModelLane: admission, engine) and the adapter
-        # its `model` named (None: the base model); set by the service at acceptance.
+        # Its model's lane (server.serving.model_lane.ModelLane: admission, engine); set by the
+        # service at acceptance (the adapter its `model` named is `spec.lora`).
         self.lane: Any = None
-        self.adapter: Optional[str] = None
 
     def __repr__(self) -> str:
         return f"Job({self.request_id}, {self.state})"

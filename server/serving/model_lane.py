@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from server.engine.plan import make_plan, read_model_config
 from server.models.generation_defaults import generation_defaults
@@ -32,6 +32,10 @@ from server.text.tokenizer import ChatTemplateError, Tokenizer
 log = logging.getLogger("pagewire")
 
 
+def _encoder(tokenizer: Tokenizer) -> Callable[[str], list[int]]:
+    return lambda text: tokenizer.encode(text, add_special_tokens=False)
+
+
 def pick_reasoning_format(tokenizer: Tokenizer, name: str) -> Optional[ReasoningFormat]:
     """The reasoning parser (`--reasoning-parser`): the one named, or with `auto` the one the chat
     template implies. A named parser whose tags are not single tokens is a start-up error (a
@@ -47,14 +51,14 @@ def pick_reasoning_format(tokenizer: Tokenizer, name: str) -> Optional[Reasoning
         if detected is None:
             return None
         try:
-            fmt = reasoning_format(detected, tokenizer.token_to_id)
+            fmt = reasoning_format(detected, tokenizer.token_to_id, _encoder(tokenizer))
         except ValueError as e:
             log.info("reasoning parser: none (the template looks like %s, but %s)", detected, e)
             return None
         log.info("reasoning parser: %s (from the chat template)", fmt.parser)
         return fmt
     try:
-        fmt = reasoning_format(name, tokenizer.token_to_id)
+        fmt = reasoning_format(name, tokenizer.token_to_id, _encoder(tokenizer))
     except ValueError as e:
         raise ValueError(f"--reasoning-parser {name}: {e}") from None
     log.info("reasoning parser: %s (--reasoning-parser)", fmt.parser)

@@ -15,8 +15,9 @@ unloads, all on the event loop:
   `--keep-alive`; negative: only when its memory is needed; 0: as soon as it is idle).
 * A load that fails ends the requests waiting for it (`on_load_failed`) and leaves the lane
   unloaded: the next request tries again.
-* Adapters (LoRA) and other aliases: `add_alias(name, base, adapter)` makes `name` route to
-  the base model's lane with that adapter (`Route.adapter`).
+* Adapters (LoRA, `--lora`: over the default model) and other aliases: `add_alias(name, base,
+  adapter)` makes `name` route to the base model's lane with that adapter (`Route.adapter`); the
+  service puts it on the request's spec (`GenerationSpec.lora`).
 
 One engine thread per loaded lane; they share the CPU through one StepGate (server.engine.step_gate).
 """
@@ -243,7 +244,8 @@ class ModelPool:
         lane.stage = "loading"
         log.info("model %s: loading %s", lane.name, lane.entry.path)
         lane.progress = LoadProgress()
-        bridge = EngineBridge(self.settings.engine_config(str(lane.entry.path)), self._dispatch, self.gate,
+        config = self.settings.engine_config(str(lane.entry.path), adapters=lane is self.default)
+        bridge = EngineBridge(config, self._dispatch, self.gate,
                               name=f"pagewire-engine-{lane.name}"[:15], progress=lane.progress)
         lane.bridge = bridge
         bridge.start()

@@ -32,6 +32,7 @@ from server.serving.model_catalog import ModelEntry
 from server.serving.model_lane import LaneState, ModelLane, open_lane
 from server.serving.model_lane import pick_reasoning_format as pick_reasoning_format  # re-exported
 from server.serving.model_metrics import ModelCollector
+from server.serving.model_names import ModelNames
 from server.serving.model_pool import ModelPool
 from server.serving.output_budget import OutputBudget
 from server.serving.router_view import router_gauges
@@ -60,6 +61,9 @@ class Runtime:
         self.model_dir = model_dir
         self.model_name = model_name
         self.entries = models or [ModelEntry(model_name, model_dir, "MODEL")]
+        # LoRA adapters (--lora) go over the default model: a request names one as its `model`,
+        # and the pool routes it to the default model's lane with that adapter.
+        self.names = ModelNames(model_name, [n for n, _ in settings.lora])
         self.ledger: Optional[Ledger] = None
         self.pool: Optional[ModelPool] = None  # the served models' lanes (set in start)
         self.service: Optional[RequestService] = None
@@ -147,6 +151,9 @@ class Runtime:
             log.info("model %s: %s; default sampling values from the model: %s", lane.name, lane.entry.path,
                      lane.sampling_defaults or "none (pagewire's own defaults apply)")
         self.pool = pool = ModelPool(s, lanes, self._dispatch)
+        for name, base in self.names.all():
+            if base is not None:
+                pool.add_alias(name, base, name)
         if len(lanes) > 1:
             log.info("models: %s; memory budget %.2f GiB (%s)", ", ".join(lane.name for lane in lanes),
                      pool.budget / 2**30, "--memory-budget" if s.memory_budget else "90% of available memory")

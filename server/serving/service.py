@@ -44,7 +44,7 @@ from server.serving.model_pool import ModelPool, Route
 from server.serving.output_budget import OutputBudget, worst_case_bytes
 from server.serving.prompts import PromptPreparer
 from server.serving.streams import EndEvent, Replay, RequestStream, StreamRegistry, Subscriber
-from server.text.reasoning import HARMONY, ReasoningFormat
+from server.text.reasoning import ReasoningFormat
 
 log = logging.getLogger("pagewire.service")
 
@@ -264,6 +264,11 @@ class RequestService:
     async def _accept(self, spec: GenerationSpec) -> Job:
         route = self.route(spec.model)
         lane = route.lane
+        if route.adapter is not None and spec.kind == "embedding":
+            raise InvalidRequest(f"model: '{spec.model}' is a LoRA adapter; adapters are served on generation APIs "
+                                 f"(chat, completions, responses, messages, Ollama's and the WebSocket's); "
+                                 f"this API serves '{lane.name}'", param="model")
+        spec.lora = route.adapter  # the pool's names decide: an adapter's name runs its base model with it
         self._check_task(spec, lane)
         preparer = lane.preparer
         checked = preparer.check_sampling(spec)
@@ -303,7 +308,6 @@ class RequestService:
         job = Job(request_id, spec, ids, params, wall, mono, reasoning)
         job.output_bytes = output_bytes
         job.lane = lane
-        job.adapter = route.adapter
         try:
             await self.ledger.insert(NewRequest(
                 request_id=job.request_id, kind=spec.kind, api=spec.api, client=spec.client,
@@ -345,10 +349,8 @@ class RequestService:
         """A reasoning chat: its structured output (a schema, a forced tool call) applies after the
         thinking (the engine's ReasoningGate), and the tags stay in the text to be split even
         where the tokenizer marks them special."""
-        # Harmony's answer starts after a `<|channel|>final<|message|>` header, which one end token
-        # cannot mark: its structured outputs constrain the whole output (docs/reasoning.md).
-        if params.structured_outputs is not None and fmt.parser != HARMONY:
-            params.reasoning_gate = ReasoningGate(fmt.start_token_id, fmt.end_token_id, fmt.starts_open(ids))
+        if params.structured_outputs is not None:
+            params.reasoning_gate = ReasoningGate.for_format(fmt, ids)
         if preparer.tokenizer_has_special(fmt.start_token_id, fmt.end_token_id):
             params.skip_special_tokens = False
 
@@ -458,7 +460,7 @@ class RequestService:
             bridge = job.lane.bridge
             if bridge is None:
                 raise RuntimeError(f"model {job.lane.name} is not loaded")
-            bridge.submit(job.request_id, job.prompt_token_ids, job.params, job.spec.priority)
+            bridge.submit(job.request_id, job.prompt_token_ids, job.params, job.spec.priority, job.spec.lora)
         except Exception as e:  # noqa: BLE001 - reported as the request's failure
             job.error = str(e)
             asyncio.get_running_loop().call_soon(self._end, job, None)
@@ -630,3 +632,4 @@ class RequestService:
             if pending:
                 log.warning("draining: %d terminal write(s) still pending", len(pending))
         await self.ledger.interrupt_open(END_RULES[EndReason.INTERRUPTED].message or "")
+

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from server.engine.config import EngineConfig
+from server.models.lora_config import parse_lora_arg
 from server.serving.db_url import DbSpecError, DbTarget, check_db_value, default_db_path, parse_db
 
 __all__ = ["ServeSettings", "default_db_path"]  # default_db_path: re-exported (server.serving.db_url)
@@ -39,6 +40,17 @@ def _on_off_auto(text: str) -> Optional[bool]:
 
 def _opt_int(text: str) -> Optional[int]:
     return None if text.strip().lower() in ("", "none") else int(text)
+
+
+def _itl_target(text: str) -> float:
+    """--itl-target-ms: milliseconds, or 0 / off for no target."""
+    v = text.strip().lower()
+    if v in ("off", "none"):
+        return 0.0
+    ms = float(v)
+    if not ms >= 0:
+        raise _OptionValueError(f"expected a number of milliseconds >= 0 or off, got {text!r}")
+    return ms
 
 
 def tool_parser_name(text: str) -> str:
@@ -119,7 +131,15 @@ def duration_seconds(text: str) -> float:
         raise _OptionValueError(str(e)) from None
 
 
-_ENGINE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(EngineConfig) if f.name != "model"}
+def lora_arg(text: str) -> tuple[str, str]:
+    """A --lora NAME=PATH value (the folder itself is checked by the CLI before binding)."""
+    try:
+        return parse_lora_arg(text)
+    except ValueError as e:
+        raise _OptionValueError(str(e)) from None
+
+
+_ENGINE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(EngineConfig) if f.name not in ("model", "lora_modules")}
 
 
 @dataclass
@@ -127,6 +147,8 @@ class ServeSettings:
     """Every serve option with its default; see OPTIONS for help texts and parsing."""
 
     model_dir: Optional[str] = None
+    # LoRA adapters over the default model, (name, PEFT folder): `--lora NAME=PATH`, repeated.
+    lora: tuple[tuple[str, str], ...] = ()
     demo_model: bool = False
     host: str = "127.0.0.1"
     port: int = 8000
@@ -190,10 +212,17 @@ class ServeSettings:
     memory_budget: Optional[int] = None  # bytes for weights + KV pools (default: from free memory)
     keep_alive: float = -1.0  # seconds an idle model stays loaded (negative: until memory is needed)
     allow_download: bool = False
+    # Serving keeps running streams' cadence while new prompts prefill (server.engine.step_budget);
+    # 0 is off. 50 ms is what a batch-8 decode step plus a fused-size chunk takes on 2 Zen 3 cores
+    # with the default model, with headroom (bench/RESULTS.md).
+    itl_target_ms: float = 50.0
 
-    def engine_config(self, model_dir: str) -> EngineConfig:
+    def engine_config(self, model_dir: str, adapters: bool = True) -> EngineConfig:
+        """The engine's settings for a model; `adapters`: with the --lora adapters (the default
+        model's; another model of several runs without them)."""
         kw = {o.name: getattr(self, o.name) for o in OPTIONS if o.engine}
-        return EngineConfig(model=model_dir, **kw)
+        kw["itl_target_ms"] = self.itl_target_ms or None  # 0: off
+        return EngineConfig(model=model_dir, lora_modules=self.lora if adapters else (), **kw)
 
     @property
     def db_target(self) -> "DbTarget":
@@ -328,6 +357,10 @@ OPTIONS: tuple[Option, ...] = (
            "on, off or auto: at start-up, time linear's paths (pagewire kernel or torch) per weight shape "
            "and batch-size bucket and use the faster; auto (default) is on for CPU, off on CUDA; never in "
            "deterministic mode", engine=True),
+    Option("itl_target_ms", _itl_target,
+           "inter-token latency target in ms while sequences decode: each step's prefill chunk is sized "
+           "from the measured step cost to stay within it (0 or off: chunks take the whole "
+           "--max-num-batched-tokens budget)", engine=True),
     Option("task", _choice("auto", "generate", "embed"),
            "generate, embed (answer /v1/embeddings and Ollama's /api/embed with pooled vectors), or auto "
            "(embed when the model folder has a sentence-transformers pooling config: modules.json, "
@@ -336,6 +369,9 @@ OPTIONS: tuple[Option, ...] = (
            "another model to serve, as NAME=PATH (repeat it; PATH a folder, a .gguf file or a Hub id); "
            "requests choose one by `model: NAME` and it loads on demand (docs/models.md)",
            repeated=True, flag_name="model"),
+    Option("lora", lora_arg,
+           "a LoRA adapter (PEFT folder) over the default model, as NAME=PATH (repeat it for several); "
+           "requests select it with `model: NAME` (docs/lora.md)", repeated=True),
     Option("models_dir", str, "serve every Hugging Face folder and .gguf file in this folder, each named by its "
            "folder name or file stem, loaded on demand"),
     Option("memory_budget", byte_size, "memory for every loaded model's weights and KV pool, e.g. 20GiB; a load "

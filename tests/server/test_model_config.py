@@ -39,7 +39,8 @@ def test_config_file_values_and_their_precedence(tmp_path: Path) -> None:
     cfg.write_text('port = 9100\nhost = "0.0.0.0"\nmax_model_len = 2048\nmemory_budget = "2GiB"\n'
                    'keep_alive = "5m"\nenable_prefix_caching = false\nmodel_dir = "/models/default"\n'
                    '[[models]]\nname = "small"\npath = "/models/small"\n'
-                   '[[models]]\nname = "coder"\npath = "/models/coder"\n')
+                   '[[models]]\nname = "coder"\npath = "/models/coder"\n'
+                   '[[adapters]]\nname = "sql"\npath = "/adapters/sql"\n')
     file_values = read_config_file(cfg)
     values, source = resolve_values(_parse(["--port", "9200"]), {"PAGEWIRE_HOST": "127.0.0.2"}, file_values)
     assert (values["port"], source["port"]) == (9200, "flag")
@@ -48,6 +49,9 @@ def test_config_file_values_and_their_precedence(tmp_path: Path) -> None:
     assert values["memory_budget"] == 2 * 2**30 and values["keep_alive"] == 300.0
     assert values["enable_prefix_caching"] is False
     assert values["models"] == ("small=/models/small", "coder=/models/coder")
+    assert values["lora"] == (("sql", "/adapters/sql"),)  # as --lora sql=/adapters/sql parses
+    assert resolve_values(_parse(["--lora", "a=/x", "--lora", "b=/y"]), {}, file_values)[0]["lora"] == \
+        (("a", "/x"), ("b", "/y"))  # a flag replaces the file's list
     assert (values["model_dir"], source["model_dir"]) == ("/models/default", "file")
     assert "max_num_seqs" not in source  # the default
 
@@ -56,6 +60,7 @@ def test_config_file_values_and_their_precedence(tmp_path: Path) -> None:
     ("prot = 1\n", "prot: not a serve option"),
     ("port = \"eighty\"\n", "port:"),
     ("[[models]]\nname = \"x\"\n", "models[0]: needs a `name` and a `path`"),
+    ("[[adapters]]\nname = \"a b\"\npath = \"/x\"\n", "adapters:"),
     ("port = [\n", "not valid TOML"),
 ])
 def test_a_bad_config_file_names_the_file_and_key(tmp_path: Path, text: str, where: str) -> None:
@@ -68,7 +73,8 @@ def test_a_bad_config_file_names_the_file_and_key(tmp_path: Path, text: str, whe
 
 def test_print_config_shows_each_value_and_its_source(tmp_path: Path) -> None:
     cfg = tmp_path / "pagewire.toml"
-    cfg.write_text('port = 9100\nmax_num_seqs = 4\n[[models]]\nname = "small"\npath = "/m/small"\n')
+    cfg.write_text('port = 9100\nmax_num_seqs = 4\n[[models]]\nname = "small"\npath = "/m/small"\n'
+                   '[[adapters]]\nname = "sql"\npath = "/a/sql"\n')
     env = {**os.environ, "PAGEWIRE_MAX_NUM_SEQS": "6"}
     env.pop("PAGEWIRE_PORT", None)
     out = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--config", str(cfg), "--print-config",
@@ -80,6 +86,7 @@ def test_print_config_shows_each_value_and_its_source(tmp_path: Path) -> None:
     assert "port = 9100  # file" in lines
     assert "block_size = 16  # default" in lines
     assert "[[models]]  # file" in lines and 'name = "small"' in lines and 'path = "/m/small"' in lines
+    assert "[[adapters]]  # file" in lines and 'name = "sql"' in lines and 'path = "/a/sql"' in lines
 
 
 def test_durations() -> None:

@@ -1,5 +1,6 @@
-"""Several models in one process (issue 30): three tiny models served at once, loaded on demand
-within a memory budget, each request exact against its model alone (transformers' greedy tokens).
+"""Several models in one process (issue 30): three tiny models and a LoRA adapter over the first
+served at once, loaded on demand within a memory budget, each request exact against its model alone
+(transformers' greedy tokens; PEFT's for the adapter).
 
 Clients are the official `openai` library; waits are on events (a stream's first chunk, a
 response), never sleeps.
@@ -58,9 +59,17 @@ def model_args(models: dict[str, Path]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def served(three: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def adapter(three: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A LoRA adapter over alpha, the default model (`--lora tuned=...`)."""
+    from tests.lora_adapters import make_lora_adapter
+
+    return make_lora_adapter(three["alpha"], tmp_path_factory.mktemp("multi-lora") / "tuned", r=4, alpha=8, seed=2)
+
+
+@pytest.fixture(scope="module")
+def served(three: dict[str, Path], adapter: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     db = tmp_path_factory.mktemp("multi") / "multi.db"
-    srv = ServerProcess(None, db, *model_args(three), *FLAGS, served_model_name=None)
+    srv = ServerProcess(None, db, *model_args(three), "--lora", f"tuned={adapter}", *FLAGS, served_model_name=None)
     srv.start()
     try:
         yield srv
@@ -71,21 +80,27 @@ def served(three: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> 
 def test_models_lists_every_model_with_its_state(served: ServerProcess) -> None:
     client = openai.OpenAI(base_url=served.base + "/v1", api_key="unused")
     listed = {m.id: m for m in client.models.list().data}
-    assert set(listed) == {"alpha", "beta", "gamma"}
+    assert set(listed) == {"alpha", "beta", "gamma", "tuned"}
+    assert listed["tuned"].model_extra["parent"] == "alpha"
     # The first declared is the default model, loaded at start; the others load on demand.
     states = {name: m.model_extra["state"] for name, m in listed.items()}
     assert states["alpha"] == "loaded"
     tags = httpx.get(served.base + "/api/tags").json()["models"]
-    assert {t["name"] for t in tags} == {"alpha:latest", "beta:latest", "gamma:latest"}
+    assert {t["name"] for t in tags} == {"alpha:latest", "beta:latest", "gamma:latest", "tuned:latest"}
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="delta", prompt="hi", max_tokens=2)
     assert e.value.body["code"] == "model_not_found"  # type: ignore[index]
 
 
 def test_interleaved_concurrent_requests_are_exact_against_each_model_alone(
-        served: ServerProcess, three: dict[str, Path]) -> None:
+        served: ServerProcess, three: dict[str, Path], adapter: Path) -> None:
+    from tests.lora_adapters import peft_greedy
+
     want = {(name, i): decode(path, reference(path, p, MAX_TOKENS))
             for name, path in three.items() for i, p in enumerate(PROMPTS)}
+    want.update({("tuned", i): decode(three["alpha"], peft_greedy(three["alpha"], adapter, p, MAX_TOKENS))
+                 for i, p in enumerate(PROMPTS)})
+    names = [*three, "tuned"]
 
     async def one(client: Any, name: str, i: int, stream: bool) -> tuple[str, int, str]:
         kw: dict[str, Any] = dict(model=name, prompt=PROMPTS[i], max_tokens=MAX_TOKENS, temperature=0.0,
@@ -105,12 +120,12 @@ def test_interleaved_concurrent_requests_are_exact_against_each_model_alone(
             # Interleaved: every model's requests alternate, half streamed, all in flight at once
             # (beta and gamma load on demand meanwhile; their requests wait, never 404).
             jobs = [one(client, name, i, stream=(k % 2 == 1))
-                    for k, (i, name) in enumerate((i, n) for i in range(len(PROMPTS)) for n in three)]
-            jobs += [one(client, name, i, stream=True) for name in reversed(list(three)) for i in range(len(PROMPTS))]
+                    for k, (i, name) in enumerate((i, n) for i in range(len(PROMPTS)) for n in names)]
+            jobs += [one(client, name, i, stream=True) for name in reversed(names) for i in range(len(PROMPTS))]
             return await asyncio.gather(*jobs)
 
     got = asyncio.run(main())
-    assert len(got) == 12
+    assert len(got) == 16
     for name, i, text in got:
         assert text == want[(name, i)], (name, i)
     client = openai.OpenAI(base_url=served.base + "/v1", api_key="unused")
@@ -146,15 +161,18 @@ def test_ledger_usage_and_metrics_carry_the_model(served: ServerProcess, three: 
     per_model: dict[str, int] = {}
     for r in rows.values():
         per_model[r["model"]] = per_model.get(r["model"], 0) + 1
-    assert set(per_model) == set(three) and all(n >= 1 for n in per_model.values())
+    # The ledger and usage name what each request named (the adapter's rows as `tuned`, when the
+    # interleaved test ran before); /metrics counts per loaded model, the adapter's under alpha.
+    assert set(three) <= set(per_model) <= {*three, "tuned"} and all(n >= 1 for n in per_model.values())
     usage = httpx.get(served.base + "/v1/usage", params={"group_by": "model"}).json()["data"]
     by_model = {u["model"]: u for u in usage}
-    assert set(by_model) == set(three)
-    assert all(by_model[n]["requests"] == per_model[n] for n in three), usage
+    assert set(by_model) == set(per_model)
+    assert all(by_model[n]["requests"] == per_model[n] for n in per_model), usage
+    per_lane = {n: per_model[n] + (per_model.get("tuned", 0) if n == "alpha" else 0) for n in three}
     metrics = httpx.get(served.base + "/metrics").text
     for name in three:
         m = re.search(rf'^pagewire_model_requests_total{{model="{name}",state="finished"}} (\S+)$', metrics, re.M)
-        assert m is not None and float(m.group(1)) == per_model[name], name
+        assert m is not None and float(m.group(1)) == per_lane[name], name
         m = re.search(rf'^pagewire_model_loads_total{{model="{name}"}} (\S+)$', metrics, re.M)
         assert m is not None and float(m.group(1)) == 1.0
         assert re.search(rf'^pagewire_model_load_seconds{{model="{name}"}} [0-9.e-]+$', metrics, re.M)

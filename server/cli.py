@@ -213,17 +213,23 @@ def _catalog(settings: ServeSettings) -> tuple[Path, str, Optional[str], list[An
     except ModelPathError as e:
         raise SystemExit(f"pagewire: {e}") from None
     return entries[0].path, entries[0].name, banner, entries
-def _check_adapters(settings: ServeSettings, names: list[str]) -> None:
+
+
+def _check_adapters(settings: ServeSettings, entries: list[Any]) -> None:
     """--lora: each adapter's folder and adapter_config.json (torch-free; the tensors are checked
-    against the model when it loads), and names that clash with no served model's (`names`, the
-    default model, over which the adapters go, first). ValueError naming the problem."""
-    from server.models.lora_config import read_lora_config
+    against the model when it loads), a default model (`entries[0]`, which the adapters go over)
+    that can take them, and names that clash with no served model's. ValueError naming the problem."""
+    from server.models.lora_config import check_base_model, read_lora_config
+    from server.models.registry import read_model_config
     from server.serving.model_names import ModelNames
 
+    if not settings.lora:
+        return
+    check_base_model(read_model_config(entries[0].path))
     for _, path in settings.lora:
         read_lora_config(path)
-    ModelNames(names[0], [n for n, _ in settings.lora])
-    clash = [n for n, _ in settings.lora if n in names[1:]]
+    ModelNames(entries[0].name, [n for n, _ in settings.lora])
+    clash = [n for n, _ in settings.lora if n in [e.name for e in entries[1:]]]
     if clash:
         raise ValueError(f"--lora: adapter name {clash[0]!r} is also a served model's name; pick another")
 
@@ -248,7 +254,7 @@ def _serve(ns: argparse.Namespace) -> int:
         for entry in entries:
             settings.engine_config(str(entry.path), adapters=entry is entries[0])
             check_model(entry.path, settings.task)
-        _check_adapters(settings, [e.name for e in entries])
+        _check_adapters(settings, entries)
     except ValueError as e:  # ModelPathError, ConfigError, LoraError
         print(f"pagewire: {e}", file=sys.stderr)
         return 2

@@ -48,7 +48,7 @@ from server.kernels.ops import Q8_KERNEL_MAX_ROWS, cpu_isa
 from server.models import load_progress
 from server.models.loader import load_model
 from server.models.lora import LoraSet
-from server.models.lora_config import read_lora_config
+from server.models.lora_config import LoraError, check_base_model, read_lora_config
 from server.models.pooling import Pooler, PoolingMethod, resolve_pooler
 from server.models.protocol import CausalLM
 from server.models.registry import kv_shape
@@ -196,6 +196,10 @@ class LLMEngine:
             return None
         if self.pooler is not None:
             raise ConfigError("lora_modules", "LoRA adapters apply to generation models, this one serves embeddings")
+        try:
+            check_base_model(self.model_config)
+        except LoraError as e:
+            raise ConfigError("lora_modules", str(e).removeprefix("--lora: ")) from None
         lora = LoraSet(self.model.lora_layout(), dtype, self.device, self.model_config.vocab_size)
         for name, path in config.adapters:
             cfg = read_lora_config(path)

@@ -148,6 +148,22 @@ def test_serve_refuses_a_bad_adapter_before_binding(base_and_adapter: tuple[Path
     assert "--lora: expected NAME=PATH (a PEFT adapter folder), got 'sql'" in capsys.readouterr().err
 
 
+def test_a_hybrid_base_model_refuses_adapters(tiny_model: Callable[..., Path], base_and_adapter: tuple[Path, Path],
+                                              tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """LFM2's short convolutions have no low-rank path: `serve` refuses before binding, the
+    offline engine at load, each naming the layer kind (never a failure per request)."""
+    from server.engine.engine import LLMEngine
+
+    _, adapter = base_and_adapter
+    hybrid = tiny_model("lfm2")
+    assert main(["serve", str(hybrid), "--lora", f"sql={adapter}", "--db", str(tmp_path / "h.db")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("pagewire: --lora: Lfm2ForCausalLM has recurrent-state layers (short_conv)"), err
+    with pytest.raises(ConfigError, match=r"lora_modules: .*recurrent-state layers \(short_conv\)"):
+        LLMEngine(EngineConfig(model=str(hybrid), lora_modules={"sql": str(adapter)}, max_model_len=64,
+                               autotune=False))
+
+
 def test_lora_flag_and_env_reach_the_engine_config() -> None:
     import argparse
 

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from tests.gguf_qwen3_next import QWEN3_NEXT_TYPES, qwen3_next_metadata, qwen3_next_tensors
+
 QUANT_BLOCK = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
@@ -59,12 +61,12 @@ _HF_TO_GGUF_GLOBAL = {
 }
 # model_type -> llama.cpp's general.architecture (OLMo 3 files are "olmo2" with a window).
 GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "gpt_oss": "gpt-oss",
-             "gemma3_text": "gemma3", "gemma4_text": "gemma4", "olmo3": "olmo2"}
+             "gemma3_text": "gemma3", "gemma4_text": "gemma4", "olmo3": "olmo2", **QWEN3_NEXT_TYPES}
 # llama.cpp's converter permutes Q/K rows for the architectures it runs with interleaved RoPE.
 PERMUTED = ("llama", "mistral", "smollm3", "granite", "mixtral")
 # Families whose post_attention_layernorm is written post_attention_norm: the attention output's
 # norm, and gpt-oss's MLP input norm (llama.cpp names it so for that architecture).
-_POST_NORM_TYPES = ("gemma2", "gemma3_text", "gemma4_text", "olmo2", "olmo3", "gpt_oss")
+_POST_NORM_TYPES = ("gemma2", "gemma3_text", "gemma4_text", "olmo2", "olmo3", "gpt_oss", *QWEN3_NEXT_TYPES)
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -295,6 +297,13 @@ def write_gguf(
         hd = _gemma4_global_head_dim(cfg)
         rot = int(hd * rope["partial_rotary_factor"] / 2)
         state["rope_freqs"] = torch.tensor([1.0] * rot + [1e30] * (hd // 2 - rot))
+    # The Gated DeltaNet hybrids' linear_attn tensors (tests/gguf_qwen3_next.py; the conv kernel stays F32).
+    hybrid = qwen3_next_tensors(state, cfg) if model_type in QWEN3_NEXT_TYPES else {}
+    for seed, (name, arr) in enumerate(sorted(hybrid.items())):
+        fits = arr.ndim == 2 and arr.shape[1] % QUANT_BLOCK.get(qtype, 1) == 0 and "ssm_conv1d" not in name
+        data, raw = encode_tensor(arr, qtype if fits else "F32", 2000 + seed)
+        if name not in skip_tensors:
+            w.add_tensor(name, data, raw_dtype=raw)
     raw_moe: dict[str, np.ndarray] = {}
     if model_type == "gpt_oss":  # stacked, interleaved experts; an MXFP4 folder's stay MXFP4
         from tests.gpt_oss_files import gpt_oss_moe
@@ -367,6 +376,8 @@ def _family_metadata(arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> di
             meta[f"{arch}.expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
         if cfg["model_type"] == "mixtral" and cfg.get("sliding_window"):
             meta[f"{arch}.attention.sliding_window"] = cfg["sliding_window"]
+    if cfg["model_type"] in QWEN3_NEXT_TYPES:
+        meta.update(qwen3_next_metadata(arch, cfg))
     if arch == "gemma2":
         meta[f"{arch}.attn_logit_softcapping"] = float(cfg["attn_logit_softcapping"])
         meta[f"{arch}.final_logit_softcapping"] = float(cfg["final_logit_softcapping"])

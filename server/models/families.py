@@ -21,6 +21,7 @@ from server.models.gguf_file import GGUFFile
 from server.models.hf_config import HFFields, hf_base, windows
 from server.models.lfm2_config import lfm2_gguf, lfm2_hf
 from server.models.qwen3_next_config import QWEN3_NEXT_ARCHITECTURES, qwen3_next_hf
+from server.models.qwen3_next_gguf import QWEN3_NEXT_GGUF, qwen3_next_gguf
 
 
 def _every(n: int) -> list[bool]:
@@ -335,8 +336,8 @@ FAMILIES: list[Architecture] = [
     # Hybrids: recurrent layers with a state slot per sequence (server/engine/state_cache.py).
     Architecture("lfm2", ("Lfm2ForCausalLM",), ("lfm2",), lfm2_hf, lfm2_gguf,
                  model="server.models.lfm2:Lfm2ForCausalLM"),
-    # Gated DeltaNet hybrids (HF only so far: llama.cpp's qwen3next / qwen35 / qwen35moe GGUF not yet read).
-    Architecture("qwen3_next", tuple(QWEN3_NEXT_ARCHITECTURES), (), qwen3_next_hf, None,
+    # Gated DeltaNet hybrids: Qwen3-Next, Qwen3.5, Qwen3.5-MoE (llama.cpp's qwen3next, qwen35, qwen35moe).
+    Architecture("qwen3_next", tuple(QWEN3_NEXT_ARCHITECTURES), tuple(QWEN3_NEXT_GGUF), qwen3_next_hf, qwen3_next_gguf,
                  model="server.models.qwen3_next:Qwen3NextForCausalLM"),
 ]
 

@@ -72,6 +72,8 @@ def plan_kept_matrices(f: GGUFFile, config: ModelConfig, tied: bool) -> list[Kep
         matrices = (_FUSED_LAYER_MATRICES if config.fused_checkpoint
                     else {**_LAYER_MATRICES, "qkv_weight": _qkv_parts(config, i)})
         for name, parts in matrices.items():
+            if name == "qkv_weight" and config.attn_output_gate:
+                continue  # attn_q interleaves each head's query and gate rows; the layer appends the gates
             groups.append((i, name, tuple(f"blk.{i}.{p}" for p in parts)))
         if f"blk.{i}.ffn_gate_inp.weight" in f.tensors:  # a sparse layer
             groups += [(i, name, tuple(f"blk.{i}.{p}" for p in parts)) for name, parts in _MOE_MATRICES.items()]

@@ -26,6 +26,7 @@ from server.models.gguf_config import CONFIG_TENSORS
 from server.models.gguf_file import GGUFFile, GGUFTensor
 from server.models.lfm2_config import lfm2_gguf_name
 from server.models.protocol import CausalLM
+from server.models.qwen3_next_gguf import QWEN3_NEXT_GGUF, qwen3_next_from_gguf, qwen3_next_gguf_names
 from server.models.registry import config_from_gguf, gguf_permuted_qk, model_class
 
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
@@ -79,6 +80,10 @@ def hf_tensor_name(gguf_name: str, config: ModelConfig | None = None) -> str | N
     post_attention_layernorm is attn_post_norm), and Phi-3's ffn_up is the fused gate_up_proj."""
     if config is not None and config.model_type == "lfm2":  # its own spelling (models/lfm2_config.py)
         return lfm2_gguf_name(gguf_name, hf_tensor_name(gguf_name))
+    if config is not None and config.model_type in QWEN3_NEXT_GGUF:  # the DeltaNet's (models/qwen3_next_gguf.py)
+        names = qwen3_next_gguf_names(gguf_name, config)
+        if names is not None:
+            return names[0] if len(names) == 1 else None
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     moe = _moe_tensor_names(gguf_name, config)
@@ -188,6 +193,10 @@ def load_gguf_model(
                 _load_direct(f, t, by_gguf[t.name], t.name in kept_parts)
                 loaded.add(t.name)
                 continue
+            gdn = qwen3_next_gguf_names(t.name, config) if config.model_type in QWEN3_NEXT_GGUF else None
+            if gdn is not None:  # Gated DeltaNet tensors (or a skipped multi-token-prediction layer's)
+                _load_gdn(f, t, gdn, config, targets, loaded)
+                continue
             experts = _moe_tensor_names(t.name, config)
             if experts is not None and len(experts) > 1:
                 _load_experts(f, t, experts, targets, loaded, kept_parts)
@@ -213,6 +222,8 @@ def load_gguf_model(
                 loaded.add(name)
                 continue
             tensor = torch.from_numpy(dequantize(t, f.path))
+            if target.convert is not None and t.shape == target.shape:  # checkpoint layout -> dest's
+                tensor = target.convert(tensor)
             if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
                 tensor = unpermute_qk(tensor, config.num_heads)
             elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -255,6 +266,25 @@ def _load_experts(f: GGUFFile, t: GGUFTensor, names: list[str], targets: dict[st
         for e, name in enumerate(names):
             targets[name].dest.copy_(values[e])
     loaded.update(names)
+
+
+def _load_gdn(f: GGUFFile, t: GGUFTensor, names: tuple[str, ...], config: ModelConfig, targets: dict[str, Any],
+              loaded: set[str]) -> None:
+    """A Gated DeltaNet tensor of a qwen3next / qwen35 / qwen35moe file into its targets, in
+    transformers' layout (qwen3_next_from_gguf); none for a multi-token-prediction layer's."""
+    if not names:
+        return
+    for name, tensor in zip(names, qwen3_next_from_gguf(t.name, torch.from_numpy(dequantize(t, f.path)), config)):
+        target = targets.get(name)
+        if target is None:
+            raise ModelLoadError(f"unexpected tensor {t.name!r} in {f.path}: this model's config does not use it ({name})")
+        if tuple(tensor.shape) == tuple(target.shape) and target.convert is not None:
+            tensor = target.convert(tensor)
+        if tuple(tensor.shape) != tuple(target.dest.shape):
+            raise ModelLoadError(f"tensor {t.name!r} in {f.path} has shape {list(t.shape)}, which does not give "
+                                 f"{name} its shape {list(target.shape)}")
+        target.dest.copy_(tensor)
+        loaded.add(name)
 
 
 def _gpt_oss_targets(model: Any, targets: dict[str, Any]) -> dict[str, Any]:

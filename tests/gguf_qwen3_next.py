@@ -135,8 +135,8 @@ def hf_state_from_gguf(path: Path, cfg: dict[str, Any]) -> dict[str, torch.Tenso
                     a = a[:, None, :]
                 if not qwen35 and h == "in_proj_qkv.weight":  # back to Qwen3-Next's per-key-head qkvz
                     z = out.pop(prefix + "linear_attn.in_proj_z.weight", None)
-                    out[prefix + "linear_attn.in_proj_qkv.weight"] = torch.from_numpy(a.copy())
-                    if z is None:
+                    if z is None:  # pairs with its attn_gate when that comes
+                        out[prefix + "linear_attn.in_proj_qkv.weight"] = torch.from_numpy(a.copy())
                         continue
                     a, h = _qkvz(a, z.numpy(), cfg), "in_proj_qkvz.weight"
                 elif not qwen35 and h == "in_proj_z.weight" and prefix + "linear_attn.in_proj_qkv.weight" in out:
@@ -149,7 +149,7 @@ def hf_state_from_gguf(path: Path, cfg: dict[str, Any]) -> dict[str, torch.Tenso
                 a = a.reshape(1, -1)
         if name.endswith("norm.weight") and ".linear_attn." not in name:
             a = a - 1.0
-        out[name] = torch.from_numpy(np.ascontiguousarray(a))
+        out[name] = torch.from_numpy(np.array(a, dtype=np.float32))
     return out
 
 

@@ -1,0 +1,187 @@
+"""Qwen3-Next, Qwen3.5 and Qwen3.5-MoE from llama.cpp's GGUF forms (`qwen3next`, `qwen35`,
+`qwen35moe`, server/models/qwen3_next_gguf.py), written from tiny random HF folders the way
+llama.cpp's converter lays them out (tests/gguf_qwen3_next.py): an F32 copy loads into exactly
+the folder's parameters and config; F32, BF16 and Q8_0 copies give transformers' greedy tokens on
+a mixed-length batch, token for token -- for the BF16 and Q8_0 files, transformers runs the
+weights the file holds (dequantised by the `gguf` package, every converter step undone).
+
+The tiny Qwen3-Next has every layer sparse here: llama.cpp's qwen3next requires experts in every
+layer (its converter has no name for a dense layer's MLP).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from server import LLM
+from server.models.loader import load_model
+from tests.families.test_families_vs_transformers import _greedy, _prompts, _tokens, _vocab, hf_greedy
+from tests.gguf_files import write_gguf
+from tests.gguf_qwen3_next import hf_state_from_gguf
+
+HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+GGUF_ARCH = {"qwen3_next": "qwen3next", "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe"}
+_FILES: dict[tuple[str, str], Path] = {}
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """hybrid(arch, "hf" | qtype): the tiny folder, or its GGUF copy of that type (built once)."""
+
+    def make(arch: str, source: str) -> Path:
+        hf_dir = tiny_model(arch, mlp_only_layers=[]) if arch == "qwen3_next" else tiny_model(arch)
+        if source == "hf":
+            return hf_dir
+        if (arch, source) not in _FILES:
+            out = tmp_path_factory.mktemp(f"{arch}-{source}") / f"{arch}-{source}.gguf"
+            _FILES[arch, source] = write_gguf(out, hf_dir, source)
+        return _FILES[arch, source]
+
+    return make
+
+
+def _reference_folder(hf_dir: Path, gguf_path: Path, out: Path) -> Path:
+    """A transformers folder holding the weights of `gguf_path` (dequantised), with hf_dir's config."""
+    if not out.exists():
+        out.mkdir(parents=True)
+        shutil.copy(hf_dir / "config.json", out / "config.json")
+        cfg = json.loads((hf_dir / "config.json").read_text())
+        save_file(hf_state_from_gguf(gguf_path, cfg), str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_f32_gguf_holds_exactly_the_hf_parameters_and_config(hybrid: Callable[..., Path], arch: str) -> None:
+    hf_dir, path = hybrid(arch, "hf"), hybrid(arch, "F32")
+    g_model, g_cfg = load_model(path)
+    h_model, h_cfg = load_model(hf_dir)
+    hp = dict(h_model.named_parameters())  # type: ignore[attr-defined]
+    gp = dict(g_model.named_parameters())  # type: ignore[attr-defined]
+    assert gp.keys() == hp.keys()
+    for name, p in gp.items():
+        assert torch.equal(p, hp[name]), name
+    assert g_cfg.model_type == GGUF_ARCH[arch] and g_cfg.architecture == h_cfg.architecture
+    for field in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "layer_types", "linear_num_key_heads",
+                  "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "conv_kernel",
+                  "attn_output_gate", "qk_norm", "layer_mlp_kinds", "num_experts", "num_experts_per_tok",
+                  "norm_topk_prob", "moe_intermediate_size", "shared_expert_intermediate_size",
+                  "tie_word_embeddings", "layer_ropes", "vocab_size"):
+        assert getattr(g_cfg, field) == getattr(h_cfg, field), field
+    assert g_cfg.norm_weight_offset == 0.0 and h_cfg.norm_weight_offset == 1.0  # the file holds 1 + w
+    (g_rope,), (h_rope,) = g_cfg.ropes, h_cfg.ropes
+    assert (g_rope.theta, g_rope.rotary_dim, g_rope.scaling) == (h_rope.theta, h_rope.rotary_dim, h_rope.scaling)
+    assert g_cfg.attention_scale == pytest.approx(h_cfg.attention_scale, rel=1e-7)
+    assert g_cfg.rms_norm_eps == pytest.approx(h_cfg.rms_norm_eps, rel=1e-6)
+    # The test's own way back (used for the quantised references) gives the folder's tensors.
+    want = load_file(str(hf_dir / "model.safetensors"))
+    got = hf_state_from_gguf(path, json.loads((hf_dir / "config.json").read_text()))
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        torch.testing.assert_close(got[name], t, atol=1e-6, rtol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("arch", HYBRIDS)
+@pytest.mark.parametrize("qtype", ["F32", "BF16", "Q8_0"])
+def test_mixed_length_batch_matches_transformers(hybrid: Callable[..., Path], arch: str, qtype: str,
+                                                 tmp_path_factory: pytest.TempPathFactory) -> None:
+    hf_dir, path = hybrid(arch, "hf"), hybrid(arch, qtype)
+    ref_dir = hf_dir if qtype == "F32" else _reference_folder(hf_dir, path, path.parent / "reference")
+    prompts = _prompts(4, _vocab(hf_dir), 30, 90, seed=21)
+    prompts[0] = prompts[0][:3]  # shorter than the 4-tap conv window
+    llm = LLM(str(path), dtype="float32", max_model_len=256, kv_cache_tokens=4096)
+    assert _tokens(llm.generate(prompts, _greedy())) == [hf_greedy(ref_dir, p) for p in prompts]
+
+
+def test_layer_kinds_from_the_attention_interval_and_mtp_layers_skipped(
+        hybrid: Callable[..., Path], tmp_path: Path) -> None:
+    """Without `attention.recurrent_layers`, every `full_attention_interval`-th layer is full
+    attention (llama.cpp's rule); with `nextn_predict_layers`, the last blocks are the multi-token
+    prediction head, whose tensors are skipped."""
+    hf_dir = hybrid("qwen3_5", "hf")
+    path = write_gguf(tmp_path / "interval.gguf", hf_dir, "F32", drop_metadata=["qwen35.attention.recurrent_layers"],
+                      extra_metadata={"qwen35.full_attention_interval": 2})
+    model, config = load_model(path)
+    plain, h_cfg = load_model(hf_dir)
+    assert config.layer_types == h_cfg.layer_types == ("gated_deltanet", "attention") * 2
+    _add_mtp_block(path, tmp_path / "mtp.gguf")
+    mtp, m_cfg = load_model(tmp_path / "mtp.gguf")
+    assert m_cfg.num_layers == 4 and m_cfg.layer_types == config.layer_types
+    mp = dict(mtp.named_parameters())  # type: ignore[attr-defined]
+    for name, p in plain.named_parameters():  # type: ignore[attr-defined]
+        assert torch.equal(mp[name], p), name
+
+
+def _add_mtp_block(src: Path, out: Path) -> None:
+    """A copy of `src` with one more block (a copy of block 3, plus the nextn projection) and
+    nextn_predict_layers = 1, as the converter writes a checkpoint's MTP head."""
+    import gguf
+    import numpy as np
+
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(out), "qwen35")
+    for field in r.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value: Any = field.contents()
+        if field.name == "qwen35.block_count":
+            value += 1
+        _add(w, field, value)
+    w.add_uint32("qwen35.nextn_predict_layers", 1)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(t.data))
+        if t.name.startswith("blk.3."):
+            w.add_tensor("blk.4." + t.name.split(".", 2)[2], np.array(t.data))
+    hidden = int(r.fields["qwen35.embedding_length"].contents())
+    w.add_tensor("blk.4.nextn.eh_proj.weight", np.zeros((hidden, 2 * hidden), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _add(w: Any, field: Any, value: Any) -> None:
+    import gguf
+
+    kind = field.types[0]
+    if kind == gguf.GGUFValueType.ARRAY:
+        w.add_array(field.name, value)
+    elif kind == gguf.GGUFValueType.STRING:
+        w.add_string(field.name, value)
+    elif kind == gguf.GGUFValueType.BOOL:
+        w.add_bool(field.name, value)
+    elif kind == gguf.GGUFValueType.FLOAT32:
+        w.add_float32(field.name, value)
+    else:
+        w.add_uint32(field.name, value)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_kept_q8_blocks_serve_like_the_dequantised_file(hybrid: Callable[..., Path], arch: str) -> None:
+    """--quantization gguf: the MLPs (Qwen3.5-MoE's experts and shared expert), the attention
+    output and lm_head stay in their Q8_0 blocks; the gated attention's qkv (query and gate rows
+    interleaved per head in attn_q) and the DeltaNet's projections are dequantised. Served, the
+    kept model's first greedy token of each prompt is the dequantised file's -- for the experts,
+    which run integer kernels on 8-bit activations, all but a near-tied one or two of 16."""
+    from server import SamplingParams
+    from server.kernels.quant import QuantizedExperts, QuantizedWeight
+
+    path = hybrid(arch, "Q8_0")
+    kept, config = load_model(path, dtype="float32", keep_gguf_blocks=True)
+    layers = kept._layers  # type: ignore[attr-defined]
+    assert isinstance(layers[1].o_weight, QuantizedWeight) and isinstance(layers[1].qkv_weight, torch.Tensor)
+    if config.is_moe:
+        assert all(isinstance(layer.moe.experts_gate_up, QuantizedExperts) for layer in layers)
+    else:
+        assert all(isinstance(layer.gate_up_weight, QuantizedWeight) for layer in layers)
+    prompts = _prompts(16, config.vocab_size, 20, 60, seed=22)
+    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    kw: dict[str, Any] = dict(dtype="float32", max_model_len=256, kv_cache_tokens=4096)
+    a = _tokens(LLM(str(path), quantization="gguf", **kw).generate(prompts, first))
+    b = _tokens(LLM(str(path), **kw).generate(prompts, first))
+    assert sum(x == y for x, y in zip(a, b)) >= (14 if config.is_moe else 16)

@@ -6,7 +6,10 @@ layer, state kind "gated_deltanet") and "full_attention"; the DeltaNet's sizes (
 `linear_num_value_heads`, `linear_key_head_dim`, `linear_value_head_dim`, `linear_conv_kernel_dim`);
 per-head q/k norms and every norm scaling by 1 + w; partial rotary (`partial_rotary_factor`, read
 with the rest of `rope_parameters`); the attention output gate (always on in these families); and
-for the MoE variants the Qwen-MoE router with a sigmoid-gated shared expert.
+for the MoE variants the Qwen-MoE router with a sigmoid-gated shared expert. Qwen3.5's released
+checkpoints are Qwen3_5(Moe)ForConditionalGeneration: the language model's config is `text_config`
+(its tensors under model.language_model., which server.models.loader reads; the vision tower is
+not loaded).
 """
 from __future__ import annotations
 
@@ -18,10 +21,29 @@ from server.models.state_specs import GATED_DELTANET
 
 # HF architecture -> how its checkpoint spells the DeltaNet in-projections (gated_deltanet.GDN_CHECKPOINTS)
 QWEN3_NEXT_ARCHITECTURES = {"Qwen3NextForCausalLM": "qkvz", "Qwen3_5ForCausalLM": "split",
-                            "Qwen3_5MoeForCausalLM": "split"}
+                            "Qwen3_5MoeForCausalLM": "split", "Qwen3_5ForConditionalGeneration": "split",
+                            "Qwen3_5MoeForConditionalGeneration": "split"}
+# A multimodal checkpoint -> its language model's architecture.
+_TEXT_MODELS = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+                "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
+
+
+def _text_config(raw: dict[str, Any], source: str, name: str) -> dict[str, Any]:
+    """A ForConditionalGeneration config's `text_config`, with what the outer config states for
+    the whole model (tied embeddings, dtype, special ids) where the text config leaves it out."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelLoadError(f"{source}: field 'text_config' must be an object for {name}")
+    out = {**text, "architectures": [name]}
+    for key in ("tie_word_embeddings", "dtype", "torch_dtype", "eos_token_id", "bos_token_id"):
+        if raw.get(key) is not None and (key == "tie_word_embeddings" or out.get(key) is None):
+            out[key] = raw[key]
+    return out
 
 
 def qwen3_next_hf(raw: dict[str, Any], source: str, name: str) -> ModelConfig:
+    if name in _TEXT_MODELS:
+        raw = _text_config(raw, source, name)
     p = HFFields(raw, source)
     n = p.positive_int("num_hidden_layers")
     types = raw.get("layer_types")
@@ -54,7 +76,7 @@ def qwen3_next_hf(raw: dict[str, Any], source: str, name: str) -> ModelConfig:
         raise ModelLoadError(f"{source}: linear_num_value_heads must be a multiple of linear_num_key_heads")
     experts = int(raw.get("num_experts") or 0)
     if experts:
-        if name == "Qwen3_5MoeForCausalLM":  # every layer sparse, the router always renormalises
+        if _TEXT_MODELS.get(name, name) == "Qwen3_5MoeForCausalLM":  # every layer sparse, the router always renormalises
             kinds = ("sparse",) * n
             renorm = True
         else:  # Qwen3-Next: the Qwen-MoE rule (mlp_only_layers, decoder_sparse_step)

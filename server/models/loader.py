@@ -87,7 +87,9 @@ def load_model(
             targets = {wrapped(name): t for name, t in targets.items()}
             towers = {k for k in names if not k.startswith(WRAPPED_PREFIX) and k != "lm_head.weight"}
             ignored = frozenset(wrapped(name) for name in ignored) | frozenset(towers)
-        loaded: set[str] = set(ignored)
+        # Parts of a checkpoint the model does not run, by prefix (Qwen3-Next's and Qwen3.5's MTP head).
+        skipped: tuple[str, ...] = getattr(model, "ignored_checkpoint_prefixes", ())
+        loaded: set[str] = set(ignored) | {k for k in names if skipped and k.startswith(skipped)}
         base_model = not any(k.startswith("model.") for _, h in handles for k in h.keys()) and \
             any(k == "embed_tokens.weight" for _, h in handles for k in h.keys())
         if base_model and not headless:

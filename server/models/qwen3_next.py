@@ -166,6 +166,9 @@ class Qwen3NextForCausalLM(DecoderForCausalLM):
     """DecoderForCausalLM whose linear-attention layers are GdnLayers and whose attention layers
     are GatedAttentionLayers; KV caches (and per-layer metadata) cover the attention layers only."""
 
+    # The checkpoints' multi-token-prediction head (transformers skips it too): not run here.
+    ignored_checkpoint_prefixes = ("mtp.",)
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
                  tie_word_embeddings: bool | None = None) -> None:
         super().__init__(config, dtype, device, tie_word_embeddings)

@@ -1,7 +1,8 @@
 """Qwen3.5 and Qwen3.5-MoE as released: Qwen3_5(Moe)ForConditionalGeneration folders (the language
 model's config under text_config, its tensors under model.language_model., a vision tower beside
 them), written by transformers itself, serve their language model: transformers' greedy tokens
-from the text model holding the same weights, token for token; the vision tower is not loaded."""
+from the text model holding the same weights, token for token; the vision tower is not loaded.
+And a checkpoint's multi-token-prediction head (`mtp.*`) is skipped, as transformers skips it."""
 from __future__ import annotations
 
 import json
@@ -63,3 +64,24 @@ def test_conditional_generation_folder_serves_its_language_model(
     prompts = _prompts(3, _vocab(hf_dir), 20, 70, seed=31)
     llm = LLM(str(out), max_model_len=256, kv_cache_tokens=4096)
     assert _tokens(llm.generate(prompts, _greedy())) == [hf_greedy(hf_dir, p) for p in prompts]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+def test_the_mtp_head_of_a_checkpoint_is_skipped(tiny_model: Callable[..., Path], arch: str, tmp_path: Path) -> None:
+    """The released checkpoints carry a multi-token-prediction head (`mtp.*`, which transformers
+    skips too): the folder loads the same parameters without it."""
+    from safetensors.torch import load_file, save_file
+
+    hf_dir = tiny_model(arch)
+    out = tmp_path / arch
+    shutil.copytree(hf_dir, out)
+    state = load_file(str(hf_dir / "model.safetensors"))
+    hidden = state["model.norm.weight"].shape[0]
+    state.update({"mtp.fc.weight": torch.zeros(hidden, 2 * hidden), "mtp.norm.weight": torch.ones(hidden),
+                  "mtp.layers.0.input_layernorm.weight": torch.ones(hidden)})
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    model, _ = load_model(out)
+    plain, _ = load_model(hf_dir)
+    pp = dict(plain.named_parameters())  # type: ignore[attr-defined]
+    for name, p in model.named_parameters():  # type: ignore[attr-defined]
+        assert torch.equal(p, pp[name]), name

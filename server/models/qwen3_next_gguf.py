@@ -50,6 +50,8 @@ _RENAMES = {"attn_qkv.weight": "in_proj_qkv.weight", "attn_gate.weight": "in_pro
 _SPLITS = {"ssm_ba.weight": ("in_proj_b.weight", "in_proj_a.weight"),
            "ssm_in.weight": ("in_proj_qkv.weight", "in_proj_z.weight")}
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+# Every DeltaNet tensor suffix of these files (error messages name a missing one by it).
+QWEN3_NEXT_GGUF_PARTS = (*_RENAMES, *_SPLITS)
 
 
 class _Keys:

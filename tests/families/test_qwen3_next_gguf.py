@@ -185,3 +185,19 @@ def test_kept_q8_blocks_serve_like_the_dequantised_file(hybrid: Callable[..., Pa
     a = _tokens(LLM(str(path), quantization="gguf", **kw).generate(prompts, first))
     b = _tokens(LLM(str(path), **kw).generate(prompts, first))
     assert sum(x == y for x, y in zip(a, b)) >= (14 if config.is_moe else 16)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(drop_metadata=["qwen35.ssm.group_count"]), r"qwen35\.ssm\.group_count"),
+    (dict(extra_metadata={"qwen35.ssm.time_step_rank": 3}), r"qwen35\.ssm\.time_step_rank 3 must be a multiple"),
+    (dict(extra_metadata={"qwen35.ssm.conv_kernel": 1}), r"qwen35\.ssm\.conv_kernel must be at least 2"),
+    (dict(skip_tensors=["blk.0.ssm_a"]), r"tensor 'blk\.0\.ssm_a' \(model\.layers\.0\.linear_attn\.A_log\) not found"),
+    (dict(skip_tensors=["blk.2.attn_gate.weight"]), r"tensor 'blk\.2\.attn_gate\.weight' .* not found"),
+])
+def test_bad_files_fail_naming_the_key_or_tensor(hybrid: Callable[..., Path], tmp_path: Path,
+                                                 change: dict[str, Any], message: str) -> None:
+    from server.models import ModelLoadError
+
+    path = write_gguf(tmp_path / "bad.gguf", hybrid("qwen3_5", "hf"), "F32", **change)
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(path)

@@ -22,9 +22,15 @@ CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight",
                   "rope_freqs.weight")  # Gemma 4's proportional RoPE (server.models.gemma4_config)
 
 
+# 2-D tensors llama.cpp's converter always writes in F32, whatever the file's type: the MoE
+# routers, the recurrent layers' conv kernels. They do not make a BF16 file a float32 one.
+_ALWAYS_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight", "shortconv.conv.weight")
+
+
 def gguf_dtype(f: GGUFFile) -> str:
-    """The dtype "auto" resolves to: the one float type of the 2-D weights, else float32."""
-    kinds = {t.type_name for t in f.tensors.values() if len(t.shape) >= 2}
+    """The dtype "auto" resolves to: the one float type of the 2-D weights (those the converter
+    always keeps in F32 aside), else float32."""
+    kinds = {t.type_name for t in f.tensors.values() if len(t.shape) >= 2 and not t.name.endswith(_ALWAYS_F32)}
     if len(kinds) == 1 and next(iter(kinds)) in _FLOAT_TYPES:
         return _FLOAT_TYPES[next(iter(kinds))]
     return "float32"

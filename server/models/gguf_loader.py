@@ -26,8 +26,12 @@ from server.models.gguf_config import CONFIG_TENSORS
 from server.models.gguf_file import GGUFFile, GGUFTensor
 from server.models.lfm2_config import lfm2_gguf_name
 from server.models.protocol import CausalLM
-from server.models.qwen3_next_gguf import (QWEN3_NEXT_GGUF, QWEN3_NEXT_GGUF_PARTS, qwen3_next_from_gguf,
-                                           qwen3_next_gguf_names)
+from server.models.qwen3_next_gguf import (
+    QWEN3_NEXT_GGUF,
+    QWEN3_NEXT_GGUF_PARTS,
+    qwen3_next_from_gguf,
+    qwen3_next_gguf_names,
+)
 from server.models.registry import config_from_gguf, gguf_permuted_qk, model_class
 
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")

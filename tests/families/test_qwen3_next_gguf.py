@@ -98,6 +98,14 @@ def test_mixed_length_batch_matches_transformers(hybrid: Callable[..., Path], ar
     assert _tokens(llm.generate(prompts, _greedy())) == [hf_greedy(ref_dir, p) for p in prompts]
 
 
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_dtype_auto_is_the_files_float_type(hybrid: Callable[..., Path], arch: str) -> None:
+    """A BF16 file serves in bfloat16 although its conv kernels (and routers) are F32, as llama.cpp's
+    converter always writes them; a quantised file in float32."""
+    assert load_model(hybrid(arch, "BF16"))[1].torch_dtype == "bfloat16"
+    assert load_model(hybrid(arch, "Q8_0"))[0].dtype == torch.float32  # type: ignore[attr-defined]
+
+
 def test_layer_kinds_from_the_attention_interval_and_mtp_layers_skipped(
         hybrid: Callable[..., Path], tmp_path: Path) -> None:
     """Without `attention.recurrent_layers`, every `full_attention_interval`-th layer is full

@@ -36,6 +36,11 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen3.5: letters run on through combining marks (\p{M}), which Qwen2's regex splits off.
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def _split_then_bytes(pattern: str) -> Any:
@@ -59,6 +64,7 @@ _PRE_TOKENIZERS: dict[str, tuple[Callable[[], Any], Optional[Callable[[], Any]],
     "llama-v3": (lambda: _split_then_bytes(_LLAMA3_SPLIT), None, True),
     "qwen2": (lambda: _split_then_bytes(_QWEN2_SPLIT), lambda: normalizers.NFC(), False),
     "deepseek-r1-qwen": (lambda: _split_then_bytes(_QWEN2_SPLIT), lambda: normalizers.NFC(), False),
+    "qwen35": (lambda: _split_then_bytes(_QWEN35_SPLIT), lambda: normalizers.NFC(), False),
 }
 SUPPORTED_PRE_TOKENIZERS = tuple(_PRE_TOKENIZERS)
 SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")

@@ -123,3 +123,20 @@ def test_chat_template_and_special_ids_come_from_metadata(spm_file: Path) -> Non
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tok.eos_token_ids == frozenset({2}) and tok.bos_token_id == 1
+
+
+def test_qwen35_pre_tokenizer_matches_transformers_qwen3_5_tokenizer(tmp_path: Path) -> None:
+    """`qwen35` (Qwen3.5's GGUF files): NFC, then Qwen2's split with combining marks kept in their
+    word, then bytes -- as transformers' Qwen3_5Tokenizer over the same vocabulary and merges."""
+    from transformers import Qwen3_5Tokenizer
+
+    tokens, merges, types = train_byte_level_vocab(600)
+    path = write_tokenizer_gguf(tmp_path / "q35.gguf", "gpt2", tokens, types, merges=merges, pre="qwen35")
+    ours = load_tokenizer(path)
+    ref = Qwen3_5Tokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ")) for m in merges])
+    marks = ["हिन्दी भाषा", "naïve cafe\u0301", "e\u0308\u0301x", "ไทย ภาษา", "a\u20dd b"]
+    for s in _strings(200, seed=5) + marks:
+        assert ours.encode(s) == ref.encode(s, add_special_tokens=False), s
+    # Marks stay in their word here, where Qwen2's regex splits them off.
+    words = [p for p, _ in ours._tok.pre_tokenizer.pre_tokenize_str("हिन्दी")]
+    assert len(words) == 1

@@ -59,7 +59,8 @@ def load_model(
     if is_gguf_path(model_dir):
         from server.models.gguf_loader import load_gguf_model
 
-        load_progress.stage("read and dequantise", model_dir.stat().st_size)  # one stage: bytes not counted
+        # One stage, bytes not counted; a missing file is GGUFFile.open's ModelFileNotFoundError.
+        load_progress.stage("read and dequantise", model_dir.stat().st_size if model_dir.is_file() else 0)
         return load_gguf_model(model_dir, dtype, device, keep_quantized=keep_gguf_blocks)
     if keep_gguf_blocks:
         raise ValueError(f"quantization: 'gguf' keeps a GGUF file's quantised blocks; {model_dir} is not a GGUF file")

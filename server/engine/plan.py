@@ -102,9 +102,18 @@ def _layer_sizes(mc: ModelConfig, i: int) -> tuple[int, int]:
         # LFM2's convolution layer (models/lfm2.py): in_proj [3H, H], out_proj [H, H], the MLP; the
         # depthwise kernel [K, H], two norms, and with conv_bias the three biases (3H, H, H).
         return 3 * H * H + H * H + 3 * I * H, mc.conv_kernel * H + (5 * H if mc.conv_bias else 0) + 2 * H
+    if mc.layer_types and mc.layer_types[i] == "gated_deltanet":
+        # A Gated DeltaNet layer (models/gated_deltanet.py): in_proj [q, k, v, z, b, a] and out_proj,
+        # the MLP; the conv kernel [conv_dim, K], A_log and dt_bias [Hv], the gated norm [Dv], two norms.
+        hv, kd = mc.linear_num_value_heads, mc.linear_num_key_heads * mc.linear_key_head_dim
+        vd = hv * mc.linear_value_head_dim
+        conv = 2 * kd + vd
+        return ((conv + vd + 2 * hv) * H + H * vd + 3 * I * H,
+                conv * mc.conv_kernel + 2 * hv + mc.linear_value_head_dim + 2 * H)
     q, kv = mc.num_heads * d, mc.kv_heads_of(i) * d
     shares = mc.kv_source(i) != i
     qkv = q + (0 if shares else (1 if mc.value_from_key(i) else 2) * kv)
+    qkv += q if mc.attn_output_gate else 0  # the output gate's rows (models/qwen3_next.py)
     matrices = qkv * H + H * q + 2 * I * H + H * I
     small = H * {"pre": 2, "post": 2, "both": 4}[mc.norm_placement]  # the layer's norms
     small += qkv if mc.qkv_bias else 0

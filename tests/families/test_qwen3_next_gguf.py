@@ -209,3 +209,20 @@ def test_bad_files_fail_naming_the_key_or_tensor(hybrid: Callable[..., Path], tm
     path = write_gguf(tmp_path / "bad.gguf", hybrid("qwen3_5", "hf"), "F32", **change)
     with pytest.raises(ModelLoadError, match=message):
         load_model(path)
+
+
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_plan_counts_what_each_source_loads(hybrid: Callable[..., Path], arch: str) -> None:
+    """`pagewire plan` counts exactly the bytes the model holds: the DeltaNet layers' projections,
+    conv kernel and small vectors, the attention output gate's rows; from the folder, the F32
+    file, and the Q8_0 file with --quantization gguf (the blocks it keeps)."""
+    from server.engine.config import EngineConfig
+    from server.engine.plan import make_plan, read_model_config
+    from tests.gateway.test_plan import _loaded_weight_bytes
+
+    for source, quantization in (("hf", "none"), ("F32", "none"), ("Q8_0", "gguf")):
+        path = hybrid(arch, source)
+        model, _ = load_model(path, dtype="float32", keep_gguf_blocks=quantization == "gguf")
+        config = EngineConfig(str(path), dtype="float32", quantization=quantization, kv_cache_tokens=1024)
+        plan = make_plan("m", read_model_config(path), config, None, None)
+        assert plan.weights.total == _loaded_weight_bytes(model), source

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from server import LLM
+from server.models.gguf_file import GGUFFile
 from server.models.loader import load_model
 from tests.families.test_families_vs_transformers import _greedy, _prompts, _tokens, _vocab, hf_greedy
 from tests.gguf_files import write_gguf
@@ -132,25 +133,60 @@ def _add_mtp_block(src: Path, out: Path) -> None:
     import numpy as np
 
     r = gguf.GGUFReader(str(src))
-    w = gguf.GGUFWriter(str(out), "qwen35")
+    hidden = int(r.fields["qwen35.embedding_length"].contents())
+    extra = {"blk.4." + t.name.split(".", 2)[2]: np.array(t.data) for t in r.tensors if t.name.startswith("blk.3.")}
+    extra["blk.4.nextn.eh_proj.weight"] = np.zeros((hidden, 2 * hidden), dtype=np.float32)
+    _rewrite(src, out, extra=extra, metadata={"qwen35.block_count": 5, "qwen35.nextn_predict_layers": 1})
+
+
+def _rewrite(src: Path, out: Path, *, drop: tuple[str, ...] = (), extra: dict[str, Any] | None = None,
+             metadata: dict[str, int] | None = None) -> None:
+    """A copy of the F32 file `src` without the tensors `drop`, with `extra` tensors and integer
+    `metadata` keys set."""
+    import gguf
+    import numpy as np
+
+    r = gguf.GGUFReader(str(src))
+    arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(out), arch)
+    metadata = dict(metadata or {})
     for field in r.fields.values():
         if field.name.startswith("GGUF.") or field.name == "general.architecture":
             continue
-        value: Any = field.contents()
-        if field.name == "qwen35.block_count":
-            value += 1
-        _add(w, field, value)
-    w.add_uint32("qwen35.nextn_predict_layers", 1)
+        _add(w, field, metadata.pop(field.name, field.contents()))
+    for key, value in metadata.items():
+        w.add_uint32(key, value)
     for t in r.tensors:
-        w.add_tensor(t.name, np.array(t.data))
-        if t.name.startswith("blk.3."):
-            w.add_tensor("blk.4." + t.name.split(".", 2)[2], np.array(t.data))
-    hidden = int(r.fields["qwen35.embedding_length"].contents())
-    w.add_tensor("blk.4.nextn.eh_proj.weight", np.zeros((hidden, 2 * hidden), dtype=np.float32))
+        if t.name not in drop:
+            w.add_tensor(t.name, np.array(t.data))
+    for name, data in (extra or {}).items():
+        w.add_tensor(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def test_qwen3_next_files_of_the_first_converter_with_ssm_in(hybrid: Callable[..., Path], tmp_path: Path) -> None:
+    """llama.cpp's first qwen3next converter kept in_proj_qkvz as it is (`ssm_in`, grouped per key
+    head); those files load into the same parameters as the split attn_qkv / attn_gate ones."""
+    from safetensors.torch import load_file
+
+    hf_dir, path = hybrid("qwen3_next", "hf"), hybrid("qwen3_next", "F32")
+    state = load_file(str(hf_dir / "model.safetensors"))
+    gdn = [i for i, t in enumerate(json.loads((hf_dir / "config.json").read_text())["layer_types"])
+           if t == "linear_attention"]
+    extra = {f"blk.{i}.ssm_in.weight": state[f"model.layers.{i}.linear_attn.in_proj_qkvz.weight"].numpy()
+             for i in gdn}
+    drop = tuple(f"blk.{i}.{n}" for i in gdn for n in ("attn_qkv.weight", "attn_gate.weight"))
+    _rewrite(path, tmp_path / "legacy.gguf", drop=drop, extra=extra)
+    tensors = GGUFFile.open(tmp_path / "legacy.gguf").tensors
+    assert "blk.0.ssm_in.weight" in tensors and "blk.0.attn_qkv.weight" not in tensors
+    legacy, _ = load_model(tmp_path / "legacy.gguf")
+    plain, _ = load_model(hf_dir)
+    pp = dict(plain.named_parameters())  # type: ignore[attr-defined]
+    for name, p in legacy.named_parameters():  # type: ignore[attr-defined]
+        assert torch.equal(p, pp[name]), name
 
 
 def _add(w: Any, field: Any, value: Any) -> None:

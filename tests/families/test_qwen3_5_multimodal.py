@@ -85,3 +85,11 @@ def test_the_mtp_head_of_a_checkpoint_is_skipped(tiny_model: Callable[..., Path]
     pp = dict(plain.named_parameters())  # type: ignore[attr-defined]
     for name, p in model.named_parameters():  # type: ignore[attr-defined]
         assert torch.equal(p, pp[name]), name
+
+
+def test_a_conditional_generation_config_without_text_config_is_refused_naming_it() -> None:
+    from server.models import ModelLoadError
+    from server.models.registry import config_from_hf
+
+    with pytest.raises(ModelLoadError, match=r"config\.json: field 'text_config' must be an object"):
+        config_from_hf({"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5"})

@@ -145,6 +145,10 @@ def _gguf_matrix_bytes(path: str, mc: ModelConfig, e: int) -> tuple[float, Optio
         q = mc.num_heads * d
         qkv = _layer_sizes(mc, i)[0] - H * q - 3 * I * H
         sizes = {"qkv_weight": qkv, "o_weight": H * q, "gate_up_weight": 2 * I * H, "down_weight": H * I}
+        if mc.layer_types and mc.layer_types[i] == "gated_deltanet":  # in_proj and out_proj instead
+            out = H * mc.linear_num_value_heads * mc.linear_value_head_dim
+            sizes = {"gdn.in_proj": qkv + H * q - out, "gdn.out_proj": out, "gate_up_weight": 2 * I * H,
+                     "down_weight": H * I}
         layers += sum(kept_bytes.get((i, n), v * e) for n, v in sizes.items())
     head = kept_bytes.get((None, "lm_head"))
     return float(layers), (float(head) if head is not None else None)

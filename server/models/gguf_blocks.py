@@ -11,6 +11,7 @@ whose parts differ in type) is dequantised by the loader as usual.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -18,6 +19,7 @@ import torch
 from server.kernels.quant import GGUF_QTYPES, Qtype, QuantizedExperts, QuantizedWeight
 from server.models.config import ModelConfig
 from server.models.gguf_file import GGUFFile
+from server.models.qwen3_next_gguf import QWEN3_NEXT_GGUF, qwen3_next_keepable, qwen3_next_kept_groups
 
 __all__ = ["KeptMatrix", "plan_kept_matrices", "build_quantized", "unpermute_qk"]
 
@@ -71,9 +73,11 @@ def plan_kept_matrices(f: GGUFFile, config: ModelConfig, tied: bool) -> list[Kep
     for i in range(config.num_layers):
         matrices = (_FUSED_LAYER_MATRICES if config.fused_checkpoint
                     else {**_LAYER_MATRICES, "qkv_weight": _qkv_parts(config, i)})
+        # The Gated DeltaNet hybrids: a DeltaNet layer's in_proj / out_proj (their rows and blocks are
+        # reordered as they are built: server.models.qwen3_next_gguf).
+        if config.model_type in QWEN3_NEXT_GGUF:
+            matrices = {**matrices, **qwen3_next_kept_groups(f, config, i)}
         for name, parts in matrices.items():
-            if name == "qkv_weight" and config.attn_output_gate:
-                continue  # attn_q interleaves each head's query and gate rows; the layer appends the gates
             groups.append((i, name, tuple(f"blk.{i}.{p}" for p in parts)))
         if f"blk.{i}.ffn_gate_inp.weight" in f.tensors:  # a sparse layer
             groups += [(i, name, tuple(f"blk.{i}.{p}" for p in parts)) for name, parts in _MOE_MATRICES.items()]
@@ -94,14 +98,18 @@ def plan_kept_matrices(f: GGUFFile, config: ModelConfig, tied: bool) -> list[Kep
         if qtype is None or any(t is None or len(t.shape) != dims or t.shape[-1] != k
                                 or (dims == 3 and t.shape[0] != lead) for t in tensors):
             continue
+        if config.model_type in QWEN3_NEXT_GGUF and not qwen3_next_keepable(f, config, name, parts):
+            continue
         kept.append(KeptMatrix(layer, name, qtype, parts))
     return kept
 
 
-def build_quantized(f: GGUFFile, m: KeptMatrix,
-                    permute_heads: dict[str, int]) -> QuantizedWeight | QuantizedExperts:
+def build_quantized(f: GGUFFile, m: KeptMatrix, permute_heads: dict[str, int],
+                    reorder: Callable[[KeptMatrix, torch.Tensor], torch.Tensor] | None = None,
+                    ) -> QuantizedWeight | QuantizedExperts:
     """The QuantizedWeight of `m` from the file's block bytes; `permute_heads` maps a part's GGUF
-    suffix ("attn_q.weight", "attn_k.weight") to its head count when llama.cpp permuted its rows."""
+    suffix ("attn_q.weight", "attn_k.weight") to its head count when llama.cpp permuted its rows;
+    `reorder` puts the stacked rows' bytes in the model's order (the Gated DeltaNet hybrids)."""
     first = f.tensors[m.parts[0]]
     if len(first.shape) == 3:  # stacked experts: each expert's rows of every part, in order
         e, k = first.shape[0], first.shape[2]
@@ -118,6 +126,8 @@ def build_quantized(f: GGUFFile, m: KeptMatrix,
         heads = permute_heads.get(part.split(".", 2)[-1]) if part.startswith("blk.") else None
         rows.append(unpermute_qk(raw, heads) if heads else raw)
     data = rows[0] if len(rows) == 1 else torch.cat(rows)
+    if reorder is not None:
+        data = reorder(m, data)
     return QuantizedWeight.from_gguf_bytes(m.qtype, data.contiguous(), int(data.shape[0]), int(k))
 
 

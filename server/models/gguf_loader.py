@@ -31,6 +31,7 @@ from server.models.qwen3_next_gguf import (
     QWEN3_NEXT_GGUF_PARTS,
     qwen3_next_from_gguf,
     qwen3_next_gguf_names,
+    qwen3_next_reorder_blocks,
 )
 from server.models.registry import config_from_gguf, gguf_permuted_qk, model_class
 
@@ -200,7 +201,7 @@ def load_gguf_model(
                 continue
             gdn = qwen3_next_gguf_names(t.name, config) if config.model_type in QWEN3_NEXT_GGUF else None
             if gdn is not None:  # Gated DeltaNet tensors (or a skipped multi-token-prediction layer's)
-                _load_gdn(f, t, gdn, config, targets, loaded)
+                _load_gdn(f, t, gdn, config, targets, loaded, t.name in kept_parts)
                 continue
             experts = _moe_tensor_names(t.name, config)
             if experts is not None and len(experts) > 1:
@@ -247,7 +248,9 @@ def load_gguf_model(
         module = model if m.layer is None else model._layers[m.layer]
         owner, _, attr = m.name.rpartition(".")  # "moe.experts_gate_up": the layer's SparseMoE
         module = getattr(module, owner) if owner else module
-        qw = build_quantized(f, m, heads).for_kernels()  # this CPU's fastest layout of the same bytes
+        reorder = ((lambda k, data: qwen3_next_reorder_blocks(f, config, k.name, k.parts, data))
+                   if config.model_type in QWEN3_NEXT_GGUF else None)
+        qw = build_quantized(f, m, heads, reorder).for_kernels()  # this CPU's fastest layout of the same bytes
         # A registered parameter can only be reassigned to a Parameter: unregister it first, so
         # the never-filled float matrix is freed.
         module._parameters.pop(attr, None)
@@ -274,10 +277,14 @@ def _load_experts(f: GGUFFile, t: GGUFTensor, names: list[str], targets: dict[st
 
 
 def _load_gdn(f: GGUFFile, t: GGUFTensor, names: tuple[str, ...], config: ModelConfig, targets: dict[str, Any],
-              loaded: set[str]) -> None:
+              loaded: set[str], kept: bool) -> None:
     """A Gated DeltaNet tensor of a qwen3next / qwen35 / qwen35moe file into its targets, in
-    transformers' layout (qwen3_next_from_gguf); none for a multi-token-prediction layer's."""
+    transformers' layout (qwen3_next_from_gguf); none for a multi-token-prediction layer's; only
+    marked loaded when --quantization gguf keeps its blocks."""
     if not names:
+        return
+    if kept:
+        loaded.update(names)
         return
     for name, tensor in zip(names, qwen3_next_from_gguf(t.name, torch.from_numpy(dequantize(t, f.path)), config)):
         target = targets.get(name)

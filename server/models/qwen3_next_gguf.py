@@ -180,3 +180,83 @@ def _untile(t: "torch.Tensor", dim: int, key_heads: int, per_key: int, head: int
     shape = list(t.shape)
     tiled = t.reshape(*shape[:dim], per_key, key_heads, head, *shape[dim + 1:])
     return tiled.transpose(dim, dim + 1).reshape(shape)
+
+
+# --quantization gguf: which of a layer's matrices stay in the file's blocks, and the row (and,
+# for ssm_out, block-column) order that puts the file's rows where the model's matrix has them.
+def qwen3_next_kept_groups(f: GGUFFile, config: ModelConfig, layer: int) -> dict[str, tuple[str, ...]]:
+    """A DeltaNet layer's in_proj (its GGUF parts, rows stacked in this order before reordering)
+    and out_proj; {} for an attention layer (the shared qkv / o / MLP groups cover it)."""
+    if config.layer_types[layer] != GATED_DELTANET:
+        return {}
+    if f"blk.{layer}.ssm_in.weight" in f.tensors:  # the first qwen3next converter's files
+        parts: tuple[str, ...] = ("ssm_in.weight", "ssm_ba.weight")
+    elif f"blk.{layer}.ssm_ba.weight" in f.tensors:
+        parts = ("attn_qkv.weight", "attn_gate.weight", "ssm_ba.weight")
+    else:
+        parts = ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight")
+    return {"gdn.in_proj": parts, "gdn.out_proj": ("ssm_out.weight",)}
+
+
+def qwen3_next_row_order(config: ModelConfig, name: str, parts: list[tuple[str, int]]) -> "torch.Tensor":
+    """For a kept matrix `name` stacked from `parts` ((GGUF name, rows) in order): the stacked
+    row each of the model's rows comes from."""
+    import torch
+
+    stacked = torch.arange(sum(n for _, n in parts), dtype=torch.float64)
+    if name == "qkv_weight":  # attn_q interleaves each head's query and gate rows: gates go last
+        q = 2 * config.num_heads * config.head_dim
+        heads = stacked[:q].view(config.num_heads, 2, config.head_dim)
+        return torch.cat([heads[:, 0].reshape(-1), stacked[q:], heads[:, 1].reshape(-1)]).long()
+    pieces, start = [], 0
+    for part, rows in parts:
+        index = stacked[start : start + rows].view(rows, 1)
+        pieces += [p.reshape(-1) for p in qwen3_next_from_gguf("blk.0." + part, index, config)]
+        start += rows
+    return torch.cat(pieces).long()
+
+
+def qwen3_next_block_columns(config: ModelConfig, part: str, cols: int, block: int) -> "torch.Tensor | None":
+    """ssm_out's columns in the model's order, as an order of whole blocks of `block` values;
+    None when the reordering moves values within a block (the matrix is then dequantised)."""
+    import torch
+
+    order = qwen3_next_from_gguf("blk.0." + part, torch.arange(cols, dtype=torch.float64).view(1, cols),
+                                 config)[0].view(-1).long()
+    if cols % block:
+        return None
+    runs = order.view(-1, block)
+    starts = runs[:, 0]
+    if bool((starts % block).any()) or not torch.equal(runs - starts[:, None], torch.arange(block).expand_as(runs)):
+        return None
+    return starts // block
+
+
+def qwen3_next_reorder_blocks(f: GGUFFile, config: ModelConfig, name: str, parts: tuple[str, ...],
+                              data: "torch.Tensor") -> "torch.Tensor":
+    """A kept matrix's block bytes [rows, bytes per row] (its parts' rows stacked) in the model's
+    row order (in_proj, a gated attention's qkv) or block-column order (out_proj)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    first = f.tensors[parts[0]]
+    if name == "gdn.out_proj":
+        block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[first.type_name]]
+        order = qwen3_next_block_columns(config, parts[0].split(".", 2)[2], int(first.shape[1]), block)
+        assert order is not None, "qwen3_next_reorder_blocks: a kept ssm_out must move whole blocks"
+        return data.view(data.shape[0], -1, nbytes)[:, order].reshape(data.shape[0], -1)
+    if name not in ("qkv_weight", "gdn.in_proj"):
+        return data
+    rows = [(p.split(".", 2)[2], int(f.tensors[p].shape[0])) for p in parts]
+    return data[qwen3_next_row_order(config, name, rows)]
+
+
+def qwen3_next_keepable(f: GGUFFile, config: ModelConfig, name: str, parts: tuple[str, ...]) -> bool:
+    """Whether the kept matrix can be built by moving whole rows or blocks (ssm_out: its value
+    heads' columns must fill whole blocks, or need no reordering)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    if name != "gdn.out_proj":
+        return True
+    t = f.tensors[parts[0]]
+    block = GGML_QUANT_SIZES[GGMLQuantizationType[t.type_name]][0]
+    return qwen3_next_block_columns(config, parts[0].split(".", 2)[2], int(t.shape[1]), block) is not None

@@ -205,24 +205,47 @@ def _add(w: Any, field: Any, value: Any) -> None:
         w.add_uint32(field.name, value)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
-def test_kept_q8_blocks_serve_like_the_dequantised_file(hybrid: Callable[..., Path], arch: str) -> None:
-    """--quantization gguf: the MLPs (Qwen3.5-MoE's experts and shared expert), the attention
-    output and lm_head stay in their Q8_0 blocks; the gated attention's qkv (query and gate rows
-    interleaved per head in attn_q) and the DeltaNet's projections are dequantised. Served, the
-    kept model's first greedy token of each prompt is the dequantised file's -- for the experts,
-    which run integer kernels on 8-bit activations, all but a near-tied one or two of 16."""
-    from server import SamplingParams
+@pytest.mark.parametrize("arch,head", [("qwen3_next", 16), ("qwen3_5", 16), ("qwen3_5", 32), ("qwen3_5_moe", 16)])
+def test_kept_q8_blocks_hold_the_dequantised_files_values(tiny_model: Callable[..., Path], tmp_path: Path,
+                                                          arch: str, head: int) -> None:
+    """--quantization gguf keeps every matrix in its Q8_0 blocks, rows (and blocks) moved to the
+    model's order: the gated attention's qkv (attn_q's per-head query and gate rows apart), the
+    DeltaNet's in_proj (Qwen3.5's tiled value heads regrouped, Qwen3-Next's ssm_ba split), its
+    out_proj (Qwen3.5's value-head columns moved as whole blocks, so only where a head fills whole
+    32-value blocks: head size 32, not 16), the MLPs and experts. Each kept matrix holds exactly
+    the values the dequantised file loads."""
+    from operator import attrgetter
+
     from server.kernels.quant import QuantizedExperts, QuantizedWeight
 
-    path = hybrid(arch, "Q8_0")
+    sizes = {"linear_key_head_dim": head, "linear_value_head_dim": head}
+    hf_dir = tiny_model(arch, mlp_only_layers=[], **sizes) if arch == "qwen3_next" else tiny_model(arch, **sizes)
+    path = write_gguf(tmp_path / "q8.gguf", hf_dir, "Q8_0")
     kept, config = load_model(path, dtype="float32", keep_gguf_blocks=True)
-    layers = kept._layers  # type: ignore[attr-defined]
-    assert isinstance(layers[1].o_weight, QuantizedWeight) and isinstance(layers[1].qkv_weight, torch.Tensor)
-    if config.is_moe:
-        assert all(isinstance(layer.moe.experts_gate_up, QuantizedExperts) for layer in layers)
-    else:
-        assert all(isinstance(layer.gate_up_weight, QuantizedWeight) for layer in layers)
+    plain, _ = load_model(path, dtype="float32")
+    out_proj_kept = arch == "qwen3_next" or head % 32 == 0
+    for i, (k, p) in enumerate(zip(kept._layers, plain._layers)):  # type: ignore[attr-defined]
+        names = ["gdn.in_proj", "gdn.out_proj"] if config.layer_types[i] == "gated_deltanet" else ["qkv_weight",
+                                                                                                    "o_weight"]
+        names += ["moe.experts_gate_up", "moe.experts_down"] if config.is_moe else ["gate_up_weight", "down_weight"]
+        for name in names:
+            got, want = attrgetter(name)(k), attrgetter(name)(p)
+            if name == "gdn.out_proj" and not out_proj_kept:
+                assert isinstance(got, torch.Tensor) and torch.equal(got, want), (i, name)
+                continue
+            assert isinstance(got, (QuantizedWeight, QuantizedExperts)), (i, name)
+            assert torch.equal(got.dequantize(), want), (i, name)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_kept_q8_blocks_serve_like_the_dequantised_file(hybrid: Callable[..., Path], arch: str) -> None:
+    """Served with --quantization gguf, the kept model's first greedy token of each prompt is the
+    dequantised file's -- for the experts, which run integer kernels on 8-bit activations, all
+    but a near-tied one or two of 16."""
+    from server import SamplingParams
+
+    path = hybrid(arch, "Q8_0")
+    config = load_model(path, dtype="float32")[1]
     prompts = _prompts(16, config.vocab_size, 20, 60, seed=22)
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     kw: dict[str, Any] = dict(dtype="float32", max_model_len=256, kv_cache_tokens=4096)

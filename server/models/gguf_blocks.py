@@ -6,7 +6,8 @@ Q4_1, Q4_K, and MXFP4 for experts only; see server.kernels.quant.GGUF_QTYPES) --
 tensors' raw block bytes: fused matrices (qkv, gate_up) are the parts' rows one after another, and
 llama.cpp's Q/K row permutation is undone on whole rows of blocks, so no value is ever
 dequantised. Every other tensor (norms, embeddings, F16/F32, Q5_K/Q6_K matrices, a fused matrix
-whose parts differ in type) is dequantised by the loader as usual.
+whose parts differ in type) is dequantised by the loader as usual. The Gated DeltaNet hybrids'
+matrices need rows (and ssm_out's blocks) moved to the model's order (server.models.qwen3_next_gguf).
 """
 from __future__ import annotations
 

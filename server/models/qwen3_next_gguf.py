@@ -23,6 +23,9 @@ converter does to these checkpoints, and so what is undone here:
 * layers past `block_count - nextn_predict_layers` are the multi-token-prediction head, which
   pagewire does not run: their tensors are skipped.
 The attention layers, the routed experts and the gated shared expert use the shared GGUF names.
+With --quantization gguf (server.models.gguf_blocks), the same reorderings are applied to the
+file's block bytes: whole rows for in_proj and the gated attention's qkv (attn_q's query and gate
+rows apart), whole blocks of columns for ssm_out where a value head fills whole blocks.
 Torch is imported only by the tensor half.
 """
 from __future__ import annotations

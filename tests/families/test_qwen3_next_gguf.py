@@ -3,7 +3,9 @@
 llama.cpp's converter lays them out (tests/gguf_qwen3_next.py): an F32 copy loads into exactly
 the folder's parameters and config; F32, BF16 and Q8_0 copies give transformers' greedy tokens on
 a mixed-length batch, token for token -- for the BF16 and Q8_0 files, transformers runs the
-weights the file holds (dequantised by the `gguf` package, every converter step undone).
+weights the file holds (dequantised by the `gguf` package, every converter step undone). Also:
+llama.cpp's layer-kind and MTP keys, the first converter's `ssm_in`, `--quantization gguf` (every
+matrix kept, exactly the dequantised values), dtype "auto", `pagewire plan`, bad files.
 
 The tiny Qwen3-Next has every layer sparse here: llama.cpp's qwen3next requires experts in every
 layer (its converter has no name for a dense layer's MLP).

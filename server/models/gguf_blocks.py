@@ -2,11 +2,12 @@
 
 It owns deciding which of a model's matrices can stay in the file's own block format -- every
 GGUF tensor that feeds the matrix has one type, and pagewire has a kernel for it (Q8_0, Q4_0,
-Q4_1, Q4_K, and MXFP4 for experts only; see server.kernels.quant.GGUF_QTYPES) -- and building those QuantizedWeights from the
+Q4_1, Q4_K, Q5_K, Q6_K, and MXFP4 for experts only; see server.kernels.quant.GGUF_QTYPES) -- and
+building those QuantizedWeights from the
 tensors' raw block bytes: fused matrices (qkv, gate_up) are the parts' rows one after another, and
 llama.cpp's Q/K row permutation is undone on whole rows of blocks, so no value is ever
-dequantised. Every other tensor (norms, embeddings, F16/F32, Q5_K/Q6_K matrices, a fused matrix
-whose parts differ in type) is dequantised by the loader as usual.
+dequantised. Every other tensor (norms, embeddings, F16/F32, a fused matrix whose parts differ in
+type) is dequantised by the loader as usual.
 """
 from __future__ import annotations
 

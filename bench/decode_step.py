@@ -21,6 +21,7 @@ file's own Q4_0/Q4_1/Q4_K/Q8_0 blocks kept; "none" is the file dequantised to --
 Examples:
     .venv/bin/python -m bench.decode_step --shape llama-246m --batch 1 8 --quantization none int8 int4
     .venv/bin/python -m bench.decode_step --model default --batch 1 --quantization none int8 gguf
+    .venv/bin/python -m bench.decode_step --model default --batch 1 8 --quantization gguf --engine
 """
 from __future__ import annotations
 
@@ -99,6 +100,9 @@ def main() -> None:
     p.add_argument("--context", type=int, default=96)
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's default)")
+    p.add_argument("--engine", action="store_true",
+                   help="also time the engine's own decode steps (LLMEngine.step, same model and batch, "
+                        "contexts around --context) and print engine step / this step: the engine's per-step overhead")
     a = p.parse_args()
     if a.threads > 0:
         torch.set_num_threads(a.threads)
@@ -128,6 +132,10 @@ def main() -> None:
         print(f"  {quantization}: batch-1 step {one * 1e3:.2f} ms, {1 / one:.1f} tok/s, "
               f"{first['step'] / one:.2f}x {a.quantization[0]}")
         del model
+        if a.engine:
+            from bench.engine_step import time_engine_steps
+
+            time_engine_steps(model_dir, a, quantization)
 
 
 def time_batches(model: Any, a: argparse.Namespace, bw: float) -> float:

@@ -6,6 +6,9 @@ with a different prompt so nothing is cached by text), and every --sample-every 
 the server's RSS (from /proc/PID/status), and what its bounded in-memory structures hold, read
 from /metrics (live requests, output bytes reserved, ended streams retained and their bytes).
 With --retention-wait, it then waits out the stream retention window and samples once more.
+With --idle-sockets N, N WebSocket connections are opened before the load and left idle beside it
+(issue 29: the 10,000-request soak with 1,000 idle sockets open); at the end each must still
+answer a ping, and the count that did is printed.
 
 The curve must flatten: after the first samples (allocator warm-up, the retention window filling)
 RSS should stay within a band, and `streams_retained` at the end equals what the window (or the
@@ -14,6 +17,7 @@ byte budget) allows, not the number of requests sent.
 Example (what bench/RESULTS.md records; under `nice`, on a shared machine):
     nice .venv/bin/python bench/soak.py --num-requests 10000 --concurrency 16 --max-tokens 4 \
         --serve-arg=--stream-retention=60 --json-out soak.json
+    nice .venv/bin/python bench/soak.py --num-requests 10000 --idle-sockets 1000
 """
 from __future__ import annotations
 
@@ -60,12 +64,35 @@ async def gauges(client: httpx.AsyncClient, base: str) -> dict[str, float]:
     return out
 
 
+async def open_idle(base: str, n: int) -> list[Any]:
+    """n WebSocket connections that send nothing (the client library answers the server's pings)."""
+    from websockets.asyncio.client import connect
+
+    url = base.replace("http://", "ws://") + "/v1/ws"
+    sockets: list[Any] = []
+    for start in range(0, n, 50):  # fifty handshakes at a time
+        sockets += await asyncio.gather(*(connect(url, open_timeout=120) for _ in range(min(50, n - start))))
+    return sockets
+
+
+async def still_open(sockets: list[Any]) -> int:
+    """How many of the idle sockets answer a ping now."""
+    async def alive(ws: Any) -> bool:
+        try:
+            await asyncio.wait_for(await ws.ping(), 60)
+            return True
+        except Exception:  # noqa: BLE001 - closed, or no pong: not alive
+            return False
+    return sum(await asyncio.gather(*(alive(ws) for ws in sockets)))
+
+
 async def soak(args: argparse.Namespace, base: str, pid: int) -> list[dict[str, Any]]:
     samples: list[dict[str, Any]] = []
     done = 0
     failures = 0
     t0 = time.monotonic()
     limits = httpx.Limits(max_connections=args.concurrency + 4)
+    idle = await open_idle(base, args.idle_sockets) if args.idle_sockets else []
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
         async def sample(label: str) -> None:
             s = {"requests": done, "rss_mb": round(rss_mb(pid), 1), "elapsed_s": round(time.monotonic() - t0, 1),
@@ -106,6 +133,9 @@ async def soak(args: argparse.Namespace, base: str, pid: int) -> list[dict[str, 
         if args.retention_wait > 0:
             await asyncio.sleep(args.retention_wait)
             await sample(f"after {args.retention_wait:g}s idle")
+    if idle:
+        print(f"idle sockets still open at the end: {await still_open(idle)} of {len(idle)}", flush=True)
+        await asyncio.gather(*(ws.close() for ws in idle))
     return samples
 
 
@@ -119,6 +149,7 @@ def main() -> None:
                    help="seconds to stay idle after the load before the last sample (the retention window)")
     p.add_argument("--model", default=None, help="model folder (default: the demo model)")
     p.add_argument("--serve-arg", action="append", default=[], help="extra `pagewire serve` option (repeatable)")
+    p.add_argument("--idle-sockets", type=int, default=0, help="WebSocket connections held open and idle beside the load")
     p.add_argument("--json-out", default=None)
     args = p.parse_args()
     print("command:", shlex.join([sys.executable, *sys.argv]), flush=True)

@@ -34,6 +34,12 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
 // block_mapping:            int64 [N, 2] rows of (src, dst) physical block ids
 void copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping);
 
+// LFM2's gated short convolution (cpu/short_conv_kernel.h): bcx [T, 3C] = in_proj(x) (B, C, x chunks),
+// weight_t fp32 [K, C], bias fp32 [C] or None, state [slots, K - 1, C] of bcx's dtype (mutated: each
+// sequence's slot), slots int64 [S], query_start_loc int32 [S + 1] -> [T, C] = C * conv(B * x).
+at::Tensor short_conv_cpu(const at::Tensor& bcx, const at::Tensor& weight_t, const c10::optional<at::Tensor>& bias,
+                          at::Tensor& state, const at::Tensor& slots, const at::Tensor& query_start_loc);
+
 // x: [M, K], weight: [N, K] (nn.Linear layout), bias: [N] or None -> [M, N] in x's dtype.
 // bf16 runs the small-batch kernel of the CPU's family (AVX512-BF16 or AVX2+FMA, cpu/cpu_features.h);
 // everything else, and CPUs with neither, is at::linear.
@@ -50,9 +56,9 @@ at::Tensor interleave_q8_0_cpu(const at::Tensor& weight);  // row layout -> x8 l
 at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                            bool interleaved);
 
-// 4-bit quantised weights (GGUF's Q4_0, Q4_1, Q4_K block layouts), see cpu/quant4_kernel.h.
-// weight: uint8 [N, K / block * block bytes]; qtype: "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", or
-// "q4_0x8" / "q4_1x8" / "q4_kx8" in the interleaved x8 layout (cpu/quant4_kernel.h).
+// 4-bit and K-quant weights (GGUF's Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, MXFP4 layouts), see cpu/quant4_kernel.h.
+// weight: uint8 [N, K / block * block bytes]; qtype: "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "mxfp4",
+// or "q4_0x8" / "q4_1x8" / "q4_kx8" in the interleaved x8 layout (cpu/quant4_kernel.h).
 constexpr int64_t kQ4KernelMaxRows = 16;  // larger batches dequantise chunks and use ATen's GEMM
 at::Tensor quantize_q4_0_cpu(const at::Tensor& weight);  // float [N, K] -> Q4_0 bytes
 at::Tensor dequantize_q4_cpu(const at::Tensor& weight, c10::string_view qtype);  // -> float32 [N, K]
@@ -120,7 +126,7 @@ at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>&
 // float16); topk_ids int64 [T, k] (expert per slot, -1 = empty), topk_weights float32 [T, k];
 // gate_up [E, 2I, H] and down [E, H, I] stacked per expert, each either float of x's dtype (kind
 // "float") or uint8 GGUF blocks [E, rows, row bytes] (kind "q8_0", "q8_0x8", "mxfp4" or a linear_q4
-// qtype; mxfp4 experts are decoded when used, then multiplied as float).
+// qtype; mxfp4 experts go through linear_q4 with qtype "mxfp4": the integer kernels read their blocks).
 // Tokens are grouped by expert and only the experts used are read; each token's k results are
 // summed in slot order in fp32. Returns [T, H] in x's dtype. gate_up_bias [E, 2I] and down_bias
 // [E, H] (x's dtype) or None; activation "silu" (SiLU(gate) * up) or "swiglu_oai" (gpt-oss's

@@ -2,6 +2,7 @@
 // CUDA implementations register under the same names from csrc/cuda/ (CUDA builds only).
 #include <torch/library.h>
 
+#include "cpu/gdn_ops.h"
 #include "ops.h"
 
 TORCH_LIBRARY(pagewire, m) {
@@ -40,8 +41,8 @@ TORCH_LIBRARY(pagewire, m) {
   m.def("interleave_q8_0(Tensor weight) -> Tensor");
   // x [M, K] @ dequant(weight)^T + bias [N] -> [M, N] in x's dtype (x quantised per row on the fly)
   m.def("linear_q8_0(Tensor x, Tensor weight, Tensor? bias, bool interleaved=False) -> Tensor");
-  // 4-bit / K-quant weights: uint8 [N, K / block * block bytes], GGUF's Q4_0, Q4_1, Q4_K, Q5_K, Q6_K
-  // ("q4_0" ... "q6_k") or Q4_0 / Q4_1 / Q4_K interleaved eight rows at a time ("q4_0x8", "q4_1x8",
+  // 4-bit / K-quant weights: uint8 [N, K / block * block bytes], GGUF's Q4_0, Q4_1, Q4_K, Q5_K, Q6_K,
+  // MXFP4 ("q4_0" ... "q6_k", "mxfp4") or Q4_0 / Q4_1 / Q4_K interleaved eight rows at a time ("q4_0x8", "q4_1x8",
   // "q4_kx8", cpu/quant4_kernel.h); linear_q4 as linear_q8_0
   m.def("quantize_q4_0(Tensor weight) -> Tensor");
   m.def("dequantize_q4(Tensor weight, str qtype) -> Tensor");
@@ -63,12 +64,22 @@ TORCH_LIBRARY(pagewire, m) {
   m.def("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, str gate_up_kind, "
         "Tensor down, str down_kind, Tensor? gate_up_bias=None, Tensor? down_bias=None, str activation=\"silu\", "
         "float alpha=1.702, float limit=7.0) -> Tensor");
+  // LFM2's gated short convolution with its per-sequence state (shapes in ops.h)
+  m.def("short_conv(Tensor bcx, Tensor weight_t, Tensor? bias, Tensor(a!) state, Tensor slots, "
+        "Tensor query_start_loc) -> Tensor");
   // Speculative decoding (shapes in ops.h): the n-gram proposer (CPU only: it reads host token
   // lists) and exact verification by rejection sampling.
   m.def("ngram_propose(Tensor[] token_ids, Tensor num_tokens, int k, int min_n, int max_n) -> Tensor");
   m.def(
       "rejection_sample(Tensor draft_token_ids, Tensor cu_num_draft, Tensor? draft_probs, Tensor? target_probs, "
       "Tensor target_argmax, Tensor is_greedy, Tensor uniform) -> (Tensor, Tensor)");
+  // Gated DeltaNet (shapes in ops.h): the states are pools indexed by slots, updated in place.
+  m.def("gdn_causal_conv1d(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_states, Tensor slots, "
+        "Tensor query_start_loc, str activation=\"silu\") -> Tensor");
+  m.def("gdn_gating(Tensor a, Tensor b, Tensor A_log, Tensor dt_bias) -> (Tensor, Tensor)");
+  m.def("gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) states, Tensor slots, "
+        "Tensor query_start_loc, int chunk_size=64) -> Tensor");
+  m.def("gated_rms_norm(Tensor x, Tensor gate, Tensor weight, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagewire, CPU, m) {
@@ -91,6 +102,11 @@ TORCH_LIBRARY_IMPL(pagewire, CPU, m) {
   m.impl("interleave_q4", &pagewire::interleave_q4_cpu);
   m.impl("decode_layer", &pagewire::decode_layer_cpu);
   m.impl("moe_experts", &pagewire::moe_experts_cpu);
+  m.impl("short_conv", &pagewire::short_conv_cpu);
   m.impl("ngram_propose", &pagewire::ngram_propose_cpu);
   m.impl("rejection_sample", &pagewire::rejection_sample_cpu);
+  m.impl("gdn_causal_conv1d", &pagewire::gdn_causal_conv1d_cpu);
+  m.impl("gdn_gating", &pagewire::gdn_gating_cpu);
+  m.impl("gated_delta_rule", &pagewire::gated_delta_rule_cpu);
+  m.impl("gated_rms_norm", &pagewire::gated_rms_norm_cpu);
 }

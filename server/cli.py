@@ -142,6 +142,17 @@ def _resolve_model(settings: ServeSettings) -> tuple[Path, str, Optional[str]]:
     return default.path, settings.served_model_name or default.name, banner
 
 
+def _check_adapters(settings: ServeSettings, name: str) -> None:
+    """--lora: each adapter's folder and adapter_config.json (torch-free; the tensors are checked
+    against the model when it loads), and names that do not clash. ValueError naming the problem."""
+    from server.models.lora_config import read_lora_config
+    from server.serving.model_names import ModelNames
+
+    for _, path in settings.lora:
+        read_lora_config(path)
+    ModelNames(name, [n for n, _ in settings.lora])
+
+
 def _serve(ns: argparse.Namespace) -> int:
     from server.serving.model_path import check_model
 
@@ -158,7 +169,8 @@ def _serve(ns: argparse.Namespace) -> int:
         # unsupported one is refused here, before the port is bound or the engine starts.
         settings.engine_config(str(model_dir))
         check_model(model_dir, settings.task)
-    except ValueError as e:  # ModelPathError, ConfigError
+        _check_adapters(settings, name)
+    except ValueError as e:  # ModelPathError, ConfigError, LoraError
         print(f"pagewire: {e}", file=sys.stderr)
         return 2
     if settings.speculative_config is not None:  # a draft model must share the model's vocabulary

@@ -8,11 +8,14 @@ as vLLM does.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 
 from server.engine.config import EngineConfig
 from server.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, fold_delta
 from server.engine.sampling_params import EmbeddingParams, SamplingParams
+
+if TYPE_CHECKING:
+    from server.chat_reading import ChatReader
 
 PromptType = Union[str, Sequence[int]]
 Conversation = Sequence[Mapping[str, Any]]
@@ -32,7 +35,8 @@ class LLM:
     e.g. {"method": "ngram", "num_speculative_tokens": 4}, see docs/speculative_decoding.md;
     deterministic=True/False: batch-invariant results, default None = on where cheap, see
     docs/determinism.md; autotune=True/False: time linear's paths per weight shape at start-up,
-    default None = on for CPU).
+    default None = on for CPU; lora_modules={"name": "path/to/peft-adapter"}: LoRA adapters that
+    generate's `lora` selects, per prompt).
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:
@@ -47,6 +51,7 @@ class LLM:
         from server.models.generation_defaults import generation_defaults
 
         self.sampling_defaults: dict[str, Any] = generation_defaults(self.config.model)
+        self._reader: Optional["ChatReader"] = None  # built on the first chat()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -76,10 +81,14 @@ class LLM:
             add_generation_prompt: end the prompt with the assistant header so the model replies.
             continue_final_message: leave the last (assistant) message open so the model continues
                 it; exclusive with add_generation_prompt.
-            tools: tool definitions passed to the template.
+            tools: tool definitions passed to the template; with a tool-call format detected from the
+                template (harmony, Hermes, Llama 3 JSON), each output's `tool_calls` holds the calls
+                (`tool_choice: auto`).
             chat_template_kwargs: extra template variables (e.g. {"enable_thinking": False}).
         Returns:
             One RequestOutput per conversation, in order; `prompt` is the rendered template text.
+            Each output's `text` is the raw reply; `reasoning_content`, `content` and `tool_calls`
+            are what the chat APIs read from it (server.chat_reading).
         Raises:
             ValueError naming the argument; ChatTemplateError when the template rejects a conversation.
         """
@@ -104,7 +113,21 @@ class LLM:
             texts.append(text)
         # Templates write BOS and the turn markers themselves; encoding must not add them again.
         prompts: list[tuple[Optional[str], list[int]]] = [(t, tok.encode(t, add_special_tokens=False)) for t in texts]
-        return self._run(prompts, sampling_params, use_tqdm, None)
+        # The reply is read as the chat APIs read it (server.chat_reading): reasoning, content and
+        # tool calls beside the raw text.
+        if self._reader is None:
+            from server.chat_reading import ChatReader
+
+            self._reader = ChatReader(tok)
+        plan = self._reader.plan(tools)
+        params = [self._reader.prepare(sp, ids, plan)
+                  for sp, (_, ids) in zip(self._params_list(sampling_params, len(prompts)), prompts)]
+        outs = self._run(prompts, params, use_tqdm, None)
+        for out in outs:
+            for o in out.outputs:
+                o.reasoning_content, o.content, o.tool_calls = self._reader.read(
+                    o.text, o.token_ids, out.prompt_token_ids, plan, out.request_id, o.index)
+        return outs
 
     def generate(
         self,
@@ -112,8 +135,11 @@ class LLM:
         sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
         use_tqdm: bool = False,
         priority: Optional[Sequence[int]] = None,
+        lora: Union[None, str, Sequence[Optional[str]]] = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (a string or a list of token ids); outputs keep input order."""
+        """Generate for every prompt (a string or a list of token ids); outputs keep input order.
+        lora: a LoRA adapter's name (of lora_modules) for every prompt, or one per prompt (None:
+        the base model)."""
         items: list[Any]
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
@@ -125,7 +151,7 @@ class LLM:
         staged: list[tuple[Optional[str], list[int]]] = [
             (p, tok.encode(p)) if isinstance(p, str) else (None, list(p)) for p in items
         ]
-        return self._run(staged, sampling_params, use_tqdm, priority)
+        return self._run(staged, sampling_params, use_tqdm, priority, lora)
 
     def embed(
         self,
@@ -148,36 +174,42 @@ class LLM:
         params = SamplingParams(max_tokens=1, embedding=EmbeddingParams(dimensions))
         return self._run(staged, params, False, None)
 
+    def _params_list(self, sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]],
+                     n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params_list = list(sampling_params)
+        if len(params_list) != n:
+            raise ValueError(f"sampling_params: got {len(params_list)} for {n} prompts")
+        return params_list
+
     def _run(
         self,
         prompts: list[tuple[Optional[str], list[int]]],
         sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]],
         use_tqdm: bool,
         priority: Optional[Sequence[int]],
+        lora: Union[None, str, Sequence[Optional[str]]] = None,
     ) -> list[RequestOutput]:
         """Queue every (text, token ids) prompt, step the engine until all finish, keep input order."""
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"sampling_params: got {len(params_list)} for {len(prompts)} prompts"
-                )
+        params_list = self._params_list(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts")
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora: got {len(loras)} names for {len(prompts)} prompts")
 
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
         # Everything is tokenised before anything is queued, so a bad prompt fails fast.
-        staged = [(text, ids, sp, priority[i] if priority is not None else 0)
+        staged = [(text, ids, sp, priority[i] if priority is not None else 0, loras[i])
                   for i, ((text, ids), sp) in enumerate(zip(prompts, params_list))]
         try:
-            for text, ids, sp, prio in staged:
+            for text, ids, sp, prio, name in staged:
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, ids, sp, priority=prio)
+                self.engine.add_request(rid, ids, sp, priority=prio, lora=name)
                 order.append(rid)
                 results[rid] = RequestOutput(rid, text, ids, [
                     CompletionOutput(i, "", [], None, logprobs=[] if sp.logprobs is not None else None)

@@ -71,7 +71,27 @@ CHATML = (
 )
 
 
+# LFM2 (llama.cpp's `lfm2`): its own transformers names; the convolution's tensors are shortconv.*,
+# the final norm token_embd_norm.
+_LFM2_TO_GGUF = {
+    "operator_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.out_proj.weight": "attn_output.weight",
+    "self_attn.q_layernorm.weight": "attn_q_norm.weight", "self_attn.k_layernorm.weight": "attn_k_norm.weight",
+    "feed_forward.w1.weight": "ffn_gate.weight", "feed_forward.w3.weight": "ffn_up.weight",
+    "feed_forward.w2.weight": "ffn_down.weight",
+    **{f"conv.{p}.{w}": f"shortconv.{p}.{w}" for p in ("conv", "in_proj", "out_proj") for w in ("weight", "bias")},
+}
+
+
 def gguf_name(hf_name: str, model_type: str = "llama") -> str:
+    if model_type == "lfm2":
+        if hf_name == "model.embedding_norm.weight":
+            return "token_embd_norm.weight"
+        if hf_name in _HF_TO_GGUF_GLOBAL:
+            return _HF_TO_GGUF_GLOBAL[hf_name]
+        parts = hf_name.split(".", 3)
+        return f"blk.{parts[2]}.{_LFM2_TO_GGUF[parts[3]]}"
     if hf_name.endswith("post_attention_layernorm.weight") and model_type in _POST_NORM_TYPES:
         return f"blk.{hf_name.split('.')[2]}.post_attention_norm.weight"
     if hf_name in _HF_TO_GGUF_GLOBAL:
@@ -233,7 +253,7 @@ def write_gguf(
         f"{arch}.feed_forward_length": cfg["intermediate_size"],
         f"{arch}.attention.head_count": heads,
         f"{arch}.attention.head_count_kv": kv_heads,
-        f"{arch}.attention.layer_norm_rms_epsilon": float(cfg["rms_norm_eps"]),
+        f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.get("rms_norm_eps", cfg.get("norm_eps", 1e-6))),
         f"{arch}.rope.freq_base": float(rope.get("rope_theta", 10000.0)),
         f"{arch}.vocab_size": cfg["vocab_size"],
         "tokenizer.ggml.model": "gpt2",
@@ -302,6 +322,8 @@ def write_gguf(
         if name in skip_tensors:
             continue
         arr = tensor.to(torch.float32).numpy()
+        if model_type == "lfm2" and name.endswith("shortconv.conv.weight"):
+            arr = arr.squeeze(1)  # llama.cpp's converter: the depthwise kernel as [H, K]
         if model_type in ("gemma2", "gemma3_text") and name.endswith("norm.weight"):
             arr = arr + 1.0  # llama.cpp's Gemma 2/3 converter stores the 1 + w the model scales by (Gemma 4: w)
         if model_type in PERMUTED and name.endswith(("attn_q.weight", "attn_q.bias")):
@@ -354,6 +376,14 @@ def _family_metadata(arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> di
         meta[f"{arch}.final_logit_softcapping"] = float(cfg["final_logit_softcapping"])
     if arch == "gemma4":
         meta.update(_gemma4_metadata(arch, cfg))
+    if arch == "lfm2":  # as llama.cpp's Lfm2Model: KV heads per layer (0: a convolution layer)
+        from server.models.lfm2_config import lfm2_intermediate
+
+        meta[f"{arch}.attention.head_count_kv"] = [cfg["num_key_value_heads"] if t == "full_attention" else 0
+                                                   for t in cfg["layer_types"]]
+        meta[f"{arch}.shortconv.l_cache"] = cfg["conv_L_cache"]
+        meta[f"{arch}.feed_forward_length"] = lfm2_intermediate(cfg, "config.json")
+        meta[f"{arch}.attention.layer_norm_rms_epsilon"] = float(cfg["norm_eps"])
     if arch == "granite":
         meta[f"{arch}.attention.scale"] = float(cfg["attention_multiplier"])
         meta[f"{arch}.embedding_scale"] = float(cfg["embedding_multiplier"])

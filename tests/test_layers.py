@@ -2,7 +2,7 @@
 and TYPE_CHECKING ones included) follows the table of allowed package edges, and no two modules
 import each other, directly or round a circle (docs/architecture.md, "Layers").
 
-The order, top to bottom: the composition roots (server/cli.py, server/serve.py, server/llm.py
+The order, top to bottom: the composition roots (server/cli.py, server/serve.py, server/llm.py, server/chat_reading.py
 and the package's lazy `server/__init__.py`), then
     api → gateway → serving → engine → text → models → kernels → server._C
 with server/jsonfile.py and server/strenum.py leaves anyone may read. An edge may skip layers downwards only where the
@@ -15,7 +15,7 @@ from pathlib import Path
 
 SERVER = Path(__file__).resolve().parents[1] / "server"
 
-ROOTS = {"server", "server.cli", "server.serve", "server.llm"}
+ROOTS = {"server", "server.cli", "server.serve", "server.llm", "server.chat_reading"}
 LEAVES = {"server.jsonfile", "server.strenum", "server._C"}
 
 # package -> the packages (and leaves) its modules may import, besides its own modules.

@@ -67,6 +67,30 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
                 "max_position_embeddings": 2048,  # = factor x original, as transformers' YaRN check wants
                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}},
+    # LFM2 (issue 28): convolution layers around two attention layers, the 3-tap kernel of the
+    # checkpoints, transformers' auto-adjusted MLP width (2/3 x 128 rounded up to 32: 96).
+    "lfm2": {"num_hidden_layers": 5, "layer_types": ["conv", "conv", "full_attention", "conv", "full_attention"],
+             "conv_L_cache": 3, "norm_eps": 1e-5, "block_auto_adjust_ff_dim": True, "block_multiple_of": 32,
+             "block_ffn_dim_multiplier": 1.0},
+    # Hybrids (issue 28): Gated DeltaNet layers (2 key heads serving 4 value heads, a 4-tap conv)
+    # with gated full-attention layers every second layer, partial rotary (8 of 32 dims), every
+    # norm 1 + w; Qwen3-Next and Qwen3.5-MoE with routed experts and a gated shared expert.
+    "qwen3_next": {"num_hidden_layers": 4, "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                   "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+                   "layer_types": ["linear_attention", "full_attention"] * 2, "num_experts": 8,
+                   "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+                   "norm_topk_prob": True, "mlp_only_layers": [2],
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}},
+    "qwen3_5": {"num_hidden_layers": 4, "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+                "layer_types": ["linear_attention", "full_attention"] * 2,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}},
+    "qwen3_5_moe": {"num_hidden_layers": 4, "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+                    "layer_types": ["linear_attention", "full_attention"] * 2, "num_experts": 8,
+                    "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                        "partial_rotary_factor": 0.25}},
     "olmo2": {},
     "olmo3": {"num_hidden_layers": 4, "sliding_window": 24,
               "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 500000.0},
@@ -119,6 +143,10 @@ def _classes(arch: str) -> tuple[type, type]:
         "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM),
         "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),
         "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
+        "lfm2": (tf.Lfm2Config, tf.Lfm2ForCausalLM),
+        "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
+        "qwen3_5": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM),
+        "qwen3_5_moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM),
     }
     if arch not in table:
         raise ValueError(f"arch: expected one of {', '.join(table)}, got {arch!r}")
@@ -180,7 +208,10 @@ def make_tiny_model(
             # still match; random values make every parameter observable in the logits.
             if name.endswith("norm.weight"):
                 # Gemma 2/3 scale by 1 + w: around 0 there is around 1 elsewhere (Gemma 4 scales by w).
-                p.uniform_(-0.5, 0.5) if arch in ("gemma2", "gemma3") else p.uniform_(0.5, 1.5)
+                # Qwen3-Next / Qwen3.5 too, except the DeltaNet's gated norm (linear_attn.norm), which scales by w.
+                one_plus_w = arch in ("gemma2", "gemma3") or (arch.startswith(("qwen3_next", "qwen3_5"))
+                                                              and "linear_attn" not in name)
+                p.uniform_(-0.5, 0.5) if one_plus_w else p.uniform_(0.5, 1.5)
             elif name.endswith((".bias", "_bias")):  # gpt-oss's experts: gate_up_proj_bias, down_proj_bias
                 p.normal_(0.0, 0.1)
             elif name.endswith(".sinks"):  # gpt-oss: sinks near the scores' size, so they matter

@@ -184,6 +184,10 @@ past a table's end (up to the longest) are 0, released entries -1. out: a writab
 torch tensor). Returns the longest table (ValueError if wider than out, before writing).
 )doc")
       .def("refcount", &BlockAllocator::refcount, py::arg("block_id"))
+      .def("chain_link", &BlockAllocator::chain_link, py::arg("seq_id"), py::arg("index"),
+           "Group 0's registered chain link `index`: (representative block, generation).")
+      .def("link_valid", &BlockAllocator::link_valid, py::arg("block"), py::arg("gen"),
+           "Whether `block` is still registered with generation `gen`.")
       .def("stats",
            [](const PyBlockAllocator& self) {
              const BlockAllocator::Stats s = self.stats();

@@ -538,6 +538,21 @@ int32_t BlockAllocator::refcount(int64_t block_id) const {
   return refcount_[static_cast<size_t>(block_id)];
 }
 
+std::pair<int32_t, uint64_t> BlockAllocator::chain_link(int64_t seq_id, int64_t index) const {
+  const Sequence& seq = get_seq(seq_id, "chain_link");
+  const std::vector<ChainLink>& chain = seq.chain[0];
+  if (index < 0 || index >= static_cast<int64_t>(chain.size()))
+    throw std::invalid_argument("chain_link: index " + std::to_string(index) + " outside the " +
+                                std::to_string(chain.size()) + " registered blocks of " + seq_str(seq_id));
+  const ChainLink& link = chain[static_cast<size_t>(index)];
+  return {link.block, link.gen};
+}
+
+bool BlockAllocator::link_valid(int32_t block, uint64_t gen) const {
+  return block >= 0 && block < num_blocks_ && hashed_[static_cast<size_t>(block)] &&
+         gen_[static_cast<size_t>(block)] == gen;
+}
+
 BlockAllocator::Stats BlockAllocator::stats() const {
   const int64_t free_blocks = static_cast<int64_t>(free_list_.size());
   return Stats{num_blocks_, num_blocks_ - free_blocks - lru_size_, free_blocks, lru_size_,

@@ -102,6 +102,12 @@ class BlockAllocator {
   int64_t fill_block_tables(const std::vector<int64_t>& seq_ids, int32_t* out, int64_t group_stride,
                             int64_t row_stride, int64_t width) const;
   int32_t refcount(int64_t block_id) const;
+  // Group 0's registered chain link `index` of a sequence: (representative block, its generation).
+  // The pair names that prefix's content for as long as link_valid says so (the state cache keys
+  // its snapshots by it). Throws std::invalid_argument past the registered chain.
+  std::pair<int32_t, uint64_t> chain_link(int64_t seq_id, int64_t index) const;
+  // Whether `block` is still registered with generation `gen` (not evicted, reset or rewritten).
+  bool link_valid(int32_t block, uint64_t gen) const;
 
   struct Stats {
     int64_t num_blocks, used_blocks, free_blocks, cached_blocks;

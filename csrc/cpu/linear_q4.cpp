@@ -1,4 +1,5 @@
-// The 4-bit and K-quant weight CPU ops (GGUF's Q4_0, Q4_1, Q4_K, Q5_K and Q6_K layouts, see quant4_kernel.h):
+// The 4-bit and K-quant weight CPU ops (GGUF's Q4_0, Q4_1, Q4_K, Q5_K, Q6_K and MXFP4 layouts, see
+// quant4_kernel.h):
 // quantize_q4_0 (float weights at load, GGUF's rounding), dequantize_q4 (tests, prefill), and
 // linear_q4: x @ dequant(w)^T (+ bias) with x quantised per row to Q8 blocks on the fly, through
 // the AVX-512 VNNI kernel (linear_q4_avx512.cpp) when the CPU has it, the AVX2 one
@@ -68,6 +69,16 @@ inline void decode_sub(Q4Type t, const uint8_t* row, int64_t sb, int16_t* q, flo
     }
     return;
   }
+  if (t == Q4Type::kMXFP4) {
+    const uint8_t* blk = row + sb * kMxfp4BlockBytes;
+    a[0] = a[1] = mxfp4_scale(blk[0]);
+    *c = -kMxfp4Offset * a[0];
+    for (int j = 0; j < 16; ++j) {
+      q[j] = static_cast<int16_t>(kMxfp4Values[blk[1 + j] & 0xF] + kMxfp4Offset);
+      q[j + 16] = static_cast<int16_t>(kMxfp4Values[blk[1 + j] >> 4] + kMxfp4Offset);
+    }
+    return;
+  }
   const uint8_t* blk = row + sb * q4_block_bytes(t);
   const float d = load_fp16(blk);
   a[0] = a[1] = d;
@@ -91,6 +102,8 @@ void dequantize_q4_row(Q4Type t, const uint8_t* w, float* out, int64_t K) {
       for (int j = 0; j < 32; ++j) o[j] = a[0] * static_cast<float>(static_cast<int>(q[j]) - 8);  // GGUF: d * (q - 8)
     } else if (t == Q4Type::kQ6_K) {
       for (int j = 0; j < 32; ++j) o[j] = a[j / 16] * static_cast<float>(q[j]);  // GGUF: (d * sc) * (q - 32)
+    } else if (t == Q4Type::kMXFP4) {  // exact: a small integer times a power of two
+      for (int j = 0; j < 32; ++j) o[j] = a[0] * static_cast<float>(static_cast<int>(q[j]) - kMxfp4Offset);
     } else {
       for (int j = 0; j < 32; ++j) o[j] = a[0] * static_cast<float>(q[j]) + c;
     }
@@ -212,7 +225,9 @@ Q4Format parse_q4_type(const std::string& qtype) {
   if (qtype == "q4_0x8") return {cpu::Q4Type::kQ4_0, true};
   if (qtype == "q4_1x8") return {cpu::Q4Type::kQ4_1, true};
   if (qtype == "q4_kx8") return {cpu::Q4Type::kQ4_K, true};
-  TORCH_CHECK(false, "qtype must be 'q4_0', 'q4_1', 'q4_k', 'q5_k', 'q6_k', 'q4_0x8', 'q4_1x8' or 'q4_kx8', got '",
+  if (qtype == "mxfp4") return {cpu::Q4Type::kMXFP4, false};
+  TORCH_CHECK(false,
+              "qtype must be 'q4_0', 'q4_1', 'q4_k', 'q5_k', 'q6_k', 'q4_0x8', 'q4_1x8', 'q4_kx8' or 'mxfp4', got '",
               qtype, "'");
 }
 

@@ -1,6 +1,7 @@
-// 4-bit weight (GGUF Q4_0 / Q4_1 / Q4_K) x Q8 activation GEMV/GEMM on AVX2 (layouts in
+// 4-bit weight (GGUF Q4_0 / Q4_1 / Q4_K / MXFP4) x Q8 activation GEMV/GEMM on AVX2 (layouts in
 // quant4_kernel.h). Codes are unsigned 0..15, so maddubs takes them as they are (pairs at most
-// 2 * 15 * 127: no 16-bit saturation); each block's offset (Q4_0's -8 d, Q4_1's m, Q4_K's
+// 2 * 15 * 127: no 16-bit saturation; MXFP4's codes become 0..24 by one byte shuffle, a pair of
+// blocks at most 4 * 24 * 127); each block's offset (Q4_0's -8 d, Q4_1's m, Q4_K's
 // -dmin * min) multiplies the activation block's precomputed d * sum, eight blocks per FMA.
 //
 // Per-block work is kept small:
@@ -68,13 +69,33 @@ void pair_activations(const int8_t* q, int64_t M, int64_t K, int8_t* out) {
 }
 
 // Rows [m0, m0 + MB) of x (xp: their pair layout) times weight rows w[0..NR) of Q4_0 / Q4_1.
+// The fp32 scale and offset of block j of a Q4_0 / Q4_1 / MXFP4 row (the offset multiplies the
+// activation block's sum): Q4_0 (d, -8 d), Q4_1 (d, m), MXFP4 (2^(e-128), -12 * 2^(e-128)).
+template <Q4Type T>
+inline void block_scale(const uint8_t* blk, float* d, float* c) {
+  if constexpr (T == Q4Type::kMXFP4) {
+    *d = mxfp4_scale(blk[0]);
+    *c = -kMxfp4Offset * *d;
+  } else {
+    *d = fp16(blk);
+    *c = T == Q4Type::kQ4_0 ? -8.f * *d : fp16(blk + 2);
+  }
+}
+
+// Q4_0 / Q4_1 / MXFP4 (blocks of 32 values, byte j holding values j and j + 16).
 template <Q4Type T, int MB, int NR>
 void tile32(const Q8SumActivations& x, const int8_t* xp, int64_t m0, const uint8_t* w, int64_t row_bytes,
             const float* bias, float* out, int64_t ldo) {
-  constexpr int BB = T == Q4Type::kQ4_0 ? kQ4_0BlockBytes : kQ4_1BlockBytes;
-  constexpr int QO = T == Q4Type::kQ4_0 ? 2 : 4;  // codes' offset in a block
+  constexpr int BB = T == Q4Type::kQ4_0 ? kQ4_0BlockBytes : T == Q4Type::kQ4_1 ? kQ4_1BlockBytes : kMxfp4BlockBytes;
+  constexpr int QO = T == Q4Type::kQ4_0 ? 2 : T == Q4Type::kQ4_1 ? 4 : 1;  // codes' offset in a block
   const int64_t nb = x.K / 32, pf = avx2::kPrefetchRows * row_bytes;
   const __m256i mask = _mm256_set1_epi8(0x0F);
+  // MXFP4: nibble -> kMxfp4Values + 12 (unsigned), one byte shuffle per 32 codes.
+  const __m256i lut = _mm256_broadcastsi128_si256(_mm_setr_epi8(
+      12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+  const auto codes = [&](__m256i v) __attribute__((always_inline)) {
+    return T == Q4Type::kMXFP4 ? _mm256_shuffle_epi8(lut, v) : v;
+  };
   const int8_t* xq[MB];
   const float* xd[MB];
   const float* xs[MB];
@@ -94,15 +115,12 @@ void tile32(const Q8SumActivations& x, const int8_t* xp, int64_t m0, const uint8
     for (int i = 0; i < NR; ++i) {
       const uint8_t* wb = w + i * row_bytes + b * BB;
       __m256 wd, c;
-      if (n8 == 8) {
+      if (n8 == 8 && T != Q4Type::kMXFP4) {
         wd = fp16_strided8<BB>(wb);
         c = T == Q4Type::kQ4_0 ? _mm256_mul_ps(wd, _mm256_set1_ps(-8.f)) : fp16_strided8<BB>(wb + 2);
-      } else {  // the row's last K / 32 mod 8 blocks, zero-padded
+      } else {  // MXFP4's exponent bytes, or the row's last K / 32 mod 8 blocks, zero-padded
         alignas(32) float d8[8] = {}, c8[8] = {};
-        for (int j = 0; j < n8; ++j) {
-          d8[j] = fp16(wb + j * BB);
-          c8[j] = T == Q4Type::kQ4_0 ? -8.f * d8[j] : fp16(wb + j * BB + 2);
-        }
+        for (int j = 0; j < n8; ++j) block_scale<T>(wb + j * BB, &d8[j], &c8[j]);
         wd = _mm256_load_ps(d8);
         c = _mm256_load_ps(c8);
       }
@@ -133,8 +151,8 @@ void tile32(const Q8SumActivations& x, const int8_t* xp, int64_t m0, const uint8
         const __m256i raw = _mm256_inserti128_si256(
             _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qa))),
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(qa + BB)), 1);
-        const __m256i lo = _mm256_and_si256(raw, mask);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        const __m256i lo = codes(_mm256_and_si256(raw, mask));
+        const __m256i hi = codes(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask));
         for (int m = 0; m < MB; ++m) {
           const int8_t* xb = xq[m] + (b + j) * 32;
           const __m256i p16 =
@@ -159,8 +177,8 @@ void tile32(const Q8SumActivations& x, const int8_t* xp, int64_t m0, const uint8
         const uint8_t* qa = w + i * row_bytes + (b + j) * BB + QO;
         avx2::prefetch(qa + pf);
         const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qa));
-        const __m256i q =
-            _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1), mask);
+        const __m256i q = codes(
+            _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1), mask));
         for (int m = 0; m < MB; ++m) {
           const __m256i p16 = _mm256_maddubs_epi16(q, load256(xq[m] + (b + j) * 32));
           acc[m][i] = _mm256_fmadd_ps(widen(p16), _mm256_permutevar8x32_ps(sc[i][m], sel), acc[m][i]);
@@ -311,9 +329,13 @@ void linear_q4_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const
       break;
     case Q4Type::kQ4_K:
       run<Q4Type::kQ4_K>(x, w, bias, out, ldo, N);
-      break;    case Q4Type::kQ5_K:
+      break;
+    case Q4Type::kQ5_K:
     case Q4Type::kQ6_K:
       linear_k56_avx2(t, x, w, bias, out, ldo, N);
+      break;
+    case Q4Type::kMXFP4:
+      run<Q4Type::kMXFP4>(x, w, bias, out, ldo, N);
       break;
   }
 }

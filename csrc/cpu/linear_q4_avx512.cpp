@@ -1,4 +1,4 @@
-// 4-bit weight (GGUF Q4_0 / Q4_1 / Q4_K) x Q8 activation GEMV/GEMM on AVX-512 VNNI (Isa::kAvx512
+// 4-bit weight (GGUF Q4_0 / Q4_1 / Q4_K / MXFP4) x Q8 activation GEMV/GEMM on AVX-512 VNNI (Isa::kAvx512
 // and better; layouts in quant4_kernel.h): Cascade Lake, Ice Lake, Sapphire Rapids, Zen 4/5.
 //
 // One zmm holds 64 unpacked codes, two 32-value blocks side by side, against the activations' 64
@@ -6,7 +6,8 @@
 // row (lanes 0-7 sum block A's products, lanes 8-15 block B's), one int32 -> fp32 and one FMA by
 // the two blocks' combined scales, spread over the low and high eight lanes by one permute.
 // The codes are unsigned 0..15 and the activations signed, which is exactly vpdpbusd's u8 x s8:
-// no offset or sign trick (each lane at most 4 * 15 * 127). Each block's offset (Q4_0's -8 d,
+// no offset or sign trick (each lane at most 4 * 15 * 127; MXFP4's codes become kMxfp4Values + 12,
+// 0..24, by one byte shuffle, with the -12 in the block's offset term). Each block's offset (Q4_0's -8 d,
 // Q4_1's m, Q4_K's -dmin * min) multiplies the activation block's precomputed d * sum, eight
 // blocks per masked FMA into the low eight lanes, as in the AVX2 kernel.
 //
@@ -82,9 +83,22 @@ inline float hsum16(__m512 v) {
 }
 
 template <Q4Type T>
-constexpr int kBlockBytes = T == Q4Type::kQ4_0 ? kQ4_0BlockBytes : kQ4_1BlockBytes;
+constexpr int kBlockBytes = T == Q4Type::kQ4_0 ? kQ4_0BlockBytes : T == Q4Type::kQ4_1 ? kQ4_1BlockBytes
+                                                                                       : kMxfp4BlockBytes;
 template <Q4Type T>
-constexpr int kCodeOffset = T == Q4Type::kQ4_0 ? 2 : 4;  // codes' offset in a Q4_0 / Q4_1 block
+constexpr int kCodeOffset = T == Q4Type::kQ4_0 ? 2 : T == Q4Type::kQ4_1 ? 4 : 1;  // codes' offset in a block
+
+// The fp32 scale and offset of a Q4_0 / Q4_1 / MXFP4 block (quant4_kernel.h).
+template <Q4Type T>
+inline void block_scale(const uint8_t* blk, float* d, float* c) {
+  if constexpr (T == Q4Type::kMXFP4) {
+    *d = mxfp4_scale(blk[0]);
+    *c = -kMxfp4Offset * *d;
+  } else {
+    *d = fp16(blk);
+    *c = T == Q4Type::kQ4_0 ? -8.f * *d : fp16(blk + 2);
+  }
+}
 
 // The 64 codes of blocks b + 2p and b + 2p + 1 of a weight row (b a multiple of 8), in the
 // activations' natural order; only block b + 2p when `lone` (the high 32 codes are then zero).
@@ -112,7 +126,12 @@ inline __m512i unpack_pair(const uint8_t* row, int64_t b, int p, bool lone, __m5
       raw = _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(a), 0xFF00, bq);
     }
   }
-  return _mm512_and_si512(_mm512_srlv_epi64(raw, shift), mask);
+  const __m512i q = _mm512_and_si512(_mm512_srlv_epi64(raw, shift), mask);
+  if constexpr (T == Q4Type::kMXFP4) {  // nibble -> kMxfp4Values + 12 (unsigned), one byte shuffle
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+    return _mm512_shuffle_epi8(lut, q);
+  }
+  return q;
 }
 
 // Rows [m0, m0 + MB) of x times weight rows w[0..NR) -> out[m][0..NR).
@@ -162,15 +181,12 @@ void tile(const Q8SumActivations& x, int64_t m0, const uint8_t* w, int64_t row_b
       } else {
         constexpr int BB = kBlockBytes<T>;
         const uint8_t* wb = row + b * BB;
-        if (n8 == 8) {
+        if (n8 == 8 && T != Q4Type::kMXFP4) {
           wd = fp16_strided8<BB>(wb);
           c = T == Q4Type::kQ4_0 ? _mm256_mul_ps(wd, _mm256_set1_ps(-8.f)) : fp16_strided8<BB>(wb + 2);
-        } else {  // the row's last K / 32 mod 8 blocks, zero-padded
+        } else {  // MXFP4's exponent bytes, or the row's last K / 32 mod 8 blocks, zero-padded
           alignas(32) float d8[8] = {}, c8[8] = {};
-          for (int j = 0; j < n8; ++j) {
-            d8[j] = fp16(wb + j * BB);
-            c8[j] = T == Q4Type::kQ4_0 ? -8.f * d8[j] : fp16(wb + j * BB + 2);
-          }
+          for (int j = 0; j < n8; ++j) block_scale<T>(wb + j * BB, &d8[j], &c8[j]);
           wd = _mm256_load_ps(d8);
           c = _mm256_load_ps(c8);
         }
@@ -270,9 +286,13 @@ void linear_q4_avx512(Q4Type t, const Q8SumActivations& x, const uint8_t* w, con
       break;
     case Q4Type::kQ4_K:
       run<Q4Type::kQ4_K>(x, w, bias, out, ldo, N);
-      break;    case Q4Type::kQ5_K:
+      break;
+    case Q4Type::kQ5_K:
     case Q4Type::kQ6_K:
       linear_k56_avx512(t, x, w, bias, out, ldo, N);
+      break;
+    case Q4Type::kMXFP4:
+      run<Q4Type::kMXFP4>(x, w, bias, out, ldo, N);
       break;
   }
 }

@@ -7,12 +7,17 @@
 //      an expert);
 //   2. for each expert that has rows, in expert order, gathers its rows and runs gate_up (+ its
 //      bias) -> the activation -> down (+ its bias) on the existing small-M kernels (linear_cpu,
-//      linear_q8_0_cpu, linear_q4_cpu), so only the experts used are read. The activation is
+//      linear_q8_0_cpu, linear_q4_cpu -- MXFP4 experts included, computed from their blocks by
+//      the 4-bit integer kernels), so only the experts used are read. The activation is
 //      SiLU(gate) * up, or gpt-oss's clamped SwiGLU ("swiglu_oai"): g = min(gate, limit),
 //      u = clamp(up, -limit, limit), (u + 1) * g * sigmoid(alpha * g), as torch ops in x's dtype in
 //      transformers' order (so bf16 rounds as the reference does);
 //   3. sums each token's k results in slot order (fp32, w[t, 0] * y0 + w[t, 1] * y1 + ...), then
 //      rounds once to x's dtype.
+// gpt-oss ("swiglu_oai") in bf16/fp16 takes transformers' GptOssExperts roundings instead: each
+// bias added after its product is rounded, each expert's output times its weight rounded, and the
+// products added into the token's row in expert order, rounding at every add (index_add_). Still a
+// function of the token's own experts alone (its k ids fix the order).
 // A row's result is a function of that row alone whenever the kernels' are: in batch-invariant
 // mode (dispatch_mode.h) the float experts take pagewire::linear at every M and the quantised ones
 // their integer kernel in blocks of at most kQ8KernelMaxRows rows, and the fixed summation order in
@@ -25,6 +30,10 @@
 #include <ATen/ops/mul.h>
 #include <ATen/ops/sigmoid.h>
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -55,37 +64,8 @@ at::Tensor swiglu_oai(const at::Tensor& h, double alpha, double limit) {
   return at::mul(at::add(up, 1), glu);
 }
 
-// One expert's GGML MXFP4 matrix (uint8 [N, K / 32 * 17]: per 32 values an E8M0 scale byte, then
-// 16 bytes of E2M1 codes, value j in the low nibble of byte j and j + 16 in its high nibble) as
-// float32 [N, K]: exact, each value being an E2M1 value times 2 ** (scale - 127). gpt-oss's experts
-// stay in these bytes (4.25 bits a weight) and only the experts a step uses are decoded.
-at::Tensor dequantize_mxfp4_rows(const at::Tensor& w) {
-  static constexpr float kE2M1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
-                                      -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.size(1) % 17 == 0,
-              "moe_experts: mxfp4 experts must be uint8 [E, N, K / 32 * 17], got ", w.sizes());
-  const int64_t N = w.size(0), G = w.size(1) / 17;
-  at::Tensor out = at::empty({N, G * 32}, w.options().dtype(at::kFloat));
-  const at::Tensor wc = w.contiguous();
-  const uint8_t* src = wc.data_ptr<uint8_t>();
-  float* dst = out.data_ptr<float>();
-#pragma omp parallel for schedule(static) if (N * G >= 4096)
-  for (int64_t b = 0; b < N * G; ++b) {
-    const uint8_t* blk = src + b * 17;
-    const float scale = std::ldexp(1.f, static_cast<int>(blk[0]) - 127);
-    float* o = dst + b * 32;
-    for (int j = 0; j < 16; ++j) {
-      o[j] = kE2M1[blk[1 + j] & 0x0F] * scale;
-      o[j + 16] = kE2M1[blk[1 + j] >> 4] * scale;
-    }
-  }
-  return out;
-}
-
 at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& w, const std::string& kind,
                          const c10::optional<at::Tensor>& bias) {
-  // MXFP4: decoded when used (exactly representable in x's dtype), then the float experts' path.
-  if (kind == "mxfp4") return expert_linear(x, dequantize_mxfp4_rows(w).to(x.scalar_type()), "float", bias);
   const int64_t M = x.size(0);
   const bool invariant = cpu::batch_invariant_mode;
   if (kind == "float") {
@@ -97,7 +77,8 @@ at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& w, const std::st
     }
     return at::linear(x, w, bias);
   }
-  TORCH_CHECK(kind == "q8_0" || kind == "q8_0x8" || kind.rfind("q4_", 0) == 0 || kind == "q5_k" || kind == "q6_k",
+  TORCH_CHECK(kind == "q8_0" || kind == "q8_0x8" || kind == "mxfp4" || kind.rfind("q4_", 0) == 0 || kind == "q5_k" ||
+                  kind == "q6_k",
               "moe_experts: kind must be 'float', 'q8_0', 'q8_0x8', 'mxfp4' or a linear_q4 qtype, got '", kind, "'");
   if (M <= kQ8KernelMaxRows || !invariant) return quant_rows(x, w, kind, bias);
   // Batch-invariant: the integer kernel for every row, never the dequantise-and-GEMM path.
@@ -160,6 +141,7 @@ at::Tensor moe_experts_cpu(const at::Tensor& x, const at::Tensor& topk_ids, cons
   const at::Tensor dn = down.contiguous();
   const int64_t* id = ids.data_ptr<int64_t>();
   const float* wt = wts.data_ptr<float>();
+  const bool hf_order = activation == "swiglu_oai" && x.scalar_type() != at::kFloat;
 
   // 1. Counting sort of the T * k (token, slot) pairs by expert; a negative id is an empty slot.
   std::vector<int64_t> start(E + 1, 0);
@@ -191,9 +173,21 @@ at::Tensor moe_experts_cpu(const at::Tensor& x, const at::Tensor& topk_ids, cons
     }
     const c10::optional<at::Tensor> gub = has_gub ? c10::optional<at::Tensor>((*gate_up_bias)[e]) : c10::nullopt;
     const c10::optional<at::Tensor> db = has_db ? c10::optional<at::Tensor>((*down_bias)[e]) : c10::nullopt;
-    const at::Tensor h = expert_linear(xe, gu[e], gate_up_kind, gub);
+    at::Tensor h, y;
+    if (hf_order) {  // the product rounded, then the bias added in x's dtype (x @ W + b)
+      h = expert_linear(xe, gu[e], gate_up_kind, c10::nullopt);
+      if (gub.has_value()) h = at::add(h, *gub);
+    } else {
+      h = expert_linear(xe, gu[e], gate_up_kind, gub);
+    }
     const at::Tensor act = activation == "silu" ? silu_and_mul_cpu(h) : swiglu_oai(h, alpha, limit);
-    const at::Tensor y = expert_linear(act, dn[e], down_kind, db).to(at::kFloat).contiguous();
+    if (hf_order) {
+      y = expert_linear(act, dn[e], down_kind, c10::nullopt);
+      if (db.has_value()) y = at::add(y, *db);
+    } else {
+      y = expert_linear(act, dn[e], down_kind, db);
+    }
+    y = y.to(at::kFloat).contiguous();
     TORCH_CHECK(y.size(1) == H, "moe_experts: down gives ", y.size(1), " columns, expected H = ", H);
     const float* yp = y.data_ptr<float>();
     for (int64_t r = 0; r < n; ++r) {
@@ -204,6 +198,28 @@ at::Tensor moe_experts_cpu(const at::Tensor& x, const at::Tensor& topk_ids, cons
   // 3. out[t] = sum_j w[t, j] * y[t, j], slot by slot, then one rounding to x's dtype.
   at::Tensor out = at::empty({T, H}, xc.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
+  if (hf_order) {
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    const auto to_dtype = [bf16](float v) {
+      return bf16 ? static_cast<float>(c10::BFloat16(v)) : static_cast<float>(c10::Half(v));
+    };
+#pragma omp parallel for schedule(static) if (T * k * H >= (1 << 16))
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<int64_t> slots;
+      for (int64_t j = 0; j < k; ++j) {
+        if (id[t * k + j] >= 0) slots.push_back(j);
+      }
+      std::stable_sort(slots.begin(), slots.end(), [&](int64_t a, int64_t b) { return id[t * k + a] < id[t * k + b]; });
+      float* ot = o + t * H;
+      for (int64_t c = 0; c < H; ++c) ot[c] = 0.f;
+      for (const int64_t j : slots) {
+        const float w = to_dtype(wt[t * k + j]);
+        const float* yr = ys.data() + (t * k + j) * H;
+        for (int64_t c = 0; c < H; ++c) ot[c] = to_dtype(ot[c] + to_dtype(yr[c] * w));
+      }
+    }
+    return out.to(x.scalar_type());
+  }
 #pragma omp parallel for schedule(static) if (T * k * H >= (1 << 16))
   for (int64_t t = 0; t < T; ++t) {
     float* ot = o + t * H;

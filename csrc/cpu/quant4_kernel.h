@@ -13,7 +13,13 @@
 //   Q6_K: 256 values in 210 bytes {128 bytes ql, 64 bytes qh, 16 int8 scales, fp16 d}: value l of
 //     sub-block j (32 values; half h = j / 4, t = j % 4) is d * sc[2j + l / 16] * (q - 32), q the
 //     low (t < 2) or high nibble of ql[64h + 32(t % 2) + l] with bits 2t..2t+1 of qh[32h + l] on top.
-// (Q5_K and Q6_K share this interface and its op, pagewire::linear_q4, for all the K-quants.)
+//   MXFP4: 32 values in 17 bytes {u8 E8M0 exponent e, 16 bytes q} (gpt-oss's experts, GGML type
+//     MXFP4): value = E2M1(q) * 2^(e - 127) = kMxfp4Values[q] * 2^(e - 128), byte j holding value j
+//     low and j + 16 high as in Q4_0. The kernels read each code as kMxfp4Values[q] + 12 (unsigned
+//     0..24, a byte shuffle of the nibble) with the block's offset -12 * 2^(e - 128), so the same
+//     unsigned x signed dot products and offset FMAs as Q4_0 compute it exactly. (e = 255, the
+//     spec's NaN, is read as 2^127, as llama.cpp does.)
+// (Q5_K, Q6_K and MXFP4 share this interface and its op, pagewire::linear_q4, with the 4-bit types.)
 // Every kernel works on activations quantised per row to Q8 blocks of 32 (quant_kernel.h), so a
 // 4-bit weight block times an activation block is one integer dot product of 32 pairs plus the
 // block's offset term (q's offset or min) times the activation block's sum.
@@ -23,7 +29,7 @@
 
 namespace pagewire::cpu {
 
-enum class Q4Type : int { kQ4_0 = 0, kQ4_1 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4 };
+enum class Q4Type : int { kQ4_0 = 0, kQ4_1 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4, kMXFP4 = 5 };
 
 constexpr int kQ4_0BlockBytes = 18;   // per 32 values
 constexpr int kQ4_1BlockBytes = 20;   // per 32 values
@@ -31,6 +37,20 @@ constexpr int kQ4_KBlock = 256;       // values per super-block
 constexpr int kQ4_KBlockBytes = 144;  // per 256 values
 constexpr int kQ5_KBlockBytes = 176;  // per 256 values
 constexpr int kQ6_KBlockBytes = 210;  // per 256 values
+constexpr int kMxfp4BlockBytes = 17;  // per 32 values
+
+// Twice the E2M1 values (OCP MX table 4), integers; the kernels add kMxfp4Offset to make them unsigned.
+constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+constexpr int kMxfp4Offset = 12;
+
+// 2^(e - 128), the scale of kMxfp4Values for exponent byte e, built from its bits (exact; e < 2
+// gives the subnormals 2^-128 and 2^-127).
+inline float mxfp4_scale(uint8_t e) {
+  const uint32_t bits = e >= 2 ? static_cast<uint32_t>(e - 1) << 23 : 0x00200000u << e;
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
 
 // Whether t is a K-quant (256-value super-blocks).
 inline bool q_is_k(Q4Type t) { return t == Q4Type::kQ4_K || t == Q4Type::kQ5_K || t == Q4Type::kQ6_K; }
@@ -43,6 +63,7 @@ inline int q4_block_bytes(Q4Type t) {
     case Q4Type::kQ4_K: return kQ4_KBlockBytes;
     case Q4Type::kQ5_K: return kQ5_KBlockBytes;
     case Q4Type::kQ6_K: return kQ6_KBlockBytes;
+    case Q4Type::kMXFP4: return kMxfp4BlockBytes;
   }
   return 0;
 }

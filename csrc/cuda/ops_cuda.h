@@ -27,4 +27,11 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(const at::Tensor& draft
                                                          const at::Tensor& target_argmax, const at::Tensor& is_greedy,
                                                          const at::Tensor& uniform);
 
+// The routed experts of a MoE layer (moe.cu): float experts only (kind "float").
+at::Tensor moe_experts_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                            const at::Tensor& gate_up, c10::string_view gate_up_kind, const at::Tensor& down,
+                            c10::string_view down_kind, const c10::optional<at::Tensor>& gate_up_bias,
+                            const c10::optional<at::Tensor>& down_bias, c10::string_view activation, double alpha,
+                            double limit);
+
 }  // namespace pagewire

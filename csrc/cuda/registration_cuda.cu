@@ -9,4 +9,5 @@ TORCH_LIBRARY_IMPL(pagewire, CUDA, m) {
   m.impl("paged_attention", &pagewire::paged_attention_cuda);
   m.impl("copy_blocks", &pagewire::copy_blocks_cuda);
   m.impl("rejection_sample", &pagewire::rejection_sample_cuda);
+  m.impl("moe_experts", &pagewire::moe_experts_cuda);
 }

@@ -16,6 +16,7 @@ from typing import Awaitable, Callable, Optional, TypeVar
 
 from server.api.context import ApiContext
 from server.api.http_io import Receive, Scope, Send, read_body
+from server.serving import heap
 from server.serving.errors import GenerationFailed, PagewireError
 
 log = logging.getLogger("pagewire.http")
@@ -52,4 +53,5 @@ async def read_and_admit(api: ApiContext, scope: Scope, receive: Receive, send: 
         return await admit(body)
     except Exception as e:  # a refusal, or a bug / broken ledger: both answered in the API's shape
         await refuse(api, send, send_error, e, what)
+        heap.release_frames(e)  # the body and its parse, held in cycles through the traceback
         return None

@@ -50,9 +50,9 @@ class MessagesEndpoint:
         async def admit(body: bytes) -> tuple[MessagesRequest, GenerationSpec, ToolPlan, Admitted]:
             idem = check_header_key(header(scope, b"idempotency-key"))
             req: MessagesRequest = decode(body, MessagesRequest)
-            api.check_model(req.model)
-            spec, plan = messages_spec(req, peer(scope), api.rt.model_name, api.tool_parser,
-                                       api.tool_marker_special, idem)
+            name, adapter = api.model_for(req.model)  # the served model, or a LoRA adapter over it
+            spec, plan = messages_spec(req, peer(scope), name, api.tool_parser, api.tool_marker_special, idem)
+            spec.lora = adapter
             bind(spec, principal_of(scope))
             return req, spec, plan, await api.service.start(spec)
 
@@ -90,7 +90,7 @@ class CountTokensEndpoint:
 
         async def count(body: bytes) -> int:
             req: CountTokensRequest = decode(body, CountTokensRequest)
-            api.check_model(req.model)
+            api.model_for(req.model)  # an adapter tokenises as its base model does
             spec, _ = prompt_spec(req, peer(scope), api.rt.model_name, api.tool_parser, api.tool_marker_special)
             ids: list[Any] = await api.service.preparer.token_ids(spec)
             return len(ids)

@@ -66,22 +66,23 @@ class BatchRoutes:
 
     # -- what a line is and what it answers --------------------------------------------------------
     def _spec(self, kind: str, body: bytes, client: str, key: Optional[str], owner: Optional[str]) -> GenerationSpec:
-        model = self.api.rt.model_name
         self._check_owner(owner)
         if kind == "embedding":
             spec = self._embedding_spec(body, client, key)
         elif kind == "chat":
             chat: ChatCompletionRequest = decode(body, ChatCompletionRequest)
-            self.api.check_model(chat.model)
+            model, adapter = self.api.model_for(chat.model)  # the served model, or a LoRA adapter
             spec = chat_spec(chat, "batch", client, model, key)
+            spec.lora = adapter
         else:
             req: CompletionRequest = decode(body, CompletionRequest)
-            self.api.check_model(req.model)
+            model, adapter = self.api.model_for(req.model)
             specs = completion_specs(req, "batch", client, model, key, 1)
             if len(specs) != 1:
                 raise InvalidRequest("prompt: a batch line takes one prompt; put each prompt on its own line",
                                      param="prompt")
             spec = specs[0]
+            spec.lora = adapter
         spec.key_id = owner  # billed to, and quota-checked against, the batch's key
         return spec
 

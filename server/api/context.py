@@ -12,7 +12,7 @@ from typing import Optional
 
 from server.api.openai_format import Formatter
 from server.gateway.policy import Gateway
-from server.serving.errors import NotFound
+from server.serving.errors import InvalidRequest
 from server.serving.runtime import Runtime
 from server.serving.service import RequestService
 from server.text.harmony import CHANNEL
@@ -83,7 +83,17 @@ class ApiContext:
         return [(k.encode(), v.encode()) for k, v in quotas.headers(key_id).items()]
 
     def check_model(self, model: Optional[str]) -> None:
-        """404 `model_not_found` unless `model` is absent or names the served model."""
-        if model is not None and model != self.rt.model_name:
-            raise NotFound(f"model: '{model}' does not exist; this server serves '{self.rt.model_name}'",
-                           param="model", code="model_not_found")
+        """404 `model_not_found` unless `model` is absent or names the served model; a 400 naming
+        `model` for a LoRA adapter's name on an API that does not take adapters (model_for does)."""
+        base, adapter = self.rt.names.resolve(model)
+        if adapter is not None:
+            raise InvalidRequest(f"model: '{model}' is a LoRA adapter; adapters are served on /v1/chat/completions, "
+                                 f"/v1/completions, /v1/responses, /v1/messages and batch lines; this API serves "
+                                 f"'{base}'", param="model")
+
+    def model_for(self, model: Optional[str]) -> tuple[str, Optional[str]]:
+        """(the name a request's spec records, the LoRA adapter it runs or None) for its `model`:
+        the served model's name, or an adapter's (server.serving.model_names). 404 `model_not_found`
+        for any other name."""
+        _, adapter = self.rt.names.resolve(model)
+        return (adapter, adapter) if adapter is not None else (self.rt.model_name, None)

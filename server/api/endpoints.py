@@ -108,7 +108,12 @@ class StatusEndpoints:
             # The model's own sampling defaults (generation_config.json / GGUF metadata): what an
             # unset request field means here.
             "default_sampling_params": rt.sampling_defaults,
-        }]})
+        }] + [{
+            # A LoRA adapter (--lora), listed as vLLM lists one: its base model is its parent.
+            "id": name, "object": "model", "created": int(time.time()), "owned_by": "pagewire", "parent": parent,
+            "max_model_len": rt.bridge.max_model_len if rt.bridge and rt.bridge.ready else None,
+            "default_sampling_params": rt.sampling_defaults,
+        } for name, parent in rt.names.all() if parent is not None]})
 
     async def metrics(self, request: Request) -> Response:
         if self.rt.service is None:

@@ -226,15 +226,19 @@ def apply_tool_plan(spec: GenerationSpec, plan: ToolPlan, field_name: str) -> No
     spec.field_names.update({"structured_outputs": wire, "structured_outputs.json": wire})
 
 
-def ws_spec(frame: GenerateFrame, peer: str, model: str) -> GenerationSpec:
-    """The spec of a WebSocket `generate` frame (see docs/websocket.md)."""
+def ws_spec(frame: GenerateFrame, peer: str, model: str, tools: Optional[ToolPlan] = None) -> GenerationSpec:
+    """The spec of a WebSocket `generate` frame (see docs/websocket.md); `tools` is a chat frame's
+    validated tool plan (server.api.tools.plan_request of its tool fields)."""
     p = frame.params
     if frame.kind == "chat":
         if frame.messages is None:
             raise InvalidRequest("messages: required when kind is 'chat'", param="messages")
     elif frame.prompt is None:
         raise InvalidRequest("prompt: required when kind is 'completion'", param="prompt")
-    return generation_spec(
+    elif frame.tools is not None or frame.tool_choice is not None:
+        field_name = "tools" if frame.tools is not None else "tool_choice"
+        raise InvalidRequest(f"{field_name}: tools are for kind 'chat' only", param=field_name)
+    spec = generation_spec(
         kind=frame.kind, api="ws", peer=peer, model=model, fields=p, prompt=frame.prompt,
         messages=frame.messages, add_generation_prompt=frame.add_generation_prompt,
         logprobs=logprobs_count(p.logprobs, p.top_logprobs, "params."),
@@ -244,6 +248,9 @@ def ws_spec(frame: GenerateFrame, peer: str, model: str) -> GenerationSpec:
         params_record=params_record(p, ()), field_prefix="params.", response_format=p.response_format,
         chat_template_kwargs=frame.chat_template_kwargs,
     )
+    if tools is not None and tools.tools:
+        apply_tool_plan(spec, tools, "tool_choice")
+    return spec
 
 
 def usage_dict(u: Usage) -> dict[str, Any]:

@@ -49,22 +49,22 @@ class GenerateEndpoint:
             await respond.whole(self.api, send, receive, self.kind, admitted, n, tools, limits)
 
     def _parse(self, scope: Scope, body: bytes) -> tuple[list[GenerationSpec], bool, bool, int, Optional[ToolPlan]]:
-        rt = self.rt
         idem = check_header_key(header(scope, b"idempotency-key"))
         if self.kind == "chat":
             req: Any = decode(body, ChatCompletionRequest)
         else:
             req = decode(body, CompletionRequest)
-        self.api.check_model(req.model)
+        name, adapter = self.api.model_for(req.model)  # the served model, or a LoRA adapter over it
         tools: Optional[ToolPlan] = None
         if self.kind == "chat":
             tools = plan_request(req.tools, req.tool_choice, req.parallel_tool_calls, self.api.tool_parser,
                                  self.api.tool_marker_special)
-            specs = [chat_spec(req, "http", peer(scope), rt.model_name, idem, tools)]
+            specs = [chat_spec(req, "http", peer(scope), name, idem, tools)]
         else:
-            specs = completion_specs(req, "http", peer(scope), rt.model_name, idem, respond.MAX_BATCH)
+            specs = completion_specs(req, "http", peer(scope), name, idem, respond.MAX_BATCH)
         who = principal_of(scope)
         for spec in specs:
+            spec.lora = adapter
             bind(spec, who)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return specs, req.stream, include_usage, req.n, tools

@@ -157,6 +157,10 @@ class GenerateFrame(Struct, kw_only=True):
     timeout: Optional[Seconds] = None
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # kind "chat" only: chat completions' tool fields (docs/tools.md)
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[bool] = None
     # kind "embedding" only (an embedding model; /v1/embeddings' names): the vector's width, and
     # vLLM's truncation of an over-long input to its last k tokens.
     dimensions: Optional[int] = None

@@ -61,6 +61,12 @@ class ChatToolStream:
         fields = self._fields(index, pieces)
         return fields, finish_reason(engine_reason, parser.num_calls > 0)
 
+    def finish_reason(self, index: int, engine_reason: Optional[str]) -> Optional[str]:
+        """A choice's finish reason once its stream has been read: `tool_calls` for a normal
+        stop that made calls (the WebSocket's `done` frame)."""
+        parser = self._parsers.get(index)
+        return finish_reason(engine_reason, parser is not None and parser.num_calls > 0)
+
     def _fields(self, index: int, pieces: list[Piece]) -> dict[str, Any]:
         content = "".join(p.text for p in pieces if isinstance(p, Content))
         calls: list[dict[str, Any]] = []

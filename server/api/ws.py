@@ -33,7 +33,10 @@ from server.api.decode import convert, parse_json
 from server.api.embeddings_format import ws_embedding_spec
 from server.api.openai_format import ws_spec
 from server.api.protocol import CLIENT_FRAMES, CancelFrame, GenerateFrame, ResumeFrame
+from server.api.tool_output import ChatToolStream
+from server.api.tools import ToolPlan, plan_request
 from server.gateway.auth import bind, principal_of, ws_subprotocol
+from server.serving import heap
 from server.serving.errors import InvalidRequest, PagewireError, TooLarge
 from server.serving.jobs import GenerationSpec
 from server.serving.outbox import Outbox, Subscription
@@ -84,6 +87,9 @@ class WsConnection:
         self._send = send
         self.outbox = Outbox(self.rt.settings.outbox_bytes)
         self.aliases: dict[str, _Alias] = {}  # client id → request on this socket
+        # Chat requests with tools (tool_choice not none): their deltas' text is read for tool
+        # calls, as SSE chunks are (server.api.tool_output), until their terminal frame is written.
+        self._tool_streams: dict[str, ChatToolStream] = {}
         # Requests that have ended but whose terminal frame the writer has not yet written to the
         # socket: an alias goes when its end is *queued*, so a cut must still name these (their
         # `done`, and maybe deltas, were lost with the connection) for the client to resume them.
@@ -289,13 +295,20 @@ class WsConnection:
         cid = key
         if isinstance(ev, Frame):
             return _enc.encode(ev.data).decode()
+        tools = self._tool_streams.get(cid)
         if isinstance(ev, DeltaEvent):
             d: dict[str, Any] = {"type": "delta", "id": cid, "seq": ev.seq, "index": ev.index,
                                  "text": ev.text, "token_ids": ev.token_ids}
+            finish = ev.finish_reason
+            if tools is not None:  # calls leave the text and come as `tool_calls` (docs/websocket.md)
+                fields, finish = tools.delta(ev.index, ev.text, ev.finish_reason)
+                d["text"] = fields.get("content", "")
+                if "tool_calls" in fields:
+                    d["tool_calls"] = fields["tool_calls"]
             if ev.reasoning:  # the model's thinking (a reasoning parser is on: docs/reasoning.md)
                 d["reasoning_content"] = ev.reasoning
-            if ev.finish_reason is not None:
-                d["finish_reason"] = ev.finish_reason
+            if finish is not None:
+                d["finish_reason"] = finish
             if ev.logprobs is not None:
                 tt = self.api.formatter.token_text
                 d["logprobs"] = [{"token_id": lp.token_id, "token": tt(lp.token_id), "logprob": lp.logprob,
@@ -308,10 +321,14 @@ class WsConnection:
                  "total_tokens": u.total_tokens, "cached_tokens": u.cached_tokens,
                  "reasoning_tokens": u.reasoning_tokens}
         rule = ev.rule
+        if tools is not None:
+            del self._tool_streams[cid]
         if rule.ws_frame == "done":
             reasons: list[Optional[str]] = list(ev.finish_reasons)
             if rule.ws_finish_reason is not None:
                 reasons = [rule.ws_finish_reason] * len(reasons)
+            elif tools is not None:
+                reasons = [tools.finish_reason(i, r) for i, r in enumerate(reasons)]
             vector = (ev.output or {}).get("embedding")  # an embedding request's (kept with its output)
             return _enc.encode({"type": "done", "id": cid, "request_id": ev.request_id,
                                 "finish_reason": reasons[0] if reasons else None, "finish_reasons": reasons,
@@ -378,34 +395,53 @@ class WsConnection:
         task.add_done_callback(self._tasks.discard)
 
     def _on_generate(self, f: GenerateFrame) -> None:
-        build = ws_embedding_spec if f.kind == "embedding" else ws_spec
-        spec = build(f, self.peer, self.rt.model_name)
+        plan: Optional[ToolPlan] = None
+        if f.kind == "embedding":
+            spec = ws_embedding_spec(f, self.peer, self.rt.model_name)
+        else:
+            if f.kind == "chat" and f.tools is not None:
+                plan = plan_request(f.tools, f.tool_choice, f.parallel_tool_calls, self.api.tool_parser,
+                                    self.api.tool_marker_special)
+            spec = ws_spec(f, self.peer, self.rt.model_name, plan)
         bind(spec, self.principal)
         alias = self._claim(f.id, None)
+        if plan is not None and plan.active:
+            self._tool_streams[f.id] = ChatToolStream(plan, f.id)
         self._spawn(self._generate(f.id, alias, spec))
 
     async def _generate(self, cid: str, alias: _Alias, spec: GenerationSpec) -> None:
+        tools = self._tool_streams.get(cid)
         try:
             admitted = await self.api.service.start(spec)
         except PagewireError as e:
+            self._drop_tools(cid, tools)
             if self.aliases.get(cid) is alias:
                 del self.aliases[cid]
             if e.status == 429:
                 self.rt.metrics.rejected.labels(code=e.code).inc()
             self._error(cid, e.code, e.message, e.param, e.retry_after_s)
+            heap.release_frames(e)  # the prompt, held in cycles through the traceback
             return
         except Exception as e:  # a bug or a broken ledger: the client still hears about its id
             log.exception("admitting a request failed")
+            self._drop_tools(cid, tools)
             if self.aliases.get(cid) is alias:
                 del self.aliases[cid]
             self._error(cid, "internal_error", f"internal error: {e}")
             return
         if self.aliases.get(cid) is not alias:  # the socket closed while we were admitting
+            self._drop_tools(cid, tools)
             self.api.service.abandon(admitted)
             return
+        if tools is not None:
+            tools.request_id = admitted.request_id  # call ids derive from it, as over HTTP
         await self._follow(cid, alias, admitted.request_id, 0, admitted.record)
         if alias.cancel_requested:
             self.api.service.cancel(admitted.request_id)
+
+    def _drop_tools(self, cid: str, tools: Optional[ChatToolStream]) -> None:
+        if tools is not None and self._tool_streams.get(cid) is tools:
+            del self._tool_streams[cid]
 
     async def _follow(self, cid: str, alias: _Alias, request_id: str, after_seq: int, record: Any) -> None:
         alias.request_id = request_id

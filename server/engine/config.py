@@ -61,8 +61,15 @@ class EngineConfig:
         bucket at start-up and follow the faster (server.kernels.autotune, about 1-2 s). None
         (auto, the default): on for CPU, off on CUDA (no CPU kernels there). Never in
         deterministic mode, whose path must not depend on the row count.
+    itl_target_ms: inter-token latency target in milliseconds, or None (off, the default here):
+        while sequences decode, each step's prefill chunk is sized from an online estimate of the
+        step's cost so that the step stays within it (server.engine.step_budget); a step with
+        nothing decoding still takes max_num_batched_tokens. `pagewire serve` defaults to 50.
     task: "generate", "embed" (prefill-only requests pooled into vectors: server.models.pooling)
         or "auto" (embed when the folder has a sentence-transformers pooling config).
+    lora_modules: LoRA adapters over the model, (name, PEFT folder) pairs or a {name: folder}
+        mapping (`--lora NAME=PATH`); a request names one with add_request's `lora`
+        (server.models.lora). Generation models only.
     """
 
     model: str
@@ -82,6 +89,14 @@ class EngineConfig:
     deterministic: Optional[bool] = None
     autotune: Optional[bool] = None
     task: str = "auto"
+    itl_target_ms: Optional[float] = None
+    lora_modules: "tuple[tuple[str, str], ...] | dict[str, str]" = ()
+
+    @property
+    def adapters(self) -> tuple[tuple[str, str], ...]:
+        """lora_modules as (name, folder) pairs."""
+        m = self.lora_modules
+        return tuple(m.items()) if isinstance(m, dict) else m
 
     def __post_init__(self) -> None:
         if self.deterministic is not None and not isinstance(self.deterministic, bool):
@@ -107,6 +122,10 @@ class EngineConfig:
                 raise ConfigError(
                     "quantization", f"'gguf' keeps a GGUF file's quantised blocks; {self.model!r} is not a .gguf file"
                 )
+        pairs = self.lora_modules.items() if isinstance(self.lora_modules, dict) else self.lora_modules
+        self.lora_modules = tuple((str(n), str(p)) for n, p in pairs)
+        if len({n for n, _ in self.lora_modules}) != len(self.lora_modules):
+            raise ConfigError("lora_modules", "an adapter name is given twice")
         if self.task not in ("auto", "generate", "embed"):
             raise ConfigError("task", f"must be one of auto, generate, embed, got {self.task!r}")
         if self.dtype not in SUPPORTED_DTYPES:
@@ -115,6 +134,8 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(name, f"must be a positive integer, got {v!r}")
+        if self.itl_target_ms is not None and not self.itl_target_ms > 0:
+            raise ConfigError("itl_target_ms", f"must be a positive number of milliseconds, got {self.itl_target_ms!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("max_model_len", f"must be positive, got {self.max_model_len}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:

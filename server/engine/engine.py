@@ -26,6 +26,7 @@ from server.engine.draft_proposer import (
     load_draft_model,
 )
 from server.engine.errors import CapacityLimits, ConfigError, check_capacity
+from server.engine.hybrid_states import HybridStates
 from server.engine.isolation import execute_isolating
 from server.engine.kv_budget import kv_layout
 from server.engine.kv_cache_manager import KVCacheManager
@@ -39,13 +40,18 @@ from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import ScheduledSeq, Scheduler
 from server.engine.spec_config import SpeculativeConfig
 from server.engine.spec_decode import SpecDecoder, SpecStats
+from server.engine.state_cache import StateCache
+from server.engine.step_budget import StepBudget
 from server.engine.structured import PendingMasks, StructuredDecoder
 from server.kernels import autotune, batch_invariant
-from server.kernels.ops import cpu_isa
+from server.kernels.ops import Q8_KERNEL_MAX_ROWS, cpu_isa
 from server.models.loader import load_model
+from server.models.lora import LoraSet
+from server.models.lora_config import read_lora_config
 from server.models.pooling import Pooler, PoolingMethod, resolve_pooler
 from server.models.protocol import CausalLM
 from server.models.registry import kv_shape
+from server.models.state_specs import is_hybrid, state_slot_bytes, state_specs
 from server.text.loader import load_tokenizer
 from server.text.vocab import check_token_ids
 
@@ -93,6 +99,14 @@ class LLMEngine:
         self.device = torch.device(config.device)
         kv_dtype = next(self.model.parameters()).dtype
         spec_cfg = config.speculative_config if isinstance(config.speculative_config, SpeculativeConfig) else None
+        hybrid = is_hybrid(mc)
+        if hybrid and spec_cfg is not None:
+            # Verification would need the recurrent state at every draft position to roll back to
+            # the accepted one (a checkpoint per position); until then hybrids decode plainly.
+            logger.warning("speculative decoding: off: %s is a hybrid model (recurrent layers keep a state that "
+                           "a rejected proposal cannot be rolled back from); decoding without speculation",
+                           mc.architecture)
+            spec_cfg = None
         draft = None
         draft_bpt = 0
         draft_groups: Optional[KVGroupLayout] = None
@@ -105,6 +119,7 @@ class LLMEngine:
         layout = kv_layout(
             config, dtype=str(kv_dtype).replace("torch.", ""), max_position_embeddings=mc.max_position_embeddings,
             draft_bytes_per_token=draft_bpt, **kv_shape(mc),
+            state_slot_bytes=state_slot_bytes(mc, str(kv_dtype).replace("torch.", "")) if hybrid else 0,
         )
         self.kv_layout = layout
         bs = layout.block_size
@@ -112,8 +127,12 @@ class LLMEngine:
         max_model_len = layout.max_model_len
         # One pool, a block table per KV group (sliding-window layers hold only their window).
         self.kv_cache = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, layout.groups.windows)
+        # A hybrid model's second pool: a state slot per running sequence, plus prefix-cache snapshots.
+        state_cache = (StateCache(state_specs(mc), kv_dtype, layout.state_slots, layout.snapshot_slots, self.device)
+                       if hybrid else None)
+        self.states = HybridStates(state_cache, self.kv_cache) if state_cache is not None else None
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens,
-                                   watermark_blocks=layout.watermark_blocks)
+                                   watermark_blocks=layout.watermark_blocks, states=self.states)
         self.max_model_len = max_model_len
         self.limits = CapacityLimits(
             max_model_len=max_model_len,
@@ -124,7 +143,9 @@ class LLMEngine:
             groups=layout.groups,
             chunk_tokens=layout.chunk_tokens,
         )
-        self.runner = ModelRunner(self.model, num_blocks, bs, self.kv_cache, self.device, kv_dtype, layout.groups)
+        self.lora = self._load_adapters(config, kv_dtype)
+        self.runner = ModelRunner(self.model, num_blocks, bs, self.kv_cache, self.device, kv_dtype, layout.groups,
+                                  state_cache, self.lora)
         self.sampler = Sampler(seed=config.seed)
         eos = set(self.tokenizer.eos_token_ids) | set(getattr(mc, "eos_token_ids", ()) or ())
         self.outputs = OutputProcessor(self.tokenizer, eos, max_model_len)
@@ -155,6 +176,31 @@ class LLMEngine:
         logger.info("deterministic mode: %s%s", "on" if self.deterministic else "off",
                     " (auto)" if config.deterministic is None else "")
         self.linear_table = self._autotune_linears(config, draft)
+        # The ITL target's chunk-size policy: it times every step and limits prefill chunks beside
+        # decodes (None: off, every step takes what max_num_batched_tokens holds).
+        self.step_budget: Optional[StepBudget] = None
+        if config.itl_target_ms is not None:
+            self.step_budget = StepBudget(config.itl_target_ms / 1e3, config.max_num_batched_tokens,
+                                          fused_rows=Q8_KERNEL_MAX_ROWS if config.device == "cpu" else 0)
+            self.scheduler.prefill_limit = self.step_budget.prefill_tokens
+            logger.info("ITL target: %.0f ms per step while sequences decode", config.itl_target_ms)
+        self._step_rows = (0, 0)  # (decode rows, prefill tokens) of the step being run
+
+    def _load_adapters(self, config: EngineConfig, dtype: torch.dtype) -> Optional[LoraSet]:
+        """The LoRA adapters of `lora_modules`, checked against the model (None: none given)."""
+        if not config.lora_modules:
+            return None
+        if self.pooler is not None:
+            raise ConfigError("lora_modules", "LoRA adapters apply to generation models, this one serves embeddings")
+        lora = LoraSet(self.model.lora_layout(), dtype, self.device, self.model_config.vocab_size)
+        for name, path in config.adapters:
+            cfg = read_lora_config(path)
+            lora.load(name, cfg)
+            logger.info("LoRA adapter %s: %s (r=%d, scale %g, %s)", name, path, cfg.rank, cfg.scale,
+                        ", ".join(sorted(cfg.targets)) or cfg.target_regex)
+        logger.info("LoRA: %d adapter(s); steps with adapter rows run the Python layers (decode_layer has no "
+                    "low-rank term)", len(lora.names))
+        return lora
 
     def _autotune_linears(self, config: EngineConfig,
                           draft: Optional[CausalLM]) -> Optional[autotune.LinearTable]:
@@ -177,11 +223,14 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: Optional[float] = None,
+        lora: Optional[str] = None,
     ) -> None:
-        """Queue a request. Raises ValueError (naming the field) for anything invalid, and for a
-        request that could never be scheduled (see errors.check_capacity)."""
+        """Queue a request, over LoRA adapter `lora` (a name of `lora_modules`; None: the base
+        model). Raises ValueError (naming the field) for anything invalid, and for a request that
+        could never be scheduled (see errors.check_capacity)."""
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
+        lora_slot = self._lora_slot(lora)
         ids = list(prompt_token_ids)
         if not ids:
             raise ValueError("prompt: must contain at least one token")
@@ -199,6 +248,8 @@ class LLMEngine:
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             max_total_tokens=max_total,
             pooler=self.pooler,
+            lora=lora,
+            lora_slot=lora_slot,
         )
         seq = self._add_sequence(req, 0, list(ids))
         gate = params.reasoning_gate
@@ -206,6 +257,17 @@ class LLMEngine:
         seq.grammar = StructuredDecoder.new_state(grammar, gate)
         self.scheduler.add(seq)
         self.requests[request_id] = req
+
+    def _lora_slot(self, lora: Optional[str]) -> int:
+        """The adapter's slot (0 for None); ValueError naming `model` for an unknown name."""
+        if lora is None:
+            return 0
+        names = self.lora.names if self.lora is not None else []
+        if lora not in names:
+            have = f"the adapters are {', '.join(names)}" if names else "no LoRA adapters are loaded"
+            raise ValueError(f"model: no LoRA adapter named {lora!r}; {have}")
+        assert self.lora is not None
+        return self.lora.slot(lora)
 
     def _check_task(self, params: SamplingParams) -> None:
         """An embedding request needs an embedding model and the other way round (ValueError
@@ -288,8 +350,13 @@ class LLMEngine:
         # Deterministic mode: every op of the step (forward, sampling, verification) on this
         # thread takes its batch-invariant path (server.kernels.batch_invariant).
         # The autotuned linear paths (None: the fixed rules) are followed on this thread too.
+        t0 = time.perf_counter()
+        self._step_rows = (0, 0)
         with batch_invariant.mode(self.deterministic), autotune.active(self.linear_table):
-            return self._step()
+            deltas = self._step()
+        if self.step_budget is not None and self._step_rows != (0, 0):
+            self.step_budget.observe(*self._step_rows, time.perf_counter() - t0)
+        return deltas
 
     def _step(self) -> list[RequestDelta]:
         deltas, self._pending = self._pending, []
@@ -301,6 +368,9 @@ class LLMEngine:
         self.last_step_progressed = bool(out.scheduled) or bool(deltas) or not self.requests
         if not out.scheduled:
             return deltas
+        if self.step_budget is not None:
+            dec = sum(s.num_new_tokens for s in out.scheduled if s.seq.num_tokens - s.seq.num_computed_tokens == 1)
+            self._step_rows = (dec, out.num_batched_tokens - dec)
         now = time.time()
         for share in out.scheduled:
             req = share.seq.request
@@ -322,6 +392,8 @@ class LLMEngine:
             self.fail_request(rid, f"engine error: {type(exc).__name__}: {exc}")
         if step.failed and self.config.enable_prefix_caching:
             self.kv_cache.reset_prefix_cache()  # their blocks may hold unwritten K/V (see isolation)
+            if self.states is not None:
+                self.states.reset()
         touched: dict[str, Request] = {}
         if self.pooler is not None:
             self._pool(out.scheduled, touched)
@@ -356,7 +428,10 @@ class LLMEngine:
             seq = share.seq
             samples = share.samples
             n_rows = share.num_logit_rows  # (both read num_computed_tokens: before it advances)
+            before = seq.num_computed_tokens
             seq.num_computed_tokens += share.num_new_tokens - share.num_spec  # proposals: see verify
+            if self.states is not None:  # a prompt's snapshot boundary: save the recurrent state
+                self.states.after_compute(seq, before)
             if not samples or seq.request.pooler is not None:  # embeddings: pooled in _pool
                 continue
             rows.append((row, seq))
@@ -366,6 +441,8 @@ class LLMEngine:
                     child = self._add_sequence(req, i, list(seq.token_ids))
                     self.structured.fork(seq, child)
                     self.kv_cache.fork(seq, child)
+                    if self.states is not None:  # a recurrent state is copied, never shared
+                        self.states.fork(seq, child)
                     child.num_computed_tokens = seq.num_computed_tokens
                     self.scheduler.add_running(child)
                     rows.append((row, child))

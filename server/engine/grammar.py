@@ -70,9 +70,10 @@ class GrammarState:
     (inside the block: no mask, tokens not consumed) until the block's end token, or "decide"
     (first token of a prompt that did not open a block: the grammar's mask plus the block's
     start token), and None once the grammar applies. The tokens taken before that are kept, so a
-    rollback past them restores the gate."""
+    rollback past them restores the gate. A harmony gate (`ReasoningGate.answer_channel`) waits
+    for its answer header; `_header` holds the tokens of the header being read (None outside one)."""
 
-    __slots__ = ("matcher", "num_consumed", "grammar", "reasoning", "gate", "pre")
+    __slots__ = ("matcher", "num_consumed", "grammar", "reasoning", "gate", "pre", "_header")
 
     def __init__(self, grammar: CompiledGrammar, matcher: Optional[llguidance.LLMatcher] = None,
                  reasoning: Optional[ReasoningGate] = None) -> None:
@@ -81,24 +82,43 @@ class GrammarState:
         self.num_consumed = 0
         self.reasoning = reasoning
         self.pre: list[int] = []  # tokens taken while gated
+        self._header: Optional[list[int]] = None
         self.gate: Optional[str] = self._initial_gate()
 
     def _initial_gate(self) -> Optional[str]:
+        self._header = None
         if self.reasoning is None:
             return None
-        return GATE_WAIT if self.reasoning.open else GATE_DECIDE
+        return GATE_WAIT if self.reasoning.open or self.reasoning.answer_channel else GATE_DECIDE
 
     def fork(self) -> "GrammarState":
         child = GrammarState(self.grammar, self.matcher.deep_copy(), self.reasoning)
         child.num_consumed = self.num_consumed
         child.pre = list(self.pre)
         child.gate = self.gate
+        child._header = None if self._header is None else list(self._header)
         return child
+
+    def _step_harmony(self, token: int, r: ReasoningGate) -> None:
+        """A harmony gate's header tracking: lifted by the `end_token_id` of an answer header."""
+        if token == r.start_token_id:
+            self._header = []
+        elif self._header is not None:
+            if token == r.end_token_id:
+                if tuple(self._header[:len(r.answer_channel)]) == r.answer_channel:
+                    self.gate = None
+                self._header = None
+            elif len(self._header) < 64:  # a header is a few tokens; only its start is compared
+                self._header.append(token)
 
     def _step_gate(self, token: int) -> bool:
         """Take `token` while gated; False when it goes to the matcher instead (gate lifted)."""
         r = self.reasoning
         assert r is not None
+        if r.answer_channel:
+            self.pre.append(token)
+            self._step_harmony(token, r)
+            return True
         if self.gate == GATE_DECIDE:
             if token == r.start_token_id:
                 self.gate = GATE_WAIT

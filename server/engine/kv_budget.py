@@ -50,6 +50,17 @@ class KVLayout:
     groups: KVGroupLayout = field(default_factory=lambda: kv_groups([None]))
     block_bytes: int = 0  # bytes of one block (0: bytes_per_token x block_size, one full group)
     chunk_tokens: int = 1  # the most tokens a step writes for one sequence (max_num_batched_tokens)
+    # Hybrid models' state cache (engine/state_cache.py): bytes of one sequence's slot (every
+    # recurrent layer's state), slots for running sequences (max_num_seqs) and for prefix-cache
+    # snapshots. 0: a model without recurrent layers.
+    state_slot_bytes: int = 0
+    state_slots: int = 0
+    snapshot_slots: int = 0
+
+    @property
+    def state_bytes(self) -> int:
+        """The state cache: running and snapshot slots."""
+        return (self.state_slots + self.snapshot_slots) * self.state_slot_bytes
 
     @property
     def bytes_per_block(self) -> int:
@@ -63,8 +74,15 @@ class KVLayout:
 
     @property
     def total_bytes(self) -> int:
-        """The target's pool plus the draft model's, if any."""
-        return self.num_blocks * (self.bytes_per_block + self.draft_bytes_per_token * self.block_size)
+        """The target's pool plus the draft model's, if any, plus the state cache of a hybrid model."""
+        return self.num_blocks * (self.bytes_per_block + self.draft_bytes_per_token * self.block_size) + self.state_bytes
+
+    def state_line(self) -> str:
+        """The state cache's part of the log line ("" for a model without recurrent layers)."""
+        if not self.state_slot_bytes:
+            return ""
+        return (f"; state cache: {self.state_slots} running + {self.snapshot_slots} snapshot slots x "
+                f"{self.state_slot_bytes} bytes ({self.state_bytes / 2**20:.2f} MiB, in the total)")
 
     @property
     def admission_limit_blocks(self) -> int:
@@ -92,7 +110,7 @@ class KVLayout:
             return (
                 f"KV cache: {self.bytes_per_token} bytes/token ({self.dtype}){draft}, {self.num_blocks} blocks x "
                 f"{self.block_size} tokens = {self.total_tokens} tokens ({self.total_bytes / 2**30:.2f} GiB); "
-                f"fits {fits} sequences of max_model_len {self.max_model_len}"
+                f"fits {fits} sequences of max_model_len {self.max_model_len}{self.state_line()}"
             )
         n = self.max_model_len
         return (
@@ -100,7 +118,7 @@ class KVLayout:
             f"({self.dtype}){draft}, {self.num_blocks} blocks ({self.total_bytes / 2**30:.2f} GiB); a sequence of "
             f"max_model_len {n} holds {self.seq_blocks(n)} blocks = {self.seq_bytes(n)} bytes "
             f"({self.seq_bytes(n) / (n * self.bytes_per_token):.3f} x every layer's {n * self.bytes_per_token}); "
-            f"fits {fits} sequences of max_model_len {n}"
+            f"fits {fits} sequences of max_model_len {n}{self.state_line()}"
         )
 
 
@@ -109,7 +127,8 @@ def kv_layout(config: EngineConfig, *, num_layers: int, num_kv_heads: int, head_
               draft_bytes_per_token: int = 0,
               layer_windows: Optional[Sequence[Optional[int]]] = None,
               layer_elems: Optional[Sequence[int]] = None,
-              layer_sources: Optional[Sequence[Optional[int]]] = None) -> KVLayout:
+              layer_sources: Optional[Sequence[Optional[int]]] = None,
+              state_slot_bytes: int = 0) -> KVLayout:
     """Size the pool from `config` (kv_cache_tokens, else kv_cache_memory_gb) for a model of this shape
     whose KV is stored in `dtype`. `kv_cache_tokens` overrides the config's (plan's --memory budget);
     either counts tokens of every layer's KV, so the budget in bytes is the same with or without groups.
@@ -124,8 +143,14 @@ def kv_layout(config: EngineConfig, *, num_layers: int, num_kv_heads: int, head_
     target's pool and the draft's have the same number of blocks: the draft can then hold K/V for
     every token the target holds.
 
+    state_slot_bytes: a hybrid model's state per sequence (state_specs.state_slot_bytes; 0: none).
+    It has max_num_seqs running slots and, with prefix caching, snapshot slots worth an eighth of the
+    KV bytes (at most one per KV block). With kv_cache_memory_gb the budget holds both pools (the
+    KV blocks get what the slots leave); kv_cache_tokens sizes the KV pool alone, slots on top.
+
     Raises ConfigError naming the setting when the pool holds no block or less than one
-    `max_model_len` sequence, or max_model_len exceeds the model's positions.
+    `max_model_len` sequence, the state slots alone exceed the budget, or max_model_len exceeds the
+    model's positions.
     """
     if dtype not in DTYPE_BYTES:
         raise ConfigError("dtype", f"must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
@@ -149,6 +174,21 @@ def kv_layout(config: EngineConfig, *, num_layers: int, num_kv_heads: int, head_
     explicit = kv_cache_tokens or config.kv_cache_tokens
     tokens = explicit or int(config.kv_cache_memory_gb * 2**30 // bpt)
     budget = tokens * bpt
+    running_slots = config.max_num_seqs if state_slot_bytes else 0
+    snapshot_slots = 0
+    if state_slot_bytes:
+        # kv_cache_tokens sizes the KV pool itself, the state slots come on top; kv_cache_memory_gb
+        # is a budget for both pools together.
+        if not explicit:
+            budget -= running_slots * state_slot_bytes
+            if budget <= 0:
+                raise ConfigError("kv_cache_memory_gb", f"{running_slots} state slots (max_num_seqs) of "
+                                  f"{state_slot_bytes} bytes leave no room for KV blocks; raise the budget or lower "
+                                  "max_num_seqs")
+        if config.enable_prefix_caching:
+            snapshot_slots = budget // 8 // state_slot_bytes
+            if not explicit:
+                budget -= snapshot_slots * state_slot_bytes
     num_blocks = budget // (block_bytes + draft_bytes_per_token * bs)
     if not explicit:
         # kv_cache_memory_gb is a budget, not a size: the pool needs no more than max_num_seqs
@@ -188,5 +228,7 @@ def kv_layout(config: EngineConfig, *, num_layers: int, num_kv_heads: int, head_
             f"sequence ({max_model_len} tokens, {groups.blocks_for(max_model_len, bs, chunk)} blocks); raise the "
             f"KV budget or lower max_model_len",
         )
+    # A snapshot is only ever wanted at a cached block's boundary: no more of them than blocks.
+    snapshot_slots = min(snapshot_slots, num_blocks)
     return KVLayout(bpt, dtype, bs, num_blocks, watermark, max_model_len, draft_bytes_per_token, groups,
-                    block_bytes, chunk)
+                    block_bytes, chunk, state_slot_bytes, running_slots, snapshot_slots)

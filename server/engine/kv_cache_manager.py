@@ -73,7 +73,7 @@ class KVCacheManager:
 
         Never the last token: its logits are needed, so at least one token is always computed.
         """
-        return self._alloc.match_prefix(seq.seq_id, seq.token_ids[:-1])
+        return self._alloc.match_prefix(seq.seq_id, _keyed(seq, seq.token_ids[:-1]))
 
     def allocate(self, seq: Sequence, num_new: int) -> Optional[list[tuple[int, int]]]:
         """Grow `seq` to hold num_computed_tokens + num_new tokens.
@@ -95,7 +95,7 @@ class KVCacheManager:
         start = seq.num_computed_tokens // bs * bs
         end = (seq.num_computed_tokens + num_new) // bs * bs
         if end > start:
-            self._alloc.cache_full_blocks(seq.seq_id, seq.token_ids[start:end], start)
+            self._alloc.cache_full_blocks(seq.seq_id, _keyed(seq, seq.token_ids[start:end]), start)
 
     def rollback(self, seq: Sequence) -> None:
         """After speculative verification: keep blocks for the verified tokens only, then register
@@ -114,7 +114,7 @@ class KVCacheManager:
         start = self._alloc.registered_tokens(seq.seq_id)
         end = keep // self.block_size * self.block_size
         if end > start:
-            self._alloc.cache_full_blocks(seq.seq_id, seq.token_ids[start:end], start)
+            self._alloc.cache_full_blocks(seq.seq_id, _keyed(seq, seq.token_ids[start:end]), start)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give `child` the parent's blocks, shared (refcount + 1 each); writes copy them first."""
@@ -139,6 +139,21 @@ class KVCacheManager:
         int32 buffer, e.g. the numpy view of the runner's persistent tensor). Returns the longest table."""
         return self._alloc.fill_block_tables([s.seq_id for s in seqs], out)
 
+    # -- state snapshots' keys (server/engine/state_cache.py) -------------------------------------
+    def chain_key(self, seq: Sequence, index: int) -> tuple[int, int]:
+        """(block, generation) of `seq`'s registered block `index` in group 0: names the content of
+        tokens [0, (index + 1) * block_size) while `link_valid` holds."""
+        block, gen = self._alloc.chain_link(seq.seq_id, index)
+        return int(block), int(gen)
+
+    def link_valid(self, key: tuple[int, int]) -> bool:
+        """Whether the block of a chain_key is still registered with that generation."""
+        return bool(self._alloc.link_valid(key[0], key[1]))
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep the blocks of `seq`'s first num_tokens tokens (a prefix hit cut back to a state snapshot)."""
+        self._alloc.truncate(seq.seq_id, num_tokens)
+
     # -- introspection (metrics and tests) --------------------------------------------------------
     def registered_tokens(self, seq: Sequence) -> int:
         """Tokens of `seq` whose full blocks are registered in the prefix cache."""
@@ -158,3 +173,20 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Raise RuntimeError describing the first broken allocator invariant."""
         self._alloc.check_invariants()
+
+
+# A LoRA adapter's KV differs from the base model's for the same tokens, so the prefix cache must
+# never hand one's blocks to the other: a request over adapter slot k (1..127, Request.lora_slot)
+# offers and matches its tokens as token + k * 2^24, a namespace no base token id (< 2^24, checked
+# when adapters load: server.models.lora) and no other adapter's can meet. Block ids, hashing and
+# identity checks are the allocator's own; only the keys differ.
+_LORA_KEY_SHIFT = 24
+
+
+def _keyed(seq: Sequence, tokens: list[int]) -> list[int]:
+    """`tokens` as the prefix cache keys them for `seq`'s request (unchanged for the base model)."""
+    slot = seq.request.lora_slot
+    if not slot:
+        return tokens
+    offset = slot << _LORA_KEY_SHIFT
+    return [t + offset for t in tokens]

@@ -7,7 +7,7 @@ Torch-free plain dataclasses, so the network edge can consume them without impor
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Protocol, Sequence
+from typing import Any, Iterable, Optional, Protocol, Sequence
 
 from server.strenum import StrEnum
 
@@ -123,6 +123,10 @@ class CompletionOutput:
     finish_reason: Optional[str]
     stop_reason: Optional[int | str] = None
     logprobs: Optional[list[TokenLogprob]] = None
+    # LLM.chat only (server.chat_reading): the reply read as the chat APIs read it.
+    reasoning_content: Optional[str] = None
+    content: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
 
     def add_text(self, text: str) -> None:
         self.text += text

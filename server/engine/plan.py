@@ -98,6 +98,10 @@ def _layer_sizes(mc: ModelConfig, i: int) -> tuple[int, int]:
     allocates them: per-layer head size, KV heads and MLP width, no K/V rows for a layer that
     reads another's KV, no V rows when values are the keys (Gemma 4)."""
     H, I, d = mc.hidden_size, mc.intermediate_of(i), mc.head_dim_of(i)
+    if mc.layer_types and mc.layer_types[i] == "short_conv":
+        # LFM2's convolution layer (models/lfm2.py): in_proj [3H, H], out_proj [H, H], the MLP; the
+        # depthwise kernel [K, H], two norms, and with conv_bias the three biases (3H, H, H).
+        return 3 * H * H + H * H + 3 * I * H, mc.conv_kernel * H + (5 * H if mc.conv_bias else 0) + 2 * H
     q, kv = mc.num_heads * d, mc.kv_heads_of(i) * d
     shares = mc.kv_source(i) != i
     qkv = q + (0 if shares else (1 if mc.value_from_key(i) else 2) * kv)
@@ -271,14 +275,17 @@ def make_plan(model: str, mc: ModelConfig, config: EngineConfig, memory_bytes: O
         if kv_tokens < config.block_size:
             raise ConfigError("memory", f"leaves {budget} bytes for KV, less than one block")
     from server.models.registry import kv_shape
+    from server.models.state_specs import state_slot_bytes
 
+    # A hybrid model's state slots (one per running sequence, plus snapshots) share the budget.
     layout = kv_layout(config, dtype=dtype, max_position_embeddings=mc.max_position_embeddings,
-                       kv_cache_tokens=kv_tokens, **kv_shape(mc))
+                       kv_cache_tokens=kv_tokens, state_slot_bytes=state_slot_bytes(mc, dtype), **kv_shape(mc))
     rows = []
     for n in _lengths(layout.max_model_len):
         fits = layout.sequences_fitting(n)
         batch = max(1, min(fits, config.max_num_seqs))
-        seq_bytes = layout.seq_bytes(n)
+        # A sequence's memory: its KV blocks, plus its state slot in a hybrid model.
+        seq_bytes = layout.seq_bytes(n) + layout.state_slot_bytes
         b1 = bn = None
         if bandwidth_gbs:
             # A step reads every block a sequence holds (a sliding group's are its window's).

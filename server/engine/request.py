@@ -135,6 +135,10 @@ class Request:
     pooler: Optional[Pooler] = None
     pooled: Optional[torch.Tensor] = None
     embedding: Optional[list[float]] = None
+    # A LoRA adapter (server.models.lora): its name and slot (1..N; 0 = the base model alone). The
+    # slot also keys the request's blocks in the prefix cache (KVCacheManager).
+    lora: Optional[str] = None
+    lora_slot: int = 0
 
     def all_samples_done(self) -> bool:
         """True when every sample exists (forked, for n > 1) and has finished."""

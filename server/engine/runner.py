@@ -18,8 +18,10 @@ from server.engine.kv_cache_manager import KVCacheManager
 from server.engine.kv_groups import KVGroupLayout, kv_groups
 from server.engine.request import Sequence
 from server.engine.scheduler import SchedulerOutput
+from server.engine.state_cache import StateCache
 from server.kernels import ops
-from server.models.attention import AttentionMetadata
+from server.models.attention import AttentionMetadata, StateBatch
+from server.models.lora import LoraSet, LoraStep
 from server.models.pooling import PoolingMethod
 from server.models.protocol import CausalLM
 from server.models.registry import kv_specs
@@ -35,18 +37,24 @@ class ModelRunner:
         device: torch.device,
         kv_dtype: torch.dtype,
         groups: Optional[KVGroupLayout] = None,
+        state_cache: Optional[StateCache] = None,
+        lora: Optional[LoraSet] = None,
     ) -> None:
         """groups: the model's KV groups, those kv_cache was built with (None: one full-attention
-        group of every layer)."""
+        group of every layer). state_cache: a hybrid model's recurrent state slots (its KV layers
+        are then its attention layers only). lora: the LoRA adapters requests may use (their
+        Request.lora_slot)."""
         self.model = model
+        self.lora = lora
         self.block_size = block_size
         self.kv_cache = kv_cache
         self.device = device
-        num_layers = model.config.num_layers
+        self.state_cache = state_cache
+        num_layers = len(kv_specs(model.config))  # the layers with a KV cache
         self.groups = groups if groups is not None else kv_groups([None] * num_layers)
         if len(self.groups.groups) != kv_cache.num_groups or self.groups.num_layers != num_layers:
             raise ValueError(f"groups: {self.groups.describe()} over {self.groups.num_layers} layers does not match "
-                             f"the KV cache's {kv_cache.num_groups} groups and the model's {num_layers} layers")
+                             f"the KV cache's {kv_cache.num_groups} groups and the model's {num_layers} KV layers")
         shape = model.kv_cache_shape(num_blocks, block_size)  # [blocks, kv_heads, block_size, head_dim]
         # torch.zeros, not torch.empty, so every page of the pool is committed now. Positions are
         # only ever read after they were written (the kernel's causal bound), but with lazily
@@ -125,6 +133,9 @@ class ModelRunner:
 
         num_seqs = len(q_lens)
         tables = self._block_tables(seqs, -(-max(seq_lens) // bs))
+        if (qsl[-1] == num_seqs and len(self.groups.groups) == 1 and not self.groups.slot_elems
+                and self.state_cache is None):  # a hybrid's steps also carry the state slots (below)
+            return self._plan_decode(token_ids, starts, seq_lens, prompt_lens, qsl, tables, sample_rows)
         q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
         # positions: start_i + arange(q_len_i), vectorised over the flat batch.
         seq_idx = torch.repeat_interleave(torch.arange(num_seqs), q_lens_t)
@@ -165,8 +176,44 @@ class ModelRunner:
             meta.per_layer = [packed[k] for k in zip(lay.layer_group, lay.layer_ratio, lay.layer_sub)]
         elif len(metas) > 1:
             meta.per_layer = [metas[grp] for grp in lay.layer_group]
+        if self.state_cache is not None:  # a hybrid model: each sequence's recurrent state slot
+            meta.state = StateBatch(self.state_cache.slots_tensor(seqs, self.device), self.state_cache.layers)
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         return input_ids, positions.to(self.device), meta, torch.tensor(sample_rows, dtype=torch.int64)
+
+    def _plan_decode(self, token_ids: list[int], starts: list[int], seq_lens: list[int], prompt_lens: list[int],
+                     qsl: list[int], tables: torch.Tensor,
+                     sample_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """_plan for a step of one token per sequence and one KV group (every decode step without
+        lookahead): the same tensors, built from host lists in a handful of calls rather than the
+        vectorised index arithmetic a mixed batch needs (a decode step's host work is a share of
+        its time; issue 31)."""
+        bs = self.block_size
+        tnp = self._tables_np[0]
+        slots = [int(tnp[i, c // bs]) * bs + c % bs for i, c in enumerate(starts)]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=tables[0].to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            max_query_len=1,
+            max_seq_len=max(seq_lens),
+            prompt_lens=torch.tensor(prompt_lens, dtype=torch.int32, device=dev),
+        )
+        return (torch.tensor(token_ids, dtype=torch.int64, device=dev),
+                torch.tensor(starts, dtype=torch.int64, device=dev), meta,
+                torch.tensor(sample_rows, dtype=torch.int64))
+
+    def _lora_step(self, out: SchedulerOutput) -> Optional[LoraStep]:
+        """The step's LoRA terms: each row's adapter slot (every row of a share is its request's);
+        None when no adapters are loaded or no scheduled request uses one."""
+        if self.lora is None or not any(share.seq.request.lora_slot for share in out.scheduled):
+            return None
+        rows: list[int] = []
+        for share in out.scheduled:
+            rows += [share.seq.request.lora_slot] * share.num_new_tokens
+        return self.lora.step(rows)
 
     @staticmethod
     def _pool(out: SchedulerOutput, hidden: torch.Tensor) -> None:
@@ -197,8 +244,14 @@ class ModelRunner:
             mapping = torch.tensor(copies, dtype=torch.int64, device=self.device)
             ops.copy_blocks(self._key_caches, self._value_caches, mapping)
         input_ids, positions, meta, sample_rows = self._plan(out)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        step = self._lora_step(out)
+        if step is None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, lora=step)
         self._pool(out, hidden)
         if sample_rows.numel() == 0:
             return hidden.new_empty((0, 0), dtype=torch.float32)
+        if sample_rows.numel() == hidden.shape[0]:  # every row samples (decodes): no gather
+            return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden.index_select(0, sample_rows.to(hidden.device)))

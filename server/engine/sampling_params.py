@@ -8,7 +8,10 @@ from __future__ import annotations
 import json as _json
 import math
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Optional, Protocol, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, Union
+
+if TYPE_CHECKING:
+    from server.text.reasoning import ReasoningFormat
 
 
 class SamplingParamsError(ValueError):
@@ -161,11 +164,19 @@ class ReasoningGate:
     """Structured outputs wait for the end of the model's reasoning block (server.text.reasoning):
     the grammar applies from the token after `end_token_id`. With `open` (the prompt opened the
     block) the output starts inside it, unconstrained; otherwise the first token is either
-    `start_token_id` (the block opens; unconstrained until its end) or the grammar's."""
+    `start_token_id` (the block opens; unconstrained until its end) or the grammar's.
+
+    Harmony (gpt-oss) marks its answer with a header rather than one end token: with
+    `answer_channel` (the token ids of the channel name, "final") the output starts unconstrained
+    (`open` is implied) and the grammar applies from the token after the first `end_token_id`
+    (`<|message|>`) that closes a header opened by `start_token_id` (`<|channel|>`) followed by
+    those ids: `<|channel|>final<|message|>` (or `<|channel|>final <|constrain|>json<|message|>`).
+    The analysis and commentary messages before it stay free text."""
 
     start_token_id: int
     end_token_id: int
     open: bool = False
+    answer_channel: tuple[int, ...] = ()
 
     @classmethod
     def from_value(cls, value: Any) -> "ReasoningGate":
@@ -180,7 +191,26 @@ class ReasoningGate:
         for name in ("start_token_id", "end_token_id"):
             if _int(f"reasoning_gate.{name}", getattr(gate, name)) < 0:
                 raise SamplingParamsError(f"reasoning_gate.{name}", "must be a token id (>= 0)")
+        channel = gate.answer_channel
+        if not isinstance(channel, (list, tuple)):
+            raise SamplingParamsError("reasoning_gate.answer_channel", "must be a list of token ids")
+        for i, t in enumerate(channel):
+            if _int(f"reasoning_gate.answer_channel[{i}]", t) < 0:
+                raise SamplingParamsError(f"reasoning_gate.answer_channel[{i}]", "must be a token id (>= 0)")
+        if isinstance(channel, list):
+            gate = cls(gate.start_token_id, gate.end_token_id, gate.open, tuple(channel))
         return gate
+
+    @classmethod
+    def for_format(cls, fmt: "ReasoningFormat", prompt_token_ids: list[int]) -> Optional["ReasoningGate"]:
+        """Where a reasoning chat's structured output starts: after `</think>`; for harmony after
+        the `<|channel|>final…<|message|>` header (analysis and tool-call messages stay free), or
+        (None) on the whole output when the tokenizer lacks the ids to see that header."""
+        if fmt.parser != "openai_gptoss":
+            return cls(fmt.start_token_id, fmt.end_token_id, fmt.starts_open(prompt_token_ids))
+        if fmt.message_token_id is None or not fmt.answer_channel:
+            return None
+        return cls(fmt.start_token_id, fmt.message_token_id, True, fmt.answer_channel)
 
 
 @dataclass(frozen=True)

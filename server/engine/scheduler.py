@@ -6,7 +6,9 @@ within `max_num_batched_tokens` and at most `max_num_seqs` sequences run.
 
 Order of a step:
 1. running decodes first (one token each), so a long prefill never freezes running streams;
-2. running prefills get chunks from what is left of the token budget;
+2. running prefills get chunks from what is left of the token budget, and with decodes in the
+   step at most `prefill_limit(decode tokens)` in all (the ITL target's chunk size,
+   engine/step_budget.py), admissions included;
 3. waiting sequences are admitted in priority order (lower value first, then arrival) while the KV
    pool keeps a watermark of free blocks (room for the running ones to grow);
 4. if a waiting sequence has strictly better priority than a running one and does not fit, the
@@ -37,6 +39,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
+from server.engine.hybrid_states import HybridStates
 from server.engine.kv_budget import default_watermark
 from server.engine.kv_cache_manager import KVCacheManager
 from server.engine.priority import BACKGROUND_PRIORITY
@@ -93,8 +96,12 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         watermark_blocks: Optional[int] = None,
+        states: Optional[HybridStates] = None,
     ) -> None:
+        """states: a hybrid model's state slots (engine/hybrid_states.py): admission reserves one per
+        sequence, prefix hits stop at a saved state, prefill chunks end on snapshot boundaries."""
         self.kv_cache = kv_cache
+        self.states = states
         self.block_size = kv_cache.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -107,6 +114,9 @@ class Scheduler:
                 f"watermark_blocks: must be in [0, {kv_cache.num_blocks}) for a pool of "
                 f"{kv_cache.num_blocks} blocks, got {self.watermark}"
             )
+        # The most prefill tokens a step with this many decode tokens may add (None: no limit);
+        # set by the engine when an ITL target is configured (engine/step_budget.py).
+        self.prefill_limit: Optional[Callable[[int], Optional[int]]] = None
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -168,12 +178,17 @@ class Scheduler:
         # 1 + 2: running sequences, decodes before prefill chunks.
         decodes = [s for s in active if s.num_tokens - s.num_computed_tokens == 1]
         prefills = [s for s in active if s.num_tokens - s.num_computed_tokens > 1]
-        for seq in decodes + prefills:
+        for seq in [*decodes, None, *prefills]:  # None: where the decodes end
+            if seq is None:
+                budget = self._prefill_room(budget)
+                continue
             if budget <= 0:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted as a victim earlier in this loop
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self.states is not None:
+                num_new = self.states.chunk(seq, num_new)
             num_spec = 0
             if seq.spec_token_ids:  # a decode with lookahead: as much of it as the budget holds
                 num_spec = min(len(seq.spec_token_ids), budget - num_new)
@@ -202,6 +217,13 @@ class Scheduler:
         self._register_full_blocks(out)
         return SchedulerOutput(out, preempted)
 
+    def _prefill_room(self, budget: int) -> int:
+        """What is left of the step's token budget for prefill chunks, once the decodes are in:
+        at most `prefill_limit(decode tokens)` when an ITL target sets one."""
+        decode_tokens = self.max_num_batched_tokens - budget
+        limit = self.prefill_limit(decode_tokens) if self.prefill_limit is not None and decode_tokens else None
+        return budget if limit is None else min(budget, limit)
+
     def _admit(
         self, budget: int, scheduled: dict[int, ScheduledSeq], preempt: Callable[[Sequence], None],
         foreground: bool = False,
@@ -218,10 +240,16 @@ class Scheduler:
             if seq.num_computed_tokens == 0 and not kv.has_blocks(seq) and \
                     (pooler is None or not pooler.needs_every_position):
                 seq.num_computed_tokens = kv.match_prefix(seq)
+                if self.states is not None:  # a hit needs the recurrent state saved at its boundary
+                    seq.num_computed_tokens = self.states.match(seq, seq.num_computed_tokens)
                 if seq.index == 0 and seq.num_output_tokens == 0:
                     seq.request.num_cached_tokens = seq.num_computed_tokens
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self.states is not None:
+                num_new = self.states.chunk(seq, num_new)
             fits_seqs = len(self.running) + n_samples <= self.max_num_seqs
+            if self.states is not None:  # a state slot per sample, reserved as blocks are
+                fits_seqs = fits_seqs and self.states.free_slots >= n_samples
             need = kv.blocks_needed(seq, num_new)
             fits_kv = need <= kv.num_free_blocks - self.watermark
             if not (fits_seqs and fits_kv):
@@ -236,6 +264,8 @@ class Scheduler:
                 self._release_unadmitted(seq)
                 break
             self.waiting.pop(0)
+            if self.states is not None:
+                self.states.admit(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             scheduled[seq.seq_id] = ScheduledSeq(seq, num_new, copies)

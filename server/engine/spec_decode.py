@@ -53,6 +53,7 @@ from server.engine.sampler import (
     SamplingBatch,
     apply_penalties,
     apply_token_bitmask,
+    argmax_rows,
     sampling_probs,
 )
 from server.engine.spec_config import SpeculativeConfig
@@ -298,7 +299,7 @@ class SpecDecoder:
             torch.tensor(v.cu, dtype=torch.int64, device=dev),
             self._gather_draft_probs(v.spec, draft_ids, v.raw.shape[-1]) if probs is not None else None,
             probs,
-            v.x.argmax(dim=-1),
+            argmax_rows(v.x),
             torch.tensor(v.greedy, dtype=torch.bool, device=dev),
             torch.cat(uniforms).to(dev),
         )

@@ -41,6 +41,7 @@ class _Add:
     params: SamplingParams
     priority: int
     arrival_time: float
+    lora: Optional[str] = None
 
 
 @dataclass(slots=True)
@@ -93,15 +94,17 @@ class EngineThread:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: Optional[float] = None,
+        lora: Optional[str] = None,
     ) -> None:
-        """Queue a request for the next step boundary. Raises ValueError at once if it can't fit
-        (context, n, or KV blocks: see errors.check_capacity)."""
+        """Queue a request for the next step boundary (with LoRA adapter `lora`, None: the base
+        model). Raises ValueError at once if it can't fit (context, n, or KV blocks: see
+        errors.check_capacity)."""
         if self._stop.is_set():
             raise RuntimeError("engine is shutting down")
         if self.limits is not None:
             check_capacity(len(prompt_token_ids), params.max_tokens, params.n, self.limits)
         self._inbox.append(
-            _Add(request_id, list(prompt_token_ids), params, priority, arrival_time or time.time())
+            _Add(request_id, list(prompt_token_ids), params, priority, arrival_time or time.time(), lora)
         )
         self._wake.set()
 
@@ -187,7 +190,7 @@ class EngineThread:
                 continue
             try:
                 engine.add_request(
-                    msg.request_id, msg.prompt_token_ids, msg.params, msg.priority, msg.arrival_time
+                    msg.request_id, msg.prompt_token_ids, msg.params, msg.priority, msg.arrival_time, msg.lora
                 )
             except Exception as e:  # noqa: BLE001 - refused or broken, the request fails alone
                 errors.append(_error_delta(msg.request_id, len(msg.prompt_token_ids), msg.arrival_time, str(e)))

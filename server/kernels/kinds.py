@@ -16,7 +16,7 @@ class Qtype(StrEnum):
     Q4_K = "q4_k"
     Q5_K = "q5_k"
     Q6_K = "q6_k"
-    MXFP4 = "mxfp4"  # experts only (QuantizedExperts in moe_experts): no dense linear kernel
+    MXFP4 = "mxfp4"  # GGUF ships it for experts only (QuantizedExperts in moe_experts)
 
 
 class LinearKind(StrEnum):

@@ -60,6 +60,12 @@ def _gelu_tanh_and_mul_fake(x):
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
+@torch.library.register_fake("pagewire::short_conv")
+def _short_conv_fake(bcx, weight_t, bias, state, slots, query_start_loc):
+    torch._check(bcx.shape[-1] % 3 == 0, lambda: "bcx's last dim must be 3C")
+    return bcx.new_empty((bcx.shape[0], bcx.shape[1] // 3))
+
+
 @torch.library.register_fake("pagewire::moe_experts")
 def _moe_experts_fake(x, topk_ids, topk_weights, gate_up, gate_up_kind, down, down_kind, gate_up_bias=None,
                       down_bias=None, activation="silu", alpha=1.702, limit=7.0):
@@ -92,7 +98,7 @@ def _quantize_q4_0_fake(weight):
 
 # (values, bytes) per block of each qtype string the 4-bit and K-quant ops take ("x8": the interleaved layout).
 _Q4_FORMATS = {"q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
-               "q4_0x8": (32, 18), "q4_1x8": (32, 20), "q4_kx8": (256, 144)}
+               "q4_0x8": (32, 18), "q4_1x8": (32, 20), "q4_kx8": (256, 144), "mxfp4": (32, 17)}
 
 
 @torch.library.register_fake("pagewire::dequantize_q4")
@@ -137,3 +143,24 @@ def _linear_q4_fake(x, weight, qtype, bias):
 def _linear_q8_0_fake(x, weight, bias, interleaved=False):
     torch._check(x.shape[-1] // 32 * 34 == weight.shape[1], lambda: "x and weight disagree on K")
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# Gated DeltaNet (server/kernels/gdn.py): the states are updated in place, outputs are new tensors.
+@torch.library.register_fake("pagewire::gdn_causal_conv1d")
+def _gdn_causal_conv1d_fake(x, weight, bias, conv_states, slots, query_start_loc, activation="silu"):
+    return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("pagewire::gdn_gating")
+def _gdn_gating_fake(a, b, A_log, dt_bias):
+    return a.new_empty(a.shape, dtype=torch.float32), a.new_empty(a.shape, dtype=torch.float32)
+
+
+@torch.library.register_fake("pagewire::gated_delta_rule")
+def _gated_delta_rule_fake(q, k, v, g, beta, states, slots, query_start_loc, chunk_size=64):
+    return v.new_empty(v.shape)
+
+
+@torch.library.register_fake("pagewire::gated_rms_norm")
+def _gated_rms_norm_fake(x, gate, weight, eps):
+    return x.new_empty(x.shape)

@@ -404,6 +404,15 @@ def rotary_embedding(
     torch.ops.pagewire.rotary_embedding(x, positions, cos, sin, norm_weight, eps)
 
 
+def short_conv(bcx: torch.Tensor, weight_t: torch.Tensor, bias: Optional[torch.Tensor], state: torch.Tensor,
+               slots: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
+    """LFM2's gated short convolution: bcx [T, 3C] (in_proj's B, C, x chunks) -> [T, C] =
+    C * causal_conv(B * x) per sequence (query_start_loc int32 [S + 1]), each continuing from and
+    updating its state slot (state [slots, K - 1, C] of bcx's dtype, slots int64 [S]); weight_t
+    fp32 [K, C], bias fp32 [C] or None. AVX-512 / AVX2 / portable bodies (csrc/cpu/short_conv*)."""
+    return torch.ops.pagewire.short_conv(bcx, weight_t, bias, state, slots, query_start_loc)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """Args: x [T, 2 * I] = cat(gate, up), contiguous in the last dim. Returns silu(gate) * up [T, I] (CPU op)."""
     return torch.ops.pagewire.silu_and_mul(x)

@@ -11,6 +11,7 @@ Every format is GGUF's block layout, byte for byte, so a tensor read from a GGUF
     q4_k   256           144          d*sc*q - dmin*mn (fp16 d, dmin, 8 x 6-bit sc/mn, 256 4-bit q)
     q5_k   256           176          d*sc*q - dmin*mn (as q4_k, 5-bit q: 32 bytes of fifth bits)
     q6_k   256           210          d*sc*(q - 32)    (6-bit q, 16 int8 sc per 16 values, fp16 d)
+    mxfp4  32            17           E2M1(q) * 2^(e-127) (u8 exponent e, 32 4-bit q; experts)
 
 Float weights are quantised at load with `quantize` (q8_0 and q4_0, GGUF's rounding, in C++).
 
@@ -53,8 +54,8 @@ QTYPES: dict[Qtype, BlockFormat] = {
     Qtype.Q5_K: BlockFormat(256, 176),
     Qtype.Q6_K: BlockFormat(256, 210),
     # GGML's MXFP4 (gpt-oss's experts): an E8M0 scale byte, then 16 bytes of E2M1 codes (value j in
-    # the low nibble of byte j, value j + 16 in its high nibble). Kept for experts only: moe_experts
-    # decodes the rows of the experts a step uses (no dense linear kernel, so not for other matrices).
+    # the low nibble of byte j, value j + 16 in its high nibble); the 4-bit kernels read it (linear_q4
+    # qtype "mxfp4", csrc/cpu/quant4_kernel.h). GGUF files ship it for experts only.
     Qtype.MXFP4: BlockFormat(32, 17),
 }
 
@@ -64,7 +65,6 @@ INTERLEAVABLE: tuple[Qtype, ...] = (Qtype.Q8_0, Qtype.Q4_0, Qtype.Q4_1, Qtype.Q4
 # GGUF tensor type names (gguf.GGMLQuantizationType) -> the qtype that keeps them as they are.
 GGUF_QTYPES: dict[str, Qtype] = {"Q8_0": Qtype.Q8_0, "Q4_0": Qtype.Q4_0, "Q4_1": Qtype.Q4_1, "Q4_K": Qtype.Q4_K,
                                   "Q5_K": Qtype.Q5_K, "Q6_K": Qtype.Q6_K, "MXFP4": Qtype.MXFP4}
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 # --quantization values that quantise float weights at load, and the format each one stores.
 # ("gguf", which keeps a GGUF file's own block types, is handled by the GGUF loader.)
@@ -142,7 +142,7 @@ class QuantizedWeight:
         least eight rows are interleaved: a copy of the same bytes, eight rows at a time, so one
         32-bit lane of the AVX2 kernel is one weight row (csrc/cpu/linear_x8_avx2.cpp,
         linear_x8k_avx2.cpp). AVX-512 CPUs keep GGUF's rows, which their VNNI and AMX kernels read;
-        so do Q5_K and Q6_K everywhere."""
+        so do Q5_K, Q6_K and MXFP4 everywhere."""
         if (self.interleaved or self.qtype not in INTERLEAVABLE or self.shape[0] < 8
                 or str(server._C.cpu_isa()) != "avx2"):
             return self
@@ -169,16 +169,12 @@ class QuantizedWeight:
         """The represented weight [N, K] in `dtype` (exact in float32, as GGUF computes it)."""
         if self.qtype is Qtype.Q8_0:
             return torch.ops.pagewire.dequantize_q8_0(self.data, self.interleaved).to(dtype)
-        if self.qtype is Qtype.MXFP4:
-            return _dequantize_mxfp4(self.data, self.shape).to(dtype)
         return torch.ops.pagewire.dequantize_q4(self.data, self.op_qtype).to(dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] @ self^T (+ bias) in x's dtype, through the format's kernel."""
         if self.qtype is Qtype.Q8_0:
             return torch.ops.pagewire.linear_q8_0(x, self.data, bias, self.interleaved)
-        if self.qtype is Qtype.MXFP4:
-            return torch.nn.functional.linear(x, self.dequantize(x.dtype), bias)
         return torch.ops.pagewire.linear_q4(x, self.data, self.op_qtype, bias)
 
     @property
@@ -261,13 +257,3 @@ class QuantizedExperts:
     @property
     def nbytes(self) -> int:
         return self.data.numel()
-
-
-def _dequantize_mxfp4(data: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    """float32 [N, K] of GGML MXFP4 bytes [N, K / 32 * 17] (exact: E2M1 values times 2 ** (e - 127))."""
-    n, k = shape
-    blocks = data.reshape(n, k // 32, 17)
-    codes = torch.cat((blocks[..., 1:] & 0x0F, blocks[..., 1:] >> 4), dim=-1).long()  # [N, G, 32]
-    values = torch.tensor(_E2M1, dtype=torch.float32)[codes]
-    exponent = blocks[..., :1].to(torch.int32).sub(127).to(torch.float32)
-    return torch.ldexp(values, exponent).reshape(n, k)

@@ -13,6 +13,20 @@ import torch
 
 
 @dataclass
+class StateBatch:
+    """Hybrid models: where each sequence's recurrent state lives (server/engine/state_cache.py).
+
+    slots:  int64 [S]  each sequence's slot in the state pool, in batch order (a fresh sequence's
+                       slot is zeroed before its first token; a prefix hit's holds the snapshot)
+    layers: per model layer, {StateSpec name: [num_slots, *shape]} ({} for attention layers); a
+            recurrent layer reads its sequences' rows and writes them back updated
+    """
+
+    slots: torch.Tensor
+    layers: list[dict[str, torch.Tensor]]
+
+
+@dataclass
 class AttentionMetadata:
     """Shapes: T = tokens in the flat batch, S = sequences in the batch.
 
@@ -36,6 +50,8 @@ class AttentionMetadata:
     # With several KV groups (server/engine/kv_groups.py), per layer the metadata of its group: its
     # own slot_mapping and block_tables, the same lengths. None: every layer uses this one.
     per_layer: Optional[list[AttentionMetadata]] = None
+    # Hybrid models: the recurrent layers' state slots (None for a model without recurrent layers).
+    state: Optional[StateBatch] = None
 
     def for_layer(self, layer: int) -> AttentionMetadata:
         """The metadata layer `layer` reads and writes its K/V through."""

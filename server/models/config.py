@@ -150,6 +150,9 @@ class ModelConfig:
     swiglu_limit: float = 7.0
     # gpt-oss's attention sinks: a learned logit per query head joining every softmax (no value).
     attention_sinks: bool = False
+    # gpt-oss's RMSNorm (transformers' GptOssRMSNorm): the weight multiplies in float32 and the
+    # product is rounded once to the model's dtype (Llama's rounds, then multiplies). Same in float32.
+    norm_weight_fp32: bool = False
     # "mxfp4": the HF checkpoint stores the experts as MXFP4 `*_blocks` / `*_scales` pairs (its
     # quantization_config's quant_method), decoded at load (server.models.mxfp4); "": float.
     experts_quantization: str = ""
@@ -167,6 +170,21 @@ class ModelConfig:
     # plus a projection of the embeddings, fed to a gated block at the end of each layer (0: none).
     per_layer_input_size: int = 0
     per_layer_vocab_size: int = 0
+    # Hybrid models (server/models/state_specs.py): per layer its kind, "attention" (a KV layer) or a
+    # recurrent kind keeping a state slot per sequence ("short_conv": LFM2); () = every layer attention.
+    layer_types: tuple[str, ...] = ()
+    conv_kernel: int = 0  # LFM2's short convolution: its kernel size (conv_L_cache); Gated DeltaNet's conv
+    conv_bias: bool = False
+    # Gated DeltaNet layers ("gated_deltanet": Qwen3-Next, Qwen3.5; server/models/gated_deltanet.py): key
+    # and value heads and their sizes, and how the checkpoint spells the in-projections ("qkvz" / "split").
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    gdn_checkpoint: str = "split"
+    # The full-attention output gate (Qwen3-Next, Qwen3.5): q_proj also yields a gate per head and the
+    # attention output is multiplied by its sigmoid before o_proj (server/models/qwen3_next.py).
+    attn_output_gate: bool = False
 
     def __post_init__(self) -> None:
         # Internal consistency of a translation (a bug in a family entry, not bad user input).
@@ -180,7 +198,7 @@ class ModelConfig:
         assert self.moe_activation in MOE_ACTIVATIONS
         assert "sparse" not in self.layer_mlp_kinds or 0 < self.num_experts_per_tok <= self.num_experts
         for name in ("layer_head_dims", "layer_kv_heads", "layer_intermediate_sizes", "layer_kv_sources",
-                     "layer_value_from_key"):
+                     "layer_value_from_key", "layer_types"):
             assert len(getattr(self, name)) in (0, n), name
         assert all(s is None or 0 <= s < i and self.kv_source(s) == s
                    for i, s in enumerate(self.layer_kv_sources)), "layer_kv_sources: an earlier, writing layer"

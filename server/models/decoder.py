@@ -26,6 +26,7 @@ from server.kernels.quant import QUANTIZATIONS, QuantizedWeight
 from server.models.attention import AttentionMetadata
 from server.models.config import ModelConfig
 from server.models.layers import add_norm, gelu_tanh_and_mul, norm, rms_norm, silu_and_mul
+from server.models.lora import LoraStep, Slot
 from server.models.moe import SparseMoE, parameter_summary
 from server.models.rope import RopeBatch, RotaryEmbedding
 from server.models.weights import WeightTarget, param
@@ -54,6 +55,7 @@ class DecoderLayer(nn.Module):
         self.shares_kv = c.kv_source(layer_idx) != layer_idx
         self.value_from_key = c.value_from_key(layer_idx) and not self.shares_kv
         self.eps = c.rms_norm_eps
+        self.norm_fp32 = c.norm_weight_fp32  # gpt-oss's norm rounding (layers.rms_norm_weight_fp32)
         self.scale = c.attention_scale
         self.softcap = c.attn_logit_softcap
         window = c.layer_sliding_windows[layer_idx]
@@ -64,6 +66,7 @@ class DecoderLayer(nn.Module):
         self.residual_multiplier = c.residual_multiplier
 
         H, I = c.hidden_size, c.intermediate_of(layer_idx)
+        self.hidden_size = H
         own_kv = 0 if self.shares_kv else (1 if self.value_from_key else 2) * self.kv_size
         qkv = self.q_size + own_kv  # q, then k and v rows unless shared (k only when v is k)
         pre, post = c.norm_placement in ("pre", "both"), c.norm_placement in ("post", "both")
@@ -125,11 +128,13 @@ class DecoderLayer(nn.Module):
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         per_layer_input: torch.Tensor | None = None,
+        lora: LoraStep | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Args: hidden [T, H], the residual stream (updated in place); delta [T, H], the previous
         layer's MLP output not yet added to it (None for the first layer); rope and rope_batch:
         this layer's table (None for a NoPE layer); per_layer_input [T, P], this layer's slice of
-        the per-layer input embeddings (models with them only).
+        the per-layer input embeddings (models with them only); lora: the step's LoRA terms, added
+        to each projection's output for the rows that use an adapter (server.models.lora).
 
         Returns (hidden, this layer's MLP output): the add is left to the next norm, which fuses it
         (None when the layer ends by adding it itself: the per-layer input block, the layer scalar).
@@ -138,8 +143,10 @@ class DecoderLayer(nn.Module):
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         nk = 0 if self.shares_kv else nkv  # key heads this layer projects
 
-        x = _enter(hidden, delta, self.attn_norm, self.eps)
+        x = _enter(hidden, delta, self.attn_norm, self.eps, self.norm_fp32)
         qkv = linear(x, self.qkv_weight, self.qkv_bias)  # [T, q + 2 kv] (q + kv, q: see own_kv)
+        if lora is not None:
+            lora.add(self.layer_idx, "qkv", x, qkv)
         q, kv = self.q_size, self.kv_size
         if self.q_norm is not None and self.k_norm is not None:  # OLMo 2: over the whole projection
             qkv[:, :q] = norm(qkv[:, :q].contiguous(), self.q_norm, self.eps)
@@ -169,12 +176,19 @@ class DecoderLayer(nn.Module):
                         self.scale, self.sliding_window, meta.max_query_len, meta.max_seq_len, self.softcap,
                         self.sinks)
         out = linear(attn.view(T, self.q_size), self.o_weight, self.o_bias)
-        x = _enter(hidden, self._leave(out, self.attn_post_norm), self.mlp_norm, self.eps)
+        if lora is not None:
+            lora.add(self.layer_idx, "o", attn.view(T, self.q_size), out)
+        x = _enter(hidden, self._leave(out, self.attn_post_norm), self.mlp_norm, self.eps, self.norm_fp32)
         if self.moe is not None:  # a sparse layer: the router, then pagewire::moe_experts
             return hidden, self._leave(self.moe(x), self.mlp_post_norm)
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
+        if lora is not None:
+            lora.add(self.layer_idx, "gate_up", x, gate_up)
         act = gelu_tanh_and_mul(gate_up) if self.activation == "gelu_tanh" else silu_and_mul(gate_up)
-        mlp = self._leave(linear(act, self.down_weight, self.down_bias), self.mlp_post_norm)
+        down = linear(act, self.down_weight, self.down_bias)
+        if lora is not None:
+            lora.add(self.layer_idx, "down", act, down)
+        mlp = self._leave(down, self.mlp_post_norm)
         if not self.finishes:
             return hidden, mlp
         return self._finish(hidden, mlp, per_layer_input), None
@@ -248,6 +262,22 @@ class DecoderLayer(nn.Module):
         return None if None in kinds else tuple(cast(list[str], kinds))
 
     MATRICES: tuple[str, ...] = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+
+    def lora_layout(self) -> dict[str, Slot]:
+        """The PEFT modules a LoRA adapter may target in this layer and where each lands in the
+        fused matrices (server.models.lora): q/k/v in qkv (k and v only where the layer projects
+        its own), o, and gate/up/down where the MLP is dense."""
+        H, q, kv = self.hidden_size, self.q_size, self.kv_size
+        out = {"q_proj": Slot("qkv", 0, q, H), "o_proj": Slot("o", 0, H, q)}
+        if not self.shares_kv:
+            out["k_proj"] = Slot("qkv", q, kv, H)
+            if not self.value_from_key:
+                out["v_proj"] = Slot("qkv", q + kv, kv, H)
+        if self.moe is None:
+            I = self.down_weight.shape[1]
+            out.update(gate_proj=Slot("gate_up", 0, I, H), up_proj=Slot("gate_up", I, I, H),
+                       down_proj=Slot("down", 0, H, I))
+        return out
 
     def quantize_weights(self, qtype: str) -> None:
         """Replace the four matrices by QuantizedWeight(qtype) (biases and norms stay as they are)."""
@@ -339,13 +369,15 @@ def _attach_moe(layer: DecoderLayer, config: ModelConfig, layer_idx: int, dtype:
 
 
 def _enter(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None,
-           eps: float) -> torch.Tensor:
+           eps: float, weight_fp32: bool = False) -> torch.Tensor:
     """A sub-block's input: the residual stream with `delta` (the previous sub-block's output)
     added in place, then RMSNorm'ed by `weight` (one fused op), or the stream itself when the
-    block has no input norm (OLMo 2's post-norm layers)."""
+    block has no input norm (OLMo 2's post-norm layers). weight_fp32: gpt-oss's norm rounding."""
     if weight is None:
         return hidden if delta is None else hidden.add_(delta)
-    return norm(hidden, weight, eps) if delta is None else add_norm(hidden, delta, weight, eps)
+    if delta is None:
+        return norm(hidden, weight, eps, weight_fp32)
+    return add_norm(hidden, delta, weight, eps, weight_fp32)
 
 
 class DecoderForCausalLM(nn.Module):
@@ -374,7 +406,7 @@ class DecoderForCausalLM(nn.Module):
         self.device = torch.device(device)
         c, dev = config, self.device
         self.embed_tokens = param((c.vocab_size, c.hidden_size), dtype, dev)
-        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, dev) for i in range(c.num_layers))
+        self.layers = nn.ModuleList(self._make_layer(c, i, dtype, dev) for i in range(c.num_layers))
         self.norm = param((c.hidden_size,), dtype, dev)
         # Per-layer input embeddings (Gemma 4): a token table of num_layers x P per token, and a
         # projection of the (scaled) embeddings to the same size, RMSNorm'ed per layer slice.
@@ -407,6 +439,10 @@ class DecoderForCausalLM(nn.Module):
         self._fused_cache: dict[tuple[int, int, bool], tuple[object, list[tuple[str, ...] | None]]] = {}
         self.eval()
 
+    def _make_layer(self, config: ModelConfig, i: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        """Layer i (a hybrid model's subclass builds its recurrent layers here: models/lfm2.py)."""
+        return DecoderLayer(config, i, dtype, device)
+
     def summary(self) -> str:
         """e.g. "Gemma3ForCausalLM: 26 layers (22 with a 512-token window, 4 full, 0 NoPE);
         fused decode_layer (CPU, up to 16 tokens) for 26 of 26; the others run the Python layers"."""
@@ -436,6 +472,7 @@ class DecoderForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
         """Run the new tokens of every scheduled sequence through the model, writing their K/V.
 
@@ -446,6 +483,9 @@ class DecoderForCausalLM(nn.Module):
                 layers of different KV groups may share tensors (their blocks never overlap).
             meta: where each token's K/V is written and which blocks each sequence reads (per
                 layer: meta.for_layer(i)).
+            lora: the step's LoRA terms (server.models.lora.LoraSet.step), None when no row uses
+                an adapter. A step with one runs the Python layers: pagewire::decode_layer has no
+                low-rank term, so the fused path is taken only by steps without adapter rows.
         Returns:
             [T, hidden_size] final-normed hidden states; pass the rows to sample to compute_logits.
         """
@@ -458,7 +498,7 @@ class DecoderForCausalLM(nn.Module):
         batches = [rope.prepare(positions, self.dtype, context_lens) for rope in self.ropes]
         per_layer = self._per_layer_inputs(input_ids, hidden)  # [T, L, P] or None
         delta: torch.Tensor | None = None
-        fused = self._fused_kinds(hidden, batches)
+        fused = self._fused_kinds(hidden, batches) if lora is None else None
         for i, (layer, (key_cache, value_cache)) in enumerate(zip(self._layers, kv_caches)):
             r = layer.rope_index
             rope, batch = (self.ropes[r], batches[r]) if r is not None else (None, None)
@@ -469,9 +509,9 @@ class DecoderForCausalLM(nn.Module):
                 rows = batch.positions if batch is not None else positions
                 hidden, delta = layer.forward_fused(hidden, delta, rope, rows, key_cache, value_cache, m, kinds, ple)
             else:
-                hidden, delta = layer.forward(hidden, delta, rope, batch, key_cache, value_cache, m, ple)
-        eps = self.config.rms_norm_eps
-        return norm(hidden, self.norm, eps) if delta is None else add_norm(hidden, delta, self.norm, eps)
+                hidden, delta = layer.forward(hidden, delta, rope, batch, key_cache, value_cache, m, ple, lora)
+        eps, fp32 = self.config.rms_norm_eps, self.config.norm_weight_fp32
+        return norm(hidden, self.norm, eps, fp32) if delta is None else add_norm(hidden, delta, self.norm, eps, fp32)
 
     def _per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor | None:
         """Gemma 4's per-layer inputs [T, L, P], as transformers' get_per_layer_inputs and
@@ -553,6 +593,10 @@ class DecoderForCausalLM(nn.Module):
         out.append(("lm_head", self.lm_head))
         return out
 
+    def lora_layout(self) -> list[dict[str, Slot]]:
+        """Per layer, the modules a LoRA adapter may target and where they land (server.models.lora)."""
+        return [layer.lora_layout() for layer in self._layers]
+
     def tie_lm_head(self) -> None:
         """Drop the separate lm_head and project with the embedding table (frees vocab x hidden)."""
         self.lm_head = self.embed_tokens
@@ -585,7 +629,7 @@ class DecoderForCausalLM(nn.Module):
         ignores them too)."""
         names = ("k_proj.weight", "v_proj.weight", "k_norm.weight", "k_proj.bias", "v_proj.bias")
         return frozenset(f"model.layers.{i}.self_attn.{n}" for i, layer in enumerate(self._layers)
-                         if layer.shares_kv for n in names)
+                         if getattr(layer, "shares_kv", False) for n in names)  # recurrent layers have no KV
 
 
 

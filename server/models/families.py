@@ -19,6 +19,8 @@ from server.models.gemma4_config import gemma4_gguf, gemma4_hf
 from server.models.gguf_config import gguf_base, gguf_windows
 from server.models.gguf_file import GGUFFile
 from server.models.hf_config import HFFields, hf_base, windows
+from server.models.lfm2_config import lfm2_gguf, lfm2_hf
+from server.models.qwen3_next_config import QWEN3_NEXT_ARCHITECTURES, qwen3_next_hf
 
 
 def _every(n: int) -> list[bool]:
@@ -265,7 +267,7 @@ def _gpt_oss_parts(n: int, experts: int, top_k: int, moe_size: int) -> dict[str,
     experts, softmax over the top-k logits, the clamped SwiGLU, attention sinks."""
     return dict(layer_mlp_kinds=("sparse",) * n, num_experts=experts, num_experts_per_tok=top_k,
                 moe_intermediate_size=moe_size, moe_checkpoint="gpt_oss", moe_router="topk_softmax", moe_bias=True,
-                moe_activation="swiglu_oai", attention_sinks=True)
+                moe_activation="swiglu_oai", attention_sinks=True, norm_weight_fp32=True)
 
 
 def _gpt_oss_hf(raw: dict[str, Any], source: str, name: str) -> ModelConfig:
@@ -330,6 +332,12 @@ FAMILIES: list[Architecture] = [
     Architecture("olmoe", ("OlmoeForCausalLM",), ("olmoe",), _moe_hf, _moe_gguf),
     Architecture("qwen2moe", ("Qwen2MoeForCausalLM",), ("qwen2moe",), _moe_hf, _moe_gguf),
     Architecture("gpt_oss", ("GptOssForCausalLM",), ("gpt-oss",), _gpt_oss_hf, _gpt_oss_gguf),
+    # Hybrids: recurrent layers with a state slot per sequence (server/engine/state_cache.py).
+    Architecture("lfm2", ("Lfm2ForCausalLM",), ("lfm2",), lfm2_hf, lfm2_gguf,
+                 model="server.models.lfm2:Lfm2ForCausalLM"),
+    # Gated DeltaNet hybrids (HF only so far: llama.cpp's qwen3next / qwen35 / qwen35moe GGUF not yet read).
+    Architecture("qwen3_next", tuple(QWEN3_NEXT_ARCHITECTURES), (), qwen3_next_hf, None,
+                 model="server.models.qwen3_next:Qwen3NextForCausalLM"),
 ]
 
 

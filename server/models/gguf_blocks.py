@@ -86,7 +86,7 @@ def plan_kept_matrices(f: GGUFFile, config: ModelConfig, tied: bool) -> list[Kep
             continue  # missing (the loader reports it) or mixed types: dequantised
         qtype = GGUF_QTYPES.get(types.pop())
         if qtype is Qtype.MXFP4 and not name.startswith("moe.experts"):
-            continue  # MXFP4 has no dense linear kernel: only experts (moe_experts decodes them) stay in it
+            continue  # GGUF files ship MXFP4 for experts only; any other MXFP4 matrix is dequantised at load
         k = tensors[0].shape[-1] if tensors[0] is not None else 0
         dims = 3 if name.startswith("moe.experts") else 2  # experts: [E, N, K], alike in E
         lead = tensors[0].shape[0] if tensors[0] is not None else 0

@@ -1,5 +1,5 @@
-"""GGUFFile: one GGUF file opened with the `gguf` package, with typed metadata reads whose errors
-name the file and the key.
+"""GGUFFile: one GGUF file's header (read by gguf_header, or the `gguf` package's reader for the
+layouts that leaves to it), with typed metadata reads whose errors name the file and the key.
 
 Torch-free (the tokenizer at the network edge reads GGUF metadata too). It owns turning every way a
 file can be bad -- not a GGUF at all, truncated, a header that lies about its sizes -- into a
@@ -80,10 +80,27 @@ class GGUFFile:
 
     @classmethod
     def _parse(cls, p: Path) -> "GGUFFile":
-        import gguf
+        from server.models import gguf_header
 
         if not is_gguf_file(p):
             raise ModelLoadError(f"{p}: not a GGUF file (it does not start with the 'GGUF' magic)")
+        try:
+            metadata, infos = gguf_header.read_header(p)
+        except gguf_header.Unsupported:
+            return cls._parse_with_gguf_reader(p)
+        except gguf_header.Corrupt as e:
+            raise ModelLoadError(f"{p}: cannot read GGUF header (truncated or corrupt file?): {e}") from None
+        except UnicodeDecodeError as e:
+            raise ModelLoadError(f"{p}: a metadata key or string is not UTF-8: {e}") from None
+        tensors = {t.name: GGUFTensor(t.name, t.qtype.name, t.qtype, t.shape, t.data) for t in infos}
+        return cls(p, metadata, tensors)
+
+    @classmethod
+    def _parse_with_gguf_reader(cls, p: Path) -> "GGUFFile":
+        """The `gguf` package's reader: slower on big vocabularies, but it also reads the layouts
+        gguf_header leaves to it (big-endian files, nested arrays)."""
+        import gguf
+
         try:
             reader = gguf.GGUFReader(str(p), "r")
         except Exception as e:  # the reader raises ValueError/IndexError/KeyError/... on any bad byte

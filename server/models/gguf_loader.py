@@ -24,6 +24,7 @@ from server.models.dtype import resolve_dtype
 from server.models.gguf_blocks import build_quantized, plan_kept_matrices, unpermute_qk
 from server.models.gguf_config import CONFIG_TENSORS
 from server.models.gguf_file import GGUFFile, GGUFTensor
+from server.models.lfm2_config import lfm2_gguf_name
 from server.models.protocol import CausalLM
 from server.models.registry import config_from_gguf, gguf_permuted_qk, model_class
 
@@ -76,6 +77,8 @@ def hf_tensor_name(gguf_name: str, config: ModelConfig | None = None) -> str | N
     """The Hugging Face name of a GGUF tensor, or None if pagewire has no use for it. `config`
     decides the names that differ by family: ffn_norm is Gemma's pre_feedforward_layernorm (its
     post_attention_layernorm is attn_post_norm), and Phi-3's ffn_up is the fused gate_up_proj."""
+    if config is not None and config.model_type == "lfm2":  # its own spelling (models/lfm2_config.py)
+        return lfm2_gguf_name(gguf_name, hf_tensor_name(gguf_name))
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     moe = _moe_tensor_names(gguf_name, config)
@@ -201,7 +204,8 @@ def load_gguf_model(
                 raise ModelLoadError(
                     f"unexpected tensor {t.name!r} in {f.path}: this model's config does not use it ({name})"
                 )
-            if t.shape != target.shape and (1, *t.shape) != target.shape:  # ([H]: llama.cpp's shexp gate)
+            # ([H]: llama.cpp's shexp gate; a squeezed tensor already in dest's layout: LFM2's conv kernel)
+            if t.shape != target.shape and (1, *t.shape) != target.shape and t.shape != tuple(target.dest.shape):
                 raise ModelLoadError(
                     f"tensor {t.name!r} in {f.path} has shape {list(t.shape)}, expected {list(target.shape)}"
                 )

@@ -50,8 +50,19 @@ def rms_norm_fixed_blocks(x: torch.Tensor, weight: torch.Tensor, eps: float) -> 
     return torch.cat([rms_norm(xp[i : i + b], weight, eps) for i in range(0, t + pad, b)])[:t]
 
 
-def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """rms_norm of a [T, d] residual stream by weight [d]: one C++ op on CPU, rms_norm elsewhere."""
+def rms_norm_weight_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as transformers' GptOssRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)) in fp32,
+    rounded once to x's dtype (rms_norm rounds before the weight). Equal to rms_norm in fp32."""
+    xf = x.float()
+    inv_rms = xf.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+    return (weight.float() * (xf * inv_rms)).to(x.dtype)
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_fp32: bool = False) -> torch.Tensor:
+    """rms_norm of a [T, d] residual stream by weight [d]: one C++ op on CPU, rms_norm elsewhere;
+    `weight_fp32` (gpt-oss): rms_norm_weight_fp32 for bf16/fp16 streams."""
+    if weight_fp32 and x.dtype != torch.float32:
+        return rms_norm_weight_fp32(x, weight, eps)
     if x.device.type == "cpu":
         return ops.rms_norm(x, weight, eps)
     if batch_invariant.enabled():
@@ -59,11 +70,15 @@ def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm(x, weight, eps)
 
 
-def add_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def add_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+             weight_fp32: bool = False) -> torch.Tensor:
     """residual += delta in place, then return rms_norm(residual, weight, eps); one C++ op on CPU.
 
-    Args: residual [T, d] (the residual stream, mutated); delta [T, d]; weight [d].
+    Args: residual [T, d] (the residual stream, mutated); delta [T, d]; weight [d]; weight_fp32: as
+    `norm`'s.
     """
+    if weight_fp32 and residual.dtype != torch.float32:
+        return norm(residual.add_(delta), weight, eps, True)
     if residual.device.type == "cpu":
         return ops.add_rms_norm(residual, delta, weight, eps)
     residual.add_(delta)

@@ -213,8 +213,12 @@ class _PairDecoder:
     def arrived(self) -> None:
         self.count += 1
         if self.count == 2:
-            w = decode_mxfp4(self.blocks, self.scales)  # [E, rows, cols] float32
-            self.dest.copy_(self.convert(w) if self.convert is not None else w)
+            # One expert at a time: the float32 decode of a whole layer's experts (and its
+            # de-interleaved copy) would be twice the layer's experts in the model's dtype on top of
+            # them, the load's peak; one expert's is a few megabytes.
+            for e in range(self.dest.shape[0]):
+                w = decode_mxfp4(self.blocks[e:e + 1], self.scales[e:e + 1])  # [1, rows, cols] float32
+                self.dest[e:e + 1].copy_(self.convert(w) if self.convert is not None else w)
             self.blocks = self.scales = torch.empty(0, dtype=torch.uint8)  # the staging bytes are freed
 
 

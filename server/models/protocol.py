@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from server.kernels.quant import QuantizedWeight
     from server.models.attention import AttentionMetadata
+    from server.models.lora import LoraStep, Slot
     from server.models.weights import WeightTarget
 
 
@@ -29,8 +30,13 @@ class CausalLM(Protocol):
 
     def __call__(self, input_ids: "torch.Tensor", positions: "torch.Tensor",
                  kv_caches: "list[tuple[torch.Tensor, torch.Tensor]]",
-                 meta: "AttentionMetadata") -> "torch.Tensor":
-        """Run the step's tokens, writing their K/V; returns [T, hidden] final-normed states."""
+                 meta: "AttentionMetadata", lora: "LoraStep | None" = None) -> "torch.Tensor":
+        """Run the step's tokens, writing their K/V; returns [T, hidden] final-normed states.
+        lora: the step's LoRA terms for the rows that use an adapter (server.models.lora)."""
+        ...
+
+    def lora_layout(self) -> "list[dict[str, Slot]]":
+        """Per layer, the modules a LoRA adapter may target and where they land."""
         ...
 
     def compute_logits(self, hidden: "torch.Tensor") -> "torch.Tensor":

@@ -20,6 +20,7 @@ from server.jsonfile import read_json_object
 from server.models.architecture import Architecture, KVSpec
 from server.models.config import ModelConfig, ModelFileNotFoundError, ModelLoadError, UnsupportedModelError
 from server.models.families import FAMILIES
+from server.models.state_specs import attention_layers
 
 if TYPE_CHECKING:  # pragma: no cover
     from server.models.gguf_file import GGUFFile
@@ -112,19 +113,21 @@ def gguf_permuted_qk(config: ModelConfig) -> bool:
 
 
 def kv_specs(config: ModelConfig) -> tuple[KVSpec, ...]:
-    """Per layer, what it keeps in the KV cache (its shape, its sliding window or every token), or
-    which earlier layer's KV it reads."""
+    """Per KV layer, what it keeps in the KV cache (its shape, its sliding window or every token), or
+    which earlier layer's KV it reads. The KV layers are every layer, or a hybrid model's attention
+    layers only (state_specs.attention_layers: its recurrent layers keep state slots instead)."""
     c = config
-    return tuple(KVSpec(c.kv_heads_of(i), c.head_dim_of(i), w, None if c.kv_source(i) == i else c.kv_source(i))
-                 for i, w in enumerate(c.layer_sliding_windows))
+    return tuple(KVSpec(c.kv_heads_of(i), c.head_dim_of(i), c.layer_sliding_windows[i],
+                        None if c.kv_source(i) == i else c.kv_source(i))
+                 for i in attention_layers(c))
 
 
 def kv_shape(config: ModelConfig) -> dict[str, Any]:
     """server.engine.kv_budget.kv_layout's model arguments for `config`: the layer count, shape
     and windows, plus per-layer sizes and sources when the layers differ (Gemma 4)."""
     specs = kv_specs(config)
-    out: dict[str, Any] = dict(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
-                               head_dim=config.head_dim, layer_windows=config.layer_sliding_windows)
+    out: dict[str, Any] = dict(num_layers=len(specs), num_kv_heads=config.num_kv_heads,
+                               head_dim=config.head_dim, layer_windows=[s.sliding_window for s in specs])
     if any((s.num_kv_heads, s.head_dim, s.kv_source) != (config.num_kv_heads, config.head_dim, None) for s in specs):
         out.update(layer_elems=[s.num_kv_heads * s.head_dim for s in specs],
                    layer_sources=[s.kv_source for s in specs])

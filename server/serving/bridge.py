@@ -91,10 +91,11 @@ class EngineBridge:
         return self._engine.stats() if self._engine is not None else None
 
     # -- requests (thread-safe; called from the loop) --------------------------------------------
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int) -> None:
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
+               lora: Optional[str] = None) -> None:
         if self._engine is None:
             raise RuntimeError("the engine bridge has not started")
-        self._engine.submit(request_id, prompt_token_ids, params, priority=priority)
+        self._engine.submit(request_id, prompt_token_ids, params, priority=priority, lora=lora)
 
     def abort(self, request_id: str) -> None:
         if self._engine is not None:

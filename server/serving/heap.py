@@ -1,4 +1,5 @@
-"""Giving memory back to the OS after a peak (glibc's `malloc_trim`).
+"""Giving memory back to the OS after a peak (glibc's `malloc_trim`), and not keeping a refused
+request's memory alive through its exception (`release_frames`).
 
 Tokenising a multi-megabyte prompt allocates hundreds of megabytes in the tokenizers library
 (Rust, on the system allocator) and in Python lists; once freed, glibc keeps most of it in its
@@ -11,6 +12,7 @@ import ctypes
 import ctypes.util
 import logging
 import time
+import traceback
 from typing import Any, Optional
 
 log = logging.getLogger("pagewire")
@@ -45,3 +47,14 @@ def trim() -> bool:
     _last = now
     lib.malloc_trim(0)
     return True
+
+
+def release_frames(exc: BaseException) -> None:
+    """Drop the locals of the finished frames in `exc`'s traceback, once the refusal is answered.
+
+    A refused request's traceback reaches the frames that parsed it, and through them its body and
+    prompt (megabytes for a long one), in reference cycles that only the cyclic collector frees:
+    sixteen refused 7.5 MB prompts kept RSS +218 MiB until a `gc.collect()` (issue 29). Cleared
+    locals are freed at once by reference count. Frames still running (the caller's) are skipped.
+    """
+    traceback.clear_frames(exc.__traceback__)

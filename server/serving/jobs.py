@@ -40,6 +40,8 @@ class GenerationSpec:
         tool_format: the call format the output is parsed in (server.text.tool_parsers), which
             is also how a tool-unaware template is shown tools and earlier calls.
         key_id: the API key that owns the request (None when auth is off).
+        lora: the LoRA adapter the request's `model` named (server.serving.model_names), None for
+            the base model.
     """
 
     kind: str
@@ -66,6 +68,7 @@ class GenerationSpec:
     tools: Optional[list[dict[str, Any]]] = None
     tool_format: str = "none"
     key_id: Optional[str] = None  # the owning API key (server.gateway.auth.bind); None: auth off
+    lora: Optional[str] = None  # a LoRA adapter's name (its request named it as `model`)
     # How the edge names a chat's conversation in errors (the Responses API: `input`).
     messages_field: str = "messages"
     # How the edge names the prompt in errors (`input` for embeddings).

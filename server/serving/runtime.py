@@ -31,6 +31,7 @@ from server.serving.db_lock import LedgerLock
 from server.serving.jobs import Job
 from server.serving.ledger import Ledger
 from server.serving.metrics import Metrics
+from server.serving.model_names import ModelNames
 from server.serving.output_budget import OutputBudget
 from server.serving.prompts import PromptPreparer
 from server.serving.router_view import router_gauges
@@ -42,6 +43,10 @@ from server.text.reasoning import ReasoningFormat, detect_reasoning_parser, reas
 from server.text.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger("pagewire")
+
+
+def _encoder(tokenizer: Tokenizer) -> Callable[[str], list[int]]:
+    return lambda text: tokenizer.encode(text, add_special_tokens=False)
 
 
 def pick_reasoning_format(tokenizer: Tokenizer, name: str) -> Optional[ReasoningFormat]:
@@ -59,14 +64,14 @@ def pick_reasoning_format(tokenizer: Tokenizer, name: str) -> Optional[Reasoning
         if detected is None:
             return None
         try:
-            fmt = reasoning_format(detected, tokenizer.token_to_id)
+            fmt = reasoning_format(detected, tokenizer.token_to_id, _encoder(tokenizer))
         except ValueError as e:
             log.info("reasoning parser: none (the template looks like %s, but %s)", detected, e)
             return None
         log.info("reasoning parser: %s (from the chat template)", fmt.parser)
         return fmt
     try:
-        fmt = reasoning_format(name, tokenizer.token_to_id)
+        fmt = reasoning_format(name, tokenizer.token_to_id, _encoder(tokenizer))
     except ValueError as e:
         raise ValueError(f"--reasoning-parser {name}: {e}") from None
     log.info("reasoning parser: %s (--reasoning-parser)", fmt.parser)
@@ -85,6 +90,8 @@ class Runtime:
         self.lock = lock  # the ledger's exclusive lock, when taken before start (serve.run)
         self.model_dir = model_dir
         self.model_name = model_name
+        # What a request's `model` may name: this model, or a LoRA adapter over it (--lora).
+        self.names = ModelNames(model_name, [n for n, _ in settings.lora])
         self.ledger: Optional[Ledger] = None
         self.tokenizer: Optional[Tokenizer] = None
         self.sampling_defaults: dict[str, Any] = {}

@@ -44,7 +44,7 @@ from server.serving.metrics import Metrics
 from server.serving.output_budget import OutputBudget, worst_case_bytes
 from server.serving.prompts import PromptPreparer
 from server.serving.streams import EndEvent, Replay, RequestStream, StreamRegistry, Subscriber
-from server.text.reasoning import HARMONY, ReasoningFormat
+from server.text.reasoning import ReasoningFormat
 
 log = logging.getLogger("pagewire.service")
 
@@ -321,10 +321,8 @@ class RequestService:
         """A reasoning chat: its structured output (a schema, a forced tool call) applies after the
         thinking (the engine's ReasoningGate), and the tags stay in the text to be split even
         where the tokenizer marks them special."""
-        # Harmony's answer starts after a `<|channel|>final<|message|>` header, which one end token
-        # cannot mark: its structured outputs constrain the whole output (docs/reasoning.md).
-        if params.structured_outputs is not None and fmt.parser != HARMONY:
-            params.reasoning_gate = ReasoningGate(fmt.start_token_id, fmt.end_token_id, fmt.starts_open(ids))
+        if params.structured_outputs is not None:
+            params.reasoning_gate = ReasoningGate.for_format(fmt, ids)
         if self.preparer.tokenizer_has_special(fmt.start_token_id, fmt.end_token_id):
             params.skip_special_tokens = False
 
@@ -424,7 +422,7 @@ class RequestService:
     def submit(self, job: Job) -> None:
         """Admission's hand-off to the engine (must not raise; see AdmissionQueue)."""
         try:
-            self.bridge.submit(job.request_id, job.prompt_token_ids, job.params, job.spec.priority)
+            self.bridge.submit(job.request_id, job.prompt_token_ids, job.params, job.spec.priority, job.spec.lora)
         except Exception as e:  # noqa: BLE001 - reported as the request's failure
             job.error = str(e)
             asyncio.get_running_loop().call_soon(self._end, job, None)
@@ -593,3 +591,4 @@ class RequestService:
             if pending:
                 log.warning("draining: %d terminal write(s) still pending", len(pending))
         await self.ledger.interrupt_open(END_RULES[EndReason.INTERRUPTED].message or "")
+

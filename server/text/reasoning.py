@@ -26,12 +26,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-from server.text.harmony import CHANNEL, END, HarmonySplitter
+from server.text.harmony import CHANNEL, END, MESSAGE, HarmonySplitter
 
 THINK_START = "<think>"
 THINK_END = "</think>"
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "openai_gptoss")
 HARMONY = "openai_gptoss"
+ANSWER_CHANNEL = "final"  # harmony's answer channel: structured outputs apply to its body
 
 
 def detect_reasoning_parser(template: Optional[str]) -> Optional[str]:
@@ -57,11 +58,16 @@ def detect_reasoning_parser(template: Optional[str]) -> Optional[str]:
 @dataclass(frozen=True)
 class ReasoningFormat:
     """A served model's reasoning markers: the parser, and the token ids of the two tags (for
-    openai_gptoss `<|channel|>` and `<|end|>`, which the detokenizer must keep in the text)."""
+    openai_gptoss `<|channel|>` and `<|end|>`, which the detokenizer must keep in the text).
+    openai_gptoss also has the ids structured outputs wait for (the engine's harmony
+    ReasoningGate): `<|message|>`, and the answer channel's name ("final") as the tokenizer
+    writes it after `<|channel|>`; without them a constraint applies to the whole output."""
 
     parser: str
     start_token_id: int
     end_token_id: int
+    message_token_id: Optional[int] = None
+    answer_channel: tuple[int, ...] = ()
 
     def starts_open(self, prompt_token_ids: list[int]) -> bool:
         """Whether the output starts inside the block: deepseek_r1 always; qwen3 when the prompt's
@@ -203,10 +209,13 @@ def new_splitter(fmt: ReasoningFormat, starts_open: bool) -> Union[ReasoningSpli
     return HarmonySplitter() if fmt.parser == HARMONY else ReasoningSplitter(fmt, starts_open)
 
 
-def reasoning_format(parser: str, token_to_id: Callable[[str], Optional[int]]) -> ReasoningFormat:
+def reasoning_format(parser: str, token_to_id: Callable[[str], Optional[int]],
+                     encode: Optional[Callable[[str], list[int]]] = None) -> ReasoningFormat:
     """The format for `parser` with the tokenizer's ids of `<think>` / `</think>`. Raises
     ValueError naming what is missing (the tags must be single tokens: the engine gates
-    structured outputs on the `</think>` token)."""
+    structured outputs on the `</think>` token). For openai_gptoss, `encode` (text -> ids, no
+    special tokens added) gives the answer channel's ids, with which structured outputs wait for
+    the `final` message."""
     if parser not in REASONING_PARSERS:
         raise ValueError(f"expected one of {', '.join(REASONING_PARSERS)}, got {parser!r}")
     tags = (CHANNEL, END) if parser == HARMONY else (THINK_START, THINK_END)
@@ -215,4 +224,8 @@ def reasoning_format(parser: str, token_to_id: Callable[[str], Optional[int]]) -
     if missing or start is None or end is None:
         raise ValueError(f"reasoning parser {parser!r} needs {' and '.join(missing)} as a single token in the "
                          "tokenizer's vocabulary, and this tokenizer has none")
-    return ReasoningFormat(parser, int(start), int(end))
+    if parser != HARMONY:
+        return ReasoningFormat(parser, int(start), int(end))
+    message = token_to_id(MESSAGE)
+    channel = tuple(encode(ANSWER_CHANNEL)) if encode is not None and message is not None else ()
+    return ReasoningFormat(parser, int(start), int(end), None if not channel else message, channel)

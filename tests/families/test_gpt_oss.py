@@ -127,8 +127,10 @@ def test_mxfp4_gguf_holds_the_folders_parameters_and_logits(mxfp4_dir: Path, tmp
 
 
 def test_mxfp4_gguf_experts_stay_in_their_blocks(mxfp4_dir: Path, tmp_path: Path) -> None:
-    """--quantization gguf keeps the file's MXFP4 experts as they are (moe_experts decodes the
-    experts a step uses): the bytes the file holds, and the same logits as the decoded load."""
+    """--quantization gguf keeps the file's MXFP4 experts as they are (moe_experts runs the 4-bit
+    integer kernels on their blocks): the bytes the file holds, and each MoE layer's output equal to
+    the decoded load's up to the kernels' 8-bit activation rounding (the logits are not compared:
+    this tiny model's clamps and near-tied routes turn such rounding into other routes)."""
     from server.kernels.quant import QuantizedExperts
 
     path = write_gguf(tmp_path / "gpt-oss-mxfp4.gguf", mxfp4_dir, "F32")
@@ -138,7 +140,7 @@ def test_mxfp4_gguf_experts_stay_in_their_blocks(mxfp4_dir: Path, tmp_path: Path
     assert isinstance(moe.experts_gate_up, QuantizedExperts) and moe.experts_gate_up.qtype == "mxfp4"
     E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     assert moe.experts_gate_up.nbytes + moe.experts_down.nbytes == 3 * E * I * H // 32 * 17
-    tokens = random_tokens(40, cfg.vocab_size, seed=5)
-    a = PagedRun(kept).step({0: tokens})[0]  # type: ignore[arg-type]
-    b = PagedRun(plain).step({0: tokens})[0]  # type: ignore[arg-type]
-    assert torch.equal(a, b)
+    x = torch.randn(40, H, generator=torch.Generator().manual_seed(5))
+    for i, layer in enumerate(kept._layers):  # type: ignore[attr-defined]
+        a, b = layer.moe(x), plain._layers[i].moe(x)  # type: ignore[attr-defined]
+        torch.testing.assert_close(a, b, atol=3e-2 * float(b.abs().max()), rtol=0)

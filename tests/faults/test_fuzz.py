@@ -8,9 +8,14 @@ usage equals its stored tokens) and `PRAGMA integrity_check` passes.
 Kept within the suite's time budget: `--max-model-len 16` and a 3 s default deadline bound any
 valid generation (a 504 `deadline_exceeded` is an answer, not a fault), requests
 go over kept-alive connections from 8 threads while hypothesis generates the next bodies, and the
-WebSocket frames are pipelined on one socket (a reader thread collects the answers)."""
+WebSocket frames are pipelined on one socket (a reader thread collects the answers). Hypothesis
+draws the bodies ten at a time (one example is a list of ten): its per-example bookkeeping cost
+more than the drawing (2.2-2.4x the generation time, measured), and the senders use the standard
+library's HTTP client, a quarter of httpx's CPU per request; the test process's CPU, not the
+server's, was what this suite's time went on."""
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import sqlite3
@@ -32,6 +37,7 @@ from tests.server.harness import ServerProcess, ledger_rows
 # per route in a longer run (it was 3,000 per route, which cost CI a minute).
 HTTP_EXAMPLES = int(os.environ.get("PAGEWIRE_FUZZ_EXAMPLES", "2000"))  # × 3 endpoints
 WS_EXAMPLES = 4000
+PER_EXAMPLE = 10  # bodies (or frames) drawn per hypothesis example
 
 FIELDS = ["model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p",
           "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
@@ -131,43 +137,54 @@ def _fuzz_http(srv: ServerProcess, path: str, strategy: Any, examples: int, shap
     faults: list[tuple[int, bytes, str]] = []
     lock = threading.Lock()
     local = threading.local()
-    clients: list[httpx.Client] = []
+    conns: list[http.client.HTTPConnection] = []
+
+    def exchange(conn: http.client.HTTPConnection, body: bytes) -> tuple[int, str]:
+        conn.request("POST", path, body=body, headers={"content-type": "application/json"})
+        r = conn.getresponse()
+        return r.status, r.read().decode("utf-8", "replace")
 
     def post(body: bytes) -> None:
-        client = getattr(local, "client", None)
-        if client is None:
-            client = local.client = httpx.Client(base_url=srv.base, timeout=120)
+        conn = getattr(local, "conn", None)
+        if conn is None:
+            conn = local.conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=120)
             with lock:
-                clients.append(client)
-        r = client.post(path, content=body, headers={"content-type": "application/json"})
+                conns.append(conn)
+        try:
+            status, text = exchange(conn, body)
+        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+            # A kept-alive connection the server had just closed (as httpx's pool would, reconnect
+            # once); a server that died fails the second try and the health checks below.
+            conn.close()
+            status, text = exchange(conn, body)
         # 503 (busy/stopping) and 504 (the client's own `timeout` passed) are answers, not faults.
-        fault = r.status_code >= 500 and r.status_code not in (503, 504)
-        if r.status_code >= 400 and not fault:
+        fault = status >= 500 and status not in (503, 504)
+        if status >= 400 and not fault:
             try:
-                fault = not shaped(r.json())
+                fault = not shaped(json.loads(text))
             except ValueError:
                 fault = True
         # A streamed 200 (Ollama streams by default) carries a failure as an error line/event.
-        fault = fault or "internal error" in r.text
+        fault = fault or "internal error" in text
         with lock:
-            seen[r.status_code] = seen.get(r.status_code, 0) + 1
+            seen[status] = seen.get(status, 0) + 1
             if fault:
-                faults.append((r.status_code, body[:300], r.text[:300]))
+                faults.append((status, body[:300], text[:300]))
 
     with ThreadPoolExecutor(HTTP_SENDERS) as pool:
         sent: list[Future[None]] = []
 
-        @settings(FUZZ, max_examples=examples)
-        @given(body=st.one_of(strategy.map(_encode), raw))
-        def one(body: bytes) -> None:
-            sent.append(pool.submit(post, body))
+        @settings(FUZZ, max_examples=-(-examples // PER_EXAMPLE))
+        @given(batch=st.lists(st.one_of(strategy.map(_encode), raw), min_size=PER_EXAMPLE, max_size=PER_EXAMPLE))
+        def one(batch: list[bytes]) -> None:
+            sent.extend(pool.submit(post, body) for body in batch)
 
         try:
             one()
         finally:
             for f in sent:
                 f.result()  # a transport error (the server died, a dropped connection) fails here
-            for c in clients:
+            for c in conns:
                 c.close()
     assert not faults, faults[:3]
     assert len(sent) >= examples
@@ -213,13 +230,14 @@ def test_fuzz_ws_frames_never_internal_error(srv: ServerProcess) -> None:
                       st.builds(lambda a, p: {**a, "params": p}, sane, st.one_of(sane, values))),
             values)
 
-        @settings(FUZZ, max_examples=WS_EXAMPLES)
-        @given(frame=st.one_of(frame_bodies.map(lambda v: _encode(v).decode("utf-8", "replace")),
-                               st.text(max_size=40)))
-        def one(frame: str) -> None:
+        @settings(FUZZ, max_examples=-(-WS_EXAMPLES // PER_EXAMPLE))
+        @given(batch=st.lists(st.one_of(frame_bodies.map(lambda v: _encode(v).decode("utf-8", "replace")),
+                                        st.text(max_size=40)), min_size=PER_EXAMPLE, max_size=PER_EXAMPLE))
+        def one(batch: list[str]) -> None:
             nonlocal sent
-            ws.send(frame)
-            sent += 1
+            for frame in batch:
+                ws.send(frame)
+                sent += 1
 
         one()
         # A last, well-formed request: its `done` means every earlier frame has been handled.

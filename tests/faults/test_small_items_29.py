@@ -39,7 +39,11 @@ def test_an_interrupted_request_is_a_server_error_for_its_retry(demo_model: Path
                 "POST", srv.base + "/v1/completions", headers={"Idempotency-Key": "k-int"},
                 json={"model": "demo", "prompt": "run", "max_tokens": 1500, "ignore_eos": True, "stream": True}) as r:
             assert r.status_code == 200
-            next(ln for ln in r.iter_lines() if ln.startswith("data: "))
+            # Hold the line iterator: a dropped generator closes httpx's stream, which hangs up,
+            # and a server that sees the hang-up first ends the request as the client's cancel.
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: "):
+                pass
             srv.kill()
     finally:
         srv.stop()

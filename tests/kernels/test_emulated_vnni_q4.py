@@ -1,4 +1,4 @@
-"""The AVX-512 VNNI 4-bit and K-quant kernels (csrc/cpu/linear_q4_avx512.cpp: Q4_0, Q4_1, Q4_K;
+"""The AVX-512 VNNI 4-bit and K-quant kernels (csrc/cpu/linear_q4_avx512.cpp: Q4_0, Q4_1, Q4_K, MXFP4;
 linear_k56_avx512.cpp: Q5_K, Q6_K), run through emulated intrinsics.
 
 This machine's CPU may lack AVX-512 VNNI, so the kernel file is built unchanged against SIMDe
@@ -33,10 +33,11 @@ F32 = ctypes.POINTER(ctypes.c_float)
 I8 = ctypes.POINTER(ctypes.c_int8)
 U8 = ctypes.POINTER(ctypes.c_uint8)
 AVX2, AVX512 = 0, 1
-QTYPE_ID = {"q4_0": 0, "q4_1": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4}
-BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q4_k": 144, "q5_k": 176, "q6_k": 210}
-BLOCK_VALUES = {"q4_0": 32, "q4_1": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256}
-CODES_AT = {"q4_0": 2, "q4_1": 4, "q4_k": 16, "q5_k": 16}  # where a block's code bytes start (Q6_K: 0..192)
+QTYPE_ID = {"q4_0": 0, "q4_1": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4, "mxfp4": 5}  # csrc/cpu/quant4_kernel.h's Q4Type
+BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q4_k": 144, "q5_k": 176, "q6_k": 210, "mxfp4": 17}
+BLOCK_VALUES = {"q4_0": 32, "q4_1": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256, "mxfp4": 32}
+# where a block's code bytes start (Q6_K: 0..192)
+CODES_AT = {"q4_0": 2, "q4_1": 4, "q4_k": 16, "q5_k": 16, "mxfp4": 1}
 K_NAMES = {"q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K"}
 
 
@@ -82,10 +83,11 @@ def weight_bytes(qtype: str, N: int, K: int, seed: int) -> np.ndarray:
     w[0, :32] = 0
     if qtype == "q4_0":
         return np.ascontiguousarray(QuantizedWeight.quantize(w, "q4_0").data.numpy())
-    if qtype == "q4_1":
+    if qtype in ("q4_1", "mxfp4"):
         from gguf import GGMLQuantizationType, quants
 
-        return np.ascontiguousarray(quants.quantize(w.numpy(), GGMLQuantizationType.Q4_1)).reshape(N, -1)
+        t = GGMLQuantizationType.Q4_1 if qtype == "q4_1" else GGMLQuantizationType.MXFP4
+        return np.ascontiguousarray(quants.quantize(w.numpy(), t)).reshape(N, -1)
     return np.ascontiguousarray(random_k_blocks(N, K, K_NAMES[qtype], seed))
 
 
@@ -95,8 +97,12 @@ def dequantize(w: np.ndarray, qtype: str) -> np.ndarray:
 
 
 def offsets(w: np.ndarray, qtype: str) -> np.ndarray:
-    """float64 [N, K]: each value's offset term (its block's value at code 0)."""
+    """float64 [N, K]: each value's offset term (its block's value at code 0; MXFP4's kernels
+    offset its codes by 12 steps of 2^(e - 128))."""
     blocks = w.copy().reshape(w.shape[0], -1, BLOCK_BYTES[qtype])
+    if qtype == "mxfp4":
+        step = np.exp2(blocks[:, :, 0].astype(np.float64) - 128)
+        return np.repeat(12 * step, 32, axis=1)
     if qtype == "q6_k":
         blocks[:, :, :192] = 0  # ql and qh: every code 0 (value -32 d sc)
     else:
@@ -119,7 +125,7 @@ SHAPES = {
     "q4_k": [(1, 1, 256), (1, 4, 768), (2, 3, 256), (3, 5, 768), (4, 9, 256), (5, 16, 768), (8, 5, 256),
              (16, 9, 768)],
 }
-SHAPES["q4_1"] = SHAPES["q4_0"]
+SHAPES["q4_1"] = SHAPES["mxfp4"] = SHAPES["q4_0"]
 SHAPES["q5_k"] = SHAPES["q6_k"] = SHAPES["q4_k"]
 CASES = [(t, *shape) for t in QTYPE_ID for shape in SHAPES[t]]
 
@@ -193,3 +199,26 @@ def test_vnni_q4_kernel_is_exact_at_the_extremes(lib: ctypes.CDLL, qtype: str) -
     assert set(np.unique(wd)) <= {-8.0, 7.0}
     ref = q.astype(np.int64) @ wd.astype(np.int64).T
     assert np.array_equal(run(lib, AVX512, qtype, (q, d, s), w, None), ref.astype(np.float32))
+
+
+@pytest.mark.parametrize("isa", [AVX2, AVX512])
+def test_mxfp4_kernels_are_exact_at_the_extremes(lib: ctypes.CDLL, isa: int) -> None:
+    """MXFP4 codes +-6 (the E2M1 extremes) and 0 at scale 2^0 (e = 127) against activations of
+    +-127 with unit scales: integer products and sums fp32 holds exactly, on both kernels."""
+    M, N, K = 3, 5, 512
+    q = np.full((M, K), 127, np.int8)
+    q[1] = -127
+    q[2, ::2] = -127
+    d = np.ones((M, K // 32), np.float32)
+    s = q.astype(np.float32).reshape(M, -1, 32).sum(axis=2)
+    blocks = np.zeros((N, K // 32, 17), np.uint8)
+    blocks[:, :, 0] = 127
+    blocks[0, :, 1:] = 0x77  # +6 everywhere
+    blocks[1, :, 1:] = 0xFF  # -6
+    blocks[2, :, 1:] = 0xF7  # +6 low, -6 high
+    blocks[3, :, 1:] = 0x80  # 0 and -0
+    blocks[4, :, 1:] = 0x3C  # -4 low (code 12), 1.5 high (code 3)
+    w = np.ascontiguousarray(blocks.reshape(N, -1))
+    wd = dequantize(w, "mxfp4")
+    ref = q.astype(np.float64) @ wd.T
+    assert np.array_equal(run(lib, isa, "mxfp4", (q, d, s), w, None), ref.astype(np.float32))

@@ -204,10 +204,11 @@ def test_bad_expert_biases_and_activation_are_named() -> None:
         ops.moe_experts(x, ids, w, gate_up, down, None, None, "gelu")
 
 
-def test_mxfp4_experts_equal_their_decoded_floats(cpu_isa: str) -> None:
-    """MXFP4 experts (GGML's blocks, as gpt-oss GGUF files keep them) decode exactly when used: the
-    op equals the same op on the decoded float experts, bit for bit, and the decode equals the
-    gguf package's."""
+def test_mxfp4_experts_run_on_their_blocks(cpu_isa: str) -> None:
+    """MXFP4 experts (GGML's blocks, as gpt-oss GGUF files keep them) are multiplied from their
+    blocks by the 4-bit integer kernels (activations quantised to Q8 per 32 values, as for the other
+    block formats): near a float64 reference of the decoded experts, whose decode equals the gguf
+    package's."""
     from gguf import GGMLQuantizationType, quants
 
     gate_up, down = experts(7, torch.float32)
@@ -223,4 +224,5 @@ def test_mxfp4_experts_equal_their_decoded_floats(cpu_isa: str) -> None:
     x, gub, db = torch.randn(6, H, generator=g), torch.randn(E, 2 * I, generator=g), torch.randn(E, H, generator=g)
     ids, w = routing(6, 2, seed=9)
     got = ops.moe_experts(x, ids, w, qgu.for_kernels(), qdn.for_kernels(), gub, db, "swiglu_oai", 1.702, 7.0)
-    assert torch.equal(got, ops.moe_experts(x, ids, w, fgu, fdn, gub, db, "swiglu_oai", 1.702, 7.0))
+    ref = swiglu_oai_reference(x, ids, w, fgu, fdn, gub, db, 1.702, 7.0)
+    torch.testing.assert_close(got.double(), ref, atol=3e-2 * float(ref.abs().max()), rtol=3e-2)

@@ -1,4 +1,4 @@
-"""4-bit weights in GGUF's Q4_0 / Q4_1 / Q4_K layouts: dequantisation equals the `gguf` package's
+"""4-bit weights in GGUF's Q4_0 / Q4_1 / Q4_K / MXFP4 layouts: dequantisation equals the `gguf` package's
 (an independent implementation), quantize_q4_0 writes GGUF's bytes, and pagewire::linear_q4
 matches a float64 reference of the dequantised weights on every kernel family this CPU has."""
 from __future__ import annotations
@@ -13,8 +13,9 @@ from tests.gguf_files import random_k_blocks
 from tests.kernels.conftest import available_isas
 from tests.pairwise import pairwise
 
-Q4_TYPES = ["q4_0", "q4_1", "q4_k"]
-GGML_NAMES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K", "q8_0": "Q8_0"}
+Q4_TYPES = ["q4_0", "q4_1", "q4_k", "mxfp4"]  # (Q5_K and Q6_K: test_kquants.py)
+GGML_NAMES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K", "q8_0": "Q8_0",
+              "mxfp4": "MXFP4"}
 K_HALVES = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}  # where a K-quant block's fp16 scales sit
 
 
@@ -26,6 +27,12 @@ def random_q4(qtype: str, n: int, k: int, seed: int, zero_rows: tuple[int, ...] 
     if qtype in K_HALVES:
         data = random_k_blocks(n, k, GGML_NAMES[qtype], seed).reshape(n, -1, fmt.nbytes)
         halves = K_HALVES[qtype]
+    elif qtype == "mxfp4":  # random E2M1 codes, E8M0 exponents 2^-9 .. 2^-4 (values up to 6 * 2^-4)
+        data = rng.integers(0, 256, size=(n, k // 32, fmt.nbytes), dtype=np.uint8)
+        data[:, :, 0] = rng.integers(118, 124, size=data.shape[:2])
+        for r in zero_rows:
+            data[r, :, 1:] = 0  # every code 0: every value zero
+        return QuantizedWeight.from_gguf_bytes(qtype, torch.from_numpy(data.reshape(n, -1).copy()), n, k)
     else:
         data = rng.integers(0, 256, size=(n, k // 32, fmt.nbytes), dtype=np.uint8)
         halves = (0,) if qtype == "q4_0" else (0, 2)
@@ -99,13 +106,17 @@ def test_linear_q4_matches_float64_reference(
     err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
     assert err <= 1e-2 + (2.0**-8 if dtype == torch.bfloat16 else 0)
     # A row with zero scales contributes nothing: its outputs are the bias exactly (up to dtype).
+    # (MXFP4 has no zero scale: its row of zero codes cancels its +12 code offset against the
+    # offset term, exact only to fp32 rounding of x's scale.)
     want_col = b[5].float() if b is not None else torch.zeros(())
-    torch.testing.assert_close(y[:, 5].float(), want_col.expand(M), rtol=0, atol=0)
+    atol = 0.0 if qtype != "mxfp4" else 1e-6 * float(ref.abs().max())
+    torch.testing.assert_close(y[:, 5].float(), want_col.expand(M), rtol=0, atol=atol)
     if M > 16:  # dequantised chunks and torch's GEMM: no activation rounding
         assert err <= 2.0**-7
 
 
-@pytest.mark.parametrize("qtype,K", [("q4_0", 512), ("q4_1", 512), ("q4_k", 512), ("q4_0", 352), ("q4_1", 800)])
+@pytest.mark.parametrize("qtype,K", [("q4_0", 512), ("q4_1", 512), ("q4_k", 512), ("q4_0", 352), ("q4_1", 800),
+                                     ("mxfp4", 352), ("mxfp4", 512)])
 def test_kernel_families_agree(cpu_isa: str, qtype: str, K: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same integer dot products: the SIMD kernel equals the portable one up to fp32 summation
     order. K = 352 and 800 (11 and 25 blocks) leave the AVX2 kernel's eight-block steps a tail
@@ -118,7 +129,7 @@ def test_kernel_families_agree(cpu_isa: str, qtype: str, K: int, monkeypatch: py
     torch.testing.assert_close(y, ops.linear(x, qw), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("qtype,K", [("q4_0", 352), ("q4_1", 800), ("q4_k", 768), ("q8_0", 800)])
+@pytest.mark.parametrize("qtype,K", [("q4_0", 352), ("q4_1", 800), ("q4_k", 768), ("q8_0", 800), ("mxfp4", 800)])
 def test_rows_do_not_depend_on_the_batch(cpu_isa: str, qtype: str, K: int) -> None:
     """Deterministic mode: a row's output is bit-identical whatever the number of rows beside it
     (the kernels tile M in fours, twos and ones, and M = 1 takes its own weight-row tiling)."""
@@ -142,7 +153,7 @@ def test_linear_q4_tail_blocks_match_float64_reference(cpu_isa: str, monkeypatch
     the AVX2 kernel's 1-row and several-row tilings: near the float64 reference (activation
     rounding, a few outputs: a looser bound than the large test's) and equal to the portable
     kernel up to fp32 summation order."""
-    for qtype in ("q4_0", "q4_1"):
+    for qtype in ("q4_0", "q4_1", "mxfp4"):
         for K in (352, 800):
             for M in (1, 6):
                 gen = torch.Generator().manual_seed(K + M)
@@ -168,8 +179,8 @@ def test_bad_arguments_name_the_argument() -> None:
     q0 = random_q4("q4_0", 8, 64, seed=0)
     with pytest.raises(RuntimeError, match="weight must be \\[N, 36\\] q4_0 bytes"):
         torch.ops.pagewire.linear_q4(torch.randn(2, 64), q0.data[:, :30], "q4_0", None)
-    with pytest.raises(RuntimeError, match="qtype must be 'q4_0', 'q4_1', 'q4_k', 'q5_k', 'q6_k', 'q4_0x8', 'q4_1x8' "
-                                           "or 'q4_kx8', got 'q5_0'"):
+    with pytest.raises(RuntimeError, match="qtype must be 'q4_0', 'q4_1', 'q4_k', 'q5_k', 'q6_k', 'q4_0x8', 'q4_1x8', "
+                                           "'q4_kx8' or 'mxfp4', got 'q5_0'"):
         torch.ops.pagewire.linear_q4(torch.randn(2, 64), q0.data, "q5_0", None)
     with pytest.raises(RuntimeError, match="bias must be"):
         torch.ops.pagewire.linear_q4(torch.randn(2, 64), q0.data, "q4_0", torch.randn(9))

@@ -70,6 +70,19 @@ inline __m512i _mm512_maskz_loadu_epi32(simde__mmask16 k, const void* p) {
   return _mm512_load_si512(v);
 }
 
+// The float forms (gdn_avx512.cpp's row tails): masked-off floats are neither read nor written.
+inline __m512 _mm512_maskz_loadu_ps(simde__mmask16 k, const void* p) {
+  alignas(64) float v[16];
+  for (int i = 0; i < 16; ++i) v[i] = ((k >> i) & 1u) != 0 ? static_cast<const float*>(p)[i] : 0.0f;
+  return _mm512_load_ps(v);
+}
+inline void _mm512_mask_storeu_ps(void* p, simde__mmask16 k, __m512 a) {
+  alignas(64) float v[16];
+  _mm512_store_ps(v, a);
+  for (int i = 0; i < 16; ++i)
+    if (((k >> i) & 1u) != 0) static_cast<float*>(p)[i] = v[i];
+}
+
 // Horizontal reductions, as GCC's headers compose them: halves added (maxed) down to one lane.
 inline float _mm512_reduce_add_ps(__m512 a) {
   const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));

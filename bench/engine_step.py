@@ -1,0 +1,71 @@
+"""The engine's decode step against the bare model step (`bench.decode_step --engine`).
+
+For each --batch size it runs an LLMEngine on the same model file, dtype and quantization as
+bench/decode_step.py: `batch` greedy requests whose contexts cross --context while they decode, and
+times every decode step of `LLMEngine.step` (scheduling, metadata, forward, logits, sampling,
+output processing). In the same rounds, alternating with them, it times the bare step that
+decode_step.py measures (the model forward and the logits, on the engine's own model and active
+kernel rules, `batch` sequences at --context). Alternating rounds keep a shared machine's drift out
+of the ratio; best-of and median are both printed, and the engine's share over the bare step is
+what the issue's "within 5 %" reads.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+ROUNDS = 4
+MEASURED_STEPS = 32
+
+
+def time_engine_steps(model_dir: Path, a: argparse.Namespace, quantization: str) -> None:
+    from bench.decode_step import decode_batch
+    from server.engine.config import EngineConfig
+    from server.engine.engine import LLMEngine
+    from server.engine.sampling_params import SamplingParams
+    from server.kernels import autotune, batch_invariant
+
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype=a.dtype, quantization=quantization,
+                                    num_threads=a.threads, enable_prefix_caching=False,
+                                    max_num_seqs=max(max(a.batch), 8)))
+    model = engine.model
+    params = SamplingParams(temperature=0.0, max_tokens=MEASURED_STEPS + 2, ignore_eos=True)
+    prompt_len = max(1, a.context - MEASURED_STEPS // 2)
+    vocab = engine.vocab_size
+    for batch in a.batch:
+        ids, positions, kv, meta = decode_batch(model, batch, a.context)
+
+        def bare() -> None:
+            with torch.inference_mode(), batch_invariant.mode(engine.deterministic), \
+                    autotune.active(engine.linear_table):
+                model.compute_logits(model(ids, positions, kv, meta))
+
+        eng_times: list[float] = []
+        bare_times: list[float] = []
+        for r in range(ROUNDS):
+            for b in range(batch):
+                engine.add_request(f"r{r}-{batch}-{b}", [(7 * r + 13 * b + i) % (vocab - 16) + 16 for i in range(prompt_len)],
+                                   params)
+            started: set[str] = set()
+            while len(started) < batch:  # the prefills, untimed
+                started.update(d.request_id for d in engine.step() if any(x.token_ids for x in d.samples))
+            while engine.has_unfinished_requests():
+                t0 = time.perf_counter()
+                engine.step()
+                eng_times.append(time.perf_counter() - t0)
+            bare()
+            for _ in range(MEASURED_STEPS):
+                t0 = time.perf_counter()
+                bare()
+                bare_times.append(time.perf_counter() - t0)
+        be, me = min(eng_times), statistics.median(eng_times)
+        bb, mb = min(bare_times), statistics.median(bare_times)
+        print(f"engine batch {batch:3d} ({quantization}): LLMEngine.step best {be * 1e3:7.2f} ms, median "
+              f"{me * 1e3:7.2f}; bare step best {bb * 1e3:7.2f}, median {mb * 1e3:7.2f}; engine / bare "
+              f"{be / bb:5.3f} (best), {me / mb:5.3f} (median)  deterministic {engine.deterministic}  "
+              f"load average {os.getloadavg()[0]:.2f}")

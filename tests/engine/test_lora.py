@@ -1,0 +1,133 @@
+"""LoRA adapters in the engine: greedy tokens equal transformers + PEFT's, token for token, for
+base and adapter requests mixed in one batch and several adapters at once; the prefix cache never
+hands one adapter's (or the base model's) blocks to another; steps with adapter rows leave the
+fused decode_layer path, steps without keep it."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Callable, Optional
+
+import pytest
+
+from server import LLM, SamplingParams
+from tests.lora_adapters import make_lora_adapter, peft_greedy
+
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tiny_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny llama and three adapters: every projection at r=4; attention only at r=8 with
+    rsLoRA; the MLP only at r=2 with a regex target."""
+    model = tiny_model("llama")
+    root = tmp_path_factory.mktemp("lora")
+    return {
+        "model": model,
+        "all": make_lora_adapter(model, root / "all", r=4, alpha=8, seed=1),
+        "attn": make_lora_adapter(model, root / "attn", targets=["q_proj", "k_proj", "v_proj", "o_proj"], r=8,
+                                  alpha=16, seed=2, use_rslora=True),
+        "mlp": make_lora_adapter(model, root / "mlp", targets=["gate_proj", "up_proj", "down_proj"], r=2, alpha=4,
+                                 seed=3),
+    }
+
+
+def _prompts(n: int, vocab: int, seed: int, lo: int = 5, hi: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _vocab(model_dir: Path) -> int:
+    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+
+
+def _llm(s: dict[str, Path], **kw: object) -> LLM:
+    return LLM(str(s["model"]), max_model_len=256, kv_cache_tokens=4096,
+               lora_modules={n: str(s[n]) for n in ("all", "attn", "mlp")}, **kw)  # type: ignore[arg-type]
+
+
+def test_adapters_change_the_output(lora_setup: dict[str, Path]) -> None:
+    """The reference itself: each adapter's greedy tokens differ from the base model's (else the
+    exactness tests below would prove nothing about the low-rank term)."""
+    s = lora_setup
+    prompt = _prompts(1, _vocab(s["model"]), seed=5)[0]
+    base = peft_greedy(s["model"], None, prompt, MAX_NEW)
+    for name in ("all", "attn", "mlp"):
+        assert peft_greedy(s["model"], s[name], prompt, MAX_NEW) != base, name
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_mixed_batch_matches_peft(lora_setup: dict[str, Path], deterministic: bool) -> None:
+    """Base and three adapters' requests in the same steps (prefill chunks and decodes mixed), each
+    token for token equal to transformers + PEFT alone: the stacked terms (default) and the
+    per-adapter ones of deterministic mode."""
+    s = lora_setup
+    names: list[Optional[str]] = [None, "all", "attn", "mlp", "all", None, "mlp", "attn"]
+    prompts = _prompts(len(names), _vocab(s["model"]), seed=7)
+    llm = _llm(s, max_num_batched_tokens=64, deterministic=deterministic)
+    assert llm.engine.deterministic is deterministic
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW), lora=names)
+    for name, p, o in zip(names, prompts, outs):
+        want = peft_greedy(s["model"], s[name] if name else None, p, MAX_NEW)
+        assert o.outputs[0].token_ids == want, name
+
+
+def test_all_rows_one_adapter_and_fused_path(lora_setup: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch where every row uses an adapter (no row gather) matches PEFT; steps with adapter rows
+    run the Python layers, a step of base rows alone keeps decode_layer."""
+    s = lora_setup
+    prompts = _prompts(3, _vocab(s["model"]), seed=11)
+    llm = _llm(s)
+    model = llm.engine.model
+    calls: list[bool] = []
+    real = type(model)._fused_kinds
+
+    def spy(self, hidden, batches):  # type: ignore[no-untyped-def]
+        kinds = real(self, hidden, batches)
+        calls.append(kinds is not None)
+        return kinds
+
+    monkeypatch.setattr(type(model), "_fused_kinds", spy)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW), lora="attn")
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == peft_greedy(s["model"], s["attn"], p, MAX_NEW)
+    assert calls == []  # _fused_kinds is not even asked while adapter rows run
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=3))
+    assert calls and calls[-1]  # the base model's decodes (up to 16 rows): decode_layer
+
+
+def test_prefix_cache_is_keyed_by_adapter(lora_setup: dict[str, Path]) -> None:
+    """The same 49-token prompt (three full blocks before its last token) under the base model,
+    adapter `all`, again `all`, `attn`, and the base model again: only the repeats hit the cache
+    (each its own earlier blocks), and every answer is still PEFT's."""
+    s = lora_setup
+    prompt = _prompts(1, _vocab(s["model"]), seed=13, lo=49, hi=49)[0]
+    llm = _llm(s)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    hits = []
+    for name in (None, "all", "all", "attn", None):
+        before = llm.engine.kv_cache.stats().prefix_hit_tokens
+        out = llm.generate([prompt], params, lora=name)[0]
+        hits.append(llm.engine.kv_cache.stats().prefix_hit_tokens - before)
+        assert out.outputs[0].token_ids == peft_greedy(s["model"], s[name] if name else None, prompt, MAX_NEW), name
+    assert hits == [0, 0, 48, 0, 48]
+
+
+def test_deterministic_mode_keeps_an_adapter_row_independent_of_its_batch(lora_setup: dict[str, Path]) -> None:
+    """Deterministic mode: an adapter request's tokens and logprobs are bit for bit the same alone
+    and among other adapters' and base requests."""
+    s = lora_setup
+    prompts = _prompts(5, _vocab(s["model"]), seed=17)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0)
+    llm = _llm(s, deterministic=True, enable_prefix_caching=False)
+    alone = llm.generate(prompts[:1], params, lora="all")[0].outputs[0]
+    mixed = llm.generate(prompts, params, lora=["all", "attn", None, "mlp", "all"])[0].outputs[0]
+    assert mixed.token_ids == alone.token_ids
+    assert [lp.logprob for lp in mixed.logprobs] == [lp.logprob for lp in alone.logprobs]
+
+
+def test_unknown_adapter_is_refused(lora_setup: dict[str, Path]) -> None:
+    llm = _llm(lora_setup)
+    with pytest.raises(ValueError, match="model: no LoRA adapter named 'nope'; the adapters are all, attn, mlp"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), lora="nope")

@@ -1,0 +1,112 @@
+"""The ITL target's chunk-size policy (server.engine.step_budget): fed step costs, no timing.
+
+The cost function used here has the shape measured on the default Q4_1 model on a 2-core Zen 3:
+steps of at most 16 rows (the fused small-batch kernels) cost a fixed part plus a little per row,
+and larger steps jump to a much larger fixed part plus a steeper per-token cost."""
+from __future__ import annotations
+
+import pytest
+
+from server.engine.step_budget import OUTLIER_FACTOR, StepBudget
+
+
+def cliff_cost(decode_rows: int, prefill_tokens: int) -> float:
+    rows = decode_rows + prefill_tokens
+    if rows <= 16:
+        return 0.010 + 0.0004 * rows
+    return 0.030 + 0.0006 * prefill_tokens + 0.0008 * decode_rows
+
+
+def best_chunk(decode_rows: int, target: float, max_tokens: int, min_chunk: int = 8) -> int:
+    """The analytic answer: the largest P in [1, max_tokens - D] with cliff_cost(D, P) <= target."""
+    fits = [p for p in range(1, max_tokens - decode_rows + 1) if cliff_cost(decode_rows, p) <= target]
+    return max(max(fits, default=0), min(min_chunk, max_tokens - decode_rows))
+
+
+def trained(target: float, max_tokens: int = 256) -> StepBudget:
+    """A StepBudget that has seen a serving-like mix: decode-only steps of 1..12 rows, prefill
+    steps alone, and mixed steps in both regimes."""
+    b = StepBudget(target, max_tokens)
+    for rnd in range(6):
+        for d in (1, 4, 8, 12):
+            b.observe(d, 0, cliff_cost(d, 0))
+        for d, p in ((0, 64), (0, 200), (2, 6), (8, 8), (3, 120), (6, 40), (1, 250), (12, 3)):
+            b.observe(d, p + rnd, cliff_cost(d, p + rnd))
+    return b
+
+
+def test_no_limit_without_decodes_or_before_the_batched_regime_is_measured() -> None:
+    b = StepBudget(0.05, 256)
+    assert b.prefill_tokens(4) is None  # nothing measured yet: the old behaviour (whole budget)
+    b.observe(0, 100, cliff_cost(0, 100))
+    assert b.prefill_tokens(0) is None  # nothing decodes: no cadence to keep, fastest TTFT
+    assert b.prefill_tokens(4) is not None
+
+
+@pytest.mark.parametrize("target_ms", [12, 14, 20, 45, 60, 100, 200])
+@pytest.mark.parametrize("decode_rows", [1, 4, 8, 12])
+def test_chunk_is_the_largest_that_fits_the_target(decode_rows: int, target_ms: float) -> None:
+    target = target_ms / 1e3
+    b = trained(target)
+    got = b.prefill_tokens(decode_rows)
+    want = best_chunk(decode_rows, target, 256)
+    assert got is not None
+    assert abs(got - want) <= 1, (got, want)
+    # The step it allows is predicted within the target, unless the floor forced it.
+    if got > b.min_chunk:
+        assert cliff_cost(decode_rows, got) <= target * 1.01
+
+
+def test_floor_keeps_prefill_moving_when_decodes_alone_exceed_the_target() -> None:
+    b = trained(0.005)  # below even a one-row decode step
+    for d in (1, 4, 8):
+        assert b.prefill_tokens(d) == 8
+    assert b.prefill_tokens(250) == 6  # never past the step's token budget
+    assert b.prefill_tokens(256) == 0
+
+
+def test_prefers_the_small_batch_regime_when_the_jump_does_not_fit() -> None:
+    # 8 decode rows: up to 8 more tokens stay in the fused regime (13.2 ms); the 17th row costs the
+    # jump (36.4 ms + 0.6 ms per token), so a 30 ms target gets exactly the 8 fused-regime tokens.
+    b = trained(0.030)
+    assert b.prefill_tokens(8) == 8
+    b.target_s = 0.060  # now the batched regime fits: (60 - 30 - 6.4) / 0.6 = 39 tokens
+    assert b.prefill_tokens(8) in (38, 39)
+
+
+def test_one_stall_does_not_collapse_the_chunk() -> None:
+    b = trained(0.060)
+    before = b.prefill_tokens(8)
+    b.observe(8, before or 0, 10.0)  # another process took the core for 10 s
+    after = b.prefill_tokens(8)
+    assert before is not None and after is not None
+    # The stall counts as OUTLIER_FACTOR times the prediction, at 1/(1 - DECAY) weight: the chunk
+    # shrinks for a few steps but stays far above the floor.
+    assert after >= before // 2 > b.min_chunk
+    assert OUTLIER_FACTOR < 10.0 / cliff_cost(8, before or 0)
+
+
+def test_follows_a_slower_machine() -> None:
+    b = trained(0.060)
+    before = b.prefill_tokens(8)
+    for _ in range(40):  # the host got twice as slow (say, another tenant)
+        for d, p in ((8, 0), (8, 30), (4, 60), (8, 4)):
+            b.observe(d, p, 2 * cliff_cost(d, p))
+    after = b.prefill_tokens(8)
+    assert before is not None and after is not None
+    # Twice the cost: the fused regime's 8 tokens (26.4 ms) fit, the batched regime does not.
+    assert after == 8 < before
+
+
+def test_records_the_last_step_with_its_limit() -> None:
+    b = trained(0.060)
+    limit = b.prefill_tokens(8)
+    b.observe(8, 20, 0.04)
+    assert (b.last.decode_rows, b.last.prefill_tokens, b.last.limit, b.last.seconds) == (8, 20, limit, 0.04)
+    b.observe(0, 50, 0.05)
+    assert b.last.limit is None  # no limit was asked for that step
+
+
+def test_target_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="itl_target_ms"):
+        StepBudget(0.0, 256)

@@ -42,6 +42,11 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a model over HTTP (OpenAI API) and WebSocket",
                            description="Every option can also be set by its PAGEWIRE_* environment variable.")
     add_serve_arguments(serve)
+    serve.add_argument("--config", default=None, metavar="FILE",
+                       help="a TOML file of serve options (long names with underscores; [[models]] tables with "
+                            "name and path); flags and PAGEWIRE_* variables override it [env PAGEWIRE_CONFIG]")
+    serve.add_argument("--print-config", action="store_true",
+                       help="print every option's effective value and where it came from, then exit")
     req = sub.add_parser("requests", help="inspect the request ledger")
     req_sub = req.add_subparsers(dest="action", required=True)
     lst = req_sub.add_parser("list", help="most recent requests first")
@@ -78,6 +83,13 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "is left (default: size the pool from --kv-cache-tokens / --kv-cache-memory-gb as serve does)")
     p.add_argument("--bandwidth-gbs", type=float, default=None, help="memory read bandwidth in GB/s for the roofline")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.add_argument("--model", dest="models", action="append", default=None, metavar="NAME=PATH",
+                   help="another model served beside MODEL_DIR (repeat it): show how they fit --memory-budget")
+    p.add_argument("--models-dir", dest="models_dir", default=None, help="every model in this folder, likewise")
+    p.add_argument("--memory-budget", dest="memory_budget", default=None,
+                   help="the budget several models share (serve's --memory-budget), e.g. 20GiB")
+    p.add_argument("--allow-download", dest="allow_download", action="store_true", default=None,
+                   help=argparse.SUPPRESS)
     for o in OPTIONS:
         if o.engine or o.name in ("demo_model", "cache_dir"):
             if o.name == "demo_model":
@@ -100,6 +112,8 @@ def _plan(ns: argparse.Namespace) -> int:
     if ns.bandwidth_gbs is not None and ns.bandwidth_gbs <= 0:
         print(f"pagewire: --bandwidth-gbs: must be positive, got {ns.bandwidth_gbs}", file=sys.stderr)
         return 2
+    if ns.models or ns.models_dir:
+        return _plan_models(ns, settings)
     model_dir, name, _banner = _resolve_model(settings)
     try:
         config = settings.engine_config(str(model_dir))
@@ -111,13 +125,40 @@ def _plan(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_models(ns: argparse.Namespace, settings: ServeSettings) -> int:
+    """`pagewire plan` with several models: each one's footprint and how they fit the budget."""
+    from server.engine.config import ConfigError
+    from server.engine.plan import make_plan, parse_bytes, read_model_config
+    from server.engine.plan_fit import ModelFit, fit_json, render_fit
+    from server.models.config import ModelLoadError
+
+    try:
+        budget = parse_bytes(ns.memory_budget) if ns.memory_budget is not None else None
+    except ValueError as e:
+        print(f"pagewire: --memory-budget: {e}", file=sys.stderr)
+        return 2
+    settings.models = tuple(ns.models or ())
+    settings.models_dir = ns.models_dir
+    _, _, _, entries = _catalog(settings)
+    fits = []
+    try:
+        for entry in entries:
+            fits.append(ModelFit(entry.name, make_plan(entry.name, read_model_config(entry.path),
+                                                       settings.engine_config(str(entry.path)), None, None)))
+    except (ConfigError, ModelLoadError) as err:
+        print(f"pagewire: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(fit_json(fits, budget)) if ns.json else render_fit(fits, budget))
+    return 0
+
+
 def _resolve_model(settings: ServeSettings) -> tuple[Path, str, Optional[str]]:
     """(model path, served name, banner to print or None)."""
     if settings.model_dir:
         from server.serving.model_path import ModelPathError, resolve_model_path
 
         try:
-            d = resolve_model_path(settings.model_dir)
+            d = resolve_model_path(settings.model_dir, settings.allow_download)
         except ModelPathError as e:
             raise SystemExit(f"pagewire: {e}") from None
         if d.is_file():
@@ -142,34 +183,78 @@ def _resolve_model(settings: ServeSettings) -> tuple[Path, str, Optional[str]]:
     return default.path, settings.served_model_name or default.name, banner
 
 
-def _check_adapters(settings: ServeSettings, name: str) -> None:
+def _serve_settings(ns: argparse.Namespace) -> tuple[ServeSettings, Optional[str]]:
+    """The settings (flag > env > --config file > default) and, with --print-config, their listing."""
+    import os
+
+    from server.serving.config_file import read_config_file, render_config
+    from server.serving.settings import resolve_values
+
+    path = getattr(ns, "config", None) or os.environ.get("PAGEWIRE_CONFIG")
+    file_values = read_config_file(Path(path).expanduser()) if path else {}
+    values, source = resolve_values(ns, None, file_values)
+    listing = render_config(values, source) if getattr(ns, "print_config", False) else None
+    return ServeSettings(**values), listing
+
+
+def _catalog(settings: ServeSettings) -> tuple[Path, str, Optional[str], list[Any]]:
+    """(default model path, its name, banner, every served model: server.serving.model_catalog)."""
+    from server.serving.model_catalog import ModelEntry, build_catalog
+    from server.serving.model_path import ModelPathError
+
+    others = bool(settings.models or settings.models_dir)
+    default: Optional[ModelEntry] = None
+    banner: Optional[str] = None
+    if settings.model_dir or not others:
+        model_dir, name, banner = _resolve_model(settings)
+        default = ModelEntry(name, model_dir, "MODEL")
+    try:
+        entries = build_catalog(default, settings.models, settings.models_dir, settings.allow_download)
+    except ModelPathError as e:
+        raise SystemExit(f"pagewire: {e}") from None
+    return entries[0].path, entries[0].name, banner, entries
+
+
+def _check_adapters(settings: ServeSettings, entries: list[Any]) -> None:
     """--lora: each adapter's folder and adapter_config.json (torch-free; the tensors are checked
-    against the model when it loads), and names that do not clash. ValueError naming the problem."""
-    from server.models.lora_config import read_lora_config
+    against the model when it loads), a default model (`entries[0]`, which the adapters go over)
+    that can take them, and names that clash with no served model's. ValueError naming the problem."""
+    from server.models.lora_config import check_base_model, read_lora_config
+    from server.models.registry import read_model_config
     from server.serving.model_names import ModelNames
 
+    if not settings.lora:
+        return
+    check_base_model(read_model_config(entries[0].path))
     for _, path in settings.lora:
         read_lora_config(path)
-    ModelNames(name, [n for n, _ in settings.lora])
+    ModelNames(entries[0].name, [n for n, _ in settings.lora])
+    clash = [n for n, _ in settings.lora if n in [e.name for e in entries[1:]]]
+    if clash:
+        raise ValueError(f"--lora: adapter name {clash[0]!r} is also a served model's name; pick another")
 
 
 def _serve(ns: argparse.Namespace) -> int:
     from server.serving.model_path import check_model
 
     try:
-        settings = settings_from_args(ns)
+        settings, listing = _serve_settings(ns)
     except ValueError as e:
         print(f"pagewire: {e}", file=sys.stderr)
         return 2
+    if listing is not None:
+        print(listing)
+        return 0
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model_dir, name, banner = _resolve_model(settings)
+    model_dir, name, banner, entries = _catalog(settings)
     try:
         # The engine knobs are checked against the real model path (`--quantization gguf` needs
         # to see that it is a .gguf file), and the model's config is read (no weights) so an
         # unsupported one is refused here, before the port is bound or the engine starts.
-        settings.engine_config(str(model_dir))
-        check_model(model_dir, settings.task)
-        _check_adapters(settings, name)
+        for entry in entries:
+            settings.engine_config(str(entry.path), adapters=entry is entries[0])
+            check_model(entry.path, settings.task)
+        _check_adapters(settings, entries)
     except ValueError as e:  # ModelPathError, ConfigError, LoraError
         print(f"pagewire: {e}", file=sys.stderr)
         return 2
@@ -189,7 +274,7 @@ def _serve(ns: argparse.Namespace) -> int:
     from server.serving.listen import StartupError
 
     try:
-        run(settings, model_dir, name)
+        run(settings, model_dir, name, entries)
     except (LedgerError, StartupError) as e:  # another server holds this ledger; port in use; model failed
         print(f"pagewire: {e}", file=sys.stderr)
         return 1

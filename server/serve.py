@@ -32,6 +32,7 @@ from starlette.applications import Starlette
 from server.api.app import build_app
 from server.gateway.policy import Gateway
 from server.serving.db_lock import LedgerLock
+from server.serving.model_catalog import ModelEntry
 from server.serving.runtime import Runtime
 from server.serving.settings import ServeSettings
 
@@ -141,16 +142,19 @@ class Composed(NamedTuple):
 
 
 def compose(settings: ServeSettings, model_dir: Path, model_name: str,
-            lock: Optional[LedgerLock] = None, metrics_port: Optional[int] = None) -> Composed:
+            lock: Optional[LedgerLock] = None, metrics_port: Optional[int] = None,
+            models: Optional[list[ModelEntry]] = None) -> Composed:
     """One serving process's parts, wired: the gateway is the Runtime's access policy (started
     by it once the ledger is open) and the app's (the AuthGuard asks it who a caller is).
-    `metrics_port`: the port of the --metrics-port listener, which serves /metrics alone."""
+    `metrics_port`: the port of the --metrics-port listener, which serves /metrics alone.
+    `models`: every served model, the default first (server.serving.model_catalog)."""
     gateway = Gateway(settings)
-    runtime = Runtime(settings, model_dir, model_name, lock=lock, policy=gateway)
+    runtime = Runtime(settings, model_dir, model_name, lock=lock, policy=gateway, models=models)
     return Composed(runtime, gateway, build_app(runtime, gateway, metrics_port=metrics_port))
 
 
-def run(settings: ServeSettings, model_dir: Path, model_name: str) -> None:
+def run(settings: ServeSettings, model_dir: Path, model_name: str,
+        models: Optional[list[ModelEntry]] = None) -> None:
     """Serve until a signal stops us. Blocks. Raises LedgerLocked (naming the holder's PID) at
     once, before anything is loaded or bound, when another server owns the same ledger, and
     StartupError when a port cannot be bound (before anything loads) or the model fails to load."""
@@ -170,7 +174,8 @@ def run(settings: ServeSettings, model_dir: Path, model_name: str) -> None:
         if lock is not None:
             lock.release()
         raise
-    runtime, _, app = compose(settings, model_dir, model_name, lock=lock, metrics_port=listeners.metrics_port)
+    runtime, _, app = compose(settings, model_dir, model_name, lock=lock, metrics_port=listeners.metrics_port,
+                              models=models)
     with warnings.catch_warnings():
         # uvicorn marks its `websockets` implementation deprecated in favour of `websockets-sansio`;
         # the issue asks for this one, and it is fully functional.

@@ -47,31 +47,31 @@ class MessagesEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         api = self.api
 
-        async def admit(body: bytes) -> tuple[MessagesRequest, GenerationSpec, ToolPlan, Admitted]:
+        async def admit(body: bytes) -> tuple[MessagesRequest, GenerationSpec, ToolPlan, Admitted, ApiContext]:
             idem = check_header_key(header(scope, b"idempotency-key"))
             req: MessagesRequest = decode(body, MessagesRequest)
-            name, adapter = api.model_for(req.model)  # the served model, or a LoRA adapter over it
-            spec, plan = messages_spec(req, peer(scope), name, api.tool_parser, api.tool_marker_special, idem)
-            spec.lora = adapter
+            mapi = api.for_model(req.model)
+            spec, plan = messages_spec(req, peer(scope), mapi.model_name, mapi.tool_parser,
+                                       mapi.tool_marker_special, idem)
             bind(spec, principal_of(scope))
-            return req, spec, plan, await api.service.start(spec)
+            return req, spec, plan, await api.service.start(spec), mapi
 
         got = await read_and_admit(api, scope, receive, send, send_error, admit)
         if got is None:
             return
-        req, spec, plan, admitted = got
+        req, spec, plan, admitted, api = got
         thinking = thinking_mode(req) is True  # checked with max_tokens when the spec was built
         rid = admitted.request_id.encode()
         headers = [(b"request-id", rid), *api.limit_headers(spec.key_id)]
         if req.stream:
-            render = MessageStream(admitted.request_id, api.rt.model_name, plan, req.stop_sequences,
+            render = MessageStream(admitted.request_id, api.model_name, plan, req.stop_sequences,
                                    admitted.prompt_tokens, thinking)
             await follow_stream(api, send, receive, admitted, b"text/event-stream", render, "anthropic", headers)
             return
         end = await wait_finished(api, send, receive, admitted, send_error)
         if end is None:
             return  # the client left (the request was cancelled), or the error was answered
-        out = message_body(end, plan, api.rt.model_name, req.stop_sequences, thinking)
+        out = message_body(end, plan, api.model_name, req.stop_sequences, thinking)
         try:
             await send_json(send, 200, out, [(b"x-request-id", rid), *headers])
         except OSError:
@@ -90,9 +90,9 @@ class CountTokensEndpoint:
 
         async def count(body: bytes) -> int:
             req: CountTokensRequest = decode(body, CountTokensRequest)
-            api.model_for(req.model)  # an adapter tokenises as its base model does
-            spec, _ = prompt_spec(req, peer(scope), api.rt.model_name, api.tool_parser, api.tool_marker_special)
-            ids: list[Any] = await api.service.preparer.token_ids(spec)
+            mapi = api.for_model(req.model)
+            spec, _ = prompt_spec(req, peer(scope), mapi.model_name, mapi.tool_parser, mapi.tool_marker_special)
+            ids: list[Any] = await api.service.lane(spec.model).preparer.token_ids(spec)
             return len(ids)
 
         n = await read_and_admit(api, scope, receive, send, send_error, count, "counting tokens")

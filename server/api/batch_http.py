@@ -71,18 +71,14 @@ class BatchRoutes:
             spec = self._embedding_spec(body, client, key)
         elif kind == "chat":
             chat: ChatCompletionRequest = decode(body, ChatCompletionRequest)
-            model, adapter = self.api.model_for(chat.model)  # the served model, or a LoRA adapter
-            spec = chat_spec(chat, "batch", client, model, key)
-            spec.lora = adapter
+            spec = chat_spec(chat, "batch", client, self.api.for_model(chat.model).model_name, key)
         else:
             req: CompletionRequest = decode(body, CompletionRequest)
-            model, adapter = self.api.model_for(req.model)
-            specs = completion_specs(req, "batch", client, model, key, 1)
+            specs = completion_specs(req, "batch", client, self.api.for_model(req.model).model_name, key, 1)
             if len(specs) != 1:
                 raise InvalidRequest("prompt: a batch line takes one prompt; put each prompt on its own line",
                                      param="prompt")
             spec = specs[0]
-            spec.lora = adapter
         spec.key_id = owner  # billed to, and quota-checked against, the batch's key
         return spec
 
@@ -90,8 +86,8 @@ class BatchRoutes:
         """An /v1/embeddings line, parsed as the interactive route parses it; one input a line (as one
         prompt a completions line), so each line is one engine request and one ledger row."""
         req: EmbeddingRequest = decode(body, EmbeddingRequest)
-        self.api.check_model(req.model)
-        specs, _ = request_specs(req, api="batch", client=client, model=self.api.rt.model_name, idem=key)
+        specs, _ = request_specs(req, api="batch", client=client, model=self.api.for_model(req.model).model_name,
+                                 idem=key)
         if len(specs) != 1:
             raise InvalidRequest(f"input: a batch line takes one input, got {len(specs)}; put each input on its "
                                  "own line", param="input")
@@ -111,8 +107,9 @@ class BatchRoutes:
     def _render(self, kind: str, body: bytes, end: EndEvent) -> dict[str, Any]:
         if kind == "embedding":
             req: EmbeddingRequest = decode(body, EmbeddingRequest)  # parsed before: it decodes
-            return openai_body(self.api.rt.model_name, [end], req.encoding_format)
-        fmt = self.api.formatter
+            return openai_body(self.api.for_model(req.model).model_name, [end], req.encoding_format)
+        line: Any = decode(body, ChatCompletionRequest if kind == "chat" else CompletionRequest)
+        fmt = self.api.for_model(line.model).formatter
         return fmt.chat_response(end) if kind == "chat" else fmt.completion_response(end)
 
     # -- routes ---------------------------------------------------------------------------------

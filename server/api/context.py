@@ -12,34 +12,63 @@ from typing import Optional
 
 from server.api.openai_format import Formatter
 from server.gateway.policy import Gateway
-from server.serving.errors import InvalidRequest
+from server.serving.errors import NotFound
 from server.serving.runtime import Runtime
 from server.serving.service import RequestService
 from server.text.harmony import CHANNEL
-from server.text.tokenizer import ChatTemplateError
+from server.text.tokenizer import ChatTemplateError, Tokenizer
 from server.text.tool_parsers import HERMES_OPEN, PYTHON_TAG, detect_parser
 
 
 class ApiContext:
-    def __init__(self, rt: Runtime, gateway: Gateway) -> None:
+    """The API's state for one served model: the default one, or (`for_model`) another that a
+    request names, with its own formatter and tool-call format (each model has its tokenizer)."""
+
+    def __init__(self, rt: Runtime, gateway: Gateway, model: Optional[str] = None) -> None:
         self.rt = rt
         self.gateway = gateway  # who a caller is (auth) and what its key has left (quotas)
+        self._model = model  # None: the default model
         self._formatter: Optional[Formatter] = None
         self._tool_parser: Optional[tuple[str, bool]] = None
+        self._views: dict[str, ApiContext] = {}
+
+    @property
+    def model_name(self) -> str:
+        """The name requests and answers use for this context's model."""
+        return self._model if self._model is not None else self.rt.model_name
+
+    def _tokenizer(self) -> Optional[Tokenizer]:
+        if self._model is None or self.rt.pool is None:
+            return self.rt.tokenizer
+        route = self.rt.pool.route(self._model)
+        return route.lane.tokenizer if route is not None else None
+
+    def for_model(self, model: Optional[str]) -> "ApiContext":
+        """The context of the model a request names (404 `model_not_found` for an unknown name);
+        this one for None or its own name."""
+        if model is None or model == self.model_name:
+            return self
+        self.check_model(model)
+        if model == self.rt.model_name and self._model is not None:
+            model = None
+        view = self._views.get(model or "")
+        if view is None:
+            view = self._views[model or ""] = ApiContext(self.rt, self.gateway, model)
+        return view
 
     @property
     def formatter(self) -> Formatter:
-        """The formatter for the served model (the Runtime must have started)."""
+        """The formatter for this context's model (the Runtime must have started)."""
         if self._formatter is None:
-            tok = self.rt.tokenizer
+            tok = self._tokenizer()
             if tok is None:
                 raise RuntimeError("the runtime has not started: no tokenizer yet")
-            self._formatter = Formatter(tok, self.rt.model_name)
+            self._formatter = Formatter(tok, self.model_name)
         return self._formatter
 
     def _tool_format(self) -> tuple[str, bool]:
         if self._tool_parser is None:
-            tok = self.rt.tokenizer
+            tok = self._tokenizer()
             if tok is None:
                 raise RuntimeError("the runtime has not started: no tokenizer yet")
             name = self.rt.settings.tool_call_parser
@@ -83,17 +112,12 @@ class ApiContext:
         return [(k.encode(), v.encode()) for k, v in quotas.headers(key_id).items()]
 
     def check_model(self, model: Optional[str]) -> None:
-        """404 `model_not_found` unless `model` is absent or names the served model; a 400 naming
-        `model` for a LoRA adapter's name on an API that does not take adapters (model_for does)."""
-        base, adapter = self.rt.names.resolve(model)
-        if adapter is not None:
-            raise InvalidRequest(f"model: '{model}' is a LoRA adapter; adapters are served on /v1/chat/completions, "
-                                 f"/v1/completions, /v1/responses, /v1/messages and batch lines; this API serves "
-                                 f"'{base}'", param="model")
-
-    def model_for(self, model: Optional[str]) -> tuple[str, Optional[str]]:
-        """(the name a request's spec records, the LoRA adapter it runs or None) for its `model`:
-        the served model's name, or an adapter's (server.serving.model_names). 404 `model_not_found`
-        for any other name."""
-        _, adapter = self.rt.names.resolve(model)
-        return (adapter, adapter) if adapter is not None else (self.rt.model_name, None)
+        """404 `model_not_found` unless `model` is absent or names a served model."""
+        if model is None or model == self.rt.model_name:
+            return
+        pool = self.rt.pool
+        if pool is None or pool.route(model) is None:
+            names = pool.names() if pool is not None else [self.rt.model_name]
+            served = f"'{names[0]}'" if len(names) == 1 else ", ".join(f"'{n}'" for n in names)
+            raise NotFound(f"model: '{model}' does not exist; this server serves {served}",
+                           param="model", code="model_not_found")

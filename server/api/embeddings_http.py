@@ -48,8 +48,8 @@ class EmbeddingsEndpoint:
         api = self.api
         idem = check_header_key(header(scope, b"idempotency-key"))
         req = decode(body, EmbeddingRequest)
-        api.check_model(req.model)
-        specs, fmt = request_specs(req, api="http", client=req.user or peer(scope), model=api.rt.model_name,
+        api = api.for_model(req.model)
+        specs, fmt = request_specs(req, api="http", client=req.user or peer(scope), model=api.model_name,
                                    idem=idem)
         who = principal_of(scope)
         for spec in specs:
@@ -60,7 +60,7 @@ class EmbeddingsEndpoint:
         async def answer(body: bytes) -> tuple[list[GenerationSpec], Optional[list[EndEvent]], Any]:
             specs, fmt = self._parse(scope, body)
             ends = await run_embeddings(self.api, receive, specs)
-            return specs, ends, openai_body(self.api.rt.model_name, ends, fmt) if ends is not None else None
+            return specs, ends, openai_body(specs[0].model, ends, fmt) if ends is not None else None
 
         got = await read_and_admit(self.api, scope, receive, send, send_error, answer, "an embeddings request")
         if got is None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import datetime
 import math
 import time
-from typing import Optional, TypeVar, cast
+from typing import Any, Optional, TypeVar, cast
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -83,37 +83,64 @@ class StatusEndpoints:
     def __init__(self, api: ApiContext) -> None:
         self.rt = api.rt
 
+    def _models(self) -> dict[str, Any]:
+        """Each served model's state (loaded, loading, unloaded; the load's stage), by name."""
+        pool = self.rt.pool
+        return {name: lane.describe() for name, lane in pool.lanes.items()} if pool is not None else {}
+
     async def health(self, request: Request) -> Response:
         rt = self.rt
-        bridge = rt.bridge
+        service = rt.service
         if rt.stopping:
             return JSONResponse({"status": "stopping"}, status_code=503)
-        if bridge is None or not bridge.ready:
-            err = bridge.error if bridge is not None else None
-            status = {"status": "failed", "error": str(err)} if err else {"status": "loading"}
+        if service is None or not service.started:
+            err = service.start_error if service is not None else None
+            status: dict[str, Any] = {"status": "failed", "error": err} if err else {"status": "loading"}
+            lane = rt.default_lane
+            stage = lane.stage_text() if lane is not None else None
+            if stage is not None:
+                status["stage"] = stage  # what the load is doing (server.models.load_progress)
             return JSONResponse(status, status_code=503, headers={"retry-after": "2"})
         ledger = ledger_health(rt.ledger)
         if ledger["status"] != "ok":  # writes are failing: nothing new can be recorded
             return JSONResponse({"status": "degraded", "model": rt.model_name, "ledger": ledger}, status_code=503)
         # What a router reads (server.serving.router_view): queue, running, free KV, prefix hits.
-        load = router_view(bridge.stats(), rt.admission.queued if rt.admission is not None else 0, rt.stopping,
-                           rt.ledger.instance_id if rt.ledger is not None else None)
-        return JSONResponse({"status": "ok", "model": rt.model_name, "ledger": ledger, "load": load})
+        bridge = rt.bridge
+        pool = rt.pool
+        load = router_view(bridge.stats() if bridge is not None else None, pool.queued() if pool is not None else 0,
+                           rt.stopping, rt.ledger.instance_id if rt.ledger is not None else None)
+        body: dict[str, Any] = {"status": "ok", "model": rt.model_name, "ledger": ledger, "load": load}
+        if pool is not None and len(pool.lanes) > 1:
+            body["models"] = self._models()
+            body["memory"] = {"budget_bytes": pool.budget, "used_bytes": pool.used}
+        return JSONResponse(body)
 
     async def models(self, request: Request) -> Response:
         rt = self.rt
-        return JSONResponse({"object": "list", "data": [{
-            "id": rt.model_name, "object": "model", "created": int(time.time()), "owned_by": "pagewire",
-            "max_model_len": rt.bridge.max_model_len if rt.bridge and rt.bridge.ready else None,
-            # The model's own sampling defaults (generation_config.json / GGUF metadata): what an
-            # unset request field means here.
-            "default_sampling_params": rt.sampling_defaults,
-        }] + [{
-            # A LoRA adapter (--lora), listed as vLLM lists one: its base model is its parent.
-            "id": name, "object": "model", "created": int(time.time()), "owned_by": "pagewire", "parent": parent,
-            "max_model_len": rt.bridge.max_model_len if rt.bridge and rt.bridge.ready else None,
-            "default_sampling_params": rt.sampling_defaults,
-        } for name, parent in rt.names.all() if parent is not None]})
+        pool = rt.pool
+        created = int(time.time())
+        if pool is None:  # not started: the declared models, none loaded yet
+            return JSONResponse({"object": "list", "data": [
+                {"id": e.name, "object": "model", "created": created, "owned_by": "pagewire", "max_model_len": None,
+                 "default_sampling_params": {}, "state": "unloaded", "loaded": False} for e in rt.entries]})
+        data = []
+        for name in pool.names():
+            route = pool.route(name)
+            assert route is not None
+            lane = route.lane
+            entry: dict[str, Any] = {
+                "id": name, "object": "model", "created": created, "owned_by": "pagewire",
+                "max_model_len": lane.max_model_len if lane.ready else None,
+                # The model's own sampling defaults (generation_config.json / GGUF metadata): what an
+                # unset request field means here.
+                "default_sampling_params": lane.sampling_defaults,
+                # Loaded now, or loaded on demand by the first request that names it.
+                "state": lane.state.value, "loaded": lane.ready,
+            }
+            if route.adapter is not None:
+                entry["parent"] = lane.name
+            data.append(entry)
+        return JSONResponse({"object": "list", "data": data})
 
     async def metrics(self, request: Request) -> Response:
         if self.rt.service is None:
@@ -131,11 +158,13 @@ class TokenEndpoints:
         api, rt = self.api, self.api.rt
         try:
             req = await read_body(api, request, TokenizeRequest)
-            tok = rt.tokenizer
-            if tok is None or rt.service is None:
+            if rt.service is None:
                 raise Unavailable("server is starting", code="starting", retry_after_s=2)
+            api = api.for_model(req.model)
+            lane = rt.service.lane(req.model)
+            tok = lane.tokenizer
             # Long texts are tokenised off the loop, within the same per-client budget as prompts.
-            preparer = rt.service.preparer
+            preparer = lane.preparer
             who = principal_of(request.scope)
             client = who.key_id if who is not None else (request.client.host if request.client else "unknown")
             if req.messages is not None:
@@ -154,15 +183,16 @@ class TokenEndpoints:
                 raise InvalidRequest("prompt: either prompt or messages is required", param="prompt")
         except PagewireError as e:
             return error_response(e)
-        max_len = rt.bridge.max_model_len if rt.bridge and rt.bridge.ready else None
+        max_len = lane.max_model_len if lane.ready else None
         return JSONResponse({"count": len(ids), "max_model_len": max_len, "tokens": ids})
 
     async def detokenize(self, request: Request) -> Response:
         try:
             req = await read_body(self.api, request, DetokenizeRequest)
-            tok = self.api.rt.tokenizer
-            if tok is None:
+            service = self.api.rt.service
+            if service is None:
                 raise Unavailable("server is starting", code="starting", retry_after_s=2)
+            tok = service.lane(req.model).tokenizer
             try:
                 check_token_ids(req.tokens, tok.vocab_size, "tokens")
             except ValueError as e:

@@ -6,11 +6,13 @@ naming the field) → the same GenerationSpec (server.api.ollama_format) bound t
 `service.start` (quota reserve, ledger row committed) → only then the response starts
 (server.api.follow). A vanished client detaches, which cancels the request at the engine's next
 step. As in Ollama, `stream` defaults to true, and a request with no prompt (or no messages)
-only "loads" the model, which is always loaded here. The key is `Authorization: Bearer`, which
-the ollama client sends from OLLAMA_API_KEY or its `headers`. `Idempotency-Key` works as on the
-OpenAI routes. Every error is Ollama's `{"error": "..."}`.
+only loads the model (it starts loading and the answer comes at once), or with `keep_alive` 0
+unloads it once idle. A request's `keep_alive` sets how long its model stays loaded once idle
+(server.serving.model_pool); /api/ps lists the loaded models with that expiry, /api/tags all.
+The key is `Authorization: Bearer`, which the ollama client sends from OLLAMA_API_KEY or its
+`headers`. `Idempotency-Key` works as on the OpenAI routes. Every error is Ollama's `{"error": "..."}`.
 
-The model is named as Ollama names models, with a tag: `demo` is listed as `demo:latest`, and a
+Models are named as Ollama names them, with a tag: `demo` is listed as `demo:latest`, and a
 request may name it either way.
 
 /api/embed (and the older /api/embeddings): with an embedding model (server.models.pooling) each
@@ -48,9 +50,11 @@ from server.api.ollama_format import (
     generate_spec,
     load_body,
     ollama_error,
+    unloads,
 )
 from server.api.ollama_models import ModelFacts, model_facts
 from server.gateway.auth import bind, principal_of
+from server.serving.durations import keep_alive_seconds
 from server.serving.errors import InvalidRequest, NotFound, PagewireError
 from server.serving.idempotency import check_header_key
 from server.serving.jobs import GenerationSpec
@@ -65,6 +69,11 @@ OLLAMA_API_VERSION = "0.12.0"
 _NEVER = "2318-11-28T00:00:00Z"
 
 
+def tag_of(name: str) -> str:
+    """Ollama's name for a model: with a tag (`demo` → `demo:latest`)."""
+    return name if ":" in name else f"{name}:latest"
+
+
 async def send_error(send: Send, exc: PagewireError) -> None:
     await send_json(send, exc.status, ollama_error(exc), retry_headers(exc))
 
@@ -74,33 +83,56 @@ class OllamaApi:
 
     def __init__(self, api: ApiContext) -> None:
         self.api = api
-        self._facts: Optional[ModelFacts] = None
+        self._facts: dict[str, ModelFacts] = {}
 
     # -- naming ----------------------------------------------------------------------------------
     @property
     def tag_name(self) -> str:
-        name = self.api.rt.model_name
-        return name if ":" in name else f"{name}:latest"
+        return tag_of(self.api.rt.model_name)
+
+    def _names(self) -> list[str]:
+        pool = self.api.rt.pool
+        return pool.names() if pool is not None else [self.api.rt.model_name]
+
+    def served_name(self, model: Optional[str]) -> Optional[str]:
+        """The served name `model` means (with or without `:latest`); 404 for an unknown one."""
+        if model is None:
+            return None
+        for name in self._names():
+            if model in (name, tag_of(name)):
+                return name
+        served = ", ".join(f"'{tag_of(n)}'" for n in self._names())
+        raise NotFound(f"model '{model}' not found; this server serves {served}", param="model",
+                       code="model_not_found")
 
     def check_model(self, model: Optional[str]) -> None:
-        names = {self.api.rt.model_name, self.tag_name}
-        if model is not None and model not in names:
-            raise NotFound(f"model '{model}' not found; this server serves '{self.tag_name}'",
-                           param="model", code="model_not_found")
+        self.served_name(model)
 
-    async def facts(self) -> ModelFacts:
-        if self._facts is None:
+    def context(self, model: Optional[str]) -> ApiContext:
+        """The ApiContext of the model a request names (404 for an unknown one)."""
+        return self.api.for_model(self.served_name(model))
+
+    async def facts(self, name: Optional[str] = None) -> ModelFacts:
+        name = name or self.api.rt.model_name
+        facts = self._facts.get(name)
+        if facts is None:
             s = self.api.rt.settings
-            self._facts = await asyncio.get_running_loop().run_in_executor(
-                None, model_facts, self.api.rt.model_dir, s.dtype, s.quantization)
-        return self._facts
+            pool = self.api.rt.pool
+            route = pool.route(name) if pool is not None else None
+            path = route.lane.entry.path if route is not None else self.api.rt.model_dir
+            facts = self._facts[name] = await asyncio.get_running_loop().run_in_executor(
+                None, model_facts, path, s.dtype, s.quantization)
+        return facts
 
-    def _entry(self, facts: ModelFacts) -> dict[str, Any]:
-        return {"name": self.tag_name, "model": self.tag_name, "modified_at": facts.modified_at,
+    def _entry(self, name: str, facts: ModelFacts) -> dict[str, Any]:
+        tag = tag_of(name)
+        return {"name": tag, "model": tag, "modified_at": facts.modified_at,
                 "size": facts.size, "digest": facts.digest, "details": facts.details()}
 
-    def _context_length(self) -> Optional[int]:
-        bridge = self.api.rt.bridge
+    def _context_length(self, name: Optional[str] = None) -> Optional[int]:
+        pool = self.api.rt.pool
+        route = pool.route(name) if pool is not None else None
+        bridge = route.lane.bridge if route is not None else self.api.rt.bridge
         return bridge.max_model_len if bridge is not None and bridge.ready else None
 
     # -- routes ----------------------------------------------------------------------------------
@@ -119,39 +151,55 @@ class OllamaApi:
         ]
 
     async def tags(self, body: bytes) -> dict[str, Any]:
-        return {"models": [self._entry(await self.facts())]}
+        return {"models": [self._entry(name, await self.facts(name)) for name in self._names()]}
 
     async def show(self, body: bytes) -> dict[str, Any]:
         req = decode(body, ModelRequest)
         name = req.model if req.model is not None else req.name
         if name is None:
             raise InvalidRequest("model: is required", param="model")
-        self.check_model(name)
-        facts = await self.facts()
+        name = self.served_name(name)
+        facts = await self.facts(name)
         rt = self.api.rt
-        tok = rt.tokenizer
+        mapi = self.api.for_model(name)
+        lane = rt.service.lane(name) if rt.service is not None else None
+        tok = lane.tokenizer if lane is not None else rt.tokenizer
         template = ""
         tools_template = False
         if tok is not None and tok.has_chat_template:
             template = tok.template_source()
             tools_template = "tools" in tok.template_source(tools=[])
-        params = "\n".join(f"{k} {v}" for k, v in sorted(rt.sampling_defaults.items()))
+        defaults = lane.sampling_defaults if lane is not None else rt.sampling_defaults
+        params = "\n".join(f"{k} {v}" for k, v in sorted(defaults.items()))
         info: dict[str, Any] = {"general.architecture": facts.family,
                                 "general.parameter_count": facts.parameter_count}
-        ctx = self._context_length()
+        ctx = self._context_length(name)
         if ctx is not None:
             info[f"{facts.family}.context_length"] = ctx
-        capabilities = ["embedding"] if rt.pooler is not None else \
-            ["completion"] + (["tools"] if tools_template and self.api.tool_parser != "none" else [])
-        return {"modelfile": f"# served by pagewire\nFROM {rt.model_dir}\n", "parameters": params,
+        pooler = lane.pooler if lane is not None else rt.pooler
+        capabilities = ["embedding"] if pooler is not None else \
+            ["completion"] + (["tools"] if tools_template and mapi.tool_parser != "none" else [])
+        path = lane.entry.path if lane is not None else rt.model_dir
+        return {"modelfile": f"# served by pagewire\nFROM {path}\n", "parameters": params,
                 "template": template, "details": facts.details(), "model_info": info,
                 "capabilities": capabilities, "modified_at": facts.modified_at}
 
     async def ps(self, body: bytes) -> dict[str, Any]:
-        facts = await self.facts()
+        """The loaded models, each with when it unloads if it stays idle (its keep_alive)."""
         on_gpu = self.api.rt.settings.device.startswith("cuda")
-        return {"models": [{**self._entry(facts), "expires_at": _NEVER,
-                            "size_vram": facts.size if on_gpu else 0, "context_length": self._context_length()}]}
+        pool = self.api.rt.pool
+        out = []
+        for name in (pool.lanes if pool is not None else [self.api.rt.model_name]):
+            lane = pool.lanes[name] if pool is not None else None
+            if lane is not None and not lane.ready:
+                continue
+            facts = await self.facts(name)
+            expires = _NEVER
+            if lane is not None and lane.expires_at is not None:
+                expires = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(lane.expires_at))
+            out.append({**self._entry(name, facts), "expires_at": expires,
+                        "size_vram": facts.size if on_gpu else 0, "context_length": self._context_length(name)})
+        return {"models": out}
 
     async def version(self, body: bytes) -> dict[str, Any]:
         return {"version": OLLAMA_API_VERSION}
@@ -159,9 +207,8 @@ class OllamaApi:
     def embed_specs(self, scope: Scope, body: bytes, legacy: bool) -> tuple[str, list[GenerationSpec]]:
         """(the model as the request named it, one spec per input)."""
         req = decode(body, EmbedRequest)
-        self.check_model(req.model)
+        api = self.context(req.model)
         check_keep_alive(req.keep_alive)
-        api = self.api
         if legacy:  # /api/embeddings: one `prompt`
             if not req.prompt:
                 raise InvalidRequest("prompt: is required (a non-empty string)", param="prompt")
@@ -180,12 +227,13 @@ class OllamaApi:
         # smaller num_ctx) holds. The older /api/embeddings has no `truncate` and cuts nothing.
         truncate = None if legacy or req.truncate is False else \
             Truncation(keep_end=False, tokens=num_ctx, field=field, clamp=True)
-        specs = embedding_specs(inputs, api="ollama", client=peer(scope), model=api.rt.model_name,
+        specs = embedding_specs(inputs, api="ollama", client=peer(scope), model=api.model_name,
                                 idem=check_header_key(header(scope, b"idempotency-key")),
                                 dimensions=req.dimensions, params_record=record, field=field, truncate=truncate)
         who = principal_of(scope)
         for spec in specs:
             bind(spec, who)
+            spec.keep_alive_s = keep_alive_seconds(req.keep_alive)
         return req.model, specs
 
 
@@ -257,24 +305,23 @@ class _Generate:
 
     def _parse(self, scope: Scope, body: bytes) -> tuple[Any, Optional[GenerationSpec], Any]:
         """(request, spec or None for a load-only request, tool plan)."""
-        api = self.api
         idem = check_header_key(header(scope, b"idempotency-key"))
         plan = None
         if self.kind == "chat":
             req: Any = decode(body, ChatRequest)
-            self.owner.check_model(req.model)
+            api = self.owner.context(req.model)
             if not req.messages:
                 check_keep_alive(req.keep_alive)
                 return req, None, None
-            spec, plan = chat_spec(req, peer(scope), api.rt.model_name, api.tool_parser,
+            spec, plan = chat_spec(req, peer(scope), api.model_name, api.tool_parser,
                                    api.tool_marker_special, idem)
         else:
             req = decode(body, GenerateRequest)
-            self.owner.check_model(req.model)
+            api = self.owner.context(req.model)
             if not req.prompt:
                 check_keep_alive(req.keep_alive)
                 return req, None, None
-            spec = generate_spec(req, peer(scope), api.rt.model_name, idem)
+            spec = generate_spec(req, peer(scope), api.model_name, idem)
         bind(spec, principal_of(scope))
         return req, spec, plan
 
@@ -285,10 +332,17 @@ class _Generate:
 
         async def admit(body: bytes) -> tuple[Any, Optional[GenerationSpec], Any, Optional[Admitted]]:
             req, spec, plan = self._parse(scope, body)
-            if spec is None:
-                api.service.check_serving()  # "loaded" only once it is
+            service = api.service
+            route = service.route(self.owner.served_name(req.model))
+            pool = service.pool
+            if spec is None:  # load (or with keep_alive 0 unload) only
+                service.check_serving()
+                pool.set_keep_alive(route.lane, keep_alive_seconds(req.keep_alive))
+                if not unloads(req.keep_alive):
+                    pool.want(route.lane)
                 return req, None, None, None
-            return req, spec, plan, await api.service.start(spec)
+            spec.keep_alive_s = keep_alive_seconds(req.keep_alive)
+            return req, spec, plan, await service.start(spec)
 
         got = await read_and_admit(api, scope, receive, send, send_error, admit)
         if got is None:
@@ -298,6 +352,7 @@ class _Generate:
             await send_json(send, 200, load_body(req.model, "chat" if self.kind == "chat" else "generate",
                                                  req.keep_alive))
             return
+        api = api.for_model(spec.model)
         headers = api.limit_headers(spec.key_id)
         kind = "chat" if self.kind == "chat" else "generate"
         if req.stream:

@@ -42,11 +42,12 @@ class GenerateEndpoint:
         if got is None:
             return
         specs, admitted, stream, include_usage, n, tools = got
-        limits = self.api.limit_headers(specs[0].key_id)
+        api = self.api.for_model(specs[0].model)
+        limits = api.limit_headers(specs[0].key_id)
         if stream:
-            await respond.stream(self.api, send, receive, self.kind, admitted, n, include_usage, tools, limits)
+            await respond.stream(api, send, receive, self.kind, admitted, n, include_usage, tools, limits)
         else:
-            await respond.whole(self.api, send, receive, self.kind, admitted, n, tools, limits)
+            await respond.whole(api, send, receive, self.kind, admitted, n, tools, limits)
 
     def _parse(self, scope: Scope, body: bytes) -> tuple[list[GenerationSpec], bool, bool, int, Optional[ToolPlan]]:
         idem = check_header_key(header(scope, b"idempotency-key"))
@@ -54,17 +55,16 @@ class GenerateEndpoint:
             req: Any = decode(body, ChatCompletionRequest)
         else:
             req = decode(body, CompletionRequest)
-        name, adapter = self.api.model_for(req.model)  # the served model, or a LoRA adapter over it
+        api = self.api.for_model(req.model)
         tools: Optional[ToolPlan] = None
         if self.kind == "chat":
-            tools = plan_request(req.tools, req.tool_choice, req.parallel_tool_calls, self.api.tool_parser,
-                                 self.api.tool_marker_special)
-            specs = [chat_spec(req, "http", peer(scope), name, idem, tools)]
+            tools = plan_request(req.tools, req.tool_choice, req.parallel_tool_calls, api.tool_parser,
+                                 api.tool_marker_special)
+            specs = [chat_spec(req, "http", peer(scope), api.model_name, idem, tools)]
         else:
-            specs = completion_specs(req, "http", peer(scope), name, idem, respond.MAX_BATCH)
+            specs = completion_specs(req, "http", peer(scope), api.model_name, idem, respond.MAX_BATCH)
         who = principal_of(scope)
         for spec in specs:
-            spec.lora = adapter
             bind(spec, who)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return specs, req.stream, include_usage, req.n, tools

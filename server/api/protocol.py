@@ -165,6 +165,8 @@ class GenerateFrame(Struct, kw_only=True):
     # vLLM's truncation of an over-long input to its last k tokens.
     dimensions: Optional[int] = None
     truncate_prompt_tokens: Optional[int] = None
+    # Which served model (GET /v1/models); the default one when absent (docs/models.md).
+    model: Optional[str] = None
 
 
 class CancelFrame(Struct, kw_only=True):

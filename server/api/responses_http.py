@@ -105,15 +105,14 @@ class ResponsesEndpoint:
     async def _parse(self, scope: Scope, body: bytes) -> ResponsesPlan:
         idem = check_header_key(header(scope, b"idempotency-key"))
         req = decode(body, ResponsesRequest)
-        name, adapter = self.api.model_for(req.model)  # the served model, or a LoRA adapter over it
+        api = self.api.for_model(req.model)
         who = principal_of(scope)
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
             assert self.rt.ledger is not None
             history = await store.conversation(self.rt.ledger, req.previous_response_id, who)
-        plan = responses_spec(req, peer(scope), name, idem, self.api.tool_parser,
-                              self.api.tool_marker_special, history)
-        plan.spec.lora = adapter
+        plan = responses_spec(req, peer(scope), api.model_name, idem, api.tool_parser,
+                              api.tool_marker_special, history)
         bind(plan.spec, who)
         return plan
 

@@ -87,6 +87,7 @@ class WsConnection:
         self._send = send
         self.outbox = Outbox(self.rt.settings.outbox_bytes)
         self.aliases: dict[str, _Alias] = {}  # client id → request on this socket
+        self._model_of: dict[str, str] = {}  # client id → the model its generate frame named
         # Chat requests with tools (tool_choice not none): their deltas' text is read for tool
         # calls, as SSE chunks are (server.api.tool_output), until their terminal frame is written.
         self._tool_streams: dict[str, ChatToolStream] = {}
@@ -310,7 +311,7 @@ class WsConnection:
             if finish is not None:
                 d["finish_reason"] = finish
             if ev.logprobs is not None:
-                tt = self.api.formatter.token_text
+                tt = self.api.for_model(self._model_of.get(cid)).formatter.token_text
                 d["logprobs"] = [{"token_id": lp.token_id, "token": tt(lp.token_id), "logprob": lp.logprob,
                                   "top_logprobs": [{"token_id": t, "token": tt(t), "logprob": v} for t, v in lp.top]}
                                  for lp in ev.logprobs]
@@ -323,6 +324,7 @@ class WsConnection:
         rule = ev.rule
         if tools is not None:
             del self._tool_streams[cid]
+        self._model_of.pop(cid, None)  # its last frame: a later request may reuse the id
         if rule.ws_frame == "done":
             reasons: list[Optional[str]] = list(ev.finish_reasons)
             if rule.ws_finish_reason is not None:
@@ -395,14 +397,17 @@ class WsConnection:
         task.add_done_callback(self._tasks.discard)
 
     def _on_generate(self, f: GenerateFrame) -> None:
+        api = self.api.for_model(f.model)  # 404 model_not_found for an unknown name
+        if f.model is not None:
+            self._model_of[f.id] = f.model
         plan: Optional[ToolPlan] = None
         if f.kind == "embedding":
-            spec = ws_embedding_spec(f, self.peer, self.rt.model_name)
+            spec = ws_embedding_spec(f, self.peer, api.model_name)
         else:
             if f.kind == "chat" and f.tools is not None:
-                plan = plan_request(f.tools, f.tool_choice, f.parallel_tool_calls, self.api.tool_parser,
-                                    self.api.tool_marker_special)
-            spec = ws_spec(f, self.peer, self.rt.model_name, plan)
+                plan = plan_request(f.tools, f.tool_choice, f.parallel_tool_calls, api.tool_parser,
+                                    api.tool_marker_special)
+            spec = ws_spec(f, self.peer, api.model_name, plan)
         bind(spec, self.principal)
         alias = self._claim(f.id, None)
         if plan is not None and plan.active:
@@ -440,6 +445,7 @@ class WsConnection:
             self.api.service.cancel(admitted.request_id)
 
     def _drop_tools(self, cid: str, tools: Optional[ChatToolStream]) -> None:
+        self._model_of.pop(cid, None)
         if tools is not None and self._tool_streams.get(cid) is tools:
             del self._tool_streams[cid]
 

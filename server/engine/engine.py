@@ -45,9 +45,10 @@ from server.engine.step_budget import StepBudget
 from server.engine.structured import PendingMasks, StructuredDecoder
 from server.kernels import autotune, batch_invariant
 from server.kernels.ops import Q8_KERNEL_MAX_ROWS, cpu_isa
+from server.models import load_progress
 from server.models.loader import load_model
 from server.models.lora import LoraSet
-from server.models.lora_config import read_lora_config
+from server.models.lora_config import LoraError, check_base_model, read_lora_config
 from server.models.pooling import Pooler, PoolingMethod, resolve_pooler
 from server.models.protocol import CausalLM
 from server.models.registry import kv_shape
@@ -93,6 +94,7 @@ class LLMEngine:
             headless=self.pooler is not None,
         )
         if config.quantization not in (Quantization.NONE, Quantization.GGUF):  # GGUF is done by the loader
+            load_progress.stage("quantise and repack")
             self.model.quantize_weights(config.quantization)
         self.tokenizer = load_tokenizer(config.model)
         mc = self.model_config
@@ -143,6 +145,7 @@ class LLMEngine:
             groups=layout.groups,
             chunk_tokens=layout.chunk_tokens,
         )
+        load_progress.stage("kv pool", layout.total_bytes)
         self.lora = self._load_adapters(config, kv_dtype)
         self.runner = ModelRunner(self.model, num_blocks, bs, self.kv_cache, self.device, kv_dtype, layout.groups,
                                   state_cache, self.lora)
@@ -175,6 +178,7 @@ class LLMEngine:
         )
         logger.info("deterministic mode: %s%s", "on" if self.deterministic else "off",
                     " (auto)" if config.deterministic is None else "")
+        load_progress.stage("autotune")
         self.linear_table = self._autotune_linears(config, draft)
         # The ITL target's chunk-size policy: it times every step and limits prefill chunks beside
         # decodes (None: off, every step takes what max_num_batched_tokens holds).
@@ -192,6 +196,10 @@ class LLMEngine:
             return None
         if self.pooler is not None:
             raise ConfigError("lora_modules", "LoRA adapters apply to generation models, this one serves embeddings")
+        try:
+            check_base_model(self.model_config)
+        except LoraError as e:
+            raise ConfigError("lora_modules", str(e).removeprefix("--lora: ")) from None
         lora = LoraSet(self.model.lora_layout(), dtype, self.device, self.model_config.vocab_size)
         for name, path in config.adapters:
             cfg = read_lora_config(path)

@@ -86,13 +86,15 @@ class KVCacheManager:
     def register_full_blocks(self, seq: Sequence, num_new: int) -> None:
         """Offer the blocks this step fills to the prefix cache (their tokens are known now).
 
-        Passes the tokens from the first block the step touches: the allocator reads only those
-        that complete a block it has not registered yet.
+        Passes the tokens from the first block the step touches, or from the allocator's own
+        registered count when that is lower (after `reset_prefix_cache` every chain starts again
+        at block 0, and these already-computed blocks are registered anew): the allocator reads
+        only those that complete a block it has not registered yet.
         """
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        start = seq.num_computed_tokens // bs * bs
+        start = min(seq.num_computed_tokens // bs * bs, self._alloc.registered_tokens(seq.seq_id))
         end = (seq.num_computed_tokens + num_new) // bs * bs
         if end > start:
             self._alloc.cache_full_blocks(seq.seq_id, _keyed(seq, seq.token_ids[start:end]), start)

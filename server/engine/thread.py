@@ -12,18 +12,21 @@ could schedule nothing (a liveness bug, defensively) it steps again after a shor
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, ContextManager, Optional
 
 from server.engine.config import EngineConfig
 from server.engine.errors import CapacityLimits, check_capacity
 from server.engine.outputs import FinishReason, RequestDelta, SampleDelta
 from server.engine.sampling_params import SamplingParams
+from server.models import load_progress
+from server.models.load_progress import LoadProgress
 
 if TYPE_CHECKING:  # the engine (and torch) load on the engine thread, not at import
     from server.engine.engine import EngineStats, LLMEngine
@@ -52,14 +55,20 @@ class _Abort:
 class EngineThread:
     """Owns the engine on its thread. Every public method is safe to call from any thread."""
 
-    def __init__(self, config: EngineConfig, on_step: Callable[[list[RequestDelta]], None]) -> None:
+    def __init__(self, config: EngineConfig, on_step: Callable[[list[RequestDelta]], None],
+                 gate: Optional[ContextManager[object]] = None, name: str = "pagewire-engine",
+                 progress: Optional[LoadProgress] = None) -> None:
+        """`gate`: held around each step when several engines share the CPU (step_gate.StepGate);
+        `progress`: where the model's load reports its stages (server.models.load_progress)."""
+        self.progress = progress
         self.config = config
         self._on_step = on_step
+        self._gate: ContextManager[object] = gate if gate is not None else contextlib.nullcontext()
         self._inbox: deque[_Add | _Abort] = deque()  # deque append/popleft are atomic
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pagewire-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.error: Optional[BaseException] = None
         self.max_model_len: int = 0
         self.vocab_size: int = 0
@@ -124,9 +133,12 @@ class EngineThread:
         if hasattr(signal, "pthread_sigmask"):
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
-            from server.engine.engine import LLMEngine
+            with load_progress.reporting(self.progress):
+                # The first load's import of torch and the kernels takes seconds of its own.
+                load_progress.stage("import torch and kernels")
+                from server.engine.engine import LLMEngine
 
-            engine = LLMEngine(self.config)
+                engine = LLMEngine(self.config)
         except BaseException as e:  # reported through .error (the server exits with it, one line)
             logger.debug("engine failed to load", exc_info=True)
             self.error = e
@@ -151,7 +163,8 @@ class EngineThread:
                 self._wake.wait()
                 continue
             try:
-                deltas = extra + engine.step()
+                with self._gate:
+                    deltas = extra + engine.step()
                 progressed = engine.last_step_progressed
             except Exception as e:  # a failed step fails its requests, the server keeps serving
                 logger.exception("engine step failed")

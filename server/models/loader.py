@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from server.models import load_progress
 from server.models.config import ModelConfig, ModelFileNotFoundError, ModelLoadError, UnsupportedModelError
 from server.models.dtype import resolve_dtype
 from server.models.gguf_file import is_gguf_path
@@ -58,6 +59,7 @@ def load_model(
     if is_gguf_path(model_dir):
         from server.models.gguf_loader import load_gguf_model
 
+        load_progress.stage("read and dequantise", model_dir.stat().st_size)  # one stage: bytes not counted
         return load_gguf_model(model_dir, dtype, device, keep_quantized=keep_gguf_blocks)
     if keep_gguf_blocks:
         raise ValueError(f"quantization: 'gguf' keeps a GGUF file's quantised blocks; {model_dir} is not a GGUF file")
@@ -156,6 +158,7 @@ def _copy_tensors(
 ) -> None:
     """Read every tensor of every file into its target, checking the shape first."""
     total = sum(len(h.keys()) for _, h in handles)
+    load_progress.stage("read", sum(p.stat().st_size for p, _ in handles))
     bar = tqdm(total=total, desc="Loading weights", unit="tensor", file=sys.stderr, disable=not sys.stderr.isatty())
     with bar:
         for path, h in handles:
@@ -180,6 +183,7 @@ def _copy_one(
     if shape != target.shape:
         raise ModelLoadError(f"tensor {name!r} in {path} has shape {list(shape)}, expected {list(target.shape)}")
     tensor = handle.get_tensor(name)
+    load_progress.advance(tensor.numel() * tensor.element_size())
     if target.convert is not None:  # a checkpoint layout that is not dest's (gpt-oss's experts)
         tensor = target.convert(tensor)
     # copy_ converts dtype and device, and broadcasts per-head norm vectors over their rows.

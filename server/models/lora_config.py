@@ -11,7 +11,10 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from server.models.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -160,3 +163,14 @@ def read_lora_config(path: str | Path) -> LoraConfig:
                         f"got {raw!r}")
     base = cfg.get("base_model_name_or_path")
     return LoraConfig(folder, rank, float(scale), targets, regex, base if isinstance(base, str) else None)
+
+
+def check_base_model(config: "ModelConfig") -> None:
+    """LoraError unless adapters can run over this model: a hybrid's recurrent layers (LFM2's
+    short convolutions, Qwen3-Next's DeltaNet) have no low-rank path (issue 28 meets issue 30)."""
+    from server.models.state_specs import ATTENTION
+
+    kinds = sorted({t for t in config.layer_types if t != ATTENTION})
+    if kinds:
+        raise LoraError(f"--lora: {config.architecture} has recurrent-state layers ({', '.join(kinds)}), which "
+                        "take no LoRA adapter; adapters run over attention-only models")

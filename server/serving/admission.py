@@ -63,6 +63,8 @@ class AdmissionQueue(Generic[J]):
         self._reserved_total = 0
         self._order = itertools.count()
         self.in_engine: set[J] = set()
+        # While paused nothing is handed to the engine (its model is loading: server.serving.model_pool).
+        self.paused = False
         # Mean seconds a request holds an engine slot, for Retry-After; updated by `done`.
         self.mean_service_s = 2.0
 
@@ -143,7 +145,7 @@ class AdmissionQueue(Generic[J]):
 
     def pump(self) -> None:
         """Hand queued jobs to the engine while it has fewer than max_in_engine."""
-        while len(self.in_engine) < self.max_in_engine:
+        while not self.paused and len(self.in_engine) < self.max_in_engine:
             nxt = self._next()
             if nxt is None:
                 return
@@ -152,6 +154,17 @@ class AdmissionQueue(Generic[J]):
             self.release(client)
             self.in_engine.add(job)
             self._submit(job)
+
+    def submit_to(self, submit: Callable[[J], None]) -> None:
+        """Hand jobs to `submit` from now on (a model's queue is built before the service)."""
+        self._submit = submit
+
+    def take_all(self) -> list[J]:
+        """Remove and return every queued job (their model failed to load), slots released."""
+        jobs = list(self._where)
+        for job in jobs:
+            self.remove(job)
+        return jobs
 
     def done(self, job: J, service_s: Optional[float] = None) -> None:
         """A job left the engine (finished, cancelled or failed): free its slot and refill."""

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, ContextManager, Optional
 
 from server.engine.config import EngineConfig
 from server.engine.outputs import RequestDelta
 from server.engine.sampling_params import SamplingParams
+from server.models.load_progress import LoadProgress
 
 if TYPE_CHECKING:  # imported in start(), not at import time (it loads torch)
     from server.engine.engine import EngineStats
@@ -36,9 +37,14 @@ class EngineBridge:
         dispatch: called on the event loop with each step's deltas, in step order.
     """
 
-    def __init__(self, config: EngineConfig, dispatch: Callable[[list[RequestDelta]], None]) -> None:
+    def __init__(self, config: EngineConfig, dispatch: Callable[[list[RequestDelta]], None],
+                 gate: Optional[ContextManager[object]] = None, name: str = "pagewire-engine",
+                 progress: Optional[LoadProgress] = None) -> None:
         self.config = config
         self._dispatch = dispatch
+        self._gate = gate  # shared by the engines of several models (server.engine.step_gate)
+        self._name = name
+        self.progress = progress  # the load's stages (server.models.load_progress)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._engine: Optional[EngineThread] = None
         self.steps_posted = 0  # count of call_soon_threadsafe hops (one per non-empty step)
@@ -48,7 +54,7 @@ class EngineBridge:
         from server.engine.thread import EngineThread  # lazy: it imports torch; the edge's imports stay without
 
         self._loop = asyncio.get_running_loop()
-        self._engine = EngineThread(self.config, self._on_step)
+        self._engine = EngineThread(self.config, self._on_step, self._gate, self._name, self.progress)
         self._engine.start()
 
     # Runs on the ENGINE thread.
@@ -82,6 +88,10 @@ class EngineBridge:
     @property
     def error(self) -> Optional[BaseException]:
         return self._engine.error if self._engine is not None else None
+
+    def wait_ready(self, timeout: Optional[float] = None) -> bool:
+        """Block until the engine has loaded or failed (call via run_in_executor)."""
+        return self._engine is not None and self._engine.wait_ready(timeout)
 
     @property
     def max_model_len(self) -> int:

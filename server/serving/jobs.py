@@ -40,7 +40,7 @@ class GenerationSpec:
         tool_format: the call format the output is parsed in (server.text.tool_parsers), which
             is also how a tool-unaware template is shown tools and earlier calls.
         key_id: the API key that owns the request (None when auth is off).
-        lora: the LoRA adapter the request's `model` named (server.serving.model_names), None for
+        lora: the LoRA adapter the request's `model` named (the model pool's names; set by the service), None for
             the base model.
     """
 
@@ -73,6 +73,9 @@ class GenerationSpec:
     messages_field: str = "messages"
     # How the edge names the prompt in errors (`input` for embeddings).
     prompt_field: str = "prompt"
+    # How long its model stays loaded once idle after it (Ollama's keep_alive, seconds; negative:
+    # until its memory is needed); None: the server's --keep-alive (server.serving.model_pool).
+    keep_alive_s: Optional[float] = None
     # Extra chat-template variables (`chat_template_kwargs`, e.g. {"enable_thinking": false}).
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # An embedding input that does not fit is cut this way instead of refused (server.serving.truncation).
@@ -169,6 +172,9 @@ class Job:
         self.end: Optional[EndEvent] = None
         self.output_bytes = 0  # its reservation in the output budget, released at the end
         self.embedding: Optional[list[float]] = None  # an embedding request's vector (its final delta)
+        # Its model's lane (server.serving.model_lane.ModelLane: admission, engine); set by the
+        # service at acceptance (the adapter its `model` named is `spec.lora`).
+        self.lane: Any = None
 
     def __repr__(self) -> str:
         return f"Job({self.request_id}, {self.state})"

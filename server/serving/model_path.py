@@ -1,11 +1,12 @@
 """What `pagewire serve MODEL` (and `plan`) is pointed at, found and checked before anything starts.
 
 MODEL is a Hugging Face model folder, a .gguf file, or something that looks like a Hub id
-(`Qwen/Qwen3-0.6B`). pagewire never downloads: a Hub id is served only when the local Hugging Face
-cache (huggingface_hub's layout, under HF_HUB_CACHE / HF_HOME) already holds its snapshot, found
-with huggingface_hub's own offline lookup (`snapshot_download(local_files_only=True)` under
-HF_HUB_OFFLINE=1, which reads the cache and never opens a connection). Otherwise the error says it
-is a Hub id and how to fetch it.
+(`Qwen/Qwen3-0.6B`, or `org/repo:file.gguf` for one GGUF file of a repository). A Hub id is
+served from the local Hugging Face cache (huggingface_hub's layout, under HF_HUB_CACHE / HF_HOME),
+found with huggingface_hub's own lookup (`snapshot_download` / `hf_hub_download` with
+`local_files_only=True`, which reads the cache and never opens a connection). pagewire downloads
+only when told to (`--allow-download`) and the environment does not forbid it (HF_HUB_OFFLINE=1);
+otherwise an uncached id is an error that says so and names the cache folder.
 
 `check_model` reads the model's config (config.json or the GGUF metadata: no weights, no torch),
 so an unsupported architecture is refused in one line before the port is bound, instead of
@@ -29,46 +30,94 @@ class ModelPathError(ValueError):
 
 
 def looks_like_hub_id(text: str) -> bool:
+    repo, sep, file = text.partition(":")
+    if sep:  # org/repo:file.gguf
+        return bool(_HUB_ID.match(repo)) and ".." not in text and file.lower().endswith(".gguf") \
+            and not file.startswith("/")
     return bool(_HUB_ID.match(text)) and ".." not in text and not text.endswith(".gguf")
 
 
-def cached_hub_snapshot(repo_id: str) -> Optional[Path]:
-    """The local Hugging Face cache's snapshot folder of `repo_id` (its `main` revision), or None.
-    Offline by construction: HF_HUB_OFFLINE is set before huggingface_hub is imported here, and
-    `local_files_only` makes the call read the cache only."""
-    os.environ["HF_HUB_OFFLINE"] = "1"  # pagewire never downloads (set before the import reads it)
+def _offline_env() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hub_cache_dir() -> str:
+    """The Hugging Face cache folder huggingface_hub reads (HF_HUB_CACHE, else HF_HOME/hub)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
+    return os.path.join(home, "hub")
+
+
+def cached_hub_snapshot(repo_id: str, download: bool = False) -> Optional[Path]:
+    """The Hugging Face cache's snapshot folder of `repo_id` (its `main` revision), or None.
+    Without `download` it only reads the cache (`local_files_only`); with it, a missing snapshot
+    is fetched into the cache (huggingface_hub's standard download)."""
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
     except ImportError:  # huggingface_hub is optional: without it there is no cache to read
         return None
     try:
-        found = snapshot_download(repo_id, local_files_only=True)
+        found = snapshot_download(repo_id, local_files_only=True, cache_dir=hub_cache_dir())
     except (LocalEntryNotFoundError, HFValidationError, OSError):
-        return None
+        if not download:
+            return None
+        found = snapshot_download(repo_id, cache_dir=hub_cache_dir())
     path = Path(str(found))
     return path if (path / "config.json").is_file() else None
 
 
-def resolve_model_path(text: str) -> Path:
+def cached_hub_file(repo_id: str, filename: str, download: bool = False) -> Optional[Path]:
+    """One file (a .gguf) of `repo_id` from the cache, fetched first when `download`; else None."""
+    try:
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    except ImportError:
+        return None
+    try:
+        found = hf_hub_download(repo_id, filename, local_files_only=True, cache_dir=hub_cache_dir())
+    except (LocalEntryNotFoundError, HFValidationError, OSError):
+        if not download:
+            return None
+        found = hf_hub_download(repo_id, filename, cache_dir=hub_cache_dir())
+    return Path(str(found))
+
+
+def resolve_hub_id(text: str, allow_download: bool = False) -> Path:
+    """A Hub id's folder (or GGUF file) in the local cache, downloaded first only when allowed
+    (`allow_download` and HF_HUB_OFFLINE not set). Raises ModelPathError naming the cache."""
+    download = allow_download and not _offline_env()
+    repo, sep, file = text.partition(":")
+    try:
+        found = cached_hub_file(repo, file, download) if sep else cached_hub_snapshot(text, download)
+    except Exception as e:  # noqa: BLE001 - a failed download (network, gated repo, missing file)
+        raise ModelPathError(f"MODEL {text}: download from the Hugging Face Hub failed: "
+                             f"{' '.join(str(e).split()) or type(e).__name__}") from None
+    if found is not None:
+        return found
+    why = ("HF_HUB_OFFLINE=1 forbids downloading" if allow_download else
+           "pagewire does not download it without --allow-download")
+    raise ModelPathError(
+        f"MODEL {text}: a Hugging Face Hub id that is not in the local cache ({hub_cache_dir()}), and "
+        f"{why}; fetch it first (`hf download {repo}{' ' + file if sep else ''}`) or pass a model folder "
+        "or a .gguf file")
+
+
+def resolve_model_path(text: str, allow_download: bool = False) -> Path:
     """The folder or GGUF file MODEL names. Raises ModelPathError (one line)."""
     from server.models.gguf_file import is_gguf_path
 
     d = Path(text).expanduser()
+    if not d.exists() and looks_like_hub_id(text):
+        return resolve_hub_id(text, allow_download)
     if is_gguf_path(d):
         if not d.is_file():
             raise ModelPathError(f"MODEL_DIR {d}: no such GGUF file")
         return d
     if (d / "config.json").is_file():
         return d
-    if not d.exists() and looks_like_hub_id(text):
-        snapshot = cached_hub_snapshot(text)
-        if snapshot is not None:
-            return snapshot
-        raise ModelPathError(
-            f"MODEL_DIR {text}: no such folder; this looks like a Hugging Face Hub id, and pagewire does not "
-            f"download models, nor is it in the local Hugging Face cache; fetch it first (`hf download {text}`) "
-            "and serve it by id again, or pass a model folder or a .gguf file")
     raise ModelPathError(
         f"MODEL_DIR {d}: no config.json there (expected a Hugging Face model folder or a .gguf file)")
 

@@ -21,61 +21,28 @@ import os
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
 
-from server.models.generation_defaults import generation_defaults
-from server.models.pooling import Pooler, resolve_pooler
-from server.models.registry import read_model_config
+from server.models.pooling import Pooler
 from server.serving.access import AccessPolicy
 from server.serving.admission import AdmissionQueue
 from server.serving.bridge import EngineBridge
 from server.serving.db_lock import LedgerLock
-from server.serving.jobs import Job
 from server.serving.ledger import Ledger
 from server.serving.metrics import Metrics
+from server.serving.model_catalog import ModelEntry
+from server.serving.model_lane import LaneState, ModelLane, open_lane
+from server.serving.model_lane import pick_reasoning_format as pick_reasoning_format  # re-exported
+from server.serving.model_metrics import ModelCollector
 from server.serving.model_names import ModelNames
+from server.serving.model_pool import ModelPool
 from server.serving.output_budget import OutputBudget
-from server.serving.prompts import PromptPreparer
 from server.serving.router_view import router_gauges
 from server.serving.service import RequestService
 from server.serving.settings import ServeSettings
 from server.serving.streams import StreamRegistry
-from server.text.loader import load_tokenizer
-from server.text.reasoning import ReasoningFormat, detect_reasoning_parser, reasoning_format
-from server.text.tokenizer import ChatTemplateError, Tokenizer
+from server.text.reasoning import ReasoningFormat
+from server.text.tokenizer import Tokenizer
 
 log = logging.getLogger("pagewire")
-
-
-def _encoder(tokenizer: Tokenizer) -> Callable[[str], list[int]]:
-    return lambda text: tokenizer.encode(text, add_special_tokens=False)
-
-
-def pick_reasoning_format(tokenizer: Tokenizer, name: str) -> Optional[ReasoningFormat]:
-    """The reasoning parser (`--reasoning-parser`): the one named, or with `auto` the one the chat
-    template implies. A named parser whose tags are not single tokens is a start-up error (a
-    ValueError naming the option); `auto` then serves without one."""
-    if name == "none":
-        return None
-    if name == "auto":
-        try:
-            source: Optional[str] = tokenizer.template_source()
-        except ChatTemplateError:
-            source = None
-        detected = detect_reasoning_parser(source)
-        if detected is None:
-            return None
-        try:
-            fmt = reasoning_format(detected, tokenizer.token_to_id, _encoder(tokenizer))
-        except ValueError as e:
-            log.info("reasoning parser: none (the template looks like %s, but %s)", detected, e)
-            return None
-        log.info("reasoning parser: %s (from the chat template)", fmt.parser)
-        return fmt
-    try:
-        fmt = reasoning_format(name, tokenizer.token_to_id, _encoder(tokenizer))
-    except ValueError as e:
-        raise ValueError(f"--reasoning-parser {name}: {e}") from None
-    log.info("reasoning parser: %s (--reasoning-parser)", fmt.parser)
-    return fmt
 
 
 def one_line(exc: BaseException) -> str:
@@ -85,22 +52,21 @@ def one_line(exc: BaseException) -> str:
 
 class Runtime:
     def __init__(self, settings: ServeSettings, model_dir: Path, model_name: str,
-                 lock: Optional[LedgerLock] = None, policy: Optional[AccessPolicy] = None) -> None:
+                 lock: Optional[LedgerLock] = None, policy: Optional[AccessPolicy] = None,
+                 models: Optional[list[ModelEntry]] = None) -> None:
+        """`model_dir`/`model_name`: the default model; `models`: every served model, the default
+        first (server.serving.model_catalog; default: that one alone)."""
         self.settings = settings
         self.lock = lock  # the ledger's exclusive lock, when taken before start (serve.run)
         self.model_dir = model_dir
         self.model_name = model_name
-        # What a request's `model` may name: this model, or a LoRA adapter over it (--lora).
+        self.entries = models or [ModelEntry(model_name, model_dir, "MODEL")]
+        # LoRA adapters (--lora) go over the default model: a request names one as its `model`,
+        # and the pool routes it to the default model's lane with that adapter.
         self.names = ModelNames(model_name, [n for n, _ in settings.lora])
         self.ledger: Optional[Ledger] = None
-        self.tokenizer: Optional[Tokenizer] = None
-        self.sampling_defaults: dict[str, Any] = {}
-        self.reasoning: Optional[ReasoningFormat] = None  # the reasoning parser in use (set in start)
-        # An embedding model's pooling recipe (set in start; None: a generation model), --task.
-        self.pooler: Optional[Pooler] = None
-        self.bridge: Optional[EngineBridge] = None
+        self.pool: Optional[ModelPool] = None  # the served models' lanes (set in start)
         self.service: Optional[RequestService] = None
-        self.admission: Optional[AdmissionQueue[Job]] = None
         # Who may do what, and how much (server.gateway.policy.Gateway in a server; None: no
         # keys, no quotas). Started once the ledger is open, closed after it.
         self.policy = policy
@@ -109,6 +75,36 @@ class Runtime:
         self._fatal_hooks: list[Callable[[str], None]] = []
         self._drained = False
         self._closed = False
+
+    # The default model's parts (the one model of a single-model server); another model's are
+    # its lane's (`pool.route(name).lane`).
+    @property
+    def default_lane(self) -> Optional[ModelLane]:
+        return self.pool.default if self.pool is not None else None
+
+    @property
+    def tokenizer(self) -> Optional[Tokenizer]:
+        return self.pool.default.tokenizer if self.pool is not None else None
+
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        return self.pool.default.sampling_defaults if self.pool is not None else {}
+
+    @property
+    def reasoning(self) -> Optional[ReasoningFormat]:
+        return self.pool.default.reasoning if self.pool is not None else None
+
+    @property
+    def pooler(self) -> Optional[Pooler]:
+        return self.pool.default.pooler if self.pool is not None else None
+
+    @property
+    def bridge(self) -> Optional[EngineBridge]:
+        return self.pool.default.bridge if self.pool is not None else None
+
+    @property
+    def admission(self) -> Optional[AdmissionQueue[Any]]:
+        return self.pool.default.admission if self.pool is not None else None
 
     @property
     def closed(self) -> bool:
@@ -145,48 +141,45 @@ class Runtime:
                      s.db_path, self.ledger.interrupted_at_start)
         if self.policy is not None:
             await self.policy.start(self.ledger)
-        self.tokenizer = await loop.run_in_executor(None, load_tokenizer, self.model_dir)
-        self.sampling_defaults = await loop.run_in_executor(None, generation_defaults, self.model_dir)
-        self.reasoning = pick_reasoning_format(self.tokenizer, s.reasoning_parser)
-        # The engine reads the same recipe; read here too (torch-free) so that requests for the
-        # other task are refused before they are queued.
-        self.pooler = await loop.run_in_executor(None, resolve_pooler, s.task, self.model_dir)
-        width: Optional[int] = None
-        if self.pooler is not None:
-            width = (await loop.run_in_executor(None, read_model_config, self.model_dir)).hidden_size
-            log.info("task: embed (%s pooling%s, from %s)", self.pooler.method.value,
-                     ", normalised" if self.pooler.normalize else "", self.pooler.source)
-        log.info("model: %s; default sampling values from the model: %s", self.model_dir,
-                 self.sampling_defaults or "none (pagewire's own defaults apply)")
-        self.bridge = EngineBridge(s.engine_config(str(self.model_dir)), self._dispatch)
-        self.admission = AdmissionQueue(
-            max_queued=s.max_queue,
-            max_queued_per_client=s.max_queue_per_client or s.max_queue,
-            max_in_engine=s.in_engine_limit,
-            submit=self._submit,
-        )
-        self.metrics = Metrics(self.bridge.stats, lambda: self.admission.queued if self.admission else 0)
+        lanes: list[ModelLane] = []
+        for entry in self.entries:  # tokenizers and configs (torch-free); weights load on demand
+            lanes.append(await loop.run_in_executor(None, open_lane, s, entry))
+        for lane in lanes:
+            if lane.pooler is not None:
+                log.info("model %s: task embed (%s pooling%s, from %s)", lane.name, lane.pooler.method.value,
+                         ", normalised" if lane.pooler.normalize else "", lane.pooler.source)
+            log.info("model %s: %s; default sampling values from the model: %s", lane.name, lane.entry.path,
+                     lane.sampling_defaults or "none (pagewire's own defaults apply)")
+        self.pool = pool = ModelPool(s, lanes, self._dispatch)
+        for name, base in self.names.all():
+            if base is not None:
+                pool.add_alias(name, base, name)
+        if len(lanes) > 1:
+            log.info("models: %s; memory budget %.2f GiB (%s)", ", ".join(lane.name for lane in lanes),
+                     pool.budget / 2**30, "--memory-budget" if s.memory_budget else "90% of available memory")
+        for lane in lanes:
+            lane.admission.submit_to(self._submit)
+        self.metrics = Metrics(lambda: pool.default.bridge.stats() if pool.default.bridge is not None else None,
+                               pool.queued)
+        self.metrics.registry.register(ModelCollector(pool))
         self.service = RequestService(
-            self.bridge, self.ledger, self.admission, StreamRegistry(s.stream_retention, s.stream_retention_bytes),
-            PromptPreparer(self.tokenizer, s.offload_chars, self.sampling_defaults,
-                           grammar_timeout_s=s.grammar_compile_timeout), self.metrics,
+            pool, self.ledger, StreamRegistry(s.stream_retention, s.stream_retention_bytes), self.metrics,
             s.request_timeout if s.request_timeout > 0 else None,
             OutputBudget(s.max_output_bytes, s.max_client_output_bytes),
             quotas=self.policy.quotas if self.policy is not None else None, ledger_text=s.ledger_text,
-            reasoning=self.reasoning, embedding_width=width,
         )
+        pool.on_load_failed = self.service.fail_queued
         self.metrics.add_gauges(self.service.memory_gauges)
-        bridge = self.bridge
-        self.metrics.add_gauges(lambda: router_gauges(bridge.stats()))
-        self.bridge.start()
-        loop.create_task(self._report_ready())
+        self.metrics.add_gauges(lambda: router_gauges(pool.default.bridge.stats() if pool.default.bridge else None))
+        # The default model's engine thread starts now (the others' on demand); ready once it has loaded.
+        loop.create_task(self._report_ready(pool.start_loading(pool.default)))
 
     # Indirections so the bridge and admission can be built before the service exists.
     def _dispatch(self, deltas: list[Any]) -> None:
         assert self.service is not None
         self.service.on_step(deltas)
 
-    def _submit(self, job: Job) -> None:
+    def _submit(self, job: Any) -> None:
         assert self.service is not None
         self.service.submit(job)
 
@@ -201,16 +194,23 @@ class Runtime:
             hook(reason)
         return bool(self._fatal_hooks)
 
-    async def _report_ready(self) -> None:
-        assert self.bridge is not None
-        while not self.bridge.ready and self.bridge.error is None:
-            await asyncio.sleep(0.05)
-        if self.bridge.error is not None:
+    async def _report_ready(self, loading: Awaitable[None]) -> None:
+        """Wait for the default model's load (the others load on demand); ready once it has."""
+        assert self.pool is not None and self.service is not None
+        lane = self.pool.default
+        await loading
+        if lane.state is LaneState.LOADING:  # no engine thread was started (the edge's torch-free tests)
+            return
+        if not lane.ready:
             # The traceback is logged at debug level by the engine thread.
-            if not self._fatal(f"model failed to load: {one_line(self.bridge.error)}"):
-                log.error("model failed to load: %s", self.bridge.error)  # in-process: keep answering 503
+            err = lane.load_error or "unknown error"
+            reason = err.split(" failed to load: ", 1)[-1]
+            self.service.start_error = reason
+            if not self._fatal(f"model failed to load: {reason}"):
+                log.error("model failed to load: %s", reason)  # in-process: keep answering 503
         else:
-            log.info("model loaded: %s (max_model_len %d); ready", self.model_name, self.bridge.max_model_len)
+            self.service.started = True
+            log.info("model loaded: %s (max_model_len %d); ready", self.model_name, lane.max_model_len)
 
     async def drain(self) -> None:
         """Stage one of shutdown. Idempotent."""
@@ -228,8 +228,8 @@ class Runtime:
             return
         self._closed = True
         await self.drain()
-        if self.bridge is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.bridge.shutdown, 5.0)
+        if self.pool is not None:
+            await self.pool.close()
         # The policy's keys connection first: the ledger's close releases the lock, whose
         # descriptor on the database file must outlive every SQLite connection of this process
         # (db_lock).

@@ -24,8 +24,6 @@ from typing import Any, Callable, Optional
 from server.engine.outputs import RequestDelta
 from server.engine.sampling_params import ReasoningGate, SamplingParams
 from server.serving.access import Caller, Quotas, Reservation
-from server.serving.admission import AdmissionQueue
-from server.serving.bridge import EngineBridge
 from server.serving.errors import Conflict, InvalidRequest, NotFound, PagewireError, Unavailable
 from server.serving.idempotency import check_reuse, fingerprint
 from server.serving.jobs import GenerationSpec, Job, end_from_record, events_from_output, now_pair
@@ -41,6 +39,8 @@ from server.serving.lifecycle import (
     JobState,
 )
 from server.serving.metrics import Metrics
+from server.serving.model_lane import ModelLane
+from server.serving.model_pool import ModelPool, Route
 from server.serving.output_budget import OutputBudget, worst_case_bytes
 from server.serving.prompts import PromptPreparer
 from server.serving.streams import EndEvent, Replay, RequestStream, StreamRegistry, Subscriber
@@ -60,16 +60,15 @@ class Admitted:
 
 
 class RequestService:
-    def __init__(self, bridge: EngineBridge, ledger: Ledger, admission: AdmissionQueue[Job],
-                 registry: StreamRegistry, preparer: PromptPreparer, metrics: Metrics,
+    def __init__(self, pool: ModelPool, ledger: Ledger,
+                 registry: StreamRegistry, metrics: Metrics,
                  default_timeout_s: Optional[float], budget: Optional[OutputBudget] = None,
-                 quotas: Optional[Quotas] = None, ledger_text: str = "all",
-                 reasoning: Optional[ReasoningFormat] = None, embedding_width: Optional[int] = None) -> None:
-        self.bridge = bridge
+                 quotas: Optional[Quotas] = None, ledger_text: str = "all") -> None:
+        # The served models by name (server.serving.model_pool): each request goes to its model's
+        # lane (tokenizer, admission queue, engine), loaded on demand.
+        self.pool = pool
         self.ledger = ledger
-        self.admission = admission
         self.registry = registry
-        self.preparer = preparer
         self.metrics = metrics
         self.default_timeout_s = default_timeout_s
         # Bytes of output live requests may hold (see output_budget); unbounded only when built
@@ -81,11 +80,10 @@ class RequestService:
         self._reservations: dict[str, Reservation] = {}
         # What of a request's text the ledger keeps: none, prompt, or all (usage is always kept).
         self.ledger_text = ledger_text
-        # The reasoning parser (server.text.reasoning): chat output's thinking apart from its answer.
-        self.reasoning = reasoning
-        # The width of the served model's embeddings when it pools them (server.models.pooling)
-        # rather than generating; None for a generation model.
-        self.embedding_width = embedding_width
+        # Start-up: False until the default model's first load ended (requests get 503 `starting`
+        # meanwhile, as with one model); `start_error` when that load failed.
+        self.started = False
+        self.start_error: Optional[str] = None
         # request id → (completion tokens last written to its row, monotonic time of that write)
         self._progress: dict[str, tuple[int, float]] = {}
         # Accepted requests not yet ended. Only this class reads or changes a Job: the edges go
@@ -99,14 +97,30 @@ class RequestService:
         self.draining = False
         self._tasks: set[asyncio.Task[Any]] = set()
 
+    # -- models ---------------------------------------------------------------------------------
+    @property
+    def preparer(self) -> PromptPreparer:
+        """The default model's prompt preparer (`lane(name).preparer` for another model's)."""
+        return self.pool.default.preparer
+
+    def route(self, model: Optional[str]) -> Route:
+        """The lane a request's `model` names; 404 `model_not_found` for an unknown name."""
+        r = self.pool.route(model)
+        if r is None:
+            raise NotFound(f"model: '{model}' does not exist; this server serves "
+                           f"{', '.join(repr(n) for n in self.pool.names())}", param="model", code="model_not_found")
+        return r
+
+    def lane(self, model: Optional[str]) -> ModelLane:
+        return self.route(model).lane
+
     # -- intake ---------------------------------------------------------------------------------
     def check_serving(self) -> None:
         if self.draining:
             raise Unavailable("server is shutting down", code="shutting_down", retry_after_s=5)
-        if not self.bridge.ready:
-            err = self.bridge.error
-            if err is not None:
-                raise Unavailable(f"model failed to load: {err}", code="model_load_failed")
+        if not self.started:
+            if self.start_error is not None:
+                raise Unavailable(f"model failed to load: {self.start_error}", code="model_load_failed")
             raise Unavailable("model is still loading", code="starting", retry_after_s=2)
 
     async def start(self, spec: GenerationSpec) -> Admitted:
@@ -230,30 +244,38 @@ class RequestService:
         n = len(job.prompt_token_ids) if job is not None else record.prompt_tokens if record is not None else None
         return Admitted(request_id, record=record, existing=True, prompt_tokens=n)
 
-    def _check_task(self, spec: GenerationSpec) -> None:
+    def _check_task(self, spec: GenerationSpec, lane: ModelLane) -> None:
         """A 400 naming the model when a request is for the task the model does not serve: every
         edge's generation request to an embedding model, and embeddings from a generation model."""
-        if spec.kind == "embedding" and self.embedding_width is None:
+        if spec.kind == "embedding" and lane.embedding_width is None:
             raise InvalidRequest(f"model: '{spec.model}' is a text-generation model, not an embedding model, so it "
                                  "cannot answer embedding requests; serve an embedding model (--task embed)",
                                  param="model", code="not_embedding_model")
-        if spec.kind != "embedding" and self.embedding_width is not None:
+        if spec.kind != "embedding" and lane.embedding_width is not None:
             raise InvalidRequest(f"model: '{spec.model}' is an embedding model; it answers embedding requests "
                                  "(/v1/embeddings, /api/embed) only, not text generation",
                                  param="model", code="not_generation_model")
         dims = (spec.sampling.get("embedding") or {}).get("dimensions") if spec.kind == "embedding" else None
-        width = self.embedding_width
+        width = lane.embedding_width
         if isinstance(dims, int) and width is not None and not 1 <= dims <= width:
             raise InvalidRequest(f"dimensions: must be between 1 and {width} (this model's embedding size), "
                                  f"got {dims}", param="dimensions")
 
     async def _accept(self, spec: GenerationSpec) -> Job:
-        self._check_task(spec)
-        checked = self.preparer.check_sampling(spec)
-        await self.preparer.compile_structured(checked, spec)  # 400 for a grammar that won't compile
-        ids = await self.preparer.token_ids(spec, self.bridge.max_model_len)
+        route = self.route(spec.model)
+        lane = route.lane
+        if route.adapter is not None and spec.kind == "embedding":
+            raise InvalidRequest(f"model: '{spec.model}' is a LoRA adapter; adapters are served on generation APIs "
+                                 f"(chat, completions, responses, messages, Ollama's and the WebSocket's); "
+                                 f"this API serves '{lane.name}'", param="model")
+        spec.lora = route.adapter  # the pool's names decide: an adapter's name runs its base model with it
+        self._check_task(spec, lane)
+        preparer = lane.preparer
+        checked = preparer.check_sampling(spec)
+        await preparer.compile_structured(checked, spec)  # 400 for a grammar that won't compile
+        ids = await preparer.token_ids(spec, lane.max_model_len)
         self.check_serving()  # the model may have stopped while we tokenised
-        params = self.preparer.finalize(spec, len(ids), self.bridge.max_model_len)
+        params = preparer.finalize(spec, len(ids), lane.max_model_len)
         # The most this request can cost: its prompt and every sample's max_tokens.
         reservation: Optional[Reservation] = None
         request_id = f"req-{uuid.uuid4().hex[:24]}"
@@ -273,18 +295,19 @@ class RequestService:
                 self.quotas.settle(reservation, 0, ran=False)  # type: ignore[union-attr]
             raise
         try:
-            self.admission.reserve(spec.client)
+            lane.admission.reserve(spec.client)
         except BaseException:
             self.budget.release(spec.client, output_bytes)
             if reservation is not None:
                 self.quotas.settle(reservation, 0, ran=False)  # type: ignore[union-attr]
             raise
-        reasoning = self.reasoning if spec.kind == "chat" else None
+        reasoning = lane.reasoning if spec.kind == "chat" else None
         if reasoning is not None:
-            self._gate_reasoning(reasoning, ids, params)
+            self._gate_reasoning(reasoning, ids, params, preparer)
         wall, mono = now_pair()
         job = Job(request_id, spec, ids, params, wall, mono, reasoning)
         job.output_bytes = output_bytes
+        job.lane = lane
         try:
             await self.ledger.insert(NewRequest(
                 request_id=job.request_id, kind=spec.kind, api=spec.api, client=spec.client,
@@ -296,7 +319,7 @@ class RequestService:
                 key_id=spec.key_id,
             ))
         except BaseException:
-            self.admission.release(spec.client)
+            lane.admission.release(spec.client)
             self.budget.release(spec.client, output_bytes)
             if reservation is not None:
                 self.quotas.settle(reservation, 0, ran=False)  # type: ignore[union-attr]
@@ -310,20 +333,25 @@ class RequestService:
         timeout = spec.timeout_s or self.default_timeout_s
         if timeout:
             job.deadline_timer = asyncio.get_running_loop().call_later(timeout, self._expire, job)
-        self.admission.enqueue(job, spec.client, spec.klass, spec.priority)
+        # Held until it ends: its model is never unloaded under it. An unloaded model starts
+        # loading now; the job waits in its paused admission queue meanwhile.
+        self.pool.hold(lane, spec.keep_alive_s)
+        lane.admission.enqueue(job, spec.client, spec.klass, spec.priority)
+        self.pool.want(lane)
         if self.draining:
             # Shutdown began while the row was being committed: the drain may already have
             # passed its cancel sweep, so end this one here (it becomes `interrupted`).
             self._cancel(job, CancelReason.SHUTDOWN)
         return job
 
-    def _gate_reasoning(self, fmt: ReasoningFormat, ids: list[int], params: SamplingParams) -> None:
+    def _gate_reasoning(self, fmt: ReasoningFormat, ids: list[int], params: SamplingParams,
+                        preparer: PromptPreparer) -> None:
         """A reasoning chat: its structured output (a schema, a forced tool call) applies after the
         thinking (the engine's ReasoningGate), and the tags stay in the text to be split even
         where the tokenizer marks them special."""
         if params.structured_outputs is not None:
             params.reasoning_gate = ReasoningGate.for_format(fmt, ids)
-        if self.preparer.tokenizer_has_special(fmt.start_token_id, fmt.end_token_id):
+        if preparer.tokenizer_has_special(fmt.start_token_id, fmt.end_token_id):
             params.skip_special_tokens = False
 
     # -- subscribing ----------------------------------------------------------------------------
@@ -404,13 +432,20 @@ class RequestService:
     def _cancel(self, job: Job, reason: CancelReason) -> None:
         """Stop a request: a queued one ends at once, a running one at the engine's next step."""
         if job.state is JobState.QUEUED:
-            if self.admission.remove(job):
+            if job.lane.admission.remove(job):
                 job.cancel_reason = reason
                 self._end(job, None)
                 return
         if job.state is JobState.RUNNING and job.cancel_reason is None:
             job.cancel_reason = reason
-            self.bridge.abort(job.request_id)
+            if job.lane.bridge is not None:
+                job.lane.bridge.abort(job.request_id)
+
+    def fail_queued(self, lane: ModelLane, message: str) -> None:
+        """`lane`'s model failed to load: end every request waiting for it (failed, with why)."""
+        for job in lane.admission.take_all():
+            job.error = message
+            self._end(job, None)
 
     def _expire(self, job: Job) -> None:
         job.deadline_timer = None
@@ -422,7 +457,10 @@ class RequestService:
     def submit(self, job: Job) -> None:
         """Admission's hand-off to the engine (must not raise; see AdmissionQueue)."""
         try:
-            self.bridge.submit(job.request_id, job.prompt_token_ids, job.params, job.spec.priority, job.spec.lora)
+            bridge = job.lane.bridge
+            if bridge is None:
+                raise RuntimeError(f"model {job.lane.name} is not loaded")
+            bridge.submit(job.request_id, job.prompt_token_ids, job.params, job.spec.priority, job.spec.lora)
         except Exception as e:  # noqa: BLE001 - reported as the request's failure
             job.error = str(e)
             asyncio.get_running_loop().call_soon(self._end, job, None)
@@ -482,7 +520,8 @@ class RequestService:
             job.deadline_timer.cancel()
             job.deadline_timer = None
         if was_running:
-            self.admission.done(job, time.monotonic() - (job.admitted_mono or job.created_mono))
+            job.lane.admission.done(job, time.monotonic() - (job.admitted_mono or job.created_mono))
+        self.pool.release(job.lane)
         reasons = job.finish_reasons()
         # A request that completed in the same step its cancel arrived counts as finished.
         completed = delta is not None and bool(reasons) and all(r in COMPLETE_REASONS for r in reasons)
@@ -537,6 +576,7 @@ class RequestService:
         job.state = JobState.ENDED
         job.end = end
         self.metrics.observe_end(end.state, (job.last_token_mono or time.monotonic()) - job.created_mono)
+        job.lane.count_end(end.state, end.usage.prompt_tokens, end.usage.completion_tokens)
         job.stream.finish(end)
         self.registry.ended(job.stream)
         self._jobs.pop(job.request_id, None)
@@ -570,7 +610,8 @@ class RequestService:
         self.draining = True
         # Requests still being tokenised are not accepted yet: they get 503 now, rather than
         # hold their connections (and the exit) until their tokenisation ends.
-        self.preparer.abort_waits(Unavailable("the server is shutting down", code="shutting_down"))
+        for lane in self.pool.lanes.values():
+            lane.preparer.abort_waits(Unavailable("the server is shutting down", code="shutting_down"))
         if self._jobs:
             log.info("draining: waiting up to %.1fs for %d request(s)", grace_s, len(self._jobs))
             try:

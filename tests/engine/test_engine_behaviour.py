@@ -206,3 +206,34 @@ def test_bad_input_gets_clear_errors(tiny_model, tmp_path: Path) -> None:
             (broken / f.name).write_bytes(f.read_bytes())
     with pytest.raises(FileNotFoundError, match="safetensors"):
         LLM(str(broken))
+
+
+def test_reset_prefix_cache_while_sequences_run_keeps_them_exact(tiny_model) -> None:
+    """A failed forward resets the prefix cache under running sequences (engine/isolation.py):
+    their chains start again from block 0, the next steps re-register their full blocks, and
+    their outputs equal a run without the reset; a later request hits those blocks again."""
+    model_dir = tiny_model("llama")
+    prompts = _prompts(3, _vocab(model_dir), 40, 60, seed=21)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    engine = _engine(model_dir, block_size=16, enable_prefix_caching=True, max_num_batched_tokens=32)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    out: dict[str, list[int]] = {}
+    for step in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        if step in (2, 9):  # once mid-prefill (chunked), once mid-decode
+            engine.kv_cache.reset_prefix_cache()
+            engine.kv_cache.check_invariants()
+        for d in engine.step():
+            for s in d.samples:
+                out.setdefault(f"{d.request_id}#{s.index}", []).extend(s.token_ids)
+    engine.kv_cache.check_invariants()
+    alone = LLM(str(model_dir), max_model_len=256, kv_cache_tokens=4096)
+    for i, p in enumerate(prompts):
+        assert out[f"{i}#0"] == alone.generate([p], params)[0].outputs[0].token_ids, f"request {i}"
+    # The survivors' blocks were registered again: the same prompt now hits the cache.
+    hits = engine.kv_cache.stats().prefix_hit_tokens
+    engine.add_request("again", prompts[0], SamplingParams(temperature=0.0, max_tokens=1))
+    _run(engine)
+    assert engine.kv_cache.stats().prefix_hit_tokens - hits >= len(prompts[0]) // 16 * 16 - 16

@@ -17,7 +17,6 @@ from server.engine.config import ConfigError, EngineConfig
 from server.models.loader import load_model
 from server.models.lora import LoraSet
 from server.models.lora_config import LoraError, parse_lora_arg, read_lora_config
-from server.serving.errors import NotFound
 from server.serving.model_names import ModelNames
 from tests.lora_adapters import make_lora_adapter
 
@@ -128,10 +127,6 @@ def test_tensors_against_the_model(base_and_adapter: tuple[Path, Path], tmp_path
 
 def test_names_and_engine_config(base_and_adapter: tuple[Path, Path]) -> None:
     names = ModelNames("base", ["sql", "chat"])
-    assert names.resolve(None) == ("base", None) and names.resolve("base") == ("base", None)
-    assert names.resolve("sql") == ("base", "sql")
-    with pytest.raises(NotFound, match="model: 'x' does not exist; this server serves 'base', 'sql', 'chat'"):
-        names.resolve("x")
     assert names.all() == [("base", None), ("sql", "base"), ("chat", "base")]
     with pytest.raises(ValueError, match="--lora: adapter name 'base' is the served model's own name"):
         ModelNames("base", ["base"])
@@ -151,6 +146,22 @@ def test_serve_refuses_a_bad_adapter_before_binding(base_and_adapter: tuple[Path
     with pytest.raises(SystemExit):  # argparse's own exit 2, with the message
         main(["serve", str(model), "--lora", "sql", "--db", str(tmp_path / "l.db")])
     assert "--lora: expected NAME=PATH (a PEFT adapter folder), got 'sql'" in capsys.readouterr().err
+
+
+def test_a_hybrid_base_model_refuses_adapters(tiny_model: Callable[..., Path], base_and_adapter: tuple[Path, Path],
+                                              tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """LFM2's short convolutions have no low-rank path: `serve` refuses before binding, the
+    offline engine at load, each naming the layer kind (never a failure per request)."""
+    from server.engine.engine import LLMEngine
+
+    _, adapter = base_and_adapter
+    hybrid = tiny_model("lfm2")
+    assert main(["serve", str(hybrid), "--lora", f"sql={adapter}", "--db", str(tmp_path / "h.db")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("pagewire: --lora: Lfm2ForCausalLM has recurrent-state layers (short_conv)"), err
+    with pytest.raises(ConfigError, match=r"lora_modules: .*recurrent-state layers \(short_conv\)"):
+        LLMEngine(EngineConfig(model=str(hybrid), lora_modules={"sql": str(adapter)}, max_model_len=64,
+                               autotune=False))
 
 
 def test_lora_flag_and_env_reach_the_engine_config() -> None:

@@ -83,3 +83,50 @@ def test_chat_over_an_adapter_and_unknown_names(lora_server: dict[str, Any]) -> 
     r = httpx.post(lora_server["proc"].base + "/v1/embeddings", json={"model": "all", "input": "x"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
     assert "is a LoRA adapter" in r.json()["error"]["message"]
+
+
+def test_adapters_beside_another_model(tiny_model: Any, tmp_path: Path) -> None:
+    """`--lora` goes over the default model while a second model is served beside it: the adapter's
+    name runs the default model with the adapter (PEFT's text) over HTTP, Ollama's API and the
+    WebSocket; the other model runs without one; an adapter named like a model is refused at start."""
+    from tests.server.harness import WsClient
+
+    base, other = tiny_model("llama"), tiny_model("qwen2")
+    adapter = make_lora_adapter(base, tmp_path / "sql", r=4, alpha=8, seed=5)
+    db = tmp_path / "lora-multi.db"
+    flags = ["--autotune", "off", "--model", f"other={other}", "--lora", f"sql={adapter}"]
+    prompt = [1, 40, 77, 300, 12, 9, 150]
+    with ServerProcess(base, db, *flags, served_model_name="base") as srv:
+        data = httpx.get(srv.base + "/v1/models").json()["data"]
+        assert {(m["id"], m.get("parent")) for m in data} == {("base", None), ("other", None), ("sql", "base")}
+        want = Tokenizer.from_dir(base).decode(peft_greedy(base, adapter, prompt, MAX_NEW))
+        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        got = client.completions.create(model="sql", prompt=prompt, max_tokens=MAX_NEW, temperature=0)
+        assert got.choices[0].text == want
+        # Ollama's API routes the adapter's name too: its text is the OpenAI route's for the adapter,
+        # not the base model's.
+        text = "select the rows"
+        opts = {"temperature": 0, "num_predict": MAX_NEW}
+        r = httpx.post(srv.base + "/api/generate", json={"model": "sql", "prompt": text, "raw": True, "stream": False,
+                                                         "options": opts}, timeout=120)
+        assert r.status_code == 200, r.text
+        same = client.completions.create(model="sql", prompt=text, max_tokens=MAX_NEW, temperature=0)
+        plain = client.completions.create(model="base", prompt=text, max_tokens=MAX_NEW, temperature=0)
+        assert r.json()["response"] == same.choices[0].text != plain.choices[0].text
+
+        async def ws() -> dict[str, list[dict[str, Any]]]:
+            params = {"max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+            async with WsClient(srv.ws_url) as c:
+                return await c.run({"a": {"model": "sql", "prompt": prompt, "params": params},
+                                    "b": {"model": "other", "prompt": prompt, "params": params}})
+
+        frames = asyncio.run(ws())
+        ids = {k: [t for f in v if f["type"] == "delta" for t in f["token_ids"]] for k, v in frames.items()}
+        assert frames["a"][-1]["type"] == frames["b"][-1]["type"] == "done", frames
+        assert ids["a"] == peft_greedy(base, adapter, prompt, MAX_NEW)
+        assert ids["b"] == peft_greedy(other, None, prompt, MAX_NEW)  # the other model, without the adapter
+    models = {r["model"] for r in ledger_rows(db).values()}
+    assert models == {"sql", "other", "base"}  # each row names what its request named
+    clash = ServerProcess(base, tmp_path / "clash.db", "--model", f"sql={other}", "--lora", f"sql={adapter}")
+    with pytest.raises(RuntimeError, match="adapter name 'sql' is also a served model's name"):
+        clash.start(timeout=120)

@@ -294,7 +294,9 @@
     // detach: a dropped socket must not cancel the answer; Stop cancels it explicitly.
     const msg = {
       role: "assistant", content: "", stats: {},
-      gen: { key: uid(), req: { kind: "chat", messages, params, detach: true }, request_id: null, seq: 0, state: "sending" },
+      gen: { key: uid(), req: Object.assign({ kind: "chat", messages, params, detach: true },
+                                            s.model ? { model: s.model } : {}),
+             request_id: null, seq: 0, state: "sending" },
     };
     conv.messages.push(msg);
     save(true);
@@ -581,8 +583,24 @@
   async function loadModel() {
     try {
       const r = await fetch("/v1/models", { headers: authHeaders() });
-      const m = (await r.json()).data[0];
+      const data = (await r.json()).data;
+      const m = data[0];
       $("model").textContent = m.id + (m.max_model_len ? " · " + m.max_model_len + " ctx" : "");
+      // Several models served: a picker (an unloaded one loads on demand at its first message).
+      const pick = $("model-pick");
+      if (data.length > 1) {
+        pick.replaceChildren(...data.map((d) => {
+          const o = document.createElement("option");
+          o.value = d.id;
+          o.textContent = d.id + (d.loaded === false ? " (loads on first use)" : "");
+          return o;
+        }));
+        const s = state.settings;
+        if (!data.some((d) => d.id === s.model)) s.model = undefined;
+        pick.value = s.model || m.id;
+        pick.hidden = false;
+        $("model").hidden = true;
+      }
     } catch (e) { $("model").textContent = ""; }
   }
 
@@ -610,6 +628,7 @@
     setting("top-p", "top_p", parseFloat);
     setting("max-tokens", "max_tokens", (v) => parseInt(v, 10));
     $("theme").addEventListener("change", () => { s.theme = $("theme").value; applyTheme(); save(true); });
+    $("model-pick").addEventListener("change", () => { s.model = $("model-pick").value; save(true); });
     $("api-key").value = apiKey();
     $("api-key").addEventListener("change", () => setApiKey($("api-key").value.trim()));
     $("system").addEventListener("input", () => {

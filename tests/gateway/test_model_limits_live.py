@@ -6,6 +6,8 @@ key-wide bucket; and a model's daily quota read back from the
 ledger after a restart. The in-process server's quota clock is injected, so no test sleeps."""
 from __future__ import annotations
 
+import asyncio
+import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,6 +33,20 @@ def adapter(two: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> P
     from tests.lora_adapters import make_lora_adapter
 
     return make_lora_adapter(two["a"], tmp_path_factory.mktemp("limits-lora") / "tuned", r=4, alpha=8, seed=2)
+
+
+async def _ws_generate(port: int, secret: str, model: str) -> dict[str, Any]:
+    """The frame that ends one WebSocket generate of 50 tokens (done or error)."""
+    from websockets.asyncio.client import connect
+
+    async with connect(f"ws://127.0.0.1:{port}/v1/ws", proxy=None,
+                       additional_headers={"Authorization": f"Bearer {secret}"}) as ws:
+        await ws.send(json.dumps({"type": "generate", "id": "w", "kind": "completion", "prompt": PROMPT,
+                                  "model": model, "params": {"max_tokens": 47, "ignore_eos": True}}))
+        while True:
+            f: dict[str, Any] = json.loads(await ws.recv())
+            if f["type"] in ("done", "error"):
+                return f
 
 
 def _tokens(resp: Any) -> tuple[str, str]:
@@ -65,6 +81,10 @@ def test_a_models_tpm_refuses_that_model_while_the_other_still_serves(
     # 40 more tokens at 60 per minute: 40 s.
     assert _tokens(err.response) == ("60", "10") and h["x-ratelimit-reset-tokens"] == "50s"
     assert h["retry-after"] == "40" and h["retry-after-ms"] == "40000"
+    # The WebSocket's `error` frame: the same code, param and wait.
+    frame = asyncio.run(_ws_generate(srv.port, secret, "a"))
+    assert (frame["type"], frame["code"], frame["param"], frame["retry_after_ms"]) == (
+        "error", "rate_limit_exceeded", "model", 40000), frame
     # The chat API of the same model is refused the same way; and a request larger than a's whole
     # TPM is told it can never fit (x-should-retry: false), though the key-wide limit would allow it.
     chat = dict(model="a", messages=[{"role": "user", "content": "hi"}])

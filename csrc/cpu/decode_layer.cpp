@@ -29,14 +29,17 @@ namespace {
 
 // x @ w^T (+ b) by the path ops.linear would take: "kernel" (pagewire::linear), "torch"
 // (F.linear, i.e. at::linear), "q8_0" / "q8_0x8" (pagewire::linear_q8_0, row or interleaved
-// layout), or a 4-bit qtype of pagewire::linear_q4 ("q4_0", "q4_1", "q4_k", "q4_0x8", "q4_1x8").
+// layout), or a qtype of pagewire::linear_q4 ("q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "mxfp4",
+// "q4_0x8", "q4_1x8", "q4_kx8").
 at::Tensor run_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
                       const std::string& kind) {
   if (kind == "kernel") return linear_cpu(x, w, b);
   if (kind == "torch") return at::linear(x, w, b);
   if (kind == "q8_0") return linear_q8_0_cpu(x, w, b, false);
   if (kind == "q8_0x8") return linear_q8_0_cpu(x, w, b, true);
-  TORCH_CHECK(kind.rfind("q4_", 0) == 0, "decode_layer: unknown linear kind '", kind, "'");
+  // Any other kind is a linear_q4 qtype (the 4-bit and K-quant formats), which checks the rest.
+  TORCH_CHECK(kind.rfind("q4_", 0) == 0 || kind == "q5_k" || kind == "q6_k" || kind == "mxfp4",
+              "decode_layer: unknown linear kind '", kind, "'");
   return linear_q4_cpu(x, w, kind, b);
 }
 

@@ -122,8 +122,8 @@ at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>&
                             c10::string_view ple_gate_kind, const c10::optional<at::Tensor>& ple_proj,
                             c10::string_view ple_proj_kind, const c10::optional<at::Tensor>& ple_norm,
                             const c10::optional<at::Tensor>& layer_scalar,
-                            const c10::optional<at::Tensor>& sinks, at::TensorList lora,
-                            at::IntArrayRef lora_spec);
+                            const c10::optional<at::Tensor>& sinks, c10::optional<at::TensorList> lora,
+                            at::OptionalIntArrayRef lora_spec);
 
 // The routed experts of a mixture-of-experts layer (cpu/moe.cpp). x [T, H] (float32, bfloat16 or
 // float16); topk_ids int64 [T, k] (expert per slot, -1 = empty), topk_weights float32 [T, k];

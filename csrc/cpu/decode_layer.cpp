@@ -154,8 +154,8 @@ at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>&
                             c10::string_view ple_gate_kind, const c10::optional<at::Tensor>& ple_proj,
                             c10::string_view ple_proj_kind, const c10::optional<at::Tensor>& ple_norm,
                             const c10::optional<at::Tensor>& layer_scalar,
-                            const c10::optional<at::Tensor>& sinks, at::TensorList lora,
-                            at::IntArrayRef lora_spec) {
+                            const c10::optional<at::Tensor>& sinks, c10::optional<at::TensorList> lora,
+                            at::OptionalIntArrayRef lora_spec) {
   TORCH_CHECK(hidden.device().is_cpu() && hidden.dim() == 2, "hidden must be a CPU [T, hidden] tensor, got ",
               hidden.sizes(), " on ", hidden.device());
   const int64_t T = hidden.size(0);
@@ -194,7 +194,7 @@ at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>&
   // only the leading dims, NoPE none), the value norm (Gemma 4), the KV write (none for a layer
   // reading another's KV), paged attention.
   const at::Tensor x = enter(hidden, delta, attn_norm, eps);
-  const LoraTerms terms(lora, lora_spec);
+  const LoraTerms terms(lora.value_or(at::TensorList()), lora_spec.value_or(at::IntArrayRef()));
   const at::Tensor qkv = run_linear(x, qkv_weight, qkv_bias, std::string(qkv_kind));
   terms.add(0, x, qkv);
   TORCH_CHECK(qkv.size(1) == q_size + own_kv, "decode_layer: qkv has ", qkv.size(1), " columns, heads say ",

@@ -235,7 +235,7 @@ class DecoderLayer(nn.Module):
         projection (linear_kinds); per_layer_input as forward()'s; lora: the step's stacked LoRA
         terms (LoraStep.fusable), added by decode_layer as forward() adds them."""
         ple = self.ple_gate is not None
-        lora_tensors, lora_spec = lora.fused_args(self.layer_idx) if lora is not None else ([], [])
+        lora_tensors, lora_spec = lora.fused_args(self.layer_idx) if lora is not None else (None, None)
         mlp_out = torch.ops.pagewire.decode_layer(
             hidden, delta, self.attn_norm, self.attn_post_norm, self.mlp_norm, self.mlp_post_norm, self.eps,
             self.residual_multiplier,

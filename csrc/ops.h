@@ -96,7 +96,9 @@ at::Tensor gelu_tanh_and_mul_cpu(const at::Tensor& x);
 // projects queries only and attends over the caches given (an earlier layer's), writing nothing;
 // value_from_key: no v rows in qkv, the values are the key projection; per_layer_input [T, P] with
 // ple_gate [P, H], ple_proj [H, P] (and their kinds), ple_norm [H]: the per-layer input block;
-// layer_scalar [1]. Returns this layer's MLP output [T, H] as it joins the residual stream, or, when
+// layer_scalar [1]. lora / lora_spec: a step's stacked LoRA terms (server/models/lora.py, LoraStep.
+// fused_args), each added to its projection's output as LoraStep.add adds it, op for op; empty:
+// none. Returns this layer's MLP output [T, H] as it joins the residual stream, or, when
 // the layer ends itself (per-layer input block or layer scalar: the output already added), [0, H].
 at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>& delta,
                             const c10::optional<at::Tensor>& attn_norm, const c10::optional<at::Tensor>& attn_post_norm,
@@ -120,7 +122,8 @@ at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>&
                             c10::string_view ple_gate_kind, const c10::optional<at::Tensor>& ple_proj,
                             c10::string_view ple_proj_kind, const c10::optional<at::Tensor>& ple_norm,
                             const c10::optional<at::Tensor>& layer_scalar,
-                            const c10::optional<at::Tensor>& sinks);
+                            const c10::optional<at::Tensor>& sinks, c10::optional<at::TensorList> lora,
+                            at::OptionalIntArrayRef lora_spec);
 
 // The routed experts of a mixture-of-experts layer (cpu/moe.cpp). x [T, H] (float32, bfloat16 or
 // float16); topk_ids int64 [T, k] (expert per slot, -1 = empty), topk_weights float32 [T, k];

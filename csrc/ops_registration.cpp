@@ -59,7 +59,8 @@ TORCH_LIBRARY(pagewire, m) {
       "int max_query_len, int max_seq_len, int num_heads, int num_kv_heads, int head_dim, float softcap=0.0, "
       "str activation=\"silu\", Tensor? v_norm=None, bool shares_kv=False, bool value_from_key=False, "
       "Tensor? per_layer_input=None, Tensor? ple_gate=None, str ple_gate_kind=\"torch\", Tensor? ple_proj=None, "
-      "str ple_proj_kind=\"torch\", Tensor? ple_norm=None, Tensor? layer_scalar=None, Tensor? sinks=None) -> Tensor");
+      "str ple_proj_kind=\"torch\", Tensor? ple_norm=None, Tensor? layer_scalar=None, Tensor? sinks=None, "
+      "Tensor[]? lora=None, int[]? lora_spec=None) -> Tensor");
   // The routed experts of an MoE layer (shapes in ops.h): tokens grouped by expert, only the experts used read
   m.def("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, str gate_up_kind, "
         "Tensor down, str down_kind, Tensor? gate_up_bias=None, Tensor? down_bias=None, str activation=\"silu\", "

@@ -115,7 +115,7 @@ def _decode_layer_fake(hidden, delta, attn_norm, attn_post_norm, mlp_norm, mlp_p
                        sliding_window, max_query_len, max_seq_len, num_heads, num_kv_heads, head_dim, softcap=0.0,
                        activation="silu", v_norm=None, shares_kv=False, value_from_key=False, per_layer_input=None,
                        ple_gate=None, ple_gate_kind="torch", ple_proj=None, ple_proj_kind="torch", ple_norm=None,
-                       layer_scalar=None, sinks=None):
+                       layer_scalar=None, sinks=None, lora=None, lora_spec=None):
     # A layer that ends itself (Gemma 4's per-layer input block, layer scalar) has added its MLP
     # output already and returns an empty [0, H].
     finishes = ple_gate is not None or layer_scalar is not None

@@ -84,7 +84,7 @@ PY310_DEPS := msgspec uvloop websockets aiosqlite "uvicorn[standard]" httptools 
   pytest-timeout hypothesis
 PY310_TESTS := tests/test_layers.py tests/server/test_edge_units.py tests/test_tool_parsers.py \
   tests/test_detokenizer.py tests/server/test_tools_validation.py tests/gateway/test_keys_and_quotas.py \
-  tests/gateway/test_files.py tests/gateway/test_ownership_schema.py
+  tests/gateway/test_files.py tests/gateway/test_ownership_schema.py tests/gateway/test_model_limits.py
 
 # venv310 alone is the set-up half: .ci/run starts it beside the other set-up steps.
 venv310:
@@ -104,7 +104,8 @@ test-py310: venv310
 FAST_TESTS := tests/test_layers.py tests/test_pairwise.py tests/test_detokenizer.py tests/test_sampler.py \
   tests/test_tokenizer.py tests/test_tool_parsers.py tests/allocator tests/server/test_edge_units.py \
   tests/server/test_tools_validation.py tests/engine/test_kv_cache_manager.py \
-  tests/gateway/test_keys_and_quotas.py tests/gateway/test_files.py tests/gateway/test_ownership_schema.py
+  tests/gateway/test_keys_and_quotas.py tests/gateway/test_files.py tests/gateway/test_ownership_schema.py \
+  tests/gateway/test_model_limits.py
 
 test-fast: build
 	$(PYTEST) -x $(FAST_TESTS)

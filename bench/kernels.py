@@ -8,13 +8,17 @@ turn through PAGEWIRE_CPU_ISA), each in ms, GB/s of K+V read and GFLOP/s, with i
 SDPA (> 1: faster than SDPA) and the best family's speedup over it.
 
 `linear` prints, per weight shape and row count M: the pagewire bf16 kernel, torch's F.linear on
-the same bf16 weight, and the Q8_0 kernel (int8 blocks, 34 bytes per 32 weights), each in ms and in
-GB/s of weight bytes read, against the plain read bandwidth measured at the start of the run.
+the same bf16 weight, the path ops.linear takes under an autotune table (`chosen`, with its ratio to
+the faster of the two, flagged above 1.2x), and the Q8_0 kernel (int8 blocks, 34 bytes per 32
+weights), each in ms and in GB/s of weight bytes read, against the plain read bandwidth measured at
+the start of the run.
 
-`quant` prints, per weight shape, format (Q8_0, Q4_0, Q4_1) and row count M: the quantised kernel
-on GGUF's row layout and on the interleaved x8 layout (`QuantizedWeight.for_kernels` on AVX2 CPUs;
-the x8 figures use the AVX2 x8 kernel whatever the family), each in ms and GB/s of weight bytes,
-and x8's speedup over rows; weights stream from DRAM as in decode.
+`quant` prints, per weight shape, format (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) and row count M
+(1 to 64): the integer kernel on GGUF's row layout and on the interleaved x8 layout (the x8 figures
+use the AVX2 x8 kernel whatever the family), dequantise + torch's GEMM, and the path ops.linear
+takes under an autotune table (`chosen`, on the layout `QuantizedWeight.for_kernels` keeps), each
+in ms and GB/s of weight bytes, with chosen's ratio to the best path (flagged above 1.2x); weights
+stream from DRAM as in decode. `--quick`: two shapes and five row counts.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ import torch.nn.functional as F
 
 from bench.bandwidth import read_bandwidth_gbs
 from server.kernels import ops
-from server.kernels.quant import QuantizedWeight
+from server.kernels.quant import INTERLEAVABLE, QuantizedWeight
 from tests.kernels.paged_reference import make_paged_batch
 
 REPEAT = 20
@@ -119,29 +123,38 @@ def bench_attention(dtype: torch.dtype) -> None:
 def bench_linear() -> None:
     import os
 
+    from server.kernels import autotune
+
     dtype = torch.bfloat16
     gen = torch.Generator().manual_seed(0)
     bw = read_bandwidth_gbs()
     print(f"CPU kernels: {ops.cpu_isa()}   read bandwidth {bw:.1f} GB/s   threads {torch.get_num_threads()}   "
           f"load average {os.getloadavg()[0]:.2f}")
+    worst = 0.0
     for N, K in [(1024, 1024), (3072, 1024), (5632, 1024), (1024, 2816), (32000, 1024)]:
         # Enough weight copies to exceed the 32 MiB L3, so weights stream from DRAM as in decode.
         copies = max(1, -(-96 * 2**20 // (N * K * 2)))
         weights = [torch.randn(N, K, generator=gen).to(dtype) for _ in range(copies)]
         qweights = [QuantizedWeight.quantize(w) for w in weights]
+        table = autotune.tune([autotune.Site("w", weights[0], dtype)], budget_s=30.0, log=False)
         step = iter(range(1 << 60))
         base = None
-        for M in [1, 2, 4, 8, 12, 16, 24, 32]:
+        for M in [1, 2, 4, 8, 12, 16, 24, 32, 64]:
             x = torch.randn(M, K, generator=gen).to(dtype)
-            ours = best_of(lambda: ops.linear(x, weights[next(step) % copies]))
+            ours = best_of(lambda: ops._float_kernel_path(x, weights[next(step) % copies], None))
             ref = best_of(lambda: F.linear(x, weights[next(step) % copies]))
+            with autotune.active(table):
+                chosen = best_of(lambda: ops.linear(x, weights[next(step) % copies]))
             q8 = best_of(lambda: ops.linear(x, qweights[next(step) % copies]))
             base = base or ours
             mb, qmb = N * K * 2 / 1e6, N * K * 34 / 32 / 1e6
-            kernel = "kernel" if M <= ops.LINEAR_KERNEL_MAX_M or ops.BF16_KERNEL_EVERY_M else "F.linear"
-            print(f"N={N:6d} K={K:5d} M={M:3d}  pagewire[{kernel:8s}] {ours:7.3f} ms ({mb / ours:5.1f} GB/s, "
+            ratio = chosen / min(ours, ref)
+            worst = max(worst, ratio)
+            print(f"N={N:6d} K={K:5d} M={M:3d}  kernel {ours:7.3f} ms ({mb / ours:5.1f} GB/s, "
                   f"{ours / base:4.2f}x M=1)   torch {ref:7.3f} ms ({mb / ref:5.1f} GB/s)   speedup {ref / ours:5.2f}x"
+                  f"   chosen {chosen:7.3f} ms = {ratio:4.2f}x best{'  > 1.2x' if ratio > 1.2 else ''}"
                   f"   q8_0 {q8:7.3f} ms ({qmb / q8:5.1f} GB/s, {ours / q8:4.2f}x bf16)")
+    print(f"worst chosen / best (bf16): {worst:.2f}x")
 
 
 def random_q4_1(n: int, k: int, gen: torch.Generator) -> QuantizedWeight:
@@ -154,31 +167,65 @@ def random_q4_1(n: int, k: int, gen: torch.Generator) -> QuantizedWeight:
     return QuantizedWeight.from_gguf_bytes("q4_1", data.reshape(n, -1), n, k)
 
 
-def bench_quant() -> None:
+def random_weight(qtype: str, n: int, k: int, gen: torch.Generator) -> QuantizedWeight:
+    """A weight of `qtype` in GGUF's row layout: Q8_0 / Q4_0 quantised from random floats, Q4_1 and
+    the K-quants random valid blocks (no quantiser for them here)."""
+    if qtype == "q4_1":
+        return random_q4_1(n, k, gen)
+    if qtype in ("q4_k", "q5_k", "q6_k"):
+        from tests.gguf_files import random_k_blocks
+
+        data = random_k_blocks(n, k, qtype.upper(), int(torch.randint(0, 1 << 30, (1,), generator=gen)))
+        return QuantizedWeight.from_gguf_bytes(qtype, torch.from_numpy(data), n, k)
+    return QuantizedWeight.quantize(torch.randn(n, k, generator=gen) / 32, qtype)
+
+
+QUANT_TYPES = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
+
+
+def bench_quant(quick: bool = False) -> None:
+    """Per shape, format and M: every path pagewire has for the weight -- the integer kernel on
+    GGUF's rows, on the x8 layout (Q8_0, Q4_0, Q4_1, Q4_K), each in blocks of 16 rows above 16,
+    and dequantise + torch's GEMM -- and the path ops.linear takes under the engine's autotune
+    table (tuned here on the layout the loader keeps), with its ratio to the best of them."""
     import os
+
+    from server.kernels import autotune
 
     gen = torch.Generator().manual_seed(0)
     bw = read_bandwidth_gbs()
     print(f"CPU kernels: {ops.cpu_isa()}   read bandwidth {bw:.1f} GB/s   threads {torch.get_num_threads()}   "
           f"load average {os.getloadavg()[0]:.2f}")
-    for N, K in [(1536, 1024), (5632, 1024), (1024, 2816), (32000, 1024)]:
-        for qtype in ("q8_0", "q4_0", "q4_1"):
-            nbytes = N * K // 32 * {"q8_0": 34, "q4_0": 18, "q4_1": 20}[qtype]
+    shapes = [(1536, 1024), (1024, 2816)] if quick else [(1536, 1024), (5632, 1024), (1024, 2816), (32000, 1024)]
+    worst = 0.0
+    for N, K in shapes:
+        for qtype in QUANT_TYPES:
+            first = random_weight(qtype, N, K, gen)
+            nbytes = first.nbytes
             # Enough copies to exceed the 32 MiB L3, so weights stream from DRAM as in decode.
             copies = max(1, -(-96 * 2**20 // nbytes))
-            rows = []
-            for _ in range(copies):
-                w = torch.randn(N, K, generator=gen) / 32
-                rows.append(random_q4_1(N, K, gen) if qtype == "q4_1" else QuantizedWeight.quantize(w, qtype))
-            x8s = [q.interleave() for q in rows]
+            rows = [first] + [random_weight(qtype, N, K, gen) for _ in range(copies - 1)]
+            paths: dict[str, list[QuantizedWeight]] = {"rows": rows}
+            if qtype in INTERLEAVABLE:
+                paths["x8"] = [q.interleave() for q in rows]
+            kept = [q.for_kernels() for q in rows]  # what the loaders keep on this CPU
+            table = autotune.tune([autotune.Site("w", kept[0], torch.bfloat16)], budget_s=30.0, log=False)
             step = iter(range(1 << 60))
-            for M in [1, 2, 4, 8, 16]:
+            for M in ([1, 4, 16, 32, 64] if quick else [1, 2, 4, 8, 16, 24, 32, 64]):
                 x = torch.randn(M, K, generator=gen).bfloat16()
-                t_rows = best_of(lambda: ops.linear(x, rows[next(step) % copies]))
-                t_x8 = best_of(lambda: ops.linear(x, x8s[next(step) % copies]))
+                times = {name: best_of(lambda: ops._quant_kernel_path(x, ws[next(step) % copies], None))
+                         for name, ws in paths.items()}
+                times["dequant+gemm"] = best_of(lambda: ops._quant_gemm_path(x, rows[next(step) % copies], None))
+                with autotune.active(table):
+                    chosen = best_of(lambda: ops.linear(x, kept[next(step) % copies]))
+                best = min(times, key=lambda k: times[k])
+                ratio = chosen / times[best]
+                worst = max(worst, ratio)
                 mb = nbytes / 1e6
-                print(f"N={N:6d} K={K:5d} {qtype} M={M:3d}  rows {t_rows:7.3f} ms ({mb / t_rows:5.1f} GB/s)   "
-                      f"x8 {t_x8:7.3f} ms ({mb / t_x8:5.1f} GB/s)   x8 speedup {t_rows / t_x8:4.2f}x")
+                listed = "   ".join(f"{name} {t:7.3f} ms ({mb / t:5.1f} GB/s)" for name, t in times.items())
+                print(f"N={N:6d} K={K:5d} {qtype} M={M:3d}  {listed}   chosen {chosen:7.3f} ms = {ratio:4.2f}x best "
+                      f"({best}){'  > 1.2x' if ratio > 1.2 else ''}")
+    print(f"worst chosen / best: {worst:.2f}x")
 
 
 def bench_fused() -> None:
@@ -231,6 +278,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0,
                         help="intra-op threads (0: torch's default); 1 gives steadier figures on a loaded machine")
     parser.add_argument("--repeat", type=int, default=20, help="timed runs per case (best reported)")
+    parser.add_argument("--quick", action="store_true", help="quant: two shapes and five row counts")
     a = parser.parse_args()
     if a.threads > 0:
         torch.set_num_threads(a.threads)
@@ -241,7 +289,7 @@ def main() -> None:
     elif a.what == "fused":
         bench_fused()
     elif a.what == "quant":
-        bench_quant()
+        bench_quant(a.quick)
     else:
         bench_linear()
 

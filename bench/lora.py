@@ -7,8 +7,9 @@ schedule, forward, sampling); base and LoRA rounds alternate, --rounds each. The
 so every round prefills afresh. The adapters are random PEFT-format folders written here (every
 q/k/v/o and MLP projection, rank --rank), loaded with `lora_modules` as `--lora` loads them.
 
-With adapter rows a step runs the Python layers (pagewire::decode_layer has no low-rank term); the
-base rounds take decode_layer as usual, so the figure includes that switch. Both modes of the term
+With adapter rows a step keeps pagewire::decode_layer, which adds the stacked terms (deterministic
+mode's per-adapter terms run the Python layers); "base, Python layers" is the base model's step
+through the Python layers, for scale. Both modes of the term
 are timed when --deterministic is "both": stacked (default) and per adapter (deterministic mode,
 each against a base engine in the same mode).
 
@@ -61,7 +62,7 @@ def write_adapter(out: Path, layout: list[dict[str, Slot]], rank: int, seed: int
 def time_round(engine: LLMEngine, loras: list[Optional[str]], prompt_len: int, steps: int, seed: int,
                fused: bool = True) -> float:
     """Mean CPU seconds per decode step of one batch (after its prefill); fused False runs the base
-    model's steps through the Python layers too (what an adapter step runs)."""
+    model's steps through the Python layers (what a deterministic-mode adapter step runs)."""
     rng = random.Random(seed)
     vocab = engine.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)

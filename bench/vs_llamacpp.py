@@ -48,6 +48,15 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
     }),
+    # SmolLM2-135M's layout (30 Llama layers, heads of 64, 1536-wide MLP, 49152 tokens, tied) with
+    # a 512-wide residual instead of 576: every row a whole number of 256-value K-quant
+    # super-blocks, so llama-quantize's Q4_K_M is Q4_K and Q6_K throughout (on the real 576-wide
+    # model 166 of its 211 matrices fall back to Q5_0, a type pagewire does not keep).
+    "smollm2-k256": ("llama", {
+        "vocab_size": 49152, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 30,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+    }),
     "olmo2-1b": ("olmo2", {
         "vocab_size": 100352, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
         "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 4096,
@@ -70,9 +79,10 @@ def padded_vocab(size: int) -> tuple[list[str], list[str], list[int]]:
     return tokens + [f"<pad{i}>" for i in range(pad)], merges, types + [1] * pad
 
 
-def build_files(shape: str, types: list[str]) -> dict[str, Path]:
+def build_files(shape: str, types: list[str], llama_quantize: Path | None = None) -> dict[str, Path]:
     """The shape's HF folder (bf16) and one GGUF per type under bench/out/vs_llamacpp/, reused
-    while their marker says they were written by this FILES_VERSION."""
+    while their marker says they were written by this FILES_VERSION. Q4_K_M (a mix of types, as
+    llama.cpp's users download it) is made from the F16 file by llama.cpp's own llama-quantize."""
     from tests.gguf_files import write_gguf
     from tests.tiny_models import make_tiny_model
 
@@ -90,12 +100,20 @@ def build_files(shape: str, types: list[str]) -> dict[str, Path]:
         marker.write_text(json.dumps(done))
     files: dict[str, Path] = {}
     vocab = None
-    for qtype in types:
+    for qtype in (["F16"] if "Q4_K_M" in types and "F16" not in types else []) + types:
         path = root / f"{shape}-{qtype}.gguf"
         if qtype not in done or not path.exists():
             log(f"writing {path.name}")
-            vocab = vocab or padded_vocab(sizes["vocab_size"])
-            write_gguf(path, hf_dir, qtype, vocab=vocab)
+            if qtype == "Q4_K_M":
+                if llama_quantize is None:
+                    raise SystemExit("Q4_K_M: pass --llama-quantize (llama.cpp's, built beside llama-bench)")
+                cmd = [str(llama_quantize), str(files["F16"]), str(path), "Q4_K_M"]
+                log("llama-quantize: " + shlex.join(cmd))
+                env = {**os.environ, "LD_LIBRARY_PATH": str(llama_quantize.parent)}
+                subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            else:
+                vocab = vocab or padded_vocab(sizes["vocab_size"])
+                write_gguf(path, hf_dir, qtype, vocab=vocab)
             done[qtype] = str(path)
             marker.write_text(json.dumps(done))
         files[qtype] = path
@@ -128,8 +146,10 @@ def run_llamacpp(llama_bench: Path, path: Path, repeats: int, threads: int) -> f
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="gemma3-1b", choices=sorted(SHAPES))
-    p.add_argument("--types", nargs="+", default=["BF16", "Q8_0", "Q4_0"], choices=["BF16", "F16", "Q8_0", "Q4_0"])
+    p.add_argument("--types", nargs="+", default=["BF16", "Q8_0", "Q4_0"],
+                   choices=["BF16", "F16", "Q8_0", "Q4_0", "Q4_K_M"])
     p.add_argument("--llama-bench", type=Path, required=True, help="llama.cpp's llama-bench, built outside the repo")
+    p.add_argument("--llama-quantize", type=Path, help="llama.cpp's llama-quantize (for --types Q4_K_M)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement, both programs")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -140,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
     print(f"machine: {machine_line()}")
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    files = build_files(args.shape, args.types)
+    files = build_files(args.shape, args.types, args.llama_quantize)
     if args.build_only:
         return 0
     from bench.bandwidth import read_bandwidth_gbs

@@ -56,13 +56,13 @@ at::Tensor interleave_q8_0_cpu(const at::Tensor& weight);  // row layout -> x8 l
 at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                            bool interleaved);
 
-// 4-bit quantised weights (GGUF's Q4_0, Q4_1, Q4_K block layouts), see cpu/quant4_kernel.h.
-// weight: uint8 [N, K / block * block bytes]; qtype: "q4_0", "q4_1" or "q4_k", or "q4_0x8" / "q4_1x8"
-// for Q4_0 / Q4_1 in the interleaved x8 layout (cpu/quant4_kernel.h).
+// 4-bit and K-quant weights (GGUF's Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, MXFP4 layouts), see cpu/quant4_kernel.h.
+// weight: uint8 [N, K / block * block bytes]; qtype: "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "mxfp4",
+// or "q4_0x8" / "q4_1x8" / "q4_kx8" in the interleaved x8 layout (cpu/quant4_kernel.h).
 constexpr int64_t kQ4KernelMaxRows = 16;  // larger batches dequantise chunks and use ATen's GEMM
 at::Tensor quantize_q4_0_cpu(const at::Tensor& weight);  // float [N, K] -> Q4_0 bytes
 at::Tensor dequantize_q4_cpu(const at::Tensor& weight, c10::string_view qtype);  // -> float32 [N, K]
-// Q4_0 / Q4_1 row layout -> the x8 layout (qtype "q4_0x8" / "q4_1x8" in the other ops), same shape.
+// Q4_0 / Q4_1 / Q4_K row layout -> the x8 layout (qtype "q4_0x8" / "q4_1x8" / "q4_kx8"), same shape.
 at::Tensor interleave_q4_cpu(const at::Tensor& weight, c10::string_view qtype);
 // x [M, K] (float32, bfloat16 or float16) @ dequant(weight)^T + bias [N] -> [M, N] in x's dtype
 at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::string_view qtype,
@@ -96,7 +96,9 @@ at::Tensor gelu_tanh_and_mul_cpu(const at::Tensor& x);
 // projects queries only and attends over the caches given (an earlier layer's), writing nothing;
 // value_from_key: no v rows in qkv, the values are the key projection; per_layer_input [T, P] with
 // ple_gate [P, H], ple_proj [H, P] (and their kinds), ple_norm [H]: the per-layer input block;
-// layer_scalar [1]. Returns this layer's MLP output [T, H] as it joins the residual stream, or, when
+// layer_scalar [1]. lora / lora_spec: a step's stacked LoRA terms (server/models/lora.py, LoraStep.
+// fused_args), each added to its projection's output as LoraStep.add adds it, op for op; empty:
+// none. Returns this layer's MLP output [T, H] as it joins the residual stream, or, when
 // the layer ends itself (per-layer input block or layer scalar: the output already added), [0, H].
 at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>& delta,
                             const c10::optional<at::Tensor>& attn_norm, const c10::optional<at::Tensor>& attn_post_norm,
@@ -120,7 +122,8 @@ at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>&
                             c10::string_view ple_gate_kind, const c10::optional<at::Tensor>& ple_proj,
                             c10::string_view ple_proj_kind, const c10::optional<at::Tensor>& ple_norm,
                             const c10::optional<at::Tensor>& layer_scalar,
-                            const c10::optional<at::Tensor>& sinks);
+                            const c10::optional<at::Tensor>& sinks, c10::optional<at::TensorList> lora,
+                            at::OptionalIntArrayRef lora_spec);
 
 // The routed experts of a mixture-of-experts layer (cpu/moe.cpp). x [T, H] (float32, bfloat16 or
 // float16); topk_ids int64 [T, k] (expert per slot, -1 = empty), topk_weights float32 [T, k];

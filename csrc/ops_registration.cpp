@@ -41,9 +41,9 @@ TORCH_LIBRARY(pagewire, m) {
   m.def("interleave_q8_0(Tensor weight) -> Tensor");
   // x [M, K] @ dequant(weight)^T + bias [N] -> [M, N] in x's dtype (x quantised per row on the fly)
   m.def("linear_q8_0(Tensor x, Tensor weight, Tensor? bias, bool interleaved=False) -> Tensor");
-  // 4-bit weights: uint8 [N, K / block * block bytes] in GGUF's Q4_0, Q4_1 or Q4_K layout (qtype
-  // "q4_0", "q4_1", "q4_k") or Q4_0 / Q4_1 interleaved eight rows at a time ("q4_0x8", "q4_1x8",
-  // cpu/quant4_kernel.h); linear_q4 as linear_q8_0
+  // 4-bit / K-quant weights: uint8 [N, K / block * block bytes], GGUF's Q4_0, Q4_1, Q4_K, Q5_K, Q6_K,
+  // MXFP4 ("q4_0" ... "q6_k", "mxfp4") or Q4_0 / Q4_1 / Q4_K interleaved eight rows at a time ("q4_0x8", "q4_1x8",
+  // "q4_kx8", cpu/quant4_kernel.h); linear_q4 as linear_q8_0
   m.def("quantize_q4_0(Tensor weight) -> Tensor");
   m.def("dequantize_q4(Tensor weight, str qtype) -> Tensor");
   m.def("linear_q4(Tensor x, Tensor weight, str qtype, Tensor? bias) -> Tensor");
@@ -59,7 +59,8 @@ TORCH_LIBRARY(pagewire, m) {
       "int max_query_len, int max_seq_len, int num_heads, int num_kv_heads, int head_dim, float softcap=0.0, "
       "str activation=\"silu\", Tensor? v_norm=None, bool shares_kv=False, bool value_from_key=False, "
       "Tensor? per_layer_input=None, Tensor? ple_gate=None, str ple_gate_kind=\"torch\", Tensor? ple_proj=None, "
-      "str ple_proj_kind=\"torch\", Tensor? ple_norm=None, Tensor? layer_scalar=None, Tensor? sinks=None) -> Tensor");
+      "str ple_proj_kind=\"torch\", Tensor? ple_norm=None, Tensor? layer_scalar=None, Tensor? sinks=None, "
+      "Tensor[]? lora=None, int[]? lora_spec=None) -> Tensor");
   // The routed experts of an MoE layer (shapes in ops.h): tokens grouped by expert, only the experts used read
   m.def("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, str gate_up_kind, "
         "Tensor down, str down_kind, Tensor? gate_up_bias=None, Tensor? down_bias=None, str activation=\"silu\", "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -222,6 +222,7 @@ def write_gguf(
     drop_metadata: Sequence[str] = (),
     extra_metadata: Optional[dict[str, Any]] = None,
     vocab: Optional[tuple[list[str], list[str], list[int]]] = None,
+    qtype_of: Optional[Callable[[str], str]] = None,
 ) -> Path:
     """Write `hf_dir` (a tests.tiny_models folder) as a GGUF file at `out`.
 
@@ -233,6 +234,8 @@ def write_gguf(
         drop_metadata: metadata keys to leave out.
         extra_metadata: more string/int/float keys (overriding written ones of the same name).
         vocab: (tokens, merges, types) for a gpt2 tokenizer; default: trained to the model's vocab size.
+        qtype_of: a 2-D weight's type by its GGUF name (a mix such as llama.cpp's Q4_K_M);
+            default: `qtype` for every one.
     """
     import gguf
 
@@ -320,7 +323,7 @@ def write_gguf(
             w.add_tensor(name, arr.astype(np.float32))
             continue
         flat = arr.reshape(-1, arr.shape[-1])
-        data, raw = encode_tensor(flat, qtype, 1000 + seed)
+        data, raw = encode_tensor(flat, qtype_of(name) if qtype_of else qtype, 1000 + seed)
         w.add_tensor(name, data.reshape(*arr.shape[:-1], -1) if raw is not None else data.reshape(arr.shape),
                      raw_dtype=raw)
     for seed, (hf_name, tensor) in enumerate(sorted(state.items())):
@@ -337,8 +340,9 @@ def write_gguf(
         elif model_type in PERMUTED and name.endswith(("attn_k.weight", "attn_k.bias")):
             arr = llama_cpp_permute(arr, kv_heads)
         # Rows that do not fill whole blocks stay F32, as llama.cpp's converter falls back for them.
-        fits = arr.ndim == 2 and arr.shape[1] % QUANT_BLOCK.get(qtype, 1) == 0
-        data, raw = encode_tensor(arr, qtype if fits else "F32", seed)
+        this = qtype_of(name) if qtype_of and arr.ndim == 2 else qtype
+        fits = arr.ndim == 2 and arr.shape[1] % QUANT_BLOCK.get(this, 1) == 0
+        data, raw = encode_tensor(arr, this if fits else "F32", seed)
         w.add_tensor(name, data, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()

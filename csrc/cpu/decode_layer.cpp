@@ -2,7 +2,7 @@
 // call, for every norm placement (pre: Llama; post: OLMo 2; both: Gemma), q/k norm per head or over
 // the projection, full, partial or no RoPE, Granite's residual multiplier, and Gemma 4's parts (a
 // layer reading an earlier layer's KV, values from the key projection, the weightless value norm,
-// the per-layer input block and the layer scalar). It runs exactly the
+// the per-layer input block and the layer scalar), and a step's stacked LoRA terms (LoraTerms). It runs exactly the
 // C++ ops that the Python layer (server/models/decoder.py, DecoderLayer.forward) calls, in the same
 // order on the same tensors, so it gives the same floats; what it saves is the Python between them: about ten op dispatches per layer through torch.ops, the wrappers' checks
 // and the layer's own bytecode, which cost as much as the small matrices' kernels on a model like
@@ -14,10 +14,13 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
+#include <ATen/ops/zeros.h>
 
 #include <string>
+#include <vector>
 
 #include "../ops.h"
 
@@ -26,14 +29,17 @@ namespace {
 
 // x @ w^T (+ b) by the path ops.linear would take: "kernel" (pagewire::linear), "torch"
 // (F.linear, i.e. at::linear), "q8_0" / "q8_0x8" (pagewire::linear_q8_0, row or interleaved
-// layout), or a 4-bit qtype of pagewire::linear_q4 ("q4_0", "q4_1", "q4_k", "q4_0x8", "q4_1x8").
+// layout), or a qtype of pagewire::linear_q4 ("q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "mxfp4",
+// "q4_0x8", "q4_1x8", "q4_kx8").
 at::Tensor run_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
                       const std::string& kind) {
   if (kind == "kernel") return linear_cpu(x, w, b);
   if (kind == "torch") return at::linear(x, w, b);
   if (kind == "q8_0") return linear_q8_0_cpu(x, w, b, false);
   if (kind == "q8_0x8") return linear_q8_0_cpu(x, w, b, true);
-  TORCH_CHECK(kind.rfind("q4_", 0) == 0, "decode_layer: unknown linear kind '", kind, "'");
+  // Any other kind is a linear_q4 qtype (the 4-bit and K-quant formats), which checks the rest.
+  TORCH_CHECK(kind.rfind("q4_", 0) == 0 || kind == "q5_k" || kind == "q6_k" || kind == "mxfp4",
+              "decode_layer: unknown linear kind '", kind, "'");
   return linear_q4_cpu(x, w, kind, b);
 }
 
@@ -65,6 +71,65 @@ at::Tensor torch_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) 
   return f32 ? xf.mul(inv_rms).mul_(w) : w.mul(xf.mul(inv_rms).to(x.scalar_type()));
 }
 
+// A step's stacked LoRA terms for one layer (LoraStep.fused_args): lora = [rows (int64; empty:
+// every row)] then, per matrix that has a term (qkv, o, gate_up, down in that order), its stacked
+// A [R, in], the [rows, R] mask of scales, and one B^T per PEFT module; lora_spec = per matrix its
+// module count (-1: no term) then (row, rows, c0, c1) per module. add() is LoraStep.add's stacked
+// branch op for op, so a fused layer's floats equal the Python layer's.
+class LoraTerms {
+ public:
+  LoraTerms(at::TensorList lora, at::IntArrayRef spec) {
+    if (lora.empty()) return;
+    TORCH_CHECK(lora[0].scalar_type() == at::kLong && lora[0].dim() == 1, "decode_layer: lora[0] must be int64 rows");
+    if (lora[0].numel() > 0) rows_ = lora[0];
+    size_t t = 1, s = 0;
+    for (int m = 0; m < 4; ++m) {
+      TORCH_CHECK(s < spec.size(), "decode_layer: lora_spec is short of matrix ", m);
+      const int64_t parts = spec[s++];
+      if (parts < 0) continue;
+      TORCH_CHECK(t + 2 + static_cast<size_t>(parts) <= lora.size() && s + 4 * static_cast<size_t>(parts) <= spec.size(),
+                  "decode_layer: lora and lora_spec disagree at matrix ", m);
+      Matrix& mx = m_[m];
+      mx.a = lora[t];
+      mx.mask = lora[t + 1];
+      t += 2;
+      for (int64_t p = 0; p < parts; ++p, s += 4) mx.parts.push_back({spec[s], spec[s + 1], spec[s + 2], spec[s + 3], lora[t++]});
+      mx.present = true;
+    }
+    TORCH_CHECK(t == lora.size() && s == spec.size(), "decode_layer: lora and lora_spec have unread entries");
+  }
+
+  // out[rows] += mask * (x[rows] A^T) B^T for matrix m (0 qkv, 1 o, 2 gate_up, 3 down), in place.
+  void add(int m, const at::Tensor& x, const at::Tensor& out) const {
+    const Matrix& mx = m_[m];
+    if (!mx.present) return;
+    at::Tensor t = at::mm(rows_.has_value() ? x.index_select(0, *rows_) : x, mx.a.t()).mul_(mx.mask);
+    if (!rows_.has_value()) {
+      for (const Part& p : mx.parts) out.narrow(1, p.row, p.rows).addmm_(t.narrow(1, p.c0, p.c1 - p.c0), p.bt);
+    } else if (mx.parts.size() == 1 && mx.parts[0].rows == out.size(1)) {
+      const Part& p = mx.parts[0];
+      out.index_add_(0, *rows_, at::mm(t.narrow(1, p.c0, p.c1 - p.c0), p.bt));
+    } else {
+      at::Tensor d = at::zeros({t.size(0), out.size(1)}, t.options());
+      for (const Part& p : mx.parts) d.narrow(1, p.row, p.rows).addmm_(t.narrow(1, p.c0, p.c1 - p.c0), p.bt);
+      out.index_add_(0, *rows_, d);
+    }
+  }
+
+ private:
+  struct Part {
+    int64_t row, rows, c0, c1;
+    at::Tensor bt;
+  };
+  struct Matrix {
+    bool present = false;
+    at::Tensor a, mask;
+    std::vector<Part> parts;
+  };
+  c10::optional<at::Tensor> rows_;
+  Matrix m_[4];
+};
+
 }  // namespace
 
 at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>& delta,
@@ -89,7 +154,8 @@ at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>&
                             c10::string_view ple_gate_kind, const c10::optional<at::Tensor>& ple_proj,
                             c10::string_view ple_proj_kind, const c10::optional<at::Tensor>& ple_norm,
                             const c10::optional<at::Tensor>& layer_scalar,
-                            const c10::optional<at::Tensor>& sinks) {
+                            const c10::optional<at::Tensor>& sinks, c10::optional<at::TensorList> lora,
+                            at::OptionalIntArrayRef lora_spec) {
   TORCH_CHECK(hidden.device().is_cpu() && hidden.dim() == 2, "hidden must be a CPU [T, hidden] tensor, got ",
               hidden.sizes(), " on ", hidden.device());
   const int64_t T = hidden.size(0);
@@ -128,7 +194,9 @@ at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>&
   // only the leading dims, NoPE none), the value norm (Gemma 4), the KV write (none for a layer
   // reading another's KV), paged attention.
   const at::Tensor x = enter(hidden, delta, attn_norm, eps);
+  const LoraTerms terms(lora.value_or(at::TensorList()), lora_spec.value_or(at::IntArrayRef()));
   const at::Tensor qkv = run_linear(x, qkv_weight, qkv_bias, std::string(qkv_kind));
+  terms.add(0, x, qkv);
   TORCH_CHECK(qkv.size(1) == q_size + own_kv, "decode_layer: qkv has ", qkv.size(1), " columns, heads say ",
               q_size + own_kv);
   if (proj_norm) {
@@ -159,12 +227,15 @@ at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>&
   // the MLP's input norm, gate/up, the gated activation (SiLU or GELU-tanh) times up, down. The
   // down projection's output, as it leaves, is left for the next layer's norm to add (as in Python).
   const at::Tensor o = run_linear(attn.view({T, q_size}), o_weight, o_bias, std::string(o_kind));
+  terms.add(1, attn.view({T, q_size}), o);
   const c10::optional<at::Tensor> attn_out = leave(o, attn_post_norm, eps, residual_multiplier);
   const at::Tensor x2 = enter(hidden, attn_out, mlp_norm, eps);
   const at::Tensor gate_up = run_linear(x2, gate_up_weight, gate_up_bias, std::string(gate_up_kind));
+  terms.add(2, x2, gate_up);
   const at::Tensor act = gelu ? gelu_tanh_and_mul_cpu(gate_up) : silu_and_mul_cpu(gate_up);
-  at::Tensor mlp = leave(run_linear(act, down_weight, down_bias, std::string(down_kind)), mlp_post_norm, eps,
-                         residual_multiplier);
+  const at::Tensor down = run_linear(act, down_weight, down_bias, std::string(down_kind));
+  terms.add(3, act, down);
+  at::Tensor mlp = leave(down, mlp_post_norm, eps, residual_multiplier);
   if (!ple && !scalar) return mlp;
   // Gemma 4's end of layer (DecoderLayer._finish): the MLP output added, the per-layer input
   // block's norm(proj(act(gate(h)) * per_layer_input)) added, the stream scaled by the layer's

@@ -1,12 +1,14 @@
-// The 4-bit quantised-weight CPU ops (GGUF's Q4_0, Q4_1, Q4_K and MXFP4 layouts, see quant4_kernel.h):
+// The 4-bit and K-quant weight CPU ops (GGUF's Q4_0, Q4_1, Q4_K, Q5_K, Q6_K and MXFP4 layouts, see
+// quant4_kernel.h):
 // quantize_q4_0 (float weights at load, GGUF's rounding), dequantize_q4 (tests, prefill), and
 // linear_q4: x @ dequant(w)^T (+ bias) with x quantised per row to Q8 blocks on the fly, through
 // the AVX-512 VNNI kernel (linear_q4_avx512.cpp) when the CPU has it, the AVX2 one
 // (linear_q4_avx2.cpp) when it has that, and the portable one otherwise. Batches above
 // kQ4KernelMaxRows (prefill) dequantise the weight a chunk of rows at a time and run ATen's GEMM
 // on each chunk: compute-bound there, and the chunk keeps the dequantised copy small.
-// interleave_q4 rearranges Q4_0 / Q4_1 weights into the x8 layout (quant4_kernel.h), which every op
-// here also takes (qtype "q4_0x8", "q4_1x8"): linear_q4 runs it through linear_x8_avx2.cpp.
+// interleave_q4 rearranges Q4_0 / Q4_1 / Q4_K weights into the x8 layout (quant4_kernel.h), which
+// every op here also takes (qtype "q4_0x8", "q4_1x8", "q4_kx8"): linear_q4 runs it through
+// linear_x8_avx2.cpp (linear_x8k_avx2.cpp for Q4_K).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
@@ -34,33 +36,52 @@ inline float load_fp16(const uint8_t* p) {
   return fp16_to_float(h);
 }
 
-// Sub-block sb (32 values) of a row: the unsigned 4-bit codes q[32] and (a, c) with value = a*q + c.
-inline void decode_sub(Q4Type t, const uint8_t* row, int64_t sb, uint8_t* q, float* a, float* c) {
-  if (t == Q4Type::kQ4_K) {
-    const uint8_t* blk = row + (sb / 8) * kQ4_KBlockBytes;
+// Sub-block sb (32 values) of a row: integer codes q[32] and (a[0], a[1], c) with value
+// j = a[j / 16] * q[j] + c. a[0] == a[1] except for Q6_K, whose 16-value halves have scales of
+// their own (its q is then the signed code - 32 and c is 0). Each a and c is computed as the
+// `gguf` package computes it (d * sc, dmin * mn in fp32), so dequantising gives its floats.
+inline void decode_sub(Q4Type t, const uint8_t* row, int64_t sb, int16_t* q, float* a, float* c) {
+  if (t == Q4Type::kQ6_K) {
+    const uint8_t* blk = row + (sb / 8) * kQ6_KBlockBytes;
+    const int j = static_cast<int>(sb % 8), h = j / 4, u = j % 4;
+    const uint8_t* ql = blk + 64 * h + 32 * (u % 2);
+    const uint8_t* qh = blk + 128 + 32 * h;
+    const int shift = u < 2 ? 0 : 4;
+    const float d = load_fp16(blk + 208);
+    a[0] = d * static_cast<float>(static_cast<int8_t>(blk[192 + 2 * j]));
+    a[1] = d * static_cast<float>(static_cast<int8_t>(blk[192 + 2 * j + 1]));
+    *c = 0.f;
+    for (int l = 0; l < 32; ++l) q[l] = static_cast<int16_t>((((ql[l] >> shift) & 0xF) | (((qh[l] >> (2 * u)) & 3) << 4)) - 32);
+    return;
+  }
+  if (t == Q4Type::kQ4_K || t == Q4Type::kQ5_K) {
+    const bool five = t == Q4Type::kQ5_K;
+    const uint8_t* blk = row + (sb / 8) * q4_block_bytes(t);
     const int s = static_cast<int>(sb % 8);
     uint8_t sc, mn;
     q4_k_scale_min(s, blk + 4, &sc, &mn);
-    *a = load_fp16(blk) * sc;
+    a[0] = a[1] = load_fp16(blk) * sc;
     *c = -(load_fp16(blk + 2) * mn);
-    const uint8_t* qs = blk + 16 + (s / 2) * 32;
+    const uint8_t* qs = blk + (five ? 48 : 16) + (s / 2) * 32;
     const int shift = (s % 2) * 4;
-    for (int j = 0; j < 32; ++j) q[j] = (qs[j] >> shift) & 0xF;
+    for (int j = 0; j < 32; ++j) {
+      q[j] = static_cast<int16_t>(((qs[j] >> shift) & 0xF) | (five ? ((blk[16 + j] >> s) & 1) << 4 : 0));
+    }
     return;
   }
   if (t == Q4Type::kMXFP4) {
     const uint8_t* blk = row + sb * kMxfp4BlockBytes;
-    *a = mxfp4_scale(blk[0]);
-    *c = -kMxfp4Offset * *a;
+    a[0] = a[1] = mxfp4_scale(blk[0]);
+    *c = -kMxfp4Offset * a[0];
     for (int j = 0; j < 16; ++j) {
-      q[j] = static_cast<uint8_t>(kMxfp4Values[blk[1 + j] & 0xF] + kMxfp4Offset);
-      q[j + 16] = static_cast<uint8_t>(kMxfp4Values[blk[1 + j] >> 4] + kMxfp4Offset);
+      q[j] = static_cast<int16_t>(kMxfp4Values[blk[1 + j] & 0xF] + kMxfp4Offset);
+      q[j + 16] = static_cast<int16_t>(kMxfp4Values[blk[1 + j] >> 4] + kMxfp4Offset);
     }
     return;
   }
   const uint8_t* blk = row + sb * q4_block_bytes(t);
   const float d = load_fp16(blk);
-  *a = d;
+  a[0] = a[1] = d;
   *c = t == Q4Type::kQ4_0 ? -8.f * d : load_fp16(blk + 2);
   const uint8_t* qs = blk + (t == Q4Type::kQ4_0 ? 2 : 4);
   for (int j = 0; j < 16; ++j) {
@@ -72,17 +93,19 @@ inline void decode_sub(Q4Type t, const uint8_t* row, int64_t sb, uint8_t* q, flo
 }  // namespace
 
 void dequantize_q4_row(Q4Type t, const uint8_t* w, float* out, int64_t K) {
-  uint8_t q[32];
-  float a, c;
+  int16_t q[32];
+  float a[2], c;
   for (int64_t sb = 0; sb < K / 32; ++sb) {
-    decode_sub(t, w, sb, q, &a, &c);
+    decode_sub(t, w, sb, q, a, &c);
     float* o = out + sb * 32;
     if (t == Q4Type::kQ4_0) {
-      for (int j = 0; j < 32; ++j) o[j] = a * static_cast<float>(static_cast<int>(q[j]) - 8);  // GGUF: d * (q - 8)
+      for (int j = 0; j < 32; ++j) o[j] = a[0] * static_cast<float>(static_cast<int>(q[j]) - 8);  // GGUF: d * (q - 8)
+    } else if (t == Q4Type::kQ6_K) {
+      for (int j = 0; j < 32; ++j) o[j] = a[j / 16] * static_cast<float>(q[j]);  // GGUF: (d * sc) * (q - 32)
     } else if (t == Q4Type::kMXFP4) {  // exact: a small integer times a power of two
-      for (int j = 0; j < 32; ++j) o[j] = a * static_cast<float>(static_cast<int>(q[j]) - kMxfp4Offset);
+      for (int j = 0; j < 32; ++j) o[j] = a[0] * static_cast<float>(static_cast<int>(q[j]) - kMxfp4Offset);
     } else {
-      for (int j = 0; j < 32; ++j) o[j] = a * static_cast<float>(q[j]) + c;
+      for (int j = 0; j < 32; ++j) o[j] = a[0] * static_cast<float>(q[j]) + c;
     }
   }
 }
@@ -94,9 +117,37 @@ namespace {
 inline int x8_scale_bytes(Q4Type t) { return t == Q4Type::kQ4_0 ? 16 : 32; }
 inline int codes_offset(Q4Type t) { return t == Q4Type::kQ4_0 ? 2 : 4; }
 
+// Q4_K's x8 layout of one super-block (quant4_kernel.h): `to_x8` copies GGUF rows (row r's block
+// at rows + r * row_bytes) into the group's bytes g, or back when false.
+void q4_k_x8_block(uint8_t* rows, int64_t row_bytes, uint8_t* g, bool to_x8) {
+  const auto move = [&](uint8_t* x8, uint8_t* row, int n) {
+    if (to_x8) {
+      std::memcpy(x8, row, n);
+    } else {
+      std::memcpy(row, x8, n);
+    }
+  };
+  for (int r = 0; r < kQ4Interleave; ++r) {
+    uint8_t* blk = rows + r * row_bytes;
+    move(g + 2 * r, blk, 2);            // d
+    move(g + 16 + 2 * r, blk + 2, 2);   // dmin
+    for (int w = 0; w < 3; ++w) move(g + 32 + 32 * w + 4 * r, blk + 4 + 4 * w, 4);  // packed scales
+    for (int c = 0; c < 4; ++c) {
+      for (int j = 0; j < 8; ++j) move(g + 128 + 32 * (8 * c + j) + 4 * r, blk + 16 + 32 * c + 4 * j, 4);
+    }
+  }
+}
+
 }  // namespace
 
 void interleave_q4_group(Q4Type t, const uint8_t* src, int64_t row_bytes, uint8_t* dst, int64_t K) {
+  if (t == Q4Type::kQ4_K) {
+    for (int64_t s = 0; s < K / kQ4_KBlock; ++s) {
+      q4_k_x8_block(const_cast<uint8_t*>(src) + s * kQ4_KBlockBytes, row_bytes,
+                    dst + s * kQ4Interleave * kQ4_KBlockBytes, true);  // (src is only read)
+    }
+    return;
+  }
   const int bb = q4_block_bytes(t), sb = x8_scale_bytes(t), qo = codes_offset(t);
   for (int64_t b = 0; b < K / 32; ++b) {
     uint8_t* o = dst + b * kQ4Interleave * bb;
@@ -110,6 +161,13 @@ void interleave_q4_group(Q4Type t, const uint8_t* src, int64_t row_bytes, uint8_
 }
 
 void deinterleave_q4_group(Q4Type t, const uint8_t* src, uint8_t* dst, int64_t row_bytes, int64_t K) {
+  if (t == Q4Type::kQ4_K) {
+    for (int64_t s = 0; s < K / kQ4_KBlock; ++s) {
+      q4_k_x8_block(dst + s * kQ4_KBlockBytes, row_bytes,
+                    const_cast<uint8_t*>(src) + s * kQ4Interleave * kQ4_KBlockBytes, false);  // (src is only read)
+    }
+    return;
+  }
   const int bb = q4_block_bytes(t), sb = x8_scale_bytes(t), qo = codes_offset(t);
   for (int64_t b = 0; b < K / 32; ++b) {
     const uint8_t* in = src + b * kQ4Interleave * bb;
@@ -129,15 +187,20 @@ void linear_q4_portable(Q4Type t, const Q8SumActivations& x, const uint8_t* w, c
   for (int64_t n = 0; n < N; ++n) {
     const uint8_t* wr = w + n * row_bytes;
     std::vector<float> acc(x.M, 0.f);
-    uint8_t q[32];
-    float a, c;
+    int16_t q[32];
+    float a[2], c;
     for (int64_t b = 0; b < nb; ++b) {
-      decode_sub(t, wr, b, q, &a, &c);
+      decode_sub(t, wr, b, q, a, &c);
       for (int64_t m = 0; m < x.M; ++m) {
         const int8_t* xq = x.q + m * x.K + b * 32;
-        int32_t dot = 0;
-        for (int j = 0; j < 32; ++j) dot += static_cast<int32_t>(q[j]) * static_cast<int32_t>(xq[j]);
-        acc[m] += static_cast<float>(dot) * (a * x.d[m * nb + b]) + c * x.s[m * nb + b];
+        int32_t dot[2] = {0, 0};
+        for (int j = 0; j < 32; ++j) dot[j / 16] += static_cast<int32_t>(q[j]) * static_cast<int32_t>(xq[j]);
+        const float xd = x.d[m * nb + b];
+        if (t == Q4Type::kQ6_K) {  // two scales per block; no offset term (the codes are signed)
+          acc[m] += static_cast<float>(dot[0]) * (a[0] * xd) + static_cast<float>(dot[1]) * (a[1] * xd);
+        } else {
+          acc[m] += static_cast<float>(dot[0] + dot[1]) * (a[0] * xd) + c * x.s[m * nb + b];
+        }
       }
     }
     for (int64_t m = 0; m < x.M; ++m) out[m * ldo + n] = acc[m] + (bias != nullptr ? bias[n] : 0.f);
@@ -157,10 +220,15 @@ Q4Format parse_q4_type(const std::string& qtype) {
   if (qtype == "q4_0") return {cpu::Q4Type::kQ4_0, false};
   if (qtype == "q4_1") return {cpu::Q4Type::kQ4_1, false};
   if (qtype == "q4_k") return {cpu::Q4Type::kQ4_K, false};
+  if (qtype == "q5_k") return {cpu::Q4Type::kQ5_K, false};
+  if (qtype == "q6_k") return {cpu::Q4Type::kQ6_K, false};
   if (qtype == "q4_0x8") return {cpu::Q4Type::kQ4_0, true};
   if (qtype == "q4_1x8") return {cpu::Q4Type::kQ4_1, true};
+  if (qtype == "q4_kx8") return {cpu::Q4Type::kQ4_K, true};
   if (qtype == "mxfp4") return {cpu::Q4Type::kMXFP4, false};
-  TORCH_CHECK(false, "qtype must be 'q4_0', 'q4_1', 'q4_k', 'q4_0x8', 'q4_1x8' or 'mxfp4', got '", qtype, "'");
+  TORCH_CHECK(false,
+              "qtype must be 'q4_0', 'q4_1', 'q4_k', 'q5_k', 'q6_k', 'q4_0x8', 'q4_1x8', 'q4_kx8' or 'mxfp4', got '",
+              qtype, "'");
 }
 
 // Bytes per row of K values of type t, checking that K is a whole number of blocks.
@@ -256,7 +324,8 @@ at::Tensor dequantize_q4_cpu(const at::Tensor& weight, c10::string_view qtype_vi
 at::Tensor interleave_q4_cpu(const at::Tensor& weight, c10::string_view qtype_view) {
   const std::string qtype(qtype_view);
   const Q4Format f = parse_q4_type(qtype);
-  TORCH_CHECK(!f.interleaved && cpu::q4_interleavable(f.type), "qtype must be 'q4_0' or 'q4_1' (row layout), got '",
+  TORCH_CHECK(!f.interleaved && cpu::q4_interleavable(f.type),
+              "qtype must be 'q4_0', 'q4_1' or 'q4_k' (row layout), got '",
               qtype, "'");
   const cpu::Q4Type t = f.type;
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) % cpu::q4_block_bytes(t) == 0, "weight must be [N, row bytes] ",

@@ -330,6 +330,10 @@ void linear_q4_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const
     case Q4Type::kQ4_K:
       run<Q4Type::kQ4_K>(x, w, bias, out, ldo, N);
       break;
+    case Q4Type::kQ5_K:
+    case Q4Type::kQ6_K:
+      linear_k56_avx2(t, x, w, bias, out, ldo, N);
+      break;
     case Q4Type::kMXFP4:
       run<Q4Type::kMXFP4>(x, w, bias, out, ldo, N);
       break;

@@ -202,7 +202,9 @@ void linear_q8_0x8_avx2(const Q8Activations& x, const uint8_t* w, const float* b
 
 void linear_q4x8_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,
                       int64_t ldo, int64_t N) {
-  if (t == Q4Type::kQ4_0) {
+  if (t == Q4Type::kQ4_K) {
+    linear_q4kx8_avx2(x, w, bias, out, ldo, N);
+  } else if (t == Q4Type::kQ4_0) {
     run4<Q4Type::kQ4_0>(x, w, bias, out, ldo, N);
   } else {
     run4<Q4Type::kQ4_1>(x, w, bias, out, ldo, N);

@@ -7,12 +7,19 @@
 //   Q4_K: 256 values in 144 bytes {fp16 d, fp16 dmin, 12 bytes of eight 6-bit (scale, min) pairs,
 //     128 bytes q}: sub-block s (32 values) is d * sc[s] * q - dmin * mn[s]; bytes 32c..32c+31
 //     hold sub-block 2c in their low nibbles and sub-block 2c + 1 in their high nibbles.
+//   Q5_K: 256 values in 176 bytes {fp16 d, fp16 dmin, 12 bytes of scales/mins as Q4_K's, 32 bytes
+//     qh, 128 bytes q}: Q4_K's rule with 5-bit codes, bit s of qh[l] the fifth bit of value l of
+//     sub-block s.
+//   Q6_K: 256 values in 210 bytes {128 bytes ql, 64 bytes qh, 16 int8 scales, fp16 d}: value l of
+//     sub-block j (32 values; half h = j / 4, t = j % 4) is d * sc[2j + l / 16] * (q - 32), q the
+//     low (t < 2) or high nibble of ql[64h + 32(t % 2) + l] with bits 2t..2t+1 of qh[32h + l] on top.
 //   MXFP4: 32 values in 17 bytes {u8 E8M0 exponent e, 16 bytes q} (gpt-oss's experts, GGML type
 //     MXFP4): value = E2M1(q) * 2^(e - 127) = kMxfp4Values[q] * 2^(e - 128), byte j holding value j
 //     low and j + 16 high as in Q4_0. The kernels read each code as kMxfp4Values[q] + 12 (unsigned
 //     0..24, a byte shuffle of the nibble) with the block's offset -12 * 2^(e - 128), so the same
 //     unsigned x signed dot products and offset FMAs as Q4_0 compute it exactly. (e = 255, the
 //     spec's NaN, is read as 2^127, as llama.cpp does.)
+// (Q5_K, Q6_K and MXFP4 share this interface and its op, pagewire::linear_q4, with the 4-bit types.)
 // Every kernel works on activations quantised per row to Q8 blocks of 32 (quant_kernel.h), so a
 // 4-bit weight block times an activation block is one integer dot product of 32 pairs plus the
 // block's offset term (q's offset or min) times the activation block's sum.
@@ -22,12 +29,14 @@
 
 namespace pagewire::cpu {
 
-enum class Q4Type : int { kQ4_0 = 0, kQ4_1 = 1, kQ4_K = 2, kMXFP4 = 3 };
+enum class Q4Type : int { kQ4_0 = 0, kQ4_1 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4, kMXFP4 = 5 };
 
 constexpr int kQ4_0BlockBytes = 18;   // per 32 values
 constexpr int kQ4_1BlockBytes = 20;   // per 32 values
 constexpr int kQ4_KBlock = 256;       // values per super-block
 constexpr int kQ4_KBlockBytes = 144;  // per 256 values
+constexpr int kQ5_KBlockBytes = 176;  // per 256 values
+constexpr int kQ6_KBlockBytes = 210;  // per 256 values
 constexpr int kMxfp4BlockBytes = 17;  // per 32 values
 
 // Twice the E2M1 values (OCP MX table 4), integers; the kernels add kMxfp4Offset to make them unsigned.
@@ -43,13 +52,20 @@ inline float mxfp4_scale(uint8_t e) {
   return f;
 }
 
+// Whether t is a K-quant (256-value super-blocks).
+inline bool q_is_k(Q4Type t) { return t == Q4Type::kQ4_K || t == Q4Type::kQ5_K || t == Q4Type::kQ6_K; }
 // Values per block and bytes per block of a type.
-inline int q4_block_values(Q4Type t) { return t == Q4Type::kQ4_K ? kQ4_KBlock : 32; }
+inline int q4_block_values(Q4Type t) { return q_is_k(t) ? kQ4_KBlock : 32; }
 inline int q4_block_bytes(Q4Type t) {
-  return t == Q4Type::kQ4_0   ? kQ4_0BlockBytes
-         : t == Q4Type::kQ4_1 ? kQ4_1BlockBytes
-         : t == Q4Type::kQ4_K ? kQ4_KBlockBytes
-                              : kMxfp4BlockBytes;
+  switch (t) {
+    case Q4Type::kQ4_0: return kQ4_0BlockBytes;
+    case Q4Type::kQ4_1: return kQ4_1BlockBytes;
+    case Q4Type::kQ4_K: return kQ4_KBlockBytes;
+    case Q4Type::kQ5_K: return kQ5_KBlockBytes;
+    case Q4Type::kQ6_K: return kQ6_KBlockBytes;
+    case Q4Type::kMXFP4: return kMxfp4BlockBytes;
+  }
+  return 0;
 }
 
 // Activations quantised per row in blocks of 32: x ~= d[b] * q[32 b + j]; s[b] = d[b] * sum_j q.
@@ -74,7 +90,7 @@ inline void q4_k_scale_min(int j, const uint8_t* q, uint8_t* sc, uint8_t* mn) {
 // Dequantises one row of K values (K a multiple of the type's block) to fp32.
 void dequantize_q4_row(Q4Type t, const uint8_t* w, float* out, int64_t K);
 
-// The interleaved ("x8") layout of Q4_0 and Q4_1, which the AVX2 kernel reads fastest
+// The interleaved ("x8") layout of Q4_0, Q4_1 and Q4_K, which the AVX2 kernel reads fastest
 // (linear_x8_avx2.cpp). Rows 8g..8g+7 are rearranged within their own bytes so that one 32-byte
 // load holds four code bytes (eight values) of each of the eight rows, one row per 32-bit lane:
 //   per block b of 32 values: the eight rows' fp16 d (16 bytes), for Q4_1 then their eight fp16 m
@@ -82,8 +98,15 @@ void dequantize_q4_row(Q4Type t, const uint8_t* w, float* out, int64_t K);
 //   row r at bytes 4r..4r+3 (so low nibbles are values 4c..4c+3, high nibbles 16+4c..16+4c+3).
 // A group occupies exactly its eight rows' bytes (8 * row bytes); the last N % 8 rows of a weight
 // stay in GGUF's row layout. Nothing is dequantised: the codes and scales are the same bytes.
+// Q4_K's x8 layout (linear_x8k_avx2.cpp), per super-block of the eight rows (8 * 144 bytes): their
+// fp16 d (16 bytes), their fp16 dmin (16 bytes), the 12 packed scale bytes as three 32-byte
+// vectors (word w of row r at 32w + 4r), then 32 chunks of codes: chunk 8c + j holds bytes
+// 32c + 4j..32c + 4j + 3 of each row's 128 code bytes, row r at 4r (low nibbles: values 4j..4j+3
+// of sub-block 2c; high nibbles: of sub-block 2c + 1).
 constexpr int kQ4Interleave = 8;
-inline bool q4_interleavable(Q4Type t) { return t == Q4Type::kQ4_0 || t == Q4Type::kQ4_1; }
+inline bool q4_interleavable(Q4Type t) {
+  return t == Q4Type::kQ4_0 || t == Q4Type::kQ4_1 || t == Q4Type::kQ4_K;
+}
 // One group: eight GGUF rows (src, row stride row_bytes) -> the group's interleaved bytes, and back.
 void interleave_q4_group(Q4Type t, const uint8_t* src, int64_t row_bytes, uint8_t* dst, int64_t K);
 void deinterleave_q4_group(Q4Type t, const uint8_t* src, uint8_t* dst, int64_t row_bytes, int64_t K);
@@ -91,6 +114,15 @@ void deinterleave_q4_group(Q4Type t, const uint8_t* src, uint8_t* dst, int64_t r
 // N % 8 rows, in row layout, through linear_q4_avx2); same arguments as linear_q4_avx2.
 void linear_q4x8_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,
                       int64_t ldo, int64_t N);  // Isa::kAvx2 or better
+// Q4_K's x8 kernel (linear_x8k_avx2.cpp), called by linear_q4x8_avx2 for kQ4_K.
+void linear_q4kx8_avx2(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
+                       int64_t N);
+// Q5_K and Q6_K in row layout (linear_k56_avx2.cpp, linear_k56_avx512.cpp), called by
+// linear_q4_avx2 / linear_q4_avx512 for those types.
+void linear_k56_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,
+                     int64_t ldo, int64_t N);
+void linear_k56_avx512(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,
+                       int64_t ldo, int64_t N);
 
 // out[m][n] = sum over blocks (+ bias[n]), fp32 out [M, N] with row stride ldo; bias fp32 [N] or
 // nullptr; w: [N, K / block * block_bytes] bytes of type t.

@@ -62,7 +62,7 @@ class MessagesEndpoint:
         req, spec, plan, admitted, api = got
         thinking = thinking_mode(req) is True  # checked with max_tokens when the spec was built
         rid = admitted.request_id.encode()
-        headers = [(b"request-id", rid), *api.limit_headers(spec.key_id)]
+        headers = [(b"request-id", rid), *api.limit_headers(spec.key_id, spec.model)]
         if req.stream:
             render = MessageStream(admitted.request_id, api.model_name, plan, req.stop_sequences,
                                    admitted.prompt_tokens, thinking)

@@ -102,14 +102,15 @@ class ApiContext:
             raise RuntimeError("the runtime has not started: no request service yet")
         return self.rt.service
 
-    def limit_headers(self, key_id: Optional[str]) -> list[tuple[bytes, bytes]]:
+    def limit_headers(self, key_id: Optional[str], model: Optional[str] = None) -> list[tuple[bytes, bytes]]:
         """The key's x-ratelimit-* (OpenAI's names) as ASGI headers, the state right after this
         request's reservation; every API sends them on every answer, not only on a 429 (none for a
-        key without limits, or with auth off)."""
+        key without limits, or with auth off). With the request's `model`, each kind's figures are
+        those of whichever binds first: the key-wide bucket or the key's bucket for that model."""
         quotas = self.gateway.quotas
         if quotas is None or key_id is None:
             return []
-        return [(k.encode(), v.encode()) for k, v in quotas.headers(key_id).items()]
+        return [(k.encode(), v.encode()) for k, v in quotas.headers(key_id, model).items()]
 
     def check_model(self, model: Optional[str]) -> None:
         """404 `model_not_found` unless `model` is absent or names a served model."""

@@ -69,7 +69,7 @@ class EmbeddingsEndpoint:
         if ends is None:
             return  # the client left; what still ran was cancelled
         headers = [(b"x-request-id", ",".join(e.request_id for e in ends).encode()),
-                   *self.api.limit_headers(specs[0].key_id)]
+                   *self.api.limit_headers(specs[0].key_id, specs[0].model)]
         try:
             await send_json(send, 200, out, headers)
         except OSError:

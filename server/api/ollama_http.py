@@ -288,7 +288,7 @@ class _Embed:
                    "total_duration": time.monotonic_ns() - start, "load_duration": 0,
                    "prompt_eval_count": sum(e.usage.prompt_tokens for e in ends)}
         headers = [(b"x-request-id", ",".join(e.request_id for e in ends).encode()),
-                   *api.limit_headers(specs[0].key_id)]
+                   *api.limit_headers(specs[0].key_id, specs[0].model)]
         try:
             await send_json(send, 200, out, headers)
         except OSError:
@@ -353,7 +353,7 @@ class _Generate:
                                                  req.keep_alive))
             return
         api = api.for_model(spec.model)
-        headers = api.limit_headers(spec.key_id)
+        headers = api.limit_headers(spec.key_id, spec.model)
         kind = "chat" if self.kind == "chat" else "generate"
         if req.stream:
             await follow_stream(api, send, receive, admitted, b"application/x-ndjson",

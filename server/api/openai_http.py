@@ -43,7 +43,7 @@ class GenerateEndpoint:
             return
         specs, admitted, stream, include_usage, n, tools = got
         api = self.api.for_model(specs[0].model)
-        limits = api.limit_headers(specs[0].key_id)
+        limits = api.limit_headers(specs[0].key_id, specs[0].model)
         if stream:
             await respond.stream(api, send, receive, self.kind, admitted, n, include_usage, tools, limits)
         else:

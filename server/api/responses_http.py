@@ -96,7 +96,7 @@ class ResponsesEndpoint:
         if got is None:
             return
         plan, admitted = got
-        headers = self.api.limit_headers(plan.spec.key_id)
+        headers = self.api.limit_headers(plan.spec.key_id, plan.spec.model)
         if plan.req.stream:
             await self._stream(send, receive, plan, admitted, headers)
         else:

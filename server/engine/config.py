@@ -48,7 +48,7 @@ class EngineConfig:
     seed: base seed for unseeded sampling.
     quantization: "none" (weights in dtype; a GGUF file is dequantised), "int8" / "int4" (every
         decoder and lm_head matrix quantised at load to GGUF Q8_0 / Q4_0 blocks and kept so), or
-        "gguf" (a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K matrices kept in their own blocks, the rest
+        "gguf" (a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K matrices kept in their own blocks, the rest
         dequantised; GGUF files only). All but "none" run on CPU only.
     speculative_config: None (off), or a SpeculativeConfig, a dict or a JSON object string in
         vLLM's shape ({"method": "ngram", "num_speculative_tokens": 4, ...}); see spec_config.py.

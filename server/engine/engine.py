@@ -206,8 +206,7 @@ class LLMEngine:
             lora.load(name, cfg)
             logger.info("LoRA adapter %s: %s (r=%d, scale %g, %s)", name, path, cfg.rank, cfg.scale,
                         ", ".join(sorted(cfg.targets)) or cfg.target_regex)
-        logger.info("LoRA: %d adapter(s); steps with adapter rows run the Python layers (decode_layer has no "
-                    "low-rank term)", len(lora.names))
+        logger.info("LoRA: %d adapter(s)", len(lora.names))
         return lora
 
     def _autotune_linears(self, config: EngineConfig,

@@ -192,7 +192,11 @@ class Authenticator:
 
     def limits_of(self, key_id: str) -> Optional[Limits]:
         k = self._keys.get(key_id)
-        return Limits(tpm=k.tpm, rpm=k.rpm, daily_tokens=k.daily_tokens) if k is not None else None
+        if k is None:
+            return None
+        models = {m: Limits(tpm=f.get("tpm"), rpm=f.get("rpm"), daily_tokens=f.get("daily_tokens"))
+                  for m, f in k.model_limits.items()}
+        return Limits(tpm=k.tpm, rpm=k.rpm, daily_tokens=k.daily_tokens, models=models)
 
     def is_admin(self, secret: Optional[str]) -> bool:
         return bool(secret) and self._admin_hash is not None and secret_matches(secret or "", self._admin_hash)

@@ -37,6 +37,9 @@ def add_parsers(sub: Any, db_help: str) -> None:
         p.add_argument("--daily-tokens", type=int, default=None, help=f"tokens per UTC day{zero}")
         p.add_argument("--tpm", type=int, default=None, help=f"tokens per minute{zero}")
         p.add_argument("--rpm", type=int, default=None, help=f"requests per minute{zero}")
+        p.add_argument("--model-limit", action="append", default=None, metavar="MODEL:LIMIT=N[,LIMIT=N]",
+                       help="limits for one model name, on top of the key-wide ones (repeatable); LIMIT is "
+                            f"tpm, rpm or daily (tokens per UTC day), e.g. small:tpm=1000,rpm=10{zero}")
         p.add_argument("--max-priority", choices=PRIORITIES, default=None,
                        help="interactive (default) or batch (every request runs in the batch class)")
         p.add_argument("--expires", default=None,
@@ -59,6 +62,8 @@ def add_parsers(sub: Any, db_help: str) -> None:
     u.add_argument("key_id")
     u.add_argument("--name", default=None)
     limits(u, True)
+    u.add_argument("--clear-model-limit", action="append", default=None, metavar="MODEL",
+                   help="remove every limit the key has for MODEL (repeatable)")
 
     us = sub.add_parser("usage", help="token usage by key, model or day (SQL over the ledger)")
     us.add_argument("--since", default=None, help="start: ISO date/date-time (UTC), Unix seconds, or Nd/Nh ago")
@@ -91,6 +96,43 @@ def parse_when(text: str, name: str, end_of_day: bool = False) -> float:
     if end_of_day and len(t) == 10:  # a bare date: valid through that day
         dt += datetime.timedelta(days=1)
     return dt.timestamp()
+
+
+_LIMIT_NAMES = {"tpm": "tpm", "rpm": "rpm", "daily": "daily_tokens", "daily_tokens": "daily_tokens",
+                "daily-tokens": "daily_tokens"}
+
+
+def parse_model_limits(specs: Optional[list[str]]) -> dict[str, dict[str, int]]:
+    """`--model-limit small:tpm=1000,rpm=10` (repeatable) → {"small": {"tpm": 1000, "rpm": 10}}.
+    The model name is everything before the last `:` (so Ollama-style `llama3:8b:tpm=5` works);
+    a model given twice merges, the later value of a limit winning. Raises ValueError naming the
+    flag and the bad part."""
+    out: dict[str, dict[str, int]] = {}
+    for spec in specs or ():
+        model, colon, fields = spec.rpartition(":")
+        if not colon or not model.strip() or not fields.strip():
+            raise ValueError(f"--model-limit: expected MODEL:LIMIT=N[,LIMIT=N...] (LIMIT: tpm, rpm or daily), "
+                             f"got {spec!r}")
+        limits = out.setdefault(model.strip(), {})
+        for part in fields.split(","):
+            name, eq, value = part.strip().partition("=")
+            field = _LIMIT_NAMES.get(name.strip().lower())
+            if not eq or field is None:
+                raise ValueError(f"--model-limit {spec!r}: {part.strip()!r} is not LIMIT=N with LIMIT one of "
+                                 "tpm, rpm, daily")
+            try:
+                limits[field] = int(value.strip())
+            except ValueError:
+                raise ValueError(f"--model-limit {spec!r}: {name.strip()} must be an integer, got "
+                                 f"{value.strip()!r}") from None
+    return out
+
+
+def _limits_text(per_model: dict[str, dict[str, int]]) -> str:
+    """The per-model limits as `--model-limit` would take them, `;`-separated (`-`: none)."""
+    short = {"tpm": "tpm", "rpm": "rpm", "daily_tokens": "daily"}
+    return "; ".join(f"{m}:" + ",".join(f"{short[f]}={v}" for f, v in sorted(fields.items()))
+                     for m, fields in sorted(per_model.items())) or "-"
 
 
 def _open_for_keys(db: "Path | DbTarget") -> tuple[Any, Any]:
@@ -168,12 +210,13 @@ def _print_keys(keys: list[ApiKey], as_json: bool) -> None:
             print(json.dumps(k.public()))
         return
     print(f"{'KEY ID':<16} {'NAME':<20} {'STATUS':<8} {'DAILY':>10} {'TPM':>8} {'RPM':>6} {'PRIORITY':<11} "
-          f"{'CREATED (UTC)':<16} {'EXPIRES (UTC)':<16}")
+          f"{'CREATED (UTC)':<16} {'EXPIRES (UTC)':<16} MODEL LIMITS")
     for k in keys:
         def n(v: Optional[int]) -> str:
             return "-" if v is None else str(v)
         print(f"{k.key_id:<16} {k.name[:20]:<20} {k.status():<8} {n(k.daily_tokens):>10} {n(k.tpm):>8} "
-              f"{n(k.rpm):>6} {k.max_priority:<11} {_fmt(k.created_at):<16} {_fmt(k.expires_at):<16}")
+              f"{n(k.rpm):>6} {k.max_priority:<11} {_fmt(k.created_at):<16} {_fmt(k.expires_at):<16} "
+              f"{_limits_text(k.model_limits)}")
 
 
 def run_keys(ns: argparse.Namespace, db: "Path | DbTarget") -> int:
@@ -189,7 +232,8 @@ def run_keys(ns: argparse.Namespace, db: "Path | DbTarget") -> int:
         if ns.action == "create":
             expires = parse_when(ns.expires, "--expires", end_of_day=True) if ns.expires else None
             key, secret = store.create(ns.name, daily_tokens=ns.daily_tokens, tpm=ns.tpm, rpm=ns.rpm,
-                                       max_priority=ns.max_priority or "interactive", expires_at=expires)
+                                       max_priority=ns.max_priority or "interactive", expires_at=expires,
+                                       model_limits=parse_model_limits(ns.model_limit))
             if ns.json:
                 print(json.dumps({**key.public(), "secret": secret}))
             else:
@@ -207,6 +251,9 @@ def run_keys(ns: argparse.Namespace, db: "Path | DbTarget") -> int:
                 v = getattr(ns, f)
                 if v is not None:
                     changes[f] = v
+            if ns.model_limit or ns.clear_model_limit:
+                changes["model_limits"] = parse_model_limits(ns.model_limit)
+                changes["clear_model_limits"] = ns.clear_model_limit or []
             if ns.expires is not None:
                 changes["expires_at"] = (None if ns.expires == "never"
                                          else parse_when(ns.expires, "--expires", end_of_day=True))

@@ -15,7 +15,7 @@ from typing import Optional
 from server.gateway import redact
 from server.gateway.auth import Authenticator, read_admin_key, read_metrics_key
 from server.gateway.quotas import QuotaBook
-from server.gateway.usage import daily_usage, recent_usage
+from server.gateway.usage import daily_usage, daily_usage_by_model, recent_usage, recent_usage_by_model
 from server.serving.ledger import Ledger
 from server.serving.settings import ServeSettings
 
@@ -49,8 +49,9 @@ class Gateway:
         self.auth = Authenticator(self._keys_conn, s.auth, admin, s.insecure_no_auth, metrics_token)
         quotas = QuotaBook(self.auth.limits_of)
         day = QuotaBook.day_of(quotas.clock())
-        quotas.load_daily(await daily_usage(ledger, day), day)
-        quotas.load_window(await recent_usage(ledger, quotas.clock() - 60.0))
+        quotas.load_daily(await daily_usage(ledger, day), day, await daily_usage_by_model(ledger, day))
+        since = quotas.clock() - 60.0
+        quotas.load_window(await recent_usage(ledger, since), await recent_usage_by_model(ledger, since))
         self._quotas = quotas
         log.info("auth: %s (%s)", "required" if self.auth.required else "off",
                  f"mode {s.auth}" + (", admin key set" if admin else ""))

@@ -4,7 +4,9 @@
 and in memory through `quotas.QuotaBook.settle`) and by the reports: a request that reached the
 engine (`admitted_at` set) costs its prompt tokens plus the tokens it emitted (for a request cut
 off by a crash, what its row recorded as it ran); one that never reached the engine costs nothing.
-A request belongs to the UTC day (and report window) of its `created_at`.
+A request belongs to the UTC day (and report window) of its `created_at`, and to the model its
+`model` column names (the name the request used: a LoRA adapter's own name), which is what a
+key's per-model limits count.
 """
 from __future__ import annotations
 
@@ -29,6 +31,26 @@ async def daily_usage(ledger: Ledger, day: int) -> dict[str, int]:
         f"SELECT key_id, SUM({BILLABLE_SQL}) FROM requests WHERE key_id IS NOT NULL "
         "AND created_at >= ? AND created_at < ? GROUP BY key_id", (day * DAY_S, (day + 1) * DAY_S))
     return {str(k): int(n or 0) for k, n in rows}
+
+
+async def daily_usage_by_model(ledger: Ledger, day: int) -> dict[tuple[str, str], int]:
+    """Each (key, model name the request used)'s billable tokens for the UTC day `day`: what the
+    key's per-model daily quotas start a restarted server from."""
+    rows = await ledger.query(
+        f"SELECT key_id, model, SUM({BILLABLE_SQL}) FROM requests WHERE key_id IS NOT NULL AND model IS NOT NULL "
+        "AND created_at >= ? AND created_at < ? GROUP BY key_id, model", (day * DAY_S, (day + 1) * DAY_S))
+    return {(str(k), str(m)): int(n or 0) for k, m, n in rows}
+
+
+async def recent_usage_by_model(ledger: Ledger, since: float) -> dict[tuple[str, str], list[tuple[float, int]]]:
+    """`recent_usage` per (key, model name): the per-model TPM buckets' window."""
+    rows = await ledger.query(
+        f"SELECT key_id, model, created_at, {BILLABLE_SQL} FROM requests WHERE key_id IS NOT NULL "
+        "AND model IS NOT NULL AND created_at >= ?", (since,))
+    out: dict[tuple[str, str], list[tuple[float, int]]] = {}
+    for k, m, t, n in rows:
+        out.setdefault((str(k), str(m)), []).append((float(t), int(n or 0)))
+    return out
 
 
 async def recent_usage(ledger: Ledger, since: float) -> dict[str, list[tuple[float, int]]]:

@@ -16,16 +16,20 @@ both paths once at engine start, per distinct (weight kind, N, K) and M bucket (
 its steps (`active`, thread-local like batch_invariant.mode), and `ops.linear` reads it with one
 dict lookup; a shape or bucket not in the table, or no active table, keeps the fixed rule.
 
-Only plausible pairs are timed: quantised weights below 16 rows keep the integer kernel (a whole
-dequantised matrix per call moves several times the bytes the kernel reads: 6-20x slower measured),
-and a CPU without the float kernels (the portable family, ARM) has nothing to tune for float
-weights. When the fixed rule's path is more than CLEAR_RATIO faster after one sample each, it is
-kept there; otherwise each path gets SAMPLES samples, and the fixed rule's path is kept unless every
-sample of the other is at least MARGIN faster than the fixed rule's best. A loaded machine (another process on
-a core the intra-op threads need) stalls calls by whole scheduler slices: tune on the machine as
-it will serve.
+Every (shape, bucket) is timed, quantised weights' large bucket included (the integer kernel in
+blocks of 16 rows against the op's dequantise-a-chunk-of-rows + GEMM path). A CPU without the float
+kernels (the portable family, ARM) has nothing to tune for float weights. When the fixed rule's
+path is more than CLEAR_RATIO faster after one sample each, it is kept there; otherwise each path
+gets SAMPLES samples, and the fixed rule's path is kept unless every sample of the other is at
+least MARGIN faster than the fixed rule's best -- or the fixed rule's best is more than TOLERANCE
+times the other's best: no kept choice is ever measured that much slower than the alternative. A
+loaded machine (another process on a core the intra-op threads need) stalls calls by whole
+scheduler slices: tune on the machine as it will serve.
 The whole model shares one time budget; buckets are tuned smallest first, so a budget that runs
-out leaves the large buckets on their fixed rule (logged).
+out leaves the large buckets on their fixed rule (logged). Quantised weights' buckets below 16
+rows come last: dequantising a whole matrix per call moves several times the bytes the kernel
+reads (6-20x slower measured), so their fixed rule is the one least likely to change; they are
+still timed (one sample each, "clear") while the budget lasts.
 
 On an AMX CPU (family "amx") the kernel path itself has two bodies from 4 rows: the AMX tiles
 (the default) and the AVX-512 dot products. For every bucket of 4 rows and more whose choice is
@@ -77,8 +81,9 @@ __all__ = [
 
 logger = logging.getLogger("pagewire.autotune")
 
-QUANT_FIRST_BUCKET = 4  # quantised weights: only M = 16 and large are plausible for dequantise + GEMM
+QUANT_FIRST_BUCKET = 4  # quantised weights: buckets below it (M < 16) are timed last (see above)
 CLEAR_RATIO = 1.5  # one sample each this far apart decides
+TOLERANCE = 1.2  # never keep a path whose best sample is more than this times the other's best
 SAMPLES = 4  # per path, for a close pair
 MARGIN = 0.03  # the non-default path must be this much faster to replace the fixed rule
 MIN_SAMPLE_S = 1e-3  # a sample repeats the call until it lasts about this long (timer resolution, noise)
@@ -151,13 +156,15 @@ def tune(
 
     gen = torch.Generator().manual_seed(0)  # its own stream: the global RNG is the sampler's business
     last: dict[Key, tuple[int, float, float]] = {}  # key -> (rows, kernel s, torch s) of its latest timed bucket
+    # Every bucket smallest first, then quantised weights' small buckets (`late`).
+    order = [(b, False) for b in range(LARGE + 1)] + [(b, True) for b in range(QUANT_FIRST_BUCKET)]
     with torch.inference_mode():
-        for b in range(LARGE + 1):
+        for b, late in order:
             m = BUCKETS[b] if b < LARGE else table.large_m
             if b == LARGE and max_rows is not None and max_rows <= BUCKETS[-1]:
-                break
+                continue
             for key, site in groups.items():
-                if isinstance(site.weight, QuantizedWeight) and b < QUANT_FIRST_BUCKET:
+                if (isinstance(site.weight, QuantizedWeight) and b < QUANT_FIRST_BUCKET) != late:
                     continue
                 if time.perf_counter() - t_start + _predicted_s(last.get(key), m) > budget_s:
                     table.choices[key][b].how = "budget"
@@ -249,8 +256,10 @@ def _time_pair(ops: ModuleType, site: Site, m: int, default_kernel: bool, gen: t
             how = "clear"  # replacing the default always takes every sample
             break
     # Replace the fixed rule only when every sample of the other path beats the default's best by
-    # MARGIN: random stalls (a loaded machine) order 4 + 4 samples that way 1 time in 70.
-    switch = how == "timed" and max(samples[other]) < min(samples[default]) * (1 - MARGIN)
+    # MARGIN: random stalls (a loaded machine) order 4 + 4 samples that way 1 time in 70. Or when
+    # the default's best is over TOLERANCE times the other's best, however the samples interleave.
+    switch = how == "timed" and (max(samples[other]) < min(samples[default]) * (1 - MARGIN)
+                                 or min(samples[default]) > TOLERANCE * min(samples[other]))
     kernel = default_kernel != switch
     tk, tt = min(samples["kernel"]), min(samples["torch"])
     return Choice(kernel, how, tk, tt)

@@ -14,6 +14,8 @@ class Qtype(StrEnum):
     Q4_0 = "q4_0"
     Q4_1 = "q4_1"
     Q4_K = "q4_k"
+    Q5_K = "q5_k"
+    Q6_K = "q6_k"
     MXFP4 = "mxfp4"  # GGUF ships it for experts only (QuantizedExperts in moe_experts)
 
 
@@ -30,4 +32,7 @@ class LinearKind(StrEnum):
     Q4_1 = "q4_1"
     Q4_1X8 = "q4_1x8"
     Q4_K = "q4_k"
+    Q4_KX8 = "q4_kx8"
+    Q5_K = "q5_k"
+    Q6_K = "q6_k"
     MXFP4 = "mxfp4"  # moe_experts only

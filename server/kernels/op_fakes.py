@@ -96,9 +96,9 @@ def _quantize_q4_0_fake(weight):
     return weight.new_empty((weight.shape[0], weight.shape[1] // 32 * 18), dtype=torch.uint8)
 
 
-# (values, bytes) per block of each qtype string the 4-bit ops take ("x8": the interleaved layout).
-_Q4_FORMATS = {"q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144), "q4_0x8": (32, 18), "q4_1x8": (32, 20),
-               "mxfp4": (32, 17)}
+# (values, bytes) per block of each qtype string the 4-bit and K-quant ops take ("x8": the interleaved layout).
+_Q4_FORMATS = {"q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
+               "q4_0x8": (32, 18), "q4_1x8": (32, 20), "q4_kx8": (256, 144), "mxfp4": (32, 17)}
 
 
 @torch.library.register_fake("pagewire::dequantize_q4")
@@ -115,7 +115,7 @@ def _decode_layer_fake(hidden, delta, attn_norm, attn_post_norm, mlp_norm, mlp_p
                        sliding_window, max_query_len, max_seq_len, num_heads, num_kv_heads, head_dim, softcap=0.0,
                        activation="silu", v_norm=None, shares_kv=False, value_from_key=False, per_layer_input=None,
                        ple_gate=None, ple_gate_kind="torch", ple_proj=None, ple_proj_kind="torch", ple_norm=None,
-                       layer_scalar=None, sinks=None):
+                       layer_scalar=None, sinks=None, lora=None, lora_spec=None):
     # A layer that ends itself (Gemma 4's per-layer input block, layer scalar) has added its MLP
     # output already and returns an empty [0, H].
     finishes = ple_gate is not None or layer_scalar is not None

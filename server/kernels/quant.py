@@ -9,15 +9,19 @@ Every format is GGUF's block layout, byte for byte, so a tensor read from a GGUF
     q4_0   32            18           d * (q - 8)      (fp16 d, 32 4-bit q)
     q4_1   32            20           d * q + m        (fp16 d, fp16 m, 32 4-bit q)
     q4_k   256           144          d*sc*q - dmin*mn (fp16 d, dmin, 8 x 6-bit sc/mn, 256 4-bit q)
+    q5_k   256           176          d*sc*q - dmin*mn (as q4_k, 5-bit q: 32 bytes of fifth bits)
+    q6_k   256           210          d*sc*(q - 32)    (6-bit q, 16 int8 sc per 16 values, fp16 d)
+    mxfp4  32            17           E2M1(q) * 2^(e-127) (u8 exponent e, 32 4-bit q; experts)
 
 Float weights are quantised at load with `quantize` (q8_0 and q4_0, GGUF's rounding, in C++).
 
-`for_kernels` gives the layout this CPU's kernel reads fastest: on AVX2-family CPUs Q8_0, Q4_0 and
-Q4_1 are interleaved eight rows at a time (the same bytes rearranged, csrc/cpu/quant_kernel.h and
+`for_kernels` gives the layout this CPU's kernel reads fastest: on AVX2-family CPUs Q8_0, Q4_0,
+Q4_1 and Q4_K are interleaved eight rows at a time (the same bytes rearranged, csrc/cpu/quant_kernel.h and
 quant4_kernel.h), which the AVX2 kernels read 1.3-2.5x as fast as GGUF's rows. The model loaders
 call it.
 `server.kernels.ops.linear` runs a QuantizedWeight through pagewire::linear_q8_0 or
-pagewire::linear_q4 (activations quantised per row to 8 bits on the fly, integer block dot products).
+pagewire::linear_q4 (every 4-bit and K-quant format; activations quantised per row to 8 bits on the
+fly, integer block dot products).
 """
 from __future__ import annotations
 
@@ -47,6 +51,8 @@ QTYPES: dict[Qtype, BlockFormat] = {
     Qtype.Q4_0: BlockFormat(32, 18),
     Qtype.Q4_1: BlockFormat(32, 20),
     Qtype.Q4_K: BlockFormat(256, 144),
+    Qtype.Q5_K: BlockFormat(256, 176),
+    Qtype.Q6_K: BlockFormat(256, 210),
     # GGML's MXFP4 (gpt-oss's experts): an E8M0 scale byte, then 16 bytes of E2M1 codes (value j in
     # the low nibble of byte j, value j + 16 in its high nibble); the 4-bit kernels read it (linear_q4
     # qtype "mxfp4", csrc/cpu/quant4_kernel.h). GGUF files ship it for experts only.
@@ -54,11 +60,11 @@ QTYPES: dict[Qtype, BlockFormat] = {
 }
 
 # The formats with an interleaved layout (QuantizedWeight.for_kernels).
-INTERLEAVABLE: tuple[Qtype, ...] = (Qtype.Q8_0, Qtype.Q4_0, Qtype.Q4_1)
+INTERLEAVABLE: tuple[Qtype, ...] = (Qtype.Q8_0, Qtype.Q4_0, Qtype.Q4_1, Qtype.Q4_K)
 
 # GGUF tensor type names (gguf.GGMLQuantizationType) -> the qtype that keeps them as they are.
 GGUF_QTYPES: dict[str, Qtype] = {"Q8_0": Qtype.Q8_0, "Q4_0": Qtype.Q4_0, "Q4_1": Qtype.Q4_1, "Q4_K": Qtype.Q4_K,
-                                  "MXFP4": Qtype.MXFP4}
+                                  "Q5_K": Qtype.Q5_K, "Q6_K": Qtype.Q6_K, "MXFP4": Qtype.MXFP4}
 
 # --quantization values that quantise float weights at load, and the format each one stores.
 # ("gguf", which keeps a GGUF file's own block types, is handled by the GGUF loader.)
@@ -83,7 +89,7 @@ class QuantizedWeight:
         data: uint8 [N, K / block * block_bytes] on CPU, the blocks row by row (GGUF's layout), or
             with `interleaved` each group of eight rows rearranged within its own bytes.
         shape: the logical (N, K).
-        interleaved: data is in the x8 layout (q8_0, q4_0 and q4_1; see `for_kernels`).
+        interleaved: data is in the x8 layout (q8_0, q4_0, q4_1 and q4_k; see `for_kernels`).
     """
 
     qtype: Qtype
@@ -132,10 +138,11 @@ class QuantizedWeight:
     def for_kernels(self) -> "QuantizedWeight":
         """This weight in the layout that this CPU's kernel reads fastest (itself when that is its own).
 
-        On CPUs whose best family is AVX2 (no AVX-512 VNNI), Q8_0, Q4_0 and Q4_1 weights of at least
-        eight rows are interleaved: a copy of the same bytes, eight rows at a time, so one 32-bit
-        lane of the AVX2 kernel is one weight row (csrc/cpu/linear_x8_avx2.cpp). AVX-512 CPUs keep
-        GGUF's rows, which their VNNI and AMX kernels read; so does Q4_K everywhere."""
+        On CPUs whose best family is AVX2 (no AVX-512 VNNI), Q8_0, Q4_0, Q4_1 and Q4_K weights of at
+        least eight rows are interleaved: a copy of the same bytes, eight rows at a time, so one
+        32-bit lane of the AVX2 kernel is one weight row (csrc/cpu/linear_x8_avx2.cpp,
+        linear_x8k_avx2.cpp). AVX-512 CPUs keep GGUF's rows, which their VNNI and AMX kernels read;
+        so do Q5_K, Q6_K and MXFP4 everywhere."""
         if (self.interleaved or self.qtype not in INTERLEAVABLE or self.shape[0] < 8
                 or str(server._C.cpu_isa()) != "avx2"):
             return self

@@ -226,13 +226,16 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         kinds: tuple[str, ...],
         per_layer_input: torch.Tensor | None = None,
+        lora: LoraStep | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward() in one C++ call (pagewire::decode_layer: the same ops in the same order, so the
         same floats), for CPU batches of at most 16 tokens; rope: this layer's table (None: NoPE)
         and positions the rows to read from it (RopeBatch.positions); kinds: each matrix's linear
         path (ops.linear_kind), in MATRICES order, then the per-layer input block's gate and
-        projection (linear_kinds); per_layer_input as forward()'s."""
+        projection (linear_kinds); per_layer_input as forward()'s; lora: the step's stacked LoRA
+        terms (LoraStep.fusable), added by decode_layer as forward() adds them."""
         ple = self.ple_gate is not None
+        lora_tensors, lora_spec = lora.fused_args(self.layer_idx) if lora is not None else (None, None)
         mlp_out = torch.ops.pagewire.decode_layer(
             hidden, delta, self.attn_norm, self.attn_post_norm, self.mlp_norm, self.mlp_post_norm, self.eps,
             self.residual_multiplier,
@@ -247,7 +250,7 @@ class DecoderLayer(nn.Module):
             self.num_heads, self.num_kv_heads, self.head_dim, self.softcap, self.activation,
             self.v_norm, self.shares_kv, self.value_from_key, per_layer_input,
             self.ple_gate, kinds[4] if ple else "torch", self.ple_proj, kinds[5] if ple else "torch",
-            self.ple_norm, self.layer_scalar, self.sinks,
+            self.ple_norm, self.layer_scalar, self.sinks, lora_tensors, lora_spec,
         )
         return hidden, (None if self.finishes else mlp_out)
 
@@ -498,7 +501,9 @@ class DecoderForCausalLM(nn.Module):
         batches = [rope.prepare(positions, self.dtype, context_lens) for rope in self.ropes]
         per_layer = self._per_layer_inputs(input_ids, hidden)  # [T, L, P] or None
         delta: torch.Tensor | None = None
-        fused = self._fused_kinds(hidden, batches) if lora is None else None
+        # A step with LoRA rows stays fused when its terms are stacked (decode_layer adds them);
+        # deterministic mode's per-adapter terms run the Python layers.
+        fused = self._fused_kinds(hidden, batches) if lora is None or lora.fusable else None
         for i, (layer, (key_cache, value_cache)) in enumerate(zip(self._layers, kv_caches)):
             r = layer.rope_index
             rope, batch = (self.ropes[r], batches[r]) if r is not None else (None, None)
@@ -507,7 +512,8 @@ class DecoderForCausalLM(nn.Module):
             ple = per_layer[:, i] if per_layer is not None else None
             if kinds is not None:
                 rows = batch.positions if batch is not None else positions
-                hidden, delta = layer.forward_fused(hidden, delta, rope, rows, key_cache, value_cache, m, kinds, ple)
+                hidden, delta = layer.forward_fused(hidden, delta, rope, rows, key_cache, value_cache, m, kinds, ple,
+                                                    lora)
             else:
                 hidden, delta = layer.forward(hidden, delta, rope, batch, key_cache, value_cache, m, ple, lora)
         eps, fp32 = self.config.rms_norm_eps, self.config.norm_weight_fp32

@@ -2,12 +2,13 @@
 
 It owns deciding which of a model's matrices can stay in the file's own block format -- every
 GGUF tensor that feeds the matrix has one type, and pagewire has a kernel for it (Q8_0, Q4_0,
-Q4_1, Q4_K, and MXFP4 for experts only; see server.kernels.quant.GGUF_QTYPES) -- and building those QuantizedWeights from the
+Q4_1, Q4_K, Q5_K, Q6_K, and MXFP4 for experts only; see server.kernels.quant.GGUF_QTYPES) -- and
+building those QuantizedWeights from the
 tensors' raw block bytes: fused matrices (qkv, gate_up) are the parts' rows one after another, and
 llama.cpp's Q/K row permutation is undone on whole rows of blocks, so no value is ever
-dequantised. Every other tensor (norms, embeddings, F16/F32, Q5_K/Q6_K matrices, a fused matrix
-whose parts differ in type) is dequantised by the loader as usual. The Gated DeltaNet hybrids'
-matrices need rows (and ssm_out's blocks) moved to the model's order (server.models.qwen3_next_gguf).
+dequantised. Every other tensor (norms, embeddings, F16/F32, a fused matrix whose parts differ in
+type) is dequantised by the loader as usual. The Gated DeltaNet hybrids' matrices need rows (and
+ssm_out's blocks) moved to the model's order (server.models.qwen3_next_gguf).
 """
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ def plan_kept_matrices(f: GGUFFile, config: ModelConfig, tied: bool) -> list[Kep
             continue  # missing (the loader reports it) or mixed types: dequantised
         qtype = GGUF_QTYPES.get(types.pop())
         if qtype is Qtype.MXFP4 and not name.startswith("moe.experts"):
-            continue  # MXFP4 has no dense linear kernel: only experts (moe_experts decodes them) stay in it
+            continue  # GGUF files ship MXFP4 for experts only; any other MXFP4 matrix is dequantised at load
         k = tensors[0].shape[-1] if tensors[0] is not None else 0
         dims = 3 if name.startswith("moe.experts") else 2  # experts: [E, N, K], alike in E
         lead = tensors[0].shape[0] if tensors[0] is not None else 0

@@ -35,7 +35,7 @@ from server.models.qwen3_next_gguf import (
 )
 from server.models.registry import config_from_gguf, gguf_permuted_qk, model_class
 
-SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -163,7 +163,7 @@ def load_gguf_model(
         path: the .gguf file.
         dtype: "auto" (the file's float type; float32 for quantised files), "float32", "bfloat16", "float16".
         device: where the parameters live.
-        keep_quantized: keep every matrix whose tensors are Q8_0/Q4_0/Q4_1/Q4_K as a
+        keep_quantized: keep every matrix whose tensors are Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K as a
             QuantizedWeight of the file's blocks (CPU only); norms, embeddings and other types
             are dequantised to `dtype` as usual.
     Returns:

@@ -45,6 +45,8 @@ from server.models.lora_config import MAX_ADAPTERS, TARGETS, LoraConfig, LoraErr
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 # The stacks of this many adapter sets are kept (most recently used).
 _STACK_CACHE = 16
+# The fused matrices a term may add to, in pagewire::decode_layer's order (LoraStep.fused_args).
+FUSED_MATRICES = ("qkv", "o", "gate_up", "down")
 
 
 class Slot(NamedTuple):
@@ -102,6 +104,34 @@ class LoraStep:
         # grouped: per adapter, (its rows or None, the adapter).
         self._stacked = stacked
         self._grouped = grouped or []
+
+    @property
+    def fusable(self) -> bool:
+        """Whether pagewire::decode_layer can add these terms (the stacked form; the grouped one
+        runs through ops.linear's batch-invariant path, in the Python layers)."""
+        return self._stacked is not None and not self._grouped
+
+    def fused_args(self, layer: int) -> tuple[list[torch.Tensor], list[int]]:
+        """Layer `layer`'s stacked terms as decode_layer takes them (`lora`, `lora_spec`): the
+        rows (int64, empty for every row), then per matrix with a term, in FUSED_MATRICES order,
+        its A, its mask and each module's Bᵀ; the spec gives per matrix its module count (-1:
+        none) and each module's (row, rows, c0, c1). decode_layer adds them as `add` does."""
+        assert self._stacked is not None, "fused_args: the grouped (deterministic) terms run the Python layers"
+        rows, stack, masks = self._stacked
+        every = torch.empty(0, dtype=torch.long) if rows is None else rows.to(torch.long)
+        tensors: list[torch.Tensor] = [every]
+        spec: list[int] = []
+        for m in FUSED_MATRICES:
+            w = stack.weights[layer].get(m)
+            if w is None:
+                spec.append(-1)
+                continue
+            a, parts = w
+            tensors += [a, masks[m], *(p.bt for p in parts)]
+            spec.append(len(parts))
+            for p in parts:
+                spec += [p.row, p.rows, p.c0, p.c1]
+        return tensors, spec
 
     def add(self, layer: int, matrix: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out[rows] += scale · (x[rows] · Aᵀ) · Bᵀ for layer `layer`'s `matrix` (qkv, o, gate_up,

@@ -40,15 +40,18 @@ class Reservation:
     ident: int
     settled: bool = False
     hold_id: Optional[str] = None  # its row in quota_holds when the database holds it (gateway.quota_db)
+    model: Optional[str] = None  # the model name the request used: its per-model limits hold it too
 
 
 class Quotas(Protocol):
-    """Token quotas per key (the gateway's `QuotaBook`). `reserve` raises RateLimited (429)."""
+    """Token quotas per key, and per model of a key (the gateway's `QuotaBook`). `reserve` raises
+    RateLimited (429)."""
 
-    def reserve(self, key_id: str, cost: int) -> Reservation: ...
+    def reserve(self, key_id: str, cost: int, model: Optional[str] = None) -> Reservation: ...
 
-    async def acquire(self, key_id: str, cost: int, hold_id: str) -> Reservation:
-        """`reserve`, awaited: a quota book in a shared database reserves in a transaction."""
+    async def acquire(self, key_id: str, cost: int, hold_id: str, model: Optional[str] = None) -> Reservation:
+        """`reserve`, awaited: a quota book in a shared database reserves in a transaction. `model`
+        (the name the request used) also reserves against the key's limits for that model."""
         ...
 
     def settle(self, res: Reservation, actual: int, *, ran: bool = True) -> None: ...

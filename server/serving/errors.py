@@ -128,8 +128,9 @@ class RateLimited(PagewireError):
     error_type = "rate_limit_error"
 
     def __init__(self, message: str, *, headers: dict[str, str], retry_after_s: Optional[float],
-                 code: Optional[str] = None) -> None:
-        super().__init__(message, code=code, retry_after_s=retry_after_s)
+                 code: Optional[str] = None, param: Optional[str] = None) -> None:
+        # param "model": the limit hit is the key's limit for the request's model, not key-wide.
+        super().__init__(message, code=code, retry_after_s=retry_after_s, param=param)
         self.headers = headers
 
 

@@ -164,6 +164,21 @@ MIGRATIONS: list[str] = [
         PRIMARY KEY (key_id, kind)
     );
     """,
+    # 9: per-model limits of a key (server.gateway.keys: JSON {model: {tpm, rpm, daily_tokens}}),
+    # and, for a shared database (server.gateway.quota_db), each hold's model and the per-model
+    # buckets, as quota_buckets is per key. A key from v8 has none (NULL): its limits are key-wide.
+    """
+    ALTER TABLE api_keys ADD COLUMN model_limits TEXT;
+    ALTER TABLE quota_holds ADD COLUMN model TEXT;
+    CREATE TABLE quota_model_buckets (
+        key_id  TEXT NOT NULL,
+        model   TEXT NOT NULL,
+        kind    TEXT NOT NULL,
+        level   REAL NOT NULL,
+        t       REAL NOT NULL,
+        PRIMARY KEY (key_id, model, kind)
+    );
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)

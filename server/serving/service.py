@@ -283,7 +283,7 @@ class RequestService:
             try:
                 # An embedding request emits nothing: it costs exactly its input tokens.
                 output = params.n * (params.max_tokens or 0) if params.embedding is None else 0
-                reservation = await self.quotas.acquire(spec.key_id, len(ids) + output, request_id)
+                reservation = await self.quotas.acquire(spec.key_id, len(ids) + output, request_id, spec.model)
             except PagewireError:
                 self.metrics.keys.add(spec.key_id, rate_limited=1)
                 raise

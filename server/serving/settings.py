@@ -345,7 +345,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("seed", int, "base seed for unseeded sampling", engine=True),
     Option("device", str, "cpu or cuda", engine=True),
     Option("quantization", str, "none, int8 / int4 (weights quantised at load to Q8_0 / Q4_0 blocks), or gguf "
-           "(a GGUF file's own Q8_0/Q4_0/Q4_1/Q4_K blocks kept); CPU only", engine=True),
+           "(a GGUF file's own Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K blocks kept); CPU only", engine=True),
     Option("speculative_config", speculative_config,
            "speculative decoding as a JSON object, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
            "(fields: docs/speculative_decoding.md; default: off)", engine=True),

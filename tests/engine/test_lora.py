@@ -1,7 +1,8 @@
 """LoRA adapters in the engine: greedy tokens equal transformers + PEFT's, token for token, for
 base and adapter requests mixed in one batch and several adapters at once; the prefix cache never
-hands one adapter's (or the base model's) blocks to another; steps with adapter rows leave the
-fused decode_layer path, steps without keep it."""
+hands one adapter's (or the base model's) blocks to another; steps with adapter rows keep the
+fused decode_layer path with the same floats as the Python layers (deterministic mode's
+per-adapter terms take the Python layers)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import pytest
+import torch
 
 from server import LLM, SamplingParams
 from tests.lora_adapters import make_lora_adapter, peft_greedy
@@ -74,11 +76,12 @@ def test_mixed_batch_matches_peft(lora_setup: dict[str, Path], deterministic: bo
 
 
 def test_all_rows_one_adapter_and_fused_path(lora_setup: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A batch where every row uses an adapter (no row gather) matches PEFT; steps with adapter rows
-    run the Python layers, a step of base rows alone keeps decode_layer."""
+    """A batch where every row uses an adapter (no row gather) matches PEFT; its steps (up to 16
+    rows) run decode_layer with the stacked terms, as base steps do; deterministic mode's
+    per-adapter terms run the Python layers."""
     s = lora_setup
     prompts = _prompts(3, _vocab(s["model"]), seed=11)
-    llm = _llm(s)
+    llm = _llm(s, deterministic=False)
     model = llm.engine.model
     calls: list[bool] = []
     real = type(model)._fused_kinds
@@ -92,9 +95,52 @@ def test_all_rows_one_adapter_and_fused_path(lora_setup: dict[str, Path], monkey
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW), lora="attn")
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == peft_greedy(s["model"], s["attn"], p, MAX_NEW)
-    assert calls == []  # _fused_kinds is not even asked while adapter rows run
+    # The first step prefills the three prompts (more than 16 rows: the Python layers); every decode fused.
+    assert len(calls) >= MAX_NEW - 1 and not calls[0] and all(calls[1:])
+    calls.clear()
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=3))
-    assert calls and calls[-1]  # the base model's decodes (up to 16 rows): decode_layer
+    assert calls and calls[-1]  # the base model's decodes: decode_layer
+    calls.clear()
+    exact = _llm(s, deterministic=True)
+    out = exact.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=MAX_NEW), lora="attn")[0]
+    assert out.outputs[0].token_ids == peft_greedy(s["model"], s["attn"], prompts[0], MAX_NEW)
+    assert calls == []  # per-adapter terms: _fused_kinds is not even asked
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_terms_give_the_python_layers_floats(lora_setup: dict[str, Path], dtype: str) -> None:
+    """decode_layer adds the stacked terms op for op as the Python layers do: logits and every KV
+    byte equal, for base and adapter rows mixed (the row gather) and all rows on adapters (none),
+    prefill chunks and decodes."""
+    from tests.models.paged_harness import PagedRun
+
+    s = lora_setup
+    llm = _llm(s, dtype=dtype, deterministic=False)
+    model, lora = llm.engine.model, llm.engine.lora
+    assert lora is not None
+    vocab = _vocab(s["model"])
+    toks = _prompts(3, vocab, seed=19, lo=20, hi=20)
+    for slots in ([0, lora.slot("all"), lora.slot("mlp")], [lora.slot("attn"), lora.slot("all"), lora.slot("attn")]):
+        steps = [{0: toks[0][:9], 1: toks[1][:5]}, {1: toks[1][5:9], 2: toks[2][:9]}]
+        steps += [{q: [toks[q][t]] for q in range(3)} for t in range(9, 16)]
+        runs = []
+        for fused in (True, False):
+            model.fused_decode = fused
+            run = PagedRun(model, seed=3)
+            logits = []
+            for st in steps:
+                row_slots = [slots[q] for q, ids in st.items() for _ in ids]
+                step = lora.step(row_slots)
+                assert step is not None and step.fusable
+                logits.append(run.step(st, step))
+            runs.append((logits, run))
+        (lf, rf), (lp, rp) = runs
+        for a, b in zip(lf, lp):
+            for q in a:
+                assert torch.equal(a[q], b[q]), (slots, q)
+        for (kf, vf), (kp, vp) in zip(rf.kv_caches, rp.kv_caches):
+            assert torch.equal(kf, kp) and torch.equal(vf, vp)
+    model.fused_decode = True
 
 
 def test_prefix_cache_is_keyed_by_adapter(lora_setup: dict[str, Path]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import httpx
 import pytest
@@ -31,17 +31,24 @@ class FakeClock:
 class InProcessServer:
     """A real pagewire app served by uvicorn on a background thread, in this process."""
 
-    def __init__(self, demo_model: Path, db: Path, **settings: Any) -> None:
+    def __init__(self, demo_model: Path, db: Path, models: Optional[dict[str, Path]] = None,
+                 **settings: Any) -> None:
+        """`models` (name → path): serve these (the first the default) instead of the demo model."""
         import uvicorn
 
         from server.serve import compose
+        from server.serving.model_catalog import ModelEntry
         from server.serving.settings import ServeSettings
 
         self.port = free_port()
         self.settings = ServeSettings(host="127.0.0.1", port=self.port, db=db_arg(db), max_num_seqs=8,
                                       kv_cache_tokens=4096, max_num_batched_tokens=256, num_threads=1,
                                       **settings)
-        self.rt, self.gateway, app = compose(self.settings, demo_model, "demo")
+        entries = [ModelEntry(n, p, "--model") for n, p in (models or {}).items()]
+        if entries:
+            self.rt, self.gateway, app = compose(self.settings, entries[0].path, entries[0].name, models=entries)
+        else:
+            self.rt, self.gateway, app = compose(self.settings, demo_model, "demo")
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, loop="asyncio",
                                 lifespan="on", ws="websockets", log_level="warning",
                                 ws_ping_interval=None, ws_ping_timeout=None)  # as serve.py: pagewire pings
@@ -95,8 +102,8 @@ def make_key(tmp_path: Path) -> Any:
 def in_process(demo_model: Path) -> Iterator[Any]:
     servers: list[InProcessServer] = []
 
-    def start(db: Path, **settings: Any) -> InProcessServer:
-        s = InProcessServer(demo_model, db, **settings).start()
+    def start(db: Path, models: Optional[dict[str, Path]] = None, **settings: Any) -> InProcessServer:
+        s = InProcessServer(demo_model, db, models, **settings).start()
         servers.append(s)
         return s
 

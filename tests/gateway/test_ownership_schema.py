@@ -94,7 +94,7 @@ def test_a_v4_ledger_migrates_and_files_and_batches_are_owned_per_key(tmp_path: 
     asyncio.run(run())
     c = sqlite3.connect(db)
     try:
-        assert c.execute("SELECT version FROM schema_version").fetchone()[0] == SCHEMA_VERSION == 8
+        assert c.execute("SELECT version FROM schema_version").fetchone()[0] == SCHEMA_VERSION == 9
         assert {r[1] for r in c.execute("PRAGMA table_info(batches)")} >= {"key_id"}
     finally:
         c.close()

@@ -1,5 +1,5 @@
-"""The AVX-512 VNNI 4-bit kernels (csrc/cpu/linear_q4_avx512.cpp: Q4_0, Q4_1, Q4_K, MXFP4), run through
-emulated intrinsics.
+"""The AVX-512 VNNI 4-bit and K-quant kernels (csrc/cpu/linear_q4_avx512.cpp: Q4_0, Q4_1, Q4_K, MXFP4;
+linear_k56_avx512.cpp: Q5_K, Q6_K), run through emulated intrinsics.
 
 This machine's CPU may lack AVX-512 VNNI, so the kernel file is built unchanged against SIMDe
 (tests/kernels/emu_build.py) next to the AVX2 4-bit kernels and the activation quantiser, and
@@ -33,15 +33,18 @@ F32 = ctypes.POINTER(ctypes.c_float)
 I8 = ctypes.POINTER(ctypes.c_int8)
 U8 = ctypes.POINTER(ctypes.c_uint8)
 AVX2, AVX512 = 0, 1
-QTYPE_ID = {"q4_0": 0, "q4_1": 1, "q4_k": 2, "mxfp4": 3}
-BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q4_k": 144, "mxfp4": 17}
-BLOCK_VALUES = {"q4_0": 32, "q4_1": 32, "q4_k": 256, "mxfp4": 32}
-CODES_AT = {"q4_0": 2, "q4_1": 4, "q4_k": 16, "mxfp4": 1}  # where a block's code bytes start
+QTYPE_ID = {"q4_0": 0, "q4_1": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4, "mxfp4": 5}  # csrc/cpu/quant4_kernel.h's Q4Type
+BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q4_k": 144, "q5_k": 176, "q6_k": 210, "mxfp4": 17}
+BLOCK_VALUES = {"q4_0": 32, "q4_1": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256, "mxfp4": 32}
+# where a block's code bytes start (Q6_K: 0..192)
+CODES_AT = {"q4_0": 2, "q4_1": 4, "q4_k": 16, "q5_k": 16, "mxfp4": 1}
+K_NAMES = {"q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K"}
 
 
 @pytest.fixture(scope="module")
 def lib() -> ctypes.CDLL:
-    return emu_build.build("q4", ["linear_q8_avx2.cpp", "linear_q4_avx2.cpp", "linear_q4_avx512.cpp"])
+    return emu_build.build("q4", ["linear_q8_avx2.cpp", "linear_q4_avx2.cpp", "linear_q4_avx512.cpp",
+                                  "linear_k56_avx2.cpp", "linear_k56_avx512.cpp"])
 
 
 def ptr(a: np.ndarray, kind: type) -> ctypes._Pointer:  # type: ignore[type-arg]
@@ -73,7 +76,7 @@ def run(lib: ctypes.CDLL, isa: int, qtype: str, act: tuple[np.ndarray, np.ndarra
 
 def weight_bytes(qtype: str, N: int, K: int, seed: int) -> np.ndarray:
     """[N, row bytes] uint8 GGUF blocks: q4_0 from pagewire's quantiser, q4_1 from the `gguf`
-    package's, q4_k random valid blocks (gguf has no Q4_K quantiser); row 0's first block has a
+    package's, the K-quants random valid blocks (gguf has no K-quant quantiser); row 0's first block has a
     zero scale (q4_0) or the all-zero weights' block (q4_1)."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(N, K, generator=gen)
@@ -85,7 +88,7 @@ def weight_bytes(qtype: str, N: int, K: int, seed: int) -> np.ndarray:
 
         t = GGMLQuantizationType.Q4_1 if qtype == "q4_1" else GGMLQuantizationType.MXFP4
         return np.ascontiguousarray(quants.quantize(w.numpy(), t)).reshape(N, -1)
-    return np.ascontiguousarray(random_k_blocks(N, K, "Q4_K", seed))
+    return np.ascontiguousarray(random_k_blocks(N, K, K_NAMES[qtype], seed))
 
 
 def dequantize(w: np.ndarray, qtype: str) -> np.ndarray:
@@ -100,7 +103,10 @@ def offsets(w: np.ndarray, qtype: str) -> np.ndarray:
     if qtype == "mxfp4":
         step = np.exp2(blocks[:, :, 0].astype(np.float64) - 128)
         return np.repeat(12 * step, 32, axis=1)
-    blocks[:, :, CODES_AT[qtype]:] = 0
+    if qtype == "q6_k":
+        blocks[:, :, :192] = 0  # ql and qh: every code 0 (value -32 d sc)
+    else:
+        blocks[:, :, CODES_AT[qtype]:] = 0
     return dequantize(np.ascontiguousarray(blocks.reshape(w.shape)), qtype)
 
 
@@ -120,6 +126,7 @@ SHAPES = {
              (16, 9, 768)],
 }
 SHAPES["q4_1"] = SHAPES["mxfp4"] = SHAPES["q4_0"]
+SHAPES["q5_k"] = SHAPES["q6_k"] = SHAPES["q4_k"]
 CASES = [(t, *shape) for t in QTYPE_ID for shape in SHAPES[t]]
 
 
@@ -145,7 +152,7 @@ def test_vnni_q4_kernel_matches_float64_reference(lib: ctypes.CDLL, qtype: str, 
 
 @pytest.mark.parametrize("qtype", list(QTYPE_ID))
 def test_vnni_q4_kernel_is_batch_invariant(lib: ctypes.CDLL, qtype: str) -> None:
-    K = 288 if qtype != "q4_k" else 512
+    K = 512 if qtype in K_NAMES else 288
     w, bias, x = case(qtype, 16, 11, K, seed=7, with_bias=True)
     q, d, s = quantize_rows(lib, x)
     alone = np.concatenate([run(lib, AVX512, qtype, (q[m:m + 1], d[m:m + 1], s[m:m + 1]), w, bias)

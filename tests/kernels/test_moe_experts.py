@@ -62,7 +62,7 @@ def quantised(qtype: str, seed: int) -> tuple[QuantizedExperts, QuantizedExperts
     if qtype in ("q8_0", "q4_0"):
         gate_up, down = experts(seed, torch.float32)
         return QuantizedExperts.quantize(gate_up, qtype), QuantizedExperts.quantize(down, qtype)
-    # Q4_1 / Q4_K: random valid blocks (K a multiple of 256 for Q4_K: H and I below are)
+    # Q4_1 and the K-quants: random valid blocks (K a multiple of 256 for the K-quants: H and I below are)
     gu = random_q4(qtype, E * 2 * 256, 256, seed)
     dn = random_q4(qtype, E * 256, 256, seed + 1)
     return (QuantizedExperts.from_gguf_bytes(qtype, gu.data, E, 2 * 256, 256),
@@ -70,12 +70,12 @@ def quantised(qtype: str, seed: int) -> tuple[QuantizedExperts, QuantizedExperts
 
 
 @pytest.mark.parametrize("interleave", [False, True])
-@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1", "q4_k"])
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"])
 def test_quantised_experts_match_their_dequantised_weights(cpu_isa: str, qtype: str, interleave: bool) -> None:
     gate_up, down = quantised(qtype, seed=4)
     if interleave:
-        if qtype == "q4_k":
-            pytest.skip("Q4_K has no interleaved layout")
+        if qtype in ("q5_k", "q6_k"):
+            pytest.skip(f"{qtype} has no interleaved layout")
         gate_up = QuantizedExperts(gate_up.qtype, gate_up.data, gate_up.shape)
         flat_gu = gate_up.dequantize()
         gate_up = _interleaved(gate_up)

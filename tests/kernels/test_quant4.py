@@ -13,18 +13,20 @@ from tests.gguf_files import random_k_blocks
 from tests.kernels.conftest import available_isas
 from tests.pairwise import pairwise
 
-Q4_TYPES = ["q4_0", "q4_1", "q4_k", "mxfp4"]
-GGML_NAMES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k": "Q4_K", "q8_0": "Q8_0", "mxfp4": "MXFP4"}
+Q4_TYPES = ["q4_0", "q4_1", "q4_k", "mxfp4"]  # (Q5_K and Q6_K: test_kquants.py)
+GGML_NAMES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K", "q8_0": "Q8_0",
+              "mxfp4": "MXFP4"}
+K_HALVES = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}  # where a K-quant block's fp16 scales sit
 
 
 def random_q4(qtype: str, n: int, k: int, seed: int, zero_rows: tuple[int, ...] = ()) -> QuantizedWeight:
-    """Valid random blocks: random 4-bit codes, fp16 scales of a usual size (Q4_1's mins and
-    Q4_K's sub-scales random too); the rows in `zero_rows` get all-zero scales (edge case)."""
+    """Valid random blocks: random codes, fp16 scales of a usual size (Q4_1's mins and the
+    K-quants' sub-scales random too); the rows in `zero_rows` get all-zero scales (edge case)."""
     fmt = QTYPES[qtype]
     rng = np.random.default_rng(seed)
-    if qtype == "q4_k":
-        data = random_k_blocks(n, k, "Q4_K", seed).reshape(n, -1, fmt.nbytes)
-        halves = (0, 2)
+    if qtype in K_HALVES:
+        data = random_k_blocks(n, k, GGML_NAMES[qtype], seed).reshape(n, -1, fmt.nbytes)
+        halves = K_HALVES[qtype]
     elif qtype == "mxfp4":  # random E2M1 codes, E8M0 exponents 2^-9 .. 2^-4 (values up to 6 * 2^-4)
         data = rng.integers(0, 256, size=(n, k // 32, fmt.nbytes), dtype=np.uint8)
         data[:, :, 0] = rng.integers(118, 124, size=data.shape[:2])
@@ -177,7 +179,8 @@ def test_bad_arguments_name_the_argument() -> None:
     q0 = random_q4("q4_0", 8, 64, seed=0)
     with pytest.raises(RuntimeError, match="weight must be \\[N, 36\\] q4_0 bytes"):
         torch.ops.pagewire.linear_q4(torch.randn(2, 64), q0.data[:, :30], "q4_0", None)
-    with pytest.raises(RuntimeError, match="qtype must be 'q4_0', 'q4_1', 'q4_k', 'q4_0x8', 'q4_1x8' or 'mxfp4', got 'q5_0'"):
+    with pytest.raises(RuntimeError, match="qtype must be 'q4_0', 'q4_1', 'q4_k', 'q5_k', 'q6_k', 'q4_0x8', 'q4_1x8', "
+                                           "'q4_kx8' or 'mxfp4', got 'q5_0'"):
         torch.ops.pagewire.linear_q4(torch.randn(2, 64), q0.data, "q5_0", None)
     with pytest.raises(RuntimeError, match="bias must be"):
         torch.ops.pagewire.linear_q4(torch.randn(2, 64), q0.data, "q4_0", torch.randn(9))

@@ -44,7 +44,7 @@ def at_threads(fn: Callable[[], torch.Tensor], exact: bool) -> None:
 
 def _weight(kind: str, n: int, k: int) -> torch.Tensor | QuantizedWeight:
     g = torch.Generator().manual_seed(n + k)
-    if kind in ("q4_0", "q4_1", "q4_k"):
+    if kind in ("q4_0", "q4_1", "q4_k", "q5_k", "q6_k"):
         return random_q4(kind, n, k, seed=n).for_kernels()
     w = torch.randn(n, k, generator=g)
     if kind == "q8_0":
@@ -53,7 +53,7 @@ def _weight(kind: str, n: int, k: int) -> torch.Tensor | QuantizedWeight:
 
 
 # N = 45 and 203: rows that do not divide by 8 (the interleaved groups) nor by the thread counts.
-@pytest.mark.parametrize("kind", ["bf16", "f32", "q8_0", "q4_0", "q4_1", "q4_k"])
+@pytest.mark.parametrize("kind", ["bf16", "f32", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("M", [1, 5, 17])
 def test_linear(cpu_isa: str, kind: str, M: int) -> None:
     K = 256

@@ -7,6 +7,7 @@ sequences, and returns the logits of every new token. It also loads the transfor
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,9 +40,10 @@ class PagedRun:
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
 
-    def step(self, new_tokens: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+    def step(self, new_tokens: dict[int, list[int]], lora: Any = None) -> dict[int, torch.Tensor]:
         """Run one forward where sequence `sid` gets `new_tokens[sid]` on top of its cached context.
 
+        lora: the step's LoRA terms (server.models.lora.LoraStep), rows in new_tokens' order.
         Returns: per sequence, float32 logits [len(new tokens), vocab] for every new token.
         """
         bs = self.block_size
@@ -77,7 +79,8 @@ class PagedRun:
             max_seq_len=max(seq_lens),
         )
         hidden = self.model(
-            torch.tensor(ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64), self.kv_caches, meta
+            torch.tensor(ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64), self.kv_caches, meta,
+            **({"lora": lora} if lora is not None else {}),
         )
         logits = self.model.compute_logits(hidden)
         assert logits.dtype == torch.float32 and logits.shape == (len(ids), self.model.config.vocab_size)

@@ -156,10 +156,23 @@ def test_unknown_architecture_lists_the_supported_ones(tiny_model_dirs: dict[str
 
 
 def test_unsupported_tensor_type_names_type_and_tensor(k_sized_model: Path, tmp_path: Path) -> None:
-    path = write_gguf(tmp_path / "q5_0.gguf", k_sized_model, "Q5_0")
-    with pytest.raises(UnsupportedModelError, match=r"tensor '[\w.]+' has type Q5_0") as e:
+    path = write_gguf(tmp_path / "tq2_0.gguf", k_sized_model, "TQ2_0")
+    with pytest.raises(UnsupportedModelError, match=r"tensor '[\w.]+' has type TQ2_0") as e:
         load_model(path)
-    assert "q5_0.gguf" in str(e.value) and "Q4_K" in str(e.value)
+    assert "tq2_0.gguf" in str(e.value) and "Q4_K" in str(e.value)
+
+
+def test_q5_0_and_q5_1_load_dequantised(k_sized_model: Path, tmp_path: Path) -> None:
+    """llama.cpp's fallback types (a Q4_K_M file's matrices whose rows are not whole 256-value
+    super-blocks are Q5_0): dequantised at load by the `gguf` package, as the other types."""
+    from gguf import GGMLQuantizationType, quants
+
+    for qtype in ("Q5_0", "Q5_1"):
+        path = write_gguf(tmp_path / f"{qtype}.gguf", k_sized_model, qtype)
+        model, _ = load_model(path, dtype="float32")
+        w = load_model(k_sized_model, dtype="float32")[0]._layers[0].o_weight  # type: ignore[attr-defined]
+        want = quants.dequantize(quants.quantize(w.numpy(), GGMLQuantizationType[qtype]), GGMLQuantizationType[qtype])
+        assert torch.equal(model._layers[0].o_weight, torch.from_numpy(want))  # type: ignore[attr-defined]
 
 
 def test_missing_tensor_is_named(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:

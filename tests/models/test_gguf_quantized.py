@@ -1,4 +1,4 @@
-"""--quantization gguf (a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 matrices kept in their blocks) and int4
+"""--quantization gguf (a GGUF file's Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 matrices kept in their blocks) and int4
 (Q4_0 at load): the model holds QuantizedWeights, and its logits track the same file loaded
 dequantised (prefill exactly, up to GEMM order; decode within the 8-bit activation rounding)."""
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _assert_tracks(ours: torch.Tensor, want: torch.Tensor) -> None:
     assert err < 8e-2
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0"])
 def test_gguf_blocks_kept_and_logits_track_the_dequantised_file(
     qtype: str, k_sized_model: Path, tmp_path: Path
 ) -> None:
@@ -55,8 +55,8 @@ def test_gguf_blocks_kept_and_logits_track_the_dequantised_file(
     ref, _ = load_model(path, dtype="float32")
     matrices = [getattr(layer, n) for layer in kept._layers for n in layer.MATRICES] + [kept.lm_head]
     assert all(isinstance(w, QuantizedWeight) and w.qtype == qtype.lower() for w in matrices)
-    # The loader puts Q8_0, Q4_0 and Q4_1 in the layout this CPU's kernel reads fastest.
-    assert all(w.interleaved == (qtype != "Q4_K" and ops.cpu_isa() == "avx2") for w in matrices)
+    # The loader puts Q8_0, Q4_0, Q4_1 and Q4_K in the layout this CPU's kernel reads fastest.
+    assert all(w.interleaved == (qtype not in ("Q5_K", "Q6_K") and ops.cpu_isa() == "avx2") for w in matrices)
     assert not any(p.dtype == torch.uint8 for p in kept.parameters())
     # The kept blocks are the file's: dequantised, they are exactly what the float loader built
     # (which also checks the Q/K un-permutation of whole block rows).

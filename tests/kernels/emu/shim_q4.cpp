@@ -16,7 +16,8 @@ void pw_quantize_rows_q8_sums(const float* x, int64_t M, int64_t K, int8_t* q, f
   pagewire::cpu::quantize_rows_q8_avx2(x, K, M, K, q, d, s);
 }
 
-// isa: 0 the AVX2 kernel, 1 the AVX-512 VNNI one; qtype: Q4Type's value (0 q4_0, 1 q4_1, 2 q4_k).
+// isa: 0 the AVX2 kernel, 1 the AVX-512 VNNI one; qtype: Q4Type's value (0 q4_0, 1 q4_1, 2 q4_k, 3 q5_k, 4 q6_k,
+// 5 mxfp4).
 void pw_linear_q4(int isa, int qtype, const int8_t* xq, const float* xd, const float* xs, int64_t M, int64_t K,
                   const uint8_t* w, const float* bias, float* out, int64_t N) {
   const Q8SumActivations x{xq, xd, xs, M, K};

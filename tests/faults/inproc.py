@@ -31,9 +31,10 @@ async def running(model_dir: Path, db: Path, **overrides: Any) -> AsyncIterator[
     rt = Runtime(settings, model_dir, "demo", policy=Gateway(settings))  # as server.serve.compose wires it
     await rt.start()
     try:
-        assert rt.bridge is not None
-        # Loading runs on the engine thread; nothing to wait on but its flag.
-        while not rt.bridge.ready:
+        assert rt.bridge is not None and rt.pool is not None
+        # Loading runs on the engine thread, then the pool marks the lane loaded on the loop (until
+        # then requests are answered `starting`); nothing to wait on but the lane's flag.
+        while not rt.pool.default.ready:
             if rt.bridge.error is not None:
                 raise RuntimeError(f"model failed to load: {rt.bridge.error}")
             await asyncio.sleep(0.02)

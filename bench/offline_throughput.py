@@ -151,8 +151,9 @@ def run_pagewire(spec: Spec) -> dict[str, Any]:
 
 
 def _decode_bytes_per_token(model: Any) -> int:
-    """Bytes one single-sequence decode step reads: every matrix it multiplies (as stored) and the
-    KV cache at the decode benchmark's average context."""
+    """Bytes one single-sequence decode step reads: every matrix it multiplies (as stored; of a
+    sparse layer's experts, top_k / num_experts of their bytes) and the KV cache at the decode
+    benchmark's average context."""
     import torch
 
     def nbytes(w: Any) -> int:

@@ -26,7 +26,7 @@ llama.cpp is not part of pagewire: build it outside the repo (the vendored tree 
 
 Example (issue 27's MoE bar; files under /tmp):
     .venv/bin/python -m bench.vs_llamacpp --shape qwen3moe-2.5b --types Q8_0 Q4_K_M --files-dir /tmp/moebench \
-        --llama-bench $LCPP/llama-bench --llama-quantize $LCPP/llama-quantize --rounds 2 --repeats 2 --threads 2
+        --llama-bench $LCPP/llama-bench --llama-quantize $LCPP/llama-quantize --rounds 2 --repeats 3 --threads 2
 
 Example (issue 26's bar: Gemma-3-1B shape, at least 1.0x llama.cpp):
     .venv/bin/python -m bench.vs_llamacpp --shape gemma3-1b --types BF16 Q8_0 Q4_0 \

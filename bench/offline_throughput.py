@@ -113,11 +113,14 @@ def run_pagewire(spec: Spec) -> dict[str, Any]:
     def sp(max_tokens: int) -> Any:
         return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
+    res["rss_before_load_bytes"] = _rss_now()  # the interpreter, torch and server's imports
     load_s, llm = timed(lambda: LLM(spec["model_dir"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
                                     kv_cache_tokens=spec["kv_cache_tokens"], **spec["engine_kwargs"]))
     res["load_s"] = load_s
     res["rss_after_load_bytes"] = _rss_now()
     res["decode_bytes_per_token"] = _decode_bytes_per_token(llm.engine.model)
+    res["kv_pool_bytes"] = _kv_pool_bytes(llm.engine.runner.kv_caches)
+    res["kv_cache_bytes_per_token"] = llm.engine.model.kv_cache_bytes_per_token()
     from server.kernels import ops
 
     res["cpu_kernels"] = ops.cpu_isa()
@@ -148,17 +151,32 @@ def run_pagewire(spec: Spec) -> dict[str, Any]:
 
 
 def _decode_bytes_per_token(model: Any) -> int:
-    """Bytes one single-sequence decode step reads: every matrix it multiplies (as stored) and the
-    KV cache at the decode benchmark's average context."""
+    """Bytes one single-sequence decode step reads: every matrix it multiplies (as stored; of a
+    sparse layer's experts, top_k / num_experts of their bytes) and the KV cache at the decode
+    benchmark's average context."""
     import torch
 
     def nbytes(w: Any) -> int:
         return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else int(w.nbytes)
 
     weights = sum(nbytes(getattr(layer, n)) for layer in model._layers for n in layer.MATRICES)
+    for moe in (getattr(layer, "moe", None) for layer in model._layers):
+        if moe is not None:  # a sparse layer: the router, the shared expert, and top_k of the experts
+            weights += sum(nbytes(w) for _, w in moe.linear_weights())
+            experts = nbytes(moe.experts_gate_up) + nbytes(moe.experts_down)
+            weights += experts * moe.top_k // moe.num_experts
     weights += nbytes(model.lm_head)
     avg_context = DECODE_PROMPT_LEN + DECODE_OUTPUT_LEN // 2
     return weights + avg_context * model.kv_cache_bytes_per_token()
+
+
+def _kv_pool_bytes(caches: list[Any]) -> int:
+    """Bytes of the KV pool the engine allocated (layers that share a slot counted once)."""
+    seen: dict[int, int] = {}
+    for pair in caches:
+        for t in pair:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
 
 
 # -- transformers -------------------------------------------------------------------------------

@@ -61,7 +61,12 @@ def load_model(
 
         # One stage, bytes not counted; a missing file is GGUFFile.open's ModelFileNotFoundError.
         load_progress.stage("read and dequantise", model_dir.stat().st_size if model_dir.is_file() else 0)
-        return load_gguf_model(model_dir, dtype, device, keep_quantized=keep_gguf_blocks)
+        from server.models.gguf_file import forget_open_files
+
+        try:
+            return load_gguf_model(model_dir, dtype, device, keep_quantized=keep_gguf_blocks)
+        finally:
+            forget_open_files()  # the weights are copied out; the map would keep the file's pages resident
     if keep_gguf_blocks:
         raise ValueError(f"quantization: 'gguf' keeps a GGUF file's quantised blocks; {model_dir} is not a GGUF file")
     config = hf_config_from_dir(model_dir)

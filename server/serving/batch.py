@@ -169,6 +169,10 @@ class BatchManager:
         self.concurrency = max(1, concurrency)
         self._slots = asyncio.Semaphore(self.concurrency)
         self._runs: dict[str, asyncio.Task[None]] = {}
+        # Every line task in flight, so stop() reaches them too: one started while its batch's run
+        # was waiting for a slot is not yet inside the run's gather, and cancelling the run alone
+        # left it running past shutdown, against a closed ledger (the SIGTERM crash sweep).
+        self._line_tasks: set[asyncio.Task[None]] = set()
         self._live: dict[str, dict[int, str]] = {}  # batch id → line → request id in flight
         self._stopping = False
 
@@ -255,9 +259,9 @@ class BatchManager:
         """Stop running batches (shutdown). Their lines in flight end as `interrupted` with the
         server's drain and are resumed by the next start."""
         self._stopping = True
-        for t in list(self._runs.values()):
+        for t in [*self._runs.values(), *self._line_tasks]:
             t.cancel()
-        await asyncio.gather(*self._runs.values(), return_exceptions=True)
+        await asyncio.gather(*self._runs.values(), *self._line_tasks, return_exceptions=True)
 
     async def wait(self, batch_id: str) -> None:
         """Until the batch's run task ends (tests, CLI-free waits)."""
@@ -300,8 +304,10 @@ class BatchManager:
                     if (await self._status(batch_id)) == "cancelling":
                         self._slots.release()
                         break
-                    tasks.append(asyncio.get_running_loop().create_task(
-                        self._run_line(b, line_no, texts[line_no], attempt)))
+                    task = asyncio.get_running_loop().create_task(self._run_line(b, line_no, texts[line_no], attempt))
+                    self._line_tasks.add(task)
+                    task.add_done_callback(self._line_tasks.discard)
+                    tasks.append(task)
                 await asyncio.gather(*tasks)
         # Lines still open mean the server is stopping (they resume with the next start), unless
         # the batch is being cancelled: then what finished is final.

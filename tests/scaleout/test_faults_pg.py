@@ -61,8 +61,11 @@ def test_sigkill_replica_mid_stream(demo_model: Path, tmp_path: Path, pg_url: st
             async with WsClient(a.ws_url) as ws:
                 for i in range(12):
                     seen[f"c{i}"] = {"request_id": None, "tokens": [], "done": None}
+                    # The long ones run near the demo model's 2,048-position context, so that they are
+                    # still decoding when the SIGKILL lands even on a fast, quiet machine (at 300 tokens
+                    # all twelve could finish before it: nothing was left to interrupt).
                     await ws.send({"type": "generate", "id": f"c{i}", "prompt": f"kill {i}",
-                                   "params": {"max_tokens": 8 if i < 4 else 300, "ignore_eos": True,
+                                   "params": {"max_tokens": 8 if i < 4 else 1900, "ignore_eos": True,
                                               "temperature": 0}})
                 while True:
                     f = await ws.recv(timeout=300)

@@ -17,9 +17,17 @@ streams' cadence and the new requests' time to first token:
   both regimes would misjudge both.
 - Each regime is an exponentially weighted least-squares fit (the last ~`1 / (1 - DECAY)` steps
   count most, so it follows load changes on a shared host) with a small ridge: the per-row slope
-  leans towards 0 (an unseen row count is predicted optimistic, tried, measured and corrected) and
-  a decode row's cost leans towards a prefill token's (they are rows of the same GEMMs; decode
-  rows differ by their attention over the whole context). One step measured more than
+  leans towards 0 and a decode row's cost leans towards a prefill token's (they are rows of the
+  same GEMMs; decode rows differ by their attention over the whole context).
+- The batched regime's fixed cost leans towards the small-batch regime's. Serving often shows
+  that regime at one row count only (steps with nothing decoding take the whole token budget, and
+  same-length prompts make every one of them the same size), which pins `fixed + slope * M` at
+  that M and nothing else. With a free fixed cost, the ridge put the whole step into it (a 256-row
+  step of 300 ms read as "300 ms fixed"), so no chunk beside decodes ever seemed to fit, none was
+  tried, and new requests prefilled at the small regime's few tokens a step for good. Leaning on
+  the small regime's fixed cost instead reads the same step as its per-row cost, which predicts
+  mid-sized chunks optimistically where the batched regime has a jump: the first such chunk is
+  measured, the fit then sees two row counts, and the data outweighs the lean. One step measured more than
   OUTLIER_FACTOR times its prediction (another process took the core) counts as OUTLIER_FACTOR
   times the prediction, so a single stall does not halve the chunks that follow.
 - `prefill_tokens(D)`: with D > 0 decode rows this step, the most prefill tokens whose predicted
@@ -46,18 +54,25 @@ OUTLIER_FACTOR = 1.5
 # Ridge weights of the fit's parameters (fixed, per row, a decode row's extra): the fixed cost is
 # free; the per-row slope leans weakly towards 0 and a decode row's extra cost towards 0 (see above).
 _RIDGE = (1e-9, 1e-3, 4.0)
+# The batched regime's fixed cost leans towards the small regime's with this weight: it decides
+# only what the data leaves open (one row count seen), since two row counts a few tokens apart
+# already outweigh it by orders of magnitude.
+_FIXED_LEAN = 1e-3
 
 
 class _RegimeFit:
-    """t ~ a + b * M + e * D over the steps of one regime, exponentially weighted, with a ridge.
+    """t ~ a + b * M + e * D over the steps of one regime, exponentially weighted, with a ridge
+    that leans (a, b, e) towards `prior` with the weights `ridge`.
 
     b is the cost of one prefill token and b + e that of one decode row."""
 
-    def __init__(self) -> None:
+    def __init__(self, ridge: tuple[float, float, float] = _RIDGE) -> None:
         # Weighted normal equations: XtX (3 x 3, symmetric) and Xt t over features (1, M, D).
         self._xtx = [[0.0] * 3 for _ in range(3)]
         self._xtt = [0.0] * 3
         self.count = 0
+        self.ridge = ridge
+        self.prior = (0.0, 0.0, 0.0)
         self.theta = (0.0, 0.0, 0.0)
 
     def predict(self, decode_rows: int, prefill_tokens: int) -> float:
@@ -71,8 +86,19 @@ class _RegimeFit:
             for j in range(3):
                 self._xtx[i][j] = DECAY * self._xtx[i][j] + x[i] * x[j]
         self.count += 1
-        self.theta = _solve([[self._xtx[i][j] + (_RIDGE[i] if i == j else 0.0) for j in range(3)] for i in range(3)],
-                            list(self._xtt))
+        self.solve()
+
+    def lean(self, prior: tuple[float, float, float]) -> None:
+        """Lean the fit towards `prior` from now on (and refit)."""
+        self.prior = prior
+        if self.count:
+            self.solve()
+
+    def solve(self) -> None:
+        # The ridge's minimum: (XtX + R) theta = Xt t + R prior.
+        r = self.ridge
+        self.theta = _solve([[self._xtx[i][j] + (r[i] if i == j else 0.0) for j in range(3)] for i in range(3)],
+                            [self._xtt[i] + r[i] * self.prior[i] for i in range(3)])
 
 
 def _solve(a: list[list[float]], y: list[float]) -> tuple[float, float, float]:
@@ -122,7 +148,7 @@ class StepBudget:
         self.fused_rows = fused_rows
         self.min_chunk = max(1, min(min_chunk, max_tokens))
         self.small = _RegimeFit()
-        self.large = _RegimeFit()
+        self.large = _RegimeFit((_FIXED_LEAN, *_RIDGE[1:]))
         self.last = StepRecord()
         self._limit: Optional[int] = None  # what prefill_tokens last returned (for `last`)
 
@@ -145,6 +171,8 @@ class StepBudget:
         if fit.count:
             seconds = min(seconds, OUTLIER_FACTOR * max(fit.predict(decode_rows, prefill_tokens), 1e-6))
         fit.add(decode_rows, prefill_tokens, seconds)
+        if fit is self.small:  # the batched regime's fixed cost leans on the small one's (see above)
+            self.large.lean((self.small.theta[0], 0.0, 0.0))
 
     def prefill_tokens(self, decode_rows: int) -> Optional[int]:
         """The most prefill tokens a step with `decode_rows` decode rows may take (None: no limit)."""

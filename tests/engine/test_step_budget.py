@@ -5,6 +5,8 @@ steps of at most 16 rows (the fused small-batch kernels) cost a fixed part plus 
 and larger steps jump to a much larger fixed part plus a steeper per-token cost."""
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 
 from server.engine.step_budget import OUTLIER_FACTOR, StepBudget
@@ -110,3 +112,45 @@ def test_records_the_last_step_with_its_limit() -> None:
 def test_target_must_be_positive() -> None:
     with pytest.raises(ValueError, match="itl_target_ms"):
         StepBudget(0.0, 256)
+
+
+def serving_like(cost: Callable[[int, int], float], target: float) -> StepBudget:
+    """What a serving run shows the policy before its first mixed step: decode-only steps of 1..8
+    rows, small mixed steps, and the batched regime at ONE row count only (same-length prompts
+    prefilled while nothing decodes take the whole 256-token budget every time)."""
+    b = StepBudget(target, 256)
+    for _ in range(5):
+        b.observe(0, 256, cost(0, 256))
+        for d in range(1, 9):
+            b.observe(d, 0, cost(d, 0))
+        for d, p in ((1, 8), (4, 8), (7, 9), (2, 14)):
+            b.observe(d, p, cost(d, p))
+    return b
+
+
+def linear_cost(decode_rows: int, prefill_tokens: int) -> float:
+    """No jump between the regimes: a step costs its rows (the kernels at any M cost the same per row)."""
+    return 0.005 + 0.0011 * (decode_rows + prefill_tokens) + 0.0002 * decode_rows
+
+
+def test_the_batched_regime_seen_at_one_row_count_still_gets_mid_sized_chunks() -> None:
+    # Before the fixed cost leaned on the small regime's, the ridge read the one 256-row step
+    # (287 ms) as ~280 ms of fixed cost: no chunk past 16 rows ever seemed to fit beside decodes,
+    # and waiting prompts crawled at the floor of 8-9 tokens a step.
+    b = serving_like(linear_cost, 0.050)
+    got = b.prefill_tokens(7)
+    fits = max(p for p in range(1, 250) if linear_cost(7, p) <= 0.050)  # 31
+    assert got is not None and abs(got - fits) <= 2, (got, fits)
+
+
+def test_a_jump_is_learnt_from_the_first_mid_sized_chunk() -> None:
+    # With a real jump (cliff_cost), the lean predicts the first batched chunk optimistically;
+    # once that step is measured the fit sees two row counts and gives the analytic chunk.
+    b = serving_like(cliff_cost, 0.060)
+    first = b.prefill_tokens(8)
+    assert first is not None and first > best_chunk(8, 0.060, 256)  # optimistic, then measured
+    b.observe(8, first, cliff_cost(8, first))
+    for _ in range(3):  # the next steps run what it now allows, and are measured too
+        p = b.prefill_tokens(8) or 0
+        b.observe(8, p, cliff_cost(8, p))
+    assert abs((b.prefill_tokens(8) or 0) - best_chunk(8, 0.060, 256)) <= 2

@@ -42,7 +42,7 @@ from server.api.origins import OriginGuard, OriginPolicy
 from server.api.requests_view import request_route
 from server.api.responses_http import routes as responses_routes
 from server.api.ui import ui_routes
-from server.api.ws import WsEndpoint
+from server.api.ws_endpoint import WsEndpoint
 from server.api.ws_watchdog import CaptureTransport
 from server.gateway.policy import Gateway
 from server.serving.errors import NotFound, PagewireError

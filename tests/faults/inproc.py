@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Optional
 
 from server.api.context import ApiContext
-from server.api.ws import WsEndpoint
+from server.api.ws_endpoint import WsEndpoint
 from server.gateway.policy import Gateway
 from server.serving.runtime import Runtime
 from server.serving.settings import ServeSettings

@@ -19,8 +19,8 @@ from server.kernels.quant import QuantizedExperts, QuantizedWeight
 
 __all__ = [
     "write_kv_cache", "paged_attention", "copy_blocks", "linear", "rms_norm", "add_rms_norm",
-    "rotary_embedding", "lora_add", "silu_and_mul", "gelu_tanh_and_mul", "moe_experts", "ngram_propose", "rejection_sample", "cpu_isa",
-    "detected_cpu_isa", "cpu_features", "without_amx",
+    "rotary_embedding", "silu_and_mul", "gelu_tanh_and_mul", "moe_experts", "ngram_propose", "rejection_sample", "cpu_isa",
+    "detected_cpu_isa", "lora_add", "cpu_features", "without_amx",
 ]
 
 logger = logging.getLogger(__name__)

@@ -1,11 +1,14 @@
 // lora_add: every row's own LoRA term for one fused projection in one call (lora_kernel.h has the
 // arithmetic). This file checks the arguments, groups the rows by adapter (up to kLoraGroupRows
 // rows read each A and Bᵀ line together), and runs the shrink tasks (group, pair of A rows) and
-// then the expand tasks (16 output columns each) in one parallel region, on the CPU family's
+// then the expand tasks (kLoraBlock output columns each) in one parallel region, on the CPU family's
 // body (AVX2, or the portable one below, which gives the same bits).
 #include <ATen/core/Tensor.h>
 
+#include <omp.h>
+
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <utility>
@@ -72,8 +75,8 @@ struct P8 {
 
 void lora_shrink_portable(const LoraProblem& pb, int64_t g, int64_t col) { lora_detail::shrink_any<P8>(pb, g, col); }
 
-void lora_expand_portable(const LoraProblem& pb, int64_t p, int64_t j0, int64_t ngroups) {
-  lora_detail::expand_any<P8>(pb, p, j0, ngroups);
+void lora_expand_portable(const LoraProblem& pb, int64_t p, int64_t j0, int64_t j1, int64_t ngroups) {
+  lora_detail::expand_any<P8>(pb, p, j0, j1, ngroups);
 }
 
 }  // namespace cpu
@@ -164,15 +167,27 @@ void lora_add_cpu(at::Tensor& out, const at::Tensor& x, const at::Tensor& adapte
     macs += in * (ldu + 1);
   }
   if (groups.empty() || ldu == 0) return;
-  std::vector<std::pair<int32_t, int32_t>> shrink_tasks, expand_tasks;
+  std::vector<std::pair<int32_t, int32_t>> shrink_tasks;
   for (size_t g = 0; g < groups.size(); ++g) {
     int64_t cols = 0;
     for (int64_t p = 0; p < P; ++p) cols += sp[2 * (groups[g].adapter * P + p) + 1];
     for (int64_t c = 0; c < cols; c += 2) shrink_tasks.emplace_back(static_cast<int32_t>(g), static_cast<int32_t>(c));
   }
-  for (int64_t p = 0; p < P; ++p)
-    for (int64_t j = 0; j < part[p].rows; j += cpu::kLoraBlock)
-      expand_tasks.emplace_back(static_cast<int32_t>(p), static_cast<int32_t>(j));
+  // Each part in equal runs of columns (a multiple of 8, at most kLoraBlock), their count a
+  // multiple of the threads: dealt out round robin, every thread gets its share of every part.
+  const bool parallel = macs >= kParallelMacs;
+  const int64_t nt = parallel ? std::max(1, omp_get_max_threads()) : 1;
+  std::vector<std::array<int32_t, 3>> expand_tasks;
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t rows = part[p].rows;
+    if (rows == 0) continue;
+    int64_t chunks = (rows + cpu::kLoraBlock - 1) / cpu::kLoraBlock;
+    chunks = std::min((chunks + nt - 1) / nt * nt, (rows + 7) / 8);
+    const int64_t width = ((rows + chunks - 1) / chunks + 7) / 8 * 8;
+    for (int64_t j = 0; j < rows; j += width)
+      expand_tasks.push_back({static_cast<int32_t>(p), static_cast<int32_t>(j),
+                              static_cast<int32_t>(std::min(rows, j + width))});
+  }
   // The shrink's output, T rows (rows without an adapter are never read).
   thread_local std::vector<float> u;
   u.resize(static_cast<size_t>(T * ldu));
@@ -182,7 +197,7 @@ void lora_add_cpu(at::Tensor& out, const at::Tensor& x, const at::Tensor& adapte
   const bool avx2 = cpu::active_isa() >= cpu::Isa::kAvx2;
   const int64_t ns = static_cast<int64_t>(shrink_tasks.size()), ne = static_cast<int64_t>(expand_tasks.size());
   const int64_t ng = static_cast<int64_t>(groups.size());
-#pragma omp parallel if (macs >= kParallelMacs)
+#pragma omp parallel if (parallel)
   {
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < ns; ++i) {
@@ -190,10 +205,11 @@ void lora_add_cpu(at::Tensor& out, const at::Tensor& x, const at::Tensor& adapte
       else cpu::lora_shrink_portable(pb, shrink_tasks[i].first, shrink_tasks[i].second);
     }
     // (the implicit barrier: every u is written before any expand reads it)
-#pragma omp for schedule(static)
+#pragma omp for schedule(static, 1)
     for (int64_t i = 0; i < ne; ++i) {
-      if (avx2) cpu::lora_expand_avx2(pb, expand_tasks[i].first, expand_tasks[i].second, ng);
-      else cpu::lora_expand_portable(pb, expand_tasks[i].first, expand_tasks[i].second, ng);
+      const auto& e = expand_tasks[i];
+      if (avx2) cpu::lora_expand_avx2(pb, e[0], e[1], e[2], ng);
+      else cpu::lora_expand_portable(pb, e[0], e[1], e[2], ng);
     }
   }
 }

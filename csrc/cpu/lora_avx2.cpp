@@ -59,8 +59,8 @@ struct V8 {
 
 void lora_shrink_avx2(const LoraProblem& pb, int64_t g, int64_t col) { lora_detail::shrink_any<V8>(pb, g, col); }
 
-void lora_expand_avx2(const LoraProblem& pb, int64_t p, int64_t j0, int64_t ngroups) {
-  lora_detail::expand_any<V8>(pb, p, j0, ngroups);
+void lora_expand_avx2(const LoraProblem& pb, int64_t p, int64_t j0, int64_t j1, int64_t ngroups) {
+  lora_detail::expand_any<V8>(pb, p, j0, j1, ngroups);
 }
 
 }  // namespace pagewire::cpu

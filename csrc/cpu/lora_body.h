@@ -19,6 +19,10 @@
 
 namespace pagewire::cpu::lora_detail {
 
+// How many rows of A or Bᵀ ahead the loops prefetch (one prefetch per vector: cheap, and a
+// line is requested a little early rather than late).
+constexpr int64_t kPrefetchRows = 8;
+
 // f rounded to E's precision (identity for fp32), as a tensor of E would hold it.
 template <class V, class E>
 inline float rnd(float f) {
@@ -38,7 +42,12 @@ inline void dots(const E* const* xr, const E* const* ar, int64_t in, float* res)
   int64_t k = 0;
   for (; k + 8 <= in; k += 8) {
     Reg av[NC];
-    for (int c = 0; c < NC; ++c) av[c] = V::load(ar[c] + k);
+    for (int c = 0; c < NC; ++c) {
+      // The rows two tasks on (the next pairs of this adapter's rows, mostly): streamed from
+      // memory, where the hardware prefetcher alone keeps too few lines in flight.
+      __builtin_prefetch(ar[c] + kPrefetchRows * in + k);
+      av[c] = V::load(ar[c] + k);
+    }
     for (int g = 0; g < G; ++g) {
       const Reg xv = V::load(xr[g] + k);
       for (int c = 0; c < NC; ++c) acc[g][c] = V::fma(xv, av[c], acc[g][c]);
@@ -90,66 +99,60 @@ void shrink(const LoraProblem& pb, int64_t g, int64_t col) {
     for (int c = 0; c < nc; ++c) pb.u[gr.rows[i] * pb.ldu + col + c] = rnd<V, E>(res[i * nc + c]);
 }
 
-// out[row_i, j .. j + 16) += the scaled, rounded expand of u_i's `cnt` columns against Bᵀ rows b
-// (row stride ldb): 2 registers per row, each lane one fma chain over the columns in order.
-template <class V, class E, int G>
-inline void block16(const E* b, int64_t ldb, int64_t cnt, const float* const* u, E* const* o, float scale) {
-  using Reg = typename V::Reg;
-  Reg acc[G][2];
-  for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = V::zero();
-  for (int64_t c = 0; c < cnt; ++c) {
-    const Reg b0 = V::load(b + c * ldb), b1 = V::load(b + c * ldb + 8);
-    for (int g = 0; g < G; ++g) {
-      const Reg t = V::set1(u[g][c]);
-      acc[g][0] = V::fma(t, b0, acc[g][0]);
-      acc[g][1] = V::fma(t, b1, acc[g][1]);
-    }
-  }
-  const Reg s = V::set1(scale);
-  for (int g = 0; g < G; ++g)
-    for (int h = 0; h < 2; ++h) {
-      const Reg v = V::round(V::mul(V::round(acc[g][h], o[g]), s), o[g]);
-      V::store(o[g] + 8 * h, V::add(V::load(o[g] + 8 * h), v));
-    }
-}
-
-// Part p's output columns [j0, j0 + 16) (fewer at its end: one scalar fma chain per column, the
-// same sum as a lane's) for every group whose adapter targets the part.
+// Part p's output columns [j0, j1) (at most kLoraBlock) for every group whose adapter targets the part: the
+// group's sums kept in fp32 in `acc` (L1) while its Bᵀ rows stream by, each read once, front to
+// back; each output value is one fma chain over the adapter's columns in order, in a lane or (the
+// last w % 8 columns) a scalar, the same sum either way.
 template <class V, class E>
-void expand(const LoraProblem& pb, int64_t p, int64_t j0, int64_t ngroups) {
+void expand(const LoraProblem& pb, int64_t p, int64_t j0, int64_t j1, int64_t ngroups) {
+  using Reg = typename V::Reg;
   const LoraPart& pt = pb.parts[p];
-  const int64_t w = std::min(kLoraBlock, pt.rows - j0);
+  const int64_t w = std::min(kLoraBlock, j1 - j0), wv = w / 8 * 8;
   const E* bt = static_cast<const E*>(pt.bt);
   E* out = static_cast<E*>(pb.out);
+  alignas(32) float acc[kLoraGroupRows][kLoraBlock];
   for (int64_t g = 0; g < ngroups; ++g) {
     const LoraGroup& gr = pb.groups[g];
     const int64_t ap = static_cast<int64_t>(gr.adapter) * pb.P + p;
     const int64_t cnt = pb.spans[2 * ap + 1];
     if (cnt == 0) continue;
     const E* b = bt + (pb.spans[2 * ap] - pt.c0) * pt.rows + j0;
-    const float scale = pb.scales[gr.adapter];
+    const int n = gr.n;
     const float* u[kLoraGroupRows];
-    E* o[kLoraGroupRows];
-    for (int i = 0; i < gr.n; ++i) {
+    for (int i = 0; i < n; ++i) {
       u[i] = pb.u + gr.rows[i] * pb.ldu + pb.off[ap];
-      o[i] = out + gr.rows[i] * pb.ldo + pt.row + j0;
+      std::fill(acc[i], acc[i] + w, 0.0f);
     }
-    if (w == kLoraBlock) {
-      switch (gr.n) {
-        case 1: block16<V, E, 1>(b, pt.rows, cnt, u, o, scale); break;
-        case 2: block16<V, E, 2>(b, pt.rows, cnt, u, o, scale); break;
-        case 3: block16<V, E, 3>(b, pt.rows, cnt, u, o, scale); break;
-        default: block16<V, E, 4>(b, pt.rows, cnt, u, o, scale); break;
+    for (int64_t c = 0; c < cnt; ++c, b += pt.rows) {
+      float t[kLoraGroupRows];
+      Reg tv[kLoraGroupRows];
+      for (int i = 0; i < n; ++i) {
+        t[i] = u[i][c];
+        tv[i] = V::set1(t[i]);
       }
-      continue;
+      for (int64_t j = 0; j < wv; j += 8) {
+        __builtin_prefetch(b + kPrefetchRows * pt.rows + j);  // (its rows are strided: see dots)
+        const Reg bv = V::load(b + j);
+        for (int i = 0; i < n; ++i) V::store(acc[i] + j, V::fma(tv[i], bv, V::load(acc[i] + j)));
+      }
+      for (int64_t j = wv; j < w; ++j) {
+        const float bj = to_float(b[j]);
+        for (int i = 0; i < n; ++i) acc[i][j] = std::fma(t[i], bj, acc[i][j]);
+      }
     }
-    for (int i = 0; i < gr.n; ++i)
-      for (int64_t j = 0; j < w; ++j) {
-        float acc = 0.0f;
-        for (int64_t c = 0; c < cnt; ++c) acc = std::fma(u[i][c], to_float(b[c * pt.rows + j]), acc);
-        const float v = rnd<V, E>(rnd<V, E>(acc) * scale);
-        store_float(to_float(o[i][j]) + v, &o[i][j]);
+    const float scale = pb.scales[gr.adapter];
+    const Reg s = V::set1(scale);
+    for (int i = 0; i < n; ++i) {
+      E* o = out + gr.rows[i] * pb.ldo + pt.row + j0;
+      for (int64_t j = 0; j < wv; j += 8) {
+        const Reg v = V::round(V::mul(V::round(V::load(acc[i] + j), o), s), o);
+        V::store(o + j, V::add(V::load(o + j), v));
       }
+      for (int64_t j = wv; j < w; ++j) {
+        const float v = rnd<V, E>(rnd<V, E>(acc[i][j]) * scale);
+        store_float(to_float(o[j]) + v, &o[j]);
+      }
+    }
   }
 }
 
@@ -163,11 +166,11 @@ void shrink_any(const LoraProblem& pb, int64_t g, int64_t col) {
 }
 
 template <class V>
-void expand_any(const LoraProblem& pb, int64_t p, int64_t j0, int64_t ngroups) {
+void expand_any(const LoraProblem& pb, int64_t p, int64_t j0, int64_t j1, int64_t ngroups) {
   switch (pb.dtype) {
-    case LoraDtype::kF32: expand<V, float>(pb, p, j0, ngroups); break;
-    case LoraDtype::kBf16: expand<V, Bf16>(pb, p, j0, ngroups); break;
-    case LoraDtype::kF16: expand<V, Fp16>(pb, p, j0, ngroups); break;
+    case LoraDtype::kF32: expand<V, float>(pb, p, j0, j1, ngroups); break;
+    case LoraDtype::kBf16: expand<V, Bf16>(pb, p, j0, j1, ngroups); break;
+    case LoraDtype::kF16: expand<V, Fp16>(pb, p, j0, j1, ngroups); break;
   }
 }
 

@@ -24,8 +24,8 @@ enum class LoraDtype : int { kF32 = 0, kBf16 = 1, kF16 = 2 };
 
 // Rows of one adapter shrunk and expanded together (each A and Bᵀ line loaded once for all).
 constexpr int kLoraGroupRows = 4;
-// The output columns of one expand task.
-constexpr int64_t kLoraBlock = 16;
+// The output columns of one expand task (its fp32 sums, kLoraGroupRows x kLoraBlock, stay in L1).
+constexpr int64_t kLoraBlock = 512;
 
 struct LoraGroup {
   int32_t adapter, n;
@@ -56,11 +56,11 @@ struct LoraProblem {
 };
 
 // Shrink task: group g's rows against its adapter's local columns col and col + 1 (when below
-// its total); expand task: part p's output columns [j0, j0 + kLoraBlock) (fewer at its end) for
-// every group. Every shrink task must finish before any expand task starts.
+// its total); expand task: part p's output columns [j0, j1) (j1 - j0 <= kLoraBlock) for every
+// group. Every shrink task must finish before any expand task starts.
 void lora_shrink_avx2(const LoraProblem& pb, int64_t g, int64_t col);
-void lora_expand_avx2(const LoraProblem& pb, int64_t p, int64_t j0, int64_t ngroups);
+void lora_expand_avx2(const LoraProblem& pb, int64_t p, int64_t j0, int64_t j1, int64_t ngroups);
 void lora_shrink_portable(const LoraProblem& pb, int64_t g, int64_t col);
-void lora_expand_portable(const LoraProblem& pb, int64_t p, int64_t j0, int64_t ngroups);
+void lora_expand_portable(const LoraProblem& pb, int64_t p, int64_t j0, int64_t j1, int64_t ngroups);
 
 }  // namespace pagewire::cpu

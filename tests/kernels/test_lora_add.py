@@ -183,3 +183,12 @@ def test_bad_arguments_are_refused() -> None:
                      pb.parts)
     with pytest.raises(RuntimeError, match="parts must hold"):
         ops.lora_add(pb.out.clone(), pb.x, pb.adapter, pb.a, pb.spans, pb.scales, pb.bts, pb.parts[:-1])
+
+
+@pytest.mark.parametrize("shape", range(len(SHAPES)))
+def test_torch_fallback_matches_float64(shape: int) -> None:
+    """ops.lora_add off CPU composes torch ops (ops.lora_add_torch), checked here on CPU tensors."""
+    pb = make(200 + shape, torch.float32, *SHAPES[shape])
+    out = pb.out.clone()
+    ops.lora_add_torch(out, pb.x, pb.adapter, pb.a, pb.spans, pb.scales, pb.bts, pb.parts)
+    torch.testing.assert_close(out.double(), reference(pb, torch.float32), **TOL[torch.float32])

@@ -192,3 +192,10 @@ def test_torch_fallback_matches_float64(shape: int) -> None:
     out = pb.out.clone()
     ops.lora_add_torch(out, pb.x, pb.adapter, pb.a, pb.spans, pb.scales, pb.bts, pb.parts)
     torch.testing.assert_close(out.double(), reference(pb, torch.float32), **TOL[torch.float32])
+
+
+def test_opcheck() -> None:
+    """The schema (out mutated in place), the fake kernel and the CPU kernel agree."""
+    pb = make(9, torch.bfloat16, *SHAPES[1])
+    torch.library.opcheck(torch.ops.pagewire.lora_add.default,
+                          (pb.out.clone(), pb.x, pb.adapter, pb.a, pb.spans, pb.scales, pb.bts, pb.parts))

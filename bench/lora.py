@@ -15,6 +15,7 @@ each against a base engine in the same mode).
 
 Example:
     .venv/bin/python -m bench.lora --model default --threads 2
+    .venv/bin/python -m bench.lora --shape llama-246m --threads 2   # a larger random model (bench/shapes.py)
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from typing import Optional
 import torch
 from safetensors.torch import save_file
 
+from bench.shapes import SHAPES, make_random_model
 from server.engine.config import EngineConfig
 from server.engine.engine import LLMEngine
 from server.engine.sampling_params import SamplingParams
@@ -89,6 +91,8 @@ def time_round(engine: LLMEngine, loras: list[Optional[str]], prompt_len: int, s
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default", help="a model folder or .gguf file; default: SmolLM2-135M-Instruct")
+    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                   help="a named random-weight model (bench/shapes.py, built in float32 on first use) instead of --model")
     p.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "gguf"])
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=64)
@@ -97,7 +101,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--deterministic", choices=["off", "on", "both"], default="both")
     a = p.parse_args()
-    model = a.model
+    model = a.model if a.shape is None else str(make_random_model(a.shape, dtype="float32"))
     if model == "default":
         found = find_default_model()
         if found is None:

@@ -84,6 +84,15 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& x);
 // x: [T, 2 * I] = cat(gate, up) -> gelu_tanh(gate) * up, [T, I] (Gemma's gelu_pytorch_tanh)
 at::Tensor gelu_tanh_and_mul_cpu(const at::Tensor& x);
 
+// LoRA terms of one fused projection for a batch of rows, each row its own adapter (cpu/lora_kernel.h):
+// out [T, N] (mutated) += per row t with adapter[t] = k >= 0 (int32 [T], -1: none) and per part p:
+// scales[k] * Bᵀ_p[k]ᵀ (A[k] x[t]) into out's columns [row_p, row_p + rows_p), rounded as PEFT in x's
+// dtype (float32, bfloat16 or float16). a [R, in]: every adapter's A rows stacked; bts[p] [C_p, rows_p]:
+// part p's Bᵀ over rows [c0_p, c0_p + C_p) of a; spans int32 [n, P, 2]: adapter k's (first row of a,
+// rank) in part p (rank 0: none); scales float32 [n]; parts: (row_p, rows_p, c0_p) per part.
+void lora_add_cpu(at::Tensor& out, const at::Tensor& x, const at::Tensor& adapter, const at::Tensor& a,
+                  const at::Tensor& spans, const at::Tensor& scales, at::TensorList bts, at::IntArrayRef parts);
+
 // One decoder layer of at most 16 tokens (cpu/decode_layer.cpp): the ops above in the Python
 // layer's order. hidden [T, H] (the residual stream, mutated), delta [T, H] or None (the previous
 // layer's MLP output); norms [H] or None by placement (attn_norm/mlp_norm before each sub-block,

@@ -61,6 +61,9 @@ TORCH_LIBRARY(pagewire, m) {
       "Tensor? per_layer_input=None, Tensor? ple_gate=None, str ple_gate_kind=\"torch\", Tensor? ple_proj=None, "
       "str ple_proj_kind=\"torch\", Tensor? ple_norm=None, Tensor? layer_scalar=None, Tensor? sinks=None, "
       "Tensor[]? lora=None, int[]? lora_spec=None) -> Tensor");
+  // The LoRA terms of one fused projection, each row its own adapter (shapes in ops.h)
+  m.def("lora_add(Tensor(a!) out, Tensor x, Tensor adapter, Tensor a, Tensor spans, Tensor scales, Tensor[] bts, "
+        "int[] parts) -> ()");
   // The routed experts of an MoE layer (shapes in ops.h): tokens grouped by expert, only the experts used read
   m.def("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, str gate_up_kind, "
         "Tensor down, str down_kind, Tensor? gate_up_bias=None, Tensor? down_bias=None, str activation=\"silu\", "
@@ -103,6 +106,7 @@ TORCH_LIBRARY_IMPL(pagewire, CPU, m) {
   m.impl("interleave_q4", &pagewire::interleave_q4_cpu);
   m.impl("decode_layer", &pagewire::decode_layer_cpu);
   m.impl("moe_experts", &pagewire::moe_experts_cpu);
+  m.impl("lora_add", &pagewire::lora_add_cpu);
   m.impl("short_conv", &pagewire::short_conv_cpu);
   m.impl("ngram_propose", &pagewire::ngram_propose_cpu);
   m.impl("rejection_sample", &pagewire::rejection_sample_cpu);

@@ -2,7 +2,7 @@
 // call, for every norm placement (pre: Llama; post: OLMo 2; both: Gemma), q/k norm per head or over
 // the projection, full, partial or no RoPE, Granite's residual multiplier, and Gemma 4's parts (a
 // layer reading an earlier layer's KV, values from the key projection, the weightless value norm,
-// the per-layer input block and the layer scalar), and a step's stacked LoRA terms (LoraTerms). It runs exactly the
+// the per-layer input block and the layer scalar), and a step's stacked LoRA terms (LoraTerms: pagewire::lora_add). It runs exactly the
 // C++ ops that the Python layer (server/models/decoder.py, DecoderLayer.forward) calls, in the same
 // order on the same tensors, so it gives the same floats; what it saves is the Python between them: about ten op dispatches per layer through torch.ops, the wrappers' checks
 // and the layer's own bytecode, which cost as much as the small matrices' kernels on a model like
@@ -14,10 +14,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
-#include <ATen/ops/mm.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
-#include <ATen/ops/zeros.h>
 
 #include <string>
 #include <vector>
@@ -71,62 +69,58 @@ at::Tensor torch_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) 
   return f32 ? xf.mul(inv_rms).mul_(w) : w.mul(xf.mul(inv_rms).to(x.scalar_type()));
 }
 
-// A step's stacked LoRA terms for one layer (LoraStep.fused_args): lora = [rows (int64; empty:
-// every row)] then, per matrix that has a term (qkv, o, gate_up, down in that order), its stacked
-// A [R, in], the [rows, R] mask of scales, and one B^T per PEFT module; lora_spec = per matrix its
-// module count (-1: no term) then (row, rows, c0, c1) per module. add() is LoraStep.add's stacked
-// branch op for op, so a fused layer's floats equal the Python layer's.
+// A step's stacked LoRA terms for one layer (LoraStep.fused_args): lora = [adapter (int32 [T], each
+// row's index in the stack, -1: none), scales (float32 [n])] then, per matrix that has a term (qkv,
+// o, gate_up, down in that order), its stacked A [R, in], its spans [n, P, 2] and one B^T per part
+// (PEFT module); lora_spec = per matrix its part count P (-1: no term) then (row, rows, c0) per
+// part. add() runs pagewire::lora_add (cpu/lora.cpp), the op LoraStep.add runs, on the same
+// tensors, so a fused layer's floats equal the Python layer's.
 class LoraTerms {
  public:
-  LoraTerms(at::TensorList lora, at::IntArrayRef spec) {
+  LoraTerms(at::TensorList lora, at::IntArrayRef spec) : spec_(spec) {
     if (lora.empty()) return;
-    TORCH_CHECK(lora[0].scalar_type() == at::kLong && lora[0].dim() == 1, "decode_layer: lora[0] must be int64 rows");
-    if (lora[0].numel() > 0) rows_ = lora[0];
-    size_t t = 1, s = 0;
+    TORCH_CHECK(lora.size() >= 2 && lora[0].scalar_type() == at::kInt && lora[0].dim() == 1,
+                "decode_layer: lora[0] must be the int32 adapter index of each row, lora[1] the scales");
+    adapter_ = lora[0];
+    scales_ = lora[1];
+    size_t t = 2, s = 0;
     for (int m = 0; m < 4; ++m) {
       TORCH_CHECK(s < spec.size(), "decode_layer: lora_spec is short of matrix ", m);
       const int64_t parts = spec[s++];
       if (parts < 0) continue;
-      TORCH_CHECK(t + 2 + static_cast<size_t>(parts) <= lora.size() && s + 4 * static_cast<size_t>(parts) <= spec.size(),
+      TORCH_CHECK(t + 2 + static_cast<size_t>(parts) <= lora.size() && s + 3 * static_cast<size_t>(parts) <= spec.size(),
                   "decode_layer: lora and lora_spec disagree at matrix ", m);
       Matrix& mx = m_[m];
       mx.a = lora[t];
-      mx.mask = lora[t + 1];
-      t += 2;
-      for (int64_t p = 0; p < parts; ++p, s += 4) mx.parts.push_back({spec[s], spec[s + 1], spec[s + 2], spec[s + 3], lora[t++]});
+      mx.spans = lora[t + 1];
+      mx.bts = lora.slice(t + 2, parts);
+      mx.spec0 = s;
+      mx.parts = parts;
+      t += 2 + parts;
+      s += 3 * parts;
       mx.present = true;
     }
     TORCH_CHECK(t == lora.size() && s == spec.size(), "decode_layer: lora and lora_spec have unread entries");
   }
 
-  // out[rows] += mask * (x[rows] A^T) B^T for matrix m (0 qkv, 1 o, 2 gate_up, 3 down), in place.
+  // out += each row's own adapter term for matrix m (0 qkv, 1 o, 2 gate_up, 3 down), in place.
   void add(int m, const at::Tensor& x, const at::Tensor& out) const {
     const Matrix& mx = m_[m];
     if (!mx.present) return;
-    at::Tensor t = at::mm(rows_.has_value() ? x.index_select(0, *rows_) : x, mx.a.t()).mul_(mx.mask);
-    if (!rows_.has_value()) {
-      for (const Part& p : mx.parts) out.narrow(1, p.row, p.rows).addmm_(t.narrow(1, p.c0, p.c1 - p.c0), p.bt);
-    } else if (mx.parts.size() == 1 && mx.parts[0].rows == out.size(1)) {
-      const Part& p = mx.parts[0];
-      out.index_add_(0, *rows_, at::mm(t.narrow(1, p.c0, p.c1 - p.c0), p.bt));
-    } else {
-      at::Tensor d = at::zeros({t.size(0), out.size(1)}, t.options());
-      for (const Part& p : mx.parts) d.narrow(1, p.row, p.rows).addmm_(t.narrow(1, p.c0, p.c1 - p.c0), p.bt);
-      out.index_add_(0, *rows_, d);
-    }
+    at::Tensor o = out;
+    lora_add_cpu(o, x, adapter_, mx.a, mx.spans, scales_, mx.bts, spec_.slice(mx.spec0, 3 * mx.parts));
   }
 
  private:
-  struct Part {
-    int64_t row, rows, c0, c1;
-    at::Tensor bt;
-  };
   struct Matrix {
     bool present = false;
-    at::Tensor a, mask;
-    std::vector<Part> parts;
+    at::Tensor a, spans;
+    at::TensorList bts;
+    size_t spec0 = 0;
+    int64_t parts = 0;
   };
-  c10::optional<at::Tensor> rows_;
+  at::IntArrayRef spec_;
+  at::Tensor adapter_, scales_;
   Matrix m_[4];
 };
 

@@ -66,6 +66,11 @@ def _short_conv_fake(bcx, weight_t, bias, state, slots, query_start_loc):
     return bcx.new_empty((bcx.shape[0], bcx.shape[1] // 3))
 
 
+@torch.library.register_fake("pagewire::lora_add")
+def _lora_add_fake(out, x, adapter, a, spans, scales, bts, parts) -> None:
+    return None
+
+
 @torch.library.register_fake("pagewire::moe_experts")
 def _moe_experts_fake(x, topk_ids, topk_weights, gate_up, gate_up_kind, down, down_kind, gate_up_bias=None,
                       down_bias=None, activation="silu", alpha=1.702, limit=7.0):

@@ -20,7 +20,7 @@ from server.kernels.quant import QuantizedExperts, QuantizedWeight
 __all__ = [
     "write_kv_cache", "paged_attention", "copy_blocks", "linear", "rms_norm", "add_rms_norm",
     "rotary_embedding", "silu_and_mul", "gelu_tanh_and_mul", "moe_experts", "ngram_propose", "rejection_sample", "cpu_isa",
-    "detected_cpu_isa", "cpu_features", "without_amx",
+    "detected_cpu_isa", "lora_add", "cpu_features", "without_amx",
 ]
 
 logger = logging.getLogger(__name__)
@@ -411,6 +411,41 @@ def short_conv(bcx: torch.Tensor, weight_t: torch.Tensor, bias: Optional[torch.T
     updating its state slot (state [slots, K - 1, C] of bcx's dtype, slots int64 [S]); weight_t
     fp32 [K, C], bias fp32 [C] or None. AVX-512 / AVX2 / portable bodies (csrc/cpu/short_conv*)."""
     return torch.ops.pagewire.short_conv(bcx, weight_t, bias, state, slots, query_start_loc)
+
+
+def lora_add(out: torch.Tensor, x: torch.Tensor, adapter: torch.Tensor, a: torch.Tensor, spans: torch.Tensor,
+             scales: torch.Tensor, bts: Sequence[torch.Tensor], parts: Sequence[int]) -> None:
+    """Each row's own LoRA term for one fused projection, added to out [T, N] in place (CPU op,
+    csrc/cpu/lora*.cpp: AVX2 or portable bodies, the same bits): for row t with adapter[t] = k >= 0
+    (int32 [T], -1: none) and each part p (a PEFT module of the matrix), out[t, row_p : row_p +
+    rows_p] += scales[k] · B_p[k] · A_p[k] · x[t], rounded as PEFT in x's dtype (float32,
+    bfloat16, float16). a [R, in]: every adapter's A rows stacked; bts[p] [C_p, rows_p]: part p's
+    Bᵀ over rows [c0_p, c0_p + C_p) of a; spans int32 [n, P, 2]: adapter k's (first row of a, rank)
+    in part p (rank 0: none); scales float32 [n]; parts: (row_p, rows_p, c0_p) per part. A row's
+    result depends on its own adapter only, not on the other rows of the call. Off CPU: the same
+    sum from torch ops (lora_add_torch)."""
+    if x.device.type != "cpu":
+        lora_add_torch(out, x, adapter, a, spans, scales, bts, parts)
+        return
+    torch.ops.pagewire.lora_add(out, x, adapter, a, spans, scales, list(bts), list(parts))
+
+
+def lora_add_torch(out: torch.Tensor, x: torch.Tensor, adapter: torch.Tensor, a: torch.Tensor, spans: torch.Tensor,
+                   scales: torch.Tensor, bts: Sequence[torch.Tensor], parts: Sequence[int]) -> None:
+    """lora_add from torch ops, adapter by adapter over its rows (devices without the CPU kernel;
+    the rounding of torch's matmuls, not the kernel's)."""
+    for k, part_spans in enumerate(spans.tolist()):
+        rows = torch.nonzero(adapter == k).view(-1)
+        if rows.numel() == 0:
+            continue
+        xr = x.index_select(0, rows)
+        for p, (first, cnt) in enumerate(part_spans):
+            if cnt == 0:
+                continue
+            row, width, c0 = parts[3 * p : 3 * p + 3]
+            u = xr @ a[first : first + cnt].t()
+            d = (u @ bts[p][first - c0 : first - c0 + cnt]) * float(scales[k])
+            out[:, row : row + width].index_add_(0, rows, d)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

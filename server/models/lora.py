@@ -6,17 +6,18 @@ as its A [r, in] and B [out, r] pairs, and a step whose rows use adapters adds, 
 projection's base output (bias included, as PEFT does), scale · B · A · x for each such row:
 
 * per step the adapters present are stacked, per layer and fused matrix (qkv, o, gate_up, down),
-  into one A [R, in] (R = the sum of their targeted modules' ranks) and, per PEFT module of the
-  matrix, the Bᵀ of its columns against its own output rows (so B's zero blocks, q's columns
-  against k's rows and so on, are never stored or read: the bytes read are the adapters' own).
-  The stacks are cached by the set of adapters, so a steady mix costs nothing to build;
-* the rows that use an adapter are gathered (all rows: no gather), multiplied by A, masked so
-  each row keeps only its own adapter's columns, times that adapter's scale (a [rows, R] mask
-  built once per step and matrix), then each module's columns are multiplied by its Bᵀ and added
-  to its output rows. One GEMM for A and one per module for B (qkv: 3, gate_up: 2, o and down:
-  1), whatever the number of adapters; a row gets its own
-  adapter's B·A·x (the other columns are exact zeros; only the GEMM's summation order can differ
-  from the adapter's own product);
+  into one A [R, in] (each PEFT module of the matrix, q k v for qkv, in turn, and within it every
+  adapter's rows that target it) and, per module, the Bᵀ of those rows against its own output rows
+  (so B's zero blocks, q's columns against k's rows and so on, are never stored or read: the bytes
+  read are the adapters' own). The stacks are cached by the set of adapters, so a steady mix costs
+  nothing to build;
+* one call of pagewire::lora_add per projection (csrc/cpu/lora*.cpp) then adds every row's own
+  adapter term: each row is told its adapter's index in the stack (-1: none) and each adapter
+  where its rows of A are (`spans`); the kernel shrinks x by A over all the matrix's modules at
+  once (q, k and v read one x), and expands by each module's Bᵀ into its output columns, rounding
+  as PEFT does in the model's dtype (lora_A's output, lora_B's, the scaling, the sum). A row's
+  result depends on its own adapter only, and the fused decode_layer runs the same op on the same
+  tensors, so both paths give the same floats;
 * in deterministic mode (server.kernels.batch_invariant) each adapter's term is computed apart,
   over its own rows and columns, through ops.linear's batch-invariant path: a row's result then
   does not depend on the other rows or adapters of its step (docs/determinism.md), at one term
@@ -38,7 +39,7 @@ import torch
 from safetensors import safe_open
 
 from server.kernels import batch_invariant
-from server.kernels.ops import linear
+from server.kernels.ops import linear, lora_add
 from server.models.lora_config import MAX_ADAPTERS, TARGETS, LoraConfig, LoraError
 
 # A PEFT checkpoint's tensor names: base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight
@@ -69,38 +70,37 @@ class _Adapter:
     modules: dict[str, list[str]]
 
 
-class _Part(NamedTuple):
-    """One PEFT module's share of a stacked matrix: its output rows [row, row + rows) and its
-    columns [c0, c1) of the stacked A's output (every adapter's that targets it), with their Bᵀ.
-    Kept per module, so B's zero blocks (q's columns against k's rows, ...) are never stored or read."""
+class _Matrix(NamedTuple):
+    """One fused matrix of one layer, its adapters stacked (pagewire::lora_add's arguments): A [R, in]
+    over its parts (the PEFT modules this layer has), each part's Bᵀ [C_p, rows_p], each adapter's
+    (first row of A, rank) per part (rank 0: no term there), and (row, rows, c0) per part."""
 
-    row: int
-    rows: int
-    c0: int
-    c1: int
-    bt: torch.Tensor
+    a: torch.Tensor
+    bts: list[torch.Tensor]
+    spans: torch.Tensor
+    parts: list[int]
 
 
 class _Stack(NamedTuple):
-    """One set of adapters stacked: per layer, fused matrix -> (A [R, in], its modules' parts);
-    per matrix each column's adapter slot and scale."""
+    """One set of adapters stacked: per layer, fused matrix -> its stack; each adapter's scale; per
+    layer, decode_layer's share of `lora` and `lora_spec` (LoraStep.fused_args), built once."""
 
-    weights: list[dict[str, tuple[torch.Tensor, list[_Part]]]]
-    col_slot: dict[str, torch.Tensor]
-    col_scale: dict[str, torch.Tensor]
+    weights: list[dict[str, _Matrix]]
+    scales: torch.Tensor
+    fused: list[tuple[list[torch.Tensor], list[int]]]
 
 
 class LoraStep:
     """One step's low-rank terms: built by LoraSet.step, read by the decoder layers (`add`).
 
-    Two forms of the same sum. Stacked (the default): one term over the step's adapters stacked,
-    with a per-row mask. Grouped (deterministic mode, server.kernels.batch_invariant): one term per
-    adapter over its own rows and columns only, through ops.linear's batch-invariant path, so a
-    row's result never depends on which other adapters or rows share its step."""
+    Two forms of the same sum. Stacked (the default): pagewire::lora_add over the step's adapters
+    stacked, each row its own adapter. Grouped (deterministic mode, server.kernels.batch_invariant):
+    one term per adapter over its own rows and columns only, through ops.linear's batch-invariant
+    path, so a row's result never depends on which other adapters or rows share its step."""
 
-    def __init__(self, stacked: Optional[tuple[Optional[torch.Tensor], _Stack, dict[str, torch.Tensor]]] = None,
+    def __init__(self, stacked: Optional[tuple[torch.Tensor, _Stack]] = None,
                  grouped: Optional[list[tuple[Optional[torch.Tensor], _Adapter]]] = None) -> None:
-        # stacked: (rows or None for every row, the stack, per matrix the [rows, R] mask of scales);
+        # stacked: (each row's adapter index in the stack, int32, -1: none; the stack);
         # grouped: per adapter, (its rows or None, the adapter).
         self._stacked = stacked
         self._grouped = grouped or []
@@ -112,46 +112,24 @@ class LoraStep:
         return self._stacked is not None and not self._grouped
 
     def fused_args(self, layer: int) -> tuple[list[torch.Tensor], list[int]]:
-        """Layer `layer`'s stacked terms as decode_layer takes them (`lora`, `lora_spec`): the
-        rows (int64, empty for every row), then per matrix with a term, in FUSED_MATRICES order,
-        its A, its mask and each module's Bᵀ; the spec gives per matrix its module count (-1:
-        none) and each module's (row, rows, c0, c1). decode_layer adds them as `add` does."""
+        """Layer `layer`'s stacked terms as decode_layer takes them (`lora`, `lora_spec`): each row's
+        adapter index (int32) and the adapters' scales, then per matrix with a term, in
+        FUSED_MATRICES order, its A, its spans and each part's Bᵀ; the spec gives per matrix its
+        part count (-1: none) and each part's (row, rows, c0). decode_layer runs lora_add on them
+        as `add` does."""
         assert self._stacked is not None, "fused_args: the grouped (deterministic) terms run the Python layers"
-        rows, stack, masks = self._stacked
-        every = torch.empty(0, dtype=torch.long) if rows is None else rows.to(torch.long)
-        tensors: list[torch.Tensor] = [every]
-        spec: list[int] = []
-        for m in FUSED_MATRICES:
-            w = stack.weights[layer].get(m)
-            if w is None:
-                spec.append(-1)
-                continue
-            a, parts = w
-            tensors += [a, masks[m], *(p.bt for p in parts)]
-            spec.append(len(parts))
-            for p in parts:
-                spec += [p.row, p.rows, p.c0, p.c1]
-        return tensors, spec
+        adapter, stack = self._stacked
+        tensors, spec = stack.fused[layer]
+        return [adapter, stack.scales, *tensors], spec
 
     def add(self, layer: int, matrix: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out[rows] += scale · (x[rows] · Aᵀ) · Bᵀ for layer `layer`'s `matrix` (qkv, o, gate_up,
         down); x is the projection's input [T, in], out its output [T, out], updated in place."""
         if self._stacked is not None:
-            rows, stack, masks = self._stacked
+            adapter, stack = self._stacked
             w = stack.weights[layer].get(matrix)
             if w is not None:
-                a, parts = w
-                t = torch.mm(x if rows is None else x.index_select(0, rows), a.t()).mul_(masks[matrix])
-                if rows is None:
-                    for p in parts:
-                        out[:, p.row : p.row + p.rows].addmm_(t[:, p.c0 : p.c1], p.bt)
-                elif len(parts) == 1 and parts[0].rows == out.shape[1]:
-                    out.index_add_(0, rows, torch.mm(t[:, parts[0].c0 : parts[0].c1], parts[0].bt))
-                else:
-                    d = t.new_zeros((t.shape[0], out.shape[1]))
-                    for p in parts:
-                        d[:, p.row : p.row + p.rows].addmm_(t[:, p.c0 : p.c1], p.bt)
-                    out.index_add_(0, rows, d)
+                lora_add(out, x, adapter, w.a, w.spans, stack.scales, w.bts, w.parts)
         for rows, ad in self._grouped:
             g = ad.weights[layer].get(matrix)
             if g is None:
@@ -304,50 +282,54 @@ class LoraSet:
                 self._stacks.popitem(last=False)
         else:
             self._stacks.move_to_end(active)
-        rows_t = None if all(row_slots) else torch.nonzero(slots_t).view(-1)
-        used = slots_t if rows_t is None else slots_t.index_select(0, rows_t)
-        masks = {m: ((stack.col_slot[m][None, :] == used[:, None]) * stack.col_scale[m][None, :]).to(self._dtype)
-                 for m in stack.col_slot}
-        return LoraStep(stacked=(rows_t, stack, masks))
+        index = {s: k for k, s in enumerate(active)}
+        adapter = torch.tensor([index[s] if s else -1 for s in row_slots], dtype=torch.int32, device=self._device)
+        return LoraStep(stacked=(adapter, stack))
 
     def _stack(self, active: tuple[int, ...]) -> _Stack:
-        """Stack the adapters of `active`: per matrix, columns module by module (TARGETS order) and
-        within a module adapter by adapter, so each module's columns are one contiguous range."""
+        """Stack the adapters of `active`: per layer and matrix, A's rows module by module (TARGETS
+        order, the modules this layer has) and within a module adapter by adapter, so each module's
+        rows are one contiguous range and its Bᵀ covers exactly them."""
         adapters = [self._adapters[s - 1] for s in active]
         order = list(TARGETS)
-        cols: dict[str, list[tuple[str, int, int]]] = {}  # matrix -> (module, adapter, its index there)
-        col_slot: dict[str, torch.Tensor] = {}
-        col_scale: dict[str, torch.Tensor] = {}
-        for m in sorted({m for ad in adapters for m in ad.modules}):
-            modules = sorted({n for ad in adapters for n in ad.modules.get(m, [])}, key=order.index)
-            cols[m] = [(n, k, ad.modules[m].index(n)) for n in modules for k, ad in enumerate(adapters)
-                       if n in ad.modules.get(m, [])]
-            col_slot[m] = torch.tensor([active[k] for _, k, _ in cols[m] for _ in range(adapters[k].config.rank)],
-                                       dtype=torch.int32, device=self._device)
-            col_scale[m] = torch.tensor([adapters[k].config.scale for _, k, _ in cols[m]
-                                         for _ in range(adapters[k].config.rank)], dtype=torch.float32,
-                                        device=self._device)
-        weights: list[dict[str, tuple[torch.Tensor, list[_Part]]]] = []
+        matrices = sorted({m for ad in adapters for m in ad.modules})
+        weights: list[dict[str, _Matrix]] = []
+        fused: list[tuple[list[torch.Tensor], list[int]]] = []
         for layer, slots in enumerate(self._layout):
-            per: dict[str, tuple[torch.Tensor, list[_Part]]] = {}
-            for m, spec in cols.items():
-                if not any(m in ad.weights[layer] for ad in adapters):
-                    continue
+            per: dict[str, _Matrix] = {}
+            for m in matrices:
+                modules = sorted({n for ad in adapters for n in ad.modules.get(m, []) if n in slots}, key=order.index)
                 a_rows: list[torch.Tensor] = []
-                parts: list[_Part] = []
+                bts: list[torch.Tensor] = []
+                parts: list[int] = []
+                spans = torch.zeros((len(adapters), len(modules), 2), dtype=torch.int32)
                 c = 0
-                for module in dict.fromkeys(n for n, _, _ in spec):
-                    c0, bts = c, []
-                    slot = slots.get(module)
-                    for _, k, j in (e for e in spec if e[0] == module):
-                        r = adapters[k].config.rank
-                        a, b = adapters[k].weights[layer][m]
+                for p, module in enumerate(modules):
+                    slot, c0, cols = slots[module], c, []
+                    for k, ad in enumerate(adapters):
+                        w = ad.weights[layer].get(m)
+                        if w is None or module not in ad.modules.get(m, []):
+                            continue
+                        r, j = ad.config.rank, ad.modules[m].index(module)
+                        a, b = w
                         a_rows.append(a[j * r : (j + 1) * r])
-                        if slot is not None:
-                            bts.append(b[slot.row : slot.row + slot.rows, j * r : (j + 1) * r].t())
+                        cols.append(b[slot.row : slot.row + slot.rows, j * r : (j + 1) * r].t())
+                        spans[k, p, 0], spans[k, p, 1] = c, r
                         c += r
-                    if slot is not None:  # (a layer without this module: its A rows are zeros)
-                        parts.append(_Part(slot.row, slot.rows, c0, c, torch.cat(bts).contiguous()))
-                per[m] = (torch.cat(a_rows).contiguous(), parts)
+                    bts.append(torch.cat(cols).contiguous())
+                    parts += [slot.row, slot.rows, c0]
+                if a_rows:
+                    per[m] = _Matrix(torch.cat(a_rows).contiguous(), bts, spans.to(self._device), parts)
             weights.append(per)
-        return _Stack(weights, col_slot, col_scale)
+            tensors: list[torch.Tensor] = []
+            spec: list[int] = []
+            for m in FUSED_MATRICES:
+                mx = per.get(m)
+                if mx is None:
+                    spec.append(-1)
+                    continue
+                tensors += [mx.a, mx.spans, *mx.bts]
+                spec += [len(mx.bts), *mx.parts]
+            fused.append((tensors, spec))
+        scales = torch.tensor([ad.config.scale for ad in adapters], dtype=torch.float32, device=self._device)
+        return _Stack(weights, scales, fused)

@@ -92,12 +92,10 @@ class OllamaMessage(Struct, kw_only=True):
     thinking: Optional[str] = None
 
 
-class ChatRequest(Struct, kw_only=True):
-    """POST /api/chat."""
+class _GenerationFields(Struct, kw_only=True):
+    """The fields /api/chat and /api/generate share."""
 
     model: Annotated[str, Meta(min_length=1)]
-    messages: list[OllamaMessage] = []
-    tools: Optional[list[Any]] = None
     format: Format = None
     options: Optional[Options] = None
     stream: bool = True
@@ -107,10 +105,16 @@ class ChatRequest(Struct, kw_only=True):
     top_logprobs: Optional[TopLogprobs] = None
 
 
-class GenerateRequest(Struct, kw_only=True):
+class ChatRequest(_GenerationFields, kw_only=True):
+    """POST /api/chat."""
+
+    messages: list[OllamaMessage] = []
+    tools: Optional[list[Any]] = None
+
+
+class GenerateRequest(_GenerationFields, kw_only=True):
     """POST /api/generate."""
 
-    model: Annotated[str, Meta(min_length=1)]
     prompt: Optional[str] = None
     system: Optional[str] = None
     raw: bool = False
@@ -118,13 +122,6 @@ class GenerateRequest(Struct, kw_only=True):
     template: Optional[str] = None
     context: Optional[list[Any]] = None
     images: Optional[list[Any]] = None
-    format: Format = None
-    options: Optional[Options] = None
-    stream: bool = True
-    keep_alive: KeepAlive = None
-    think: Union[None, bool, str] = None
-    logprobs: bool = False
-    top_logprobs: Optional[TopLogprobs] = None
 
 
 class ModelRequest(Struct, kw_only=True):

@@ -18,10 +18,13 @@ projection's base output (bias included, as PEFT does), scale · B · A · x for
   as PEFT does in the model's dtype (lora_A's output, lora_B's, the scaling, the sum). A row's
   result depends on its own adapter only, and the fused decode_layer runs the same op on the same
   tensors, so both paths give the same floats;
-* in deterministic mode (server.kernels.batch_invariant) each adapter's term is computed apart,
-  over its own rows and columns, through ops.linear's batch-invariant path: a row's result then
-  does not depend on the other rows or adapters of its step (docs/determinism.md), at one term
-  per adapter in the step;
+* deterministic mode (server.kernels.batch_invariant) needs a row's result not to depend on the
+  other rows or adapters of its step (docs/determinism.md). On CPU the stacked terms already give
+  that (lora_add computes each row from its own adapter's rows of A and Bᵀ alone, in a fixed
+  order, whatever the stack holds and on any thread count), so they serve both modes and adapter
+  steps stay on the fused decode_layer. Off CPU (lora_add's torch fallback runs batched matmuls)
+  each adapter's term is computed apart, over its own rows and columns, through ops.linear's
+  batch-invariant path, at one term per adapter in the step;
 * rows with no adapter are not touched, and a step with none calls nothing here.
 
 Rank and scale are PEFT's (`r`, lora_alpha / r, or / sqrt(r) with rsLoRA). The term is computed
@@ -93,10 +96,11 @@ class _Stack(NamedTuple):
 class LoraStep:
     """One step's low-rank terms: built by LoraSet.step, read by the decoder layers (`add`).
 
-    Two forms of the same sum. Stacked (the default): pagewire::lora_add over the step's adapters
-    stacked, each row its own adapter. Grouped (deterministic mode, server.kernels.batch_invariant):
-    one term per adapter over its own rows and columns only, through ops.linear's batch-invariant
-    path, so a row's result never depends on which other adapters or rows share its step."""
+    Two forms of the same sum. Stacked (the default, and deterministic mode on CPU):
+    pagewire::lora_add over the step's adapters stacked, each row its own adapter. Grouped
+    (deterministic mode off CPU, server.kernels.batch_invariant): one term per adapter over its own
+    rows and columns only, through ops.linear's batch-invariant path, so a row's result never
+    depends on which other adapters or rows share its step."""
 
     def __init__(self, stacked: Optional[tuple[torch.Tensor, _Stack]] = None,
                  grouped: Optional[list[tuple[Optional[torch.Tensor], _Adapter]]] = None) -> None:
@@ -270,7 +274,9 @@ class LoraSet:
         if not active:
             return None
         slots_t = torch.tensor(row_slots, dtype=torch.int32, device=self._device)
-        if batch_invariant.enabled():  # grouped: each adapter over its own rows
+        # Grouped: each adapter over its own rows, where lora_add is torch's batched matmuls (off
+        # CPU); the CPU kernel is row-independent by construction (see the module docstring).
+        if batch_invariant.enabled() and self._device.type != "cpu":
             every = len(active) == 1 and all(row_slots)
             return LoraStep(grouped=[(None if every else torch.nonzero(slots_t == s).view(-1), self._adapters[s - 1])
                                      for s in active])

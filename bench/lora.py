@@ -7,11 +7,10 @@ schedule, forward, sampling); base and LoRA rounds alternate, --rounds each. The
 so every round prefills afresh. The adapters are random PEFT-format folders written here (every
 q/k/v/o and MLP projection, rank --rank), loaded with `lora_modules` as `--lora` loads them.
 
-With adapter rows a step keeps pagewire::decode_layer, which adds the stacked terms (deterministic
-mode's per-adapter terms run the Python layers); "base, Python layers" is the base model's step
-through the Python layers, for scale. Both modes of the term
-are timed when --deterministic is "both": stacked (default) and per adapter (deterministic mode,
-each against a base engine in the same mode).
+With adapter rows a step keeps pagewire::decode_layer, which adds the stacked terms (in
+deterministic mode too, on CPU); "base, Python layers" is the base model's step through the Python
+layers, for scale. Both modes are timed when --deterministic is "both", each against a base engine
+in the same mode.
 
 Example:
     .venv/bin/python -m bench.lora --model default --threads 2
@@ -135,7 +134,7 @@ def main() -> None:
                     times[label].append(time_round(engine, loras, a.prompt_len, a.steps, seed=r, fused=fused))
             med = {k: statistics.median(v) for k, v in times.items()}
             b = med["base"]
-            print(f"deterministic {'on ' if det else 'off'} ({'per-adapter terms' if det else 'stacked terms'}), "
+            print(f"deterministic {'on ' if det else 'off'} (stacked terms), "
                   f"CPU ms per decode step, medians of {a.rounds} rounds x {a.steps} steps:")
             for label, _, _ in runs:
                 name = label if label != "lora" else f"{NUM_ADAPTERS} adapters (r={a.rank}), 2 rows each"

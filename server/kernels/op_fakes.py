@@ -72,6 +72,13 @@ def _moe_experts_fake(x, topk_ids, topk_weights, gate_up, gate_up_kind, down, do
     return x.new_empty(x.shape)
 
 
+@torch.library.register_fake("pagewire::moe_decode")
+def _moe_decode_fake(x, router_weight, router_kind, router_bias, router, top_k, norm_topk_prob, gate_up, gate_up_kind,
+                     down, down_kind, gate_up_bias, down_bias, activation, alpha, limit, shared_gate_up,
+                     shared_gate_up_kind, shared_down, shared_down_kind, shared_gate, shared_gate_kind):
+    return x.new_empty(x.shape)
+
+
 @torch.library.register_fake("pagewire::ngram_propose")
 def _ngram_propose_fake(token_ids, num_tokens, k, min_n, max_n):
     return num_tokens.new_empty((num_tokens.shape[0], k))

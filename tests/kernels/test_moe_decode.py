@@ -189,3 +189,15 @@ def test_bad_arguments_are_named() -> None:
         run(x, rw, None, "softmax_topk", E + 1, True, gu, dn)
     with pytest.raises(RuntimeError, match="at most 16 tokens"):
         run(torch.randn(17, H), rw, None, "softmax_topk", 2, True, gu, dn)
+
+
+def test_opcheck_moe_decode() -> None:
+    """The schema, the fake kernel and the CPU kernel agree (torch.library.opcheck)."""
+    gu, dn = (w.for_kernels() for w in quantised("q8_0", seed=3))
+    H = gu.shape[2]
+    rw, _ = _router(H, seed=2)
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(4))
+    kind = str(ops.linear_kind(x.dtype, 3, rw, None))
+    torch.library.opcheck(torch.ops.pagewire.moe_decode.default,
+                          (x, rw, kind, None, "softmax_topk", 2, True, gu.data, str(gu.op_qtype), dn.data,
+                           str(dn.op_qtype), None, None, "silu", 1.702, 7.0, None, "", None, "", None, ""))

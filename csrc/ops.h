@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
+#include <string>
 #include <tuple>
 
 namespace pagewire {
@@ -58,11 +59,11 @@ at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const 
 
 // 4-bit and K-quant weights (GGUF's Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, MXFP4 layouts), see cpu/quant4_kernel.h.
 // weight: uint8 [N, K / block * block bytes]; qtype: "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "mxfp4",
-// or "q4_0x8" / "q4_1x8" / "q4_kx8" in the interleaved x8 layout (cpu/quant4_kernel.h).
+// or "q4_0x8" / "q4_1x8" / "q4_kx8" / "q6_kx8" in the interleaved x8 layout (cpu/quant4_kernel.h).
 constexpr int64_t kQ4KernelMaxRows = 16;  // larger batches dequantise chunks and use ATen's GEMM
 at::Tensor quantize_q4_0_cpu(const at::Tensor& weight);  // float [N, K] -> Q4_0 bytes
 at::Tensor dequantize_q4_cpu(const at::Tensor& weight, c10::string_view qtype);  // -> float32 [N, K]
-// Q4_0 / Q4_1 / Q4_K row layout -> the x8 layout (qtype "q4_0x8" / "q4_1x8" / "q4_kx8"), same shape.
+// Q4_0 / Q4_1 / Q4_K / Q6_K row layout -> the x8 layout ("q4_0x8" / "q4_1x8" / "q4_kx8" / "q6_kx8"), same shape.
 at::Tensor interleave_q4_cpu(const at::Tensor& weight, c10::string_view qtype);
 // x [M, K] (float32, bfloat16 or float16) @ dequant(weight)^T + bias [N] -> [M, N] in x's dtype
 at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::string_view qtype,
@@ -148,6 +149,26 @@ at::Tensor moe_experts_cpu(const at::Tensor& x, const at::Tensor& topk_ids, cons
                            c10::string_view down_kind, const c10::optional<at::Tensor>& gate_up_bias,
                            const c10::optional<at::Tensor>& down_bias, c10::string_view activation, double alpha,
                            double limit);
+
+// x @ w^T (+ b) by one of decode_layer's linear kinds ("kernel", "torch", "q8_0", "q8_0x8", a linear_q4
+// qtype): the path ops.linear takes, chosen in Python (cpu/decode_layer.cpp).
+at::Tensor run_linear_kind(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
+                           const std::string& kind);
+
+// A mixture-of-experts layer's MLP for at most 16 tokens in one call (cpu/moe_decode.cpp): the
+// router (router_weight [E, H] by router_kind, router_bias [E] or None; router "softmax_topk" with
+// top_k and norm_topk_prob, or "topk_softmax"), the experts as moe_experts_cpu takes them, and
+// optionally Qwen2-MoE's shared expert (shared_gate_up [2S, H], shared_down [H, S] by their kinds,
+// shared_gate [1, H] by its kind; all three or none). x [T, H] -> [T, H] in x's dtype.
+at::Tensor moe_decode_cpu(const at::Tensor& x, const at::Tensor& router_weight, c10::string_view router_kind,
+                          const c10::optional<at::Tensor>& router_bias, c10::string_view router, int64_t top_k,
+                          bool norm_topk_prob, const at::Tensor& gate_up, c10::string_view gate_up_kind,
+                          const at::Tensor& down, c10::string_view down_kind,
+                          const c10::optional<at::Tensor>& gate_up_bias, const c10::optional<at::Tensor>& down_bias,
+                          c10::string_view activation, double alpha, double limit,
+                          const c10::optional<at::Tensor>& shared_gate_up, c10::string_view shared_gate_up_kind,
+                          const c10::optional<at::Tensor>& shared_down, c10::string_view shared_down_kind,
+                          const c10::optional<at::Tensor>& shared_gate, c10::string_view shared_gate_kind);
 
 // Speculative decoding (cpu/spec_decode.cpp).
 // token_ids: S contiguous int64 vectors (each sequence's prompt + output; may be longer than used),

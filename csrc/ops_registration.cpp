@@ -42,8 +42,8 @@ TORCH_LIBRARY(pagewire, m) {
   // x [M, K] @ dequant(weight)^T + bias [N] -> [M, N] in x's dtype (x quantised per row on the fly)
   m.def("linear_q8_0(Tensor x, Tensor weight, Tensor? bias, bool interleaved=False) -> Tensor");
   // 4-bit / K-quant weights: uint8 [N, K / block * block bytes], GGUF's Q4_0, Q4_1, Q4_K, Q5_K, Q6_K,
-  // MXFP4 ("q4_0" ... "q6_k", "mxfp4") or Q4_0 / Q4_1 / Q4_K interleaved eight rows at a time ("q4_0x8", "q4_1x8",
-  // "q4_kx8", cpu/quant4_kernel.h); linear_q4 as linear_q8_0
+  // MXFP4 ("q4_0" ... "q6_k", "mxfp4") or Q4_0 / Q4_1 / Q4_K / Q6_K interleaved eight rows at a time ("q4_0x8",
+  // "q4_1x8", "q4_kx8", "q6_kx8", cpu/quant4_kernel.h); linear_q4 as linear_q8_0
   m.def("quantize_q4_0(Tensor weight) -> Tensor");
   m.def("dequantize_q4(Tensor weight, str qtype) -> Tensor");
   m.def("linear_q4(Tensor x, Tensor weight, str qtype, Tensor? bias) -> Tensor");
@@ -68,6 +68,12 @@ TORCH_LIBRARY(pagewire, m) {
   m.def("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, str gate_up_kind, "
         "Tensor down, str down_kind, Tensor? gate_up_bias=None, Tensor? down_bias=None, str activation=\"silu\", "
         "float alpha=1.702, float limit=7.0) -> Tensor");
+  // A mixture-of-experts layer's router, experts and shared expert for at most 16 tokens (ops.h)
+  m.def("moe_decode(Tensor x, Tensor router_weight, str router_kind, Tensor? router_bias, str router, int top_k, "
+        "bool norm_topk_prob, Tensor gate_up, str gate_up_kind, Tensor down, str down_kind, Tensor? gate_up_bias, "
+        "Tensor? down_bias, str activation, float alpha, float limit, Tensor? shared_gate_up, "
+        "str shared_gate_up_kind, Tensor? shared_down, str shared_down_kind, Tensor? shared_gate, "
+        "str shared_gate_kind) -> Tensor");
   // LFM2's gated short convolution with its per-sequence state (shapes in ops.h)
   m.def("short_conv(Tensor bcx, Tensor weight_t, Tensor? bias, Tensor(a!) state, Tensor slots, "
         "Tensor query_start_loc) -> Tensor");
@@ -107,6 +113,7 @@ TORCH_LIBRARY_IMPL(pagewire, CPU, m) {
   m.impl("decode_layer", &pagewire::decode_layer_cpu);
   m.impl("moe_experts", &pagewire::moe_experts_cpu);
   m.impl("lora_add", &pagewire::lora_add_cpu);
+  m.impl("moe_decode", &pagewire::moe_decode_cpu);
   m.impl("short_conv", &pagewire::short_conv_cpu);
   m.impl("ngram_propose", &pagewire::ngram_propose_cpu);
   m.impl("rejection_sample", &pagewire::rejection_sample_cpu);

@@ -23,23 +23,26 @@
 #include "../ops.h"
 
 namespace pagewire {
-namespace {
 
 // x @ w^T (+ b) by the path ops.linear would take: "kernel" (pagewire::linear), "torch"
 // (F.linear, i.e. at::linear), "q8_0" / "q8_0x8" (pagewire::linear_q8_0, row or interleaved
 // layout), or a qtype of pagewire::linear_q4 ("q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "mxfp4",
-// "q4_0x8", "q4_1x8", "q4_kx8").
-at::Tensor run_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
-                      const std::string& kind) {
+// "q4_0x8", "q4_1x8", "q4_kx8", "q6_kx8"). Also moe_decode's router and shared expert.
+at::Tensor run_linear_kind(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
+                           const std::string& kind) {
   if (kind == "kernel") return linear_cpu(x, w, b);
   if (kind == "torch") return at::linear(x, w, b);
   if (kind == "q8_0") return linear_q8_0_cpu(x, w, b, false);
   if (kind == "q8_0x8") return linear_q8_0_cpu(x, w, b, true);
   // Any other kind is a linear_q4 qtype (the 4-bit and K-quant formats), which checks the rest.
-  TORCH_CHECK(kind.rfind("q4_", 0) == 0 || kind == "q5_k" || kind == "q6_k" || kind == "mxfp4",
+  TORCH_CHECK(kind.rfind("q4_", 0) == 0 || kind == "q5_k" || kind.rfind("q6_k", 0) == 0 || kind == "mxfp4",
               "decode_layer: unknown linear kind '", kind, "'");
   return linear_q4_cpu(x, w, kind, b);
 }
+
+namespace {
+
+const auto run_linear = run_linear_kind;
 
 // A sub-block's input (the Python layer's _enter): the residual stream with `delta` (the previous
 // sub-block's output) added in place, then RMSNorm'ed by `norm` in one fused op; without an input
@@ -224,6 +227,9 @@ at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>&
   terms.add(1, attn.view({T, q_size}), o);
   const c10::optional<at::Tensor> attn_out = leave(o, attn_post_norm, eps, residual_multiplier);
   const at::Tensor x2 = enter(hidden, attn_out, mlp_norm, eps);
+  // A sparse (mixture-of-experts) layer: gate_up_kind "none" stops here and returns the MLP's
+  // input; the caller runs moe_decode on it (DecoderLayer.forward_fused).
+  if (gate_up_kind == "none") return x2.is_same(hidden) ? x2.clone() : x2;
   const at::Tensor gate_up = run_linear(x2, gate_up_weight, gate_up_bias, std::string(gate_up_kind));
   terms.add(2, x2, gate_up);
   const at::Tensor act = gelu ? gelu_tanh_and_mul_cpu(gate_up) : silu_and_mul_cpu(gate_up);

@@ -138,9 +138,34 @@ void q4_k_x8_block(uint8_t* rows, int64_t row_bytes, uint8_t* g, bool to_x8) {
   }
 }
 
+// Q6_K's x8 layout of one super-block (quant4_kernel.h), as q4_k_x8_block.
+void q6_k_x8_block(uint8_t* rows, int64_t row_bytes, uint8_t* g, bool to_x8) {
+  const auto move = [&](uint8_t* x8, uint8_t* row, int n) {
+    if (to_x8) {
+      std::memcpy(x8, row, n);
+    } else {
+      std::memcpy(row, x8, n);
+    }
+  };
+  for (int r = 0; r < kQ4Interleave; ++r) {
+    uint8_t* blk = rows + r * row_bytes;
+    move(g + 2 * r, blk + 208, 2);                                                   // d
+    for (int v = 0; v < 4; ++v) move(g + 16 + 32 * v + 4 * r, blk + 192 + 4 * v, 4);  // scales
+    for (int c = 0; c < 32; ++c) move(g + 144 + 32 * c + 4 * r, blk + 4 * c, 4);        // ql
+    for (int c = 0; c < 16; ++c) move(g + 1168 + 32 * c + 4 * r, blk + 128 + 4 * c, 4);  // qh
+  }
+}
+
 }  // namespace
 
 void interleave_q4_group(Q4Type t, const uint8_t* src, int64_t row_bytes, uint8_t* dst, int64_t K) {
+  if (t == Q4Type::kQ6_K) {
+    for (int64_t s = 0; s < K / kQ4_KBlock; ++s) {
+      q6_k_x8_block(const_cast<uint8_t*>(src) + s * kQ6_KBlockBytes, row_bytes,
+                    dst + s * kQ4Interleave * kQ6_KBlockBytes, true);  // (src is only read)
+    }
+    return;
+  }
   if (t == Q4Type::kQ4_K) {
     for (int64_t s = 0; s < K / kQ4_KBlock; ++s) {
       q4_k_x8_block(const_cast<uint8_t*>(src) + s * kQ4_KBlockBytes, row_bytes,
@@ -161,6 +186,13 @@ void interleave_q4_group(Q4Type t, const uint8_t* src, int64_t row_bytes, uint8_
 }
 
 void deinterleave_q4_group(Q4Type t, const uint8_t* src, uint8_t* dst, int64_t row_bytes, int64_t K) {
+  if (t == Q4Type::kQ6_K) {
+    for (int64_t s = 0; s < K / kQ4_KBlock; ++s) {
+      q6_k_x8_block(dst + s * kQ6_KBlockBytes, row_bytes,
+                    const_cast<uint8_t*>(src) + s * kQ4Interleave * kQ6_KBlockBytes, false);  // (src is only read)
+    }
+    return;
+  }
   if (t == Q4Type::kQ4_K) {
     for (int64_t s = 0; s < K / kQ4_KBlock; ++s) {
       q4_k_x8_block(dst + s * kQ4_KBlockBytes, row_bytes,
@@ -225,9 +257,10 @@ Q4Format parse_q4_type(const std::string& qtype) {
   if (qtype == "q4_0x8") return {cpu::Q4Type::kQ4_0, true};
   if (qtype == "q4_1x8") return {cpu::Q4Type::kQ4_1, true};
   if (qtype == "q4_kx8") return {cpu::Q4Type::kQ4_K, true};
+  if (qtype == "q6_kx8") return {cpu::Q4Type::kQ6_K, true};
   if (qtype == "mxfp4") return {cpu::Q4Type::kMXFP4, false};
   TORCH_CHECK(false,
-              "qtype must be 'q4_0', 'q4_1', 'q4_k', 'q5_k', 'q6_k', 'q4_0x8', 'q4_1x8', 'q4_kx8' or 'mxfp4', got '",
+              "qtype must be 'q4_0', 'q4_1', 'q4_k', 'q5_k', 'q6_k', 'q4_0x8', 'q4_1x8', 'q4_kx8', 'q6_kx8' or 'mxfp4', got '",
               qtype, "'");
 }
 
@@ -325,7 +358,7 @@ at::Tensor interleave_q4_cpu(const at::Tensor& weight, c10::string_view qtype_vi
   const std::string qtype(qtype_view);
   const Q4Format f = parse_q4_type(qtype);
   TORCH_CHECK(!f.interleaved && cpu::q4_interleavable(f.type),
-              "qtype must be 'q4_0', 'q4_1' or 'q4_k' (row layout), got '",
+              "qtype must be 'q4_0', 'q4_1', 'q4_k' or 'q6_k' (row layout), got '",
               qtype, "'");
   const cpu::Q4Type t = f.type;
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) % cpu::q4_block_bytes(t) == 0, "weight must be [N, row bytes] ",

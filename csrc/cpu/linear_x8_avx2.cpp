@@ -204,6 +204,8 @@ void linear_q4x8_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, con
                       int64_t ldo, int64_t N) {
   if (t == Q4Type::kQ4_K) {
     linear_q4kx8_avx2(x, w, bias, out, ldo, N);
+  } else if (t == Q4Type::kQ6_K) {
+    linear_q6kx8_avx2(x, w, bias, out, ldo, N);
   } else if (t == Q4Type::kQ4_0) {
     run4<Q4Type::kQ4_0>(x, w, bias, out, ldo, N);
   } else {

@@ -78,7 +78,7 @@ at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& w, const std::st
     return at::linear(x, w, bias);
   }
   TORCH_CHECK(kind == "q8_0" || kind == "q8_0x8" || kind == "mxfp4" || kind.rfind("q4_", 0) == 0 || kind == "q5_k" ||
-                  kind == "q6_k",
+                  kind.rfind("q6_k", 0) == 0,
               "moe_experts: kind must be 'float', 'q8_0', 'q8_0x8', 'mxfp4' or a linear_q4 qtype, got '", kind, "'");
   if (M <= kQ8KernelMaxRows || !invariant) return quant_rows(x, w, kind, bias);
   // Batch-invariant: the integer kernel for every row, never the dequantise-and-GEMM path.

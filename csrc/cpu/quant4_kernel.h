@@ -90,7 +90,7 @@ inline void q4_k_scale_min(int j, const uint8_t* q, uint8_t* sc, uint8_t* mn) {
 // Dequantises one row of K values (K a multiple of the type's block) to fp32.
 void dequantize_q4_row(Q4Type t, const uint8_t* w, float* out, int64_t K);
 
-// The interleaved ("x8") layout of Q4_0, Q4_1 and Q4_K, which the AVX2 kernel reads fastest
+// The interleaved ("x8") layout of Q4_0, Q4_1, Q4_K and Q6_K, which the AVX2 kernel reads fastest
 // (linear_x8_avx2.cpp). Rows 8g..8g+7 are rearranged within their own bytes so that one 32-byte
 // load holds four code bytes (eight values) of each of the eight rows, one row per 32-bit lane:
 //   per block b of 32 values: the eight rows' fp16 d (16 bytes), for Q4_1 then their eight fp16 m
@@ -103,9 +103,13 @@ void dequantize_q4_row(Q4Type t, const uint8_t* w, float* out, int64_t K);
 // vectors (word w of row r at 32w + 4r), then 32 chunks of codes: chunk 8c + j holds bytes
 // 32c + 4j..32c + 4j + 3 of each row's 128 code bytes, row r at 4r (low nibbles: values 4j..4j+3
 // of sub-block 2c; high nibbles: of sub-block 2c + 1).
+// Q6_K's x8 layout (linear_x8q6_avx2.cpp), per super-block of the eight rows (8 * 210 bytes): their
+// fp16 d (16 bytes), their 16 int8 scales as four 32-byte vectors (scales 4v..4v+3 of row r at
+// 32v + 4r), then 32 ql chunks (chunk c: bytes 4c..4c+3 of each row's 128 ql bytes, row r at 4r)
+// and 16 qh chunks (chunk c: bytes 4c..4c+3 of each row's 64 qh bytes).
 constexpr int kQ4Interleave = 8;
 inline bool q4_interleavable(Q4Type t) {
-  return t == Q4Type::kQ4_0 || t == Q4Type::kQ4_1 || t == Q4Type::kQ4_K;
+  return t == Q4Type::kQ4_0 || t == Q4Type::kQ4_1 || t == Q4Type::kQ4_K || t == Q4Type::kQ6_K;
 }
 // One group: eight GGUF rows (src, row stride row_bytes) -> the group's interleaved bytes, and back.
 void interleave_q4_group(Q4Type t, const uint8_t* src, int64_t row_bytes, uint8_t* dst, int64_t K);
@@ -116,6 +120,9 @@ void linear_q4x8_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, con
                       int64_t ldo, int64_t N);  // Isa::kAvx2 or better
 // Q4_K's x8 kernel (linear_x8k_avx2.cpp), called by linear_q4x8_avx2 for kQ4_K.
 void linear_q4kx8_avx2(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
+                       int64_t N);
+// Q6_K's x8 kernel (linear_x8q6_avx2.cpp), called by linear_q4x8_avx2 for kQ6_K.
+void linear_q6kx8_avx2(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
                        int64_t N);
 // Q5_K and Q6_K in row layout (linear_k56_avx2.cpp, linear_k56_avx512.cpp), called by
 // linear_q4_avx2 / linear_q4_avx512 for those types.

@@ -35,4 +35,5 @@ class LinearKind(StrEnum):
     Q4_KX8 = "q4_kx8"
     Q5_K = "q5_k"
     Q6_K = "q6_k"
+    Q6_KX8 = "q6_kx8"
     MXFP4 = "mxfp4"  # moe_experts only

@@ -77,6 +77,13 @@ def _moe_experts_fake(x, topk_ids, topk_weights, gate_up, gate_up_kind, down, do
     return x.new_empty(x.shape)
 
 
+@torch.library.register_fake("pagewire::moe_decode")
+def _moe_decode_fake(x, router_weight, router_kind, router_bias, router, top_k, norm_topk_prob, gate_up, gate_up_kind,
+                     down, down_kind, gate_up_bias, down_bias, activation, alpha, limit, shared_gate_up,
+                     shared_gate_up_kind, shared_down, shared_down_kind, shared_gate, shared_gate_kind):
+    return x.new_empty(x.shape)
+
+
 @torch.library.register_fake("pagewire::ngram_propose")
 def _ngram_propose_fake(token_ids, num_tokens, k, min_n, max_n):
     return num_tokens.new_empty((num_tokens.shape[0], k))
@@ -103,7 +110,8 @@ def _quantize_q4_0_fake(weight):
 
 # (values, bytes) per block of each qtype string the 4-bit and K-quant ops take ("x8": the interleaved layout).
 _Q4_FORMATS = {"q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
-               "q4_0x8": (32, 18), "q4_1x8": (32, 20), "q4_kx8": (256, 144), "mxfp4": (32, 17)}
+               "q4_0x8": (32, 18), "q4_1x8": (32, 20), "q4_kx8": (256, 144), "q6_kx8": (256, 210),
+               "mxfp4": (32, 17)}
 
 
 @torch.library.register_fake("pagewire::dequantize_q4")

@@ -19,8 +19,8 @@ from server.kernels.quant import QuantizedExperts, QuantizedWeight
 
 __all__ = [
     "write_kv_cache", "paged_attention", "copy_blocks", "linear", "rms_norm", "add_rms_norm",
-    "rotary_embedding", "silu_and_mul", "gelu_tanh_and_mul", "moe_experts", "ngram_propose", "rejection_sample", "cpu_isa",
-    "detected_cpu_isa", "lora_add", "cpu_features", "without_amx",
+    "rotary_embedding", "silu_and_mul", "gelu_tanh_and_mul", "moe_experts", "moe_decode", "ngram_propose",
+    "rejection_sample", "cpu_isa", "detected_cpu_isa", "lora_add", "cpu_features", "without_amx",
 ]
 
 logger = logging.getLogger(__name__)
@@ -487,6 +487,30 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     dk, dw = (down.op_qtype, down.data) if isinstance(down, QuantizedExperts) else ("float", down)
     return torch.ops.pagewire.moe_experts(x, topk_ids, topk_weights, gw, str(gk), dw, str(dk), gate_up_bias,
                                           down_bias, activation, alpha, limit)
+
+
+def moe_decode(x: torch.Tensor, router_weight: torch.Tensor, router_kind: str, router_bias: torch.Tensor | None,
+               router: str, top_k: int, norm_topk_prob: bool,
+               gate_up: torch.Tensor | QuantizedExperts, down: torch.Tensor | QuantizedExperts,
+               gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, activation: str, alpha: float,
+               limit: float, shared: tuple[torch.Tensor, str, torch.Tensor, str, torch.Tensor, str] | None = None,
+               ) -> torch.Tensor:
+    """A mixture-of-experts layer's whole MLP for at most Q8_KERNEL_MAX_ROWS CPU tokens in one
+    call (csrc/cpu/moe_decode.cpp): the router (x @ router_weight^T (+ router_bias) by the path
+    `router_kind` names, as linear_kind gives it; then router "softmax_topk": fp32 softmax, top_k,
+    renormalised when norm_topk_prob, or "topk_softmax": gpt-oss's softmax over the top k logits),
+    the chosen experts as moe_experts runs them, and optionally Qwen2-MoE's shared expert `shared` =
+    (gate_up [2S, H], its kind, down [H, S], its kind, gate [1, H], its kind), added times
+    sigmoid(x @ gate^T). Quantised experts on AVX2 or better run in one OpenMP region, every thread
+    streaming its share of the chosen experts' rows; float experts go through moe_experts.
+
+    Returns [T, H] in x's dtype."""
+    gk, gw = (gate_up.op_qtype, gate_up.data) if isinstance(gate_up, QuantizedExperts) else ("float", gate_up)
+    dk, dw = (down.op_qtype, down.data) if isinstance(down, QuantizedExperts) else ("float", down)
+    sgu, sgu_kind, sdn, sdn_kind, sg, sg_kind = shared if shared is not None else (None, "", None, "", None, "")
+    return torch.ops.pagewire.moe_decode(x, router_weight, router_kind, router_bias, router, top_k, norm_topk_prob,
+                                         gw, str(gk), dw, str(dk), gate_up_bias, down_bias, activation, alpha, limit,
+                                         sgu, sgu_kind, sdn, sdn_kind, sg, sg_kind)
 
 
 def ngram_propose(

@@ -60,7 +60,7 @@ QTYPES: dict[Qtype, BlockFormat] = {
 }
 
 # The formats with an interleaved layout (QuantizedWeight.for_kernels).
-INTERLEAVABLE: tuple[Qtype, ...] = (Qtype.Q8_0, Qtype.Q4_0, Qtype.Q4_1, Qtype.Q4_K)
+INTERLEAVABLE: tuple[Qtype, ...] = (Qtype.Q8_0, Qtype.Q4_0, Qtype.Q4_1, Qtype.Q4_K, Qtype.Q6_K)
 
 # GGUF tensor type names (gguf.GGMLQuantizationType) -> the qtype that keeps them as they are.
 GGUF_QTYPES: dict[str, Qtype] = {"Q8_0": Qtype.Q8_0, "Q4_0": Qtype.Q4_0, "Q4_1": Qtype.Q4_1, "Q4_K": Qtype.Q4_K,
@@ -89,7 +89,7 @@ class QuantizedWeight:
         data: uint8 [N, K / block * block_bytes] on CPU, the blocks row by row (GGUF's layout), or
             with `interleaved` each group of eight rows rearranged within its own bytes.
         shape: the logical (N, K).
-        interleaved: data is in the x8 layout (q8_0, q4_0, q4_1 and q4_k; see `for_kernels`).
+        interleaved: data is in the x8 layout (q8_0, q4_0, q4_1, q4_k and q6_k; see `for_kernels`).
     """
 
     qtype: Qtype
@@ -138,11 +138,11 @@ class QuantizedWeight:
     def for_kernels(self) -> "QuantizedWeight":
         """This weight in the layout that this CPU's kernel reads fastest (itself when that is its own).
 
-        On CPUs whose best family is AVX2 (no AVX-512 VNNI), Q8_0, Q4_0, Q4_1 and Q4_K weights of at
-        least eight rows are interleaved: a copy of the same bytes, eight rows at a time, so one
+        On CPUs whose best family is AVX2 (no AVX-512 VNNI), Q8_0, Q4_0, Q4_1, Q4_K and Q6_K weights of
+        at least eight rows are interleaved: a copy of the same bytes, eight rows at a time, so one
         32-bit lane of the AVX2 kernel is one weight row (csrc/cpu/linear_x8_avx2.cpp,
-        linear_x8k_avx2.cpp). AVX-512 CPUs keep GGUF's rows, which their VNNI and AMX kernels read;
-        so do Q5_K, Q6_K and MXFP4 everywhere."""
+        linear_x8k_avx2.cpp, linear_x8q6_avx2.cpp). AVX-512 CPUs keep GGUF's rows, which their VNNI
+        and AMX kernels read; so do Q5_K and MXFP4 everywhere."""
         if (self.interleaved or self.qtype not in INTERLEAVABLE or self.shape[0] < 8
                 or str(server._C.cpu_isa()) != "avx2"):
             return self

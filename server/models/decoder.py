@@ -113,8 +113,8 @@ class DecoderLayer(nn.Module):
                         and not (self.shares_kv and self.q_norm is not None))
         # Gemma 4's layers end by adding their MLP output themselves (_finish): nothing is left over.
         self.finishes = self.ple_gate is not None or self.layer_scalar is not None
-        # Mixture of experts: a sparse layer's MLP is its router and experts (server.models.moe);
-        # decode_layer has no experts, so such a layer runs forward().
+        # Mixture of experts: a sparse layer's MLP is its router and experts (server.models.moe); fused,
+        # decode_layer runs its attention half and pagewire::moe_decode the rest (forward_fused).
         self.moe: SparseMoE | None = None
         _attach_moe(self, c, layer_idx, dtype, device)
 
@@ -235,14 +235,16 @@ class DecoderLayer(nn.Module):
         projection (linear_kinds); per_layer_input as forward()'s; lora: the step's stacked LoRA
         terms (LoraStep.fusable), added by decode_layer as forward() adds them."""
         ple = self.ple_gate is not None
+        # A sparse layer: decode_layer stops at the MLP's input (gate_up kind "none"), the experts follow.
+        gate_up_kind, down_kind = ("none", "none") if self.moe is not None else (kinds[2], kinds[3])
         lora_tensors, lora_spec = lora.fused_args(self.layer_idx) if lora is not None else (None, None)
         mlp_out = torch.ops.pagewire.decode_layer(
             hidden, delta, self.attn_norm, self.attn_post_norm, self.mlp_norm, self.mlp_post_norm, self.eps,
             self.residual_multiplier,
             _weight_data(self.qkv_weight), kinds[0], self.qkv_bias, self.q_norm, self.k_norm,
             _weight_data(self.o_weight), kinds[1], self.o_bias,
-            _weight_data(self.gate_up_weight), kinds[2], self.gate_up_bias,
-            _weight_data(self.down_weight), kinds[3], self.down_bias,
+            _weight_data(self.gate_up_weight), gate_up_kind, self.gate_up_bias,
+            _weight_data(self.down_weight), down_kind, self.down_bias,
             positions, rope.cos if rope is not None else None, rope.sin if rope is not None else None,
             self.qk_norm, key_cache, value_cache,
             meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
@@ -252,6 +254,8 @@ class DecoderLayer(nn.Module):
             self.ple_gate, kinds[4] if ple else "torch", self.ple_proj, kinds[5] if ple else "torch",
             self.ple_norm, self.layer_scalar, self.sinks, lora_tensors, lora_spec,
         )
+        if self.moe is not None:
+            return hidden, self._leave(self.moe(mlp_out), self.mlp_post_norm)
         return hidden, (None if self.finishes else mlp_out)
 
     def linear_kinds(self, dtype: torch.dtype, tokens: int) -> tuple[str, ...] | None:
@@ -359,8 +363,10 @@ class DecoderLayer(nn.Module):
 def _attach_moe(layer: DecoderLayer, config: ModelConfig, layer_idx: int, dtype: torch.dtype,
                 device: torch.device) -> None:
     """Give DecoderLayer `layer` its sparse MLP when config says layer_idx is sparse: `layer.moe`
-    (else None). A sparse layer has no dense gate_up/down (they become empty [0, H] / [H, 0]), its
-    MATRICES are the attention's only, and it runs the Python layer (fusable False)."""
+    (else None). A sparse layer has no dense gate_up/down (they become empty [0, H] / [H, 0]) and
+    its MATRICES are the attention's only; fused, it runs decode_layer's attention half and then
+    the MoE (forward_fused), except with gpt-oss's fp32-weight norm in bf16/fp16, which
+    decode_layer's norms do not round as (the Python layer then)."""
     if config.mlp_kind(layer_idx) != "sparse":
         return
     H = config.hidden_size
@@ -368,7 +374,7 @@ def _attach_moe(layer: DecoderLayer, config: ModelConfig, layer_idx: int, dtype:
     layer.gate_up_weight = param((0, H), dtype, device)
     layer.down_weight = param((H, 0), dtype, device)
     layer.MATRICES = ("qkv_weight", "o_weight")
-    layer.fusable = False
+    layer.fusable = layer.fusable and not (config.norm_weight_fp32 and dtype != torch.float32)
 
 
 def _enter(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None,

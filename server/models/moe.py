@@ -10,26 +10,32 @@ activation is the clamped SwiGLU ("swiglu_oai", in moe_experts); its checkpoint 
 transposed with gate and up columns interleaved, which the load de-interleaves into our gate-then-up
 rows, and may ship them as MXFP4 blocks (server.models.mxfp4), decoded at load.
 
-The router is three per-row torch ops (a linear, softmax, top-k); the experts run as one C++ op per
-layer, pagewire::moe_experts (server.kernels.ops.moe_experts, csrc/cpu/moe.cpp): tokens grouped by
+A CPU step of at most 16 tokens (decode) runs the whole MLP -- router, experts, shared expert -- as
+one C++ op, pagewire::moe_decode (server.kernels.ops.moe_decode, csrc/cpu/moe_decode.cpp): quantised
+experts are read by both cores at once in one OpenMP region. Larger steps (prefill), other devices,
+and router or shared-expert matrices whose linear path decode_layer has no name for, run the router
+as three per-row torch ops (a linear, softmax, top-k) and the experts as one C++ op per layer,
+pagewire::moe_experts (server.kernels.ops.moe_experts, csrc/cpu/moe.cpp): tokens grouped by
 expert, each expert used run once over its rows, experts no token chose never read. The experts'
 matrices are stacked per layer -- gate_up [E, 2I, H] (gate rows, then up rows, per expert) and
 down [E, H, I] -- float, or kept in GGUF blocks (QuantizedExperts: `--quantization gguf` keeps a
 file's `ffn_*_exps` blocks, int8/int4 quantise at load). The router and the shared expert's gate
 stay float: they are small, and routing is where precision decides which weights are read.
 
-DecoderLayer owns one of these per sparse layer (ModelConfig.mlp_kind); layers with one run the
-Python layer (DecoderLayer.fusable is False): pagewire::decode_layer has no experts.
+DecoderLayer owns one of these per sparse layer (ModelConfig.mlp_kind); in a fused step such a layer
+runs pagewire::decode_layer's attention half (gate_up kind "none") and then this module
+(DecoderLayer.forward_fused).
 """
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 from torch import nn
 
-from server.kernels.ops import linear, moe_experts
+from server.kernels import batch_invariant, linear_plan
+from server.kernels.ops import Q8_KERNEL_MAX_ROWS, linear, linear_kind, moe_decode, moe_experts
 from server.kernels.quant import QuantizedExperts, QuantizedWeight
 from server.models.config import ModelConfig
 from server.models.layers import silu_and_mul
@@ -61,6 +67,10 @@ class SparseMoE(nn.Module):
             param((2 * S, H), dtype, device) if S else None)
         self.shared_down_weight: torch.Tensor | QuantizedWeight | None = param((H, S), dtype, device) if S else None
         self.shared_gate_weight = param((1, H), dtype, device) if S else None
+        # pagewire::moe_decode for CPU steps of at most 16 tokens (tests turn it off to compare);
+        # decode_kinds' cache: (T, dtype, plan table id, invariant) -> (table, kinds).
+        self.fused_decode = True
+        self._kinds_cache: dict[tuple[int, torch.dtype, int, bool], tuple[object, tuple[str, str, str, str] | None]] = {}
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_ids int64 [T, k], topk_weights float32 [T, k]) as transformers' routers compute
@@ -78,6 +88,16 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] (the MLP's normed input) -> [T, H] in x's dtype."""
+        kinds = self.decode_kinds(x)
+        if kinds is not None:
+            return self._decode(x, kinds)
+        if batch_invariant.enabled() and x.device.type == "cpu" and x.dim() == 2:
+            # A row's floats must not depend on its step's size: moe_decode's arithmetic (its
+            # router, fp32 activations) for every row, 16 rows a call (the kinds there do not depend
+            # on the row count).
+            kinds = self.decode_kinds(x[:Q8_KERNEL_MAX_ROWS])
+            if kinds is not None:
+                return torch.cat([self._decode(rows, kinds) for rows in x.split(Q8_KERNEL_MAX_ROWS)])
         ids, weights = self.route(x)
         out = moe_experts(x, ids, weights, self.experts_gate_up, self.experts_down, self.experts_gate_up_bias,
                           self.experts_down_bias, self.activation, self.alpha, self.limit)
@@ -87,8 +107,46 @@ class SparseMoE(nn.Module):
             out = out + torch.sigmoid(linear(x, self.shared_gate_weight)) * shared
         return out
 
+    def _decode(self, x: torch.Tensor, kinds: tuple[str, str, str, str]) -> torch.Tensor:
+        """forward() for at most 16 CPU rows: one pagewire::moe_decode call."""
+        shared = None
+        if self.shared_gate_up_weight is not None and self.shared_down_weight is not None:
+            assert self.shared_gate_weight is not None
+            shared = (_data(self.shared_gate_up_weight), kinds[1], _data(self.shared_down_weight), kinds[2],
+                      self.shared_gate_weight, kinds[3])
+        return moe_decode(x, self.router_weight, kinds[0], self.router_bias, self.router, self.top_k,
+                          self.norm_topk_prob, self.experts_gate_up, self.experts_down, self.experts_gate_up_bias,
+                          self.experts_down_bias, self.activation, self.alpha, self.limit, shared)
+
+    def decode_kinds(self, x: torch.Tensor) -> tuple[str, str, str, str] | None:
+        """The linear paths (ops.linear_kind) of the router, shared gate_up, shared down and shared
+        gate for pagewire::moe_decode ("" where there is no shared expert), or None where this step
+        runs route() and moe_experts instead: off the CPU, above 16 rows, `fused_decode` off, or a
+        matrix whose path decode_layer has no name for. Cached per row count, dtype, linear plan
+        table and batch-invariant mode, as DecoderForCausalLM caches decode_layer's kinds."""
+        T = x.shape[0]
+        if not self.fused_decode or x.device.type != "cpu" or x.dim() != 2 or T > Q8_KERNEL_MAX_ROWS:
+            return None
+        table = linear_plan.active_table()
+        key = (T, x.dtype, id(table), batch_invariant.enabled())
+        cached = self._kinds_cache.get(key)
+        if cached is None or cached[0] is not table:
+            found: list[str | None] = [linear_kind(x.dtype, T, self.router_weight, self.router_bias)]
+            if self.shared_gate_up_weight is not None and self.shared_down_weight is not None:
+                found += [linear_kind(x.dtype, T, self.shared_gate_up_weight, None),
+                          linear_kind(x.dtype, T, self.shared_down_weight, None),
+                          linear_kind(x.dtype, T, self.shared_gate_weight, None)
+                          if self.shared_gate_weight is not None else None]
+            else:
+                found += ["", "", ""]
+            kinds = None if None in found else cast(tuple[str, str, str, str], tuple(str(k) for k in found))
+            cached = (table, kinds)
+            self._kinds_cache[key] = cached
+        return cached[1]
+
     def quantize_weights(self, qtype: str) -> None:
         """Keep the experts (and the shared expert's matrices) in `qtype` blocks; router and gate stay float."""
+        self._kinds_cache.clear()  # the shared expert's linear kinds change with its format
         for name in ("experts_gate_up", "experts_down"):
             w = getattr(self, name)
             if isinstance(w, QuantizedExperts):
@@ -191,6 +249,11 @@ class SparseMoE(nn.Module):
                 b + "ffn_gate_exps.bias": WeightTarget(gub[:, :I], (E, I)),
                 b + "ffn_up_exps.bias": WeightTarget(gub[:, I:], (E, I)),
                 b + "ffn_down_exps.bias": WeightTarget(db, (E, H))}
+
+
+def _data(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    """The tensor a linear kind reads: the float matrix, or a QuantizedWeight's block bytes."""
+    return weight.data if isinstance(weight, QuantizedWeight) else weight
 
 
 def _split_gate_up(w: torch.Tensor) -> torch.Tensor:

@@ -127,24 +127,25 @@ def test_for_kernels_interleaves_only_for_the_avx2_kernel(monkeypatch: pytest.Mo
         assert prepared.interleaved == avx2 and prepared.qtype == qw.qtype and prepared.shape == qw.shape
         assert torch.equal(prepared.dequantize(), qw.dequantize())
         assert prepared.for_kernels() is prepared
-    for qw in (random_q4("q6_k", 16, 256, seed=5), random_q4("q4_0", 7, 256, seed=4)):  # no x8 layout; < 8 rows
+    for qw in (random_q4("q5_k", 16, 256, seed=5), random_q4("q4_0", 7, 256, seed=4)):  # no x8 layout; < 8 rows
         assert qw.for_kernels() is qw
     monkeypatch.setenv("PAGEWIRE_CPU_ISA", "portable")
     assert q0.for_kernels() is q0 and q8.for_kernels() is q8  # the portable kernels read rows
 
 
 def test_interleaved_arguments_are_checked() -> None:
-    qk = random_q4("q6_k", 8, 256, seed=0)
-    with pytest.raises(ValueError, match="interleaved: only q8_0, q4_0, q4_1, q4_k have an interleaved layout, not q6_k"):
-        QuantizedWeight("q6_k", qk.data, (8, 256), interleaved=True)
-    with pytest.raises(RuntimeError, match="qtype must be 'q4_0', 'q4_1' or 'q4_k' \\(row layout\\), got 'q6_k'"):
-        torch.ops.pagewire.interleave_q4(qk.data, "q6_k")
-    with pytest.raises(ValueError, match="interleaved: q6_k has no interleaved layout"):
+    qk = random_q4("q5_k", 8, 256, seed=0)
+    with pytest.raises(ValueError,
+                       match="interleaved: only q8_0, q4_0, q4_1, q4_k, q6_k have an interleaved layout, not q5_k"):
+        QuantizedWeight("q5_k", qk.data, (8, 256), interleaved=True)
+    with pytest.raises(RuntimeError, match="qtype must be 'q4_0', 'q4_1', 'q4_k' or 'q6_k' \\(row layout\\), got 'q5_k'"):
+        torch.ops.pagewire.interleave_q4(qk.data, "q5_k")
+    with pytest.raises(ValueError, match="interleaved: q5_k has no interleaved layout"):
         qk.interleave()
     x8 = interleave(random_q4("q4_0", 8, 64, seed=0))
     with pytest.raises(ValueError, match="interleaved: q4_0 is already interleaved layout"):
         x8.interleave()
-    with pytest.raises(RuntimeError, match="qtype must be 'q4_0', 'q4_1' or 'q4_k' \\(row layout\\), got 'q4_0x8'"):
+    with pytest.raises(RuntimeError, match="qtype must be 'q4_0', 'q4_1', 'q4_k' or 'q6_k' \\(row layout\\), got 'q4_0x8'"):
         torch.ops.pagewire.interleave_q4(x8.data, "q4_0x8")
     with pytest.raises(RuntimeError, match="weight must be \\[N, 36\\] q4_0x8 bytes"):
         torch.ops.pagewire.linear_q4(torch.randn(2, 64), x8.data[:, :30], "q4_0x8", None)

@@ -20,7 +20,7 @@ from tests.kernels.test_quant4 import gguf_dequantize, linear_reference, random_
 
 K_TYPES = ["q4_k", "q5_k", "q6_k"]
 # (qtype, interleaved): every K-quant layout a QuantizedWeight can hold.
-LAYOUTS = [("q4_k", False), ("q4_k", True), ("q5_k", False), ("q6_k", False)]
+LAYOUTS = [("q4_k", False), ("q4_k", True), ("q5_k", False), ("q6_k", False), ("q6_k", True)]
 
 
 def weight(qtype: str, interleaved: bool, n: int, k: int, seed: int, zero_rows: tuple[int, ...] = ()) -> tuple[
@@ -49,8 +49,32 @@ def test_q4_k_x8_is_the_same_bytes_rearranged() -> None:
     assert sorted(x8.data[:8].flatten().tolist()) == sorted(rows.data[:8].flatten().tolist())
     if ops.cpu_isa() == "avx2":
         assert rows.for_kernels().interleaved  # the layout the AVX2 kernel reads
-    for qtype in ("q5_k", "q6_k"):  # no x8 layout: kept in rows everywhere
-        assert not random_q4(qtype, 8, 256, seed=3).for_kernels().interleaved
+    assert not random_q4("q5_k", 8, 256, seed=3).for_kernels().interleaved  # no x8 layout: kept in rows
+
+
+def test_q6_k_x8_is_the_documented_permutation() -> None:
+    """quant4_kernel.h's Q6_K x8 layout, byte for byte: per super-block of eight rows their d, their
+    sixteen scales as four vectors, 32 ql chunks and 16 qh chunks (four bytes of each row)."""
+    rows = random_q4("q6_k", 21, 512, seed=4)  # two whole groups and a 5-row tail
+    x8 = rows.interleave()
+    assert x8.interleaved and x8.op_qtype == "q6_kx8" and x8.data.shape == rows.data.shape
+    for g in range(2):
+        out = x8.data[8 * g: 8 * g + 8].reshape(-1)
+        for s in range(2):
+            grp = out[s * 8 * 210: (s + 1) * 8 * 210]
+            for r in range(8):
+                blk = rows.data[8 * g + r, s * 210: (s + 1) * 210]
+                assert torch.equal(grp[2 * r: 2 * r + 2], blk[208:210])  # d
+                for v in range(4):
+                    assert torch.equal(grp[16 + 32 * v + 4 * r: 20 + 32 * v + 4 * r], blk[192 + 4 * v: 196 + 4 * v])
+                for c in range(32):
+                    assert torch.equal(grp[144 + 32 * c + 4 * r: 148 + 32 * c + 4 * r], blk[4 * c: 4 * c + 4])
+                for c in range(16):
+                    assert torch.equal(grp[1168 + 32 * c + 4 * r: 1172 + 32 * c + 4 * r], blk[128 + 4 * c: 132 + 4 * c])
+    assert torch.equal(x8.data[16:], rows.data[16:])  # the tail stays in row layout
+    assert torch.equal(x8.dequantize(), gguf_dequantize(rows))
+    if ops.cpu_isa() == "avx2":
+        assert rows.for_kernels().interleaved  # the layout the AVX2 kernel reads
 
 
 # Per family and layout: decode, the integer kernel's tile shapes (1-4 rows, remainders), its

@@ -180,7 +180,7 @@ def test_bad_arguments_name_the_argument() -> None:
     with pytest.raises(RuntimeError, match="weight must be \\[N, 36\\] q4_0 bytes"):
         torch.ops.pagewire.linear_q4(torch.randn(2, 64), q0.data[:, :30], "q4_0", None)
     with pytest.raises(RuntimeError, match="qtype must be 'q4_0', 'q4_1', 'q4_k', 'q5_k', 'q6_k', 'q4_0x8', 'q4_1x8', "
-                                           "'q4_kx8' or 'mxfp4', got 'q5_0'"):
+                                           "'q4_kx8', 'q6_kx8' or 'mxfp4', got 'q5_0'"):
         torch.ops.pagewire.linear_q4(torch.randn(2, 64), q0.data, "q5_0", None)
     with pytest.raises(RuntimeError, match="bias must be"):
         torch.ops.pagewire.linear_q4(torch.randn(2, 64), q0.data, "q4_0", torch.randn(9))

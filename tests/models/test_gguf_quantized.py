@@ -55,8 +55,8 @@ def test_gguf_blocks_kept_and_logits_track_the_dequantised_file(
     ref, _ = load_model(path, dtype="float32")
     matrices = [getattr(layer, n) for layer in kept._layers for n in layer.MATRICES] + [kept.lm_head]
     assert all(isinstance(w, QuantizedWeight) and w.qtype == qtype.lower() for w in matrices)
-    # The loader puts Q8_0, Q4_0, Q4_1 and Q4_K in the layout this CPU's kernel reads fastest.
-    assert all(w.interleaved == (qtype not in ("Q5_K", "Q6_K") and ops.cpu_isa() == "avx2") for w in matrices)
+    # The loader puts Q8_0, Q4_0, Q4_1, Q4_K and Q6_K in the layout this CPU's kernel reads fastest.
+    assert all(w.interleaved == (qtype != "Q5_K" and ops.cpu_isa() == "avx2") for w in matrices)
     assert not any(p.dtype == torch.uint8 for p in kept.parameters())
     # The kept blocks are the file's: dequantised, they are exactly what the float loader built
     # (which also checks the Q/K un-permutation of whole block rows).

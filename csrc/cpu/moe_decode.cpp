@@ -1,0 +1,415 @@
+// moe_decode: a mixture-of-experts layer's whole MLP for a decode step (at most 16 tokens) in one
+// call -- the router, the chosen experts and the shared expert -- so a sparse layer costs one op
+// dispatch instead of the router's torch ops and one kernel call per expert matrix.
+//
+//   1. Router: logits = x @ router^T (+ bias) by the path Python's ops.linear takes (its kind is
+//      passed in, as for decode_layer), then per row either softmax in fp32, top-k and optional
+//      renormalisation (Qwen-MoE, Mixtral, OLMoE) or top-k of the logits and a softmax over those k
+//      rounded to x's dtype (gpt-oss, "topk_softmax") -- SparseMoE.route's arithmetic.
+//   2. Experts, when they and the CPU allow it (quantised blocks on AVX2 or better, and not
+//      gpt-oss's bf16 roundings): one OpenMP region for the whole layer. x is quantised to Q8
+//      blocks once; every chosen expert's gate_up rows (and the shared expert's) are laid end to
+//      end and split evenly across the threads, so at batch 1 both cores stream different experts
+//      (or different rows of one) instead of every kernel call forking over a 0.3 MB matrix. After
+//      a barrier each expert's activation (SiLU(gate) * up, or the clamped SwiGLU) is computed in
+//      fp32 and quantised for down; the down rows are split the same way; a last pass sums each
+//      token's k results (slot order, fp32) plus the shared expert times its sigmoid gate, and
+//      rounds once to x's dtype. The matrices go through the existing per-format kernels
+//      (linear_q8_0_*, linear_q4_*, their x8 forms), each handed a slice of rows: the kernels'
+//      own OpenMP loops, nested inside this region, run on the calling thread.
+//   3. Otherwise (float experts, the portable ISA, gpt-oss in bf16/fp16): the router's choice goes
+//      to moe_experts_cpu, and the shared expert runs as SparseMoE.forward's ops.
+// A row's result depends on its own experts and row only (the kernels' per-row arithmetic does not
+// depend on M or on which rows a thread was handed), so batch-invariant mode holds.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/sigmoid.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "../ops.h"
+#include "cpu_features.h"
+#include "dispatch_mode.h"
+#include "quant4_kernel.h"
+#include "quant_kernel.h"
+
+namespace pagewire {
+namespace {
+
+// A quantised matrix kind as decode_layer names it: Q8_0 or a linear_q4 type, row or x8 layout.
+struct Format {
+  bool q8 = false, x8 = false;
+  cpu::Q4Type t = cpu::Q4Type::kQ4_0;
+};
+
+bool parse_format(const std::string& kind, Format* f) {
+  std::string base = kind;
+  f->x8 = base.size() > 2 && base.compare(base.size() - 2, 2, "x8") == 0;
+  if (f->x8) base.resize(base.size() - 2);
+  if (base == "q8_0") {
+    f->q8 = true;
+    return true;
+  }
+  static const struct { const char* name; cpu::Q4Type t; } kTypes[] = {
+      {"q4_0", cpu::Q4Type::kQ4_0}, {"q4_1", cpu::Q4Type::kQ4_1}, {"q4_k", cpu::Q4Type::kQ4_K},
+      {"q5_k", cpu::Q4Type::kQ5_K}, {"q6_k", cpu::Q4Type::kQ6_K}, {"mxfp4", cpu::Q4Type::kMXFP4}};
+  for (const auto& e : kTypes) {
+    if (base == e.name) {
+      f->t = e.t;
+      return !f->x8 || cpu::q4_interleavable(e.t);
+    }
+  }
+  return false;
+}
+
+int64_t row_bytes_for(const Format& f, int64_t K) {
+  return f.q8 ? K / cpu::kQ8Block * cpu::kQ8BlockBytes
+              : K / cpu::q4_block_values(f.t) * cpu::q4_block_bytes(f.t);
+}
+
+// One matrix product of the region: act [M, K] (Q8 blocks) @ w^T (+ bias) -> out [M, N] (row stride ldo).
+struct Job {
+  Format f;
+  const uint8_t* w;
+  int64_t row_bytes, N;
+  const float* bias;  // fp32 [N] or nullptr
+  cpu::Q8SumActivations act;
+  float* out;
+  int64_t ldo;
+  int64_t start;  // first row in the phase's row space (a multiple of 8)
+};
+
+// Rows [r0, r1) of a job on this thread (r0 a multiple of 8): the x8 kernel for whole groups, the
+// format's row kernel for the rest -- the dispatch of linear_q8_0_cpu / linear_q4_cpu.
+void run_rows(const Job& j, int64_t r0, int64_t r1, cpu::Isa isa) {
+  const int64_t grouped = j.f.x8 ? j.N / 8 * 8 : 0;
+  while (r0 < r1) {
+    const bool x8 = r0 < grouped;
+    const int64_t e = x8 ? std::min(r1, grouped) : r1, n = e - r0;
+    const uint8_t* w = j.w + r0 * j.row_bytes;
+    const float* b = j.bias != nullptr ? j.bias + r0 : nullptr;
+    float* o = j.out + r0;
+    if (j.f.q8) {
+      const cpu::Q8Activations a{j.act.q, j.act.d, j.act.M, j.act.K};
+      if (x8) {
+        cpu::linear_q8_0x8_avx2(a, w, b, o, j.ldo, n);
+      } else {
+        (cpu::use_amx(isa, a.M)        ? cpu::linear_q8_0_amx
+         : isa >= cpu::Isa::kAvx512 ? cpu::linear_q8_0_avx512
+                                    : cpu::linear_q8_0_avx2)(a, w, b, o, j.ldo, n);
+      }
+    } else if (x8) {
+      cpu::linear_q4x8_avx2(j.f.t, j.act, w, b, o, j.ldo, n);
+    } else {
+      (isa >= cpu::Isa::kAvx512 ? cpu::linear_q4_avx512 : cpu::linear_q4_avx2)(j.f.t, j.act, w, b, o, j.ldo, n);
+    }
+    r0 = e;
+  }
+}
+
+// This thread's share of a phase: rows [total * t / nt, total * (t + 1) / nt) of the jobs laid end
+// to end, boundaries rounded to 8 rows (an x8 group is never split).
+void run_share(const std::vector<Job>& jobs, int64_t total, int t, int nt, cpu::Isa isa) {
+  const int64_t lo = (total * t / nt) / 8 * 8, hi = t + 1 == nt ? total : (total * (t + 1) / nt) / 8 * 8;
+  for (const Job& j : jobs) {
+    const int64_t a = std::max(lo, j.start), b = std::min(hi, j.start + j.N);
+    if (a < b) run_rows(j, a - j.start, b - j.start, isa);
+  }
+}
+
+int64_t lay_out(std::vector<Job>& jobs) {
+  int64_t at = 0;
+  for (Job& j : jobs) {
+    j.start = at;
+    at = (at + j.N + 7) / 8 * 8;
+  }
+  return at;
+}
+
+float to_float(const at::Tensor& t, int64_t i) {  // element i of a 1-D/flat float tensor, as fp32
+  switch (t.scalar_type()) {
+    case at::kFloat: return t.data_ptr<float>()[i];
+    case at::kBFloat16: return static_cast<float>(t.data_ptr<c10::BFloat16>()[i]);
+    case at::kHalf: return static_cast<float>(t.data_ptr<c10::Half>()[i]);
+    default: TORCH_CHECK(false, "moe_decode: unsupported dtype ", t.scalar_type());
+  }
+  return 0.f;
+}
+
+float round_to(at::ScalarType s, float v) {
+  if (s == at::kBFloat16) return static_cast<float>(c10::BFloat16(v));
+  if (s == at::kHalf) return static_cast<float>(c10::Half(v));
+  return v;
+}
+
+// SparseMoE.route in C++: ids int64 [T, k] and weights float32 [T, k] from the logits [T, E].
+void route(const at::Tensor& logits, const std::string& router, int64_t k, bool renorm, int64_t* ids, float* wts) {
+  const int64_t T = logits.size(0), E = logits.size(1);
+  const at::Tensor lc = logits.contiguous();
+  const at::ScalarType dt = lc.scalar_type();
+  std::vector<float> l(E), p(E);
+  std::vector<int64_t> order(E);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t e = 0; e < E; ++e) l[e] = to_float(lc, t * E + e);
+    const float mx = *std::max_element(l.begin(), l.end());
+    const bool topk_softmax = router == "topk_softmax";
+    if (!topk_softmax) {  // softmax over all E in fp32, then top-k of the probabilities
+      float sum = 0.f;
+      for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(l[e] - mx));
+      for (int64_t e = 0; e < E; ++e) p[e] /= sum;
+    } else {
+      p = l;
+    }
+    for (int64_t e = 0; e < E; ++e) order[e] = e;
+    // The k largest, largest first; equal values keep the lower expert first.
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [&](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+    float* w = wts + t * k;
+    for (int64_t j = 0; j < k; ++j) {
+      ids[t * k + j] = order[j];
+      w[j] = p[order[j]];
+    }
+    if (topk_softmax) {  // softmax over the k logits, computed in fp32 and rounded to their dtype
+      const float top = w[0];
+      float sum = 0.f;
+      for (int64_t j = 0; j < k; ++j) sum += (w[j] = std::exp(w[j] - top));
+      for (int64_t j = 0; j < k; ++j) w[j] = round_to(dt, w[j] / sum);
+    } else if (renorm) {
+      float sum = 0.f;
+      for (int64_t j = 0; j < k; ++j) sum += w[j];
+      for (int64_t j = 0; j < k; ++j) w[j] /= sum;
+    }
+  }
+}
+
+// fp32 copy of rows `rows` of a bias [E, N] (any float dtype), or an empty vector.
+std::vector<float> bias_rows(const c10::optional<at::Tensor>& bias, int64_t e) {
+  if (!bias.has_value() || !bias->defined()) return {};
+  const at::Tensor b = (*bias)[e].to(at::kFloat).contiguous();
+  return std::vector<float>(b.data_ptr<float>(), b.data_ptr<float>() + b.numel());
+}
+
+// Activations quantised per row to Q8 blocks with block sums (what both kernel families read).
+struct QuantRows {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  void quantize(const float* x, int64_t M, int64_t K) {
+    q.resize(M * K);
+    d.resize(M * K / 32);
+    s.resize(M * K / 32);
+    cpu::quantize_rows_q8_avx2(x, K, M, K, q.data(), d.data(), s.data());
+  }
+  cpu::Q8SumActivations view(int64_t M, int64_t K) const { return {q.data(), d.data(), s.data(), M, K}; }
+};
+
+}  // namespace
+
+at::Tensor moe_decode_cpu(const at::Tensor& x, const at::Tensor& router_weight, c10::string_view router_kind,
+                          const c10::optional<at::Tensor>& router_bias, c10::string_view router_view, int64_t top_k,
+                          bool norm_topk_prob, const at::Tensor& gate_up, c10::string_view gate_up_kind_view,
+                          const at::Tensor& down, c10::string_view down_kind_view,
+                          const c10::optional<at::Tensor>& gate_up_bias, const c10::optional<at::Tensor>& down_bias,
+                          c10::string_view activation_view, double alpha, double limit,
+                          const c10::optional<at::Tensor>& shared_gate_up, c10::string_view shared_gate_up_kind,
+                          const c10::optional<at::Tensor>& shared_down, c10::string_view shared_down_kind,
+                          const c10::optional<at::Tensor>& shared_gate, c10::string_view shared_gate_kind) {
+  const std::string router(router_view), gu_kind(gate_up_kind_view), dn_kind(down_kind_view);
+  const std::string activation(activation_view);
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "moe_decode: x must be a CPU [T, H] tensor, got ", x.sizes());
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(T <= kQ8KernelMaxRows, "moe_decode takes at most ", kQ8KernelMaxRows, " tokens, got ", T);
+  TORCH_CHECK(router == "softmax_topk" || router == "topk_softmax",
+              "moe_decode: router must be 'softmax_topk' or 'topk_softmax', got '", router, "'");
+  TORCH_CHECK(activation == "silu" || activation == "swiglu_oai",
+              "moe_decode: activation must be 'silu' or 'swiglu_oai', got '", activation, "'");
+  TORCH_CHECK(router_weight.dim() == 2 && router_weight.size(1) == H, "moe_decode: router_weight must be [E, ", H,
+              "], got ", router_weight.sizes());
+  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && gate_up.size(0) == router_weight.size(0) &&
+                  down.size(0) == gate_up.size(0) && down.size(1) == H,
+              "moe_decode: gate_up [E, 2I, ...] and down [E, H, ...] must match the router's E = ",
+              router_weight.size(0), ", got ", gate_up.sizes(), " and ", down.sizes());
+  const int64_t E = gate_up.size(0), I2 = gate_up.size(1), I = I2 / 2;
+  TORCH_CHECK(top_k >= 1 && top_k <= E, "moe_decode: top_k must be in [1, ", E, "], got ", top_k);
+  const bool has_shared = shared_gate_up.has_value() && shared_gate_up->defined();
+  TORCH_CHECK(has_shared == (shared_down.has_value() && shared_down->defined()) &&
+                  has_shared == (shared_gate.has_value() && shared_gate->defined()),
+              "moe_decode: shared_gate_up, shared_down and shared_gate come together");
+
+  // 1. The router.
+  const at::Tensor logits = run_linear_kind(x, router_weight, router_bias, std::string(router_kind));
+  at::Tensor ids = at::empty({T, top_k}, x.options().dtype(at::kLong));
+  at::Tensor wts = at::empty({T, top_k}, x.options().dtype(at::kFloat));
+  route(logits, router, top_k, norm_topk_prob, ids.data_ptr<int64_t>(), wts.data_ptr<float>());
+  at::Tensor sgate;  // the shared expert's gate logit [T, 1] in x's dtype, as Python's linear gives it
+  if (has_shared) sgate = run_linear_kind(x, *shared_gate, c10::nullopt, std::string(shared_gate_kind));
+
+  Format gf, df, sgf, sdf;
+  const cpu::Isa isa = cpu::active_isa();
+  const bool hf_order = activation == "swiglu_oai" && x.scalar_type() != at::kFloat;
+  const bool fast = isa != cpu::Isa::kPortable && !hf_order && parse_format(gu_kind, &gf) &&
+                    parse_format(dn_kind, &df) && H % 32 == 0 && I % 32 == 0 && gate_up.scalar_type() == at::kByte &&
+                    down.scalar_type() == at::kByte && gate_up.size(2) == row_bytes_for(gf, H) &&
+                    down.size(2) == row_bytes_for(df, I) && gate_up.is_contiguous() && down.is_contiguous();
+  const bool shared_fast = fast && has_shared && parse_format(std::string(shared_gate_up_kind), &sgf) &&
+                           parse_format(std::string(shared_down_kind), &sdf) && shared_gate_up->dim() == 2 &&
+                           shared_down->dim() == 2 && shared_down->size(0) == H && shared_down->size(1) % 32 == 0 &&
+                           shared_gate_up->size(1) == row_bytes_for(sgf, H) &&
+                           shared_down->size(1) == row_bytes_for(sdf, shared_gate_up->size(0) / 2) &&
+                           shared_gate_up->is_contiguous() && shared_down->is_contiguous();
+  // The shared expert by SparseMoE.forward's ops: out + sigmoid(gate) * down(silu(gate_up(x))).
+  const auto add_shared_ops = [&](const at::Tensor& out) {
+    const at::Tensor h = run_linear_kind(x, *shared_gate_up, c10::nullopt, std::string(shared_gate_up_kind));
+    const at::Tensor s = run_linear_kind(silu_and_mul_cpu(h), *shared_down, c10::nullopt, std::string(shared_down_kind));
+    return at::add(out, at::mul(at::sigmoid(sgate), s));
+  };
+  if (!fast) {
+    const at::Tensor out = moe_experts_cpu(x, ids, wts, gate_up, gu_kind, down, dn_kind, gate_up_bias, down_bias,
+                                           activation, alpha, limit);
+    return has_shared ? add_shared_ops(out) : out;
+  }
+
+  // 2. Group the (token, slot) pairs by expert, in expert order (token order within one).
+  const int64_t* id = ids.data_ptr<int64_t>();
+  std::vector<int64_t> used, first(E, -1);  // experts with rows, and each one's index in `used`
+  std::vector<std::vector<int64_t>> pairs;  // per used expert, its (token * k + slot) in token order
+  for (int64_t p = 0; p < T * top_k; ++p) {
+    const int64_t e = id[p];
+    if (first[e] < 0) {
+      first[e] = static_cast<int64_t>(used.size());
+      used.push_back(e);
+      pairs.emplace_back();
+    }
+    pairs[first[e]].push_back(p);
+  }
+  std::vector<size_t> by_expert(used.size());
+  for (size_t u = 0; u < used.size(); ++u) by_expert[u] = u;
+  std::sort(by_expert.begin(), by_expert.end(), [&](size_t a, size_t b) { return used[a] < used[b]; });
+
+  // x quantised once; each expert's rows gathered from it.
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  thread_local QuantRows xq;
+  xq.quantize(xf.data_ptr<float>(), T, H);
+  const int64_t nbH = H / 32, nbI = I / 32;
+  const size_t U = used.size();
+  std::vector<QuantRows> xe(U), ae(U);  // per used expert: its input rows, its activation rows
+  std::vector<std::vector<float>> h(U), y(U), gub(U), db(U);
+  for (size_t u = 0; u < U; ++u) {
+    const int64_t n = static_cast<int64_t>(pairs[u].size());
+    xe[u].q.resize(n * H);
+    xe[u].d.resize(n * nbH);
+    xe[u].s.resize(n * nbH);
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t t = pairs[u][r] / top_k;
+      std::memcpy(xe[u].q.data() + r * H, xq.q.data() + t * H, H);
+      std::memcpy(xe[u].d.data() + r * nbH, xq.d.data() + t * nbH, nbH * sizeof(float));
+      std::memcpy(xe[u].s.data() + r * nbH, xq.s.data() + t * nbH, nbH * sizeof(float));
+    }
+    h[u].resize(n * I2);
+    y[u].resize(n * H);
+    ae[u].q.resize(n * I);
+    ae[u].d.resize(n * nbI);
+    ae[u].s.resize(n * nbI);
+    gub[u] = bias_rows(gate_up_bias, used[u]);
+    db[u] = bias_rows(down_bias, used[u]);
+  }
+  const int64_t S = shared_fast ? shared_gate_up->size(0) / 2 : 0;
+  std::vector<float> sh(T * 2 * S), sy(T * H);
+  QuantRows sa;
+  sa.q.resize(T * S);
+  sa.d.resize(T * S / 32);
+  sa.s.resize(T * S / 32);
+
+  const uint8_t* gw = gate_up.data_ptr<uint8_t>();
+  const uint8_t* dw = down.data_ptr<uint8_t>();
+  const int64_t gstride = gate_up.size(1) * gate_up.size(2), dstride = down.size(1) * down.size(2);
+  std::vector<Job> up_jobs, down_jobs;
+  for (const size_t u : by_expert) {  // expert order: a thread's rows are neighbouring experts
+    const int64_t n = static_cast<int64_t>(pairs[u].size());
+    up_jobs.push_back({gf, gw + used[u] * gstride, gate_up.size(2), I2, gub[u].empty() ? nullptr : gub[u].data(),
+                       xe[u].view(n, H), h[u].data(), I2, 0});
+    down_jobs.push_back({df, dw + used[u] * dstride, down.size(2), H, db[u].empty() ? nullptr : db[u].data(),
+                         ae[u].view(n, I), y[u].data(), H, 0});
+  }
+  if (shared_fast) {
+    up_jobs.push_back({sgf, shared_gate_up->data_ptr<uint8_t>(), shared_gate_up->size(1), 2 * S, nullptr,
+                       xq.view(T, H), sh.data(), 2 * S, 0});
+    down_jobs.push_back({sdf, shared_down->data_ptr<uint8_t>(), shared_down->size(1), H, nullptr, sa.view(T, S),
+                         sy.data(), H, 0});
+  }
+  const int64_t up_total = lay_out(up_jobs), down_total = lay_out(down_jobs);
+  const float fa = static_cast<float>(alpha), fl = static_cast<float>(limit);
+  const bool silu = activation == "silu";
+  at::Tensor out = at::empty({T, H}, x.options());
+  std::vector<float> o(T * H);
+  const float* w = wts.data_ptr<float>();
+  std::vector<float> sg(T, 0.f);  // sigmoid(gate) in x's dtype, as Python's torch.sigmoid gives it
+  if (shared_fast) {
+    const at::Tensor s = at::sigmoid(sgate).contiguous();
+    for (int64_t t = 0; t < T; ++t) sg[t] = to_float(s, t);
+  }
+
+  const int nt = std::max(1, std::min<int>(omp_get_max_threads(), static_cast<int>((up_total + 63) / 64)));
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num(), n_threads = omp_get_num_threads();
+    run_share(up_jobs, up_total, t, n_threads, isa);
+#pragma omp barrier
+    // The activation of each expert's rows in fp32, quantised for down (one expert per iteration).
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u <= static_cast<int64_t>(U); ++u) {
+      const bool shared = u == static_cast<int64_t>(U);
+      if (shared && !shared_fast) continue;
+      const int64_t n = shared ? T : static_cast<int64_t>(pairs[u].size()), width = shared ? S : I;
+      const float* hp = shared ? sh.data() : h[u].data();
+      std::vector<float> act(n * width);
+      for (int64_t r = 0; r < n; ++r) {
+        for (int64_t c = 0; c < width; ++c) {
+          const float g = hp[r * 2 * width + c], v = hp[r * 2 * width + width + c];
+          float a;
+          if (silu || shared) {
+            a = g / (1.f + std::exp(-g)) * v;
+          } else {  // gpt-oss: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+            const float gc = std::min(g, fl), vc = std::min(std::max(v, -fl), fl);
+            a = (vc + 1.f) * (gc / (1.f + std::exp(-fa * gc)));
+          }
+          act[r * width + c] = a;
+        }
+      }
+      QuantRows& dst = shared ? sa : ae[u];
+      cpu::quantize_rows_q8_avx2(act.data(), width, n, width, dst.q.data(), dst.d.data(), dst.s.data());
+    }
+    run_share(down_jobs, down_total, t, n_threads, isa);
+#pragma omp barrier
+    // Each token's k results in slot order, the shared expert's after, then one rounding.
+#pragma omp for schedule(static)
+    for (int64_t tc = 0; tc < T * (H / 32); ++tc) {
+      const int64_t tok = tc / (H / 32), c0 = tc % (H / 32) * 32;
+      float acc[32] = {};
+      for (int64_t j = 0; j < top_k; ++j) {
+        const int64_t p = tok * top_k + j, u = first[id[p]];
+        const int64_t r = std::lower_bound(pairs[u].begin(), pairs[u].end(), p) - pairs[u].begin();
+        const float wj = w[p], *yr = y[u].data() + r * H + c0;
+        for (int c = 0; c < 32; ++c) acc[c] += wj * yr[c];
+      }
+      if (shared_fast) {
+        for (int c = 0; c < 32; ++c) acc[c] += sg[tok] * sy[tok * H + c0 + c];
+      }
+      std::memcpy(o.data() + tok * H + c0, acc, sizeof(acc));
+    }
+  }
+  const at::Tensor of = at::from_blob(o.data(), {T, H}, x.options().dtype(at::kFloat));
+  out.copy_(of);
+  return has_shared && !shared_fast ? add_shared_ops(out) : out;
+}
+
+}  // namespace pagewire

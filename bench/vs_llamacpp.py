@@ -77,6 +77,21 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
     }),
+    # Qwen3.5's small-model layout (Qwen3.5-0.8B's config: hidden 1024, 24 layers in six groups of
+    # three Gated DeltaNet layers and one gated full-attention layer, DeltaNet heads 16 x 128 for q, k
+    # and v with a 4-tap conv, attention 8 query / 2 KV heads of 256 with the output gate and a
+    # quarter of each head rotary, every norm 1 + w, the 248,320-token vocabulary, tied) with a
+    # 6144-wide MLP (Qwen3.5-2B's) to bring it to about 1 B: 0.94 B parameters, 0.25 B of them the
+    # embedding table.
+    "qwen35-1b": ("qwen3_5", {
+        "vocab_size": 248320, "hidden_size": 1024, "intermediate_size": 6144, "num_hidden_layers": 24,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+    }),
 }
 
 # Mixture-of-experts shapes (random weights, written without an HF folder). qwen3moe-2.5b: Qwen3-MoE's

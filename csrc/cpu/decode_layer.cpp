@@ -23,9 +23,10 @@
 #include <vector>
 
 #include "../ops.h"
+#include "layer_parts.h"
 
 namespace pagewire {
-namespace {
+namespace layer_parts {
 
 // x @ w^T (+ b) by the path ops.linear would take: "kernel" (pagewire::linear), "torch"
 // (F.linear, i.e. at::linear), "q8_0" / "q8_0x8" (pagewire::linear_q8_0, row or interleaved
@@ -70,6 +71,14 @@ at::Tensor torch_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) 
   const at::Tensor inv_rms = xf.pow(2).mean(at::IntArrayRef{-1}, true).add_(eps).rsqrt_();
   return f32 ? xf.mul(inv_rms).mul_(w) : w.mul(xf.mul(inv_rms).to(x.scalar_type()));
 }
+
+}  // namespace layer_parts
+
+namespace {
+using layer_parts::enter;
+using layer_parts::leave;
+using layer_parts::run_linear;
+using layer_parts::torch_rms_norm;
 
 // A step's stacked LoRA terms for one layer (LoraStep.fused_args): lora = [rows (int64; empty:
 // every row)] then, per matrix that has a term (qkv, o, gate_up, down in that order), its stacked

@@ -257,7 +257,7 @@ def load_gguf_model(
         module._parameters.pop(attr, None)
         setattr(module, attr, qw)
         if m.name == "gdn.out_proj":  # a Qwen3.5 ssm_out kept in the file's column order
-            setattr(module, "out_columns", qwen3_next_out_columns(f, config, m.parts))
+            module.out_columns = qwen3_next_out_columns(f, config, m.parts)
     return model, config
 
 

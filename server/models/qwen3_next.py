@@ -91,15 +91,20 @@ class GatedAttentionLayer(DecoderLayer):
         """forward() in one C++ call (the same ops in the same order, so the same floats) for CPU
         batches of at most 16 tokens; positions: the rows of rope's tables (RopeBatch.positions);
         kinds: linear_kinds(), for qkv, o, gate_up and down."""
+        args = self.decode_args(hidden, delta, rope, positions, key_cache, value_cache, meta, kinds)
+        return hidden, torch.ops.pagewire.gated_attention_decode_layer(*args)
+
+    def decode_args(self, hidden: torch.Tensor, delta: torch.Tensor | None, rope: RotaryEmbedding,
+                    positions: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    meta: AttentionMetadata, kinds: tuple[str, ...]) -> tuple[object, ...]:
+        """pagewire::gated_attention_decode_layer's arguments for forward_decode's."""
         assert self.qk_norm is not None
-        mlp_out = torch.ops.pagewire.gated_attention_decode_layer(
-            hidden, delta, self.attn_norm, self.mlp_norm, self.eps, _weight_data(self.qkv_weight), kinds[0],
-            self.qk_norm, _weight_data(self.o_weight), kinds[1], _weight_data(self.gate_up_weight), kinds[2],
-            _weight_data(self.down_weight), kinds[3], positions, rope.cos, rope.sin, key_cache, value_cache,
-            meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale,
-            self.sliding_window, meta.max_query_len, meta.max_seq_len, self.num_heads, self.num_kv_heads,
-            self.head_dim)
-        return hidden, mlp_out
+        return (hidden, delta, self.attn_norm, self.mlp_norm, self.eps, _weight_data(self.qkv_weight), kinds[0],
+                self.qk_norm, _weight_data(self.o_weight), kinds[1], _weight_data(self.gate_up_weight), kinds[2],
+                _weight_data(self.down_weight), kinds[3], positions, rope.cos, rope.sin, key_cache, value_cache,
+                meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale,
+                self.sliding_window, meta.max_query_len, meta.max_seq_len, self.num_heads, self.num_kv_heads,
+                self.head_dim)
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, WeightTarget]:
         """DecoderLayer's names, with q_proj [nh x (query, gate), H] split into the query rows and
@@ -157,17 +162,20 @@ class GdnLayer(nn.Module):
                        kinds: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """forward() in one C++ call, pagewire::gdn_decode_layer (the same ops in the same order, so
         the same floats), for CPU batches of at most 16 tokens; kinds: linear_kinds()."""
+        return hidden, torch.ops.pagewire.gdn_decode_layer(*self.decode_args(hidden, delta, meta, kinds))
+
+    def decode_args(self, hidden: torch.Tensor, delta: torch.Tensor | None, meta: AttentionMetadata,
+                    kinds: tuple[str, ...]) -> tuple[object, ...]:
+        """pagewire::gdn_decode_layer's arguments for forward_decode's."""
         state = meta.state
         assert state is not None, "meta.state: a Gated DeltaNet layer needs its state slots"
         pools = state.layers[self.layer_idx]
         g, s = self.gdn, self.gdn.shape
-        mlp_out = torch.ops.pagewire.gdn_decode_layer(
-            hidden, delta, self.attn_norm, self.mlp_norm, self.eps, _weight_data(g.in_proj), kinds[0],
-            g.conv_weight_f32(), g.A_log, g.dt_bias, g.norm_weight, s.eps, _weight_data(g.out_proj), kinds[1],
-            _weight_data(self.gate_up_weight), kinds[2], _weight_data(self.down_weight), kinds[3], pools["conv"],
-            pools["recurrent"], state.slots, meta.query_start_loc, s.num_key_heads, s.num_value_heads,
-            s.key_head_dim, s.value_head_dim, gdn.CHUNK_SIZE, g.out_columns)
-        return hidden, mlp_out
+        return (hidden, delta, self.attn_norm, self.mlp_norm, self.eps, _weight_data(g.in_proj), kinds[0],
+                g.conv_weight_f32(), g.A_log, g.dt_bias, g.norm_weight, s.eps, _weight_data(g.out_proj), kinds[1],
+                _weight_data(self.gate_up_weight), kinds[2], _weight_data(self.down_weight), kinds[3], pools["conv"],
+                pools["recurrent"], state.slots, meta.query_start_loc, s.num_key_heads, s.num_value_heads,
+                s.key_head_dim, s.value_head_dim, gdn.CHUNK_SIZE, g.out_columns)
 
     def linear_kinds(self, dtype: torch.dtype, tokens: int) -> tuple[str, ...] | None:
         """Each matrix's path for `tokens` rows as ops.linear would take it (in_proj, out_proj,

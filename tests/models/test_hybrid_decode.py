@@ -190,3 +190,33 @@ def test_k_quant_ssm_out_kept_in_the_files_column_order(tmp_path: Path, monkeypa
     for layer in kept._layers[::2]:  # without the gather the columns meet the wrong inputs
         layer.gdn.out_columns = None  # type: ignore[union-attr]
     assert error(_run(kept, True, steps)[0]) > 0.2
+
+
+def test_opcheck_both_fused_layers(hybrids: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The schemas' aliasing (hidden, the state pools and the KV caches mutated, a fresh output) and
+    the fakes' shapes, on one decode token's real arguments (captured from a forward_decode call)."""
+    model, _ = load_model(hybrids["qwen3_5"], dtype="float32")
+    captured: dict[str, tuple] = {}
+    for cls, name in ((qn.GdnLayer, "gdn"), (qn.GatedAttentionLayer, "attn")):
+        real = cls.forward_decode
+
+        def capture(self: object, *args: object, _real: object = real, _name: str = name) -> object:
+            captured[_name] = (self, args)  # the last: the one-token step
+            return _real(self, *args)  # type: ignore[operator]
+
+        monkeypatch.setattr(cls, "forward_decode", capture)
+    run = HybridRun(model)
+    run.step({0: random_tokens(5, VOCAB, seed=2)})
+    run.step({0: random_tokens(1, VOCAB, seed=3)})
+
+    def cloned(args: tuple) -> tuple:
+        return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+
+    layer, args = captured["gdn"]
+    op_args = cloned(layer.decode_args(torch.randn(1, 64), *args[1:]))
+    torch.library.opcheck(torch.ops.pagewire.gdn_decode_layer.default, op_args)
+    layer, args = captured["attn"]
+    op_args = cloned(layer.decode_args(torch.randn(1, 64), *args[1:]))
+    torch.library.opcheck(torch.ops.pagewire.gated_attention_decode_layer.default, op_args)
+    with pytest.raises(RuntimeError, match="decode_layer: unknown linear kind 'fp8'"):
+        torch.ops.pagewire.gated_attention_decode_layer(*op_args[:6], "fp8", *op_args[7:])

@@ -28,6 +28,11 @@ Example (issue 27's MoE bar; files under /tmp):
     .venv/bin/python -m bench.vs_llamacpp --shape qwen3moe-2.5b --types Q8_0 Q4_K_M --files-dir /tmp/moebench \
         --llama-bench $LCPP/llama-bench --llama-quantize $LCPP/llama-quantize --rounds 2 --repeats 3 --threads 2
 
+Example (issue 28's bar: the Qwen3.5-shaped hybrid, BF16 and Q8_0; llama.cpp's qwen35 needs the
+rope.dimension_sections key, which the test writer adds as its converter does):
+    .venv/bin/python -m bench.vs_llamacpp --shape qwen35-1b --types Q8_0 BF16 --files-dir /tmp/hybrid28 \
+        --llama-bench /tmp/lcpp/llama.cpp/build/bin/llama-bench --rounds 2 --repeats 1
+
 Example (issue 26's bar: Gemma-3-1B shape, at least 1.0x llama.cpp):
     .venv/bin/python -m bench.vs_llamacpp --shape gemma3-1b --types BF16 Q8_0 Q4_0 \
         --llama-bench /tmp/lcpp/llama.cpp/build/bin/llama-bench --rounds 2

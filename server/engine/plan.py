@@ -287,7 +287,7 @@ def make_plan(model: str, mc: ModelConfig, config: EngineConfig, memory_bytes: O
 
         # K and V of one token over the layers that keep their own (Gemma 4's shared ones keep none).
         bpt = 2 * sum(s.num_kv_heads * s.head_dim for s in kv_specs(mc) if s.kv_source is None) * DTYPE_BYTES[dtype]
-        kv_tokens = budget // bpt
+        kv_tokens = _kv_bytes_beside_states(mc, dtype, config, budget) // bpt
         if kv_tokens < config.block_size:
             raise ConfigError("memory", f"leaves {budget} bytes for KV, less than one block")
     from server.models.registry import kv_shape
@@ -334,6 +334,23 @@ def hybrid_line(mc: ModelConfig, dtype: str) -> str:
     return (f"a sequence holds the KV of its {len(attention_layers(mc))} attention layers (of {mc.num_layers}) "
             f"and one state slot of {sum(sum(s.nbytes(dtype) for s in layer) for layer in specs)} bytes whatever "
             f"its length: {len(recurrent)} {'/'.join(kinds)} layers x ({parts}: {per_layer} bytes)")
+
+
+def _kv_bytes_beside_states(mc: ModelConfig, dtype: str, config: EngineConfig, budget: int) -> int:
+    """What the KV blocks may take of `budget` once a hybrid model's state slots have theirs:
+    kv_layout sizes a pool given in tokens without them and puts the slots on top, so the memory
+    plan takes out max_num_seqs running slots and, with prefix caching, the snapshot slots (an
+    eighth of what is left, as kv_layout's budget path does) first."""
+    from server.models.state_specs import state_slot_bytes
+
+    slot = state_slot_bytes(mc, dtype)
+    if not slot:
+        return budget
+    left = budget - config.max_num_seqs * slot
+    if left <= 0:
+        raise ConfigError("memory", f"leaves {budget} bytes for KV and states, less than {config.max_num_seqs} "
+                          f"state slots (max_num_seqs) of {slot} bytes")
+    return left - (left // 8 // slot) * slot if config.enable_prefix_caching else left
 
 
 def _lengths(max_len: int) -> list[int]:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import server.models.qwen3_next as qn
+from server.kernels import batch_invariant
 from server.models.attention import StateBatch
 from server.models.loader import load_model
 from server.models.state_specs import attention_layers, state_specs
@@ -93,8 +94,11 @@ def _count(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 @pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("invariant", [False, True])
 def test_fused_hybrid_layers_give_the_python_layers_floats(hybrids: dict[str, Path], dtype: str, quantization: str,
-                                                           batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+                                                           batch: int, invariant: bool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """In batch-invariant mode too, whose linear paths ops.linear_kind follows."""
     model, _ = load_model(hybrids["qwen3_5"], dtype=dtype)
     assert isinstance(model, qn.Qwen3NextForCausalLM)
     if quantization != "none":
@@ -102,9 +106,10 @@ def test_fused_hybrid_layers_give_the_python_layers_floats(hybrids: dict[str, Pa
     assert all(layer.fusable for layer in model._layers)
     steps = _steps(batch)
     calls = _count(monkeypatch)
-    fused, run_f = _run(model, True, steps)
-    n_fused = len(calls)
-    plain, run_p = _run(model, False, steps)
+    with batch_invariant.mode(invariant):
+        fused, run_f = _run(model, True, steps)
+        n_fused = len(calls)
+        plain, run_p = _run(model, False, steps)
     assert len(calls) == n_fused  # the Python run made no fused call
     # Every layer of every step of at most 16 rows ran fused (batch 3's second step has 24).
     small = sum(sum(map(len, step.values())) <= 16 for step in steps)

@@ -152,14 +152,20 @@ def run_pagewire(spec: Spec) -> dict[str, Any]:
 
 def _decode_bytes_per_token(model: Any) -> int:
     """Bytes one single-sequence decode step reads: every matrix it multiplies (as stored; of a
-    sparse layer's experts, top_k / num_experts of their bytes) and the KV cache at the decode
-    benchmark's average context."""
+    sparse layer's experts, top_k / num_experts of their bytes), the KV cache at the decode
+    benchmark's average context, and a hybrid's state slot, read and written."""
     import torch
 
     def nbytes(w: Any) -> int:
         return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else int(w.nbytes)
 
-    weights = sum(nbytes(getattr(layer, n)) for layer in model._layers for n in layer.MATRICES)
+    def matrices(layer: Any) -> list[Any]:
+        # A Gated DeltaNet layer (server/models/qwen3_next.py) has its MLP and the DeltaNet's two projections.
+        out = [getattr(layer, n) for n in getattr(layer, "MATRICES", ("gate_up_weight", "down_weight"))]
+        gdn = getattr(layer, "gdn", None)
+        return out + ([w for _, w in gdn.linear_weights()] if gdn is not None else [])
+
+    weights = sum(nbytes(w) for layer in model._layers for w in matrices(layer))
     for moe in (getattr(layer, "moe", None) for layer in model._layers):
         if moe is not None:  # a sparse layer: the router, the shared expert, and top_k of the experts
             weights += sum(nbytes(w) for _, w in moe.linear_weights())
@@ -167,7 +173,11 @@ def _decode_bytes_per_token(model: Any) -> int:
             weights += experts * moe.top_k // moe.num_experts
     weights += nbytes(model.lm_head)
     avg_context = DECODE_PROMPT_LEN + DECODE_OUTPUT_LEN // 2
-    return weights + avg_context * model.kv_cache_bytes_per_token()
+    # A hybrid's recurrent layers read and write their state slot every step.
+    from server.models.state_specs import state_slot_bytes
+
+    state = 2 * state_slot_bytes(model.config, str(model.dtype).removeprefix("torch."))
+    return weights + avg_context * model.kv_cache_bytes_per_token() + state
 
 
 def _kv_pool_bytes(caches: list[Any]) -> int:

@@ -28,6 +28,11 @@ Example (issue 27's MoE bar; files under /tmp):
     .venv/bin/python -m bench.vs_llamacpp --shape qwen3moe-2.5b --types Q8_0 Q4_K_M --files-dir /tmp/moebench \
         --llama-bench $LCPP/llama-bench --llama-quantize $LCPP/llama-quantize --rounds 2 --repeats 3 --threads 2
 
+Example (issue 28's bar: the Qwen3.5-shaped hybrid, BF16 and Q8_0; llama.cpp's qwen35 needs the
+rope.dimension_sections key, which the test writer adds as its converter does):
+    .venv/bin/python -m bench.vs_llamacpp --shape qwen35-1b --types Q8_0 BF16 --files-dir /tmp/hybrid28 \
+        --llama-bench /tmp/lcpp/llama.cpp/build/bin/llama-bench --rounds 2 --repeats 1
+
 Example (issue 26's bar: Gemma-3-1B shape, at least 1.0x llama.cpp):
     .venv/bin/python -m bench.vs_llamacpp --shape gemma3-1b --types BF16 Q8_0 Q4_0 \
         --llama-bench /tmp/lcpp/llama.cpp/build/bin/llama-bench --rounds 2
@@ -76,6 +81,21 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         "vocab_size": 100352, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
         "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    }),
+    # Qwen3.5's small-model layout (Qwen3.5-0.8B's config: hidden 1024, 24 layers in six groups of
+    # three Gated DeltaNet layers and one gated full-attention layer, DeltaNet heads 16 x 128 for q, k
+    # and v with a 4-tap conv, attention 8 query / 2 KV heads of 256 with the output gate and a
+    # quarter of each head rotary, every norm 1 + w, the 248,320-token vocabulary, tied) with a
+    # 6144-wide MLP (Qwen3.5-2B's) to bring it to about 1 B: 0.94 B parameters, 0.25 B of them the
+    # embedding table.
+    "qwen35-1b": ("qwen3_5", {
+        "vocab_size": 248320, "hidden_size": 1024, "intermediate_size": 6144, "num_hidden_layers": 24,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
     }),
 }
 

@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #include "cpu/gdn_ops.h"
+#include "cpu/hybrid_decode.h"
 #include "ops.h"
 
 TORCH_LIBRARY(pagewire, m) {
@@ -90,6 +91,19 @@ TORCH_LIBRARY(pagewire, m) {
   m.def("gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) states, Tensor slots, "
         "Tensor query_start_loc, int chunk_size=64) -> Tensor");
   m.def("gated_rms_norm(Tensor x, Tensor gate, Tensor weight, float eps) -> Tensor");
+  // The hybrids' fused decode layers (at most 16 tokens; shapes in cpu/hybrid_decode.h).
+  m.def("gdn_decode_layer(Tensor(a!) hidden, Tensor? delta, Tensor attn_norm, Tensor mlp_norm, float eps, "
+        "Tensor in_proj, str in_kind, Tensor conv_weight, Tensor A_log, Tensor dt_bias, Tensor norm_weight, "
+        "float norm_eps, Tensor out_proj, str out_kind, Tensor gate_up, str gate_up_kind, Tensor down, str down_kind, "
+        "Tensor(b!) conv_states, Tensor(c!) recurrent_states, Tensor slots, Tensor query_start_loc, "
+        "int num_key_heads, int num_value_heads, int key_head_dim, int value_head_dim, int chunk_size=64, "
+        "Tensor? out_columns=None) -> Tensor");
+  m.def("gated_attention_decode_layer(Tensor(a!) hidden, Tensor? delta, Tensor attn_norm, Tensor mlp_norm, "
+        "float eps, Tensor qkv_weight, str qkv_kind, Tensor qk_norm, Tensor o_weight, str o_kind, Tensor gate_up, "
+        "str gate_up_kind, Tensor down, str down_kind, Tensor positions, Tensor cos, Tensor sin, "
+        "Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_start_loc, float scale, int sliding_window, int max_query_len, int max_seq_len, "
+        "int num_heads, int num_kv_heads, int head_dim) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagewire, CPU, m) {
@@ -121,4 +135,6 @@ TORCH_LIBRARY_IMPL(pagewire, CPU, m) {
   m.impl("gdn_gating", &pagewire::gdn_gating_cpu);
   m.impl("gated_delta_rule", &pagewire::gated_delta_rule_cpu);
   m.impl("gated_rms_norm", &pagewire::gated_rms_norm_cpu);
+  m.impl("gdn_decode_layer", &pagewire::gdn_decode_layer_cpu);
+  m.impl("gated_attention_decode_layer", &pagewire::gated_attention_decode_layer_cpu);
 }

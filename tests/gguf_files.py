@@ -303,8 +303,9 @@ def write_gguf(
     # The Gated DeltaNet hybrids' linear_attn tensors (tests/gguf_qwen3_next.py; the conv kernel stays F32).
     hybrid = qwen3_next_tensors(state, cfg) if model_type in QWEN3_NEXT_TYPES else {}
     for seed, (name, arr) in enumerate(sorted(hybrid.items())):
-        fits = arr.ndim == 2 and arr.shape[1] % QUANT_BLOCK.get(qtype, 1) == 0 and "ssm_conv1d" not in name
-        data, raw = encode_tensor(arr, qtype if fits else "F32", 2000 + seed)
+        this = qtype_of(name) if qtype_of and arr.ndim == 2 else qtype
+        fits = arr.ndim == 2 and arr.shape[1] % QUANT_BLOCK.get(this, 1) == 0 and "ssm_conv1d" not in name
+        data, raw = encode_tensor(arr, this if fits else "F32", 2000 + seed)
         if name not in skip_tensors:
             w.add_tensor(name, data, raw_dtype=raw)
     raw_moe: dict[str, np.ndarray] = {}

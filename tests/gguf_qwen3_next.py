@@ -28,8 +28,15 @@ _RENAMES = {"in_proj_qkv.weight": "attn_qkv.weight", "in_proj_z.weight": "attn_g
 
 
 def qwen3_next_metadata(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The converter's `{arch}.ssm.*` keys, recurrent layers and attention interval."""
-    return {
+    """The converter's `{arch}.ssm.*` keys, recurrent layers and attention interval; for Qwen3.5
+    also `{arch}.rope.dimension_sections`, which llama.cpp's qwen35 / qwen35moe loaders require (the
+    converter writes the config's mrope_section, or transformers' default [11, 11, 10]; text tokens
+    give every section the same position, so it is plain RoPE)."""
+    extra: dict[str, Any] = {}
+    if arch != "qwen3next":
+        sections = list((cfg.get("rope_parameters") or {}).get("mrope_section") or [11, 11, 10])
+        extra[f"{arch}.rope.dimension_sections"] = (sections + [0, 0, 0, 0])[:4]
+    return {**extra,
         f"{arch}.ssm.conv_kernel": cfg["linear_conv_kernel_dim"],
         f"{arch}.ssm.state_size": cfg["linear_key_head_dim"],
         f"{arch}.ssm.group_count": cfg["linear_num_key_heads"],

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "../ops.h"
+#include "layer_parts.h"
 
 namespace pagewire {
 
@@ -40,9 +41,12 @@ at::Tensor run_linear_kind(const at::Tensor& x, const at::Tensor& w, const c10::
   return linear_q4_cpu(x, w, kind, b);
 }
 
-namespace {
+namespace layer_parts {
 
-const auto run_linear = run_linear_kind;
+at::Tensor run_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
+                      const std::string& kind) {
+  return run_linear_kind(x, w, b, kind);
+}
 
 // A sub-block's input (the Python layer's _enter): the residual stream with `delta` (the previous
 // sub-block's output) added in place, then RMSNorm'ed by `norm` in one fused op; without an input
@@ -71,6 +75,14 @@ at::Tensor torch_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) 
   const at::Tensor inv_rms = xf.pow(2).mean(at::IntArrayRef{-1}, true).add_(eps).rsqrt_();
   return f32 ? xf.mul(inv_rms).mul_(w) : w.mul(xf.mul(inv_rms).to(x.scalar_type()));
 }
+
+}  // namespace layer_parts
+
+namespace {
+using layer_parts::enter;
+using layer_parts::leave;
+using layer_parts::run_linear;
+using layer_parts::torch_rms_norm;
 
 // A step's stacked LoRA terms for one layer (LoraStep.fused_args): lora = [adapter (int32 [T], each
 // row's index in the stack, -1: none), scales (float32 [n])] then, per matrix that has a term (qkv,

@@ -375,7 +375,12 @@ at::Tensor gated_delta_rule_cpu(const at::Tensor& q, const at::Tensor& k, const 
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   const Bodies fn = bodies();
-  const int64_t C = chunk_size;
+  // A sequence's tokens run in chunks of chunk_size, so a batch whose longest sequence is shorter
+  // (every decode step) chunks the same with C = that length, and each thread's workspace shrinks
+  // from ~230 KB (chunk 64, heads of 128) to a few KB.
+  int64_t longest = 1;
+  for (int64_t s = 0; s < S; ++s) longest = std::max<int64_t>(longest, qsl[s + 1] - qsl[s]);
+  const int64_t C = std::min(chunk_size, longest);
   const int64_t ws_floats = 2 * C * Dk + 2 * C * Dv + 2 * C + std::max(cpu::gdn_chunk_work_floats(C, Dk, Dv), Dv);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, v.scalar_type(), "pagewire::gated_delta_rule", [&] {
     const RuleArgs<scalar_t> a{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),

@@ -234,6 +234,8 @@ class Plan:
     max_num_seqs: int
     bandwidth_gbs: Optional[float]
     rows: list[LengthRow] = field(default_factory=list)
+    # A hybrid model: what one sequence holds besides its KV (hybrid_line), "" otherwise.
+    state_note: str = ""
 
     def to_json(self) -> dict[str, Any]:
         lay = self.layout
@@ -249,7 +251,8 @@ class Plan:
             "num_blocks": lay.num_blocks, "kv_tokens": lay.total_tokens, "kv_bytes": lay.total_bytes,
             "max_model_len": lay.max_model_len, "kv_log_line": lay.log_line(),
             "serve_flags": self.serve_flags(), "bandwidth_gbs": self.bandwidth_gbs,
-            "lengths": [r.__dict__ for r in self.rows],
+            "lengths": [r.__dict__ for r in self.rows], "state_slot_bytes": lay.state_slot_bytes,
+            "state_note": self.state_note,
         }
 
     def serve_flags(self) -> str:
@@ -284,11 +287,11 @@ def make_plan(model: str, mc: ModelConfig, config: EngineConfig, memory_bytes: O
 
         # K and V of one token over the layers that keep their own (Gemma 4's shared ones keep none).
         bpt = 2 * sum(s.num_kv_heads * s.head_dim for s in kv_specs(mc) if s.kv_source is None) * DTYPE_BYTES[dtype]
-        kv_tokens = budget // bpt
+        kv_tokens = _kv_bytes_beside_states(mc, dtype, config, budget) // bpt
         if kv_tokens < config.block_size:
             raise ConfigError("memory", f"leaves {budget} bytes for KV, less than one block")
     from server.models.registry import kv_shape
-    from server.models.state_specs import state_slot_bytes
+    from server.models.state_specs import attention_layers, state_slot_bytes
 
     # A hybrid model's state slots (one per running sequence, plus snapshots) share the budget.
     layout = kv_layout(config, dtype=dtype, max_position_embeddings=mc.max_position_embeddings,
@@ -305,10 +308,49 @@ def make_plan(model: str, mc: ModelConfig, config: EngineConfig, memory_bytes: O
             bw = bandwidth_gbs * 1e9
             b1 = bw / (weights.read_per_step + seq_bytes)
             bn = batch * bw / (weights.read_per_step + batch * seq_bytes)
-        all_global = -(-n // layout.block_size) * layout.block_size * layout.bytes_per_token
+        # Every layer full attention: a hybrid's recurrent layers too, with its attention layers' KV shape.
+        all_global = (-(-n // layout.block_size) * layout.block_size * layout.bytes_per_token
+                      * mc.num_layers // max(1, len(attention_layers(mc))))
         rows.append(LengthRow(n, fits, batch, b1, bn, seq_bytes, seq_bytes / all_global))
     return Plan(model, dtype, config.quantization, memory_bytes, weights, acts, budget, layout,
-                config.max_num_seqs, bandwidth_gbs, rows)
+                config.max_num_seqs, bandwidth_gbs, rows, hybrid_line(mc, dtype))
+
+
+def hybrid_line(mc: ModelConfig, dtype: str) -> str:
+    """For a hybrid model, what one sequence holds: the KV of its attention layers only, and one
+    state slot whose size does not grow with the context (each recurrent layer's tensors); "" for
+    a model without recurrent layers."""
+    from server.models.state_specs import attention_layers, layer_type, state_specs
+
+    specs = state_specs(mc)
+    recurrent = [i for i, layer in enumerate(specs) if layer]
+    if not recurrent:
+        return ""
+    kinds = sorted({layer_type(mc, i) for i in recurrent})
+    first = specs[recurrent[0]]
+    parts = " + ".join(f"{s.name} {'x'.join(map(str, s.shape))} {s.dtype if s.dtype != 'model' else dtype}"
+                       for s in first)
+    per_layer = sum(s.nbytes(dtype) for s in first)
+    return (f"a sequence holds the KV of its {len(attention_layers(mc))} attention layers (of {mc.num_layers}) "
+            f"and one state slot of {sum(sum(s.nbytes(dtype) for s in layer) for layer in specs)} bytes whatever "
+            f"its length: {len(recurrent)} {'/'.join(kinds)} layers x ({parts}: {per_layer} bytes)")
+
+
+def _kv_bytes_beside_states(mc: ModelConfig, dtype: str, config: EngineConfig, budget: int) -> int:
+    """What the KV blocks may take of `budget` once a hybrid model's state slots have theirs:
+    kv_layout sizes a pool given in tokens without them and puts the slots on top, so the memory
+    plan takes out max_num_seqs running slots and, with prefix caching, the snapshot slots (an
+    eighth of what is left, as kv_layout's budget path does) first."""
+    from server.models.state_specs import state_slot_bytes
+
+    slot = state_slot_bytes(mc, dtype)
+    if not slot:
+        return budget
+    left = budget - config.max_num_seqs * slot
+    if left <= 0:
+        raise ConfigError("memory", f"leaves {budget} bytes for KV and states, less than {config.max_num_seqs} "
+                          f"state slots (max_num_seqs) of {slot} bytes")
+    return left - (left // 8 // slot) * slot if config.enable_prefix_caching else left
 
 
 def _lengths(max_len: int) -> list[int]:
@@ -336,6 +378,8 @@ def render(plan: Plan) -> str:
     ]
     if plan.kv_budget_bytes is not None:
         lines.append(f"KV budget:        {_gib(plan.kv_budget_bytes)} (memory - weights - activations)")
+    if plan.state_note:
+        lines.append(f"hybrid:           {plan.state_note}")
     lines += [
         f"KV per token:     {lay.bytes_per_token} bytes (2 x kv_heads x head_dim x "
         f"{DTYPE_BYTES[plan.dtype]} bytes over the layers that keep KV)",
@@ -351,8 +395,8 @@ def render(plan: Plan) -> str:
         bn = f"{r.roofline_bn:.1f}" if r.roofline_bn is not None else "-"
         lines.append(f"{r.seq_len:>8} {r.fits:>7} {r.batch:>6} {_gib(r.kv_bytes):>10} {r.vs_all_global:>8.3f} "
                      f"{b1:>10} {bn:>10}")
-    lines.append("KV/seq: KV bytes one decoding sequence holds; x global: that over the same shape with every "
-                 "layer full attention.")
+    lines.append("KV/seq: KV bytes one decoding sequence holds (a hybrid's: with its state slot); x global: that "
+                 "over the same shape with every layer full attention.")
     lines.append("")
     if plan.bandwidth_gbs:
         lines.append(f"roofline: tokens/s = batch x {plan.bandwidth_gbs:g} GB/s / (weights read per step + "

@@ -177,3 +177,22 @@ def _gated_delta_rule_fake(q, k, v, g, beta, states, slots, query_start_loc, chu
 @torch.library.register_fake("pagewire::gated_rms_norm")
 def _gated_rms_norm_fake(x, gate, weight, eps):
     return x.new_empty(x.shape)
+
+
+# The hybrids' fused decode layers (csrc/cpu/hybrid_decode.h): hidden and the states or caches are
+# updated in place; the result is the layer's MLP output, hidden's shape.
+@torch.library.register_fake("pagewire::gdn_decode_layer")
+def _gdn_decode_layer_fake(hidden, delta, attn_norm, mlp_norm, eps, in_proj, in_kind, conv_weight, A_log, dt_bias,
+                           norm_weight, norm_eps, out_proj, out_kind, gate_up, gate_up_kind, down, down_kind,
+                           conv_states, recurrent_states, slots, query_start_loc, num_key_heads, num_value_heads,
+                           key_head_dim, value_head_dim, chunk_size=64, out_columns=None):
+    return hidden.new_empty(hidden.shape)
+
+
+@torch.library.register_fake("pagewire::gated_attention_decode_layer")
+def _gated_attention_decode_layer_fake(hidden, delta, attn_norm, mlp_norm, eps, qkv_weight, qkv_kind, qk_norm,
+                                       o_weight, o_kind, gate_up, gate_up_kind, down, down_kind, positions, cos, sin,
+                                       key_cache, value_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
+                                       scale, sliding_window, max_query_len, max_seq_len, num_heads, num_kv_heads,
+                                       head_dim):
+    return hidden.new_empty(hidden.shape)

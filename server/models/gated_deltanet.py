@@ -79,6 +79,26 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = param((Hv,), dtype, device)
         self.norm_weight = param((s.value_head_dim,), dtype, device)
         self.out_proj: torch.Tensor | QuantizedWeight = param((H, s.value_dim), dtype, device)
+        self._conv_cache: tuple[tuple[int, int], torch.Tensor] | None = None
+        # A GGUF ssm_out kept in the file's (tiled) column order: int64 [value_dim], the column of
+        # the normed output each of out_proj's columns reads (server.models.qwen3_next_gguf); None:
+        # out_proj's columns are in this layer's order.
+        self.out_columns: torch.Tensor | None = None
+
+    def conv_weight_f32(self) -> torch.Tensor:
+        """conv_weight [conv_dim, K] as a float32 [conv_dim, K] view of a contiguous [K, conv_dim]
+        copy: the layout the conv op computes in, so it converts nothing per call (that conversion
+        was most of a decode step's conv time). The copy is kept while the parameter's storage and
+        version counter say the weights are unchanged; bf16 -> float32 is exact, so the floats are
+        the same as from conv_weight itself."""
+        w = self.conv_weight
+        try:
+            key = (w.data_ptr(), w._version)
+        except RuntimeError:  # an inference tensor has no version counter: convert every call
+            return w.float().t().contiguous().t()
+        if self._conv_cache is None or self._conv_cache[0] != key:
+            self._conv_cache = (key, w.float().t().contiguous().t())
+        return self._conv_cache[1]
 
     def forward(self, x: torch.Tensor, conv_states: torch.Tensor, recurrent_states: torch.Tensor,
                 slots: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
@@ -89,7 +109,8 @@ class GatedDeltaNet(nn.Module):
         T = x.shape[0]
         kd, vd, Hv = s.key_dim, s.value_dim, s.num_value_heads
         proj = linear(x, self.in_proj)  # [T, conv_dim + value_dim + 2 Hv]
-        mixed = gdn.causal_conv1d(proj[:, : s.conv_dim], self.conv_weight, None, conv_states, slots, query_start_loc)
+        mixed = gdn.causal_conv1d(proj[:, : s.conv_dim], self.conv_weight_f32(), None, conv_states, slots,
+                                  query_start_loc)
         q = mixed[:, :kd].view(T, s.num_key_heads, s.key_head_dim)
         k = mixed[:, kd : 2 * kd].view(T, s.num_key_heads, s.key_head_dim)
         v = mixed[:, 2 * kd :].view(T, Hv, s.value_head_dim)
@@ -98,8 +119,10 @@ class GatedDeltaNet(nn.Module):
         a = proj[:, s.conv_dim + vd + Hv :]
         g, beta = gdn.gating(a, b, self.A_log, self.dt_bias)
         core = gdn.gated_delta_rule(q, k, v, g, beta, recurrent_states, slots, query_start_loc)
-        normed = gdn.gated_rms_norm(core, z, self.norm_weight, s.eps)
-        return linear(normed.view(T, vd), self.out_proj)
+        normed = gdn.gated_rms_norm(core, z, self.norm_weight, s.eps).view(T, vd)
+        if self.out_columns is not None:
+            normed = normed.index_select(1, self.out_columns)
+        return linear(normed, self.out_proj)
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, WeightTarget]:
         """HF names under `prefix` (e.g. "model.layers.0.linear_attn.") -> slices of the fused parameters."""

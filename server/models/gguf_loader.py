@@ -31,6 +31,7 @@ from server.models.qwen3_next_gguf import (
     QWEN3_NEXT_GGUF_PARTS,
     qwen3_next_from_gguf,
     qwen3_next_gguf_names,
+    qwen3_next_out_columns,
     qwen3_next_reorder_blocks,
 )
 from server.models.registry import config_from_gguf, gguf_permuted_qk, model_class
@@ -255,6 +256,8 @@ def load_gguf_model(
         # the never-filled float matrix is freed.
         module._parameters.pop(attr, None)
         setattr(module, attr, qw)
+        if m.name == "gdn.out_proj":  # a Qwen3.5 ssm_out kept in the file's column order
+            module.out_columns = qwen3_next_out_columns(f, config, m.parts)
     return model, config
 
 

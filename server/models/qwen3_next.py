@@ -21,11 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from server.kernels.ops import linear, paged_attention, write_kv_cache
+from server.kernels import gdn
+from server.kernels.ops import linear, linear_kind, paged_attention, write_kv_cache
 from server.kernels.quant import QuantizedWeight
 from server.models.attention import AttentionMetadata
 from server.models.config import ModelConfig
-from server.models.decoder import DecoderForCausalLM, DecoderLayer, _enter, _replace_with_quantized
+from server.models.decoder import DecoderForCausalLM, DecoderLayer, _enter, _replace_with_quantized, _weight_data
 from server.models.gated_deltanet import GatedDeltaNet, GdnShape
 from server.models.layers import add_norm, norm, rms_norm, silu_and_mul
 from server.models.moe import SparseMoE, parameter_summary
@@ -45,13 +46,16 @@ def gdn_shape(c: ModelConfig) -> GdnShape:
 
 class GatedAttentionLayer(DecoderLayer):
     """DecoderLayer whose qkv matrix has the output gate's rows appended ([q, k, v, gate]) and whose
-    attention output is multiplied by sigmoid(gate); always the Python layer (decode_layer has no gate)."""
+    attention output is multiplied by sigmoid(gate). decode_layer has no gate, so small CPU batches
+    run it as pagewire::gated_attention_decode_layer instead (forward_decode), when the MLP is dense."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(config, layer_idx, dtype, device)
         H = config.hidden_size
         self.qkv_weight = param((2 * self.q_size + 2 * self.kv_size, H), dtype, device)
-        self.fusable = False
+        # What gated_attention_decode_layer expresses: per-head q/k norm, RoPE, no softcap, sinks or MoE.
+        self.fusable = (self.moe is None and self.qk_norm is not None and self.rope_index is not None
+                        and not self.softcap and self.sinks is None)
 
     def forward(self, hidden: torch.Tensor, delta: torch.Tensor | None, rope: RotaryEmbedding | None,
                 rope_batch: RopeBatch | None, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -81,6 +85,27 @@ class GatedAttentionLayer(DecoderLayer):
         return hidden, linear(silu_and_mul(linear(x, self.gate_up_weight, self.gate_up_bias)), self.down_weight,
                               self.down_bias)
 
+    def forward_decode(self, hidden: torch.Tensor, delta: torch.Tensor | None, rope: RotaryEmbedding,
+                       positions: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       meta: AttentionMetadata, kinds: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward() in one C++ call (the same ops in the same order, so the same floats) for CPU
+        batches of at most 16 tokens; positions: the rows of rope's tables (RopeBatch.positions);
+        kinds: linear_kinds(), for qkv, o, gate_up and down."""
+        args = self.decode_args(hidden, delta, rope, positions, key_cache, value_cache, meta, kinds)
+        return hidden, torch.ops.pagewire.gated_attention_decode_layer(*args)
+
+    def decode_args(self, hidden: torch.Tensor, delta: torch.Tensor | None, rope: RotaryEmbedding,
+                    positions: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    meta: AttentionMetadata, kinds: tuple[str, ...]) -> tuple[object, ...]:
+        """pagewire::gated_attention_decode_layer's arguments for forward_decode's."""
+        assert self.qk_norm is not None
+        return (hidden, delta, self.attn_norm, self.mlp_norm, self.eps, _weight_data(self.qkv_weight), kinds[0],
+                self.qk_norm, _weight_data(self.o_weight), kinds[1], _weight_data(self.gate_up_weight), kinds[2],
+                _weight_data(self.down_weight), kinds[3], positions, rope.cos, rope.sin, key_cache, value_cache,
+                meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale,
+                self.sliding_window, meta.max_query_len, meta.max_seq_len, self.num_heads, self.num_kv_heads,
+                self.head_dim)
+
     def checkpoint_tensors(self, prefix: str) -> dict[str, WeightTarget]:
         """DecoderLayer's names, with q_proj [nh x (query, gate), H] split into the query rows and
         the gate rows at the end of qkv (one strided view over both)."""
@@ -100,7 +125,6 @@ class GdnLayer(nn.Module):
     """One linear-attention layer: input norm, GatedDeltaNet, residual, post-attention norm, MLP
     (its output left for the next layer's norm to add, as DecoderLayer does)."""
 
-    fusable = False  # no decode_layer equivalent
     rope_index: Optional[int] = None
     shares_kv = False  # read by DecoderForCausalLM.ignored_checkpoint_tensors
 
@@ -118,6 +142,7 @@ class GdnLayer(nn.Module):
         dense = self.moe is None
         self.gate_up_weight: torch.Tensor | QuantizedWeight = param((2 * I if dense else 0, H), dtype, device)
         self.down_weight: torch.Tensor | QuantizedWeight = param((H, I if dense else 0), dtype, device)
+        self.fusable = dense  # pagewire::gdn_decode_layer has the dense MLP only
 
     def forward(self, hidden: torch.Tensor, delta: torch.Tensor | None, meta: AttentionMetadata,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,8 +158,31 @@ class GdnLayer(nn.Module):
             return hidden, self.moe(x)
         return hidden, linear(silu_and_mul(linear(x, self.gate_up_weight)), self.down_weight)
 
-    def linear_kinds(self, dtype: torch.dtype, tokens: int) -> None:
-        return None  # never fused
+    def forward_decode(self, hidden: torch.Tensor, delta: torch.Tensor | None, meta: AttentionMetadata,
+                       kinds: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward() in one C++ call, pagewire::gdn_decode_layer (the same ops in the same order, so
+        the same floats), for CPU batches of at most 16 tokens; kinds: linear_kinds()."""
+        return hidden, torch.ops.pagewire.gdn_decode_layer(*self.decode_args(hidden, delta, meta, kinds))
+
+    def decode_args(self, hidden: torch.Tensor, delta: torch.Tensor | None, meta: AttentionMetadata,
+                    kinds: tuple[str, ...]) -> tuple[object, ...]:
+        """pagewire::gdn_decode_layer's arguments for forward_decode's."""
+        state = meta.state
+        assert state is not None, "meta.state: a Gated DeltaNet layer needs its state slots"
+        pools = state.layers[self.layer_idx]
+        g, s = self.gdn, self.gdn.shape
+        return (hidden, delta, self.attn_norm, self.mlp_norm, self.eps, _weight_data(g.in_proj), kinds[0],
+                g.conv_weight_f32(), g.A_log, g.dt_bias, g.norm_weight, s.eps, _weight_data(g.out_proj), kinds[1],
+                _weight_data(self.gate_up_weight), kinds[2], _weight_data(self.down_weight), kinds[3], pools["conv"],
+                pools["recurrent"], state.slots, meta.query_start_loc, s.num_key_heads, s.num_value_heads,
+                s.key_head_dim, s.value_head_dim, gdn.CHUNK_SIZE, g.out_columns)
+
+    def linear_kinds(self, dtype: torch.dtype, tokens: int) -> tuple[str, ...] | None:
+        """Each matrix's path for `tokens` rows as ops.linear would take it (in_proj, out_proj,
+        gate_up, down); None where one has no fused equivalent (this layer then runs forward())."""
+        kinds = [linear_kind(dtype, tokens, w, None)
+                 for w in (self.gdn.in_proj, self.gdn.out_proj, self.gate_up_weight, self.down_weight)]
+        return None if None in kinds else tuple(cast(list[str], kinds))
 
     def quantize_weights(self, qtype: str) -> None:
         _replace_with_quantized(self.gdn, "in_proj", qtype)
@@ -174,7 +222,9 @@ class Qwen3NextForCausalLM(DecoderForCausalLM):
         super().__init__(config, dtype, device, tie_word_embeddings)
         attn = attention_layers(config)
         self._kv_index: list[Optional[int]] = [attn.index(i) if i in attn else None for i in range(config.num_layers)]
-        self.fused_decode = False  # no layer of these families has a decode_layer equivalent
+        # Small CPU batches run each layer with a dense MLP as one C++ call (forward_decode: the
+        # Gated DeltaNet and gated-attention layer ops); False forces the Python layers.
+        self.fused_decode = True
 
     def _make_layer(self, config: ModelConfig, i: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
         if config.layer_types[i] == "attention":
@@ -184,8 +234,10 @@ class Qwen3NextForCausalLM(DecoderForCausalLM):
     def summary(self) -> str:
         c = self.config
         n_attn = sum(i is not None for i in self._kv_index)
+        fused = sum(layer.fusable for layer in self._layers)
         return (f"{c.architecture}: {c.num_layers} layers ({n_attn} gated full attention, {c.num_layers - n_attn} "
-                f"Gated DeltaNet); the Python layers" + parameter_summary(self))
+                f"Gated DeltaNet); fused decode layers (CPU, up to 16 tokens) for {fused} of {c.num_layers}, "
+                f"the others run the Python layers" + parameter_summary(self))
 
     def kv_cache_bytes_per_token(self) -> int:
         c = self.config
@@ -209,14 +261,22 @@ class Qwen3NextForCausalLM(DecoderForCausalLM):
         hidden = F.embedding(input_ids, self.embed_tokens)
         batches = [rope.prepare(positions, self.dtype, None) for rope in self.ropes]
         delta: torch.Tensor | None = None
+        fused = self._fused_kinds(hidden, batches)
         for i, layer in enumerate(self._layers):
             a = self._kv_index[i]
+            kinds = fused[i] if fused is not None else None
             if a is None:
-                hidden, delta = cast(GdnLayer, layer)(hidden, delta, meta)
+                gdn_layer = cast(GdnLayer, layer)
+                hidden, delta = (gdn_layer.forward_decode(hidden, delta, meta, kinds) if kinds is not None
+                                 else gdn_layer(hidden, delta, meta))
                 continue
             r = layer.rope_index
             rope, batch = (self.ropes[r], batches[r]) if r is not None else (None, None)
             key_cache, value_cache = kv_caches[a]
+            if kinds is not None and rope is not None and batch is not None:
+                hidden, delta = cast(GatedAttentionLayer, layer).forward_decode(
+                    hidden, delta, rope, batch.positions, key_cache, value_cache, meta.for_layer(a), kinds)
+                continue
             hidden, delta = layer.forward(hidden, delta, rope, batch, key_cache, value_cache, meta.for_layer(a))
         eps = self.config.rms_norm_eps
         return norm(hidden, self.norm, eps) if delta is None else add_norm(hidden, delta, self.norm, eps)

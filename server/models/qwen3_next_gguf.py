@@ -245,7 +245,8 @@ def qwen3_next_reorder_blocks(f: GGUFFile, config: ModelConfig, name: str, parts
     if name == "gdn.out_proj":
         block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[first.type_name]]
         order = qwen3_next_block_columns(config, parts[0].split(".", 2)[2], int(first.shape[1]), block)
-        assert order is not None, "qwen3_next_reorder_blocks: a kept ssm_out must move whole blocks"
+        if order is None:  # the file's column order stays; the layer gathers its input to match (qwen3_next_out_columns)
+            return data
         return data.view(data.shape[0], -1, nbytes)[:, order].reshape(data.shape[0], -1)
     if name not in ("qkv_weight", "gdn.in_proj"):
         return data
@@ -254,12 +255,29 @@ def qwen3_next_reorder_blocks(f: GGUFFile, config: ModelConfig, name: str, parts
 
 
 def qwen3_next_keepable(f: GGUFFile, config: ModelConfig, name: str, parts: tuple[str, ...]) -> bool:
-    """Whether the kept matrix can be built by moving whole rows or blocks (ssm_out: its value
-    heads' columns must fill whole blocks, or need no reordering)."""
+    """Whether the kept matrix can be built from the file's blocks: always, since ssm_out's rows
+    are whole blocks; where its value heads' columns do not fill whole blocks (Qwen3.5's heads of
+    128 in K-quants' 256-value blocks) the blocks stay in the file's column order and the layer
+    gathers its input into that order instead (qwen3_next_out_columns)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     if name != "gdn.out_proj":
         return True
     t = f.tensors[parts[0]]
-    block = GGML_QUANT_SIZES[GGMLQuantizationType[t.type_name]][0]
-    return qwen3_next_block_columns(config, parts[0].split(".", 2)[2], int(t.shape[1]), block) is not None
+    return int(t.shape[1]) % GGML_QUANT_SIZES[GGMLQuantizationType[t.type_name]][0] == 0
+
+
+def qwen3_next_out_columns(f: GGUFFile, config: ModelConfig, parts: tuple[str, ...]) -> "torch.Tensor | None":
+    """For a kept ssm_out whose blocks could not be moved into the model's column order: the
+    model-order column each of the file's columns takes (int64 [value_dim]), to gather out_proj's
+    input with (GatedDeltaNet.out_columns); None when the blocks were moved (or need no move)."""
+    import torch
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    t = f.tensors[parts[0]]
+    part, cols = parts[0].split(".", 2)[2], int(t.shape[1])
+    if qwen3_next_block_columns(config, part, cols, GGML_QUANT_SIZES[GGMLQuantizationType[t.type_name]][0]) is not None:
+        return None
+    # Model column j holds the file's column order[j]; file column c is then fed model column argsort(order)[c].
+    order = qwen3_next_from_gguf("blk.0." + part, torch.arange(cols, dtype=torch.float64).view(1, cols), config)[0]
+    return torch.argsort(order.view(-1).long())

@@ -168,3 +168,19 @@ def test_plan_equals_the_engines_pool_with_kv_groups(tiny_model: Callable[..., P
     assert last.fits == lay.num_blocks // lay.seq_blocks(last.seq_len)
     assert last.kv_bytes == lay.seq_blocks(512) * lay.bytes_per_block
     assert 0.5 < last.vs_all_global < 0.6  # the full half of the layers, plus the window's blocks
+
+
+def test_a_hybrids_memory_plan_holds_its_state_slots(tiny_model: Callable[..., Path]) -> None:
+    """A Qwen3.5 (Gated DeltaNet layers beside attention layers) planned into --memory: the KV
+    blocks and the state slots together stay inside what weights and activations leave, a sequence
+    holds the attention layers' KV plus one slot, and the plan says so."""
+    path = tiny_model("qwen3_5", "float32")
+    base = EngineConfig(str(path), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512)
+    plan = make_plan("m", read_model_config(path), base, parse_bytes("64MiB"), bandwidth_gbs=10.0)
+    lay = plan.layout
+    assert lay.state_slot_bytes > 0 and lay.state_slots == 4
+    assert lay.total_bytes <= plan.kv_budget_bytes  # the slots included (kv_layout: "in the total")
+    last = plan.rows[-1]
+    assert last.kv_bytes == lay.seq_blocks(512) * lay.bytes_per_block + lay.state_slot_bytes
+    assert last.vs_all_global < 0.6  # 2 of 4 layers keep KV (tests.tiny_models' qwen3_5)
+    assert "2 attention layers (of 4)" in plan.state_note and "gated_deltanet" in plan.state_note

@@ -16,6 +16,11 @@
 // stream instead of four row streams, which the prefetchers follow. Measured at M = 1: Q8_0 1.7x
 // from L2, 1.3-1.7x from DRAM (at the read bandwidth); 4-bit 2.2x and 1.6-1.8x (bench/RESULTS.md).
 //
+// With several activation rows (M >= 2) the kernels are bound by the vector pipes, not memory: a
+// tile of up to four rows times two weight groups shares each activation broadcast between the two
+// groups, and the block sums are pinned in registers (see pin). Issue 31, one thread, 1024 x 1024
+// from cache: Q4_1 M = 16 280 -> 208 us, Q4_0 270 -> 198 us, Q8_0 341 -> 299 us (bench/RESULTS.md).
+//
 // Batch invariance (docs/determinism.md): output (m, n) is one lane of one accumulator, updated
 // block by block in K order with the same instructions whatever M is; M only decides which
 // activation rows share a loaded chunk.
@@ -133,9 +138,11 @@ __attribute__((noinline)) void group4(const Q8SumActivations& x, const float* xc
   }
 }
 
-// Activation rows [m0, m0 + MB) times one group of eight Q8_0 weight rows -> out[m][0..8).
-template <int MB>
-void group8(const Q8Activations& x, int64_t m0, const uint8_t* w, const float* bias, float* out, int64_t ldo) {
+// Activation rows [m0, m0 + MB) times NG consecutive groups of eight Q8_0 weight rows (group j's
+// bytes at w + j * group_bytes) -> out[m][0..8 * NG); NG = 2 shares each broadcast as in group4.
+template <int MB, int NG>
+__attribute__((noinline)) void group8(const Q8Activations& x, int64_t m0, const uint8_t* w, int64_t group_bytes,
+                                      const float* bias, float* out, int64_t ldo) {
   constexpr int kBlockBytes = 16 + 8 * 32;  // eight rows' d, then eight chunks of codes
   const int64_t nb = x.K / kQ8Block;
   const __m256i ones = _mm256_set1_epi16(1);
@@ -145,29 +152,43 @@ void group8(const Q8Activations& x, int64_t m0, const uint8_t* w, const float* b
     xq[m] = x.q + (m0 + m) * x.K;
     xd[m] = x.d + (m0 + m) * nb;
   }
-  __m256 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  __m256 acc[NG][MB];
+  for (int j = 0; j < NG; ++j)
+    for (int m = 0; m < MB; ++m) acc[j][m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += kBlockBytes) {
-    prefetch_ahead<kBlockBytes>(w);
-    __m256i s32[MB];
-    for (int m = 0; m < MB; ++m) s32[m] = _mm256_setzero_si256();
+    for (int j = 0; j < NG; ++j) prefetch_ahead<kBlockBytes>(w + j * group_bytes);
+    __m256i s32[NG][MB];
+    for (int j = 0; j < NG; ++j)
+      for (int m = 0; m < MB; ++m) s32[j][m] = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 + 32 * c));
-      const __m256i aw = _mm256_abs_epi8(v);
+      __m256i v[NG], aw[NG];
+      for (int j = 0; j < NG; ++j) {
+        v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * group_bytes + 16 + 32 * c));
+        aw[j] = _mm256_abs_epi8(v[j]);
+      }
       for (int m = 0; m < MB; ++m) {
-        // |w| * (x with w's sign): pairs at most 2 * 127 * 128, so the 16-bit sums never saturate.
-        const __m256i p16 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(broadcast4(xq[m] + b * 32 + 4 * c), v));
-        s32[m] = _mm256_add_epi32(s32[m], _mm256_madd_epi16(p16, ones));
-        pin(s32[m]);
+        const __m256i xb = broadcast4(xq[m] + b * 32 + 4 * c);
+        for (int j = 0; j < NG; ++j) {
+          // |w| * (x with w's sign): pairs at most 2 * 127 * 128, so the 16-bit sums never saturate.
+          const __m256i p16 = _mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(xb, v[j]));
+          s32[j][m] = _mm256_add_epi32(s32[j][m], _mm256_madd_epi16(p16, ones));
+          pin(s32[j][m]);
+        }
       }
     }
-    const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
     for (int m = 0; m < MB; ++m) {
-      acc[m] = _mm256_fmadd_ps(wd, _mm256_mul_ps(_mm256_cvtepi32_ps(s32[m]), _mm256_set1_ps(xd[m][b])), acc[m]);
+      const __m256 xdm = _mm256_set1_ps(xd[m][b]);
+      for (int j = 0; j < NG; ++j) {
+        const __m256 wd =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * group_bytes)));
+        acc[j][m] = _mm256_fmadd_ps(wd, _mm256_mul_ps(_mm256_cvtepi32_ps(s32[j][m]), xdm), acc[j][m]);
+      }
     }
   }
-  const __m256 bv = bias != nullptr ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-  for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out + (m0 + m) * ldo, _mm256_add_ps(acc[m], bv));
+  for (int j = 0; j < NG; ++j) {
+    const __m256 bv = bias != nullptr ? _mm256_loadu_ps(bias + 8 * j) : _mm256_setzero_ps();
+    for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out + (m0 + m) * ldo + 8 * j, _mm256_add_ps(acc[j][m], bv));
+  }
 }
 
 // Every whole group of eight weight rows (group_bytes each) against all M activation rows: units
@@ -237,10 +258,14 @@ void run4(const Q8SumActivations& x, const uint8_t* w, const float* bias, float*
 void linear_q8_0x8_avx2(const Q8Activations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
                         int64_t N) {
   const int64_t group_bytes = kQ8Interleave * (x.K / kQ8Block) * kQ8BlockBytes;
-  for_each_group<1>(x.M, x.K, N, group_bytes, w, bias, out,
-                    [&](auto mb, auto, int64_t m, const uint8_t* wg, const float* bg, float* og) {
-                      group8<decltype(mb)::value>(x, m, wg, bg, og, ldo);
-                    });
+  const auto tile = [&](auto mb, auto ng, int64_t m, const uint8_t* wg, const float* bg, float* og) {
+    group8<decltype(mb)::value, decltype(ng)::value>(x, m, wg, group_bytes, bg, og, ldo);
+  };
+  if (N / kGroupRows >= 2 * omp_get_max_threads()) {  // as in run4
+    for_each_group<2>(x.M, x.K, N, group_bytes, w, bias, out, tile);
+  } else {
+    for_each_group<1>(x.M, x.K, N, group_bytes, w, bias, out, tile);
+  }
 }
 
 void linear_q4x8_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,

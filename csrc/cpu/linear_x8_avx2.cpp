@@ -16,6 +16,11 @@
 // stream instead of four row streams, which the prefetchers follow. Measured at M = 1: Q8_0 1.7x
 // from L2, 1.3-1.7x from DRAM (at the read bandwidth); 4-bit 2.2x and 1.6-1.8x (bench/RESULTS.md).
 //
+// With several activation rows (M >= 2) the kernels are bound by the vector pipes, not memory: a
+// tile of up to four rows times two weight groups shares each activation broadcast between the two
+// groups, and the block sums are pinned in registers (see pin). Issue 31, one thread, 1024 x 1024
+// from cache: Q4_1 M = 16 280 -> 208 us, Q4_0 270 -> 198 us, Q8_0 341 -> 299 us (bench/RESULTS.md).
+//
 // Batch invariance (docs/determinism.md): output (m, n) is one lane of one accumulator, updated
 // block by block in K order with the same instructions whatever M is; M only decides which
 // activation rows share a loaded chunk.
@@ -54,11 +59,24 @@ inline __m256i broadcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);  // a vpbroadcastd from memory: a load, no ALU operation
 }
 
-// Activation rows [m0, m0 + MB) times one group of eight 4-bit weight rows -> out[m][0..8).
+// An empty asm that claims to change v: the compiler must keep v in a register as it is here.
+// Without it GCC reassociates a block's chain of 16-bit adds into a tree, schedules every
+// maddubs of the block first, and spills their results to the stack (about 20 stores and reloads
+// per block at MB = 4); pinning each accumulator after each chunk keeps the chain, and the
+// integer sums (exact, no saturation) are the same whatever the order.
+inline void pin(__m256i& v) { __asm__("" : "+x"(v)); }
+
+// Activation rows [m0, m0 + MB) times NG consecutive groups of eight 4-bit weight rows (group j's
+// bytes at w + j * group_bytes) -> out[m][0..8 * NG). Each broadcast activation chunk feeds the
+// NG groups' maddubs: on Zen 3 vpbroadcastd from memory takes an FP pipe like the maddubs and adds,
+// and those pipes are the limit once several rows share a group, so NG = 2 saves about a sixth of
+// the vector operations (and the per-block activation scale broadcasts are shared too).
 // xc: per (row, block) the offset term's activation factor (Q4_0: -8 * xs; Q4_1: xs).
-template <Q4Type T, int MB>
-void group4(const Q8SumActivations& x, const float* xc, int64_t m0, const uint8_t* w, const float* bias, float* out,
-           int64_t ldo) {
+// noinline: inlined into for_each_group's lambda, GCC versions and unrolls the block loop into
+// several copies with spills; out of line each (MB, NG) gets one clean loop.
+template <Q4Type T, int MB, int NG>
+__attribute__((noinline)) void group4(const Q8SumActivations& x, const float* xc, int64_t m0, const uint8_t* w, int64_t group_bytes,
+            const float* bias, float* out, int64_t ldo) {
   constexpr int kScaleBytes = T == Q4Type::kQ4_0 ? 16 : 32;  // d (and m) of the eight rows
   constexpr int kBlockBytes = kScaleBytes + 128;             // eight rows' block
   const int64_t nb = x.K / 32;
@@ -72,45 +90,59 @@ void group4(const Q8SumActivations& x, const float* xc, int64_t m0, const uint8_
     xd[m] = x.d + (m0 + m) * nb;
     xo[m] = xc + (m0 + m) * nb;
   }
-  __m256 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  __m256 acc[NG][MB];
+  for (int j = 0; j < NG; ++j)
+    for (int m = 0; m < MB; ++m) acc[j][m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += kBlockBytes) {
-    prefetch_ahead<kBlockBytes>(w);
-    __m256i s16[MB];
-    for (int m = 0; m < MB; ++m) s16[m] = _mm256_setzero_si256();
+    for (int j = 0; j < NG; ++j) prefetch_ahead<kBlockBytes>(w + j * group_bytes);
+    __m256i s16[NG][MB];
+    for (int j = 0; j < NG; ++j)
+      for (int m = 0; m < MB; ++m) s16[j][m] = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kScaleBytes + 32 * c));
-      const __m256i lo = _mm256_and_si256(v, mask);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      __m256i lo[NG], hi[NG];
+      for (int j = 0; j < NG; ++j) {
+        const __m256i v =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * group_bytes + kScaleBytes + 32 * c));
+        lo[j] = _mm256_and_si256(v, mask);
+        hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      }
       for (int m = 0; m < MB; ++m) {
         const int8_t* xb = xq[m] + b * 32 + 4 * c;
-        s16[m] = _mm256_add_epi16(s16[m], _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xb)),
-                                                           _mm256_maddubs_epi16(hi, broadcast4(xb + 16))));
+        const __m256i x0 = broadcast4(xb), x1 = broadcast4(xb + 16);
+        for (int j = 0; j < NG; ++j) {
+          s16[j][m] = _mm256_add_epi16(
+              s16[j][m], _mm256_add_epi16(_mm256_maddubs_epi16(lo[j], x0), _mm256_maddubs_epi16(hi[j], x1)));
+          pin(s16[j][m]);
+        }
       }
     }
-    const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-    if constexpr (T == Q4Type::kQ4_0) {
-      for (int m = 0; m < MB; ++m) {
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[m], ones));
-        const __m256 t = _mm256_fmadd_ps(dot, _mm256_set1_ps(xd[m][b]), _mm256_set1_ps(xo[m][b]));
-        acc[m] = _mm256_fmadd_ps(wd, t, acc[m]);
-      }
-    } else {
-      const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
-      for (int m = 0; m < MB; ++m) {
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[m], ones));
-        acc[m] = _mm256_fmadd_ps(wd, _mm256_mul_ps(dot, _mm256_set1_ps(xd[m][b])), acc[m]);
-        acc[m] = _mm256_fmadd_ps(wm, _mm256_set1_ps(xo[m][b]), acc[m]);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xdm = _mm256_set1_ps(xd[m][b]), xom = _mm256_set1_ps(xo[m][b]);
+      for (int j = 0; j < NG; ++j) {
+        const uint8_t* wj = w + j * group_bytes;
+        const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wj)));
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[j][m], ones));
+        if constexpr (T == Q4Type::kQ4_0) {
+          acc[j][m] = _mm256_fmadd_ps(wd, _mm256_fmadd_ps(dot, xdm, xom), acc[j][m]);
+        } else {
+          const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wj + 16)));
+          acc[j][m] = _mm256_fmadd_ps(wd, _mm256_mul_ps(dot, xdm), acc[j][m]);
+          acc[j][m] = _mm256_fmadd_ps(wm, xom, acc[j][m]);
+        }
       }
     }
   }
-  const __m256 bv = bias != nullptr ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-  for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out + (m0 + m) * ldo, _mm256_add_ps(acc[m], bv));
+  for (int j = 0; j < NG; ++j) {
+    const __m256 bv = bias != nullptr ? _mm256_loadu_ps(bias + 8 * j) : _mm256_setzero_ps();
+    for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out + (m0 + m) * ldo + 8 * j, _mm256_add_ps(acc[j][m], bv));
+  }
 }
 
-// Activation rows [m0, m0 + MB) times one group of eight Q8_0 weight rows -> out[m][0..8).
-template <int MB>
-void group8(const Q8Activations& x, int64_t m0, const uint8_t* w, const float* bias, float* out, int64_t ldo) {
+// Activation rows [m0, m0 + MB) times NG consecutive groups of eight Q8_0 weight rows (group j's
+// bytes at w + j * group_bytes) -> out[m][0..8 * NG); NG = 2 shares each broadcast as in group4.
+template <int MB, int NG>
+__attribute__((noinline)) void group8(const Q8Activations& x, int64_t m0, const uint8_t* w, int64_t group_bytes,
+                                      const float* bias, float* out, int64_t ldo) {
   constexpr int kBlockBytes = 16 + 8 * 32;  // eight rows' d, then eight chunks of codes
   const int64_t nb = x.K / kQ8Block;
   const __m256i ones = _mm256_set1_epi16(1);
@@ -120,53 +152,79 @@ void group8(const Q8Activations& x, int64_t m0, const uint8_t* w, const float* b
     xq[m] = x.q + (m0 + m) * x.K;
     xd[m] = x.d + (m0 + m) * nb;
   }
-  __m256 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  __m256 acc[NG][MB];
+  for (int j = 0; j < NG; ++j)
+    for (int m = 0; m < MB; ++m) acc[j][m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += kBlockBytes) {
-    prefetch_ahead<kBlockBytes>(w);
-    __m256i s32[MB];
-    for (int m = 0; m < MB; ++m) s32[m] = _mm256_setzero_si256();
+    for (int j = 0; j < NG; ++j) prefetch_ahead<kBlockBytes>(w + j * group_bytes);
+    __m256i s32[NG][MB];
+    for (int j = 0; j < NG; ++j)
+      for (int m = 0; m < MB; ++m) s32[j][m] = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 + 32 * c));
-      const __m256i aw = _mm256_abs_epi8(v);
+      __m256i v[NG], aw[NG];
+      for (int j = 0; j < NG; ++j) {
+        v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * group_bytes + 16 + 32 * c));
+        aw[j] = _mm256_abs_epi8(v[j]);
+      }
       for (int m = 0; m < MB; ++m) {
-        // |w| * (x with w's sign): pairs at most 2 * 127 * 128, so the 16-bit sums never saturate.
-        const __m256i p16 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(broadcast4(xq[m] + b * 32 + 4 * c), v));
-        s32[m] = _mm256_add_epi32(s32[m], _mm256_madd_epi16(p16, ones));
+        const __m256i xb = broadcast4(xq[m] + b * 32 + 4 * c);
+        for (int j = 0; j < NG; ++j) {
+          // |w| * (x with w's sign): pairs at most 2 * 127 * 128, so the 16-bit sums never saturate.
+          const __m256i p16 = _mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(xb, v[j]));
+          s32[j][m] = _mm256_add_epi32(s32[j][m], _mm256_madd_epi16(p16, ones));
+          pin(s32[j][m]);
+        }
       }
     }
-    const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
     for (int m = 0; m < MB; ++m) {
-      acc[m] = _mm256_fmadd_ps(wd, _mm256_mul_ps(_mm256_cvtepi32_ps(s32[m]), _mm256_set1_ps(xd[m][b])), acc[m]);
+      const __m256 xdm = _mm256_set1_ps(xd[m][b]);
+      for (int j = 0; j < NG; ++j) {
+        const __m256 wd =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * group_bytes)));
+        acc[j][m] = _mm256_fmadd_ps(wd, _mm256_mul_ps(_mm256_cvtepi32_ps(s32[j][m]), xdm), acc[j][m]);
+      }
     }
   }
-  const __m256 bv = bias != nullptr ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-  for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out + (m0 + m) * ldo, _mm256_add_ps(acc[m], bv));
+  for (int j = 0; j < NG; ++j) {
+    const __m256 bv = bias != nullptr ? _mm256_loadu_ps(bias + 8 * j) : _mm256_setzero_ps();
+    for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out + (m0 + m) * ldo + 8 * j, _mm256_add_ps(acc[j][m], bv));
+  }
 }
 
-// Every whole group of eight weight rows (group_bytes each) against all M activation rows, in
-// tiles of four, then two, then one rows: tile(std::integral_constant<int, MB>, m0, group's bytes,
-// group's bias or nullptr, group's first output column). Static schedule: each thread streams one
-// contiguous slice of the weight.
+// Every whole group of eight weight rows (group_bytes each) against all M activation rows: units
+// of NG consecutive groups (the last unit one group when the count is odd), and per unit row tiles
+// of four, then two, then one rows: tile(std::integral_constant<int, MB>, std::integral_constant<int,
+// ng>, m0, unit's bytes, unit's bias or nullptr, unit's first output column). Static schedule: each
+// thread streams one contiguous slice of the weight. Which tile or unit an output lands in changes
+// only which loads it shares, never its instructions (batch invariance).
 constexpr int64_t kGroupRows = 8;
 static_assert(kQ4Interleave == kGroupRows && kQ8Interleave == kGroupRows, "one group size for both layouts");
 
-template <class Tile>
+template <int NG, class Tile>
 void for_each_group(int64_t M, int64_t K, int64_t N, int64_t group_bytes, const uint8_t* w, const float* bias,
                     float* out, const Tile& tile) {
   const int64_t groups = N / kGroupRows;
+  const int64_t units = (groups + NG - 1) / NG;
 #pragma omp parallel for schedule(static) if (N * K * M >= 65536)
-  for (int64_t g = 0; g < groups; ++g) {
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t g = u * NG;
     const uint8_t* wg = w + g * group_bytes;
     const float* bg = bias != nullptr ? bias + g * kGroupRows : nullptr;
     float* og = out + g * kGroupRows;
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) tile(std::integral_constant<int, 4>{}, m, wg, bg, og);
-    if (m + 2 <= M) {
-      tile(std::integral_constant<int, 2>{}, m, wg, bg, og);
-      m += 2;
+    const auto rows = [&](auto ng) {
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) tile(std::integral_constant<int, 4>{}, ng, m, wg, bg, og);
+      if (m + 2 <= M) {
+        tile(std::integral_constant<int, 2>{}, ng, m, wg, bg, og);
+        m += 2;
+      }
+      if (m < M) tile(std::integral_constant<int, 1>{}, ng, m, wg, bg, og);
+    };
+    if (g + NG <= groups) {
+      rows(std::integral_constant<int, NG>{});
+    } else {
+      rows(std::integral_constant<int, 1>{});
     }
-    if (m < M) tile(std::integral_constant<int, 1>{}, m, wg, bg, og);
   }
 }
 
@@ -183,10 +241,16 @@ void run4(const Q8SumActivations& x, const uint8_t* w, const float* bias, float*
     for (int64_t i = 0; i < x.M * nb; ++i) offset[i] = -8.f * x.s[i];  // exact: a power of two
     xc = offset.data();
   }
-  for_each_group(x.M, x.K, N, group_bytes, w, bias, out, [&](auto mb, int64_t m, const uint8_t* wg, const float* bg,
-                                                            float* og) {
-    group4<T, decltype(mb)::value>(x, xc, m, wg, bg, og, ldo);
-  });
+  const auto tile = [&](auto mb, auto ng, int64_t m, const uint8_t* wg, const float* bg, float* og) {
+    group4<T, decltype(mb)::value, decltype(ng)::value>(x, xc, m, wg, group_bytes, bg, og, ldo);
+  };
+  // Pairs of groups unless that would leave a thread without one (small N): the results are the
+  // same either way, only the split of the work changes.
+  if (N / kGroupRows >= 2 * omp_get_max_threads()) {
+    for_each_group<2>(x.M, x.K, N, group_bytes, w, bias, out, tile);
+  } else {
+    for_each_group<1>(x.M, x.K, N, group_bytes, w, bias, out, tile);
+  }
 }
 
 }  // namespace
@@ -194,10 +258,14 @@ void run4(const Q8SumActivations& x, const uint8_t* w, const float* bias, float*
 void linear_q8_0x8_avx2(const Q8Activations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
                         int64_t N) {
   const int64_t group_bytes = kQ8Interleave * (x.K / kQ8Block) * kQ8BlockBytes;
-  for_each_group(x.M, x.K, N, group_bytes, w, bias, out, [&](auto mb, int64_t m, const uint8_t* wg, const float* bg,
-                                                            float* og) {
-    group8<decltype(mb)::value>(x, m, wg, bg, og, ldo);
-  });
+  const auto tile = [&](auto mb, auto ng, int64_t m, const uint8_t* wg, const float* bg, float* og) {
+    group8<decltype(mb)::value, decltype(ng)::value>(x, m, wg, group_bytes, bg, og, ldo);
+  };
+  if (N / kGroupRows >= 2 * omp_get_max_threads()) {  // as in run4
+    for_each_group<2>(x.M, x.K, N, group_bytes, w, bias, out, tile);
+  } else {
+    for_each_group<1>(x.M, x.K, N, group_bytes, w, bias, out, tile);
+  }
 }
 
 void linear_q4x8_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,

@@ -1,4 +1,4 @@
-"""The WebSocket endpoint /v1/ws: many requests multiplexed on one socket (see docs/websocket.md).
+"""One /v1/ws WebSocket connection: many requests multiplexed on one socket (see docs/websocket.md).
 
 Each connection has two tasks. The reader parses client frames and starts each `generate` in
 its own task (admission awaits the ledger commit, and one slow admission must not block the
@@ -23,11 +23,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 import msgspec
 
 from server.api import ws_watchdog
+from server.api.context import ApiContext
 from server.api.decode import convert, parse_json
 from server.api.embeddings_format import ws_embedding_spec
 from server.api.openai_format import ws_spec
@@ -40,9 +41,6 @@ from server.serving.errors import InvalidRequest, PagewireError, TooLarge
 from server.serving.jobs import GenerationSpec
 from server.serving.outbox import Outbox, Subscription
 from server.serving.streams import DeltaEvent, EndEvent, RequestStream
-
-if TYPE_CHECKING:
-    from server.api.ws_endpoint import WsEndpoint
 
 log = logging.getLogger("pagewire.ws")
 _enc = msgspec.json.Encoder()
@@ -76,8 +74,19 @@ def resumable_requests(aliases: dict[str, _Alias], unsent_ends: dict[tuple[str, 
     return out
 
 
+class Endpoint(Protocol):
+    """What a connection needs of its endpoint (ws_endpoint.WsEndpoint, which imports this module):
+    the API's shared state, and to be told when the socket joins and leaves."""
+
+    api: ApiContext
+
+    def joined(self, conn: "WsConnection") -> None: ...
+
+    def left(self, conn: "WsConnection") -> None: ...
+
+
 class WsConnection:
-    def __init__(self, endpoint: "WsEndpoint", scope: dict[str, Any], receive: Any, send: Any) -> None:
+    def __init__(self, endpoint: Endpoint, scope: dict[str, Any], receive: Any, send: Any) -> None:
         self.endpoint = endpoint
         self.api = endpoint.api
         self.rt = endpoint.api.rt

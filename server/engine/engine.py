@@ -375,9 +375,9 @@ class LLMEngine:
         self.last_step_progressed = bool(out.scheduled) or bool(deltas) or not self.requests
         if not out.scheduled:
             return deltas
-        if self.step_budget is not None:
-            dec = sum(s.num_new_tokens for s in out.scheduled if s.seq.num_tokens - s.seq.num_computed_tokens == 1)
-            self._step_rows = (dec, out.num_batched_tokens - dec)
+        # (decode rows, prefill tokens): the chunk policy's observation, and bench/chunk_policy.py's.
+        dec = sum(s.num_new_tokens for s in out.scheduled if s.seq.num_tokens - s.seq.num_computed_tokens == 1)
+        self._step_rows = (dec, out.num_batched_tokens - dec)
         now = time.time()
         for share in out.scheduled:
             req = share.seq.request

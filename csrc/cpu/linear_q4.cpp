@@ -117,16 +117,20 @@ namespace {
 inline int x8_scale_bytes(Q4Type t) { return t == Q4Type::kQ4_0 ? 16 : 32; }
 inline int codes_offset(Q4Type t) { return t == Q4Type::kQ4_0 ? 2 : 4; }
 
+// n bytes between a block's place in the x8 layout and in its GGUF row: to the layout when to_x8,
+// back to the row otherwise (the x8 block functions below run both ways).
+inline void move_x8(uint8_t* x8, uint8_t* row, int n, bool to_x8) {
+  if (to_x8) {
+    std::memcpy(x8, row, n);
+  } else {
+    std::memcpy(row, x8, n);
+  }
+}
+
 // Q4_K's x8 layout of one super-block (quant4_kernel.h): `to_x8` copies GGUF rows (row r's block
 // at rows + r * row_bytes) into the group's bytes g, or back when false.
 void q4_k_x8_block(uint8_t* rows, int64_t row_bytes, uint8_t* g, bool to_x8) {
-  const auto move = [&](uint8_t* x8, uint8_t* row, int n) {
-    if (to_x8) {
-      std::memcpy(x8, row, n);
-    } else {
-      std::memcpy(row, x8, n);
-    }
-  };
+  const auto move = [to_x8](uint8_t* x8, uint8_t* row, int n) { move_x8(x8, row, n, to_x8); };
   for (int r = 0; r < kQ4Interleave; ++r) {
     uint8_t* blk = rows + r * row_bytes;
     move(g + 2 * r, blk, 2);            // d
@@ -140,13 +144,7 @@ void q4_k_x8_block(uint8_t* rows, int64_t row_bytes, uint8_t* g, bool to_x8) {
 
 // Q6_K's x8 layout of one super-block (quant4_kernel.h), as q4_k_x8_block.
 void q6_k_x8_block(uint8_t* rows, int64_t row_bytes, uint8_t* g, bool to_x8) {
-  const auto move = [&](uint8_t* x8, uint8_t* row, int n) {
-    if (to_x8) {
-      std::memcpy(x8, row, n);
-    } else {
-      std::memcpy(row, x8, n);
-    }
-  };
+  const auto move = [to_x8](uint8_t* x8, uint8_t* row, int n) { move_x8(x8, row, n, to_x8); };
   for (int r = 0; r < kQ4Interleave; ++r) {
     uint8_t* blk = rows + r * row_bytes;
     move(g + 2 * r, blk + 208, 2);                                                   // d

@@ -48,6 +48,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
+
 # Weight of the previous estimate per new observation (about the last 10 steps count most).
 DECAY = 0.9
 # An observed step longer than this times its prediction is counted as this times the prediction:
@@ -59,6 +61,7 @@ OUTLIER_FACTOR = 1.5
 # data leaves open (the batched regime seen at one row count: then the slope change takes up the
 # difference, see above); a decode row's extra cost, in either regime, leans towards 0 firmly.
 _RIDGE = (1e-9, 1e-3, 1e-6, 1e-3, 4.0, 4.0)
+_RIDGE_DIAG = np.diag(_RIDGE)
 
 
 class _StepFit:
@@ -70,9 +73,10 @@ class _StepFit:
     def __init__(self, split: int) -> None:
         self.split = split
         n = len(_RIDGE)
-        # Weighted normal equations: XtX (n x n, symmetric) and Xt t over the features.
-        self._xtx = [[0.0] * n for _ in range(n)]
-        self._xtt = [0.0] * n
+        # Weighted normal equations: XtX (n x n, symmetric) and Xt t over the features. numpy: the
+        # engine feeds every step, and the 6 x 6 update and solve in Python lists cost ~50 us a step.
+        self._xtx = np.zeros((n, n))
+        self._xtt = np.zeros(n)
         self.count = 0
         self.large_count = 0  # steps seen past the split
         self.theta = (0.0,) * n
@@ -93,34 +97,13 @@ class _StepFit:
         return a + (b + e) * decode_rows, b
 
     def add(self, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
-        x = self._features(decode_rows, prefill_tokens)
-        n = len(x)
-        for i in range(n):
-            self._xtt[i] = DECAY * self._xtt[i] + x[i] * seconds
-            for k in range(n):
-                self._xtx[i][k] = DECAY * self._xtx[i][k] + x[i] * x[k]
+        x = np.array(self._features(decode_rows, prefill_tokens))
+        self._xtt = DECAY * self._xtt + x * seconds
+        self._xtx = DECAY * self._xtx + np.outer(x, x)
         self.count += 1
         self.large_count += int(x[1])
-        self.theta = _solve([[self._xtx[i][k] + (_RIDGE[i] if i == k else 0.0) for k in range(n)] for i in range(n)],
-                            list(self._xtt))
+        self.theta = tuple(float(v) for v in np.linalg.solve(self._xtx + _RIDGE_DIAG, self._xtt))
 
-
-def _solve(a: list[list[float]], y: list[float]) -> tuple[float, ...]:
-    """a x = y for a symmetric positive definite a (Gaussian elimination with partial pivoting)."""
-    n = len(y)
-    m = [row[:] + [y[i]] for i, row in enumerate(a)]
-    for c in range(n):
-        p = max(range(c, n), key=lambda r: abs(m[r][c]))
-        m[c], m[p] = m[p], m[c]
-        piv = m[c][c]
-        for r in range(c + 1, n):
-            f = m[r][c] / piv
-            for k in range(c, n + 1):
-                m[r][k] -= f * m[c][k]
-    x = [0.0] * n
-    for r in reversed(range(n)):
-        x[r] = (m[r][n] - sum(m[r][k] * x[k] for k in range(r + 1, n))) / m[r][r]
-    return tuple(x)
 
 
 @dataclass

@@ -151,7 +151,7 @@ at::Tensor moe_experts_cpu(const at::Tensor& x, const at::Tensor& topk_ids, cons
                            double limit);
 
 // x @ w^T (+ b) by one of decode_layer's linear kinds ("kernel", "torch", "q8_0", "q8_0x8", a linear_q4
-// qtype): the path ops.linear takes, chosen in Python (cpu/decode_layer.cpp).
+// qtype, "parts:KIND*ROWS+...": row ranges in other formats): ops.linear's path (cpu/decode_layer.cpp).
 at::Tensor run_linear_kind(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
                            const std::string& kind);
 

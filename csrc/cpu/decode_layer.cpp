@@ -11,12 +11,14 @@
 // Which kernel each matrix takes is decided in Python, by the same rules as ops.linear (fixed
 // rules, the autotune table), and passed in as a kind per matrix (see run_linear).
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -25,12 +27,76 @@
 
 namespace pagewire {
 
+namespace {
+
+// Bytes of one weight row of K values in a linear kind's block format (server/kernels/quant.py
+// QTYPES; "x8" names the interleaved layout of the same bytes); 0 for a kind with no blocks.
+int64_t block_row_bytes(const std::string& kind, int64_t k) {
+  const std::string q = kind.size() > 2 && kind.compare(kind.size() - 2, 2, "x8") == 0 ? kind.substr(0, kind.size() - 2) : kind;
+  struct Fmt { const char* name; int64_t values, bytes; };
+  static constexpr Fmt kFormats[] = {{"q8_0", 32, 34},   {"q4_0", 32, 18},   {"q4_1", 32, 20}, {"q4_k", 256, 144},
+                                     {"q5_k", 256, 176}, {"q6_k", 256, 210}, {"mxfp4", 32, 17}};
+  for (const Fmt& f : kFormats) {
+    if (q == f.name) return k % f.values == 0 ? k / f.values * f.bytes : -1;
+  }
+  return 0;
+}
+
+// A matrix whose row ranges are in different block formats (server/kernels/quant_parts.py
+// QuantizedParts: a Q4_K_M file's qkv of Q4_K q/k rows and Q6_K v rows): kind
+// "parts:KIND*ROWS+KIND*ROWS+...", w the parts' block bytes one after another (uint8 [bytes]).
+// Each part runs its own format's kernel on a view of its bytes (nothing is dequantised) with its
+// slice of the bias, and lands in its columns of the result: per element exactly what that part
+// alone gives, which is what ops.linear computes for QuantizedParts.
+at::Tensor run_parts(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
+                     const std::string& kind) {
+  TORCH_CHECK(w.dim() == 1 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "decode_layer: a '", kind, "' weight must be contiguous uint8 [bytes], got ", w.scalar_type(), " ", w.sizes());
+  TORCH_CHECK(x.dim() == 2, "decode_layer: x must be [M, K], got ", x.sizes());
+  const int64_t K = x.size(1);
+  const bool has_bias = b.has_value() && b->defined();
+  std::vector<at::Tensor> outs;
+  int64_t offset = 0, row = 0;
+  size_t pos = 6;  // past "parts:"
+  while (pos < kind.size()) {
+    const size_t end = std::min(kind.find('+', pos), kind.size());
+    const std::string entry = kind.substr(pos, end - pos);
+    const size_t star = entry.find('*');
+    TORCH_CHECK(star != std::string::npos && star > 0 && star + 1 < entry.size(),
+                "decode_layer: part '", entry, "' of '", kind, "' is not KIND*ROWS");
+    const std::string part_kind = entry.substr(0, star);
+    const std::string digits = entry.substr(star + 1);
+    TORCH_CHECK(digits.size() <= 12 && digits.find_first_not_of("0123456789") == std::string::npos,
+                "decode_layer: part '", entry, "' of '", kind, "' has no row count");
+    const int64_t rows = std::stoll(digits);
+    const int64_t rb = block_row_bytes(part_kind, K);
+    TORCH_CHECK(rb > 0 && rows > 0, "decode_layer: part '", entry, "' of '", kind,
+                "' needs a block format whose block divides K = ", K, " and rows > 0");
+    TORCH_CHECK(offset + rows * rb <= w.numel(), "decode_layer: '", kind, "' needs more than the weight's ", w.numel(),
+                " bytes");
+    const at::Tensor part = w.narrow(0, offset, rows * rb).view({rows, rb});
+    const c10::optional<at::Tensor> part_bias = has_bias ? c10::optional<at::Tensor>(b->narrow(0, row, rows)) : c10::nullopt;
+    outs.push_back(run_linear_kind(x, part, part_bias, part_kind));
+    offset += rows * rb;
+    row += rows;
+    pos = end + 1;
+  }
+  TORCH_CHECK(!outs.empty() && offset == w.numel(), "decode_layer: '", kind, "' accounts for ", offset, " of the weight's ",
+              w.numel(), " bytes");
+  TORCH_CHECK(!has_bias || b->size(0) == row, "decode_layer: bias has ", b->size(0), " rows, the parts ", row);
+  return outs.size() == 1 ? outs[0] : at::cat(outs, 1);
+}
+
+}  // namespace
+
 // x @ w^T (+ b) by the path ops.linear would take: "kernel" (pagewire::linear), "torch"
 // (F.linear, i.e. at::linear), "q8_0" / "q8_0x8" (pagewire::linear_q8_0, row or interleaved
 // layout), or a qtype of pagewire::linear_q4 ("q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "mxfp4",
-// "q4_0x8", "q4_1x8", "q4_kx8", "q6_kx8"). Also moe_decode's router and shared expert.
+// "q4_0x8", "q4_1x8", "q4_kx8", "q6_kx8"), or "parts:..." (run_parts: row ranges in different
+// block formats). Also moe_decode's router and shared expert, and the hybrid layers' matrices.
 at::Tensor run_linear_kind(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
                            const std::string& kind) {
+  if (kind.rfind("parts:", 0) == 0) return run_parts(x, w, b, kind);
   if (kind == "kernel") return linear_cpu(x, w, b);
   if (kind == "torch") return at::linear(x, w, b);
   if (kind == "q8_0") return linear_q8_0_cpu(x, w, b, false);

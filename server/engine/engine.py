@@ -217,9 +217,9 @@ class LLMEngine:
             # Deterministic mode's linear takes one batch-invariant path for every row count.
             logger.info("linear autotune: off%s", " (deterministic mode)" if on else "")
             return None
-        sites = [autotune.Site(name, w, self.model.dtype) for name, w in self.model.linear_weights()]
+        sites = [s for name, w in self.model.linear_weights() for s in autotune.sites_of(name, w, self.model.dtype)]
         if draft is not None:
-            sites += [autotune.Site("draft." + name, w, draft.dtype) for name, w in draft.linear_weights()]
+            sites += [s for name, w in draft.linear_weights() for s in autotune.sites_of("draft." + name, w, draft.dtype)]
         return autotune.tune(sites, max_rows=config.max_num_batched_tokens)
 
     # -- requests in ------------------------------------------------------------------------------

@@ -71,12 +71,13 @@ from server.kernels.linear_plan import (
     table_key,
 )
 from server.kernels.quant import QuantizedWeight
+from server.kernels.quant_parts import QuantizedParts
 
 # The table and its thread-local lookup live in server.kernels.linear_plan (ops reads them there);
 # re-exported so the engine and the tests name one module.
 __all__ = [
     "BUCKETS", "LARGE", "LARGE_M", "LinearTable", "Choice", "Site", "bucket", "active", "active_table", "table_key",
-    "tune", "TORCH", "KERNEL", "KERNEL_NO_AMX", "Key", "Plan", "Weight",
+    "tune", "sites_of", "TORCH", "KERNEL", "KERNEL_NO_AMX", "Key", "Plan", "Weight",
 ]
 
 logger = logging.getLogger("pagewire.autotune")
@@ -101,6 +102,14 @@ class Site:
     name: str
     weight: Weight
     x_dtype: torch.dtype
+
+
+def sites_of(name: str, weight: Weight | QuantizedParts, x_dtype: torch.dtype) -> list[Site]:
+    """The Sites of one of a model's linears: a QuantizedParts' parts one by one (ops.linear runs
+    each part by the plan of its own shape), any other weight as it is."""
+    if isinstance(weight, QuantizedParts):
+        return [Site(name, p, x_dtype) for p in weight.parts]
+    return [Site(name, weight, x_dtype)]
 
 
 def _perf_timer(path: str, fn: Callable[[], object], reps: int) -> float:

@@ -16,6 +16,7 @@ import server._C  # (also loads the TORCH_LIBRARY(pagewire) registrations)
 from server.kernels import batch_invariant, linear_plan
 from server.kernels.kinds import LinearKind
 from server.kernels.quant import QuantizedExperts, QuantizedWeight
+from server.kernels.quant_parts import QuantizedParts
 
 __all__ = [
     "write_kv_cache", "paged_attention", "copy_blocks", "linear", "rms_norm", "add_rms_norm",
@@ -146,13 +147,15 @@ Q8_KERNEL_MAX_ROWS = 16
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: Optional[torch.Tensor] = None
+    x: torch.Tensor, weight: torch.Tensor | QuantizedWeight | QuantizedParts, bias: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
     """y = x @ weight.T + bias, exactly torch.nn.functional.linear's semantics.
 
     A QuantizedWeight runs its format's kernel, pagewire::linear_q8_0 or pagewire::linear_q4 (x
     quantised per row to Q8 blocks on the fly, integer block dot products, fp32 accumulation; the
     result is in x's dtype); above Q8_KERNEL_MAX_ROWS rows the op dequantises and runs ATen's GEMM.
+    A QuantizedParts (row ranges in different formats) runs each part by these rules, its plan
+    included, into its columns of the result.
 
     CPU bf16 inputs without autograd run the pagewire kernel of the CPU's instruction set (fp32
     accumulation, one bf16 rounding): on AVX512-BF16 CPUs up to LINEAR_KERNEL_MAX_M rows (decode
@@ -177,6 +180,8 @@ def linear(
     # This runs ~65-120 times per decode step, so its Python is kept lean (each check below is a
     # fraction of a microsecond; the op itself is ~5 us): tensor properties instead of torch.device
     # objects, one autograd test, no reshapes for the engine's 2-D activations.
+    if isinstance(weight, QuantizedParts):
+        return weight.map_rows(x, bias, linear)
     grad = torch.is_grad_enabled() and (
         x.requires_grad or isinstance(weight, torch.Tensor) and weight.requires_grad
         or (bias is not None and bias.requires_grad))
@@ -218,16 +223,20 @@ def linear(
     return F.linear(x, weight, bias)
 
 
-def linear_kind(dtype: torch.dtype, m: int, weight: torch.Tensor | QuantizedWeight,
-                bias: Optional[torch.Tensor]) -> Optional[LinearKind]:
+def linear_kind(dtype: torch.dtype, m: int, weight: torch.Tensor | QuantizedWeight | QuantizedParts,
+                bias: Optional[torch.Tensor]) -> Optional[str]:
     """The path `linear` takes for a CPU activation [m, K] of `dtype` (no autograd,
     m <= Q8_KERNEL_MAX_ROWS), named as pagewire::decode_layer takes it: "kernel" (pagewire::linear),
-    "torch" (F.linear), "q8_0" / "q8_0x8", or a linear_q4 qtype; None where that path is not one
+    "torch" (F.linear), "q8_0" / "q8_0x8", a linear_q4 qtype, or for a QuantizedParts
+    "parts:KIND*ROWS+..." with each part's own kind; None where that path (or a part's) is not one
     decode_layer has (dequantise + GEMM, AMX turned off for the call, fixed-block F.linear).
 
     It follows `linear`'s rules line for line, batch-invariant mode's included;
     tests/models/test_decode_layer.py checks that the fused layer gives exactly the unfused layer's
     floats in both modes, so the two cannot drift apart unseen."""
+    if isinstance(weight, QuantizedParts):
+        kinds = [linear_kind(dtype, m, p, None) for p in weight.parts]
+        return None if None in kinds else weight.kind_of([str(k) for k in kinds])
     float_kernel = (
         (dtype is torch.bfloat16 or dtype is torch.float32)
         and isinstance(weight, torch.Tensor)

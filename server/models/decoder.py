@@ -23,6 +23,7 @@ from torch import nn
 from server.kernels import autotune, batch_invariant
 from server.kernels.ops import Q8_KERNEL_MAX_ROWS, linear, linear_kind, paged_attention, write_kv_cache
 from server.kernels.quant import QUANTIZATIONS, QuantizedWeight
+from server.kernels.quant_parts import QuantizedParts
 from server.models.attention import AttentionMetadata
 from server.models.config import ModelConfig
 from server.models.layers import add_norm, gelu_tanh_and_mul, norm, rms_norm, silu_and_mul
@@ -74,8 +75,9 @@ class DecoderLayer(nn.Module):
         self.attn_post_norm = param((H,), dtype, device) if post else None
         self.mlp_norm = param((H,), dtype, device) if pre else None
         self.mlp_post_norm = param((H,), dtype, device) if post else None
-        # The four matrices may be replaced by QuantizedWeight (quantize_weights) after loading.
-        self.qkv_weight: torch.Tensor | QuantizedWeight = param((qkv, H), dtype, device)
+        # The four matrices may be replaced by QuantizedWeight (quantize_weights) after loading, and
+        # the fused ones by QuantizedParts (a GGUF file's parts of different block types).
+        self.qkv_weight: torch.Tensor | QuantizedWeight | QuantizedParts = param((qkv, H), dtype, device)
         self.qkv_bias = param((qkv,), dtype, device) if c.qkv_bias else None
         per_head, whole = c.qk_norm and c.qk_norm_over == "head", c.qk_norm and c.qk_norm_over == "projection"
         kv_heads_normed = 0 if self.shares_kv else self.num_kv_heads
@@ -89,7 +91,7 @@ class DecoderLayer(nn.Module):
         self.o_bias = param((H,), dtype, device) if c.o_bias else None
         # gpt-oss's attention sinks [num_heads], float32 as the attention ops take them.
         self.sinks = param((c.num_heads,), torch.float32, device) if c.attention_sinks else None
-        self.gate_up_weight: torch.Tensor | QuantizedWeight = param((2 * I, H), dtype, device)
+        self.gate_up_weight: torch.Tensor | QuantizedWeight | QuantizedParts = param((2 * I, H), dtype, device)
         self.gate_up_bias = param((2 * I,), dtype, device) if c.mlp_bias else None
         self.down_weight: torch.Tensor | QuantizedWeight = param((H, I), dtype, device)
         self.down_bias = param((H,), dtype, device) if c.mlp_bias else None
@@ -592,10 +594,10 @@ class DecoderForCausalLM(nn.Module):
         _replace_with_quantized(self, "lm_head", qtype)
         self._fused_cache.clear()  # the layers' linear kinds changed
 
-    def linear_weights(self) -> list[tuple[str, torch.Tensor | QuantizedWeight]]:
+    def linear_weights(self) -> list[tuple[str, torch.Tensor | QuantizedWeight | QuantizedParts]]:
         """Every weight the forward and compute_logits pass to `linear`, named by role (for the
         start-up autotune, server.kernels.autotune)."""
-        out: list[tuple[str, torch.Tensor | QuantizedWeight]] = []
+        out: list[tuple[str, torch.Tensor | QuantizedWeight | QuantizedParts]] = []
         for layer in self._layers:
             out += [("qkv", layer.qkv_weight), ("o", layer.o_weight)]
             if layer.moe is None:
@@ -657,9 +659,10 @@ def _replace_with_quantized(module: nn.Module, name: str, qtype: str) -> None:
     setattr(module, name, quantized)
 
 
-def _weight_data(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
-    """The tensor a linear kind reads: the float matrix, or a QuantizedWeight's block bytes."""
-    return weight.data if isinstance(weight, QuantizedWeight) else weight
+def _weight_data(weight: torch.Tensor | QuantizedWeight | QuantizedParts) -> torch.Tensor:
+    """The tensor a linear kind reads: the float matrix, or a QuantizedWeight's (QuantizedParts')
+    block bytes."""
+    return weight if isinstance(weight, torch.Tensor) else weight.data
 
 
 # This module's `linear` as imported: _fused_kinds steps aside when something has replaced it.

@@ -23,6 +23,7 @@ from torch import nn
 from server.kernels import gdn
 from server.kernels.ops import linear
 from server.kernels.quant import QuantizedWeight
+from server.kernels.quant_parts import QuantizedParts
 from server.models.weights import WeightTarget, param
 
 # How a checkpoint spells the in-projections: "qkvz" (Qwen3-Next: in_proj_qkvz and in_proj_ba, rows
@@ -73,7 +74,8 @@ class GatedDeltaNet(nn.Module):
         assert s.checkpoint in GDN_CHECKPOINTS and s.num_value_heads % s.num_key_heads == 0
         self.shape = s
         H, Hv = s.hidden_size, s.num_value_heads
-        self.in_proj: torch.Tensor | QuantizedWeight = param((s.conv_dim + s.value_dim + 2 * Hv, H), dtype, device)
+        self.in_proj: torch.Tensor | QuantizedWeight | QuantizedParts = param(
+            (s.conv_dim + s.value_dim + 2 * Hv, H), dtype, device)
         self.conv_weight = param((s.conv_dim, s.conv_kernel), dtype, device)
         self.A_log = param((Hv,), dtype, device)
         self.dt_bias = param((Hv,), dtype, device)
@@ -147,7 +149,7 @@ class GatedDeltaNet(nn.Module):
             t[prefix + "in_proj_ba.weight"] = WeightTarget(w[cd + vd :], (2 * Hv, H), convert=_ungroup(s, "ba"))
         return t
 
-    def linear_weights(self) -> list[tuple[str, torch.Tensor | QuantizedWeight]]:
+    def linear_weights(self) -> list[tuple[str, torch.Tensor | QuantizedWeight | QuantizedParts]]:
         return [("gdn_in", self.in_proj), ("gdn_out", self.out_proj)]
 
 

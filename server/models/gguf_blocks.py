@@ -1,14 +1,16 @@
 """Keep a GGUF file's quantised matrices as they are (`--quantization gguf`).
 
 It owns deciding which of a model's matrices can stay in the file's own block format -- every
-GGUF tensor that feeds the matrix has one type, and pagewire has a kernel for it (Q8_0, Q4_0,
-Q4_1, Q4_K, Q5_K, Q6_K, and MXFP4 for experts only; see server.kernels.quant.GGUF_QTYPES) -- and
-building those QuantizedWeights from the
-tensors' raw block bytes: fused matrices (qkv, gate_up) are the parts' rows one after another, and
-llama.cpp's Q/K row permutation is undone on whole rows of blocks, so no value is ever
-dequantised. Every other tensor (norms, embeddings, F16/F32, a fused matrix whose parts differ in
-type) is dequantised by the loader as usual. The Gated DeltaNet hybrids' matrices need rows (and
-ssm_out's blocks) moved to the model's order (server.models.qwen3_next_gguf).
+GGUF tensor that feeds the matrix has a type pagewire has a kernel for (Q8_0, Q4_0, Q4_1, Q4_K,
+Q5_K, Q6_K, and MXFP4 for experts only; see server.kernels.quant.GGUF_QTYPES) -- and building
+those QuantizedWeights from the tensors' raw block bytes: fused matrices (qkv, gate_up) are the
+parts' rows one after another, and llama.cpp's Q/K row permutation is undone on whole rows of
+blocks, so no value is ever dequantised. A fused 2-D matrix whose parts differ in type (llama.cpp's
+Q4_K_M gives attn_v, or ffn_up, Q6_K in some layers) becomes a QuantizedParts: each run of rows of
+one type in its own blocks (server.kernels.quant_parts). Every other tensor (norms, embeddings,
+F16/F32, stacked experts whose parts differ in type) is dequantised by the loader as usual. The
+Gated DeltaNet hybrids' matrices need rows (and ssm_out's blocks) moved to the model's order
+(server.models.qwen3_next_gguf).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 
 from server.kernels.quant import GGUF_QTYPES, Qtype, QuantizedExperts, QuantizedWeight
+from server.kernels.quant_parts import QuantizedParts
 from server.models.config import ModelConfig
 from server.models.gguf_file import GGUFFile
 from server.models.qwen3_next_gguf import QWEN3_NEXT_GGUF, qwen3_next_keepable, qwen3_next_kept_groups
@@ -42,17 +45,23 @@ _MOE_MATRICES = {
     "moe.shared_down_weight": ("ffn_down_shexp.weight",),
 }
 _FUSED_LAYER_MATRICES = {**_LAYER_MATRICES, "qkv_weight": ("attn_qkv.weight",), "gate_up_weight": ("ffn_up.weight",)}
+# The matrices whose parts may differ in type (kept as a QuantizedParts): every path that runs
+# them takes one (ops.linear, and decode_layer / moe_decode / the hybrid layers' "parts:" kind).
+_MIXABLE = frozenset({"qkv_weight", "gate_up_weight", "moe.shared_gate_up_weight", "gdn.in_proj"})
+MIXED = "mixed"  # KeptMatrix.qtype of a matrix whose parts differ in type
 
 
 @dataclass(frozen=True)
 class KeptMatrix:
     """One model matrix kept quantised: `layer` (None for lm_head), the attribute `name`, its
-    `qtype`, and the GGUF tensor names whose rows it stacks."""
+    `qtype` (MIXED when its parts differ in type), the GGUF tensor names whose rows it stacks, and
+    with MIXED each part's qtype."""
 
     layer: int | None
     name: str
     qtype: str
     parts: tuple[str, ...]
+    part_qtypes: tuple[str, ...] = ()
 
 
 def _qkv_parts(config: ModelConfig, layer: int) -> tuple[str, ...]:
@@ -88,30 +97,38 @@ def plan_kept_matrices(f: GGUFFile, config: ModelConfig, tied: bool) -> list[Kep
     kept = []
     for layer, name, parts in groups:
         tensors = [f.tensors.get(p) for p in parts]
-        types = {t.type_name for t in tensors if t is not None}
-        if any(t is None for t in tensors) or len(types) != 1:
-            continue  # missing (the loader reports it) or mixed types: dequantised
-        qtype = GGUF_QTYPES.get(types.pop())
-        if qtype is Qtype.MXFP4 and not name.startswith("moe.experts"):
-            continue  # GGUF files ship MXFP4 for experts only; any other MXFP4 matrix is dequantised at load
+        if any(t is None for t in tensors):
+            continue  # missing: the loader reports it
+        qtypes = [GGUF_QTYPES.get(t.type_name) for t in tensors if t is not None]
+        mixed = len(set(qtypes)) != 1
+        if mixed and name not in _MIXABLE:
+            continue  # stacked experts (one format per QuantizedExperts), lm_head: dequantised
+        if any(q is None or q is Qtype.MXFP4 and not name.startswith("moe.experts") for q in qtypes):
+            continue  # no kernel; GGUF files ship MXFP4 for experts only: dequantised at load
         k = tensors[0].shape[-1] if tensors[0] is not None else 0
         dims = 3 if name.startswith("moe.experts") else 2  # experts: [E, N, K], alike in E
         lead = tensors[0].shape[0] if tensors[0] is not None else 0
-        if qtype is None or any(t is None or len(t.shape) != dims or t.shape[-1] != k
-                                or (dims == 3 and t.shape[0] != lead) for t in tensors):
+        if any(t is None or len(t.shape) != dims or t.shape[-1] != k
+               or (dims == 3 and t.shape[0] != lead) for t in tensors):
             continue
         if config.model_type in QWEN3_NEXT_GGUF and not qwen3_next_keepable(f, config, name, parts):
             continue
-        kept.append(KeptMatrix(layer, name, qtype, parts))
+        if mixed:
+            kept.append(KeptMatrix(layer, name, MIXED, parts, tuple(str(q) for q in qtypes)))
+        else:
+            kept.append(KeptMatrix(layer, name, str(qtypes[0]), parts))
     return kept
 
 
 def build_quantized(f: GGUFFile, m: KeptMatrix, permute_heads: dict[str, int],
                     reorder: Callable[[KeptMatrix, torch.Tensor], torch.Tensor] | None = None,
-                    ) -> QuantizedWeight | QuantizedExperts:
-    """The QuantizedWeight of `m` from the file's block bytes; `permute_heads` maps a part's GGUF
-    suffix ("attn_q.weight", "attn_k.weight") to its head count when llama.cpp permuted its rows;
-    `reorder` puts the stacked rows' bytes in the model's order (the Gated DeltaNet hybrids)."""
+                    ) -> QuantizedWeight | QuantizedExperts | QuantizedParts:
+    """The QuantizedWeight of `m` from the file's block bytes (a QuantizedParts when its parts
+    differ in type); `permute_heads` maps a part's GGUF suffix ("attn_q.weight", "attn_k.weight")
+    to its head count when llama.cpp permuted its rows; `reorder` puts the stacked rows' bytes in
+    the model's order (the Gated DeltaNet hybrids)."""
+    if m.part_qtypes:
+        return _build_parts(f, m, permute_heads, reorder)
     first = f.tensors[m.parts[0]]
     if len(first.shape) == 3:  # stacked experts: each expert's rows of every part, in order
         e, k = first.shape[0], first.shape[2]
@@ -119,18 +136,57 @@ def build_quantized(f: GGUFFile, m: KeptMatrix, permute_heads: dict[str, int],
                    for p in m.parts]
         data3 = stacked[0] if len(stacked) == 1 else torch.cat(stacked, dim=1)
         return QuantizedExperts.from_gguf_bytes(m.qtype, data3.contiguous(), int(e), int(data3.shape[1]), int(k))
-    rows = []
     k = first.shape[1]
-    for part in m.parts:
-        t = f.tensors[part]
-        # A copy: the mapped file is read-only, and the model must not depend on it staying open.
-        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(t.shape[0], -1)
-        heads = permute_heads.get(part.split(".", 2)[-1]) if part.startswith("blk.") else None
-        rows.append(unpermute_qk(raw, heads) if heads else raw)
+    rows = [_part_rows(f, part, permute_heads) for part in m.parts]
     data = rows[0] if len(rows) == 1 else torch.cat(rows)
     if reorder is not None:
         data = reorder(m, data)
     return QuantizedWeight.from_gguf_bytes(m.qtype, data.contiguous(), int(data.shape[0]), int(k))
+
+
+def _part_rows(f: GGUFFile, part: str, permute_heads: dict[str, int]) -> torch.Tensor:
+    """A 2-D part's block bytes [rows, bytes per row] in HF's row order (Q/K un-permuted)."""
+    t = f.tensors[part]
+    # A copy: the mapped file is read-only, and the model must not depend on it staying open.
+    raw = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(t.shape[0], -1)
+    heads = permute_heads.get(part.split(".", 2)[-1]) if part.startswith("blk.") else None
+    return unpermute_qk(raw, heads) if heads else raw
+
+
+def _build_parts(f: GGUFFile, m: KeptMatrix, permute_heads: dict[str, int],
+                 reorder: Callable[[KeptMatrix, torch.Tensor], torch.Tensor] | None) -> QuantizedParts:
+    """A matrix whose parts differ in type: its rows in the model's order, cut into runs of one
+    type, each run a QuantizedWeight of its rows' blocks. Without `reorder` the runs are the parts
+    (same-typed neighbours joined); a hybrid's reorder moves whole rows of a multi-part matrix, so
+    applied to the stacked row numbers it gives each model row's source row, and the runs follow
+    it (a gated attention's qkv: [q | k | v | gate] from attn_q's interleaved q and gate rows)."""
+    raws = [_part_rows(f, p, permute_heads) for p in m.parts]
+    k = int(f.tensors[m.parts[0]].shape[1])
+    part_of = torch.cat([torch.full((r.shape[0],), i, dtype=torch.long) for i, r in enumerate(raws)])
+    row_in = torch.cat([torch.arange(r.shape[0]) for r in raws])
+    if reorder is not None:
+        order = reorder(m, torch.arange(part_of.numel()).view(-1, 1)).view(-1)
+        part_of, row_in = part_of[order], row_in[order]
+    parts_l, rows_l = part_of.tolist(), row_in.tolist()
+    qtype_of = [m.part_qtypes[i] for i in parts_l]
+    runs: list[QuantizedWeight] = []
+    start = 0
+    for end in range(1, len(qtype_of) + 1):
+        if end < len(qtype_of) and qtype_of[end] == qtype_of[start]:
+            continue
+        # The run's rows as slices of consecutive rows of one part (one slice per part without a
+        # reorder, one per head with a gated attention's), joined (one type, one K: one row width).
+        pieces, i = [], start
+        while i < end:
+            j = i + 1
+            while j < end and parts_l[j] == parts_l[i] and rows_l[j] == rows_l[j - 1] + 1:
+                j += 1
+            pieces.append(raws[parts_l[i]][rows_l[i] : rows_l[i] + j - i])
+            i = j
+        data = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        runs.append(QuantizedWeight.from_gguf_bytes(qtype_of[start], data.contiguous(), end - start, k))
+        start = end
+    return QuantizedParts.join(runs)
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:

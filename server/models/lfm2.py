@@ -22,6 +22,7 @@ from torch import nn
 
 from server.kernels.ops import linear, short_conv
 from server.kernels.quant import QuantizedWeight
+from server.kernels.quant_parts import QuantizedParts
 from server.models.attention import AttentionMetadata, StateBatch
 from server.models.config import ModelConfig, UnsupportedModelError
 from server.models.decoder import DecoderForCausalLM, DecoderLayer, _enter, _replace_with_quantized
@@ -174,8 +175,8 @@ class Lfm2ForCausalLM(DecoderForCausalLM):
         eps = self.config.rms_norm_eps
         return norm(hidden, self.norm, eps) if delta is None else add_norm(hidden, delta, self.norm, eps)
 
-    def linear_weights(self) -> list[tuple[str, torch.Tensor | QuantizedWeight]]:
-        out: list[tuple[str, torch.Tensor | QuantizedWeight]] = []
+    def linear_weights(self) -> list[tuple[str, torch.Tensor | QuantizedWeight | QuantizedParts]]:
+        out: list[tuple[str, torch.Tensor | QuantizedWeight | QuantizedParts]] = []
         for layer in self._layers:
             if isinstance(layer, ShortConvLayer):
                 out += [("in_proj", layer.in_proj_weight), ("out_proj", layer.out_proj_weight)]

@@ -37,6 +37,7 @@ from torch import nn
 from server.kernels import batch_invariant, linear_plan
 from server.kernels.ops import Q8_KERNEL_MAX_ROWS, linear, linear_kind, moe_decode, moe_experts
 from server.kernels.quant import QuantizedExperts, QuantizedWeight
+from server.kernels.quant_parts import QuantizedParts
 from server.models.config import ModelConfig
 from server.models.layers import silu_and_mul
 from server.models.mxfp4 import decode_mxfp4
@@ -63,7 +64,7 @@ class SparseMoE(nn.Module):
         self.experts_down: torch.Tensor | QuantizedExperts = param((E, H, I), dtype, device)
         self.experts_gate_up_bias = param((E, 2 * I), dtype, device) if c.moe_bias else None
         self.experts_down_bias = param((E, H), dtype, device) if c.moe_bias else None
-        self.shared_gate_up_weight: torch.Tensor | QuantizedWeight | None = (
+        self.shared_gate_up_weight: torch.Tensor | QuantizedWeight | QuantizedParts | None = (
             param((2 * S, H), dtype, device) if S else None)
         self.shared_down_weight: torch.Tensor | QuantizedWeight | None = param((H, S), dtype, device) if S else None
         self.shared_gate_weight = param((1, H), dtype, device) if S else None
@@ -159,9 +160,10 @@ class SparseMoE(nn.Module):
                 self._parameters.pop(name, None)
                 setattr(self, name, QuantizedWeight.quantize(w, qtype).for_kernels())
 
-    def linear_weights(self) -> list[tuple[str, torch.Tensor | QuantizedWeight]]:
+    def linear_weights(self) -> list[tuple[str, torch.Tensor | QuantizedWeight | QuantizedParts]]:
         """The matrices this MLP passes to `linear` (the experts go through moe_experts instead)."""
-        out: list[tuple[str, torch.Tensor | QuantizedWeight]] = [("router", self.router_weight)]  # (its bias: linear's)
+        out: list[tuple[str, torch.Tensor | QuantizedWeight | QuantizedParts]] = [
+            ("router", self.router_weight)]  # (its bias: linear's)
         if self.shared_gate_up_weight is not None and self.shared_down_weight is not None:
             out += [("shared_gate_up", self.shared_gate_up_weight), ("shared_down", self.shared_down_weight)]
         return out
@@ -251,9 +253,9 @@ class SparseMoE(nn.Module):
                 b + "ffn_down_exps.bias": WeightTarget(db, (E, H))}
 
 
-def _data(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
-    """The tensor a linear kind reads: the float matrix, or a QuantizedWeight's block bytes."""
-    return weight.data if isinstance(weight, QuantizedWeight) else weight
+def _data(weight: torch.Tensor | QuantizedWeight | QuantizedParts) -> torch.Tensor:
+    """The tensor a linear kind reads: the float matrix, or a QuantizedWeight's (QuantizedParts') block bytes."""
+    return weight if isinstance(weight, torch.Tensor) else weight.data
 
 
 def _split_gate_up(w: torch.Tensor) -> torch.Tensor:
@@ -294,7 +296,7 @@ def parameter_summary(model: nn.Module) -> str:
     total = sum(p.numel() for p in model.parameters())
     for m in model.modules():  # matrices kept quantised are plain attributes, counted by their logical shape
         for v in vars(m).values():
-            if isinstance(v, (QuantizedWeight, QuantizedExperts)):
+            if isinstance(v, (QuantizedWeight, QuantizedExperts, QuantizedParts)):
                 total += math.prod(v.shape)
     active = total - sum(3 * (m.num_experts - m.top_k) * m.intermediate_size * m.router_weight.shape[1]
                          for m in layers)

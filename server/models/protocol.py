@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from server.kernels.quant import QuantizedWeight
+    from server.kernels.quant_parts import QuantizedParts
     from server.models.attention import AttentionMetadata
     from server.models.lora import LoraStep, Slot
     from server.models.weights import WeightTarget
@@ -53,7 +54,7 @@ class CausalLM(Protocol):
     def quantize_weights(self, quantization: str) -> None:
         ...
 
-    def linear_weights(self) -> "list[tuple[str, torch.Tensor | QuantizedWeight]]":
+    def linear_weights(self) -> "list[tuple[str, torch.Tensor | QuantizedWeight | QuantizedParts]]":
         ...
 
     def parameters(self, recurse: bool = True) -> "Iterator[torch.nn.Parameter]":

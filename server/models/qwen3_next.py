@@ -24,6 +24,7 @@ from torch import nn
 from server.kernels import gdn
 from server.kernels.ops import linear, linear_kind, paged_attention, write_kv_cache
 from server.kernels.quant import QuantizedWeight
+from server.kernels.quant_parts import QuantizedParts
 from server.models.attention import AttentionMetadata
 from server.models.config import ModelConfig
 from server.models.decoder import DecoderForCausalLM, DecoderLayer, _enter, _replace_with_quantized, _weight_data
@@ -140,7 +141,7 @@ class GdnLayer(nn.Module):
         self.gdn = GatedDeltaNet(gdn_shape(c), dtype, device)
         self.moe: SparseMoE | None = SparseMoE(c, dtype, device) if c.mlp_kind(layer_idx) == "sparse" else None
         dense = self.moe is None
-        self.gate_up_weight: torch.Tensor | QuantizedWeight = param((2 * I if dense else 0, H), dtype, device)
+        self.gate_up_weight: torch.Tensor | QuantizedWeight | QuantizedParts = param((2 * I if dense else 0, H), dtype, device)
         self.down_weight: torch.Tensor | QuantizedWeight = param((H, I if dense else 0), dtype, device)
         self.fusable = dense  # pagewire::gdn_decode_layer has the dense MLP only
 
@@ -281,8 +282,8 @@ class Qwen3NextForCausalLM(DecoderForCausalLM):
         eps = self.config.rms_norm_eps
         return norm(hidden, self.norm, eps) if delta is None else add_norm(hidden, delta, self.norm, eps)
 
-    def linear_weights(self) -> list[tuple[str, torch.Tensor | QuantizedWeight]]:
-        out: list[tuple[str, torch.Tensor | QuantizedWeight]] = []
+    def linear_weights(self) -> list[tuple[str, torch.Tensor | QuantizedWeight | QuantizedParts]]:
+        out: list[tuple[str, torch.Tensor | QuantizedWeight | QuantizedParts]] = []
         for layer in self._layers:
             if isinstance(layer, GdnLayer):
                 out += layer.gdn.linear_weights()

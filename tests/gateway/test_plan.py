@@ -20,6 +20,7 @@ from tests.server.harness import REPO, ServerProcess
 
 def _loaded_weight_bytes(model: Any) -> int:
     from server.kernels.quant import QuantizedExperts, QuantizedWeight
+    from server.kernels.quant_parts import QuantizedParts
 
     seen: set[int] = set()
     total = 0
@@ -29,7 +30,7 @@ def _loaded_weight_bytes(model: Any) -> int:
             total += p.numel() * p.element_size()
     for m in model.modules():
         for v in vars(m).values():
-            if isinstance(v, (QuantizedWeight, QuantizedExperts)) and id(v) not in seen:
+            if isinstance(v, (QuantizedWeight, QuantizedExperts, QuantizedParts)) and id(v) not in seen:
                 seen.add(id(v))
                 total += v.data.numel() * v.data.element_size()
     return total

@@ -29,7 +29,7 @@ from tests.models.paged_harness import random_tokens
 def q4_k_m(name: str) -> str:
     """A Q4_K_M-like mix: Q6_K for ffn_down(_exps) and the output, Q5_K for the attention's q/k/v
     (a Q5_K_M choice, so every K-quant appears; llama.cpp's own Q4_K_M may give attn_v alone Q6_K,
-    and a fused qkv of mixed types is dequantised: see gguf_blocks), Q4_K for the rest."""
+    whose fused qkv is then a QuantizedParts: tests/models/test_mixed_gguf.py), Q4_K for the rest."""
     if name.endswith(("ffn_down.weight", "ffn_down_exps.weight", "output.weight")):
         return "Q6_K"
     if name.endswith(("attn_q.weight", "attn_k.weight", "attn_v.weight")):

@@ -253,3 +253,46 @@ def test_a_parts_weight_must_be_consistent() -> None:
         QuantizedParts.join([a, b])
     with pytest.raises(ValueError, match="data: 10 bytes"):
         QuantizedParts((a,), torch.zeros(10, dtype=torch.uint8), (8, 64))
+
+
+def hybrid_mix(name: str) -> str:
+    """A Qwen3.5 file whose fused matrices all mix: Q4_0 attn_q (queries and gates interleaved per
+    head) and attn_k with a Q8_0 attn_v; Q8_0 attn_qkv / ssm_beta / ssm_alpha with a Q4_0 attn_gate
+    (the DeltaNet's in_proj); Q4_0 ffn_gate with a Q8_0 ffn_up."""
+    return "Q4_0" if name.endswith(("attn_q.weight", "attn_k.weight", "attn_gate.weight", "ffn_gate.weight")) else "Q8_0"
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_hybrid_layers_run_their_mixed_matrices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                invariant: bool) -> None:
+    """The Gated DeltaNet hybrids move rows into the model's order as they keep a matrix: the gated
+    attention's qkv becomes runs [q k | v | gate] (Q4_0, Q8_0, Q4_0) and the DeltaNet's in_proj
+    [qkv | z | b a]; each dequantises to exactly the float load's matrix, and the fused hybrid
+    layers (gdn_decode_layer, gated_attention_decode_layer) give exactly the Python layers' floats."""
+    import server.models.qwen3_next as qn
+    from tests.models.test_hybrid_decode import _count, _run, _steps
+    from tests.tiny_models import make_tiny_model
+
+    hf_dir = make_tiny_model(tmp_path / "hf", "qwen3_5", vocab_size=VOCAB)
+    path = write_gguf(tmp_path / "mixed.gguf", hf_dir, "Q8_0", qtype_of=hybrid_mix)
+    kept, config = load_model(path, dtype="float32", keep_gguf_blocks=True)
+    plain, _ = load_model(path, dtype="float32")
+    assert isinstance(kept, qn.Qwen3NextForCausalLM)
+    seen = set()
+    for i, (k, p) in enumerate(zip(kept._layers, plain._layers)):  # type: ignore[attr-defined]
+        pairs = ([(k.gdn.in_proj, p.gdn.in_proj)] if config.layer_types[i] == "gated_deltanet"
+                 else [(k.qkv_weight, p.qkv_weight)])
+        for got, want in [*pairs, (k.gate_up_weight, p.gate_up_weight)]:
+            assert isinstance(got, QuantizedParts), i
+            seen.add(got.qtypes)
+            assert torch.equal(got.dequantize(), want), i
+    assert seen == {("q4_0", "q8_0", "q4_0"), ("q8_0", "q4_0", "q8_0"), ("q4_0", "q8_0")}
+    steps = _steps(3)
+    calls = _count(monkeypatch)
+    with batch_invariant.mode(invariant):
+        fused, _ = _run(kept, True, steps)
+        assert calls and set(calls) == {"gdn", "attn"}
+        python, _ = _run(kept, False, steps)
+    for a, b in zip(fused, python):
+        for sid in a:
+            assert torch.equal(a[sid], b[sid]), sid

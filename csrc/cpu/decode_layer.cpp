@@ -47,7 +47,8 @@ int64_t block_row_bytes(const std::string& kind, int64_t k) {
 // "parts:KIND*ROWS+KIND*ROWS+...", w the parts' block bytes one after another (uint8 [bytes]).
 // Each part runs its own format's kernel on a view of its bytes (nothing is dequantised) with its
 // slice of the bias, and lands in its columns of the result: per element exactly what that part
-// alone gives, which is what ops.linear computes for QuantizedParts.
+// alone gives, which is what ops.linear computes for QuantizedParts. On AVX2 or better all parts
+// run in one OpenMP region (layer_parts::linear_parts_region, cpu/moe_decode.cpp).
 at::Tensor run_parts(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
                      const std::string& kind) {
   TORCH_CHECK(w.dim() == 1 && w.scalar_type() == at::kByte && w.is_contiguous(),
@@ -55,7 +56,7 @@ at::Tensor run_parts(const at::Tensor& x, const at::Tensor& w, const c10::option
   TORCH_CHECK(x.dim() == 2, "decode_layer: x must be [M, K], got ", x.sizes());
   const int64_t K = x.size(1);
   const bool has_bias = b.has_value() && b->defined();
-  std::vector<at::Tensor> outs;
+  std::vector<layer_parts::LinearPart> parts;
   int64_t offset = 0, row = 0;
   size_t pos = 6;  // past "parts:"
   while (pos < kind.size()) {
@@ -74,16 +75,26 @@ at::Tensor run_parts(const at::Tensor& x, const at::Tensor& w, const c10::option
                 "' needs a block format whose block divides K = ", K, " and rows > 0");
     TORCH_CHECK(offset + rows * rb <= w.numel(), "decode_layer: '", kind, "' needs more than the weight's ", w.numel(),
                 " bytes");
-    const at::Tensor part = w.narrow(0, offset, rows * rb).view({rows, rb});
-    const c10::optional<at::Tensor> part_bias = has_bias ? c10::optional<at::Tensor>(b->narrow(0, row, rows)) : c10::nullopt;
-    outs.push_back(run_linear_kind(x, part, part_bias, part_kind));
+    parts.push_back({part_kind, w.narrow(0, offset, rows * rb).view({rows, rb})});
     offset += rows * rb;
     row += rows;
     pos = end + 1;
   }
-  TORCH_CHECK(!outs.empty() && offset == w.numel(), "decode_layer: '", kind, "' accounts for ", offset, " of the weight's ",
-              w.numel(), " bytes");
+  TORCH_CHECK(!parts.empty() && offset == w.numel(), "decode_layer: '", kind, "' accounts for ", offset,
+              " of the weight's ", w.numel(), " bytes");
   TORCH_CHECK(!has_bias || b->size(0) == row, "decode_layer: bias has ", b->size(0), " rows, the parts ", row);
+  // Every part in one OpenMP region where the CPU has one (x quantised once; one wake-up of the
+  // threads instead of one per part), else part by part: the same floats either way.
+  at::Tensor fused = layer_parts::linear_parts_region(x, parts, b);
+  if (fused.defined()) return fused;
+  std::vector<at::Tensor> outs;
+  row = 0;
+  for (const layer_parts::LinearPart& p : parts) {
+    const int64_t rows = p.w.size(0);
+    const c10::optional<at::Tensor> part_bias = has_bias ? c10::optional<at::Tensor>(b->narrow(0, row, rows)) : c10::nullopt;
+    outs.push_back(run_linear_kind(x, p.w, part_bias, p.kind));
+    row += rows;
+  }
   return outs.size() == 1 ? outs[0] : at::cat(outs, 1);
 }
 

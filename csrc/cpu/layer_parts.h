@@ -7,6 +7,7 @@
 #include <c10/util/Optional.h>
 
 #include <string>
+#include <vector>
 
 namespace pagewire::layer_parts {
 
@@ -14,6 +15,19 @@ namespace pagewire::layer_parts {
 // "q8_0", "q8_0x8", or a linear_q4 qtype.
 at::Tensor run_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
                       const std::string& kind);
+// One row range of a "parts:" weight (decode_layer.cpp run_parts): its linear kind and its block
+// bytes [rows, row bytes] (a view of the weight's buffer).
+struct LinearPart {
+  std::string kind;
+  at::Tensor w;
+};
+// x [M, K] @ every part's rows (+ bias [sum of rows]) in one OpenMP region (cpu/moe_decode.cpp, as
+// moe_decode runs its experts: x quantised once, the parts' rows laid end to end and split across
+// the threads), the result [M, sum of rows] in x's dtype: per element what run_linear gives part by
+// part. Undefined where there is no such region (the portable family, more than 16 rows, a
+// part's format or row size it does not know): the caller then runs the parts one by one.
+at::Tensor linear_parts_region(const at::Tensor& x, const std::vector<LinearPart>& parts,
+                               const c10::optional<at::Tensor>& bias);
 // The Python layer's _enter: hidden += delta (in place, when given), then RMSNorm by norm (one fused op).
 at::Tensor enter(at::Tensor& hidden, const c10::optional<at::Tensor>& delta, const c10::optional<at::Tensor>& norm,
                  double eps);

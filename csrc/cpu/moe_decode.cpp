@@ -21,6 +21,10 @@
 //      to moe_experts_cpu, and the shared expert runs as SparseMoE.forward's ops.
 // A row's result depends on its own experts and row only (the kernels' per-row arithmetic does not
 // depend on M or on which rows a thread was handed), so batch-invariant mode holds.
+//
+// The same job runner serves layer_parts::linear_parts_region (declared in layer_parts.h): a matrix
+// whose row ranges are in different block formats (a GGUF Q4_K_M file's Q4_K q/k + Q6_K v qkv) in
+// one region, x quantised once, for decode_layer's "parts:" kind.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>

@@ -110,7 +110,10 @@ _EXPERT_PARTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_p
 _MOE_NAMES = {"gate.weight": "ffn_gate_inp.weight", "shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
               "shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
               "shared_expert.up_proj.weight": "ffn_up_shexp.weight",
-              "shared_expert.down_proj.weight": "ffn_down_shexp.weight"}
+              "shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+              # dots1: the sigmoid router's selection bias and the ungated shared experts
+              "gate.e_score_correction_bias": "exp_probs_b.bias",
+              **{f"shared_experts.{m}_proj.weight": f"ffn_{m}_shexp.weight" for m in ("gate", "up", "down")}}
 F32_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 
 
@@ -314,7 +317,7 @@ def write_gguf(
 
         moe, raw_moe = gpt_oss_moe(state)
     else:
-        moe = stack_experts(state) if cfg.get("num_experts") or cfg.get("num_local_experts") else {}
+        moe = stack_experts(state) if _experts(cfg) else {}
     for name, data in sorted(raw_moe.items()):
         w.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
     for seed, (name, arr) in enumerate(sorted(moe.items())):
@@ -352,6 +355,11 @@ def write_gguf(
     return out
 
 
+def _experts(cfg: dict[str, Any]) -> int:
+    """The routed experts' count however the family spells it (0: a dense model)."""
+    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
+
+
 def _family_metadata(arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
     """The `{arch}.*` keys llama.cpp's converter writes for the families beyond Llama/Qwen."""
     meta: dict[str, Any] = {}
@@ -371,7 +379,7 @@ def _family_metadata(arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> di
         factor = cfg["max_position_embeddings"] / orig
         meta[f"{arch}.rope.scaling.original_context_length"] = orig
         meta[f"{arch}.rope.scaling.attn_factor"] = math.sqrt(1 + math.log(factor) / math.log(orig))
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    experts = _experts(cfg)
     if experts:  # llama.cpp's MoE keys (Mixtral: "llama" with a window when its config has one)
         meta[f"{arch}.expert_count"] = experts
         meta[f"{arch}.expert_used_count"] = cfg["num_experts_per_tok"]
@@ -379,6 +387,15 @@ def _family_metadata(arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> di
             meta[f"{arch}.expert_feed_forward_length"] = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
         if cfg.get("shared_expert_intermediate_size"):
             meta[f"{arch}.expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
+        if cfg["model_type"] == "dots1":  # as llama.cpp's Dots1Model converter writes them
+            meta[f"{arch}.leading_dense_block_count"] = cfg["first_k_dense_replace"]
+            meta[f"{arch}.expert_shared_count"] = cfg["n_shared_experts"]
+            meta[f"{arch}.expert_weights_scale"] = float(cfg["routed_scaling_factor"])
+            meta[f"{arch}.expert_weights_norm"] = bool(cfg["norm_topk_prob"])
+            meta[f"{arch}.expert_gating_func"] = 2  # sigmoid
+            if cfg.get("n_group", 1) > 1:
+                meta[f"{arch}.expert_group_count"] = cfg["n_group"]
+                meta[f"{arch}.expert_group_used_count"] = cfg["topk_group"]
         if cfg["model_type"] == "mixtral" and cfg.get("sliding_window"):
             meta[f"{arch}.attention.sliding_window"] = cfg["sliding_window"]
     if cfg["model_type"] in QWEN3_NEXT_TYPES:

@@ -67,6 +67,13 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
                 "max_position_embeddings": 2048,  # = factor x original, as transformers' YaRN check wants
                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}},
+    # dots.llm1: a sigmoid router whose selection bias (randomised below) and group limit (2 groups of
+    # 4, only the best one kept) change which experts run, renormalised and scaled by 2.5; a dense
+    # first layer; one ungated shared expert; Qwen3's per-head q/k norm. No window (llama.cpp runs
+    # dots1 without one, so the GGUF copy means the same model).
+    "dots1": {"num_hidden_layers": 3, "head_dim": 32, "n_routed_experts": 8, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2,
+              "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "sliding_window": None},
     # LFM2 (issue 28): convolution layers around two attention layers, the 3-tap kernel of the
     # checkpoints, transformers' auto-adjusted MLP width (2/3 x 128 rounded up to 32: 96).
     "lfm2": {"num_hidden_layers": 5, "layer_types": ["conv", "conv", "full_attention", "conv", "full_attention"],
@@ -139,6 +146,7 @@ def _classes(arch: str) -> tuple[type, type]:
         "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
         "qwen2moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
+        "dots1": (tf.Dots1Config, tf.Dots1ForCausalLM),
         "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
         "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM),
         "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),
@@ -223,6 +231,8 @@ def make_tiny_model(
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):  # Gemma 4's per-layer scalar (a saved buffer, init 1)
                 b.uniform_(0.5, 1.5)
+            elif name.endswith("e_score_correction_bias"):  # dots1: a selection bias that changes choices
+                b.normal_(0.0, 0.2)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     model = model.to(torch_dtype)
     model.config.dtype = torch_dtype

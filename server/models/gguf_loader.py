@@ -116,6 +116,7 @@ _MOE_NAMES = {
     "ffn_gate_shexp.weight": "shared_expert.gate_proj.weight",
     "ffn_up_shexp.weight": "shared_expert.up_proj.weight",
     "ffn_down_shexp.weight": "shared_expert.down_proj.weight",
+    "exp_probs_b.bias": "gate.e_score_correction_bias",  # a sigmoid router's selection bias (dots1)
 }
 _EXPERT_PARTS = {"ffn_gate_exps.weight": ("gate_proj", "w1"), "ffn_up_exps.weight": ("up_proj", "w3"),
                  "ffn_down_exps.weight": ("down_proj", "w2")}
@@ -130,8 +131,10 @@ def _moe_tensor_names(gguf_name: str, config: ModelConfig | None) -> list[str] |
     mixtral = config.moe_checkpoint == "mixtral"
     prefix = f"model.layers.{m.group(1)}." + ("block_sparse_moe." if mixtral else "mlp.")
     part = m.group(2)
-    if part in _MOE_NAMES:
-        return [prefix + _MOE_NAMES[part]]
+    if part in _MOE_NAMES:  # "deepseek" (dots1) names its ungated shared experts shared_experts.*
+        name = _MOE_NAMES[part]
+        return [prefix + (name.replace("shared_expert.", "shared_experts.")
+                          if config.moe_checkpoint == "deepseek" else name)]
     if part in _EXPERT_PARTS:
         hf = _EXPERT_PARTS[part][1 if mixtral else 0]
         return [f"{prefix}experts.{e}.{hf}.weight" for e in range(config.num_experts)]

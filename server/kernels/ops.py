@@ -505,8 +505,9 @@ def moe_decode(x: torch.Tensor, router_weight: torch.Tensor, router_kind: str, r
     `routed_scaling` (multiplies the weights) as server.models.moe_router.route applies them),
     the chosen experts as moe_experts runs them, and optionally a shared expert `shared` =
     (gate_up [2S, H], its kind, down [H, S], its kind, gate [1, H] or None, its kind or ""), added
-    times sigmoid(x @ gate^T) (Qwen2-MoE) or as it is (no gate: dots.llm1). Quantised experts on AVX2 or better run in one OpenMP region, every thread
-    streaming its share of the chosen experts' rows; float experts go through moe_experts.
+    times sigmoid(x @ gate^T) (Qwen2-MoE) or as it is (no gate: dots.llm1). Quantised experts on
+    AVX2 or better run in one OpenMP region, every thread streaming its share of the chosen
+    experts' rows; float experts go through moe_experts.
 
     Returns [T, H] in x's dtype."""
     gk, gw = (gate_up.op_qtype, gate_up.data) if isinstance(gate_up, QuantizedExperts) else ("float", gate_up)

@@ -156,7 +156,7 @@ at::Tensor run_linear_kind(const at::Tensor& x, const at::Tensor& w, const c10::
                            const std::string& kind);
 
 // A mixture-of-experts layer's MLP for at most 16 tokens in one call (cpu/moe_decode.cpp): the
-// router (router_weight [E, H] by router_kind, router_bias [E] or None; router "softmax_topk" or
+// router (router_weight [E, H] by router_kind, x cast to its dtype, router_bias [E] or None; router "softmax_topk" or
 // "sigmoid_topk" with top_k and norm_topk_prob, or "topk_softmax"; for the first two
 // selection_bias [E] or None, n_group / topk_group and routed_scaling as moe_router.route applies
 // them), the experts as moe_experts_cpu takes them, and optionally a shared expert (shared_gate_up

@@ -215,7 +215,10 @@ at::Tensor moe_decode_cpu(const at::Tensor& x, const at::Tensor& router_weight, 
               top_k);
 
   // 1. The router.
-  const at::Tensor logits = run_linear_kind(x, router_weight, router_bias, std::string(router_kind));
+  // A float32 router (DeepSeek-V3 style) in a bf16/fp16 model takes the rows cast up, as route() does.
+  const at::Tensor logits = run_linear_kind(
+      router_weight.scalar_type() == x.scalar_type() ? x : x.to(router_weight.scalar_type()), router_weight,
+      router_bias, std::string(router_kind));
   at::Tensor ids = at::empty({T, top_k}, x.options().dtype(at::kLong));
   at::Tensor wts = at::empty({T, top_k}, x.options().dtype(at::kFloat));
   {

@@ -498,7 +498,8 @@ def moe_decode(x: torch.Tensor, router_weight: torch.Tensor, router_kind: str, r
                routed_scaling: float = 1.0) -> torch.Tensor:
     """A mixture-of-experts layer's whole MLP for at most Q8_KERNEL_MAX_ROWS CPU tokens in one
     call (csrc/cpu/moe_decode.cpp): the router (x @ router_weight^T (+ router_bias) by the path
-    `router_kind` names, as linear_kind gives it; then router "softmax_topk": fp32 softmax, top_k,
+    `router_kind` names, as linear_kind gives it for router_weight's dtype -- x is cast to it when
+    they differ (a float32 router in a bf16 model); then router "softmax_topk": fp32 softmax, top_k,
     renormalised when norm_topk_prob, "topk_softmax": gpt-oss's softmax over the top k logits, or
     "sigmoid_topk": fp32 sigmoid scores; for the fp32 scorings `selection_bias` [E] (added to the
     scores to choose, not to the weights), `n_group` / `topk_group` (group-limited choice) and

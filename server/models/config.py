@@ -159,6 +159,9 @@ class ModelConfig:
     moe_n_group: int = 1
     moe_topk_group: int = 1
     moe_routed_scaling: float = 1.0
+    # The router's weight and logits in float32 whatever the model's dtype (the activations cast up):
+    # transformers' DeepSeek-V3-style routers keep gate.weight in float32 (_keep_in_fp32_modules_strict).
+    moe_router_fp32: bool = False
     shared_expert_gated: bool = True
     # gpt-oss's attention sinks: a learned logit per query head joining every softmax (no value).
     attention_sinks: bool = False

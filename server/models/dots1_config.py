@@ -5,7 +5,8 @@ A Qwen3-style decoder (per-head q/k RMSNorm, attention_bias on all four projecti
 layer_types) whose first `first_k_dense_replace` layers have a dense MLP and the rest a
 DeepSeek-V3-style mixture of experts: a sigmoid router whose e_score_correction_bias chooses the
 experts but does not weight them, optional group-limited choice (n_group / topk_group),
-renormalisation (norm_topk_prob) and routed_scaling_factor (server.models.moe_router), plus
+renormalisation (norm_topk_prob) and routed_scaling_factor (server.models.moe_router), computed
+in float32 from a float32 router weight in every dtype (Dots1TopkRouter's), plus
 `n_shared_experts` x moe_intermediate_size of ungated shared experts (`mlp.shared_experts.*`).
 """
 from __future__ import annotations
@@ -72,4 +73,4 @@ def _moe_parts(n: int, dense: int, experts: int, top_k: int, moe_size: int, shar
     return dict(qk_norm=True, layer_mlp_kinds=tuple("dense" if i < dense else "sparse" for i in range(n)),
                 num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_size,
                 shared_expert_intermediate_size=shared_size, shared_expert_gated=False, norm_topk_prob=norm,
-                moe_checkpoint="deepseek")
+                moe_checkpoint="deepseek", moe_router_fp32=True)

@@ -61,7 +61,8 @@ class SparseMoE(nn.Module):
         self.router = c.moe_router
         self.activation, self.alpha, self.limit = c.moe_activation, c.swiglu_alpha, c.swiglu_limit
         self.mxfp4 = c.experts_quantization == "mxfp4"
-        self.router_weight = param((E, H), dtype, device)
+        # float32 for DeepSeek-V3-style routers whatever the dtype (route() casts the rows up to it)
+        self.router_weight = param((E, H), torch.float32 if c.moe_router_fp32 else dtype, device)
         self.router_bias = param((E,), dtype, device) if c.moe_bias else None
         self.selection_bias = param((E,), torch.float32, device) if c.moe_selection_bias else None
         self.n_group, self.topk_group, self.routed_scaling = c.moe_n_group, c.moe_topk_group, c.moe_routed_scaling
@@ -83,7 +84,7 @@ class SparseMoE(nn.Module):
         them (server.models.moe_router): softmax of the logits in float32, top-k, renormalised when
         norm_topk_prob; gpt-oss's top-k of the logits (with the router's bias), softmax over those
         k in x's dtype; or sigmoid scores chosen with the selection bias and groups, scaled."""
-        logits = linear(x, self.router_weight, self.router_bias)
+        logits = linear(x.to(self.router_weight.dtype), self.router_weight, self.router_bias)
         return route(logits, self.router, self.top_k, self.norm_topk_prob, self.selection_bias, self.n_group,
                      self.topk_group, self.routed_scaling)
 
@@ -133,7 +134,7 @@ class SparseMoE(nn.Module):
         key = (T, x.dtype, id(table), batch_invariant.enabled())
         cached = self._kinds_cache.get(key)
         if cached is None or cached[0] is not table:
-            found: list[str | None] = [linear_kind(x.dtype, T, self.router_weight, self.router_bias)]
+            found: list[str | None] = [linear_kind(self.router_weight.dtype, T, self.router_weight, self.router_bias)]
             if self.shared_gate_up_weight is not None and self.shared_down_weight is not None:
                 found += [linear_kind(x.dtype, T, self.shared_gate_up_weight, None),
                           linear_kind(x.dtype, T, self.shared_down_weight, None),

@@ -12,15 +12,47 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch
 
 from server import LLM, SamplingParams
 from server.models.config import ModelLoadError, UnsupportedModelError
+from server.models.loader import load_model
 from server.models.registry import read_model_config
 from tests.families.test_families_vs_transformers import hf_greedy
 from tests.gguf_files import write_gguf
-from tests.models.paged_harness import random_tokens
+from tests.models.paged_harness import PagedRun, random_tokens
 
 MAX_NEW = 12
+
+
+def test_the_tiny_config_makes_the_router_settings_matter(family_model: Callable[[str, str], Path]) -> None:
+    """Each of the selection bias, the group limit and the scaling factor changes the tiny model's
+    logits (so the family tests, which pass, see them): the bias and the groups change which
+    experts run, the scaling how much they add."""
+    model, config = load_model(family_model("dots1", "hf"))
+    tokens = random_tokens(40, config.vocab_size, seed=8)
+    moes = [layer.moe for layer in model._layers if layer.moe is not None]  # type: ignore[attr-defined]
+    assert len(moes) == 2 and all(m.selection_bias is not None for m in moes)
+
+    def logits() -> torch.Tensor:
+        return PagedRun(model).step({0: tokens})[0]
+
+    def chosen() -> set[tuple[int, ...]]:
+        x = torch.randn(64, config.hidden_size, generator=torch.Generator().manual_seed(9))
+        return {tuple(sorted(r)) for r in moes[0].route(x)[0].tolist()}
+
+    base, base_choice = logits(), chosen()
+    for attr, value in (("selection_bias", None), ("n_group", 1), ("routed_scaling", 1.0)):
+        saved = [getattr(m, attr) for m in moes]
+        for m in moes:
+            setattr(m, attr, value)
+        try:
+            assert not torch.allclose(logits(), base, atol=1e-3), attr
+            if attr != "routed_scaling":
+                assert chosen() != base_choice, attr
+        finally:
+            for m, v in zip(moes, saved):
+                setattr(m, attr, v)
 
 
 @pytest.mark.slow
@@ -69,3 +101,18 @@ def test_deterministic_mode_a_requests_tokens_do_not_depend_on_its_batch(tiny_mo
     together = llm.generate(prompts, params)[0].outputs[0]
     assert together.token_ids == alone.token_ids
     assert [lp for lp in together.logprobs] == [lp for lp in alone.logprobs]  # type: ignore[union-attr]
+
+
+def test_plan_counts_the_float32_router_of_a_bf16_model(tiny_model: Callable[..., Path]) -> None:
+    """In bf16 the router's weight and selection bias stay float32: `pagewire plan` counts them so."""
+    from server.engine.config import EngineConfig
+    from server.engine.plan import make_plan
+    from tests.gateway.test_plan import _loaded_weight_bytes
+
+    hf_dir = tiny_model("dots1", dtype="bfloat16")
+    model, _ = load_model(hf_dir, dtype="bfloat16")
+    router = model._layers[1].moe.router_weight  # type: ignore[attr-defined]
+    assert router.dtype == torch.float32
+    config = EngineConfig(str(hf_dir), dtype="bfloat16", kv_cache_tokens=1024)
+    plan = make_plan("m", read_model_config(hf_dir), config, None, None)
+    assert plan.weights.total == _loaded_weight_bytes(model)

@@ -213,3 +213,32 @@ def test_config_keys_and_their_errors() -> None:
     for extra, error, key in bad:
         with pytest.raises(error, match=key):
             config_from_hf({**_raw(8, 3, True, 1, 1, 1.0), **extra})
+
+
+def test_bf16_model_routes_in_float32_as_transformers() -> None:
+    """In a bf16 model the router weight stays float32 and the logits are computed from the rows
+    cast up (transformers keeps Dots1TopkRouter's weight in float32): the same experts and weights
+    as transformers' bf16 Dots1MoE chooses; and the fused layer (moe_decode's C++ router, x cast
+    up there too) gives the Python layer's output."""
+    raw = _raw(16, 3, True, 4, 2, 2.5)
+    hf = _hf_moe(raw, seed=8)
+    ours = _ours(raw, hf)
+    gate = {k: v.float().clone() for k, v in hf.gate.state_dict().items()}
+    hf = hf.to(torch.bfloat16)
+    hf.gate.float().load_state_dict(gate)  # what from_pretrained keeps: _keep_in_fp32_modules_strict
+    moe = SparseMoE(config_from_hf(raw), torch.bfloat16, torch.device("cpu"))
+    assert moe.router_weight.dtype == torch.float32 and moe.selection_bias is not None
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            getattr(moe, name).copy_(p)
+    x = _x(16, seed=9).bfloat16()
+    _, hf_w, hf_ids = hf.gate(x)
+    ids, w = moe.route(x)
+    order, hf_order = _same_choice(ids, hf_ids)
+    torch.testing.assert_close(w.gather(1, order), hf_w.gather(1, hf_order), rtol=1e-6, atol=1e-7)
+    with torch.no_grad():
+        moe.fused_decode = False
+        python = moe(x)
+        moe.fused_decode = True
+        assert moe.decode_kinds(x) is not None
+        torch.testing.assert_close(moe(x), python)

@@ -60,7 +60,7 @@ _HF_TO_GGUF_GLOBAL = {
     "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
 }
 # model_type -> llama.cpp's general.architecture (OLMo 3 files are "olmo2" with a window).
-GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "gpt_oss": "gpt-oss",
+GGUF_ARCH = {"glm4_moe": "glm4moe", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "gpt_oss": "gpt-oss",
              "gemma3_text": "gemma3", "gemma4_text": "gemma4", "olmo3": "olmo2", **QWEN3_NEXT_TYPES}
 # llama.cpp's converter permutes Q/K rows for the architectures it runs with interleaved RoPE.
 PERMUTED = ("llama", "mistral", "smollm3", "granite", "mixtral")
@@ -387,12 +387,16 @@ def _family_metadata(arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> di
             meta[f"{arch}.expert_feed_forward_length"] = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
         if cfg.get("shared_expert_intermediate_size"):
             meta[f"{arch}.expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
-        if cfg["model_type"] == "dots1":  # as llama.cpp's Dots1Model converter writes them
+        if cfg["model_type"] in ("dots1", "glm4_moe"):  # as llama.cpp's Dots1Model / Glm4MoeModel converters write them
             meta[f"{arch}.leading_dense_block_count"] = cfg["first_k_dense_replace"]
             meta[f"{arch}.expert_shared_count"] = cfg["n_shared_experts"]
             meta[f"{arch}.expert_weights_scale"] = float(cfg["routed_scaling_factor"])
             meta[f"{arch}.expert_weights_norm"] = bool(cfg["norm_topk_prob"])
             meta[f"{arch}.expert_gating_func"] = 2  # sigmoid
+            if cfg["model_type"] == "glm4_moe":  # the MTP layers count in block_count
+                extra = cfg.get("num_nextn_predict_layers", 0)
+                meta[f"{arch}.nextn_predict_layers"] = extra
+                meta[f"{arch}.block_count"] = cfg["num_hidden_layers"] + extra
             if cfg.get("n_group", 1) > 1:
                 meta[f"{arch}.expert_group_count"] = cfg["n_group"]
                 meta[f"{arch}.expert_group_used_count"] = cfg["topk_group"]

@@ -74,6 +74,13 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "dots1": {"num_hidden_layers": 3, "head_dim": 32, "n_routed_experts": 8, "num_experts_per_tok": 2,
               "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2,
               "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "sliding_window": None},
+    # GLM-4.5: the same router and experts as dots1 (norm on by default; 16 experts in 4 groups, 2
+    # kept, top-3), with q/k/v biases, half-rotary heads and per-head q/k norm (use_qk_norm).
+    "glm4_moe": {"num_hidden_layers": 3, "head_dim": 32, "n_routed_experts": 16, "num_experts_per_tok": 3,
+                 "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 4,
+                 "topk_group": 2, "norm_topk_prob": True, "routed_scaling_factor": 1.5, "attention_bias": True,
+                 "use_qk_norm": True,
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
     # LFM2 (issue 28): convolution layers around two attention layers, the 3-tap kernel of the
     # checkpoints, transformers' auto-adjusted MLP width (2/3 x 128 rounded up to 32: 96).
     "lfm2": {"num_hidden_layers": 5, "layer_types": ["conv", "conv", "full_attention", "conv", "full_attention"],
@@ -147,6 +154,7 @@ def _classes(arch: str) -> tuple[type, type]:
         "qwen2moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
         "dots1": (tf.Dots1Config, tf.Dots1ForCausalLM),
+        "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
         "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
         "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM),
         "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),

@@ -162,6 +162,9 @@ class ModelConfig:
     # The router's weight and logits in float32 whatever the model's dtype (the activations cast up):
     # transformers' DeepSeek-V3-style routers keep gate.weight in float32 (_keep_in_fp32_modules_strict).
     moe_router_fp32: bool = False
+    # Layers a checkpoint holds past num_layers that the model does not run (GLM-4.5's multi-token
+    # prediction layers: HF's model.layers.{num_layers + i}.*, GGUF's blk.{num_layers + i}.*); skipped at load.
+    checkpoint_extra_layers: int = 0
     shared_expert_gated: bool = True
     # gpt-oss's attention sinks: a learned logit per query head joining every softmax (no value).
     attention_sinks: bool = False

@@ -122,6 +122,12 @@ _EXPERT_PARTS = {"ffn_gate_exps.weight": ("gate_proj", "w1"), "ffn_up_exps.weigh
                  "ffn_down_exps.weight": ("down_proj", "w2")}
 
 
+def _extra_layer(gguf_name: str, config: ModelConfig) -> bool:
+    """A `blk.N.*` tensor of one of the checkpoint_extra_layers past the model's layers."""
+    m = _BLOCK.fullmatch(gguf_name)
+    return m is not None and config.num_layers <= int(m.group(1)) < config.num_layers + config.checkpoint_extra_layers
+
+
 def _moe_tensor_names(gguf_name: str, config: ModelConfig | None) -> list[str] | None:
     """The HF names of an MoE tensor: one for the router and the shared expert, one per expert
     for a stacked `ffn_*_exps` tensor; None for any other tensor."""
@@ -199,6 +205,8 @@ def load_gguf_model(
             bar.update(1)
             if t.name in CONFIG_TENSORS:
                 continue  # read by the translation (longrope's factors)
+            if config.checkpoint_extra_layers and _extra_layer(t.name, config):
+                continue  # a layer the model does not run (GLM-4.5's nextn / MTP layer)
             if t.name in by_gguf:  # gpt-oss's router and stacked experts (and their biases)
                 _load_direct(f, t, by_gguf[t.name], t.name in kept_parts)
                 loaded.add(t.name)

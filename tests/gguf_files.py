@@ -65,8 +65,8 @@ GGUF_ARCH = {"glm4_moe": "glm4moe", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2
 # llama.cpp's converter permutes Q/K rows for the architectures it runs with interleaved RoPE.
 PERMUTED = ("llama", "mistral", "smollm3", "granite", "mixtral")
 # Families whose post_attention_layernorm is written post_attention_norm: the attention output's
-# norm, and gpt-oss's MLP input norm (llama.cpp names it so for that architecture).
-_POST_NORM_TYPES = ("gemma2", "gemma3_text", "gemma4_text", "olmo2", "olmo3", "gpt_oss", *QWEN3_NEXT_TYPES)
+# norm, and gpt-oss's and GLM-4.5's MLP input norm (llama.cpp names it so for those architectures).
+_POST_NORM_TYPES = ("gemma2", "gemma3_text", "gemma4_text", "olmo2", "olmo3", "gpt_oss", "glm4_moe", *QWEN3_NEXT_TYPES)
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"

@@ -22,14 +22,19 @@ _TOPK_METHODS = ("greedy", "noaux_tc")
 _GATING_FUNCS = {1: "softmax_topk", 2: "sigmoid_topk"}
 
 
-def hf_router(raw: dict[str, Any], source: str, experts: int, top_k: int, default_scoring: str,
+def hf_router(raw: dict[str, Any], source: str, experts: int, top_k: int, scoring: str,
               selection_bias: bool) -> dict[str, Any]:
-    """ModelConfig's router fields from a config.json: `scoring_func` (else `default_scoring`,
-    "softmax" or "sigmoid"), `topk_method` ("greedy" or "noaux_tc"), `n_group` / `topk_group`,
-    `routed_scaling_factor`. `selection_bias`: the family's router has e_score_correction_bias."""
-    scoring = raw.get("scoring_func") or default_scoring
-    if scoring not in _SCORING:
-        raise ModelLoadError(f"{source}: field 'scoring_func' must be 'softmax' or 'sigmoid', got {scoring!r}")
+    """ModelConfig's router fields from a config.json, for a family whose transformers router
+    scores by `scoring` ("softmax" or "sigmoid") with (`selection_bias`) or without a correction
+    bias: `n_group` / `topk_group`, `routed_scaling_factor`; `scoring_func` and `topk_method`, where
+    a config has them, must say what that router does (transformers' DeepseekV3-style routers do
+    not read them: a config that asks for another router is refused, naming the key)."""
+    given = raw.get("scoring_func")
+    if given is not None and given not in _SCORING:
+        raise ModelLoadError(f"{source}: field 'scoring_func' must be 'softmax' or 'sigmoid', got {given!r}")
+    if given is not None and _SCORING[given] != _SCORING[scoring]:
+        raise UnsupportedModelError(f"{source}: field 'scoring_func' is {given!r}, but this family's router "
+                                    f"scores by {scoring}")
     method = raw.get("topk_method")
     if method == "group_limited_greedy":  # DeepSeek-V2: groups scored by their best softmax score
         raise UnsupportedModelError(f"{source}: topk_method 'group_limited_greedy' is not supported "
@@ -41,8 +46,11 @@ def hf_router(raw: dict[str, Any], source: str, experts: int, top_k: int, defaul
     scaling = 1.0 if scaling is None else scaling
     if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling) or scaling <= 0:
         raise ModelLoadError(f"{source}: field 'routed_scaling_factor' must be a positive number, got {scaling!r}")
-    if method == "greedy":  # DeepSeek-V2's plain top-k: no groups
-        n_group = topk_group = 1
+    if method == "greedy" and n_group > 1:  # "greedy" (no groups, no bias) contradicts a group limit
+        raise ModelLoadError(f"{source}: field 'topk_method' is 'greedy' (no expert groups), but n_group is {n_group}")
+    if method == "greedy" and selection_bias:
+        raise UnsupportedModelError(f"{source}: field 'topk_method' is 'greedy', but this family's router "
+                                    "chooses with e_score_correction_bias ('noaux_tc')")
     check_groups(experts, top_k, n_group, topk_group, lambda key, what: ModelLoadError(f"{source}: field {key!r} {what}"),
                  ("n_group", "topk_group"))
     return dict(moe_router=_SCORING[scoring], moe_selection_bias=selection_bias, moe_n_group=n_group,

@@ -197,10 +197,14 @@ def test_config_keys_and_their_errors() -> None:
     assert c.layer_mlp_kinds == ("dense", "sparse") and c.shared_expert_intermediate_size == I_MOE
     assert not c.shared_expert_gated and c.moe_checkpoint == "deepseek" and c.qk_norm
     assert config_from_hf(_raw(8, 2, True, 1, 1, 1.0, scoring_func="noaux_tc")).moe_router == "sigmoid_topk"
-    assert config_from_hf(_raw(8, 2, True, 1, 1, 1.0, scoring_func="softmax")).moe_router == "softmax_topk"
-    assert config_from_hf(_raw(8, 2, True, 2, 1, 1.0, topk_method="greedy")).moe_n_group == 1
+    assert config_from_hf(_raw(8, 2, True, 1, 1, 1.0, scoring_func="sigmoid", topk_method="noaux_tc")).moe_n_group == 1
+    # transformers' Dots1TopkRouter is sigmoid with the bias whatever the config says: asking for
+    # another router is refused, not followed.
     bad = [({"scoring_func": "relu"}, ModelLoadError, "scoring_func"),
+           ({"scoring_func": "softmax"}, UnsupportedModelError, "scoring_func"),
            ({"topk_method": "random"}, ModelLoadError, "topk_method"),
+           ({"topk_method": "greedy"}, UnsupportedModelError, "topk_method"),
+           ({"topk_method": "greedy", "n_group": 2}, ModelLoadError, "topk_method"),
            ({"topk_method": "group_limited_greedy"}, UnsupportedModelError, "group_limited_greedy"),
            ({"routed_scaling_factor": -1.0}, ModelLoadError, "routed_scaling_factor"),
            ({"routed_scaling_factor": "2"}, ModelLoadError, "routed_scaling_factor"),

@@ -60,7 +60,8 @@ _HF_TO_GGUF_GLOBAL = {
     "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
 }
 # model_type -> llama.cpp's general.architecture (OLMo 3 files are "olmo2" with a window).
-GGUF_ARCH = {"glm4_moe": "glm4moe", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "gpt_oss": "gpt-oss",
+GGUF_ARCH = {"glm4_moe": "glm4moe", "ernie4_5_moe": "ernie4_5-moe",
+             "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "gpt_oss": "gpt-oss",
              "gemma3_text": "gemma3", "gemma4_text": "gemma4", "olmo3": "olmo2", **QWEN3_NEXT_TYPES}
 # llama.cpp's converter permutes Q/K rows for the architectures it runs with interleaved RoPE.
 PERMUTED = ("llama", "mistral", "smollm3", "granite", "mixtral")
@@ -113,6 +114,7 @@ _MOE_NAMES = {"gate.weight": "ffn_gate_inp.weight", "shared_expert_gate.weight":
               "shared_expert.down_proj.weight": "ffn_down_shexp.weight",
               # dots1: the sigmoid router's selection bias and the ungated shared experts
               "gate.e_score_correction_bias": "exp_probs_b.bias",
+              "moe_statics.e_score_correction_bias": "exp_probs_b.bias",  # Ernie 4.5's ([1, E]: written [E])
               **{f"shared_experts.{m}_proj.weight": f"ffn_{m}_shexp.weight" for m in ("gate", "up", "down")}}
 F32_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 
@@ -129,7 +131,8 @@ def stack_experts(state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
             experts.setdefault((layer, _EXPERT_PARTS[parts[6]]), {})[int(parts[5])] = state.pop(name).float().numpy()
         elif rest in _MOE_NAMES:
             arr = state.pop(name).float().numpy()
-            out[f"blk.{layer}.{_MOE_NAMES[rest]}"] = arr.reshape(-1) if rest == "shared_expert_gate.weight" else arr
+            flat = rest in ("shared_expert_gate.weight", "moe_statics.e_score_correction_bias")
+            out[f"blk.{layer}.{_MOE_NAMES[rest]}"] = arr.reshape(-1) if flat else arr
     for (layer, part), by_expert in experts.items():
         out[f"blk.{layer}.{part}.weight"] = np.stack([by_expert[e] for e in sorted(by_expert)])
     return out
@@ -357,7 +360,8 @@ def write_gguf(
 
 def _experts(cfg: dict[str, Any]) -> int:
     """The routed experts' count however the family spells it (0: a dense model)."""
-    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
+    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
+               or cfg.get("moe_num_experts") or 0)
 
 
 def _family_metadata(arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
@@ -382,7 +386,7 @@ def _family_metadata(arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> di
     experts = _experts(cfg)
     if experts:  # llama.cpp's MoE keys (Mixtral: "llama" with a window when its config has one)
         meta[f"{arch}.expert_count"] = experts
-        meta[f"{arch}.expert_used_count"] = cfg["num_experts_per_tok"]
+        meta[f"{arch}.expert_used_count"] = cfg.get("num_experts_per_tok") or cfg["moe_k"]
         if cfg.get("moe_intermediate_size") or cfg["model_type"] == "gpt_oss":
             meta[f"{arch}.expert_feed_forward_length"] = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
         if cfg.get("shared_expert_intermediate_size"):
@@ -400,6 +404,10 @@ def _family_metadata(arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> di
             if cfg.get("n_group", 1) > 1:
                 meta[f"{arch}.expert_group_count"] = cfg["n_group"]
                 meta[f"{arch}.expert_group_used_count"] = cfg["topk_group"]
+        if cfg["model_type"] == "ernie4_5_moe":  # as llama.cpp's Ernie4_5MoeModel converter writes them
+            meta[f"{arch}.expert_shared_count"] = cfg["moe_num_shared_experts"]
+            meta[f"{arch}.leading_dense_block_count"] = cfg["moe_layer_start_index"]
+            meta[f"{arch}.interleave_moe_layer_step"] = cfg["moe_layer_interval"]
         if cfg["model_type"] == "mixtral" and cfg.get("sliding_window"):
             meta[f"{arch}.attention.sliding_window"] = cfg["sliding_window"]
     if cfg["model_type"] in QWEN3_NEXT_TYPES:

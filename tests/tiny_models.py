@@ -81,6 +81,12 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
                  "topk_group": 2, "norm_topk_prob": True, "routed_scaling_factor": 1.5, "attention_bias": True,
                  "use_qk_norm": True,
                  "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+    # ERNIE 4.5 MoE: a softmax router whose selection bias (a parameter, randomised below with the
+    # biases) changes which of 8 experts run, top-2 renormalised; layers 1..2 sparse (0 dense); one
+    # shared expert; interleaved (GPT-J) RoPE.
+    "ernie4_5_moe": {"num_hidden_layers": 3, "head_dim": 16, "moe_num_experts": 8, "moe_k": 2,
+                     "moe_intermediate_size": 32, "moe_num_shared_experts": 1, "moe_layer_start_index": 1,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
     # LFM2 (issue 28): convolution layers around two attention layers, the 3-tap kernel of the
     # checkpoints, transformers' auto-adjusted MLP width (2/3 x 128 rounded up to 32: 96).
     "lfm2": {"num_hidden_layers": 5, "layer_types": ["conv", "conv", "full_attention", "conv", "full_attention"],
@@ -155,6 +161,7 @@ def _classes(arch: str) -> tuple[type, type]:
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
         "dots1": (tf.Dots1Config, tf.Dots1ForCausalLM),
         "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
+        "ernie4_5_moe": (tf.Ernie4_5_MoeConfig, tf.Ernie4_5_MoeForCausalLM),
         "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
         "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM),
         "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),

@@ -18,7 +18,7 @@ NORM_PLACEMENTS = ("pre", "post", "both")
 ACTIVATIONS = ("silu", "gelu_tanh")
 QK_NORMS = ("head", "projection")
 MLP_KINDS = ("dense", "sparse")
-MOE_CHECKPOINTS = ("mlp", "mixtral", "gpt_oss", "deepseek")
+MOE_CHECKPOINTS = ("mlp", "mixtral", "gpt_oss", "deepseek", "ernie")
 MOE_ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_topk")
 MOE_ACTIVATIONS = ("silu", "swiglu_oai")
 
@@ -139,7 +139,8 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     # HF expert names: "mlp" (mlp.experts.N.{gate,up,down}_proj), "mixtral" (block_sparse_moe.experts.N.w1/w3/w2)
     # or "gpt_oss" (mlp.router, mlp.experts.{gate_up,down}_proj stacked, gate/up columns interleaved)
-    # or "deepseek" ("mlp" names plus mlp.gate.e_score_correction_bias and mlp.shared_experts.*).
+    # or "deepseek" ("mlp" names plus mlp.gate.e_score_correction_bias and mlp.shared_experts.*)
+    # or "ernie" (as "deepseek", the bias as mlp.moe_statics.e_score_correction_bias [1, E]).
     moe_checkpoint: str = "mlp"
     # gpt-oss's MoE: "topk_softmax" takes the top k router logits and softmaxes those k (the others
     # softmax over all E, then take the top k); moe_bias: the router and the experts have biases;
@@ -165,6 +166,11 @@ class ModelConfig:
     # Layers a checkpoint holds past num_layers that the model does not run (GLM-4.5's multi-token
     # prediction layers: HF's model.layers.{num_layers + i}.*, GGUF's blk.{num_layers + i}.*); skipped at load.
     checkpoint_extra_layers: int = 0
+    # Other checkpoint tensors the model does not run, by name prefix (Ernie 4.5's "model.mtp*").
+    checkpoint_skipped_prefixes: tuple[str, ...] = ()
+    # The HF checkpoint's q/k rows rotate interleaved pairs (GPT-J style; Ernie 4.5): reordered at
+    # load into rotate-half's [first half | second half] per head (gguf_blocks.unpermute_qk).
+    rope_interleaved_checkpoint: bool = False
     shared_expert_gated: bool = True
     # gpt-oss's attention sinks: a learned logit per query head joining every softmax (no value).
     attention_sinks: bool = False

@@ -637,9 +637,11 @@ class DecoderForCausalLM(nn.Module):
 
     @property
     def ignored_checkpoint_prefixes(self) -> tuple[str, ...]:
-        """Checkpoint layers past the model's (ModelConfig.checkpoint_extra_layers: GLM-4.5's MTP layers)."""
+        """Checkpoint layers past the model's (ModelConfig.checkpoint_extra_layers: GLM-4.5's MTP
+        layers) and other parts it does not run (checkpoint_skipped_prefixes: Ernie 4.5's MTP head)."""
         n = self.config.num_layers
-        return tuple(f"model.layers.{n + i}." for i in range(self.config.checkpoint_extra_layers))
+        extra = tuple(f"model.layers.{n + i}." for i in range(self.config.checkpoint_extra_layers))
+        return extra + self.config.checkpoint_skipped_prefixes
 
     def ignored_checkpoint_tensors(self) -> frozenset[str]:
         """Tensors a checkpoint may hold that this model has no use for: the K/V projections and

@@ -139,8 +139,10 @@ def _moe_tensor_names(gguf_name: str, config: ModelConfig | None) -> list[str] |
     part = m.group(2)
     if part in _MOE_NAMES:  # "deepseek" (dots1) names its ungated shared experts shared_experts.*
         name = _MOE_NAMES[part]
+        if config.moe_checkpoint == "ernie" and part == "exp_probs_b.bias":
+            return [prefix + "moe_statics.e_score_correction_bias"]
         return [prefix + (name.replace("shared_expert.", "shared_experts.")
-                          if config.moe_checkpoint == "deepseek" else name)]
+                          if config.moe_checkpoint in ("deepseek", "ernie") else name)]
     if part in _EXPERT_PARTS:
         hf = _EXPERT_PARTS[part][1 if mixtral else 0]
         return [f"{prefix}experts.{e}.{hf}.weight" for e in range(config.num_experts)]

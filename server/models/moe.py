@@ -199,13 +199,15 @@ class SparseMoE(nn.Module):
             t[x + names[0] + ".weight"] = WeightTarget(gu[e, :I], (I, H))
             t[x + names[1] + ".weight"] = WeightTarget(gu[e, I:], (I, H))
             t[x + names[2] + ".weight"] = WeightTarget(dn[e], (H, I))
-        if self.selection_bias is not None:
+        if self.selection_bias is not None and self.checkpoint_layout == "ernie":
+            t[m + "moe_statics.e_score_correction_bias"] = WeightTarget(self.selection_bias.view(1, E), (1, E))
+        elif self.selection_bias is not None:
             t[m + "gate.e_score_correction_bias"] = WeightTarget(self.selection_bias, (E,))
         sgu, sdn, sg = self.shared_gate_up_weight, self.shared_down_weight, self.shared_gate_weight
         if sgu is not None and sdn is not None:
             assert isinstance(sgu, torch.Tensor) and isinstance(sdn, torch.Tensor)
             S = sdn.shape[1]
-            s = m + ("shared_experts." if self.checkpoint_layout == "deepseek" else "shared_expert.")
+            s = m + ("shared_experts." if self.checkpoint_layout in ("deepseek", "ernie") else "shared_expert.")
             t[s + "gate_proj.weight"] = WeightTarget(sgu[:S], (S, H))
             t[s + "up_proj.weight"] = WeightTarget(sgu[S:], (S, H))
             t[s + "down_proj.weight"] = WeightTarget(sdn, (H, S))

@@ -111,11 +111,12 @@ _EXPERT_PARTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_p
 _MOE_NAMES = {"gate.weight": "ffn_gate_inp.weight", "shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
               "shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
               "shared_expert.up_proj.weight": "ffn_up_shexp.weight",
-              "shared_expert.down_proj.weight": "ffn_down_shexp.weight",
-              # dots1: the sigmoid router's selection bias and the ungated shared experts
-              "gate.e_score_correction_bias": "exp_probs_b.bias",
-              "moe_statics.e_score_correction_bias": "exp_probs_b.bias",  # Ernie 4.5's ([1, E]: written [E])
-              **{f"shared_experts.{m}_proj.weight": f"ffn_{m}_shexp.weight" for m in ("gate", "up", "down")}}
+              "shared_expert.down_proj.weight": "ffn_down_shexp.weight"}
+# What stack_experts also writes (not one-to-one, so kept apart: tests/gguf_qwen3_next.py inverts
+# _MOE_NAMES): dots1's / GLM-4.5's / ERNIE 4.5's selection bias and their ungated shared experts.
+_MOE_WRITE_NAMES = {**_MOE_NAMES, "gate.e_score_correction_bias": "exp_probs_b.bias",
+                    "moe_statics.e_score_correction_bias": "exp_probs_b.bias",  # ERNIE 4.5's [1, E], written [E]
+                    **{f"shared_experts.{m}_proj.weight": f"ffn_{m}_shexp.weight" for m in ("gate", "up", "down")}}
 F32_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 
 
@@ -129,10 +130,10 @@ def stack_experts(state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
         layer, rest = parts[2], ".".join(parts[4:])
         if parts[4] == "experts":
             experts.setdefault((layer, _EXPERT_PARTS[parts[6]]), {})[int(parts[5])] = state.pop(name).float().numpy()
-        elif rest in _MOE_NAMES:
+        elif rest in _MOE_WRITE_NAMES:
             arr = state.pop(name).float().numpy()
             flat = rest in ("shared_expert_gate.weight", "moe_statics.e_score_correction_bias")
-            out[f"blk.{layer}.{_MOE_NAMES[rest]}"] = arr.reshape(-1) if flat else arr
+            out[f"blk.{layer}.{_MOE_WRITE_NAMES[rest]}"] = arr.reshape(-1) if flat else arr
     for (layer, part), by_expert in experts.items():
         out[f"blk.{layer}.{part}.weight"] = np.stack([by_expert[e] for e in sorted(by_expert)])
     return out

@@ -43,9 +43,9 @@
 #include "../ops.h"
 #include "cpu_features.h"
 #include "dispatch_mode.h"
-#include "moe_route.h"
 #include "quant4_kernel.h"
 #include "quant_kernel.h"
+#include "moe_route.h"  // (after the kernels' headers: cpu::route_rows, this op's router)
 
 namespace pagewire {
 namespace {

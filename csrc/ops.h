@@ -46,6 +46,16 @@ at::Tensor short_conv_cpu(const at::Tensor& bcx, const at::Tensor& weight_t, con
 // everything else, and CPUs with neither, is at::linear.
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 
+// bf16 weights in the interleaved x8 layout (cpu/linear_kernel.h), which the AVX2 bf16 kernel
+// streams fastest: weight uint8 [N, 2K] (the [N, K] bf16 matrix's bytes, moved; K % 16 == 0).
+at::Tensor interleave_bf16_cpu(const at::Tensor& weight);    // bf16 [N, K] -> uint8 [N, 2K]
+at::Tensor deinterleave_bf16_cpu(const at::Tensor& weight);  // uint8 [N, 2K] -> bf16 [N, K]
+// x [M, K] @ weight^T + bias [N] -> [M, N] in x's dtype: bf16 x through linear_bf16x8_avx2 at every
+// M (pagewire::linear's AVX2 result, bit for bit); other dtypes or no AVX2, at::linear.
+at::Tensor linear_bf16x8_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+// ids int64 [...] -> bf16 [..., K]: F.embedding of the x8 weight's rows (a tied embedding table).
+at::Tensor embedding_bf16x8_cpu(const at::Tensor& ids, const at::Tensor& weight);
+
 // Q8_0 quantised weights (GGUF's block layout: per 32 values an fp16 scale and 32 int8), see
 // cpu/quant_kernel.h. weight: uint8 [N, K / 32 * 34].
 constexpr int64_t kQ8KernelMaxRows = 16;  // larger batches dequantise and use ATen's GEMM

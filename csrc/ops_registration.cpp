@@ -37,6 +37,11 @@ TORCH_LIBRARY(pagewire, m) {
   m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
   // Q8_0 weights: uint8 [N, K / 32 * 34], GGUF's block layout (fp16 scale + 32 int8 per block), or
   // with interleaved=True eight rows at a time (cpu/quant_kernel.h), as interleave_q8_0 makes them
+  // bf16 weights in the interleaved x8 layout (uint8 [N, 2K], cpu/linear_kernel.h)
+  m.def("interleave_bf16(Tensor weight) -> Tensor");
+  m.def("deinterleave_bf16(Tensor weight) -> Tensor");
+  m.def("linear_bf16x8(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("embedding_bf16x8(Tensor ids, Tensor weight) -> Tensor");
   m.def("quantize_q8_0(Tensor weight) -> Tensor");
   m.def("dequantize_q8_0(Tensor weight, bool interleaved=False) -> Tensor");
   m.def("interleave_q8_0(Tensor weight) -> Tensor");
@@ -122,6 +127,10 @@ TORCH_LIBRARY_IMPL(pagewire, CPU, m) {
   m.impl("linear_q8_0", &pagewire::linear_q8_0_cpu);
   m.impl("interleave_q8_0", &pagewire::interleave_q8_0_cpu);
   m.impl("quantize_q4_0", &pagewire::quantize_q4_0_cpu);
+  m.impl("interleave_bf16", &pagewire::interleave_bf16_cpu);
+  m.impl("deinterleave_bf16", &pagewire::deinterleave_bf16_cpu);
+  m.impl("linear_bf16x8", &pagewire::linear_bf16x8_cpu);
+  m.impl("embedding_bf16x8", &pagewire::embedding_bf16x8_cpu);
   m.impl("dequantize_q4", &pagewire::dequantize_q4_cpu);
   m.impl("linear_q4", &pagewire::linear_q4_cpu);
   m.impl("interleave_q4", &pagewire::interleave_q4_cpu);

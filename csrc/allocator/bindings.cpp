@@ -1,5 +1,5 @@
 // pybind11 bindings for the KV block allocator (server._C.BlockAllocator): argument conversion
-// only; the semantics live in block_allocator.cpp. C++ std::invalid_argument surfaces as
+// only; the semantics live in block_allocator*.cpp. C++ std::invalid_argument surfaces as
 // ValueError and std::runtime_error as RuntimeError (pybind11's standard translation).
 #include "bindings.h"
 

@@ -26,8 +26,8 @@
 namespace pagewire {
 
 // x @ w^T (+ b) by the path ops.linear would take: "kernel" (pagewire::linear), "torch"
-// (F.linear, i.e. at::linear), "q8_0" / "q8_0x8" (pagewire::linear_q8_0, row or interleaved
-// layout), or a qtype of pagewire::linear_q4 ("q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "mxfp4",
+// (F.linear, i.e. at::linear), "bf16x8" (pagewire::linear_bf16x8: a bf16 weight in the x8 layout),
+// "q8_0" / "q8_0x8" (pagewire::linear_q8_0, row or interleaved layout), or a qtype of pagewire::linear_q4 ("q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "mxfp4",
 // "q4_0x8", "q4_1x8", "q4_kx8", "q6_kx8"). Also moe_decode's router and shared expert.
 at::Tensor run_linear_kind(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
                            const std::string& kind) {
@@ -35,6 +35,7 @@ at::Tensor run_linear_kind(const at::Tensor& x, const at::Tensor& w, const c10::
   if (kind == "torch") return at::linear(x, w, b);
   if (kind == "q8_0") return linear_q8_0_cpu(x, w, b, false);
   if (kind == "q8_0x8") return linear_q8_0_cpu(x, w, b, true);
+  if (kind == "bf16x8") return linear_bf16x8_cpu(x, w, b);
   // Any other kind is a linear_q4 qtype (the 4-bit and K-quant formats), which checks the rest.
   TORCH_CHECK(kind.rfind("q4_", 0) == 0 || kind == "q5_k" || kind.rfind("q6_k", 0) == 0 || kind == "mxfp4",
               "decode_layer: unknown linear kind '", kind, "'");

@@ -22,6 +22,7 @@
 
 #include "../ops.h"
 #include "cpu_features.h"
+#include "float_rows.h"
 #include "quant4_kernel.h"
 #include "quant_kernel.h"
 
@@ -407,10 +408,17 @@ at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::str
     }
     return out;
   }
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M == 0 || N == 0) return out.to(x.scalar_type());
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const at::Tensor bf = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  if (M == 0 || N == 0) return at::empty({M, N}, x.options());
+  const cpu::Isa isa = cpu::active_isa();
+  const bool portable = isa == cpu::Isa::kPortable;
+  // bf16 rows in and out through per-thread fp32 buffers (float_rows.h), not ATen conversions.
+  thread_local std::vector<float> xbuf;
+  at::Tensor xkeep;
+  const float* xf = cpu::float_rows(x, xbuf, xkeep, !portable);
+  cpu::FloatOut out(M, N, x.options(), !portable);
+  thread_local std::vector<float> bbuf;
+  at::Tensor bkeep;
+  const float* b = has_bias ? cpu::float_rows(*bias, bbuf, bkeep, !portable) : nullptr;
   // Per calling thread (the engine thread), reused across calls: no allocation per decode step.
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xd, xs;
@@ -420,17 +428,14 @@ at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::str
     xd.resize(M * nb);
     xs.resize(M * nb);
   }
-  const cpu::Isa isa = cpu::active_isa();
-  const bool portable = isa == cpu::Isa::kPortable;
-  (portable ? cpu::quantize_rows_q8 : cpu::quantize_rows_q8_avx2)(xf.data_ptr<float>(), K, M, K, xq.data(),
+  (portable ? cpu::quantize_rows_q8 : cpu::quantize_rows_q8_avx2)(xf, K, M, K, xq.data(),
                                                                     xd.data(), xs.data());
   const cpu::Q8SumActivations act{xq.data(), xd.data(), xs.data(), M, K};
   const auto kernel = portable                      ? cpu::linear_q4_portable
                       : isa >= cpu::Isa::kAvx512 ? cpu::linear_q4_avx512
                                                  : cpu::linear_q4_avx2;
   const uint8_t* w = wc.data_ptr<uint8_t>();
-  const float* b = has_bias ? bf.data_ptr<float>() : nullptr;
-  float* o = out.data_ptr<float>();
+  float* o = out.data();
   if (!f.interleaved) {
     kernel(t, act, w, b, o, N, N);
   } else if (!portable) {
@@ -449,7 +454,7 @@ at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::str
     std::memcpy(rows.data() + N / G * G * rb, w + N / G * G * rb, (N % G) * rb);
     kernel(t, act, rows.data(), b, o, N, N);
   }
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return out.finish();
 }
 
 }  // namespace pagewire

@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -19,10 +20,22 @@
 #include "../ops.h"
 #include "cpu_features.h"
 #include "dispatch_mode.h"
+#include "float_rows.h"
 #include "quant_kernel.h"
 
 namespace pagewire {
 namespace cpu {
+
+void bf16_to_f32(const uint16_t* x, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(x[i]) << 16;
+    std::memcpy(out + i, &bits, 4);
+  }
+}
+
+void f32_to_bf16(const float* x, uint16_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = c10::BFloat16(x[i]).x;  // c10's round to nearest even
+}
 
 void quantize_rows_q8(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
   const int64_t nb = K / kQ8Block;
@@ -207,19 +220,24 @@ at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const 
     // one pass over the weight.
     return at::linear(x, dequantize_q8_0_cpu(weight, interleaved).to(x.scalar_type()), bias);
   }
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M == 0 || N == 0) return out.to(x.scalar_type());
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  if (M == 0 || N == 0) return at::empty({M, N}, x.options());
+  const cpu::Isa isa = cpu::active_isa();
+  const bool portable = isa == cpu::Isa::kPortable;
+  // bf16 rows in and out through per-thread fp32 buffers (float_rows.h), not ATen conversions.
+  thread_local std::vector<float> xbuf;
+  at::Tensor xkeep;
+  const float* xf = cpu::float_rows(x, xbuf, xkeep, !portable);
+  cpu::FloatOut out(M, N, x.options(), !portable);
   const at::Tensor wc = weight.contiguous();
-  const at::Tensor bf = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  thread_local std::vector<float> bbuf;
+  at::Tensor bkeep;
+  const float* b = has_bias ? cpu::float_rows(*bias, bbuf, bkeep, !portable) : nullptr;
   // Per calling thread (the engine thread), reused across calls: no allocation per decode step.
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xd;
   if (static_cast<int64_t>(xq.size()) < M * K) xq.resize(M * K);
   if (static_cast<int64_t>(xd.size()) < M * K / cpu::kQ8Block) xd.resize(M * K / cpu::kQ8Block);
-  const cpu::Isa isa = cpu::active_isa();
-  const bool portable = isa == cpu::Isa::kPortable;
-  (portable ? cpu::quantize_rows_q8 : cpu::quantize_rows_q8_avx2)(xf.data_ptr<float>(), K, M, K, xq.data(),
+  (portable ? cpu::quantize_rows_q8 : cpu::quantize_rows_q8_avx2)(xf, K, M, K, xq.data(),
                                                                     xd.data(), nullptr);
   const cpu::Q8Activations act{xq.data(), xd.data(), M, K};
   // AMX from kAmxMinRows rows (as for bf16, dispatch_mode.h: not in batch-invariant mode).
@@ -228,8 +246,7 @@ at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const 
                       : isa >= cpu::Isa::kAvx512 ? cpu::linear_q8_0_avx512
                                                  : cpu::linear_q8_0_avx2;
   const uint8_t* w = wc.data_ptr<uint8_t>();
-  const float* b = has_bias ? bf.data_ptr<float>() : nullptr;
-  float* o = out.data_ptr<float>();
+  float* o = out.data();
   if (!interleaved) {
     kernel(act, w, b, o, N, N);
   } else if (!portable) {
@@ -244,7 +261,7 @@ at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const 
     // weight was prepared for.
     kernel(act, deinterleaved(wc, K).data(), b, o, N, N);
   }
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return out.finish();
 }
 
 }  // namespace pagewire

@@ -149,6 +149,42 @@ inline __m256 round_half_away(__m256 a) {
 
 }  // namespace
 
+void bf16_to_f32_avx2(const uint16_t* x, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm256_slli_epi32(w, 16));
+  }
+  for (; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(x[i]) << 16;
+    std::memcpy(out + i, &bits, 4);
+  }
+}
+
+// Round to nearest even: add 0x7FFF plus the lowest kept bit, keep the high half; NaN -> 0x7FC0
+// (c10::BFloat16's quiet NaN), so every value gets the scalar conversion's bits.
+void f32_to_bf16_avx2(const float* x, uint16_t* out, int64_t n) {
+  const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1), qnan = _mm256_set1_epi32(0x7FC0);
+  auto round8 = [&](const float* p) {
+    const __m256 f = _mm256_loadu_ps(p);
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(u, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(u, 16), one))), 16);
+    return _mm256_blendv_epi8(qnan, r, _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_ORD_Q)));
+  };
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    // packus works within 128-bit lanes; the permute puts the 16 results back in order.
+    const __m256i p = _mm256_packus_epi32(round8(x + i), round8(x + i + 8));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm256_permute4x64_epi64(p, 0xD8));
+  }
+  for (; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, x + i, 4);
+    out[i] = x[i] != x[i] ? 0x7FC0 : static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+  }
+}
+
 void quantize_rows_q8_avx2(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
   const int64_t nb = K / kQ8Block;
   const __m256 sign = _mm256_set1_ps(-0.f);

@@ -43,6 +43,7 @@
 #include "../ops.h"
 #include "cpu_features.h"
 #include "dispatch_mode.h"
+#include "float_rows.h"
 #include "quant4_kernel.h"
 #include "quant_kernel.h"
 #include "moe_route.h"  // (after the kernels' headers: cpu::route_rows, this op's router)
@@ -281,9 +282,12 @@ at::Tensor moe_decode_cpu(const at::Tensor& x, const at::Tensor& router_weight, 
   std::sort(by_expert.begin(), by_expert.end(), [&](size_t a, size_t b) { return used[a] < used[b]; });
 
   // x quantised once; each expert's rows gathered from it.
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  // x widened without an ATen conversion (float_rows.h).
+  thread_local std::vector<float> xbuf;
+  at::Tensor xkeep;
+  const float* xf = cpu::float_rows(x, xbuf, xkeep, cpu::active_isa() != cpu::Isa::kPortable);
   thread_local QuantRows xq;
-  xq.quantize(xf.data_ptr<float>(), T, H);
+  xq.quantize(xf, T, H);
   const int64_t nbH = H / 32, nbI = I / 32;
   const size_t U = used.size();
   std::vector<QuantRows> xe(U), ae(U);  // per used expert: its input rows, its activation rows

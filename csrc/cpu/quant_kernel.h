@@ -24,6 +24,14 @@ struct Q8Activations {
 void quantize_rows_q8(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* d, float* s);
 void quantize_rows_q8_avx2(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* d, float* s);
 
+// bf16 <-> fp32 for the kernels' activations and results (float_rows.h). Widening is exact;
+// narrowing rounds to nearest even, ATen's rule, so the bits equal `t.to(kBFloat16)`'s for
+// every finite value (a NaN stays a NaN). The AVX2 versions give the same bits (Isa::kAvx2).
+void bf16_to_f32(const uint16_t* x, float* out, int64_t n);
+void bf16_to_f32_avx2(const uint16_t* x, float* out, int64_t n);
+void f32_to_bf16(const float* x, uint16_t* out, int64_t n);
+void f32_to_bf16_avx2(const float* x, uint16_t* out, int64_t n);
+
 // out[m][n] = sum_b xd[m][b] * wd[n][b] * sum_j xq * wq (+ bias[n]), fp32 out [M, N] with row
 // stride ldo; bias fp32 [N] or nullptr. w: [N, K/32 * 34] Q8_0 bytes.
 void linear_q8_0_portable(const Q8Activations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,

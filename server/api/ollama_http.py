@@ -41,18 +41,14 @@ from server.api.ollama_format import (
     EmbedRequest,
     GenerateRequest,
     ModelRequest,
-    NdjsonStream,
-    Timing,
-    chat_body,
     chat_spec,
     check_keep_alive,
-    generate_body,
     generate_spec,
-    load_body,
     ollama_error,
     unloads,
 )
 from server.api.ollama_models import ModelFacts, model_facts
+from server.api.ollama_output import NdjsonStream, Timing, chat_body, generate_body, load_body
 from server.gateway.auth import bind, principal_of
 from server.serving.durations import keep_alive_seconds
 from server.serving.errors import InvalidRequest, NotFound, PagewireError

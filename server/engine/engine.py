@@ -16,8 +16,8 @@ from typing import Optional
 from typing import Sequence as Seq
 
 import torch
-import torch.nn.functional as F
 
+from server.engine.adapters import adapter_slot, load_adapters
 from server.engine.config import EngineConfig, Quantization
 from server.engine.draft_proposer import (
     DraftModelProposer,
@@ -25,6 +25,7 @@ from server.engine.draft_proposer import (
     draft_kv_groups,
     load_draft_model,
 )
+from server.engine.embedding_step import check_task, fold_pooled
 from server.engine.errors import CapacityLimits, ConfigError, check_capacity
 from server.engine.hybrid_states import HybridStates
 from server.engine.isolation import execute_isolating
@@ -47,9 +48,7 @@ from server.kernels import autotune, batch_invariant
 from server.kernels.ops import Q8_KERNEL_MAX_ROWS, cpu_isa
 from server.models import load_progress
 from server.models.loader import load_model
-from server.models.lora import LoraSet
-from server.models.lora_config import LoraError, check_base_model, read_lora_config
-from server.models.pooling import Pooler, PoolingMethod, resolve_pooler
+from server.models.pooling import Pooler, resolve_pooler
 from server.models.protocol import CausalLM
 from server.models.registry import kv_shape
 from server.models.state_specs import is_hybrid, state_slot_bytes, state_specs
@@ -96,6 +95,7 @@ class LLMEngine:
         if config.quantization not in (Quantization.NONE, Quantization.GGUF):  # GGUF is done by the loader
             load_progress.stage("quantise and repack")
             self.model.quantize_weights(config.quantization)
+        self.model.interleave_bf16()  # bf16 matrices into the x8 layout on AVX2 CPUs (moved, not copied)
         self.tokenizer = load_tokenizer(config.model)
         mc = self.model_config
         self.device = torch.device(config.device)
@@ -146,7 +146,7 @@ class LLMEngine:
             chunk_tokens=layout.chunk_tokens,
         )
         load_progress.stage("kv pool", layout.total_bytes)
-        self.lora = self._load_adapters(config, kv_dtype)
+        self.lora = load_adapters(config, self.model, mc, self.device, kv_dtype, embedding=self.pooler is not None)
         self.runner = ModelRunner(self.model, num_blocks, bs, self.kv_cache, self.device, kv_dtype, layout.groups,
                                   state_cache, self.lora)
         self.sampler = Sampler(seed=config.seed)
@@ -190,25 +190,6 @@ class LLMEngine:
             logger.info("ITL target: %.0f ms per step while sequences decode", config.itl_target_ms)
         self._step_rows = (0, 0)  # (decode rows, prefill tokens) of the step being run
 
-    def _load_adapters(self, config: EngineConfig, dtype: torch.dtype) -> Optional[LoraSet]:
-        """The LoRA adapters of `lora_modules`, checked against the model (None: none given)."""
-        if not config.lora_modules:
-            return None
-        if self.pooler is not None:
-            raise ConfigError("lora_modules", "LoRA adapters apply to generation models, this one serves embeddings")
-        try:
-            check_base_model(self.model_config)
-        except LoraError as e:
-            raise ConfigError("lora_modules", str(e).removeprefix("--lora: ")) from None
-        lora = LoraSet(self.model.lora_layout(), dtype, self.device, self.model_config.vocab_size)
-        for name, path in config.adapters:
-            cfg = read_lora_config(path)
-            lora.load(name, cfg)
-            logger.info("LoRA adapter %s: %s (r=%d, scale %g, %s)", name, path, cfg.rank, cfg.scale,
-                        ", ".join(sorted(cfg.targets)) or cfg.target_regex)
-        logger.info("LoRA: %d adapter(s)", len(lora.names))
-        return lora
-
     def _autotune_linears(self, config: EngineConfig,
                           draft: Optional[CausalLM]) -> Optional[autotune.LinearTable]:
         """The linear paths' table for this engine's steps (server.kernels.autotune), or None (fixed rules)."""
@@ -237,12 +218,12 @@ class LLMEngine:
         could never be scheduled (see errors.check_capacity)."""
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        lora_slot = self._lora_slot(lora)
+        lora_slot = adapter_slot(self.lora, lora)
         ids = list(prompt_token_ids)
         if not ids:
             raise ValueError("prompt: must contain at least one token")
         check_token_ids(ids, self.vocab_size, "prompt")
-        self._check_task(params)
+        check_task(params, self.pooler, self.config.model, self.model_config.hidden_size)
         n = len(ids)
         check_capacity(n, params.max_tokens, params.n, self.limits)
         grammar = self.structured.prepare(params)  # structured outputs; raises naming the field
@@ -264,30 +245,6 @@ class LLMEngine:
         seq.grammar = StructuredDecoder.new_state(grammar, gate)
         self.scheduler.add(seq)
         self.requests[request_id] = req
-
-    def _lora_slot(self, lora: Optional[str]) -> int:
-        """The adapter's slot (0 for None); ValueError naming `model` for an unknown name."""
-        if lora is None:
-            return 0
-        names = self.lora.names if self.lora is not None else []
-        if lora not in names:
-            have = f"the adapters are {', '.join(names)}" if names else "no LoRA adapters are loaded"
-            raise ValueError(f"model: no LoRA adapter named {lora!r}; {have}")
-        assert self.lora is not None
-        return self.lora.slot(lora)
-
-    def _check_task(self, params: SamplingParams) -> None:
-        """An embedding request needs an embedding model and the other way round (ValueError
-        naming `model`), and `dimensions` at most the model's width."""
-        name = self.config.model
-        if self.pooler is None and params.embedding is not None:
-            raise ValueError(f"model: {name} is served for generation, not embeddings")
-        if self.pooler is not None and params.embedding is None:
-            raise ValueError(f"model: {name} is an embedding model; it answers embedding requests only")
-        dims = getattr(params.embedding, "dimensions", None)
-        width = self.model_config.hidden_size
-        if dims is not None and not 1 <= dims <= width:
-            raise ValueError(f"dimensions: must be between 1 and {width} (this model's embedding size), got {dims}")
 
     def _add_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
         seq = Sequence(req, index, token_ids)
@@ -403,7 +360,7 @@ class LLMEngine:
                 self.states.reset()
         touched: dict[str, Request] = {}
         if self.pooler is not None:
-            self._pool(out.scheduled, touched)
+            fold_pooled(out.scheduled, touched)
         rows = self._advance(out.scheduled)
         if rows and self.spec is not None:  # sequences with proposals: verified and applied there
             rows, emitted = self.spec.verify(logits, rows, touched, now)
@@ -439,7 +396,7 @@ class LLMEngine:
             seq.num_computed_tokens += share.num_new_tokens - share.num_spec  # proposals: see verify
             if self.states is not None:  # a prompt's snapshot boundary: save the recurrent state
                 self.states.after_compute(seq, before)
-            if not samples or seq.request.pooler is not None:  # embeddings: pooled in _pool
+            if not samples or seq.request.pooler is not None:  # embeddings: pooled in embedding_step.fold_pooled
                 continue
             rows.append((row, seq))
             req = seq.request
@@ -456,44 +413,6 @@ class LLMEngine:
                 req.forked = True
             row += n_rows
         return rows
-
-    def _pool(self, scheduled: list[ScheduledSeq], touched: dict[str, Request]) -> None:
-        """Fold each embedding share's rows (the runner's `ScheduledSeq.pooled`) into its request;
-        a share that brings the prompt up to date ends it with the vector (`Request.embedding`)
-        and finish_reason stop. Runs before `_advance`, so `share.samples` still reads the
-        pre-step `num_computed_tokens`."""
-        for share in scheduled:
-            req = share.seq.request
-            pooler = req.pooler
-            if pooler is None:
-                continue
-            part = share.pooled
-            share.pooled = None
-            if part is not None:
-                # Mean: a share from position 0 starts the sum afresh (a preempted request
-                # recomputes its whole prompt, never from a prefix hit: see the scheduler).
-                if pooler.method is PoolingMethod.MEAN and share.seq.num_computed_tokens > 0 and req.pooled is not None:
-                    req.pooled = req.pooled + part  # (inference tensors: no in-place add outside the forward)
-                else:
-                    req.pooled = part
-            if not share.samples:
-                continue
-            vec = req.pooled
-            assert vec is not None, "an embedding request's last share pools its prompt"
-            if pooler.method is PoolingMethod.MEAN:
-                vec = vec / len(req.prompt_token_ids)
-            dims = getattr(req.params.embedding, "dimensions", None)
-            if dims is not None:
-                vec = vec[:dims]  # Matryoshka: the leading dimensions, normalised again below
-            if pooler.normalize:
-                vec = F.normalize(vec, p=2.0, dim=0)  # sentence-transformers' Normalize module
-            req.embedding = vec.tolist()
-            req.pooled = None
-            seq = share.seq
-            seq.finish_reason = FinishReason.STOP
-            touched[req.request_id] = req
-            if req.first_token_time is None:
-                req.first_token_time = time.time()
 
     def _sample_and_apply(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict[str, Request],
                           grammar_masks: Optional[PendingMasks] = None) -> None:

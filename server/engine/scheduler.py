@@ -58,7 +58,7 @@ class ScheduledSeq:
     copies: list[tuple[int, int]] = field(default_factory=list)  # CoW (src, dst) before the write
     num_spec: int = 0  # of num_new_tokens, the proposed (unverified) tokens: seq.spec_token_ids
     # An embedding request's share: what its rows contribute to the pooled vector (set by the
-    # runner after the forward; engine._pool folds it in).
+    # runner after the forward; embedding_step.fold_pooled folds it in).
     pooled: "Optional[torch.Tensor]" = None
 
     @property

@@ -17,6 +17,9 @@ class Qtype(StrEnum):
     Q5_K = "q5_k"
     Q6_K = "q6_k"
     MXFP4 = "mxfp4"  # GGUF ships it for experts only (QuantizedExperts in moe_experts)
+    # Not quantised: a bf16 matrix moved into the interleaved x8 layout (QuantizedWeight.from_bf16),
+    # which the AVX2 bf16 kernel streams fastest; "blocks" of 16 values, 32 bytes.
+    BF16 = "bf16"
 
 
 class LinearKind(StrEnum):
@@ -37,3 +40,4 @@ class LinearKind(StrEnum):
     Q6_K = "q6_k"
     Q6_KX8 = "q6_kx8"
     MXFP4 = "mxfp4"  # moe_experts only
+    BF16X8 = "bf16x8"  # pagewire::linear_bf16x8

@@ -115,6 +115,27 @@ _Q4_FORMATS = {"q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144), "q5_k": (
                "mxfp4": (32, 17)}
 
 
+@torch.library.register_fake("pagewire::interleave_bf16")
+def _interleave_bf16_fake(weight):
+    return weight.new_empty((weight.shape[0], 2 * weight.shape[1]), dtype=torch.uint8)
+
+
+@torch.library.register_fake("pagewire::deinterleave_bf16")
+def _deinterleave_bf16_fake(weight):
+    return weight.new_empty((weight.shape[0], weight.shape[1] // 2), dtype=torch.bfloat16)
+
+
+@torch.library.register_fake("pagewire::embedding_bf16x8")
+def _embedding_bf16x8_fake(ids, weight):
+    return weight.new_empty((*ids.shape, weight.shape[1] // 2), dtype=torch.bfloat16)
+
+
+@torch.library.register_fake("pagewire::linear_bf16x8")
+def _linear_bf16x8_fake(x, weight, bias):
+    torch._check(x.shape[-1] * 2 == weight.shape[1], lambda: "x and weight disagree on K")
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
 @torch.library.register_fake("pagewire::dequantize_q4")
 def _dequantize_q4_fake(weight, qtype):
     values, nbytes = _Q4_FORMATS[qtype]

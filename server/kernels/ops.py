@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import server._C  # (also loads the TORCH_LIBRARY(pagewire) registrations)
 from server.kernels import batch_invariant, linear_plan
-from server.kernels.kinds import LinearKind
+from server.kernels.kinds import LinearKind, Qtype
 from server.kernels.quant import QuantizedExperts, QuantizedWeight
 
 __all__ = [
@@ -218,6 +218,16 @@ def linear(
     return F.linear(x, weight, bias)
 
 
+def embedding(ids: torch.Tensor, table: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    """F.embedding(ids, table), also for a bf16 table moved into the x8 layout (a tied model's
+    table, which its lm_head projects with: DecoderForCausalLM.interleave_bf16)."""
+    if isinstance(table, QuantizedWeight):
+        if table.qtype is not Qtype.BF16:
+            raise ValueError(f"table: an embedding table is float or x8 bf16, not {table.qtype}")
+        return torch.ops.pagewire.embedding_bf16x8(ids, table.data)
+    return F.embedding(ids, table)
+
+
 def linear_kind(dtype: torch.dtype, m: int, weight: torch.Tensor | QuantizedWeight,
                 bias: Optional[torch.Tensor]) -> Optional[LinearKind]:
     """The path `linear` takes for a CPU activation [m, K] of `dtype` (no autograd,
@@ -269,8 +279,8 @@ def fixed_rule_takes_kernel(weight: torch.Tensor | QuantizedWeight, m: int) -> b
     weights up to Q8_KERNEL_MAX_ROWS (above it their op dequantises and runs ATen's GEMM); bf16 on
     AVX2 at every m, elsewhere up to LINEAR_KERNEL_MAX_M; fp32 never (F.linear outside
     deterministic mode). The autotune starts from this rule and keeps it unless timing says otherwise."""
-    if isinstance(weight, QuantizedWeight):
-        return m <= Q8_KERNEL_MAX_ROWS
+    if isinstance(weight, QuantizedWeight):  # (an x8 bf16 weight: the AVX2 kernel, as bf16 on AVX2)
+        return m <= Q8_KERNEL_MAX_ROWS or weight.qtype is Qtype.BF16
     return weight.dtype == torch.bfloat16 and (BF16_KERNEL_EVERY_M or m <= LINEAR_KERNEL_MAX_M)
 
 
@@ -299,11 +309,12 @@ def _float_torch_path(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
 
 
 def _quant_kernel_path(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """The format's integer kernel at every row count: in blocks of Q8_KERNEL_MAX_ROWS rows above it."""
+    """The format's integer kernel at every row count: in blocks of Q8_KERNEL_MAX_ROWS rows above it
+    (an x8 bf16 weight's kernel takes any row count in one call, streaming the weight once)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    if m <= Q8_KERNEL_MAX_ROWS:
+    if m <= Q8_KERNEL_MAX_ROWS or weight.qtype is Qtype.BF16:
         out = weight.linear(x2, bias)
     else:
         out = torch.cat([weight.linear(x2[i : i + Q8_KERNEL_MAX_ROWS], bias) for i in range(0, m, Q8_KERNEL_MAX_ROWS)])
@@ -313,7 +324,7 @@ def _quant_kernel_path(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[
 def _quant_gemm_path(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """Dequantise + ATen's GEMM at every row count (above Q8_KERNEL_MAX_ROWS the op does it itself,
     a chunk of weight rows at a time)."""
-    if x.numel() > Q8_KERNEL_MAX_ROWS * x.shape[-1]:
+    if x.numel() > Q8_KERNEL_MAX_ROWS * x.shape[-1] and weight.qtype is not Qtype.BF16:
         return _linear_quantized(x, weight, bias)
     return F.linear(x, weight.dequantize(x.dtype), bias)
 

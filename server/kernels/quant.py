@@ -57,10 +57,12 @@ QTYPES: dict[Qtype, BlockFormat] = {
     # the low nibble of byte j, value j + 16 in its high nibble); the 4-bit kernels read it (linear_q4
     # qtype "mxfp4", csrc/cpu/quant4_kernel.h). GGUF files ship it for experts only.
     Qtype.MXFP4: BlockFormat(32, 17),
+    # bf16 in the x8 layout only (from_bf16): the same bytes as the bf16 matrix, moved.
+    Qtype.BF16: BlockFormat(16, 32),
 }
 
 # The formats with an interleaved layout (QuantizedWeight.for_kernels).
-INTERLEAVABLE: tuple[Qtype, ...] = (Qtype.Q8_0, Qtype.Q4_0, Qtype.Q4_1, Qtype.Q4_K, Qtype.Q6_K)
+INTERLEAVABLE: tuple[Qtype, ...] = (Qtype.Q8_0, Qtype.Q4_0, Qtype.Q4_1, Qtype.Q4_K, Qtype.Q6_K, Qtype.BF16)
 
 # GGUF tensor type names (gguf.GGMLQuantizationType) -> the qtype that keeps them as they are.
 GGUF_QTYPES: dict[str, Qtype] = {"Q8_0": Qtype.Q8_0, "Q4_0": Qtype.Q4_0, "Q4_1": Qtype.Q4_1, "Q4_K": Qtype.Q4_K,
@@ -110,6 +112,9 @@ class QuantizedWeight:
         if self.interleaved and self.qtype not in INTERLEAVABLE:
             raise ValueError(f"interleaved: only {', '.join(INTERLEAVABLE)} have an interleaved layout, "
                              f"not {self.qtype}")
+        if self.qtype is Qtype.BF16 and not self.interleaved:
+            raise ValueError("interleaved: a bf16 QuantizedWeight exists only in the x8 layout (from_bf16); "
+                             "a row-layout bf16 matrix stays a tensor")
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, qtype: Union[Qtype, str] = Qtype.Q8_0) -> "QuantizedWeight":
@@ -129,6 +134,18 @@ class QuantizedWeight:
         if k % fmt.values != 0:
             raise ValueError(f"shape: K = {k} must be a multiple of {fmt.values} for {q}")
         return cls(q, raw.reshape(n, k // fmt.values * fmt.nbytes), (n, k))
+
+    @classmethod
+    def from_bf16(cls, weight: torch.Tensor) -> "QuantizedWeight":
+        """A bf16 matrix [N, K] (K a multiple of 16) moved into the x8 layout that the AVX2 bf16
+        kernel streams as one sequence (pagewire::linear_bf16x8; the same floats as pagewire::linear,
+        bit for bit). Not a quantisation: the values are the matrix's own."""
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+            raise ValueError(f"weight: from_bf16 takes a bf16 [N, K] matrix, got {weight.dtype} {list(weight.shape)}")
+        n, k = int(weight.shape[0]), int(weight.shape[1])
+        if k <= 0 or k % 16:
+            raise ValueError(f"shape: K = {k} must be a positive multiple of 16 for the x8 bf16 layout")
+        return cls(Qtype.BF16, torch.ops.pagewire.interleave_bf16(weight.detach().cpu()), (n, k), interleaved=True)
 
     @classmethod
     def from_q8_0_bytes(cls, raw: torch.Tensor, n: int, k: int) -> "QuantizedWeight":
@@ -153,6 +170,8 @@ class QuantizedWeight:
         if self.interleaved or self.qtype not in INTERLEAVABLE:
             raise ValueError(f"interleaved: {self.qtype} {'is already' if self.interleaved else 'has no'} "
                              "interleaved layout")
+        if self.qtype is Qtype.BF16:  # (never reached: a bf16 weight is born interleaved)
+            raise ValueError("interleaved: a bf16 weight is made in the x8 layout by from_bf16")
         if self.qtype is Qtype.Q8_0:
             data = torch.ops.pagewire.interleave_q8_0(self.data)
         else:
@@ -167,12 +186,16 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The represented weight [N, K] in `dtype` (exact in float32, as GGUF computes it)."""
+        if self.qtype is Qtype.BF16:
+            return torch.ops.pagewire.deinterleave_bf16(self.data).to(dtype)
         if self.qtype is Qtype.Q8_0:
             return torch.ops.pagewire.dequantize_q8_0(self.data, self.interleaved).to(dtype)
         return torch.ops.pagewire.dequantize_q4(self.data, self.op_qtype).to(dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] @ self^T (+ bias) in x's dtype, through the format's kernel."""
+        if self.qtype is Qtype.BF16:
+            return torch.ops.pagewire.linear_bf16x8(x, self.data, bias)
         if self.qtype is Qtype.Q8_0:
             return torch.ops.pagewire.linear_q8_0(x, self.data, bias, self.interleaved)
         return torch.ops.pagewire.linear_q4(x, self.data, self.op_qtype, bias)

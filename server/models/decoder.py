@@ -21,7 +21,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from server.kernels import autotune, batch_invariant
-from server.kernels.ops import Q8_KERNEL_MAX_ROWS, linear, linear_kind, paged_attention, write_kv_cache
+from server.kernels.ops import (
+    Q8_KERNEL_MAX_ROWS,
+    cpu_isa,
+    embedding,
+    linear,
+    linear_kind,
+    paged_attention,
+    write_kv_cache,
+)
 from server.kernels.quant import QUANTIZATIONS, QuantizedWeight
 from server.models.attention import AttentionMetadata
 from server.models.config import ModelConfig
@@ -414,7 +422,8 @@ class DecoderForCausalLM(nn.Module):
         self.dtype = dtype
         self.device = torch.device(device)
         c, dev = config, self.device
-        self.embed_tokens = param((c.vocab_size, c.hidden_size), dtype, dev)
+        # A tied bf16 table may be moved into the x8 layout after loading (interleave_bf16).
+        self.embed_tokens: torch.Tensor | QuantizedWeight = param((c.vocab_size, c.hidden_size), dtype, dev)
         self.layers = nn.ModuleList(self._make_layer(c, i, dtype, dev) for i in range(c.num_layers))
         self.norm = param((c.hidden_size,), dtype, dev)
         # Per-layer input embeddings (Gemma 4): a token table of num_layers x P per token, and a
@@ -500,7 +509,7 @@ class DecoderForCausalLM(nn.Module):
         """
         if len(kv_caches) != len(self._layers):
             raise ValueError(f"kv_caches: expected {len(self._layers)} (key, value) pairs, got {len(kv_caches)}")
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = embedding(input_ids, self.embed_tokens)
         if self._embed_scale is not None:
             hidden = hidden * self._embed_scale
         context_lens = self._context_lens(positions, meta) if self._longrope else None
@@ -592,6 +601,27 @@ class DecoderForCausalLM(nn.Module):
         _replace_with_quantized(self, "lm_head", qtype)
         self._fused_cache.clear()  # the layers' linear kinds changed
 
+    def interleave_bf16(self) -> None:
+        """On CPUs whose kernels are the AVX2 family, move every bf16 decoder matrix (and an untied
+        lm_head) into the x8 layout (QuantizedWeight.from_bf16), which pagewire::linear_bf16x8
+        streams as one sequence: the same floats as the row-layout kernel, bit for bit, at 1.2-1.5x
+        its decode bandwidth (bench/RESULTS.md, session 18). The memory is the same: each matrix is
+        moved, not copied. A tied lm_head is the embedding table: the table itself is moved, and
+        ops.embedding gathers its rows from the x8 layout."""
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16 or cpu_isa() != "avx2":
+            return
+        for layer in self._layers:
+            if isinstance(layer, DecoderLayer):
+                for name in layer.MATRICES:
+                    _replace_with_bf16x8(layer, name)
+        if self.lm_head is not self.embed_tokens:
+            _replace_with_bf16x8(self, "lm_head")
+        else:  # tied: one moved table, its rows gathered by ops.embedding, the whole projected by lm_head
+            _replace_with_bf16x8(self, "embed_tokens")
+            self._parameters.pop("lm_head", None)  # (registered under both names when tied)
+            self.lm_head = self.embed_tokens
+        self._fused_cache.clear()  # the layers' linear kinds changed
+
     def linear_weights(self) -> list[tuple[str, torch.Tensor | QuantizedWeight]]:
         """Every weight the forward and compute_logits pass to `linear`, named by role (for the
         start-up autotune, server.kernels.autotune)."""
@@ -616,6 +646,7 @@ class DecoderForCausalLM(nn.Module):
     def checkpoint_tensors(self) -> dict[str, WeightTarget]:
         """Every Hugging Face tensor name this model needs, mapped to where it is copied."""
         c = self.config
+        assert isinstance(self.embed_tokens, torch.Tensor), "checkpoint_tensors: the table is already moved"
         targets = {
             "model.embed_tokens.weight": WeightTarget(self.embed_tokens, (c.vocab_size, c.hidden_size)),
             "model.norm.weight": WeightTarget(self.norm, (c.hidden_size,), c.norm_weight_offset),
@@ -663,6 +694,18 @@ def _replace_with_quantized(module: nn.Module, name: str, qtype: str) -> None:
     # quantised container becomes a plain attribute and the float matrix is freed.
     module._parameters.pop(name, None)
     setattr(module, name, quantized)
+
+
+def _replace_with_bf16x8(module: nn.Module, name: str) -> None:
+    """module.<name>, a bf16 matrix, becomes its x8 QuantizedWeight where the layout applies
+    (at least one group of eight rows, K a multiple of 16); anything else stays as it is."""
+    weight = getattr(module, name)
+    if (not isinstance(weight, torch.Tensor) or weight.dtype != torch.bfloat16 or weight.dim() != 2
+            or weight.shape[0] < 8 or weight.shape[1] == 0 or weight.shape[1] % 16):
+        return
+    moved = QuantizedWeight.from_bf16(weight)
+    module._parameters.pop(name, None)  # as _replace_with_quantized: the row-layout matrix is freed
+    setattr(module, name, moved)
 
 
 def _weight_data(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:

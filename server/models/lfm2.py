@@ -17,10 +17,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from server.kernels.ops import linear, short_conv
+from server.kernels.ops import embedding, linear, short_conv
 from server.kernels.quant import QuantizedWeight
 from server.models.attention import AttentionMetadata, StateBatch
 from server.models.config import ModelConfig, UnsupportedModelError
@@ -152,7 +151,7 @@ class Lfm2ForCausalLM(DecoderForCausalLM):
             raise ValueError(f"kv_caches: expected {n_attn} (key, value) pairs (the attention layers), got {len(kv_caches)}")
         if meta.state is None:
             raise ValueError("meta.state: LFM2's convolution layers need their state slots (StateBatch)")
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = embedding(input_ids, self.embed_tokens)
         batches = [rope.prepare(positions, self.dtype, None) for rope in self.ropes]
         delta: torch.Tensor | None = None
         fused = self._fused_kinds(hidden, batches)

@@ -53,6 +53,9 @@ class CausalLM(Protocol):
     def quantize_weights(self, quantization: str) -> None:
         ...
 
+    def interleave_bf16(self) -> None:
+        """Move bf16 decoder matrices into the layout this CPU's bf16 kernel streams fastest."""
+
     def linear_weights(self) -> "list[tuple[str, torch.Tensor | QuantizedWeight]]":
         ...
 

@@ -18,11 +18,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from server.kernels import gdn
-from server.kernels.ops import linear, linear_kind, paged_attention, write_kv_cache
+from server.kernels.ops import embedding, linear, linear_kind, paged_attention, write_kv_cache
 from server.kernels.quant import QuantizedWeight
 from server.models.attention import AttentionMetadata
 from server.models.config import ModelConfig
@@ -258,7 +257,7 @@ class Qwen3NextForCausalLM(DecoderForCausalLM):
                              f"got {len(kv_caches)}")
         if meta.state is None:
             raise ValueError("meta.state: the Gated DeltaNet layers need their state slots (StateBatch)")
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = embedding(input_ids, self.embed_tokens)
         batches = [rope.prepare(positions, self.dtype, None) for rope in self.ropes]
         delta: torch.Tensor | None = None
         fused = self._fused_kinds(hidden, batches)

@@ -22,20 +22,19 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from server.engine.outputs import RequestDelta
-from server.engine.sampling_params import ReasoningGate, SamplingParams
 from server.serving.access import Caller, Quotas, Reservation
-from server.serving.errors import Conflict, InvalidRequest, NotFound, PagewireError, Unavailable
-from server.serving.idempotency import check_reuse, fingerprint
+from server.serving.errors import Conflict, NotFound, PagewireError, Unavailable
+from server.serving.idempotency import fingerprint
+from server.serving.job_end import end_event, terminal_row
 from server.serving.jobs import GenerationSpec, Job, end_from_record, events_from_output, now_pair
-from server.serving.ledger import IdempotencyConflict, Ledger, NewRequest, RequestRecord, Terminal
+from server.serving.key_claims import KeyClaims
+from server.serving.lane_fit import fit_to_lane, gate_reasoning
+from server.serving.ledger import IdempotencyConflict, Ledger, NewRequest, RequestRecord
 from server.serving.ledger_health import unrecorded_end
 from server.serving.lifecycle import (
-    CANCEL_ENDS,
-    COMPLETE_REASONS,
     END_RULES,
     CancelReason,
     EndReason,
-    FinishReason,
     JobState,
 )
 from server.serving.metrics import Metrics
@@ -44,7 +43,6 @@ from server.serving.model_pool import ModelPool, Route
 from server.serving.output_budget import OutputBudget, worst_case_bytes
 from server.serving.prompts import PromptPreparer
 from server.serving.streams import EndEvent, Replay, RequestStream, StreamRegistry, Subscriber
-from server.text.reasoning import ReasoningFormat
 
 log = logging.getLogger("pagewire.service")
 
@@ -89,9 +87,8 @@ class RequestService:
         # Accepted requests not yet ended. Only this class reads or changes a Job: the edges go
         # through its methods (start, attach, detach, cancel, keep_for_resume, abandon).
         self._jobs: dict[str, Job] = {}
-        # idempotency key → future of its request id; covers the window before the row commits
-        # and the whole live life of the request (removed after the terminal commit).
-        self._idem: dict[str, asyncio.Future[Optional[str]]] = {}
+        # The idempotency keys being accepted or live, and the look-up of a key's original request.
+        self._claims = KeyClaims(ledger, self._jobs)
         self._idle = asyncio.Event()
         self._idle.set()
         self.draining = False
@@ -139,34 +136,16 @@ class RequestService:
 
     async def _start_once(self, spec: GenerationSpec) -> Admitted:
         self.check_serving()
+        found = await self._claims.find_or_claim(spec, self.default_timeout_s)
+        if found is not None:
+            return self._existing(*found)
         key = spec.idempotency_key
-        while key is not None:
-            fut = self._idem.get(key)
-            if fut is not None:
-                rid = await asyncio.shield(fut)
-                if rid is not None:
-                    await self._check_same_request(spec, rid, None)
-                    return self._existing(rid, None)
-                continue  # the first attempt was rejected before acceptance: try afresh
-            record = await self.ledger.find_by_idempotency_key(key)
-            if record is not None and await self._reclaim_orphan(record):
-                record = None  # the first attempt's ambiguous commit landed, but it never ran
-            if record is not None:
-                await self._check_same_request(spec, record.request_id, record)
-                if self._elsewhere(record):
-                    record = await self._await_end_elsewhere(record, spec.timeout_s or self.default_timeout_s)
-                return self._existing(record.request_id, record)
-            if key in self._idem:  # someone claimed it while we read the ledger
-                continue
-            claim: asyncio.Future[Optional[str]] = asyncio.get_running_loop().create_future()
-            self._idem[key] = claim
-            break
         # Acceptance runs in its own task, shielded: once the ledger INSERT is queued it will
         # commit, so a caller cancelled mid-way (socket closed, shutdown) must not orphan the
         # row; the job is registered anyway and then cancelled like any abandoned request.
         task = asyncio.get_running_loop().create_task(self._accept(spec))
         if key is not None:
-            task.add_done_callback(lambda t: self._settle_claim(key, t))
+            task.add_done_callback(lambda t: self._claims.settle(key, t))
         try:
             job = await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -174,102 +153,21 @@ class RequestService:
             raise
         return Admitted(job.request_id, prompt_tokens=len(job.prompt_token_ids))
 
-    def _settle_claim(self, key: str, task: "asyncio.Task[Job]") -> None:
-        fut = self._idem.get(key)
-        ok = not task.cancelled() and task.exception() is None
-        if not ok:
-            self._idem.pop(key, None)
-        if fut is not None and not fut.done():
-            fut.set_result(task.result().request_id if ok else None)
-
     def _abandon_accepted(self, task: "asyncio.Task[Job]") -> None:
         if not task.cancelled() and task.exception() is None:
             job = task.result()
             if not job.detached:
                 self._cancel(job, CancelReason.CLIENT)
 
-    async def _check_same_request(self, spec: GenerationSpec, request_id: str,
-                                  record: Optional[RequestRecord]) -> None:
-        """409 when an idempotency key is reused for a different request (see idempotency)."""
-        job = self._jobs.get(request_id)
-        if job is not None:
-            stored: Optional[str] = fingerprint(job.spec)
-        else:
-            if record is None:
-                record = await self.ledger.get(request_id)
-            stored = record.request_hash if record is not None else None
-        check_reuse(spec, stored, request_id)
-
-    async def _reclaim_orphan(self, record: RequestRecord) -> bool:
-        """Reconcile an ambiguous commit by its idempotency key. A `queued` row of this instance
-        with no job here is the insert of an attempt whose COMMIT did not answer in time (the
-        client was told 503 and is retrying): it may have landed, but it was never run. Its row
-        is removed (only while still `queued` and ours) so that the retry runs it, once."""
-        if record.state != "queued" or record.instance_id != self.ledger.instance_id or \
-                record.request_id in self._jobs:
-            return False
-        n = await self.ledger.execute("DELETE FROM requests WHERE request_id = ? AND state = 'queued' AND "
-                                      "instance_id = ?", (record.request_id, self.ledger.instance_id))
-        if n:
-            log.warning("ledger: %s was committed by an attempt that timed out and never ran; its retry "
-                        "(same idempotency key) replaces it", record.request_id)
-        return bool(n)
-
-    def _elsewhere(self, record: RequestRecord) -> bool:
-        """Open on another replica of a shared ledger (its output lives there until it ends)."""
-        return not record.terminal and self.ledger.shared and record.instance_id != self.ledger.instance_id
-
-    ELSEWHERE_POLL_S = 0.1
-
-    async def _await_end_elsewhere(self, record: RequestRecord, timeout_s: Optional[float]) -> RequestRecord:
-        """An idempotent retry of a request that another replica is running: wait for its terminal
-        row (or for its replica's lease to lapse, when a sweep interrupts it), then answer from the
-        ledger, so the same key gives one request and one output wherever it is retried. Polled:
-        the row is the only news one replica has of another's request."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + (timeout_s or 600.0)
-        while True:
-            await asyncio.sleep(self.ELSEWHERE_POLL_S)
-            await self.ledger.sweep_dead()
-            fresh = await self.ledger.get(record.request_id)
-            if fresh is not None and fresh.terminal:
-                return fresh
-            if loop.time() >= deadline:
-                where = await self.ledger.instance_label(record.instance_id)
-                raise Conflict(f"request {record.request_id} (this idempotency key's) is still running on replica "
-                               f"{where}; retry later", code="request_running_elsewhere")
-
     def _existing(self, request_id: str, record: Optional[RequestRecord]) -> Admitted:
         job = self._jobs.get(request_id)
         n = len(job.prompt_token_ids) if job is not None else record.prompt_tokens if record is not None else None
         return Admitted(request_id, record=record, existing=True, prompt_tokens=n)
 
-    def _check_task(self, spec: GenerationSpec, lane: ModelLane) -> None:
-        """A 400 naming the model when a request is for the task the model does not serve: every
-        edge's generation request to an embedding model, and embeddings from a generation model."""
-        if spec.kind == "embedding" and lane.embedding_width is None:
-            raise InvalidRequest(f"model: '{spec.model}' is a text-generation model, not an embedding model, so it "
-                                 "cannot answer embedding requests; serve an embedding model (--task embed)",
-                                 param="model", code="not_embedding_model")
-        if spec.kind != "embedding" and lane.embedding_width is not None:
-            raise InvalidRequest(f"model: '{spec.model}' is an embedding model; it answers embedding requests "
-                                 "(/v1/embeddings, /api/embed) only, not text generation",
-                                 param="model", code="not_generation_model")
-        dims = (spec.sampling.get("embedding") or {}).get("dimensions") if spec.kind == "embedding" else None
-        width = lane.embedding_width
-        if isinstance(dims, int) and width is not None and not 1 <= dims <= width:
-            raise InvalidRequest(f"dimensions: must be between 1 and {width} (this model's embedding size), "
-                                 f"got {dims}", param="dimensions")
-
     async def _accept(self, spec: GenerationSpec) -> Job:
         route = self.route(spec.model)
         lane = route.lane
-        if route.adapter is not None and spec.kind == "embedding":
-            raise InvalidRequest(f"model: '{spec.model}' is a LoRA adapter; adapters are served on generation APIs "
-                                 f"(chat, completions, responses, messages, Ollama's and the WebSocket's); "
-                                 f"this API serves '{lane.name}'", param="model")
-        spec.lora = route.adapter  # the pool's names decide: an adapter's name runs its base model with it
-        self._check_task(spec, lane)
+        fit_to_lane(spec, route)  # the route's adapter; a 400 for the task its model does not serve
         preparer = lane.preparer
         checked = preparer.check_sampling(spec)
         await preparer.compile_structured(checked, spec)  # 400 for a grammar that won't compile
@@ -303,7 +201,7 @@ class RequestService:
             raise
         reasoning = lane.reasoning if spec.kind == "chat" else None
         if reasoning is not None:
-            self._gate_reasoning(reasoning, ids, params, preparer)
+            gate_reasoning(reasoning, ids, params, preparer)
         wall, mono = now_pair()
         job = Job(request_id, spec, ids, params, wall, mono, reasoning)
         job.output_bytes = output_bytes
@@ -343,16 +241,6 @@ class RequestService:
             # passed its cancel sweep, so end this one here (it becomes `interrupted`).
             self._cancel(job, CancelReason.SHUTDOWN)
         return job
-
-    def _gate_reasoning(self, fmt: ReasoningFormat, ids: list[int], params: SamplingParams,
-                        preparer: PromptPreparer) -> None:
-        """A reasoning chat: its structured output (a schema, a forced tool call) applies after the
-        thinking (the engine's ReasoningGate), and the tags stay in the text to be split even
-        where the tokenizer marks them special."""
-        if params.structured_outputs is not None:
-            params.reasoning_gate = ReasoningGate.for_format(fmt, ids)
-        if preparer.tokenizer_has_special(fmt.start_token_id, fmt.end_token_id):
-            params.skip_special_tokens = False
 
     # -- subscribing ----------------------------------------------------------------------------
     async def attach(self, request_id: str, sub: Subscriber, after_seq: int = 0,
@@ -522,37 +410,13 @@ class RequestService:
         if was_running:
             job.lane.admission.done(job, time.monotonic() - (job.admitted_mono or job.created_mono))
         self.pool.release(job.lane)
-        reasons = job.finish_reasons()
-        # A request that completed in the same step its cancel arrived counts as finished.
-        completed = delta is not None and bool(reasons) and all(r in COMPLETE_REASONS for r in reasons)
-        message: Optional[str] = None
-        if job.cancel_reason is not None and not completed:
-            reason = CANCEL_ENDS[job.cancel_reason]
-        elif job.error is not None or FinishReason.ERROR in reasons or delta is None:
-            reason, message = EndReason.FAILED, job.error
-        else:
-            reason = EndReason.FINISHED
-        if reason is not EndReason.FINISHED and message is None:
-            message = END_RULES[reason].message
-        end = EndEvent(job.request_id, reason, reasons, job.usage(), job.stream.last_seq,
-                       message=message, output=job.output())
+        end = end_event(job, delta)
         task = asyncio.get_running_loop().create_task(self._commit_end(job, end))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _commit_end(self, job: Job, end: EndEvent) -> None:
-        text: Optional[str] = "".join(s.text for s in job.samples) if len(job.samples) == 1 else "\n".join(
-            f"[{s.index}] {s.text}" for s in job.samples)
-        output = end.output or {}
-        if self.ledger_text != "all":
-            text, output = None, {}
-        terminal = Terminal(
-            state=end.state, finish_reason=end.finish_reason if end.finished else end.code,
-            error=end.message, prompt_tokens=end.usage.prompt_tokens,
-            completion_tokens=end.usage.completion_tokens, cached_tokens=end.usage.cached_tokens,
-            output_text=text, output=output, first_token_at=job.first_token_wall,
-            finished_at=time.time(), reasoning_tokens=end.usage.reasoning_tokens,
-        )
+        terminal = terminal_row(job, end, self.ledger_text)
         try:
             await self.ledger.finish(job.request_id, terminal)
         except Exception as e:
@@ -583,7 +447,7 @@ class RequestService:
         self.budget.release(job.spec.client, job.output_bytes)
         key = job.spec.idempotency_key
         if key is not None:
-            self._idem.pop(key, None)
+            self._claims.release(key)
         if not self._jobs:
             self._idle.set()
 

@@ -77,7 +77,7 @@ def test_per_request_state_returns_to_baseline_after_the_retention_window(demo_m
             await until(lambda: not service._tasks, "terminal commits")
             assert len(service.registry) == 0 and service.registry.ended_count == 0
             assert service.registry.retained_bytes == 0
-            assert not service._jobs and not service._idem
+            assert not service._jobs and not service._claims.pending
             assert service.budget.reserved == 0 and len(service.budget) == 0
             assert not rt.admission._reserved and not rt.admission.in_engine
             assert not ep.connections

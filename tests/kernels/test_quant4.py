@@ -129,6 +129,33 @@ def test_kernel_families_agree(cpu_isa: str, qtype: str, K: int, monkeypatch: py
     torch.testing.assert_close(y, ops.linear(x, qw), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q4_k", "q6_k", "q8_0"])
+@pytest.mark.parametrize("interleave", [False, True])
+def test_bf16_rows_equal_the_fp32_kernel_rounded(cpu_isa: str, qtype: str, interleave: bool) -> None:
+    """bf16 activations are widened and the fp32 results rounded inside the op (float_rows.h), not by
+    ATen: the output is bit for bit the fp32 op's on x.float() (exact widening) rounded to bf16 by
+    torch (round to nearest even), with and without bias, for row counts and an N (45, 16k + 13)
+    that leave tails in every converter; fp16 still goes through ATen's conversion."""
+    gen = torch.Generator().manual_seed(5)
+    K = 768 if qtype in ("q4_k", "q6_k") else 800
+    qw = (QuantizedWeight.quantize(torch.randn(45, K, generator=gen)) if qtype == "q8_0"
+          else random_q4(qtype, 45, K, seed=5))
+    if interleave and qtype in ("q4_0", "q4_1", "q4_k", "q6_k", "q8_0"):
+        qw = qw.interleave()
+    b = torch.randn(45, generator=gen).bfloat16()
+    for m in (1, 3, 16):
+        x = (torch.randn(m, K, generator=gen) * 3).bfloat16()
+        for bias in (None, b):
+            y = ops.linear(x, qw, bias)
+            ref = ops.linear(x.float(), qw, None if bias is None else bias.float())
+            assert y.dtype == torch.bfloat16 and torch.equal(y, ref.bfloat16()), (m, bias is None)
+        # a strided (non-contiguous) input gives the same rows as its contiguous copy
+        wide = torch.cat([x, x], dim=1)[:, :K]
+        assert torch.equal(ops.linear(wide, qw, None), ops.linear(x.contiguous(), qw, None))
+    xh = torch.randn(2, K, generator=gen).half()
+    assert torch.equal(ops.linear(xh, qw, None), ops.linear(xh.float(), qw, None).half())
+
+
 @pytest.mark.parametrize("qtype,K", [("q4_0", 352), ("q4_1", 800), ("q4_k", 768), ("q8_0", 800), ("mxfp4", 800)])
 def test_rows_do_not_depend_on_the_batch(cpu_isa: str, qtype: str, K: int) -> None:
     """Deterministic mode: a row's output is bit-identical whatever the number of rows beside it

@@ -16,7 +16,8 @@ def test_page_and_assets_are_served(ui_server: ServerProcess) -> None:
     csp = r.headers["content-security-policy"]
     assert "script-src 'self'" in csp and "unsafe-inline" not in csp
     assert '<script src="/ui/chat.js"' in r.text and "://" not in r.text  # nothing from another origin
-    for name, kind in (("chat.js", "javascript"), ("markdown.js", "javascript"), ("chat.css", "text/css")):
+    for name, kind in (("chat.js", "javascript"), ("chat_view.js", "javascript"), ("markdown.js", "javascript"),
+                       ("chat.css", "text/css")):
         a = httpx.get(f"{ui_server.base}/ui/{name}")
         assert a.status_code == 200 and kind in a.headers["content-type"], name
     missing = httpx.get(ui_server.base + "/ui/nope.js")

@@ -78,6 +78,7 @@ def main() -> None:
     model, _ = load_model(model_dir, a.dtype, keep_gguf_blocks=a.quantization == "gguf")
     if a.quantization in ("int8", "int4"):
         model.quantize_weights(a.quantization)
+    model.interleave_bf16()  # as the engine does: bf16 matrices in the x8 layout on AVX2
     print(f"{a.model or a.shape} {a.dtype} quantization={a.quantization}  CPU kernels {ops.cpu_isa()}  "
           f"threads {torch.get_num_threads()}  load average {os.getloadavg()[0]:.2f}")
     sites = [autotune.Site(name, w, model.dtype) for name, w in model.linear_weights()]

@@ -124,6 +124,7 @@ def main() -> None:
         model, _ = load_model(model_dir, a.dtype, keep_gguf_blocks=quantization == "gguf")
         if quantization in ("int8", "int4"):
             model.quantize_weights(quantization)
+        model.interleave_bf16()  # as the engine does: bf16 matrices in the x8 layout on AVX2
         print(f"{a.model or a.shape} {a.dtype} quantization={quantization}  CPU kernels: "
               f"{getattr(ops, 'cpu_isa', lambda: '?')()}  threads {torch.get_num_threads()}  "
               f"read bandwidth {bw:.1f} GB/s  load average {os.getloadavg()[0]:.2f}")

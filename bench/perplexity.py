@@ -36,6 +36,7 @@ def load_quantized(model: str | Path, dtype: str, quantization: str) -> DecoderF
     m, _ = load_model(model, dtype, keep_gguf_blocks=quantization == "gguf")
     if quantization in ("int8", "int4"):
         m.quantize_weights(quantization)
+    m.interleave_bf16()  # as the engine does: bf16 matrices in the x8 layout on AVX2
     return m
 
 

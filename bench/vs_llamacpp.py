@@ -77,6 +77,13 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 8192,
         "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
     }),
+    # TinyLlama-1.1B's sizes (22 Llama layers, hidden 2048, MLP 5632, 32 heads of 64 with 4 KV heads,
+    # 32,000 tokens, untied): issue 31's "random-weight Llama shape of about 1 B parameters".
+    "llama-1b": ("llama", {
+        "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+    }),
     "olmo2-1b": ("olmo2", {
         "vocab_size": 100352, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
         "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 4096,
@@ -128,8 +135,8 @@ def build_files(shape: str, types: list[str], llama_quantize: Path | None = None
     """The shape's files under `files_dir`/SHAPE/, reused while their marker says they were written
     by this FILES_VERSION: a dense shape's HF folder (bf16) and one GGUF per type written from it;
     an MoE shape's F16 GGUF (bench.moe_gguf). Q4_K_M (a mix of types, as llama.cpp's users download
-    it), and every quantised type of an MoE shape, is made from the F16 file by llama.cpp's own
-    llama-quantize."""
+    it), Q4_1 (which the test writer has no quantiser for), and every quantised type of an MoE shape,
+    are made from the F16 file by llama.cpp's own llama-quantize."""
     from tests.gguf_files import write_gguf
     from tests.tiny_models import make_tiny_model
 
@@ -148,7 +155,7 @@ def build_files(shape: str, types: list[str], llama_quantize: Path | None = None
         done = {"hf": str(hf_dir)}
         marker.write_text(json.dumps(done))
     vocab_size = moe.vocab_size if moe is not None else SHAPES[shape][1]["vocab_size"]
-    from_f16 = [t for t in types if t == "Q4_K_M" or (moe is not None and t != "F16")]
+    from_f16 = [t for t in types if t in ("Q4_K_M", "Q4_1") or (moe is not None and t != "F16")]
     files: dict[str, Path] = {}
     vocab = None
     for qtype in (["F16"] if from_f16 and "F16" not in types else []) + types:
@@ -211,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="gemma3-1b", choices=sorted([*SHAPES, *MOE_SHAPES]))
     p.add_argument("--types", nargs="+", default=["BF16", "Q8_0", "Q4_0"],
-                   choices=["BF16", "F16", "Q8_0", "Q4_0", "Q4_K_M"])
+                   choices=["BF16", "F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K_M"])
     p.add_argument("--llama-bench", type=Path, required=True, help="llama.cpp's llama-bench, built outside the repo")
     p.add_argument("--llama-quantize", type=Path, help="llama.cpp's llama-quantize (Q4_K_M, and an MoE shape's types)")
     p.add_argument("--files-dir", type=Path, default=OUT_DIR, help="where the model files are written and reused")

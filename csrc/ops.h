@@ -166,10 +166,12 @@ at::Tensor run_linear_kind(const at::Tensor& x, const at::Tensor& w, const c10::
                            const std::string& kind);
 
 // A mixture-of-experts layer's MLP for at most 16 tokens in one call (cpu/moe_decode.cpp): the
-// router (router_weight [E, H] by router_kind, router_bias [E] or None; router "softmax_topk" with
-// top_k and norm_topk_prob, or "topk_softmax"), the experts as moe_experts_cpu takes them, and
-// optionally Qwen2-MoE's shared expert (shared_gate_up [2S, H], shared_down [H, S] by their kinds,
-// shared_gate [1, H] by its kind; all three or none). x [T, H] -> [T, H] in x's dtype.
+// router (router_weight [E, H] by router_kind, x cast to its dtype, router_bias [E] or None; router "softmax_topk" or
+// "sigmoid_topk" with top_k and norm_topk_prob, or "topk_softmax"; for the first two
+// selection_bias [E] or None, n_group / topk_group and routed_scaling as moe_router.route applies
+// them), the experts as moe_experts_cpu takes them, and optionally a shared expert (shared_gate_up
+// [2S, H], shared_down [H, S] by their kinds, both or neither; shared_gate [1, H] by its kind, or
+// None for an ungated one). x [T, H] -> [T, H] in x's dtype.
 at::Tensor moe_decode_cpu(const at::Tensor& x, const at::Tensor& router_weight, c10::string_view router_kind,
                           const c10::optional<at::Tensor>& router_bias, c10::string_view router, int64_t top_k,
                           bool norm_topk_prob, const at::Tensor& gate_up, c10::string_view gate_up_kind,
@@ -178,7 +180,9 @@ at::Tensor moe_decode_cpu(const at::Tensor& x, const at::Tensor& router_weight, 
                           c10::string_view activation, double alpha, double limit,
                           const c10::optional<at::Tensor>& shared_gate_up, c10::string_view shared_gate_up_kind,
                           const c10::optional<at::Tensor>& shared_down, c10::string_view shared_down_kind,
-                          const c10::optional<at::Tensor>& shared_gate, c10::string_view shared_gate_kind);
+                          const c10::optional<at::Tensor>& shared_gate, c10::string_view shared_gate_kind,
+                          const c10::optional<at::Tensor>& selection_bias, int64_t n_group, int64_t topk_group,
+                          double routed_scaling);
 
 // Speculative decoding (cpu/spec_decode.cpp).
 // token_ids: S contiguous int64 vectors (each sequence's prompt + output; may be longer than used),

@@ -79,7 +79,8 @@ TORCH_LIBRARY(pagewire, m) {
         "bool norm_topk_prob, Tensor gate_up, str gate_up_kind, Tensor down, str down_kind, Tensor? gate_up_bias, "
         "Tensor? down_bias, str activation, float alpha, float limit, Tensor? shared_gate_up, "
         "str shared_gate_up_kind, Tensor? shared_down, str shared_down_kind, Tensor? shared_gate, "
-        "str shared_gate_kind) -> Tensor");
+        "str shared_gate_kind, Tensor? selection_bias=None, int n_group=1, int topk_group=1, "
+        "float routed_scaling=1.0) -> Tensor");
   // LFM2's gated short convolution with its per-sequence state (shapes in ops.h)
   m.def("short_conv(Tensor bcx, Tensor weight_t, Tensor? bias, Tensor(a!) state, Tensor slots, "
         "Tensor query_start_loc) -> Tensor");

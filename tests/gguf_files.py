@@ -60,13 +60,14 @@ _HF_TO_GGUF_GLOBAL = {
     "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
 }
 # model_type -> llama.cpp's general.architecture (OLMo 3 files are "olmo2" with a window).
-GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "gpt_oss": "gpt-oss",
+GGUF_ARCH = {"glm4_moe": "glm4moe", "ernie4_5_moe": "ernie4_5-moe",
+             "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "gpt_oss": "gpt-oss",
              "gemma3_text": "gemma3", "gemma4_text": "gemma4", "olmo3": "olmo2", **QWEN3_NEXT_TYPES}
 # llama.cpp's converter permutes Q/K rows for the architectures it runs with interleaved RoPE.
 PERMUTED = ("llama", "mistral", "smollm3", "granite", "mixtral")
 # Families whose post_attention_layernorm is written post_attention_norm: the attention output's
-# norm, and gpt-oss's MLP input norm (llama.cpp names it so for that architecture).
-_POST_NORM_TYPES = ("gemma2", "gemma3_text", "gemma4_text", "olmo2", "olmo3", "gpt_oss", *QWEN3_NEXT_TYPES)
+# norm, and gpt-oss's and GLM-4.5's MLP input norm (llama.cpp names it so for those architectures).
+_POST_NORM_TYPES = ("gemma2", "gemma3_text", "gemma4_text", "olmo2", "olmo3", "gpt_oss", "glm4_moe", *QWEN3_NEXT_TYPES)
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -111,6 +112,11 @@ _MOE_NAMES = {"gate.weight": "ffn_gate_inp.weight", "shared_expert_gate.weight":
               "shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
               "shared_expert.up_proj.weight": "ffn_up_shexp.weight",
               "shared_expert.down_proj.weight": "ffn_down_shexp.weight"}
+# What stack_experts also writes (not one-to-one, so kept apart: tests/gguf_qwen3_next.py inverts
+# _MOE_NAMES): dots1's / GLM-4.5's / ERNIE 4.5's selection bias and their ungated shared experts.
+_MOE_WRITE_NAMES = {**_MOE_NAMES, "gate.e_score_correction_bias": "exp_probs_b.bias",
+                    "moe_statics.e_score_correction_bias": "exp_probs_b.bias",  # ERNIE 4.5's [1, E], written [E]
+                    **{f"shared_experts.{m}_proj.weight": f"ffn_{m}_shexp.weight" for m in ("gate", "up", "down")}}
 F32_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 
 
@@ -124,9 +130,10 @@ def stack_experts(state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
         layer, rest = parts[2], ".".join(parts[4:])
         if parts[4] == "experts":
             experts.setdefault((layer, _EXPERT_PARTS[parts[6]]), {})[int(parts[5])] = state.pop(name).float().numpy()
-        elif rest in _MOE_NAMES:
+        elif rest in _MOE_WRITE_NAMES:
             arr = state.pop(name).float().numpy()
-            out[f"blk.{layer}.{_MOE_NAMES[rest]}"] = arr.reshape(-1) if rest == "shared_expert_gate.weight" else arr
+            flat = rest in ("shared_expert_gate.weight", "moe_statics.e_score_correction_bias")
+            out[f"blk.{layer}.{_MOE_WRITE_NAMES[rest]}"] = arr.reshape(-1) if flat else arr
     for (layer, part), by_expert in experts.items():
         out[f"blk.{layer}.{part}.weight"] = np.stack([by_expert[e] for e in sorted(by_expert)])
     return out
@@ -314,7 +321,7 @@ def write_gguf(
 
         moe, raw_moe = gpt_oss_moe(state)
     else:
-        moe = stack_experts(state) if cfg.get("num_experts") or cfg.get("num_local_experts") else {}
+        moe = stack_experts(state) if _experts(cfg) else {}
     for name, data in sorted(raw_moe.items()):
         w.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
     for seed, (name, arr) in enumerate(sorted(moe.items())):
@@ -352,6 +359,12 @@ def write_gguf(
     return out
 
 
+def _experts(cfg: dict[str, Any]) -> int:
+    """The routed experts' count however the family spells it (0: a dense model)."""
+    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
+               or cfg.get("moe_num_experts") or 0)
+
+
 def _family_metadata(arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
     """The `{arch}.*` keys llama.cpp's converter writes for the families beyond Llama/Qwen."""
     meta: dict[str, Any] = {}
@@ -371,14 +384,31 @@ def _family_metadata(arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> di
         factor = cfg["max_position_embeddings"] / orig
         meta[f"{arch}.rope.scaling.original_context_length"] = orig
         meta[f"{arch}.rope.scaling.attn_factor"] = math.sqrt(1 + math.log(factor) / math.log(orig))
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    experts = _experts(cfg)
     if experts:  # llama.cpp's MoE keys (Mixtral: "llama" with a window when its config has one)
         meta[f"{arch}.expert_count"] = experts
-        meta[f"{arch}.expert_used_count"] = cfg["num_experts_per_tok"]
+        meta[f"{arch}.expert_used_count"] = cfg.get("num_experts_per_tok") or cfg["moe_k"]
         if cfg.get("moe_intermediate_size") or cfg["model_type"] == "gpt_oss":
             meta[f"{arch}.expert_feed_forward_length"] = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
         if cfg.get("shared_expert_intermediate_size"):
             meta[f"{arch}.expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
+        if cfg["model_type"] in ("dots1", "glm4_moe"):  # as llama.cpp's Dots1Model / Glm4MoeModel converters write them
+            meta[f"{arch}.leading_dense_block_count"] = cfg["first_k_dense_replace"]
+            meta[f"{arch}.expert_shared_count"] = cfg["n_shared_experts"]
+            meta[f"{arch}.expert_weights_scale"] = float(cfg["routed_scaling_factor"])
+            meta[f"{arch}.expert_weights_norm"] = bool(cfg["norm_topk_prob"])
+            meta[f"{arch}.expert_gating_func"] = 2  # sigmoid
+            if cfg["model_type"] == "glm4_moe":  # the MTP layers count in block_count
+                extra = cfg.get("num_nextn_predict_layers", 0)
+                meta[f"{arch}.nextn_predict_layers"] = extra
+                meta[f"{arch}.block_count"] = cfg["num_hidden_layers"] + extra
+            if cfg.get("n_group", 1) > 1:
+                meta[f"{arch}.expert_group_count"] = cfg["n_group"]
+                meta[f"{arch}.expert_group_used_count"] = cfg["topk_group"]
+        if cfg["model_type"] == "ernie4_5_moe":  # as llama.cpp's Ernie4_5MoeModel converter writes them
+            meta[f"{arch}.expert_shared_count"] = cfg["moe_num_shared_experts"]
+            meta[f"{arch}.leading_dense_block_count"] = cfg["moe_layer_start_index"]
+            meta[f"{arch}.interleave_moe_layer_step"] = cfg["moe_layer_interval"]
         if cfg["model_type"] == "mixtral" and cfg.get("sliding_window"):
             meta[f"{arch}.attention.sliding_window"] = cfg["sliding_window"]
     if cfg["model_type"] in QWEN3_NEXT_TYPES:

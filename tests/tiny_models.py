@@ -67,6 +67,26 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
                 "max_position_embeddings": 2048,  # = factor x original, as transformers' YaRN check wants
                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}},
+    # dots.llm1: a sigmoid router whose selection bias (randomised below) and group limit (2 groups of
+    # 4, only the best one kept) change which experts run, renormalised and scaled by 2.5; a dense
+    # first layer; one ungated shared expert; Qwen3's per-head q/k norm. No window (llama.cpp runs
+    # dots1 without one, so the GGUF copy means the same model).
+    "dots1": {"num_hidden_layers": 3, "head_dim": 32, "n_routed_experts": 8, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2,
+              "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "sliding_window": None},
+    # GLM-4.5: the same router and experts as dots1 (norm on by default; 16 experts in 4 groups, 2
+    # kept, top-3), with q/k/v biases, half-rotary heads and per-head q/k norm (use_qk_norm).
+    "glm4_moe": {"num_hidden_layers": 3, "head_dim": 32, "n_routed_experts": 16, "num_experts_per_tok": 3,
+                 "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 4,
+                 "topk_group": 2, "norm_topk_prob": True, "routed_scaling_factor": 1.5, "attention_bias": True,
+                 "use_qk_norm": True,
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+    # ERNIE 4.5 MoE: a softmax router whose selection bias (a parameter, randomised below with the
+    # biases) changes which of 8 experts run, top-2 renormalised; layers 1..2 sparse (0 dense); one
+    # shared expert; interleaved (GPT-J) RoPE.
+    "ernie4_5_moe": {"num_hidden_layers": 3, "head_dim": 16, "moe_num_experts": 8, "moe_k": 2,
+                     "moe_intermediate_size": 32, "moe_num_shared_experts": 1, "moe_layer_start_index": 1,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
     # LFM2 (issue 28): convolution layers around two attention layers, the 3-tap kernel of the
     # checkpoints, transformers' auto-adjusted MLP width (2/3 x 128 rounded up to 32: 96).
     "lfm2": {"num_hidden_layers": 5, "layer_types": ["conv", "conv", "full_attention", "conv", "full_attention"],
@@ -139,6 +159,9 @@ def _classes(arch: str) -> tuple[type, type]:
         "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
         "qwen2moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
+        "dots1": (tf.Dots1Config, tf.Dots1ForCausalLM),
+        "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
+        "ernie4_5_moe": (tf.Ernie4_5_MoeConfig, tf.Ernie4_5_MoeForCausalLM),
         "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
         "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM),
         "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),
@@ -223,6 +246,8 @@ def make_tiny_model(
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):  # Gemma 4's per-layer scalar (a saved buffer, init 1)
                 b.uniform_(0.5, 1.5)
+            elif name.endswith("e_score_correction_bias"):  # dots1: a selection bias that changes choices
+                b.normal_(0.0, 0.2)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     model = model.to(torch_dtype)
     model.config.dtype = torch_dtype

@@ -3,9 +3,11 @@
 // dispatch instead of the router's torch ops and one kernel call per expert matrix.
 //
 //   1. Router: logits = x @ router^T (+ bias) by the path Python's ops.linear takes (its kind is
-//      passed in, as for decode_layer), then per row either softmax in fp32, top-k and optional
-//      renormalisation (Qwen-MoE, Mixtral, OLMoE) or top-k of the logits and a softmax over those k
-//      rounded to x's dtype (gpt-oss, "topk_softmax") -- SparseMoE.route's arithmetic.
+//      passed in, as for decode_layer), then per row cpu::route_rows (moe_route.cpp): softmax or
+//      sigmoid scores in fp32, top-k (chosen with the selection bias, within the best expert
+//      groups), optional renormalisation and scaling (Qwen-MoE, Mixtral, OLMoE, dots.llm1), or
+//      top-k of the logits and a softmax over those k rounded to x's dtype (gpt-oss,
+//      "topk_softmax") -- moe_router.route's arithmetic.
 //   2. Experts, when they and the CPU allow it (quantised blocks on AVX2 or better, and not
 //      gpt-oss's bf16 roundings): one OpenMP region for the whole layer. x is quantised to Q8
 //      blocks once; every chosen expert's gate_up rows (and the shared expert's) are laid end to
@@ -13,7 +15,8 @@
 //      (or different rows of one) instead of every kernel call forking over a 0.3 MB matrix. After
 //      a barrier each expert's activation (SiLU(gate) * up, or the clamped SwiGLU) is computed in
 //      fp32 and quantised for down; the down rows are split the same way; a last pass sums each
-//      token's k results (slot order, fp32) plus the shared expert times its sigmoid gate, and
+//      token's k results (slot order, fp32) plus the shared expert (times its sigmoid gate when it
+//      has one), and
 //      rounds once to x's dtype. The matrices go through the existing per-format kernels
 //      (linear_q8_0_*, linear_q4_*, their x8 forms), each handed a slice of rows: the kernels'
 //      own OpenMP loops, nested inside this region, run on the calling thread.
@@ -48,6 +51,7 @@
 #include "layer_parts.h"
 #include "quant4_kernel.h"
 #include "quant_kernel.h"
+#include "moe_route.h"  // (after the kernels' headers: cpu::route_rows, this op's router)
 
 namespace pagewire {
 namespace {
@@ -152,52 +156,6 @@ float to_float(const at::Tensor& t, int64_t i) {  // element i of a 1-D/flat flo
   return 0.f;
 }
 
-float round_to(at::ScalarType s, float v) {
-  if (s == at::kBFloat16) return static_cast<float>(c10::BFloat16(v));
-  if (s == at::kHalf) return static_cast<float>(c10::Half(v));
-  return v;
-}
-
-// SparseMoE.route in C++: ids int64 [T, k] and weights float32 [T, k] from the logits [T, E].
-void route(const at::Tensor& logits, const std::string& router, int64_t k, bool renorm, int64_t* ids, float* wts) {
-  const int64_t T = logits.size(0), E = logits.size(1);
-  const at::Tensor lc = logits.contiguous();
-  const at::ScalarType dt = lc.scalar_type();
-  std::vector<float> l(E), p(E);
-  std::vector<int64_t> order(E);
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t e = 0; e < E; ++e) l[e] = to_float(lc, t * E + e);
-    const float mx = *std::max_element(l.begin(), l.end());
-    const bool topk_softmax = router == "topk_softmax";
-    if (!topk_softmax) {  // softmax over all E in fp32, then top-k of the probabilities
-      float sum = 0.f;
-      for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(l[e] - mx));
-      for (int64_t e = 0; e < E; ++e) p[e] /= sum;
-    } else {
-      p = l;
-    }
-    for (int64_t e = 0; e < E; ++e) order[e] = e;
-    // The k largest, largest first; equal values keep the lower expert first.
-    std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                      [&](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
-    float* w = wts + t * k;
-    for (int64_t j = 0; j < k; ++j) {
-      ids[t * k + j] = order[j];
-      w[j] = p[order[j]];
-    }
-    if (topk_softmax) {  // softmax over the k logits, computed in fp32 and rounded to their dtype
-      const float top = w[0];
-      float sum = 0.f;
-      for (int64_t j = 0; j < k; ++j) sum += (w[j] = std::exp(w[j] - top));
-      for (int64_t j = 0; j < k; ++j) w[j] = round_to(dt, w[j] / sum);
-    } else if (renorm) {
-      float sum = 0.f;
-      for (int64_t j = 0; j < k; ++j) sum += w[j];
-      for (int64_t j = 0; j < k; ++j) w[j] /= sum;
-    }
-  }
-}
-
 // fp32 copy of rows `rows` of a bias [E, N] (any float dtype), or an empty vector.
 std::vector<float> bias_rows(const c10::optional<at::Tensor>& bias, int64_t e) {
   if (!bias.has_value() || !bias->defined()) return {};
@@ -228,14 +186,16 @@ at::Tensor moe_decode_cpu(const at::Tensor& x, const at::Tensor& router_weight, 
                           c10::string_view activation_view, double alpha, double limit,
                           const c10::optional<at::Tensor>& shared_gate_up, c10::string_view shared_gate_up_kind,
                           const c10::optional<at::Tensor>& shared_down, c10::string_view shared_down_kind,
-                          const c10::optional<at::Tensor>& shared_gate, c10::string_view shared_gate_kind) {
+                          const c10::optional<at::Tensor>& shared_gate, c10::string_view shared_gate_kind,
+                          const c10::optional<at::Tensor>& selection_bias, int64_t n_group, int64_t topk_group,
+                          double routed_scaling) {
   const std::string router(router_view), gu_kind(gate_up_kind_view), dn_kind(down_kind_view);
   const std::string activation(activation_view);
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "moe_decode: x must be a CPU [T, H] tensor, got ", x.sizes());
   const int64_t T = x.size(0), H = x.size(1);
   TORCH_CHECK(T <= kQ8KernelMaxRows, "moe_decode takes at most ", kQ8KernelMaxRows, " tokens, got ", T);
-  TORCH_CHECK(router == "softmax_topk" || router == "topk_softmax",
-              "moe_decode: router must be 'softmax_topk' or 'topk_softmax', got '", router, "'");
+  TORCH_CHECK(router == "softmax_topk" || router == "topk_softmax" || router == "sigmoid_topk",
+              "moe_decode: router must be 'softmax_topk', 'topk_softmax' or 'sigmoid_topk', got '", router, "'");
   TORCH_CHECK(activation == "silu" || activation == "swiglu_oai",
               "moe_decode: activation must be 'silu' or 'swiglu_oai', got '", activation, "'");
   TORCH_CHECK(router_weight.dim() == 2 && router_weight.size(1) == H, "moe_decode: router_weight must be [E, ", H,
@@ -247,17 +207,42 @@ at::Tensor moe_decode_cpu(const at::Tensor& x, const at::Tensor& router_weight, 
   const int64_t E = gate_up.size(0), I2 = gate_up.size(1), I = I2 / 2;
   TORCH_CHECK(top_k >= 1 && top_k <= E, "moe_decode: top_k must be in [1, ", E, "], got ", top_k);
   const bool has_shared = shared_gate_up.has_value() && shared_gate_up->defined();
-  TORCH_CHECK(has_shared == (shared_down.has_value() && shared_down->defined()) &&
-                  has_shared == (shared_gate.has_value() && shared_gate->defined()),
-              "moe_decode: shared_gate_up, shared_down and shared_gate come together");
+  const bool has_gate = shared_gate.has_value() && shared_gate->defined();
+  TORCH_CHECK(has_shared == (shared_down.has_value() && shared_down->defined()) && (has_shared || !has_gate),
+              "moe_decode: shared_gate_up and shared_down come together, and shared_gate only with them");
+  const bool has_sel = selection_bias.has_value() && selection_bias->defined();
+  TORCH_CHECK(!has_sel || (selection_bias->dim() == 1 && selection_bias->size(0) == E),
+              "moe_decode: selection_bias must be [E] = [", E, "]");
+  TORCH_CHECK(router != "topk_softmax" || (!has_sel && n_group == 1 && routed_scaling == 1.0),
+              "moe_decode: router 'topk_softmax' takes no selection_bias, groups or scaling");
+  TORCH_CHECK(n_group >= 1 && topk_group >= 1 && topk_group <= n_group && E % n_group == 0 &&
+                  (n_group == 1 || (E / n_group >= 2 && topk_group * (E / n_group) >= top_k)),
+              "moe_decode: n_group ", n_group, " / topk_group ", topk_group, " do not fit ", E, " experts and top_k ",
+              top_k);
 
   // 1. The router.
-  const at::Tensor logits = run_linear_kind(x, router_weight, router_bias, std::string(router_kind));
+  // A float32 router (DeepSeek-V3 style) in a bf16/fp16 model takes the rows cast up, as route() does.
+  const at::Tensor logits = run_linear_kind(
+      router_weight.scalar_type() == x.scalar_type() ? x : x.to(router_weight.scalar_type()), router_weight,
+      router_bias, std::string(router_kind));
   at::Tensor ids = at::empty({T, top_k}, x.options().dtype(at::kLong));
   at::Tensor wts = at::empty({T, top_k}, x.options().dtype(at::kFloat));
-  route(logits, router, top_k, norm_topk_prob, ids.data_ptr<int64_t>(), wts.data_ptr<float>());
+  {
+    const at::Tensor lf = logits.to(at::kFloat).contiguous();
+    const at::Tensor sel = has_sel ? selection_bias->to(at::kFloat).contiguous() : at::Tensor();
+    cpu::RouteSpec spec;
+    spec.router = router;
+    spec.k = top_k;
+    spec.renorm = norm_topk_prob;
+    spec.selection_bias = has_sel ? sel.data_ptr<float>() : nullptr;
+    spec.n_group = n_group;
+    spec.topk_group = topk_group;
+    spec.scaling = static_cast<float>(routed_scaling);
+    cpu::route_rows(lf.data_ptr<float>(), T, E, logits.scalar_type(), spec, ids.data_ptr<int64_t>(),
+                    wts.data_ptr<float>());
+  }
   at::Tensor sgate;  // the shared expert's gate logit [T, 1] in x's dtype, as Python's linear gives it
-  if (has_shared) sgate = run_linear_kind(x, *shared_gate, c10::nullopt, std::string(shared_gate_kind));
+  if (has_gate) sgate = run_linear_kind(x, *shared_gate, c10::nullopt, std::string(shared_gate_kind));
 
   Format gf, df, sgf, sdf;
   const cpu::Isa isa = cpu::active_isa();
@@ -272,11 +257,11 @@ at::Tensor moe_decode_cpu(const at::Tensor& x, const at::Tensor& router_weight, 
                            shared_gate_up->size(1) == row_bytes_for(sgf, H) &&
                            shared_down->size(1) == row_bytes_for(sdf, shared_gate_up->size(0) / 2) &&
                            shared_gate_up->is_contiguous() && shared_down->is_contiguous();
-  // The shared expert by SparseMoE.forward's ops: out + sigmoid(gate) * down(silu(gate_up(x))).
+  // The shared expert by SparseMoE.forward's ops: out + (sigmoid(gate) *) down(silu(gate_up(x))).
   const auto add_shared_ops = [&](const at::Tensor& out) {
     const at::Tensor h = run_linear_kind(x, *shared_gate_up, c10::nullopt, std::string(shared_gate_up_kind));
     const at::Tensor s = run_linear_kind(silu_and_mul_cpu(h), *shared_down, c10::nullopt, std::string(shared_down_kind));
-    return at::add(out, at::mul(at::sigmoid(sgate), s));
+    return at::add(out, has_gate ? at::mul(at::sigmoid(sgate), s) : s);
   };
   if (!fast) {
     const at::Tensor out = moe_experts_cpu(x, ids, wts, gate_up, gu_kind, down, dn_kind, gate_up_bias, down_bias,
@@ -361,8 +346,8 @@ at::Tensor moe_decode_cpu(const at::Tensor& x, const at::Tensor& router_weight, 
   at::Tensor out = at::empty({T, H}, x.options());
   std::vector<float> o(T * H);
   const float* w = wts.data_ptr<float>();
-  std::vector<float> sg(T, 0.f);  // sigmoid(gate) in x's dtype, as Python's torch.sigmoid gives it
-  if (shared_fast) {
+  std::vector<float> sg(T, 1.f);  // sigmoid(gate) in x's dtype, as Python's torch.sigmoid gives it (1: none)
+  if (shared_fast && has_gate) {
     const at::Tensor s = at::sigmoid(sgate).contiguous();
     for (int64_t t = 0; t < T; ++t) sg[t] = to_float(s, t);
   }

@@ -180,13 +180,16 @@ def _expert_bytes(mc: ModelConfig, e: int, quantization: str, model_path: Option
         sizes = {"moe.experts_gate_up": 2 * E * Ie * H, "moe.experts_down": E * H * Ie,
                  "moe.shared_gate_up_weight": 2 * S * H, "moe.shared_down_weight": S * H}
         got = {n: kept.get((i, n), v * per_value) for n, v in sizes.items()}
-        small = E * H + (H if S else 0)  # the router and the shared expert's gate, float
+        small = E * H + (H if S and mc.shared_expert_gated else 0)  # the router and the shared expert's gate, float
         small += E + E * (2 * Ie + H) if mc.moe_bias else 0  # gpt-oss: the router's and the experts' biases
-        total += int(sum(got.values()) + small * e - 3 * I * H * per_value)
-        params += sum(sizes.values()) + small - 3 * I * H
+        bias32 = E if mc.moe_selection_bias else 0  # a sigmoid router's selection bias: float32 in every dtype
+        if mc.moe_router_fp32:  # ... and its weight
+            small, bias32 = small - E * H, bias32 + E * H
+        total += int(sum(got.values()) + small * e + 4 * bias32 - 3 * I * H * per_value)
+        params += sum(sizes.values()) + small + bias32 - 3 * I * H
         read -= int((got["moe.experts_gate_up"] + got["moe.experts_down"]) * (E - k) / E)
         inactive_params += 3 * (E - k) * Ie * H
-        read += int(sum(got.values()) + small * e - 3 * I * H * per_value)
+        read += int(sum(got.values()) + small * e + 4 * bias32 - 3 * I * H * per_value)
     return WeightBytes(total, read, params, params - inactive_params)
 
 

@@ -80,7 +80,8 @@ def _moe_experts_fake(x, topk_ids, topk_weights, gate_up, gate_up_kind, down, do
 @torch.library.register_fake("pagewire::moe_decode")
 def _moe_decode_fake(x, router_weight, router_kind, router_bias, router, top_k, norm_topk_prob, gate_up, gate_up_kind,
                      down, down_kind, gate_up_bias, down_bias, activation, alpha, limit, shared_gate_up,
-                     shared_gate_up_kind, shared_down, shared_down_kind, shared_gate, shared_gate_kind):
+                     shared_gate_up_kind, shared_down, shared_down_kind, shared_gate, shared_gate_kind,
+                     selection_bias=None, n_group=1, topk_group=1, routed_scaling=1.0):
     return x.new_empty(x.shape)
 
 

@@ -513,16 +513,22 @@ def moe_decode(x: torch.Tensor, router_weight: torch.Tensor, router_kind: str, r
                router: str, top_k: int, norm_topk_prob: bool,
                gate_up: torch.Tensor | QuantizedExperts, down: torch.Tensor | QuantizedExperts,
                gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, activation: str, alpha: float,
-               limit: float, shared: tuple[torch.Tensor, str, torch.Tensor, str, torch.Tensor, str] | None = None,
-               ) -> torch.Tensor:
+               limit: float, shared: tuple[torch.Tensor, str, torch.Tensor, str, torch.Tensor | None, str] | None = None,
+               selection_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+               routed_scaling: float = 1.0) -> torch.Tensor:
     """A mixture-of-experts layer's whole MLP for at most Q8_KERNEL_MAX_ROWS CPU tokens in one
     call (csrc/cpu/moe_decode.cpp): the router (x @ router_weight^T (+ router_bias) by the path
-    `router_kind` names, as linear_kind gives it; then router "softmax_topk": fp32 softmax, top_k,
-    renormalised when norm_topk_prob, or "topk_softmax": gpt-oss's softmax over the top k logits),
-    the chosen experts as moe_experts runs them, and optionally Qwen2-MoE's shared expert `shared` =
-    (gate_up [2S, H], its kind, down [H, S], its kind, gate [1, H], its kind), added times
-    sigmoid(x @ gate^T). Quantised experts on AVX2 or better run in one OpenMP region, every thread
-    streaming its share of the chosen experts' rows; float experts go through moe_experts.
+    `router_kind` names, as linear_kind gives it for router_weight's dtype -- x is cast to it when
+    they differ (a float32 router in a bf16 model); then router "softmax_topk": fp32 softmax, top_k,
+    renormalised when norm_topk_prob, "topk_softmax": gpt-oss's softmax over the top k logits, or
+    "sigmoid_topk": fp32 sigmoid scores; for the fp32 scorings `selection_bias` [E] (added to the
+    scores to choose, not to the weights), `n_group` / `topk_group` (group-limited choice) and
+    `routed_scaling` (multiplies the weights) as server.models.moe_router.route applies them),
+    the chosen experts as moe_experts runs them, and optionally a shared expert `shared` =
+    (gate_up [2S, H], its kind, down [H, S], its kind, gate [1, H] or None, its kind or ""), added
+    times sigmoid(x @ gate^T) (Qwen2-MoE) or as it is (no gate: dots.llm1). Quantised experts on
+    AVX2 or better run in one OpenMP region, every thread streaming its share of the chosen
+    experts' rows; float experts go through moe_experts.
 
     Returns [T, H] in x's dtype."""
     gk, gw = (gate_up.op_qtype, gate_up.data) if isinstance(gate_up, QuantizedExperts) else ("float", gate_up)
@@ -530,7 +536,8 @@ def moe_decode(x: torch.Tensor, router_weight: torch.Tensor, router_kind: str, r
     sgu, sgu_kind, sdn, sdn_kind, sg, sg_kind = shared if shared is not None else (None, "", None, "", None, "")
     return torch.ops.pagewire.moe_decode(x, router_weight, router_kind, router_bias, router, top_k, norm_topk_prob,
                                          gw, str(gk), dw, str(dk), gate_up_bias, down_bias, activation, alpha, limit,
-                                         sgu, sgu_kind, sdn, sdn_kind, sg, sg_kind)
+                                         sgu, sgu_kind, sdn, sdn_kind, sg, sg_kind, selection_bias, n_group,
+                                         topk_group, routed_scaling)
 
 
 def ngram_propose(

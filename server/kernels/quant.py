@@ -12,6 +12,7 @@ Every format is GGUF's block layout, byte for byte, so a tensor read from a GGUF
     q5_k   256           176          d*sc*q - dmin*mn (as q4_k, 5-bit q: 32 bytes of fifth bits)
     q6_k   256           210          d*sc*(q - 32)    (6-bit q, 16 int8 sc per 16 values, fp16 d)
     mxfp4  32            17           E2M1(q) * 2^(e-127) (u8 exponent e, 32 4-bit q; experts)
+    bf16   16            32           the bf16 value itself (from_bf16: a float matrix moved, x8 only)
 
 Float weights are quantised at load with `quantize` (q8_0 and q4_0, GGUF's rounding, in C++).
 

@@ -18,8 +18,8 @@ NORM_PLACEMENTS = ("pre", "post", "both")
 ACTIVATIONS = ("silu", "gelu_tanh")
 QK_NORMS = ("head", "projection")
 MLP_KINDS = ("dense", "sparse")
-MOE_CHECKPOINTS = ("mlp", "mixtral", "gpt_oss")
-MOE_ROUTERS = ("softmax_topk", "topk_softmax")
+MOE_CHECKPOINTS = ("mlp", "mixtral", "gpt_oss", "deepseek", "ernie")
+MOE_ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_topk")
 MOE_ACTIVATIONS = ("silu", "swiglu_oai")
 
 
@@ -138,7 +138,9 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     # HF expert names: "mlp" (mlp.experts.N.{gate,up,down}_proj), "mixtral" (block_sparse_moe.experts.N.w1/w3/w2)
-    # or "gpt_oss" (mlp.router, mlp.experts.{gate_up,down}_proj stacked, gate/up columns interleaved).
+    # or "gpt_oss" (mlp.router, mlp.experts.{gate_up,down}_proj stacked, gate/up columns interleaved)
+    # or "deepseek" ("mlp" names plus mlp.gate.e_score_correction_bias and mlp.shared_experts.*)
+    # or "ernie" (as "deepseek", the bias as mlp.moe_statics.e_score_correction_bias [1, E]).
     moe_checkpoint: str = "mlp"
     # gpt-oss's MoE: "topk_softmax" takes the top k router logits and softmaxes those k (the others
     # softmax over all E, then take the top k); moe_bias: the router and the experts have biases;
@@ -148,6 +150,28 @@ class ModelConfig:
     moe_activation: str = "silu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # DeepSeek-V3-style routers (server.models.moe_router; dots.llm1): "sigmoid_topk" scores each
+    # expert by sigmoid(logit); moe_selection_bias adds a per-expert bias (e_score_correction_bias)
+    # to the scores for choosing the top k only; with moe_n_group > 1 the choice is limited to the
+    # moe_topk_group groups whose two best biased scores sum highest; the chosen weights (renormalised
+    # when norm_topk_prob) are multiplied by moe_routed_scaling. shared_expert_gated: Qwen2-MoE's
+    # shared expert has a sigmoid gate; DeepSeek-style shared experts ("deepseek" names) have none.
+    moe_selection_bias: bool = False
+    moe_n_group: int = 1
+    moe_topk_group: int = 1
+    moe_routed_scaling: float = 1.0
+    # The router's weight and logits in float32 whatever the model's dtype (the activations cast up):
+    # transformers' DeepSeek-V3-style routers keep gate.weight in float32 (_keep_in_fp32_modules_strict).
+    moe_router_fp32: bool = False
+    # Layers a checkpoint holds past num_layers that the model does not run (GLM-4.5's multi-token
+    # prediction layers: HF's model.layers.{num_layers + i}.*, GGUF's blk.{num_layers + i}.*); skipped at load.
+    checkpoint_extra_layers: int = 0
+    # Other checkpoint tensors the model does not run, by name prefix (Ernie 4.5's "model.mtp*").
+    checkpoint_skipped_prefixes: tuple[str, ...] = ()
+    # The HF checkpoint's q/k rows rotate interleaved pairs (GPT-J style; Ernie 4.5): reordered at
+    # load into rotate-half's [first half | second half] per head (gguf_blocks.unpermute_qk).
+    rope_interleaved_checkpoint: bool = False
+    shared_expert_gated: bool = True
     # gpt-oss's attention sinks: a learned logit per query head joining every softmax (no value).
     attention_sinks: bool = False
     # gpt-oss's RMSNorm (transformers' GptOssRMSNorm): the weight multiplies in float32 and the
@@ -197,6 +221,7 @@ class ModelConfig:
         assert self.moe_checkpoint in MOE_CHECKPOINTS and self.moe_router in MOE_ROUTERS
         assert self.moe_activation in MOE_ACTIVATIONS
         assert "sparse" not in self.layer_mlp_kinds or 0 < self.num_experts_per_tok <= self.num_experts
+        assert self.moe_n_group >= 1 and 1 <= self.moe_topk_group <= self.moe_n_group, "moe groups"
         for name in ("layer_head_dims", "layer_kv_heads", "layer_intermediate_sizes", "layer_kv_sources",
                      "layer_value_from_key", "layer_types"):
             assert len(getattr(self, name)) in (0, n), name

@@ -116,7 +116,7 @@ class DecoderLayer(nn.Module):
         # projection, full, partial or no RoPE, residual multipliers, SiLU or GELU-tanh, soft-capping
         # or not, and Gemma 4's parts (KV read from another layer, values from the key projection,
         # the value norm, the per-layer input block, the layer scalar). Not a per-head q/k norm on a
-        # NoPE or partial-rotary layer (no family has one): there forward() norms with torch ops,
+        # NoPE or partial-rotary layer (GLM-4.5 with use_qk_norm has one): there forward() norms with torch ops,
         # where the C++ layer's norm rides on the rotation; nor a projection q/k norm on a layer with
         # no keys of its own (no family has one either). Those run forward().
         self.fusable = ((self.qk_norm is None or (self.rope_index is not None and self.rotary_dim == self.head_dim))
@@ -667,6 +667,14 @@ class DecoderForCausalLM(nn.Module):
             targets["model.per_layer_projection_norm.weight"] = WeightTarget(
                 self.per_layer_projection_norm, (c.per_layer_input_size,), c.norm_weight_offset)
         return targets
+
+    @property
+    def ignored_checkpoint_prefixes(self) -> tuple[str, ...]:
+        """Checkpoint layers past the model's (ModelConfig.checkpoint_extra_layers: GLM-4.5's MTP
+        layers) and other parts it does not run (checkpoint_skipped_prefixes: Ernie 4.5's MTP head)."""
+        n = self.config.num_layers
+        extra = tuple(f"model.layers.{n + i}." for i in range(self.config.checkpoint_extra_layers))
+        return extra + self.config.checkpoint_skipped_prefixes
 
     def ignored_checkpoint_tensors(self) -> frozenset[str]:
         """Tensors a checkpoint may hold that this model has no use for: the K/V projections and

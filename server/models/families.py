@@ -15,6 +15,7 @@ from typing import Any
 
 from server.models.architecture import Architecture
 from server.models.config import ModelConfig, ModelLoadError, RopeSpec, UnsupportedModelError
+from server.models.ernie45_moe_config import ernie45_moe_gguf, ernie45_moe_hf
 from server.models.gemma4_config import gemma4_gguf, gemma4_hf
 from server.models.gguf_config import gguf_base, gguf_windows
 from server.models.gguf_file import GGUFFile
@@ -22,6 +23,7 @@ from server.models.hf_config import HFFields, hf_base, windows
 from server.models.lfm2_config import lfm2_gguf, lfm2_hf
 from server.models.qwen3_next_config import QWEN3_NEXT_ARCHITECTURES, qwen3_next_hf
 from server.models.qwen3_next_gguf import QWEN3_NEXT_GGUF, qwen3_next_gguf
+from server.models.sigmoid_moe_config import dots1_gguf, dots1_hf, glm4_moe_gguf, glm4_moe_hf
 
 
 def _every(n: int) -> list[bool]:
@@ -333,6 +335,12 @@ FAMILIES: list[Architecture] = [
     Architecture("olmoe", ("OlmoeForCausalLM",), ("olmoe",), _moe_hf, _moe_gguf),
     Architecture("qwen2moe", ("Qwen2MoeForCausalLM",), ("qwen2moe",), _moe_hf, _moe_gguf),
     Architecture("gpt_oss", ("GptOssForCausalLM",), ("gpt-oss",), _gpt_oss_hf, _gpt_oss_gguf),
+    # dots.llm1, GLM-4.5: sigmoid routers with a selection bias, ungated shared experts (server.models.sigmoid_moe_config).
+    Architecture("dots1", ("Dots1ForCausalLM",), ("dots1",), dots1_hf, dots1_gguf),
+    Architecture("glm4_moe", ("Glm4MoeForCausalLM",), ("glm4moe",), glm4_moe_hf, glm4_moe_gguf),
+    # ERNIE 4.5 MoE: a softmax router with the same selection bias; interleaved RoPE (server.models.ernie45_moe_config).
+    Architecture("ernie4_5_moe", ("Ernie4_5_MoeForCausalLM",), ("ernie4_5-moe",), ernie45_moe_hf, ernie45_moe_gguf,
+                 gguf_permuted_qk=True),
     # Hybrids: recurrent layers with a state slot per sequence (server/engine/state_cache.py).
     Architecture("lfm2", ("Lfm2ForCausalLM",), ("lfm2",), lfm2_hf, lfm2_gguf,
                  model="server.models.lfm2:Lfm2ForCausalLM"),

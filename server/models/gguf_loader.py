@@ -116,9 +116,16 @@ _MOE_NAMES = {
     "ffn_gate_shexp.weight": "shared_expert.gate_proj.weight",
     "ffn_up_shexp.weight": "shared_expert.up_proj.weight",
     "ffn_down_shexp.weight": "shared_expert.down_proj.weight",
+    "exp_probs_b.bias": "gate.e_score_correction_bias",  # a sigmoid router's selection bias (dots1)
 }
 _EXPERT_PARTS = {"ffn_gate_exps.weight": ("gate_proj", "w1"), "ffn_up_exps.weight": ("up_proj", "w3"),
                  "ffn_down_exps.weight": ("down_proj", "w2")}
+
+
+def _extra_layer(gguf_name: str, config: ModelConfig) -> bool:
+    """A `blk.N.*` tensor of one of the checkpoint_extra_layers past the model's layers."""
+    m = _BLOCK.fullmatch(gguf_name)
+    return m is not None and config.num_layers <= int(m.group(1)) < config.num_layers + config.checkpoint_extra_layers
 
 
 def _moe_tensor_names(gguf_name: str, config: ModelConfig | None) -> list[str] | None:
@@ -130,8 +137,12 @@ def _moe_tensor_names(gguf_name: str, config: ModelConfig | None) -> list[str] |
     mixtral = config.moe_checkpoint == "mixtral"
     prefix = f"model.layers.{m.group(1)}." + ("block_sparse_moe." if mixtral else "mlp.")
     part = m.group(2)
-    if part in _MOE_NAMES:
-        return [prefix + _MOE_NAMES[part]]
+    if part in _MOE_NAMES:  # "deepseek" (dots1) names its ungated shared experts shared_experts.*
+        name = _MOE_NAMES[part]
+        if config.moe_checkpoint == "ernie" and part == "exp_probs_b.bias":
+            return [prefix + "moe_statics.e_score_correction_bias"]
+        return [prefix + (name.replace("shared_expert.", "shared_experts.")
+                          if config.moe_checkpoint in ("deepseek", "ernie") else name)]
     if part in _EXPERT_PARTS:
         hf = _EXPERT_PARTS[part][1 if mixtral else 0]
         return [f"{prefix}experts.{e}.{hf}.weight" for e in range(config.num_experts)]
@@ -196,6 +207,8 @@ def load_gguf_model(
             bar.update(1)
             if t.name in CONFIG_TENSORS:
                 continue  # read by the translation (longrope's factors)
+            if config.checkpoint_extra_layers and _extra_layer(t.name, config):
+                continue  # a layer the model does not run (GLM-4.5's nextn / MTP layer)
             if t.name in by_gguf:  # gpt-oss's router and stacked experts (and their biases)
                 _load_direct(f, t, by_gguf[t.name], t.name in kept_parts)
                 loaded.add(t.name)

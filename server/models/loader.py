@@ -175,6 +175,9 @@ def _copy_tensors(
                 bar.update(1)
 
 
+_QK_NAMES = ("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight", "self_attn.k_proj.bias")
+
+
 def _copy_one(
     path: Path, handle: Any, name: str, targets: dict[str, WeightTarget], loaded: set[str], config: ModelConfig
 ) -> None:
@@ -194,6 +197,11 @@ def _copy_one(
     load_progress.advance(tensor.numel() * tensor.element_size())
     if target.convert is not None:  # a checkpoint layout that is not dest's (gpt-oss's experts)
         tensor = target.convert(tensor)
+    if config.rope_interleaved_checkpoint and name.endswith(_QK_NAMES):  # Ernie 4.5: GPT-J-style pairs
+        from server.models.gguf_blocks import unpermute_qk
+
+        layer = int(name.split(".")[2])
+        tensor = unpermute_qk(tensor, config.num_heads if ".q_proj." in name else config.kv_heads_of(layer))
     # copy_ converts dtype and device, and broadcasts per-head norm vectors over their rows.
     target.dest.copy_(tensor)
     if target.offset:  # Gemma's norms scale by 1 + w: added once here, in the serving dtype

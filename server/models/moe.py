@@ -1,10 +1,12 @@
 """SparseMoE: the MLP of a mixture-of-experts layer (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE, gpt-oss).
 
-A router scores each token's hidden row against every expert (softmax over `num_experts` logits),
-keeps the top `num_experts_per_tok`, optionally renormalises their weights to sum to 1
-(`norm_topk_prob`), and the token's output is the weighted sum of those experts' gated MLPs
-(gate_up -> SiLU(gate) * up -> down). Qwen2-MoE adds a shared expert that every token runs,
-scaled by a sigmoid gate of the token's row. gpt-oss differs in three parts: its router and experts
+A router scores each token's hidden row against every expert (softmax over `num_experts` logits,
+or DeepSeek-V3-style sigmoid scores with a selection bias, expert groups and a scaling factor:
+server.models.moe_router), keeps the top `num_experts_per_tok`, optionally renormalises their
+weights to sum to 1 (`norm_topk_prob`), and the token's output is the weighted sum of those experts'
+gated MLPs (gate_up -> SiLU(gate) * up -> down). Qwen2-MoE adds a shared expert that every token
+runs, scaled by a sigmoid gate of the token's row; dots.llm1's shared experts ("deepseek" names)
+are added ungated. gpt-oss differs in three parts: its router and experts
 have biases, it softmaxes only the top k logits (`moe_router` "topk_softmax"), and its experts'
 activation is the clamped SwiGLU ("swiglu_oai", in moe_experts); its checkpoint stacks the experts
 transposed with gate and up columns interleaved, which the load de-interleaves into our gate-then-up
@@ -14,7 +16,7 @@ A CPU step of at most 16 tokens (decode) runs the whole MLP -- router, experts, 
 one C++ op, pagewire::moe_decode (server.kernels.ops.moe_decode, csrc/cpu/moe_decode.cpp): quantised
 experts are read by both cores at once in one OpenMP region. Larger steps (prefill), other devices,
 and router or shared-expert matrices whose linear path decode_layer has no name for, run the router
-as three per-row torch ops (a linear, softmax, top-k) and the experts as one C++ op per layer,
+as a linear and a few vectorised torch ops (moe_router.route) and the experts as one C++ op per layer,
 pagewire::moe_experts (server.kernels.ops.moe_experts, csrc/cpu/moe.cpp): tokens grouped by
 expert, each expert used run once over its rows, experts no token chose never read. The experts'
 matrices are stacked per layer -- gate_up [E, 2I, H] (gate rows, then up rows, per expert) and
@@ -40,13 +42,15 @@ from server.kernels.quant import QuantizedExperts, QuantizedWeight
 from server.kernels.quant_parts import QuantizedParts
 from server.models.config import ModelConfig
 from server.models.layers import silu_and_mul
+from server.models.moe_router import route
 from server.models.mxfp4 import decode_mxfp4
 from server.models.weights import WeightTarget, param
 
 
 class SparseMoE(nn.Module):
     """Router [E, H], experts gate_up [E, 2I, H] and down [E, H, I], and optionally a shared
-    expert (gate_up [2S, H], down [H, S]) with its sigmoid gate [1, H]."""
+    expert (gate_up [2S, H], down [H, S]) with, when gated (Qwen2-MoE), its sigmoid gate [1, H]; a
+    sigmoid router's selection bias is a float32 [E] whatever the model's dtype (transformers keeps it so)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -58,8 +62,11 @@ class SparseMoE(nn.Module):
         self.router = c.moe_router
         self.activation, self.alpha, self.limit = c.moe_activation, c.swiglu_alpha, c.swiglu_limit
         self.mxfp4 = c.experts_quantization == "mxfp4"
-        self.router_weight = param((E, H), dtype, device)
+        # float32 for DeepSeek-V3-style routers whatever the dtype (route() casts the rows up to it)
+        self.router_weight = param((E, H), torch.float32 if c.moe_router_fp32 else dtype, device)
         self.router_bias = param((E,), dtype, device) if c.moe_bias else None
+        self.selection_bias = param((E,), torch.float32, device) if c.moe_selection_bias else None
+        self.n_group, self.topk_group, self.routed_scaling = c.moe_n_group, c.moe_topk_group, c.moe_routed_scaling
         self.experts_gate_up: torch.Tensor | QuantizedExperts = param((E, 2 * I, H), dtype, device)
         self.experts_down: torch.Tensor | QuantizedExperts = param((E, H, I), dtype, device)
         self.experts_gate_up_bias = param((E, 2 * I), dtype, device) if c.moe_bias else None
@@ -67,7 +74,7 @@ class SparseMoE(nn.Module):
         self.shared_gate_up_weight: torch.Tensor | QuantizedWeight | QuantizedParts | None = (
             param((2 * S, H), dtype, device) if S else None)
         self.shared_down_weight: torch.Tensor | QuantizedWeight | None = param((H, S), dtype, device) if S else None
-        self.shared_gate_weight = param((1, H), dtype, device) if S else None
+        self.shared_gate_weight = param((1, H), dtype, device) if S and c.shared_expert_gated else None
         # pagewire::moe_decode for CPU steps of at most 16 tokens (tests turn it off to compare);
         # decode_kinds' cache: (T, dtype, plan table id, invariant) -> (table, kinds).
         self.fused_decode = True
@@ -75,17 +82,12 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_ids int64 [T, k], topk_weights float32 [T, k]) as transformers' routers compute
-        them: softmax of the logits in float32, top-k, renormalised when norm_topk_prob; or
-        gpt-oss's: top-k of the logits (with the router's bias), softmax over those k in x's dtype."""
-        logits = linear(x, self.router_weight, self.router_bias)
-        if self.router == "topk_softmax":
-            top, ids = torch.topk(logits, self.top_k, dim=-1)
-            return ids, torch.softmax(top, dim=-1).float()
-        probs = torch.softmax(logits.float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids, weights
+        them (server.models.moe_router): softmax of the logits in float32, top-k, renormalised when
+        norm_topk_prob; gpt-oss's top-k of the logits (with the router's bias), softmax over those
+        k in x's dtype; or sigmoid scores chosen with the selection bias and groups, scaled."""
+        logits = linear(x.to(self.router_weight.dtype), self.router_weight, self.router_bias)
+        return route(logits, self.router, self.top_k, self.norm_topk_prob, self.selection_bias, self.n_group,
+                     self.topk_group, self.routed_scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] (the MLP's normed input) -> [T, H] in x's dtype."""
@@ -103,21 +105,22 @@ class SparseMoE(nn.Module):
         out = moe_experts(x, ids, weights, self.experts_gate_up, self.experts_down, self.experts_gate_up_bias,
                           self.experts_down_bias, self.activation, self.alpha, self.limit)
         if self.shared_gate_up_weight is not None and self.shared_down_weight is not None:
-            assert self.shared_gate_weight is not None
             shared = linear(silu_and_mul(linear(x, self.shared_gate_up_weight)), self.shared_down_weight)
-            out = out + torch.sigmoid(linear(x, self.shared_gate_weight)) * shared
+            if self.shared_gate_weight is not None:
+                shared = torch.sigmoid(linear(x, self.shared_gate_weight)) * shared
+            out = out + shared
         return out
 
     def _decode(self, x: torch.Tensor, kinds: tuple[str, str, str, str]) -> torch.Tensor:
         """forward() for at most 16 CPU rows: one pagewire::moe_decode call."""
         shared = None
         if self.shared_gate_up_weight is not None and self.shared_down_weight is not None:
-            assert self.shared_gate_weight is not None
             shared = (_data(self.shared_gate_up_weight), kinds[1], _data(self.shared_down_weight), kinds[2],
                       self.shared_gate_weight, kinds[3])
         return moe_decode(x, self.router_weight, kinds[0], self.router_bias, self.router, self.top_k,
                           self.norm_topk_prob, self.experts_gate_up, self.experts_down, self.experts_gate_up_bias,
-                          self.experts_down_bias, self.activation, self.alpha, self.limit, shared)
+                          self.experts_down_bias, self.activation, self.alpha, self.limit, shared,
+                          self.selection_bias, self.n_group, self.topk_group, self.routed_scaling)
 
     def decode_kinds(self, x: torch.Tensor) -> tuple[str, str, str, str] | None:
         """The linear paths (ops.linear_kind) of the router, shared gate_up, shared down and shared
@@ -132,12 +135,12 @@ class SparseMoE(nn.Module):
         key = (T, x.dtype, id(table), batch_invariant.enabled())
         cached = self._kinds_cache.get(key)
         if cached is None or cached[0] is not table:
-            found: list[str | None] = [linear_kind(x.dtype, T, self.router_weight, self.router_bias)]
+            found: list[str | None] = [linear_kind(self.router_weight.dtype, T, self.router_weight, self.router_bias)]
             if self.shared_gate_up_weight is not None and self.shared_down_weight is not None:
                 found += [linear_kind(x.dtype, T, self.shared_gate_up_weight, None),
                           linear_kind(x.dtype, T, self.shared_down_weight, None),
                           linear_kind(x.dtype, T, self.shared_gate_weight, None)
-                          if self.shared_gate_weight is not None else None]
+                          if self.shared_gate_weight is not None else ""]
             else:
                 found += ["", "", ""]
             kinds = None if None in found else cast(tuple[str, str, str, str], tuple(str(k) for k in found))
@@ -181,7 +184,8 @@ class SparseMoE(nn.Module):
         """HF names under `prefix` ("model.layers.3.") -> slices of the stacked parameters:
         `mlp.experts.N.{gate,up,down}_proj` (Qwen-MoE, OLMoE) or Mixtral's
         `block_sparse_moe.experts.N.{w1,w3,w2}` (gate, up, down), the router `*.gate.weight`, and
-        Qwen2-MoE's `mlp.shared_expert.*` and `mlp.shared_expert_gate.weight`."""
+        Qwen2-MoE's `mlp.shared_expert.*` and `mlp.shared_expert_gate.weight`; "deepseek" (dots.llm1)
+        adds `mlp.gate.e_score_correction_bias` and names its ungated shared experts `mlp.shared_experts.*`."""
 
         gu, dn = self.experts_gate_up, self.experts_down
         assert isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor), "checkpoint_tensors: already quantised"
@@ -197,14 +201,20 @@ class SparseMoE(nn.Module):
             t[x + names[0] + ".weight"] = WeightTarget(gu[e, :I], (I, H))
             t[x + names[1] + ".weight"] = WeightTarget(gu[e, I:], (I, H))
             t[x + names[2] + ".weight"] = WeightTarget(dn[e], (H, I))
+        if self.selection_bias is not None and self.checkpoint_layout == "ernie":
+            t[m + "moe_statics.e_score_correction_bias"] = WeightTarget(self.selection_bias.view(1, E), (1, E))
+        elif self.selection_bias is not None:
+            t[m + "gate.e_score_correction_bias"] = WeightTarget(self.selection_bias, (E,))
         sgu, sdn, sg = self.shared_gate_up_weight, self.shared_down_weight, self.shared_gate_weight
-        if sgu is not None and sdn is not None and sg is not None:
+        if sgu is not None and sdn is not None:
             assert isinstance(sgu, torch.Tensor) and isinstance(sdn, torch.Tensor)
             S = sdn.shape[1]
-            t[m + "shared_expert.gate_proj.weight"] = WeightTarget(sgu[:S], (S, H))
-            t[m + "shared_expert.up_proj.weight"] = WeightTarget(sgu[S:], (S, H))
-            t[m + "shared_expert.down_proj.weight"] = WeightTarget(sdn, (H, S))
-            t[m + "shared_expert_gate.weight"] = WeightTarget(sg, (1, H))
+            s = m + ("shared_experts." if self.checkpoint_layout in ("deepseek", "ernie") else "shared_expert.")
+            t[s + "gate_proj.weight"] = WeightTarget(sgu[:S], (S, H))
+            t[s + "up_proj.weight"] = WeightTarget(sgu[S:], (S, H))
+            t[s + "down_proj.weight"] = WeightTarget(sdn, (H, S))
+            if sg is not None:
+                t[m + "shared_expert_gate.weight"] = WeightTarget(sg, (1, H))
         return t
 
     def _gpt_oss_tensors(self, m: str, gu: torch.Tensor, dn: torch.Tensor) -> dict[str, WeightTarget]:

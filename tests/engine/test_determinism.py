@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from server.engine.config import ConfigError, EngineConfig
 from server.engine.sampling_params import SamplingParams
 from server.kernels import batch_invariant, ops
+from server.kernels.quant import QuantizedWeight
 from tests.engine.determinism_check import DeterminismChecker, default_situations
 
 
@@ -94,6 +95,8 @@ def _split_k_linear(x: torch.Tensor, weight, bias=None) -> torch.Tensor:
     x's dtype, so a row's rounding depends on how many rows share the call."""
     chunks = 1 + x.shape[0] % 3
     k = x.shape[-1]
+    if isinstance(weight, QuantizedWeight):  # a bf16 matrix in the x8 layout (AVX2 CPUs)
+        weight = weight.dequantize(x.dtype)
     bounds = [k * i // chunks for i in range(chunks + 1)]
     out = sum(F.linear(x[..., a:b], weight[:, a:b]) for a, b in zip(bounds, bounds[1:]))
     assert isinstance(out, torch.Tensor)

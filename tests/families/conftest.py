@@ -7,7 +7,7 @@ from typing import Callable
 import pytest
 
 FAMILIES = ("gemma2", "gemma3", "gemma4", "phi3", "olmo2", "olmo3", "smollm3", "granite",
-            "qwen3moe", "mixtral", "olmoe", "qwen2moe", "gpt_oss")
+            "qwen3moe", "mixtral", "olmoe", "qwen2moe", "gpt_oss", "dots1", "glm4_moe", "ernie4_5_moe")
 
 
 @pytest.fixture(scope="session")

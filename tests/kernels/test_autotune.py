@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from server.engine.config import ConfigError, EngineConfig
-from server.kernels import autotune, batch_invariant, ops
+from server.kernels import autotune, batch_invariant, linear_plan, ops
 from server.kernels.autotune import BUCKETS, LARGE, LARGE_M, LinearTable, Site, bucket, tune
 from server.kernels.quant import QuantizedWeight
 from server.models.loader import load_model
@@ -228,7 +228,9 @@ def test_engine_tunes_on_cpu_unless_off_or_deterministic(tiny_model: Callable[..
     common = dict(model=model_dir, dtype="bfloat16", kv_cache_tokens=512, max_num_batched_tokens=64)
     on = LLMEngine(EngineConfig(**common, deterministic=False))  # type: ignore[arg-type]
     assert on.linear_table is not None
-    assert set(on.linear_table.plans) == {(torch.bfloat16, tuple(w.shape)) for _, w in on.model.linear_weights()}
+    # (keyed by each weight as the engine keeps it: on AVX2 CPUs the bf16 matrices are in the x8 layout)
+    assert set(on.linear_table.plans) == {linear_plan.table_key(w, torch.bfloat16) for _, w in on.model.linear_weights()}
+    assert all(isinstance(w, QuantizedWeight) == (ops.cpu_isa() == "avx2") for _, w in on.model.linear_weights())
     assert LLMEngine(EngineConfig(**common, deterministic=False, autotune=False)).linear_table is None  # type: ignore[arg-type]
     assert LLMEngine(EngineConfig(**common, deterministic=True, autotune=True)).linear_table is None  # type: ignore[arg-type]
 

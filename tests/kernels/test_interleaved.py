@@ -136,7 +136,7 @@ def test_for_kernels_interleaves_only_for_the_avx2_kernel(monkeypatch: pytest.Mo
 def test_interleaved_arguments_are_checked() -> None:
     qk = random_q4("q5_k", 8, 256, seed=0)
     with pytest.raises(ValueError,
-                       match="interleaved: only q8_0, q4_0, q4_1, q4_k, q6_k have an interleaved layout, not q5_k"):
+                       match="interleaved: only q8_0, q4_0, q4_1, q4_k, q6_k, bf16 have an interleaved layout, not q5_k"):
         QuantizedWeight("q5_k", qk.data, (8, 256), interleaved=True)
     with pytest.raises(RuntimeError, match="qtype must be 'q4_0', 'q4_1', 'q4_k' or 'q6_k' \\(row layout\\), got 'q5_k'"):
         torch.ops.pagewire.interleave_q4(qk.data, "q5_k")

@@ -183,7 +183,7 @@ def test_bad_arguments_are_named() -> None:
     H = gu.shape[2]
     rw, _ = _router(H, seed=1)
     x = torch.randn(2, H)
-    with pytest.raises(RuntimeError, match="router must be 'softmax_topk' or 'topk_softmax'"):
+    with pytest.raises(RuntimeError, match="router must be 'softmax_topk', 'topk_softmax' or 'sigmoid_topk'"):
         run(x, rw, None, "sigmoid", 2, True, gu, dn)
     with pytest.raises(RuntimeError, match="top_k must be in"):
         run(x, rw, None, "softmax_topk", E + 1, True, gu, dn)

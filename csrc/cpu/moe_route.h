@@ -1,0 +1,28 @@
+// The MoE router's choice for a step's rows from their logits (cpu/moe_route.cpp): what
+// server.models.moe_router.route computes with torch ops, for pagewire::moe_decode.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <string>
+
+namespace pagewire {
+namespace cpu {
+
+struct RouteSpec {
+  std::string router;  // "softmax_topk", "topk_softmax" or "sigmoid_topk"
+  int64_t k = 1;
+  bool renorm = false;
+  const float* selection_bias = nullptr;  // [E] fp32, added to the scores to choose only
+  int64_t n_group = 1, topk_group = 1;    // group-limited choice (groups scored by their two best)
+  float scaling = 1.f;                    // routed_scaling_factor, multiplies the chosen weights
+};
+
+// logits fp32 [T, E] (row-major; `dtype` is the type they were computed in: topk_softmax rounds
+// its weights to it) -> ids [T, k] and weights [T, k], largest choice first.
+void route_rows(const float* logits, int64_t T, int64_t E, c10::ScalarType dtype, const RouteSpec& spec,
+                int64_t* ids, float* wts);
+
+}  // namespace cpu
+}  // namespace pagewire

@@ -118,13 +118,16 @@ void linear_bf16x8_avx2(const uint16_t* x, int64_t ldx, const uint16_t* w, const
     const uint16_t* g = w + gi * kRows * K;
     const uint16_t* b = bias != nullptr ? bias + gi * kRows : nullptr;
     uint16_t* o = out + gi * kRows;
-    int64_t m = 0;
-    // Pairs of x rows reuse each weight vector twice; the group stays in L1/L2 between passes.
+    // The first x row streams the group from memory front to back, prefetched (the pair tiles read
+    // half of each chunk, a strided pattern the prefetchers follow badly); then pairs of rows reuse
+    // each weight vector twice from L1/L2, and a last single row.
+    group_x1(xf, g, K, b, o, true);
+    int64_t m = 1;
     for (; m + 2 <= M; m += 2) {
       group_x2(xf + m * K, K, g, 0, b, o + m * ldo, ldo);
       group_x2(xf + m * K, K, g, 1, b, o + m * ldo, ldo);
     }
-    if (m < M) group_x1(xf + m * K, g, K, b, o + m * ldo, m == 0);
+    if (m < M) group_x1(xf + m * K, g, K, b, o + m * ldo, false);
   }
   for (int64_t n = groups * kRows; n < N; ++n) {
     for (int64_t m = 0; m < M; ++m) out[m * ldo + n] = row_x1(xf + m * K, w + n * K, K, bias, n);

@@ -698,12 +698,21 @@ def _replace_with_quantized(module: nn.Module, name: str, qtype: str) -> None:
     setattr(module, name, quantized)
 
 
+# The widest rows the x8 layout pays for. The row-layout kernel reads eight rows side by side, each
+# a stream of K * 2 bytes: short rows (SmolLM2's 576, 1,152 bytes) end before the hardware prefetcher
+# is up to speed, and there one sequential stream moved 1.2-1.4x the bytes at M = 1; from K = 1536
+# the eight row streams kept up (1.0x) and at K = 5632 beat it (0.8x). bench/RESULTS.md, session 18.
+BF16_X8_MAX_K = 1024
+
+
 def _replace_with_bf16x8(module: nn.Module, name: str) -> None:
-    """module.<name>, a bf16 matrix, becomes its x8 QuantizedWeight where the layout applies
-    (at least one group of eight rows, K a multiple of 16); anything else stays as it is."""
+    """module.<name>, a bf16 matrix, becomes its x8 QuantizedWeight where the layout applies and
+    pays (at least one group of eight rows, K a multiple of 16 and at most BF16_X8_MAX_K); anything
+    else stays as it is."""
     weight = getattr(module, name)
     if (not isinstance(weight, torch.Tensor) or weight.dtype != torch.bfloat16 or weight.dim() != 2
-            or weight.shape[0] < 8 or weight.shape[1] == 0 or weight.shape[1] % 16):
+            or weight.shape[0] < 8 or weight.shape[1] == 0 or weight.shape[1] % 16
+            or weight.shape[1] > BF16_X8_MAX_K):
         return
     moved = QuantizedWeight.from_bf16(weight)
     module._parameters.pop(name, None)  # as _replace_with_quantized: the row-layout matrix is freed

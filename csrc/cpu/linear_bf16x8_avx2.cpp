@@ -1,9 +1,10 @@
 // Small-batch bf16 GEMV/GEMM on AVX2+FMA over the interleaved x8 layout (linear_kernel.h): eight
 // weight rows per group, each 16-value chunk of the eight rows stored together (256 bytes), so a
 // thread's share of the weight is one sequential stream. The row-layout kernel (linear_avx2.cpp)
-// reads eight rows side by side, eight streams of K * 2 bytes each, which on a 576-wide model are
-// too short for the hardware prefetcher to follow: at M = 1 it moved 8-11 GB/s per core where one
-// stream moves 15-19, and 15-17 GB/s on two cores where this kernel moves 22-29 (bench/RESULTS.md).
+// reads eight rows side by side, eight streams of K * 2 bytes each, which on a 576-wide model
+// (1,152-byte rows) end before the hardware prefetcher is up to speed: at M = 1 with two threads this
+// kernel moved 1.0-1.6x its bytes per second there (the 49152-row lm_head 1.57x); from K = 1536 the
+// eight streams keep up and the row layout stays (BF16_X8_MAX_K, bench/RESULTS.md, session 18).
 //
 // Arithmetic: exactly the row-layout kernel's per output (bf16_avx2.h): x widened in even/odd
 // order, acc = fma(x_even, w_even, acc); acc = fma(x_odd, w_odd, acc) per chunk in K order,
@@ -29,8 +30,8 @@ namespace {
 
 constexpr int64_t kRows = kBf16Interleave;         // rows per group
 constexpr int64_t kChunkBytes = 16 * 2 * kRows;     // one chunk of a group: 256 bytes, four lines
-// How far ahead of its loads the stream prefetches (about four chunks). The hardware prefetcher
-// alone left 10-15 % of the bandwidth unused at M = 1 (bench/RESULTS.md, session 18).
+// How far ahead of its loads the stream prefetches (four chunks): a one-core prototype moved
+// 15.4-18.9 GB/s at 1 KB ahead, 13.2-16.7 with none, 13.2-17.8 at 2 KB and 4 KB (3072 x 576, M = 1).
 constexpr int64_t kPrefetchBytes = 1024;
 
 inline __m256 even(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }

@@ -604,11 +604,11 @@ class DecoderForCausalLM(nn.Module):
         self._fused_cache.clear()  # the layers' linear kinds changed
 
     def interleave_bf16(self) -> None:
-        """On CPUs whose kernels are the AVX2 family, move every bf16 decoder matrix (and an untied
-        lm_head) into the x8 layout (QuantizedWeight.from_bf16), which pagewire::linear_bf16x8
-        streams as one sequence: the same floats as the row-layout kernel, bit for bit, at 1.2-1.5x
-        its decode bandwidth (bench/RESULTS.md, session 18). The memory is the same: each matrix is
-        moved, not copied. A tied lm_head is the embedding table: the table itself is moved, and
+        """On CPUs whose kernels are the AVX2 family, move every bf16 decoder matrix and the lm_head
+        with rows of at most BF16_X8_MAX_K values into the x8 layout (QuantizedWeight.from_bf16),
+        which pagewire::linear_bf16x8 streams as one sequence: the same floats as the row-layout
+        kernel, bit for bit, at up to 1.6x its decode bandwidth on short rows (bench/RESULTS.md,
+        session 18). The memory is the same: each matrix is moved, not copied. A tied lm_head is the embedding table: the table itself is moved, and
         ops.embedding gathers its rows from the x8 layout."""
         if self.device.type != "cpu" or self.dtype != torch.bfloat16 or cpu_isa() != "avx2":
             return

@@ -608,8 +608,8 @@ class DecoderForCausalLM(nn.Module):
         with rows of at most BF16_X8_MAX_K values into the x8 layout (QuantizedWeight.from_bf16),
         which pagewire::linear_bf16x8 streams as one sequence: the same floats as the row-layout
         kernel, bit for bit, at up to 1.6x its decode bandwidth on short rows (bench/RESULTS.md,
-        session 18). The memory is the same: each matrix is moved, not copied. A tied lm_head is the embedding table: the table itself is moved, and
-        ops.embedding gathers its rows from the x8 layout."""
+        session 18). The memory is the same: each matrix is moved, not copied. A tied lm_head is the
+        embedding table: the table itself is moved, and ops.embedding gathers its rows from it."""
         if self.device.type != "cpu" or self.dtype != torch.bfloat16 or cpu_isa() != "avx2":
             return
         for layer in self._layers:

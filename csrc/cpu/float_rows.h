@@ -63,4 +63,32 @@ class FloatOut {
   bool avx2_;
 };
 
+// Checks an optional bias of a linear op with x [M, K] and N outputs: on CPU, [N], x's dtype.
+// Returns whether there is one.
+inline bool check_bias(const c10::optional<at::Tensor>& bias, int64_t N, const at::Tensor& x) {
+  if (!bias.has_value() || !bias->defined()) return false;
+  TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == N, "bias must be a CPU [N] tensor, N = ",
+              N, ", got shape ", bias->sizes());
+  TORCH_CHECK(bias->scalar_type() == x.scalar_type(), "bias dtype ", bias->scalar_type(), " must equal x dtype ",
+              x.scalar_type());
+  return true;
+}
+
+// What an integer linear op hands its kernel: x's rows and the bias as fp32 (float_rows) and the
+// fp32 output (FloatOut, finish() gives it in x's dtype), each through its own per-thread buffer.
+struct KernelRows {
+  KernelRows(const at::Tensor& x, const c10::optional<at::Tensor>& bias, bool has_bias, int64_t N, bool avx2)
+      : out(x.size(0), N, x.options(), avx2) {
+    thread_local std::vector<float> xbuf, bbuf;
+    xf = float_rows(x, xbuf, xkeep_, avx2);
+    b = has_bias ? float_rows(*bias, bbuf, bkeep_, avx2) : nullptr;
+  }
+  const float* xf = nullptr;
+  const float* b = nullptr;
+  FloatOut out;
+
+ private:
+  at::Tensor xkeep_, bkeep_;
+};
+
 }  // namespace pagewire::cpu

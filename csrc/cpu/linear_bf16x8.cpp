@@ -14,6 +14,7 @@
 
 #include "../ops.h"
 #include "cpu_features.h"
+#include "float_rows.h"
 #include "linear_kernel.h"
 
 namespace pagewire {
@@ -101,13 +102,7 @@ at::Tensor linear_bf16x8_cpu(const at::Tensor& x, const at::Tensor& weight, cons
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == K, "x must be a CPU [M, K] tensor with K = ", K,
               ", got ", x.sizes(), " on ", x.device());
   TORCH_CHECK(at::isFloatingType(x.scalar_type()), "x must be floating point, got ", x.scalar_type());
-  const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias) {
-    TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == N, "bias must be a CPU [N] tensor, N = ",
-                N, ", got shape ", bias->sizes());
-    TORCH_CHECK(bias->scalar_type() == x.scalar_type(), "bias dtype ", bias->scalar_type(), " must equal x dtype ",
-                x.scalar_type());
-  }
+  const bool has_bias = cpu::check_bias(bias, N, x);
   if (x.scalar_type() != at::kBFloat16 || cpu::active_isa() == cpu::Isa::kPortable || x.requires_grad()) {
     return at::linear(x, deinterleave_bf16_cpu(weight).to(x.scalar_type()), bias);
   }

@@ -385,13 +385,7 @@ at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::str
   TORCH_CHECK(at::isFloatingType(x.scalar_type()), "x must be floating point, got ", x.scalar_type());
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   check_q4_weight(weight, t, qtype, K);
-  const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias) {
-    TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == N, "bias must be a CPU [N] tensor, N = ",
-                N, ", got shape ", bias->sizes());
-    TORCH_CHECK(bias->scalar_type() == x.scalar_type(), "bias dtype ", bias->scalar_type(), " must equal x dtype ",
-                x.scalar_type());
-  }
+  const bool has_bias = cpu::check_bias(bias, N, x);
   const at::Tensor wc = weight.contiguous();
   if (M > kQ4KernelMaxRows) {
     // Prefill: ATen's GEMM on dequantised chunks of rows (each chunk about 2 MB of fp32, so the
@@ -412,13 +406,8 @@ at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::str
   const cpu::Isa isa = cpu::active_isa();
   const bool portable = isa == cpu::Isa::kPortable;
   // bf16 rows in and out through per-thread fp32 buffers (float_rows.h), not ATen conversions.
-  thread_local std::vector<float> xbuf;
-  at::Tensor xkeep;
-  const float* xf = cpu::float_rows(x, xbuf, xkeep, !portable);
-  cpu::FloatOut out(M, N, x.options(), !portable);
-  thread_local std::vector<float> bbuf;
-  at::Tensor bkeep;
-  const float* b = has_bias ? cpu::float_rows(*bias, bbuf, bkeep, !portable) : nullptr;
+  cpu::KernelRows io(x, bias, has_bias, N, !portable);
+  const float *xf = io.xf, *b = io.b;
   // Per calling thread (the engine thread), reused across calls: no allocation per decode step.
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xd, xs;
@@ -435,7 +424,7 @@ at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::str
                       : isa >= cpu::Isa::kAvx512 ? cpu::linear_q4_avx512
                                                  : cpu::linear_q4_avx2;
   const uint8_t* w = wc.data_ptr<uint8_t>();
-  float* o = out.data();
+  float* o = io.out.data();
   if (!f.interleaved) {
     kernel(t, act, w, b, o, N, N);
   } else if (!portable) {
@@ -454,7 +443,7 @@ at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::str
     std::memcpy(rows.data() + N / G * G * rb, w + N / G * G * rb, (N % G) * rb);
     kernel(t, act, rows.data(), b, o, N, N);
   }
-  return out.finish();
+  return io.out.finish();
 }
 
 }  // namespace pagewire

@@ -208,13 +208,7 @@ at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const 
   TORCH_CHECK(at::isFloatingType(x.scalar_type()), "x must be floating point, got ", x.scalar_type());
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   check_q8_weight(weight, K);
-  const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias) {
-    TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == N, "bias must be a CPU [N] tensor, N = ",
-                N, ", got shape ", bias->sizes());
-    TORCH_CHECK(bias->scalar_type() == x.scalar_type(), "bias dtype ", bias->scalar_type(), " must equal x dtype ",
-                x.scalar_type());
-  }
+  const bool has_bias = cpu::check_bias(bias, N, x);
   if (M > kQ8KernelMaxRows) {
     // Prefill: the GEMM is compute-bound, where ATen's blocked kernels win; dequantising costs
     // one pass over the weight.
@@ -224,14 +218,9 @@ at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const 
   const cpu::Isa isa = cpu::active_isa();
   const bool portable = isa == cpu::Isa::kPortable;
   // bf16 rows in and out through per-thread fp32 buffers (float_rows.h), not ATen conversions.
-  thread_local std::vector<float> xbuf;
-  at::Tensor xkeep;
-  const float* xf = cpu::float_rows(x, xbuf, xkeep, !portable);
-  cpu::FloatOut out(M, N, x.options(), !portable);
+  cpu::KernelRows io(x, bias, has_bias, N, !portable);
+  const float *xf = io.xf, *b = io.b;
   const at::Tensor wc = weight.contiguous();
-  thread_local std::vector<float> bbuf;
-  at::Tensor bkeep;
-  const float* b = has_bias ? cpu::float_rows(*bias, bbuf, bkeep, !portable) : nullptr;
   // Per calling thread (the engine thread), reused across calls: no allocation per decode step.
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xd;
@@ -246,7 +235,7 @@ at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const 
                       : isa >= cpu::Isa::kAvx512 ? cpu::linear_q8_0_avx512
                                                  : cpu::linear_q8_0_avx2;
   const uint8_t* w = wc.data_ptr<uint8_t>();
-  float* o = out.data();
+  float* o = io.out.data();
   if (!interleaved) {
     kernel(act, w, b, o, N, N);
   } else if (!portable) {
@@ -261,7 +250,7 @@ at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const 
     // weight was prepared for.
     kernel(act, deinterleaved(wc, K).data(), b, o, N, N);
   }
-  return out.finish();
+  return io.out.finish();
 }
 
 }  // namespace pagewire

@@ -6,7 +6,8 @@
 //    low / high nibbles gives every row's pair sums in 16 bits; a sub-block's eight chunks add up
 //    in 16 bits (at most 8 chunks * 2 pairs * 15 * 128 = 30,720: no saturation);
 //  * the eight rows' packed 6-bit scales and mins are three 32-byte loads per super-block (word w
-//    of every row), decoded for all rows at once by 32-bit shifts and masks; one madd by the
+//    of every row), decoded for all rows at once by 32-bit shifts and masks, and each sub-block's byte picked out by one
+//    shuffle (pshufb); one madd by the
 //    sub-block's scale (in both 16-bit halves of each lane) gives scale * dot in 32 bits;
 //  * one int32 -> fp32 and one FMA by the activation block's scale per sub-block, the mins' term
 //    against the activation blocks' d * sum, then the rows' d and dmin once per super-block.
@@ -37,17 +38,21 @@ inline __m256i broadcast4(const int8_t* p) {
 
 inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// Byte k of every 32-bit lane of v, as an int32 lane.
-inline __m256i byte_of(__m256i v, int k) {
-  return _mm256_and_si256(_mm256_srl_epi32(v, _mm_cvtsi32_si128(8 * k)), _mm256_set1_epi32(0xFF));
+// pshufb controls over a vector holding one byte per sub-block in each row's 32-bit lane: byte k
+// of every lane zero-extended into both 16-bit halves (a madd multiplier of two pair sums), or
+// into the whole lane (an int32). One shuffle does what a shift, a mask, a shift and an or did.
+inline __m256i lane_bytes(uint32_t pattern) {
+  return _mm256_add_epi8(_mm256_set1_epi32(static_cast<int32_t>(pattern)),
+                         _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C, 0, 0x04040404, 0x08080808, 0x0C0C0C0C));
 }
+inline __m256i halves_of_byte(uint32_t k) { return lane_bytes(k | 0x80u << 8 | k << 16 | 0x80u << 24); }
+inline __m256i word_of_byte(uint32_t k) { return lane_bytes(k | 0x80u << 8 | 0x80u << 16 | 0x80u << 24); }
 
 // Activation rows [m0, m0 + MB) times one group of eight Q4_K weight rows -> out[m][0..8).
 template <int MB>
 void group_k(const Q8SumActivations& x, int64_t m0, const uint8_t* w, const float* bias, float* out, int64_t ldo) {
   const int64_t nb = x.K / 32, nsb = x.K / kQ4_KBlock;
-  const __m256i mask = _mm256_set1_epi8(0x0F), six = _mm256_set1_epi8(0x3F), four = _mm256_set1_epi8(0x0F),
-                top = _mm256_set1_epi8(0x30);
+  const __m256i mask = _mm256_set1_epi8(0x0F), six = _mm256_set1_epi8(0x3F), top = _mm256_set1_epi8(0x30);
   const int8_t* xq[MB];
   const float* xd[MB];
   const float* xs[MB];
@@ -65,16 +70,18 @@ void group_k(const Q8SumActivations& x, int64_t m0, const uint8_t* w, const floa
     // Scales 0-3 / 4-7 and mins 0-3 / 4-7 of every row, one byte each (q4_k_scale_min's rule).
     const __m256i a = load256(w + 32), b = load256(w + 64), c = load256(w + 96);
     const __m256i sc_lo = _mm256_and_si256(a, six);
-    const __m256i sc_hi = _mm256_or_si256(_mm256_and_si256(c, four), _mm256_and_si256(_mm256_srli_epi32(a, 2), top));
+    const __m256i sc_hi = _mm256_or_si256(_mm256_and_si256(c, mask), _mm256_and_si256(_mm256_srli_epi32(a, 2), top));
     const __m256i mn_lo = _mm256_and_si256(b, six);
     const __m256i mn_hi =
-        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(c, 4), four), _mm256_and_si256(_mm256_srli_epi32(b, 2), top));
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(c, 4), mask), _mm256_and_si256(_mm256_srli_epi32(b, 2), top));
     __m256 sa[MB];
     for (int m = 0; m < MB; ++m) sa[m] = _mm256_setzero_ps();
+#pragma GCC unroll 4
     for (int cc = 0; cc < 4; ++cc) {
       __m256i lo16[MB], hi16[MB];
       for (int m = 0; m < MB; ++m) lo16[m] = hi16[m] = _mm256_setzero_si256();
       const uint8_t* wc = w + kCodes + 32 * 8 * cc;
+#pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
         const __m256i v = load256(wc + 32 * j);
         const __m256i lo = _mm256_and_si256(v, mask);
@@ -86,10 +93,9 @@ void group_k(const Q8SumActivations& x, int64_t m0, const uint8_t* w, const floa
         }
       }
       // Sub-blocks 2cc and 2cc + 1's scales, in both 16-bit halves of each row's lane.
-      const __m256i s0 = byte_of(2 * cc < 4 ? sc_lo : sc_hi, (2 * cc) % 4);
-      const __m256i s1 = byte_of(2 * cc + 1 < 4 ? sc_lo : sc_hi, (2 * cc + 1) % 4);
-      const __m256i sc0 = _mm256_or_si256(s0, _mm256_slli_epi32(s0, 16));
-      const __m256i sc1 = _mm256_or_si256(s1, _mm256_slli_epi32(s1, 16));
+      const __m256i src = cc < 2 ? sc_lo : sc_hi;
+      const __m256i sc0 = _mm256_shuffle_epi8(src, halves_of_byte((2 * cc) % 4));
+      const __m256i sc1 = _mm256_shuffle_epi8(src, halves_of_byte((2 * cc + 1) % 4));
       for (int m = 0; m < MB; ++m) {
         const int64_t blk = s * 8 + 2 * cc;
         sa[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(lo16[m], sc0)), _mm256_set1_ps(xd[m][blk]),
@@ -101,8 +107,9 @@ void group_k(const Q8SumActivations& x, int64_t m0, const uint8_t* w, const floa
     // The mins' term: sum over sub-blocks of mn * (activation block's d * sum).
     __m256 ma[MB];
     for (int m = 0; m < MB; ++m) ma[m] = _mm256_setzero_ps();
+#pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
-      const __m256 mn = _mm256_cvtepi32_ps(byte_of(j < 4 ? mn_lo : mn_hi, j % 4));
+      const __m256 mn = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(j < 4 ? mn_lo : mn_hi, word_of_byte(j % 4)));
       for (int m = 0; m < MB; ++m) ma[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xs[m][s * 8 + j]), ma[m]);
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));

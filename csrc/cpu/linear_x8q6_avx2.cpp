@@ -41,8 +41,16 @@ inline __m256i broadcast4(const int8_t* p) {
 
 inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
+// pshufb control: byte k of each 32-bit lane into the high byte of both of its 16-bit halves (the
+// low bytes zeroed), so that an arithmetic shift right by 8 sign-extends it into each half.
+inline __m256i high_bytes(int k) {
+  const uint32_t p = 0x80u | static_cast<uint32_t>(k) << 8 | 0x80u << 16 | static_cast<uint32_t>(k) << 24;
+  return _mm256_add_epi8(_mm256_set1_epi32(static_cast<int32_t>(p)),
+                         _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C, 0, 0x04040404, 0x08080808, 0x0C0C0C0C));
+}
+
 // Activation rows [m0, m0 + MB) times one group of eight Q6_K weight rows -> out[m][0..8).
-// x16: per activation row, the sums of each 16 activation codes (K / 16 of them).
+// x16: per activation row, 16 * the sum of each 16 activation codes in both 16-bit halves (K / 16 of them).
 template <int MB>
 void group_q6(const Q8SumActivations& x, const int32_t* x16, int64_t m0, const uint8_t* w, const float* bias,
               float* out, int64_t ldo) {
@@ -70,12 +78,11 @@ void group_q6(const Q8SumActivations& x, const int32_t* x16, int64_t m0, const u
         __m256i i32[MB];
         for (int m = 0; m < MB; ++m) i32[m] = _mm256_setzero_si256();
         for (int hh = 0; hh < 2; ++hh) {
-          // Scale 2j + hh of each row, sign-extended to 32 bits, and in both 16-bit halves.
+          // Scale 2j + hh of each row, sign-extended into both 16-bit halves of its lane: a shuffle
+          // puts the byte in each half's high byte, an arithmetic shift brings it down.
           const int idx = 2 * j + hh;
-          const __m256i sv = load256(w + kScales + 32 * (idx / 4));
-          const __m256i s32 = _mm256_srai_epi32(_mm256_slli_epi32(sv, 24 - 8 * (idx % 4)), 24);
-          const __m256i sc = _mm256_or_si256(_mm256_and_si256(s32, _mm256_set1_epi32(0xFFFF)),
-                                             _mm256_slli_epi32(s32, 16));
+          const __m256i sc = _mm256_srai_epi16(
+              _mm256_shuffle_epi8(load256(w + kScales + 32 * (idx / 4)), high_bytes(idx % 4)), 8);
           for (int pair = 0; pair < 2; ++pair) {
             __m256i p16[MB];
             for (int m = 0; m < MB; ++m) p16[m] = _mm256_setzero_si256();
@@ -95,9 +102,10 @@ void group_q6(const Q8SumActivations& x, const int32_t* x16, int64_t m0, const u
             }
             for (int m = 0; m < MB; ++m) i32[m] = _mm256_add_epi32(i32[m], _mm256_madd_epi16(p16[m], sc));
           }
-          // The codes' offset: - scale * 32 * (sum of the half's activation codes).
+          // The codes' offset: - scale * 32 * (sum of the half's activation codes), as one madd of
+          // the scale by 16 * sum in both 16-bit halves (|16 * sum| <= 32,768: prepared per call).
           for (int m = 0; m < MB; ++m) {
-            i32[m] = _mm256_sub_epi32(i32[m], _mm256_mullo_epi32(s32, _mm256_set1_epi32(32 * xs[m][s * 16 + idx])));
+            i32[m] = _mm256_sub_epi32(i32[m], _mm256_madd_epi16(sc, _mm256_set1_epi32(xs[m][s * 16 + idx])));
           }
         }
         for (int m = 0; m < MB; ++m) {
@@ -124,7 +132,9 @@ void linear_q6kx8_avx2(const Q8SumActivations& x, const uint8_t* w, const float*
   for (int64_t i = 0; i < x.M * n16; ++i) {
     int32_t sum = 0;
     for (int k = 0; k < 16; ++k) sum += x.q[i * 16 + k];
-    x16[i] = sum;
+    // 16 * sum in both 16-bit halves: madd by a scale in both halves gives scale * 32 * sum.
+    const uint32_t half = static_cast<uint16_t>(static_cast<int16_t>(16 * sum));
+    x16[i] = static_cast<int32_t>(half | half << 16);
   }
   const int32_t* xs = x16.data();
   // Static schedule: each thread streams one contiguous slice of the weight.

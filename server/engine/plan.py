@@ -74,12 +74,13 @@ def weight_bytes(mc: ModelConfig, dtype: str, quantization: str, model_path: Opt
     # A tied output projection is the embedding table itself, unless quantisation gives it its own copy.
     separate_head = (not mc.tie_word_embeddings) or quantization != "none"
     head = V * H * per_value if separate_head else 0
+    embed = V * H * e
     if quantization == "gguf" and model_path is not None:
-        layer_matrices, kept_head = _gguf_matrix_bytes(model_path, mc, e)
+        layer_matrices, kept_head, kept_embed = _gguf_matrix_bytes(model_path, mc, e)
         # An output projection the file does not let us keep stays what it was (tied: the table).
         separate_head = kept_head is not None or not mc.tie_word_embeddings
         head = kept_head if kept_head is not None else (V * H * e if separate_head else 0)
-    embed = V * H * e
+        embed = embed if kept_embed is None else kept_embed  # 0: the lm_head's blocks serve it
     # Per-layer input embeddings (Gemma 4): a table (only rows are read) and a projection with its norm.
     P, L = mc.per_layer_input_size, mc.num_layers
     ple_table, ple_rest = mc.per_layer_vocab_size * L * P, L * P * H + P
@@ -128,11 +129,12 @@ def _layer_sizes(mc: ModelConfig, i: int) -> tuple[int, int]:
     return matrices, small
 
 
-def _gguf_matrix_bytes(path: str, mc: ModelConfig, e: int) -> tuple[float, Optional[float]]:
-    """(decoder matrices, lm_head or None when not kept) bytes under --quantization gguf: kept
-    blocks at their size, the rest dequantised to `e` bytes per value (server.models.gguf_blocks
-    decides which are kept)."""
-    from server.models.gguf_blocks import plan_kept_matrices
+def _gguf_matrix_bytes(path: str, mc: ModelConfig, e: int) -> tuple[float, Optional[float], Optional[int]]:
+    """(decoder matrices, lm_head or None when not kept, embedding table or None when not kept)
+    bytes under --quantization gguf: kept blocks at their size, the rest dequantised to `e` bytes
+    per value (server.models.gguf_blocks decides which are kept). A kept table that is also the
+    kept lm_head's blocks counts 0 (the loader holds one copy)."""
+    from server.models.gguf_blocks import EMBEDDING, plan_kept_matrices
     from server.models.gguf_file import GGUFFile
 
     f = GGUFFile.open(path)
@@ -151,7 +153,11 @@ def _gguf_matrix_bytes(path: str, mc: ModelConfig, e: int) -> tuple[float, Optio
                      "down_weight": H * I}
         layers += sum(kept_bytes.get((i, n), v * e) for n, v in sizes.items())
     head = kept_bytes.get((None, "lm_head"))
-    return float(layers), (float(head) if head is not None else None)
+    parts = {m.name: m.parts for m in kept if m.layer is None}
+    embed = kept_bytes.get((None, EMBEDDING))
+    if embed is not None and parts.get("lm_head") == parts[EMBEDDING]:
+        embed = 0
+    return float(layers), (float(head) if head is not None else None), embed
 
 
 def _expert_bytes(mc: ModelConfig, e: int, quantization: str, model_path: Optional[str], total: int, read: int,

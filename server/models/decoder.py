@@ -511,7 +511,7 @@ class DecoderForCausalLM(nn.Module):
         """
         if len(kv_caches) != len(self._layers):
             raise ValueError(f"kv_caches: expected {len(self._layers)} (key, value) pairs, got {len(kv_caches)}")
-        hidden = embedding(input_ids, self.embed_tokens)
+        hidden = embedding(input_ids, self.embed_tokens, self.dtype)
         if self._embed_scale is not None:
             hidden = hidden * self._embed_scale
         context_lens = self._context_lens(positions, meta) if self._longrope else None

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from server.models.config import ModelConfig, ModelLoadError, UnsupportedModelError
 from server.models.dtype import resolve_dtype
-from server.models.gguf_blocks import build_quantized, plan_kept_matrices, unpermute_qk
+from server.models.gguf_blocks import EMBEDDING, build_quantized, plan_kept_matrices, unpermute_qk
 from server.models.gguf_config import CONFIG_TENSORS
 from server.models.gguf_file import GGUFFile, GGUFTensor
 from server.models.lfm2_config import lfm2_gguf_name
@@ -176,8 +176,8 @@ def load_gguf_model(
         dtype: "auto" (the file's float type; float32 for quantised files), "float32", "bfloat16", "float16".
         device: where the parameters live.
         keep_quantized: keep every matrix whose tensors are Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K as a
-            QuantizedWeight of the file's blocks (CPU only); norms, embeddings and other types
-            are dequantised to `dtype` as usual.
+            QuantizedWeight of the file's blocks (CPU only), the token embedding table included
+            (its rows dequantised per step); norms and other types are dequantised to `dtype` as usual.
     Returns:
         (model, config), the model in eval mode with requires_grad off.
     Raises:
@@ -196,8 +196,9 @@ def load_gguf_model(
     if keep_quantized and torch.device(device).type != "cpu":
         raise ValueError(f"quantization: 'gguf' runs on CPU only, got device {device!r}")
     kept = plan_kept_matrices(f, config, model.lm_head is model.embed_tokens) if keep_quantized else []
-    # Their float destinations are skipped (and replaced below); token_embd still fills the embedding.
-    skip = {hf_tensor_name(p, config) for m in kept for p in m.parts if p != "token_embd.weight"}
+    # Their float destinations are skipped (and replaced below); a tied lm_head's token_embd fills
+    # the embedding unless the table stays in its blocks too (EMBEDDING).
+    skip = {hf_tensor_name(p, config) for m in kept for p in m.parts if p != "token_embd.weight" or m.name == EMBEDDING}
     kept_parts = {p for m in kept for p in m.parts}
     loaded: set[str] = set()
     bar = tqdm(total=len(f.tensors), desc="Loading GGUF", unit="tensor", file=sys.stderr,
@@ -257,6 +258,12 @@ def load_gguf_model(
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
         )
     for m in kept:
+        if m.name == EMBEDDING:  # planned after the lm_head: one QuantizedWeight when both are token_embd's
+            head = next((h for h in kept if h.name == "lm_head"), None)
+            table = model.lm_head if head is not None and head.parts == m.parts else build_quantized(f, m, {})
+            model._parameters.pop("embed_tokens", None)  # the never-filled float table is freed
+            model.embed_tokens = table  # rows gathered and dequantised per step (ops.embedding)
+            continue
         kv_heads = config.kv_heads_of(m.layer) if m.layer is not None else config.num_kv_heads
         heads = {"attn_q.weight": config.num_heads, "attn_k.weight": kv_heads} if permute else {}
         module = model if m.layer is None else model._layers[m.layer]

@@ -1,0 +1,52 @@
+"""An embedding table kept in GGUF blocks (server.kernels.quant_embedding): the gathered rows are
+exactly the rows of the table the `gguf` package's numpy dequantiser gives, rounded to the model's
+dtype (what the loader's float table held), for every block format a table can stay in, in GGUF's
+row layout and in the x8 layout (a tied model's table, its lm_head's weight), tail rows included."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.kernels import ops
+from server.kernels.quant import INTERLEAVABLE, Qtype, QuantizedWeight
+from server.kernels.quant_embedding import EMBEDDABLE, gather_rows
+from tests.kernels.test_quant4 import gguf_dequantize, random_q4
+
+N, K = 37, 512  # 37 rows: four groups of eight in the x8 layout, then five rows it leaves as rows
+
+
+def table(qtype: Qtype, seed: int = 0) -> QuantizedWeight:
+    if qtype is Qtype.Q8_0:
+        g = torch.Generator().manual_seed(seed)
+        return QuantizedWeight.quantize(torch.randn(N, K, generator=g) * 0.05, "q8_0")
+    return random_q4(str(qtype), N, K, seed=seed, zero_rows=(5,))
+
+
+@pytest.mark.parametrize("qtype,layout", [(q, "rows") for q in EMBEDDABLE]
+                         + [(q, "x8") for q in EMBEDDABLE if q in INTERLEAVABLE])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rows_equal_the_dequantised_table(qtype: Qtype, layout: str, dtype: torch.dtype) -> None:
+    t = table(qtype)
+    want = gguf_dequantize(t).to(dtype)  # the float table the loader would build
+    if layout == "x8":
+        t = t.interleave()
+    every = torch.arange(N)
+    assert torch.equal(gather_rows(t, every, dtype), want)  # every row, bit for bit
+    ids = torch.tensor([[36, 0, 7, 8, 31, 32, 5], [35, 35, 1, 1, 33, 9, 0]])  # tail rows, repeats, group edges
+    got = ops.embedding(ids, t, dtype)
+    assert got.shape == (2, 7, K) and got.dtype == dtype
+    assert torch.equal(got, torch.nn.functional.embedding(ids, want))
+    assert gather_rows(t, torch.tensor([], dtype=torch.long), dtype).shape == (0, K)
+
+
+def test_bad_ids_and_tables_are_named() -> None:
+    t = table(Qtype.Q4_K)
+    with pytest.raises(IndexError, match=r"ids: token ids must lie in \[0, 37\)"):
+        gather_rows(t, torch.tensor([0, 37]), torch.bfloat16)
+    with pytest.raises(IndexError, match="ids: token ids"):
+        gather_rows(t, torch.tensor([-1]), torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype: a q4_k embedding table needs the dtype"):
+        ops.embedding(torch.tensor([0]), t)
+    mx = random_q4("mxfp4", 8, 64, seed=0)
+    with pytest.raises(ValueError, match="table: an embedding table kept in blocks is one of"):
+        gather_rows(mx, torch.tensor([0]), torch.bfloat16)

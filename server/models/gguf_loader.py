@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from server.models import gguf_pages
 from server.models.config import ModelConfig, ModelLoadError, UnsupportedModelError
 from server.models.dtype import resolve_dtype
 from server.models.gguf_blocks import EMBEDDING, build_quantized, plan_kept_matrices, unpermute_qk
@@ -161,7 +162,9 @@ def dequantize(t: GGUFTensor, path: Path) -> np.ndarray:
     try:
         values = np.asarray(quants.dequantize(t.data, t.qtype), dtype=np.float32).reshape(t.shape)
         # F32 comes back as a view of the read-only memory map; torch wants memory it may write.
-        return values if values.flags.writeable else values.copy()
+        values = values if values.flags.writeable else values.copy()
+        gguf_pages.release(t.data)  # copied: its mapped pages need not stay resident (load peak)
+        return values
     except ValueError as e:
         raise ModelLoadError(f"{path}: tensor {t.name!r} ({t.type_name}, shape {list(t.shape)}) is corrupt: {e}") from None
 
@@ -261,6 +264,7 @@ def load_gguf_model(
         if m.name == EMBEDDING:  # planned after the lm_head: one QuantizedWeight when both are token_embd's
             head = next((h for h in kept if h.name == "lm_head"), None)
             table = model.lm_head if head is not None and head.parts == m.parts else build_quantized(f, m, {})
+            gguf_pages.release(f.tensors[m.parts[0]].data)
             model._parameters.pop("embed_tokens", None)  # the never-filled float table is freed
             model.embed_tokens = table  # rows gathered and dequantised per step (ops.embedding)
             continue
@@ -272,6 +276,8 @@ def load_gguf_model(
         reorder = ((lambda k, data: qwen3_next_reorder_blocks(f, config, k.name, k.parts, data))
                    if config.model_type in QWEN3_NEXT_GGUF else None)
         qw = build_quantized(f, m, heads, reorder).for_kernels()  # this CPU's fastest layout of the same bytes
+        for part in m.parts:  # copied out: the mapped pages need not stay resident (load peak)
+            gguf_pages.release(f.tensors[part].data)
         # A registered parameter can only be reassigned to a Parameter: unregister it first, so
         # the never-filled float matrix is freed.
         module._parameters.pop(attr, None)

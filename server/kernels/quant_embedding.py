@@ -23,37 +23,43 @@ _GROUP = 8  # rows per group of the x8 layout (csrc/cpu/quant_kernel.h, quant4_k
 
 
 def gather_rows(table: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """table's rows `ids` (any shape of token ids) dequantised to `dtype`: [*ids.shape, K]."""
+    """table's rows `ids` (any shape of token ids) dequantised to `dtype`: [*ids.shape, K].
+    An id outside the table raises IndexError (index_select's)."""
     if table.qtype not in EMBEDDABLE:
         raise ValueError(f"table: an embedding table kept in blocks is one of {', '.join(EMBEDDABLE)}, "
                          f"not {table.qtype}")
     n, k = table.shape
-    flat = ids.reshape(-1).to(torch.long)
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
-        raise IndexError(f"ids: token ids must lie in [0, {n}), got {int(flat.min())}..{int(flat.max())}")
+    flat = ids.reshape(-1)
+    if flat.dtype != torch.long:
+        flat = flat.to(torch.long)
+    full = n // _GROUP * _GROUP  # an x8 table's rows in whole groups; the last N % 8 stay rows
     if not table.interleaved:
-        values = _rows(table, flat)
+        values = _dequantize(table.qtype, table.data.index_select(0, flat), False)
+    elif full == n or not bool((flat >= full).any()):  # every row in a group: no masks (decode's case)
+        values = _from_groups(table, flat, full)
     else:
         values = torch.empty((flat.numel(), k), dtype=torch.float32)
-        full = n // _GROUP * _GROUP  # rows in whole groups; the rest stay in row layout
         grouped = flat < full
-        at = grouped.nonzero().view(-1)
-        if at.numel():
-            rb = table.data.shape[1]
-            which = flat[at]
-            blocks = table.data[:full].reshape(full // _GROUP, _GROUP * rb).index_select(0, which // _GROUP)
-            groups = QuantizedWeight(table.qtype, blocks.reshape(-1, rb), (at.numel() * _GROUP, k), interleaved=True)
-            values[at] = groups.dequantize(torch.float32).view(-1, _GROUP, k)[torch.arange(at.numel()), which % _GROUP]
-        tail = (~grouped).nonzero().view(-1)
-        if tail.numel():
-            values[tail] = _rows(table, flat[tail])
+        at, tail = grouped.nonzero().view(-1), (~grouped).nonzero().view(-1)
+        values[at] = _from_groups(table, flat[at], full)
+        values[tail] = _dequantize(table.qtype, table.data.index_select(0, flat[tail]), False)
     return values.to(dtype).view(*ids.shape, k)
 
 
-def _rows(table: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor:
-    """float32 [len(rows), K] of rows stored in row layout (every row of a row-layout table, or
-    the trailing N % 8 rows of an x8 one)."""
-    if rows.numel() == 0:
-        return torch.empty((0, table.shape[1]), dtype=torch.float32)
-    picked = table.data.index_select(0, rows)
-    return QuantizedWeight(table.qtype, picked, (rows.numel(), table.shape[1])).dequantize(torch.float32)
+def _from_groups(table: QuantizedWeight, rows: torch.Tensor, full: int) -> torch.Tensor:
+    """float32 [len(rows), K] of an x8 table's rows below `full`: each row's group of eight rows
+    dequantised, the row picked from it."""
+    rb = table.data.shape[1]
+    groups = table.data[:full].view(full // _GROUP, _GROUP * rb).index_select(0, rows // _GROUP)
+    values = _dequantize(table.qtype, groups.view(-1, rb), True)
+    if rows.numel() == 1:  # a single sequence's decode step: a view, not two more ops
+        return values.narrow(0, int(rows) % _GROUP, 1)
+    picks = torch.arange(0, rows.numel() * _GROUP, _GROUP) + rows % _GROUP
+    return values.index_select(0, picks)
+
+
+def _dequantize(qtype: Qtype, blocks: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """float32 [rows, K] of `blocks` (QuantizedWeight.dequantize's ops, without building one per step)."""
+    if qtype is Qtype.Q8_0:
+        return torch.ops.pagewire.dequantize_q8_0(blocks, interleaved)
+    return torch.ops.pagewire.dequantize_q4(blocks, qtype.value + "x8" if interleaved else qtype.value)

@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 
 import server.models.decoder as llama_mod
+import server.models.decoder_layer as layer_mod
 from bench.bandwidth import read_bandwidth_gbs
 from bench.shapes import SHAPES, is_built, make_random_model, model_dir_for
 from server.kernels import ops
@@ -53,6 +54,13 @@ def best_and_median(fn: Callable[[], object], repeat: int) -> tuple[float, float
         fn()
         times.append(time.perf_counter() - t0)
     return min(times), statistics.median(times)
+
+
+def set_linear(fn: Callable[..., torch.Tensor]) -> None:
+    """Route the model's `linear` calls through fn: the layers' (server.models.decoder_layer) and the
+    model's own (server.models.decoder: lm_head, per-layer inputs)."""
+    llama_mod.linear = fn  # type: ignore[assignment]
+    layer_mod.linear = fn  # type: ignore[assignment]
 
 
 def decode_batch(model: Any, batch: int, context: int, block_size: int = 16) -> tuple[Any, ...]:
@@ -166,17 +174,17 @@ def time_batches(model: Any, a: argparse.Namespace, bw: float) -> float:
             return outputs[next(replay) % len(outputs)]
 
         def non_gemm() -> None:
-            llama_mod.linear = replaying  # type: ignore[assignment]
+            set_linear(replaying)
             try:
                 step()
             finally:
-                llama_mod.linear = real_linear  # type: ignore[assignment]
+                set_linear(real_linear)
 
-        llama_mod.linear = recording  # type: ignore[assignment]
+        set_linear(recording)
         try:
             step()
         finally:
-            llama_mod.linear = real_linear  # type: ignore[assignment]
+            set_linear(real_linear)
         xs = [torch.randn(shape).to(model.dtype) for shape, _, _ in calls]
 
         def gemms() -> None:

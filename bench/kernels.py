@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.bandwidth import read_bandwidth_gbs
-from server.kernels import ops
+from server.kernels import linear_route, ops
 from server.kernels.quant import INTERLEAVABLE, QuantizedWeight
 from tests.kernels.paged_reference import make_paged_batch
 
@@ -145,8 +145,8 @@ def bench_linear() -> None:
         base = None
         for M in [1, 2, 4, 8, 12, 16, 24, 32, 64]:
             x = torch.randn(M, K, generator=gen).to(dtype)
-            ours = best_of(lambda: ops._float_kernel_path(x, weights[next(step) % copies], None))
-            x8 = best_of(lambda: ops._quant_kernel_path(x, x8s[next(step) % copies], None)) if x8s else float("inf")
+            ours = best_of(lambda: linear_route._float_kernel_path(x, weights[next(step) % copies], None))
+            x8 = best_of(lambda: linear_route._quant_kernel_path(x, x8s[next(step) % copies], None)) if x8s else float("inf")
             ref = best_of(lambda: F.linear(x, weights[next(step) % copies]))
             with autotune.active(table):
                 chosen = best_of(lambda: ops.linear(x, kept[next(step) % copies]))
@@ -220,9 +220,9 @@ def bench_quant(quick: bool = False) -> None:
             step = iter(range(1 << 60))
             for M in ([1, 4, 16, 32, 64] if quick else [1, 2, 4, 8, 16, 24, 32, 64]):
                 x = torch.randn(M, K, generator=gen).bfloat16()
-                times = {name: best_of(lambda: ops._quant_kernel_path(x, ws[next(step) % copies], None))
+                times = {name: best_of(lambda: linear_route._quant_kernel_path(x, ws[next(step) % copies], None))
                          for name, ws in paths.items()}
-                times["dequant+gemm"] = best_of(lambda: ops._quant_gemm_path(x, rows[next(step) % copies], None))
+                times["dequant+gemm"] = best_of(lambda: linear_route._quant_gemm_path(x, rows[next(step) % copies], None))
                 with autotune.active(table):
                     chosen = best_of(lambda: ops.linear(x, kept[next(step) % copies]))
                 best = min(times, key=lambda k: times[k])

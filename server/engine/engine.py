@@ -45,7 +45,8 @@ from server.engine.state_cache import StateCache
 from server.engine.step_budget import StepBudget
 from server.engine.structured import PendingMasks, StructuredDecoder
 from server.kernels import autotune, batch_invariant
-from server.kernels.ops import Q8_KERNEL_MAX_ROWS, cpu_isa
+from server.kernels.linear_route import Q8_KERNEL_MAX_ROWS
+from server.kernels.ops import cpu_isa
 from server.models import load_progress
 from server.models.loader import load_model
 from server.models.pooling import Pooler, resolve_pooler

@@ -51,7 +51,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from server.kernels import ops
+from server.kernels import linear_route, ops
 from server.kernels.kinds import Qtype
 from server.kernels.linear_plan import (
     BUCKETS,
@@ -73,7 +73,7 @@ from server.kernels.linear_plan import (
 from server.kernels.quant import QuantizedWeight
 from server.kernels.quant_parts import QuantizedParts
 
-# The table and its thread-local lookup live in server.kernels.linear_plan (ops reads them there);
+# The table and its thread-local lookup live in server.kernels.linear_plan (linear_route reads them there);
 # re-exported so the engine and the tests name one module.
 __all__ = [
     "BUCKETS", "LARGE", "LARGE_M", "LinearTable", "Choice", "Site", "bucket", "active", "active_table", "table_key",
@@ -160,7 +160,7 @@ def tune(
         table.names.setdefault(key, []).append(site.name)
         groups.setdefault(key, site)
     for key, site in groups.items():
-        table.choices[key] = [Choice(ops.fixed_rule_takes_kernel(site.weight, BUCKETS[b] if b < LARGE else LARGE_M),
+        table.choices[key] = [Choice(linear_route.fixed_rule_takes_kernel(site.weight, BUCKETS[b] if b < LARGE else LARGE_M),
                                       "fixed") for b in range(LARGE + 1)]
 
     gen = torch.Generator().manual_seed(0)  # its own stream: the global RNG is the sampler's business
@@ -178,12 +178,12 @@ def tune(
                 if time.perf_counter() - t_start + _predicted_s(last.get(key), m) > budget_s:
                     table.choices[key][b].how = "budget"
                     continue
-                choice = _time_pair(ops, site, m, table.choices[key][b].kernel, gen, timer)
+                choice = _time_pair(linear_route, site, m, table.choices[key][b].kernel, gen, timer)
                 table.choices[key][b] = choice
                 assert choice.kernel_s is not None and choice.torch_s is not None
                 last[key] = (m, choice.kernel_s, choice.torch_s)
         if isa == "amx":
-            _tune_amx(ops, table, groups, t_start, budget_s, gen, timer)
+            _tune_amx(linear_route, table, groups, t_start, budget_s, gen, timer)
     table.plans = {key: tuple(c.plan for c in cs) for key, cs in table.choices.items()}
     table.seconds = time.perf_counter() - t_start
     if log:
@@ -194,7 +194,7 @@ def tune(
     return table
 
 
-def _tune_amx(ops: ModuleType, table: LinearTable, groups: dict[Key, Site], t_start: float, budget_s: float,
+def _tune_amx(route: ModuleType, table: LinearTable, groups: dict[Key, Site], t_start: float, budget_s: float,
               gen: torch.Generator, timer: Timer) -> None:
     """AMX CPUs: where the kernel path was chosen from 4 rows on, AMX tiles or the AVX-512 kernel."""
     for b in range(AMX_FIRST_BUCKET, LARGE + 1):
@@ -208,17 +208,17 @@ def _tune_amx(ops: ModuleType, table: LinearTable, groups: dict[Key, Site], t_st
             seen = choice.kernel_s if choice.kernel_s is not None else 0.0
             if time.perf_counter() - t_start + 2 * (1 + SAMPLES) * max(seen, MIN_SAMPLE_S) > budget_s:
                 continue  # AMX stays: the issue's default from 4 rows
-            choice.no_amx, choice.no_amx_s = _time_amx(ops, site, m, gen, timer)
+            choice.no_amx, choice.no_amx_s = _time_amx(route, site, m, gen, timer)
 
 
-def _time_amx(ops: ModuleType, site: Site, m: int, gen: torch.Generator, timer: Timer) -> tuple[bool, float]:
+def _time_amx(route: ModuleType, site: Site, m: int, gen: torch.Generator, timer: Timer) -> tuple[bool, float]:
     """The kernel path with AMX (the default) against it without; returns (AMX off wins, its best time)."""
     w = site.weight
     x = torch.randn((m, int(w.shape[1])), generator=gen).to(site.x_dtype)
-    path = ops._quant_kernel_path if isinstance(w, QuantizedWeight) else ops._float_kernel_path
+    path = route._quant_kernel_path if isinstance(w, QuantizedWeight) else route._float_kernel_path
     paths: dict[str, Callable[[], object]] = {
         "kernel": lambda: path(x, w, None),
-        "kernel-noamx": lambda: ops.without_amx(path, x, w, None),
+        "kernel-noamx": lambda: route.without_amx(path, x, w, None),
     }
     warm = {name: timer(name, fn, 1) for name, fn in paths.items()}
     reps = max(1, min(100, math.ceil(MIN_SAMPLE_S / max(min(warm.values()), 1e-7))))
@@ -240,14 +240,14 @@ def _predicted_s(last: Optional[tuple[int, float, float]], m: int) -> float:
     return sum(max(t * m / m0, MIN_SAMPLE_S) * calls for t in (tk, tt))
 
 
-def _time_pair(ops: ModuleType, site: Site, m: int, default_kernel: bool, gen: torch.Generator, timer: Timer) -> Choice:
+def _time_pair(route: ModuleType, site: Site, m: int, default_kernel: bool, gen: torch.Generator, timer: Timer) -> Choice:
     w = site.weight
     k = int(w.shape[1])
     x = torch.randn((m, k), generator=gen).to(site.x_dtype)
     if isinstance(w, QuantizedWeight):
-        kernel_path, torch_path = ops._quant_kernel_path, ops._quant_gemm_path
+        kernel_path, torch_path = route._quant_kernel_path, route._quant_gemm_path
     else:
-        kernel_path, torch_path = ops._float_kernel_path, ops._float_torch_path
+        kernel_path, torch_path = route._float_kernel_path, route._float_torch_path
     paths: dict[str, Callable[[], object]] = {
         "kernel": lambda: kernel_path(x, w, None),
         "torch": lambda: torch_path(x, w, None),

@@ -23,7 +23,7 @@ class Qtype(StrEnum):
 
 
 class LinearKind(StrEnum):
-    """One matrix's path in pagewire::decode_layer (`ops.linear_kind`): pagewire::linear, F.linear,
+    """One matrix's path in pagewire::decode_layer (`linear_route.linear_kind`): pagewire::linear, F.linear,
     or a QuantizedWeight's format and layout (`QuantizedWeight.op_qtype`; "x8": interleaved)."""
 
     KERNEL = "kernel"

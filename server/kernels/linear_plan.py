@@ -1,10 +1,10 @@
-"""The linear autotune's table and the thread-local lookup `ops.linear` follows.
+"""The linear autotune's table and the thread-local lookup `ops.linear` (server.kernels.linear_route) follows.
 
 `server.kernels.autotune.tune` fills a `LinearTable` (per weight shape and row-count bucket:
 pagewire's kernel or torch's GEMM); the engine makes it active around each step (`active`,
 thread-local like batch_invariant.mode) and `ops.linear` reads it with one dict lookup
-(`active_table`, `bucket`). Kept apart from the tuner, which times `ops`' own paths, so that the
-ops read the table without importing the tuner (no import circle).
+(`active_table`, `bucket`). Kept apart from the tuner, which times linear_route's own paths, so
+that linear_route reads the table without importing the tuner (no import circle).
 """
 from __future__ import annotations
 

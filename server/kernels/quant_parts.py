@@ -7,7 +7,7 @@ part in its own format: a row concatenation of QuantizedWeights, each possibly i
 `for_kernels` like any other, whose bytes lie one after another in one flat uint8 buffer (`data`;
 each part's `data` is a view of its range). Nothing is dequantised.
 
-`server.kernels.ops.linear` runs each part through its own format's path (the linear rules and
+`server.kernels.ops.linear` runs each part through its own format's path (linear_route's rules and
 autotune plans of that part's shape) into its columns of the result; pagewire::decode_layer and
 the other fused layers get the flat buffer and the kind `op_qtype` = "parts:KIND*ROWS+KIND*ROWS..."
 (csrc/cpu/decode_layer.cpp run_parts), which runs the same kernels on views of the same bytes, so
@@ -82,7 +82,7 @@ class QuantizedParts:
         return self.kind_of([str(p.op_qtype) for p in self.parts])
 
     def kind_of(self, part_kinds: Sequence[str]) -> str:
-        """The parts kind with each part's path given (ops.linear_kind's, part by part)."""
+        """The parts kind with each part's path given (linear_route.linear_kind's, part by part)."""
         return PARTS_KIND + "+".join(f"{k}*{p.shape[0]}" for k, p in zip(part_kinds, self.parts))
 
     @property

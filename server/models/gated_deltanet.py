@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from server.kernels import gdn
-from server.kernels.ops import linear
+from server.kernels.linear_route import linear
 from server.kernels.quant import QuantizedWeight
 from server.kernels.quant_parts import QuantizedParts
 from server.models.weights import WeightTarget, param

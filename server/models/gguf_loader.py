@@ -266,7 +266,7 @@ def load_gguf_model(
             table = model.lm_head if head is not None and head.parts == m.parts else build_quantized(f, m, {})
             gguf_pages.release(f.tensors[m.parts[0]].data)
             model._parameters.pop("embed_tokens", None)  # the never-filled float table is freed
-            model.embed_tokens = table  # rows gathered and dequantised per step (ops.embedding)
+            model.embed_tokens = table  # rows gathered and dequantised per step (linear_route.embedding)
             continue
         kv_heads = config.kv_heads_of(m.layer) if m.layer is not None else config.num_kv_heads
         heads = {"attn_q.weight": config.num_heads, "attn_k.weight": kv_heads} if permute else {}

@@ -19,12 +19,14 @@ from typing import TYPE_CHECKING, Optional, cast
 import torch
 from torch import nn
 
-from server.kernels.ops import embedding, linear, short_conv
+from server.kernels.linear_route import embedding, linear
+from server.kernels.ops import short_conv
 from server.kernels.quant import QuantizedWeight
 from server.kernels.quant_parts import QuantizedParts
 from server.models.attention import AttentionMetadata, StateBatch
 from server.models.config import ModelConfig, UnsupportedModelError
-from server.models.decoder import DecoderForCausalLM, DecoderLayer, _enter, _replace_with_quantized
+from server.models.decoder import DecoderForCausalLM
+from server.models.decoder_layer import DecoderLayer, _enter, _replace_with_quantized
 from server.models.layers import add_norm, norm, silu_and_mul
 from server.models.lfm2_config import LFM2_NAMES
 from server.models.moe import parameter_summary

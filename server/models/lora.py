@@ -42,7 +42,8 @@ import torch
 from safetensors import safe_open
 
 from server.kernels import batch_invariant
-from server.kernels.ops import linear, lora_add
+from server.kernels.linear_route import linear
+from server.kernels.ops import lora_add
 from server.models.lora_config import MAX_ADAPTERS, TARGETS, LoraConfig, LoraError
 
 # A PEFT checkpoint's tensor names: base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight

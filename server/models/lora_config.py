@@ -20,7 +20,7 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 # The decoder projections an adapter may target (PEFT's module names) and the fused matrix each
-# lands in (server.models.decoder: one qkv and one gate_up matrix per layer).
+# lands in (server.models.decoder_layer: one qkv and one gate_up matrix per layer).
 TARGETS: dict[str, str] = {
     "q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o",
     "gate_proj": "gate_up", "up_proj": "gate_up", "down_proj": "down",

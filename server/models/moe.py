@@ -37,7 +37,8 @@ import torch
 from torch import nn
 
 from server.kernels import batch_invariant, linear_plan
-from server.kernels.ops import Q8_KERNEL_MAX_ROWS, linear, linear_kind, moe_decode, moe_experts
+from server.kernels.linear_route import Q8_KERNEL_MAX_ROWS, linear, linear_kind
+from server.kernels.ops import moe_decode, moe_experts
 from server.kernels.quant import QuantizedExperts, QuantizedWeight
 from server.kernels.quant_parts import QuantizedParts
 from server.models.config import ModelConfig
@@ -123,7 +124,7 @@ class SparseMoE(nn.Module):
                           self.selection_bias, self.n_group, self.topk_group, self.routed_scaling)
 
     def decode_kinds(self, x: torch.Tensor) -> tuple[str, str, str, str] | None:
-        """The linear paths (ops.linear_kind) of the router, shared gate_up, shared down and shared
+        """The linear paths (linear_route.linear_kind) of the router, shared gate_up, shared down and shared
         gate for pagewire::moe_decode ("" where there is no shared expert), or None where this step
         runs route() and moe_experts instead: off the CPU, above 16 rows, `fused_decode` off, or a
         matrix whose path decode_layer has no name for. Cached per row count, dtype, linear plan

@@ -21,12 +21,14 @@ import torch
 from torch import nn
 
 from server.kernels import gdn
-from server.kernels.ops import embedding, linear, linear_kind, paged_attention, write_kv_cache
+from server.kernels.linear_route import embedding, linear, linear_kind
+from server.kernels.ops import paged_attention, write_kv_cache
 from server.kernels.quant import QuantizedWeight
 from server.kernels.quant_parts import QuantizedParts
 from server.models.attention import AttentionMetadata
 from server.models.config import ModelConfig
-from server.models.decoder import DecoderForCausalLM, DecoderLayer, _enter, _replace_with_quantized, _weight_data
+from server.models.decoder import DecoderForCausalLM
+from server.models.decoder_layer import DecoderLayer, _enter, _replace_with_quantized, _weight_data
 from server.models.gated_deltanet import GatedDeltaNet, GdnShape
 from server.models.layers import add_norm, norm, rms_norm, silu_and_mul
 from server.models.moe import SparseMoE, parameter_summary

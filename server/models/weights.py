@@ -1,6 +1,6 @@
 """What the model classes build their weights from: an uninitialised parameter (`param`) and where
-one checkpoint tensor lands (`WeightTarget`). A module of its own, below decoder.py and moe.py,
-so that both use them without importing each other."""
+one checkpoint tensor lands (`WeightTarget`). A module of its own, below decoder.py, decoder_layer.py
+and moe.py, so that they use them without importing each other."""
 from __future__ import annotations
 
 from typing import Callable, NamedTuple, Optional

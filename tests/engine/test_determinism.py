@@ -107,8 +107,11 @@ def _split_k_linear(x: torch.Tensor, weight, bias=None) -> torch.Tensor:
 def test_checker_catches_a_batch_dependent_reduction(tiny_model, monkeypatch, dtype: str) -> None:
     model_dir = tiny_model("llama", dtype=dtype)
     import server.models.decoder as llama
+    import server.models.decoder_layer as llama_layer
 
+    # Both modules' `linear`: the layers' projections and the model's lm_head.
     monkeypatch.setattr(llama, "linear", _split_k_linear)
+    monkeypatch.setattr(llama_layer, "linear", _split_k_linear)
     checker = DeterminismChecker(model_dir, {"dtype": dtype, "deterministic": True}, _vocab(model_dir), seed=7)
     report = checker.check(_target(checker), GREEDY, default_situations(True, batch_sizes=(2, 7), budgets=(16,)))
     # The alone run differs from the batched ones at least in logprobs.

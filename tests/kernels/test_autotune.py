@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from server.engine.config import ConfigError, EngineConfig
-from server.kernels import autotune, batch_invariant, linear_plan, ops
+from server.kernels import autotune, batch_invariant, linear_plan, linear_route, ops
 from server.kernels.autotune import BUCKETS, LARGE, LARGE_M, LinearTable, Site, bucket, tune
 from server.kernels.quant import QuantizedWeight
 from server.models.loader import load_model
@@ -161,9 +161,9 @@ def test_without_a_table_the_fixed_rules_hold() -> None:
     for m in ROWS:
         x = torch.randn(m, 64, generator=gen)
         assert gemm_ran(lambda: ops.linear(x.bfloat16(), w.bfloat16())) == (
-            not ops.BF16_KERNEL_EVERY_M and m > ops.LINEAR_KERNEL_MAX_M)
+            not linear_route.BF16_KERNEL_EVERY_M and m > linear_route.LINEAR_KERNEL_MAX_M)
         assert gemm_ran(lambda: ops.linear(x, w))
-        assert gemm_ran(lambda: ops.linear(x, qw)) == (m > ops.Q8_KERNEL_MAX_ROWS)
+        assert gemm_ran(lambda: ops.linear(x, qw)) == (m > linear_route.Q8_KERNEL_MAX_ROWS)
 
 
 @needs_kernels
@@ -287,7 +287,7 @@ def test_amx_cpu_also_times_the_kernel_without_amx(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(ops, "cpu_isa", lambda: "amx")
     flags: list[tuple[str, bool]] = []
-    float_path, quant_path = ops._float_kernel_path, ops._quant_kernel_path
+    float_path, quant_path = linear_route._float_kernel_path, linear_route._quant_kernel_path
 
     def spy(real: Callable[..., torch.Tensor], kind: str) -> Callable[..., torch.Tensor]:
         def run(x: torch.Tensor, w: object, b: torch.Tensor | None) -> torch.Tensor:
@@ -295,8 +295,8 @@ def test_amx_cpu_also_times_the_kernel_without_amx(monkeypatch: pytest.MonkeyPat
             return real(x, w, b)
         return run
 
-    monkeypatch.setattr(ops, "_float_kernel_path", spy(float_path, "float"))
-    monkeypatch.setattr(ops, "_quant_kernel_path", spy(quant_path, "quant"))
+    monkeypatch.setattr(linear_route, "_float_kernel_path", spy(float_path, "float"))
+    monkeypatch.setattr(linear_route, "_quant_kernel_path", spy(quant_path, "quant"))
     gen = torch.Generator().manual_seed(5)
     w32 = torch.randn(48, 64, generator=gen)
     sites = [Site("bf16", w32.bfloat16(), torch.bfloat16), Site("q8", QuantizedWeight.quantize(w32), torch.bfloat16),
@@ -322,13 +322,13 @@ def test_linear_turns_amx_off_where_the_table_says(monkeypatch: pytest.MonkeyPat
     import server._C
 
     seen: list[tuple[int, bool]] = []
-    real = ops._float_kernel_path
+    real = linear_route._float_kernel_path
 
     def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         seen.append((x.shape[0], server._C.amx_allowed()))
         return real(x, w, b)
 
-    monkeypatch.setattr(ops, "_float_kernel_path", spy)
+    monkeypatch.setattr(linear_route, "_float_kernel_path", spy)
     gen = torch.Generator().manual_seed(6)
     w = (torch.randn(40, 96, generator=gen) / 96**0.5).bfloat16()
     K, NO = autotune.KERNEL, autotune.KERNEL_NO_AMX

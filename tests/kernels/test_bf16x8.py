@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.kernels import batch_invariant, ops
+from server.kernels import batch_invariant, linear_route, ops
 from server.kernels.quant import QuantizedWeight
 
 SHAPES = [(8, 16), (45, 64), (7, 32), (576, 576), (17, 4096), (3072, 576)]
@@ -83,17 +83,17 @@ def test_other_dtypes_and_paths_keep_f_linear_semantics() -> None:
     x = torch.randn(3, 64, generator=gen)
     torch.testing.assert_close(ops.linear(x, qw, None), x @ w.float().t())
     xb = x.bfloat16()
-    torch.testing.assert_close(ops._quant_gemm_path(xb, qw, None), torch.nn.functional.linear(xb, w))
-    assert ops.fixed_rule_takes_kernel(qw, 1000) and ops.linear_kind(torch.bfloat16, 4, qw, None) == "bf16x8"
+    torch.testing.assert_close(linear_route._quant_gemm_path(xb, qw, None), torch.nn.functional.linear(xb, w))
+    assert linear_route.fixed_rule_takes_kernel(qw, 1000) and linear_route.linear_kind(torch.bfloat16, 4, qw, None) == "bf16x8"
 
 
 def test_embedding_gathers_the_rows() -> None:
     w = _weight(45, 64, 5)
     qw = QuantizedWeight.from_bf16(w)
     ids = torch.tensor([[0, 7, 8, 44], [40, 39, 1, 0]])
-    assert torch.equal(ops.embedding(ids, qw), torch.nn.functional.embedding(ids, w))
+    assert torch.equal(linear_route.embedding(ids, qw), torch.nn.functional.embedding(ids, w))
     with pytest.raises(IndexError, match="index 45 is out of range for an embedding table of 45 rows"):
-        ops.embedding(torch.tensor([45]), qw)
+        linear_route.embedding(torch.tensor([45]), qw)
 
 
 def test_bad_arguments_name_the_argument() -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from server.kernels import batch_invariant, ops
+from server.kernels import batch_invariant, linear_route, ops
 from server.kernels.quant import QuantizedExperts, QuantizedWeight
 from tests.kernels.test_moe_experts import E, _interleaved, experts, quantised
 from tests.kernels.test_quant4 import random_q4
@@ -56,7 +56,7 @@ def _float(w: torch.Tensor | QuantizedWeight) -> torch.Tensor:
 
 
 def _kind(w: torch.Tensor | QuantizedWeight, x: torch.Tensor) -> str:
-    kind = ops.linear_kind(x.dtype, x.shape[0], w, None)
+    kind = linear_route.linear_kind(x.dtype, x.shape[0], w, None)
     assert kind is not None
     return str(kind)
 
@@ -70,7 +70,7 @@ def run(x: torch.Tensor, rw: torch.Tensor, rb: torch.Tensor | None, router: str,
         sgu, sdn, sg = shared
         sh = (sgu.data if isinstance(sgu, QuantizedWeight) else sgu, _kind(sgu, x),
               sdn.data if isinstance(sdn, QuantizedWeight) else sdn, _kind(sdn, x), sg, _kind(sg, x))
-    return ops.moe_decode(x, rw, str(ops.linear_kind(x.dtype, x.shape[0], rw, rb)), rb, router, k, renorm, gu, dn,
+    return ops.moe_decode(x, rw, str(linear_route.linear_kind(x.dtype, x.shape[0], rw, rb)), rb, router, k, renorm, gu, dn,
                           gub, db, activation, alpha, limit, sh)
 
 
@@ -197,7 +197,7 @@ def test_opcheck_moe_decode() -> None:
     H = gu.shape[2]
     rw, _ = _router(H, seed=2)
     x = torch.randn(3, H, generator=torch.Generator().manual_seed(4))
-    kind = str(ops.linear_kind(x.dtype, 3, rw, None))
+    kind = str(linear_route.linear_kind(x.dtype, 3, rw, None))
     torch.library.opcheck(torch.ops.pagewire.moe_decode.default,
                           (x, rw, kind, None, "softmax_topk", 2, True, gu.data, str(gu.op_qtype), dn.data,
                            str(dn.op_qtype), None, None, "silu", 1.702, 7.0, None, "", None, "", None, ""))

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from server.kernels import batch_invariant, ops
+from server.kernels import batch_invariant, linear_route, ops
 from server.kernels.quant import QuantizedExperts, QuantizedWeight
 from tests.kernels.test_moe_decode import _float, _kind, _shared
 from tests.kernels.test_moe_experts import E, experts, quantised
@@ -66,7 +66,7 @@ def run(x: torch.Tensor, r: Router, gu: torch.Tensor | QuantizedExperts, dn: tor
         sgu, sdn = shared
         sh = (sgu.data if isinstance(sgu, QuantizedWeight) else sgu, _kind(sgu, x),
               sdn.data if isinstance(sdn, QuantizedWeight) else sdn, _kind(sdn, x), None, "")
-    return ops.moe_decode(x, rw, str(ops.linear_kind(x.dtype, x.shape[0], rw, None)), None, "sigmoid_topk", k, renorm,
+    return ops.moe_decode(x, rw, str(linear_route.linear_kind(x.dtype, x.shape[0], rw, None)), None, "sigmoid_topk", k, renorm,
                           gu, dn, None, None, "silu", 1.702, 7.0, sh, bias, n_group, topk_group, scale)
 
 
@@ -139,7 +139,7 @@ def test_opcheck_and_bad_arguments() -> None:
     H = gu.shape[2]
     rw, bias, *_ = router(H, SETTINGS[0], seed=2)
     x = torch.randn(3, H, generator=torch.Generator().manual_seed(4))
-    kind = str(ops.linear_kind(x.dtype, 3, rw, None))
+    kind = str(linear_route.linear_kind(x.dtype, 3, rw, None))
     torch.library.opcheck(torch.ops.pagewire.moe_decode.default,
                           (x, rw, kind, None, "sigmoid_topk", 2, True, gu.data, str(gu.op_qtype), dn.data,
                            str(dn.op_qtype), None, None, "silu", 1.702, 7.0, None, "", None, "", None, "", bias, 2, 1,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.kernels import ops
+from server.kernels import linear_route
 from server.kernels.quant import INTERLEAVABLE, Qtype, QuantizedWeight
 from server.kernels.quant_embedding import EMBEDDABLE, gather_rows
 from tests.kernels.test_quant4 import gguf_dequantize, random_q4
@@ -33,7 +33,7 @@ def test_rows_equal_the_dequantised_table(qtype: Qtype, layout: str, dtype: torc
     every = torch.arange(N)
     assert torch.equal(gather_rows(t, every, dtype), want)  # every row, bit for bit
     ids = torch.tensor([[36, 0, 7, 8, 31, 32, 5], [35, 35, 1, 1, 33, 9, 0]])  # tail rows, repeats, group edges
-    got = ops.embedding(ids, t, dtype)
+    got = linear_route.embedding(ids, t, dtype)
     assert got.shape == (2, 7, K) and got.dtype == dtype
     assert torch.equal(got, torch.nn.functional.embedding(ids, want))
     for i in (0, 7, 8, 31, 32, 36):  # one id (a single sequence's decode step), group edges and tail
@@ -49,7 +49,7 @@ def test_bad_ids_and_tables_are_named() -> None:
         with pytest.raises(IndexError):
             gather_rows(t.interleave(), torch.tensor(bad), torch.bfloat16)
     with pytest.raises(ValueError, match="dtype: a q4_k embedding table needs the dtype"):
-        ops.embedding(torch.tensor([0]), t)
+        linear_route.embedding(torch.tensor([0]), t)
     mx = random_q4("mxfp4", 8, 64, seed=0)
     with pytest.raises(ValueError, match="table: an embedding table kept in blocks is one of"):
         gather_rows(mx, torch.tensor([0]), torch.bfloat16)

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import server.models.decoder as llama
-from server.kernels import autotune, batch_invariant, ops
+import server.models.decoder_layer as decoder_layer
+from server.kernels import autotune, batch_invariant, linear_route, ops
 from server.models.decoder import DecoderForCausalLM
 from server.models.loader import load_model
 from tests.models.paged_harness import ARCHS, VOCAB, PagedRun, random_tokens
@@ -84,7 +85,7 @@ def test_fused_layer_gives_the_python_layers_floats(
             assert kinds == (("kernel",) * 4 if ops.cpu_isa() != "portable" else None)
         else:  # bf16: the kernel wherever linear's fixed rule takes it; fp32: F.linear
             qkv = model._layers[0].qkv_weight
-            assert kinds is not None and set(kinds) == {"kernel" if ops.fixed_rule_takes_kernel(qkv, batch) else "torch"}
+            assert kinds is not None and set(kinds) == {"kernel" if linear_route.fixed_rule_takes_kernel(qkv, batch) else "torch"}
         _assert_same(model, batch)
 
 
@@ -196,6 +197,9 @@ def test_python_layers_where_paths_differ(models: dict[str, Path], monkeypatch: 
     monkeypatch.setattr(llama, "linear", lambda x, w, b=None: ops.linear(x, w, b))
     assert model._fused_kinds(hidden, [rope_batch]) is None
     monkeypatch.undo()
+    monkeypatch.setattr(decoder_layer, "linear", lambda x, w, b=None: ops.linear(x, w, b))  # the layers' own
+    assert model._fused_kinds(hidden, [rope_batch]) is None
+    monkeypatch.undo()
     # An autotune choice with no decode_layer equivalent (dequantise + GEMM) keeps that layer in
     # Python; the other layers' matrices were tuned the same way here, so every layer steps aside.
     model.quantize_weights("int8")
@@ -273,17 +277,17 @@ def test_decode_layer_refuses_gemma4_parts_that_do_not_go_together(family_models
 def _count_fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A list that collects the layer index of every forward_fused call from now on."""
     calls: list[int] = []
-    real = llama.DecoderLayer.forward_fused
+    real = decoder_layer.DecoderLayer.forward_fused
 
-    def counting(self: llama.DecoderLayer, *args: object) -> object:
+    def counting(self: decoder_layer.DecoderLayer, *args: object) -> object:
         calls.append(self.layer_idx)
         return real(self, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(llama.DecoderLayer, "forward_fused", counting)
+    monkeypatch.setattr(decoder_layer.DecoderLayer, "forward_fused", counting)
     return calls
 
 
-def _op_args(model: DecoderForCausalLM, layer: llama.DecoderLayer, run: PagedRun, kinds: tuple[str, ...],
+def _op_args(model: DecoderForCausalLM, layer: decoder_layer.DecoderLayer, run: PagedRun, kinds: tuple[str, ...],
              hidden: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple:
     """decode_layer's arguments for one new token at position 5 of sequence 0 (5 tokens cached);
     with Gemma 4's parts when the layer has them (a random per-layer input row)."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from server.engine.config import ConfigError, EngineConfig
-from server.kernels import ops
+from server.kernels import linear_route, ops
 from server.kernels.quant import QuantizedWeight
 from server.models.decoder import DecoderForCausalLM
 from server.models.loader import load_model
@@ -68,7 +68,7 @@ def test_gguf_blocks_kept_and_logits_track_the_dequantised_file(
     # float loader's table exactly (tests/kernels/test_quant_embedding.py: every format and layout).
     assert isinstance(kept.embed_tokens, QuantizedWeight) and kept.embed_tokens.qtype == qtype.lower()
     assert not any(p.shape == ref.embed_tokens.shape for p in kept.parameters())
-    assert torch.equal(ops.embedding(torch.arange(VOCAB), kept.embed_tokens, kept.dtype), ref.embed_tokens)
+    assert torch.equal(linear_route.embedding(torch.arange(VOCAB), kept.embed_tokens, kept.dtype), ref.embed_tokens)
     tokens = random_tokens(PROMPT_LEN + DECODE_STEPS, VOCAB, seed=3)
     _assert_tracks(_logits(kept, tokens), _logits(ref, tokens))
 
@@ -91,7 +91,7 @@ def test_tied_table_is_the_lm_heads_blocks(qtype: str, tmp_path: Path) -> None:
     assert isinstance(kept.lm_head, QuantizedWeight) and kept.embed_tokens is kept.lm_head
     assert kept.lm_head.interleaved == (ops.cpu_isa() == "avx2")
     assert not any(p.shape == ref.embed_tokens.shape for p in kept.parameters())
-    assert torch.equal(ops.embedding(torch.arange(VOCAB), kept.embed_tokens, kept.dtype), ref.embed_tokens)
+    assert torch.equal(linear_route.embedding(torch.arange(VOCAB), kept.embed_tokens, kept.dtype), ref.embed_tokens)
     tokens = random_tokens(PROMPT_LEN + DECODE_STEPS, VOCAB, seed=5)
     _assert_tracks(_logits(kept, tokens), _logits(ref, tokens))
 

@@ -98,7 +98,7 @@ def _count(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def test_fused_hybrid_layers_give_the_python_layers_floats(hybrids: dict[str, Path], dtype: str, quantization: str,
                                                            batch: int, invariant: bool,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """In batch-invariant mode too, whose linear paths ops.linear_kind follows."""
+    """In batch-invariant mode too, whose linear paths linear_route.linear_kind follows."""
     model, _ = load_model(hybrids["qwen3_5"], dtype=dtype)
     assert isinstance(model, qn.Qwen3NextForCausalLM)
     if quantization != "none":

@@ -28,7 +28,7 @@ from server.models.config import ModelConfig
 from server.models.gguf_file import GGUFFile
 from server.models.qwen3_next_gguf import QWEN3_NEXT_GGUF, qwen3_next_keepable, qwen3_next_kept_groups
 
-__all__ = ["KeptMatrix", "plan_kept_matrices", "build_quantized", "unpermute_qk", "EMBEDDING"]
+__all__ = ["KeptMatrix", "plan_kept_matrices", "build_quantized", "unpermute_qk", "EMBEDDING", "PER_LAYER_EMBEDDING", "TABLES"]
 
 # Each decoder matrix of DecoderLayer and the GGUF tensors that make it, rows in this order.
 _LAYER_MATRICES = {
@@ -52,6 +52,10 @@ _FUSED_LAYER_MATRICES = {**_LAYER_MATRICES, "qkv_weight": ("attn_qkv.weight",), 
 _MIXABLE = frozenset({"qkv_weight", "gate_up_weight", "moe.shared_gate_up_weight", "gdn.in_proj"})
 MIXED = "mixed"  # KeptMatrix.qtype of a matrix whose parts differ in type
 EMBEDDING = "embed_tokens"  # KeptMatrix.name of the token embedding table kept in its blocks
+# The embedding tables that can stay in blocks (their rows gathered per step), by model attribute:
+# the token embeddings, and Gemma 4's per-layer input embeddings (a vocab x layers * P table).
+PER_LAYER_EMBEDDING = "embed_tokens_per_layer"
+TABLES = {EMBEDDING: "token_embd.weight", PER_LAYER_EMBEDDING: "per_layer_token_embd.weight"}
 
 
 @dataclass(frozen=True)
@@ -81,8 +85,9 @@ def _qkv_parts(config: ModelConfig, layer: int) -> tuple[str, ...]:
 def plan_kept_matrices(f: GGUFFile, config: ModelConfig, tied: bool) -> list[KeptMatrix]:
     """The matrices of `config`'s model that stay in the file's block format, layer by layer (each
     layer's qkv from the tensors that layer projects: Gemma 4's global and KV-sharing layers differ).
-    A tied model's lm_head is kept from token_embd's blocks, and so is the embedding table (EMBEDDING,
-    last: one QuantizedWeight serves both when the lm_head is token_embd's). A fused checkpoint
+    A tied model's lm_head is kept from token_embd's blocks, and so are the embedding tables (TABLES,
+    last: one QuantizedWeight serves the token embeddings and the lm_head when that is token_embd's;
+    Gemma 4's per-layer table too). A fused checkpoint
     (Phi-3) stores qkv and gate_up as one tensor each."""
     groups: list[tuple[int | None, str, tuple[str, ...]]] = []
     for i in range(config.num_layers):
@@ -100,7 +105,7 @@ def plan_kept_matrices(f: GGUFFile, config: ModelConfig, tied: bool) -> list[Kep
     groups.append((None, "lm_head", (head,)))
     # The embedding table too: its rows are gathered from the blocks (server.kernels.quant_embedding),
     # from the lm_head's own QuantizedWeight when that is token_embd's (the loader shares it).
-    groups.append((None, EMBEDDING, ("token_embd.weight",)))
+    groups += [(None, name, (tensor,)) for name, tensor in TABLES.items() if tensor in f.tensors]
     kept = []
     for layer, name, parts in groups:
         tensors = [f.tensors.get(p) for p in parts]
@@ -112,7 +117,7 @@ def plan_kept_matrices(f: GGUFFile, config: ModelConfig, tied: bool) -> list[Kep
             continue  # stacked experts (one format per QuantizedExperts), lm_head: dequantised
         if any(q is None or q is Qtype.MXFP4 and not name.startswith("moe.experts") for q in qtypes):
             continue  # no kernel; GGUF files ship MXFP4 for experts only: dequantised at load
-        if name == EMBEDDING and any(q not in EMBEDDABLE for q in qtypes):
+        if name in TABLES and any(q not in EMBEDDABLE for q in qtypes):
             continue  # no exact row dequantiser: a float table
         k = tensors[0].shape[-1] if tensors[0] is not None else 0
         dims = 3 if name.startswith("moe.experts") else 2  # experts: [E, N, K], alike in E

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from server.models import gguf_pages
 from server.models.config import ModelConfig, ModelLoadError, UnsupportedModelError
 from server.models.dtype import resolve_dtype
-from server.models.gguf_blocks import EMBEDDING, build_quantized, plan_kept_matrices, unpermute_qk
+from server.models.gguf_blocks import EMBEDDING, TABLES, build_quantized, plan_kept_matrices, unpermute_qk
 from server.models.gguf_config import CONFIG_TENSORS
 from server.models.gguf_file import GGUFFile, GGUFTensor
 from server.models.lfm2_config import lfm2_gguf_name
@@ -261,12 +261,13 @@ def load_gguf_model(
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
         )
     for m in kept:
-        if m.name == EMBEDDING:  # planned after the lm_head: one QuantizedWeight when both are token_embd's
+        if m.name in TABLES:  # planned after the lm_head: one QuantizedWeight when both are token_embd's
             head = next((h for h in kept if h.name == "lm_head"), None)
-            table = model.lm_head if head is not None and head.parts == m.parts else build_quantized(f, m, {})
+            shared = m.name == EMBEDDING and head is not None and head.parts == m.parts
+            table = model.lm_head if shared else build_quantized(f, m, {})
             gguf_pages.release(f.tensors[m.parts[0]].data)
-            model._parameters.pop("embed_tokens", None)  # the never-filled float table is freed
-            model.embed_tokens = table  # rows gathered and dequantised per step (linear_route.embedding)
+            model._parameters.pop(m.name, None)  # the never-filled float table is freed
+            setattr(model, m.name, table)  # rows gathered and dequantised per step (linear_route.embedding)
             continue
         kv_heads = config.kv_heads_of(m.layer) if m.layer is not None else config.num_kv_heads
         heads = {"attn_q.weight": config.num_heads, "attn_k.weight": kv_heads} if permute else {}

@@ -96,6 +96,28 @@ def test_tied_table_is_the_lm_heads_blocks(qtype: str, tmp_path: Path) -> None:
     _assert_tracks(_logits(kept, tokens), _logits(ref, tokens))
 
 
+def test_gemma4_per_layer_table_stays_in_blocks(tmp_path: Path) -> None:
+    """Gemma 4's per-layer input table (vocab x layers * P, the largest tensor of its small models)
+    stays in its blocks like the token table, its rows exactly the dequantised table's; the kept
+    model's prefill gives exactly the dequantised file's floats, and `pagewire plan` counts the blocks."""
+    hf = make_tiny_model(tmp_path / "gemma4", "gemma4", vocab_size=VOCAB, hidden_size_per_layer_input=16)
+    path = write_gguf(tmp_path / "gemma4-q8.gguf", hf, "Q8_0")  # 6 layers x 16: rows of 96 values
+    kept, config = load_model(path, dtype="float32", keep_gguf_blocks=True)
+    plain, _ = load_model(path, dtype="float32")
+    for table in ("embed_tokens", "embed_tokens_per_layer"):
+        assert isinstance(getattr(kept, table), QuantizedWeight), table
+        ids = torch.arange(getattr(plain, table).shape[0])
+        assert torch.equal(linear_route.embedding(ids, getattr(kept, table), kept.dtype), getattr(plain, table))
+    tokens = random_tokens(30, config.vocab_size, seed=6)
+    assert torch.equal(PagedRun(kept).step({0: tokens})[0], PagedRun(plain).step({0: tokens})[0])
+    from server.engine.plan import make_plan, read_model_config
+    from tests.gateway.test_plan import _loaded_weight_bytes
+
+    engine_config = EngineConfig(str(path), dtype="float32", quantization="gguf", kv_cache_tokens=1024)
+    plan = make_plan("m", read_model_config(path), engine_config, None, None)
+    assert plan.weights.total == _loaded_weight_bytes(kept)
+
+
 def test_int4_model_tracks_its_dequantised_weights(k_sized_model: Path) -> None:
     quant, _ = load_model(k_sized_model, dtype="float32")
     quant.quantize_weights("int4")

@@ -7,8 +7,9 @@ those QuantizedWeights from the tensors' raw block bytes: fused matrices (qkv, g
 parts' rows one after another, and llama.cpp's Q/K row permutation is undone on whole rows of
 blocks, so no value is ever dequantised. A fused 2-D matrix whose parts differ in type (llama.cpp's
 Q4_K_M gives attn_v, or ffn_up, Q6_K in some layers) becomes a QuantizedParts: each run of rows of
-one type in its own blocks (server.kernels.quant_parts). The token embedding table stays in its
-blocks too when an exact row dequantiser reads them (server.kernels.quant_embedding). Every other
+one type in its own blocks (server.kernels.quant_parts). The embedding tables (token_embd, Gemma 4's
+per_layer_token_embd) stay in their blocks too when an exact row dequantiser reads them
+(server.kernels.quant_embedding). Every other
 tensor (norms, F16/F32, stacked experts whose parts differ in type) is dequantised by the loader as usual. The
 Gated DeltaNet hybrids' matrices need rows (and ssm_out's blocks) moved to the model's order
 (server.models.qwen3_next_gguf).
@@ -87,8 +88,7 @@ def plan_kept_matrices(f: GGUFFile, config: ModelConfig, tied: bool) -> list[Kep
     layer's qkv from the tensors that layer projects: Gemma 4's global and KV-sharing layers differ).
     A tied model's lm_head is kept from token_embd's blocks, and so are the embedding tables (TABLES,
     last: one QuantizedWeight serves the token embeddings and the lm_head when that is token_embd's;
-    Gemma 4's per-layer table too). A fused checkpoint
-    (Phi-3) stores qkv and gate_up as one tensor each."""
+    Gemma 4's per-layer table too). A fused checkpoint (Phi-3) stores qkv and gate_up as one tensor each."""
     groups: list[tuple[int | None, str, tuple[str, ...]]] = []
     for i in range(config.num_layers):
         matrices = (_FUSED_LAYER_MATRICES if config.fused_checkpoint
@@ -103,8 +103,8 @@ def plan_kept_matrices(f: GGUFFile, config: ModelConfig, tied: bool) -> list[Kep
             groups += [(i, name, tuple(f"blk.{i}.{p}" for p in parts)) for name, parts in _MOE_MATRICES.items()]
     head = "token_embd.weight" if tied or "output.weight" not in f.tensors else "output.weight"
     groups.append((None, "lm_head", (head,)))
-    # The embedding table too: its rows are gathered from the blocks (server.kernels.quant_embedding),
-    # from the lm_head's own QuantizedWeight when that is token_embd's (the loader shares it).
+    # The embedding tables too: their rows are gathered from the blocks (server.kernels.quant_embedding),
+    # the token table's from the lm_head's own QuantizedWeight when that is token_embd's (the loader shares it).
     groups += [(None, name, (tensor,)) for name, tensor in TABLES.items() if tensor in f.tensors]
     kept = []
     for layer, name, parts in groups:

@@ -53,3 +53,17 @@ def test_bad_ids_and_tables_are_named() -> None:
     mx = random_q4("mxfp4", 8, 64, seed=0)
     with pytest.raises(ValueError, match="table: an embedding table kept in blocks is one of"):
         gather_rows(mx, torch.tensor([0]), torch.bfloat16)
+
+
+def test_op_checks() -> None:
+    """pagewire::embedding_gguf's schema, fake kernel and argument checks."""
+    ids = torch.tensor([[3, 36], [8, 0]])
+    for t in (table(Qtype.Q8_0), table(Qtype.Q8_0).interleave(), table(Qtype.Q6_K).interleave(), table(Qtype.Q5_K)):
+        torch.library.opcheck(torch.ops.pagewire.embedding_gguf.default, (ids, t.data, str(t.op_qtype), torch.bfloat16))
+    t = table(Qtype.Q4_K)
+    with pytest.raises(RuntimeError, match="qtype must be 'q8_0', 'q4_0'"):
+        torch.ops.pagewire.embedding_gguf(ids, t.data, "q3_k", torch.bfloat16)
+    with pytest.raises(RuntimeError, match="qtype 'q5_kx8' has no x8 layout"):
+        torch.ops.pagewire.embedding_gguf(ids, table(Qtype.Q5_K).data, "q5_kx8", torch.bfloat16)
+    with pytest.raises(RuntimeError, match="ids must be a CPU int64 tensor"):
+        torch.ops.pagewire.embedding_gguf(ids.int(), t.data, "q4_k", torch.bfloat16)

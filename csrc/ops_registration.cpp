@@ -6,6 +6,12 @@
 #include "cpu/hybrid_decode.h"
 #include "ops.h"
 
+namespace pagewire {
+// cpu/embedding_gguf.cpp (declared here, not in ops.h, which every kernel file includes)
+at::Tensor embedding_gguf_cpu(const at::Tensor& ids, const at::Tensor& weight, c10::string_view qtype,
+                              at::ScalarType dtype);
+}  // namespace pagewire
+
 TORCH_LIBRARY(pagewire, m) {
   // key, value: [T, num_kv_heads, head_dim]; caches: [num_blocks, num_kv_heads, block_size, head_dim]
   m.def(
@@ -54,6 +60,9 @@ TORCH_LIBRARY(pagewire, m) {
   m.def("dequantize_q4(Tensor weight, str qtype) -> Tensor");
   m.def("linear_q4(Tensor x, Tensor weight, str qtype, Tensor? bias) -> Tensor");
   m.def("interleave_q4(Tensor weight, str qtype) -> Tensor");  // -> the "q4_0x8" / "q4_1x8" layout
+  // rows `ids` of a Q8_0 / 4-bit / K-quant table (qtype as dequantize_q4's, or "q8_0" / "q8_0x8")
+  // dequantised to `dtype`: [*ids.shape, K] (cpu/embedding_gguf.cpp)
+  m.def("embedding_gguf(Tensor ids, Tensor weight, str qtype, ScalarType dtype) -> Tensor");
   // One decoder layer of at most 16 tokens in one call (ops.h; CPU only)
   m.def(
       "decode_layer(Tensor(a!) hidden, Tensor? delta, Tensor? attn_norm, Tensor? attn_post_norm, Tensor? mlp_norm, "
@@ -134,6 +143,7 @@ TORCH_LIBRARY_IMPL(pagewire, CPU, m) {
   m.impl("dequantize_q4", &pagewire::dequantize_q4_cpu);
   m.impl("linear_q4", &pagewire::linear_q4_cpu);
   m.impl("interleave_q4", &pagewire::interleave_q4_cpu);
+  m.impl("embedding_gguf", &pagewire::embedding_gguf_cpu);
   m.impl("decode_layer", &pagewire::decode_layer_cpu);
   m.impl("moe_experts", &pagewire::moe_experts_cpu);
   m.impl("lora_add", &pagewire::lora_add_cpu);

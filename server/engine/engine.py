@@ -53,6 +53,7 @@ from server.models.pooling import Pooler, resolve_pooler
 from server.models.protocol import CausalLM
 from server.models.registry import kv_shape
 from server.models.state_specs import is_hybrid, state_slot_bytes, state_specs
+from server.serving import heap
 from server.text.loader import load_tokenizer
 from server.text.vocab import check_token_ids
 
@@ -190,6 +191,9 @@ class LLMEngine:
             self.scheduler.prefill_limit = self.step_budget.prefill_tokens
             logger.info("ITL target: %.0f ms per step while sequences decode", config.itl_target_ms)
         self._step_rows = (0, 0)  # (decode rows, prefill tokens) of the step being run
+        # The load's and the autotune's freed copies back to the OS (glibc keeps them resident):
+        # tens of MB of a GGUF load's RSS (issue 27).
+        heap.trim(force=True)
 
     def _autotune_linears(self, config: EngineConfig,
                           draft: Optional[CausalLM]) -> Optional[autotune.LinearTable]:

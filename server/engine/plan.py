@@ -74,18 +74,21 @@ def weight_bytes(mc: ModelConfig, dtype: str, quantization: str, model_path: Opt
     # A tied output projection is the embedding table itself, unless quantisation gives it its own copy.
     separate_head = (not mc.tie_word_embeddings) or quantization != "none"
     head = V * H * per_value if separate_head else 0
-    if quantization == "gguf" and model_path is not None:
-        layer_matrices, kept_head = _gguf_matrix_bytes(model_path, mc, e)
-        # An output projection the file does not let us keep stays what it was (tied: the table).
-        separate_head = kept_head is not None or not mc.tie_word_embeddings
-        head = kept_head if kept_head is not None else (V * H * e if separate_head else 0)
     embed = V * H * e
     # Per-layer input embeddings (Gemma 4): a table (only rows are read) and a projection with its norm.
     P, L = mc.per_layer_input_size, mc.num_layers
     ple_table, ple_rest = mc.per_layer_vocab_size * L * P, L * P * H + P
+    ple_bytes = ple_table * e
+    if quantization == "gguf" and model_path is not None:
+        layer_matrices, kept_head, kept_embed, kept_ple = _gguf_matrix_bytes(model_path, mc, e)
+        # An output projection the file does not let us keep stays what it was (tied: the table).
+        separate_head = kept_head is not None or not mc.tie_word_embeddings
+        head = kept_head if kept_head is not None else (V * H * e if separate_head else 0)
+        embed = embed if kept_embed is None else kept_embed  # 0: the lm_head's blocks serve it
+        ple_bytes = ple_bytes if kept_ple is None else kept_ple
     sinks = L * mc.num_heads if mc.attention_sinks else 0  # gpt-oss's, kept in float32
-    total = int(layer_matrices + (small + ple_table + ple_rest) * e + sinks * 4 + embed + H * e + head)
-    read = total - (embed if separate_head else 0) - ple_table * e  # a separate embedding table: only rows are read
+    total = int(layer_matrices + (small + ple_rest) * e + ple_bytes + sinks * 4 + embed + H * e + head)
+    read = total - (embed if separate_head else 0) - ple_bytes  # a separate embedding table: only rows are read
     params = (matrices + small + ple_table + ple_rest + sinks + V * H + H
               + (V * H if not mc.tie_word_embeddings else 0))
     if mc.is_moe:  # experts in place of the sparse layers' dense MLP; a token reads only its top-k
@@ -128,11 +131,13 @@ def _layer_sizes(mc: ModelConfig, i: int) -> tuple[int, int]:
     return matrices, small
 
 
-def _gguf_matrix_bytes(path: str, mc: ModelConfig, e: int) -> tuple[float, Optional[float]]:
-    """(decoder matrices, lm_head or None when not kept) bytes under --quantization gguf: kept
-    blocks at their size, the rest dequantised to `e` bytes per value (server.models.gguf_blocks
-    decides which are kept)."""
-    from server.models.gguf_blocks import plan_kept_matrices
+def _gguf_matrix_bytes(path: str, mc: ModelConfig,
+                       e: int) -> tuple[float, Optional[float], Optional[int], Optional[int]]:
+    """(decoder matrices, lm_head, embedding table, Gemma 4's per-layer table) bytes under
+    --quantization gguf, each of the last three None when not kept: kept blocks at their size, the
+    rest dequantised to `e` bytes per value (server.models.gguf_blocks decides which are kept). A
+    kept embedding table that is also the kept lm_head's blocks counts 0 (the loader holds one copy)."""
+    from server.models.gguf_blocks import EMBEDDING, PER_LAYER_EMBEDDING, plan_kept_matrices
     from server.models.gguf_file import GGUFFile
 
     f = GGUFFile.open(path)
@@ -151,7 +156,11 @@ def _gguf_matrix_bytes(path: str, mc: ModelConfig, e: int) -> tuple[float, Optio
                      "down_weight": H * I}
         layers += sum(kept_bytes.get((i, n), v * e) for n, v in sizes.items())
     head = kept_bytes.get((None, "lm_head"))
-    return float(layers), (float(head) if head is not None else None)
+    parts = {m.name: m.parts for m in kept if m.layer is None}
+    embed = kept_bytes.get((None, EMBEDDING))
+    if embed is not None and parts.get("lm_head") == parts[EMBEDDING]:
+        embed = 0
+    return float(layers), (float(head) if head is not None else None), embed, kept_bytes.get((None, PER_LAYER_EMBEDDING))
 
 
 def _expert_bytes(mc: ModelConfig, e: int, quantization: str, model_path: Optional[str], total: int, read: int,

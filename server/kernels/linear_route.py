@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import server._C  # (also loads the TORCH_LIBRARY(pagewire) registrations)
-from server.kernels import batch_invariant, linear_plan
+from server.kernels import batch_invariant, linear_plan, quant_embedding
 from server.kernels.kinds import LinearKind, Qtype
 from server.kernels.quant import QuantizedWeight
 from server.kernels.quant_parts import QuantizedParts
@@ -122,13 +122,18 @@ def linear(
     return F.linear(x, weight, bias)
 
 
-def embedding(ids: torch.Tensor, table: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+def embedding(ids: torch.Tensor, table: torch.Tensor | QuantizedWeight,
+              dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """F.embedding(ids, table), also for a bf16 table moved into the x8 layout (a tied model's
-    table, which its lm_head projects with: DecoderForCausalLM.interleave_bf16)."""
+    table, which its lm_head projects with: DecoderForCausalLM.interleave_bf16), and for a table
+    kept in a GGUF file's blocks (`--quantization gguf`), whose rows come out in `dtype` (the
+    model's), equal to the dequantised table's rows (server.kernels.quant_embedding)."""
     if isinstance(table, QuantizedWeight):
-        if table.qtype is not Qtype.BF16:
-            raise ValueError(f"table: an embedding table is float or x8 bf16, not {table.qtype}")
-        return torch.ops.pagewire.embedding_bf16x8(ids, table.data)
+        if table.qtype is Qtype.BF16:
+            return torch.ops.pagewire.embedding_bf16x8(ids, table.data)
+        if dtype is None:
+            raise ValueError(f"dtype: a {table.qtype} embedding table needs the dtype its rows come out in")
+        return quant_embedding.gather_rows(table, ids, dtype)
     return F.embedding(ids, table)
 
 

@@ -142,6 +142,12 @@ def _dequantize_q4_fake(weight, qtype):
     return weight.new_empty((weight.shape[0], weight.shape[1] // nbytes * values), dtype=torch.float32)
 
 
+@torch.library.register_fake("pagewire::embedding_gguf")
+def _embedding_gguf_fake(ids, weight, qtype, dtype):
+    values, nbytes = (32, 34) if qtype in ("q8_0", "q8_0x8") else _Q4_FORMATS[qtype]
+    return weight.new_empty((*ids.shape, weight.shape[1] // nbytes * values), dtype=dtype)
+
+
 @torch.library.register_fake("pagewire::decode_layer")
 def _decode_layer_fake(hidden, delta, attn_norm, attn_post_norm, mlp_norm, mlp_post_norm, eps, residual_multiplier,
                        qkv_weight, qkv_kind, qkv_bias, q_norm, k_norm, o_weight, o_kind, o_bias, gate_up_weight,

@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from server.kernels import autotune, batch_invariant
@@ -150,7 +149,7 @@ class DecoderForCausalLM(nn.Module):
         """
         if len(kv_caches) != len(self._layers):
             raise ValueError(f"kv_caches: expected {len(self._layers)} (key, value) pairs, got {len(kv_caches)}")
-        hidden = embedding(input_ids, self.embed_tokens)
+        hidden = embedding(input_ids, self.embed_tokens, self.dtype)
         if self._embed_scale is not None:
             hidden = hidden * self._embed_scale
         context_lens = self._context_lens(positions, meta) if self._longrope else None
@@ -183,7 +182,7 @@ class DecoderForCausalLM(nn.Module):
         assert self.per_layer_projection_norm is not None and self._ple_scale is not None
         c, T = self.config, input_ids.shape[0]
         shape = (T, c.num_layers, c.per_layer_input_size)
-        tokens = (F.embedding(input_ids, self.embed_tokens_per_layer) * self._ple_scale).view(shape)
+        tokens = (embedding(input_ids, self.embed_tokens_per_layer, self.dtype) * self._ple_scale).view(shape)
         proj = (linear(embeds, self.per_layer_projection) * c.hidden_size**-0.5).view(shape)
         proj = rms_norm(proj, self.per_layer_projection_norm, c.rms_norm_eps)
         return (proj + tokens) * 2.0**-0.5

@@ -7,8 +7,10 @@ those QuantizedWeights from the tensors' raw block bytes: fused matrices (qkv, g
 parts' rows one after another, and llama.cpp's Q/K row permutation is undone on whole rows of
 blocks, so no value is ever dequantised. A fused 2-D matrix whose parts differ in type (llama.cpp's
 Q4_K_M gives attn_v, or ffn_up, Q6_K in some layers) becomes a QuantizedParts: each run of rows of
-one type in its own blocks (server.kernels.quant_parts). Every other tensor (norms, embeddings,
-F16/F32, stacked experts whose parts differ in type) is dequantised by the loader as usual. The
+one type in its own blocks (server.kernels.quant_parts). The embedding tables (token_embd, Gemma 4's
+per_layer_token_embd) stay in their blocks too when an exact row dequantiser reads them
+(server.kernels.quant_embedding). Every other
+tensor (norms, F16/F32, stacked experts whose parts differ in type) is dequantised by the loader as usual. The
 Gated DeltaNet hybrids' matrices need rows (and ssm_out's blocks) moved to the model's order
 (server.models.qwen3_next_gguf).
 """
@@ -21,12 +23,13 @@ import numpy as np
 import torch
 
 from server.kernels.quant import GGUF_QTYPES, Qtype, QuantizedExperts, QuantizedWeight
+from server.kernels.quant_embedding import EMBEDDABLE
 from server.kernels.quant_parts import QuantizedParts
 from server.models.config import ModelConfig
 from server.models.gguf_file import GGUFFile
 from server.models.qwen3_next_gguf import QWEN3_NEXT_GGUF, qwen3_next_keepable, qwen3_next_kept_groups
 
-__all__ = ["KeptMatrix", "plan_kept_matrices", "build_quantized", "unpermute_qk"]
+__all__ = ["KeptMatrix", "plan_kept_matrices", "build_quantized", "unpermute_qk", "EMBEDDING", "PER_LAYER_EMBEDDING", "TABLES"]
 
 # Each decoder matrix of DecoderLayer and the GGUF tensors that make it, rows in this order.
 _LAYER_MATRICES = {
@@ -49,6 +52,11 @@ _FUSED_LAYER_MATRICES = {**_LAYER_MATRICES, "qkv_weight": ("attn_qkv.weight",), 
 # them takes one (ops.linear, and decode_layer / moe_decode / the hybrid layers' "parts:" kind).
 _MIXABLE = frozenset({"qkv_weight", "gate_up_weight", "moe.shared_gate_up_weight", "gdn.in_proj"})
 MIXED = "mixed"  # KeptMatrix.qtype of a matrix whose parts differ in type
+EMBEDDING = "embed_tokens"  # KeptMatrix.name of the token embedding table kept in its blocks
+# The embedding tables that can stay in blocks (their rows gathered per step), by model attribute:
+# the token embeddings, and Gemma 4's per-layer input embeddings (a vocab x layers * P table).
+PER_LAYER_EMBEDDING = "embed_tokens_per_layer"
+TABLES = {EMBEDDING: "token_embd.weight", PER_LAYER_EMBEDDING: "per_layer_token_embd.weight"}
 
 
 @dataclass(frozen=True)
@@ -78,8 +86,9 @@ def _qkv_parts(config: ModelConfig, layer: int) -> tuple[str, ...]:
 def plan_kept_matrices(f: GGUFFile, config: ModelConfig, tied: bool) -> list[KeptMatrix]:
     """The matrices of `config`'s model that stay in the file's block format, layer by layer (each
     layer's qkv from the tensors that layer projects: Gemma 4's global and KV-sharing layers differ).
-    A tied model's lm_head is kept from token_embd's blocks (the embedding table itself is still
-    dequantised). A fused checkpoint (Phi-3) stores qkv and gate_up as one tensor each."""
+    A tied model's lm_head is kept from token_embd's blocks, and so are the embedding tables (TABLES,
+    last: one QuantizedWeight serves the token embeddings and the lm_head when that is token_embd's;
+    Gemma 4's per-layer table too). A fused checkpoint (Phi-3) stores qkv and gate_up as one tensor each."""
     groups: list[tuple[int | None, str, tuple[str, ...]]] = []
     for i in range(config.num_layers):
         matrices = (_FUSED_LAYER_MATRICES if config.fused_checkpoint
@@ -94,6 +103,9 @@ def plan_kept_matrices(f: GGUFFile, config: ModelConfig, tied: bool) -> list[Kep
             groups += [(i, name, tuple(f"blk.{i}.{p}" for p in parts)) for name, parts in _MOE_MATRICES.items()]
     head = "token_embd.weight" if tied or "output.weight" not in f.tensors else "output.weight"
     groups.append((None, "lm_head", (head,)))
+    # The embedding tables too: their rows are gathered from the blocks (server.kernels.quant_embedding),
+    # the token table's from the lm_head's own QuantizedWeight when that is token_embd's (the loader shares it).
+    groups += [(None, name, (tensor,)) for name, tensor in TABLES.items() if tensor in f.tensors]
     kept = []
     for layer, name, parts in groups:
         tensors = [f.tensors.get(p) for p in parts]
@@ -105,6 +117,8 @@ def plan_kept_matrices(f: GGUFFile, config: ModelConfig, tied: bool) -> list[Kep
             continue  # stacked experts (one format per QuantizedExperts), lm_head: dequantised
         if any(q is None or q is Qtype.MXFP4 and not name.startswith("moe.experts") for q in qtypes):
             continue  # no kernel; GGUF files ship MXFP4 for experts only: dequantised at load
+        if name in TABLES and any(q not in EMBEDDABLE for q in qtypes):
+            continue  # no exact row dequantiser: a float table
         k = tensors[0].shape[-1] if tensors[0] is not None else 0
         dims = 3 if name.startswith("moe.experts") else 2  # experts: [E, N, K], alike in E
         lead = tensors[0].shape[0] if tensors[0] is not None else 0

@@ -19,9 +19,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from server.models import gguf_pages
 from server.models.config import ModelConfig, ModelLoadError, UnsupportedModelError
 from server.models.dtype import resolve_dtype
-from server.models.gguf_blocks import build_quantized, plan_kept_matrices, unpermute_qk
+from server.models.gguf_blocks import EMBEDDING, TABLES, build_quantized, plan_kept_matrices, unpermute_qk
 from server.models.gguf_config import CONFIG_TENSORS
 from server.models.gguf_file import GGUFFile, GGUFTensor
 from server.models.lfm2_config import lfm2_gguf_name
@@ -161,7 +162,9 @@ def dequantize(t: GGUFTensor, path: Path) -> np.ndarray:
     try:
         values = np.asarray(quants.dequantize(t.data, t.qtype), dtype=np.float32).reshape(t.shape)
         # F32 comes back as a view of the read-only memory map; torch wants memory it may write.
-        return values if values.flags.writeable else values.copy()
+        values = values if values.flags.writeable else values.copy()
+        gguf_pages.release(t.data)  # copied: its mapped pages need not stay resident (load peak)
+        return values
     except ValueError as e:
         raise ModelLoadError(f"{path}: tensor {t.name!r} ({t.type_name}, shape {list(t.shape)}) is corrupt: {e}") from None
 
@@ -176,8 +179,8 @@ def load_gguf_model(
         dtype: "auto" (the file's float type; float32 for quantised files), "float32", "bfloat16", "float16".
         device: where the parameters live.
         keep_quantized: keep every matrix whose tensors are Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K as a
-            QuantizedWeight of the file's blocks (CPU only); norms, embeddings and other types
-            are dequantised to `dtype` as usual.
+            QuantizedWeight of the file's blocks (CPU only), the token embedding table included
+            (its rows dequantised per step); norms and other types are dequantised to `dtype` as usual.
     Returns:
         (model, config), the model in eval mode with requires_grad off.
     Raises:
@@ -196,8 +199,9 @@ def load_gguf_model(
     if keep_quantized and torch.device(device).type != "cpu":
         raise ValueError(f"quantization: 'gguf' runs on CPU only, got device {device!r}")
     kept = plan_kept_matrices(f, config, model.lm_head is model.embed_tokens) if keep_quantized else []
-    # Their float destinations are skipped (and replaced below); token_embd still fills the embedding.
-    skip = {hf_tensor_name(p, config) for m in kept for p in m.parts if p != "token_embd.weight"}
+    # Their float destinations are skipped (and replaced below); a tied lm_head's token_embd fills
+    # the embedding unless the table stays in its blocks too (EMBEDDING).
+    skip = {hf_tensor_name(p, config) for m in kept for p in m.parts if p != "token_embd.weight" or m.name == EMBEDDING}
     kept_parts = {p for m in kept for p in m.parts}
     loaded: set[str] = set()
     bar = tqdm(total=len(f.tensors), desc="Loading GGUF", unit="tensor", file=sys.stderr,
@@ -257,6 +261,14 @@ def load_gguf_model(
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
         )
     for m in kept:
+        if m.name in TABLES:  # planned after the lm_head: one QuantizedWeight when both are token_embd's
+            head = next((h for h in kept if h.name == "lm_head"), None)
+            shared = m.name == EMBEDDING and head is not None and head.parts == m.parts
+            table = model.lm_head if shared else build_quantized(f, m, {})
+            gguf_pages.release(f.tensors[m.parts[0]].data)
+            model._parameters.pop(m.name, None)  # the never-filled float table is freed
+            setattr(model, m.name, table)  # rows gathered and dequantised per step (linear_route.embedding)
+            continue
         kv_heads = config.kv_heads_of(m.layer) if m.layer is not None else config.num_kv_heads
         heads = {"attn_q.weight": config.num_heads, "attn_k.weight": kv_heads} if permute else {}
         module = model if m.layer is None else model._layers[m.layer]
@@ -265,6 +277,8 @@ def load_gguf_model(
         reorder = ((lambda k, data: qwen3_next_reorder_blocks(f, config, k.name, k.parts, data))
                    if config.model_type in QWEN3_NEXT_GGUF else None)
         qw = build_quantized(f, m, heads, reorder).for_kernels()  # this CPU's fastest layout of the same bytes
+        for part in m.parts:  # copied out: the mapped pages need not stay resident (load peak)
+            gguf_pages.release(f.tensors[part].data)
         # A registered parameter can only be reassigned to a Parameter: unregister it first, so
         # the never-filled float matrix is freed.
         module._parameters.pop(attr, None)

@@ -154,7 +154,7 @@ class Lfm2ForCausalLM(DecoderForCausalLM):
             raise ValueError(f"kv_caches: expected {n_attn} (key, value) pairs (the attention layers), got {len(kv_caches)}")
         if meta.state is None:
             raise ValueError("meta.state: LFM2's convolution layers need their state slots (StateBatch)")
-        hidden = embedding(input_ids, self.embed_tokens)
+        hidden = embedding(input_ids, self.embed_tokens, self.dtype)
         batches = [rope.prepare(positions, self.dtype, None) for rope in self.ropes]
         delta: torch.Tensor | None = None
         fused = self._fused_kinds(hidden, batches)

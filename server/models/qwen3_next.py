@@ -260,7 +260,7 @@ class Qwen3NextForCausalLM(DecoderForCausalLM):
                              f"got {len(kv_caches)}")
         if meta.state is None:
             raise ValueError("meta.state: the Gated DeltaNet layers need their state slots (StateBatch)")
-        hidden = embedding(input_ids, self.embed_tokens)
+        hidden = embedding(input_ids, self.embed_tokens, self.dtype)
         batches = [rope.prepare(positions, self.dtype, None) for rope in self.ropes]
         delta: torch.Tensor | None = None
         fused = self._fused_kinds(hidden, batches)

@@ -4,7 +4,10 @@ request's memory alive through its exception (`release_frames`).
 Tokenising a multi-megabyte prompt allocates hundreds of megabytes in the tokenizers library
 (Rust, on the system allocator) and in Python lists; once freed, glibc keeps most of it in its
 arenas, so the server's RSS stayed near the peak for good (issue 29: 3.4 GB after a 3.8 GB peak,
-from 2.3 GB). `trim()` asks glibc to return free pages. It is a no-op where glibc is absent.
+from 2.3 GB). Loading a model does the same: its transient copies (GGUF blocks read, interleaved,
+concatenated; float tensors converted) leave tens of MB free but resident, which the engine hands
+back once it is built (issue 27). `trim()` asks glibc to return free pages. It is a no-op where
+glibc is absent.
 """
 from __future__ import annotations
 
@@ -36,13 +39,14 @@ def _malloc_trim() -> Optional[Any]:
     return _libc
 
 
-def trim() -> bool:
+def trim(force: bool = False) -> bool:
     """Return free heap pages to the OS (thread-safe; call it off the event loop: it can take
-    milliseconds). Returns whether a trim ran (rate-limited to one per MIN_INTERVAL_S)."""
+    milliseconds). Returns whether a trim ran (rate-limited to one per MIN_INTERVAL_S unless
+    `force`: once after a model load, whose peak must not stay resident however recent the last)."""
     global _last
     lib = _malloc_trim()
     now = time.monotonic()
-    if lib is None or now - _last < MIN_INTERVAL_S:
+    if lib is None or (not force and now - _last < MIN_INTERVAL_S):
         return False
     _last = now
     lib.malloc_trim(0)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from server.engine.config import ConfigError, EngineConfig
-from server.kernels import ops
+from server.kernels import linear_route, ops
 from server.kernels.quant import QuantizedWeight
 from server.models.decoder import DecoderForCausalLM
 from server.models.loader import load_model
@@ -64,9 +64,58 @@ def test_gguf_blocks_kept_and_logits_track_the_dequantised_file(
         for n in lk.MATRICES:
             assert torch.equal(getattr(lk, n).dequantize(), getattr(lr, n)), n
     assert isinstance(kept.lm_head, QuantizedWeight)
-    torch.testing.assert_close(kept.embed_tokens, ref.embed_tokens, rtol=0, atol=0)
+    # The embedding table stays in its blocks (no float copy anywhere), and its rows are the
+    # float loader's table exactly (tests/kernels/test_quant_embedding.py: every format and layout).
+    assert isinstance(kept.embed_tokens, QuantizedWeight) and kept.embed_tokens.qtype == qtype.lower()
+    assert not any(p.shape == ref.embed_tokens.shape for p in kept.parameters())
+    assert torch.equal(linear_route.embedding(torch.arange(VOCAB), kept.embed_tokens, kept.dtype), ref.embed_tokens)
     tokens = random_tokens(PROMPT_LEN + DECODE_STEPS, VOCAB, seed=3)
     _assert_tracks(_logits(kept, tokens), _logits(ref, tokens))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "Q5_0"])
+def test_tied_table_is_the_lm_heads_blocks(qtype: str, tmp_path: Path) -> None:
+    """A tied model's embedding rows are gathered from the lm_head's own QuantizedWeight (x8 on
+    AVX2 CPUs): one copy of token_embd, and exactly the float loader's rows and logits' inputs. A
+    type without a row dequantiser (Q5_0) keeps the float table, tied to a float lm_head."""
+    hf = make_tiny_model(tmp_path / "tied", "llama", vocab_size=VOCAB, hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=1, tie_word_embeddings=True)
+    path = write_gguf(tmp_path / f"{qtype}.gguf", hf, qtype)
+    kept, _ = load_model(path, dtype="float32", keep_gguf_blocks=True)
+    ref, _ = load_model(path, dtype="float32")
+    assert ref.lm_head is ref.embed_tokens
+    if qtype == "Q5_0":
+        assert isinstance(kept.embed_tokens, torch.Tensor) and kept.lm_head is kept.embed_tokens
+        assert torch.equal(kept.embed_tokens, ref.embed_tokens)
+        return
+    assert isinstance(kept.lm_head, QuantizedWeight) and kept.embed_tokens is kept.lm_head
+    assert kept.lm_head.interleaved == (ops.cpu_isa() == "avx2")
+    assert not any(p.shape == ref.embed_tokens.shape for p in kept.parameters())
+    assert torch.equal(linear_route.embedding(torch.arange(VOCAB), kept.embed_tokens, kept.dtype), ref.embed_tokens)
+    tokens = random_tokens(PROMPT_LEN + DECODE_STEPS, VOCAB, seed=5)
+    _assert_tracks(_logits(kept, tokens), _logits(ref, tokens))
+
+
+def test_gemma4_per_layer_table_stays_in_blocks(tmp_path: Path) -> None:
+    """Gemma 4's per-layer input table (vocab x layers * P, the largest tensor of its small models)
+    stays in its blocks like the token table, its rows exactly the dequantised table's; the kept
+    model's prefill gives exactly the dequantised file's floats, and `pagewire plan` counts the blocks."""
+    hf = make_tiny_model(tmp_path / "gemma4", "gemma4", vocab_size=VOCAB, hidden_size_per_layer_input=16)
+    path = write_gguf(tmp_path / "gemma4-q8.gguf", hf, "Q8_0")  # 6 layers x 16: rows of 96 values
+    kept, config = load_model(path, dtype="float32", keep_gguf_blocks=True)
+    plain, _ = load_model(path, dtype="float32")
+    for table in ("embed_tokens", "embed_tokens_per_layer"):
+        assert isinstance(getattr(kept, table), QuantizedWeight), table
+        ids = torch.arange(getattr(plain, table).shape[0])
+        assert torch.equal(linear_route.embedding(ids, getattr(kept, table), kept.dtype), getattr(plain, table))
+    tokens = random_tokens(30, config.vocab_size, seed=6)
+    assert torch.equal(PagedRun(kept).step({0: tokens})[0], PagedRun(plain).step({0: tokens})[0])
+    from server.engine.plan import make_plan, read_model_config
+    from tests.gateway.test_plan import _loaded_weight_bytes
+
+    engine_config = EngineConfig(str(path), dtype="float32", quantization="gguf", kv_cache_tokens=1024)
+    plan = make_plan("m", read_model_config(path), engine_config, None, None)
+    assert plan.weights.total == _loaded_weight_bytes(kept)
 
 
 def test_int4_model_tracks_its_dequantised_weights(k_sized_model: Path) -> None:
@@ -100,13 +149,17 @@ def test_gguf_quantization_is_validated(k_sized_model: Path) -> None:
         load_model(k_sized_model, keep_gguf_blocks=True)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "F32"])
-def test_plan_counts_the_kept_blocks(qtype: str, k_sized_model: Path, tmp_path: Path) -> None:
-    """`pagewire plan --quantization gguf` counts exactly the bytes the loaded model holds (F32: nothing kept)."""
+@pytest.mark.parametrize("qtype,tied", [("Q4_1", False), ("F32", False), ("Q4_K", True), ("Q5_0", True)])
+def test_plan_counts_the_kept_blocks(qtype: str, tied: bool, k_sized_model: Path, tmp_path: Path) -> None:
+    """`pagewire plan --quantization gguf` counts exactly the bytes the loaded model holds (F32: nothing
+    kept; tied: one table, the lm_head's blocks, or a float one where the type has no row dequantiser)."""
     from server.engine.plan import make_plan, read_model_config
     from tests.gateway.test_plan import _loaded_weight_bytes
 
-    path = write_gguf(tmp_path / f"{qtype}.gguf", k_sized_model, qtype)
+    hf = k_sized_model if not tied else make_tiny_model(
+        tmp_path / "tied", "llama", vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        tie_word_embeddings=True)
+    path = write_gguf(tmp_path / f"{qtype}.gguf", hf, qtype)
     model, _ = load_model(path, dtype="float32", keep_gguf_blocks=True)
     config = EngineConfig(str(path), dtype="float32", quantization="gguf", kv_cache_tokens=1024)
     plan = make_plan("m", read_model_config(path), config, None, None)

@@ -6,9 +6,9 @@
 //    low / high nibbles gives every row's pair sums in 16 bits; a sub-block's eight chunks add up
 //    in 16 bits (at most 8 chunks * 2 pairs * 15 * 128 = 30,720: no saturation);
 //  * the eight rows' packed 6-bit scales and mins are three 32-byte loads per super-block (word w
-//    of every row), decoded for all rows at once by 32-bit shifts and masks, and each sub-block's byte picked out by one
-//    shuffle (pshufb); one madd by the
-//    sub-block's scale (in both 16-bit halves of each lane) gives scale * dot in 32 bits;
+//    of every row), decoded for all rows at once by 32-bit shifts and masks; each sub-block's byte
+//    is picked out by one shuffle (pshufb), and one madd by the sub-block's scale (in both 16-bit
+//    halves of each lane) gives scale * dot in 32 bits;
 //  * one int32 -> fp32 and one FMA by the activation block's scale per sub-block, the mins' term
 //    against the activation blocks' d * sum, then the rows' d and dmin once per super-block.
 // Batch invariance (docs/determinism.md): output (m, n) is one lane of one accumulator, updated

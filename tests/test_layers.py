@@ -5,7 +5,7 @@ import each other, directly or round a circle (docs/architecture.md, "Layers").
 The order, top to bottom: the composition roots (server/cli.py, server/serve.py, server/llm.py, server/chat_reading.py
 and the package's lazy `server/__init__.py`), then
     api → gateway → serving → engine → text → models → kernels → server._C
-with server/jsonfile.py and server/strenum.py leaves anyone may read. An edge may skip layers downwards only where the
+with server/jsonfile.py, server/strenum.py and server/heap.py leaves anyone may read. An edge may skip layers downwards only where the
 table says so; nothing imports upwards, and no layer imports a root.
 """
 from __future__ import annotations
@@ -16,20 +16,20 @@ from pathlib import Path
 SERVER = Path(__file__).resolve().parents[1] / "server"
 
 ROOTS = {"server", "server.cli", "server.serve", "server.llm", "server.chat_reading"}
-LEAVES = {"server.jsonfile", "server.strenum", "server._C"}
+LEAVES = {"server.jsonfile", "server.strenum", "server.heap", "server._C"}
 
 # package -> the packages (and leaves) its modules may import, besides its own modules.
 ALLOWED: dict[str, set[str]] = {
     # The edge: the gateway's policy, the service, and the engine's torch-free types (outputs,
     # sampling_params; test_edge_units checks the edge loads no torch).
-    "api": {"gateway", "serving", "engine", "text"},
+    "api": {"gateway", "serving", "engine", "text", "server.heap"},
     # Keys, auth, quotas and usage: over the service's types and the ledger.
     "gateway": {"serving"},
     # The request path: the engine (through the bridge; its torch-free types elsewhere), prompts
     # through text, models.generation_defaults (a model's suggested sampling values), and
     # models.pooling / models.registry (an embedding model's recipe and width, torch-free).
-    "serving": {"engine", "text", "models", "server.strenum"},
-    "engine": {"text", "models", "kernels", "server._C", "server.strenum"},
+    "serving": {"engine", "text", "models", "server.strenum", "server.heap"},
+    "engine": {"text", "models", "kernels", "server._C", "server.strenum", "server.heap"},
     # The tokenizer reads GGUF files with models.gguf_file (and its error type, models.config).
     "text": {"models", "server.jsonfile"},
     "models": {"kernels", "server.jsonfile"},

@@ -14,9 +14,9 @@ from __future__ import annotations
 import logging
 from typing import Awaitable, Callable, Optional, TypeVar
 
+from server import heap
 from server.api.context import ApiContext
 from server.api.http_io import Receive, Scope, Send, read_body
-from server.serving import heap
 from server.serving.errors import GenerationFailed, PagewireError
 
 log = logging.getLogger("pagewire.http")

@@ -27,6 +27,7 @@ from typing import Any, Optional, Protocol
 
 import msgspec
 
+from server import heap
 from server.api import ws_watchdog
 from server.api.context import ApiContext
 from server.api.decode import convert, parse_json
@@ -36,7 +37,6 @@ from server.api.protocol import CLIENT_FRAMES, CancelFrame, GenerateFrame, Resum
 from server.api.tool_output import ChatToolStream
 from server.api.tools import ToolPlan, plan_request
 from server.gateway.auth import bind, principal_of, ws_subprotocol
-from server.serving import heap
 from server.serving.errors import InvalidRequest, PagewireError, TooLarge
 from server.serving.jobs import GenerationSpec
 from server.serving.outbox import Outbox, Subscription

@@ -17,6 +17,7 @@ from typing import Sequence as Seq
 
 import torch
 
+from server import heap
 from server.engine.adapters import adapter_slot, load_adapters
 from server.engine.config import EngineConfig, Quantization
 from server.engine.draft_proposer import (
@@ -53,7 +54,6 @@ from server.models.pooling import Pooler, resolve_pooler
 from server.models.protocol import CausalLM
 from server.models.registry import kv_shape
 from server.models.state_specs import is_hybrid, state_slot_bytes, state_specs
-from server.serving import heap
 from server.text.loader import load_tokenizer
 from server.text.vocab import check_token_ids
 

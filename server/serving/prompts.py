@@ -28,9 +28,9 @@ import logging
 import threading
 from typing import Any, Callable, Optional, TypeVar
 
+from server import heap
 from server.engine.errors import RequestTooLongError, check_context
 from server.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
-from server.serving import heap
 from server.serving.errors import InvalidRequest, Overloaded
 from server.serving.grammar_worker import GrammarWorker
 from server.serving.jobs import GenerationSpec

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.serving import heap
+from server import heap
 
 
 def _rss_anon_kib() -> int:

@@ -5,8 +5,8 @@ import each other, directly or round a circle (docs/architecture.md, "Layers").
 The order, top to bottom: the composition roots (server/cli.py, server/serve.py, server/llm.py, server/chat_reading.py
 and the package's lazy `server/__init__.py`), then
     api → gateway → serving → engine → text → models → kernels → server._C
-with server/jsonfile.py, server/strenum.py and server/heap.py leaves anyone may read. An edge may skip layers downwards only where the
-table says so; nothing imports upwards, and no layer imports a root.
+with server/jsonfile.py, server/strenum.py and server/heap.py leaves anyone may read. An edge may skip
+layers downwards only where the table says so; nothing imports upwards, and no layer imports a root.
 """
 from __future__ import annotations
 

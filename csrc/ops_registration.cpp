@@ -10,6 +10,10 @@ namespace pagewire {
 // cpu/embedding_gguf.cpp (declared here, not in ops.h, which every kernel file includes)
 at::Tensor embedding_gguf_cpu(const at::Tensor& ids, const at::Tensor& weight, c10::string_view qtype,
                               at::ScalarType dtype);
+// cpu/moe_route_op.cpp (likewise)
+std::tuple<at::Tensor, at::Tensor> moe_route_cpu(const at::Tensor& logits, c10::string_view router, int64_t top_k,
+                                                 bool norm_topk_prob, const c10::optional<at::Tensor>& selection_bias,
+                                                 int64_t n_group, int64_t topk_group, double routed_scaling);
 }  // namespace pagewire
 
 TORCH_LIBRARY(pagewire, m) {
@@ -63,6 +67,11 @@ TORCH_LIBRARY(pagewire, m) {
   // rows `ids` of a Q8_0 / 4-bit / K-quant table (qtype as dequantize_q4's, or "q8_0" / "q8_0x8")
   // dequantised to `dtype`: [*ids.shape, K] (cpu/embedding_gguf.cpp)
   m.def("embedding_gguf(Tensor ids, Tensor weight, str qtype, ScalarType dtype) -> Tensor");
+  // A mixture-of-experts router's choice for CPU logits [T, E] of any T: router "softmax_topk",
+  // "topk_softmax" or "sigmoid_topk" as server.models.moe_router.route (and moe_decode) applies it ->
+  // ids int64 [T, top_k] and weights float32 [T, top_k] (cpu/moe_route_op.cpp)
+  m.def("moe_route(Tensor logits, str router, int top_k, bool norm_topk_prob, Tensor? selection_bias=None, "
+        "int n_group=1, int topk_group=1, float routed_scaling=1.0) -> (Tensor ids, Tensor weights)");
   // One decoder layer of at most 16 tokens in one call (ops.h; CPU only)
   m.def(
       "decode_layer(Tensor(a!) hidden, Tensor? delta, Tensor? attn_norm, Tensor? attn_post_norm, Tensor? mlp_norm, "
@@ -148,6 +157,7 @@ TORCH_LIBRARY_IMPL(pagewire, CPU, m) {
   m.impl("moe_experts", &pagewire::moe_experts_cpu);
   m.impl("lora_add", &pagewire::lora_add_cpu);
   m.impl("moe_decode", &pagewire::moe_decode_cpu);
+  m.impl("moe_route", &pagewire::moe_route_cpu);
   m.impl("short_conv", &pagewire::short_conv_cpu);
   m.impl("ngram_propose", &pagewire::ngram_propose_cpu);
   m.impl("rejection_sample", &pagewire::rejection_sample_cpu);

@@ -85,6 +85,13 @@ def _moe_decode_fake(x, router_weight, router_kind, router_bias, router, top_k, 
     return x.new_empty(x.shape)
 
 
+@torch.library.register_fake("pagewire::moe_route")
+def _moe_route_fake(logits, router, top_k, norm_topk_prob, selection_bias=None, n_group=1, topk_group=1,
+                    routed_scaling=1.0):
+    T = logits.shape[0]
+    return (logits.new_empty((T, top_k), dtype=torch.int64), logits.new_empty((T, top_k), dtype=torch.float32))
+
+
 @torch.library.register_fake("pagewire::ngram_propose")
 def _ngram_propose_fake(token_ids, num_tokens, k, min_n, max_n):
     return num_tokens.new_empty((num_tokens.shape[0], k))

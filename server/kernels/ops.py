@@ -21,7 +21,7 @@ from server.kernels.quant import QuantizedExperts
 
 __all__ = [
     "write_kv_cache", "paged_attention", "copy_blocks", "linear", "rms_norm", "add_rms_norm",
-    "rotary_embedding", "silu_and_mul", "gelu_tanh_and_mul", "moe_experts", "moe_decode", "ngram_propose",
+    "rotary_embedding", "silu_and_mul", "gelu_tanh_and_mul", "moe_experts", "moe_decode", "moe_route", "ngram_propose",
     "rejection_sample", "cpu_isa", "detected_cpu_isa", "lora_add", "cpu_features",
 ]
 
@@ -288,6 +288,19 @@ def moe_decode(x: torch.Tensor, router_weight: torch.Tensor, router_kind: str, r
                                          gw, str(gk), dw, str(dk), gate_up_bias, down_bias, activation, alpha, limit,
                                          sgu, sgu_kind, sdn, sdn_kind, sg, sg_kind, selection_bias, n_group,
                                          topk_group, routed_scaling)
+
+
+def moe_route(logits: torch.Tensor, router: str, top_k: int, norm_topk_prob: bool,
+              selection_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+              routed_scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture-of-experts router's choice for CPU logits [T, E] (float32, bfloat16 or float16) of
+    any row count in one call (csrc/cpu/moe_route_op.cpp): server.models.moe_router.route's contract
+    (router, selection_bias, groups and scaling as moe_decode takes them) by moe_decode's own router.
+
+    Returns (ids int64 [T, top_k], weights float32 [T, top_k]), largest choice first."""
+    ids, weights = torch.ops.pagewire.moe_route(logits, router, top_k, norm_topk_prob, selection_bias, n_group,
+                                                topk_group, routed_scaling)
+    return ids, weights
 
 
 def ngram_propose(

@@ -16,7 +16,8 @@ A CPU step of at most 16 tokens (decode) runs the whole MLP -- router, experts, 
 one C++ op, pagewire::moe_decode (server.kernels.ops.moe_decode, csrc/cpu/moe_decode.cpp): quantised
 experts are read by both cores at once in one OpenMP region. Larger steps (prefill), other devices,
 and router or shared-expert matrices whose linear path decode_layer has no name for, run the router
-as a linear and a few vectorised torch ops (moe_router.route) and the experts as one C++ op per layer,
+as a linear and moe_router.route (on the CPU one op, pagewire::moe_route; elsewhere a few vectorised
+torch ops) and the experts as one C++ op per layer,
 pagewire::moe_experts (server.kernels.ops.moe_experts, csrc/cpu/moe.cpp): tokens grouped by
 expert, each expert used run once over its rows, experts no token chose never read. The experts'
 matrices are stacked per layer -- gate_up [E, 2I, H] (gate rows, then up rows, per expert) and

@@ -12,9 +12,10 @@ For the two fp32 scorings a selection bias (e_score_correction_bias, [E] fp32) m
 scores to choose the k -- the weights stay the unbiased scores -- and the choice may be limited to
 groups of experts: the E experts split into n_group equal groups, each scored by the sum of its two
 best biased scores, and only the topk_group best groups' experts compete. The weights are finally
-multiplied by routed_scaling_factor. All of it runs vectorised over the step's tokens (a handful
-of torch ops per layer, never a loop over experts); pagewire::moe_decode (csrc/cpu/moe_decode.cpp)
-runs the same arithmetic in C++ for decode steps.
+multiplied by routed_scaling_factor. On the CPU, route() is one op per layer, pagewire::moe_route
+(csrc/cpu/moe_route_op.cpp: the C++ router pagewire::moe_decode also runs for decode steps);
+elsewhere (and for float64 logits) route_torch() computes it vectorised over the step's tokens, a
+handful of torch ops per layer, never a loop over experts.
 
 The config keys that set these fields are read by server.models.moe_router_config.
 """
@@ -22,11 +23,30 @@ from __future__ import annotations
 
 import torch
 
+from server.kernels.ops import moe_route
+
+ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_topk")
+# The logits' dtypes pagewire::moe_route takes (it scores in fp32, as route_torch does).
+_OP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 def route(logits: torch.Tensor, router: str, top_k: int, norm_topk_prob: bool,
           selection_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
           routed_scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] -> (ids int64 [T, k], weights float32 [T, k]) by `router` (module docstring)."""
+    """logits [T, E] -> (ids int64 [T, k], weights float32 [T, k]) by `router` (module docstring):
+    pagewire::moe_route for CPU logits, route_torch's ops elsewhere. The two choose the same experts
+    for logits without ties; their weights may differ in the last bit (tests/kernels/test_moe_route_op.py)."""
+    if router not in ROUTERS:
+        raise ValueError(f"router: expected 'softmax_topk', 'topk_softmax' or 'sigmoid_topk', got {router!r}")
+    if logits.device.type == "cpu" and logits.dtype in _OP_DTYPES and logits.dim() == 2:
+        return moe_route(logits, router, top_k, norm_topk_prob, selection_bias, n_group, topk_group, routed_scaling)
+    return route_torch(logits, router, top_k, norm_topk_prob, selection_bias, n_group, topk_group, routed_scaling)
+
+
+def route_torch(logits: torch.Tensor, router: str, top_k: int, norm_topk_prob: bool,
+                selection_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+                routed_scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """route() as torch ops, on any device."""
     if router == "topk_softmax":
         top, ids = torch.topk(logits, top_k, dim=-1)
         return ids, torch.softmax(top, dim=-1).float()

@@ -16,7 +16,7 @@ import torch
 from server.kernels import batch_invariant
 from server.models.config import ModelLoadError, UnsupportedModelError
 from server.models.moe import SparseMoE
-from server.models.moe_router import route
+from server.models.moe_router import route, route_torch
 from server.models.registry import config_from_hf
 
 H, I_MOE = 64, 32
@@ -141,7 +141,11 @@ def test_selection_bias_changes_the_choice_but_not_the_weights() -> None:
     plain_ids, _ = route(logits, "sigmoid_topk", 4, False)
     ids, w = route(logits, "sigmoid_topk", 4, False, bias)
     assert not torch.equal(ids.sort(-1).values, plain_ids.sort(-1).values)  # the bias moved some choices
-    assert torch.equal(w, torch.sigmoid(logits).gather(1, ids))  # ... the weights are the unbiased scores
+    # ... the weights are the unbiased scores (CPU logits take pagewire::moe_route, whose sigmoid is
+    # std::exp's: a few ulps from torch's; route_torch's are torch's bit for bit)
+    torch.testing.assert_close(w, torch.sigmoid(logits).gather(1, ids), rtol=1e-6, atol=0)
+    torch_ids, torch_w = route_torch(logits, "sigmoid_topk", 4, False, bias)
+    assert torch.equal(torch_ids, ids) and torch.equal(torch_w, torch.sigmoid(logits).gather(1, ids))
     chosen = (torch.sigmoid(logits) + bias).gather(1, ids)
     # the choice is the biased top-k: every chosen expert beats every other one
     others = (torch.sigmoid(logits) + bias).scatter(1, ids, float("-inf"))

@@ -5,15 +5,12 @@
 #include "cpu/gdn_ops.h"
 #include "cpu/hybrid_decode.h"
 #include "ops.h"
+#include "cpu/moe_route.h"  // moe_route_cpu
 
 namespace pagewire {
 // cpu/embedding_gguf.cpp (declared here, not in ops.h, which every kernel file includes)
 at::Tensor embedding_gguf_cpu(const at::Tensor& ids, const at::Tensor& weight, c10::string_view qtype,
                               at::ScalarType dtype);
-// cpu/moe_route_op.cpp (likewise)
-std::tuple<at::Tensor, at::Tensor> moe_route_cpu(const at::Tensor& logits, c10::string_view router, int64_t top_k,
-                                                 bool norm_topk_prob, const c10::optional<at::Tensor>& selection_bias,
-                                                 int64_t n_group, int64_t topk_group, double routed_scaling);
 }  // namespace pagewire
 
 TORCH_LIBRARY(pagewire, m) {

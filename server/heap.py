@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import time
 import traceback
@@ -20,23 +21,24 @@ from typing import Any, Optional
 
 log = logging.getLogger("pagewire")
 
-_libc: Optional[Any] = None
-_looked = False
 _last = 0.0
 MIN_INTERVAL_S = 1.0  # a trim walks the whole heap: at most once a second
 
 
+@functools.lru_cache(maxsize=1)
+def libc() -> Optional[ctypes.CDLL]:
+    """The C library (errno kept for callers that read it), or None where there is none to load;
+    looked up once. Also gguf_pages's madvise."""
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name, use_errno=True) if name else None
+    except OSError:
+        return None
+
+
 def _malloc_trim() -> Optional[Any]:
-    global _libc, _looked
-    if not _looked:
-        _looked = True
-        name = ctypes.util.find_library("c")
-        try:
-            lib = ctypes.CDLL(name) if name else None
-            _libc = lib if lib is not None and hasattr(lib, "malloc_trim") else None
-        except OSError:
-            _libc = None
-    return _libc
+    lib = libc()
+    return lib if lib is not None and hasattr(lib, "malloc_trim") else None
 
 
 def trim(force: bool = False) -> bool:

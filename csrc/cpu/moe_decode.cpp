@@ -3,8 +3,8 @@
 // dispatch instead of the router's torch ops and one kernel call per expert matrix.
 //
 //   1. Router: logits = x @ router^T (+ bias) by the path Python's ops.linear takes (its kind is
-//      passed in, as for decode_layer), then per row cpu::route_rows (moe_route.cpp): softmax or
-//      sigmoid scores in fp32, top-k (chosen with the selection bias, within the best expert
+//      passed in, as for decode_layer), then moe_route_cpu (cpu/moe_route_op.cpp, cpu::route_rows
+//      per row; the op prefill routes with too): softmax or sigmoid scores in fp32, top-k (chosen with the selection bias, within the best expert
 //      groups), optional renormalisation and scaling (Qwen-MoE, Mixtral, OLMoE, dots.llm1), or
 //      top-k of the logits and a softmax over those k rounded to x's dtype (gpt-oss,
 //      "topk_softmax") -- moe_router.route's arithmetic.
@@ -51,7 +51,7 @@
 #include "layer_parts.h"
 #include "quant4_kernel.h"
 #include "quant_kernel.h"
-#include "moe_route.h"  // (after the kernels' headers: cpu::route_rows, this op's router)
+#include "moe_route.h"  // moe_route_cpu, this op's router
 
 namespace pagewire {
 namespace {
@@ -194,8 +194,6 @@ at::Tensor moe_decode_cpu(const at::Tensor& x, const at::Tensor& router_weight, 
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "moe_decode: x must be a CPU [T, H] tensor, got ", x.sizes());
   const int64_t T = x.size(0), H = x.size(1);
   TORCH_CHECK(T <= kQ8KernelMaxRows, "moe_decode takes at most ", kQ8KernelMaxRows, " tokens, got ", T);
-  TORCH_CHECK(router == "softmax_topk" || router == "topk_softmax" || router == "sigmoid_topk",
-              "moe_decode: router must be 'softmax_topk', 'topk_softmax' or 'sigmoid_topk', got '", router, "'");
   TORCH_CHECK(activation == "silu" || activation == "swiglu_oai",
               "moe_decode: activation must be 'silu' or 'swiglu_oai', got '", activation, "'");
   TORCH_CHECK(router_weight.dim() == 2 && router_weight.size(1) == H, "moe_decode: router_weight must be [E, ", H,
@@ -210,37 +208,16 @@ at::Tensor moe_decode_cpu(const at::Tensor& x, const at::Tensor& router_weight, 
   const bool has_gate = shared_gate.has_value() && shared_gate->defined();
   TORCH_CHECK(has_shared == (shared_down.has_value() && shared_down->defined()) && (has_shared || !has_gate),
               "moe_decode: shared_gate_up and shared_down come together, and shared_gate only with them");
-  const bool has_sel = selection_bias.has_value() && selection_bias->defined();
-  TORCH_CHECK(!has_sel || (selection_bias->dim() == 1 && selection_bias->size(0) == E),
-              "moe_decode: selection_bias must be [E] = [", E, "]");
-  TORCH_CHECK(router != "topk_softmax" || (!has_sel && n_group == 1 && routed_scaling == 1.0),
-              "moe_decode: router 'topk_softmax' takes no selection_bias, groups or scaling");
-  TORCH_CHECK(n_group >= 1 && topk_group >= 1 && topk_group <= n_group && E % n_group == 0 &&
-                  (n_group == 1 || (E / n_group >= 2 && topk_group * (E / n_group) >= top_k)),
-              "moe_decode: n_group ", n_group, " / topk_group ", topk_group, " do not fit ", E, " experts and top_k ",
-              top_k);
 
   // 1. The router.
   // A float32 router (DeepSeek-V3 style) in a bf16/fp16 model takes the rows cast up, as route() does.
   const at::Tensor logits = run_linear_kind(
       router_weight.scalar_type() == x.scalar_type() ? x : x.to(router_weight.scalar_type()), router_weight,
       router_bias, std::string(router_kind));
-  at::Tensor ids = at::empty({T, top_k}, x.options().dtype(at::kLong));
-  at::Tensor wts = at::empty({T, top_k}, x.options().dtype(at::kFloat));
-  {
-    const at::Tensor lf = logits.to(at::kFloat).contiguous();
-    const at::Tensor sel = has_sel ? selection_bias->to(at::kFloat).contiguous() : at::Tensor();
-    cpu::RouteSpec spec;
-    spec.router = router;
-    spec.k = top_k;
-    spec.renorm = norm_topk_prob;
-    spec.selection_bias = has_sel ? sel.data_ptr<float>() : nullptr;
-    spec.n_group = n_group;
-    spec.topk_group = topk_group;
-    spec.scaling = static_cast<float>(routed_scaling);
-    cpu::route_rows(lf.data_ptr<float>(), T, E, logits.scalar_type(), spec, ids.data_ptr<int64_t>(),
-                    wts.data_ptr<float>());
-  }
+  // The router's choice by pagewire::moe_route (cpu/moe_route_op.cpp), which checks the router's
+  // arguments: the arithmetic prefill steps route with.
+  const auto [ids, wts] =
+      moe_route_cpu(logits, router, top_k, norm_topk_prob, selection_bias, n_group, topk_group, routed_scaling);
   at::Tensor sgate;  // the shared expert's gate logit [T, 1] in x's dtype, as Python's linear gives it
   if (has_gate) sgate = run_linear_kind(x, *shared_gate, c10::nullopt, std::string(shared_gate_kind));
 

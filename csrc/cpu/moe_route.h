@@ -2,6 +2,7 @@
 // server.models.moe_router.route computes with torch ops, for pagewire::moe_decode.
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
@@ -25,4 +26,12 @@ void route_rows(const float* logits, int64_t T, int64_t E, c10::ScalarType dtype
                 int64_t* ids, float* wts);
 
 }  // namespace cpu
+
+// pagewire::moe_route (cpu/moe_route_op.cpp): the arguments checked (errors name them), the logits
+// widened to fp32, then route_rows -> (ids int64 [T, k], weights float32 [T, k]). pagewire::moe_decode
+// routes its rows through it too.
+std::tuple<at::Tensor, at::Tensor> moe_route_cpu(const at::Tensor& logits, c10::string_view router, int64_t top_k,
+                                                 bool norm_topk_prob, const c10::optional<at::Tensor>& selection_bias,
+                                                 int64_t n_group, int64_t topk_group, double routed_scaling);
+
 }  // namespace pagewire

@@ -12,32 +12,25 @@ read-only np.memmap are left alone: on anonymous memory MADV_DONTNEED would zero
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 from typing import Any, Optional
 
 import numpy as np
 
+from server import heap
+
 __all__ = ["release"]
 
 _PAGE = mmap.PAGESIZE
-_libc: Optional[Any] = None
-_looked = False
 
 
 def _madvise() -> Optional[Any]:
-    global _libc, _looked
-    if not _looked:
-        _looked = True
-        name = ctypes.util.find_library("c")
-        try:
-            lib = ctypes.CDLL(name, use_errno=True) if name else None
-        except OSError:
-            lib = None
-        if lib is not None and hasattr(lib, "madvise"):
-            lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            _libc = lib
-    return _libc
+    """The C library where it has madvise (its argument types set), or None."""
+    lib = heap.libc()
+    if lib is None or not hasattr(lib, "madvise"):
+        return None
+    lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return lib
 
 
 def _file_map(view: np.ndarray) -> Optional[np.memmap]:

@@ -6,8 +6,8 @@
 //      passed in, as for decode_layer), then moe_route_cpu (cpu/moe_route_op.cpp, cpu::route_rows
 //      per row; the op prefill routes with too): softmax or sigmoid scores in fp32, top-k (chosen
 //      with the selection bias, within the best expert groups), optional renormalisation and
-//      scaling (Qwen-MoE, Mixtral, OLMoE, dots.llm1), or top-k of the logits and a softmax over those k rounded to x's dtype (gpt-oss,
-//      "topk_softmax") -- moe_router.route's arithmetic.
+//      scaling (Qwen-MoE, Mixtral, OLMoE, dots.llm1), or top-k of the logits and a softmax over
+//      those k rounded to x's dtype (gpt-oss, "topk_softmax") -- moe_router.route's arithmetic.
 //   2. Experts, when they and the CPU allow it (quantised blocks on AVX2 or better, and not
 //      gpt-oss's bf16 roundings): one OpenMP region for the whole layer. x is quantised to Q8
 //      blocks once; every chosen expert's gate_up rows (and the shared expert's) are laid end to

@@ -428,10 +428,10 @@ at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::str
   if (!f.interleaved) {
     kernel(t, act, w, b, o, N, N);
   } else if (!portable) {
-    // Whole groups through the x8 kernel (AVX2, also on AVX-512 CPUs), the last N % 8 rows, in
+    // Whole groups through the family's x8 kernel (VNNI from AVX-512 up), the last N % 8 rows, in
     // row layout, through the family's row kernel.
     const int64_t G = cpu::kQ4Interleave, done = N / G * G, rb = wc.size(1);
-    cpu::linear_q4x8_avx2(t, act, w, b, o, N, done);
+    (isa >= cpu::Isa::kAvx512 ? cpu::linear_q4x8_vnni : cpu::linear_q4x8_avx2)(t, act, w, b, o, N, done);
     if (done < N) kernel(t, act, w + done * rb, b != nullptr ? b + done : nullptr, o + done, N, N - done);
   } else {
     // No AVX2 (or PAGEWIRE_CPU_ISA=portable after the weight was interleaved): the portable kernel

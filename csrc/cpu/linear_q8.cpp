@@ -4,7 +4,7 @@
 // kernel this CPU has: AMX tiles from 4 rows, AVX-512 VNNI, AVX2, or the portable one. Large batches (prefill) dequantise
 // the weight and run ATen's GEMM, which is compute-bound there rather than bandwidth-bound.
 // interleave_q8_0 rearranges a weight into the x8 layout (quant_kernel.h), which dequantize_q8_0 and
-// linear_q8_0 take with interleaved=True: linear_q8_0 then runs linear_x8_avx2.cpp's kernel.
+// linear_q8_0 take with interleaved=True: linear_q8_0 then runs the x8 kernel (x8_body.h: linear_x8_avx2.cpp, or linear_x8_vnni.cpp on AVX-512 VNNI CPUs).
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -239,10 +239,10 @@ at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const 
   if (!interleaved) {
     kernel(act, w, b, o, N, N);
   } else if (!portable) {
-    // Whole groups through the x8 kernel (AVX2, also on AVX-512 CPUs), the last N % 8 rows, in
+    // Whole groups through the family's x8 kernel (VNNI from AVX-512 up), the last N % 8 rows, in
     // row layout, through the family's row kernel.
     const int64_t done = N / cpu::kQ8Interleave * cpu::kQ8Interleave, rb = wc.size(1);
-    cpu::linear_q8_0x8_avx2(act, w, b, o, N, done);
+    (isa >= cpu::Isa::kAvx512 ? cpu::linear_q8_0x8_vnni : cpu::linear_q8_0x8_avx2)(act, w, b, o, N, done);
     if (done < N) kernel(act, w + done * rb, b != nullptr ? b + done : nullptr, o + done, N, N - done);
   } else {
     // No AVX2 (or PAGEWIRE_CPU_ISA=portable after the weight was interleaved): the portable kernel

@@ -24,6 +24,8 @@
 // Batch invariance (docs/determinism.md): output (m, n) is one lane of one accumulator, updated
 // block by block in K order with the same instructions whatever M is; M only decides which
 // activation rows share a loaded chunk.
+// Headers first (x8_body.h's own includes then add nothing): inline functions they define must keep
+// the baseline ISA.
 #include <omp.h>
 
 #include <cstdint>
@@ -31,243 +33,20 @@
 #include <type_traits>
 #include <vector>
 
-// Headers first: inline functions they define must keep the baseline ISA.
 #include "quant4_kernel.h"
 #include "quant_kernel.h"
 #include "x86_target.h"
 
 PAGEWIRE_TARGET_PUSH("avx2,fma,f16c")
 
-#include "avx2_util.h"
+#define PAGEWIRE_X8_VNNI 0
+#include "x8_body.h"
 
 namespace pagewire::cpu {
-namespace {
-
-// How far ahead of its loads a group prefetches: about four Q8_0 or eight Q4_0 blocks of the
-// group. The hardware prefetcher alone leaves 15-20 % of the DRAM bandwidth unused here.
-constexpr int64_t kPrefetchBytes = 1152;
-
-// Prefetches the Bytes bytes at p + kPrefetchBytes, one instruction per 64-byte line.
-template <int Bytes>
-inline void prefetch_ahead(const uint8_t* p) {
-  for (int off = 0; off < Bytes; off += 64) avx2::prefetch(p + kPrefetchBytes + off);
-}
-
-inline __m256i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);  // a vpbroadcastd from memory: a load, no ALU operation
-}
-
-// An empty asm that claims to change v: the compiler must keep v in a register as it is here.
-// Without it GCC reassociates a block's chain of 16-bit adds into a tree, schedules every
-// maddubs of the block first, and spills their results to the stack (about 20 stores and reloads
-// per block at MB = 4); pinning each accumulator after each chunk keeps the chain, and the
-// integer sums (exact, no saturation) are the same whatever the order.
-inline void pin(__m256i& v) { __asm__("" : "+x"(v)); }
-
-// Activation rows [m0, m0 + MB) times NG consecutive groups of eight 4-bit weight rows (group j's
-// bytes at w + j * group_bytes) -> out[m][0..8 * NG). Each broadcast activation chunk feeds the
-// NG groups' maddubs: on Zen 3 vpbroadcastd from memory takes an FP pipe like the maddubs and adds,
-// and those pipes are the limit once several rows share a group, so NG = 2 saves about a sixth of
-// the vector operations (and the per-block activation scale broadcasts are shared too).
-// xc: per (row, block) the offset term's activation factor (Q4_0: -8 * xs; Q4_1: xs).
-// noinline: inlined into for_each_group's lambda, GCC versions and unrolls the block loop into
-// several copies with spills; out of line each (MB, NG) gets one clean loop.
-template <Q4Type T, int MB, int NG>
-__attribute__((noinline)) void group4(const Q8SumActivations& x, const float* xc, int64_t m0, const uint8_t* w, int64_t group_bytes,
-            const float* bias, float* out, int64_t ldo) {
-  constexpr int kScaleBytes = T == Q4Type::kQ4_0 ? 16 : 32;  // d (and m) of the eight rows
-  constexpr int kBlockBytes = kScaleBytes + 128;             // eight rows' block
-  const int64_t nb = x.K / 32;
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  const int8_t* xq[MB];
-  const float* xd[MB];
-  const float* xo[MB];
-  for (int m = 0; m < MB; ++m) {
-    xq[m] = x.q + (m0 + m) * x.K;
-    xd[m] = x.d + (m0 + m) * nb;
-    xo[m] = xc + (m0 + m) * nb;
-  }
-  __m256 acc[NG][MB];
-  for (int j = 0; j < NG; ++j)
-    for (int m = 0; m < MB; ++m) acc[j][m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, w += kBlockBytes) {
-    for (int j = 0; j < NG; ++j) prefetch_ahead<kBlockBytes>(w + j * group_bytes);
-    __m256i s16[NG][MB];
-    for (int j = 0; j < NG; ++j)
-      for (int m = 0; m < MB; ++m) s16[j][m] = _mm256_setzero_si256();
-    for (int c = 0; c < 4; ++c) {
-      __m256i lo[NG], hi[NG];
-      for (int j = 0; j < NG; ++j) {
-        const __m256i v =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * group_bytes + kScaleBytes + 32 * c));
-        lo[j] = _mm256_and_si256(v, mask);
-        hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-      }
-      for (int m = 0; m < MB; ++m) {
-        const int8_t* xb = xq[m] + b * 32 + 4 * c;
-        const __m256i x0 = broadcast4(xb), x1 = broadcast4(xb + 16);
-        for (int j = 0; j < NG; ++j) {
-          s16[j][m] = _mm256_add_epi16(
-              s16[j][m], _mm256_add_epi16(_mm256_maddubs_epi16(lo[j], x0), _mm256_maddubs_epi16(hi[j], x1)));
-          pin(s16[j][m]);
-        }
-      }
-    }
-    for (int m = 0; m < MB; ++m) {
-      const __m256 xdm = _mm256_set1_ps(xd[m][b]), xom = _mm256_set1_ps(xo[m][b]);
-      for (int j = 0; j < NG; ++j) {
-        const uint8_t* wj = w + j * group_bytes;
-        const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wj)));
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[j][m], ones));
-        if constexpr (T == Q4Type::kQ4_0) {
-          acc[j][m] = _mm256_fmadd_ps(wd, _mm256_fmadd_ps(dot, xdm, xom), acc[j][m]);
-        } else {
-          const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wj + 16)));
-          acc[j][m] = _mm256_fmadd_ps(wd, _mm256_mul_ps(dot, xdm), acc[j][m]);
-          acc[j][m] = _mm256_fmadd_ps(wm, xom, acc[j][m]);
-        }
-      }
-    }
-  }
-  for (int j = 0; j < NG; ++j) {
-    const __m256 bv = bias != nullptr ? _mm256_loadu_ps(bias + 8 * j) : _mm256_setzero_ps();
-    for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out + (m0 + m) * ldo + 8 * j, _mm256_add_ps(acc[j][m], bv));
-  }
-}
-
-// Activation rows [m0, m0 + MB) times NG consecutive groups of eight Q8_0 weight rows (group j's
-// bytes at w + j * group_bytes) -> out[m][0..8 * NG); NG = 2 shares each broadcast as in group4.
-template <int MB, int NG>
-__attribute__((noinline)) void group8(const Q8Activations& x, int64_t m0, const uint8_t* w, int64_t group_bytes,
-                                      const float* bias, float* out, int64_t ldo) {
-  constexpr int kBlockBytes = 16 + 8 * 32;  // eight rows' d, then eight chunks of codes
-  const int64_t nb = x.K / kQ8Block;
-  const __m256i ones = _mm256_set1_epi16(1);
-  const int8_t* xq[MB];
-  const float* xd[MB];
-  for (int m = 0; m < MB; ++m) {
-    xq[m] = x.q + (m0 + m) * x.K;
-    xd[m] = x.d + (m0 + m) * nb;
-  }
-  __m256 acc[NG][MB];
-  for (int j = 0; j < NG; ++j)
-    for (int m = 0; m < MB; ++m) acc[j][m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, w += kBlockBytes) {
-    for (int j = 0; j < NG; ++j) prefetch_ahead<kBlockBytes>(w + j * group_bytes);
-    __m256i s32[NG][MB];
-    for (int j = 0; j < NG; ++j)
-      for (int m = 0; m < MB; ++m) s32[j][m] = _mm256_setzero_si256();
-    for (int c = 0; c < 8; ++c) {
-      __m256i v[NG], aw[NG];
-      for (int j = 0; j < NG; ++j) {
-        v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * group_bytes + 16 + 32 * c));
-        aw[j] = _mm256_abs_epi8(v[j]);
-      }
-      for (int m = 0; m < MB; ++m) {
-        const __m256i xb = broadcast4(xq[m] + b * 32 + 4 * c);
-        for (int j = 0; j < NG; ++j) {
-          // |w| * (x with w's sign): pairs at most 2 * 127 * 128, so the 16-bit sums never saturate.
-          const __m256i p16 = _mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(xb, v[j]));
-          s32[j][m] = _mm256_add_epi32(s32[j][m], _mm256_madd_epi16(p16, ones));
-          pin(s32[j][m]);
-        }
-      }
-    }
-    for (int m = 0; m < MB; ++m) {
-      const __m256 xdm = _mm256_set1_ps(xd[m][b]);
-      for (int j = 0; j < NG; ++j) {
-        const __m256 wd =
-            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * group_bytes)));
-        acc[j][m] = _mm256_fmadd_ps(wd, _mm256_mul_ps(_mm256_cvtepi32_ps(s32[j][m]), xdm), acc[j][m]);
-      }
-    }
-  }
-  for (int j = 0; j < NG; ++j) {
-    const __m256 bv = bias != nullptr ? _mm256_loadu_ps(bias + 8 * j) : _mm256_setzero_ps();
-    for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out + (m0 + m) * ldo + 8 * j, _mm256_add_ps(acc[j][m], bv));
-  }
-}
-
-// Every whole group of eight weight rows (group_bytes each) against all M activation rows: units
-// of NG consecutive groups (the last unit one group when the count is odd), and per unit row tiles
-// of four, then two, then one rows: tile(std::integral_constant<int, MB>, std::integral_constant<int,
-// ng>, m0, unit's bytes, unit's bias or nullptr, unit's first output column). Static schedule: each
-// thread streams one contiguous slice of the weight. Which tile or unit an output lands in changes
-// only which loads it shares, never its instructions (batch invariance).
-constexpr int64_t kGroupRows = 8;
-static_assert(kQ4Interleave == kGroupRows && kQ8Interleave == kGroupRows, "one group size for both layouts");
-
-template <int NG, class Tile>
-void for_each_group(int64_t M, int64_t K, int64_t N, int64_t group_bytes, const uint8_t* w, const float* bias,
-                    float* out, const Tile& tile) {
-  const int64_t groups = N / kGroupRows;
-  const int64_t units = (groups + NG - 1) / NG;
-#pragma omp parallel for schedule(static) if (N * K * M >= 65536)
-  for (int64_t u = 0; u < units; ++u) {
-    const int64_t g = u * NG;
-    const uint8_t* wg = w + g * group_bytes;
-    const float* bg = bias != nullptr ? bias + g * kGroupRows : nullptr;
-    float* og = out + g * kGroupRows;
-    const auto rows = [&](auto ng) {
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) tile(std::integral_constant<int, 4>{}, ng, m, wg, bg, og);
-      if (m + 2 <= M) {
-        tile(std::integral_constant<int, 2>{}, ng, m, wg, bg, og);
-        m += 2;
-      }
-      if (m < M) tile(std::integral_constant<int, 1>{}, ng, m, wg, bg, og);
-    };
-    if (g + NG <= groups) {
-      rows(std::integral_constant<int, NG>{});
-    } else {
-      rows(std::integral_constant<int, 1>{});
-    }
-  }
-}
-
-template <Q4Type T>
-void run4(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t N) {
-  const int64_t nb = x.K / 32;
-  const int64_t group_bytes = kQ4Interleave * nb * q4_block_bytes(T);
-  const float* xc = x.s;
-  if constexpr (T == Q4Type::kQ4_0) {
-    // Per calling thread (the engine thread), reused across calls. Read through a plain pointer
-    // inside the parallel loop: the worker threads have thread_locals of their own.
-    thread_local std::vector<float> offset;
-    if (static_cast<int64_t>(offset.size()) < x.M * nb) offset.resize(x.M * nb);
-    for (int64_t i = 0; i < x.M * nb; ++i) offset[i] = -8.f * x.s[i];  // exact: a power of two
-    xc = offset.data();
-  }
-  const auto tile = [&](auto mb, auto ng, int64_t m, const uint8_t* wg, const float* bg, float* og) {
-    group4<T, decltype(mb)::value, decltype(ng)::value>(x, xc, m, wg, group_bytes, bg, og, ldo);
-  };
-  // Pairs of groups unless that would leave a thread without one (small N), or at one row: there
-  // the kernel streams the weight from memory, and one group per unit keeps each thread on one
-  // sequential stream (pairs cost single-stream decode 13 %: 172 -> 150 tok/s on SmolLM2 Q4_1, two
-  // threads). The results are the same either way, only the split of the work changes.
-  if (x.M >= 2 && N / kGroupRows >= 2 * omp_get_max_threads()) {
-    for_each_group<2>(x.M, x.K, N, group_bytes, w, bias, out, tile);
-  } else {
-    for_each_group<1>(x.M, x.K, N, group_bytes, w, bias, out, tile);
-  }
-}
-
-}  // namespace
 
 void linear_q8_0x8_avx2(const Q8Activations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
                         int64_t N) {
-  const int64_t group_bytes = kQ8Interleave * (x.K / kQ8Block) * kQ8BlockBytes;
-  const auto tile = [&](auto mb, auto ng, int64_t m, const uint8_t* wg, const float* bg, float* og) {
-    group8<decltype(mb)::value, decltype(ng)::value>(x, m, wg, group_bytes, bg, og, ldo);
-  };
-  if (x.M >= 2 && N / kGroupRows >= 2 * omp_get_max_threads()) {  // as in run4
-    for_each_group<2>(x.M, x.K, N, group_bytes, w, bias, out, tile);
-  } else {
-    for_each_group<1>(x.M, x.K, N, group_bytes, w, bias, out, tile);
-  }
+  run8(x, w, bias, out, ldo, N);
 }
 
 void linear_q4x8_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,

@@ -112,14 +112,14 @@ void run_rows(const Job& j, int64_t r0, int64_t r1, cpu::Isa isa) {
     if (j.f.q8) {
       const cpu::Q8Activations a{j.act.q, j.act.d, j.act.M, j.act.K};
       if (x8) {
-        cpu::linear_q8_0x8_avx2(a, w, b, o, j.ldo, n);
+        (isa >= cpu::Isa::kAvx512 ? cpu::linear_q8_0x8_vnni : cpu::linear_q8_0x8_avx2)(a, w, b, o, j.ldo, n);
       } else {
         (cpu::use_amx(isa, a.M)        ? cpu::linear_q8_0_amx
          : isa >= cpu::Isa::kAvx512 ? cpu::linear_q8_0_avx512
                                     : cpu::linear_q8_0_avx2)(a, w, b, o, j.ldo, n);
       }
     } else if (x8) {
-      cpu::linear_q4x8_avx2(j.f.t, j.act, w, b, o, j.ldo, n);
+      (isa >= cpu::Isa::kAvx512 ? cpu::linear_q4x8_vnni : cpu::linear_q4x8_avx2)(j.f.t, j.act, w, b, o, j.ldo, n);
     } else {
       (isa >= cpu::Isa::kAvx512 ? cpu::linear_q4_avx512 : cpu::linear_q4_avx2)(j.f.t, j.act, w, b, o, j.ldo, n);
     }

@@ -118,6 +118,9 @@ void deinterleave_q4_group(Q4Type t, const uint8_t* src, uint8_t* dst, int64_t r
 // N % 8 rows, in row layout, through linear_q4_avx2); same arguments as linear_q4_avx2.
 void linear_q4x8_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,
                       int64_t ldo, int64_t N);  // Isa::kAvx2 or better
+// The same with AVX-512 VNNI (linear_x8_vnni.cpp; Isa::kAvx512 or better): the same floats, bit for bit.
+void linear_q4x8_vnni(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,
+                      int64_t ldo, int64_t N);
 // Q4_K's x8 kernel (linear_x8k_avx2.cpp), called by linear_q4x8_avx2 for kQ4_K.
 void linear_q4kx8_avx2(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
                        int64_t N);

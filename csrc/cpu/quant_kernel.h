@@ -59,6 +59,9 @@ void deinterleave_q8_0_group(const uint8_t* src, uint8_t* dst, int64_t row_bytes
 // N % 8 rows, in row layout, through a row kernel); same arguments as linear_q8_0_avx2.
 void linear_q8_0x8_avx2(const Q8Activations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
                         int64_t N);  // Isa::kAvx2 or better
+// The same with AVX-512 VNNI (linear_x8_vnni.cpp; Isa::kAvx512 or better): the same floats, bit for bit.
+void linear_q8_0x8_vnni(const Q8Activations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
+                        int64_t N);
 
 // fp16 bits -> fp32, portable (the scale of a Q8_0 block).
 inline float fp16_to_float(uint16_t h) {

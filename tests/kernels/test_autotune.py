@@ -59,7 +59,8 @@ def test_table_covers_every_distinct_linear_shape_of_a_model(tiny_model: Callabl
         assert len(plan) == LARGE + 1
         choices = table.choices[key]
         assert all(c.how in ("timed", "clear") and c.kernel_s and c.torch_s for c in choices)
-        assert plan == tuple(c.kernel for c in choices)
+        # c.plan, not c.kernel: on AMX CPUs a kernel choice from 4 rows is AMX on or off (KERNEL_NO_AMX).
+        assert plan == tuple(c.plan for c in choices)
     assert sum(len(v) for v in table.names.values()) == len(sites)
     assert len(table.lines()) == len(shapes) and all("kernel" in line for line in table.lines())
 

@@ -11,6 +11,7 @@ import torch
 from server.kernels import batch_invariant, ops
 from server.kernels.quant import QuantizedWeight
 from tests.kernels.conftest import available_isas
+from tests.kernels.test_emulated_x8_vnni import activations, weight
 from tests.kernels.test_quant4 import gguf_dequantize, linear_reference, random_q4
 from tests.pairwise import pairwise
 
@@ -118,13 +119,39 @@ def test_interleaved_rows_do_not_depend_on_the_batch(cpu_isa: str, qtype: str) -
                 assert torch.equal(y[r:r + 1], alone[r]), (m, r)
 
 
-def test_for_kernels_interleaves_only_for_the_avx2_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+# The VNNI build of the x8 kernels (linear_x8_vnni.cpp) against the AVX2 build: the same integer sums,
+# so the same floats bit for bit (test_emulated_x8_vnni.py checks it on any CPU). Row counts 1-9
+# cover every tile shape; N = 64 and 40 an even and an odd number of groups.
+VNNI_ROWS = [1, 2, 3, 4, 5, 7, 9]
+VNNI_SHAPES = [(64, 256), (40, 512)]
+
+
+@pytest.mark.skipif("avx512" not in available_isas(),
+                    reason="needs a CPU with AVX-512 VNNI (test_emulated_x8_vnni.py covers it on any CPU)")
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k"])
+@pytest.mark.parametrize("extreme", [False, True])
+def test_vnni_x8_is_the_avx2_x8_bit_for_bit_natively(monkeypatch: pytest.MonkeyPatch, qtype: str, extreme: bool) -> None:
+    for n, k in VNNI_SHAPES:
+        x8 = weight(qtype, n, k, seed=n + k, extreme=extreme).interleave()
+        bias = torch.randn(n, generator=torch.Generator().manual_seed(3))
+        for m in VNNI_ROWS:
+            x = activations(m, k, seed=m, extreme=extreme)
+            got = {}
+            for isa in ("avx2", "avx512"):
+                monkeypatch.setenv("PAGEWIRE_CPU_ISA", isa)
+                assert ops.cpu_isa() == isa
+                got[isa] = ops.linear(x, x8, bias)
+            assert torch.equal(got["avx2"], got["avx512"]), (qtype, n, k, m)
+            assert torch.isfinite(got["avx2"]).all()
+
+
+def test_for_kernels_interleaves_for_every_x86_kernel_family(monkeypatch: pytest.MonkeyPatch) -> None:
     q0, q1, qk = random_q4("q4_0", 16, 256, seed=1), random_q4("q4_1", 16, 256, seed=2), random_q4("q4_k", 16, 256, 3)
     q8 = QuantizedWeight.quantize(torch.randn(16, 256))
-    avx2 = ops.cpu_isa() == "avx2"
+    x86 = ops.cpu_isa() != "portable"
     for qw in (q8, q0, q1, qk):
         prepared = qw.for_kernels()
-        assert prepared.interleaved == avx2 and prepared.qtype == qw.qtype and prepared.shape == qw.shape
+        assert prepared.interleaved == x86 and prepared.qtype == qw.qtype and prepared.shape == qw.shape
         assert torch.equal(prepared.dequantize(), qw.dequantize())
         assert prepared.for_kernels() is prepared
     for qw in (random_q4("q5_k", 16, 256, seed=5), random_q4("q4_0", 7, 256, seed=4)):  # no x8 layout; < 8 rows

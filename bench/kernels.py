@@ -32,12 +32,18 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from bench.bandwidth import read_bandwidth_gbs
+from bench.bandwidth import last_level_cache_mib, read_bandwidth_gbs
 from server.kernels import linear_route, ops
 from server.kernels.quant import INTERLEAVABLE, QuantizedWeight
 from tests.kernels.paged_reference import make_paged_batch
 
 REPEAT = 20
+
+
+def stream_bytes() -> int:
+    """Bytes of copies a timed loop cycles through so that each call reads from DRAM: 3x the
+    last-level cache (at least 96 MiB; an AMX Xeon guest here reports a 480 MiB L3)."""
+    return max(96, 3 * last_level_cache_mib()) * 2**20
 
 
 def best_of(fn: Callable[[], object], repeat: int = 0, warmup: int = 3) -> float:
@@ -79,8 +85,8 @@ def bench_attention(dtype: torch.dtype) -> None:
     for name, specs in cases.items():
         b = make_paged_batch(specs, H, KVH, D, dtype, gen, spare_blocks=0)
         # Several layers' caches, visited in turn, so K/V come from DRAM as in a real forward pass
-        # (one layer's cache alone would sit in this machine's 32 MiB L3).
-        layers = max(1, -(-96 * 2**20 // (2 * b.key_cache.numel() * b.key_cache.element_size())))
+        # (one layer's cache alone would sit in the last-level cache).
+        layers = max(1, -(-stream_bytes() // (2 * b.key_cache.numel() * b.key_cache.element_size())))
         caches = [(torch.nan_to_num(b.key_cache), torch.nan_to_num(b.value_cache)) for _ in range(layers)]
         out = torch.empty_like(b.query)
         step = iter(range(1 << 60))
@@ -133,10 +139,12 @@ def bench_linear() -> None:
           f"load average {os.getloadavg()[0]:.2f}")
     worst = 0.0
     for N, K in [(1024, 1024), (3072, 1024), (5632, 1024), (1024, 2816), (32000, 1024)]:
-        # Enough weight copies to exceed the 32 MiB L3, so weights stream from DRAM as in decode.
-        copies = max(1, -(-96 * 2**20 // (N * K * 2)))
-        weights = [torch.randn(N, K, generator=gen).to(dtype) for _ in range(copies)]
-        qweights = [QuantizedWeight.quantize(w) for w in weights]
+        # Enough weight copies to exceed the last-level cache, so weights stream from DRAM as in decode.
+        copies = max(1, -(-stream_bytes() // (N * K * 2)))
+        first_w = torch.randn(N, K, generator=gen).to(dtype)
+        weights = [first_w] + [first_w.clone() for _ in range(copies - 1)]  # (the same values, their own memory)
+        first_q = QuantizedWeight.quantize(first_w)
+        qweights = [first_q] + [QuantizedWeight(first_q.qtype, first_q.data.clone(), first_q.shape) for _ in weights[1:]]
         # What the engine keeps: on AVX2 CPUs the x8 layout (DecoderForCausalLM.interleave_bf16).
         x8s = [QuantizedWeight.from_bf16(w) for w in weights] if ops.cpu_isa() == "avx2" else []
         kept: list = x8s or weights
@@ -209,9 +217,10 @@ def bench_quant(quick: bool = False) -> None:
         for qtype in QUANT_TYPES:
             first = random_weight(qtype, N, K, gen)
             nbytes = first.nbytes
-            # Enough copies to exceed the 32 MiB L3, so weights stream from DRAM as in decode.
-            copies = max(1, -(-96 * 2**20 // nbytes))
-            rows = [first] + [random_weight(qtype, N, K, gen) for _ in range(copies - 1)]
+            # Enough copies to exceed the last-level cache, so weights stream from DRAM as in decode
+            # (the same blocks, each copy its own memory).
+            copies = max(1, -(-stream_bytes() // nbytes))
+            rows = [first] + [QuantizedWeight(first.qtype, first.data.clone(), first.shape) for _ in range(copies - 1)]
             paths: dict[str, list[QuantizedWeight]] = {"rows": rows}
             if qtype in INTERLEAVABLE:
                 paths["x8"] = [q.interleave() for q in rows]

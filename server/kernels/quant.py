@@ -34,7 +34,7 @@ import torch
 import server._C  # noqa: F401  (loads the op registrations)
 from server.kernels.kinds import LinearKind, Qtype
 
-__all__ = ["QuantizedWeight", "QuantizedExperts", "Qtype", "QUANTIZATIONS", "QTYPES", "GGUF_QTYPES", "INTERLEAVABLE",
+__all__ = ["QuantizedWeight", "QuantizedExperts", "Qtype", "x8_here", "QUANTIZATIONS", "QTYPES", "GGUF_QTYPES", "INTERLEAVABLE",
            "Q8_0_BLOCK", "Q8_0_BLOCK_BYTES"]
 
 Q8_0_BLOCK = 32  # values per block
@@ -81,6 +81,12 @@ def _qtype(value: Union[Qtype, str]) -> Qtype:
         return Qtype(value)
     except ValueError:
         raise ValueError(f"qtype: must be one of {', '.join(QTYPES)}, got {value!r}") from None
+
+
+def x8_here() -> bool:
+    """Whether this CPU's kernels read the interleaved x8 layouts (QuantizedWeight.for_kernels):
+    every x86 family from AVX2 up; the portable family reads GGUF's rows."""
+    return str(server._C.cpu_isa()) != "portable"
 
 
 @dataclass(frozen=True)
@@ -163,8 +169,7 @@ class QuantizedWeight:
         the x8 kernels beat the AVX-512 row kernels at every row count up to the integer kernels'
         limit for 4-bit (1.1-1.9x), and from one row to four for Q8_0 (bench/RESULTS.md, session 20).
         The portable family reads GGUF's rows; so do Q5_K and MXFP4 everywhere."""
-        if (self.interleaved or self.qtype not in INTERLEAVABLE or self.shape[0] < 8
-                or str(server._C.cpu_isa()) == "portable"):
+        if self.interleaved or self.qtype not in INTERLEAVABLE or self.shape[0] < 8 or not x8_here():
             return self
         return self.interleave()
 

@@ -19,6 +19,7 @@ import torch
 import server.models.decoder as llama
 import server.models.decoder_layer as decoder_layer
 from server.kernels import autotune, batch_invariant, linear_route, ops
+from server.kernels.quant import x8_here
 from server.models.decoder import DecoderForCausalLM
 from server.models.loader import load_model
 from tests.models.paged_harness import ARCHS, VOCAB, PagedRun, random_tokens
@@ -80,7 +81,7 @@ def test_fused_layer_gives_the_python_layers_floats(
         kinds = model._layers[0].linear_kinds(model.dtype, batch)
         if quantization != "none":
             want = "q8_0" if quantization == "int8" else "q4_0"
-            assert kinds is not None and set(kinds) == {want + "x8" if ops.cpu_isa() == "avx2" else want}
+            assert kinds is not None and set(kinds) == {want + "x8" if x8_here() else want}
         elif invariant:  # pagewire::linear (bf16 and fp32 alike) wherever the CPU has AVX2
             assert kinds == (("kernel",) * 4 if ops.cpu_isa() != "portable" else None)
         else:  # bf16: the kernel wherever linear's fixed rule takes it; fp32: F.linear

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from server.engine.config import ConfigError, EngineConfig
-from server.kernels import linear_route, ops
-from server.kernels.quant import QuantizedWeight
+from server.kernels import linear_route
+from server.kernels.quant import QuantizedWeight, x8_here
 from server.models.decoder import DecoderForCausalLM
 from server.models.loader import load_model
 from tests.gguf_files import write_gguf
@@ -56,7 +56,7 @@ def test_gguf_blocks_kept_and_logits_track_the_dequantised_file(
     matrices = [getattr(layer, n) for layer in kept._layers for n in layer.MATRICES] + [kept.lm_head]
     assert all(isinstance(w, QuantizedWeight) and w.qtype == qtype.lower() for w in matrices)
     # The loader puts Q8_0, Q4_0, Q4_1, Q4_K and Q6_K in the layout this CPU's kernel reads fastest.
-    assert all(w.interleaved == (qtype != "Q5_K" and ops.cpu_isa() == "avx2") for w in matrices)
+    assert all(w.interleaved == (qtype != "Q5_K" and x8_here()) for w in matrices)
     assert not any(p.dtype == torch.uint8 for p in kept.parameters())
     # The kept blocks are the file's: dequantised, they are exactly what the float loader built
     # (which also checks the Q/K un-permutation of whole block rows).
@@ -89,7 +89,7 @@ def test_tied_table_is_the_lm_heads_blocks(qtype: str, tmp_path: Path) -> None:
         assert torch.equal(kept.embed_tokens, ref.embed_tokens)
         return
     assert isinstance(kept.lm_head, QuantizedWeight) and kept.embed_tokens is kept.lm_head
-    assert kept.lm_head.interleaved == (ops.cpu_isa() == "avx2")
+    assert kept.lm_head.interleaved == x8_here()
     assert not any(p.shape == ref.embed_tokens.shape for p in kept.parameters())
     assert torch.equal(linear_route.embedding(torch.arange(VOCAB), kept.embed_tokens, kept.dtype), ref.embed_tokens)
     tokens = random_tokens(PROMPT_LEN + DECODE_STEPS, VOCAB, seed=5)
@@ -123,7 +123,7 @@ def test_int4_model_tracks_its_dequantised_weights(k_sized_model: Path) -> None:
     quant.quantize_weights("int4")
     matrices = [getattr(layer, n) for layer in quant._layers for n in layer.MATRICES] + [quant.lm_head]
     assert all(isinstance(w, QuantizedWeight) and w.qtype == "q4_0" for w in matrices)
-    assert all(w.interleaved == (ops.cpu_isa() == "avx2") for w in matrices)
+    assert all(w.interleaved == x8_here() for w in matrices)
     ref, _ = load_model(k_sized_model, dtype="float32")
     with torch.no_grad():
         for lq, lr in zip(quant._layers, ref._layers):

@@ -19,8 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from server import LLM, SamplingParams
-from server.kernels import ops
-from server.kernels.quant import QuantizedExperts, QuantizedWeight
+from server.kernels.quant import QuantizedExperts, QuantizedWeight, x8_here
 from server.models.loader import load_model
 from tests.gguf_files import write_gguf
 from tests.models.paged_harness import random_tokens
@@ -80,7 +79,7 @@ def test_every_matrix_and_expert_stays_in_the_files_blocks(moe_files: tuple[Path
             gu, dn = lk.moe.experts_gate_up, lk.moe.experts_down
             assert isinstance(gu, QuantizedExperts) and gu.qtype == "q4_k"
             assert isinstance(dn, QuantizedExperts) and dn.qtype == "q6_k"
-            assert gu.interleaved == dn.interleaved == (ops.cpu_isa() == "avx2")  # Q4_K and Q6_K: x8 on AVX2
+            assert gu.interleaved == dn.interleaved == x8_here()  # Q4_K and Q6_K: x8 from AVX2 up
             assert torch.equal(gu.dequantize(), lp.moe.experts_gate_up)
             assert torch.equal(dn.dequantize(), lp.moe.experts_down)
     assert seen == {"q4_k", "q5_k", "q6_k"}

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 import server.models.gguf_loader as gguf_loader
 from server import LLM, SamplingParams
 from server.kernels import batch_invariant, ops
-from server.kernels.quant import QuantizedWeight
+from server.kernels.quant import QuantizedWeight, x8_here
 from server.kernels.quant_parts import QuantizedParts
 from server.models.decoder import DecoderForCausalLM
 from server.models.loader import load_model
@@ -104,7 +104,7 @@ def test_mixed_matrices_stay_in_their_blocks(files: dict[tuple[str, str], Path],
         # q and k (one type) share a run; gate and up are each their own.
         assert w.qtypes == (qkv_types if name.endswith("qkv") else gate_up_types), name
         # Each part in this CPU's fastest layout (Q5_K has no interleaved one).
-        assert all(p.interleaved == (p.qtype != "q5_k" and ops.cpu_isa() == "avx2") for p in w.parts), name
+        assert all(p.interleaved == (p.qtype != "q5_k" and x8_here()) for p in w.parts), name
         assert all(p.data.data_ptr() == w.data[off:].data_ptr()  # the parts are views of one buffer
                    for p, off in zip(w.parts, [0, w.parts[0].nbytes]))
         # The file's blocks, Q/K rows un-permuted on whole rows: exactly the float load's matrix.

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from server.kernels.quant import QuantizedExperts, QuantizedWeight
+from server.kernels.quant import QuantizedExperts, QuantizedWeight, x8_here
 from server.models.config import ModelLoadError, UnsupportedModelError
 from server.models.loader import load_model
 from server.models.registry import config_from_hf
@@ -72,7 +72,6 @@ def test_experts_quantised_at_load(tiny_model: Callable[..., Path], quantization
 
 
 def test_gguf_q4_0_experts_are_kept_in_their_blocks(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
-    from server.kernels.ops import cpu_isa
     from tests.gguf_files import write_gguf
 
     hf_dir = tiny_model("qwen3moe")
@@ -85,7 +84,7 @@ def test_gguf_q4_0_experts_are_kept_in_their_blocks(tiny_model: Callable[..., Pa
             continue
         gu = layer.moe.experts_gate_up
         assert isinstance(gu, QuantizedExperts) and gu.qtype == "q4_0" and gu.shape == (8, 64, 64)
-        assert gu.interleaved == (cpu_isa() == "avx2")  # this CPU's layout of the same bytes
+        assert gu.interleaved == x8_here()  # this CPU's layout of the same bytes
         ref = plain._layers[i].moe  # type: ignore[attr-defined]
         torch.testing.assert_close(gu.dequantize(), ref.experts_gate_up, rtol=0, atol=0)
         torch.testing.assert_close(layer.moe.experts_down.dequantize(), ref.experts_down, rtol=0, atol=0)

@@ -63,7 +63,7 @@ XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # Then the gateway suite again on a real PostgreSQL ledger (PAGEWIRE_TEST_LEDGER, see
 # tests/server/harness.py); `make test-postgres` adds the fault suite (about 7 more minutes).
-test: build sysdeps
+test: build sysdeps browser
 	$(PYTEST) $(XDIST) tests
 	PAGEWIRE_TEST_LEDGER=postgresql $(PYTEST) $(XDIST) tests/gateway
 

@@ -1,5 +1,5 @@
 """Q8_0, Q4_0 and Q4_1 in the interleaved x8 layouts (csrc/cpu/quant_kernel.h, quant4_kernel.h),
-which the model loaders choose on AVX2 CPUs (QuantizedWeight.for_kernels): the layout is exactly
+which the model loaders choose on x86 CPUs from AVX2 up (QuantizedWeight.for_kernels): the layout is exactly
 the documented byte permutation, dequantises to what the `gguf` package reads from the original
 rows, and the linear ops on it match a float64 reference on every kernel family this CPU has (the
 portable family reads it through a row-layout copy), row for row whatever the batch."""

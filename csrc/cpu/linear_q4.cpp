@@ -22,6 +22,7 @@
 
 #include "../ops.h"
 #include "cpu_features.h"
+#include "chunked_gemm.h"
 #include "float_rows.h"
 #include "quant4_kernel.h"
 #include "quant_kernel.h"
@@ -387,20 +388,9 @@ at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::str
   check_q4_weight(weight, t, qtype, K);
   const bool has_bias = cpu::check_bias(bias, N, x);
   const at::Tensor wc = weight.contiguous();
-  if (M > kQ4KernelMaxRows) {
-    // Prefill: ATen's GEMM on dequantised chunks of rows (each chunk about 2 MB of fp32, so the
-    // copy stays in cache and memory does not hold a whole dequantised matrix).
-    at::Tensor out = at::empty({M, N}, x.options());
-    // (a multiple of 8 rows: an interleaved weight's groups are never split)
-    const int64_t chunk = (std::max<int64_t>(64, (int64_t{1} << 19) / K) + 7) / 8 * 8;
-    for (int64_t n0 = 0; n0 < N; n0 += chunk) {
-      const int64_t rows = std::min(chunk, N - n0);
-      const at::Tensor w = dequantize_rows(wc, f, K, n0, rows).to(x.scalar_type());
-      const c10::optional<at::Tensor> b =
-          has_bias ? c10::optional<at::Tensor>(bias->narrow(0, n0, rows)) : c10::optional<at::Tensor>();
-      out.narrow(1, n0, rows).copy_(at::linear(x, w, b));
-    }
-    return out;
+  if (M > kQ4KernelMaxRows) {  // prefill: ATen's GEMM on dequantised chunks of rows (chunked_gemm.h)
+    return cpu::chunked_gemm(x, N, bias, has_bias,
+                             [&](int64_t n0, int64_t rows) { return dequantize_rows(wc, f, K, n0, rows); });
   }
   if (M == 0 || N == 0) return at::empty({M, N}, x.options());
   const cpu::Isa isa = cpu::active_isa();

@@ -20,6 +20,7 @@
 #include "../ops.h"
 #include "cpu_features.h"
 #include "dispatch_mode.h"
+#include "chunked_gemm.h"
 #include "float_rows.h"
 #include "quant_kernel.h"
 
@@ -233,22 +234,14 @@ at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const 
   check_q8_weight(weight, K);
   const bool has_bias = cpu::check_bias(bias, N, x);
   if (M > kQ8KernelMaxRows) {
-    // Prefill: the GEMM is compute-bound, where ATen's blocked kernels win. ATen's GEMM on
-    // dequantised chunks of rows, as linear_q4 does (each chunk about 2 MB of fp32, so the copy
-    // stays in cache): dequantising the whole matrix at once allocated N x K floats per call, and
-    // their page faults made a 32000-row lm_head at 24 rows take 57 ms (bench.kernels linear on an
-    // AMX Xeon; 4 ms chunked).
+    // Prefill: the GEMM is compute-bound, where ATen's blocked kernels win; on dequantised chunks
+    // of rows (chunked_gemm.h). Dequantising the whole matrix at once allocated N x K floats per call,
+    // and their page faults made a 32000-row lm_head at 24 rows take 57 ms (bench.kernels linear
+    // on an AMX Xeon; 12 ms chunked).
     const at::Tensor wc = weight.contiguous();
-    at::Tensor out = at::empty({M, N}, x.options());
-    const int64_t chunk = (std::max<int64_t>(64, (int64_t{1} << 19) / K) + 7) / 8 * 8;  // whole x8 groups
-    for (int64_t n0 = 0; n0 < N; n0 += chunk) {
-      const int64_t rows = std::min(chunk, N - n0);
-      const at::Tensor w = dequantize_q8_rows(wc, interleaved, K, n0, rows).to(x.scalar_type());
-      const c10::optional<at::Tensor> b =
-          has_bias ? c10::optional<at::Tensor>(bias->narrow(0, n0, rows)) : c10::optional<at::Tensor>();
-      out.narrow(1, n0, rows).copy_(at::linear(x, w, b));
-    }
-    return out;
+    return cpu::chunked_gemm(x, N, bias, has_bias, [&](int64_t n0, int64_t rows) {
+      return dequantize_q8_rows(wc, interleaved, K, n0, rows);
+    });
   }
   if (M == 0 || N == 0) return at::empty({M, N}, x.options());
   const cpu::Isa isa = cpu::active_isa();

@@ -11,7 +11,7 @@ for its many callers.
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence, cast
 
 import torch
 
@@ -288,6 +288,31 @@ def moe_decode(x: torch.Tensor, router_weight: torch.Tensor, router_kind: str, r
                                          gw, str(gk), dw, str(dk), gate_up_bias, down_bias, activation, alpha, limit,
                                          sgu, sgu_kind, sdn, sdn_kind, sg, sg_kind, selection_bias, n_group,
                                          topk_group, routed_scaling)
+
+
+class DecodeStack(Protocol):
+    """torch.classes.pagewire.DecodeStack (csrc/cpu/decode_stack.cpp): every decoder layer of a
+    small CPU step in one call. add_layer takes decode_layer's static arguments in its order (the
+    RoPE table index, -1 for none, where decode_layer takes positions), set_moe makes the last
+    layer sparse with moe_decode's arguments after x, and run(hidden, delta, rows per RoPE table,
+    slot mappings, block tables (one pair, or one per layer), seq_lens, query_start_loc,
+    max_query_len, max_seq_len) returns (hidden, the last layer's output or None)."""
+
+    def add_layer(self, *args: Any) -> int: ...
+
+    def set_moe(self, *args: Any) -> None: ...
+
+    def size(self) -> int: ...
+
+    def run(self, hidden: torch.Tensor, delta: Optional[torch.Tensor], rows: list[torch.Tensor],
+            slot_mappings: list[torch.Tensor], block_tables: list[torch.Tensor], seq_lens: torch.Tensor,
+            query_start_loc: torch.Tensor, max_query_len: int,
+            max_seq_len: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]: ...
+
+
+def decode_stack() -> DecodeStack:
+    """An empty DecodeStack (DecoderForCausalLM._decode_stack fills it, layer by layer)."""
+    return cast(DecodeStack, torch.classes.pagewire.DecodeStack())
 
 
 def moe_route(logits: torch.Tensor, router: str, top_k: int, norm_topk_prob: bool,

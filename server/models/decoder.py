@@ -23,7 +23,7 @@ from torch import nn
 
 from server.kernels import autotune, batch_invariant
 from server.kernels.linear_route import Q8_KERNEL_MAX_ROWS, embedding, linear
-from server.kernels.ops import cpu_isa
+from server.kernels.ops import DecodeStack, cpu_isa, decode_stack
 from server.kernels.quant import QUANTIZATIONS, QuantizedWeight
 from server.kernels.quant_parts import QuantizedParts
 from server.models import decoder_layer
@@ -95,6 +95,11 @@ class DecoderForCausalLM(nn.Module):
         # (rows, id(autotune table), batch-invariant) -> (that table, each layer's linear kinds); weights are never
         # swapped after loading (quantize_weights runs before the first step), so kinds stay valid.
         self._fused_cache: dict[tuple[int, int, bool], tuple[object, list[tuple[str, ...] | None]]] = {}
+        # Every layer of a fused step in one C++ call (_decode_stack); False: one call per layer
+        # (tests compare the two). The stacks: (id(fused kinds), id(kv caches), sparse layers' kinds)
+        # -> (those kinds, those caches, the stack or None: this step's layers cannot all join one).
+        self.stacked_decode = True
+        self._stacks: dict[tuple[int, int, tuple[object, ...]], tuple[object, object, DecodeStack | None]] = {}
         self.eval()
 
     def _make_layer(self, config: ModelConfig, i: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
@@ -159,6 +164,26 @@ class DecoderForCausalLM(nn.Module):
         # A step with LoRA rows stays fused when its terms are stacked (decode_layer adds them);
         # deterministic mode's per-adapter terms run the Python layers.
         fused = self._fused_kinds(hidden, batches) if lora is None or lora.fusable else None
+        stack = self._decode_stack(fused, kv_caches, hidden) if lora is None and per_layer is None else None
+        if stack is not None:
+            # Every layer in one C++ call (csrc/cpu/decode_stack.cpp): forward_fused's ops, in order.
+            groups = meta.per_layer if meta.per_layer is not None else [meta]
+            hidden, delta = stack.run(hidden, None, [b.positions for b in batches],
+                                      [m.slot_mapping for m in groups], [m.block_tables for m in groups],
+                                      meta.seq_lens, meta.query_start_loc, meta.max_query_len, meta.max_seq_len)
+        else:
+            hidden, delta = self._layer_by_layer(hidden, positions, kv_caches, meta, batches, fused, per_layer, lora)
+        eps, fp32 = self.config.rms_norm_eps, self.config.norm_weight_fp32
+        return norm(hidden, self.norm, eps, fp32) if delta is None else add_norm(hidden, delta, self.norm, eps, fp32)
+
+    def _layer_by_layer(self, hidden: torch.Tensor, positions: torch.Tensor,
+                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                        batches: list[RopeBatch], fused: list[tuple[str, ...] | None] | None,
+                        per_layer: torch.Tensor | None,
+                        lora: LoraStep | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward()'s layers one call each: decode_layer where `fused` names the layer's kinds, the
+        Python layer elsewhere. Returns (the residual stream, the last layer's output to add)."""
+        delta: torch.Tensor | None = None
         for i, (layer, (key_cache, value_cache)) in enumerate(zip(self._layers, kv_caches)):
             r = layer.rope_index
             rope, batch = (self.ropes[r], batches[r]) if r is not None else (None, None)
@@ -171,8 +196,45 @@ class DecoderForCausalLM(nn.Module):
                                                     lora)
             else:
                 hidden, delta = layer.forward(hidden, delta, rope, batch, key_cache, value_cache, m, ple, lora)
-        eps, fp32 = self.config.rms_norm_eps, self.config.norm_weight_fp32
-        return norm(hidden, self.norm, eps, fp32) if delta is None else add_norm(hidden, delta, self.norm, eps, fp32)
+        return hidden, delta
+
+    def _decode_stack(self, fused: list[tuple[str, ...] | None] | None,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      hidden: torch.Tensor) -> DecodeStack | None:
+        """The DecodeStack (csrc/cpu/decode_stack.cpp) that runs this step's layers in one call, or
+        None where some layer must take its own call: `stacked_decode` off, a layer without fused
+        kinds, a subclass's layer (hybrid models), a per-layer input block, or a sparse layer whose
+        MLP this step runs without moe_decode. Built once per fused-kinds list (itself cached per
+        row count, autotune table and batch-invariant mode), KV cache list and the sparse layers'
+        choices, and dropped with the kinds (_forget_kinds)."""
+        if fused is None or not self.stacked_decode:
+            return None
+        moe_kinds = tuple(moe.decode_kinds(hidden) if (moe := getattr(layer, "moe", None)) is not None else None
+                          for layer in self._layers)
+        key = (id(fused), id(kv_caches), moe_kinds)
+        cached = self._stacks.get(key)
+        if cached is not None and cached[0] is fused and cached[1] is kv_caches:
+            return cached[2]
+        stack: DecodeStack | None = None
+        if all(kinds is not None and isinstance(layer, DecoderLayer) and layer.stackable()
+               and (layer.moe is None or mk is not None)
+               for kinds, layer, mk in zip(fused, self._layers, moe_kinds)):
+            stack = decode_stack()
+            for layer, kinds, mk, (key_cache, value_cache) in zip(self._layers, fused, moe_kinds, kv_caches):
+                r = layer.rope_index
+                layer.add_to_stack(stack, self.ropes[r] if r is not None else None, cast(tuple[str, ...], kinds),
+                                   key_cache, value_cache, mk)
+        # The key's ids stay valid while the entry holds the objects they name; a process that
+        # keeps making autotune tables or cache lists (tests) must not keep every stack alive.
+        if len(self._stacks) >= 32:
+            self._stacks.clear()
+        self._stacks[key] = (fused, kv_caches, stack)
+        return stack
+
+    def _forget_kinds(self) -> None:
+        """Drop the cached linear kinds and the stacks built from them (the weights' formats changed)."""
+        self._fused_cache.clear()
+        self._stacks.clear()
 
     def _per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor | None:
         """Gemma 4's per-layer inputs [T, L, P], as transformers' get_per_layer_inputs and
@@ -240,7 +302,7 @@ class DecoderForCausalLM(nn.Module):
         for layer in self._layers:
             layer.quantize_weights(qtype)
         _replace_with_quantized(self, "lm_head", qtype)
-        self._fused_cache.clear()  # the layers' linear kinds changed
+        self._forget_kinds()  # the layers' linear kinds changed
 
     def interleave_bf16(self) -> None:
         """On CPUs whose kernels are the AVX2 family, move every bf16 decoder matrix and the lm_head
@@ -261,7 +323,7 @@ class DecoderForCausalLM(nn.Module):
             _replace_with_bf16x8(self, "embed_tokens")
             self._parameters.pop("lm_head", None)  # (registered under both names when tied)
             self.lm_head = self.embed_tokens
-        self._fused_cache.clear()  # the layers' linear kinds changed
+        self._forget_kinds()  # the layers' linear kinds changed
 
     def linear_weights(self) -> list[tuple[str, torch.Tensor | QuantizedWeight | QuantizedParts]]:
         """Every weight the forward and compute_logits pass to `linear`, named by role (for the

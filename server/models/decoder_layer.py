@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from server.kernels.linear_route import linear, linear_kind
-from server.kernels.ops import paged_attention, write_kv_cache
+from server.kernels.ops import DecodeStack, paged_attention, write_kv_cache
 from server.kernels.quant import QuantizedWeight
 from server.kernels.quant_parts import QuantizedParts
 from server.models.attention import AttentionMetadata
@@ -257,6 +257,37 @@ class DecoderLayer(nn.Module):
         if self.moe is not None:
             return hidden, self._leave(self.moe(mlp_out), self.mlp_post_norm)
         return hidden, (None if self.finishes else mlp_out)
+
+    def stackable(self) -> bool:
+        """Whether this layer can join a pagewire DecodeStack (DecoderForCausalLM._decode_stack):
+        this class's forward_fused (not a subclass's), without a per-layer input block (its input
+        is per step), and a sparse layer only without a layer scalar (forward_fused ends such a
+        layer in Python)."""
+        return (type(self) is DecoderLayer and self.ple_gate is None
+                and not (self.moe is not None and self.layer_scalar is not None))
+
+    def add_to_stack(self, stack: DecodeStack, rope: RotaryEmbedding | None, kinds: tuple[str, ...],
+                     key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     moe_kinds: tuple[str, str, str, str] | None) -> None:
+        """Append this layer's static forward_fused arguments to a DecodeStack
+        (csrc/cpu/decode_stack.cpp), in decode_layer's order; a sparse layer also its
+        SparseMoE._decode arguments (moe_kinds: SparseMoE.decode_kinds); rope: this layer's table
+        (None: NoPE), whose rows run() takes per table index. The stack then runs the same ops in
+        the same order as forward_fused, so the same floats."""
+        gate_up_kind, down_kind = ("none", "none") if self.moe is not None else (kinds[2], kinds[3])
+        stack.add_layer(
+            self.attn_norm, self.attn_post_norm, self.mlp_norm, self.mlp_post_norm, self.eps, self.residual_multiplier,
+            _weight_data(self.qkv_weight), kinds[0], self.qkv_bias, self.q_norm, self.k_norm,
+            _weight_data(self.o_weight), kinds[1], self.o_bias,
+            _weight_data(self.gate_up_weight), gate_up_kind, self.gate_up_bias,
+            _weight_data(self.down_weight), down_kind, self.down_bias,
+            -1 if self.rope_index is None else self.rope_index, rope.cos if rope is not None else None,
+            rope.sin if rope is not None else None, self.qk_norm, key_cache, value_cache,
+            self.scale, self.sliding_window, self.num_heads, self.num_kv_heads, self.head_dim, self.softcap,
+            self.activation, self.v_norm, self.shares_kv, self.value_from_key, self.layer_scalar, self.sinks)
+        if self.moe is not None:
+            assert moe_kinds is not None, "add_to_stack: a sparse layer needs its router's kinds"
+            self.moe.add_to_stack(stack, moe_kinds)
 
     def linear_kinds(self, dtype: torch.dtype, tokens: int) -> tuple[str, ...] | None:
         """Each matrix's path for `tokens` rows as ops.linear would take it, in MATRICES order, then

@@ -39,7 +39,7 @@ from torch import nn
 
 from server.kernels import batch_invariant, linear_plan
 from server.kernels.linear_route import Q8_KERNEL_MAX_ROWS, linear, linear_kind
-from server.kernels.ops import moe_decode, moe_experts
+from server.kernels.ops import DecodeStack, moe_decode, moe_experts
 from server.kernels.quant import QuantizedExperts, QuantizedWeight
 from server.kernels.quant_parts import QuantizedParts
 from server.models.config import ModelConfig
@@ -123,6 +123,21 @@ class SparseMoE(nn.Module):
                           self.norm_topk_prob, self.experts_gate_up, self.experts_down, self.experts_gate_up_bias,
                           self.experts_down_bias, self.activation, self.alpha, self.limit, shared,
                           self.selection_bias, self.n_group, self.topk_group, self.routed_scaling)
+
+    def add_to_stack(self, stack: DecodeStack, kinds: tuple[str, str, str, str]) -> None:
+        """Make the stack's last layer sparse with _decode's arguments (DecoderLayer.add_to_stack)."""
+        gu, dn = self.experts_gate_up, self.experts_down
+        gk, gw = (gu.op_qtype, gu.data) if isinstance(gu, QuantizedExperts) else ("float", gu)
+        dk, dw = (dn.op_qtype, dn.data) if isinstance(dn, QuantizedExperts) else ("float", dn)
+        sgu, sdn = self.shared_gate_up_weight, self.shared_down_weight
+        shared = sgu is not None and sdn is not None
+        stack.set_moe(self.router_weight, kinds[0], self.router_bias, self.router, self.top_k, self.norm_topk_prob,
+                      gw, str(gk), dw, str(dk), self.experts_gate_up_bias, self.experts_down_bias, self.activation,
+                      self.alpha, self.limit,
+                      _data(sgu) if sgu is not None and shared else None, kinds[1] if shared else "",
+                      _data(sdn) if sdn is not None and shared else None, kinds[2] if shared else "",
+                      self.shared_gate_weight if shared else None, kinds[3] if shared else "",
+                      self.selection_bias, self.n_group, self.topk_group, self.routed_scaling)
 
     def decode_kinds(self, x: torch.Tensor) -> tuple[str, str, str, str] | None:
         """The linear paths (linear_route.linear_kind) of the router, shared gate_up, shared down and shared

@@ -102,6 +102,7 @@ def test_fused_layer_with_softcap_and_gelu_tanh(models: dict[str, Path], dtype: 
     plain, _ = _run(model, True, steps)
     for layer in model._layers:
         layer.softcap, layer.activation = 0.5, "gelu_tanh"
+    model._forget_kinds()  # the step plans (DecodeStack) hold each layer's arguments
     _assert_same(model, 3)
     capped, _ = _run(model, True, steps)
     assert not torch.equal(plain[-1][0], capped[-1][0])
@@ -276,9 +277,12 @@ def test_decode_layer_refuses_gemma4_parts_that_do_not_go_together(family_models
 
 
 def _count_fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """A list that collects the layer index of every forward_fused call from now on."""
+    """A list that collects the layer index of every forward_fused call from now on, with the
+    whole-step DecodeStack off so that each layer's call is seen (tests/models/test_decode_stack.py
+    checks the stack against these calls)."""
     calls: list[int] = []
     real = decoder_layer.DecoderLayer.forward_fused
+    monkeypatch.setattr(DecoderForCausalLM, "_decode_stack", lambda *args: None)
 
     def counting(self: decoder_layer.DecoderLayer, *args: object) -> object:
         calls.append(self.layer_idx)

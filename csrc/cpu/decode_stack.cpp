@@ -1,0 +1,247 @@
+// DecodeStack (torch.classes.pagewire.DecodeStack): every decoder layer of a small CPU step in one
+// call from Python. decode_layer (cpu/decode_layer.cpp) already runs a layer's ops in one call; what
+// it still costs is the call itself: about 60 arguments parsed from Python through the dispatcher,
+// plus the Python layer's own bytecode, 30 times a step on SmolLM2-135M, and meanwhile the second
+// OpenMP thread waits (about 0.3-0.4 ms of a 3.4 ms step on an AMX Xeon; bench/RESULTS.md, session
+// 21). A stack is built once per (row-count bucket, linear plan, KV cache list): each layer's
+// static arguments (weights, norms, kinds, shapes, its KV cache pair, and a sparse layer's router
+// and experts) are read from Python once, and run() takes only what changes per step (the residual
+// stream, the RoPE rows, the step's attention metadata) and calls decode_layer_cpu and
+// moe_decode_cpu in a C++ loop. The ops and their order are exactly the per-layer path's
+// (DecoderLayer.forward_fused, SparseMoE._decode, DecoderLayer._leave), so the floats are the same
+// bit for bit (tests/models/test_decode_stack.py).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/mul.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "../ops.h"
+
+namespace pagewire {
+namespace {
+
+using OptTensor = c10::optional<at::Tensor>;
+
+// One layer's arguments to decode_layer_cpu that do not change between steps.
+struct StackLayer {
+  OptTensor attn_norm, attn_post_norm, mlp_norm, mlp_post_norm;
+  double eps = 0, residual_multiplier = 1;
+  at::Tensor qkv_weight;
+  std::string qkv_kind;
+  OptTensor qkv_bias, q_norm, k_norm;
+  at::Tensor o_weight;
+  std::string o_kind;
+  OptTensor o_bias;
+  at::Tensor gate_up_weight;
+  std::string gate_up_kind;
+  OptTensor gate_up_bias;
+  at::Tensor down_weight;
+  std::string down_kind;
+  OptTensor down_bias;
+  int64_t rope = -1;  // index into run()'s per-table RoPE rows; -1: a NoPE layer
+  OptTensor cos, sin, qk_norm;
+  at::Tensor key_cache, value_cache;
+  double scale = 1;
+  int64_t sliding_window = -1, num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  double softcap = 0;
+  std::string activation;
+  OptTensor v_norm;
+  bool shares_kv = false, value_from_key = false;
+  OptTensor layer_scalar, sinks;
+  bool finishes = false;  // the layer adds its own output (layer scalar): no delta for the next
+  // A sparse layer's MLP (moe_decode_cpu's arguments after x), present when moe is true.
+  bool moe = false;
+  at::Tensor router_weight;
+  std::string router_kind;
+  OptTensor router_bias;
+  std::string router;
+  int64_t top_k = 0;
+  bool norm_topk_prob = false;
+  at::Tensor experts_gate_up;
+  std::string experts_gate_up_kind;
+  at::Tensor experts_down;
+  std::string experts_down_kind;
+  OptTensor experts_gate_up_bias, experts_down_bias;
+  std::string moe_activation;
+  double alpha = 0, limit = 0;
+  OptTensor shared_gate_up;
+  std::string shared_gate_up_kind;
+  OptTensor shared_down;
+  std::string shared_down_kind;
+  OptTensor shared_gate;
+  std::string shared_gate_kind;
+  OptTensor selection_bias;
+  int64_t n_group = 1, topk_group = 1;
+  double routed_scaling = 1;
+};
+
+class DecodeStack : public torch::CustomClassHolder {
+ public:
+  // Appends a layer; the arguments are decode_layer's static ones, in its order (ops.h), with the
+  // RoPE table index (-1: none) in place of the per-step positions. Returns the layer's index.
+  int64_t add_layer(OptTensor attn_norm, OptTensor attn_post_norm, OptTensor mlp_norm, OptTensor mlp_post_norm,
+                    double eps, double residual_multiplier, at::Tensor qkv_weight, std::string qkv_kind,
+                    OptTensor qkv_bias, OptTensor q_norm, OptTensor k_norm, at::Tensor o_weight, std::string o_kind,
+                    OptTensor o_bias, at::Tensor gate_up_weight, std::string gate_up_kind, OptTensor gate_up_bias,
+                    at::Tensor down_weight, std::string down_kind, OptTensor down_bias, int64_t rope, OptTensor cos,
+                    OptTensor sin, OptTensor qk_norm, at::Tensor key_cache, at::Tensor value_cache, double scale,
+                    int64_t sliding_window, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double softcap,
+                    std::string activation, OptTensor v_norm, bool shares_kv, bool value_from_key,
+                    OptTensor layer_scalar, OptTensor sinks) {
+    TORCH_CHECK(rope >= -1, "DecodeStack.add_layer: rope must be a table index or -1, got ", rope);
+    StackLayer l;
+    l.attn_norm = std::move(attn_norm);
+    l.attn_post_norm = std::move(attn_post_norm);
+    l.mlp_norm = std::move(mlp_norm);
+    l.mlp_post_norm = std::move(mlp_post_norm);
+    l.eps = eps;
+    l.residual_multiplier = residual_multiplier;
+    l.qkv_weight = std::move(qkv_weight);
+    l.qkv_kind = std::move(qkv_kind);
+    l.qkv_bias = std::move(qkv_bias);
+    l.q_norm = std::move(q_norm);
+    l.k_norm = std::move(k_norm);
+    l.o_weight = std::move(o_weight);
+    l.o_kind = std::move(o_kind);
+    l.o_bias = std::move(o_bias);
+    l.gate_up_weight = std::move(gate_up_weight);
+    l.gate_up_kind = std::move(gate_up_kind);
+    l.gate_up_bias = std::move(gate_up_bias);
+    l.down_weight = std::move(down_weight);
+    l.down_kind = std::move(down_kind);
+    l.down_bias = std::move(down_bias);
+    l.rope = rope;
+    l.cos = std::move(cos);
+    l.sin = std::move(sin);
+    l.qk_norm = std::move(qk_norm);
+    l.key_cache = std::move(key_cache);
+    l.value_cache = std::move(value_cache);
+    l.scale = scale;
+    l.sliding_window = sliding_window;
+    l.num_heads = num_heads;
+    l.num_kv_heads = num_kv_heads;
+    l.head_dim = head_dim;
+    l.softcap = softcap;
+    l.activation = std::move(activation);
+    l.v_norm = std::move(v_norm);
+    l.shares_kv = shares_kv;
+    l.value_from_key = value_from_key;
+    l.finishes = layer_scalar.has_value() && layer_scalar->defined();
+    l.layer_scalar = std::move(layer_scalar);
+    l.sinks = std::move(sinks);
+    layers_.push_back(std::move(l));
+    return static_cast<int64_t>(layers_.size()) - 1;
+  }
+
+  // Makes the last layer added sparse: its MLP is moe_decode_cpu with these arguments (those of
+  // SparseMoE._decode, in ops.h's order), post-normed and scaled as DecoderLayer._leave does.
+  void set_moe(at::Tensor router_weight, std::string router_kind, OptTensor router_bias, std::string router,
+               int64_t top_k, bool norm_topk_prob, at::Tensor gate_up, std::string gate_up_kind, at::Tensor down,
+               std::string down_kind, OptTensor gate_up_bias, OptTensor down_bias, std::string activation,
+               double alpha, double limit, OptTensor shared_gate_up, std::string shared_gate_up_kind,
+               OptTensor shared_down, std::string shared_down_kind, OptTensor shared_gate,
+               std::string shared_gate_kind, OptTensor selection_bias, int64_t n_group, int64_t topk_group,
+               double routed_scaling) {
+    TORCH_CHECK(!layers_.empty(), "DecodeStack.set_moe: add the layer first");
+    StackLayer& l = layers_.back();
+    TORCH_CHECK(!l.finishes, "DecodeStack.set_moe: a layer with a layer scalar has no sparse MLP here");
+    l.moe = true;
+    l.gate_up_kind = "none";  // decode_layer stops at the MLP's input (its sparse-layer contract)
+    l.router_weight = std::move(router_weight);
+    l.router_kind = std::move(router_kind);
+    l.router_bias = std::move(router_bias);
+    l.router = std::move(router);
+    l.top_k = top_k;
+    l.norm_topk_prob = norm_topk_prob;
+    l.experts_gate_up = std::move(gate_up);
+    l.experts_gate_up_kind = std::move(gate_up_kind);
+    l.experts_down = std::move(down);
+    l.experts_down_kind = std::move(down_kind);
+    l.experts_gate_up_bias = std::move(gate_up_bias);
+    l.experts_down_bias = std::move(down_bias);
+    l.moe_activation = std::move(activation);
+    l.alpha = alpha;
+    l.limit = limit;
+    l.shared_gate_up = std::move(shared_gate_up);
+    l.shared_gate_up_kind = std::move(shared_gate_up_kind);
+    l.shared_down = std::move(shared_down);
+    l.shared_down_kind = std::move(shared_down_kind);
+    l.shared_gate = std::move(shared_gate);
+    l.shared_gate_kind = std::move(shared_gate_kind);
+    l.selection_bias = std::move(selection_bias);
+    l.n_group = n_group;
+    l.topk_group = topk_group;
+    l.routed_scaling = routed_scaling;
+  }
+
+  int64_t size() const { return static_cast<int64_t>(layers_.size()); }
+
+  // Every layer in order over the residual stream `hidden` [T, H] (mutated) with the previous
+  // sub-block's output `delta` (None at the first layer) -> (hidden, the last layer's output for
+  // the final norm to add, or None). rows: per RoPE table the rows its layers read
+  // (RopeBatch.positions); slot_mappings / block_tables: one pair for every layer, or one per layer
+  // (several KV groups: AttentionMetadata.for_layer).
+  std::tuple<at::Tensor, OptTensor> run(at::Tensor hidden, OptTensor delta, std::vector<at::Tensor> rows,
+                                        std::vector<at::Tensor> slot_mappings, std::vector<at::Tensor> block_tables,
+                                        at::Tensor seq_lens, at::Tensor query_start_loc, int64_t max_query_len,
+                                        int64_t max_seq_len) {
+    const size_t n = layers_.size();
+    TORCH_CHECK(slot_mappings.size() == block_tables.size() && (slot_mappings.size() == 1 || slot_mappings.size() == n),
+                "DecodeStack.run: ", slot_mappings.size(), " slot mappings and ", block_tables.size(),
+                " block tables for ", n, " layers (one pair, or one per layer)");
+    for (const StackLayer& l : layers_) {
+      TORCH_CHECK(l.rope < 0 || static_cast<size_t>(l.rope) < rows.size(), "DecodeStack.run: a layer reads RoPE table ",
+                  l.rope, " of ", rows.size());
+    }
+    // A NoPE layer's positions argument is never read (no tables); any rows tensor stands in.
+    const at::Tensor no_rows = rows.empty() ? seq_lens : rows[0];
+    for (size_t i = 0; i < n; ++i) {
+      StackLayer& l = layers_[i];
+      const size_t g = slot_mappings.size() == 1 ? 0 : i;
+      at::Tensor out = decode_layer_cpu(
+          hidden, delta, l.attn_norm, l.attn_post_norm, l.mlp_norm, l.mlp_post_norm, l.eps, l.residual_multiplier,
+          l.qkv_weight, l.qkv_kind, l.qkv_bias, l.q_norm, l.k_norm, l.o_weight, l.o_kind, l.o_bias, l.gate_up_weight,
+          l.gate_up_kind, l.gate_up_bias, l.down_weight, l.moe ? "none" : l.down_kind, l.down_bias,
+          l.rope >= 0 ? rows[l.rope] : no_rows, l.cos, l.sin, l.qk_norm, l.key_cache, l.value_cache, slot_mappings[g],
+          block_tables[g], seq_lens, query_start_loc, l.scale, l.sliding_window, max_query_len, max_seq_len,
+          l.num_heads, l.num_kv_heads, l.head_dim, l.softcap, l.activation, l.v_norm, l.shares_kv, l.value_from_key,
+          c10::nullopt, c10::nullopt, "torch", c10::nullopt, "torch", c10::nullopt, l.layer_scalar, l.sinks,
+          c10::nullopt, c10::nullopt);
+      if (l.moe) {
+        at::Tensor mlp = moe_decode_cpu(
+            out, l.router_weight, l.router_kind, l.router_bias, l.router, l.top_k, l.norm_topk_prob, l.experts_gate_up,
+            l.experts_gate_up_kind, l.experts_down, l.experts_down_kind, l.experts_gate_up_bias, l.experts_down_bias,
+            l.moe_activation, l.alpha, l.limit, l.shared_gate_up, l.shared_gate_up_kind, l.shared_down,
+            l.shared_down_kind, l.shared_gate, l.shared_gate_kind, l.selection_bias, l.n_group, l.topk_group,
+            l.routed_scaling);
+        // DecoderLayer._leave: the post norm, then the residual multiplier (Python's `out * m`).
+        if (l.mlp_post_norm.has_value() && l.mlp_post_norm->defined()) mlp = rms_norm_cpu(mlp, *l.mlp_post_norm, l.eps);
+        if (l.residual_multiplier != 1.0) mlp = at::mul(mlp, l.residual_multiplier);
+        delta = mlp;
+      } else {
+        delta = l.finishes ? OptTensor() : OptTensor(out);
+      }
+    }
+    return {hidden, delta};
+  }
+
+ private:
+  std::vector<StackLayer> layers_;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagewire, m) {
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("set_moe", &DecodeStack::set_moe)
+      .def("size", &DecodeStack::size)
+      .def("run", &DecodeStack::run);
+}
+
+}  // namespace pagewire

@@ -1,8 +1,9 @@
 """One decode step of a random-weight model, split into its GEMM time and everything else.
 
 For batch sizes B (default 1 and 8), each sequence holding --context cached tokens, it times a full
-decode step (forward + lm_head logits; best of --repeats), the same step with every decoder layer
-run op by op from Python instead of as one pagewire::decode_layer call ("Python layers"), then the
+decode step (forward + lm_head logits; best of --repeats; every layer in one DecodeStack call where
+the model's layers allow it), the same step with one pagewire::decode_layer call per layer ("a call
+per layer"), and with every decoder layer run op by op from Python ("Python layers"), then the
 step's parts separately (through the Python layers, which is where they can be told apart):
   * GEMMs alone: exactly the step's linear calls (same weights, shapes and order, recorded from
     one step) replayed back to back;
@@ -193,6 +194,12 @@ def time_batches(model: Any, a: argparse.Namespace, bw: float) -> float:
 
         with torch.inference_mode():
             t_step, m_step = best_and_median(step, a.repeats)
+            # One decode_layer call per layer instead of one DecodeStack call per step: the stack's gain.
+            model.stacked_decode = False
+            try:
+                t_lbl, m_lbl = best_and_median(step, a.repeats)
+            finally:
+                model.stacked_decode = True
             # The same step with every layer in Python (pagewire::decode_layer off): the C++ layer's gain.
             model.fused_decode = False
             try:
@@ -208,7 +215,8 @@ def time_batches(model: Any, a: argparse.Namespace, bw: float) -> float:
         kv_bytes = batch * (a.context + 1) * model.kv_cache_bytes_per_token()
         mbu = (wbytes + kv_bytes) / t_step / (bw * 1e9)
         rel = f"  step / batch-1 step {t_step / step_one[1]:.2f}x" if 1 in step_one and batch != 1 else ""
-        print(f"batch {batch:3d}: step {t_step * 1e3:7.2f} ms (median {m_step * 1e3:7.2f}; Python layers "
+        print(f"batch {batch:3d}: step {t_step * 1e3:7.2f} ms (median {m_step * 1e3:7.2f}; a call per layer "
+              f"{t_lbl * 1e3:7.2f}, median {m_lbl * 1e3:7.2f}: {m_lbl / m_step:4.2f}x; Python layers "
               f"{t_py * 1e3:7.2f}, median {m_py * 1e3:7.2f}: {m_py / m_step:4.2f}x)  GEMMs alone "
               f"{t_gemm * 1e3:7.2f} ms  non-GEMM alone {t_other * 1e3:6.2f} ms "
               f"({t_other / (t_gemm + t_other) * 100:4.1f}% of GEMMs + non-GEMM)  {batch / t_step:7.1f} tok/s  "

@@ -4,8 +4,8 @@
 // 256-bit vectors, not 512: one 32-bit lane per weight row of the eight-row group, as the layout
 // is built; what VNNI buys here is fewer operations per block (a Q4 chunk's four maddubs and
 // adds become two vpdpbusd, a Q8_0 chunk's maddubs + madd + add one), which is what limits the
-// kernel from two activation rows up. Q4_K and Q6_K keep their AVX2 kernels (linear_x8k_avx2.cpp,
-// linear_x8q6_avx2.cpp), whose sub-block scales go through 16-bit madds.
+// kernel from two activation rows up. Q4_K and Q6_K have their own VNNI build (linear_x8k_vnni.cpp,
+// x8k_body.h).
 #include <omp.h>
 
 #include <cstdint>
@@ -36,8 +36,10 @@ void linear_q4x8_vnni(Q4Type t, const Q8SumActivations& x, const uint8_t* w, con
     run4<Q4Type::kQ4_0>(x, w, bias, out, ldo, N);
   } else if (t == Q4Type::kQ4_1) {
     run4<Q4Type::kQ4_1>(x, w, bias, out, ldo, N);
+  } else if (t == Q4Type::kQ4_K) {
+    linear_q4kx8_vnni(x, w, bias, out, ldo, N);  // the K-quants' own x8 kernels (x8k_body.h)
   } else {
-    linear_q4x8_avx2(t, x, w, bias, out, ldo, N);  // the K-quants' own x8 kernels
+    linear_q6kx8_vnni(x, w, bias, out, ldo, N);
   }
 }
 

@@ -103,7 +103,7 @@ void dequantize_q4_row(Q4Type t, const uint8_t* w, float* out, int64_t K);
 // vectors (word w of row r at 32w + 4r), then 32 chunks of codes: chunk 8c + j holds bytes
 // 32c + 4j..32c + 4j + 3 of each row's 128 code bytes, row r at 4r (low nibbles: values 4j..4j+3
 // of sub-block 2c; high nibbles: of sub-block 2c + 1).
-// Q6_K's x8 layout (linear_x8q6_avx2.cpp), per super-block of the eight rows (8 * 210 bytes): their
+// Q6_K's x8 layout (x8k_body.h), per super-block of the eight rows (8 * 210 bytes): their
 // fp16 d (16 bytes), their 16 int8 scales as four 32-byte vectors (scales 4v..4v+3 of row r at
 // 32v + 4r), then 32 ql chunks (chunk c: bytes 4c..4c+3 of each row's 128 ql bytes, row r at 4r)
 // and 16 qh chunks (chunk c: bytes 4c..4c+3 of each row's 64 qh bytes).
@@ -121,11 +121,16 @@ void linear_q4x8_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, con
 // The same with AVX-512 VNNI (linear_x8_vnni.cpp; Isa::kAvx512 or better): the same floats, bit for bit.
 void linear_q4x8_vnni(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,
                       int64_t ldo, int64_t N);
-// Q4_K's x8 kernel (linear_x8k_avx2.cpp), called by linear_q4x8_avx2 for kQ4_K.
+// Q4_K's and Q6_K's x8 kernels (x8k_body.h), called by linear_q4x8_avx2 for kQ4_K / kQ6_K
+// (linear_x8k_avx2.cpp) and by linear_q4x8_vnni (linear_x8k_vnni.cpp; Isa::kAvx512 or better): the
+// same floats, bit for bit.
 void linear_q4kx8_avx2(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
                        int64_t N);
-// Q6_K's x8 kernel (linear_x8q6_avx2.cpp), called by linear_q4x8_avx2 for kQ6_K.
 void linear_q6kx8_avx2(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
+                       int64_t N);
+void linear_q4kx8_vnni(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
+                       int64_t N);
+void linear_q6kx8_vnni(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
                        int64_t N);
 // Q5_K and Q6_K in row layout (linear_k56_avx2.cpp, linear_k56_avx512.cpp), called by
 // linear_q4_avx2 / linear_q4_avx512 for those types.

@@ -164,8 +164,8 @@ class QuantizedWeight:
 
         On x86 CPUs with AVX2 or better, Q8_0, Q4_0, Q4_1, Q4_K and Q6_K weights of at least eight
         rows are interleaved: a copy of the same bytes, eight rows at a time, so one 32-bit lane of
-        the x8 kernel is one weight row (csrc/cpu/x8_body.h, built for AVX2 and for AVX-512 VNNI;
-        linear_x8k_avx2.cpp, linear_x8q6_avx2.cpp). On AVX-512 CPUs too: measured on an AMX Xeon,
+        the x8 kernel is one weight row (csrc/cpu/x8_body.h and, for the K-quants, x8k_body.h, each
+        built for AVX2 and for AVX-512 VNNI). On AVX-512 CPUs too: measured on an AMX Xeon,
         the x8 kernels beat the AVX-512 row kernels at every row count up to the integer kernels'
         limit for 4-bit (1.1-1.9x), and from one row to four for Q8_0 (bench/RESULTS.md, session 20).
         The portable family reads GGUF's rows; so do Q5_K and MXFP4 everywhere."""

@@ -1,7 +1,7 @@
 """The x8 interleaved kernels' AVX-512 VNNI build (csrc/cpu/linear_x8_vnni.cpp, x8_body.h with
 256-bit vpdpbusd) against their AVX2 build (linear_x8_avx2.cpp, maddubs + madd): both add the same
 integer products exactly, so every output must be the same float, bit for bit, for Q8_0, Q4_0 and
-Q4_1 (and Q4_K / Q6_K, which the VNNI entry hands to their AVX2 kernels).
+Q4_1, and for Q4_K / Q6_K (x8k_body.h: linear_x8k_avx2.cpp against linear_x8k_vnni.cpp).
 
 Checked here on any CPU through the emulated build of both files (tests/kernels/emu_build.py),
 at row counts 1-9 (every tile shape of the kernels: 4, 2 and 1 rows, one and two groups per unit),
@@ -56,7 +56,7 @@ def activations(m: int, k: int, seed: int, extreme: bool) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def lib() -> ctypes.CDLL:
     return emu_build.build("x8", ["linear_q8_avx2.cpp", "linear_x8_avx2.cpp", "linear_x8_vnni.cpp",
-                                  "linear_x8k_avx2.cpp", "linear_x8q6_avx2.cpp"])
+                                  "linear_x8k_avx2.cpp", "linear_x8k_vnni.cpp"])
 
 
 def ptr(a: np.ndarray, kind: type) -> ctypes._Pointer:  # type: ignore[type-arg]

@@ -1,0 +1,335 @@
+// The K-quant kernels of the interleaved x8 layouts (quant4_kernel.h) x Q8 activations: Q4_K's
+// (run_q4k) and Q6_K's (run_q6k), compiled twice: linear_x8k_avx2.cpp (PAGEWIRE_X8_VNNI 0: maddubs
+// pair sums in 16 bits, widened by a madd with the sub-block's scale) and linear_x8k_vnni.cpp
+// (PAGEWIRE_X8_VNNI 1: AVX-512 VNNI's 256-bit vpdpbusd adds four products straight into 32 bits,
+// and one vpmulld applies the scale). Both builds add the same integer products exactly (no
+// saturation on either side, bounds below), so every output is the same float, bit for bit
+// (tests/kernels/test_emulated_x8_vnni.py, test_interleaved.py natively). The VNNI build spends
+// about a third fewer vector operations per row and sub-block, which is what limits these kernels:
+// at M = 1 they run below the read bandwidth on an AMX Xeon (Llama-1B Q4_K_M at 49 % MBU).
+//
+// Q4_K, as in the Q4_0 / Q4_1 x8 kernels (x8_body.h), each 32-bit lane carries one of a group's
+// eight weight rows, so nothing needs a horizontal sum or a scale shuffle:
+//  * per 32-byte chunk (four code bytes of each row: values 4j..4j+3 of sub-blocks 2c and 2c + 1)
+//    the activations' matching four bytes are broadcast by the load itself, and maddubs of the
+//    low / high nibbles gives every row's pair sums in 16 bits; a sub-block's eight chunks add up
+//    in 16 bits (at most 8 chunks * 2 pairs * 15 * 128 = 30,720: no saturation);
+//  * the eight rows' packed 6-bit scales and mins are three 32-byte loads per super-block (word w
+//    of every row), decoded for all rows at once by 32-bit shifts and masks; each sub-block's byte
+//    is picked out by one shuffle (pshufb), and one madd by the sub-block's scale (in both 16-bit
+//    halves of each lane) gives scale * dot in 32 bits;
+//  * one int32 -> fp32 and one FMA by the activation block's scale per sub-block, the mins' term
+//    against the activation blocks' d * sum, then the rows' d and dmin once per super-block.
+//
+// Q6_K, the same lane per row:
+//  * per 32-byte ql chunk and its qh chunk (four values of each row) the 6-bit codes are built by
+//    shifts and masks as in the row kernel, and kept unsigned (0..63): maddubs of the codes and the
+//    activations' matching four bytes (broadcast by the load) gives every row's pair sums in 16
+//    bits; two chunks add up in 16 bits (at most 2 * 2 * 63 * 127 = 32,004: no saturation);
+//  * one madd by the 16-value half's int8 scale (sign-extended into both 16-bit halves of each
+//    lane; the eight rows' sixteen scales are four 32-byte loads per super-block) gives scale * dot
+//    in 32 bits, and the codes' offset of 32 is taken off in integers: scale * 32 * (sum of the
+//    half's sixteen activation codes), those sums computed once per call;
+//  * one int32 -> fp32 and one FMA by the activation block's scale per sub-block, the rows' d
+//    once per super-block.
+//
+// Batch invariance (docs/determinism.md): output (m, n) is one lane of one accumulator, updated
+// in K order with the same instructions whatever M is; M only decides which rows share a chunk.
+#ifndef PAGEWIRE_X8_VNNI
+#error "define PAGEWIRE_X8_VNNI (0 or 1) before including x8k_body.h"
+#endif
+
+#include <omp.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "quant4_kernel.h"
+
+namespace pagewire::cpu {
+namespace {
+
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);  // a vpbroadcastd from memory: a load, no ALU operation
+}
+
+inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// The group's next super-block, one line at a time, into L1.
+inline void prefetch_next(const uint8_t* w, int group_bytes) {
+  for (int off = 0; off < group_bytes; off += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + group_bytes + off), _MM_HINT_T0);
+  }
+}
+
+namespace q4k {
+
+constexpr int kGroupBytes = kQ4Interleave * kQ4_KBlockBytes;  // one super-block of eight rows
+constexpr int kCodes = 128;                                    // where the group's codes start
+
+
+
+// pshufb controls over a vector holding one byte per sub-block in each row's 32-bit lane: byte k
+// of every lane zero-extended into both 16-bit halves (a madd multiplier of two pair sums), or
+// into the whole lane (an int32). One shuffle does what a shift, a mask, a shift and an or did.
+inline __m256i lane_bytes(uint32_t pattern) {
+  return _mm256_add_epi8(_mm256_set1_epi32(static_cast<int32_t>(pattern)),
+                         _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C, 0, 0x04040404, 0x08080808, 0x0C0C0C0C));
+}
+inline __m256i halves_of_byte(uint32_t k) { return lane_bytes(k | 0x80u << 8 | k << 16 | 0x80u << 24); }
+inline __m256i word_of_byte(uint32_t k) { return lane_bytes(k | 0x80u << 8 | 0x80u << 16 | 0x80u << 24); }
+
+// A sub-block's dot times its scale, both per 32-bit lane, as int32: the AVX2 build's dot is two
+// 16-bit pair sums and its scale sits in both halves (one madd); the VNNI build's dot is one 32-bit
+// sum and its scale the whole lane (one vpmulld). |scale * dot| <= 63 * 61,440: exact either way.
+inline __m256i scaled(__m256i dot, __m256i scale) {
+#if PAGEWIRE_X8_VNNI
+  return _mm256_mullo_epi32(dot, scale);
+#else
+  return _mm256_madd_epi16(dot, scale);
+#endif
+}
+
+// Activation rows [m0, m0 + MB) times one group of eight Q4_K weight rows -> out[m][0..8).
+template <int MB>
+void group_k(const Q8SumActivations& x, int64_t m0, const uint8_t* w, const float* bias, float* out, int64_t ldo) {
+  const int64_t nb = x.K / 32, nsb = x.K / kQ4_KBlock;
+  const __m256i mask = _mm256_set1_epi8(0x0F), six = _mm256_set1_epi8(0x3F), top = _mm256_set1_epi8(0x30);
+  const int8_t* xq[MB];
+  const float* xd[MB];
+  const float* xs[MB];
+  for (int m = 0; m < MB; ++m) {
+    xq[m] = x.q + (m0 + m) * x.K;
+    xd[m] = x.d + (m0 + m) * nb;
+    xs[m] = x.s + (m0 + m) * nb;
+  }
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s, w += kGroupBytes) {
+    prefetch_next(w, kGroupBytes);
+    // Scales 0-3 / 4-7 and mins 0-3 / 4-7 of every row, one byte each (q4_k_scale_min's rule).
+    const __m256i a = load256(w + 32), b = load256(w + 64), c = load256(w + 96);
+    const __m256i sc_lo = _mm256_and_si256(a, six);
+    const __m256i sc_hi = _mm256_or_si256(_mm256_and_si256(c, mask), _mm256_and_si256(_mm256_srli_epi32(a, 2), top));
+    const __m256i mn_lo = _mm256_and_si256(b, six);
+    const __m256i mn_hi =
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(c, 4), mask), _mm256_and_si256(_mm256_srli_epi32(b, 2), top));
+    __m256 sa[MB];
+    for (int m = 0; m < MB; ++m) sa[m] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int cc = 0; cc < 4; ++cc) {
+      // Per row, the sub-block's dot: 16-bit pair sums (AVX2) or 32-bit sums of four (VNNI).
+      __m256i lo16[MB], hi16[MB];
+      for (int m = 0; m < MB; ++m) lo16[m] = hi16[m] = _mm256_setzero_si256();
+      const uint8_t* wc = w + kCodes + 32 * 8 * cc;
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m256i v = load256(wc + 32 * j);
+        const __m256i lo = _mm256_and_si256(v, mask);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        for (int m = 0; m < MB; ++m) {
+          const int8_t* xb = xq[m] + (s * 8 + 2 * cc) * 32 + 4 * j;
+#if PAGEWIRE_X8_VNNI
+          lo16[m] = _mm256_dpbusd_epi32(lo16[m], lo, broadcast4(xb));
+          hi16[m] = _mm256_dpbusd_epi32(hi16[m], hi, broadcast4(xb + 32));
+#else
+          lo16[m] = _mm256_add_epi16(lo16[m], _mm256_maddubs_epi16(lo, broadcast4(xb)));
+          hi16[m] = _mm256_add_epi16(hi16[m], _mm256_maddubs_epi16(hi, broadcast4(xb + 32)));
+#endif
+        }
+      }
+      const __m256i src = cc < 2 ? sc_lo : sc_hi;
+#if PAGEWIRE_X8_VNNI
+      // Sub-blocks 2cc and 2cc + 1's scales as whole 32-bit lanes: scale * dot by one vpmulld, the
+      // same integer the AVX2 build's madd of the two pair sums gives.
+      const __m256i sc0 = _mm256_shuffle_epi8(src, word_of_byte((2 * cc) % 4));
+      const __m256i sc1 = _mm256_shuffle_epi8(src, word_of_byte((2 * cc + 1) % 4));
+#else
+      // Sub-blocks 2cc and 2cc + 1's scales, in both 16-bit halves of each row's lane.
+      const __m256i sc0 = _mm256_shuffle_epi8(src, halves_of_byte((2 * cc) % 4));
+      const __m256i sc1 = _mm256_shuffle_epi8(src, halves_of_byte((2 * cc + 1) % 4));
+#endif
+      for (int m = 0; m < MB; ++m) {
+        const int64_t blk = s * 8 + 2 * cc;
+        sa[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(scaled(lo16[m], sc0)), _mm256_set1_ps(xd[m][blk]), sa[m]);
+        sa[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(scaled(hi16[m], sc1)), _mm256_set1_ps(xd[m][blk + 1]), sa[m]);
+      }
+    }
+    // The mins' term: sum over sub-blocks of mn * (activation block's d * sum).
+    __m256 ma[MB];
+    for (int m = 0; m < MB; ++m) ma[m] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m256 mn = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(j < 4 ? mn_lo : mn_hi, word_of_byte(j % 4)));
+      for (int m = 0; m < MB; ++m) ma[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xs[m][s * 8 + j]), ma[m]);
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
+    for (int m = 0; m < MB; ++m) {
+      acc[m] = _mm256_fmadd_ps(d, sa[m], acc[m]);
+      acc[m] = _mm256_fnmadd_ps(dmin, ma[m], acc[m]);
+    }
+  }
+  const __m256 bv = bias != nullptr ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out + (m0 + m) * ldo, _mm256_add_ps(acc[m], bv));
+}
+
+
+}  // namespace q4k
+
+namespace q6k {
+
+constexpr int kGroupBytes = kQ4Interleave * kQ6_KBlockBytes;  // one super-block of eight rows
+constexpr int kScales = 16, kQl = 16 + 128, kQh = kQl + 1024;   // where the group's parts start
+
+
+
+// pshufb control: byte k of each 32-bit lane into the high byte of both of its 16-bit halves (the
+// low bytes zeroed), so that an arithmetic shift right by 8 sign-extends it into each half.
+inline __m256i high_bytes(int k) {
+  const uint32_t p = 0x80u | static_cast<uint32_t>(k) << 8 | 0x80u << 16 | static_cast<uint32_t>(k) << 24;
+  return _mm256_add_epi8(_mm256_set1_epi32(static_cast<int32_t>(p)),
+                         _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C, 0, 0x04040404, 0x08080808, 0x0C0C0C0C));
+}
+
+// Activation rows [m0, m0 + MB) times one group of eight Q6_K weight rows -> out[m][0..8).
+// x16: per activation row, 16 * the sum of each 16 activation codes in both 16-bit halves (K / 16 of them).
+template <int MB>
+void group_q6(const Q8SumActivations& x, const int32_t* x16, int64_t m0, const uint8_t* w, const float* bias,
+              float* out, int64_t ldo) {
+  const int64_t nb = x.K / 32, nsb = x.K / kQ4_KBlock, n16 = x.K / 16;
+  const __m256i mask = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+  const int8_t* xq[MB];
+  const float* xd[MB];
+  const int32_t* xs[MB];
+  for (int m = 0; m < MB; ++m) {
+    xq[m] = x.q + (m0 + m) * x.K;
+    xd[m] = x.d + (m0 + m) * nb;
+    xs[m] = x16 + (m0 + m) * n16;
+  }
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s, w += kGroupBytes) {
+    prefetch_next(w, kGroupBytes);
+    __m256 sa[MB];
+    for (int m = 0; m < MB; ++m) sa[m] = _mm256_setzero_ps();
+    for (int h = 0; h < 2; ++h) {
+      for (int t = 0; t < 4; ++t) {
+        const int j = 4 * h + t;  // the sub-block (32 values)
+        __m256i i32[MB];
+        for (int m = 0; m < MB; ++m) i32[m] = _mm256_setzero_si256();
+        for (int hh = 0; hh < 2; ++hh) {
+          // Scale 2j + hh of each row, sign-extended into both 16-bit halves of its lane: a shuffle
+          // puts the byte in each half's high byte, an arithmetic shift brings it down.
+          const int idx = 2 * j + hh;
+          const __m256i sc = _mm256_srai_epi16(
+              _mm256_shuffle_epi8(load256(w + kScales + 32 * (idx / 4)), high_bytes(idx % 4)), 8);
+#if PAGEWIRE_X8_VNNI
+          // The half's four chunks summed in 32 bits by vpdpbusd (at most 16 * 63 * 128), then
+          // one vpmulld by the scale as a whole lane (the high half's sign-extended copy): the
+          // integer the AVX2 build's two madds of 16-bit pair sums add up to.
+          const __m256i sc32 = _mm256_srai_epi32(sc, 16);
+          __m256i p32[MB];
+          for (int m = 0; m < MB; ++m) p32[m] = _mm256_setzero_si256();
+#endif
+          for (int pair = 0; pair < 2; ++pair) {
+            __m256i p16[MB];
+            for (int m = 0; m < MB; ++m) p16[m] = _mm256_setzero_si256();
+            for (int u = 0; u < 2; ++u) {
+              const int c = 4 * hh + 2 * pair + u;  // values 4c..4c+3 of the sub-block
+              const __m256i ql = load256(w + kQl + 32 * (16 * h + 8 * (t % 2) + c));
+              const __m256i qh = load256(w + kQh + 32 * (8 * h + c));
+              const __m256i lo = t < 2 ? _mm256_and_si256(ql, mask) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), mask);
+              const __m256i hi = t == 0   ? _mm256_slli_epi16(qh, 4)
+                                 : t == 1 ? _mm256_slli_epi16(qh, 2)
+                                 : t == 2 ? qh
+                                          : _mm256_srli_epi16(qh, 2);
+              const __m256i codes = _mm256_or_si256(lo, _mm256_and_si256(hi, top));
+              for (int m = 0; m < MB; ++m) {
+                const __m256i xb = broadcast4(xq[m] + j * 32 + s * 256 + 4 * c);
+#if PAGEWIRE_X8_VNNI
+                p32[m] = _mm256_dpbusd_epi32(p32[m], codes, xb);
+#else
+                p16[m] = _mm256_add_epi16(p16[m], _mm256_maddubs_epi16(codes, xb));
+#endif
+              }
+            }
+#if !PAGEWIRE_X8_VNNI
+            for (int m = 0; m < MB; ++m) i32[m] = _mm256_add_epi32(i32[m], _mm256_madd_epi16(p16[m], sc));
+#endif
+          }
+#if PAGEWIRE_X8_VNNI
+          for (int m = 0; m < MB; ++m) i32[m] = _mm256_add_epi32(i32[m], _mm256_mullo_epi32(p32[m], sc32));
+#endif
+          // The codes' offset: - scale * 32 * (sum of the half's activation codes), as one madd of
+          // the scale by 16 * sum in both 16-bit halves (|16 * sum| <= 32,768: prepared per call).
+          for (int m = 0; m < MB; ++m) {
+            i32[m] = _mm256_sub_epi32(i32[m], _mm256_madd_epi16(sc, _mm256_set1_epi32(xs[m][s * 16 + idx])));
+          }
+        }
+        for (int m = 0; m < MB; ++m) {
+          sa[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32[m]), _mm256_set1_ps(xd[m][s * 8 + j]), sa[m]);
+        }
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    for (int m = 0; m < MB; ++m) acc[m] = _mm256_fmadd_ps(d, sa[m], acc[m]);
+  }
+  const __m256 bv = bias != nullptr ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out + (m0 + m) * ldo, _mm256_add_ps(acc[m], bv));
+}
+
+
+}  // namespace q6k
+
+void run_q4k(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t N) {
+  const int64_t groups = N / kQ4Interleave, group_bytes = kQ4Interleave * (x.K / kQ4_KBlock) * kQ4_KBlockBytes;
+  // Static schedule: each thread streams one contiguous slice of the weight.
+#pragma omp parallel for schedule(static) if (N * x.K * x.M >= 65536)
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wg = w + g * group_bytes;
+    const float* bg = bias != nullptr ? bias + g * kQ4Interleave : nullptr;
+    float* og = out + g * kQ4Interleave;
+    int64_t m = 0;
+    for (; m + 4 <= x.M; m += 4) q4k::group_k<4>(x, m, wg, bg, og, ldo);
+    if (m + 2 <= x.M) {
+      q4k::group_k<2>(x, m, wg, bg, og, ldo);
+      m += 2;
+    }
+    if (m < x.M) q4k::group_k<1>(x, m, wg, bg, og, ldo);
+  }
+}
+
+
+void run_q6k(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t N) {
+  const int64_t groups = N / kQ4Interleave, group_bytes = kQ4Interleave * (x.K / kQ4_KBlock) * kQ6_KBlockBytes;
+  const int64_t n16 = x.K / 16;
+  // Per calling thread, reused across calls: each 16 activation codes' sum (the offset term's).
+  thread_local std::vector<int32_t> x16;
+  if (static_cast<int64_t>(x16.size()) < x.M * n16) x16.resize(x.M * n16);
+  for (int64_t i = 0; i < x.M * n16; ++i) {
+    int32_t sum = 0;
+    for (int k = 0; k < 16; ++k) sum += x.q[i * 16 + k];
+    // 16 * sum in both 16-bit halves: madd by a scale in both halves gives scale * 32 * sum.
+    const uint32_t half = static_cast<uint16_t>(static_cast<int16_t>(16 * sum));
+    x16[i] = static_cast<int32_t>(half | half << 16);
+  }
+  const int32_t* xs = x16.data();
+  // Static schedule: each thread streams one contiguous slice of the weight.
+#pragma omp parallel for schedule(static) if (N * x.K * x.M >= 65536)
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* wg = w + g * group_bytes;
+    const float* bg = bias != nullptr ? bias + g * kQ4Interleave : nullptr;
+    float* og = out + g * kQ4Interleave;
+    int64_t m = 0;
+    for (; m + 2 <= x.M; m += 2) q6k::group_q6<2>(x, xs, m, wg, bg, og, ldo);
+    if (m < x.M) q6k::group_q6<1>(x, xs, m, wg, bg, og, ldo);
+  }
+}
+
+}  // namespace
+
+}  // namespace pagewire::cpu

@@ -24,6 +24,8 @@ class Quantization(StrEnum):
     INT8 = "int8"
     INT4 = "int4"
     GGUF = "gguf"
+    # GGUF on a CPU given a .gguf file, NONE otherwise; resolved by EngineConfig (`pagewire serve`'s default).
+    AUTO = "auto"
 
 
 SUPPORTED_QUANTIZATIONS = tuple(q.value for q in Quantization)
@@ -49,7 +51,10 @@ class EngineConfig:
     quantization: "none" (weights in dtype; a GGUF file is dequantised), "int8" / "int4" (every
         decoder and lm_head matrix quantised at load to GGUF Q8_0 / Q4_0 blocks and kept so), or
         "gguf" (a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K matrices kept in their own blocks, the rest
-        dequantised; GGUF files only). All but "none" run on CPU only.
+        dequantised; GGUF files only). All but "none" run on CPU only. "auto" (`pagewire serve`'s
+        default) is "gguf" for a .gguf file on the CPU and "none" otherwise: a Q4 file runs from its
+        blocks, as llama.cpp and Ollama run it, not dequantised to its float dtype (3-4x slower to
+        decode: bench/RESULTS.md, session 21); the config holds the resolved value.
     speculative_config: None (off), or a SpeculativeConfig, a dict or a JSON object string in
         vLLM's shape ({"method": "ngram", "num_speculative_tokens": 4, ...}); see spec_config.py.
     deterministic: batch-invariant inference: a request's tokens and logprobs do not depend on the
@@ -113,6 +118,11 @@ class EngineConfig:
             raise ConfigError(
                 "quantization", f"must be one of {', '.join(SUPPORTED_QUANTIZATIONS)}, got {self.quantization!r}"
             ) from None
+        if self.quantization is Quantization.AUTO:
+            from server.models.gguf_file import is_gguf_path
+
+            on_cpu_gguf = self.device == "cpu" and is_gguf_path(self.model)
+            self.quantization = Quantization.GGUF if on_cpu_gguf else Quantization.NONE
         if self.quantization is not Quantization.NONE and self.device != "cpu":
             raise ConfigError("quantization", f"{self.quantization.value!r} runs on CPU only, got device {self.device!r}")
         if self.quantization is Quantization.GGUF:

@@ -49,6 +49,7 @@ from server.engine.sampler import _GREEDY_EPS, SamplingBatch, sampling_probs
 from server.engine.scheduler import ScheduledSeq, SchedulerOutput
 from server.engine.spec_config import SpeculativeConfig
 from server.models.config import ModelConfig
+from server.models.gguf_file import is_gguf_path
 from server.models.loader import load_model
 from server.models.protocol import CausalLM
 from server.models.registry import kv_shape, read_model_config
@@ -104,14 +105,16 @@ def load_draft_model(spec: SpeculativeConfig, config: EngineConfig, target_confi
     its vocabulary against the target's. Load errors are reported as speculative_config.model."""
     assert spec.model is not None  # SpeculativeConfig requires it for method draft_model
     try:
-        model, mc = load_model(spec.model, config.dtype, config.device)
+        # With --quantization gguf a GGUF draft keeps its blocks too; a folder draft is float then.
+        keep = config.quantization is Quantization.GGUF and is_gguf_path(spec.model)
+        model, mc = load_model(spec.model, config.dtype, config.device, keep_gguf_blocks=keep)
         tok = load_tokenizer(spec.model)
     except ConfigError:
         raise
     except (OSError, ValueError) as e:  # missing files, unsupported architectures, bad tensors
         raise ConfigError(_FIELD, f"cannot load the draft model {spec.model!r}: {e}") from None
     check_vocabulary(target_config, target_tok, mc, tok, spec.model)
-    if config.quantization is not Quantization.NONE:
+    if config.quantization in (Quantization.INT8, Quantization.INT4):
         model.quantize_weights(config.quantization)
     return model, mc
 

@@ -201,7 +201,8 @@ class ServeSettings:
     num_threads: int = _ENGINE_DEFAULTS["num_threads"]
     seed: int = _ENGINE_DEFAULTS["seed"]
     device: str = _ENGINE_DEFAULTS["device"]
-    quantization: str = _ENGINE_DEFAULTS["quantization"]
+    # A served .gguf file keeps its blocks on the CPU unless told otherwise (EngineConfig's "auto").
+    quantization: str = "auto"
     speculative_config: Any = None  # a server.engine.spec_config.SpeculativeConfig, or None (off)
     deterministic: Optional[bool] = _ENGINE_DEFAULTS["deterministic"]
     autotune: Optional[bool] = _ENGINE_DEFAULTS["autotune"]
@@ -344,8 +345,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("num_threads", int, "intra-op CPU threads (0 = torch's default)", engine=True),
     Option("seed", int, "base seed for unseeded sampling", engine=True),
     Option("device", str, "cpu or cuda", engine=True),
-    Option("quantization", str, "none, int8 / int4 (weights quantised at load to Q8_0 / Q4_0 blocks), or gguf "
-           "(a GGUF file's own Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K blocks kept); CPU only", engine=True),
+    Option("quantization", str, "auto (the default: gguf for a .gguf file on the CPU, else none), none (weights "
+           "in dtype; a GGUF file dequantised), int8 / int4 (weights quantised at load to Q8_0 / Q4_0 blocks), or "
+           "gguf (a GGUF file's own Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K blocks kept); all but none CPU only",
+           engine=True),
     Option("speculative_config", speculative_config,
            "speculative decoding as a JSON object, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
            "(fields: docs/speculative_decoding.md; default: off)", engine=True),

@@ -261,9 +261,11 @@ at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>&
   const int64_t rotary_dim = has_rope ? 2 * cos->size(1) : 0;
   TORCH_CHECK(!has_rope || (rotary_dim > 0 && rotary_dim <= head_dim), "decode_layer: the RoPE tables rotate ",
               rotary_dim, " dims of a ", head_dim, "-dim head");
-  // The per-head norm rides on the rotation (rotary_embedding's norm_weight); a NoPE or partial-rotary
-  // layer with it runs the Python layer, whose norm there is a different op.
-  TORCH_CHECK(!head_norm || rotary_dim == head_dim, "decode_layer: a per-head q/k norm needs full-width RoPE");
+  // The per-head norm rides on the rotation (rotary_embedding's norm_weight) where RoPE turns the
+  // whole head; on a partial-rotary or NoPE layer (GLM-4.5 with use_qk_norm) it is the Python
+  // layer's torch-op RMSNorm over each head first (torch_rms_norm, the same ops), then RoPE turns
+  // the leading dims alone.
+  const bool norm_on_rotation = head_norm && rotary_dim == head_dim;
   // Gemma 4: a KV-sharing layer projects queries only and reads the caches it is given (its source
   // layer's); with value_from_key the values are the key projection (no v rows in qkv).
   TORCH_CHECK(!(shares_kv && (value_from_key || proj_norm)),
@@ -298,9 +300,10 @@ at::Tensor decode_layer_cpu(at::Tensor& hidden, const c10::optional<at::Tensor>&
     value = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
   }
   at::Tensor qk = qkv.narrow(1, 0, q_size + key_heads * head_dim).view({T, num_heads + key_heads, head_dim});
+  if (head_norm && !norm_on_rotation) qk.copy_(torch_rms_norm(qk, *qk_norm, eps));
   if (has_rope) {
     at::Tensor turned = rotary_dim == head_dim ? qk : qk.narrow(2, 0, rotary_dim);
-    rotary_embedding_cpu(turned, positions, *cos, *sin, head_norm ? qk_norm : c10::nullopt, eps);
+    rotary_embedding_cpu(turned, positions, *cos, *sin, norm_on_rotation ? qk_norm : c10::nullopt, eps);
   }
   const at::Tensor query = qk.narrow(1, 0, num_heads);
   if (value.defined()) {

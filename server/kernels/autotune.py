@@ -31,6 +31,14 @@ rows come last: dequantising a whole matrix per call moves several times the byt
 reads (6-20x slower measured), so their fixed rule is the one least likely to change; they are
 still timed (one sample each, "clear") while the budget lasts.
 
+The one-row bucket (single-sequence decode) switches by the TOLERANCE rule alone. A speculative
+verify step runs in batch-invariant mode (LLMEngine._verify_step), whose path is the kernel, and
+greedy speculation gives plain decoding's text only while single-row decode takes that path too: a
+path a few percent faster in every sample (the MARGIN rule; or a loaded machine's stalls ordering
+the samples so) must not replace it there. On an AMX Xeon under the test suite's load, that flip
+changed the default model's bf16 text under n-gram speculation at token 26 (bench/RESULTS.md,
+session 21); at one row the two paths were within 1-7 % of each other on every shape measured.
+
 On an AMX CPU (family "amx") the kernel path itself has two bodies from 4 rows: the AMX tiles
 (the default) and the AVX-512 dot products. For every bucket of 4 rows and more whose choice is
 the kernel, `tune` also times the kernel with AMX allowed and with it off (server._C.set_amx_allowed),
@@ -178,7 +186,8 @@ def tune(
                 if time.perf_counter() - t_start + _predicted_s(last.get(key), m) > budget_s:
                     table.choices[key][b].how = "budget"
                     continue
-                choice = _time_pair(linear_route, site, m, table.choices[key][b].kernel, gen, timer)
+                choice = _time_pair(linear_route, site, m, table.choices[key][b].kernel, gen, timer,
+                                    margin_rule=b != 0)
                 table.choices[key][b] = choice
                 assert choice.kernel_s is not None and choice.torch_s is not None
                 last[key] = (m, choice.kernel_s, choice.torch_s)
@@ -240,7 +249,10 @@ def _predicted_s(last: Optional[tuple[int, float, float]], m: int) -> float:
     return sum(max(t * m / m0, MIN_SAMPLE_S) * calls for t in (tk, tt))
 
 
-def _time_pair(route: ModuleType, site: Site, m: int, default_kernel: bool, gen: torch.Generator, timer: Timer) -> Choice:
+def _time_pair(route: ModuleType, site: Site, m: int, default_kernel: bool, gen: torch.Generator, timer: Timer,
+               margin_rule: bool = True) -> Choice:
+    """Times both paths at m rows and returns the choice (module docstring's rules); margin_rule
+    False (the one-row bucket): only the TOLERANCE rule may replace the fixed rule's path."""
     w = site.weight
     k = int(w.shape[1])
     x = torch.randn((m, k), generator=gen).to(site.x_dtype)
@@ -267,8 +279,8 @@ def _time_pair(route: ModuleType, site: Site, m: int, default_kernel: bool, gen:
     # Replace the fixed rule only when every sample of the other path beats the default's best by
     # MARGIN: random stalls (a loaded machine) order 4 + 4 samples that way 1 time in 70. Or when
     # the default's best is over TOLERANCE times the other's best, however the samples interleave.
-    switch = how == "timed" and (max(samples[other]) < min(samples[default]) * (1 - MARGIN)
-                                 or min(samples[default]) > TOLERANCE * min(samples[other]))
+    margin_win = margin_rule and max(samples[other]) < min(samples[default]) * (1 - MARGIN)
+    switch = how == "timed" and (margin_win or min(samples[default]) > TOLERANCE * min(samples[other]))
     kernel = default_kernel != switch
     tk, tt = min(samples["kernel"]), min(samples["torch"])
     return Choice(kernel, how, tk, tt)

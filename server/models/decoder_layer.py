@@ -103,14 +103,13 @@ class DecoderLayer(nn.Module):
         self.norm_offset = c.norm_weight_offset
         self.fused_checkpoint = c.fused_checkpoint
         # The layers pagewire::decode_layer expresses: every norm placement, q/k norm over the
-        # projection, full, partial or no RoPE, residual multipliers, SiLU or GELU-tanh, soft-capping
-        # or not, and Gemma 4's parts (KV read from another layer, values from the key projection,
-        # the value norm, the per-layer input block, the layer scalar). Not a per-head q/k norm on a
-        # NoPE or partial-rotary layer (GLM-4.5 with use_qk_norm has one): there forward() norms with torch ops,
-        # where the C++ layer's norm rides on the rotation; nor a projection q/k norm on a layer with
-        # no keys of its own (no family has one either). Those run forward().
-        self.fusable = ((self.qk_norm is None or (self.rope_index is not None and self.rotary_dim == self.head_dim))
-                        and not (self.shares_kv and self.q_norm is not None))
+        # projection or per head (also on a NoPE or partial-rotary layer, GLM-4.5's with
+        # use_qk_norm: the same torch-op norm as forward() there), full, partial or no RoPE,
+        # residual multipliers, SiLU or GELU-tanh, soft-capping or not, and Gemma 4's parts (KV read
+        # from another layer, values from the key projection, the value norm, the per-layer input
+        # block, the layer scalar). Not a projection q/k norm on a layer with no keys of its own (no
+        # family has one): that runs forward().
+        self.fusable = not (self.shares_kv and self.q_norm is not None)
         # Gemma 4's layers end by adding their MLP output themselves (_finish): nothing is left over.
         self.finishes = self.ple_gate is not None or self.layer_scalar is not None
         # Mixture of experts: a sparse layer's MLP is its router and experts (server.models.moe); fused,

@@ -44,11 +44,11 @@ def test_logits_match_transformers_through_prefill_and_decode(family_model: Call
 # them, Gemma's four norms, OLMo's post-norms and projection q/k norm, Phi-3's partial rotary,
 # SmolLM3's NoPE layer, Granite's residual multiplier and Gemma 4's parts included; the sparse
 # layers of the mixture-of-experts families too (decode_layer's attention half, then moe_decode;
-# gpt-oss's fp32-weight norm only in bf16/fp16 keeps its layers in Python, and these load float32).
-# GLM-4.5's per-head q/k norm on half-rotary heads (use_qk_norm) is one decode_layer does not express.
+# gpt-oss's fp32-weight norm only in bf16/fp16 keeps its layers in Python, and these load float32),
+# GLM-4.5's per-head q/k norm on half-rotary heads (use_qk_norm) too.
 _FUSED = {"gemma2": (4, 4), "gemma3": (6, 6), "gemma4": (6, 6), "phi3": (2, 2), "olmo2": (2, 2), "olmo3": (4, 4),
           "smollm3": (4, 4), "granite": (2, 2), "qwen3moe": (3, 3), "mixtral": (2, 2), "olmoe": (2, 2), "qwen2moe": (2, 2),
-          "gpt_oss": (4, 4), "dots1": (3, 3), "glm4_moe": (0, 3), "ernie4_5_moe": (3, 3)}
+          "gpt_oss": (4, 4), "dots1": (3, 3), "glm4_moe": (3, 3), "ernie4_5_moe": (3, 3)}
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

@@ -102,6 +102,26 @@ def test_a_kept_choice_is_never_over_tolerance_of_the_best(default_ms: float, sw
 
 
 @needs_kernels
+def test_one_row_keeps_the_kernel_unless_torch_is_beyond_tolerance() -> None:
+    """At one row (decode; speculative verify rows take the kernel's batch-invariant path, so
+    plain decode must too) a torch path 5 % faster in every sample does not replace the kernel;
+    at two rows it does (the MARGIN rule); beyond TOLERANCE it does at one row as well."""
+    def timer_for(torch_ms: float) -> Callable[[str, Callable[[], object], int], float]:
+        def timer(path: str, fn: Callable[[], object], reps: int) -> float:
+            fn()
+            return (1.0 if path == "kernel" else torch_ms) * 1e-3
+        return timer
+
+    w = torch.randn(16, 64).bfloat16()
+    key = (torch.bfloat16, (16, 64))
+    close = tune([Site("w", w, torch.bfloat16)], timer=timer_for(0.95), budget_s=120.0, max_rows=2).choices[key]
+    assert close[0].how == "timed" and close[0].kernel, close[0]
+    assert close[1].how == "timed" and not close[1].kernel, close[1]
+    far = tune([Site("w", w, torch.bfloat16)], timer=timer_for(0.75), budget_s=120.0, max_rows=1).choices[key]
+    assert far[0].how == "timed" and not far[0].kernel, far[0]
+
+
+@needs_kernels
 def test_no_large_bucket_when_steps_cannot_reach_it() -> None:
     w = torch.randn(16, 32).bfloat16()
     table = tune([Site("w", w, torch.bfloat16)], timer=fake_timer("torch"), max_rows=16)

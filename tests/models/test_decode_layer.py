@@ -143,28 +143,45 @@ def test_every_family_runs_fused_with_the_python_layers_floats(
     assert calls == list(range(model.config.num_layers)) * small
 
 
-def test_a_per_head_qk_norm_without_full_rope_runs_the_python_layer(tmp_path: Path) -> None:
-    """No family has one, but the parts allow it: a per-head q/k norm on a NoPE layer. The Python
-    layer norms there with torch ops, so the C++ layer refuses it (and the model does not ask)."""
+@pytest.mark.parametrize("rotary", ["partial", "none"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_per_head_qk_norm_without_full_rope_runs_fused(tmp_path: Path, rotary: str, dtype: str, batch: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A per-head q/k norm on a partial-rotary layer (GLM-4.5 with use_qk_norm) or a NoPE one: the
+    Python layer norms each head with torch ops, then turns the leading dims; decode_layer does the
+    same ops (torch_rms_norm, then RoPE without its norm), so the fused layer gives its floats."""
     folder = make_tiny_model(tmp_path / "q3", "qwen3", vocab_size=VOCAB)
-    model, _ = load_model(folder, dtype="float32")
-    layer = model._layers[0]
-    assert layer.fusable and layer.qk_norm is not None
-    run = PagedRun(model)
-    run.step({0: random_tokens(3, VOCAB, seed=1)})
-    hidden = torch.randn(1, 64)
-    kinds = layer.linear_kinds(model.dtype, 1)
-    assert kinds is not None
-    key_cache, value_cache = run.kv_caches[0]
-    args = _op_args(model, layer, run, kinds, hidden, key_cache, value_cache)
-    nope = list(args)
-    nope[23] = nope[24] = None  # cos, sin
-    with pytest.raises(RuntimeError, match="decode_layer: a per-head q/k norm needs full-width RoPE"):
-        torch.ops.pagewire.decode_layer(*nope)
-    one_sided = list(args)
+    model, _ = load_model(folder, dtype=dtype)
+    for layer in model._layers:
+        if rotary == "none":
+            layer.rope_index, layer.rotary_dim = None, 0
+        else:
+            layer.rotary_dim = layer.head_dim // 2
+    if rotary == "partial":  # a table of half the head's width, as ModelConfig builds one for partial rotary
+        from server.models.rope import RotaryEmbedding
+
+        r = model.ropes[0]
+        model.ropes[0] = RotaryEmbedding(model._layers[0].head_dim // 2, r.cos.shape[0], 10000.0, None, model.device)
+    assert all(layer.fusable and layer.qk_norm is not None for layer in model._layers)
+    calls = _count_fused_calls(monkeypatch)
+    _assert_same(model, batch)
+    small = sum(sum(map(len, step.values())) <= 16 for step in _steps(batch))
+    assert calls == list(range(model.config.num_layers)) * small
+    one_sided = list(_decode_layer_args_of(model, dtype))
     one_sided[24] = None
     with pytest.raises(RuntimeError, match="decode_layer: cos and sin come together"):
         torch.ops.pagewire.decode_layer(*one_sided)
+
+
+def _decode_layer_args_of(model: DecoderForCausalLM, dtype: str) -> tuple:
+    layer = model._layers[0]
+    run = PagedRun(model)
+    run.step({0: random_tokens(3, VOCAB, seed=1)})
+    kinds = layer.linear_kinds(model.dtype, 1)
+    assert kinds is not None
+    key_cache, value_cache = run.kv_caches[0]
+    return _op_args(model, layer, run, kinds, torch.randn(1, 64).to(getattr(torch, dtype)), key_cache, value_cache)
 
 
 def test_decode_layer_rejects_an_unknown_activation(models: dict[str, Path]) -> None:

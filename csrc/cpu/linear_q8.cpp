@@ -271,7 +271,12 @@ at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const 
     // Whole groups through the family's x8 kernel (VNNI from AVX-512 up), the last N % 8 rows, in
     // row layout, through the family's row kernel.
     const int64_t done = N / cpu::kQ8Interleave * cpu::kQ8Interleave, rb = wc.size(1);
-    (isa >= cpu::Isa::kAvx512 ? cpu::linear_q8_0x8_vnni : cpu::linear_q8_0x8_avx2)(act, w, b, o, N, done);
+    // AMX from kAmxMinRows rows: bit for bit the x8 kernels' floats, so batch-invariant mode's
+    // rule (use_amx is off there) only keeps the choice where it always was.
+    const auto x8 = cpu::use_amx(isa, M)         ? cpu::linear_q8_0x8_amx
+                    : isa >= cpu::Isa::kAvx512 ? cpu::linear_q8_0x8_vnni
+                                               : cpu::linear_q8_0x8_avx2;
+    x8(act, w, b, o, N, done);
     if (done < N) kernel(act, w + done * rb, b != nullptr ? b + done : nullptr, o + done, N, N - done);
   } else {
     // No AVX2 (or PAGEWIRE_CPU_ISA=portable after the weight was interleaved): the portable kernel

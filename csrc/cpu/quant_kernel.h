@@ -62,6 +62,10 @@ void linear_q8_0x8_avx2(const Q8Activations& x, const uint8_t* w, const float* b
 // The same with AVX-512 VNNI (linear_x8_vnni.cpp; Isa::kAvx512 or better): the same floats, bit for bit.
 void linear_q8_0x8_vnni(const Q8Activations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
                         int64_t N);
+// The same with AMX tiles (linear_amx.cpp; Isa::kAmx): the x8 kernels' integers and fp32 steps, so
+// the same floats again, bit for bit, at any M; used from kAmxMinRows rows where AMX is allowed.
+void linear_q8_0x8_amx(const Q8Activations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
+                       int64_t N);
 
 // fp16 bits -> fp32, portable (the scale of a Q8_0 block).
 inline float fp16_to_float(uint16_t h) {

@@ -167,7 +167,8 @@ class QuantizedWeight:
         the x8 kernel is one weight row (csrc/cpu/x8_body.h and, for the K-quants, x8k_body.h, each
         built for AVX2 and for AVX-512 VNNI). On AVX-512 CPUs too: measured on an AMX Xeon,
         the x8 kernels beat the AVX-512 row kernels at every row count up to the integer kernels'
-        limit for 4-bit (1.1-1.9x), and from one row to four for Q8_0 (bench/RESULTS.md, session 20).
+        limit for 4-bit (1.1-1.9x), and from one row to four for Q8_0 (bench/RESULTS.md, session 20);
+        from 4 rows on AMX CPUs Q8_0's x8 layout runs on AMX tiles (linear_q8_0x8_amx, session 21).
         The portable family reads GGUF's rows; so do Q5_K and MXFP4 everywhere."""
         if self.interleaved or self.qtype not in INTERLEAVABLE or self.shape[0] < 8 or not x8_here():
             return self

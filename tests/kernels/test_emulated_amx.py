@@ -28,11 +28,12 @@ PTR = ctypes.c_void_p
 
 @pytest.fixture(scope="module")
 def lib() -> ctypes.CDLL:
-    so = emu_build.build("amx", ["linear_amx.cpp", "linear_q8_avx2.cpp"])
+    so = emu_build.build("amx", ["linear_amx.cpp", "linear_q8_avx2.cpp", "linear_x8_avx2.cpp", "linear_x8k_avx2.cpp"])
     so.pw_amx_emu_dp.argtypes = [ctypes.c_int, PTR, PTR, I64, PTR, I64, PTR, I64]
     so.pw_linear_bf16_amx.argtypes = [PTR, I64, PTR, PTR, PTR, I64, I64, I64]
     so.pw_quantize_rows_q8.argtypes = [PTR, I64, I64, PTR, PTR]
     so.pw_linear_q8_0.argtypes = [ctypes.c_int, PTR, PTR, I64, I64, PTR, PTR, PTR, I64]
+    so.pw_linear_q8_0x8.argtypes = [ctypes.c_int, PTR, PTR, I64, I64, PTR, PTR, PTR, I64]
     return so
 
 
@@ -307,3 +308,26 @@ def test_q8_0_batch_invariance(lib: ctypes.CDLL, N: int, K: int) -> None:
         assert np.array_equal(linear_q8(lib, 1, xq[:M], xd[:M], wq, b).view(np.uint32), alone[:M].view(np.uint32)), M
     perm = torch.randperm(17, generator=gen).numpy()
     assert np.array_equal(linear_q8(lib, 1, xq[perm], xd[perm], wq, b).view(np.uint32), alone[perm].view(np.uint32))
+
+
+@pytest.mark.parametrize("M", [1, 4, 5, 16, 17])
+@pytest.mark.parametrize("N", [8, 40, 64])
+def test_q8_0_x8_amx_is_the_avx2_x8_bit_for_bit(lib: ctypes.CDLL, M: int, N: int) -> None:
+    """linear_q8_0x8_amx (the activations as the A tile, the x8 chunks as the B tile) against the
+    AVX2 x8 kernel: the same integer dots and fp32 steps, so the same floats; one to five groups
+    per thread step, partial and several chunks of 16 activation rows, with a bias."""
+    K = 96
+    gen = torch.Generator().manual_seed(M * 100 + N)
+    w = torch.randn(N, K, generator=gen)
+    x8 = torch.ops.pagewire.interleave_q8_0(torch.ops.pagewire.quantize_q8_0(w)).numpy()
+    xq, xd = quantize_x(lib, torch.randn(M, K, generator=gen).numpy())
+    b = torch.randn(N, generator=gen).numpy()
+    outs = []
+    for isa in (0, 1):
+        out = np.zeros((M, N), np.float32)
+        lib.pw_linear_q8_0x8(isa, ptr(xq), ptr(xd), M, K, ptr(x8), ptr(b), ptr(out), N)
+        outs.append(out)
+    assert np.array_equal(outs[0].view(np.int32), outs[1].view(np.int32))
+    ref = portable_q8(xq, xd, quantize_weight(w), b)
+    np.testing.assert_allclose(outs[1], ref, rtol=1e-5, atol=1e-5)
+

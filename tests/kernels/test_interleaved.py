@@ -158,6 +158,27 @@ def test_vnni_x8_is_the_avx2_x8_bit_for_bit_natively(monkeypatch: pytest.MonkeyP
             assert torch.isfinite(got["avx2"]).all()
 
 
+@pytest.mark.skipif("amx" not in available_isas(), reason="needs a CPU with AMX (int8 tiles)")
+@pytest.mark.parametrize("extreme", [False, True])
+@pytest.mark.parametrize("n,k", [(64, 256), (40, 512), (264, 1024)])
+def test_amx_q8_0_x8_is_the_vnni_x8_bit_for_bit(monkeypatch: pytest.MonkeyPatch, n: int, k: int, extreme: bool) -> None:
+    """Q8_0's x8 kernel on AMX tiles (linear_amx.cpp linear_q8_0x8_amx: the activations as the A
+    tile, the x8 chunks as the B tile) adds the same integers and runs the same fp32 steps as the
+    VNNI x8 kernel, so every output is the same float, at every row count from 1 to 16 (AMX from
+    4: four groups per step, odd group counts and partial row chunks included), with a bias."""
+    x8 = weight("q8_0", n, k, seed=n + k, extreme=extreme).interleave()
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    for m in (1, 3, 4, 5, 8, 13, 16):
+        x = activations(m, k, seed=m, extreme=extreme)
+        got = {}
+        for isa in ("avx512", "amx"):
+            monkeypatch.setenv("PAGEWIRE_CPU_ISA", isa)
+            assert ops.cpu_isa() == isa
+            got[isa] = ops.linear(x, x8, bias)
+        assert torch.equal(got["avx512"], got["amx"]), (n, k, m)
+        assert torch.isfinite(got["amx"]).all()
+
+
 def test_for_kernels_interleaves_for_every_x86_kernel_family(monkeypatch: pytest.MonkeyPatch) -> None:
     q0, q1, qk = random_q4("q4_0", 16, 256, seed=1), random_q4("q4_1", 16, 256, seed=2), random_q4("q4_k", 16, 256, 3)
     q8 = QuantizedWeight.quantize(torch.randn(16, 256))

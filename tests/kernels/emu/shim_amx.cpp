@@ -46,4 +46,11 @@ void pw_linear_q8_0(int isa, const int8_t* xq, const float* xd, int64_t M, int64
   (isa == 1 ? pagewire::cpu::linear_q8_0_amx : pagewire::cpu::linear_q8_0_avx2)(x, w, bias, out, N, N);
 }
 
+// Q8_0 in the x8 layout (whole groups of eight rows): isa 0 the AVX2 x8 kernel, 1 the AMX one.
+void pw_linear_q8_0x8(int isa, const int8_t* xq, const float* xd, int64_t M, int64_t K, const uint8_t* w,
+                      const float* bias, float* out, int64_t N) {
+  const Q8Activations x{xq, xd, M, K};
+  (isa == 1 ? pagewire::cpu::linear_q8_0x8_amx : pagewire::cpu::linear_q8_0x8_avx2)(x, w, bias, out, N, N);
+}
+
 }  // extern "C"

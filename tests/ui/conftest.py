@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from tests.server.harness import ServerProcess
-from tests.ui.page import ChatPage
+from tests.ui.page import UI_ENGINE, ChatPage
 from tests.ui.proxy import CuttableProxy
 
 CHROMIUM = "/usr/bin/chromium"
@@ -79,7 +79,7 @@ def browser(tmp_path: Path) -> Iterator[Any]:
 def ui_server(real_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """One live server (the real default model, explicit path) shared by a module's tests."""
     db = tmp_path_factory.mktemp("ui-ledger") / "ui.db"
-    with ServerProcess(real_model, db) as proc:
+    with ServerProcess(real_model, db, *UI_ENGINE) as proc:
         yield proc
 
 

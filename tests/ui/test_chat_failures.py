@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 import pytest
 
 from tests.server.harness import ServerProcess, ledger_rows
-from tests.ui.page import ChatPage, greedy_chat
+from tests.ui.page import UI_ENGINE, ChatPage, greedy_chat
 from tests.ui.proxy import CuttableProxy
 
 STORY = "Tell me a story"  # SmolLM2 answers it with several hundred tokens (greedy)
@@ -33,7 +33,7 @@ def test_server_killed_mid_answer_shows_interrupted_and_regenerate_works(
         real_model: Path, tmp_path: Path, own_server: list[ServerProcess],
         open_page: Callable[[str], ChatPage]) -> None:
     db = tmp_path / "ledger.db"
-    first = ServerProcess(real_model, db)
+    first = ServerProcess(real_model, db, *UI_ENGINE)
     own_server.append(first)
     first.start()
     proxy = CuttableProxy(first.port)
@@ -47,7 +47,7 @@ def test_server_killed_mid_answer_shows_interrupted_and_regenerate_works(
         assert ledger_rows(db)[rid]["state"] in ("queued", "running")  # still generating
         first.kill()  # SIGKILL: no drain, the ledger row stays open
 
-        second = ServerProcess(real_model, db)
+        second = ServerProcess(real_model, db, *UI_ENGINE)
         second.port = first.port  # same address, so the page finds it again
         own_server.append(second)
         second.start()
@@ -79,7 +79,7 @@ def test_overloaded_shows_retry_then_queued_then_answers(
     from websockets.sync.client import connect
 
     # One request in the engine, one in the queue, and the next one is refused with 429.
-    server = ServerProcess(real_model, tmp_path / "ledger.db", "--max-num-seqs", "1", "--engine-margin", "0",
+    server = ServerProcess(real_model, tmp_path / "ledger.db", *UI_ENGINE, "--max-num-seqs", "1", "--engine-margin", "0",
                            "--max-queue", "1")
     own_server.append(server)
     server.start()

@@ -28,7 +28,8 @@ PTR = ctypes.c_void_p
 
 @pytest.fixture(scope="module")
 def lib() -> ctypes.CDLL:
-    so = emu_build.build("amx", ["linear_amx.cpp", "linear_q8_avx2.cpp", "linear_x8_avx2.cpp", "linear_x8k_avx2.cpp"])
+    so = emu_build.build("amx", ["linear_amx.cpp", "linear_q8x8_amx.cpp", "linear_q8_avx2.cpp", "linear_x8_avx2.cpp",
+                                  "linear_x8k_avx2.cpp"])
     so.pw_amx_emu_dp.argtypes = [ctypes.c_int, PTR, PTR, I64, PTR, I64, PTR, I64]
     so.pw_linear_bf16_amx.argtypes = [PTR, I64, PTR, PTR, PTR, I64, I64, I64]
     so.pw_quantize_rows_q8.argtypes = [PTR, I64, I64, PTR, PTR]

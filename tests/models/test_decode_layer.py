@@ -38,8 +38,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def _run(model: DecoderForCausalLM, fused: bool, steps: list[dict[int, list[int]]]) -> tuple[list, PagedRun]:
-    model.fused_decode = fused
+def _run(model: DecoderForCausalLM, fused: bool, steps: list[dict[int, list[int]]],
+         switch: str = "fused_decode") -> tuple[list, PagedRun]:
+    """The steps' logits and the run, with the model's `switch` (fused_decode, stacked_decode) set to `fused`."""
+    setattr(model, switch, fused)
     run = PagedRun(model, seed=5)
     logits = [run.step(s) for s in steps]
     return logits, run
@@ -55,10 +57,11 @@ def _steps(batch: int) -> list[dict[int, list[int]]]:
     return steps
 
 
-def _assert_same(model: DecoderForCausalLM, batch: int) -> None:
+def _assert_same(model: DecoderForCausalLM, batch: int, switch: str = "fused_decode") -> None:
+    """Logits and every KV cache byte the same with `switch` on and off."""
     steps = _steps(batch)
-    fused, run_f = _run(model, True, steps)
-    plain, run_p = _run(model, False, steps)
+    fused, run_f = _run(model, True, steps, switch)
+    plain, run_p = _run(model, False, steps, switch)
     for a, b in zip(fused, plain):
         for sid in a:
             assert torch.equal(a[sid], b[sid]), sid
@@ -293,13 +296,14 @@ def test_decode_layer_refuses_gemma4_parts_that_do_not_go_together(family_models
     assert torch.equal(args[0], hidden)
 
 
-def _count_fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """A list that collects the layer index of every forward_fused call from now on, with the
-    whole-step DecodeStack off so that each layer's call is seen (tests/models/test_decode_stack.py
-    checks the stack against these calls)."""
+def _count_fused_calls(monkeypatch: pytest.MonkeyPatch, stacks: bool = False) -> list[int]:
+    """A list that collects the layer index of every forward_fused call from now on; unless
+    `stacks`, with the whole-step DecodeStack off so that each layer's call is seen
+    (tests/models/test_decode_stack.py checks the stack against these calls)."""
     calls: list[int] = []
     real = decoder_layer.DecoderLayer.forward_fused
-    monkeypatch.setattr(DecoderForCausalLM, "_decode_stack", lambda *args: None)
+    if not stacks:
+        monkeypatch.setattr(DecoderForCausalLM, "_decode_stack", lambda *args: None)
 
     def counting(self: decoder_layer.DecoderLayer, *args: object) -> object:
         calls.append(self.layer_idx)

@@ -13,14 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import server.models.decoder_layer as decoder_layer
 from server import SamplingParams
 from server.engine.config import EngineConfig
 from server.engine.engine import LLMEngine
 from server.models.decoder import DecoderForCausalLM
 from server.models.loader import load_model
 from tests.models.paged_harness import ARCHS, VOCAB, PagedRun
-from tests.models.test_decode_layer import FAMILIES, _steps
+from tests.models.test_decode_layer import FAMILIES, _assert_same, _count_fused_calls, _run, _steps
 from tests.models.test_moe_fused_layer import MOE_FAMILIES
 from tests.tiny_models import make_tiny_model
 
@@ -33,35 +32,6 @@ def stack_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             for arch in ARCHS + FAMILIES + MOE_FAMILIES}
 
 
-def _count_layer_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    calls: list[int] = []
-    real = decoder_layer.DecoderLayer.forward_fused
-
-    def counting(self: decoder_layer.DecoderLayer, *args: object) -> object:
-        calls.append(self.layer_idx)
-        return real(self, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(decoder_layer.DecoderLayer, "forward_fused", counting)
-    return calls
-
-
-def _run(model: DecoderForCausalLM, stacked: bool, steps: list[dict[int, list[int]]]) -> tuple[list, PagedRun]:
-    model.stacked_decode = stacked
-    run = PagedRun(model, seed=7)
-    return [run.step(s) for s in steps], run
-
-
-def _assert_stack_is_the_layers(model: DecoderForCausalLM, batch: int) -> None:
-    steps = _steps(batch)
-    stacked, run_s = _run(model, True, steps)
-    layered, run_l = _run(model, False, steps)
-    for a, b in zip(stacked, layered):
-        for sid in a:
-            assert torch.equal(a[sid], b[sid]), sid
-    for (ks, vs), (kl, vl) in zip(run_s.kv_caches, run_l.kv_caches):
-        assert torch.equal(ks, kl) and torch.equal(vs, vl)
-
-
 @pytest.mark.parametrize("arch", ARCHS + FAMILIES + MOE_FAMILIES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
@@ -71,8 +41,8 @@ def test_the_stack_gives_the_per_layer_floats(stack_models: dict[str, Path], arc
     model, _ = load_model(stack_models[arch], dtype=dtype)
     if quantization != "none":
         model.quantize_weights(quantization)
-    calls = _count_layer_calls(monkeypatch)
-    _assert_stack_is_the_layers(model, batch)
+    calls = _count_fused_calls(monkeypatch, stacks=True)
+    _assert_same(model, batch, "stacked_decode")
     fused_layers = all(layer.fusable for layer in model._layers)
     stackable = fused_layers and all(layer.stackable() for layer in model._layers)
     # gpt-oss in bf16 runs its Python layers (fp32 norm weights); Gemma 4's per-layer inputs keep
@@ -94,17 +64,17 @@ def test_the_stack_follows_a_change_of_the_layers_kinds(stack_models: dict[str, 
     forgotten (what tests that mutate layers do)."""
     model, _ = load_model(stack_models["qwen3"], dtype="float32")
     steps = _steps(1)
-    float_logits, _ = _run(model, True, steps)
+    float_logits, _ = _run(model, True, steps, "stacked_decode")
     model.quantize_weights("int8")
-    quant_stacked, _ = _run(model, True, steps)
-    quant_layered, _ = _run(model, False, steps)
+    quant_stacked, _ = _run(model, True, steps, "stacked_decode")
+    quant_layered, _ = _run(model, False, steps, "stacked_decode")
     assert not torch.equal(float_logits[-1][0], quant_stacked[-1][0])
     assert all(torch.equal(a[0], b[0]) for a, b in zip(quant_stacked, quant_layered))
     for layer in model._layers:
         layer.softcap = 0.5
     model._forget_kinds()
-    capped, _ = _run(model, True, steps)
-    capped_layered, _ = _run(model, False, steps)
+    capped, _ = _run(model, True, steps, "stacked_decode")
+    capped_layered, _ = _run(model, False, steps, "stacked_decode")
     assert not torch.equal(capped[-1][0], quant_stacked[-1][0])
     assert all(torch.equal(a[0], b[0]) for a, b in zip(capped, capped_layered))
 

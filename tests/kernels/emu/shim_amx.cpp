@@ -1,4 +1,4 @@
-// C entry points for tests/kernels/test_emulated_amx.py: the AMX kernels of linear_amx.cpp, the
+// C entry points for tests/kernels/test_emulated_amx.py: the AMX kernels of linear_amx.cpp and linear_q8x8_amx.cpp, the
 // AVX2 Q8_0 kernel it is compared with, and the tile emulation itself, built by emu_build.py with
 // emulated intrinsics.
 #include <cstdint>

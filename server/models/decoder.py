@@ -32,7 +32,7 @@ from server.models.config import ModelConfig
 from server.models.decoder_layer import DecoderLayer, _replace_with_quantized
 from server.models.layers import add_norm, norm, rms_norm
 from server.models.lora import LoraStep, Slot
-from server.models.moe import parameter_summary
+from server.models.moe import SparseMoE, parameter_summary
 from server.models.rope import RopeBatch, RotaryEmbedding
 from server.models.weights import WeightTarget, param
 
@@ -99,6 +99,8 @@ class DecoderForCausalLM(nn.Module):
         # (tests compare the two). The stacks: (id(fused kinds), id(kv caches), sparse layers' kinds)
         # -> (those kinds, those caches, the stack or None: this step's layers cannot all join one).
         self.stacked_decode = True
+        # The sparse layers' MLPs, in layer order: their per-step choices are part of a stack's key.
+        self._sparse: list[SparseMoE] = [m for layer in self._layers if (m := getattr(layer, "moe", None)) is not None]
         self._stacks: dict[tuple[int, int, tuple[object, ...]], tuple[object, object, DecodeStack | None]] = {}
         self.eval()
 
@@ -209,12 +211,13 @@ class DecoderForCausalLM(nn.Module):
         choices, and dropped with the kinds (_forget_kinds)."""
         if fused is None or not self.stacked_decode:
             return None
-        moe_kinds = tuple(moe.decode_kinds(hidden) if (moe := getattr(layer, "moe", None)) is not None else None
-                          for layer in self._layers)
-        key = (id(fused), id(kv_caches), moe_kinds)
+        sparse = tuple(moe.decode_kinds(hidden) for moe in self._sparse)  # (none at all in a dense model)
+        key = (id(fused), id(kv_caches), sparse)
         cached = self._stacks.get(key)
         if cached is not None and cached[0] is fused and cached[1] is kv_caches:
             return cached[2]
+        chosen = iter(sparse)
+        moe_kinds = [next(chosen) if getattr(layer, "moe", None) is not None else None for layer in self._layers]
         stack: DecodeStack | None = None
         if all(kinds is not None and isinstance(layer, DecoderLayer) and layer.stackable()
                and (layer.moe is None or mk is not None)

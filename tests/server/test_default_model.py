@@ -22,7 +22,10 @@ NAME = "SmolLM2-135M-Instruct"
 def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     db = tmp_path_factory.mktemp("ledger") / "default.db"
     # --log-level info so the start-up log (sampling defaults) is in the captured output.
-    proc = ServerProcess(None, db, "--log-level", "info", served_model_name=None)
+    # --deterministic on: the model is served from its Q4_1 blocks (`--quantization auto`), and its
+    # first answer token is a near tie ("The" -1.88 against "L" -1.97 in fp32); without the mode the
+    # start-up autotune's timing picks the prefill path, which can flip it on a loaded machine.
+    proc = ServerProcess(None, db, "--log-level", "info", "--deterministic", "on", served_model_name=None)
     proc.start(timeout=600)
     try:
         yield proc

@@ -10,8 +10,8 @@
 Its fixed rules (kernel up to 16 rows on AVX512-BF16, at every M on AVX2, torch for fp32, integer
 kernel up to 16 rows for quantised weights) are right on the CPUs they were measured on and wrong
 elsewhere (on Intel AMX, oneDNN's bf16 GEMM beats the AVX512-BF16 kernel from M = 8). `tune` times
-both paths once at engine start, per distinct (weight kind, N, K) and M bucket (1, 2, 4, 8, 16 and
-"large" > 16, timed at LARGE_M rows) on random inputs against the real weights, and returns a
+both paths once at engine start, per distinct (weight kind, N, K) and M bucket (1, 2, 4, 8, 16, 32
+and "large" > 32, timed at LARGE_M rows) on random inputs against the real weights, and returns a
 `LinearTable`: one tuple of per-bucket choices per shape. The engine makes it active around each of
 its steps (`active`, thread-local like batch_invariant.mode), and `ops.linear` reads it with one
 dict lookup; a shape or bucket not in the table, or no active table, keeps the fixed rule.
@@ -146,8 +146,8 @@ def tune(
         sites: the model's linears (shapes are deduplicated; weights off the CPU are skipped).
         budget_s: wall time for the whole tune; (shape, bucket) pairs whose predicted cost does not
             fit what is left keep their fixed rule.
-        max_rows: the most rows one linear can see (the engine's token budget); the large bucket is
-            timed at min(LARGE_M, max_rows) rows, and not at all when max_rows <= 16.
+        max_rows: the most rows one linear can see (the engine's token budget); a bucket is timed
+            at min(its rows, max_rows) rows, and not at all when no row count it holds can occur.
         timer: measures one sample (injectable for tests); the default is wall time.
         log: log one line per shape group and a summary (logger pagewire.autotune).
     """
@@ -168,8 +168,8 @@ def tune(
         table.names.setdefault(key, []).append(site.name)
         groups.setdefault(key, site)
     for key, site in groups.items():
-        table.choices[key] = [Choice(linear_route.fixed_rule_takes_kernel(site.weight, BUCKETS[b] if b < LARGE else LARGE_M),
-                                      "fixed") for b in range(LARGE + 1)]
+        table.choices[key] = [Choice(linear_route.fixed_rule_takes_kernel(site.weight, _rows(b, LARGE_M)), "fixed")
+                              for b in range(LARGE + 1)]
 
     gen = torch.Generator().manual_seed(0)  # its own stream: the global RNG is the sampler's business
     last: dict[Key, tuple[int, float, float]] = {}  # key -> (rows, kernel s, torch s) of its latest timed bucket
@@ -177,9 +177,9 @@ def tune(
     order = [(b, False) for b in range(LARGE + 1)] + [(b, True) for b in range(QUANT_FIRST_BUCKET)]
     with torch.inference_mode():
         for b, late in order:
-            m = BUCKETS[b] if b < LARGE else table.large_m
-            if b == LARGE and max_rows is not None and max_rows <= BUCKETS[-1]:
-                continue
+            if max_rows is not None and b > 0 and max_rows <= BUCKETS[b - 1]:
+                continue  # no step passes that many rows
+            m = _rows(b, table.large_m, max_rows)
             for key, site in groups.items():
                 if (isinstance(site.weight, QuantizedWeight) and b < QUANT_FIRST_BUCKET) != late:
                     continue
@@ -207,7 +207,7 @@ def _tune_amx(route: ModuleType, table: LinearTable, groups: dict[Key, Site], t_
               gen: torch.Generator, timer: Timer) -> None:
     """AMX CPUs: where the kernel path was chosen from 4 rows on, AMX tiles or the AVX-512 kernel."""
     for b in range(AMX_FIRST_BUCKET, LARGE + 1):
-        m = BUCKETS[b] if b < LARGE else table.large_m
+        m = _rows(b, table.large_m)
         for key, site in groups.items():
             choice = table.choices[key][b]
             if not choice.kernel or choice.how == "budget":
@@ -237,6 +237,12 @@ def _time_amx(route: ModuleType, site: Site, m: int, gen: torch.Generator, timer
             samples[name].append(timer(name, fn, reps))
     off_wins = max(samples["kernel-noamx"]) < min(samples["kernel"]) * (1 - MARGIN)
     return off_wins, min(samples["kernel-noamx"])
+
+
+def _rows(b: int, large_m: int, max_rows: Optional[int] = None) -> int:
+    """The rows bucket b is timed at: its upper edge (LARGE: large_m), at most max_rows."""
+    m = BUCKETS[b] if b < LARGE else large_m
+    return m if max_rows is None else min(m, max_rows)
 
 
 def _predicted_s(last: Optional[tuple[int, float, float]], m: int) -> float:

@@ -17,8 +17,11 @@ import torch
 
 from server.kernels.quant import QuantizedWeight
 
-# Upper edges of the small-M buckets (decode batches); index len(BUCKETS) is "large" (> 16 rows).
-BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16)
+# Upper edges of the row-count buckets (decode batches, then short prefill chunks and verify
+# steps); index len(BUCKETS) is "large" (> 32 rows). 17-32 rows has its own bucket because the
+# quantised paths cross there: the integer kernel in 16-row blocks against dequantise + GEMM tied at
+# 64 rows on Q5_K / Q6_K while the kernel was 1.31x faster at 32 (bench/RESULTS.md, session 22).
+BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 LARGE = len(BUCKETS)
 # Rows the large bucket is timed at: a prefill chunk's scale without the cost of a full 256-row step.
 LARGE_M = 64
@@ -69,8 +72,9 @@ def table_key(weight: Weight, x_dtype: torch.dtype) -> Key:
 
 
 def bucket(m: int) -> int:
-    """The bucket index of a row count: 1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, 9-16 -> 4, > 16 -> LARGE."""
-    return (m - 1).bit_length() if m <= 16 else LARGE
+    """The bucket index of a row count: 1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, 9-16 -> 4, 17-32 -> 5,
+    > 32 -> LARGE."""
+    return (m - 1).bit_length() if m <= 32 else LARGE
 
 
 _state = threading.local()

@@ -20,7 +20,7 @@ from server.kernels.autotune import BUCKETS, LARGE, LARGE_M, LinearTable, Site, 
 from server.kernels.quant import QuantizedWeight
 from server.models.loader import load_model
 
-ROWS = [1, 2, 3, 4, 7, 8, 12, 16, 17, 40]  # every bucket, edges and insides
+ROWS = [1, 2, 3, 4, 7, 8, 12, 16, 17, 32, 40]  # every bucket, edges and insides
 # Tests of the float kernel path need a CPU that has it (x86 with AVX2); the portable family is
 # covered by test_portable_cpu_tunes_nothing_and_gets_f_linear.
 needs_kernels = pytest.mark.skipif(ops.cpu_isa() == "portable", reason="no AVX2 / AVX512-BF16 kernels")
@@ -43,7 +43,7 @@ def fake_timer(slow: str) -> autotune.Timer:
 
 
 def test_bucket_edges() -> None:
-    assert [bucket(m) for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, 4096)] == [0, 1, 2, 2, 3, 3, 4, 4, LARGE, LARGE]
+    assert [bucket(m) for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 4096)] == [0, 1, 2, 2, 3, 3, 4, 4, 5, 5, LARGE, LARGE]
     assert all(bucket(m) == i for i, m in enumerate(BUCKETS))
 
 
@@ -125,12 +125,20 @@ def test_one_row_keeps_the_kernel_unless_torch_is_beyond_tolerance() -> None:
 def test_no_large_bucket_when_steps_cannot_reach_it() -> None:
     w = torch.randn(16, 32).bfloat16()
     table = tune([Site("w", w, torch.bfloat16)], timer=fake_timer("torch"), max_rows=16)
-    assert table.choices[(torch.bfloat16, (16, 32))][LARGE].how == "fixed"
+    assert [c.how for c in table.choices[(torch.bfloat16, (16, 32))][-2:]] == ["fixed", "fixed"]
+    # 24 rows at most: the 17-32 bucket is timed (at 24 rows), the large one is not.
+
+    def rows_timer(path: str, fn: Callable[[], object], reps: int) -> float:
+        return 1e-3
+
+    table = tune([Site("w", w, torch.bfloat16)], timer=rows_timer, max_rows=24)
+    assert table.large_m == 24
+    assert [c.how for c in table.choices[(torch.bfloat16, (16, 32))][-2:]] == ["timed", "fixed"]
 
 
 def _mixed_table(key: autotune.Key) -> LinearTable:
-    # kernel at 1, 4, 16 rows; torch at 2, 8 and large: both paths inside and around the decode range.
-    return LinearTable(plans={key: (True, False, True, False, True, False)})
+    # kernel at 1, 4, 16, 17-32 rows; torch at 2, 8 and large: both paths inside and around the decode range.
+    return LinearTable(plans={key: (True, False, True, False, True, True, False)})
 
 
 @needs_kernels
@@ -193,7 +201,7 @@ def test_deterministic_mode_path_does_not_depend_on_m() -> None:
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(24, 64, generator=gen).bfloat16()
     qw = QuantizedWeight.quantize(w.float())
-    table = LinearTable(plans={(torch.bfloat16, (24, 64)): (False,) * 6, ("q8_0", torch.bfloat16, (24, 64)): (False,) * 6})
+    table = LinearTable(plans={(torch.bfloat16, (24, 64)): (False,) * (LARGE + 1), ("q8_0", torch.bfloat16, (24, 64)): (False,) * (LARGE + 1)})
     with autotune.active(table), batch_invariant.mode(True):
         assert {gemm_ran(lambda: ops.linear(torch.randn(m, 64).bfloat16(), w)) for m in ROWS} == {False}
         assert {gemm_ran(lambda: ops.linear(torch.randn(m, 64).bfloat16(), qw)) for m in ROWS} == {False}
@@ -353,7 +361,7 @@ def test_linear_turns_amx_off_where_the_table_says(monkeypatch: pytest.MonkeyPat
     gen = torch.Generator().manual_seed(6)
     w = (torch.randn(40, 96, generator=gen) / 96**0.5).bfloat16()
     K, NO = autotune.KERNEL, autotune.KERNEL_NO_AMX
-    table = LinearTable(plans={(torch.bfloat16, (40, 96)): (K, K, NO, NO, K, NO)})
+    table = LinearTable(plans={(torch.bfloat16, (40, 96)): (K, K, NO, NO, K, NO, NO)})
     for m in ROWS:
         x = torch.randn(m, 96, generator=gen).bfloat16()
         with autotune.active(table):

@@ -226,7 +226,7 @@ def test_python_layers_where_paths_differ(models: dict[str, Path], monkeypatch: 
     # Python; the other layers' matrices were tuned the same way here, so every layer steps aside.
     model.quantize_weights("int8")
     qkv = model._layers[0].qkv_weight
-    plan = {("q8_0", model.dtype, qkv.shape): (False,) * 6}
+    plan = {("q8_0", model.dtype, qkv.shape): (False,) * (autotune.LARGE + 1)}
     table = autotune.LinearTable(plans=plan)
     with autotune.active(table):
         kinds = model._fused_kinds(hidden, [rope_batch])

@@ -201,7 +201,8 @@ def test_deterministic_mode_path_does_not_depend_on_m() -> None:
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(24, 64, generator=gen).bfloat16()
     qw = QuantizedWeight.quantize(w.float())
-    table = LinearTable(plans={(torch.bfloat16, (24, 64)): (False,) * (LARGE + 1), ("q8_0", torch.bfloat16, (24, 64)): (False,) * (LARGE + 1)})
+    torch_only = (False,) * (LARGE + 1)
+    table = LinearTable(plans={(torch.bfloat16, (24, 64)): torch_only, ("q8_0", torch.bfloat16, (24, 64)): torch_only})
     with autotune.active(table), batch_invariant.mode(True):
         assert {gemm_ran(lambda: ops.linear(torch.randn(m, 64).bfloat16(), w)) for m in ROWS} == {False}
         assert {gemm_ran(lambda: ops.linear(torch.randn(m, 64).bfloat16(), qw)) for m in ROWS} == {False}

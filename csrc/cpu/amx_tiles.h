@@ -1,5 +1,5 @@
-// What the AMX kernels share (linear_amx.cpp: bf16 and row-layout Q8_0; linear_q8x8_amx.cpp:
-// Q8_0's x8 layout): the tile counts, the LDTILECFG operand, the compiler barrier that orders plain
+// What the AMX kernels share (linear_amx.cpp: bf16 and row-layout Q8_0; linear_x8_amx.cpp:
+// the x8 layouts of Q8_0, Q4_0 and Q4_1): the tile counts, the LDTILECFG operand, the compiler barrier that orders plain
 // stores around tile instructions, and each thread's slice of a parallel loop. Nothing here uses
 // an intrinsic, so it keeps the baseline ISA wherever it is included.
 #pragma once

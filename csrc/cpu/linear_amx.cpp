@@ -1,6 +1,7 @@
 // Small-batch bf16 and Q8_0 linear kernels on Intel AMX (Isa::kAmx: Sapphire Rapids and later),
 // x [M, K] @ w[N, K]^T, same contracts as linear_bf16_avx512 and linear_q8_0_portable. (Q8_0 in the x8
-// layout has its own AMX kernel, linear_q8x8_amx.cpp; the tile plumbing they share is amx_tiles.h.)
+// layout has its own AMX kernel, as have Q4_0 and Q4_1: linear_x8_amx.cpp; the tile plumbing they
+// share is amx_tiles.h.)
 //
 // Both compute the transpose, C^T[n][m] = W X^T, so the weight is read where it lies: a weight
 // tile ("A", src1) is 16 weight rows x 64 bytes loaded straight from w with the row stride, which

@@ -23,6 +23,7 @@
 #include "../ops.h"
 #include "cpu_features.h"
 #include "chunked_gemm.h"
+#include "dispatch_mode.h"
 #include "float_rows.h"
 #include "quant4_kernel.h"
 #include "quant_kernel.h"
@@ -418,10 +419,14 @@ at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::str
   if (!f.interleaved) {
     kernel(t, act, w, b, o, N, N);
   } else if (!portable) {
-    // Whole groups through the family's x8 kernel (VNNI from AVX-512 up), the last N % 8 rows, in
-    // row layout, through the family's row kernel.
+    // Whole groups through the family's x8 kernel (VNNI from AVX-512 up; Q4_0 and Q4_1 on AMX tiles
+    // from kAmxMinRows rows, the same floats), the last N % 8 rows, in row layout, through the
+    // family's row kernel.
     const int64_t G = cpu::kQ4Interleave, done = N / G * G, rb = wc.size(1);
-    (isa >= cpu::Isa::kAvx512 ? cpu::linear_q4x8_vnni : cpu::linear_q4x8_avx2)(t, act, w, b, o, N, done);
+    const bool amx = cpu::use_amx(isa, M) && (t == cpu::Q4Type::kQ4_0 || t == cpu::Q4Type::kQ4_1);
+    (amx                          ? cpu::linear_q4x8_amx
+     : isa >= cpu::Isa::kAvx512 ? cpu::linear_q4x8_vnni
+                                : cpu::linear_q4x8_avx2)(t, act, w, b, o, N, done);
     if (done < N) kernel(t, act, w + done * rb, b != nullptr ? b + done : nullptr, o + done, N, N - done);
   } else {
     // No AVX2 (or PAGEWIRE_CPU_ISA=portable after the weight was interleaved): the portable kernel

@@ -62,7 +62,7 @@ void linear_q8_0x8_avx2(const Q8Activations& x, const uint8_t* w, const float* b
 // The same with AVX-512 VNNI (linear_x8_vnni.cpp; Isa::kAvx512 or better): the same floats, bit for bit.
 void linear_q8_0x8_vnni(const Q8Activations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
                         int64_t N);
-// The same with AMX tiles (linear_q8x8_amx.cpp; Isa::kAmx): the x8 kernels' integers and fp32 steps, so
+// The same with AMX tiles (linear_x8_amx.cpp; Isa::kAmx): the x8 kernels' integers and fp32 steps, so
 // the same floats again, bit for bit, at any M; used from kAmxMinRows rows where AMX is allowed.
 void linear_q8_0x8_amx(const Q8Activations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
                        int64_t N);

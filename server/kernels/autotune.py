@@ -39,8 +39,8 @@ the samples so) must not replace it there. On an AMX Xeon under the test suite's
 changed the default model's bf16 text under n-gram speculation at token 26 (bench/RESULTS.md,
 session 21); at one row the two paths were within 1-7 % of each other on every shape measured.
 
-On an AMX CPU (family "amx") the kernel path itself has two bodies from 4 rows: the AMX tiles
-(the default) and the AVX-512 dot products. For every bucket of 4 rows and more whose choice is
+On an AMX CPU (family "amx") the kernel path itself has two bodies from 4 rows for bf16, Q8_0,
+Q4_0 and Q4_1: the AMX tiles (the default) and the AVX-512 dot products. For every bucket of 4 rows and more whose choice is
 the kernel, `tune` also times the kernel with AMX allowed and with it off (server._C.set_amx_allowed),
 by the same rule (AMX stays unless every sample without it is MARGIN faster); the plan then holds
 KERNEL_NO_AMX there, and ops.linear turns AMX off around that call.
@@ -99,6 +99,8 @@ MIN_SAMPLE_S = 1e-3  # a sample repeats the call until it lasts about this long 
 DEFAULT_BUDGET_S = 2.0
 
 AMX_FIRST_BUCKET = 2  # BUCKETS[2] = 4 rows: where the linear ops start to use AMX (kAmxMinRows)
+# The quantised formats with an AMX body (linear_amx.cpp, linear_x8_amx.cpp).
+AMX_QTYPES = (Qtype.Q8_0, Qtype.Q4_0, Qtype.Q4_1)
 # (timed path "kernel", "torch" or "kernel-noamx", the call, most repetitions) -> seconds per call.
 Timer = Callable[[str, Callable[[], object], int], float]
 
@@ -212,8 +214,8 @@ def _tune_amx(route: ModuleType, table: LinearTable, groups: dict[Key, Site], t_
             choice = table.choices[key][b]
             if not choice.kernel or choice.how == "budget":
                 continue
-            if isinstance(site.weight, QuantizedWeight) and site.weight.qtype is not Qtype.Q8_0:
-                continue  # the 4-bit formats have no AMX body
+            if isinstance(site.weight, QuantizedWeight) and site.weight.qtype not in AMX_QTYPES:
+                continue  # the K-quants and MXFP4 have no AMX body
             seen = choice.kernel_s if choice.kernel_s is not None else 0.0
             if time.perf_counter() - t_start + 2 * (1 + SAMPLES) * max(seen, MIN_SAMPLE_S) > budget_s:
                 continue  # AMX stays: the default from 4 rows

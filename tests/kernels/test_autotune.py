@@ -19,6 +19,7 @@ from server.kernels import autotune, batch_invariant, linear_plan, linear_route,
 from server.kernels.autotune import BUCKETS, LARGE, LARGE_M, LinearTable, Site, bucket, tune
 from server.kernels.quant import QuantizedWeight
 from server.models.loader import load_model
+from tests.kernels.test_quant4 import random_q4
 
 ROWS = [1, 2, 3, 4, 7, 8, 12, 16, 17, 32, 40]  # every bucket, edges and insides
 # Tests of the float kernel path need a CPU that has it (x86 with AVX2); the portable family is
@@ -330,12 +331,13 @@ def test_amx_cpu_also_times_the_kernel_without_amx(monkeypatch: pytest.MonkeyPat
     gen = torch.Generator().manual_seed(5)
     w32 = torch.randn(48, 64, generator=gen)
     sites = [Site("bf16", w32.bfloat16(), torch.bfloat16), Site("q8", QuantizedWeight.quantize(w32), torch.bfloat16),
-             Site("q4", QuantizedWeight.quantize(w32, "q4_0"), torch.bfloat16)]
+             Site("q4", QuantizedWeight.quantize(w32, "q4_0"), torch.bfloat16),
+             Site("q4k", random_q4("q4_k", 48, 256, seed=5), torch.bfloat16)]
     table = tune(sites, timer=amx_timer(slow), budget_s=120.0, log=False)
     assert server._C.amx_allowed()  # restored after every timed call
     assert (False in {on for _, on in flags}) and (True in {on for _, on in flags})
     for key, plan in table.plans.items():
-        amx_body = key[0] != "q4_0"  # the 4-bit formats have no AMX kernel: nothing to compare
+        amx_body = key[0] != "q4_k"  # the K-quants have no AMX kernel: nothing to compare
         for b, choice in enumerate(plan):
             # Q8_0 at 4 and 8 rows keeps the kernel by rule (dequantise + GEMM is not plausible
             # there), but AMX against AVX-512 is still timed.

@@ -28,13 +28,15 @@ PTR = ctypes.c_void_p
 
 @pytest.fixture(scope="module")
 def lib() -> ctypes.CDLL:
-    so = emu_build.build("amx", ["linear_amx.cpp", "linear_q8x8_amx.cpp", "linear_q8_avx2.cpp", "linear_x8_avx2.cpp",
+    so = emu_build.build("amx", ["linear_amx.cpp", "linear_x8_amx.cpp", "linear_q8_avx2.cpp", "linear_x8_avx2.cpp",
                                   "linear_x8k_avx2.cpp"])
     so.pw_amx_emu_dp.argtypes = [ctypes.c_int, PTR, PTR, I64, PTR, I64, PTR, I64]
     so.pw_linear_bf16_amx.argtypes = [PTR, I64, PTR, PTR, PTR, I64, I64, I64]
     so.pw_quantize_rows_q8.argtypes = [PTR, I64, I64, PTR, PTR]
     so.pw_linear_q8_0.argtypes = [ctypes.c_int, PTR, PTR, I64, I64, PTR, PTR, PTR, I64]
     so.pw_linear_q8_0x8.argtypes = [ctypes.c_int, PTR, PTR, I64, I64, PTR, PTR, PTR, I64]
+    so.pw_linear_q4x8.argtypes = [ctypes.c_int, ctypes.c_int, PTR, PTR, PTR, I64, I64, PTR, PTR, PTR, I64]
+    so.pw_quantize_rows_q8_sums.argtypes = [PTR, I64, I64, PTR, PTR, PTR]
     return so
 
 
@@ -332,3 +334,37 @@ def test_q8_0_x8_amx_is_the_avx2_x8_bit_for_bit(lib: ctypes.CDLL, M: int, N: int
     ref = portable_q8(xq, xd, quantize_weight(w), b)
     np.testing.assert_allclose(outs[1], ref, rtol=1e-5, atol=1e-5)
 
+
+@pytest.mark.parametrize("M", [1, 4, 5, 8, 16, 17, 33])
+@pytest.mark.parametrize("N", [8, 40, 72, 136])
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1"])
+def test_q4_x8_amx_is_the_avx2_x8_bit_for_bit(lib: ctypes.CDLL, qtype: str, M: int, N: int) -> None:
+    """linear_q4x8_amx (the activations as the A tile, two groups' codes unpacked to bytes as a
+    16-column B tile) against the AVX2 x8 kernel: the same integer dots and fp32 steps, so the same
+    floats; one to nine groups (odd counts leave a lone last group), one to four tiles per step,
+    partial and several chunks of 16 activation rows, with a bias; and against the float64
+    product of the dequantised operands."""
+    from tests.kernels.test_quant4 import random_q4
+
+    K = 96
+    gen = torch.Generator().manual_seed(M * 100 + N)
+    qw = random_q4(qtype, N, K, seed=M + N)
+    x8 = qw.interleave().data.numpy()
+    x = torch.randn(M, K, generator=gen).numpy()
+    xq = np.zeros((M, K), np.int8)
+    xd = np.zeros((M, K // 32), np.float32)
+    xs = np.zeros((M, K // 32), np.float32)
+    lib.pw_quantize_rows_q8_sums(ptr(x), M, K, ptr(xq), ptr(xd), ptr(xs))
+    b = torch.randn(N, generator=gen).numpy()
+    outs = []
+    for isa in (0, 1):
+        out = np.full((M, N), np.nan, np.float32)
+        lib.pw_linear_q4x8(isa, 0 if qtype == "q4_0" else 1, ptr(xq), ptr(xd), ptr(xs), M, K, ptr(x8), ptr(b),
+                           ptr(out), N)
+        outs.append(out)
+    assert np.array_equal(outs[0].view(np.int32), outs[1].view(np.int32))
+    xdq = np.repeat(xd.astype(np.float64), 32, axis=1) * xq
+    wdq = qw.dequantize(torch.float64).numpy()
+    ref = xdq @ wdq.T + b
+    mag = np.abs(xdq) @ np.abs(wdq).T + np.abs(b)
+    assert np.all(np.abs(outs[1] - ref) <= 1e-5 * mag + 1e-6)

@@ -160,13 +160,16 @@ def test_vnni_x8_is_the_avx2_x8_bit_for_bit_natively(monkeypatch: pytest.MonkeyP
 
 @pytest.mark.skipif("amx" not in available_isas(), reason="needs a CPU with AMX (int8 tiles)")
 @pytest.mark.parametrize("extreme", [False, True])
-@pytest.mark.parametrize("n,k", [(64, 256), (40, 512), (264, 1024)])
-def test_amx_q8_0_x8_is_the_vnni_x8_bit_for_bit(monkeypatch: pytest.MonkeyPatch, n: int, k: int, extreme: bool) -> None:
-    """Q8_0's x8 kernel on AMX tiles (linear_amx.cpp linear_q8_0x8_amx: the activations as the A
-    tile, the x8 chunks as the B tile) adds the same integers and runs the same fp32 steps as the
-    VNNI x8 kernel, so every output is the same float, at every row count from 1 to 16 (AMX from
-    4: four groups per step, odd group counts and partial row chunks included), with a bias."""
-    x8 = weight("q8_0", n, k, seed=n + k, extreme=extreme).interleave()
+@pytest.mark.parametrize("n,k", [(64, 256), (40, 512), (264, 1024), (72, 96)])
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1"])
+def test_amx_x8_is_the_vnni_x8_bit_for_bit(monkeypatch: pytest.MonkeyPatch, qtype: str, n: int, k: int,
+                                           extreme: bool) -> None:
+    """The x8 kernels on AMX tiles (linear_x8_amx.cpp: the activations as the A tile; Q8_0's x8
+    chunks as the B tile, Q4_0's / Q4_1's unpacked two groups to a tile) add the same integers and
+    run the same fp32 steps as the VNNI x8 kernels, so every output is the same float, at row
+    counts from 1 to 16 (AMX from 4: up to four tiles per step, odd group counts -- a lone last
+    4-bit group -- and partial tiles), with a bias. Chunks of 16 rows: test_emulated_amx.py."""
+    x8 = weight(qtype, n, k, seed=n + k, extreme=extreme).interleave()
     bias = torch.randn(n, generator=torch.Generator().manual_seed(5))
     for m in (1, 3, 4, 5, 8, 13, 16):
         x = activations(m, k, seed=m, extreme=extreme)

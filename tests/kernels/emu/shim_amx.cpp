@@ -1,12 +1,14 @@
-// C entry points for tests/kernels/test_emulated_amx.py: the AMX kernels of linear_amx.cpp and linear_q8x8_amx.cpp, the
-// AVX2 Q8_0 kernel it is compared with, and the tile emulation itself, built by emu_build.py with
+// C entry points for tests/kernels/test_emulated_amx.py: the AMX kernels of linear_amx.cpp and linear_x8_amx.cpp, the
+// AVX2 Q8_0 and x8 kernels they are compared with, and the tile emulation itself, built by emu_build.py with
 // emulated intrinsics.
 #include <cstdint>
 
 #include "linear_kernel.h"
+#include "quant4_kernel.h"
 #include "quant_kernel.h"
 
 using pagewire::cpu::Q8Activations;
+using pagewire::cpu::Q8SumActivations;
 
 extern "C" {
 
@@ -51,6 +53,19 @@ void pw_linear_q8_0x8(int isa, const int8_t* xq, const float* xd, int64_t M, int
                       const float* bias, float* out, int64_t N) {
   const Q8Activations x{xq, xd, M, K};
   (isa == 1 ? pagewire::cpu::linear_q8_0x8_amx : pagewire::cpu::linear_q8_0x8_avx2)(x, w, bias, out, N, N);
+}
+
+// Q4_0 (t 0) or Q4_1 (t 1) in the x8 layout (whole groups): isa 0 the AVX2 x8 kernel, 1 the AMX one.
+// xs: per (row, block) the activation block's sum times its scale (quantize_rows_q8's third output).
+void pw_linear_q4x8(int isa, int t, const int8_t* xq, const float* xd, const float* xs, int64_t M, int64_t K,
+                    const uint8_t* w, const float* bias, float* out, int64_t N) {
+  const Q8SumActivations x{xq, xd, xs, M, K};
+  const auto type = t == 0 ? pagewire::cpu::Q4Type::kQ4_0 : pagewire::cpu::Q4Type::kQ4_1;
+  (isa == 1 ? pagewire::cpu::linear_q4x8_amx : pagewire::cpu::linear_q4x8_avx2)(type, x, w, bias, out, N, N);
+}
+
+void pw_quantize_rows_q8_sums(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
+  pagewire::cpu::quantize_rows_q8_avx2(x, K, M, K, q, d, s);
 }
 
 }  // extern "C"

@@ -105,7 +105,7 @@ namespace {
 
 template <class Act>
 void gated_bf16(const uint16_t* x, int64_t ldx, uint16_t* out, int64_t T, int64_t I) {
-#pragma omp parallel for schedule(static) if (T * I >= (1 << 16))
+#pragma omp parallel for schedule(static) if (T * I >= kFusedParallelElems)
   for (int64_t t = 0; t < T; ++t) {
     const uint16_t* g = x + t * ldx;
     const uint16_t* u = g + I;
@@ -125,7 +125,7 @@ void gated_bf16(const uint16_t* x, int64_t ldx, uint16_t* out, int64_t T, int64_
 
 template <class Act>
 void gated_f32(const float* x, int64_t ldx, float* out, int64_t T, int64_t I) {
-#pragma omp parallel for schedule(static) if (T * I >= (1 << 16))
+#pragma omp parallel for schedule(static) if (T * I >= kFusedParallelElems)
   for (int64_t t = 0; t < T; ++t) {
     const float* g = x + t * ldx;
     const float* u = g + I;

@@ -6,6 +6,13 @@
 
 namespace pagewire::cpu {
 
+// Elements of work (rows x values) from which the fused row ops (norms, rotations, gated
+// activations) split their rows over the OpenMP team. Below it one thread is faster than waking
+// the team; at 1 << 16 a decode step of eight rows ran every one of them on the engine thread
+// while the other core waited (SmolLM2 at batch 8: about a fifth of the step, perf; RESULTS,
+// session 22). The split never changes a result: each row is computed whole by one thread.
+constexpr int64_t kFusedParallelElems = 1 << 12;
+
 // out[t][j] = silu(x[t][j]) * x[t][I + j] for T rows of x (row stride ldx), rounded as
 // transformers does (bf16: silu rounded to bf16 before the multiply). out: [T, I] contiguous.
 void silu_and_mul_bf16_avx2(const uint16_t* x, int64_t ldx, uint16_t* out, int64_t T, int64_t I);

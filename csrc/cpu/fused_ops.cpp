@@ -26,8 +26,8 @@
 namespace pagewire {
 namespace {
 
-// Rows of work below which a single thread is faster than waking the OpenMP team.
-constexpr int64_t kParallelElems = 1 << 16;
+// Elements of work below which a single thread is faster than waking the OpenMP team.
+constexpr int64_t kParallelElems = cpu::kFusedParallelElems;
 
 // Conversions between float and the element type. bf16 is spelled out with branch-free bit
 // operations (round to nearest even; NaN stays NaN), which the compiler vectorises, where

@@ -408,8 +408,7 @@ at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::str
     xd.resize(M * nb);
     xs.resize(M * nb);
   }
-  (portable ? cpu::quantize_rows_q8 : cpu::quantize_rows_q8_avx2)(xf, K, M, K, xq.data(),
-                                                                    xd.data(), xs.data());
+  cpu::quantize_activation_rows(!portable, xf, M, K, xq.data(), xd.data(), xs.data());
   const cpu::Q8SumActivations act{xq.data(), xd.data(), xs.data(), M, K};
   const auto kernel = portable                      ? cpu::linear_q4_portable
                       : isa >= cpu::Isa::kAvx512 ? cpu::linear_q4_avx512

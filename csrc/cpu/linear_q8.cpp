@@ -255,8 +255,7 @@ at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const 
   thread_local std::vector<float> xd;
   if (static_cast<int64_t>(xq.size()) < M * K) xq.resize(M * K);
   if (static_cast<int64_t>(xd.size()) < M * K / cpu::kQ8Block) xd.resize(M * K / cpu::kQ8Block);
-  (portable ? cpu::quantize_rows_q8 : cpu::quantize_rows_q8_avx2)(xf, K, M, K, xq.data(),
-                                                                    xd.data(), nullptr);
+  cpu::quantize_activation_rows(!portable, xf, M, K, xq.data(), xd.data(), nullptr);
   const cpu::Q8Activations act{xq.data(), xd.data(), M, K};
   // AMX from kAmxMinRows rows (as for bf16, dispatch_mode.h: not in batch-invariant mode).
   const auto kernel = portable                      ? cpu::linear_q8_0_portable

@@ -58,12 +58,29 @@ inline __m256i broadcast4(const int8_t* p) {
 
 inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// The group's next super-block, one line at a time, into L1.
+// The group's super-block Ahead blocks on, one line at a time, into the cache level Hint names.
+//  * Q6_K, and Q4_K in the AVX2 build (tuned on a Zen 3): the next super-block, into L1.
+//  * Q4_K in the VNNI build: two super-blocks on (2,304 bytes, as x8_body.h's VNNI distance),
+//    into L2. Measured on an AMX Xeon with weights streamed from DRAM, one activation row: 55.5
+//    -> 47.5 us at 1536 x 1024 and 90.8 -> 77 us at 1024 x 2816 (the row-layout kernel's speed; at
+//    one super-block ahead the kernel took as long for one row as for four: waiting on memory).
+//    Q6_K there lost 5-10 % at two ahead, so it keeps one (bench/RESULTS.md, session 22).
+template <int Ahead, int Hint>
+inline void prefetch_ahead(const uint8_t* w, int group_bytes) {
+  for (int off = 0; off < group_bytes; off += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + Ahead * group_bytes + off), static_cast<_mm_hint>(Hint));
+  }
+}
 inline void prefetch_next(const uint8_t* w, int group_bytes) {
   for (int off = 0; off < group_bytes; off += 64) {
     _mm_prefetch(reinterpret_cast<const char*>(w + group_bytes + off), _MM_HINT_T0);
   }
 }
+#if PAGEWIRE_X8_VNNI
+inline void prefetch_q4k(const uint8_t* w, int group_bytes) { prefetch_ahead<2, _MM_HINT_T1>(w, group_bytes); }
+#else
+inline void prefetch_q4k(const uint8_t* w, int group_bytes) { prefetch_next(w, group_bytes); }
+#endif
 
 namespace q4k {
 
@@ -109,7 +126,7 @@ void group_k(const Q8SumActivations& x, int64_t m0, const uint8_t* w, const floa
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t s = 0; s < nsb; ++s, w += kGroupBytes) {
-    prefetch_next(w, kGroupBytes);
+    prefetch_q4k(w, kGroupBytes);
     // Scales 0-3 / 4-7 and mins 0-3 / 4-7 of every row, one byte each (q4_k_scale_min's rule).
     const __m256i a = load256(w + 32), b = load256(w + 64), c = load256(w + 96);
     const __m256i sc_lo = _mm256_and_si256(a, six);

@@ -16,8 +16,9 @@ and "large" > 32, timed at LARGE_M rows) on random inputs against the real weigh
 its steps (`active`, thread-local like batch_invariant.mode), and `ops.linear` reads it with one
 dict lookup; a shape or bucket not in the table, or no active table, keeps the fixed rule.
 
-Every (shape, bucket) is timed, quantised weights' large bucket included (the integer kernel in
-blocks of 16 rows against the op's dequantise-a-chunk-of-rows + GEMM path). A CPU without the float
+Every (shape, bucket) is timed, quantised weights' 17-32 and large buckets included (the integer
+kernel in blocks of 16 rows against the op's dequantise-a-chunk-of-rows + GEMM path; at 17-32 rows
+the kernel is the path to beat, QUANT_SHORT_BUCKET). A CPU without the float
 kernels (the portable family, ARM) has nothing to tune for float weights. When the fixed rule's
 path is more than CLEAR_RATIO faster after one sample each, it is kept there; otherwise each path
 gets SAMPLES samples, and the fixed rule's path is kept unless every sample of the other is at
@@ -91,6 +92,12 @@ __all__ = [
 logger = logging.getLogger("pagewire.autotune")
 
 QUANT_FIRST_BUCKET = 4  # quantised weights: buckets below it (M < 16) are timed last (see above)
+# Quantised weights' 17-32 row bucket starts from the integer kernel: timed here, on one cache-hot
+# copy of the weight, dequantise + GEMM comes within 10 % of it on Q5_K (0.60 against 0.66 ms at
+# 1536 x 1024), so the MARGIN rule kept the fixed rule's GEMM, which is 1.2x slower on weights
+# streamed from memory as in a real step (bench.kernels quant: 0.68 against 0.57 ms; every format's
+# kernel wins at 32 rows there). Timing still replaces it when the GEMM wins clearly.
+QUANT_SHORT_BUCKET = BUCKETS.index(32)
 CLEAR_RATIO = 1.5  # one sample each this far apart decides
 TOLERANCE = 1.2  # never keep a path whose best sample is more than this times the other's best
 SAMPLES = 4  # per path, for a close pair
@@ -172,6 +179,10 @@ def tune(
     for key, site in groups.items():
         table.choices[key] = [Choice(linear_route.fixed_rule_takes_kernel(site.weight, _rows(b, LARGE_M)), "fixed")
                               for b in range(LARGE + 1)]
+        if isinstance(site.weight, QuantizedWeight):
+            # 17-32 rows: the integer kernel (in blocks of 16) is the path to beat, not the fixed
+            # rule's dequantise + GEMM (see QUANT_SHORT_BUCKET).
+            table.choices[key][QUANT_SHORT_BUCKET] = Choice(True, "fixed")
 
     gen = torch.Generator().manual_seed(0)  # its own stream: the global RNG is the sampler's business
     last: dict[Key, tuple[int, float, float]] = {}  # key -> (rows, kernel s, torch s) of its latest timed bucket

@@ -253,10 +253,8 @@ void group_q6(const Q8SumActivations& x, const int32_t* x16, int64_t m0, const u
           for (int m = 0; m < MB; ++m) p32[m] = _mm256_setzero_si256();
 #endif
           for (int pair = 0; pair < 2; ++pair) {
-#if !PAGEWIRE_X8_VNNI
             __m256i p16[MB];
             for (int m = 0; m < MB; ++m) p16[m] = _mm256_setzero_si256();
-#endif
             for (int u = 0; u < 2; ++u) {
               const int c = 4 * hh + 2 * pair + u;  // values 4c..4c+3 of the sub-block
               const __m256i ql = load256(w + kQl + 32 * (16 * h + 8 * (t % 2) + c));

@@ -40,13 +40,16 @@ using amx::TileConfig;
 // (and _avx2's) bit for bit, whatever M, and batch-invariant mode may use it as well.
 // Tiles: C 0..3 (four groups of eight weight rows), A 4, B 5 and 6 alternating.
 
-struct Q8x8Call {
+// One call of either kernel: the weight (group_bytes per x8 group), bias, output and the Q8
+// activations; xc only for the 4-bit kernel (per row and block: Q4_0 -8 * xs, Q4_1 xs).
+struct X8Call {
   const uint8_t* w;
   const float* bias;
   float* out;
   int64_t ldo, K, nb, group_bytes;
   const int8_t* xq;
   const float* xd;
+  const float* xc = nullptr;
 };
 
 constexpr int kX8Rows = 8;                    // weight rows per x8 group (quant_kernel.h kQ8Interleave)
@@ -86,7 +89,7 @@ class X8Tiles {
 
 // G consecutive x8 groups from group g0 against activation rows [m0, m0 + mc).
 template <int G>
-void q8x8_step(const Q8x8Call& c, X8Tiles& tiles, int64_t g0, int64_t m0, int mc) {
+void q8x8_step(const X8Call& c, X8Tiles& tiles, int64_t g0, int64_t m0, int mc) {
   tiles.shape(mc);
   const uint8_t* w = c.w + g0 * c.group_bytes;
   const int8_t* xq = c.xq + m0 * c.K;
@@ -158,16 +161,6 @@ void q8x8_step(const Q8x8Call& c, X8Tiles& tiles, int64_t g0, int64_t m0, int mc
 // 0.56-0.86x the VNNI kernel at 4-8 rows: TDPBSSD costs about the same whatever the tile's size.
 // Tiles: C 0..3 (four pairs of groups), A 4, B 5 and 6 alternating.
 
-struct Q4x8Call {
-  const uint8_t* w;
-  const float* bias;
-  float* out;
-  int64_t ldo, K, nb, group_bytes;
-  const int8_t* xq;
-  const float* xd;
-  const float* xc;  // per (row, block): Q4_0 -8 * xs, Q4_1 xs
-};
-
 constexpr int kPairCols = 2 * kX8Rows;  // weight rows (C columns) per tile: two groups
 
 // One block of two groups' codes (128 bytes each at p0, p1; p1 null: zeros) -> the pair's B tile
@@ -194,7 +187,7 @@ inline __m512 fp16_pair(const uint8_t* p0, const uint8_t* p1) {
 // P pairs of groups from group g0 (the last pair a lone group when `lone`) against activation
 // rows [m0, m0 + mc).
 template <Q4Type T, int P>
-void q4x8_step(const Q4x8Call& c, X8Tiles& tiles, int64_t g0, int64_t m0, int mc, bool lone) {
+void q4x8_step(const X8Call& c, X8Tiles& tiles, int64_t g0, int64_t m0, int mc, bool lone) {
   constexpr int kScaleBytes = T == Q4Type::kQ4_0 ? 16 : 32;  // eight fp16 d (and eight fp16 m)
   constexpr int kBlockBytes = kScaleBytes + 128;
   // Eight streams at once: eight blocks ahead (about 1.2 KB) keeps each stream's lines in flight,
@@ -284,49 +277,39 @@ void q4x8_step(const Q4x8Call& c, X8Tiles& tiles, int64_t g0, int64_t m0, int mc
   }
 }
 
-template <Q4Type T>
-void run_q4x8(const Q4x8Call& call, int64_t M, int64_t K, int64_t groups) {
-  // A static split over pairs of groups (each thread streams one contiguous slice), four pairs a
-  // step against every chunk of 16 activation rows; an odd count's last group is a lone pair.
-  const int64_t pairs = (groups + 1) / 2;
-#pragma omp parallel if (groups * kX8Rows * K * M >= 65536)
+// Every unit (an x8 group, or a pair of them) against every chunk of 16 activation rows, four
+// units a step (one C tile each); a static split over the units (each thread streams one
+// contiguous slice of the weight). step(tiles, count, u, m0, mc) runs `count` (1..4) units from
+// u; unit_values (K times the unit's weight rows) sizes the parallel threshold.
+template <class Step>
+void for_x8_units(int64_t M, int64_t unit_values, int64_t units, const Step& step) {
+#pragma omp parallel if (units * unit_values * M >= 65536)
   {
     X8Tiles tiles;
-    int64_t p0, p1;
-    my_slice(pairs, &p0, &p1);
-    for (int64_t p = p0; p < p1; p += kGroups) {
-      const int count = static_cast<int>(std::min<int64_t>(kGroups, p1 - p));
-      const bool lone = p + count == pairs && groups % 2 == 1;
+    int64_t u0, u1;
+    my_slice(units, &u0, &u1);
+    for (int64_t u = u0; u < u1; u += kGroups) {
+      const int count = static_cast<int>(std::min<int64_t>(kGroups, u1 - u));
       for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-        const int mc = static_cast<int>(std::min<int64_t>(kRows, M - m0));
-        switch (count) {
-          case 4: q4x8_step<T, 4>(call, tiles, 2 * p, m0, mc, lone); break;
-          case 3: q4x8_step<T, 3>(call, tiles, 2 * p, m0, mc, lone); break;
-          case 2: q4x8_step<T, 2>(call, tiles, 2 * p, m0, mc, lone); break;
-          default: q4x8_step<T, 1>(call, tiles, 2 * p, m0, mc, lone); break;
-        }
+        step(tiles, count, u, m0, static_cast<int>(std::min<int64_t>(kRows, M - m0)));
       }
     }
   }
 }
 
-// Every group against every chunk of 16 activation rows, four groups a step; a static split over
-// the groups (each thread streams one contiguous slice of the weight). Step(count, g, m0, mc)
-// runs `count` (1..4) groups from g.
-template <class Step>
-void for_x8_groups(int64_t M, int64_t K, int64_t groups, const Step& step) {
-#pragma omp parallel if (groups * kX8Rows * K * M >= 65536)
-  {
-    X8Tiles tiles;
-    int64_t g0, g1;
-    my_slice(groups, &g0, &g1);
-    for (int64_t g = g0; g < g1; g += kGroups) {
-      const int count = static_cast<int>(std::min<int64_t>(kGroups, g1 - g));
-      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-        step(tiles, count, g, m0, static_cast<int>(std::min<int64_t>(kRows, M - m0)));
-      }
+template <Q4Type T>
+void run_q4x8(const X8Call& call, int64_t M, int64_t K, int64_t groups) {
+  // Units of two groups (an odd count's last unit a lone group).
+  const int64_t pairs = (groups + 1) / 2;
+  for_x8_units(M, K * kPairCols, pairs, [&](X8Tiles& tiles, int count, int64_t p, int64_t m0, int mc) {
+    const bool lone = p + count == pairs && groups % 2 == 1;
+    switch (count) {
+      case 4: q4x8_step<T, 4>(call, tiles, 2 * p, m0, mc, lone); break;
+      case 3: q4x8_step<T, 3>(call, tiles, 2 * p, m0, mc, lone); break;
+      case 2: q4x8_step<T, 2>(call, tiles, 2 * p, m0, mc, lone); break;
+      default: q4x8_step<T, 1>(call, tiles, 2 * p, m0, mc, lone); break;
     }
-  }
+  });
 }
 
 }  // namespace
@@ -336,8 +319,8 @@ void linear_q8_0x8_amx(const Q8Activations& x, const uint8_t* w, const float* bi
   const int64_t M = x.M, K = x.K, groups = N / kX8Rows;
   if (M <= 0 || groups <= 0) return;
   const int64_t nb = K / kQ8Block;
-  const Q8x8Call call{w, bias, out, ldo, K, nb, kX8Rows * nb * kQ8BlockBytes, x.q, x.d};
-  for_x8_groups(M, K, groups, [&](X8Tiles& tiles, int count, int64_t g, int64_t m0, int mc) {
+  const X8Call call{w, bias, out, ldo, K, nb, kX8Rows * nb * kQ8BlockBytes, x.q, x.d};
+  for_x8_units(M, K * kX8Rows, groups, [&](X8Tiles& tiles, int count, int64_t g, int64_t m0, int mc) {
     switch (count) {
       case 4: q8x8_step<4>(call, tiles, g, m0, mc); break;
       case 3: q8x8_step<3>(call, tiles, g, m0, mc); break;
@@ -360,7 +343,7 @@ void linear_q4x8_amx(Q4Type t, const Q8SumActivations& x, const uint8_t* w, cons
     for (int64_t i = 0; i < M * nb; ++i) offset[i] = -8.f * x.s[i];  // exact: a power of two
     xc = offset.data();
   }
-  const Q4x8Call call{w, bias, out, ldo, K, nb, kX8Rows * nb * q4_block_bytes(t), x.q, x.d, xc};
+  const X8Call call{w, bias, out, ldo, K, nb, kX8Rows * nb * q4_block_bytes(t), x.q, x.d, xc};
   if (t == Q4Type::kQ4_0) {
     run_q4x8<Q4Type::kQ4_0>(call, M, K, groups);
   } else {

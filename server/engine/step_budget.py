@@ -39,6 +39,12 @@ streams' cadence and the new requests' time to first token:
   still fits the small-batch regime) and None (no limit: the step's whole token budget,
   the fastest TTFT) when nothing decodes, since then there is no cadence to keep, or before the
   batched regime has been measured at all.
+- A chunk beside decodes is never more than TRUST_FACTOR times the largest step measured in the
+  batched regime. The fit's line is extrapolated past its data otherwise, and a few steps measured
+  at nearby row counts on a loaded host (the first batched step has no prediction to clamp its
+  stall against) can fit a per-token cost of zero or below: read literally, "a prefill token is
+  free", and the whole prompt joined one step beside the streams (seen under the test suite's
+  load). Doubling per step still reaches any chunk the target allows within a few steps.
 
 Pure Python and deterministic: the policy is a function of the observations fed to it, so
 tests drive it with step costs of their choosing (tests/engine/test_step_budget.py).
@@ -55,6 +61,8 @@ DECAY = 0.9
 # An observed step longer than this times its prediction is counted as this times the prediction:
 # a lasting slowdown is still followed (the prediction grows by up to this factor per step).
 OUTLIER_FACTOR = 1.5
+# A chunk beside decodes is at most this times the largest batched step measured (module docstring).
+TRUST_FACTOR = 2
 # Ridge weights, towards 0, of the parameters (fixed, jump, per row, slope change, a decode row's
 # extra, its change past the split): the fixed cost and the per-row slope are all but free; the
 # batched regime's jump and slope change lean towards 0 with a weight that only decides what the
@@ -137,6 +145,7 @@ class StepBudget:
         self.fit = _StepFit(fused_rows)
         self.last = StepRecord()
         self._limit: Optional[int] = None  # what prefill_tokens last returned (for `last`)
+        self._largest_batched = 0  # the most rows of any step measured past fused_rows
 
     def _measured(self, large: bool) -> bool:
         return (self.fit.large_count if large else self.fit.count - self.fit.large_count) > 0
@@ -153,6 +162,8 @@ class StepBudget:
         self._limit = None
         if decode_rows + prefill_tokens <= 0:
             return
+        if decode_rows + prefill_tokens > self.fused_rows:
+            self._largest_batched = max(self._largest_batched, decode_rows + prefill_tokens)
         predicted = self.predict(decode_rows, prefill_tokens)
         if predicted is not None:
             seconds = min(seconds, OUTLIER_FACTOR * max(predicted, 1e-6))
@@ -175,10 +186,11 @@ class StepBudget:
         small_room = min(room, self.fused_rows - decode_rows)
         if small_room > 0:
             small = self._largest_fitting(False, decode_rows, small_room, 1)
-        # Beyond it: every chunk from just past the split to the budget.
+        # Beyond it: every chunk from just past the split to the budget, within the trust region.
         lo = max(1, self.fused_rows - decode_rows + 1)
-        if lo <= room:
-            large = self._largest_fitting(True, decode_rows, room, lo)
+        hi = min(room, max(lo, TRUST_FACTOR * self._largest_batched - decode_rows))
+        if lo <= hi:
+            large = self._largest_fitting(True, decode_rows, hi, lo)
         # Both fit: the one predicted to prefill more tokens per second (see the module docstring).
         if large and small and self._rate(False, decode_rows, small) >= self._rate(True, decode_rows, large):
             large = 0

@@ -11,7 +11,10 @@ follow different paths from timing noise alone; with the fixed rules both take t
 kernels up to 16 rows, which are row-invariant, and that is the claim tested.
 On AVX-512 CPUs deterministic `auto` is off for bf16 too (its cost there, bench/RESULTS.md), and
 the engine runs speculative verify steps in batch-invariant mode instead (LLMEngine._verify_step);
-the default model in bf16 checks that on each family (docs/determinism.md).
+the default model in bf16 checks that on each family (docs/determinism.md). The speculative engine
+follows the plain engine's autotuned table (spec_exact_run.py): two engines tuned apart on a loaded
+machine can pick different prefill paths, and the prompt's KV then rounds apart before speculation
+does anything (seen once, busy suite, session 22).
 """
 from __future__ import annotations
 

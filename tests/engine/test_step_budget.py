@@ -165,3 +165,28 @@ def test_a_jump_is_learnt_from_the_first_mid_sized_chunk() -> None:
         p = b.prefill_tokens(8) or 0
         b.observe(8, p, cliff_cost(8, p))
     assert abs((b.prefill_tokens(8) or 0) - best_chunk(8, 0.060, 256)) <= 2
+
+
+def test_a_chunk_stays_within_twice_the_largest_batched_step_measured() -> None:
+    # A loaded host: the decode-only steps were slowed (a tiny model's step is mostly fixed cost)
+    # and three batched steps at nearby row counts cost about the same. The fit's batched line is
+    # then almost flat -- "a prefill token is all but free" -- and read literally it put a whole
+    # 240-token prompt into one step beside three streams (tests/engine/test_itl_budget.py under
+    # the suite's load). Its data reach 62 rows: the chunk stays within twice that.
+    b = StepBudget(1.0, 512)
+    for d, p, t in ((0, 40, 0.00400), (1, 50, 0.00401), (2, 60, 0.00402)):
+        b.observe(d, p, t)
+    for _ in range(10):
+        b.observe(3, 0, 0.0045)
+    b.target_s = b.predict(3, 0) or 0.0
+    base, per_token = b.fit.line(3, True)
+    assert base < b.target_s and (b.target_s - base) / per_token > 500  # the line: everything fits
+    first = b.prefill_tokens(3)
+    assert first is not None and 62 < first + 3 <= 2 * 62
+    # Each measured chunk widens the region, and once the real per-token cost shows, it decides.
+    cost = lambda p: 0.0038 + 0.00002 * (3 + p)  # noqa: E731 -- fits the target up to ~32 tokens
+    for _ in range(6):
+        p = b.prefill_tokens(3) or 0
+        b.observe(3, p, cost(p))
+    got = b.prefill_tokens(3) or 0
+    assert abs(got - 32) <= 3, got

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 // Headers first: inline functions they define must keep the baseline ISA.
@@ -98,8 +97,8 @@ void q8x8_step(const X8Call& c, X8Tiles& tiles, int64_t g0, int64_t m0, int mc) 
   for (int g = 0; g < G; ++g) {
     for (int m = 0; m < kRows; ++m) acc[g][m] = _mm256_setzero_ps();
   }
+  // Not cleared: a tile store writes its mc rows, and only those rows are read back.
   alignas(64) int32_t dots[G][kRows][kX8Rows];
-  std::memset(dots, 0, sizeof dots);
   compiler_barrier();
   for (int64_t b = 0; b < c.nb; ++b) {
     const int64_t off = b * kX8BlockBytes;
@@ -211,8 +210,9 @@ void q4x8_step(const X8Call& c, X8Tiles& tiles, int64_t g0, int64_t m0, int mc, 
   // b - 1, and block b's dots are read (the fp32 step) during block b + 1, so neither the tile
   // loads of just-stored bytes nor the vector loads of a just-stored tile wait on their stores.
   alignas(64) int8_t codes[2][P][kQ8Block * kPairCols];
+  // Not cleared (8 KB a call, 5 % of this kernel's time at 8 rows): a tile store writes its mc
+  // rows, and the fp32 step reads only those.
   alignas(64) int32_t dots[2][P][kRows][kPairCols];
-  std::memset(dots, 0, sizeof dots);
   const auto unpack = [&](int64_t b) {
     for (int p = 0; p < P; ++p) {
       const uint8_t *b0 = block(2 * p, b), *b1 = block(2 * p + 1, b);

@@ -207,4 +207,8 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu(const at::Tensor& draft_
                                                         const at::Tensor& target_argmax, const at::Tensor& is_greedy,
                                                         const at::Tensor& uniform);
 
+// The greedy sampler's argmax (cpu/argmax.cpp): x float32 [S, V] -> int64 [S], each row's first
+// index of its largest value, a NaN counting as the largest (torch.argmax's choice).
+at::Tensor argmax_rows_cpu(const at::Tensor& x);
+
 }  // namespace pagewire

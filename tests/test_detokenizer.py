@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -192,3 +192,35 @@ def test_any_chunking_gives_the_reference_result(text: str, stops: list[str], cu
 def test_empty_stop_string_is_rejected() -> None:
     with pytest.raises(ValueError, match="stop"):
         StopStringMatcher(["ok", ""])
+
+
+class _DecodeOnly:
+    """The tokenizer with only `decode`: IncrementalDetokenizer's two-decode path (no DecodeStream)."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self._tok = tok
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_the_stream_path_gives_the_two_decode_paths_chunks(tok: Tokenizer, skip_special_tokens: bool) -> None:
+    # Chunk for chunk, with prompts as context (some cut inside a character) and flushes
+    # mid-stream (later adds go on from the flushed text).
+    rng = random.Random(7)
+    for _ in range(300):
+        prompt = random_ids(tok, rng, rng.randint(0, 8))
+        ids = random_ids(tok, rng, rng.randint(1, 40))
+        cuts = sorted(rng.sample(range(len(ids) + 1), k=min(2, len(ids) + 1)))
+        outs = []
+        for t in (tok, _DecodeOnly(tok)):
+            detok = IncrementalDetokenizer(t, prompt, skip_special_tokens)
+            if t is not tok:
+                assert detok._stream is None
+            r = random.Random(len(ids))
+            chunks: list[str] = []
+            for a, b in zip([0] + cuts, cuts + [len(ids)]):
+                chunks += stream(detok, ids[a:b], r)
+            outs.append(chunks)
+        assert outs[0] == outs[1]

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from server.engine.sampling_params import SamplingParams
-from server.kernels import batch_invariant
+from server.kernels import batch_invariant, ops
 
 # Temperatures this small are greedy: dividing by them only amplifies float noise (vLLM's rule).
 _GREEDY_EPS = 1e-5
@@ -168,10 +168,12 @@ def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """int64 [S]: each row's argmax, the first index on ties and NaN counting as the largest,
-    as torch's. On the CPU through numpy, whose float32 argmax is vectorised: about 10x faster than
-    torch's over a 49k vocabulary (~10 us against ~100 us a row on a Zen 3), a share of a decode step."""
-    if x.is_cpu and x.dtype is torch.float32 and x.dim() == 2 and not x.requires_grad:
-        return torch.from_numpy(np.argmax(x.numpy(), axis=-1).astype(np.int64, copy=False))
+    as torch's. On the CPU through pagewire's op (server.kernels.ops.argmax_rows): vectorised, and
+    each core scans the logits it just computed. torch's argmax took ~100 us a row over a 49k
+    vocabulary on a Zen 3, numpy's 25-30 us cold after a step on a Xeon (half the row in the other
+    core's cache), the op ~10 us; a share of a decode step either way (bench/RESULTS.md, session 23)."""
+    if x.is_cpu and x.dtype is torch.float32 and x.dim() == 2 and x.stride(-1) == 1 and x.shape[-1] > 0:
+        return ops.argmax_rows(x)
     return x.argmax(dim=-1)
 
 

@@ -22,7 +22,7 @@ from server.kernels.quant import QuantizedExperts
 __all__ = [
     "write_kv_cache", "paged_attention", "copy_blocks", "linear", "rms_norm", "add_rms_norm",
     "rotary_embedding", "silu_and_mul", "gelu_tanh_and_mul", "moe_experts", "moe_decode", "moe_route", "ngram_propose",
-    "rejection_sample", "cpu_isa", "detected_cpu_isa", "lora_add", "cpu_features",
+    "rejection_sample", "argmax_rows", "cpu_isa", "detected_cpu_isa", "lora_add", "cpu_features",
 ]
 
 logger = logging.getLogger(__name__)
@@ -216,6 +216,13 @@ def lora_add_torch(out: torch.Tensor, x: torch.Tensor, adapter: torch.Tensor, a:
             u = xr @ a[first : first + cnt].t()
             d = (u @ bts[p][first - c0 : first - c0 + cnt]) * float(scales[k])
             out[:, row : row + width].index_add_(0, rows, d)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Args: x float32 [S, V] on the CPU, contiguous in V. Returns int64 [S]: each row's first index
+    of its largest value, a NaN counting as the largest (torch.argmax's choice). Each thread scans
+    the slice of the columns that the lm_head kernel's split gave its core (cpu/argmax.cpp)."""
+    return torch.ops.pagewire.argmax_rows(x)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ two for each sample (`SampleText`).
 """
 from __future__ import annotations
 
-from typing import Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 # How many prompt tokens to re-decode with the first output tokens. Decoding a little context
 # (instead of a token alone) keeps leading spaces right for SentencePiece-style tokenizers, which
@@ -29,6 +29,11 @@ class IncrementalDetokenizer:
     character is still incomplete (byte-level BPE splits them across tokens), so nothing is
     emitted and the offsets stay, until a later token completes it or `flush` gives up waiting.
 
+    A tokenizer with `decode_stream` (server.text.tokenizer.Tokenizer) runs that technique inside
+    the tokenizers library instead (DecodeStream, one call per step: 1.4 -> 0.6 us a token on
+    SmolLM2's tokenizer and English text, bench/RESULTS.md session 23); the window is still kept here,
+    since `flush` needs the held-back ids, which DecodeStream does not give out.
+
     Args:
         tokenizer: anything with `decode(ids, skip_special_tokens)` (server.text.tokenizer.Tokenizer).
         prompt_token_ids: the prompt; only its last few ids are kept (copied) as decode context.
@@ -45,6 +50,18 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        self._stream = self._new_stream()
+
+    def _new_stream(self) -> Optional[Callable[[list[int]], Optional[str]]]:
+        make = getattr(self._tok, "decode_stream", None)
+        if make is None:
+            return None
+        # DecodeStream takes a context whose text ends in an incomplete character as not yet
+        # shown, and would emit that context's text with the first new token (a prompt cut
+        # inside a character; the ids `flush` gave up on): such a sample keeps the two decodes.
+        if self._ids and self._decode(self._ids).endswith(_REPLACEMENT_CHAR):
+            return None
+        return make(self._ids, skip_special_tokens=self._skip)
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
@@ -54,6 +71,9 @@ class IncrementalDetokenizer:
         if not new_token_ids:
             return ""
         self._ids.extend(new_token_ids)
+        if self._stream is not None:
+            text = self._stream(list(new_token_ids))
+            return self._advance(text) if text else ""
         prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         full_text = self._decode(self._ids[self._prefix_offset:])
         if len(full_text) > len(prefix_text) and not full_text.endswith(_REPLACEMENT_CHAR):
@@ -67,7 +87,10 @@ class IncrementalDetokenizer:
             return ""
         prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         full_text = self._decode(self._ids[self._prefix_offset:])
-        return self._advance(full_text[len(prefix_text):])
+        text = self._advance(full_text[len(prefix_text):])
+        if self._stream is not None:  # it still holds the ids given up on: start it again here
+            self._stream = self._new_stream()
+        return text
 
     def _advance(self, text: str) -> str:
         # The old read window becomes the new prefix context; drop ids before it.

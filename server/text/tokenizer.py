@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import jinja2
 import jinja2.ext
@@ -294,6 +294,21 @@ class Tokenizer:
         """Text for `ids`. No clean-up of spaces before punctuation: that step corrupts BPE output
         (transformers 5 skips it for BPE too) and would make streamed text differ from full text."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, context: Sequence[int],
+                      skip_special_tokens: bool = True) -> Optional[Callable[[list[int]], Optional[str]]]:
+        """A streaming decoder primed with `context` (ids whose text was already shown): each call
+        with new ids returns only their new text, or None while a character is still incomplete
+        (the tokenizers library's DecodeStream: the same prefix-window technique as
+        IncrementalDetokenizer, in one Rust call per step instead of two decodes from Python).
+        None when this tokenizers release has no DecodeStream (before 0.21)."""
+        try:
+            from tokenizers.decoders import DecodeStream
+        except ImportError:
+            return None
+        stream = DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
+        backend = self._tok
+        return lambda ids: stream.step(backend, ids)
 
     def token_to_id(self, token: Optional[str]) -> Optional[int]:
         return None if token is None else self._tok.token_to_id(token)

@@ -32,12 +32,14 @@ using amx::TileConfig;
 // the roles swap: the activations are the A tile (src1: up to 16 rows of xq, one block's 32 bytes
 // each, loaded straight from xq with the row stride K, no transpose), and the weight is the B tile
 // (src2): a group's block is eight 32-byte chunks, chunk c holding bytes 4c..4c+3 of each of its
-// eight rows, which is AMX's B layout for eight columns (K/4 = 8 rows of 32 bytes), loaded with
-// stride 32. TDPBSSD into a zeroed C [mc][8] gives each row's exact dot with the block, the same
-// integer the x8 kernels' maddubs / vpdpbusd sums give; the fp32 step is theirs too, acc = fma(wd,
-// float(dot) * xd, acc) per block in K order, then + bias: so the floats are linear_q8_0x8_vnni's
-// (and _avx2's) bit for bit, whatever M, and batch-invariant mode may use it as well.
-// Tiles: C 0..3 (four groups of eight weight rows), A 4, B 5 and 6 alternating.
+// eight rows, which is AMX's B layout for eight columns (K/4 = 8 rows of 32 bytes). Two groups'
+// chunks side by side (copied into a scratch buffer, as the 4-bit codes are unpacked into one)
+// make a B tile of 16 columns. TDPBSSD into a zeroed C [mc][16] gives each row's exact dot with
+// the block, the same integer the x8 kernels' maddubs / vpdpbusd sums give; the fp32 step is
+// theirs too, acc = fma(wd, float(dot) * xd, acc) per block in K order, then + bias: so the floats
+// are linear_q8_0x8_vnni's (and _avx2's) bit for bit, whatever M, and batch-invariant mode may use
+// it as well. One group per 8-column tile, the tile read back right after its store, was this
+// kernel until session 23 (see x8_pair_step for what the pairs bought).
 
 // One call of either kernel: the weight (group_bytes per x8 group), bias, output and the Q8
 // activations; xc only for the 4-bit kernel (per row and block: Q4_0 -8 * xs, Q4_1 xs).
@@ -52,7 +54,6 @@ struct X8Call {
 };
 
 constexpr int kX8Rows = 8;                    // weight rows per x8 group (quant_kernel.h kQ8Interleave)
-constexpr int kX8BlockBytes = 16 + 8 * 32;    // a group's block: eight fp16 d, then eight chunks
 
 // The tile shapes for mc activation rows and n weight rows per C tile (8: one x8 group, 16: two);
 // loaded once per thread and shape.
@@ -86,66 +87,6 @@ class X8Tiles {
   bool loaded_ = false;
 };
 
-// G consecutive x8 groups from group g0 against activation rows [m0, m0 + mc).
-template <int G>
-void q8x8_step(const X8Call& c, X8Tiles& tiles, int64_t g0, int64_t m0, int mc) {
-  tiles.shape(mc);
-  const uint8_t* w = c.w + g0 * c.group_bytes;
-  const int8_t* xq = c.xq + m0 * c.K;
-  const float* xd = c.xd + m0 * c.nb;
-  __m256 acc[G][kRows];
-  for (int g = 0; g < G; ++g) {
-    for (int m = 0; m < kRows; ++m) acc[g][m] = _mm256_setzero_ps();
-  }
-  // Not cleared: a tile store writes its mc rows, and only those rows are read back.
-  alignas(64) int32_t dots[G][kRows][kX8Rows];
-  compiler_barrier();
-  for (int64_t b = 0; b < c.nb; ++b) {
-    const int64_t off = b * kX8BlockBytes;
-    _tile_loadd(4, xq + b * kQ8Block, c.K);
-#define PW_Q8X8_GROUP(g, t)                                                                  \
-  if constexpr (G > g) {                                                                     \
-    const uint8_t* wb = w + g * c.group_bytes + off;                                         \
-    _mm_prefetch(reinterpret_cast<const char*>(wb + 4 * kX8BlockBytes), _MM_HINT_T0);        \
-    _mm_prefetch(reinterpret_cast<const char*>(wb + 4 * kX8BlockBytes + 64), _MM_HINT_T0);   \
-    _mm_prefetch(reinterpret_cast<const char*>(wb + 4 * kX8BlockBytes + 128), _MM_HINT_T0);  \
-    _mm_prefetch(reinterpret_cast<const char*>(wb + 4 * kX8BlockBytes + 192), _MM_HINT_T0);  \
-    _mm_prefetch(reinterpret_cast<const char*>(wb + 4 * kX8BlockBytes + 256), _MM_HINT_T0);  \
-    _tile_zero(g);                                                                           \
-    _tile_loadd(t, wb + 16, kX8Rows * 4);                                                    \
-    _tile_dpbssd(g, 4, t);                                                                   \
-  }
-    PW_Q8X8_GROUP(0, 5)
-    PW_Q8X8_GROUP(1, 6)
-    PW_Q8X8_GROUP(2, 5)
-    PW_Q8X8_GROUP(3, 6)
-#undef PW_Q8X8_GROUP
-    if constexpr (G > 0) _tile_stored(0, dots[0], kX8Rows * 4);
-    if constexpr (G > 1) _tile_stored(1, dots[1], kX8Rows * 4);
-    if constexpr (G > 2) _tile_stored(2, dots[2], kX8Rows * 4);
-    if constexpr (G > 3) _tile_stored(3, dots[3], kX8Rows * 4);
-    compiler_barrier();
-    __m256 wd[G];
-    for (int g = 0; g < G; ++g) {
-      wd[g] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * c.group_bytes + off)));
-    }
-    for (int m = 0; m < mc; ++m) {
-      const __m256 xdm = _mm256_set1_ps(xd[m * c.nb + b]);
-      for (int g = 0; g < G; ++g) {
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dots[g][m])));
-        acc[g][m] = _mm256_fmadd_ps(wd[g], _mm256_mul_ps(dot, xdm), acc[g][m]);
-      }
-    }
-  }
-  for (int g = 0; g < G; ++g) {
-    const __m256 bv = c.bias != nullptr ? _mm256_loadu_ps(c.bias + (g0 + g) * kX8Rows) : _mm256_setzero_ps();
-    for (int m = 0; m < mc; ++m) {
-      _mm256_storeu_ps(c.out + (m0 + m) * c.ldo + (g0 + g) * kX8Rows, _mm256_add_ps(acc[g][m], bv));
-    }
-  }
-}
-
-
 // Q4_0 and Q4_1 in the x8 layout (quant4_kernel.h): per block of eight weight rows, four 32-byte
 // chunks whose low nibbles are values 4c..4c+3 and high nibbles 16+4c..16+4c+3 of each row, row r
 // at bytes 4r..4r+3. Unpacked to bytes (0..15), chunk c's low nibbles are exactly AMX's B row for
@@ -158,9 +99,13 @@ void q8x8_step(const X8Call& c, X8Tiles& tiles, int64_t g0, int64_t m0, int mc) 
 // xd, xc), acc) with xc = -8 * xs; Q4_1 acc = fma(wd, dot * xd, acc), then acc = fma(wm, xs, acc)
 // -- so the floats are the x8 kernels' bit for bit. Eight-column tiles (one group each) ran at
 // 0.56-0.86x the VNNI kernel at 4-8 rows: TDPBSSD costs about the same whatever the tile's size.
-// Tiles: C 0..3 (four pairs of groups), A 4, B 5 and 6 alternating.
+// Tiles: C 0..3 (four pairs of groups), A 4, B 5 and 6 alternating. Q8_0 (above) runs the same
+// step with its chunks copied where the 4-bit codes are unpacked (x8_pair_step).
 
 constexpr int kPairCols = 2 * kX8Rows;  // weight rows (C columns) per tile: two groups
+
+// The block formats x8_pair_step runs.
+enum class X8Fmt { kQ4_0, kQ4_1, kQ8_0 };
 
 // One block of two groups' codes (128 bytes each at p0, p1; p1 null: zeros) -> the pair's B tile
 // bytes at dst: row q (K quad q) = group 0's eight columns, then group 1's.
@@ -176,6 +121,17 @@ inline void unpack_q4x8_pair(const uint8_t* p0, const uint8_t* p1, int8_t* dst) 
   }
 }
 
+// One block of two Q8_0 groups (eight 32-byte chunks each at p0, p1; p1 null: zeros) -> the pair's
+// B tile bytes at dst: row c (K quad c) = group 0's chunk c, then group 1's.
+inline void copy_q8x8_pair(const uint8_t* p0, const uint8_t* p1, int8_t* dst) {
+  for (int c = 0; c < 8; ++c) {
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0 + 32 * c));
+    const __m256i hi = p1 != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1 + 32 * c))
+                                     : _mm256_setzero_si256();
+    _mm512_store_si512(dst + 64 * c, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+  }
+}
+
 // The eight fp16 at p0 and the eight at p1 (p1 null: zeros) as 16 floats.
 inline __m512 fp16_pair(const uint8_t* p0, const uint8_t* p1) {
   const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p0));
@@ -185,18 +141,19 @@ inline __m512 fp16_pair(const uint8_t* p0, const uint8_t* p1) {
 
 // P pairs of groups from group g0 (the last pair a lone group when `lone`) against activation
 // rows [m0, m0 + mc).
-template <Q4Type T, int P>
-void q4x8_step(const X8Call& c, X8Tiles& tiles, int64_t g0, int64_t m0, int mc, bool lone) {
-  constexpr int kScaleBytes = T == Q4Type::kQ4_0 ? 16 : 32;  // eight fp16 d (and eight fp16 m)
-  constexpr int kBlockBytes = kScaleBytes + 128;
-  // Eight streams at once: eight blocks ahead (about 1.2 KB) keeps each stream's lines in flight,
-  // as q8x8_step's four blocks of 272 bytes do.
-  constexpr int64_t kAhead = 8 * kBlockBytes;
+template <X8Fmt F, int P>
+void x8_pair_step(const X8Call& c, X8Tiles& tiles, int64_t g0, int64_t m0, int mc, bool lone) {
+  constexpr bool kQ8 = F == X8Fmt::kQ8_0;
+  constexpr int kScaleBytes = F == X8Fmt::kQ4_1 ? 32 : 16;  // eight fp16 d (and Q4_1's eight fp16 m)
+  constexpr int kBlockBytes = kScaleBytes + (kQ8 ? 256 : 128);
+  // Eight streams at once: about 1.1-1.2 KB ahead (eight 4-bit blocks, four Q8_0 ones) keeps each
+  // stream's lines in flight.
+  constexpr int64_t kAhead = (kQ8 ? 4 : 8) * kBlockBytes;
   tiles.shape(mc, kPairCols);
   const uint8_t* w = c.w + g0 * c.group_bytes;
   const int8_t* xq = c.xq + m0 * c.K;
   const float* xd = c.xd + m0 * c.nb;
-  const float* xc = c.xc + m0 * c.nb;
+  const float* xc = kQ8 ? nullptr : c.xc + m0 * c.nb;
   // Group j of the step (2p, 2p + 1), its block b's bytes; null for the lone pair's missing one.
   const auto block = [&](int j, int64_t b) -> const uint8_t* {
     if (lone && j == 2 * P - 1) return nullptr;
@@ -220,7 +177,11 @@ void q4x8_step(const X8Call& c, X8Tiles& tiles, int64_t g0, int64_t m0, int mc, 
         _mm_prefetch(reinterpret_cast<const char*>(b0 + kAhead + line), _MM_HINT_T0);
         if (b1 != nullptr) _mm_prefetch(reinterpret_cast<const char*>(b1 + kAhead + line), _MM_HINT_T0);
       }
-      unpack_q4x8_pair(b0 + kScaleBytes, b1 != nullptr ? b1 + kScaleBytes : nullptr, codes[b & 1][p]);
+      if constexpr (kQ8) {
+        copy_q8x8_pair(b0 + kScaleBytes, b1 != nullptr ? b1 + kScaleBytes : nullptr, codes[b & 1][p]);
+      } else {
+        unpack_q4x8_pair(b0 + kScaleBytes, b1 != nullptr ? b1 + kScaleBytes : nullptr, codes[b & 1][p]);
+      }
     }
   };
   const auto fp32_step = [&](int64_t b) {
@@ -228,17 +189,18 @@ void q4x8_step(const X8Call& c, X8Tiles& tiles, int64_t g0, int64_t m0, int mc, 
     for (int p = 0; p < P; ++p) {
       const uint8_t *b0 = block(2 * p, b), *b1 = block(2 * p + 1, b);
       wd[p] = fp16_pair(b0, b1);
-      if constexpr (T == Q4Type::kQ4_1) wm[p] = fp16_pair(b0 + 16, b1 != nullptr ? b1 + 16 : nullptr);
+      if constexpr (F == X8Fmt::kQ4_1) wm[p] = fp16_pair(b0 + 16, b1 != nullptr ? b1 + 16 : nullptr);
     }
     for (int m = 0; m < mc; ++m) {
-      const __m512 xdm = _mm512_set1_ps(xd[m * c.nb + b]), xcm = _mm512_set1_ps(xc[m * c.nb + b]);
+      const __m512 xdm = _mm512_set1_ps(xd[m * c.nb + b]);
+      const __m512 xcm = kQ8 ? _mm512_setzero_ps() : _mm512_set1_ps(xc[m * c.nb + b]);
       for (int p = 0; p < P; ++p) {
         const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(dots[b & 1][p][m]));
-        if constexpr (T == Q4Type::kQ4_0) {
+        if constexpr (F == X8Fmt::kQ4_0) {
           acc[p][m] = _mm512_fmadd_ps(wd[p], _mm512_fmadd_ps(dot, xdm, xcm), acc[p][m]);
         } else {
           acc[p][m] = _mm512_fmadd_ps(wd[p], _mm512_mul_ps(dot, xdm), acc[p][m]);
-          acc[p][m] = _mm512_fmadd_ps(wm[p], xcm, acc[p][m]);
+          if constexpr (F == X8Fmt::kQ4_1) acc[p][m] = _mm512_fmadd_ps(wm[p], xcm, acc[p][m]);
         }
       }
     }
@@ -297,17 +259,17 @@ void for_x8_units(int64_t M, int64_t unit_values, int64_t units, const Step& ste
   }
 }
 
-template <Q4Type T>
-void run_q4x8(const X8Call& call, int64_t M, int64_t K, int64_t groups) {
+template <X8Fmt F>
+void run_x8_pairs(const X8Call& call, int64_t M, int64_t K, int64_t groups) {
   // Units of two groups (an odd count's last unit a lone group).
   const int64_t pairs = (groups + 1) / 2;
   for_x8_units(M, K * kPairCols, pairs, [&](X8Tiles& tiles, int count, int64_t p, int64_t m0, int mc) {
     const bool lone = p + count == pairs && groups % 2 == 1;
     switch (count) {
-      case 4: q4x8_step<T, 4>(call, tiles, 2 * p, m0, mc, lone); break;
-      case 3: q4x8_step<T, 3>(call, tiles, 2 * p, m0, mc, lone); break;
-      case 2: q4x8_step<T, 2>(call, tiles, 2 * p, m0, mc, lone); break;
-      default: q4x8_step<T, 1>(call, tiles, 2 * p, m0, mc, lone); break;
+      case 4: x8_pair_step<F, 4>(call, tiles, 2 * p, m0, mc, lone); break;
+      case 3: x8_pair_step<F, 3>(call, tiles, 2 * p, m0, mc, lone); break;
+      case 2: x8_pair_step<F, 2>(call, tiles, 2 * p, m0, mc, lone); break;
+      default: x8_pair_step<F, 1>(call, tiles, 2 * p, m0, mc, lone); break;
     }
   });
 }
@@ -320,14 +282,7 @@ void linear_q8_0x8_amx(const Q8Activations& x, const uint8_t* w, const float* bi
   if (M <= 0 || groups <= 0) return;
   const int64_t nb = K / kQ8Block;
   const X8Call call{w, bias, out, ldo, K, nb, kX8Rows * nb * kQ8BlockBytes, x.q, x.d};
-  for_x8_units(M, K * kX8Rows, groups, [&](X8Tiles& tiles, int count, int64_t g, int64_t m0, int mc) {
-    switch (count) {
-      case 4: q8x8_step<4>(call, tiles, g, m0, mc); break;
-      case 3: q8x8_step<3>(call, tiles, g, m0, mc); break;
-      case 2: q8x8_step<2>(call, tiles, g, m0, mc); break;
-      default: q8x8_step<1>(call, tiles, g, m0, mc); break;
-    }
-  });
+  run_x8_pairs<X8Fmt::kQ8_0>(call, M, K, groups);
 }
 
 void linear_q4x8_amx(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,
@@ -345,9 +300,9 @@ void linear_q4x8_amx(Q4Type t, const Q8SumActivations& x, const uint8_t* w, cons
   }
   const X8Call call{w, bias, out, ldo, K, nb, kX8Rows * nb * q4_block_bytes(t), x.q, x.d, xc};
   if (t == Q4Type::kQ4_0) {
-    run_q4x8<Q4Type::kQ4_0>(call, M, K, groups);
+    run_x8_pairs<X8Fmt::kQ4_0>(call, M, K, groups);
   } else {
-    run_q4x8<Q4Type::kQ4_1>(call, M, K, groups);
+    run_x8_pairs<X8Fmt::kQ4_1>(call, M, K, groups);
   }
 }
 

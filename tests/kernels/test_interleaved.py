@@ -165,7 +165,7 @@ def test_vnni_x8_is_the_avx2_x8_bit_for_bit_natively(monkeypatch: pytest.MonkeyP
 def test_amx_x8_is_the_vnni_x8_bit_for_bit(monkeypatch: pytest.MonkeyPatch, qtype: str, n: int, k: int,
                                            extreme: bool) -> None:
     """The x8 kernels on AMX tiles (linear_x8_amx.cpp: the activations as the A tile; Q8_0's x8
-    chunks as the B tile, Q4_0's / Q4_1's unpacked two groups to a tile) add the same integers and
+    chunks copied, Q4_0's / Q4_1's unpacked, two groups to a B tile) add the same integers and
     run the same fp32 steps as the VNNI x8 kernels, so every output is the same float, at row
     counts from 1 to 16 (AMX from 4: up to four tiles per step, odd group counts -- a lone last
     4-bit group -- and partial tiles), with a bias. Chunks of 16 rows: test_emulated_amx.py."""

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "quant_kernel.h"
+#include "team_kernel.h"
 
 namespace pagewire::cpu {
 
@@ -55,26 +56,34 @@ class FloatOut {
   // The output in `dtype`; call once, after the kernel has written data().
   at::Tensor finish() {
     if (buf_ != nullptr) {
-      const auto convert = avx2_ ? f32_to_bf16_avx2 : f32_to_bf16;
-      uint16_t* o = reinterpret_cast<uint16_t*>(out_.data_ptr());
       const int64_t M = out_.size(0), N = out_.size(1);
       if (M < 2 || M * N < kParallelConvert) {
-        convert(buf_, o, M * N);
+        (avx2_ ? f32_to_bf16_avx2 : f32_to_bf16)(buf_, reinterpret_cast<uint16_t*>(out_.data_ptr()), M * N);
         return out_;
       }
-      // Each thread rounds a slice of the columns of every row: the kernels split N the same way
-      // (contiguous slices in thread order), so it mostly reads the floats its own core just
-      // wrote, rather than one thread reading half of them from the other core's cache.
 #pragma omp parallel
-      {
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t c0 = N * t / nt, c1 = N * (t + 1) / nt;
-        for (int64_t m = 0; m < M; ++m) convert(buf_ + m * N + c0, o + m * N + c0, c1 - c0);
-      }
+      round_slice();
       return out_;
     }
     return dtype_ == at::kFloat ? out_ : out_.to(dtype_);
   }
+  // Inside a parallel region, each thread of the team: round this thread's slice of the columns of
+  // every row. The kernels split N the same way (contiguous slices in thread order), so it mostly
+  // reads the floats its own core just wrote, rather than one thread reading half of them from the
+  // other core's cache. Nothing to do for an fp32 output.
+  void round_slice() {
+    if (buf_ == nullptr) return;
+    const auto convert = avx2_ ? f32_to_bf16_avx2 : f32_to_bf16;
+    uint16_t* o = reinterpret_cast<uint16_t*>(out_.data_ptr());
+    const int64_t M = out_.size(0), N = out_.size(1);
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t c0 = N * t / nt, c1 = N * (t + 1) / nt;
+    for (int64_t m = 0; m < M; ++m) convert(buf_ + m * N + c0, o + m * N + c0, c1 - c0);
+  }
+  // Whether round_slice() (with the kernel's own fp32 output: bf16 or fp32) gives the output.
+  bool rounds_in_team() const { return dtype_ == at::kBFloat16 || dtype_ == at::kFloat; }
+  // The output after every thread's round_slice().
+  const at::Tensor& tensor() const { return out_; }
 
  private:
   at::ScalarType dtype_;
@@ -87,19 +96,58 @@ class FloatOut {
 // rows split over the team from 4096 values on: each row is one thread's whole, so the bytes and
 // scales are the same either way. (One engine thread quantising eight rows per linear call while
 // the other core waited was about 4 % of a SmolLM2 batch-8 step; RESULTS, session 22.)
-inline void quantize_activation_rows(bool avx2, const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
+// Inside a parallel region, each thread of the team: quantize_rows_q8(_avx2) on its share of the
+// M rows (each row one thread's whole, so the bytes and scales are the same however many threads).
+inline void quantize_rows_slice(bool avx2, const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
   const auto quantize = avx2 ? quantize_rows_q8_avx2 : quantize_rows_q8;
   const int64_t nb = K / kQ8Block;
+  const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+  const int64_t m0 = M * t / nt, m1 = M * (t + 1) / nt;
+  if (m1 > m0) quantize(x + m0 * K, K, m1 - m0, K, q + m0 * K, d + m0 * nb, s != nullptr ? s + m0 * nb : nullptr);
+}
+
+inline void quantize_activation_rows(bool avx2, const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
   if (M < 2 || M * K < (1 << 12)) {
-    quantize(x, K, M, K, q, d, s);
+    (avx2 ? quantize_rows_q8_avx2 : quantize_rows_q8)(x, K, M, K, q, d, s);
     return;
   }
 #pragma omp parallel
+  quantize_rows_slice(avx2, x, M, K, q, d, s);
+}
+
+// An integer linear of several rows in one parallel region: each thread quantises its share of the
+// activation rows, then (after a barrier) runs its share of the kernel, then (after another)
+// rounds its slice of the output -- where quantize_activation_rows, the kernel and
+// FloatOut::finish each opened a region of their own. A region costs a wake-up of the team and
+// leaves the other core idle through the engine thread's code between regions; barriers inside
+// one cost far less (a SmolLM2 batch-8 step opened about 500 regions; RESULTS, session 23). The
+// same functions on the same rows and columns: the same bytes and floats as the three regions.
+// `kernel` must run team work (the x8 kernels do under a TeamKernelScope: for_each_group in
+// x8_body.h, for_x8_units in linear_x8_amx.cpp). Use when fused_linear_applies().
+template <class Kernel>
+at::Tensor fused_linear(bool avx2, const float* xf, int64_t M, int64_t K, int8_t* q, float* d, float* s,
+                        FloatOut& out, const Kernel& kernel) {
+#pragma omp parallel
   {
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t m0 = M * t / nt, m1 = M * (t + 1) / nt;
-    if (m1 > m0) quantize(x + m0 * K, K, m1 - m0, K, q + m0 * K, d + m0 * nb, s != nullptr ? s + m0 * nb : nullptr);
+    quantize_rows_slice(avx2, xf, M, K, q, d, s);
+#pragma omp barrier
+    {
+      const TeamKernelScope team;
+      kernel();
+    }
+#pragma omp barrier
+    out.round_slice();
   }
+  return out.tensor();
+}
+
+// Whether fused_linear pays: several rows, a team to split over, as much work as the x8 kernels'
+// own threshold for waking the team (x8_body.h for_each_group), and rows enough that quantising
+// them would open a region too. Below that the unfused path opens one or two regions, and the
+// fused one was no faster (SmolLM2 Q4_1 at 4 rows: 5.95 against 5.87 ms, within the noise; at 8
+// rows 8.71 against 8.94; RESULTS, session 24).
+inline bool fused_linear_applies(int64_t M, int64_t N, int64_t K, const FloatOut& out) {
+  return M >= 2 && M * K >= (1 << 12) && N * K * M >= 65536 && out.rounds_in_team() && !omp_in_parallel() && omp_get_max_threads() > 1;
 }
 
 // Checks an optional bias of a linear op with x [M, K] and N outputs: on CPU, [N], x's dtype.

@@ -408,13 +408,23 @@ at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::str
     xd.resize(M * nb);
     xs.resize(M * nb);
   }
-  cpu::quantize_activation_rows(!portable, xf, M, K, xq.data(), xd.data(), xs.data());
   const cpu::Q8SumActivations act{xq.data(), xd.data(), xs.data(), M, K};
   const auto kernel = portable                      ? cpu::linear_q4_portable
                       : isa >= cpu::Isa::kAvx512 ? cpu::linear_q4_avx512
                                                  : cpu::linear_q4_avx2;
   const uint8_t* w = wc.data_ptr<uint8_t>();
   float* o = io.out.data();
+  const auto x8_kernel = [&] {
+    // Q4_0 and Q4_1 on AMX tiles from kAmxMinRows rows (the same floats as VNNI's x8 kernel).
+    const bool amx = cpu::use_amx(isa, M) && (t == cpu::Q4Type::kQ4_0 || t == cpu::Q4Type::kQ4_1);
+    return amx ? cpu::linear_q4x8_amx : isa >= cpu::Isa::kAvx512 ? cpu::linear_q4x8_vnni : cpu::linear_q4x8_avx2;
+  }();
+  if (f.interleaved && !portable && N % cpu::kQ4Interleave == 0 && cpu::fused_linear_applies(M, N, K, io.out)) {
+    // Quantise, kernel and rounding in one parallel region (float_rows.h fused_linear).
+    return cpu::fused_linear(true, xf, M, K, xq.data(), xd.data(), xs.data(), io.out,
+                             [&] { x8_kernel(t, act, w, b, o, N, N); });
+  }
+  cpu::quantize_activation_rows(!portable, xf, M, K, xq.data(), xd.data(), xs.data());
   if (!f.interleaved) {
     kernel(t, act, w, b, o, N, N);
   } else if (!portable) {
@@ -422,10 +432,7 @@ at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::str
     // from kAmxMinRows rows, the same floats), the last N % 8 rows, in row layout, through the
     // family's row kernel.
     const int64_t G = cpu::kQ4Interleave, done = N / G * G, rb = wc.size(1);
-    const bool amx = cpu::use_amx(isa, M) && (t == cpu::Q4Type::kQ4_0 || t == cpu::Q4Type::kQ4_1);
-    (amx                          ? cpu::linear_q4x8_amx
-     : isa >= cpu::Isa::kAvx512 ? cpu::linear_q4x8_vnni
-                                : cpu::linear_q4x8_avx2)(t, act, w, b, o, N, done);
+    x8_kernel(t, act, w, b, o, N, done);
     if (done < N) kernel(t, act, w + done * rb, b != nullptr ? b + done : nullptr, o + done, N, N - done);
   } else {
     // No AVX2 (or PAGEWIRE_CPU_ISA=portable after the weight was interleaved): the portable kernel

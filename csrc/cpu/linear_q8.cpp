@@ -255,8 +255,20 @@ at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const 
   thread_local std::vector<float> xd;
   if (static_cast<int64_t>(xq.size()) < M * K) xq.resize(M * K);
   if (static_cast<int64_t>(xd.size()) < M * K / cpu::kQ8Block) xd.resize(M * K / cpu::kQ8Block);
-  cpu::quantize_activation_rows(!portable, xf, M, K, xq.data(), xd.data(), nullptr);
   const cpu::Q8Activations act{xq.data(), xd.data(), M, K};
+  // AMX from kAmxMinRows rows: bit for bit the x8 kernels' floats, so batch-invariant mode's rule
+  // (use_amx is off there) only keeps the choice where it always was.
+  const auto x8 = cpu::use_amx(isa, M)         ? cpu::linear_q8_0x8_amx
+                  : isa >= cpu::Isa::kAvx512 ? cpu::linear_q8_0x8_vnni
+                                             : cpu::linear_q8_0x8_avx2;
+  if (interleaved && !portable && N % cpu::kQ8Interleave == 0 && cpu::fused_linear_applies(M, N, K, io.out)) {
+    // Quantise, kernel and rounding in one parallel region (float_rows.h fused_linear).
+    const uint8_t* w = wc.data_ptr<uint8_t>();
+    float* o = io.out.data();
+    return cpu::fused_linear(true, xf, M, K, xq.data(), xd.data(), nullptr, io.out,
+                             [&] { x8(act, w, b, o, N, N); });
+  }
+  cpu::quantize_activation_rows(!portable, xf, M, K, xq.data(), xd.data(), nullptr);
   // AMX from kAmxMinRows rows (as for bf16, dispatch_mode.h: not in batch-invariant mode).
   const auto kernel = portable                      ? cpu::linear_q8_0_portable
                       : cpu::use_amx(isa, M)     ? cpu::linear_q8_0_amx
@@ -270,11 +282,6 @@ at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const 
     // Whole groups through the family's x8 kernel (VNNI from AVX-512 up), the last N % 8 rows, in
     // row layout, through the family's row kernel.
     const int64_t done = N / cpu::kQ8Interleave * cpu::kQ8Interleave, rb = wc.size(1);
-    // AMX from kAmxMinRows rows: bit for bit the x8 kernels' floats, so batch-invariant mode's
-    // rule (use_amx is off there) only keeps the choice where it always was.
-    const auto x8 = cpu::use_amx(isa, M)         ? cpu::linear_q8_0x8_amx
-                    : isa >= cpu::Isa::kAvx512 ? cpu::linear_q8_0x8_vnni
-                                               : cpu::linear_q8_0x8_avx2;
     x8(act, w, b, o, N, done);
     if (done < N) kernel(act, w + done * rb, b != nullptr ? b + done : nullptr, o + done, N, N - done);
   } else {

@@ -12,6 +12,7 @@
 #include "amx_tiles.h"
 #include "quant4_kernel.h"
 #include "quant_kernel.h"
+#include "team_kernel.h"
 #include "x86_target.h"
 
 // GCC 12's own intrinsic headers trip -Wmaybe-uninitialized (the _mm512_undefined_* idiom).
@@ -243,10 +244,10 @@ void x8_pair_step(const X8Call& c, X8Tiles& tiles, int64_t g0, int64_t m0, int m
 // units a step (one C tile each); a static split over the units (each thread streams one
 // contiguous slice of the weight). step(tiles, count, u, m0, mc) runs `count` (1..4) units from
 // u; unit_values (K times the unit's weight rows) sizes the parallel threshold.
+// Called inside a team (float_rows.h fused_linear), each thread runs its own slice in that team.
 template <class Step>
 void for_x8_units(int64_t M, int64_t unit_values, int64_t units, const Step& step) {
-#pragma omp parallel if (units * unit_values * M >= 65536)
-  {
+  const auto slice = [&] {
     X8Tiles tiles;
     int64_t u0, u1;
     my_slice(units, &u0, &u1);
@@ -256,7 +257,13 @@ void for_x8_units(int64_t M, int64_t unit_values, int64_t units, const Step& ste
         step(tiles, count, u, m0, static_cast<int>(std::min<int64_t>(kRows, M - m0)));
       }
     }
+  };
+  if (in_team_kernel()) {
+    slice();
+    return;
   }
+#pragma omp parallel if (units * unit_values * M >= 65536)
+  slice();
 }
 
 template <X8Fmt F>

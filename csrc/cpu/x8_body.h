@@ -24,6 +24,7 @@
 
 #include "quant4_kernel.h"
 #include "quant_kernel.h"
+#include "team_kernel.h"
 
 namespace pagewire::cpu {
 namespace {
@@ -219,8 +220,7 @@ void for_each_group(int64_t M, int64_t K, int64_t N, int64_t group_bytes, const 
                     float* out, const Tile& tile) {
   const int64_t groups = N / kGroupRows;
   const int64_t units = (groups + NG - 1) / NG;
-#pragma omp parallel for schedule(static) if (N * K * M >= 65536)
-  for (int64_t u = 0; u < units; ++u) {
+  const auto unit = [&](int64_t u) {
     const int64_t g = u * NG;
     const uint8_t* wg = w + g * group_bytes;
     const float* bg = bias != nullptr ? bias + g * kGroupRows : nullptr;
@@ -239,8 +239,20 @@ void for_each_group(int64_t M, int64_t K, int64_t N, int64_t group_bytes, const 
     } else {
       rows(std::integral_constant<int, 1>{});
     }
+  };
+  // This thread's share of a team's kernel (float_rows.h fused_linear): the orphaned loop binds
+  // to that team. Otherwise a region of its own from enough work.
+  if (in_team_kernel()) {
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < units; ++u) unit(u);
+    return;
   }
+#pragma omp parallel for schedule(static) if (N * K * M >= 65536)
+  for (int64_t u = 0; u < units; ++u) unit(u);
 }
+
+// The threads that will split the units: the team's when called inside one.
+inline int x8_threads() { return in_team_kernel() ? omp_get_num_threads() : omp_get_max_threads(); }
 
 template <Q4Type T>
 void run4(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t N) {
@@ -262,7 +274,7 @@ void run4(const Q8SumActivations& x, const uint8_t* w, const float* bias, float*
   // the kernel streams the weight from memory, and one group per unit keeps each thread on one
   // sequential stream (pairs cost single-stream decode 13 %: 172 -> 150 tok/s on SmolLM2 Q4_1, two
   // threads). The results are the same either way, only the split of the work changes.
-  if (x.M >= 2 && N / kGroupRows >= 2 * omp_get_max_threads()) {
+  if (x.M >= 2 && N / kGroupRows >= 2 * x8_threads()) {
     for_each_group<2>(x.M, x.K, N, group_bytes, w, bias, out, tile);
   } else {
     for_each_group<1>(x.M, x.K, N, group_bytes, w, bias, out, tile);
@@ -274,7 +286,7 @@ void run8(const Q8Activations& x, const uint8_t* w, const float* bias, float* ou
   const auto tile = [&](auto mb, auto ng, int64_t m, const uint8_t* wg, const float* bg, float* og) {
     group8<decltype(mb)::value, decltype(ng)::value>(x, m, wg, group_bytes, bg, og, ldo);
   };
-  if (x.M >= 2 && N / kGroupRows >= 2 * omp_get_max_threads()) {  // as in run4
+  if (x.M >= 2 && N / kGroupRows >= 2 * x8_threads()) {  // as in run4
     for_each_group<2>(x.M, x.K, N, group_bytes, w, bias, out, tile);
   } else {
     for_each_group<1>(x.M, x.K, N, group_bytes, w, bias, out, tile);

@@ -53,11 +53,14 @@ def _weight(kind: str, n: int, k: int) -> torch.Tensor | QuantizedWeight:
 
 
 # N = 45 and 203: rows that do not divide by 8 (the interleaved groups) nor by the thread counts.
+# N = 200 (25 groups) at 17 rows: the 8-bit-activation ops run quantisation, kernel and rounding in
+# one parallel region from two threads (csrc/cpu/float_rows.h fused_linear), against the separate
+# steps at one thread.
 @pytest.mark.parametrize("kind", ["bf16", "f32", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("M", [1, 5, 17])
 def test_linear(cpu_isa: str, kind: str, M: int) -> None:
     K = 256
-    for N in (45, 203):
+    for N in (45, 203, 200):
         w = _weight(kind, N, K)
         dtype = torch.float32 if kind == "f32" else torch.bfloat16
         x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)

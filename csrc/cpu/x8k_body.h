@@ -253,8 +253,10 @@ void group_q6(const Q8SumActivations& x, const int32_t* x16, int64_t m0, const u
           for (int m = 0; m < MB; ++m) p32[m] = _mm256_setzero_si256();
 #endif
           for (int pair = 0; pair < 2; ++pair) {
+#if !PAGEWIRE_X8_VNNI
             __m256i p16[MB];
             for (int m = 0; m < MB; ++m) p16[m] = _mm256_setzero_si256();
+#endif
             for (int u = 0; u < 2; ++u) {
               const int c = 4 * hh + 2 * pair + u;  // values 4c..4c+3 of the sub-block
               const __m256i ql = load256(w + kQl + 32 * (16 * h + 8 * (t % 2) + c));
@@ -302,6 +304,15 @@ void group_q6(const Q8SumActivations& x, const int32_t* x16, int64_t m0, const u
 
 }  // namespace q6k
 
+// Activation rows per pass over a group's weights. Q6_K's VNNI build, eight: at several rows these
+// kernels are bound by compute, not memory, and Q6_K's per-row chains (four vpdpbusd into one
+// accumulator, a vpmulld, the offset's madd) are latency-bound with two rows in flight (AVX-512VL
+// gives the VNNI build 32 vector registers; some spill at eight rows and it still wins): 2048 x
+// 8192 at 8 rows 3.47 -> 1.91 ms, 32768 x 2048 15.5 -> 8.8 (RESULTS, session 24). Q4_K took the
+// same time at eight as at four. The AVX2 build (16 registers, tuned on a Zen 3) keeps two.
+constexpr int kQ4KRows = 4;
+constexpr int kQ6KRows = PAGEWIRE_X8_VNNI ? 8 : 2;
+
 void run_q4k(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t N) {
   const int64_t groups = N / kQ4Interleave, group_bytes = kQ4Interleave * (x.K / kQ4_KBlock) * kQ4_KBlockBytes;
   // Static schedule: each thread streams one contiguous slice of the weight.
@@ -311,7 +322,7 @@ void run_q4k(const Q8SumActivations& x, const uint8_t* w, const float* bias, flo
     const float* bg = bias != nullptr ? bias + g * kQ4Interleave : nullptr;
     float* og = out + g * kQ4Interleave;
     int64_t m = 0;
-    for (; m + 4 <= x.M; m += 4) q4k::group_k<4>(x, m, wg, bg, og, ldo);
+    for (; m + kQ4KRows <= x.M; m += kQ4KRows) q4k::group_k<kQ4KRows>(x, m, wg, bg, og, ldo);
     if (m + 2 <= x.M) {
       q4k::group_k<2>(x, m, wg, bg, og, ldo);
       m += 2;
@@ -342,7 +353,15 @@ void run_q6k(const Q8SumActivations& x, const uint8_t* w, const float* bias, flo
     const float* bg = bias != nullptr ? bias + g * kQ4Interleave : nullptr;
     float* og = out + g * kQ4Interleave;
     int64_t m = 0;
-    for (; m + 2 <= x.M; m += 2) q6k::group_q6<2>(x, xs, m, wg, bg, og, ldo);
+    for (; m + kQ6KRows <= x.M; m += kQ6KRows) q6k::group_q6<kQ6KRows>(x, xs, m, wg, bg, og, ldo);
+    if (kQ6KRows > 4 && m + 4 <= x.M) {
+      q6k::group_q6<4>(x, xs, m, wg, bg, og, ldo);
+      m += 4;
+    }
+    if (kQ6KRows > 2 && m + 2 <= x.M) {
+      q6k::group_q6<2>(x, xs, m, wg, bg, og, ldo);
+      m += 2;
+    }
     if (m < x.M) q6k::group_q6<1>(x, xs, m, wg, bg, og, ldo);
   }
 }

@@ -13,6 +13,7 @@
 
 #include <omp.h>
 
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -127,6 +128,7 @@ inline void quantize_activation_rows(bool avx2, const float* x, int64_t M, int64
 template <class Kernel>
 at::Tensor fused_linear(bool avx2, const float* xf, int64_t M, int64_t K, int8_t* q, float* d, float* s,
                         FloatOut& out, const Kernel& kernel) {
+  std::atomic<bool> unsplit{false};
 #pragma omp parallel
   {
     quantize_rows_slice(avx2, xf, M, K, q, d, s);
@@ -134,10 +136,13 @@ at::Tensor fused_linear(bool avx2, const float* xf, int64_t M, int64_t K, int8_t
     {
       const TeamKernelScope team;
       kernel();
+      if (!team.asked()) unsplit.store(true, std::memory_order_relaxed);
     }
 #pragma omp barrier
     out.round_slice();
   }
+  // Checked after the region (an exception must not leave one): every kernel here must split.
+  TORCH_CHECK(!unsplit.load(), "internal error: a kernel run by fused_linear did not split its work over the team");
   return out.tensor();
 }
 

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "quant4_kernel.h"
+#include "team_kernel.h"
 #include "x86_target.h"
 
 PAGEWIRE_TARGET_PUSH("avx2,fma,f16c")

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "quant4_kernel.h"
+#include "team_kernel.h"
 #include "x86_target.h"
 
 PAGEWIRE_TARGET_PUSH("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")

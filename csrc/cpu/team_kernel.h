@@ -7,13 +7,25 @@
 namespace pagewire::cpu {
 
 inline thread_local bool t_team_kernel = false;
+inline thread_local bool t_team_asked = false;
 
-inline bool in_team_kernel() { return t_team_kernel; }
+// A kernel that can split its loop over an open team asks this before choosing how to loop (and
+// so records that it asked: a kernel that never does would run the whole product on every thread
+// of the team, the same floats at twice the cost, which no output comparison can see).
+inline bool in_team_kernel() {
+  t_team_asked = true;
+  return t_team_kernel;
+}
 
-// Marks this thread's share of a team kernel for the scope's lifetime.
+// Marks this thread's share of a team kernel for the scope's lifetime; asked() says whether the
+// kernel run inside it asked in_team_kernel().
 struct TeamKernelScope {
-  TeamKernelScope() { t_team_kernel = true; }
+  TeamKernelScope() {
+    t_team_kernel = true;
+    t_team_asked = false;
+  }
   ~TeamKernelScope() { t_team_kernel = false; }
+  bool asked() const { return t_team_asked; }
   TeamKernelScope(const TeamKernelScope&) = delete;
   TeamKernelScope& operator=(const TeamKernelScope&) = delete;
 };

@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "quant4_kernel.h"
+#include "team_kernel.h"
 
 namespace pagewire::cpu {
 namespace {
@@ -313,11 +314,23 @@ void group_q6(const Q8SumActivations& x, const int32_t* x16, int64_t m0, const u
 constexpr int kQ4KRows = 4;
 constexpr int kQ6KRows = PAGEWIRE_X8_VNNI ? 8 : 2;
 
+// group(g) for each of `groups` groups, a static split: this thread's share of a team's kernel
+// (float_rows.h fused_linear, under a TeamKernelScope: the orphaned loop binds to that team), else
+// a region of its own from enough work. Each thread streams one contiguous slice of the weight.
+template <class Group>
+void for_groups(int64_t groups, bool parallel, const Group& group) {
+  if (in_team_kernel()) {
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; ++g) group(g);
+    return;
+  }
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t g = 0; g < groups; ++g) group(g);
+}
+
 void run_q4k(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t N) {
   const int64_t groups = N / kQ4Interleave, group_bytes = kQ4Interleave * (x.K / kQ4_KBlock) * kQ4_KBlockBytes;
-  // Static schedule: each thread streams one contiguous slice of the weight.
-#pragma omp parallel for schedule(static) if (N * x.K * x.M >= 65536)
-  for (int64_t g = 0; g < groups; ++g) {
+  for_groups(groups, N * x.K * x.M >= 65536, [&](int64_t g) {
     const uint8_t* wg = w + g * group_bytes;
     const float* bg = bias != nullptr ? bias + g * kQ4Interleave : nullptr;
     float* og = out + g * kQ4Interleave;
@@ -328,7 +341,7 @@ void run_q4k(const Q8SumActivations& x, const uint8_t* w, const float* bias, flo
       m += 2;
     }
     if (m < x.M) q4k::group_k<1>(x, m, wg, bg, og, ldo);
-  }
+   });
 }
 
 
@@ -346,9 +359,7 @@ void run_q6k(const Q8SumActivations& x, const uint8_t* w, const float* bias, flo
     x16[i] = static_cast<int32_t>(half | half << 16);
   }
   const int32_t* xs = x16.data();
-  // Static schedule: each thread streams one contiguous slice of the weight.
-#pragma omp parallel for schedule(static) if (N * x.K * x.M >= 65536)
-  for (int64_t g = 0; g < groups; ++g) {
+  for_groups(groups, N * x.K * x.M >= 65536, [&](int64_t g) {
     const uint8_t* wg = w + g * group_bytes;
     const float* bg = bias != nullptr ? bias + g * kQ4Interleave : nullptr;
     float* og = out + g * kQ4Interleave;
@@ -363,7 +374,7 @@ void run_q6k(const Q8SumActivations& x, const uint8_t* w, const float* bias, flo
       m += 2;
     }
     if (m < x.M) q6k::group_q6<1>(x, xs, m, wg, bg, og, ldo);
-  }
+   });
 }
 
 }  // namespace

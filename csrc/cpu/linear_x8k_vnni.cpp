@@ -14,6 +14,8 @@
 #include "x86_target.h"
 
 PAGEWIRE_TARGET_PUSH("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+// GCC 12's own intrinsic headers trip -Wmaybe-uninitialized (the _mm512_undefined_* idiom).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 #define PAGEWIRE_X8_VNNI 1
 #include "x8k_body.h"

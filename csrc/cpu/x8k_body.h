@@ -398,6 +398,75 @@ void group_q6(const Q8SumActivations& x, const int32_t* x16, int64_t m0, const u
 }
 
 
+#if PAGEWIRE_X8_VNNI
+// Two adjacent groups per 512-bit vector, as q4k::group_k2 (lanes 8-15 group g + 1's rows): every
+// lane runs group_q6's VNNI instructions in its order, so the same floats bit for bit.
+template <int MB>
+void group_q62(const Q8SumActivations& x, const int32_t* x16, int64_t m0, const uint8_t* w, int64_t gb,
+               const float* bias, float* out, int64_t ldo) {
+  const int64_t nb = x.K / 32, nsb = x.K / kQ4_KBlock, n16 = x.K / 16;
+  const __m512i mask = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+  const int8_t* xq[MB];
+  const float* xd[MB];
+  const int32_t* xs[MB];
+  for (int m = 0; m < MB; ++m) {
+    xq[m] = x.q + (m0 + m) * x.K;
+    xd[m] = x.d + (m0 + m) * nb;
+    xs[m] = x16 + (m0 + m) * n16;
+  }
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s, w += kGroupBytes) {
+    const uint8_t* w1 = w + gb;
+    prefetch_next(w, kGroupBytes);
+    prefetch_next(w1, kGroupBytes);
+    __m512 sa[MB];
+    for (int m = 0; m < MB; ++m) sa[m] = _mm512_setzero_ps();
+    for (int h = 0; h < 2; ++h) {
+      for (int t = 0; t < 4; ++t) {
+        const int j = 4 * h + t;
+        __m512i i32[MB];
+        for (int m = 0; m < MB; ++m) i32[m] = _mm512_setzero_si512();
+        for (int hh = 0; hh < 2; ++hh) {
+          const int idx = 2 * j + hh;
+          const int so = kScales + 32 * (idx / 4);
+          const __m512i sc =
+              _mm512_srai_epi16(_mm512_shuffle_epi8(q4k::load2(w + so, w1 + so), q4k::wide(high_bytes(idx % 4))), 8);
+          const __m512i sc32 = _mm512_srai_epi32(sc, 16);
+          __m512i p32[MB];
+          for (int m = 0; m < MB; ++m) p32[m] = _mm512_setzero_si512();
+          for (int c = 4 * hh; c < 4 * hh + 4; ++c) {  // group_q6's (pair, u) in order
+            const int lo_at = kQl + 32 * (16 * h + 8 * (t % 2) + c), hi_at = kQh + 32 * (8 * h + c);
+            const __m512i ql = q4k::load2(w + lo_at, w1 + lo_at);
+            const __m512i qh = q4k::load2(w + hi_at, w1 + hi_at);
+            const __m512i lo = t < 2 ? _mm512_and_si512(ql, mask) : _mm512_and_si512(_mm512_srli_epi16(ql, 4), mask);
+            const __m512i hi = t == 0   ? _mm512_slli_epi16(qh, 4)
+                               : t == 1 ? _mm512_slli_epi16(qh, 2)
+                               : t == 2 ? qh
+                                        : _mm512_srli_epi16(qh, 2);
+            const __m512i codes = _mm512_or_si512(lo, _mm512_and_si512(hi, top));
+            for (int m = 0; m < MB; ++m) {
+              p32[m] = _mm512_dpbusd_epi32(p32[m], codes, q4k::broadcast4x16(xq[m] + j * 32 + s * 256 + 4 * c));
+            }
+          }
+          for (int m = 0; m < MB; ++m) i32[m] = _mm512_add_epi32(i32[m], _mm512_mullo_epi32(p32[m], sc32));
+          for (int m = 0; m < MB; ++m) {
+            i32[m] = _mm512_sub_epi32(i32[m], _mm512_madd_epi16(sc, _mm512_set1_epi32(xs[m][s * 16 + idx])));
+          }
+        }
+        for (int m = 0; m < MB; ++m) {
+          sa[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i32[m]), _mm512_set1_ps(xd[m][s * 8 + j]), sa[m]);
+        }
+      }
+    }
+    const __m512 d = q4k::halves2(w, w1);
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_fmadd_ps(d, sa[m], acc[m]);
+  }
+  const __m512 bv = bias != nullptr ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out + (m0 + m) * ldo, _mm512_add_ps(acc[m], bv));
+}
+#endif
+
 }  // namespace q6k
 
 // Activation rows per pass over a group's weights. Q6_K's VNNI build, eight: at several rows these
@@ -408,6 +477,10 @@ void group_q6(const Q8SumActivations& x, const int32_t* x16, int64_t m0, const u
 // same time at eight as at four. The AVX2 build (16 registers, tuned on a Zen 3) keeps two.
 constexpr int kQ4KRows = 4;
 constexpr int kQ6KRows = PAGEWIRE_X8_VNNI ? 8 : 2;
+// Rows a pass of group_q62 (two groups per 512-bit vector, from two rows): eight. At four the
+// pairs lost to single groups at eight rows a pass (2048 x 8192, M = 8: 1.065 against 0.990 ms);
+// at eight they win (0.801; RESULTS, session 24).
+constexpr int kQ6KPairRows = 8;
 
 // group(g) for each of `groups` groups, a static split: this thread's share of a team's kernel
 // (float_rows.h fused_linear, under a TeamKernelScope: the orphaned loop binds to that team), else
@@ -485,6 +558,45 @@ void run_q6k(const Q8SumActivations& x, const uint8_t* w, const float* bias, flo
     x16[i] = static_cast<int32_t>(half | half << 16);
   }
   const int32_t* xs = x16.data();
+#if PAGEWIRE_X8_VNNI
+  // Several rows: pairs of groups through group_q62, as run_q4k.
+  const int threads = in_team_kernel() ? omp_get_num_threads() : omp_get_max_threads();
+  if (x.M >= 2 && groups >= 4 * threads) {
+    for_groups((groups + 1) / 2, N * x.K * x.M >= 65536, [&](int64_t u) {
+      const int64_t g = 2 * u;
+      const uint8_t* wg = w + g * group_bytes;
+      const float* bg = bias != nullptr ? bias + g * kQ4Interleave : nullptr;
+      float* og = out + g * kQ4Interleave;
+      int64_t m = 0;
+      if (g + 1 < groups) {
+        for (; m + kQ6KPairRows <= x.M; m += kQ6KPairRows) {
+          q6k::group_q62<kQ6KPairRows>(x, xs, m, wg, group_bytes, bg, og, ldo);
+        }
+        if (kQ6KPairRows > 4 && m + 4 <= x.M) {
+          q6k::group_q62<4>(x, xs, m, wg, group_bytes, bg, og, ldo);
+          m += 4;
+        }
+        if (m + 2 <= x.M) {
+          q6k::group_q62<2>(x, xs, m, wg, group_bytes, bg, og, ldo);
+          m += 2;
+        }
+        if (m < x.M) q6k::group_q62<1>(x, xs, m, wg, group_bytes, bg, og, ldo);
+        return;
+      }
+      for (; m + kQ6KRows <= x.M; m += kQ6KRows) q6k::group_q6<kQ6KRows>(x, xs, m, wg, bg, og, ldo);
+      if (kQ6KRows > 4 && m + 4 <= x.M) {
+        q6k::group_q6<4>(x, xs, m, wg, bg, og, ldo);
+        m += 4;
+      }
+      if (kQ6KRows > 2 && m + 2 <= x.M) {
+        q6k::group_q6<2>(x, xs, m, wg, bg, og, ldo);
+        m += 2;
+      }
+      if (m < x.M) q6k::group_q6<1>(x, xs, m, wg, bg, og, ldo);
+    });
+    return;
+  }
+#endif
   for_groups(groups, N * x.K * x.M >= 65536, [&](int64_t g) {
     const uint8_t* wg = w + g * group_bytes;
     const float* bg = bias != nullptr ? bias + g * kQ4Interleave : nullptr;

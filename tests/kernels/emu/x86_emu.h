@@ -27,6 +27,14 @@ inline __m512 _mm512_cvtepi32_ps(__m512i a) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_cvtepi32_ps(_mm512_castsi512_si256(a))),
                             _mm256_cvtepi32_ps(_mm512_extracti64x4_epi64(a, 1)), 1);
 }
+// SIMDe 0.7.4's alias of _mm512_madd_epi16 takes four arguments (the intrinsic takes two), and it
+// has no _mm512_srai_epi32: the 256-bit halves' instructions, joined.
+#undef _mm512_madd_epi16
+#define _mm512_madd_epi16(a, b) simde_mm512_madd_epi16(a, b)
+inline __m512i _mm512_srai_epi32(__m512i a, unsigned int imm) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srai_epi32(_mm512_castsi512_si256(a), static_cast<int>(imm))),
+                            _mm256_srai_epi32(_mm512_extracti64x4_epi64(a, 1), static_cast<int>(imm)), 1);
+}
 // Lanes in k: a * b + c; the others keep c.
 inline __m512 _mm512_mask3_fmadd_ps(__m512 a, __m512 b, __m512 c, simde__mmask16 k) {
   return _mm512_mask_mov_ps(c, k, _mm512_fmadd_ps(a, b, c));

@@ -242,21 +242,37 @@ def test_kept_q8_blocks_hold_the_dequantised_files_values(tiny_model: Callable[.
             assert torch.equal(values, want), (i, name)
 
 
+# A first token the kept model picks differently must be one the dequantised model itself nearly
+# tied with its choice: within TIE_NATS of its top logprob. Quantising the activations to 8 bits
+# moves these tiny random models' logprobs by up to ~0.07 nats (dense) and ~0.25 (a flipped
+# expert route), and their top two are often closer than that (0.0002-0.015 nats where the CI and
+# this machine's runs differed). A broken kernel gives tokens nowhere near the reference's top.
+TIE_NATS = 0.1
+
+
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
 def test_kept_q8_blocks_serve_like_the_dequantised_file(hybrid: Callable[..., Path], arch: str) -> None:
     """Served with --quantization gguf, the kept model's first greedy token of each prompt is the
-    dequantised file's -- for the experts, which run integer kernels on 8-bit activations, all
-    but a near-tied one or two of 16."""
+    dequantised file's, or one that file's model nearly tied with its own (the integer kernels run
+    on 8-bit activations); most of 16 agree outright."""
     from server import SamplingParams
 
     path = hybrid(arch, "Q8_0")
     config = load_model(path, dtype="float32")[1]
     prompts = _prompts(16, config.vocab_size, 20, 60, seed=22)
-    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=5)
     kw: dict[str, Any] = dict(dtype="float32", max_model_len=256, kv_cache_tokens=4096)
-    a = _tokens(LLM(str(path), quantization="gguf", **kw).generate(prompts, first))
-    b = _tokens(LLM(str(path), **kw).generate(prompts, first))
-    assert sum(x == y for x, y in zip(a, b)) >= (14 if config.is_moe else 16)
+    kept = LLM(str(path), quantization="gguf", **kw).generate(prompts, first)
+    ref = LLM(str(path), **kw).generate(prompts, first)
+    agree = 0
+    for i, (k, r) in enumerate(zip(kept, ref)):
+        token, want = k.outputs[0].token_ids[0], r.outputs[0].logprobs[0]
+        if token == want.token_id:
+            agree += 1
+            continue
+        top = dict(want.top)
+        assert token in top and want.logprob - top[token] <= TIE_NATS, (i, token, want)
+    assert agree >= 13, agree
 
 
 @pytest.mark.parametrize("change,message", [

@@ -24,6 +24,11 @@ inline thread_local bool amx_allowed = true;
 // one B tile then feeds four 16 x M tile products; below it the AVX-512 kernels' dot products
 // waste less of each instruction.
 constexpr int64_t kAmxMinRows = 4;
+// Q4_0 / Q4_1 in the x8 layout go to AMX tiles from 6 rows: their AMX body unpacks every nibble to a
+// byte for the tile, which the VNNI kernel's dot products at 4 rows beat (0.77-0.85x AMX's time on
+// SmolLM2's and a 32000 x 1024 shape), tie at 5 and lose from 6 (RESULTS, session 24). Q8_0's tiles
+// need no unpacking and win from 4.
+constexpr int64_t kAmxMinRowsQ4x8 = 6;
 
 // Whether a linear op of M rows on family `isa` goes to the AMX kernels: an AMX CPU, enough rows,
 // not batch-invariant mode, and not turned off for this call by the autotune.

@@ -415,8 +415,9 @@ at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::str
   const uint8_t* w = wc.data_ptr<uint8_t>();
   float* o = io.out.data();
   const auto x8_kernel = [&] {
-    // Q4_0 and Q4_1 on AMX tiles from kAmxMinRows rows (the same floats as VNNI's x8 kernel).
-    const bool amx = cpu::use_amx(isa, M) && (t == cpu::Q4Type::kQ4_0 || t == cpu::Q4Type::kQ4_1);
+    // Q4_0 and Q4_1 on AMX tiles from kAmxMinRowsQ4x8 rows (the same floats as VNNI's x8 kernel).
+    const bool amx = cpu::use_amx(isa, M) && M >= cpu::kAmxMinRowsQ4x8 &&
+                     (t == cpu::Q4Type::kQ4_0 || t == cpu::Q4Type::kQ4_1);
     return amx ? cpu::linear_q4x8_amx : isa >= cpu::Isa::kAvx512 ? cpu::linear_q4x8_vnni : cpu::linear_q4x8_avx2;
   }();
   if (f.interleaved && !portable && N % cpu::kQ4Interleave == 0 && cpu::fused_linear_applies(M, N, K, io.out)) {
@@ -429,7 +430,7 @@ at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::str
     kernel(t, act, w, b, o, N, N);
   } else if (!portable) {
     // Whole groups through the family's x8 kernel (VNNI from AVX-512 up; Q4_0 and Q4_1 on AMX tiles
-    // from kAmxMinRows rows, the same floats), the last N % 8 rows, in row layout, through the
+    // from kAmxMinRowsQ4x8 rows, the same floats), the last N % 8 rows, in row layout, through the
     // family's row kernel.
     const int64_t G = cpu::kQ4Interleave, done = N / G * G, rb = wc.size(1);
     x8_kernel(t, act, w, b, o, N, done);

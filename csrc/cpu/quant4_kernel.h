@@ -122,7 +122,7 @@ void linear_q4x8_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, con
 void linear_q4x8_vnni(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,
                       int64_t ldo, int64_t N);
 // Q4_0 and Q4_1 with AMX tiles (linear_x8_amx.cpp; Isa::kAmx): the same floats, bit for bit. Only
-// those two types (the caller picks it from kAmxMinRows rows, dispatch_mode.h's use_amx).
+// those two types (the caller picks it from kAmxMinRowsQ4x8 rows, dispatch_mode.h).
 void linear_q4x8_amx(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,
                      int64_t ldo, int64_t N);
 // Q4_K's and Q6_K's x8 kernels (x8k_body.h), called by linear_q4x8_avx2 for kQ4_K / kQ6_K

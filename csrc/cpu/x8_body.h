@@ -208,7 +208,7 @@ __attribute__((noinline)) void group8(const Q8Activations& x, int64_t m0, const 
 
 // Every whole group of eight weight rows (group_bytes each) against all M activation rows: units
 // of NG consecutive groups (the last unit one group when the count is odd), and per unit row tiles
-// of four, then two, then one rows: tile(std::integral_constant<int, MB>, std::integral_constant<int,
+// of four, then one of the 1-3 rows left: tile(std::integral_constant<int, MB>, std::integral_constant<int,
 // ng>, m0, unit's bytes, unit's bias or nullptr, unit's first output column). Static schedule: each
 // thread streams one contiguous slice of the weight. Which tile or unit an output lands in changes
 // only which loads it shares, never its instructions (batch invariance).
@@ -228,11 +228,20 @@ void for_each_group(int64_t M, int64_t K, int64_t N, int64_t group_bytes, const 
     const auto rows = [&](auto ng) {
       int64_t m = 0;
       for (; m + 4 <= M; m += 4) tile(std::integral_constant<int, 4>{}, ng, m, wg, bg, og);
-      if (m + 2 <= M) {
-        tile(std::integral_constant<int, 2>{}, ng, m, wg, bg, og);
-        m += 2;
+      // The 1-3 rows left in one tile: one more read of the unit's weights, not two.
+      switch (M - m) {
+        case 3:
+          tile(std::integral_constant<int, 3>{}, ng, m, wg, bg, og);
+          break;
+        case 2:
+          tile(std::integral_constant<int, 2>{}, ng, m, wg, bg, og);
+          break;
+        case 1:
+          tile(std::integral_constant<int, 1>{}, ng, m, wg, bg, og);
+          break;
+        default:
+          break;
       }
-      if (m < M) tile(std::integral_constant<int, 1>{}, ng, m, wg, bg, og);
     };
     if (g + NG <= groups) {
       rows(std::integral_constant<int, NG>{});

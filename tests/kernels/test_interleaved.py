@@ -168,11 +168,12 @@ def test_amx_x8_is_the_vnni_x8_bit_for_bit(monkeypatch: pytest.MonkeyPatch, qtyp
     """The x8 kernels on AMX tiles (linear_x8_amx.cpp: the activations as the A tile; Q8_0's x8
     chunks copied, Q4_0's / Q4_1's unpacked, two groups to a B tile) add the same integers and
     run the same fp32 steps as the VNNI x8 kernels, so every output is the same float, at row
-    counts from 1 to 16 (AMX from 4: up to four tiles per step, odd group counts -- a lone last
-    4-bit group -- and partial tiles), with a bias. Chunks of 16 rows: test_emulated_amx.py."""
+    counts from 1 to 16 (AMX from 4 rows for Q8_0, from 6 for Q4_0 / Q4_1: up to four tiles per
+    step, odd group counts -- a lone last 4-bit group -- and partial tiles), with a bias. Chunks of
+    16 rows: test_emulated_amx.py."""
     x8 = weight(qtype, n, k, seed=n + k, extreme=extreme).interleave()
     bias = torch.randn(n, generator=torch.Generator().manual_seed(5))
-    for m in (1, 3, 4, 5, 8, 13, 16):
+    for m in (1, 3, 4, 5, 6, 7, 8, 13, 16):
         x = activations(m, k, seed=m, extreme=extreme)
         got = {}
         for isa in ("avx512", "amx"):

@@ -40,8 +40,9 @@ the samples so) must not replace it there. On an AMX Xeon under the test suite's
 changed the default model's bf16 text under n-gram speculation at token 26 (bench/RESULTS.md,
 session 21); at one row the two paths were within 1-7 % of each other on every shape measured.
 
-On an AMX CPU (family "amx") the kernel path itself has two bodies from 4 rows for bf16, Q8_0,
-Q4_0 and Q4_1: the AMX tiles (the default) and the AVX-512 dot products. For every bucket of 4 rows and more whose choice is
+On an AMX CPU (family "amx") the kernel path itself has two bodies from 4 rows for bf16 and Q8_0,
+and from 6 for Q4_0 and Q4_1 in the x8 layout (csrc/cpu/dispatch_mode.h): the AMX tiles (the
+default) and the AVX-512 dot products. For every bucket of 4 rows and more whose choice is
 the kernel, `tune` also times the kernel with AMX allowed and with it off (server._C.set_amx_allowed),
 by the same rule (AMX stays unless every sample without it is MARGIN faster); the plan then holds
 KERNEL_NO_AMX there, and ops.linear turns AMX off around that call.

@@ -4,6 +4,10 @@
 // expert per thread, and each such call must do the whole product.
 #pragma once
 
+#include <omp.h>
+
+#include <cstdint>
+
 namespace pagewire::cpu {
 
 inline thread_local bool t_team_kernel = false;
@@ -29,5 +33,22 @@ struct TeamKernelScope {
   TeamKernelScope(const TeamKernelScope&) = delete;
   TeamKernelScope& operator=(const TeamKernelScope&) = delete;
 };
+
+// The threads a kernel's loop will split over: the open team's inside a team kernel.
+inline int team_threads() { return in_team_kernel() ? omp_get_num_threads() : omp_get_max_threads(); }
+
+// body(i) for i in [0, n), a static split (each thread one contiguous slice, so one sequential
+// stream of the weight): inside a team kernel this thread's share (the orphaned loop binds to the
+// open team), otherwise a region of its own when `parallel` (enough work to wake the team).
+template <class Body>
+void team_for(int64_t n, bool parallel, const Body& body) {
+  if (in_team_kernel()) {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; ++i) body(i);
+    return;
+  }
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t i = 0; i < n; ++i) body(i);
+}
 
 }  // namespace pagewire::cpu

@@ -249,19 +249,8 @@ void for_each_group(int64_t M, int64_t K, int64_t N, int64_t group_bytes, const 
       rows(std::integral_constant<int, 1>{});
     }
   };
-  // This thread's share of a team's kernel (float_rows.h fused_linear): the orphaned loop binds
-  // to that team. Otherwise a region of its own from enough work.
-  if (in_team_kernel()) {
-#pragma omp for schedule(static)
-    for (int64_t u = 0; u < units; ++u) unit(u);
-    return;
-  }
-#pragma omp parallel for schedule(static) if (N * K * M >= 65536)
-  for (int64_t u = 0; u < units; ++u) unit(u);
+  team_for(units, N * K * M >= 65536, unit);  // team_kernel.h: a team's share, or a region
 }
-
-// The threads that will split the units: the team's when called inside one.
-inline int x8_threads() { return in_team_kernel() ? omp_get_num_threads() : omp_get_max_threads(); }
 
 template <Q4Type T>
 void run4(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t N) {
@@ -283,7 +272,7 @@ void run4(const Q8SumActivations& x, const uint8_t* w, const float* bias, float*
   // the kernel streams the weight from memory, and one group per unit keeps each thread on one
   // sequential stream (pairs cost single-stream decode 13 %: 172 -> 150 tok/s on SmolLM2 Q4_1, two
   // threads). The results are the same either way, only the split of the work changes.
-  if (x.M >= 2 && N / kGroupRows >= 2 * x8_threads()) {
+  if (x.M >= 2 && N / kGroupRows >= 2 * team_threads()) {
     for_each_group<2>(x.M, x.K, N, group_bytes, w, bias, out, tile);
   } else {
     for_each_group<1>(x.M, x.K, N, group_bytes, w, bias, out, tile);
@@ -295,7 +284,7 @@ void run8(const Q8Activations& x, const uint8_t* w, const float* bias, float* ou
   const auto tile = [&](auto mb, auto ng, int64_t m, const uint8_t* wg, const float* bg, float* og) {
     group8<decltype(mb)::value, decltype(ng)::value>(x, m, wg, group_bytes, bg, og, ldo);
   };
-  if (x.M >= 2 && N / kGroupRows >= 2 * x8_threads()) {  // as in run4
+  if (x.M >= 2 && N / kGroupRows >= 2 * team_threads()) {  // as in run4
     for_each_group<2>(x.M, x.K, N, group_bytes, w, bias, out, tile);
   } else {
     for_each_group<1>(x.M, x.K, N, group_bytes, w, bias, out, tile);

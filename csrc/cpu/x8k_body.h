@@ -197,100 +197,6 @@ void group_k(const Q8SumActivations& x, int64_t m0, const uint8_t* w, const floa
 }
 
 
-#if PAGEWIRE_X8_VNNI
-// Two adjacent groups (16 weight rows) at once, for several activation rows (VNNI build only):
-// lanes 0-7 of each 512-bit vector hold group g's rows, lanes 8-15 group g + 1's. Every lane runs
-// group_k's instructions in group_k's order (vpdpbusd, vpmulld, int32 -> fp32, the FMAs), only
-// twice as wide, so every output is the same float bit for bit, with half the instructions per
-// activation row: at several rows these kernels are bound by compute, not memory (RESULTS,
-// session 24). `gb` is the byte stride from one group to the next.
-inline __m512i load2(const uint8_t* p0, const uint8_t* p1) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(load256(p0)), load256(p1), 1);
-}
-inline __m512 halves2(const uint8_t* p0, const uint8_t* p1) {  // 8 fp16 of each group -> 16 fp32
-  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p0));
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1));
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1));
-}
-inline __m512i broadcast4x16(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
-// A pshufb control of lane_bytes' kind for 512 bits (pshufb works within each 128-bit lane).
-inline __m512i wide(__m256i control) { return _mm512_broadcast_i64x4(control); }
-
-template <int MB>
-void group_k2(const Q8SumActivations& x, int64_t m0, const uint8_t* w, int64_t gb, const float* bias, float* out,
-              int64_t ldo) {
-  const int64_t nb = x.K / 32, nsb = x.K / kQ4_KBlock;
-  const __m512i mask = _mm512_set1_epi8(0x0F), six = _mm512_set1_epi8(0x3F), top = _mm512_set1_epi8(0x30);
-  const int8_t* xq[MB];
-  const float* xd[MB];
-  const float* xs[MB];
-  for (int m = 0; m < MB; ++m) {
-    xq[m] = x.q + (m0 + m) * x.K;
-    xd[m] = x.d + (m0 + m) * nb;
-    xs[m] = x.s + (m0 + m) * nb;
-  }
-  __m512 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t s = 0; s < nsb; ++s, w += kGroupBytes) {
-    const uint8_t* w1 = w + gb;
-    prefetch_q4k(w, kGroupBytes);
-    prefetch_q4k(w1, kGroupBytes);
-    const __m512i a = load2(w + 32, w1 + 32), b = load2(w + 64, w1 + 64), c = load2(w + 96, w1 + 96);
-    const __m512i sc_lo = _mm512_and_si512(a, six);
-    const __m512i sc_hi = _mm512_or_si512(_mm512_and_si512(c, mask), _mm512_and_si512(_mm512_srli_epi32(a, 2), top));
-    const __m512i mn_lo = _mm512_and_si512(b, six);
-    const __m512i mn_hi =
-        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(c, 4), mask), _mm512_and_si512(_mm512_srli_epi32(b, 2), top));
-    __m512 sa[MB];
-    for (int m = 0; m < MB; ++m) sa[m] = _mm512_setzero_ps();
-#pragma GCC unroll 4
-    for (int cc = 0; cc < 4; ++cc) {
-      __m512i lo32[MB], hi32[MB];
-      for (int m = 0; m < MB; ++m) lo32[m] = hi32[m] = _mm512_setzero_si512();
-      const uint8_t* wc0 = w + kCodes + 32 * 8 * cc;
-      const uint8_t* wc1 = w1 + kCodes + 32 * 8 * cc;
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) {
-        const __m512i v = load2(wc0 + 32 * j, wc1 + 32 * j);
-        const __m512i lo = _mm512_and_si512(v, mask);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-        for (int m = 0; m < MB; ++m) {
-          const int8_t* xb = xq[m] + (s * 8 + 2 * cc) * 32 + 4 * j;
-          lo32[m] = _mm512_dpbusd_epi32(lo32[m], lo, broadcast4x16(xb));
-          hi32[m] = _mm512_dpbusd_epi32(hi32[m], hi, broadcast4x16(xb + 32));
-        }
-      }
-      const __m512i src = cc < 2 ? sc_lo : sc_hi;
-      const __m512i sc0 = _mm512_shuffle_epi8(src, wide(word_of_byte((2 * cc) % 4)));
-      const __m512i sc1 = _mm512_shuffle_epi8(src, wide(word_of_byte((2 * cc + 1) % 4)));
-      for (int m = 0; m < MB; ++m) {
-        const int64_t blk = s * 8 + 2 * cc;
-        sa[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(lo32[m], sc0)), _mm512_set1_ps(xd[m][blk]), sa[m]);
-        sa[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(hi32[m], sc1)), _mm512_set1_ps(xd[m][blk + 1]),
-                                sa[m]);
-      }
-    }
-    __m512 ma[MB];
-    for (int m = 0; m < MB; ++m) ma[m] = _mm512_setzero_ps();
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      const __m512 mn = _mm512_cvtepi32_ps(_mm512_shuffle_epi8(j < 4 ? mn_lo : mn_hi, wide(word_of_byte(j % 4))));
-      for (int m = 0; m < MB; ++m) ma[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[m][s * 8 + j]), ma[m]);
-    }
-    const __m512 d = halves2(w, w1), dmin = halves2(w + 16, w1 + 16);
-    for (int m = 0; m < MB; ++m) {
-      acc[m] = _mm512_fmadd_ps(d, sa[m], acc[m]);
-      acc[m] = _mm512_fnmadd_ps(dmin, ma[m], acc[m]);
-    }
-  }
-  const __m512 bv = bias != nullptr ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out + (m0 + m) * ldo, _mm512_add_ps(acc[m], bv));
-}
-#endif
 
 }  // namespace q4k
 
@@ -399,76 +305,12 @@ void group_q6(const Q8SumActivations& x, const int32_t* x16, int64_t m0, const u
 }
 
 
-#if PAGEWIRE_X8_VNNI
-// Two adjacent groups per 512-bit vector, as q4k::group_k2 (lanes 8-15 group g + 1's rows): every
-// lane runs group_q6's VNNI instructions in its order, so the same floats bit for bit.
-template <int MB>
-void group_q62(const Q8SumActivations& x, const int32_t* x16, int64_t m0, const uint8_t* w, int64_t gb,
-               const float* bias, float* out, int64_t ldo) {
-  const int64_t nb = x.K / 32, nsb = x.K / kQ4_KBlock, n16 = x.K / 16;
-  const __m512i mask = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
-  const int8_t* xq[MB];
-  const float* xd[MB];
-  const int32_t* xs[MB];
-  for (int m = 0; m < MB; ++m) {
-    xq[m] = x.q + (m0 + m) * x.K;
-    xd[m] = x.d + (m0 + m) * nb;
-    xs[m] = x16 + (m0 + m) * n16;
-  }
-  __m512 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t s = 0; s < nsb; ++s, w += kGroupBytes) {
-    const uint8_t* w1 = w + gb;
-    prefetch_next(w, kGroupBytes);
-    prefetch_next(w1, kGroupBytes);
-    __m512 sa[MB];
-    for (int m = 0; m < MB; ++m) sa[m] = _mm512_setzero_ps();
-    for (int h = 0; h < 2; ++h) {
-      for (int t = 0; t < 4; ++t) {
-        const int j = 4 * h + t;
-        __m512i i32[MB];
-        for (int m = 0; m < MB; ++m) i32[m] = _mm512_setzero_si512();
-        for (int hh = 0; hh < 2; ++hh) {
-          const int idx = 2 * j + hh;
-          const int so = kScales + 32 * (idx / 4);
-          const __m512i sc =
-              _mm512_srai_epi16(_mm512_shuffle_epi8(q4k::load2(w + so, w1 + so), q4k::wide(high_bytes(idx % 4))), 8);
-          const __m512i sc32 = _mm512_srai_epi32(sc, 16);
-          __m512i p32[MB];
-          for (int m = 0; m < MB; ++m) p32[m] = _mm512_setzero_si512();
-          for (int c = 4 * hh; c < 4 * hh + 4; ++c) {  // group_q6's (pair, u) in order
-            const int lo_at = kQl + 32 * (16 * h + 8 * (t % 2) + c), hi_at = kQh + 32 * (8 * h + c);
-            const __m512i ql = q4k::load2(w + lo_at, w1 + lo_at);
-            const __m512i qh = q4k::load2(w + hi_at, w1 + hi_at);
-            const __m512i lo = t < 2 ? _mm512_and_si512(ql, mask) : _mm512_and_si512(_mm512_srli_epi16(ql, 4), mask);
-            const __m512i hi = t == 0   ? _mm512_slli_epi16(qh, 4)
-                               : t == 1 ? _mm512_slli_epi16(qh, 2)
-                               : t == 2 ? qh
-                                        : _mm512_srli_epi16(qh, 2);
-            const __m512i codes = _mm512_or_si512(lo, _mm512_and_si512(hi, top));
-            for (int m = 0; m < MB; ++m) {
-              p32[m] = _mm512_dpbusd_epi32(p32[m], codes, q4k::broadcast4x16(xq[m] + j * 32 + s * 256 + 4 * c));
-            }
-          }
-          for (int m = 0; m < MB; ++m) i32[m] = _mm512_add_epi32(i32[m], _mm512_mullo_epi32(p32[m], sc32));
-          for (int m = 0; m < MB; ++m) {
-            i32[m] = _mm512_sub_epi32(i32[m], _mm512_madd_epi16(sc, _mm512_set1_epi32(xs[m][s * 16 + idx])));
-          }
-        }
-        for (int m = 0; m < MB; ++m) {
-          sa[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i32[m]), _mm512_set1_ps(xd[m][s * 8 + j]), sa[m]);
-        }
-      }
-    }
-    const __m512 d = q4k::halves2(w, w1);
-    for (int m = 0; m < MB; ++m) acc[m] = _mm512_fmadd_ps(d, sa[m], acc[m]);
-  }
-  const __m512 bv = bias != nullptr ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out + (m0 + m) * ldo, _mm512_add_ps(acc[m], bv));
-}
-#endif
 
 }  // namespace q6k
+
+#if PAGEWIRE_X8_VNNI
+#include "x8k_pairs.h"  // group_k2, group_q62
+#endif
 
 // Activation rows per pass over a group's weights. Q6_K's VNNI build, eight: at several rows these
 // kernels are bound by compute, not memory, and Q6_K's per-row chains (four vpdpbusd into one
@@ -482,20 +324,6 @@ constexpr int kQ6KRows = PAGEWIRE_X8_VNNI ? 8 : 2;
 // pairs lost to single groups at eight rows a pass (2048 x 8192, M = 8: 1.065 against 0.990 ms);
 // at eight they win (0.801; RESULTS, session 24).
 constexpr int kQ6KPairRows = 8;
-
-// group(g) for each of `groups` groups, a static split: this thread's share of a team's kernel
-// (float_rows.h fused_linear, under a TeamKernelScope: the orphaned loop binds to that team), else
-// a region of its own from enough work. Each thread streams one contiguous slice of the weight.
-template <class Group>
-void for_groups(int64_t groups, bool parallel, const Group& group) {
-  if (in_team_kernel()) {
-#pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; ++g) group(g);
-    return;
-  }
-#pragma omp parallel for schedule(static) if (parallel)
-  for (int64_t g = 0; g < groups; ++g) group(g);
-}
 
 // pass(std::integral_constant<int, MB>{}, m) over activation rows [0, M), each pass one read of a
 // group's weights for MB rows: passes of Big rows, one of 4 (when Big > 4), then the 1-3 rows left
@@ -527,9 +355,8 @@ void run_q4k(const Q8SumActivations& x, const uint8_t* w, const float* bias, flo
   // Several rows: pairs of groups through group_k2 (a lone last group through group_k), while
   // there are pairs enough for every thread of the split. One row stays on single groups, bound by
   // memory there, where one group per unit keeps each thread on one sequential stream.
-  const int threads = in_team_kernel() ? omp_get_num_threads() : omp_get_max_threads();
-  if (x.M >= 2 && groups >= 4 * threads) {
-    for_groups((groups + 1) / 2, N * x.K * x.M >= 65536, [&](int64_t u) {
+  if (x.M >= 2 && groups >= 4 * team_threads()) {
+    team_for((groups + 1) / 2, N * x.K * x.M >= 65536, [&](int64_t u) {
       const int64_t g = 2 * u;
       const uint8_t* wg = w + g * group_bytes;
       const float* bg = bias != nullptr ? bias + g * kQ4Interleave : nullptr;
@@ -547,7 +374,7 @@ void run_q4k(const Q8SumActivations& x, const uint8_t* w, const float* bias, flo
     return;
   }
 #endif
-  for_groups(groups, N * x.K * x.M >= 65536, [&](int64_t g) {
+  team_for(groups, N * x.K * x.M >= 65536, [&](int64_t g) {
     const uint8_t* wg = w + g * group_bytes;
     const float* bg = bias != nullptr ? bias + g * kQ4Interleave : nullptr;
     float* og = out + g * kQ4Interleave;
@@ -572,9 +399,8 @@ void run_q6k(const Q8SumActivations& x, const uint8_t* w, const float* bias, flo
   const int32_t* xs = x16.data();
 #if PAGEWIRE_X8_VNNI
   // Several rows: pairs of groups through group_q62, as run_q4k.
-  const int threads = in_team_kernel() ? omp_get_num_threads() : omp_get_max_threads();
-  if (x.M >= 2 && groups >= 4 * threads) {
-    for_groups((groups + 1) / 2, N * x.K * x.M >= 65536, [&](int64_t u) {
+  if (x.M >= 2 && groups >= 4 * team_threads()) {
+    team_for((groups + 1) / 2, N * x.K * x.M >= 65536, [&](int64_t u) {
       const int64_t g = 2 * u;
       const uint8_t* wg = w + g * group_bytes;
       const float* bg = bias != nullptr ? bias + g * kQ4Interleave : nullptr;
@@ -592,7 +418,7 @@ void run_q6k(const Q8SumActivations& x, const uint8_t* w, const float* bias, flo
     return;
   }
 #endif
-  for_groups(groups, N * x.K * x.M >= 65536, [&](int64_t g) {
+  team_for(groups, N * x.K * x.M >= 65536, [&](int64_t g) {
     const uint8_t* wg = w + g * group_bytes;
     const float* bg = bias != nullptr ? bias + g * kQ4Interleave : nullptr;
     float* og = out + g * kQ4Interleave;

@@ -123,8 +123,8 @@ inline void quantize_activation_rows(bool avx2, const float* x, int64_t M, int64
 // leaves the other core idle through the engine thread's code between regions; barriers inside
 // one cost far less (a SmolLM2 batch-8 step opened about 500 regions; RESULTS, session 23). The
 // same functions on the same rows and columns: the same bytes and floats as the three regions.
-// `kernel` must run team work (the x8 kernels do under a TeamKernelScope: for_each_group in
-// x8_body.h, for_x8_units in linear_x8_amx.cpp). Use when fused_linear_applies().
+// `kernel` must split its work over the team under the TeamKernelScope (the x8 kernels do: team_for
+// in team_kernel.h, for_x8_units in linear_x8_amx.cpp); it is checked. Use when fused_linear_applies().
 template <class Kernel>
 at::Tensor fused_linear(bool avx2, const float* xf, int64_t M, int64_t K, int8_t* q, float* d, float* s,
                         FloatOut& out, const Kernel& kernel) {
@@ -147,12 +147,13 @@ at::Tensor fused_linear(bool avx2, const float* xf, int64_t M, int64_t K, int8_t
 }
 
 // Whether fused_linear pays: several rows, a team to split over, as much work as the x8 kernels'
-// own threshold for waking the team (x8_body.h for_each_group), and rows enough that quantising
+// own threshold for waking the team (team_kernel.h team_for's callers), and rows enough that quantising
 // them would open a region too. Below that the unfused path opens one or two regions, and the
 // fused one was no faster (SmolLM2 Q4_1 at 4 rows: 5.95 against 5.87 ms, within the noise; at 8
 // rows 8.71 against 8.94; RESULTS, session 24).
 inline bool fused_linear_applies(int64_t M, int64_t N, int64_t K, const FloatOut& out) {
-  return M >= 2 && M * K >= (1 << 12) && N * K * M >= 65536 && out.rounds_in_team() && !omp_in_parallel() && omp_get_max_threads() > 1;
+  return M >= 2 && M * K >= (1 << 12) && N * K * M >= 65536 && out.rounds_in_team() && !omp_in_parallel() &&
+         omp_get_max_threads() > 1;
 }
 
 // Checks an optional bias of a linear op with x [M, K] and N outputs: on CPU, [N], x's dtype.

@@ -13,6 +13,8 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 PAGEWIRE_TARGET_PUSH("avx512f,avx512bw,avx512vl,avx512bf16,fma")
 
+#include "bf16_avx512.h"
+
 namespace pagewire::cpu {
 namespace {
 
@@ -20,24 +22,6 @@ constexpr int kPrefetchRows = 8;
 
 inline __m512bh load_bf16x32(const uint16_t* p, __mmask32 mask) {
   return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
-}
-
-// out[0..3] = bf16(horizontal sums of a[0..3] + bias[0..3]): one shuffle tree for four sums
-// instead of four separate reductions (the epilogue matters once M grows).
-inline void store4(const __m512 (&a)[4], const uint16_t* bias, uint16_t* out) {
-  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
-  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
-  // Each 128-bit lane now holds partial sums of a0, a1, a2, a3 in that order.
-  __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
-                           _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
-  s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, 0x4E));
-  s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, 0xB1));
-  __m128 sum = _mm512_castps512_ps128(s);
-  if (bias != nullptr) {
-    const __m128i b = _mm_cvtepu16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bias)));
-    sum = _mm_add_ps(sum, _mm_castsi128_ps(_mm_slli_epi32(b, 16)));
-  }
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), (__m128i)_mm_cvtneps_pbh(sum));
 }
 
 // One block of NR weight rows against MB rows of x: MB * NR accumulators, each weight vector

@@ -13,7 +13,9 @@
 #include <vector>
 
 #include "../ops.h"
+#include "chunked_gemm.h"
 #include "cpu_features.h"
+#include "dispatch_mode.h"
 #include "float_rows.h"
 #include "linear_kernel.h"
 
@@ -22,6 +24,10 @@ namespace pagewire {
 namespace {
 
 constexpr int64_t kRows = cpu::kBf16Interleave;
+// Rows up to which AVX512-BF16 CPUs run the x8 kernel (linear_route.LINEAR_KERNEL_MAX_M, the
+// row-layout weight's limit); above it oneDNN's bf16 GEMM wins. AVX2 has no native bf16 GEMM and
+// runs the kernel at every M.
+constexpr int64_t kKernelMaxRowsAvx512 = 16;
 
 void check_x8(const at::Tensor& w) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
@@ -109,12 +115,26 @@ at::Tensor linear_bf16x8_cpu(const at::Tensor& x, const at::Tensor& weight, cons
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   const at::Tensor bc = has_bias ? bias->contiguous() : at::Tensor();
   const int64_t M = xc.size(0);
+  const bool avx512 = cpu::active_isa() >= cpu::Isa::kAvx512Bf16;
+  if (avx512 && M > kKernelMaxRowsAvx512 && !cpu::batch_invariant_mode) {
+    // Prefill: ATen's bf16 GEMM (oneDNN's native dot products) on de-interleaved chunks of rows,
+    // as the row-layout weight's rule (linear_route.LINEAR_KERNEL_MAX_M); batch-invariant mode
+    // keeps the kernel, whose rows do not depend on M.
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+    return cpu::chunked_gemm(xc, N, bias, has_bias, [&](int64_t n0, int64_t rows) {
+      at::Tensor chunk = at::empty({rows, K}, weight.options().dtype(at::kBFloat16));
+      // n0 is a multiple of 8 (chunked_gemm never splits a group); a chunk ending past the last
+      // group holds the row-layout rows too, which move_groups copies as they are.
+      move_groups(src + n0 * K, reinterpret_cast<uint16_t*>(chunk.data_ptr()), rows, K, false);
+      return chunk;
+    });
+  }
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  cpu::linear_bf16x8_avx2(reinterpret_cast<const uint16_t*>(xc.data_ptr()), xc.stride(0),
-                          reinterpret_cast<const uint16_t*>(weight.data_ptr()),
-                          has_bias ? reinterpret_cast<const uint16_t*>(bc.data_ptr()) : nullptr,
-                          reinterpret_cast<uint16_t*>(out.data_ptr()), N, M, N, K);
+  (avx512 ? cpu::linear_bf16x8_avx512 : cpu::linear_bf16x8_avx2)(
+      reinterpret_cast<const uint16_t*>(xc.data_ptr()), xc.stride(0), reinterpret_cast<const uint16_t*>(weight.data_ptr()),
+      has_bias ? reinterpret_cast<const uint16_t*>(bc.data_ptr()) : nullptr, reinterpret_cast<uint16_t*>(out.data_ptr()),
+      N, M, N, K);
   return out;
 }
 

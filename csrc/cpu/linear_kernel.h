@@ -28,6 +28,9 @@ constexpr int64_t kBf16Interleave = 8;
 // linear_bf16_avx2's result, bit for bit, from a weight in the x8 layout (any M).
 void linear_bf16x8_avx2(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias, uint16_t* out,
                         int64_t ldo, int64_t M, int64_t N, int64_t K);  // Isa::kAvx2 or better
+// linear_bf16_avx512's result, bit for bit, from a weight in the x8 layout (any M).
+void linear_bf16x8_avx512(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias, uint16_t* out,
+                          int64_t ldo, int64_t M, int64_t N, int64_t K);  // Isa::kAvx512Bf16 or better
 
 // out[m][n] = sum_k x[m][k] * w[n][k] + bias[n], all fp32, same strides as above. Each output is
 // one 8-lane FMA chain over k in 16-blocks, a fixed horizontal sum and a scalar tail, so a row's

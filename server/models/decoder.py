@@ -308,22 +308,26 @@ class DecoderForCausalLM(nn.Module):
         self._forget_kinds()  # the layers' linear kinds changed
 
     def interleave_bf16(self) -> None:
-        """On CPUs whose kernels are the AVX2 family, move every bf16 decoder matrix and the lm_head
-        with rows of at most BF16_X8_MAX_K values into the x8 layout (QuantizedWeight.from_bf16),
-        which pagewire::linear_bf16x8 streams as one sequence: the same floats as the row-layout
-        kernel, bit for bit, at up to 1.6x its decode bandwidth on short rows (bench/RESULTS.md,
-        session 18). The memory is the same: each matrix is moved, not copied. A tied lm_head is the
-        embedding table: the table itself is moved, and linear_route.embedding gathers its rows from it."""
-        if self.device.type != "cpu" or self.dtype != torch.bfloat16 or cpu_isa() != "avx2":
+        """On CPUs whose kernels are the AVX2 or AVX512-BF16 family, move every bf16 decoder matrix
+        and the lm_head into the x8 layout (QuantizedWeight.from_bf16; on AVX2 only rows of at most
+        BF16_X8_MAX_K values), which pagewire::linear_bf16x8 streams as one sequence: the same floats
+        as the family's row-layout kernel, bit for bit, at up to 1.6x its decode bandwidth (AVX2 on
+        short rows, bench/RESULTS.md session 18; AVX512-BF16 1.1-1.5x at every width, session 25).
+        The memory is the same: each matrix is moved, not copied. A tied lm_head is the embedding
+        table: the table itself is moved, and linear_route.embedding gathers its rows from it. (AMX
+        CPUs keep the row layout, which their tile kernels read from 4 rows.)"""
+        isa = cpu_isa()
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16 or isa not in BF16_X8_MAX_K:
             return
+        max_k = BF16_X8_MAX_K[isa]
         for layer in self._layers:
             if isinstance(layer, DecoderLayer):
                 for name in layer.MATRICES:
-                    _replace_with_bf16x8(layer, name)
+                    _replace_with_bf16x8(layer, name, max_k)
         if self.lm_head is not self.embed_tokens:
-            _replace_with_bf16x8(self, "lm_head")
+            _replace_with_bf16x8(self, "lm_head", max_k)
         else:  # tied: one moved table, its rows gathered by linear_route.embedding, the whole projected by lm_head
-            _replace_with_bf16x8(self, "embed_tokens")
+            _replace_with_bf16x8(self, "embed_tokens", max_k)
             self._parameters.pop("lm_head", None)  # (registered under both names when tied)
             self.lm_head = self.embed_tokens
         self._forget_kinds()  # the layers' linear kinds changed
@@ -389,21 +393,23 @@ class DecoderForCausalLM(nn.Module):
                          if getattr(layer, "shares_kv", False) for n in names)  # recurrent layers have no KV
 
 
-# The widest rows the x8 layout pays for. The row-layout kernel reads eight rows side by side, each
-# a stream of K * 2 bytes: short rows (SmolLM2's 576, 1,152 bytes) end before the hardware prefetcher
-# is up to speed, and there one sequential stream moved 1.2-1.4x the bytes at M = 1; from K = 1536
-# the eight row streams kept up (1.0x) and at K = 5632 beat it (0.8x). bench/RESULTS.md, session 18.
-BF16_X8_MAX_K = 1024
+# Per kernel family that interleaves, the widest rows the x8 layout pays for. AVX2: the row-layout
+# kernel reads eight rows side by side, each a stream of K * 2 bytes: short rows (SmolLM2's 576,
+# 1,152 bytes) end before the hardware prefetcher is up to speed, and there one sequential stream
+# moved 1.2-1.4x the bytes at M = 1; from K = 1536 the eight row streams kept up (1.0x) and at
+# K = 5632 beat it (0.8x). bench/RESULTS.md, session 18. AVX512-BF16 (a Zen 5): one stream moved
+# 1.1-1.5x the row layout's bytes at M = 1 at every width measured (576 to 8192), session 25.
+BF16_X8_MAX_K: dict[str, int] = {"avx2": 1024, "avx512bf16": 1 << 62}
 
 
-def _replace_with_bf16x8(module: nn.Module, name: str) -> None:
+def _replace_with_bf16x8(module: nn.Module, name: str, max_k: int) -> None:
     """module.<name>, a bf16 matrix, becomes its x8 QuantizedWeight where the layout applies and
-    pays (at least one group of eight rows, K a multiple of 16 and at most BF16_X8_MAX_K); anything
-    else stays as it is."""
+    pays (at least one group of eight rows, K a multiple of 16 and at most max_k); anything else
+    stays as it is."""
     weight = getattr(module, name)
     if (not isinstance(weight, torch.Tensor) or weight.dtype != torch.bfloat16 or weight.dim() != 2
             or weight.shape[0] < 8 or weight.shape[1] == 0 or weight.shape[1] % 16
-            or weight.shape[1] > BF16_X8_MAX_K):
+            or weight.shape[1] > max_k):
         return
     moved = QuantizedWeight.from_bf16(weight)
     module._parameters.pop(name, None)  # as _replace_with_quantized: the row-layout matrix is freed

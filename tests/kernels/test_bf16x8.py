@@ -1,8 +1,8 @@
 """bf16 weights in the interleaved x8 layout (csrc/cpu/linear_bf16x8*.cpp, QuantizedWeight.from_bf16):
-the layout round-trips, pagewire::linear_bf16x8 gives pagewire::linear's AVX2 result bit for bit
+the layout round-trips, pagewire::linear_bf16x8 gives pagewire::linear's result bit for bit (AVX2, AVX512-BF16)
 (so the model's floats do not change when its matrices are moved) and a float64 reference's within
 bf16 rounding, rows do not depend on the batch, embedding_bf16x8 gathers F.embedding's rows, and
-bad arguments name themselves. Only AVX2-family CPUs interleave (QuantizedWeight.for_kernels's rule);
+bad arguments name themselves. AVX2 and AVX512-BF16 CPUs interleave (DecoderForCausalLM.interleave_bf16);
 the op itself runs everywhere (below AVX2 through a de-interleaved copy)."""
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from server.kernels import batch_invariant, linear_route, ops
 from server.kernels.quant import QuantizedWeight
+from tests.kernels.conftest import available_isas
 
 SHAPES = [(8, 16), (45, 64), (7, 32), (576, 576), (17, 4096), (3072, 576)]
 
@@ -32,21 +33,32 @@ def test_layout_round_trips_and_keeps_the_bytes(n: int, k: int) -> None:
         assert torch.equal(flat[32:64].view(torch.bfloat16), w[1, :16])
 
 
-@pytest.mark.skipif(ops.cpu_isa() == "portable", reason="pagewire::linear's bf16 kernel needs AVX2")
+@pytest.mark.parametrize("family", ["avx2", "avx512bf16"])
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_equals_the_row_layout_kernel_bit_for_bit(n: int, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """On AVX2 the two layouts run the same arithmetic per output, so the same bits, for every M
-    (the tiles of one and two x rows), with and without bias, and N % 8 rows left in row layout."""
-    monkeypatch.setenv("PAGEWIRE_CPU_ISA", "avx2")
+def test_equals_the_row_layout_kernel_bit_for_bit(family: str, n: int, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On each family that interleaves, the two layouts run the same arithmetic per output, so the
+    same bits, for every M (AVX2: tiles of one and two x rows; AVX512-BF16: tiles of one to three,
+    and 32-wide steps whose K % 32 = 16 tail the x8 kernel mirrors), with and without bias, and N % 8
+    rows left in row layout. Above 16 rows AVX512-BF16 runs ATen's GEMM on de-interleaved chunks
+    (as F.linear on the row layout), except in batch-invariant mode, where the kernel serves every M."""
+    if family not in available_isas():
+        pytest.skip(f"this CPU has no {family} kernels ({available_isas()})")
+    monkeypatch.setenv("PAGEWIRE_CPU_ISA", family)
     gen = torch.Generator().manual_seed(7)
     w = _weight(n, k, 3)
     qw = QuantizedWeight.from_bf16(w)
     b = torch.randn(n, generator=gen).bfloat16()
-    for m in (1, 2, 3, 5, 16, 33):
+    rows = (1, 2, 3, 5, 16, 33) if family == "avx2" else (1, 2, 3, 4, 5, 7, 8, 13, 16)
+    for m in rows:
         x = torch.randn(m, k, generator=gen).bfloat16()
         for bias in (None, b):
             assert torch.equal(torch.ops.pagewire.linear_bf16x8(x, qw.data, bias),
                                torch.ops.pagewire.linear(x, w, bias)), (m, bias is None)
+    if family == "avx512bf16":
+        x = torch.randn(33, k, generator=gen).bfloat16()
+        torch.testing.assert_close(torch.ops.pagewire.linear_bf16x8(x, qw.data, b), torch.nn.functional.linear(x, w, b))
+        with batch_invariant.mode(True):
+            assert torch.equal(torch.ops.pagewire.linear_bf16x8(x, qw.data, b), torch.ops.pagewire.linear(x, w, b))
 
 
 @pytest.mark.parametrize("m", [1, 4, 40])

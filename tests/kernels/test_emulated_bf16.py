@@ -1,10 +1,12 @@
-"""The AVX512-BF16 linear kernel (csrc/cpu/linear_avx512.cpp), run through emulated intrinsics.
+"""The AVX512-BF16 linear kernels (csrc/cpu/linear_avx512.cpp, and linear_bf16x8_avx512.cpp on the
+interleaved x8 layout), run through emulated intrinsics.
 
 On a CPU without AVX512-BF16 the extension never calls this kernel, so tests/kernels/test_linear.py
 skips its family; here the same file is built against SIMDe (tests/kernels/emu_build.py) and checked
 against a float64 reference, with the kernel's row-block shapes (M = 1 takes 8 weight rows per
 block, more rows 4, in groups of up to 6), masked K tails and N % NR tails, and for batch
-invariance.
+invariance; the x8 kernel must give the row-layout kernel's bits (its tiles of one to three x rows,
+K % 32 = 16 tails, N % 8 rows left in row layout).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+import server._C  # noqa: F401  (torch.ops.pagewire.interleave_bf16)
 from tests.kernels import emu_build
 
 # The CPU family whose kernels this file checks through emulation (tests/kernels/conftest.py's summary).
@@ -24,7 +27,7 @@ U16 = ctypes.POINTER(ctypes.c_uint16)
 
 @pytest.fixture(scope="module")
 def lib() -> ctypes.CDLL:
-    return emu_build.build("bf16", ["linear_avx512.cpp"])
+    return emu_build.build("bf16", ["linear_avx512.cpp", "linear_bf16x8_avx512.cpp"])
 
 
 def bits(t: torch.Tensor) -> np.ndarray:
@@ -66,3 +69,26 @@ def test_avx512_bf16_kernel_is_batch_invariant(lib: ctypes.CDLL) -> None:
     alone = torch.cat([run(lib, x[m:m + 1], w, b) for m in range(17)])
     for M in range(2, 18):
         assert torch.equal(run(lib, x[:M], w, b).view(torch.int16), alone[:M].view(torch.int16)), f"M = {M}"
+
+
+def run_x8(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    (M, K), N = x.shape, w.shape[0]
+    xb, wb = bits(x), np.ascontiguousarray(torch.ops.pagewire.interleave_bf16(w).numpy().view(np.uint16))
+    bb = bits(b) if b is not None else None
+    out = np.zeros((M, N), np.uint16)
+    lib.pw_linear_bf16x8_avx512(xb.ctypes.data_as(U16), wb.ctypes.data_as(U16),
+                                bb.ctypes.data_as(U16) if bb is not None else None, out.ctypes.data_as(U16),
+                                ctypes.c_int64(M), ctypes.c_int64(N), ctypes.c_int64(K))
+    return torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
+
+
+@pytest.mark.parametrize("N,K", [(8, 16), (16, 64), (21, 48), (45, 208), (7, 32)])
+def test_x8_kernel_gives_the_row_layout_kernels_bits(lib: ctypes.CDLL, N: int, K: int) -> None:
+    gen = torch.Generator().manual_seed(N * 31 + K)
+    w = torch.randn((N, K), generator=gen).bfloat16()
+    b = torch.randn((N,), generator=gen).bfloat16()
+    for M in (1, 2, 3, 4, 5, 8, 13):
+        x = torch.randn((M, K), generator=gen).bfloat16()
+        for bias in (None, b):
+            got, want = run_x8(lib, x, w, bias), run(lib, x, w, bias)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (M, bias is None)

@@ -1,0 +1,137 @@
+// Small-batch bf16 GEMV/GEMM on AVX512-BF16 over the interleaved x8 layout (linear_kernel.h): a
+// thread's share of the weight is one sequential stream, where the row-layout kernel
+// (linear_avx512.cpp) reads eight rows side by side. On an AMD EPYC Zen 5 (2 cores) the row layout
+// moved 42-67 GB/s at M = 1 where one stream moved 86-97 (bench/RESULTS.md, session 25).
+//
+// Arithmetic: exactly the row-layout kernel's per output (bf16_avx512.h). A 512-bit load of the
+// x8 layout holds one 16-value chunk of two rows; x's chunk is broadcast to both halves, so each
+// vdpbf16ps accumulates pair sums for two rows in eight lanes each. Even chunks go to one
+// accumulator, odd chunks to another: lane j of the even one then holds what lane j of the row
+// kernel's 32-wide accumulator holds, and lane j of the odd one its lane 8 + j, added in the same
+// order. The epilogue joins the halves into that 16-lane accumulator and finishes it with the same
+// store4, so the result is bitwise the row-layout kernel's for every M, tile and thread count
+// (deterministic mode and exact speculation rely on it).
+#include <omp.h>
+
+#include <cstdint>
+
+#include "linear_kernel.h"
+#include "x86_target.h"
+
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+PAGEWIRE_TARGET_PUSH("avx512f,avx512bw,avx512vl,avx512bf16,fma")
+
+#include "bf16_avx512.h"
+
+namespace pagewire::cpu {
+namespace {
+
+constexpr int64_t kRows = kBf16Interleave;  // rows per group
+constexpr int64_t kChunkValues = 16 * kRows;  // one chunk of a group: 128 values, 256 bytes
+// Bytes ahead of its loads that the first x row's pass prefetches (0: the hardware prefetcher alone).
+#ifndef PW_BF16X8_PF
+#define PW_BF16X8_PF 1024
+#endif
+constexpr int64_t kPrefetchBytes = PW_BF16X8_PF;
+
+// x's 16 values of one chunk in both 256-bit halves (one per row of a weight vector's pair).
+inline __m512bh x_chunk(const uint16_t* x) {
+  return (__m512bh)_mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+}
+
+inline __m512bh w_pair(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+// The group's eight rows against MB rows of x: per x row, an even-chunk and an odd-chunk
+// accumulator for each of the four row pairs (MB = 3: 24 accumulators + 3 x vectors + 1 weight).
+template <int MB>
+inline void group_tile(const uint16_t* x, int64_t ldx, const uint16_t* g, int64_t K, const uint16_t* bias,
+                       uint16_t* out, int64_t ldo, bool prefetch) {
+  __m512 acc[MB][4][2];
+  for (auto& m : acc) {
+    for (auto& q : m) q[0] = q[1] = _mm512_setzero_ps();
+  }
+  const int64_t chunks = K / 16;
+  int64_t c = 0;
+  for (; c + 2 <= chunks; c += 2) {
+    const uint16_t* p = g + c * kChunkValues;
+    if (kPrefetchBytes > 0 && prefetch) {
+      for (int64_t l = 0; l < 512; l += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + l, _MM_HINT_T0);
+      }
+    }
+    for (int e = 0; e < 2; ++e) {
+      __m512bh xv[MB];
+      for (int m = 0; m < MB; ++m) xv[m] = x_chunk(x + m * ldx + (c + e) * 16);
+      for (int q = 0; q < 4; ++q) {
+        const __m512bh w = w_pair(p + e * kChunkValues + q * 32);
+        for (int m = 0; m < MB; ++m) acc[m][q][e] = _mm512_dpbf16_ps(acc[m][q][e], xv[m], w);
+      }
+    }
+  }
+  if (c < chunks) {  // K % 32 == 16: the row kernel's last, masked step adds zero pairs to lanes 8-15
+    const __m512bh zero = (__m512bh)_mm512_setzero_si512();
+    const uint16_t* p = g + c * kChunkValues;
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = x_chunk(x + m * ldx + c * 16);
+      for (int q = 0; q < 4; ++q) {
+        acc[m][q][0] = _mm512_dpbf16_ps(acc[m][q][0], xv, w_pair(p + q * 32));
+        acc[m][q][1] = _mm512_dpbf16_ps(acc[m][q][1], zero, zero);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    // Row 2q's 16 lanes: the even accumulator's low half, then the odd one's; row 2q + 1: the high halves.
+    __m512 rows[kRows];
+    for (int q = 0; q < 4; ++q) {
+      rows[2 * q] = _mm512_shuffle_f32x4(acc[m][q][0], acc[m][q][1], 0x44);
+      rows[2 * q + 1] = _mm512_shuffle_f32x4(acc[m][q][0], acc[m][q][1], 0xEE);
+    }
+    store4(*reinterpret_cast<const __m512(*)[4]>(&rows[0]), bias, out + m * ldo);
+    store4(*reinterpret_cast<const __m512(*)[4]>(&rows[4]), bias != nullptr ? bias + 4 : nullptr, out + m * ldo + 4);
+  }
+}
+
+inline void group_rows(const uint16_t* x, int64_t ldx, const uint16_t* g, int64_t K, const uint16_t* bias,
+                       uint16_t* out, int64_t ldo, int64_t rows, bool prefetch) {
+  switch (rows) {
+    case 3:
+      group_tile<3>(x, ldx, g, K, bias, out, ldo, prefetch);
+      break;
+    case 2:
+      group_tile<2>(x, ldx, g, K, bias, out, ldo, prefetch);
+      break;
+    default:
+      group_tile<1>(x, ldx, g, K, bias, out, ldo, prefetch);
+      break;
+  }
+}
+
+}  // namespace
+
+void linear_bf16x8_avx512(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias, uint16_t* out,
+                          int64_t ldo, int64_t M, int64_t N, int64_t K) {
+  const int64_t groups = N / kRows;
+  const int64_t passes = (M + 2) / 3;  // x rows in balanced tiles of at most three: 8 -> 3 + 3 + 2
+  // Static schedule: each thread streams one contiguous run of groups (the first tile reads the
+  // group from memory, the others from L1/L2). Threads from 64 K multiply-adds, as every linear kernel.
+#pragma omp parallel for schedule(static) if (N * K * M >= 65536)
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    const uint16_t* g = w + gi * kRows * K;
+    const uint16_t* b = bias != nullptr ? bias + gi * kRows : nullptr;
+    int64_t m = 0;
+    for (int64_t t = 0; t < passes; ++t) {
+      const int64_t rows = M / passes + (t < M % passes ? 1 : 0);
+      group_rows(x + m * ldx, ldx, g, K, b, out + m * ldo + gi * kRows, ldo, rows, t == 0);
+      m += rows;
+    }
+  }
+  const int64_t done = groups * kRows;  // the last N % 8 rows, in row layout: the row kernel itself
+  if (done < N) {
+    linear_bf16_avx512(x, ldx, w + done * K, bias != nullptr ? bias + done : nullptr, out + done, ldo, M, N - done, K);
+  }
+}
+
+}  // namespace pagewire::cpu
+
+PAGEWIRE_TARGET_POP

@@ -8,7 +8,7 @@ turn through PAGEWIRE_CPU_ISA), each in ms, GB/s of K+V read and GFLOP/s, with i
 SDPA (> 1: faster than SDPA) and the best family's speedup over it.
 
 `linear` prints, per weight shape and row count M: the pagewire bf16 kernel on the row layout and
-(AVX2 CPUs) on the x8 layout the engine keeps there, torch's F.linear on the same bf16 weight, the
+(AVX2 and AVX512-BF16 CPUs) on the x8 layout the engine keeps there, torch's F.linear on the same bf16 weight, the
 path ops.linear takes under an autotune table tuned on the kept layout (`chosen`, with its ratio to
 the fastest of them, flagged above 1.2x), and the Q8_0 kernel (int8 blocks, 34 bytes per 32
 weights), each in ms and in GB/s of weight bytes read, against the plain read bandwidth measured at
@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from bench.bandwidth import last_level_cache_mib, read_bandwidth_gbs
 from server.kernels import linear_route, ops
 from server.kernels.quant import INTERLEAVABLE, QuantizedWeight
+from server.models.decoder import BF16_X8_MAX_K
 from tests.kernels.paged_reference import make_paged_batch
 
 REPEAT = 20
@@ -172,8 +173,10 @@ def bench_linear() -> None:
         weights = [first_w] + [first_w.clone() for _ in range(copies - 1)]  # (the same values, their own memory)
         first_q = QuantizedWeight.quantize(first_w)
         qweights = [first_q] + [QuantizedWeight(first_q.qtype, first_q.data.clone(), first_q.shape) for _ in weights[1:]]
-        # What the engine keeps: on AVX2 CPUs the x8 layout (DecoderForCausalLM.interleave_bf16).
-        x8s = [QuantizedWeight.from_bf16(w) for w in weights] if ops.cpu_isa() == "avx2" else []
+        # What the engine keeps: on AVX2 and AVX512-BF16 CPUs the x8 layout where it pays
+        # (DecoderForCausalLM.interleave_bf16, BF16_X8_MAX_K).
+        x8s = ([QuantizedWeight.from_bf16(w) for w in weights]
+               if K <= BF16_X8_MAX_K.get(ops.cpu_isa(), 0) else [])
         kept: list = x8s or weights
         table = autotune.tune([autotune.Site("w", kept[0], dtype)], budget_s=30.0, log=False)
         step = iter(range(1 << 60))

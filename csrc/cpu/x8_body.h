@@ -206,6 +206,10 @@ __attribute__((noinline)) void group8(const Q8Activations& x, int64_t m0, const 
   }
 }
 
+#if PAGEWIRE_X8_VNNI
+#include "x8_pairs.h"  // group4_2, group8_2: a pair of groups per 512-bit vector
+#endif
+
 // Every whole group of eight weight rows (group_bytes each) against all M activation rows: units
 // of NG consecutive groups (the last unit one group when the count is odd), and per unit row tiles
 // of four, then one of the 1-3 rows left: tile(std::integral_constant<int, MB>, std::integral_constant<int,
@@ -266,6 +270,12 @@ void run4(const Q8SumActivations& x, const uint8_t* w, const float* bias, float*
     xc = offset.data();
   }
   const auto tile = [&](auto mb, auto ng, int64_t m, const uint8_t* wg, const float* bg, float* og) {
+#if PAGEWIRE_X8_VNNI
+    if constexpr (decltype(ng)::value == 2) {  // the pair in one 512-bit vector: the same floats
+      x8pair::group4_2<T, decltype(mb)::value>(x, xc, m, wg, group_bytes, bg, og, ldo);
+      return;
+    }
+#endif
     group4<T, decltype(mb)::value, decltype(ng)::value>(x, xc, m, wg, group_bytes, bg, og, ldo);
   };
   // Pairs of groups unless that would leave a thread without one (small N), or at one row: there
@@ -282,6 +292,12 @@ void run4(const Q8SumActivations& x, const uint8_t* w, const float* bias, float*
 void run8(const Q8Activations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t N) {
   const int64_t group_bytes = kQ8Interleave * (x.K / kQ8Block) * kQ8BlockBytes;
   const auto tile = [&](auto mb, auto ng, int64_t m, const uint8_t* wg, const float* bg, float* og) {
+#if PAGEWIRE_X8_VNNI
+    if constexpr (decltype(ng)::value == 2) {  // as run4
+      x8pair::group8_2<decltype(mb)::value>(x, m, wg, group_bytes, bg, og, ldo);
+      return;
+    }
+#endif
     group8<decltype(mb)::value, decltype(ng)::value>(x, m, wg, group_bytes, bg, og, ldo);
   };
   if (x.M >= 2 && N / kGroupRows >= 2 * team_threads()) {  // as in run4

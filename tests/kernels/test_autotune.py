@@ -18,6 +18,7 @@ from server.engine.config import ConfigError, EngineConfig
 from server.kernels import autotune, batch_invariant, linear_plan, linear_route, ops
 from server.kernels.autotune import BUCKETS, LARGE, LARGE_M, LinearTable, Site, bucket, tune
 from server.kernels.quant import QuantizedWeight
+from server.models.decoder import BF16_X8_MAX_K
 from server.models.loader import load_model
 from tests.kernels.test_quant4 import random_q4
 
@@ -259,9 +260,11 @@ def test_engine_tunes_on_cpu_unless_off_or_deterministic(tiny_model: Callable[..
     common = dict(model=model_dir, dtype="bfloat16", kv_cache_tokens=512, max_num_batched_tokens=64)
     on = LLMEngine(EngineConfig(**common, deterministic=False))  # type: ignore[arg-type]
     assert on.linear_table is not None
-    # (keyed by each weight as the engine keeps it: on AVX2 CPUs the bf16 matrices are in the x8 layout)
+    # (keyed by each weight as the engine keeps it: on AVX2 and AVX512-BF16 CPUs the bf16 matrices
+    # are in the x8 layout)
     assert set(on.linear_table.plans) == {linear_plan.table_key(w, torch.bfloat16) for _, w in on.model.linear_weights()}
-    assert all(isinstance(w, QuantizedWeight) == (ops.cpu_isa() == "avx2") for _, w in on.model.linear_weights())
+    moved = ops.cpu_isa() in BF16_X8_MAX_K
+    assert all(isinstance(w, QuantizedWeight) == moved for _, w in on.model.linear_weights())
     assert LLMEngine(EngineConfig(**common, deterministic=False, autotune=False)).linear_table is None  # type: ignore[arg-type]
     assert LLMEngine(EngineConfig(**common, deterministic=True, autotune=True)).linear_table is None  # type: ignore[arg-type]
 

@@ -19,6 +19,9 @@ typedef simde__mmask32 __mmask32;
 #ifndef __mmask16
 typedef simde__mmask16 __mmask16;
 #endif
+#ifndef __mmask64
+typedef simde__mmask64 __mmask64;
+#endif
 #ifndef _MM_FROUND_NO_EXC
 #define _MM_FROUND_NO_EXC SIMDE_MM_FROUND_NO_EXC
 #endif

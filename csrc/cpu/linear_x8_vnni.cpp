@@ -14,6 +14,7 @@
 #include <vector>
 
 // Headers first: inline functions they define must keep the baseline ISA.
+#include "cpu_features.h"
 #include "quant4_kernel.h"
 #include "quant_kernel.h"
 #include "x86_target.h"

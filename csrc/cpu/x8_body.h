@@ -22,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_features.h"  // (the including file includes it first, before its target switch)
 #include "quant4_kernel.h"
 #include "quant_kernel.h"
 #include "team_kernel.h"
@@ -34,20 +35,35 @@ namespace {
 //  * AVX2 build (tuned on a Zen 3): about four Q8_0 or eight Q4_0 blocks of the group, into L1.
 //  * VNNI build (tuned on an AMX Xeon, session 20): twice as far, into L2 (prefetcht1). A/B in
 //    one process, decode steps alternating: Llama-1B Q4_0 28.3 ms against 32.8 with the AVX2
-//    build's setting, SmolLM2 Q4_0 4.22 against 4.39 (bench/RESULTS.md). Not timed on a Zen 4.
+//    build's setting, SmolLM2 Q4_0 4.22 against 4.39 (bench/RESULTS.md).
+//  * VNNI build on AMD (a Zen 5, session 25), single groups (NG = 1: one sequential stream through
+//    consecutive groups): 9 KiB ahead. Batch-1 steps alternating in one process: Llama-1B Q4_0
+//    9.05 against 10.97 ms, Q8_0 16.03 against 17.22, SmolLM2 Q4_0 2.34 against 2.60, Q8_0 2.77
+//    against 3.14; 18 and 36 KiB gained nothing more. Pairs of groups (NG = 2) read two streams a
+//    group apart, where a distance past the group lands in the other stream: they keep 2,304
+//    (Llama-1B Q4_0 at 8 rows: 28.2 ms against 31.4 at 9 KiB).
 #if PAGEWIRE_X8_VNNI
 constexpr int64_t kPrefetchBytes = 2304;
 constexpr int kPrefetchHint = _MM_HINT_T1;
+#ifdef PAGEWIRE_X86_EMULATE
+inline int64_t stream_prefetch_bytes() { return kPrefetchBytes; }  // (no CPU detection in those builds)
+#else
+inline int64_t stream_prefetch_bytes() {
+  static const int64_t bytes = cpu_features().vendor == "AuthenticAMD" ? 9216 : kPrefetchBytes;
+  return bytes;
+}
+#endif
 #else
 constexpr int64_t kPrefetchBytes = 1152;
 constexpr int kPrefetchHint = _MM_HINT_T0;
+inline int64_t stream_prefetch_bytes() { return kPrefetchBytes; }
 #endif
 
-// Prefetches the Bytes bytes at p + kPrefetchBytes, one instruction per 64-byte line.
+// Prefetches the Bytes bytes at p + ahead, one instruction per 64-byte line.
 template <int Bytes>
-__attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* p) {
+__attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* p, int64_t ahead = kPrefetchBytes) {
   for (int off = 0; off < Bytes; off += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + off), static_cast<_mm_hint>(kPrefetchHint));
+    _mm_prefetch(reinterpret_cast<const char*>(p + ahead + off), static_cast<_mm_hint>(kPrefetchHint));
 }
 
 inline __m256i broadcast4(const int8_t* p) {
@@ -92,11 +108,12 @@ __attribute__((noinline)) void group4(const Q8SumActivations& x, const float* xc
     xd[m] = x.d + (m0 + m) * nb;
     xo[m] = xc + (m0 + m) * nb;
   }
+  const int64_t ahead = NG == 1 ? stream_prefetch_bytes() : kPrefetchBytes;
   __m256 acc[NG][MB];
   for (int j = 0; j < NG; ++j)
     for (int m = 0; m < MB; ++m) acc[j][m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += kBlockBytes) {
-    for (int j = 0; j < NG; ++j) prefetch_ahead<kBlockBytes>(w + j * group_bytes);
+    for (int j = 0; j < NG; ++j) prefetch_ahead<kBlockBytes>(w + j * group_bytes, ahead);
     __m256i s16[NG][MB];
     for (int j = 0; j < NG; ++j)
       for (int m = 0; m < MB; ++m) s16[j][m] = _mm256_setzero_si256();
@@ -163,11 +180,12 @@ __attribute__((noinline)) void group8(const Q8Activations& x, int64_t m0, const 
     xq[m] = x.q + (m0 + m) * x.K;
     xd[m] = x.d + (m0 + m) * nb;
   }
+  const int64_t ahead = NG == 1 ? stream_prefetch_bytes() : kPrefetchBytes;
   __m256 acc[NG][MB];
   for (int j = 0; j < NG; ++j)
     for (int m = 0; m < MB; ++m) acc[j][m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += kBlockBytes) {
-    for (int j = 0; j < NG; ++j) prefetch_ahead<kBlockBytes>(w + j * group_bytes);
+    for (int j = 0; j < NG; ++j) prefetch_ahead<kBlockBytes>(w + j * group_bytes, ahead);
     __m256i s32[NG][MB];
     for (int j = 0; j < NG; ++j)
       for (int m = 0; m < MB; ++m) s32[j][m] = _mm256_setzero_si256();

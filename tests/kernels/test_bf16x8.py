@@ -2,8 +2,8 @@
 the layout round-trips, pagewire::linear_bf16x8 gives pagewire::linear's result bit for bit (AVX2, AVX512-BF16)
 (so the model's floats do not change when its matrices are moved) and a float64 reference's within
 bf16 rounding, rows do not depend on the batch, embedding_bf16x8 gathers F.embedding's rows, and
-bad arguments name themselves. AVX2 and AVX512-BF16 CPUs interleave (DecoderForCausalLM.interleave_bf16);
-the op itself runs everywhere (below AVX2 through a de-interleaved copy)."""
+bad arguments name themselves. AVX2 CPUs interleave a model's matrices (DecoderForCausalLM.interleave_bf16);
+the op itself runs everywhere, with AVX512-BF16's own x8 kernel there (below AVX2 through a de-interleaved copy)."""
 from __future__ import annotations
 
 import pytest

@@ -1,7 +1,9 @@
 // Small-batch bf16 GEMV/GEMM on AVX512-BF16 over the interleaved x8 layout (linear_kernel.h): a
 // thread's share of the weight is one sequential stream, where the row-layout kernel
-// (linear_avx512.cpp) reads eight rows side by side. On an AMD EPYC Zen 5 (2 cores) the row layout
-// moved 42-67 GB/s at M = 1 where one stream moved 86-97 (bench/RESULTS.md, session 25).
+// (linear_avx512.cpp) reads eight rows side by side. On an AMD EPYC Zen 5 (2 cores) it moved
+// 1.1-1.6x the row layout's bytes at M = 1 and at 8-16 rows, but 0.76-1.2x at 2 and 4, so models
+// keep the row layout there for now (server/models/decoder.py BF16_X8_MAX_K; bench/RESULTS.md,
+// session 25); this kernel serves any weight moved into the layout on such a CPU.
 //
 // Arithmetic: exactly the row-layout kernel's per output (bf16_avx512.h). A 512-bit load of the
 // x8 layout holds one 16-value chunk of two rows; x's chunk is broadcast to both halves, so each
@@ -13,6 +15,7 @@
 // (deterministic mode and exact speculation rely on it).
 #include <omp.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "linear_kernel.h"
@@ -29,11 +32,10 @@ namespace {
 
 constexpr int64_t kRows = kBf16Interleave;  // rows per group
 constexpr int64_t kChunkValues = 16 * kRows;  // one chunk of a group: 128 values, 256 bytes
-// Bytes ahead of its loads that the first x row's pass prefetches (0: the hardware prefetcher alone).
-#ifndef PW_BF16X8_PF
-#define PW_BF16X8_PF 1024
-#endif
-constexpr int64_t kPrefetchBytes = PW_BF16X8_PF;
+// Bytes ahead of its loads that the first tile's pass prefetches. On the Zen 5, alternating builds in
+// one session: 8 KiB against 1 KiB moved 1.18-1.60x against 1.13-1.46x the row layout's bytes at
+// M = 1 and 1.04-1.20x against 0.97-1.11x at M = 2 (bench/RESULTS.md, session 25).
+constexpr int64_t kPrefetchBytes = 8192;
 
 // x's 16 values of one chunk in both 256-bit halves (one per row of a weight vector's pair).
 inline __m512bh x_chunk(const uint16_t* x) {
@@ -112,7 +114,9 @@ inline void group_rows(const uint16_t* x, int64_t ldx, const uint16_t* g, int64_
 void linear_bf16x8_avx512(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias, uint16_t* out,
                           int64_t ldo, int64_t M, int64_t N, int64_t K) {
   const int64_t groups = N / kRows;
-  const int64_t passes = (M + 2) / 3;  // x rows in balanced tiles of at most three: 8 -> 3 + 3 + 2
+  // x rows in tiles of at most three: the first three (the pass that streams the group from memory
+  // does the most work per byte), then the rest balanced: 4 -> 3 + 1, 8 -> 3 + 3 + 2.
+  const int64_t passes = (M + 2) / 3;
   // Static schedule: each thread streams one contiguous run of groups (the first tile reads the
   // group from memory, the others from L1/L2). Threads from 64 K multiply-adds, as every linear kernel.
 #pragma omp parallel for schedule(static) if (N * K * M >= 65536)
@@ -121,7 +125,8 @@ void linear_bf16x8_avx512(const uint16_t* x, int64_t ldx, const uint16_t* w, con
     const uint16_t* b = bias != nullptr ? bias + gi * kRows : nullptr;
     int64_t m = 0;
     for (int64_t t = 0; t < passes; ++t) {
-      const int64_t rows = M / passes + (t < M % passes ? 1 : 0);
+      const int64_t rows =
+          t == 0 ? std::min<int64_t>(3, M) : (M - 3) / (passes - 1) + (t - 1 < (M - 3) % (passes - 1) ? 1 : 0);
       group_rows(x + m * ldx, ldx, g, K, b, out + m * ldo + gi * kRows, ldo, rows, t == 0);
       m += rows;
     }

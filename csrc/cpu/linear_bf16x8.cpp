@@ -7,6 +7,7 @@
 // AVX2, fp32 activations) de-interleaves a copy.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/linear.h>
 
 #include <cstring>
@@ -24,10 +25,11 @@ namespace pagewire {
 namespace {
 
 constexpr int64_t kRows = cpu::kBf16Interleave;
-// Rows up to which AVX512-BF16 CPUs run the x8 kernel (linear_route.LINEAR_KERNEL_MAX_M, the
-// row-layout weight's limit); above it oneDNN's bf16 GEMM wins. AVX2 has no native bf16 GEMM and
-// runs the kernel at every M.
-constexpr int64_t kKernelMaxRowsAvx512 = 16;
+// Rows up to which AVX512-BF16 CPUs run the x8 kernel; above it ATen's bf16 GEMM (oneDNN) on
+// de-interleaved chunks. On a Zen 5 the kernel took 0.70-1.02x the time of torch's GEMM on the row
+// layout from 24 to 128 rows and 1.07-1.19x at 256, the chunks 1.11-1.22x at 256 and 1.05-1.09x at
+// 512 (bench/RESULTS.md, session 25). AVX2 has no native bf16 GEMM and runs the kernel at every M.
+constexpr int64_t kKernelMaxRowsAvx512 = 256;
 
 void check_x8(const at::Tensor& w) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
@@ -39,11 +41,14 @@ void check_x8(const at::Tensor& w) {
 
 // Moves rows between the row layout (src_row) and the x8 layout (dst_x8), either way: one group's
 // chunk c of row r sits at (c * 8 + r) * 16 values into the group.
+// Groups are independent, so the threads split them (from 64 K values: a prefill chunk or a whole
+// matrix at load; below, one thread is cheaper than waking the team).
 void move_groups(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, bool to_x8) {
   const int64_t groups = N / kRows;
+#pragma omp parallel for schedule(static) if (groups * kRows * K >= 65536)
   for (int64_t g = 0; g < groups; ++g) {
-    for (int64_t r = 0; r < kRows; ++r) {
-      for (int64_t c = 0; c < K / 16; ++c) {
+    for (int64_t c = 0; c < K / 16; ++c) {  // chunk-major: the x8 side is read or written in order
+      for (int64_t r = 0; r < kRows; ++r) {
         const int64_t row_at = (g * kRows + r) * K + c * 16, x8_at = g * kRows * K + (c * kRows + r) * 16;
         std::memcpy(dst + (to_x8 ? x8_at : row_at), src + (to_x8 ? row_at : x8_at), 32);
       }
@@ -117,16 +122,19 @@ at::Tensor linear_bf16x8_cpu(const at::Tensor& x, const at::Tensor& weight, cons
   const int64_t M = xc.size(0);
   const bool avx512 = cpu::active_isa() >= cpu::Isa::kAvx512Bf16;
   if (avx512 && M > kKernelMaxRowsAvx512 && !cpu::batch_invariant_mode) {
-    // Prefill: ATen's bf16 GEMM (oneDNN's native dot products) on de-interleaved chunks of rows,
-    // as the row-layout weight's rule (linear_route.LINEAR_KERNEL_MAX_M); batch-invariant mode
-    // keeps the kernel, whose rows do not depend on M.
+    // Long prefill chunks: ATen's bf16 GEMM (oneDNN's native dot products) on de-interleaved chunks
+    // of rows; batch-invariant mode keeps the kernel, whose rows do not depend on M.
     const uint16_t* src = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+    // One buffer per calling thread (the engine thread), reused across chunks and calls: a fresh
+    // allocation of a chunk per call costs its page faults every time. Each chunk's GEMM is done
+    // with the buffer before the next chunk overwrites it (chunked_gemm runs them in order).
+    thread_local std::vector<uint16_t> buffer;
     return cpu::chunked_gemm(xc, N, bias, has_bias, [&](int64_t n0, int64_t rows) {
-      at::Tensor chunk = at::empty({rows, K}, weight.options().dtype(at::kBFloat16));
+      if (static_cast<int64_t>(buffer.size()) < rows * K) buffer.resize(rows * K);
       // n0 is a multiple of 8 (chunked_gemm never splits a group); a chunk ending past the last
       // group holds the row-layout rows too, which move_groups copies as they are.
-      move_groups(src + n0 * K, reinterpret_cast<uint16_t*>(chunk.data_ptr()), rows, K, false);
-      return chunk;
+      move_groups(src + n0 * K, buffer.data(), rows, K, false);
+      return at::from_blob(buffer.data(), {rows, K}, weight.options().dtype(at::kBFloat16));
     });
   }
   at::Tensor out = at::empty({M, N}, x.options());

@@ -1,9 +1,9 @@
 // Small-batch bf16 GEMV/GEMM on AVX512-BF16 over the interleaved x8 layout (linear_kernel.h): a
 // thread's share of the weight is one sequential stream, where the row-layout kernel
 // (linear_avx512.cpp) reads eight rows side by side. On an AMD EPYC Zen 5 (2 cores) it moved
-// 1.1-1.6x the row layout's bytes at M = 1 and at 8-16 rows, but 0.76-1.2x at 2 and 4, so models
-// keep the row layout there for now (server/models/decoder.py BF16_X8_MAX_K; bench/RESULTS.md,
-// session 25); this kernel serves any weight moved into the layout on such a CPU.
+// 1.2-1.6x the row layout's bytes at M = 1 and 1.1-1.4x at 8-16 rows (0.76-1.25x at 2 and 4), and
+// from 24 to 128 rows took 0.70-1.02x the time of ATen's GEMM on the row layout (bench/RESULTS.md,
+// session 25).
 //
 // Arithmetic: exactly the row-layout kernel's per output (bf16_avx512.h). A 512-bit load of the
 // x8 layout holds one 16-value chunk of two rows; x's chunk is broadcast to both halves, so each

@@ -97,7 +97,7 @@ class LLMEngine:
         if config.quantization not in (Quantization.NONE, Quantization.GGUF):  # GGUF is done by the loader
             load_progress.stage("quantise and repack")
             self.model.quantize_weights(config.quantization)
-        self.model.interleave_bf16()  # bf16 matrices into the x8 layout on AVX2 CPUs (moved, not copied)
+        self.model.interleave_bf16()  # bf16 matrices into the x8 layout (AVX2, AVX512-BF16; moved, not copied)
         self.tokenizer = load_tokenizer(config.model)
         mc = self.model_config
         self.device = torch.device(config.device)

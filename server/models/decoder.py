@@ -308,13 +308,13 @@ class DecoderForCausalLM(nn.Module):
         self._forget_kinds()  # the layers' linear kinds changed
 
     def interleave_bf16(self) -> None:
-        """On CPUs whose kernels are a family of BF16_X8_MAX_K (AVX2), move every bf16 decoder matrix
-        and the lm_head with rows of at most its width into the x8 layout (QuantizedWeight.from_bf16),
-        which pagewire::linear_bf16x8 streams as one sequence: the same floats as the family's
-        row-layout kernel, bit for bit, at up to 1.6x its decode bandwidth on short rows
-        (bench/RESULTS.md, session 18). The memory is the same: each matrix is moved, not copied. A
-        tied lm_head is the embedding table: the table itself is moved, and linear_route.embedding
-        gathers its rows from it. (AVX512-BF16 and AMX CPUs keep the row layout: BF16_X8_MAX_K.)"""
+        """On CPUs whose kernels are a family of BF16_X8_MAX_K (AVX2, AVX512-BF16), move every bf16
+        decoder matrix and the lm_head with rows of at most its width into the x8 layout
+        (QuantizedWeight.from_bf16), which pagewire::linear_bf16x8 streams as one sequence: the same
+        floats as the family's row-layout kernel, bit for bit, at up to 1.6x its decode bandwidth
+        (bench/RESULTS.md: AVX2 on short rows, session 18; AVX512-BF16, session 25). The memory is the same: each
+        matrix is moved, not copied. A tied lm_head is the embedding table: the table itself is
+        moved, and linear_route.embedding gathers its rows from it. (AMX CPUs keep the row layout.)"""
         isa = cpu_isa()
         if self.device.type != "cpu" or self.dtype != torch.bfloat16 or isa not in BF16_X8_MAX_K:
             return
@@ -396,13 +396,12 @@ class DecoderForCausalLM(nn.Module):
 # kernel reads eight rows side by side, each a stream of K * 2 bytes: short rows (SmolLM2's 576,
 # 1,152 bytes) end before the hardware prefetcher is up to speed, and there one sequential stream
 # moved 1.2-1.4x the bytes at M = 1; from K = 1536 the eight row streams kept up (1.0x) and at
-# K = 5632 beat it (0.8x). bench/RESULTS.md, session 18.
-# AVX512-BF16 keeps the row layout. Its x8 kernel (linear_bf16x8_avx512.cpp, the same floats) moved
-# 1.0-1.5x the row layout's bytes at M = 1 and 1.2-1.4x at M = 16 on a Zen 5, but 0.68-0.80x at
-# M = 2 and 4, and prefill on de-interleaved copies ran 1.8-2.9x torch's GEMM on the row layout at
-# 24-64 rows (bench.kernels linear, session 25): moving the matrices there would trade batched
-# decode and prefill for single-stream decode.
-BF16_X8_MAX_K: dict[str, int] = {"avx2": 1024}
+# K = 5632 beat it (0.8x). bench/RESULTS.md, session 18. AVX512-BF16 (linear_bf16x8_avx512.cpp, on
+# a Zen 5): every width; against the row layout's kernel 1.2-1.6x at one row, 1.1-1.4x at 8-16, and
+# from 24 to 128 rows 0.70-1.02x the time of the GEMM the row layout takes there, at the cost of
+# 0.76-1.25x at two rows, 0.92-1.22x at four and 5-20 % on prefill chunks of 256-512 rows
+# (session 25). AMX CPUs keep the row layout, which their tile kernels read from 4 rows.
+BF16_X8_MAX_K: dict[str, int] = {"avx2": 1024, "avx512bf16": 1 << 62}
 
 
 def _replace_with_bf16x8(module: nn.Module, name: str, max_k: int) -> None:

@@ -1,4 +1,4 @@
-"""DecoderForCausalLM.interleave_bf16: on AVX2 CPUs a bf16 model's decoder matrices (and its lm_head,
+"""DecoderForCausalLM.interleave_bf16: on AVX2 and AVX512-BF16 CPUs a bf16 model's decoder matrices (and its lm_head,
 or its tied embedding table, which then serves both ends) move into the x8 layout. The move must not
 change a single float: the same logits and KV bytes as the row-layout model, through the fused
 decode_layer and the Python layers, prefill chunks and decodes, tied and untied; and it must leave
@@ -18,7 +18,7 @@ from tests.models.paged_harness import VOCAB, PagedRun, random_tokens
 from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.skipif(ops.cpu_isa() not in BF16_X8_MAX_K,
-                                reason="the x8 bf16 layout is made on AVX2 CPUs (BF16_X8_MAX_K)")
+                                reason="the x8 bf16 layout is made on AVX2 and AVX512-BF16 CPUs (BF16_X8_MAX_K)")
 
 
 def _steps() -> list[dict[int, list[int]]]:

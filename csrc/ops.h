@@ -50,8 +50,10 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::
 // streams fastest: weight uint8 [N, 2K] (the [N, K] bf16 matrix's bytes, moved; K % 16 == 0).
 at::Tensor interleave_bf16_cpu(const at::Tensor& weight);    // bf16 [N, K] -> uint8 [N, 2K]
 at::Tensor deinterleave_bf16_cpu(const at::Tensor& weight);  // uint8 [N, 2K] -> bf16 [N, K]
-// x [M, K] @ weight^T + bias [N] -> [M, N] in x's dtype: bf16 x through linear_bf16x8_avx2 at every
-// M (pagewire::linear's AVX2 result, bit for bit); other dtypes or no AVX2, at::linear.
+// x [M, K] @ weight^T + bias [N] -> [M, N] in x's dtype: bf16 x through the family's x8 kernel
+// (pagewire::linear's result, bit for bit: AVX2 at every M, AVX512-BF16 up to 256 rows and in
+// batch-invariant mode, above that ATen's GEMM on de-interleaved chunks); other dtypes or no AVX2,
+// at::linear.
 at::Tensor linear_bf16x8_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 // ids int64 [...] -> bf16 [..., K]: F.embedding of the x8 weight's rows (a tied embedding table).
 at::Tensor embedding_bf16x8_cpu(const at::Tensor& ids, const at::Tensor& weight);

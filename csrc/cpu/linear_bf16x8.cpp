@@ -1,10 +1,11 @@
 // The interleaved bf16 weight ops: interleave_bf16 / deinterleave_bf16 (the x8 layout of
-// cpu/linear_kernel.h and back), linear_bf16x8 (x @ w^T + bias through linear_bf16x8_avx2) and
-// embedding_bf16x8 (rows gathered from the x8 layout: a tied table serves both ends of the model).
-// The model loader interleaves a bf16 model's decoder matrices on AVX2-family CPUs
-// (server.kernels.quant.QuantizedWeight.from_bf16); a weight so moved has no row layout left, so
-// every path that needs one (prefill's ATen GEMM in the autotune's other choice, a CPU forced below
-// AVX2, fp32 activations) de-interleaves a copy.
+// cpu/linear_kernel.h and back), linear_bf16x8 (x @ w^T + bias through linear_bf16x8_avx2, or
+// linear_bf16x8_avx512 on AVX512-BF16 CPUs) and embedding_bf16x8 (rows gathered from the x8 layout:
+// a tied table serves both ends of the model). The engine interleaves a bf16 model's decoder
+// matrices on AVX2 and AVX512-BF16 CPUs (DecoderForCausalLM.interleave_bf16,
+// server.kernels.quant.QuantizedWeight.from_bf16); a weight so moved has no row layout left, so
+// every path that needs one (ATen's GEMM for long prefill chunks on AVX512-BF16 or in the
+// autotune's other choice, a CPU forced below AVX2, fp32 activations) de-interleaves a copy.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>

@@ -20,7 +20,7 @@ void linear_bf16_amx(const uint16_t* x, int64_t ldx, const uint16_t* w, const ui
 void linear_bf16_avx2(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias, uint16_t* out,
                       int64_t ldo, int64_t M, int64_t N, int64_t K);  // Isa::kAvx2
 
-// The interleaved ("x8") bf16 layout, which the AVX2 kernel below streams as one sequence: the
+// The interleaved ("x8") bf16 layout, which the x8 kernels below stream as one sequence: the
 // first N / 8 * 8 rows in groups of eight, each group 16-value chunk by chunk: chunk c of a group
 // holds values 16c..16c+15 of its row 0, then of row 1, ..., row 7 (8 x 32 bytes). The last N % 8
 // rows follow in row layout. K must be a multiple of 16. The same bytes as [N, K] bf16, moved.

@@ -192,7 +192,7 @@ def fixed_rule_takes_kernel(weight: torch.Tensor | QuantizedWeight, m: int) -> b
     weights up to Q8_KERNEL_MAX_ROWS (above it their op dequantises and runs ATen's GEMM); bf16 on
     AVX2 at every m, elsewhere up to LINEAR_KERNEL_MAX_M; fp32 never (F.linear outside
     deterministic mode). The autotune starts from this rule and keeps it unless timing says otherwise."""
-    if isinstance(weight, QuantizedWeight):  # (an x8 bf16 weight: the AVX2 kernel, as bf16 on AVX2)
+    if isinstance(weight, QuantizedWeight):  # (an x8 bf16 weight: its op picks kernel or GEMM by M)
         return m <= Q8_KERNEL_MAX_ROWS or weight.qtype is Qtype.BF16
     return weight.dtype == torch.bfloat16 and (BF16_KERNEL_EVERY_M or m <= LINEAR_KERNEL_MAX_M)
 
@@ -223,7 +223,8 @@ def _float_torch_path(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
 
 def _quant_kernel_path(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """The format's integer kernel at every row count: in blocks of Q8_KERNEL_MAX_ROWS rows above it
-    (an x8 bf16 weight's kernel takes any row count in one call, streaming the weight once)."""
+    (an x8 bf16 weight's op takes any row count in one call: on AVX2 the kernel streaming the weight
+    once, on AVX512-BF16 the kernel up to 256 rows and ATen's GEMM above)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]

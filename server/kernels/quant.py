@@ -144,9 +144,9 @@ class QuantizedWeight:
 
     @classmethod
     def from_bf16(cls, weight: torch.Tensor) -> "QuantizedWeight":
-        """A bf16 matrix [N, K] (K a multiple of 16) moved into the x8 layout that the AVX2 bf16
-        kernel streams as one sequence (pagewire::linear_bf16x8; the same floats as pagewire::linear,
-        bit for bit). Not a quantisation: the values are the matrix's own."""
+        """A bf16 matrix [N, K] (K a multiple of 16) moved into the x8 layout that the AVX2 and
+        AVX512-BF16 bf16 kernels stream as one sequence (pagewire::linear_bf16x8; the same floats as
+        pagewire::linear, bit for bit). Not a quantisation: the values are the matrix's own."""
         if weight.dtype != torch.bfloat16 or weight.dim() != 2:
             raise ValueError(f"weight: from_bf16 takes a bf16 [N, K] matrix, got {weight.dtype} {list(weight.shape)}")
         n, k = int(weight.shape[0]), int(weight.shape[1])

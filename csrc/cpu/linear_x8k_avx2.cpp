@@ -9,6 +9,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_features.h"
 #include "quant4_kernel.h"
 #include "team_kernel.h"
 #include "x86_target.h"

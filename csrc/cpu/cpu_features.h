@@ -34,4 +34,16 @@ Isa detected_isa();                 // the best family the CPU and OS support
 Isa active_isa();
 const char* isa_name(Isa isa);
 
+// Whether the CPU is AMD's: where its single-stream x8 kernels prefetch farther (x8_body.h,
+// x8k_body.h; tuned on a Zen 5, bench/RESULTS.md session 25). Always false in the emulated test
+// builds (tests/kernels/emu/), which have no CPU detection.
+inline bool is_amd() {
+#ifdef PAGEWIRE_X86_EMULATE
+  return false;
+#else
+  static const bool amd = cpu_features().vendor == "AuthenticAMD";
+  return amd;
+#endif
+}
+
 }  // namespace pagewire::cpu

@@ -45,14 +45,7 @@ namespace {
 #if PAGEWIRE_X8_VNNI
 constexpr int64_t kPrefetchBytes = 2304;
 constexpr int kPrefetchHint = _MM_HINT_T1;
-#ifdef PAGEWIRE_X86_EMULATE
-inline int64_t stream_prefetch_bytes() { return kPrefetchBytes; }  // (no CPU detection in those builds)
-#else
-inline int64_t stream_prefetch_bytes() {
-  static const int64_t bytes = cpu_features().vendor == "AuthenticAMD" ? 9216 : kPrefetchBytes;
-  return bytes;
-}
-#endif
+inline int64_t stream_prefetch_bytes() { return is_amd() ? 9216 : kPrefetchBytes; }
 #else
 constexpr int64_t kPrefetchBytes = 1152;
 constexpr int kPrefetchHint = _MM_HINT_T0;

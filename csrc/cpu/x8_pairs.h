@@ -15,22 +15,13 @@
 // and the AVX2 build (tests/kernels/test_interleaved.py natively, test_emulated_x8_vnni.py emulated).
 #pragma once
 
+#include "pair_lanes.h"
+
 namespace x8pair {
 
-inline __m512i load2(const uint8_t* p0, const uint8_t* p1) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0))),
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1)), 1);
-}
-inline __m512 halves2(const uint8_t* p0, const uint8_t* p1) {  // 8 fp16 of each group -> 16 fp32
-  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p0));
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1));
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1));
-}
-inline __m512i broadcast4x16(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
+using pairs::broadcast4x16;
+using pairs::halves2;
+using pairs::load2;
 
 // group4<T, MB, 2>'s outputs for groups g (at w) and g + 1 (at w + group_bytes).
 template <Q4Type T, int MB>

@@ -88,14 +88,7 @@ inline void prefetch_q4k(const uint8_t* w, int group_bytes) { prefetch_next(w, g
 // session 25): Q4_K eight super-blocks on (9,216 bytes, into L2) and Q6_K four (6,720, into L1).
 // Batch-1 steps of Llama-1B Q4_K_M alternating in one process: 10.30 ms against 11.49 with the
 // Xeon's distances above (9,216 / 1,680: 10.47; 4,608 / 3,360: 10.83). Pairs keep theirs.
-#if PAGEWIRE_X8_VNNI && !defined(PAGEWIRE_X86_EMULATE)
-inline bool far_streams() {
-  static const bool amd = cpu_features().vendor == "AuthenticAMD";
-  return amd;
-}
-#else
-inline bool far_streams() { return false; }
-#endif
+inline bool far_streams() { return PAGEWIRE_X8_VNNI && is_amd(); }
 
 namespace q4k {
 

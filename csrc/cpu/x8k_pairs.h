@@ -5,6 +5,8 @@
 // (RESULTS, session 24).
 #pragma once
 
+#include "pair_lanes.h"
+
 namespace q4k {
 
 // Two adjacent groups (16 weight rows) at once, for several activation rows (VNNI build only):
@@ -13,19 +15,9 @@ namespace q4k {
 // twice as wide, so every output is the same float bit for bit, with half the instructions per
 // activation row: at several rows these kernels are bound by compute, not memory (RESULTS,
 // session 24). `gb` is the byte stride from one group to the next.
-inline __m512i load2(const uint8_t* p0, const uint8_t* p1) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(load256(p0)), load256(p1), 1);
-}
-inline __m512 halves2(const uint8_t* p0, const uint8_t* p1) {  // 8 fp16 of each group -> 16 fp32
-  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p0));
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1));
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1));
-}
-inline __m512i broadcast4x16(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
+using pairs::broadcast4x16;
+using pairs::halves2;
+using pairs::load2;
 // A pshufb control of lane_bytes' kind for 512 bits (pshufb works within each 128-bit lane).
 inline __m512i wide(__m256i control) { return _mm512_broadcast_i64x4(control); }
 

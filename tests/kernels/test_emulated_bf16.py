@@ -11,6 +11,7 @@ K % 32 = 16 tails, N % 8 rows left in row layout).
 from __future__ import annotations
 
 import ctypes
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -34,15 +35,20 @@ def bits(t: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(t.contiguous().view(torch.int16).numpy().view(np.uint16))
 
 
-def run(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    (M, K), N = x.shape, w.shape[0]
-    xb, wb = bits(x), bits(w)
+def _call(kernel: Callable[..., None], x: torch.Tensor, wb: np.ndarray, b: torch.Tensor | None,
+          N: int) -> torch.Tensor:
+    """kernel(x, w, bias, out, M, N, K) on bf16 bit patterns; wb: the weight's uint16 bits in its layout."""
+    M, K = x.shape
+    xb = bits(x)
     bb = bits(b) if b is not None else None
     out = np.zeros((M, N), np.uint16)
-    lib.pw_linear_bf16_avx512(xb.ctypes.data_as(U16), wb.ctypes.data_as(U16),
-                              bb.ctypes.data_as(U16) if bb is not None else None, out.ctypes.data_as(U16),
-                              ctypes.c_int64(M), ctypes.c_int64(N), ctypes.c_int64(K))
+    kernel(xb.ctypes.data_as(U16), wb.ctypes.data_as(U16), bb.ctypes.data_as(U16) if bb is not None else None,
+           out.ctypes.data_as(U16), ctypes.c_int64(M), ctypes.c_int64(N), ctypes.c_int64(K))
     return torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
+
+
+def run(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return _call(lib.pw_linear_bf16_avx512, x, bits(w), b, w.shape[0])
 
 
 @pytest.mark.parametrize("M", [1, 2, 5, 6, 8, 13, 17])
@@ -72,14 +78,8 @@ def test_avx512_bf16_kernel_is_batch_invariant(lib: ctypes.CDLL) -> None:
 
 
 def run_x8(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    (M, K), N = x.shape, w.shape[0]
-    xb, wb = bits(x), np.ascontiguousarray(torch.ops.pagewire.interleave_bf16(w).numpy().view(np.uint16))
-    bb = bits(b) if b is not None else None
-    out = np.zeros((M, N), np.uint16)
-    lib.pw_linear_bf16x8_avx512(xb.ctypes.data_as(U16), wb.ctypes.data_as(U16),
-                                bb.ctypes.data_as(U16) if bb is not None else None, out.ctypes.data_as(U16),
-                                ctypes.c_int64(M), ctypes.c_int64(N), ctypes.c_int64(K))
-    return torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
+    x8 = np.ascontiguousarray(torch.ops.pagewire.interleave_bf16(w).numpy().view(np.uint16))
+    return _call(lib.pw_linear_bf16x8_avx512, x, x8, b, w.shape[0])
 
 
 @pytest.mark.parametrize("N,K", [(8, 16), (16, 64), (21, 48), (45, 208), (7, 32)])

@@ -1,6 +1,6 @@
-// The quantised linear ops' prefill path, shared by linear_q4.cpp and linear_q8.cpp (kept out of
-// float_rows.h, which every integer kernel file includes, so that only these two pull in ATen's
-// linear).
+// The quantised and x8 bf16 linear ops' prefill path, shared by linear_q4.cpp, linear_q8.cpp and
+// linear_bf16x8.cpp (kept out of float_rows.h, which every integer kernel file includes, so that
+// only these pull in ATen's linear).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -15,7 +15,8 @@ namespace pagewire::cpu {
 // Prefill past the integer kernels' row limit: x [M, K] times a block-quantised weight [N, K]
 // through ATen's GEMM on dequantised chunks of rows, each about 2 MB of fp32 (so the copy stays in
 // cache and memory never holds the whole dequantised matrix) and a multiple of 8 rows (an
-// interleaved weight's groups are never split). rows_fp32(n0, rows) -> fp32 [rows, K].
+// interleaved weight's groups are never split). rows_fp32(n0, rows) -> fp32 [rows, K], or rows
+// already in x's dtype (linear_bf16x8.cpp hands over de-interleaved bf16 rows).
 template <class RowsFp32>
 at::Tensor chunked_gemm(const at::Tensor& x, int64_t N, const c10::optional<at::Tensor>& bias, bool has_bias,
                         const RowsFp32& rows_fp32) {

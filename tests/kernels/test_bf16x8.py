@@ -13,7 +13,7 @@ from server.kernels import batch_invariant, linear_route, ops
 from server.kernels.quant import QuantizedWeight
 from tests.kernels.conftest import available_isas
 
-SHAPES = [(8, 16), (45, 64), (7, 32), (576, 576), (17, 4096), (3072, 576)]
+SHAPES = [(8, 16), (45, 64), (7, 32), (576, 576), (17, 4096), (3072, 576), (24, 2832)]
 
 
 def _weight(n: int, k: int, seed: int) -> torch.Tensor:
@@ -38,7 +38,8 @@ def test_layout_round_trips_and_keeps_the_bytes(n: int, k: int) -> None:
 def test_equals_the_row_layout_kernel_bit_for_bit(family: str, n: int, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """On each family that interleaves, the two layouts run the same arithmetic per output, so the
     same bits, for every M (AVX2: tiles of one and two x rows; AVX512-BF16: tiles of one to three,
-    and 32-wide steps whose K % 32 = 16 tail the x8 kernel mirrors), with and without bias, and N % 8
+    and 32-wide steps whose K % 32 = 16 tail the x8 kernel mirrors; K over 2048 in spans, 2832 with an
+    odd tail in the last), with and without bias, and N % 8
     rows left in row layout. Above 256 rows AVX512-BF16 runs ATen's GEMM on de-interleaved chunks
     (as F.linear on the row layout), except in batch-invariant mode, where the kernel serves every M."""
     if family not in available_isas():

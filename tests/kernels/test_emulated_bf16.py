@@ -6,7 +6,7 @@ skips its family; here the same file is built against SIMDe (tests/kernels/emu_b
 against a float64 reference, with the kernel's row-block shapes (M = 1 takes 8 weight rows per
 block, more rows 4, in groups of up to 6), masked K tails and N % NR tails, and for batch
 invariance; the x8 kernel must give the row-layout kernel's bits (its tiles of one to three x rows,
-K % 32 = 16 tails, N % 8 rows left in row layout).
+K % 32 = 16 tails, K over 2048 in spans, N % 8 rows left in row layout).
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def run_x8(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor |
     return _call(lib.pw_linear_bf16x8_avx512, x, x8, b, w.shape[0])
 
 
-@pytest.mark.parametrize("N,K", [(8, 16), (16, 64), (21, 48), (45, 208), (7, 32)])
+@pytest.mark.parametrize("N,K", [(8, 16), (16, 64), (21, 48), (45, 208), (7, 32), (9, 2096)])
 def test_x8_kernel_gives_the_row_layout_kernels_bits(lib: ctypes.CDLL, N: int, K: int) -> None:
     gen = torch.Generator().manual_seed(N * 31 + K)
     w = torch.randn((N, K), generator=gen).bfloat16()

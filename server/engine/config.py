@@ -61,7 +61,8 @@ class EngineConfig:
         other requests in its steps, its position among them, prefix-cache hits, prefill chunking
         or preemption (server.kernels.batch_invariant; guarantees and cost: docs/determinism.md).
         None (auto, the default): on where it was measured to cost under 5 %, which is CPU bf16
-        and fp32 weights on AVX2 CPUs (batch_invariant.cheap_here); LLMEngine.deterministic is the outcome.
+        and fp32 weights on AVX2 CPUs and bf16 on AVX512-BF16 CPUs without AMX
+        (batch_invariant.cheap_here); LLMEngine.deterministic is the outcome.
     autotune: time linear's two paths (pagewire kernel or torch) per weight shape and row-count
         bucket at start-up and follow the faster (server.kernels.autotune, about 1-2 s). None
         (auto, the default): on for CPU, off on CUDA (no CPU kernels there). Never in

@@ -355,7 +355,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("deterministic", _on_off_auto,
            "on, off or auto: batch-invariant inference, a request's tokens and logprobs independent of "
            "what else runs; auto (default) turns it on where it costs under 5%%: CPU bf16 and fp32 "
-           "weights on AVX2 CPUs (docs/determinism.md)", engine=True),
+           "weights on AVX2 CPUs, bf16 on AVX512-BF16 CPUs without AMX (docs/determinism.md)", engine=True),
     Option("autotune", _on_off_auto,
            "on, off or auto: at start-up, time linear's paths (pagewire kernel or torch) per weight shape "
            "and batch-size bucket and use the faster; auto (default) is on for CPU, off on CUDA; never in "

@@ -199,12 +199,15 @@ def test_deterministic_config_field(tiny_model) -> None:
 def test_auto_turns_the_mode_on_only_where_it_is_cheap(tiny_model) -> None:
     from server import LLM
 
-    # The rule (measured in bench/RESULTS.md): CPU, bf16 weights kept in bf16, an AVX2 CPU.
+    # The rule (measured in bench/RESULTS.md): CPU, bf16 weights kept in bf16, an AVX2 or AVX512-BF16 CPU.
     assert batch_invariant.cheap_here("cpu", "bfloat16", "none", "avx2")
     assert batch_invariant.cheap_here("cpu", "float32", "none", "avx2")
     assert not batch_invariant.cheap_here("cpu", "float16", "none", "avx2")
     assert not batch_invariant.cheap_here("cpu", "bfloat16", "int8", "avx2")
-    assert not batch_invariant.cheap_here("cpu", "bfloat16", "none", "avx512bf16")
+    assert batch_invariant.cheap_here("cpu", "bfloat16", "none", "avx512bf16")
+    assert not batch_invariant.cheap_here("cpu", "float32", "none", "avx512bf16")
+    assert not batch_invariant.cheap_here("cpu", "bfloat16", "none", "amx")
+    assert not batch_invariant.cheap_here("cpu", "bfloat16", "gguf", "avx512bf16")
     assert not batch_invariant.cheap_here("cpu", "bfloat16", "none", "portable")
     assert not batch_invariant.cheap_here("cuda", "bfloat16", "none", "avx2")
     # The engine resolves auto with its own dtype and this CPU; an explicit value always wins.

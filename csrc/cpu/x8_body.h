@@ -39,18 +39,38 @@ namespace {
 //  * VNNI build on AMD (a Zen 5, session 25), single groups (NG = 1: one sequential stream through
 //    consecutive groups): 9 KiB ahead. Batch-1 steps alternating in one process: Llama-1B Q4_0
 //    9.05 against 10.97 ms, Q8_0 16.03 against 17.22, SmolLM2 Q4_0 2.34 against 2.60, Q8_0 2.77
-//    against 3.14; 18 and 36 KiB gained nothing more. Pairs of groups (NG = 2) read two streams a
-//    group apart, where a distance past the group lands in the other stream: they keep 2,304
-//    (Llama-1B Q4_0 at 8 rows: 28.2 ms against 31.4 at 9 KiB).
+//    against 3.14; 18 and 36 KiB gained nothing more. Pairs of groups (NG = 2): below.
 #if PAGEWIRE_X8_VNNI
 constexpr int64_t kPrefetchBytes = 2304;
 constexpr int kPrefetchHint = _MM_HINT_T1;
 inline int64_t stream_prefetch_bytes() { return is_amd() ? 9216 : kPrefetchBytes; }
+
+// Pairs of groups (NG = 2) read two streams a group apart. On AMD (the Zen 5, session 26) each
+// stream prefetches 9 KiB ahead too, and where that passes its group's end, the next pair's group
+// at the same distance rather than the other stream's group (already being read): Q8_0 / Q4_0 at
+// 8 rows took 0.58-0.72x / 0.27-0.42x the row layout's time against 0.86-1.08x / 0.35-0.62x with
+// 2,304 bytes and no skip, whose 9 KiB landed in the other stream (session 25). Elsewhere 2,304
+// (the Xeon's value, not re-measured).
+inline int64_t pair_prefetch_bytes() { return is_amd() ? 9216 : kPrefetchBytes; }
+inline bool pair_skips_other_stream() { return is_amd(); }
+// Rows from which a unit takes a pair of groups. At 2 rows on AMD the single stream with its far
+// prefetch won (Q8_0 x8 / row layout 0.81-0.92x against 0.99-1.07x as pairs, Q4_0 0.53-0.69x
+// against 0.53-0.91x); at 3 rows pairs won (Q4_0 0.29-0.37x against 0.38-0.45x).
+inline int64_t pair_min_rows() { return is_amd() ? 3 : 2; }
 #else
 constexpr int64_t kPrefetchBytes = 1152;
 constexpr int kPrefetchHint = _MM_HINT_T0;
 inline int64_t stream_prefetch_bytes() { return kPrefetchBytes; }
+inline int64_t pair_prefetch_bytes() { return kPrefetchBytes; }
+inline bool pair_skips_other_stream() { return false; }
+inline int64_t pair_min_rows() { return 2; }
 #endif
+
+// The distance for a pair's stream at byte `into` of its group: past the group's end, skip the
+// other stream's group when `skip` (pair_skips_other_stream).
+inline int64_t pair_ahead(int64_t into, int64_t group_bytes, int64_t ahead, bool skip) {
+  return skip && into + ahead >= group_bytes ? ahead + group_bytes : ahead;
+}
 
 // Prefetches the Bytes bytes at p + ahead, one instruction per 64-byte line.
 template <int Bytes>
@@ -101,12 +121,16 @@ __attribute__((noinline)) void group4(const Q8SumActivations& x, const float* xc
     xd[m] = x.d + (m0 + m) * nb;
     xo[m] = xc + (m0 + m) * nb;
   }
-  const int64_t ahead = NG == 1 ? stream_prefetch_bytes() : kPrefetchBytes;
+  const int64_t ahead = NG == 1 ? stream_prefetch_bytes() : pair_prefetch_bytes();
+  const bool skip = NG == 2 && pair_skips_other_stream();
   __m256 acc[NG][MB];
   for (int j = 0; j < NG; ++j)
     for (int m = 0; m < MB; ++m) acc[j][m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += kBlockBytes) {
-    for (int j = 0; j < NG; ++j) prefetch_ahead<kBlockBytes>(w + j * group_bytes, ahead);
+    {
+      const int64_t a = NG == 1 ? ahead : pair_ahead(b * kBlockBytes, group_bytes, ahead, skip);
+      for (int j = 0; j < NG; ++j) prefetch_ahead<kBlockBytes>(w + j * group_bytes, a);
+    }
     __m256i s16[NG][MB];
     for (int j = 0; j < NG; ++j)
       for (int m = 0; m < MB; ++m) s16[j][m] = _mm256_setzero_si256();
@@ -173,12 +197,16 @@ __attribute__((noinline)) void group8(const Q8Activations& x, int64_t m0, const 
     xq[m] = x.q + (m0 + m) * x.K;
     xd[m] = x.d + (m0 + m) * nb;
   }
-  const int64_t ahead = NG == 1 ? stream_prefetch_bytes() : kPrefetchBytes;
+  const int64_t ahead = NG == 1 ? stream_prefetch_bytes() : pair_prefetch_bytes();
+  const bool skip = NG == 2 && pair_skips_other_stream();
   __m256 acc[NG][MB];
   for (int j = 0; j < NG; ++j)
     for (int m = 0; m < MB; ++m) acc[j][m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += kBlockBytes) {
-    for (int j = 0; j < NG; ++j) prefetch_ahead<kBlockBytes>(w + j * group_bytes, ahead);
+    {
+      const int64_t a = NG == 1 ? ahead : pair_ahead(b * kBlockBytes, group_bytes, ahead, skip);
+      for (int j = 0; j < NG; ++j) prefetch_ahead<kBlockBytes>(w + j * group_bytes, a);
+    }
     __m256i s32[NG][MB];
     for (int j = 0; j < NG; ++j)
       for (int m = 0; m < MB; ++m) s32[j][m] = _mm256_setzero_si256();
@@ -289,11 +317,12 @@ void run4(const Q8SumActivations& x, const uint8_t* w, const float* bias, float*
 #endif
     group4<T, decltype(mb)::value, decltype(ng)::value>(x, xc, m, wg, group_bytes, bg, og, ldo);
   };
-  // Pairs of groups unless that would leave a thread without one (small N), or at one row: there
+  // Pairs of groups unless that would leave a thread without one (small N), or below
+  // pair_min_rows (one row; two on AMD): there
   // the kernel streams the weight from memory, and one group per unit keeps each thread on one
   // sequential stream (pairs cost single-stream decode 13 %: 172 -> 150 tok/s on SmolLM2 Q4_1, two
   // threads). The results are the same either way, only the split of the work changes.
-  if (x.M >= 2 && N / kGroupRows >= 2 * team_threads()) {
+  if (x.M >= pair_min_rows() && N / kGroupRows >= 2 * team_threads()) {
     for_each_group<2>(x.M, x.K, N, group_bytes, w, bias, out, tile);
   } else {
     for_each_group<1>(x.M, x.K, N, group_bytes, w, bias, out, tile);
@@ -311,7 +340,7 @@ void run8(const Q8Activations& x, const uint8_t* w, const float* bias, float* ou
 #endif
     group8<decltype(mb)::value, decltype(ng)::value>(x, m, wg, group_bytes, bg, og, ldo);
   };
-  if (x.M >= 2 && N / kGroupRows >= 2 * team_threads()) {  // as in run4
+  if (x.M >= pair_min_rows() && N / kGroupRows >= 2 * team_threads()) {  // as in run4
     for_each_group<2>(x.M, x.K, N, group_bytes, w, bias, out, tile);
   } else {
     for_each_group<1>(x.M, x.K, N, group_bytes, w, bias, out, tile);

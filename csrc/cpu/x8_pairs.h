@@ -41,10 +41,13 @@ __attribute__((noinline)) void group4_2(const Q8SumActivations& x, const float* 
   }
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  const int64_t ahead = pair_prefetch_bytes();  // (x8_body.h)
+  const bool skip = pair_skips_other_stream();
   for (int64_t b = 0; b < nb; ++b, w += kBlockBytes) {
     const uint8_t* w1 = w + group_bytes;
-    prefetch_ahead<kBlockBytes>(w);
-    prefetch_ahead<kBlockBytes>(w1);
+    const int64_t a = pair_ahead(b * kBlockBytes, group_bytes, ahead, skip);
+    prefetch_ahead<kBlockBytes>(w, a);
+    prefetch_ahead<kBlockBytes>(w1, a);
     __m512i slo[MB], shi[MB];
     for (int m = 0; m < MB; ++m) slo[m] = shi[m] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
@@ -91,10 +94,13 @@ __attribute__((noinline)) void group8_2(const Q8Activations& x, int64_t m0, cons
   }
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  const int64_t ahead = pair_prefetch_bytes();  // (x8_body.h)
+  const bool skip = pair_skips_other_stream();
   for (int64_t b = 0; b < nb; ++b, w += kBlockBytes) {
     const uint8_t* w1 = w + group_bytes;
-    prefetch_ahead<kBlockBytes>(w);
-    prefetch_ahead<kBlockBytes>(w1);
+    const int64_t a = pair_ahead(b * kBlockBytes, group_bytes, ahead, skip);
+    prefetch_ahead<kBlockBytes>(w, a);
+    prefetch_ahead<kBlockBytes>(w1, a);
     __m512i s[2][MB];  // even and odd chunks
     for (int m = 0; m < MB; ++m) s[0][m] = s[1][m] = _mm512_setzero_si512();
     for (int c = 0; c < 8; ++c) {

@@ -87,8 +87,23 @@ inline void prefetch_q4k(const uint8_t* w, int group_bytes) { prefetch_next(w, g
 // Single groups (one sequential stream through a thread's groups) on AMD, VNNI build (a Zen 5,
 // session 25): Q4_K eight super-blocks on (9,216 bytes, into L2) and Q6_K four (6,720, into L1).
 // Batch-1 steps of Llama-1B Q4_K_M alternating in one process: 10.30 ms against 11.49 with the
-// Xeon's distances above (9,216 / 1,680: 10.47; 4,608 / 3,360: 10.83). Pairs keep theirs.
+// Xeon's distances above (9,216 / 1,680: 10.47; 4,608 / 3,360: 10.83).
 inline bool far_streams() { return PAGEWIRE_X8_VNNI && is_amd(); }
+// Pairs of groups (group_k2, group_q62: two streams a group apart) on AMD take the same distances,
+// and past a group's end the next pair's group rather than the other stream's (x8_body.h's
+// pair_ahead rule). Q4_K / Q6_K x8 against the row layout at 8 rows: 0.38-0.44x / 0.41-0.44x
+// against 0.48-0.69x / 0.43-0.60x with the Xeon's distances; at 4 rows 0.54-0.65x / 0.45-0.55x
+// against 0.71-1.05x / 0.61-0.90x (bench/RESULTS.md, session 26).
+inline bool far_pairs() { return far_streams(); }
+// Ahead super-blocks on for a pair's stream at super-block s of nsb: past the group's end, the
+// next pair's group (skip the other stream's group, gb bytes on).
+template <int Ahead, int Hint>
+inline void prefetch_pair(const uint8_t* w, int group_bytes, int64_t s, int64_t nsb, int64_t gb) {
+  const uint8_t* p = w + Ahead * group_bytes + (s + Ahead >= nsb ? gb : 0);
+  for (int off = 0; off < group_bytes; off += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + off), static_cast<_mm_hint>(Hint));
+  }
+}
 
 namespace q4k {
 

@@ -36,10 +36,16 @@ void group_k2(const Q8SumActivations& x, int64_t m0, const uint8_t* w, int64_t g
   }
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  const bool far = far_pairs();
   for (int64_t s = 0; s < nsb; ++s, w += kGroupBytes) {
     const uint8_t* w1 = w + gb;
-    prefetch_q4k(w, kGroupBytes);
-    prefetch_q4k(w1, kGroupBytes);
+    if (far) {
+      prefetch_pair<8, _MM_HINT_T1>(w, kGroupBytes, s, nsb, gb);
+      prefetch_pair<8, _MM_HINT_T1>(w1, kGroupBytes, s, nsb, gb);
+    } else {
+      prefetch_q4k(w, kGroupBytes);
+      prefetch_q4k(w1, kGroupBytes);
+    }
     const __m512i a = load2(w + 32, w1 + 32), b = load2(w + 64, w1 + 64), c = load2(w + 96, w1 + 96);
     const __m512i sc_lo = _mm512_and_si512(a, six);
     const __m512i sc_hi = _mm512_or_si512(_mm512_and_si512(c, mask), _mm512_and_si512(_mm512_srli_epi32(a, 2), top));
@@ -113,10 +119,16 @@ void group_q62(const Q8SumActivations& x, const int32_t* x16, int64_t m0, const 
   }
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  const bool far = far_pairs();
   for (int64_t s = 0; s < nsb; ++s, w += kGroupBytes) {
     const uint8_t* w1 = w + gb;
-    prefetch_next(w, kGroupBytes);
-    prefetch_next(w1, kGroupBytes);
+    if (far) {
+      prefetch_pair<4, _MM_HINT_T0>(w, kGroupBytes, s, nsb, gb);
+      prefetch_pair<4, _MM_HINT_T0>(w1, kGroupBytes, s, nsb, gb);
+    } else {
+      prefetch_next(w, kGroupBytes);
+      prefetch_next(w1, kGroupBytes);
+    }
     __m512 sa[MB];
     for (int m = 0; m < MB; ++m) sa[m] = _mm512_setzero_ps();
     for (int h = 0; h < 2; ++h) {

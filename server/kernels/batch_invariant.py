@@ -45,9 +45,9 @@ def cheap_here(device: str, dtype: str, quantization: str, cpu_isa: str) -> bool
     Measured (bench/determinism.py, bench/RESULTS.md): CPU bf16 and fp32 weights on an AVX2 CPU,
     and bf16 weights on an AVX512-BF16 CPU without AMX (the `avx512bf16` family). In bf16 the bf16
     kernel serves every row count up to 256 in both modes, so the mode changes only longer prefill
-    chunks (the x8 kernel in place of oneDNN's GEMM on de-interleaved chunks: 1.0-4.8 % of prefill
-    on a Zen 5 once the kernel prefetched its next span, session 26) and top-p's sort; in fp32 the mode's fp32
-    AVX2 kernel was 2.2x faster than torch's GEMM offline and in serving. Not here: quantised
+    chunks (the x8 kernel in place of oneDNN's GEMM on de-interleaved chunks: prefill on / off
+    0.95-1.04 on a Zen 5 once the kernel prefetched its next span, session 26) and top-p's sort;
+    in fp32 the mode's fp32 AVX2 kernel was 2.2x faster than torch's GEMM offline and in serving. Not here: quantised
     weights (the 16-row kernel blocks in place of dequantise-and-GEMM slow prefill), AMX CPUs (the
     mode gives up AMX tiles: 70 % of prefill), fp32 on AVX-512 and AVX-512 without BF16
     (unmeasured), fp16, and CUDA (unmeasured).

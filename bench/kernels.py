@@ -21,9 +21,12 @@ takes under an autotune table (`chosen`, on the layout `QuantizedWeight.for_kern
 in ms and GB/s of weight bytes, with chosen's ratio to the best path (flagged above 1.2x); weights
 stream from DRAM as in decode. `--quick`: two shapes and five row counts.
 
-`linear` and `quant` time each path by `streamed`: the best of LOOPS loops, each the mean of calls
-cycling through the weight's copies (about 10 ms of them), so that every path is judged on the
-same stream of DRAM reads. (Until session 22 each was the fastest single call of 20, which a lucky
+`linear` and `quant` time each path by loops of calls cycling through the weight's copies (about
+10 ms of them), so that every path is judged on the same stream of DRAM reads, and keep each
+path's best of LOOPS loops. The paths of one case run their loops in interleaved rounds
+(`streamed_together`), so the host's bandwidth drift falls on all of them alike: timed one block
+after another, the chosen path and the same kernel listed beside it read up to 1.69x apart on a
+shared Zen 5 (session 26). (Until session 22 each was the fastest single call of 20, which a lucky
 call -- a copy still partly cached -- could put above the read bandwidth, 35 GB/s against 30, and
 a path compared with it 1.3-1.5x "slower" at one row.)
 """

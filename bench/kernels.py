@@ -75,25 +75,14 @@ LOOP_S = 0.010
 
 
 def streamed(fn: Callable[[], object]) -> float:
-    """Milliseconds per call: the best of LOOPS loops, each the mean of enough calls for about
-    LOOP_S (at least 4) of `fn`, which cycles through the weight's copies."""
-    for _ in range(2):
-        fn()
-    t0 = time.perf_counter()
-    fn()
-    calls = max(4, int(LOOP_S / max(time.perf_counter() - t0, 1e-6)))
-    best = float("inf")
-    for _ in range(LOOPS):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return best * 1e3
+    """Milliseconds per call of one path: the best of LOOPS loops, each the mean of enough calls
+    for about LOOP_S (at least 4) of `fn`, which cycles through the weight's copies."""
+    return streamed_together({"fn": fn})["fn"]
 
 
 def streamed_together(fns: dict[str, Callable[[], object]],
                       contexts: Optional[dict[str, Callable[[], ContextManager[object]]]] = None) -> dict[str, float]:
-    """streamed() for several paths at once, their loops interleaved (each round runs every path's
+    """Milliseconds per call of each path, as streamed(), their loops interleaved (each round runs every path's
     loop once, the order rotated per round) so that the host's bandwidth drift, which on a shared
     VM moves a streamed GEMV 1.5x within a minute, falls on every path alike; the ratios between
     paths are what the benches print. contexts[name]() is entered around that path's loops."""

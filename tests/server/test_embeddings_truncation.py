@@ -47,8 +47,11 @@ def srv(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
     model = with_pooling_config(tiny_model("qwen3"), tmp / "model", "last", base_model=True)
     db = tmp / "ledger.db"
     key = _create_key(db, "embed")
+    # Deterministic mode: the tests compare a text embedded in a batch with the same text alone, bit
+    # for bit, which only batch-invariant kernels promise (`auto` leaves fp32 off on AVX-512 CPUs,
+    # where the start-up autotune may then give the two batch sizes different GEMM paths).
     proc = ServerProcess(model, db, "--served-model-name", "emb", "--max-model-len", str(CONTEXT),
-                         served_model_name=None)
+                         "--deterministic", "on", served_model_name=None)
     proc.start()
     try:
         yield Served(proc, model, key)

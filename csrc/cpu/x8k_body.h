@@ -95,13 +95,21 @@ inline bool far_streams() { return PAGEWIRE_X8_VNNI && is_amd(); }
 // against 0.48-0.69x / 0.43-0.60x with the Xeon's distances; at 4 rows 0.54-0.65x / 0.45-0.55x
 // against 0.71-1.05x / 0.61-0.90x (bench/RESULTS.md, session 26).
 inline bool far_pairs() { return far_streams(); }
-// Ahead super-blocks on for a pair's stream at super-block s of nsb: past the group's end, the
-// next pair's group (skip the other stream's group, gb bytes on).
-template <int Ahead, int Hint>
-inline void prefetch_pair(const uint8_t* w, int group_bytes, int64_t s, int64_t nsb, int64_t gb) {
-  const uint8_t* p = w + Ahead * group_bytes + (s + Ahead >= nsb ? gb : 0);
-  for (int off = 0; off < group_bytes; off += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(p + off), static_cast<_mm_hint>(Hint));
+// Both streams of a pair at super-block s of nsb (the other group gb bytes on): with `far`, Ahead
+// super-blocks on into Hint's cache level, past the group's end the next pair's group (skipping the
+// other stream's); otherwise each stream's own single-group rule, Near.
+template <int Ahead, int Hint, void (*Near)(const uint8_t*, int)>
+__attribute__((always_inline)) inline void prefetch_pair(const uint8_t* w, int group_bytes, int64_t s, int64_t nsb,
+                                                         int64_t gb, bool far) {
+  if (far) {
+    const int64_t at = Ahead * group_bytes + (s + Ahead >= nsb ? gb : 0);
+    for (int off = 0; off < group_bytes; off += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + at + off), static_cast<_mm_hint>(Hint));
+      _mm_prefetch(reinterpret_cast<const char*>(w + gb + at + off), static_cast<_mm_hint>(Hint));
+    }
+  } else {
+    Near(w, group_bytes);
+    Near(w + gb, group_bytes);
   }
 }
 

@@ -39,13 +39,7 @@ void group_k2(const Q8SumActivations& x, int64_t m0, const uint8_t* w, int64_t g
   const bool far = far_pairs();
   for (int64_t s = 0; s < nsb; ++s, w += kGroupBytes) {
     const uint8_t* w1 = w + gb;
-    if (far) {
-      prefetch_pair<8, _MM_HINT_T1>(w, kGroupBytes, s, nsb, gb);
-      prefetch_pair<8, _MM_HINT_T1>(w1, kGroupBytes, s, nsb, gb);
-    } else {
-      prefetch_q4k(w, kGroupBytes);
-      prefetch_q4k(w1, kGroupBytes);
-    }
+    prefetch_pair<8, _MM_HINT_T1, prefetch_q4k>(w, kGroupBytes, s, nsb, gb, far);
     const __m512i a = load2(w + 32, w1 + 32), b = load2(w + 64, w1 + 64), c = load2(w + 96, w1 + 96);
     const __m512i sc_lo = _mm512_and_si512(a, six);
     const __m512i sc_hi = _mm512_or_si512(_mm512_and_si512(c, mask), _mm512_and_si512(_mm512_srli_epi32(a, 2), top));
@@ -122,13 +116,7 @@ void group_q62(const Q8SumActivations& x, const int32_t* x16, int64_t m0, const 
   const bool far = far_pairs();
   for (int64_t s = 0; s < nsb; ++s, w += kGroupBytes) {
     const uint8_t* w1 = w + gb;
-    if (far) {
-      prefetch_pair<4, _MM_HINT_T0>(w, kGroupBytes, s, nsb, gb);
-      prefetch_pair<4, _MM_HINT_T0>(w1, kGroupBytes, s, nsb, gb);
-    } else {
-      prefetch_next(w, kGroupBytes);
-      prefetch_next(w1, kGroupBytes);
-    }
+    prefetch_pair<4, _MM_HINT_T0, prefetch_next>(w, kGroupBytes, s, nsb, gb, far);
     __m512 sa[MB];
     for (int m = 0; m < MB; ++m) sa[m] = _mm512_setzero_ps();
     for (int h = 0; h < 2; ++h) {

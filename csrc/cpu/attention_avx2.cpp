@@ -430,19 +430,21 @@ template <class E>
 void run(const PagedAttentionArgs& a) {
   const int G = a.num_heads / a.num_kv_heads;
   const int64_t units = a.num_items * a.num_kv_heads;
-  // Scratch is allocated before the parallel region so an allocation failure throws on the
-  // calling thread instead of terminating inside OpenMP.
+  // Scratch is allocated (when it must grow) before the parallel region, so an allocation failure
+  // throws on the calling thread instead of terminating inside OpenMP.
   const int threads = units > 1 ? omp_get_max_threads() : 1;
-  std::vector<std::unique_ptr<Scratch>> scratch;
-  for (int i = 0; i < threads; ++i) {
-    scratch.push_back(std::make_unique<Scratch>(static_cast<int64_t>(a.max_tile_tokens) * G, a.head_dim));
-  }
+  const std::vector<std::unique_ptr<Scratch>>& scratch =
+      kept_scratch<Scratch>(threads, static_cast<int64_t>(a.max_tile_tokens) * G, a.head_dim);
   // Dynamic scheduling over units sorted heaviest first by the host. Which thread runs a unit does
   // not change its result.
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
-  for (int64_t u = 0; u < units; ++u) {
-    attend_tile<E>(a, a.items[u / a.num_kv_heads], static_cast<int>(u % a.num_kv_heads),
-                   *scratch[omp_get_thread_num()]);
+  auto unit = [&](int64_t u, int thread) {
+    attend_tile<E>(a, a.items[u / a.num_kv_heads], static_cast<int>(u % a.num_kv_heads), *scratch[thread]);
+  };
+  if (threads > 1) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t u = 0; u < units; ++u) unit(u, omp_get_thread_num());
+  } else {
+    for (int64_t u = 0; u < units; ++u) unit(u, 0);  // no team of one to set up (maybe_parallel.h)
   }
 }
 

@@ -3,8 +3,11 @@
 // and a work list.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 namespace pagewire::cpu {
 
@@ -62,6 +65,28 @@ static inline float sink_inv_l(float m, float l, const float* sinks, int head) {
   const float top = m > sink ? m : sink;
   const float scale = std::exp(m - top);
   return scale / (l * scale + std::exp(sink - top));
+}
+
+// The calling thread's scratch for each thread of a team of `threads` (a kernel file's Scratch for
+// `rows` query rows of head dimension D), kept between calls and rebuilt only when a call needs
+// more threads, more rows or another D. Allocating it per call cost a 40 KiB aligned_alloc and
+// free per thread, 30 times a SmolLM2 decode step (malloc_consolidate and page faults in a profile;
+// bench/RESULTS.md, session 27). Built on the calling thread before any parallel region, so an
+// allocation failure throws there. Each engine thread has its own (thread_local), so two engines
+// in one process never share one.
+template <class S>
+std::vector<std::unique_ptr<S>>& kept_scratch(int threads, int64_t rows, int64_t D) {
+  thread_local std::vector<std::unique_ptr<S>> kept;
+  thread_local int64_t kept_rows = 0, kept_d = -1;
+  if (static_cast<int64_t>(kept.size()) < threads || rows > kept_rows || D != kept_d) {
+    const int64_t r = D == kept_d ? std::max(rows, kept_rows) : rows;
+    const int64_t n = std::max<int64_t>(threads, static_cast<int64_t>(kept.size()));
+    kept.clear();  // the old buffers go first (a long prefill's tiles can be large)
+    kept_rows = 0, kept_d = -1;
+    for (int64_t i = 0; i < n; ++i) kept.push_back(std::make_unique<S>(r, D));
+    kept_rows = r, kept_d = D;
+  }
+  return kept;
 }
 
 }  // namespace pagewire::cpu

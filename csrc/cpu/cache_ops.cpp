@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "../ops.h"
+#include "maybe_parallel.h"
 
 namespace pagewire {
 
@@ -65,17 +66,16 @@ void write_kv_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tens
   char* v_dst = static_cast<char*>(value_cache.data_ptr());
   const int64_t ks0 = key.stride(0), ks1 = key.stride(1), vs0 = value.stride(0), vs1 = value.stride(1);
 
-#pragma omp parallel for schedule(static) if (num_tokens * num_kv_heads * head_dim > 32768)
-  for (int64_t t = 0; t < num_tokens; ++t) {
+  cpu::maybe_parallel_for(num_tokens, num_tokens * num_kv_heads * head_dim > 32768, [&](int64_t t) {
     const int64_t slot = slots[t];
-    if (slot < 0) continue;  // padding token
+    if (slot < 0) return;  // padding token
     const int64_t block = slot / block_size, offset = slot % block_size;
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       const int64_t dst = ((block * num_kv_heads + h) * block_size + offset) * head_dim;
       std::memcpy(k_dst + dst * elem, k_src + (t * ks0 + h * ks1) * elem, row_bytes);
       std::memcpy(v_dst + dst * elem, v_src + (t * vs0 + h * vs1) * elem, row_bytes);
     }
-  }
+  });
 }
 
 void copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping) {

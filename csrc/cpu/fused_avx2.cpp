@@ -10,6 +10,7 @@
 
 // Headers first: inline functions they define must keep the baseline ISA.
 #include "fused_kernel.h"
+#include "maybe_parallel.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
@@ -105,8 +106,7 @@ namespace {
 
 template <class Act>
 void gated_bf16(const uint16_t* x, int64_t ldx, uint16_t* out, int64_t T, int64_t I) {
-#pragma omp parallel for schedule(static) if (T * I >= kFusedParallelElems)
-  for (int64_t t = 0; t < T; ++t) {
+  maybe_parallel_for(T, T * I >= kFusedParallelElems, [&](int64_t t) {
     const uint16_t* g = x + t * ldx;
     const uint16_t* u = g + I;
     uint16_t* o = out + t * I;
@@ -120,13 +120,12 @@ void gated_bf16(const uint16_t* x, int64_t ldx, uint16_t* out, int64_t T, int64_
       const float s = scalar_bf16(scalar_to_bf16(Act::one(scalar_bf16(g[j]))));
       o[j] = scalar_to_bf16(s * scalar_bf16(u[j]));
     }
-  }
+  });
 }
 
 template <class Act>
 void gated_f32(const float* x, int64_t ldx, float* out, int64_t T, int64_t I) {
-#pragma omp parallel for schedule(static) if (T * I >= kFusedParallelElems)
-  for (int64_t t = 0; t < T; ++t) {
+  maybe_parallel_for(T, T * I >= kFusedParallelElems, [&](int64_t t) {
     const float* g = x + t * ldx;
     const float* u = g + I;
     float* o = out + t * I;
@@ -135,7 +134,7 @@ void gated_f32(const float* x, int64_t ldx, float* out, int64_t T, int64_t I) {
       _mm256_storeu_ps(o + j, _mm256_mul_ps(Act::vec(_mm256_loadu_ps(g + j)), _mm256_loadu_ps(u + j)));
     }
     for (; j < I; ++j) o[j] = Act::one(g[j]) * u[j];
-  }
+  });
 }
 
 }  // namespace

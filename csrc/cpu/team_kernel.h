@@ -47,8 +47,14 @@ void team_for(int64_t n, bool parallel, const Body& body) {
     for (int64_t i = 0; i < n; ++i) body(i);
     return;
   }
-#pragma omp parallel for schedule(static) if (parallel)
-  for (int64_t i = 0; i < n; ++i) body(i);
+  // Not `parallel for if (parallel)`: a false condition still builds a team of one in libgomp
+  // (maybe_parallel.h).
+  if (parallel) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) body(i);
+  } else {
+    for (int64_t i = 0; i < n; ++i) body(i);
+  }
 }
 
 }  // namespace pagewire::cpu

@@ -15,6 +15,8 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 
+#include "bf16_lanes_avx2.h"
+
 namespace pagewire::cpu {
 namespace {
 
@@ -62,29 +64,6 @@ struct GeluTanhOp {  // 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), torch
   }
   static float one(float g) { return 0.5f * g * (1.0f + std::tanh(kBeta * (g + kKappa * g * g * g))); }
 };
-
-inline __m256 load_bf16(const uint16_t* p) {
-  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-}
-
-// Round to nearest even as 32-bit lanes holding the bf16 bits in their low half (NaN kept NaN).
-inline __m256i round_bf16_bits(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-  const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-  const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  return _mm256_blendv_epi8(r, nan, is_nan);
-}
-
-inline __m256 round_bf16(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(round_bf16_bits(v), 16)); }
-
-inline void store_bf16(uint16_t* p, __m256 v) {
-  const __m256i bits = round_bf16_bits(v);
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-}
 
 inline float scalar_bf16(uint16_t b) {
   const uint32_t u = static_cast<uint32_t>(b) << 16;

@@ -21,4 +21,13 @@ void silu_and_mul_f32_avx2(const float* x, int64_t ldx, float* out, int64_t T, i
 void gelu_tanh_and_mul_bf16_avx2(const uint16_t* x, int64_t ldx, uint16_t* out, int64_t T, int64_t I);
 void gelu_tanh_and_mul_f32_avx2(const float* x, int64_t ldx, float* out, int64_t T, int64_t I);
 
+// RMSNorm of T bf16 rows of d values (fused_ops.cpp norm_rows): x += delta first (rounded) when
+// delta != nullptr, then out = weight * round(x * inv_rms). Bit for bit the portable loop.
+void rms_norm_rows_bf16_avx2(uint16_t* x, int64_t ldx, const uint16_t* delta, int64_t ldd, const uint16_t* weight,
+                             uint16_t* out, int64_t ldo, int64_t T, int64_t d, float eps);
+// Rotates T rows of n bf16 heads of d values in place (fused_ops.cpp rope_rows), after the
+// per-head RMSNorm by norm_weight [n, d] when it is not null. Bit for bit the portable loop.
+void rope_rows_bf16_avx2(uint16_t* x, int64_t st, int64_t sh, int64_t T, int64_t n, int64_t d, const int64_t* pos,
+                         const float* cos, const float* sin, const uint16_t* norm_weight, float eps);
+
 }  // namespace pagewire::cpu

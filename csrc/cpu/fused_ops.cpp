@@ -199,6 +199,12 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double ep
   const int64_t T = x.size(0), d = x.size(1);
   at::Tensor out = at::empty({T, d}, x.options());
   const at::Tensor wc = weight.contiguous();
+  if (cpu::active_isa() != cpu::Isa::kPortable && x.scalar_type() == at::kBFloat16) {
+    cpu::rms_norm_rows_bf16_avx2(reinterpret_cast<uint16_t*>(const_cast<void*>(x.data_ptr())), x.stride(0), nullptr, 0,
+                                 reinterpret_cast<const uint16_t*>(wc.data_ptr()),
+                                 reinterpret_cast<uint16_t*>(out.data_ptr()), d, T, d, static_cast<float>(eps));
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "pagewire::rms_norm", [&] {
     norm_rows<scalar_t>(const_cast<scalar_t*>(x.data_ptr<scalar_t>()), x.stride(0), nullptr, 0,
                         wc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), d, T, d, static_cast<float>(eps));
@@ -217,6 +223,13 @@ at::Tensor add_rms_norm_cpu(at::Tensor& residual, const at::Tensor& delta, const
   const int64_t T = residual.size(0), d = residual.size(1);
   at::Tensor out = at::empty({T, d}, residual.options());
   const at::Tensor wc = weight.contiguous();
+  if (cpu::active_isa() != cpu::Isa::kPortable && residual.scalar_type() == at::kBFloat16) {
+    cpu::rms_norm_rows_bf16_avx2(reinterpret_cast<uint16_t*>(residual.data_ptr()), residual.stride(0),
+                                 reinterpret_cast<const uint16_t*>(delta.data_ptr()), delta.stride(0),
+                                 reinterpret_cast<const uint16_t*>(wc.data_ptr()),
+                                 reinterpret_cast<uint16_t*>(out.data_ptr()), d, T, d, static_cast<float>(eps));
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, residual.scalar_type(), "pagewire::add_rms_norm", [&] {
     norm_rows<scalar_t>(residual.data_ptr<scalar_t>(), residual.stride(0), delta.data_ptr<scalar_t>(),
                         delta.stride(0), wc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), d, T, d,
@@ -263,6 +276,11 @@ void rotary_embedding_cpu(at::Tensor& x, const at::Tensor& positions, const at::
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const float feps = static_cast<float>(eps);
+  if (cpu::active_isa() != cpu::Isa::kPortable && x.scalar_type() == at::kBFloat16) {
+    cpu::rope_rows_bf16_avx2(reinterpret_cast<uint16_t*>(x.data_ptr()), x.stride(0), x.stride(1), T, n, d, pp, cp, sp,
+                             has_norm ? reinterpret_cast<const uint16_t*>(wc.data_ptr()) : nullptr, feps);
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "pagewire::rotary_embedding", [&] {
     rope_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), x.stride(1), T, n, d, pp, cp, sp,
                         has_norm ? wc.data_ptr<scalar_t>() : nullptr, feps);

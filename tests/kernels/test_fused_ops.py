@@ -155,6 +155,64 @@ def test_gelu_tanh_and_mul(cpu_isa: str, dtype: torch.dtype, T: int, I: int) -> 
     assert torch.equal(layers.gelu_tanh_and_mul(x), y)
 
 
+def _on_family(isa: str, fn):  # type: ignore[no-untyped-def]
+    """fn() with the C++ ops forced onto kernel family `isa` (PAGEWIRE_CPU_ISA, read per call)."""
+    import os
+
+    import server
+
+    old = os.environ.get("PAGEWIRE_CPU_ISA")
+    os.environ["PAGEWIRE_CPU_ISA"] = isa
+    try:
+        assert server._C.cpu_isa() == isa
+        return fn()
+    finally:
+        if old is None:
+            os.environ.pop("PAGEWIRE_CPU_ISA", None)
+        else:
+            os.environ["PAGEWIRE_CPU_ISA"] = old
+
+
+@pytest.mark.parametrize("T,d", [(1, 576), (3, 72), (8, 576), (9, 1030), (40, 264)])
+def test_bf16_norms_are_the_portable_bits(cpu_isa: str, T: int, d: int) -> None:
+    """rms_norm and add_rms_norm in bf16 on this family (AVX2 bodies from the avx2 family up) give the
+    portable loop's bits exactly, residual included: tails (d % 8), rows on one thread and split
+    over the team, huge and tiny values."""
+    gen = torch.Generator().manual_seed(T * d)
+    x = (torch.randn(T, d, generator=gen) * 3).bfloat16()
+    x[0, :4] = torch.tensor([3e38, -1e-38, 0.0, 65504.0]).bfloat16()
+    delta = (torch.randn(T, d, generator=gen) * 2).bfloat16()
+    w = (1 + 0.1 * torch.randn(d, generator=gen)).bfloat16()
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        r = x.clone()
+        return ops.rms_norm(x, w, 1e-5), ops.add_rms_norm(r, delta, w, 1e-6), r
+
+    want = _on_family("portable", run)
+    got = _on_family(cpu_isa, run)
+    for a, b in zip(got, want):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("T,heads,d", [(1, 12, 64), (8, 12, 64), (3, 5, 72), (6, 4, 40)])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_bf16_rotary_is_the_portable_bits(cpu_isa: str, T: int, heads: int, d: int, qk_norm: bool) -> None:
+    """rotary_embedding in bf16 (with and without Qwen3's per-head norm) on a strided qk view: this
+    family's bits are the portable loop's, head_dim tails (d / 2 % 8) included."""
+    gen = torch.Generator().manual_seed(T * heads + d)
+    rope = RotaryEmbedding(d, 4096, 10000.0, None)
+    qkv = (torch.randn(T, (heads + 2) * d, generator=gen) * 2).bfloat16()
+    positions = torch.randint(0, 4096, (T,), generator=gen)
+    norm_w = (1 + 0.2 * torch.randn(heads, d, generator=gen)).bfloat16() if qk_norm else None
+
+    def run() -> torch.Tensor:
+        out = qkv.clone()
+        ops.rotary_embedding(out[:, : heads * d].view(T, heads, d), positions, rope.cos, rope.sin, norm_w, 1e-6)
+        return out
+
+    assert torch.equal(_on_family(cpu_isa, run).view(torch.int16), _on_family("portable", run).view(torch.int16))
+
+
 def test_bad_arguments_name_the_argument() -> None:
     x = torch.randn(2, 8)
     with pytest.raises(RuntimeError, match="weight must be \\[hidden\\]"):

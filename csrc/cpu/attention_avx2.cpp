@@ -435,17 +435,9 @@ void run(const PagedAttentionArgs& a) {
   const int threads = units > 1 ? omp_get_max_threads() : 1;
   const std::vector<std::unique_ptr<Scratch>>& scratch =
       kept_scratch<Scratch>(threads, static_cast<int64_t>(a.max_tile_tokens) * G, a.head_dim);
-  // Dynamic scheduling over units sorted heaviest first by the host. Which thread runs a unit does
-  // not change its result.
-  auto unit = [&](int64_t u, int thread) {
+  run_units(a, threads, [&](int64_t u, int thread) {
     attend_tile<E>(a, a.items[u / a.num_kv_heads], static_cast<int>(u % a.num_kv_heads), *scratch[thread]);
-  };
-  if (threads > 1) {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t u = 0; u < units; ++u) unit(u, omp_get_thread_num());
-  } else {
-    for (int64_t u = 0; u < units; ++u) unit(u, 0);  // no team of one to set up (maybe_parallel.h)
-  }
+  });
 }
 
 }  // namespace

@@ -3,6 +3,8 @@
 // and a work list.
 #pragma once
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -87,6 +89,25 @@ std::vector<std::unique_ptr<S>>& kept_scratch(int threads, int64_t rows, int64_t
     kept_rows = r, kept_d = D;
   }
   return kept;
+}
+
+// Runs unit(u, thread) for every (item, KV head) unit u = item * num_kv_heads + kv_head of `a`, on
+// `threads` threads (1: this thread, with no team of one to set up; maybe_parallel.h). Dynamic
+// scheduling, one unit at a time: units differ wildly in cost (a decode against the last tile of a
+// long prefill) and the host orders them heaviest first, so the tail is short. Units are
+// independent: which thread runs one never changes its result. (A static cyclic split for steps of
+// decodes, each thread prefetching its next unit's KV into L2, measured no faster in one process,
+// modes alternating: 55-64 us a SmolLM2 layer at batch 8 against 57-64; bench/RESULTS.md,
+// session 27.)
+template <class Unit>
+void run_units(const PagedAttentionArgs& a, int threads, const Unit& unit) {
+  const int64_t units = a.num_items * a.num_kv_heads;
+  if (threads > 1) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t u = 0; u < units; ++u) unit(u, omp_get_thread_num());
+  } else {
+    for (int64_t u = 0; u < units; ++u) unit(u, 0);
+  }
 }
 
 }  // namespace pagewire::cpu

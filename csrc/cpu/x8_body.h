@@ -57,6 +57,15 @@ inline bool pair_skips_other_stream() { return is_amd(); }
 // prefetch won (Q8_0 x8 / row layout 0.81-0.92x against 0.99-1.07x as pairs, Q4_0 0.53-0.69x
 // against 0.53-0.91x); at 3 rows pairs won (Q4_0 0.29-0.37x against 0.38-0.45x).
 inline int64_t pair_min_rows() { return is_amd() ? 3 : 2; }
+// Whether the 4-bit pairs take tiles of eight activation rows (group4_2<T, 8>: sixteen vpdpbusd
+// chains in flight where a tile of four keeps eight, each weight byte unpacked once for eight rows)
+// before tiles of four. On AMD (the Zen 5, session 27) from K = 1024: one process, the two
+// alternating, a batch-8 step took 0.86-0.90x the time on Llama-1B Q4_0 / Q4_1 (0.97x at 16 rows)
+// and 0.97x on SmolLM2 (only its K = 1536 down projection qualifies); at K = 576 the short
+// blocks lost (SmolLM2's Q4 steps 1.05-1.12x with every matrix on eight-row tiles), and Q8_0's
+// eight-row tile spills registers (1.2-1.5x slower: group8_2 keeps to four). Elsewhere not measured,
+// so off. Which tile a row falls in changes no output (for_each_group).
+inline bool eight_row_tiles(int64_t K) { return is_amd() && K >= 1024; }
 #else
 constexpr int64_t kPrefetchBytes = 1152;
 constexpr int kPrefetchHint = _MM_HINT_T0;
@@ -251,14 +260,15 @@ __attribute__((noinline)) void group8(const Q8Activations& x, int64_t m0, const 
 
 // Every whole group of eight weight rows (group_bytes each) against all M activation rows: units
 // of NG consecutive groups (the last unit one group when the count is odd), and per unit row tiles
-// of four, then one of the 1-3 rows left: tile(std::integral_constant<int, MB>, std::integral_constant<int,
+// of eight (pairs, EightRowTiles, where eight_row_tiles(K)), then of four, then one of the 1-3 rows
+// left: tile(std::integral_constant<int, MB>, std::integral_constant<int,
 // ng>, m0, unit's bytes, unit's bias or nullptr, unit's first output column). Static schedule: each
 // thread streams one contiguous slice of the weight. Which tile or unit an output lands in changes
 // only which loads it shares, never its instructions (batch invariance).
 constexpr int64_t kGroupRows = 8;
 static_assert(kQ4Interleave == kGroupRows && kQ8Interleave == kGroupRows, "one group size for both layouts");
 
-template <int NG, class Tile>
+template <int NG, bool EightRowTiles = false, class Tile>
 void for_each_group(int64_t M, int64_t K, int64_t N, int64_t group_bytes, const uint8_t* w, const float* bias,
                     float* out, const Tile& tile) {
   const int64_t groups = N / kGroupRows;
@@ -270,6 +280,13 @@ void for_each_group(int64_t M, int64_t K, int64_t N, int64_t group_bytes, const 
     float* og = out + g * kGroupRows;
     const auto rows = [&](auto ng) {
       int64_t m = 0;
+#if PAGEWIRE_X8_VNNI
+      if constexpr (decltype(ng)::value == 2 && EightRowTiles) {
+        if (eight_row_tiles(K)) {
+          for (; m + 8 <= M; m += 8) tile(std::integral_constant<int, 8>{}, ng, m, wg, bg, og);
+        }
+      }
+#endif
       for (; m + 4 <= M; m += 4) tile(std::integral_constant<int, 4>{}, ng, m, wg, bg, og);
       // The 1-3 rows left in one tile: one more read of the unit's weights, not two.
       switch (M - m) {
@@ -317,13 +334,14 @@ void run4(const Q8SumActivations& x, const uint8_t* w, const float* bias, float*
 #endif
     group4<T, decltype(mb)::value, decltype(ng)::value>(x, xc, m, wg, group_bytes, bg, og, ldo);
   };
+  // (EightRowTiles: group4_2 from eight rows where eight_row_tiles; run8's group8_2 stays at four.)
   // Pairs of groups unless that would leave a thread without one (small N), or below
   // pair_min_rows (one row; two on AMD): there
   // the kernel streams the weight from memory, and one group per unit keeps each thread on one
   // sequential stream (pairs cost single-stream decode 13 %: 172 -> 150 tok/s on SmolLM2 Q4_1, two
   // threads). The results are the same either way, only the split of the work changes.
   if (x.M >= pair_min_rows() && N / kGroupRows >= 2 * team_threads()) {
-    for_each_group<2>(x.M, x.K, N, group_bytes, w, bias, out, tile);
+    for_each_group<2, true>(x.M, x.K, N, group_bytes, w, bias, out, tile);
   } else {
     for_each_group<1>(x.M, x.K, N, group_bytes, w, bias, out, tile);
   }

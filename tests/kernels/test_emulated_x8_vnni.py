@@ -28,8 +28,9 @@ F32 = ctypes.POINTER(ctypes.c_float)
 I8 = ctypes.POINTER(ctypes.c_int8)
 U8 = ctypes.POINTER(ctypes.c_uint8)
 QTYPE_ID = {"q8_0": -1, "q4_0": 0, "q4_1": 1, "q4_k": 2, "q6_k": 4}  # quant4_kernel.h's Q4Type; -1 Q8_0
-ROWS = [1, 2, 3, 4, 5, 7, 9, 13]  # 13: Q6_K's VNNI build runs 8, 4 and 1 rows (x8k_body.h kQ6KRows)
-SHAPES = [(64, 256), (40, 512)]  # N: an even and an odd number of groups (pairs of groups and a lone one)
+ROWS = [1, 2, 3, 4, 5, 7, 9, 13, 16]  # 13: Q6_K's VNNI build runs 8, 4 and 1 rows (x8k_body.h kQ6KRows)
+SHAPES = [(64, 256), (40, 512), (40, 1024)]  # N: an even and an odd number of groups (pairs of groups and a lone one);
+# K = 1024: the 4-bit pairs' eight-row tiles where the host is AMD (x8_body.h eight_row_tiles)
 
 
 def weight(qtype: str, n: int, k: int, seed: int, extreme: bool = False) -> QuantizedWeight:

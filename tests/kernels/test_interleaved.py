@@ -134,10 +134,11 @@ def test_interleaved_rows_do_not_depend_on_the_batch(cpu_isa: str, qtype: str) -
 
 # The VNNI build of the x8 kernels (linear_x8_vnni.cpp) against the AVX2 build: the same integer sums,
 # so the same floats bit for bit (test_emulated_x8_vnni.py checks it on any CPU). Row counts 1-9
-# cover every tile shape (13: Q6_K's VNNI build runs 8, 4 and 1 rows); N = 64 and 40 an even and an odd
+# cover every tile shape (13: Q6_K's VNNI build runs 8, 4 and 1 rows; 9, 13 and 16 with K = 1024: the
+# 4-bit pairs' eight-row tiles on AMD, x8_body.h eight_row_tiles); N = 64 and 40 an even and an odd
 # number of groups.
-VNNI_ROWS = [1, 2, 3, 4, 5, 7, 9, 13]
-VNNI_SHAPES = [(64, 256), (40, 512)]
+VNNI_ROWS = [1, 2, 3, 4, 5, 7, 9, 13, 16]
+VNNI_SHAPES = [(64, 256), (40, 512), (40, 1024)]
 
 
 @pytest.mark.skipif("avx512" not in available_isas(),

@@ -25,6 +25,7 @@
 #include "chunked_gemm.h"
 #include "dispatch_mode.h"
 #include "float_rows.h"
+#include "maybe_parallel.h"
 #include "quant4_kernel.h"
 #include "quant_kernel.h"
 
@@ -292,14 +293,16 @@ at::Tensor dequantize_rows(const at::Tensor& wc, Q4Format f, int64_t K, int64_t 
   // Rows [0, grouped) of the range are whole interleaved groups; the rest are in row layout.
   const int64_t grouped = f.interleaved ? std::max<int64_t>(0, std::min(rows, wc.size(0) / G * G - n0)) : 0;
   TORCH_CHECK(!f.interleaved || n0 % G == 0, "dequantize_rows: n0 = ", n0, " must be a multiple of ", G);
-#pragma omp parallel for schedule(static) if (rows * K >= (1 << 16))
-  for (int64_t g = 0; g < grouped / G; ++g) {
+  // (maybe_parallel.h: a GGUF embedding row a decode step builds no team of one.)
+  cpu::maybe_parallel_for(grouped / G, rows * K >= (1 << 16), [&](int64_t g) {
     std::vector<uint8_t> rows8(G * rb);
     cpu::deinterleave_q4_group(f.type, src + g * G * rb, rows8.data(), rb, K);
     for (int64_t r = 0; r < G; ++r) cpu::dequantize_q4_row(f.type, rows8.data() + r * rb, dst + (g * G + r) * K, K);
-  }
-#pragma omp parallel for schedule(static) if ((rows - grouped) * K >= (1 << 16))
-  for (int64_t n = grouped; n < rows; ++n) cpu::dequantize_q4_row(f.type, src + n * rb, dst + n * K, K);
+  });
+  cpu::maybe_parallel_for(rows - grouped, (rows - grouped) * K >= (1 << 16), [&](int64_t i) {
+    const int64_t n = grouped + i;
+    cpu::dequantize_q4_row(f.type, src + n * rb, dst + n * K, K);
+  });
   return out;
 }
 

@@ -14,36 +14,22 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 // Headers first: inline functions they define must keep the baseline ISA.
 #include "fused_kernel.h"
 #include "maybe_parallel.h"
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 #pragma GCC optimize("fp-contract=off")
 
+#include "bf16_avx2.h"  // bf16_to_float, float_to_bf16: the scalar tails
 #include "bf16_lanes_avx2.h"
 
 namespace pagewire::cpu {
 namespace {
 
-inline float bf16_value(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t bf16_bits(float f) {  // round to nearest even, NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-inline float round_value(float f) { return bf16_value(bf16_bits(f)); }
+inline float round_value(float f) { return bf16_to_float(float_to_bf16(f)); }
 
 // fused_ops.cpp inv_rms: eight partial sums of squares, the tail into the first, the same tree.
 inline float inv_rms(const float* v, int64_t d, float eps) {
@@ -67,7 +53,7 @@ inline void scale_row(const float* v, int64_t d, float inv, const uint16_t* weig
   for (; k + 8 <= d; k += 8) {
     store_bf16(out + k, _mm256_mul_ps(load_bf16(weight + k), round_bf16(_mm256_mul_ps(_mm256_loadu_ps(v + k), vi))));
   }
-  for (; k < d; ++k) out[k] = bf16_bits(bf16_value(weight[k]) * round_value(v[k] * inv));
+  for (; k < d; ++k) out[k] = float_to_bf16(bf16_to_float(weight[k]) * round_value(v[k] * inv));
 }
 
 void norm_row(uint16_t* xr, const uint16_t* dr, const uint16_t* weight, uint16_t* out, int64_t d, float eps,
@@ -80,12 +66,12 @@ void norm_row(uint16_t* xr, const uint16_t* dr, const uint16_t* weight, uint16_t
       store_bf16(xr + k, r);  // exact: r is a bf16 value
     }
     for (; k < d; ++k) {
-      xr[k] = bf16_bits(bf16_value(xr[k]) + bf16_value(dr[k]));
-      v[k] = bf16_value(xr[k]);
+      xr[k] = float_to_bf16(bf16_to_float(xr[k]) + bf16_to_float(dr[k]));
+      v[k] = bf16_to_float(xr[k]);
     }
   } else {
     for (; k + 8 <= d; k += 8) _mm256_storeu_ps(v + k, load_bf16(xr + k));
-    for (; k < d; ++k) v[k] = bf16_value(xr[k]);
+    for (; k < d; ++k) v[k] = bf16_to_float(xr[k]);
   }
   scale_row(v, d, inv_rms(v, d, eps), weight, out);
 }
@@ -117,7 +103,7 @@ void rope_rows_bf16_avx2(uint16_t* x, int64_t st, int64_t sh, int64_t T, int64_t
       uint16_t* xr = x + t * st + h * sh;
       int64_t k = 0;
       for (; k + 8 <= d; k += 8) _mm256_storeu_ps(v + k, load_bf16(xr + k));
-      for (; k < d; ++k) v[k] = bf16_value(xr[k]);
+      for (; k < d; ++k) v[k] = bf16_to_float(xr[k]);
       if (norm_weight != nullptr) {  // Qwen3: RMSNorm over head_dim first, with this head's weight row
         const float inv = inv_rms(v, d, eps);
         const uint16_t* w = norm_weight + h * d;
@@ -127,7 +113,7 @@ void rope_rows_bf16_avx2(uint16_t* x, int64_t st, int64_t sh, int64_t T, int64_t
           const __m256 y = round_bf16(_mm256_mul_ps(_mm256_loadu_ps(v + k), vi));
           _mm256_storeu_ps(v + k, round_bf16(_mm256_mul_ps(load_bf16(w + k), y)));
         }
-        for (; k < d; ++k) v[k] = round_value(bf16_value(w[k]) * round_value(v[k] * inv));
+        for (; k < d; ++k) v[k] = round_value(bf16_to_float(w[k]) * round_value(v[k] * inv));
       }
       // Rotate-half: x * cat(cos, cos) + cat(-x2, x1) * cat(sin, sin), each product and the sum
       // rounded to bf16.
@@ -141,8 +127,8 @@ void rope_rows_bf16_avx2(uint16_t* x, int64_t st, int64_t sh, int64_t T, int64_t
       }
       for (; j < half; ++j) {
         const float a = v[j], b = v[j + half];
-        xr[j] = bf16_bits(round_value(a * c[j]) + round_value(-b * s[j]));
-        xr[j + half] = bf16_bits(round_value(b * c[j]) + round_value(a * s[j]));
+        xr[j] = float_to_bf16(round_value(a * c[j]) + round_value(-b * s[j]));
+        xr[j + half] = float_to_bf16(round_value(b * c[j]) + round_value(a * s[j]));
       }
     }
   });

@@ -5,8 +5,6 @@
 // the weight and run ATen's GEMM, which is compute-bound there rather than bandwidth-bound.
 // interleave_q8_0 rearranges a weight into the x8 layout (quant_kernel.h), which dequantize_q8_0 and
 // linear_q8_0 take with interleaved=True: linear_q8_0 then runs the x8 kernel (x8_body.h: linear_x8_avx2.cpp, or linear_x8_vnni.cpp on AVX-512 VNNI CPUs).
-#include <omp.h>
-
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -22,6 +20,7 @@
 #include "../ops.h"
 #include "cpu_features.h"
 #include "dispatch_mode.h"
+#include "maybe_parallel.h"
 #include "chunked_gemm.h"
 #include "float_rows.h"
 #include "quant_kernel.h"
@@ -202,28 +201,20 @@ at::Tensor dequantize_q8_rows(const at::Tensor& wc, bool interleaved, int64_t K,
   // Work items: one interleaved group (8 rows) or one row-layout row.
   const int64_t n1 = n0 + rows, g_end = std::min(n1, grouped);
   const int64_t groups = g_end > n0 ? (g_end - n0) / G : 0, first_row = n0 + groups * G;
-  // Groups [g0, g1) and row-layout rows [m0, m1): one thread's share, or the whole range on this
-  // thread when it is small (a GGUF embedding row a decode step, which must not build a team of
-  // one; maybe_parallel.h). Plain loops, no orphaned worksharing: a caller inside a parallel region
-  // of its own gets its whole range.
-  const auto run = [&](int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
-    std::vector<uint8_t> buf(g1 > g0 ? G * rb : 0);
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t r0 = n0 + g * G;
-      cpu::deinterleave_q8_0_group(w + r0 * rb, buf.data(), rb, K);
-      for (int64_t r = 0; r < G; ++r) row_out(buf.data() + r * rb, dst + (r0 - n0 + r) * K);
-    }
-    for (int64_t n = m0; n < m1; ++n) row_out(w + n * rb, dst + (n - n0) * K);
-  };
-  if (rows * K >= (1 << 16)) {
-#pragma omp parallel
-    {
-      const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads(), tail = n1 - first_row;
-      run(groups * t / nt, groups * (t + 1) / nt, first_row + tail * t / nt, first_row + tail * (t + 1) / nt);
-    }
-  } else {
-    run(0, groups, first_row, n1);
-  }
+  // Split over the team only when large (maybe_parallel.h: a GGUF embedding row a decode step
+  // builds no team of one); each thread moves groups back to rows in a buffer of its own.
+  const bool parallel = rows * K >= (1 << 16);
+  cpu::maybe_parallel_for(groups, parallel, [&](int64_t g) {
+    thread_local std::vector<uint8_t> buf;
+    if (static_cast<int64_t>(buf.size()) < G * rb) buf.resize(G * rb);
+    const int64_t r0 = n0 + g * G;
+    cpu::deinterleave_q8_0_group(w + r0 * rb, buf.data(), rb, K);
+    for (int64_t r = 0; r < G; ++r) row_out(buf.data() + r * rb, dst + (r0 - n0 + r) * K);
+  });
+  cpu::maybe_parallel_for(n1 - first_row, parallel, [&](int64_t i) {
+    const int64_t n = first_row + i;
+    row_out(w + n * rb, dst + (n - n0) * K);
+  });
   return out;
 }
 

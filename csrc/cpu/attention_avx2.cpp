@@ -139,9 +139,12 @@ inline void qk_block(const float* q, int D, const S* const* k, float* s) {
 
 // Scores of `rows` rows against ncols (a multiple of 8) keys: blocks of three rows (12 of the 16
 // registers accumulate), then a block of the remainder.
+// Each block of four columns also takes `steps` steps of the next unit's prefetch (at).
 template <class S>
-inline void qk(const float* q, int rows, int D, const S* const* k_rows, int ncols, float* s) {
+inline void qk(const float* q, int rows, int D, const S* const* k_rows, int ncols, float* s,
+               NextUnitPrefetch::Cursor& at, int steps) {
   for (int c = 0; c < ncols; c += 4) {
+    for (int i = 0; i < steps; ++i) at.step();
     int r = 0;
     for (; r + 3 <= rows; r += 3) qk_block<3, S>(q + r * D, D, k_rows + c, s + r * kSpan + c);
     if (rows - r == 2) qk_block<2, S>(q + r * D, D, k_rows + c, s + r * kSpan + c);
@@ -265,6 +268,7 @@ struct Scratch {
   float* l;      // [rows] running sum of exp
   float* alpha;  // [rows] rescale factor of acc for the current span
   void* base;
+  NextUnitPrefetch next;  // the thread's next unit's first KV lines (attention_kernel.h)
 
   Scratch(int64_t rows, int64_t D) {
     const int64_t r8 = (rows + 7) / 8 * 8;
@@ -297,8 +301,10 @@ template <class E>
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
 }
 
-template <class E>
-void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratch& s) {
+// queue_next() is called once, as the last two spans begin: it claims the thread's next unit and
+// queues its first KV lines in s.next, drained while those spans' K and V are read.
+template <class E, class QueueNext>
+void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratch& s, const QueueNext& queue_next) {
   const int G = a.num_heads / a.num_kv_heads, D = a.head_dim, bs = a.block_size, W = a.sliding_window;
   const int rows = w.q_count * G;
   const int64_t q_start = a.query_start_loc[w.seq];
@@ -356,7 +362,16 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
   const E* v_src[kSpan];
   const float* k_rows[kSpan];
   const float* v_rows[kSpan];
+  s.next.clear();
+  bool queued = false;
+  const int lines_per_row = static_cast<int>((static_cast<int64_t>(D) * sizeof(E) + 63) / 64);
   for (int p0 = first_span; p0 < kv_hi; p0 += kSpan) {
+    if (!queued && p0 + 2 * kSpan >= kv_hi) {
+      queued = true;
+      queue_next();
+      s.next.pace(2 * (kv_hi - p0) * lines_per_row);  // K and V lines left to read, one step per line
+    }
+    NextUnitPrefetch::Cursor at = s.next.cursor();
     const int n_next = p0 + kSpan < kv_hi ? fill_offsets(p0 + kSpan, next) : 0;
     const int ncols = round8(n);
     const int j0 = std::max(0, kv_lo - p0);  // columns below j0 are not read (zero rows)
@@ -369,7 +384,7 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
       for (int j = 0; j < n_next; ++j) {
         if (next[j] >= 0) prefetch_row(key_cache + next[j], D), prefetch_row(value_cache + next[j], D);
       }
-      qk(s.q, rows, D, k_src, ncols, s.s);
+      qk(s.q, rows, D, k_src, ncols, s.s, at, 8 * lines_per_row);  // four K rows and four V rows' worth
     } else {
       for (int j = 0; j < ncols; ++j) {
         if (j >= j0 && j < n) {
@@ -387,8 +402,9 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
           k_rows[j] = v_rows[j] = s.zero;
         }
         if (j < n_next && next[j] >= 0) prefetch_row(key_cache + next[j], D), prefetch_row(value_cache + next[j], D);
+        for (int i = 0; i < 2 * lines_per_row; ++i) at.step();
       }
-      qk(s.q, rows, D, k_rows, ncols, s.s);
+      qk(s.q, rows, D, k_rows, ncols, s.s, at, 0);
     }
     if (a.softcap > 0.f) cap_scores(s.s, rows, ncols, a.softcap);
 
@@ -409,6 +425,7 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
     } else {
       pv(s.s, s.alpha, rows, D, v_rows, j0, n, s.acc);
     }
+    s.next.resume(at);
     std::swap(offs, next);
     n = n_next;
   }
@@ -435,8 +452,13 @@ void run(const PagedAttentionArgs& a) {
   const int threads = units > 1 ? omp_get_max_threads() : 1;
   const std::vector<std::unique_ptr<Scratch>>& scratch =
       kept_scratch<Scratch>(threads, static_cast<int64_t>(a.max_tile_tokens) * G, a.head_dim);
-  run_units(a, threads, [&](int64_t u, int thread) {
-    attend_tile<E>(a, a.items[u / a.num_kv_heads], static_cast<int>(u % a.num_kv_heads), *scratch[thread]);
+  const int kvh = a.num_kv_heads;
+  run_units(a, threads, [&](int64_t u, int thread, const auto& claim) {
+    Scratch& s = *scratch[thread];
+    attend_tile<E>(a, a.items[u / kvh], static_cast<int>(u % kvh), s, [&] {
+      const int64_t next = claim();
+      if (next >= 0) s.next.template queue<E>(a, a.items[next / kvh], static_cast<int>(next % kvh), 0, 2 * kSpan);
+    });
   });
 }
 

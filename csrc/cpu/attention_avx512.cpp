@@ -170,35 +170,43 @@ struct Avx512Isa {
   // register transposes. Every load is paired with a prefetch of the same place in the next
   // span's rows (pf_rows), so the next span streams in while this one is computed.
   template <class E>
-  static void load_k(const E* const* k_rows, int n, int D, float* kt, const E* const* pf_rows, int pf_n) {
+  static void load_k(const E* const* k_rows, int n, int D, float* kt, const E* const* pf_rows, int pf_n,
+                     NextUnitPrefetch& next) {
     if constexpr (kBf16<E>) {
-      load_k_bf16(k_rows, n, D, kt, pf_rows, pf_n);
+      load_k_bf16(k_rows, n, D, kt, pf_rows, pf_n, next);
     } else {
+      NextUnitPrefetch::Cursor at = next.cursor();
       for (int c = 0; c < n; c += 16) {
         for (int d0 = 0; d0 < D; d0 += 16) {
           __m512 x[16];
           for (int j = 0; j < 16; ++j) {
             x[j] = c + j < n ? load16(k_rows[c + j] + d0) : _mm512_setzero_ps();
             if (c + j < pf_n) __builtin_prefetch(pf_rows[c + j] + d0, 0, 3);
+            if (c + j < n && (d0 * static_cast<int>(sizeof(E))) % 64 == 0) at.step();
           }
           transpose16(x);
           for (int i = 0; i < 16; ++i) _mm512_store_ps(kt + (d0 + i) * kSpan + c, x[i]);
         }
       }
+      next.resume(at);
     }
   }
 
   template <class E>
-  static void load_v(const E* const* v_rows, int n, int D, float* v, const E* const* pf_rows, int pf_n) {
+  static void load_v(const E* const* v_rows, int n, int D, float* v, const E* const* pf_rows, int pf_n,
+                     NextUnitPrefetch& next) {
     if constexpr (kBf16<E>) {
-      load_v_bf16(v_rows, n, D, v, pf_rows, pf_n);
+      load_v_bf16(v_rows, n, D, v, pf_rows, pf_n, next);
     } else {
+      NextUnitPrefetch::Cursor at = next.cursor();
       for (int j = 0; j < n; ++j) {
         for (int d = 0; d < D; d += 16) {
           _mm512_storeu_ps(v + j * D + d, load16(v_rows[j] + d));
           if (j < pf_n) __builtin_prefetch(pf_rows[j] + d, 0, 3);
+          if ((d * static_cast<int>(sizeof(E))) % 64 == 0) at.step();
         }
       }
+      next.resume(at);
     }
   }
 

@@ -25,8 +25,10 @@ inline const uint32_t* dwords(const void* p) { return static_cast<const uint32_t
 
 // kt[dp][j] for j < n (zero up to the next multiple of 16); D % 16 == 0, so D/2 is 8 mod 16 at worst.
 // Each load of a K line is paired with a prefetch of the same line of the next span (pf_rows).
-inline void load_k_bf16(const Bf16* const* k_rows, int n, int D, float* kt, const Bf16* const* pf_rows, int pf_n) {
+inline void load_k_bf16(const Bf16* const* k_rows, int n, int D, float* kt, const Bf16* const* pf_rows, int pf_n,
+                        NextUnitPrefetch& next) {
   const int DP = D / 2;
+  NextUnitPrefetch::Cursor at = next.cursor();
   for (int c = 0; c < n; c += 16) {
     for (int dp0 = 0; dp0 < DP; dp0 += 16) {
       const int w = std::min(16, DP - dp0);
@@ -36,22 +38,26 @@ inline void load_k_bf16(const Bf16* const* k_rows, int n, int D, float* kt, cons
         x[j] = c + j < n ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(mask, dwords(k_rows[c + j]) + dp0))
                          : _mm512_setzero_ps();
         if (c + j < pf_n) __builtin_prefetch(dwords(pf_rows[c + j]) + dp0, 0, 3);
+        if (c + j < n) at.step();  // one 64-byte line of K per load
       }
       transpose16(x);
       for (int i = 0; i < w; ++i) _mm512_store_ps(kt + (dp0 + i) * kSpan + c, x[i]);
     }
   }
+  next.resume(at);
 }
 
 // v pairs for keys [0, n); a missing partner of an odd last key is zero (its probability is 0 too,
 // but 0 * NaN from an unwritten slot would still poison the sum).
-inline void load_v_bf16(const Bf16* const* v_rows, int n, int D, float* v, const Bf16* const* pf_rows, int pf_n) {
+inline void load_v_bf16(const Bf16* const* v_rows, int n, int D, float* v, const Bf16* const* pf_rows, int pf_n,
+                        NextUnitPrefetch& next) {
   alignas(64) static constexpr uint16_t kLo[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   alignas(64) static constexpr uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
                                                    24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
   const __m512i lo_idx = _mm512_load_si512(kLo), hi_idx = _mm512_load_si512(kHi);
   const int chunks = D / 16;
+  NextUnitPrefetch::Cursor at = next.cursor();
   for (int jp = 0; jp < (n + 1) / 2; ++jp) {
     const Bf16* a_row = v_rows[2 * jp];
     const Bf16* b_row = 2 * jp + 1 < n ? v_rows[2 * jp + 1] : nullptr;
@@ -63,10 +69,12 @@ inline void load_v_bf16(const Bf16* const* v_rows, int n, int D, float* v, const
       const __m512i b = b_row != nullptr ? _mm512_maskz_loadu_epi16(mask, b_row + d0) : _mm512_setzero_si512();
       if (2 * jp < pf_n) __builtin_prefetch(pf_rows[2 * jp] + d0, 0, 3);
       if (2 * jp + 1 < pf_n) __builtin_prefetch(pf_rows[2 * jp + 1] + d0, 0, 3);
+      at.step(), at.step();  // a 64-byte line of each of two V rows
       _mm512_store_si512(dst + (d0 / 16) * 16, _mm512_permutex2var_epi16(a, lo_idx, b));
       if (rem > 16) _mm512_store_si512(dst + (d0 / 16 + 1) * 16, _mm512_permutex2var_epi16(a, hi_idx, b));
     }
   }
+  next.resume(at);
 }
 
 template <int RB, int NV>

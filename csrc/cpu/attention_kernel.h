@@ -6,6 +6,10 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
+#ifndef PW_STRIDE
+#define PW_STRIDE 4
+#endif
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -91,22 +95,123 @@ std::vector<std::unique_ptr<S>>& kept_scratch(int threads, int64_t rows, int64_t
   return kept;
 }
 
-// Runs unit(u, thread) for every (item, KV head) unit u = item * num_kv_heads + kv_head of `a`, on
-// `threads` threads (1: this thread, with no team of one to set up; maybe_parallel.h). Dynamic
-// scheduling, one unit at a time: units differ wildly in cost (a decode against the last tile of a
-// long prefill) and the host orders them heaviest first, so the tail is short. Units are
-// independent: which thread runs one never changes its result. (A static cyclic split for steps of
-// decodes, each thread prefetching its next unit's KV into L2, measured no faster in one process,
-// modes alternating: 55-64 us a SmolLM2 layer at batch 8 against 57-64; bench/RESULTS.md,
-// session 27.)
+// The first KV lines (two spans) of the unit a thread will run next, prefetched into L2 a few at a
+// time while its current unit's last two spans are read: the drivers call Cursor::step() about
+// once per cache line of K or V they load, and pace() spreads the queue over those steps. A unit's
+// own prefetching reaches only one span ahead, so without this every unit began with its first
+// span in flight from DRAM, at most a few dozen lines at a time per core: in a SmolLM2 decode step
+// at batch 8 (KV evicted by the weight stream) attention took 37-43 us a layer against 22 us with
+// the KV in cache. With it: 28-33 us, the step 5-7 % faster on AVX-512 and 3 % on AVX2. Queuing at
+// the last two spans rather than earlier keeps the lines from being evicted by a long unit's own
+// stream before use; queuing the span two ahead within a unit as well measured no faster
+// (bench/RESULTS.md, session 28).
+class NextUnitPrefetch {
+ public:
+  void clear() { n_ = 0, at_ = {}; }
+
+  // Queues `count` positions of (item w, KV head kvh), in K and V, from position `from` or from the
+  // first position that unit reads if later (its window's start), and not past its last: one
+  // contiguous run per block.
+  template <class E>
+  void queue(const PagedAttentionArgs& a, const WorkItem& w, int kvh, int from, int count) {
+    clear();
+    const int D = a.head_dim, bs = a.block_size, W = a.sliding_window;
+    const int64_t q_start = a.query_start_loc[w.seq];
+    const int q_len = a.query_start_loc[w.seq + 1] - static_cast<int>(q_start);
+    const int pos0 = a.seq_lens[w.seq] - q_len + w.q_begin;
+    const int lo = std::max(from, W > 0 ? std::max(0, pos0 - W + 1) : 0);
+    const int hi = std::min(lo + count, pos0 + w.q_count);
+    const int32_t* table = a.block_tables + w.seq * a.block_table_stride;
+    const E* key_cache = static_cast<const E*>(a.key_cache);
+    const E* value_cache = static_cast<const E*>(a.value_cache);
+    for (int b = lo / bs; b <= (hi - 1) / bs && n_ + 2 <= kMaxRuns; ++b) {
+      const int first = std::max(lo, b * bs), end = std::min(hi, (b + 1) * bs);
+      if (end <= first) continue;
+      const int64_t at = ((static_cast<int64_t>(table[b]) * a.num_kv_heads + kvh) * bs + (first - b * bs)) * D;
+      const int64_t bytes = (static_cast<int64_t>(end - first) * D * static_cast<int64_t>(sizeof(E)) + 63) / 64 * 64;
+      for (const E* cache : {key_cache, value_cache}) {
+        const char* p = reinterpret_cast<const char*>(cache + at);
+        runs_[n_++] = {p, p + bytes};
+      }
+    }
+    at_ = Cursor{n_ > 0 ? runs_[0].p : nullptr, n_ > 0 ? runs_[0].end : nullptr, 0, 1, runs_, n_};
+  }
+
+  // Spreads the queued lines over about `steps` calls of Cursor::step().
+  void pace(int64_t steps) {
+    int64_t lines = 0;
+    for (int r = 0; r < n_; ++r) lines += (runs_[r].end - runs_[r].p) / 64;
+    at_.per = static_cast<int>(std::max<int64_t>(1, (lines + steps - 1) / std::max<int64_t>(steps, 1)));
+  }
+
+  struct Run {
+    const char* p;
+    const char* end;
+  };
+
+  // The queue's read position. A loop that drains the queue takes a copy (cursor()), steps it and
+  // hands it back (resume()): kept in registers, it costs a compare per step; stepping a member in
+  // memory instead made every step wait on the previous one's store (5 us a SmolLM2 layer at
+  // batch 8, all of it with the KV in cache).
+  struct Cursor {
+    const char* p;
+    const char* end;
+    int run, per;
+    const Run* runs;
+    int n;
+    [[gnu::always_inline]] inline void step() {
+      for (int k = 0; k < per && p != nullptr; ++k) {
+        __builtin_prefetch(p, 0, 2);  // prefetcht1: into L2, where the next unit's loads find it
+        p += 64;
+        if (p >= end) {
+          ++run;
+          p = run < n ? runs[run].p : nullptr;
+          end = run < n ? runs[run].end : nullptr;
+        }
+      }
+    }
+  };
+  Cursor cursor() const { return at_; }
+  void resume(const Cursor& c) { at_ = c; }
+
+ private:
+  static constexpr int kMaxRuns = 40;  // 20 blocks: two 64-position spans of 16-position blocks, misaligned
+  Run runs_[kMaxRuns];
+  int n_ = 0;
+  Cursor at_{};
+};
+
+// Runs unit(u, thread, claim) for every (item, KV head) unit u = item * num_kv_heads + kv_head of
+// `a`, on `threads` threads (1: this thread, with no team of one to set up; maybe_parallel.h).
+// Dynamic scheduling, one unit at a time: units differ wildly in cost (a decode against the last
+// tile of a long prefill) and the host orders them heaviest first, so the tail is short. A unit
+// may call claim() (at most once matters: later calls return the same) to learn the unit its
+// thread runs next, -1 if none, so that it can prefetch that unit's KV (NextUnitPrefetch); a unit
+// that does not ask gets its successor claimed when it ends, as a plain dynamic schedule would.
+// Claiming late in a unit keeps the balance of dynamic scheduling. Units are independent: which
+// thread runs one never changes its result. (A static cyclic split for steps of decodes, each
+// thread prefetching its next unit's first span into L2 in one burst, measured no faster:
+// bench/RESULTS.md, session 27; spreading the prefetch over the current unit's loads is what paid.)
 template <class Unit>
 void run_units(const PagedAttentionArgs& a, int threads, const Unit& unit) {
   const int64_t units = a.num_items * a.num_kv_heads;
-  if (threads > 1) {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t u = 0; u < units; ++u) unit(u, omp_get_thread_num());
-  } else {
-    for (int64_t u = 0; u < units; ++u) unit(u, 0);
+  if (threads <= 1) {
+    for (int64_t u = 0; u < units; ++u) unit(u, 0, [&] { return u + 1 < units ? u + 1 : int64_t{-1}; });
+    return;
+  }
+  std::atomic<int64_t> counter{0};
+#pragma omp parallel num_threads(threads)
+  {
+    const int thread = omp_get_thread_num();
+    int64_t u = counter.fetch_add(1, std::memory_order_relaxed);
+    while (u < units) {
+      int64_t next = -1;
+      unit(u, thread, [&] {
+        if (next < 0) next = counter.fetch_add(1, std::memory_order_relaxed);
+        return next < units ? next : int64_t{-1};
+      });
+      u = next < 0 ? counter.fetch_add(1, std::memory_order_relaxed) : next;
+    }
   }
 }
 

@@ -47,6 +47,7 @@ struct Scratch {
   float* alpha;  // [rows] rescale factor of acc for the current span
   float* zero;   // [D] zeros: the K/V row of every position below the window (never read from the cache)
   void* base;
+  NextUnitPrefetch next;  // the thread's next unit's first KV lines, drained by load_k/load_v
 
   Scratch(int64_t rows, int64_t D) {
     const int64_t r16 = (rows + 15) / 16 * 16;
@@ -77,8 +78,10 @@ struct Scratch {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
 }
 
-template <class Isa, class E>
-void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratch& s) {
+// queue_next() is called once, as the last two spans begin: it claims the thread's next unit and
+// queues its KV in s.next, which load_k/load_v then drain.
+template <class Isa, class E, class QueueNext>
+void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratch& s, const QueueNext& queue_next) {
   const int G = a.num_heads / a.num_kv_heads, D = a.head_dim, bs = a.block_size, W = a.sliding_window;
   const int rows = w.q_count * G;
   const int64_t q_start = a.query_start_loc[w.seq];
@@ -148,11 +151,19 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
     return n;
   };
   int n = fill_rows(kv_lo, k_rows, v_rows);  // positions in this span
+  s.next.clear();
+  bool queued = false;
+  const int64_t lines_per_row = (static_cast<int64_t>(D) * sizeof(E) + 63) / 64;
   for (int p0 = kv_lo; p0 < kv_hi; p0 += kSpan) {
+    if (!queued && p0 + 2 * kSpan >= kv_hi) {
+      queued = true;
+      queue_next();
+      s.next.pace(2 * (kv_hi - p0) * lines_per_row);  // K and V lines left to load
+    }
     const int n_next = p0 + kSpan < kv_hi ? fill_rows(p0 + kSpan, k_next, v_next) : 0;
     const int nw = round16(n);  // columns computed (padding columns are masked)
-    Isa::load_k(k_rows, n, D, s.kt, k_next, n_next);
-    Isa::load_v(v_rows, n, D, s.v, v_next, n_next);
+    Isa::load_k(k_rows, n, D, s.kt, k_next, n_next, s.next);
+    Isa::load_v(v_rows, n, D, s.v, v_next, n_next, s.next);
     Isa::template qk<E>(s.q, rows, D, s.kt, nw, s.s, a.scale);
     // Soft-capping is elementwise on each row's own scores, so it keeps the invariance above.
     if (a.softcap > 0.f) Isa::cap_scores(s.s, rows, nw, a.softcap);
@@ -195,8 +206,14 @@ void run_paged_attention(const PagedAttentionArgs& a) {
   const int threads = units > 1 ? omp_get_max_threads() : 1;
   const std::vector<std::unique_ptr<Scratch>>& scratch =
       kept_scratch<Scratch>(threads, static_cast<int64_t>(a.max_tile_tokens) * G, a.head_dim);
-  run_units(a, threads, [&](int64_t u, int thread) {
-    attend_tile<Isa, E>(a, a.items[u / a.num_kv_heads], static_cast<int>(u % a.num_kv_heads), *scratch[thread]);
+  const int kvh = a.num_kv_heads;
+  run_units(a, threads, [&](int64_t u, int thread, const auto& claim) {
+    Scratch& s = *scratch[thread];
+    attend_tile<Isa, E>(a, a.items[u / kvh], static_cast<int>(u % kvh), s, [&] {
+      const int64_t next = claim();
+      if (next < 0) return;
+      s.next.template queue<E>(a, a.items[next / kvh], static_cast<int>(next % kvh), 0, 2 * kSpan);  // its first two spans
+    });
   });
 }
 

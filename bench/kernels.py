@@ -2,7 +2,7 @@
 
 Usage: .venv/bin/python -m bench.kernels [attention|linear|quant|fused] [--dtype bfloat16] [--threads N] [--repeat R]
 
-`attention` prints, per case (decode at batch 1 and 64, a 1024-token prefill), SDPA on dense K/V
+`attention` prints, per case (decode at batch 1, 8 and 64, a 1024-token prefill), SDPA on dense K/V
 and then each paged_attention kernel family this CPU can run (AVX-512, AVX2, portable; forced in
 turn through PAGEWIRE_CPU_ISA), each in ms, GB/s of K+V read and GFLOP/s, with its speedup over
 SDPA (> 1: faster than SDPA) and the best family's speedup over it.
@@ -118,13 +118,14 @@ def attention_families() -> list[str]:
 
 def bench_attention(dtype: torch.dtype) -> None:
     """paged_attention on each kernel family this CPU has (AVX-512, AVX2, portable) against SDPA,
-    llama-246m's heads (16 q / 4 kv of 64): decode at batch 1 and 64, and a 1024-token prefill."""
+    llama-246m's heads (16 q / 4 kv of 64): decode at batch 1, 8 and 64, and a 1024-token prefill."""
     import os
 
     H, KVH, D = 16, 4, 64
     gen = torch.Generator().manual_seed(0)
     cases = {
         "decode 1 seq x 97 ctx": [(96, 1)],
+        "decode 8 seqs x 97 ctx": [(96, 1)] * 8,
         "decode 64 seqs x ~300 ctx": [(int(c), 1) for c in torch.randint(250, 350, (64,), generator=gen)],
         "prefill 1 x 1024": [(0, 1024)],
     }

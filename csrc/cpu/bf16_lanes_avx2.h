@@ -4,7 +4,7 @@
 // "avx2,fma".
 #pragma once
 
-#include <immintrin.h>
+#include "x86_target.h"  // <immintrin.h>, or nothing in emulated builds
 
 #include <cstdint>
 

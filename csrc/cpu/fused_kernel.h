@@ -1,5 +1,6 @@
-// The torch-free interface of the ISA-specific fused-op bodies (fused_avx2.cpp); call them only
-// when cpu::active_isa() (cpu_features.h) is at least Isa::kAvx2.
+// The torch-free interface of the ISA-specific fused-op bodies (fused_avx2.cpp, fused_avx512.cpp,
+// fused_rows_avx2.cpp); call each only when cpu::active_isa() (cpu_features.h) is at least the
+// family its name says.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +21,12 @@ void silu_and_mul_f32_avx2(const float* x, int64_t ldx, float* out, int64_t T, i
 // The same with gelu(x, approximate="tanh") in place of silu.
 void gelu_tanh_and_mul_bf16_avx2(const uint16_t* x, int64_t ldx, uint16_t* out, int64_t T, int64_t I);
 void gelu_tanh_and_mul_f32_avx2(const float* x, int64_t ldx, float* out, int64_t T, int64_t I);
+// The same four, 16 lanes at a time, with the AVX2 bodies' bits (fused_avx512.cpp); call them only
+// when cpu::active_isa() is at least Isa::kAvx512.
+void silu_and_mul_bf16_avx512(const uint16_t* x, int64_t ldx, uint16_t* out, int64_t T, int64_t I);
+void silu_and_mul_f32_avx512(const float* x, int64_t ldx, float* out, int64_t T, int64_t I);
+void gelu_tanh_and_mul_bf16_avx512(const uint16_t* x, int64_t ldx, uint16_t* out, int64_t T, int64_t I);
+void gelu_tanh_and_mul_f32_avx512(const float* x, int64_t ldx, float* out, int64_t T, int64_t I);
 
 // RMSNorm of T bf16 rows of d values (fused_ops.cpp norm_rows): x += delta first (rounded) when
 // delta != nullptr, then out = weight * round(x * inv_rms). Bit for bit the portable loop.

@@ -287,18 +287,41 @@ void rotary_embedding_cpu(at::Tensor& x, const at::Tensor& positions, const at::
   });
 }
 
+namespace {
+
+using GatedBf16Body = void (*)(const uint16_t*, int64_t, uint16_t*, int64_t, int64_t);
+using GatedF32Body = void (*)(const float*, int64_t, float*, int64_t, int64_t);
+
+// Runs a gated op's vector body for x's dtype on the active family (AVX-512 from Isa::kAvx512,
+// AVX2 from Isa::kAvx2; the same bits either way) and says whether there was one: bf16 and fp32
+// have them, fp16 and the portable family take gated_rows.
+bool vector_gated(const at::Tensor& x, const at::Tensor& out, GatedBf16Body bf16_avx2, GatedBf16Body bf16_avx512,
+                  GatedF32Body f32_avx2, GatedF32Body f32_avx512) {
+  const cpu::Isa isa = cpu::active_isa();
+  if (isa == cpu::Isa::kPortable) return false;
+  const bool wide = isa >= cpu::Isa::kAvx512;
+  const int64_t T = x.size(0), I = out.size(1);
+  if (x.scalar_type() == at::kBFloat16) {
+    (wide ? bf16_avx512 : bf16_avx2)(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
+                                     reinterpret_cast<uint16_t*>(out.data_ptr()), T, I);
+    return true;
+  }
+  if (x.scalar_type() == at::kFloat) {
+    (wide ? f32_avx512 : f32_avx2)(x.data_ptr<float>(), x.stride(0), out.data_ptr<float>(), T, I);
+    return true;
+  }
+  return false;
+}
+
+}  // namespace
+
 at::Tensor silu_and_mul_cpu(const at::Tensor& x) {
   at::Tensor out = check_gated_input(x);
+  if (vector_gated(x, out, cpu::silu_and_mul_bf16_avx2, cpu::silu_and_mul_bf16_avx512, cpu::silu_and_mul_f32_avx2,
+                   cpu::silu_and_mul_f32_avx512)) {
+    return out;
+  }
   const int64_t T = x.size(0), I = out.size(1);
-  if (cpu::active_isa() != cpu::Isa::kPortable && x.scalar_type() == at::kBFloat16) {
-    cpu::silu_and_mul_bf16_avx2(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
-                                reinterpret_cast<uint16_t*>(out.data_ptr()), T, I);
-    return out;
-  }
-  if (cpu::active_isa() != cpu::Isa::kPortable && x.scalar_type() == at::kFloat) {
-    cpu::silu_and_mul_f32_avx2(x.data_ptr<float>(), x.stride(0), out.data_ptr<float>(), T, I);
-    return out;
-  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "pagewire::silu_and_mul", [&] {
     gated_rows<Silu, scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), out.data_ptr<scalar_t>(), T, I);
   });
@@ -307,16 +330,11 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& x) {
 
 at::Tensor gelu_tanh_and_mul_cpu(const at::Tensor& x) {
   at::Tensor out = check_gated_input(x);
+  if (vector_gated(x, out, cpu::gelu_tanh_and_mul_bf16_avx2, cpu::gelu_tanh_and_mul_bf16_avx512,
+                   cpu::gelu_tanh_and_mul_f32_avx2, cpu::gelu_tanh_and_mul_f32_avx512)) {
+    return out;
+  }
   const int64_t T = x.size(0), I = out.size(1);
-  if (cpu::active_isa() != cpu::Isa::kPortable && x.scalar_type() == at::kBFloat16) {
-    cpu::gelu_tanh_and_mul_bf16_avx2(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
-                                     reinterpret_cast<uint16_t*>(out.data_ptr()), T, I);
-    return out;
-  }
-  if (cpu::active_isa() != cpu::Isa::kPortable && x.scalar_type() == at::kFloat) {
-    cpu::gelu_tanh_and_mul_f32_avx2(x.data_ptr<float>(), x.stride(0), out.data_ptr<float>(), T, I);
-    return out;
-  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "pagewire::gelu_tanh_and_mul", [&] {
     gated_rows<GeluTanh, scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), out.data_ptr<scalar_t>(), T, I);
   });

@@ -13,6 +13,7 @@ from server.kernels import ops
 from server.models import layers
 from server.models.config import RopeScaling
 from server.models.rope import RotaryEmbedding
+from tests.kernels.conftest import available_isas
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -211,6 +212,22 @@ def test_bf16_rotary_is_the_portable_bits(cpu_isa: str, T: int, heads: int, d: i
         return out
 
     assert torch.equal(_on_family(cpu_isa, run).view(torch.int16), _on_family("portable", run).view(torch.int16))
+
+
+@pytest.mark.parametrize("cpu_isa", [isa for isa in available_isas() if isa != "portable"], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,I", [(1, 7), (3, 40), (8, 1536), (5, 1003)])
+def test_gated_bits_are_the_avx2_bits(cpu_isa: str, dtype: torch.dtype, T: int, I: int) -> None:
+    """silu_and_mul and gelu_tanh_and_mul on this family give the AVX2 family's bits (the AVX-512
+    bodies run gated_body.h's operations 16 lanes at a time): widths 16 and 8, scalar tails, rows
+    split over the team, gates where exp clamps. (The portable family's libm loop rounds otherwise:
+    the tests above hold it to the float64 formulas.)"""
+    gen = torch.Generator().manual_seed(T * I)
+    x = (torch.randn(T, 2 * I, generator=gen) * 4).to(dtype)
+    x[0, : min(I, 6)] = torch.tensor([0.0, -0.0, 95.0, -95.0, 9.5, -9.5])[: min(I, 6)].to(dtype)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for op in (ops.silu_and_mul, ops.gelu_tanh_and_mul):
+        assert torch.equal(_on_family(cpu_isa, lambda: op(x)).view(bits), _on_family("avx2", lambda: op(x)).view(bits))
 
 
 def test_bad_arguments_name_the_argument() -> None:

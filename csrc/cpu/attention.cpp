@@ -6,6 +6,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <omp.h>
 
 #include "../attention_checks.h"
 #include "../ops.h"
@@ -72,11 +73,20 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
 
   TORCH_CHECK(qsl[0] == 0 && qsl[num_seqs] == num_tokens, "query_start_loc must start at 0 and end at T=",
               num_tokens, ", got ", qsl[0], " and ", qsl[num_seqs]);
+  const Kernel kernel = pick_kernel(static_cast<int>(head_dim));
   // Plan: validate every sequence (outside the parallel region, so errors surface as exceptions)
   // and cut it into query tiles.
   std::vector<cpu::WorkItem> items;
   std::vector<int64_t> cost;
   int max_tile = 1;
+  // Decode-sized tiles (at most 16 (token, head) rows) whose context crosses a partition boundary:
+  // (item index, first partition, last partition, the tile's first position read).
+  struct Splittable {
+    size_t item;
+    int first_part, last_part;
+    int64_t kv_lo;
+  };
+  std::vector<Splittable> splittable;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int q_len = qsl[s + 1] - qsl[s], seq_len = lens[s];
     TORCH_CHECK(q_len >= 1, "query_start_loc must be strictly increasing; sequence ", s, " has q_len ", q_len);
@@ -98,9 +108,44 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
       const int count = std::min(tq, q_len - begin);
       const int64_t hi = first_pos + begin + count;
       const int64_t span = sliding_window > 0 ? std::min<int64_t>(hi, sliding_window + count) : hi;
+      max_tile = std::max(max_tile, count);
+      // The tile kernel's range: from its first row's window start, rounded down to a span.
+      const int64_t kv_lo = sliding_window > 0 ? std::max<int64_t>(0, first_pos + begin - sliding_window + 1) / 64 * 64 : 0;
+      const int first_part = static_cast<int>(kv_lo / cpu::kPartition), last_part = static_cast<int>((hi - 1) / cpu::kPartition);
+      if (count * group <= 16 && last_part > first_part) splittable.push_back({items.size(), first_part, last_part, kv_lo});
       items.push_back({static_cast<int32_t>(s), begin, count});
       cost.push_back(span * count);
-      max_tile = std::max(max_tile, count);
+    }
+  }
+  // Too few units to share evenly among the threads (a few long sequences: at batch 1 there are as
+  // many units as KV heads, three for SmolLM2 on two threads): the tile kernel (AVX-512, portable)
+  // runs each splittable tile as one unit per partition and merges them after, with the bits of
+  // one unit (attention_kernel.h, kPartition). Where the units already share evenly it would only
+  // add the merge: a SmolLM2 step at batch 8, context 1024, was 3 % slower split, at batch 1 3-5 %
+  // faster (bench/RESULTS.md, session 28).
+  std::vector<cpu::MergeGroup> merges;
+  int partial_tokens = 0, slots = 0;
+  const int threads = omp_get_max_threads();
+  const int64_t units = static_cast<int64_t>(items.size()) * num_kv_heads;
+  if (kernel != Kernel::kAvx2 && threads > 1 && !splittable.empty() &&
+      (units < threads || (units % threads != 0 && units < 4 * threads))) {
+    for (const Splittable& t : splittable) {
+      const cpu::WorkItem w = items[t.item];
+      const int64_t hi = lens[w.seq] - (qsl[w.seq + 1] - qsl[w.seq]) + w.q_begin + w.q_count;
+      merges.push_back({w.seq, w.q_begin, w.q_count, slots, t.last_part - t.first_part + 1});
+      partial_tokens = std::max(partial_tokens, w.q_count);
+      for (int k = t.first_part; k <= t.last_part; ++k) {
+        const int64_t part_span = std::min<int64_t>(hi, int64_t{k + 1} * cpu::kPartition) -
+                                  std::max<int64_t>(t.kv_lo, int64_t{k} * cpu::kPartition);
+        // The first partition takes the tile's own place; the others join the end of the list.
+        if (k == t.first_part) {
+          items[t.item].part = k, items[t.item].slot = slots++;
+          cost[t.item] = part_span * w.q_count;
+        } else {
+          items.push_back({w.seq, w.q_begin, w.q_count, k, slots++});
+          cost.push_back(part_span * w.q_count);
+        }
+      }
     }
   }
   // Heaviest units first, so dynamic scheduling does not end on one long tile.
@@ -135,7 +180,13 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   args.dtype = dtype;
   args.items = sorted.data();
   args.num_items = static_cast<int64_t>(sorted.size());
-  switch (pick_kernel(args.head_dim)) {
+  std::vector<float> partials(static_cast<size_t>(slots) * partial_tokens * num_heads *
+                              cpu::partial_row_floats(static_cast<int>(head_dim)));
+  args.partials = partials.data();
+  args.partial_tokens = partial_tokens;
+  args.merges = merges.data();
+  args.num_merges = static_cast<int64_t>(merges.size());
+  switch (kernel) {
     case Kernel::kAvx512:
       cpu::paged_attention_avx512(args);
       break;

@@ -15,9 +15,19 @@
 #include <memory>
 #include <vector>
 
+#include "maybe_parallel.h"
+
 namespace pagewire::cpu {
 
 enum class ElemType : int { kFloat32, kBFloat16, kFloat16 };
+
+// Positions per KV partition: the tile kernel (attention_tile.h) restarts its online softmax at
+// every absolute multiple of kPartition and merges the partitions' results in position order, so
+// a decode against a long context can run as one unit per partition on different threads (a few
+// long sequences at batch 1 would otherwise leave threads idle: SmolLM2 has three KV heads) and
+// still give the bits it gives as one unit, in a prefill or in any batch. A multiple of the 64
+// positions of a span.
+constexpr int kPartition = 512;
 
 // One unit of parallel work: q_count consecutive query tokens of one sequence (all query heads
 // of one KV head are processed together, so the unit is really (item, kv_head)).
@@ -25,6 +35,18 @@ struct WorkItem {
   int32_t seq;
   int32_t q_begin;  // first query token of the tile, relative to the sequence's new tokens
   int32_t q_count;
+  // -1: every partition of the tile's context, in order, and the output written. Otherwise only
+  // partition `part` (positions [part, part + 1) x kPartition), its unnormalised result written to
+  // partial slot `slot` for the merge (PagedAttentionArgs::merges; the tile kernel only).
+  int32_t part = -1;
+  int32_t slot = -1;
+};
+
+// A tile run as one unit per partition: its parts partitions' results sit in partial slots
+// first_slot .. first_slot + parts - 1, in position order.
+struct MergeGroup {
+  int32_t seq, q_begin, q_count;
+  int32_t first_slot, parts;
 };
 
 struct PagedAttentionArgs {
@@ -49,7 +71,16 @@ struct PagedAttentionArgs {
   ElemType dtype;      // query, out and both caches share it
   const WorkItem* items;
   int64_t num_items;
+  // Split tiles (WorkItem::part >= 0; none for the AVX2 kernel): partial results, slot after slot,
+  // each slot [partial_tokens][num_heads] rows of (m, l, acc[head_dim]) floats, and the groups to merge.
+  float* partials = nullptr;
+  int partial_tokens = 0;
+  const MergeGroup* merges = nullptr;
+  int64_t num_merges = 0;
 };
+
+// Floats of one partial row: the running max, the sum and the unnormalised output.
+inline int64_t partial_row_floats(int head_dim) { return 2 + head_dim; }
 
 // All compute the same attention (to rounding). The AVX-512 one must only be called when
 // cpu::active_isa() is Isa::kAvx512Bf16 and head_dim % 16 == 0, the AVX2 one when it is at least

@@ -7,7 +7,10 @@
 // Spans start at absolute multiples of 64 (kv_lo below is rounded down), so a row meets the same
 // spans whatever tile or prefill chunk it falls in, with or without a sliding window: these
 // kernels are batch-invariant (docs/determinism.md), like the AVX2 kernel's own driver
-// (attention_avx2.cpp), which aligns its spans the same way.
+// (attention_avx2.cpp), which aligns its spans the same way. Past kPartition positions
+// (attention_kernel.h) the online softmax restarts at every absolute multiple of it and the
+// partitions merge in position order (fold_row): one unit does it in turn, or, for a few long
+// decodes, one unit per partition and merge_partitions after, with the same bits either way.
 //
 // Included by exactly one .cpp per ISA (attention_generic.cpp, attention_avx512.cpp); everything
 // here has internal linkage so each inclusion compiles with that file's target options and
@@ -46,12 +49,15 @@ struct Scratch {
   float* l;      // [rows] running sum of exp
   float* alpha;  // [rows] rescale factor of acc for the current span
   float* zero;   // [D] zeros: the K/V row of every position below the window (never read from the cache)
+  float* acc_t;  // [rows, D]: the finished partitions merged (fold_row), when a tile's context spans several
+  float* m_t;    // [rows] their running max
+  float* l_t;    // [rows] their sum of exp
   void* base;
   NextUnitPrefetch next;  // the thread's next unit's first KV lines, drained by load_k/load_v
 
   Scratch(int64_t rows, int64_t D) {
     const int64_t r16 = (rows + 15) / 16 * 16;
-    const int64_t floats = 2 * r16 * D + r16 * kSpan + 2 * D * kSpan + 3 * r16 + D;
+    const int64_t floats = 3 * r16 * D + r16 * kSpan + 2 * D * kSpan + 5 * r16 + D;
     base = std::aligned_alloc(64, static_cast<size_t>(floats) * sizeof(float));
     if (base == nullptr) throw std::bad_alloc();
     float* p = static_cast<float*>(base);
@@ -63,6 +69,9 @@ struct Scratch {
     m = p, p += r16;
     l = p, p += r16;
     alpha = p, p += r16;
+    acc_t = p, p += r16 * D;
+    m_t = p, p += r16;
+    l_t = p, p += r16;
     zero = p;
     std::fill(zero, zero + D, 0.f);
   }
@@ -76,6 +85,24 @@ struct Scratch {
 [[gnu::always_inline]] inline void prefetch_bytes(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+}
+
+// Merges one row's partition result (m, l, acc) into the partitions before it (mt, lt, acct): the
+// one way partitions are combined, whether one unit ran them in turn or each ran apart and the
+// merge pass combines their slots (attend_tile, merge_partitions), so both give the same bits.
+// noinline: one copy of the arithmetic for both callers, whatever the compiler would make of it inline.
+[[gnu::noinline]] void fold_row(float* mt, float* lt, float* acct, float m, float l, const float* acc, int D) {
+  if (m == -std::numeric_limits<float>::infinity()) return;  // the row sees nothing in this partition
+  if (*mt == -std::numeric_limits<float>::infinity()) {
+    *mt = m, *lt = l;
+    std::copy(acc, acc + D, acct);
+    return;
+  }
+  const float mx = std::max(*mt, m);
+  const float keep = std::exp(*mt - mx), add = std::exp(m - mx);
+  *lt = *lt * keep + l * add;
+  for (int d = 0; d < D; ++d) acct[d] = acct[d] * keep + acc[d] * add;
+  *mt = mx;
 }
 
 // queue_next() is called once, as the last two spans begin: it claims the thread's next unit and
@@ -105,14 +132,15 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
   // zero row, as in the AVX2 kernel, so a sliding-window group's block table may hold no block
   // there (the allocator returned those blocks to the pool, server/engine/kv_groups.py).
   const int win_lo = W > 0 ? std::max(0, pos0 - W + 1) : 0;
-  const int kv_lo = win_lo / kSpan * kSpan;
-  const int kv_hi = pos_last + 1;
+  // A split tile (w.part >= 0) reads only its partition; the spans keep their absolute starts.
+  const int kv_lo = w.part >= 0 ? std::max(win_lo / kSpan * kSpan, w.part * kPartition) : win_lo / kSpan * kSpan;
+  const int kv_hi = w.part >= 0 ? std::min(pos_last + 1, (w.part + 1) * kPartition) : pos_last + 1;
   // Physical blocks are scattered, so the hardware prefetcher cannot guess the next tile. The first
   // span is requested here, overlapping the Q load; later spans are prefetched a line per load
   // while the previous span is read. Measured on a bf16 decode batch (64 seqs x ~300 ctx, one
   // thread, caches in DRAM): no prefetch 3.8 ms, one burst per span 2.8 ms, interleaved 1.5 ms
   // (1.1 ms with the caches in L3).
-  for (int b = win_lo / bs; b <= (std::min(kv_lo + kSpan, kv_hi) - 1) / bs; ++b) {
+  for (int b = std::max(win_lo, kv_lo) / bs; b <= (std::min(kv_lo + kSpan, kv_hi) - 1) / bs; ++b) {
     prefetch_bytes(key_cache + tile_of(b), tile_elems * sizeof(E));
     prefetch_bytes(value_cache + tile_of(b), tile_elems * sizeof(E));
   }
@@ -154,7 +182,22 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
   s.next.clear();
   bool queued = false;
   const int64_t lines_per_row = (static_cast<int64_t>(D) * sizeof(E) + 63) / 64;
+  bool folded = false;  // a partition has ended and been merged into acc_t / m_t / l_t
   for (int p0 = kv_lo; p0 < kv_hi; p0 += kSpan) {
+    if (p0 != kv_lo && p0 % kPartition == 0) {  // a partition ends: merge it, start the next afresh
+      if (!folded) {
+        std::fill(s.m_t, s.m_t + rows, -std::numeric_limits<float>::infinity());
+        std::fill(s.l_t, s.l_t + rows, 0.f);
+        folded = true;
+      }
+      for (int r = 0; r < rows; ++r) {
+        fold_row(s.m_t + r, s.l_t + r, s.acc_t + static_cast<int64_t>(r) * D, s.m[r], s.l[r],
+                 s.acc + static_cast<int64_t>(r) * D, D);
+      }
+      std::fill(s.acc, s.acc + static_cast<int64_t>(rows) * D, 0.f);
+      std::fill(s.m, s.m + rows, -std::numeric_limits<float>::infinity());
+      std::fill(s.l, s.l + rows, 0.f);
+    }
     if (!queued && p0 + 2 * kSpan >= kv_hi) {
       queued = true;
       queue_next();
@@ -186,15 +229,61 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
     n = n_next;
   }
 
+  if (w.part >= 0) {  // one partition of a split tile: its unnormalised result, for merge_partitions
+    const int64_t prf = partial_row_floats(D);
+    float* slot = a.partials + static_cast<int64_t>(w.slot) * a.partial_tokens * a.num_heads * prf;
+    for (int t = 0; t < w.q_count; ++t) {
+      for (int g = 0; g < G; ++g) {
+        const int r = t * G + g;
+        float* dst = slot + (static_cast<int64_t>(t) * a.num_heads + kvh * G + g) * prf;
+        dst[0] = s.m[r], dst[1] = s.l[r];
+        std::copy(s.acc + static_cast<int64_t>(r) * D, s.acc + static_cast<int64_t>(r + 1) * D, dst + 2);
+      }
+    }
+    return;
+  }
+  if (folded) {  // the last partition joins the others
+    for (int r = 0; r < rows; ++r) {
+      fold_row(s.m_t + r, s.l_t + r, s.acc_t + static_cast<int64_t>(r) * D, s.m[r], s.l[r],
+               s.acc + static_cast<int64_t>(r) * D, D);
+    }
+  }
+  const float* acc = folded ? s.acc_t : s.acc;
+  const float* m = folded ? s.m_t : s.m;
+  const float* l = folded ? s.l_t : s.l;
   E* out = static_cast<E*>(a.out);
   for (int t = 0; t < w.q_count; ++t) {
     for (int g = 0; g < G; ++g) {
       const int r = t * G + g;
       E* dst = out + (q_start + w.q_begin + t) * a.out_stride_t + (kvh * G + g) * a.out_stride_h;
       // l > 0: every query sees at least its own position.
-      Isa::store_o(s.acc + static_cast<int64_t>(r) * D, sink_inv_l(s.m[r], s.l[r], a.sinks, kvh * G + g), D, dst);
+      Isa::store_o(acc + static_cast<int64_t>(r) * D, sink_inv_l(m[r], l[r], a.sinks, kvh * G + g), D, dst);
     }
   }
+}
+
+// The split tiles' outputs: each row's partitions merged in position order by fold_row, as
+// attend_tile merges them when one unit runs them all, then normalised and stored the same way.
+template <class Isa, class E>
+void merge_partitions(const PagedAttentionArgs& a) {
+  const int D = a.head_dim;
+  const int64_t prf = partial_row_floats(D);
+  const int64_t slot_floats = static_cast<int64_t>(a.partial_tokens) * a.num_heads * prf;
+  const int64_t rows_per_group = static_cast<int64_t>(a.partial_tokens) * a.num_heads;
+  maybe_parallel_for(a.num_merges * rows_per_group, a.num_merges * rows_per_group * D >= (1 << 14), [&](int64_t i) {
+    const MergeGroup& mg = a.merges[i / rows_per_group];
+    const int t = static_cast<int>(i % rows_per_group / a.num_heads), h = static_cast<int>(i % a.num_heads);
+    if (t >= mg.q_count) return;
+    float* acc = row_scratch(D);
+    float m = -std::numeric_limits<float>::infinity(), l = 0.f;
+    for (int k = 0; k < mg.parts; ++k) {
+      const float* src = a.partials + (mg.first_slot + k) * slot_floats + (static_cast<int64_t>(t) * a.num_heads + h) * prf;
+      fold_row(&m, &l, acc, src[0], src[1], src + 2, D);
+    }
+    const int64_t q_row = a.query_start_loc[mg.seq] + mg.q_begin + t;
+    E* dst = static_cast<E*>(a.out) + q_row * a.out_stride_t + h * a.out_stride_h;
+    Isa::store_o(acc, sink_inv_l(m, l, a.sinks, h), D, dst);
+  });
 }
 
 template <class Isa, class E>
@@ -212,9 +301,11 @@ void run_paged_attention(const PagedAttentionArgs& a) {
     attend_tile<Isa, E>(a, a.items[u / kvh], static_cast<int>(u % kvh), s, [&] {
       const int64_t next = claim();
       if (next < 0) return;
-      s.next.template queue<E>(a, a.items[next / kvh], static_cast<int>(next % kvh), 0, 2 * kSpan);  // its first two spans
+      const WorkItem& nw = a.items[next / kvh];  // its first two spans
+      s.next.template queue<E>(a, nw, static_cast<int>(next % kvh), nw.part >= 0 ? nw.part * kPartition : 0, 2 * kSpan);
     });
   });
+  if (a.num_merges > 0) merge_partitions<Isa, E>(a);
 }
 
 template <class Isa>

@@ -254,3 +254,71 @@ def test_opcheck() -> None:
         (out, b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.query_start_loc, 0.125, 0,
          b.max_query_len, b.max_seq_len, 0.0, torch.tensor([0.5, -1.0, 2.0, 0.0])),
     )
+
+
+# Contexts past several KV partitions (csrc/cpu/attention_kernel.h, kPartition = 512): decodes of
+# one or a few long sequences, which the tile kernel (AVX-512, portable) splits into one unit per
+# partition and merges, and a long prefill chunk, which one unit runs partition after partition.
+LONG = [(1300, 1), (700, 1), (511, 1), (512, 1), (1030, 2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("specs", [LONG[:1], LONG[1:], [(900, 40)]], ids=["one-long-decode", "few-decodes", "chunk"])
+@pytest.mark.parametrize("window", [0, 600, 100])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_long_contexts_across_partitions(isa: str, dtype: torch.dtype, specs: list[tuple[int, int]], window: int,
+                                         threads: int) -> None:
+    """Against the float64 reference, with windows that start inside a later partition (600) or
+    leave whole partitions unread (100), sinks taking real mass, on one thread (never split) and two."""
+    gen = torch.Generator().manual_seed(len(specs) + window)
+    batch = make_paged_batch(specs, 6, 3, 64, dtype, gen)
+    sinks = torch.tensor([-30.0, 0.0, 1.0, 2.0, -1.0, 4.0])
+    scale = 64**-0.5
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.full_like(batch.query, float("nan"))
+        ops.paged_attention(out, batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
+                            batch.query_start_loc, scale, window, batch.max_query_len, batch.max_seq_len, 0.0, sinks)
+    finally:
+        torch.set_num_threads(old)
+    err = relative_error(out, reference_paged_attention(batch, scale, window, sinks=sinks))
+    assert err <= TOLERANCE[dtype], f"relative error {err:.3g}"
+    if window:  # the same with the blocks out of every row's window released (-1 in the table)
+        released = release_out_of_window(batch, window)
+        out2 = torch.full_like(batch.query, float("nan"))
+        ops.paged_attention(out2, released.query, released.key_cache, released.value_cache, released.block_tables,
+                            released.seq_lens, released.query_start_loc, scale, window, batch.max_query_len,
+                            batch.max_seq_len, 0.0, sinks)
+        assert torch.equal(out2, out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [0, 700])
+def test_rows_past_partitions_are_the_same_bits_however_run(isa: str, dtype: torch.dtype, window: int) -> None:
+    """A row's bits do not depend on how its context was cut into units: alone as a decode (split
+    into partitions on two threads by the tile kernel), two rows at once, and inside one 1300-token
+    prefill (each tile's unit runs the partitions in turn) give the same bits, at partition edges
+    and between them, on one thread and on two."""
+    gen = torch.Generator().manual_seed(window + 1)
+    L = 1300
+    batch = make_paged_batch([(0, L)], 6, 3, 64, dtype, gen)
+    scale = 64**-0.5
+    view = torch.int32 if dtype == torch.float32 else torch.int16
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        prefill = run_kernel(batch, scale, window)
+        assert relative_error(prefill, reference_paged_attention(batch, scale, window)) <= TOLERANCE[dtype]
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for p in (0, 511, 512, 700, 1023, 1024, 1100, L - 1):
+                for begin in (p, max(0, p - 1)):
+                    q = batch.query[begin : p + 1]
+                    out = torch.full_like(q, float("nan"))
+                    ops.paged_attention(out, q, batch.key_cache, batch.value_cache, batch.block_tables,
+                                        torch.tensor([p + 1], dtype=torch.int32),
+                                        torch.tensor([0, q.shape[0]], dtype=torch.int32), scale, window, q.shape[0], p + 1)
+                    assert torch.equal(out[-1].view(view), prefill[p].view(view)), f"row {p} from {begin}, {threads} threads"
+    finally:
+        torch.set_num_threads(old)

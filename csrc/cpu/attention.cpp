@@ -109,7 +109,7 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
       const int64_t hi = first_pos + begin + count;
       const int64_t span = sliding_window > 0 ? std::min<int64_t>(hi, sliding_window + count) : hi;
       max_tile = std::max(max_tile, count);
-      // The tile kernel's range: from its first row's window start, rounded down to a span.
+      // The kernels' range: from the tile's first row's window start, rounded down to a span.
       const int64_t kv_lo = sliding_window > 0 ? std::max<int64_t>(0, first_pos + begin - sliding_window + 1) / 64 * 64 : 0;
       const int first_part = static_cast<int>(kv_lo / cpu::kPartition), last_part = static_cast<int>((hi - 1) / cpu::kPartition);
       if (count * group <= 16 && last_part > first_part) splittable.push_back({items.size(), first_part, last_part, kv_lo});
@@ -118,16 +118,16 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
     }
   }
   // Too few units to share evenly among the threads (a few long sequences: at batch 1 there are as
-  // many units as KV heads, three for SmolLM2 on two threads): the tile kernel (AVX-512, portable)
-  // runs each splittable tile as one unit per partition and merges them after, with the bits of
-  // one unit (attention_kernel.h, kPartition). Where the units already share evenly it would only
+  // many units as KV heads, three for SmolLM2 on two threads): each splittable tile runs as one unit
+  // per partition and the kernel merges them after, with the bits of one unit (attention_kernel.h,
+  // kPartition). Where the units already share evenly it would only
   // add the merge: a SmolLM2 step at batch 8, context 1024, was 3 % slower split, at batch 1 3-5 %
   // faster (bench/RESULTS.md, session 28).
   std::vector<cpu::MergeGroup> merges;
   int partial_tokens = 0, slots = 0;
   const int threads = omp_get_max_threads();
   const int64_t units = static_cast<int64_t>(items.size()) * num_kv_heads;
-  if (kernel != Kernel::kAvx2 && threads > 1 && !splittable.empty() &&
+  if (threads > 1 && !splittable.empty() &&
       (units < threads || (units % threads != 0 && units < 4 * threads))) {
     for (const Splittable& t : splittable) {
       const cpu::WorkItem w = items[t.item];

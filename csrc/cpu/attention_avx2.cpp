@@ -18,6 +18,9 @@
 //     window start, and padding columns, are never read from the cache: they point at a zero row
 //     (so stale or unwritten slots, possibly NaN, cannot leak in). Positions a tile does read are
 //     tokens of this sequence up to its last query, all written before the call.
+//   - past kPartition positions (attention_kernel.h) the online softmax restarts at every absolute
+//     multiple of it and the partitions merge in position order through fold_row, whether one
+//     unit runs them in turn or, for a few long decodes, one unit each and merge_partitions after.
 // Register blocking (rows x columns of QK, rows x d-vectors of PV) changes which rows share a
 // load, never the order of any row's own operations.
 #include <immintrin.h>
@@ -267,12 +270,15 @@ struct Scratch {
   float* m;      // [rows] running max
   float* l;      // [rows] running sum of exp
   float* alpha;  // [rows] rescale factor of acc for the current span
+  float* acc_t;  // [rows, D]: the finished partitions merged (fold_row), when a tile's context spans several
+  float* m_t;    // [rows] their running max
+  float* l_t;    // [rows] their sum of exp
   void* base;
   NextUnitPrefetch next;  // the thread's next unit's first KV lines (attention_kernel.h)
 
   Scratch(int64_t rows, int64_t D) {
     const int64_t r8 = (rows + 7) / 8 * 8;
-    const int64_t floats = 2 * r8 * D + r8 * kSpan + 2 * D * kSpan + D + 3 * r8;
+    const int64_t floats = 3 * r8 * D + r8 * kSpan + 2 * D * kSpan + D + 5 * r8;
     base = std::aligned_alloc(64, static_cast<size_t>((floats * 4 + 63) / 64 * 64));
     if (base == nullptr) throw std::bad_alloc();
     float* p = static_cast<float*>(base);
@@ -284,7 +290,10 @@ struct Scratch {
     zero = p, p += D;
     m = p, p += r8;
     l = p, p += r8;
-    alpha = p;
+    alpha = p, p += r8;
+    acc_t = p, p += r8 * D;
+    m_t = p, p += r8;
+    l_t = p;
     std::fill(zero, zero + D, 0.f);
   }
   ~Scratch() { std::free(base); }
@@ -299,6 +308,13 @@ template <class E>
   const char* c = reinterpret_cast<const char*>(row);
   const int64_t bytes = static_cast<int64_t>(D) * static_cast<int64_t>(sizeof(E));
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+}
+
+// dst = acc * inv_l, rounded to E: a row's output.
+template <class E>
+inline void store_row(const float* acc, float inv_l, int D, E* dst) {
+  const __m256 s = _mm256_set1_ps(inv_l);
+  for (int d = 0; d < D; d += 8) store8(dst + d, _mm256_mul_ps(_mm256_loadu_ps(acc + d), s));
 }
 
 // queue_next() is called once, as the last two spans begin: it claims the thread's next unit and
@@ -318,10 +334,12 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
   auto offset_of = [&](int pos) {
     return ((static_cast<int64_t>(table[pos / bs]) * a.num_kv_heads + kvh) * bs + pos % bs) * D;
   };
-  // Positions [kv_lo, kv_hi) are read from the cache: the union of the rows' visible ranges.
+  // Positions [kv_lo, kv_hi) are read from the cache: the union of the rows' visible ranges (a
+  // split tile's unit, w.part >= 0: only those in its partition, attention_kernel.h kPartition).
   const int kv_lo = W > 0 ? std::max(0, pos0 - W + 1) : 0;
-  const int kv_hi = pos_last + 1;
-  const int first_span = kv_lo / kSpan * kSpan;  // absolute alignment: see the invariance contract
+  const int kv_hi = w.part >= 0 ? std::min(pos_last + 1, (w.part + 1) * kPartition) : pos_last + 1;
+  // Absolute alignment: see the invariance contract.
+  const int first_span = w.part >= 0 ? std::max(kv_lo / kSpan * kSpan, w.part * kPartition) : kv_lo / kSpan * kSpan;
 
   const E* query = static_cast<const E*>(a.query);
   const __m256 scale = _mm256_set1_ps(a.scale);
@@ -365,7 +383,22 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
   s.next.clear();
   bool queued = false;
   const int lines_per_row = static_cast<int>((static_cast<int64_t>(D) * sizeof(E) + 63) / 64);
+  bool folded = false;  // a partition has ended and been merged into acc_t / m_t / l_t
   for (int p0 = first_span; p0 < kv_hi; p0 += kSpan) {
+    if (p0 != first_span && p0 % kPartition == 0) {  // a partition ends: merge it, start the next afresh
+      if (!folded) {
+        std::fill(s.m_t, s.m_t + rows, kNegInf);
+        std::fill(s.l_t, s.l_t + rows, 0.f);
+        folded = true;
+      }
+      for (int r = 0; r < rows; ++r) {
+        fold_row(s.m_t + r, s.l_t + r, s.acc_t + static_cast<int64_t>(r) * D, s.m[r], s.l[r],
+                 s.acc + static_cast<int64_t>(r) * D, D);
+      }
+      std::fill(s.acc, s.acc + static_cast<int64_t>(rows) * D, 0.f);
+      std::fill(s.m, s.m + rows, kNegInf);
+      std::fill(s.l, s.l + rows, 0.f);
+    }
     if (!queued && p0 + 2 * kSpan >= kv_hi) {
       queued = true;
       queue_next();
@@ -430,15 +463,33 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
     n = n_next;
   }
 
+  if (w.part >= 0) {  // one partition of a split tile: its unnormalised result, for merge_partitions
+    for (int t = 0; t < w.q_count; ++t) {
+      for (int g = 0; g < G; ++g) {
+        const int r = t * G + g;
+        float* dst = partial_row(a, w, t, kvh * G + g);
+        dst[0] = s.m[r], dst[1] = s.l[r];
+        std::copy(s.acc + static_cast<int64_t>(r) * D, s.acc + static_cast<int64_t>(r + 1) * D, dst + 2);
+      }
+    }
+    return;
+  }
+  if (folded) {  // the last partition joins the others
+    for (int r = 0; r < rows; ++r) {
+      fold_row(s.m_t + r, s.l_t + r, s.acc_t + static_cast<int64_t>(r) * D, s.m[r], s.l[r],
+               s.acc + static_cast<int64_t>(r) * D, D);
+    }
+  }
+  const float* acc = folded ? s.acc_t : s.acc;
+  const float* m = folded ? s.m_t : s.m;
+  const float* l = folded ? s.l_t : s.l;
   E* out = static_cast<E*>(a.out);
   for (int t = 0; t < w.q_count; ++t) {
     for (int g = 0; g < G; ++g) {
       const int r = t * G + g;
-      E* dst = out + (q_start + w.q_begin + t) * a.out_stride_t + (kvh * G + g) * a.out_stride_h;
-      const float* src = s.acc + static_cast<int64_t>(r) * D;
       // l > 0: every query sees at least its own position.
-      const __m256 inv_l = _mm256_set1_ps(sink_inv_l(s.m[r], s.l[r], a.sinks, kvh * G + g));
-      for (int d = 0; d < D; d += 8) store8(dst + d, _mm256_mul_ps(_mm256_loadu_ps(src + d), inv_l));
+      store_row(acc + static_cast<int64_t>(r) * D, sink_inv_l(m[r], l[r], a.sinks, kvh * G + g), D,
+                out + (q_start + w.q_begin + t) * a.out_stride_t + (kvh * G + g) * a.out_stride_h);
     }
   }
 }
@@ -457,9 +508,17 @@ void run(const PagedAttentionArgs& a) {
     Scratch& s = *scratch[thread];
     attend_tile<E>(a, a.items[u / kvh], static_cast<int>(u % kvh), s, [&] {
       const int64_t next = claim();
-      if (next >= 0) s.next.template queue<E>(a, a.items[next / kvh], static_cast<int>(next % kvh), 0, 2 * kSpan);
+      if (next < 0) return;
+      const WorkItem& nw = a.items[next / kvh];  // its first two spans
+      s.next.template queue<E>(a, nw, static_cast<int>(next % kvh), nw.part >= 0 ? nw.part * kPartition : 0, 2 * kSpan);
     });
   });
+  if (a.num_merges > 0) {
+    merge_partitions(a, [&](const float* acc, float m, float l, int head, int64_t q_row) {
+      store_row(acc, sink_inv_l(m, l, a.sinks, head), a.head_dim,
+                static_cast<E*>(a.out) + q_row * a.out_stride_t + head * a.out_stride_h);
+    });
+  }
 }
 
 }  // namespace

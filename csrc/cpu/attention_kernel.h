@@ -12,6 +12,7 @@
 #endif
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -21,12 +22,12 @@ namespace pagewire::cpu {
 
 enum class ElemType : int { kFloat32, kBFloat16, kFloat16 };
 
-// Positions per KV partition: the tile kernel (attention_tile.h) restarts its online softmax at
-// every absolute multiple of kPartition and merges the partitions' results in position order, so
-// a decode against a long context can run as one unit per partition on different threads (a few
-// long sequences at batch 1 would otherwise leave threads idle: SmolLM2 has three KV heads) and
-// still give the bits it gives as one unit, in a prefill or in any batch. A multiple of the 64
-// positions of a span.
+// Positions per KV partition: every CPU kernel (attention_tile.h, attention_avx2.cpp) restarts its
+// online softmax at every absolute multiple of kPartition and merges the partitions' results in
+// position order, so a decode against a long context can run as one unit per partition on
+// different threads (a few long sequences at batch 1 would otherwise leave threads idle: SmolLM2
+// has three KV heads) and still give the bits it gives as one unit, in a prefill or in any batch.
+// A multiple of the 64 positions of a span.
 constexpr int kPartition = 512;
 
 // One unit of parallel work: q_count consecutive query tokens of one sequence (all query heads
@@ -37,7 +38,7 @@ struct WorkItem {
   int32_t q_count;
   // -1: every partition of the tile's context, in order, and the output written. Otherwise only
   // partition `part` (positions [part, part + 1) x kPartition), its unnormalised result written to
-  // partial slot `slot` for the merge (PagedAttentionArgs::merges; the tile kernel only).
+  // partial slot `slot` for the merge (PagedAttentionArgs::merges).
   int32_t part = -1;
   int32_t slot = -1;
 };
@@ -71,7 +72,7 @@ struct PagedAttentionArgs {
   ElemType dtype;      // query, out and both caches share it
   const WorkItem* items;
   int64_t num_items;
-  // Split tiles (WorkItem::part >= 0; none for the AVX2 kernel): partial results, slot after slot,
+  // Split tiles (WorkItem::part >= 0): partial results, slot after slot,
   // each slot [partial_tokens][num_heads] rows of (m, l, acc[head_dim]) floats, and the groups to merge.
   float* partials = nullptr;
   int partial_tokens = 0;
@@ -102,6 +103,55 @@ static inline float sink_inv_l(float m, float l, const float* sinks, int head) {
   const float top = m > sink ? m : sink;
   const float scale = std::exp(m - top);
   return scale / (l * scale + std::exp(sink - top));
+}
+
+// Merges one row's partition result (m, l, acc) into the partitions before it (mt, lt, acct): the
+// one way partitions are combined, whether one unit ran them in turn or each ran apart and
+// merge_partitions combines their slots, so both give the same bits. Static and noinline, defined
+// here before any kernel file's target switch: one baseline-ISA copy per file, called by both.
+[[gnu::noinline]] static inline void fold_row(float* mt, float* lt, float* acct, float m, float l, const float* acc,
+                                              int D) {
+  if (m == -std::numeric_limits<float>::infinity()) return;  // the row sees nothing in this partition
+  if (*mt == -std::numeric_limits<float>::infinity()) {
+    *mt = m, *lt = l;
+    std::copy(acc, acc + D, acct);
+    return;
+  }
+  const float mx = std::max(*mt, m);
+  const float keep = std::exp(*mt - mx), add = std::exp(m - mx);
+  *lt = *lt * keep + l * add;
+  for (int d = 0; d < D; ++d) acct[d] = acct[d] * keep + acc[d] * add;
+  *mt = mx;
+}
+
+// The split tiles' outputs (PagedAttentionArgs::merges): each row's partitions folded in position
+// order by fold_row, as a unit running them in turn folds them, then store(acc, m, l, head, dst)
+// normalises and writes the row as the kernel's own epilogue does.
+template <class Store>
+void merge_partitions(const PagedAttentionArgs& a, const Store& store) {
+  const int D = a.head_dim;
+  const int64_t prf = partial_row_floats(D);
+  const int64_t slot_floats = static_cast<int64_t>(a.partial_tokens) * a.num_heads * prf;
+  const int64_t rows_per_group = static_cast<int64_t>(a.partial_tokens) * a.num_heads;
+  const int64_t rows = a.num_merges * rows_per_group;
+  maybe_parallel_for(rows, rows * D >= (1 << 14), [&](int64_t i) {
+    const MergeGroup& mg = a.merges[i / rows_per_group];
+    const int t = static_cast<int>(i % rows_per_group / a.num_heads), h = static_cast<int>(i % a.num_heads);
+    if (t >= mg.q_count) return;
+    float* acc = row_scratch(D);
+    float m = -std::numeric_limits<float>::infinity(), l = 0.f;
+    for (int k = 0; k < mg.parts; ++k) {
+      const float* src = a.partials + (mg.first_slot + k) * slot_floats + (static_cast<int64_t>(t) * a.num_heads + h) * prf;
+      fold_row(&m, &l, acc, src[0], src[1], src + 2, D);
+    }
+    store(acc, m, l, h, a.query_start_loc[mg.seq] + mg.q_begin + t);
+  });
+}
+
+// A split tile's partition result for the merge: per row (m, l, acc) into its slot.
+inline float* partial_row(const PagedAttentionArgs& a, const WorkItem& w, int t, int head) {
+  const int64_t prf = partial_row_floats(a.head_dim);
+  return a.partials + ((static_cast<int64_t>(w.slot) * a.partial_tokens + t) * a.num_heads + head) * prf;
 }
 
 // The calling thread's scratch for each thread of a team of `threads` (a kernel file's Scratch for

@@ -87,24 +87,6 @@ struct Scratch {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
 }
 
-// Merges one row's partition result (m, l, acc) into the partitions before it (mt, lt, acct): the
-// one way partitions are combined, whether one unit ran them in turn or each ran apart and the
-// merge pass combines their slots (attend_tile, merge_partitions), so both give the same bits.
-// noinline: one copy of the arithmetic for both callers, whatever the compiler would make of it inline.
-[[gnu::noinline]] void fold_row(float* mt, float* lt, float* acct, float m, float l, const float* acc, int D) {
-  if (m == -std::numeric_limits<float>::infinity()) return;  // the row sees nothing in this partition
-  if (*mt == -std::numeric_limits<float>::infinity()) {
-    *mt = m, *lt = l;
-    std::copy(acc, acc + D, acct);
-    return;
-  }
-  const float mx = std::max(*mt, m);
-  const float keep = std::exp(*mt - mx), add = std::exp(m - mx);
-  *lt = *lt * keep + l * add;
-  for (int d = 0; d < D; ++d) acct[d] = acct[d] * keep + acc[d] * add;
-  *mt = mx;
-}
-
 // queue_next() is called once, as the last two spans begin: it claims the thread's next unit and
 // queues its KV in s.next, which load_k/load_v then drain.
 template <class Isa, class E, class QueueNext>
@@ -230,12 +212,10 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
   }
 
   if (w.part >= 0) {  // one partition of a split tile: its unnormalised result, for merge_partitions
-    const int64_t prf = partial_row_floats(D);
-    float* slot = a.partials + static_cast<int64_t>(w.slot) * a.partial_tokens * a.num_heads * prf;
     for (int t = 0; t < w.q_count; ++t) {
       for (int g = 0; g < G; ++g) {
         const int r = t * G + g;
-        float* dst = slot + (static_cast<int64_t>(t) * a.num_heads + kvh * G + g) * prf;
+        float* dst = partial_row(a, w, t, kvh * G + g);
         dst[0] = s.m[r], dst[1] = s.l[r];
         std::copy(s.acc + static_cast<int64_t>(r) * D, s.acc + static_cast<int64_t>(r + 1) * D, dst + 2);
       }
@@ -262,30 +242,6 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
   }
 }
 
-// The split tiles' outputs: each row's partitions merged in position order by fold_row, as
-// attend_tile merges them when one unit runs them all, then normalised and stored the same way.
-template <class Isa, class E>
-void merge_partitions(const PagedAttentionArgs& a) {
-  const int D = a.head_dim;
-  const int64_t prf = partial_row_floats(D);
-  const int64_t slot_floats = static_cast<int64_t>(a.partial_tokens) * a.num_heads * prf;
-  const int64_t rows_per_group = static_cast<int64_t>(a.partial_tokens) * a.num_heads;
-  maybe_parallel_for(a.num_merges * rows_per_group, a.num_merges * rows_per_group * D >= (1 << 14), [&](int64_t i) {
-    const MergeGroup& mg = a.merges[i / rows_per_group];
-    const int t = static_cast<int>(i % rows_per_group / a.num_heads), h = static_cast<int>(i % a.num_heads);
-    if (t >= mg.q_count) return;
-    float* acc = row_scratch(D);
-    float m = -std::numeric_limits<float>::infinity(), l = 0.f;
-    for (int k = 0; k < mg.parts; ++k) {
-      const float* src = a.partials + (mg.first_slot + k) * slot_floats + (static_cast<int64_t>(t) * a.num_heads + h) * prf;
-      fold_row(&m, &l, acc, src[0], src[1], src + 2, D);
-    }
-    const int64_t q_row = a.query_start_loc[mg.seq] + mg.q_begin + t;
-    E* dst = static_cast<E*>(a.out) + q_row * a.out_stride_t + h * a.out_stride_h;
-    Isa::store_o(acc, sink_inv_l(m, l, a.sinks, h), D, dst);
-  });
-}
-
 template <class Isa, class E>
 void run_paged_attention(const PagedAttentionArgs& a) {
   const int G = a.num_heads / a.num_kv_heads;
@@ -305,7 +261,12 @@ void run_paged_attention(const PagedAttentionArgs& a) {
       s.next.template queue<E>(a, nw, static_cast<int>(next % kvh), nw.part >= 0 ? nw.part * kPartition : 0, 2 * kSpan);
     });
   });
-  if (a.num_merges > 0) merge_partitions<Isa, E>(a);
+  if (a.num_merges > 0) {
+    merge_partitions(a, [&](const float* acc, float m, float l, int head, int64_t q_row) {
+      Isa::store_o(acc, sink_inv_l(m, l, a.sinks, head), a.head_dim,
+                   static_cast<E*>(a.out) + q_row * a.out_stride_t + head * a.out_stride_h);
+    });
+  }
 }
 
 template <class Isa>

@@ -31,11 +31,14 @@ inline __m512 _mm512_cvtepi32_ps(__m512i a) {
                             _mm256_cvtepi32_ps(_mm512_extracti64x4_epi64(a, 1)), 1);
 }
 // Lane by lane, as the instructions define them: fp32 -> int32 at the current (nearest) rounding,
-// and int32 -> int16 by truncation (vpmovdw).
+// and int32 -> int16 by truncation (vpmovdw). (A SIMDe that has them defines their names as macros.)
+#ifndef _mm512_cvtps_epi32
 inline __m512i _mm512_cvtps_epi32(__m512 a) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_cvtps_epi32(_mm512_castps512_ps256(a))),
                             _mm256_cvtps_epi32(_mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(a), 1))), 1);
 }
+#endif
+#ifndef _mm512_cvtepi32_epi16
 inline __m256i _mm512_cvtepi32_epi16(__m512i a) {
   alignas(64) int32_t v[16];
   alignas(32) int16_t r[16];
@@ -43,6 +46,7 @@ inline __m256i _mm512_cvtepi32_epi16(__m512i a) {
   for (int i = 0; i < 16; ++i) r[i] = static_cast<int16_t>(v[i]);
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(r));
 }
+#endif
 // SIMDe 0.7.4's alias of _mm512_madd_epi16 takes four arguments (the intrinsic takes two), and it
 // has no _mm512_srai_epi32: the 256-bit halves' instructions, joined.
 #undef _mm512_madd_epi16

@@ -19,9 +19,7 @@ struct GenericIsa {
   static void load_k(const E* const* k_rows, int n, int D, float* kt, const E* const* pf_rows, int pf_n,
                      NextUnitPrefetch& next) {
     for (int j = 0; j < pf_n; ++j) prefetch_bytes(pf_rows[j], static_cast<int64_t>(D) * sizeof(E));
-    NextUnitPrefetch::Cursor at = next.cursor();
-    for (int64_t l = 0; l < n * ((static_cast<int64_t>(D) * sizeof(E) + 63) / 64); ++l) at.step();
-    next.resume(at);
+    next.steps(n * ((static_cast<int64_t>(D) * static_cast<int64_t>(sizeof(E)) + 63) / 64));
     const int nw = round16(n);
     for (int j = 0; j < nw; ++j) {
       for (int d = 0; d < D; ++d) kt[d * kSpan + j] = j < n ? to_float(k_rows[j][d]) : 0.f;
@@ -33,9 +31,7 @@ struct GenericIsa {
   static void load_v(const E* const* v_rows, int n, int D, float* v, const E* const* pf_rows, int pf_n,
                      NextUnitPrefetch& next) {
     for (int j = 0; j < pf_n; ++j) prefetch_bytes(pf_rows[j], static_cast<int64_t>(D) * sizeof(E));
-    NextUnitPrefetch::Cursor at = next.cursor();
-    for (int64_t l = 0; l < n * ((static_cast<int64_t>(D) * sizeof(E) + 63) / 64); ++l) at.step();
-    next.resume(at);
+    next.steps(n * ((static_cast<int64_t>(D) * static_cast<int64_t>(sizeof(E)) + 63) / 64));
     for (int j = 0; j < n; ++j) {
       for (int d = 0; d < D; ++d) v[j * D + d] = to_float(v_rows[j][d]);
     }

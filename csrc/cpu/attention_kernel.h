@@ -148,11 +148,59 @@ void merge_partitions(const PagedAttentionArgs& a, const Store& store) {
   });
 }
 
-// A split tile's partition result for the merge: per row (m, l, acc) into its slot.
+// Where a split tile's partition puts the result of token t, query head `head`: (m, l, acc).
 inline float* partial_row(const PagedAttentionArgs& a, const WorkItem& w, int t, int head) {
   const int64_t prf = partial_row_floats(a.head_dim);
   return a.partials + ((static_cast<int64_t>(w.slot) * a.partial_tokens + t) * a.num_heads + head) * prf;
 }
+
+// A tile's online-softmax rows over the partitions of its context, on a kernel's scratch: the
+// current partition's running max, sum and unnormalised output per row (m, l, acc: the kernel's
+// span steps update them), and the partitions before it merged (m_t, l_t, acc_t). Both kernels'
+// drivers use it, so they cut, merge and hand over partitions the same way.
+struct PartitionRows {
+  float *m, *l, *acc, *m_t, *l_t, *acc_t;
+  int rows, D;
+  bool folded = false;  // a partition has ended and been merged into the totals
+
+  // A fresh partition: no position seen yet.
+  void start() {
+    std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+    std::fill(l, l + rows, 0.f);
+    std::fill(acc, acc + static_cast<int64_t>(rows) * D, 0.f);
+  }
+  // The current partition is done: merged into the totals (the first one starts them), then a
+  // fresh one begins.
+  void end_partition() {
+    if (!folded) {
+      std::fill(m_t, m_t + rows, -std::numeric_limits<float>::infinity());
+      std::fill(l_t, l_t + rows, 0.f);
+      folded = true;
+    }
+    for (int r = 0; r < rows; ++r) {
+      fold_row(m_t + r, l_t + r, acc_t + static_cast<int64_t>(r) * D, m[r], l[r], acc + static_cast<int64_t>(r) * D, D);
+    }
+    start();
+  }
+  // After the last span: the last partition joins the others, if any ended before it. Then
+  // out_m / out_l / out_acc are the rows to normalise.
+  void finish() {
+    if (folded) end_partition();
+  }
+  const float* out_m() const { return folded ? m_t : m; }
+  const float* out_l() const { return folded ? l_t : l; }
+  const float* out_acc() const { return folded ? acc_t : acc; }
+  // A split tile's one partition (w.part >= 0): each row's (m, l, acc) into its partial slot, for
+  // merge_partitions. Row r = t * G + g is query head kvh * G + g of token t.
+  void store_partials(const PagedAttentionArgs& a, const WorkItem& w, int kvh) const {
+    const int G = a.num_heads / a.num_kv_heads;
+    for (int r = 0; r < rows; ++r) {
+      float* dst = partial_row(a, w, r / G, kvh * G + r % G);
+      dst[0] = m[r], dst[1] = l[r];
+      std::copy(acc + static_cast<int64_t>(r) * D, acc + static_cast<int64_t>(r + 1) * D, dst + 2);
+    }
+  }
+};
 
 // The calling thread's scratch for each thread of a team of `threads` (a kernel file's Scratch for
 // `rows` query rows of head dimension D), kept between calls and rebuilt only when a call needs
@@ -254,6 +302,22 @@ class NextUnitPrefetch {
   };
   Cursor cursor() const { return at_; }
   void resume(const Cursor& c) { at_ = c; }
+  // n steps at once (a loop that does not interleave them with its loads).
+  void steps(int64_t n) {
+    Cursor c = at_;
+    for (int64_t i = 0; i < n; ++i) c.step();
+    at_ = c;
+  }
+
+  // For a driver's queue_next(): claims the thread's next unit (claim(), run_units) and queues
+  // the first two spans of 64 positions it reads.
+  template <class E, class Claim>
+  void queue_next(const PagedAttentionArgs& a, const Claim& claim) {
+    const int64_t next = claim();
+    if (next < 0) return;
+    const WorkItem& w = a.items[next / a.num_kv_heads];
+    queue<E>(a, w, static_cast<int>(next % a.num_kv_heads), w.part >= 0 ? w.part * kPartition : 0, 128);
+  }
 
  private:
   static constexpr int kMaxRuns = 40;  // 20 blocks: two 64-position spans of 16-position blocks, misaligned

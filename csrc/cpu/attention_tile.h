@@ -135,9 +135,8 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
       Isa::load_q(src, D, a.scale, s.q + static_cast<int64_t>(t * G + g) * D);
     }
   }
-  std::fill(s.acc, s.acc + static_cast<int64_t>(rows) * D, 0.f);
-  std::fill(s.m, s.m + rows, -std::numeric_limits<float>::infinity());
-  std::fill(s.l, s.l + rows, 0.f);
+  PartitionRows part{s.m, s.l, s.acc, s.m_t, s.l_t, s.acc_t, rows, D};
+  part.start();
 
   // Row pointers of this span and the next: one pointer per position, because spans may straddle
   // blocks and blocks need not be 16-aligned. The next span's rows are prefetched line by line from
@@ -164,22 +163,8 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
   s.next.clear();
   bool queued = false;
   const int64_t lines_per_row = (static_cast<int64_t>(D) * sizeof(E) + 63) / 64;
-  bool folded = false;  // a partition has ended and been merged into acc_t / m_t / l_t
   for (int p0 = kv_lo; p0 < kv_hi; p0 += kSpan) {
-    if (p0 != kv_lo && p0 % kPartition == 0) {  // a partition ends: merge it, start the next afresh
-      if (!folded) {
-        std::fill(s.m_t, s.m_t + rows, -std::numeric_limits<float>::infinity());
-        std::fill(s.l_t, s.l_t + rows, 0.f);
-        folded = true;
-      }
-      for (int r = 0; r < rows; ++r) {
-        fold_row(s.m_t + r, s.l_t + r, s.acc_t + static_cast<int64_t>(r) * D, s.m[r], s.l[r],
-                 s.acc + static_cast<int64_t>(r) * D, D);
-      }
-      std::fill(s.acc, s.acc + static_cast<int64_t>(rows) * D, 0.f);
-      std::fill(s.m, s.m + rows, -std::numeric_limits<float>::infinity());
-      std::fill(s.l, s.l + rows, 0.f);
-    }
+    if (p0 != kv_lo && p0 % kPartition == 0) part.end_partition();
     if (!queued && p0 + 2 * kSpan >= kv_hi) {
       queued = true;
       queue_next();
@@ -211,26 +196,9 @@ void attend_tile(const PagedAttentionArgs& a, const WorkItem& w, int kvh, Scratc
     n = n_next;
   }
 
-  if (w.part >= 0) {  // one partition of a split tile: its unnormalised result, for merge_partitions
-    for (int t = 0; t < w.q_count; ++t) {
-      for (int g = 0; g < G; ++g) {
-        const int r = t * G + g;
-        float* dst = partial_row(a, w, t, kvh * G + g);
-        dst[0] = s.m[r], dst[1] = s.l[r];
-        std::copy(s.acc + static_cast<int64_t>(r) * D, s.acc + static_cast<int64_t>(r + 1) * D, dst + 2);
-      }
-    }
-    return;
-  }
-  if (folded) {  // the last partition joins the others
-    for (int r = 0; r < rows; ++r) {
-      fold_row(s.m_t + r, s.l_t + r, s.acc_t + static_cast<int64_t>(r) * D, s.m[r], s.l[r],
-               s.acc + static_cast<int64_t>(r) * D, D);
-    }
-  }
-  const float* acc = folded ? s.acc_t : s.acc;
-  const float* m = folded ? s.m_t : s.m;
-  const float* l = folded ? s.l_t : s.l;
+  if (w.part >= 0) return part.store_partials(a, w, kvh);  // one partition of a split tile
+  part.finish();
+  const float *acc = part.out_acc(), *m = part.out_m(), *l = part.out_l();
   E* out = static_cast<E*>(a.out);
   for (int t = 0; t < w.q_count; ++t) {
     for (int g = 0; g < G; ++g) {
@@ -254,12 +222,7 @@ void run_paged_attention(const PagedAttentionArgs& a) {
   const int kvh = a.num_kv_heads;
   run_units(a, threads, [&](int64_t u, int thread, const auto& claim) {
     Scratch& s = *scratch[thread];
-    attend_tile<Isa, E>(a, a.items[u / kvh], static_cast<int>(u % kvh), s, [&] {
-      const int64_t next = claim();
-      if (next < 0) return;
-      const WorkItem& nw = a.items[next / kvh];  // its first two spans
-      s.next.template queue<E>(a, nw, static_cast<int>(next % kvh), nw.part >= 0 ? nw.part * kPartition : 0, 2 * kSpan);
-    });
+    attend_tile<Isa, E>(a, a.items[u / kvh], static_cast<int>(u % kvh), s, [&] { s.next.template queue_next<E>(a, claim); });
   });
   if (a.num_merges > 0) {
     merge_partitions(a, [&](const float* acc, float m, float l, int head, int64_t q_row) {

@@ -80,11 +80,11 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   std::vector<int64_t> cost;
   int max_tile = 1;
   // Decode-sized tiles (at most 16 (token, head) rows) whose context crosses a partition boundary:
-  // (item index, first partition, last partition, the tile's first position read).
+  // (item index, first and last partition, the tile's first position read and one past its last).
   struct Splittable {
     size_t item;
     int first_part, last_part;
-    int64_t kv_lo;
+    int64_t kv_lo, kv_hi;
   };
   std::vector<Splittable> splittable;
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -110,9 +110,10 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
       const int64_t span = sliding_window > 0 ? std::min<int64_t>(hi, sliding_window + count) : hi;
       max_tile = std::max(max_tile, count);
       // The kernels' range: from the tile's first row's window start, rounded down to a span.
-      const int64_t kv_lo = sliding_window > 0 ? std::max<int64_t>(0, first_pos + begin - sliding_window + 1) / 64 * 64 : 0;
+      const int64_t kv_lo =
+          sliding_window > 0 ? std::max<int64_t>(0, first_pos + begin - sliding_window + 1) / cpu::kSpan * cpu::kSpan : 0;
       const int first_part = static_cast<int>(kv_lo / cpu::kPartition), last_part = static_cast<int>((hi - 1) / cpu::kPartition);
-      if (count * group <= 16 && last_part > first_part) splittable.push_back({items.size(), first_part, last_part, kv_lo});
+      if (count * group <= 16 && last_part > first_part) splittable.push_back({items.size(), first_part, last_part, kv_lo, hi});
       items.push_back({static_cast<int32_t>(s), begin, count});
       cost.push_back(span * count);
     }
@@ -131,11 +132,10 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
       (units < threads || (units % threads != 0 && units < 4 * threads))) {
     for (const Splittable& t : splittable) {
       const cpu::WorkItem w = items[t.item];
-      const int64_t hi = lens[w.seq] - (qsl[w.seq + 1] - qsl[w.seq]) + w.q_begin + w.q_count;
       merges.push_back({w.seq, w.q_begin, w.q_count, slots, t.last_part - t.first_part + 1});
       partial_tokens = std::max(partial_tokens, w.q_count);
       for (int k = t.first_part; k <= t.last_part; ++k) {
-        const int64_t part_span = std::min<int64_t>(hi, int64_t{k + 1} * cpu::kPartition) -
+        const int64_t part_span = std::min<int64_t>(t.kv_hi, int64_t{k + 1} * cpu::kPartition) -
                                   std::max<int64_t>(t.kv_lo, int64_t{k} * cpu::kPartition);
         // The first partition takes the tile's own place; the others join the end of the list.
         if (k == t.first_part) {

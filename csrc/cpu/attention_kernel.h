@@ -22,13 +22,20 @@ namespace pagewire::cpu {
 
 enum class ElemType : int { kFloat32, kBFloat16, kFloat16 };
 
+// KV positions per online-softmax step of every CPU kernel: the per-row softmax bookkeeping (max,
+// rescale, one scalar exp) is paid once per 64 positions. Spans start at absolute multiples of it,
+// part of the kernels' batch-invariance contract: changing it changes results (identically for
+// every batch).
+constexpr int kSpan = 64;
+
 // Positions per KV partition: every CPU kernel (attention_tile.h, attention_avx2.cpp) restarts its
 // online softmax at every absolute multiple of kPartition and merges the partitions' results in
 // position order, so a decode against a long context can run as one unit per partition on
 // different threads (a few long sequences at batch 1 would otherwise leave threads idle: SmolLM2
 // has three KV heads) and still give the bits it gives as one unit, in a prefill or in any batch.
-// A multiple of the 64 positions of a span.
+// A multiple of kSpan.
 constexpr int kPartition = 512;
+static_assert(kPartition % kSpan == 0, "partitions are whole spans");
 
 // One unit of parallel work: q_count consecutive query tokens of one sequence (all query heads
 // of one KV head are processed together, so the unit is really (item, kv_head)).
@@ -316,7 +323,7 @@ class NextUnitPrefetch {
     const int64_t next = claim();
     if (next < 0) return;
     const WorkItem& w = a.items[next / a.num_kv_heads];
-    queue<E>(a, w, static_cast<int>(next % a.num_kv_heads), w.part >= 0 ? w.part * kPartition : 0, 128);
+    queue<E>(a, w, static_cast<int>(next % a.num_kv_heads), w.part >= 0 ? w.part * kPartition : 0, 2 * kSpan);
   }
 
  private:

@@ -33,9 +33,7 @@
 namespace pagewire::cpu {
 namespace {
 
-// KV positions per online-softmax step. Four 16-lane vectors per score row: the per-row softmax
-// bookkeeping (max, rescale, one scalar exp) is paid once per 64 positions, not once per 16.
-constexpr int kSpan = 64;
+// kSpan (attention_kernel.h): four 16-lane vectors per score row.
 inline int round16(int n) { return (n + 15) / 16 * 16; }
 
 // Per-thread fp32 scratch, allocated once per call. Rows are (token, head) pairs of a tile.

@@ -7,9 +7,6 @@
 
 #include <algorithm>
 #include <atomic>
-#ifndef PW_STRIDE
-#define PW_STRIDE 4
-#endif
 #include <cmath>
 #include <cstdint>
 #include <limits>

@@ -61,6 +61,9 @@ class BlockAllocator:
         """Group `group`'s table; -1 where a sliding window released the block."""
     def fill_block_tables(self, seq_ids: Sequence[int], out: Any) -> int:
         """Every group's tables into a writable int32 buffer out[g, row, :]; returns the longest table."""
+    def fill_decode_inputs(self, seq_ids: Sequence[int], tokens: Sequence[int], starts: Sequence[int],
+                           prompt_lens: Sequence[int], i64: Any, i32: Any, tables: Any) -> tuple[int, int]:
+        """One decode step's inputs into persistent buffers; returns (longest table, max seq_len or -1)."""
     def refcount(self, block_id: int) -> int: ...
     def chain_link(self, seq_id: int, index: int) -> tuple[int, int]:
         """Group 0's registered chain link `index`: (representative block, generation)."""

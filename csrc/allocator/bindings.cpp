@@ -183,6 +183,39 @@ past a table's end (up to the longest) are 0, released entries -1. out: a writab
 [>= num_groups, >= len(seq_ids), width], contiguous in its last dim (a numpy view of a persistent
 torch tensor). Returns the longest table (ValueError if wider than out, before writing).
 )doc")
+      .def(
+          "fill_decode_inputs",
+          [](const PyBlockAllocator& self, const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& tokens,
+             const std::vector<int64_t>& starts, const std::vector<int64_t>& prompt_lens, const py::buffer& i64,
+             const py::buffer& i32, const py::buffer& tables) {
+            const py::ssize_t n = static_cast<py::ssize_t>(seq_ids.size());
+            py::buffer_info a = i64.request(true), b = i32.request(true), t = tables.request(true);
+            // numpy names int64 'l' on LP64 platforms, pybind11 'q': either, at 8 bytes.
+            const bool int64_format = a.itemsize == 8 && (a.format == "l" || a.format == "q");
+            if (!int64_format || a.ndim != 2 || a.shape[0] < 3 ||
+                a.shape[1] < n || a.strides[1] != 8)
+              throw std::invalid_argument("fill_decode_inputs: i64 must be a writable int64 array [3, >= " +
+                                          std::to_string(n) + "], contiguous in its last dim");
+            if (b.format != py::format_descriptor<int32_t>::format() || b.ndim != 2 || b.shape[0] < 3 ||
+                b.shape[1] < n + 1 || b.strides[1] != 4)
+              throw std::invalid_argument("fill_decode_inputs: i32 must be a writable int32 array [3, >= " +
+                                          std::to_string(n + 1) + "], contiguous in its last dim");
+            if (t.format != py::format_descriptor<int32_t>::format() || t.ndim != 3 || t.shape[0] < 1 ||
+                t.shape[1] < n || t.strides[2] != 4)
+              throw std::invalid_argument("fill_decode_inputs: tables must be a writable int32 array [groups, >= " +
+                                          std::to_string(n) + ", width], contiguous in its last dim");
+            return self.fill_decode_inputs(seq_ids, tokens, starts, prompt_lens, static_cast<int64_t*>(a.ptr),
+                                           a.strides[0] / 8, static_cast<int32_t*>(b.ptr), b.strides[0] / 4,
+                                           static_cast<int32_t*>(t.ptr), t.strides[1] / 4, t.shape[2]);
+          },
+          py::arg("seq_ids"), py::arg("tokens"), py::arg("starts"), py::arg("prompt_lens"), py::arg("i64"),
+          py::arg("i32"), py::arg("tables"), R"doc(
+One decode step's inputs for a single-group pool, into persistent buffers: row r is seq_ids[r], its
+new token tokens[r] at position starts[r]. Writes i64[0] tokens, i64[1] positions, i64[2] slots;
+i32[0] seq_lens, i32[1] prompt_lens, i32[2][:n + 1] query_start_loc; tables[0, r, :longest] the
+block tables (0 past their end). Returns (longest, max_seq_len); max_seq_len is -1, with nothing
+written, when the longest table is wider than tables (grow them and call again).
+)doc")
       .def("refcount", &BlockAllocator::refcount, py::arg("block_id"))
       .def("chain_link", &BlockAllocator::chain_link, py::arg("seq_id"), py::arg("index"),
            "Group 0's registered chain link `index`: (representative block, generation).")

@@ -325,6 +325,45 @@ int64_t BlockAllocator::fill_block_tables(const std::vector<int64_t>& seq_ids, i
   return longest;
 }
 
+std::pair<int64_t, int64_t> BlockAllocator::fill_decode_inputs(
+    const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& tokens, const std::vector<int64_t>& starts,
+    const std::vector<int64_t>& prompt_lens, int64_t* i64, int64_t i64_stride, int32_t* i32, int64_t i32_stride,
+    int32_t* tables, int64_t row_stride, int64_t width) const {
+  const size_t n = seq_ids.size();
+  if (tokens.size() != n || starts.size() != n || prompt_lens.size() != n)
+    throw std::invalid_argument("fill_decode_inputs: seq_ids, tokens, starts and prompt_lens differ in length");
+  if (num_groups() != 1)
+    throw std::invalid_argument("fill_decode_inputs: the pool has " + std::to_string(num_groups()) +
+                                " KV groups; decode inputs are planned for one");
+  std::vector<const std::vector<int32_t>*> rows(n);
+  int64_t longest = 0, max_len = 0;
+  for (size_t r = 0; r < n; ++r) {
+    const std::vector<int32_t>& t = get_seq(seq_ids[r], "fill_decode_inputs").blocks[0];
+    const int64_t pos = starts[r];
+    if (pos < 0 || pos / block_size_ >= static_cast<int64_t>(t.size()) || t[pos / block_size_] < 0)
+      throw std::invalid_argument("fill_decode_inputs: sequence " + std::to_string(seq_ids[r]) +
+                                  " has no block for position " + std::to_string(pos));
+    rows[r] = &t;
+    longest = std::max<int64_t>(longest, static_cast<int64_t>(t.size()));
+    max_len = std::max<int64_t>(max_len, pos + 1);
+  }
+  if (longest > width) return {longest, -1};
+  for (size_t r = 0; r < n; ++r) {
+    const std::vector<int32_t>& t = *rows[r];
+    const int64_t pos = starts[r];
+    i64[r] = tokens[r];
+    i64[i64_stride + r] = pos;
+    i64[2 * i64_stride + r] = static_cast<int64_t>(t[pos / block_size_]) * block_size_ + pos % block_size_;
+    i32[r] = static_cast<int32_t>(pos + 1);
+    i32[i32_stride + r] = static_cast<int32_t>(prompt_lens[r]);
+    int32_t* dst = tables + static_cast<int64_t>(r) * row_stride;
+    std::copy(t.begin(), t.end(), dst);
+    std::fill(dst + t.size(), dst + longest, 0);
+  }
+  for (size_t r = 0; r <= n; ++r) i32[2 * i32_stride + r] = static_cast<int32_t>(r);
+  return {longest, max_len};
+}
+
 int32_t BlockAllocator::refcount(int64_t block_id) const {
   if (block_id < 0 || block_id >= num_blocks_)
     throw std::invalid_argument("refcount: block_id " + std::to_string(block_id) + " out of range [0, " +

@@ -101,6 +101,22 @@ class BlockAllocator {
   // it exceeds width (nothing is then written) or a sequence is unknown.
   int64_t fill_block_tables(const std::vector<int64_t>& seq_ids, int32_t* out, int64_t group_stride,
                             int64_t row_stride, int64_t width) const;
+  // One decode step's inputs (one new token per sequence) for a single-group pool, written into
+  // the runner's persistent buffers so that a decode step builds no tensor of its own. Row r is
+  // seq_ids[r], whose new token tokens[r] sits at position starts[r]:
+  //   i64[0][r] token, i64[1][r] position, i64[2][r] its cache slot (block * block_size + offset);
+  //   i32[0][r] seq_len (starts[r] + 1), i32[1][r] prompt_lens[r], i32[2][0..n] query_start_loc (0..n);
+  //   tables[r][0, longest) the block table, 0 past its end.
+  // Returns {longest table, max seq_len}. When the longest table exceeds `width` nothing is
+  // written and max seq_len is -1 (the caller grows its tables and calls again). Throws
+  // std::invalid_argument for an unknown sequence, a position without an allocated block, or a
+  // pool with several groups.
+  std::pair<int64_t, int64_t> fill_decode_inputs(const std::vector<int64_t>& seq_ids,
+                                                 const std::vector<int64_t>& tokens,
+                                                 const std::vector<int64_t>& starts,
+                                                 const std::vector<int64_t>& prompt_lens, int64_t* i64,
+                                                 int64_t i64_stride, int32_t* i32, int64_t i32_stride,
+                                                 int32_t* tables, int64_t row_stride, int64_t width) const;
   int32_t refcount(int64_t block_id) const;
   // Group 0's registered chain link `index` of a sequence: (representative block, its generation).
   // The pair names that prefix's content for as long as link_valid says so (the state cache keys

@@ -45,7 +45,7 @@ from server.engine.kv_groups import KVGroupLayout, kv_groups, kv_layer_groups
 from server.engine.proposer import Proposals
 from server.engine.request import Sequence
 from server.engine.runner import ModelRunner
-from server.engine.sampler import _GREEDY_EPS, SamplingBatch, sampling_probs
+from server.engine.sampler import GREEDY_EPS, SamplingBatch, sampling_probs
 from server.engine.scheduler import ScheduledSeq, SchedulerOutput
 from server.engine.spec_config import SpeculativeConfig
 from server.models.config import ModelConfig
@@ -171,7 +171,7 @@ class DraftModelProposer:
     def accepts(self, seq: Sequence) -> bool:
         # A sampled grammar-constrained request: its proposals would be cut where the grammar
         # rejects them, and a cut that depends on the drawn token biases rejection sampling.
-        return seq.grammar is None or seq.request.params.temperature < _GREEDY_EPS
+        return seq.grammar is None or seq.request.params.temperature < GREEDY_EPS
 
     def release(self, seq: Sequence) -> None:
         d = self._drafts.pop(seq.seq_id, None)
@@ -274,7 +274,7 @@ class DraftModelProposer:
         out: list[tuple[int, Optional[torch.Tensor]]] = []
         if not seqs:
             return out
-        greedy = [s.request.params.temperature < _GREEDY_EPS for s in seqs]
+        greedy = [s.request.params.temperature < GREEDY_EPS for s in seqs]
         argmax = logits.argmax(dim=-1).tolist()
         sampled = [j for j, g in enumerate(greedy) if not g]
         q_all: Optional[torch.Tensor] = None

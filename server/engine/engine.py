@@ -37,7 +37,7 @@ from server.engine.output_processor import OutputProcessor
 from server.engine.outputs import FinishReason, RequestDelta, TokenLogprob
 from server.engine.request import Request, Sequence
 from server.engine.runner import ModelRunner
-from server.engine.sampler import Sampler, SamplingBatch
+from server.engine.sampler import GREEDY_EPS, Sampler, SamplingBatch, argmax_rows
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from server.engine.spec_config import SpeculativeConfig
@@ -352,7 +352,10 @@ class LLMEngine:
         self.structured.begin(out.scheduled)
         try:
             # The forward; if it raises, isolation finds and fails only the request(s) that cause it.
-            with batch_invariant.mode(self.deterministic or self._verify_step(out, dec)):
+            if not self.deterministic and self._verify_step(out, dec):
+                with batch_invariant.mode(True):
+                    step = execute_isolating(self.runner.execute, out)
+            else:  # step() has set the mode already
                 step = execute_isolating(self.runner.execute, out)
         finally:
             grammar_masks = self.structured.collect()
@@ -434,25 +437,35 @@ class LLMEngine:
 
     def _sample_and_apply(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict[str, Request],
                           grammar_masks: Optional[PendingMasks] = None) -> None:
-        params = [s.request.params for s in seqs]
-        penalties = any(p.needs_penalties for p in params)
-        blocked = [self.outputs.blocked_tokens(s) for s in seqs]
-        bitmask, dead_ends = self.structured.masks(seqs, grammar_masks, blocked)
-        batch = SamplingBatch.build(
-            params=params,
-            generators=[s.generator for s in seqs],
-            output_token_ids=[s.output_token_ids for s in seqs] if penalties else [[] for _ in seqs],
-            prompt_token_ids=[s.request.prompt_token_ids for s in seqs] if penalties else [[] for _ in seqs],
-            blocked_token_ids=blocked,
-            vocab_size=logits.shape[-1],
-            device=logits.device,
-            token_bitmask=bitmask,
-        )
-        so = self.sampler(logits, batch)
-        tokens = so.token_ids.tolist()
-        lps = so.logprobs.tolist() if so.logprobs is not None else None
-        top_ids = so.top_ids.tolist() if so.top_ids is not None else None
-        top_lps = so.top_logprobs.tolist() if so.top_logprobs is not None else None
+        tokens: list[int]
+        lps: Optional[list[float]] = None
+        top_ids: Optional[list[list[int]]] = None
+        top_lps: Optional[list[list[float]]] = None
+        dead_ends: list[int] = []
+        if grammar_masks is None and all(_plain_greedy(s) for s in seqs):
+            # What SamplingBatch.build and the sampler would come to (their fast_greedy): one
+            # argmax, without building the batch (a decode step's host work; issue 31).
+            tokens = argmax_rows(logits).tolist()
+        else:
+            params = [s.request.params for s in seqs]
+            penalties = any(p.needs_penalties for p in params)
+            blocked = [self.outputs.blocked_tokens(s) for s in seqs]
+            bitmask, dead_ends = self.structured.masks(seqs, grammar_masks, blocked)
+            batch = SamplingBatch.build(
+                params=params,
+                generators=[s.generator for s in seqs],
+                output_token_ids=[s.output_token_ids for s in seqs] if penalties else [[] for _ in seqs],
+                prompt_token_ids=[s.request.prompt_token_ids for s in seqs] if penalties else [[] for _ in seqs],
+                blocked_token_ids=blocked,
+                vocab_size=logits.shape[-1],
+                device=logits.device,
+                token_bitmask=bitmask,
+            )
+            so = self.sampler(logits, batch)
+            tokens = so.token_ids.tolist()
+            lps = so.logprobs.tolist() if so.logprobs is not None else None
+            top_ids = so.top_ids.tolist() if so.top_ids is not None else None
+            top_lps = so.top_logprobs.tolist() if so.top_logprobs is not None else None
         now = time.time()
         dead = set(dead_ends)
         for i, seq in enumerate(seqs):
@@ -495,3 +508,11 @@ class LLMEngine:
         s.num_preemptions = self.scheduler.num_preemptions
         s.spec = self.spec.stats.snapshot() if self.spec is not None else None
         return EngineStats(**s.__dict__)
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    """The sequence's next token is its logits' argmax and nothing else: greedy, no logprobs, no
+    penalties, no grammar, and nothing blocked (min_tokens reached, see OutputProcessor.blocked_tokens)."""
+    p = seq.request.params
+    return (p.temperature < GREEDY_EPS and p.logprobs is None and not p.needs_penalties and seq.grammar is None
+            and len(seq.token_ids) - seq.num_prompt_tokens >= p.min_tokens)

@@ -141,6 +141,15 @@ class KVCacheManager:
         int32 buffer, e.g. the numpy view of the runner's persistent tensor). Returns the longest table."""
         return self._alloc.fill_block_tables([s.seq_id for s in seqs], out)
 
+    def fill_decode_inputs(self, seq_ids: list[int], tokens: list[int], starts: list[int], prompt_lens: list[int],
+                           i64: Any, i32: Any, tables: Any) -> tuple[int, int]:
+        """One decode step's inputs for a single-group pool, written by one C++ call into the runner's
+        persistent buffers (numpy views): i64 [3, >= n] tokens, positions, slots; i32 [3, >= n + 1]
+        seq_lens, prompt_lens, query_start_loc; tables [groups, >= n, width] group 0's block tables.
+        Returns (longest table, max seq_len); max seq_len is -1, with nothing written, when the longest
+        table is wider than `tables` (grow it and call again)."""
+        return self._alloc.fill_decode_inputs(seq_ids, tokens, starts, prompt_lens, i64, i32, tables)
+
     # -- state snapshots' keys (server/engine/state_cache.py) -------------------------------------
     def chain_key(self, seq: Sequence, index: int) -> tuple[int, int]:
         """(block, generation) of `seq`'s registered block `index` in group 0: names the content of

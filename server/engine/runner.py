@@ -10,10 +10,12 @@ spec_decode.py).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from server import hugepages
 from server.engine.kv_cache_manager import KVCacheManager
 from server.engine.kv_groups import KVGroupLayout, kv_groups
 from server.engine.request import Sequence
@@ -25,6 +27,34 @@ from server.models.lora import LoraSet, LoraStep
 from server.models.pooling import PoolingMethod
 from server.models.protocol import CausalLM
 from server.models.registry import kv_specs
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodeViews:
+    """A decode step's inputs as views of the runner's persistent buffers, for n rows and tables
+    `longest` blocks wide (ModelRunner._plan_decode)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    seq_lens: torch.Tensor
+    prompt_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    block_tables: torch.Tensor
+    sample_rows: torch.Tensor
+
+    @classmethod
+    def of(cls, i64: torch.Tensor, i32: torch.Tensor, tables: torch.Tensor, n: int, longest: int) -> "_DecodeViews":
+        return cls(i64[0, :n], i64[1, :n], i64[2, :n], i32[0, :n], i32[1, :n], i32[2, : n + 1], tables[0, :n, :longest],
+                   torch.arange(n, dtype=torch.int64))
+
+    def to(self, device: torch.device) -> "_DecodeViews":
+        """Copies on `device` (the host views stay the runner's; sample_rows stays on the host)."""
+        def on(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device)
+
+        return _DecodeViews(on(self.input_ids), on(self.positions), on(self.slot_mapping), on(self.seq_lens),
+                            on(self.prompt_lens), on(self.query_start_loc), on(self.block_tables), self.sample_rows)
 
 
 class ModelRunner:
@@ -70,13 +100,8 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
         if g.slot_elems:  # layer sizes differ (Gemma 4): a slot holds slot_elems values per token
             shape = (num_blocks, 1, block_size, g.slot_elems)
-        slots = [
-            (
-                torch.zeros(shape, dtype=kv_dtype, device=device),
-                torch.zeros(shape, dtype=kv_dtype, device=device),
-            )
-            for _ in range(g.group_size)
-        ]
+        pool = self._pool_tensors(tuple(shape), kv_dtype, 2 * g.group_size)
+        slots = [(pool[2 * j], pool[2 * j + 1]) for j in range(g.group_size)]
         if g.slot_elems:
             # Layer i views its slot as ratio x num_blocks blocks of its own shape (contiguous, as
             # the kernels need) and uses block b * ratio + sub for the pool's block b (_plan).
@@ -93,19 +118,45 @@ class ModelRunner:
         # per step (KVCacheManager.fill_block_tables), grown when a batch outgrows them.
         self._tables = torch.zeros((kv_cache.num_groups, 0, 0), dtype=torch.int32)
         self._tables_np = self._tables.numpy()
+        # Decode steps (one token per sequence, one KV group, no recurrent states) are planned by one
+        # allocator call into persistent buffers, read through views cached per (rows, table width):
+        # such a step creates no tensor on the host (_plan_decode).
+        self._decode_plannable = (len(self.groups.groups) == 1 and not self.groups.slot_elems
+                                  and state_cache is None)
+        self._dec64 = torch.zeros((3, 0), dtype=torch.int64)
+        self._dec32 = torch.zeros((3, 1), dtype=torch.int32)
+        self._dec64_np, self._dec32_np = self._dec64.numpy(), self._dec32.numpy()
+        self._decode_views: dict[tuple[int, int], _DecodeViews] = {}
+
+    def _pool_tensors(self, shape: tuple[int, ...], dtype: torch.dtype, count: int) -> list[torch.Tensor]:
+        """The pool's K and V tensors, zeroed (every page committed). On the CPU, one mapping on 2 MB
+        pages where the kernel allows (server.hugepages: on 4 KB pages a decode step's block reads
+        are TLB misses)."""
+        if self.device.type == "cpu":
+            return hugepages.zeros([shape] * count, dtype)
+        return [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(count)]
+
+    def _grow_tables(self, rows: int, width: int) -> None:
+        """Make the persistent tables hold at least rows x width (doubling, so growth is rare)."""
+        _, have_rows, have_cols = self._tables.shape
+        if rows > have_rows or width > have_cols:
+            self._tables = torch.zeros((self.kv_cache.num_groups, max(rows, 2 * have_rows), max(width, 2 * have_cols)),
+                                       dtype=torch.int32)
+            self._tables_np = self._tables.numpy()
+            self._decode_views.clear()  # they view the old tables
 
     def _block_tables(self, seqs: list[Sequence], width: int) -> torch.Tensor:
         """[groups, len(seqs), longest table] view of the persistent tables, filled for `seqs`."""
-        _, rows, cols = self._tables.shape
-        if len(seqs) > rows or width > cols:
-            self._tables = torch.zeros((self.kv_cache.num_groups, max(len(seqs), 2 * rows), max(width, 2 * cols)),
-                                       dtype=torch.int32)
-            self._tables_np = self._tables.numpy()
+        self._grow_tables(len(seqs), width)
         longest = self.kv_cache.fill_block_tables(seqs, self._tables_np)
         return self._tables[:, : len(seqs), :longest]
 
     def _plan(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Host-side metadata for the flat batch. Returns (input_ids, positions, meta, sample_rows)."""
+        if self._decode_plannable:
+            planned = self._plan_decode(out)
+            if planned is not None:
+                return planned
         bs = self.block_size
         token_ids: list[int] = []
         starts: list[int] = []
@@ -133,9 +184,6 @@ class ModelRunner:
 
         num_seqs = len(q_lens)
         tables = self._block_tables(seqs, -(-max(seq_lens) // bs))
-        if (qsl[-1] == num_seqs and len(self.groups.groups) == 1 and not self.groups.slot_elems
-                and self.state_cache is None):  # a hybrid's steps also carry the state slots (below)
-            return self._plan_decode(token_ids, starts, seq_lens, prompt_lens, qsl, tables, sample_rows)
         q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
         # positions: start_i + arange(q_len_i), vectorised over the flat batch.
         seq_idx = torch.repeat_interleave(torch.arange(num_seqs), q_lens_t)
@@ -181,29 +229,54 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         return input_ids, positions.to(self.device), meta, torch.tensor(sample_rows, dtype=torch.int64)
 
-    def _plan_decode(self, token_ids: list[int], starts: list[int], seq_lens: list[int], prompt_lens: list[int],
-                     qsl: list[int], tables: torch.Tensor,
-                     sample_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """_plan for a step of one token per sequence and one KV group (every decode step without
-        lookahead): the same tensors, built from host lists in a handful of calls rather than the
-        vectorised index arithmetic a mixed batch needs (a decode step's host work is a share of
-        its time; issue 31)."""
-        bs = self.block_size
-        tnp = self._tables_np[0]
-        slots = [int(tnp[i, c // bs]) * bs + c % bs for i, c in enumerate(starts)]
+    def _plan_decode(self, out: SchedulerOutput) -> Optional[tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                                    torch.Tensor]]:
+        """_plan for a step in which every sequence decodes one token and samples it (no lookahead,
+        no prefill chunk, no embedding request), or None for any other step. One allocator call
+        writes the tokens, positions, slots, lengths and block tables into persistent buffers, and
+        the step reads them through views cached per (rows, table width): a decode step's host work
+        is a share of its time on small models (issue 31), and each tensor built per step cost
+        microseconds with the caches cold after the weights' stream.
+
+        The buffers are rewritten by the next step's plan: the forward reads them synchronously on
+        the CPU, and on another device the views are copied there first (below)."""
+        ids: list[int] = []
+        tokens: list[int] = []
+        starts: list[int] = []
+        prompt_lens: list[int] = []
+        for share in out.scheduled:
+            seq = share.seq
+            c = seq.num_computed_tokens
+            if share.num_new_tokens != 1 or c + 1 != len(seq.token_ids) or seq.request.pooler is not None:
+                return None  # a prefill chunk, lookahead, or a share that does not sample
+            ids.append(seq.seq_id)
+            tokens.append(seq.token_ids[c])
+            starts.append(c)
+            prompt_lens.append(seq.num_prompt_tokens)
+        n = len(ids)
+        if n > self._dec64.shape[1]:
+            cap = max(n, 2 * self._dec64.shape[1], 8)
+            self._dec64 = torch.zeros((3, cap), dtype=torch.int64)
+            self._dec32 = torch.zeros((3, cap + 1), dtype=torch.int32)
+            self._dec64_np, self._dec32_np = self._dec64.numpy(), self._dec32.numpy()
+            self._decode_views.clear()
+        self._grow_tables(n, 1)
+        longest, max_len = self.kv_cache.fill_decode_inputs(ids, tokens, starts, prompt_lens, self._dec64_np,
+                                                            self._dec32_np, self._tables_np)
+        if max_len < 0:  # a table wider than the persistent tables: grow them, then fill again
+            self._grow_tables(n, longest)
+            longest, max_len = self.kv_cache.fill_decode_inputs(ids, tokens, starts, prompt_lens, self._dec64_np,
+                                                                self._dec32_np, self._tables_np)
+        v = self._decode_views.get((n, longest))
+        if v is None:
+            v = self._decode_views[(n, longest)] = _DecodeViews.of(self._dec64, self._dec32, self._tables, n, longest)
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=tables[0].to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            max_query_len=1,
-            max_seq_len=max(seq_lens),
-            prompt_lens=torch.tensor(prompt_lens, dtype=torch.int32, device=dev),
-        )
-        return (torch.tensor(token_ids, dtype=torch.int64, device=dev),
-                torch.tensor(starts, dtype=torch.int64, device=dev), meta,
-                torch.tensor(sample_rows, dtype=torch.int64))
+        if dev.type != "cpu":
+            v = v.to(dev)
+        meta = AttentionMetadata(slot_mapping=v.slot_mapping, block_tables=v.block_tables, seq_lens=v.seq_lens,
+                                 query_start_loc=v.query_start_loc, max_query_len=1, max_seq_len=max_len,
+                                 prompt_lens=v.prompt_lens)
+        return v.input_ids, v.positions, meta, v.sample_rows
 
     def _lora_step(self, out: SchedulerOutput) -> Optional[LoraStep]:
         """The step's LoRA terms: each row's adapter slot (every row of a share is its request's);

@@ -19,7 +19,7 @@ from server.engine.sampling_params import SamplingParams
 from server.kernels import batch_invariant, ops
 
 # Temperatures this small are greedy: dividing by them only amplifies float noise (vLLM's rule).
-_GREEDY_EPS = 1e-5
+GREEDY_EPS = 1e-5
 # Exponential noise is clamped away from 0: a 0 would make probs / q = 0/0 = NaN for a filtered
 # token, and argmax treats NaN as the maximum, so a filtered token could win.
 _MIN_NOISE = 1e-20
@@ -103,7 +103,7 @@ class SamplingBatch:
             raise ValueError(f"blocked_token_ids: expected {s} rows, got {len(blocked_token_ids)}")
         dev = torch.device(device)
         v = vocab_size
-        greedy = [p.temperature < _GREEDY_EPS for p in params]
+        greedy = [p.temperature < GREEDY_EPS for p in params]
         batch = cls(num_rows=s, vocab_size=v, all_greedy=all(greedy), token_bitmask=token_bitmask)
 
         def col(values: list[float]) -> torch.Tensor:

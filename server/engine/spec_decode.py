@@ -48,7 +48,7 @@ from server.engine.outputs import TokenLogprob
 from server.engine.proposer import NgramProposer, Proposer
 from server.engine.request import Request, Sequence, SpecState
 from server.engine.sampler import (
-    _GREEDY_EPS,
+    GREEDY_EPS,
     Sampler,
     SamplingBatch,
     apply_penalties,
@@ -249,7 +249,7 @@ class SpecDecoder:
                 blocked.append(self.outputs.blocked_tokens(s, j))
             drafts.extend(s.spec_token_ids)
             cu.append(len(drafts))
-            greedy.append(p.temperature < _GREEDY_EPS)
+            greedy.append(p.temperature < GREEDY_EPS)
         raw = logits.index_select(0, torch.tensor(idx, dtype=torch.int64, device=logits.device)).float()
         batch = SamplingBatch.build(
             params=params,

@@ -23,8 +23,6 @@ one process (one deterministic, one not) do not disturb each other.
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
-from typing import Iterator
 
 import torch  # noqa: F401  (loads libc10 before the extension)
 
@@ -62,16 +60,25 @@ def enabled() -> bool:
     return bool(getattr(_state, "on", False))
 
 
-@contextmanager
-def mode(on: bool) -> Iterator[None]:
-    """Turn batch-invariant mode on (or off) for the calling thread inside the block."""
-    prev = enabled()
-    _state.on = on
-    # The C++ ops' own thread-local copy: where their kernel choice depends on the row count (AMX
-    # from 4 rows), batch-invariant mode keeps one kernel for every M.
-    server._C.set_batch_invariant(on)
-    try:
-        yield
-    finally:
-        _state.on = prev
-        server._C.set_batch_invariant(prev)
+class mode:
+    """Turn batch-invariant mode on (or off) for the calling thread inside the block.
+
+    A class rather than a generator context: the engine enters it around every step, and a
+    generator's setup is a measurable share of a small model's decode step on the host (issue 31)."""
+
+    __slots__ = ("on", "prev")
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+        self.prev = False
+
+    def __enter__(self) -> None:
+        self.prev = enabled()
+        _state.on = self.on
+        # The C++ ops' own thread-local copy: where their kernel choice depends on the row count (AMX
+        # from 4 rows), batch-invariant mode keeps one kernel for every M.
+        server._C.set_batch_invariant(self.on)
+
+    def __exit__(self, *exc: object) -> None:
+        _state.on = self.prev
+        server._C.set_batch_invariant(self.prev)

@@ -9,9 +9,8 @@ that linear_route reads the table without importing the tuner (no import circle)
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -85,15 +84,23 @@ def active_table() -> Optional[dict[Key, Plan]]:
     return getattr(_state, "plans", None)
 
 
-@contextmanager
-def active(table: Optional[LinearTable]) -> Iterator[None]:
-    """Make `table` the one ops.linear follows on the calling thread inside the block (None: fixed rules)."""
-    prev = active_table()
-    _state.plans = table.plans if table is not None else None
-    try:
-        yield
-    finally:
-        _state.plans = prev
+class active:
+    """Make `table` the one ops.linear follows on the calling thread inside the block (None: fixed
+    rules). A class, not a generator context: the engine enters it around every step (see
+    batch_invariant.mode)."""
+
+    __slots__ = ("plans", "prev")
+
+    def __init__(self, table: Optional[LinearTable]) -> None:
+        self.plans = table.plans if table is not None else None
+        self.prev: Optional[dict[Key, Plan]] = None
+
+    def __enter__(self) -> None:
+        self.prev = active_table()
+        _state.plans = self.plans
+
+    def __exit__(self, *exc: object) -> None:
+        _state.plans = self.prev
 
 
 

@@ -1,0 +1,97 @@
+"""Long-lived host buffers on transparent huge pages (2 MB): the paged KV pool.
+
+A decode step reads every running sequence's KV blocks, a few KB each, from all over the pool:
+the block allocator hands freed blocks out again last, so a serving process cycles through the
+whole pool. On 4 KB pages each block read is a TLB miss, and the page-table walk behind it misses
+the caches too (a 2 GB pool has 4 MB of page tables, and the weights' stream has just flushed
+them). On 2 MB pages the whole pool fits the second-level TLB. Measured on a Zen 5 (SmolLM2 Q4_1,
+8 sequences decoding): the forward inside the engine went from 1.03-1.04x the same forward on a
+small private pool to 1.00-1.02x, about 5 % of a step (bench/RESULTS.md, session 29).
+
+Linux only, and only where transparent huge pages are not disabled: the buffer is an anonymous
+mapping aligned to 2 MB and advised MADV_HUGEPAGE before it is first touched, which THP's "always"
+and "madvise" modes both honour. Anywhere else, or for a buffer under 2 MB, it is plain torch
+memory. torch's own THP_MEM_ALLOC_ENABLE would do this for every large allocation, activations
+included, whose fresh 2 MB faults then cost more than the TLB saves; this module picks the buffers.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import mmap
+import sys
+from pathlib import Path
+
+import torch
+
+HUGE_PAGE = 2 << 20
+_THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@functools.lru_cache(maxsize=1)
+def thp_mode() -> str:
+    """The kernel's transparent-huge-page mode ("always", "madvise" or "never"), or "" where there
+    is none to read (not Linux, or no THP support)."""
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return ""
+    try:
+        text = _THP_MODE.read_text()
+    except OSError:
+        return ""
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else ""
+
+
+def zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Zeroed CPU tensors of `shapes`, every page committed now (as torch.zeros), carved from one
+    mapping on 2 MB pages where the kernel allows them (see the module docstring); plain torch.zeros
+    otherwise. One mapping, not one per tensor: each mapping's last huge page is committed whole, so
+    per-tensor mappings would add up to 2 MB of resident memory per tensor."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    sizes = [math.prod(shape) * elem for shape in shapes]
+    # Each tensor starts on a 4 KB boundary of the mapping (a block's rows never share a page
+    # with another tensor's).
+    offsets = [0]
+    for n in sizes:
+        offsets.append(offsets[-1] + -(-n // 4096) * 4096)
+    total = offsets[-1]
+    if total < HUGE_PAGE or thp_mode() not in ("always", "madvise"):
+        return [torch.zeros(shape, dtype=dtype) for shape in shapes]
+    size = -(-total // HUGE_PAGE) * HUGE_PAGE
+    # One huge page of slack, so the tensors can start on a 2 MB boundary (mmap only promises 4 KB).
+    # The slack is address space only: pages are committed where they are touched.
+    region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(region, dtype=torch.uint8)  # the tensors' storage holds `region` alive
+    pad = -whole.data_ptr() % HUGE_PAGE
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE, pad, size)
+    except OSError:
+        pass  # refused (a kernel built without THP): 4 KB pages, still correct
+    out = []
+    for shape, off, n in zip(shapes, offsets, sizes):
+        t = whole[pad + off : pad + off + n].view(dtype).view(shape)
+        t.zero_()  # commit every page now, as torch.zeros does (ModelRunner: the footprint is known at start)
+        out.append(t)
+    return out
+
+
+def on_huge_pages(t: torch.Tensor) -> bool:
+    """Whether the mapping holding `t`'s first byte may be backed by huge pages (its VMA is
+    THP-eligible, /proc/self/smaps): what zeros() arranged, for tests and the start-up log."""
+    ptr = t.data_ptr()
+    eligible = False
+    inside = False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(" ", 1)[0]
+                if "-" in head and ":" not in head:
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    if inside:
+                        break
+                    inside = lo <= ptr < hi
+                elif inside and line.startswith("THPeligible:"):
+                    eligible = line.split()[1] == "1"
+    except OSError:
+        return False
+    return eligible

@@ -41,6 +41,7 @@ import server.models.decoder as llama_mod
 import server.models.decoder_layer as layer_mod
 from bench.bandwidth import read_bandwidth_gbs
 from bench.shapes import SHAPES, is_built, make_random_model, model_dir_for
+from server import hugepages
 from server.kernels import ops
 from server.models.attention import AttentionMetadata
 from server.models.default_model import find_default_model
@@ -134,6 +135,7 @@ def main() -> None:
         if quantization in ("int8", "int4"):
             model.quantize_weights(quantization)
         model.interleave_bf16()  # as the engine does: bf16 matrices in the x8 layout on AVX2
+        hugepages.pack(model)  # and its weights on 2 MB pages
         print(f"{a.model or a.shape} {a.dtype} quantization={quantization}  CPU kernels: "
               f"{getattr(ops, 'cpu_isa', lambda: '?')()}  threads {torch.get_num_threads()}  "
               f"read bandwidth {bw:.1f} GB/s  load average {os.getloadavg()[0]:.2f}")

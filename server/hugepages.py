@@ -57,21 +57,113 @@ def zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tenso
     total = offsets[-1]
     if total < HUGE_PAGE or thp_mode() not in ("always", "madvise"):
         return [torch.zeros(shape, dtype=dtype) for shape in shapes]
+    whole = _mapping(total)
+    out = []
+    for shape, off, n in zip(shapes, offsets, sizes):
+        t = whole[off : off + n].view(dtype).view(shape)
+        t.zero_()  # commit every page now, as torch.zeros does (ModelRunner: the footprint is known at start)
+        out.append(t)
+    return out
+
+
+def _mapping(total: int) -> torch.Tensor:
+    """A uint8 tensor of `total` bytes starting on a 2 MB boundary of an anonymous mapping advised
+    MADV_HUGEPAGE. Pages are committed where they are first touched."""
     size = -(-total // HUGE_PAGE) * HUGE_PAGE
     # One huge page of slack, so the tensors can start on a 2 MB boundary (mmap only promises 4 KB).
-    # The slack is address space only: pages are committed where they are touched.
+    # The slack is address space only.
     region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = torch.frombuffer(region, dtype=torch.uint8)  # the tensors' storage holds `region` alive
+    whole = torch.frombuffer(region, dtype=torch.uint8)  # the views' storage holds `region` alive
     pad = -whole.data_ptr() % HUGE_PAGE
     try:
         region.madvise(mmap.MADV_HUGEPAGE, pad, size)
     except OSError:
         pass  # refused (a kernel built without THP): 4 KB pages, still correct
+    return whole[pad : pad + total]
+
+
+def pack(root: object, min_bytes: int = 1 << 16) -> tuple[int, int]:
+    """Move the weights reachable from `root` (a model) into one mapping on 2 MB pages, in place:
+    every tensor keeps its identity, values and strides, only its storage moves (`Tensor.set_`), so
+    whatever holds the tensors (the layers, QuantizedWeight, a DecodeStack built later) reads the
+    new copy. A decode step streams every weight once, and on 4 KB pages that is a TLB miss every
+    4 KB (measured on a Zen 5: steps 1-4 % faster on 2 MB pages for quantised files, the same floats).
+
+    Only storages of at least `min_bytes` that this walk can account for completely are moved:
+    every tensor viewing the storage was found (its use count says so), and it lies in anonymous
+    memory (a view of a mapped GGUF file stays where it is). Returns (bytes moved, storages moved);
+    (0, 0) where huge pages are off or torch cannot count a storage's users."""
+    if thp_mode() not in ("always", "madvise") or not hasattr(torch._C, "_storage_Use_Count"):
+        return 0, 0
+    groups: dict[int, list[torch.Tensor]] = {}
+    for t in _tensors(root):
+        if t.device.type == "cpu" and t.untyped_storage().nbytes() >= min_bytes:
+            groups.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    anonymous = _anonymous_ranges()
+    chosen: list[tuple[torch.UntypedStorage, list[torch.Tensor]]] = []
+    for ptr, ts in groups.items():
+        storage = ts[0].untyped_storage()
+        # One use per tensor viewing it, plus `storage` itself: any other holder keeps it.
+        if torch._C._storage_Use_Count(storage._cdata) != len(ts) + 1:
+            continue
+        if not any(lo <= ptr and ptr + storage.nbytes() <= hi for lo, hi in anonymous):
+            continue
+        chosen.append((storage, ts))
+    if not chosen:
+        return 0, 0
+    offsets = [0]
+    for storage, _ in chosen:
+        offsets.append(offsets[-1] + -(-storage.nbytes() // 4096) * 4096)
+    arena = _mapping(offsets[-1])
+    moved = 0
+    with torch.inference_mode():  # weights made under inference mode are inference tensors
+        for (storage, ts), off in zip(chosen, offsets):
+            n = storage.nbytes()
+            dst = arena[off : off + n]
+            dst.copy_(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (n,), (1,)))
+            new = dst.untyped_storage()
+            base = dst.storage_offset()  # bytes into the arena's storage
+            for t in ts:
+                t.set_(new, (base + t.storage_offset() * t.element_size()) // t.element_size(), t.size(), t.stride())
+            moved += n
+    return moved, len(chosen)
+
+
+def _tensors(root: object) -> list[torch.Tensor]:
+    """Every tensor reachable from `root` through modules (their parameters, buffers, submodules
+    and attributes), pagewire's own objects (dataclasses such as QuantizedWeight) and containers."""
+    seen: set[int] = set()
+    out: list[torch.Tensor] = []
+    stack = [root]
+    while stack:
+        o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            out.append(o)
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, torch.nn.Module) or type(o).__module__.startswith("server."):
+            stack.extend(vars(o).values() if hasattr(o, "__dict__") else ())
+            stack.extend(getattr(o, name) for name in getattr(type(o), "__slots__", ()) if hasattr(o, name))
+    return out
+
+
+def _anonymous_ranges() -> list[tuple[int, int]]:
+    """The address ranges of this process's anonymous mappings (no backing file), /proc/self/maps."""
     out = []
-    for shape, off, n in zip(shapes, offsets, sizes):
-        t = whole[pad + off : pad + off + n].view(dtype).view(shape)
-        t.zero_()  # commit every page now, as torch.zeros does (ModelRunner: the footprint is known at start)
-        out.append(t)
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 5 and parts[4] == "0" and (len(parts) == 5 or parts[5] == "[heap]"):
+                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                    out.append((lo, hi))
+    except OSError:
+        return []
     return out
 
 

@@ -17,7 +17,7 @@ from typing import Sequence as Seq
 
 import torch
 
-from server import heap
+from server import heap, hugepages
 from server.engine.adapters import adapter_slot, load_adapters
 from server.engine.config import EngineConfig, Quantization
 from server.engine.draft_proposer import (
@@ -98,6 +98,7 @@ class LLMEngine:
             load_progress.stage("quantise and repack")
             self.model.quantize_weights(config.quantization)
         self.model.interleave_bf16()  # bf16 matrices into the x8 layout (AVX2, AVX512-BF16; moved, not copied)
+        _pack_weights(self.model, "model")  # into one mapping on 2 MB pages (moved, not copied)
         self.tokenizer = load_tokenizer(config.model)
         mc = self.model_config
         self.device = torch.device(config.device)
@@ -117,6 +118,7 @@ class LLMEngine:
         if spec_cfg is not None and spec_cfg.method == "draft_model":
             # Loaded before the KV is sized: its pool is carved from the same budget.
             draft, dmc = load_draft_model(spec_cfg, config, mc, self.tokenizer)
+            _pack_weights(draft, "draft model")
             draft_groups = draft_kv_groups(dmc)
             draft_bpt = draft_block_bytes_per_token(draft_groups, dmc, next(draft.parameters()).element_size())
         # One sizing function for the engine and `pagewire plan`, so their figures always agree.
@@ -516,3 +518,11 @@ def _plain_greedy(seq: Sequence) -> bool:
     p = seq.request.params
     return (p.temperature < GREEDY_EPS and p.logprobs is None and not p.needs_penalties and seq.grammar is None
             and len(seq.token_ids) - seq.num_prompt_tokens >= p.min_tokens)
+
+
+def _pack_weights(model: CausalLM, what: str) -> None:
+    """Move the model's weights into one mapping on 2 MB pages (server.hugepages.pack): a decode step
+    streams them all, and on 4 KB pages that is a TLB miss every 4 KB."""
+    moved, storages = hugepages.pack(model)
+    if moved:
+        logger.info("%s weights: %.1f MiB (%d tensors' storages) on 2 MB pages", what, moved / 2**20, storages)

@@ -75,3 +75,73 @@ def test_the_engine_kv_pool_is_on_huge_pages(tiny_model: Callable[..., Path]) ->
     while eng.has_unfinished_requests():
         eng.step()
     assert torch.count_nonzero(key) > 0  # the forward wrote its K through the views
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(256, 512, bias=False)  # 512 KB
+        self.lin.weight.requires_grad_(False)
+        self.table = torch.randn(1024, 128)  # a plain attribute, 512 KB
+        self.half = self.table[::2]  # a second view of the table's storage
+        self.pair = (torch.randn(300, 300), [torch.randn(10)])  # inside containers; the small one stays
+
+
+@pytest.mark.skipif(not THP, reason="transparent huge pages are off on this kernel")
+def test_pack_moves_storages_in_place() -> None:
+    from server.kernels.quant import QuantizedWeight
+
+    m = _Holder()
+    m.q = QuantizedWeight.quantize(torch.randn(512, 256), "q8_0")  # a dataclass's tensor (136 KB)
+    outside = torch.randn(400, 400)
+    m.shared = outside[:100]  # its storage has a holder the walk cannot see: it stays
+    before = {name: (t.clone(), t.data_ptr()) for name, t in
+              [("lin", m.lin.weight), ("table", m.table), ("half", m.half), ("pair", m.pair[0]), ("q", m.q.data),
+               ("shared", m.shared), ("small", m.pair[1][0])]}
+    weight_obj = m.lin.weight
+    moved, storages = hugepages.pack(m)
+    assert storages == 4 and moved >= 4 * 128 * 1024
+    now = {"lin": m.lin.weight, "table": m.table, "half": m.half, "pair": m.pair[0], "q": m.q.data,
+           "shared": m.shared, "small": m.pair[1][0]}
+    for name, t in now.items():
+        assert torch.equal(t, before[name][0]), name
+    for name in ("lin", "table", "pair", "q"):
+        assert now[name].data_ptr() != before[name][1] and hugepages.on_huge_pages(now[name]), name
+    assert m.half.untyped_storage().data_ptr() == m.table.untyped_storage().data_ptr()  # still one storage
+    assert m.half.data_ptr() - m.table.data_ptr() == 0 and m.half.stride() == (256, 1)
+    assert now["shared"].data_ptr() == before["shared"][1] and now["small"].data_ptr() == before["small"][1]
+    assert m.lin.weight is weight_obj and isinstance(m.lin.weight, torch.nn.Parameter)
+    x = torch.randn(3, 256)
+    assert torch.equal(m.lin(x), x @ before["lin"][0].t())
+
+
+@pytest.mark.skipif(not THP, reason="transparent huge pages are off on this kernel")
+def test_pack_leaves_a_mapped_file_alone(tmp_path: Path) -> None:
+    path = tmp_path / "w.bin"
+    torch.randn(256, 256).numpy().tofile(path)
+    m = torch.nn.Module()
+    m.mapped = torch.from_file(str(path), shared=False, size=256 * 256, dtype=torch.float32)
+    assert hugepages.pack(m) == (0, 0)
+
+
+@pytest.mark.skipif(not THP, reason="transparent huge pages are off on this kernel")
+def test_the_engine_packs_its_weights_and_keeps_its_text(tiny_model: Callable[..., Path],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tiny_model("llama")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    def run() -> tuple[list[int], LLMEngine]:
+        eng = LLMEngine(EngineConfig(str(path), kv_cache_tokens=2048, max_num_seqs=4))
+        eng.add_request("r", list(range(10, 40)), params)
+        out: list[int] = []
+        while eng.has_unfinished_requests():
+            for d in eng.step():
+                out += d.samples[0].token_ids if d.samples else []
+        return out, eng
+
+    packed, eng = run()
+    assert hugepages.on_huge_pages(eng.model.embed_tokens)  # the tiny model's largest tensor
+    monkeypatch.setattr(hugepages, "pack", lambda root, min_bytes=0: (0, 0))
+    plain, eng = run()
+    assert not hugepages.on_huge_pages(eng.model.embed_tokens)
+    assert packed == plain and len(packed) == 16

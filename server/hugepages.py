@@ -99,6 +99,7 @@ def pack(root: object, min_bytes: int = 1 << 16) -> tuple[int, int]:
     for t in _tensors(root):
         if t.device.type == "cpu" and t.untyped_storage().nbytes() >= min_bytes:
             groups.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    # (untyped_storage() makes a new wrapper each call; none of them outlives its line.)
     anonymous = _anonymous_ranges()
     chosen: list[tuple[torch.UntypedStorage, list[torch.Tensor]]] = []
     for ptr, ts in groups.items():
@@ -115,18 +116,23 @@ def pack(root: object, min_bytes: int = 1 << 16) -> tuple[int, int]:
     for storage, _ in chosen:
         offsets.append(offsets[-1] + -(-storage.nbytes() // 4096) * 4096)
     arena = _mapping(offsets[-1])
-    moved = 0
+    moved, count = 0, len(chosen)
     with torch.inference_mode():  # weights made under inference mode are inference tensors
-        for (storage, ts), off in zip(chosen, offsets):
+        for i, off in enumerate(offsets[:-1]):
+            storage, ts = chosen[i]
+            # Let go of the old storage as soon as its tensors have moved (the list held it too):
+            # the peak is then the weights plus the largest one, not twice the weights.
+            chosen[i] = (None, [])  # type: ignore[assignment]
             n = storage.nbytes()
             dst = arena[off : off + n]
             dst.copy_(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (n,), (1,)))
+            del storage
             new = dst.untyped_storage()
             base = dst.storage_offset()  # bytes into the arena's storage
             for t in ts:
                 t.set_(new, (base + t.storage_offset() * t.element_size()) // t.element_size(), t.size(), t.stride())
             moved += n
-    return moved, len(chosen)
+    return moved, count
 
 
 def _tensors(root: object) -> list[torch.Tensor]:

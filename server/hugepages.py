@@ -1,4 +1,4 @@
-"""Long-lived host buffers on transparent huge pages (2 MB): the paged KV pool.
+"""Long-lived host buffers on transparent huge pages (2 MB): the paged KV pool and the weights.
 
 A decode step reads every running sequence's KV blocks, a few KB each, from all over the pool:
 the block allocator hands freed blocks out again last, so a serving process cycles through the
@@ -6,13 +6,14 @@ whole pool. On 4 KB pages each block read is a TLB miss, and the page-table walk
 the caches too (a 2 GB pool has 4 MB of page tables, and the weights' stream has just flushed
 them). On 2 MB pages the whole pool fits the second-level TLB. Measured on a Zen 5 (SmolLM2 Q4_1,
 8 sequences decoding): the forward inside the engine went from 1.03-1.04x the same forward on a
-small private pool to 1.00-1.02x, about 5 % of a step (bench/RESULTS.md, session 29).
+small private pool to 1.00-1.02x (bench/RESULTS.md, session 29). The weights are streamed whole
+every step, a TLB miss every 4 KB on small pages: `pack` moves a loaded model's onto 2 MB pages.
 
 Linux only, and only where transparent huge pages are not disabled: the buffer is an anonymous
 mapping aligned to 2 MB and advised MADV_HUGEPAGE before it is first touched, which THP's "always"
 and "madvise" modes both honour. Anywhere else, or for a buffer under 2 MB, it is plain torch
-memory. torch's own THP_MEM_ALLOC_ENABLE would do this for every large allocation, activations
-included, whose fresh 2 MB faults then cost more than the TLB saves; this module picks the buffers.
+memory. torch's own THP_MEM_ALLOC_ENABLE would advise every allocation over 2 MB, transient ones
+included, and none under it (a small model's matrices); this module picks the long-lived buffers.
 """
 from __future__ import annotations
 

@@ -168,3 +168,12 @@ def test_pack_peaks_at_the_weights_plus_the_largest() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert int(out[0]) == 12 * 20 * 2**20
     assert int(out[1]) < 60, f"packing grew the peak by {out[1]} MB"
+
+
+def test_the_engine_says_when_huge_pages_are_off(tiny_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(hugepages, "thp_mode", lambda: "never")
+    with caplog.at_level("INFO", logger="pagewire.engine"):
+        eng = LLMEngine(EngineConfig(str(tiny_model("llama")), kv_cache_tokens=16384, max_num_seqs=4))
+    assert "transparent huge pages are never on this machine" in caplog.text
+    assert not hugepages.on_huge_pages(eng.runner.kv_caches[0][0])

@@ -54,7 +54,11 @@ def test_chat_whole_stream_and_openai_agree(client: ollama.Client, oa: openai.Op
     text = whole.message.content
     assert text
     chunks = list(client.chat(model="demo:latest", messages=USER, options=opts, stream=True))
-    assert len(chunks) >= 3 and all(not c.done for c in chunks[:-1]) and chunks[-1].done
+    # At least one content line before the done line. How many depends on timing: the outbox
+    # coalesces the deltas a busy writer has not sent yet (server/serving/outbox.py), and twelve
+    # tokens of the demo model can all arrive before the first line is written.
+    assert len(chunks) >= 2 and all(not c.done for c in chunks[:-1]) and chunks[-1].done
+    assert any(c.message.content for c in chunks[:-1])
     assert "".join(c.message.content or "" for c in chunks) == text
     last = chunks[-1]
     assert last.eval_count == whole.eval_count and last.prompt_eval_count == whole.prompt_eval_count

@@ -14,7 +14,17 @@ from server.engine.config import EngineConfig
 from server.engine.engine import LLMEngine
 from server.engine.sampling_params import SamplingParams
 
-THP = hugepages.thp_mode() in ("always", "madvise")
+
+def _reports_eligibility() -> bool:
+    try:
+        with open("/proc/self/smaps") as f:
+            return "THPeligible:" in f.read()
+    except OSError:
+        return False
+
+
+# Huge pages on, and a kernel whose smaps says which mappings may use them (on_huge_pages reads it).
+THP = hugepages.thp_mode() in ("always", "madvise") and _reports_eligibility()
 
 
 def _rss_kb() -> int:
@@ -38,7 +48,7 @@ def test_zeros_are_separate_zeroed_tensors(dtype: torch.dtype) -> None:
     assert float(ts[0].float().sum()) == ts[0].numel()  # the views keep their mapping alive
 
 
-@pytest.mark.skipif(not THP, reason="transparent huge pages are off on this kernel")
+@pytest.mark.skipif(not THP, reason="transparent huge pages are off here, or smaps does not report THPeligible")
 def test_a_pool_sized_buffer_is_aligned_and_thp_eligible() -> None:
     (t,) = hugepages.zeros([(8, 1024, 1024)], torch.float32)  # 32 MB
     assert t.data_ptr() % hugepages.HUGE_PAGE == 0
@@ -46,7 +56,7 @@ def test_a_pool_sized_buffer_is_aligned_and_thp_eligible() -> None:
     assert not hugepages.on_huge_pages(torch.zeros(4096))  # an ordinary allocation is not advised
 
 
-@pytest.mark.skipif(not THP, reason="transparent huge pages are off on this kernel")
+@pytest.mark.skipif(not THP, reason="transparent huge pages are off here, or smaps does not report THPeligible")
 def test_pages_are_committed_once_not_per_tensor() -> None:
     """Zeroed now (committed, as torch.zeros), and one mapping for the lot: forty 1 MB tensors take
     about 40 MB of resident memory, not forty 2 MB huge pages."""
@@ -65,7 +75,7 @@ def test_small_or_refused_buffers_are_plain_torch(monkeypatch: pytest.MonkeyPatc
     assert not hugepages.on_huge_pages(big) and torch.count_nonzero(big) == 0
 
 
-@pytest.mark.skipif(not THP, reason="transparent huge pages are off on this kernel")
+@pytest.mark.skipif(not THP, reason="transparent huge pages are off here, or smaps does not report THPeligible")
 def test_the_engine_kv_pool_is_on_huge_pages(tiny_model: Callable[..., Path]) -> None:
     eng = LLMEngine(EngineConfig(str(tiny_model("llama")), kv_cache_tokens=16384, max_num_seqs=4))
     key, value = eng.runner.kv_caches[0]
@@ -87,7 +97,7 @@ class _Holder(torch.nn.Module):
         self.pair = (torch.randn(300, 300), [torch.randn(10)])  # inside containers; the small one stays
 
 
-@pytest.mark.skipif(not THP, reason="transparent huge pages are off on this kernel")
+@pytest.mark.skipif(not THP, reason="transparent huge pages are off here, or smaps does not report THPeligible")
 def test_pack_moves_storages_in_place() -> None:
     from server.kernels.quant import QuantizedWeight
 
@@ -115,7 +125,7 @@ def test_pack_moves_storages_in_place() -> None:
     assert torch.equal(m.lin(x), x @ before["lin"][0].t())
 
 
-@pytest.mark.skipif(not THP, reason="transparent huge pages are off on this kernel")
+@pytest.mark.skipif(not THP, reason="transparent huge pages are off here, or smaps does not report THPeligible")
 def test_pack_leaves_a_mapped_file_alone(tmp_path: Path) -> None:
     path = tmp_path / "w.bin"
     torch.randn(256, 256).numpy().tofile(path)
@@ -124,7 +134,7 @@ def test_pack_leaves_a_mapped_file_alone(tmp_path: Path) -> None:
     assert hugepages.pack(m) == (0, 0)
 
 
-@pytest.mark.skipif(not THP, reason="transparent huge pages are off on this kernel")
+@pytest.mark.skipif(not THP, reason="transparent huge pages are off here, or smaps does not report THPeligible")
 def test_the_engine_packs_its_weights_and_keeps_its_text(tiny_model: Callable[..., Path],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     path = tiny_model("llama")
@@ -147,7 +157,7 @@ def test_the_engine_packs_its_weights_and_keeps_its_text(tiny_model: Callable[..
     assert packed == plain and len(packed) == 16
 
 
-@pytest.mark.skipif(not THP, reason="transparent huge pages are off on this kernel")
+@pytest.mark.skipif(not THP, reason="transparent huge pages are off here, or smaps does not report THPeligible")
 def test_pack_peaks_at_the_weights_plus_the_largest() -> None:
     """Each old storage is freed as soon as its tensors have moved: packing 240 MB of twelve 20 MB
     tensors peaks near 260 MB, not 480 MB (a fresh process, so its peak RSS is this one's)."""

@@ -340,14 +340,19 @@ class LLMEngine:
         if not out.scheduled:
             return deltas
         # (decode rows, prefill tokens): the chunk policy's observation, and bench/chunk_policy.py's.
-        dec = sum(s.num_new_tokens for s in out.scheduled if s.seq.num_tokens - s.seq.num_computed_tokens == 1)
-        self._step_rows = (dec, out.num_batched_tokens - dec)
+        # One pass over the shares (a decode step's host work is a share of it; issue 31).
+        dec = total = 0
         now = time.time()
         for share in out.scheduled:
-            req = share.seq.request
+            seq = share.seq
+            total += share.num_new_tokens
+            if len(seq.token_ids) - seq.num_computed_tokens == 1:
+                dec += share.num_new_tokens
+            req = seq.request
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
                 self._stats.prompt_tokens += len(req.prompt_token_ids)
+        self._step_rows = (dec, total - dec)
         # Structured outputs: the grammar masks of the sampling rows are computed on a worker
         # thread while the forward runs, and joined right after it (before _advance forks any
         # matcher), also when the forward raises.

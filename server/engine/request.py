@@ -55,7 +55,7 @@ class Sequence:
         "seq_id", "request", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "status", "generator", "text_state", "finish_reason", "stop_reason",
         "new_token_ids", "new_logprobs", "spec_token_ids", "spec_state",
-        "grammar",
+        "grammar", "sort_key",
     )
 
     def __init__(self, request: "Request", index: int, token_ids: list[int]) -> None:
@@ -81,6 +81,10 @@ class Sequence:
         # Structured outputs: the sequence's matcher (server.engine.structured drives it), set by
         # the engine for constrained requests; None otherwise.
         self.grammar: Optional[GrammarState] = None
+        # Scheduling order: lower priority value first, then earlier arrival, then sample index.
+        # Fixed for the sequence's life (none of the three changes), so kept rather than rebuilt
+        # each time the scheduler sorts its running list (every step).
+        self.sort_key: tuple[int, float, int] = (request.priority, request.arrival_time, index)
 
     @property
     def num_tokens(self) -> int:
@@ -98,11 +102,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
-    @property
-    def sort_key(self) -> tuple[int, float, int]:
-        """Scheduling order: lower priority value first, then earlier arrival, then sample index."""
-        r = self.request
-        return (r.priority, r.arrival_time, self.index)
 
     def __repr__(self) -> str:
         return (

@@ -36,6 +36,7 @@ to the prefix cache here; the engine registers accepted ones after verification.
 from __future__ import annotations
 
 import bisect
+import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -47,6 +48,9 @@ from server.engine.request import SeqStatus, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+
+
+_SORT_KEY = operator.attrgetter("sort_key")  # Sequence.sort_key, read in C
 
 
 @dataclass(slots=True)
@@ -124,7 +128,7 @@ class Scheduler:
     # -- queue maintenance ---------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+        bisect.insort(self.waiting, seq, key=_SORT_KEY)
 
     def add_running(self, seq: Sequence) -> None:
         """A forked sample joins the running set directly (its blocks are shared with sample 0)."""
@@ -155,7 +159,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: dict[int, ScheduledSeq] = {}  # seq_id -> share, in scheduling order
         preempted: list[Sequence] = []
-        self.running.sort(key=lambda s: s.sort_key)
+        self.running.sort(key=_SORT_KEY)
 
         def preempt(victim: Sequence) -> None:
             nonlocal budget

@@ -37,7 +37,7 @@ from server.engine.output_processor import OutputProcessor
 from server.engine.outputs import FinishReason, RequestDelta, TokenLogprob
 from server.engine.request import Request, Sequence
 from server.engine.runner import ModelRunner
-from server.engine.sampler import GREEDY_EPS, Sampler, SamplingBatch, argmax_rows
+from server.engine.sampler import Sampler, SamplingBatch, argmax_rows, plain_greedy
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from server.engine.spec_config import SpeculativeConfig
@@ -449,7 +449,7 @@ class LLMEngine:
         top_ids: Optional[list[list[int]]] = None
         top_lps: Optional[list[list[float]]] = None
         dead_ends: list[int] = []
-        if grammar_masks is None and all(_plain_greedy(s) for s in seqs):
+        if grammar_masks is None and all(plain_greedy(s) for s in seqs):
             # What SamplingBatch.build and the sampler would come to (their fast_greedy): one
             # argmax, without building the batch (a decode step's host work; issue 31).
             tokens = argmax_rows(logits).tolist()
@@ -515,14 +515,6 @@ class LLMEngine:
         s.num_preemptions = self.scheduler.num_preemptions
         s.spec = self.spec.stats.snapshot() if self.spec is not None else None
         return EngineStats(**s.__dict__)
-
-
-def _plain_greedy(seq: Sequence) -> bool:
-    """The sequence's next token is its logits' argmax and nothing else: greedy, no logprobs, no
-    penalties, no grammar, and nothing blocked (min_tokens reached, see OutputProcessor.blocked_tokens)."""
-    p = seq.request.params
-    return (p.temperature < GREEDY_EPS and p.logprobs is None and not p.needs_penalties and seq.grammar is None
-            and len(seq.token_ids) - seq.num_prompt_tokens >= p.min_tokens)
 
 
 def _pack_weights(model: CausalLM, what: str) -> None:

@@ -254,8 +254,8 @@ class ModelRunner:
             starts.append(c)
             prompt_lens.append(seq.num_prompt_tokens)
         n = len(ids)
-        if n > self._dec64.shape[1]:
-            cap = max(n, 2 * self._dec64.shape[1], 8)
+        if n > self._dec64_np.shape[1]:  # (numpy's shape: a tuple read, no torch call on the hot path)
+            cap = max(n, 2 * self._dec64_np.shape[1], 8)
             self._dec64 = torch.zeros((3, cap), dtype=torch.int64)
             self._dec32 = torch.zeros((3, cap + 1), dtype=torch.int32)
             self._dec64_np, self._dec32_np = self._dec64.numpy(), self._dec32.numpy()

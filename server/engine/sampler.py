@@ -10,13 +10,16 @@ top-k -> top-p -> min-p -> sample. Logprobs are of the raw logits (before any of
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 import torch
 
 from server.engine.sampling_params import SamplingParams
 from server.kernels import batch_invariant, ops
+
+if TYPE_CHECKING:  # pragma: no cover
+    from server.engine.request import Sequence as Seq
 
 # Temperatures this small are greedy: dividing by them only amplifies float noise (vLLM's rule).
 GREEDY_EPS = 1e-5
@@ -150,6 +153,16 @@ class SamplingBatch:
         if asked:
             batch.max_num_logprobs = min(max(asked), v)
         return batch
+
+
+def plain_greedy(seq: "Seq") -> bool:
+    """The sequence's next token is its logits' argmax and nothing else: greedy, no logprobs, no
+    penalties, no grammar, and nothing blocked (min_tokens reached, see OutputProcessor.blocked_tokens).
+    A step whose rows all are needs no SamplingBatch (the per-row form of `fast_greedy`): the engine
+    then takes one argmax (LLMEngine._sample_and_apply)."""
+    p = seq.request.params
+    return (p.temperature < GREEDY_EPS and p.logprobs is None and not p.needs_penalties and seq.grammar is None
+            and len(seq.token_ids) - seq.num_prompt_tokens >= p.min_tokens)
 
 
 def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:

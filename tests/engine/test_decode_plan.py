@@ -112,12 +112,12 @@ def test_decode_plan_keeps_the_greedy_text(tiny_model: Callable[..., Path]) -> N
         return out
 
     fast = run(True)
-    plain = engine_module._plain_greedy
-    engine_module._plain_greedy = lambda seq: False  # type: ignore[assignment]
+    plain = engine_module.plain_greedy
+    engine_module.plain_greedy = lambda seq: False  # type: ignore[assignment]
     try:
         slow = run(False)
     finally:
-        engine_module._plain_greedy = plain
+        engine_module.plain_greedy = plain
     assert fast == slow and all(len(v) == 24 for v in fast.values())
 
 
@@ -134,8 +134,8 @@ def test_rows_that_need_the_sampler_are_not_plain_greedy(tiny_model: Callable[..
     eng.add_request("greedy", list(range(10, 20)), greedy)
     eng.add_request("other", list(range(40, 50)), other)
     seqs = [eng.requests[r].sequences[0] for r in ("greedy", "other")]
-    assert engine_module._plain_greedy(seqs[0])
-    assert not engine_module._plain_greedy(seqs[1])
+    assert engine_module.plain_greedy(seqs[0])
+    assert not engine_module.plain_greedy(seqs[1])
     logprobs: list[Any] = []
     tokens = 0
     while eng.has_unfinished_requests():

@@ -149,6 +149,12 @@ def _tensors(root: object) -> list[torch.Tensor]:
         seen.add(id(o))
         if isinstance(o, torch.Tensor):
             out.append(o)
+            # A view keeps the tensor it was taken from (its `_base`) alive, and with it a second
+            # use of the storage that nothing else here reaches (QuantizedExperts.for_kernels
+            # reshapes a flat [E * N, bytes] matrix): moving the view alone would leave the storage
+            # counted twice, so it would not move at all.
+            if o._base is not None:
+                stack.append(o._base)
         elif isinstance(o, (list, tuple)):
             stack.extend(o)
         elif isinstance(o, dict):

@@ -13,13 +13,15 @@
 //      blocks once; every chosen expert's gate_up rows (and the shared expert's) are laid end to
 //      end and split evenly across the threads, so at batch 1 both cores stream different experts
 //      (or different rows of one) instead of every kernel call forking over a 0.3 MB matrix. After
-//      a barrier each expert's activation (SiLU(gate) * up, or the clamped SwiGLU) is computed in
-//      fp32 and quantised for down; the down rows are split the same way; a last pass sums each
+//      a barrier each (token, expert) row's activation (SiLU(gate) * up, or the clamped SwiGLU) is
+//      computed in fp32 and quantised for down; the down rows are split the same way; a last pass sums each
 //      token's k results (slot order, fp32) plus the shared expert (times its sigmoid gate when it
 //      has one), and
 //      rounds once to x's dtype. The matrices go through the existing per-format kernels
 //      (linear_q8_0_*, linear_q4_*, their x8 forms), each handed a slice of rows: the kernels'
-//      own OpenMP loops, nested inside this region, run on the calling thread.
+//      own OpenMP loops, nested inside this region, run on the calling thread (team_for opens
+//      no nested region). The rows, results and per-expert job lists live in per-thread buffers
+//      kept across calls (Scratch), so a layer allocates only its output tensor here.
 //   3. Otherwise (float experts, the portable ISA, gpt-oss in bf16/fp16): the router's choice goes
 //      to moe_experts_cpu, and the shared expert runs as SparseMoE.forward's ops.
 // A row's result depends on its own experts and row only (the kernels' per-row arithmetic does not
@@ -49,6 +51,7 @@
 #include "dispatch_mode.h"
 #include "float_rows.h"
 #include "layer_parts.h"
+#include "maybe_parallel.h"  // row_scratch
 #include "quant4_kernel.h"
 #include "quant_kernel.h"
 #include "moe_route.h"  // moe_route_cpu, this op's router
@@ -156,11 +159,13 @@ float to_float(const at::Tensor& t, int64_t i) {  // element i of a 1-D/flat flo
   return 0.f;
 }
 
-// fp32 copy of rows `rows` of a bias [E, N] (any float dtype), or an empty vector.
-std::vector<float> bias_rows(const c10::optional<at::Tensor>& bias, int64_t e) {
-  if (!bias.has_value() || !bias->defined()) return {};
-  const at::Tensor b = (*bias)[e].to(at::kFloat).contiguous();
-  return std::vector<float>(b.data_ptr<float>(), b.data_ptr<float>() + b.numel());
+// fp32 copies of the rows `experts` of a bias [E, n] (any float dtype), one after another, into out.
+void bias_rows(const at::Tensor& bias, const std::vector<int64_t>& experts, int64_t n, std::vector<float>& out) {
+  out.resize(experts.size() * n);
+  for (size_t u = 0; u < experts.size(); ++u) {
+    const at::Tensor b = bias[experts[u]].to(at::kFloat).contiguous();
+    std::memcpy(out.data() + u * n, b.data_ptr<float>(), n * sizeof(float));
+  }
 }
 
 // Activations quantised per row to Q8 blocks with block sums (what both kernel families read).
@@ -173,7 +178,51 @@ struct QuantRows {
     s.resize(M * K / 32);
     cpu::quantize_rows_q8_avx2(x, K, M, K, q.data(), d.data(), s.data());
   }
+  // Room for M rows of K values (grows, never shrinks).
+  void resize(int64_t M, int64_t K) {
+    if (static_cast<int64_t>(q.size()) < M * K) q.resize(M * K);
+    if (static_cast<int64_t>(d.size()) < M * K / 32) {
+      d.resize(M * K / 32);
+      s.resize(M * K / 32);
+    }
+  }
   cpu::Q8SumActivations view(int64_t M, int64_t K) const { return {q.data(), d.data(), s.data(), M, K}; }
+};
+
+// One call's working memory, kept per calling thread (moe_decode_cpu's `sc`).
+struct Scratch {
+  // The (token * k + slot) pairs grouped by expert: used experts in expert order, arena rows
+  // [start[u], start[u + 1]) for used expert u, each arena row's pair (rows) and each pair's
+  // arena row (row_of).
+  std::vector<int64_t> used, start, rows, row_of, count;
+  QuantRows xe, ae, sa;                 // arena rows of x and of the activations; the shared expert's
+  std::vector<float> h, y, sh, sy, o;   // gate_up and down results (arena, then shared), the sum
+  std::vector<float> gub, db, sg;       // biases of the used experts, the shared gate per token
+  std::vector<Job> up_jobs, down_jobs;
+
+  // A counting sort of the P pairs' experts id[0..P) over E experts: stable (token order within
+  // an expert), experts ascending.
+  void group(const int64_t* id, int64_t P, int64_t E) {
+    count.assign(E + 1, 0);
+    for (int64_t p = 0; p < P; ++p) ++count[id[p] + 1];
+    used.clear();
+    start.clear();
+    for (int64_t e = 0; e < E; ++e) {
+      if (count[e + 1] > 0) {
+        used.push_back(e);
+        start.push_back(count[e]);
+      }
+      count[e + 1] += count[e];  // count[e]: expert e's first arena row
+    }
+    start.push_back(P);
+    rows.resize(P);
+    row_of.resize(P);
+    for (int64_t p = 0; p < P; ++p) {
+      const int64_t r = count[id[p]]++;
+      rows[r] = p;
+      row_of[p] = r;
+    }
+  }
 };
 
 }  // namespace
@@ -246,88 +295,110 @@ at::Tensor moe_decode_cpu(const at::Tensor& x, const at::Tensor& router_weight, 
     return has_shared ? add_shared_ops(out) : out;
   }
 
-  // 2. Group the (token, slot) pairs by expert, in expert order (token order within one).
+  // 2. Group the (token, slot) pairs by expert, in expert order (token order within one): arena
+  // row r of `rows` belongs to used expert u for r in [start[u], start[u + 1]). Every buffer below
+  // is this thread's and kept across calls: a decode step runs one call per sparse layer, and
+  // heap churn here (a dozen vectors per expert) had been a tenth of the layer's serial time.
+  thread_local Scratch sc;
+  const int64_t P = T * top_k;
   const int64_t* id = ids.data_ptr<int64_t>();
-  std::vector<int64_t> used, first(E, -1);  // experts with rows, and each one's index in `used`
-  std::vector<std::vector<int64_t>> pairs;  // per used expert, its (token * k + slot) in token order
-  for (int64_t p = 0; p < T * top_k; ++p) {
-    const int64_t e = id[p];
-    if (first[e] < 0) {
-      first[e] = static_cast<int64_t>(used.size());
-      used.push_back(e);
-      pairs.emplace_back();
-    }
-    pairs[first[e]].push_back(p);
-  }
-  std::vector<size_t> by_expert(used.size());
-  for (size_t u = 0; u < used.size(); ++u) by_expert[u] = u;
-  std::sort(by_expert.begin(), by_expert.end(), [&](size_t a, size_t b) { return used[a] < used[b]; });
+  sc.group(id, P, E);
+  const int64_t U = static_cast<int64_t>(sc.used.size());
 
-  // x quantised once; each expert's rows gathered from it.
-  // x widened without an ATen conversion (float_rows.h).
+  // x quantised once (widened without an ATen conversion, float_rows.h); each arena row copies
+  // its token's row of it.
   thread_local std::vector<float> xbuf;
   at::Tensor xkeep;
   const float* xf = cpu::float_rows(x, xbuf, xkeep, cpu::active_isa() != cpu::Isa::kPortable);
   thread_local QuantRows xq;
   xq.quantize(xf, T, H);
   const int64_t nbH = H / 32, nbI = I / 32;
-  const size_t U = used.size();
-  std::vector<QuantRows> xe(U), ae(U);  // per used expert: its input rows, its activation rows
-  std::vector<std::vector<float>> h(U), y(U), gub(U), db(U);
-  for (size_t u = 0; u < U; ++u) {
-    const int64_t n = static_cast<int64_t>(pairs[u].size());
-    xe[u].q.resize(n * H);
-    xe[u].d.resize(n * nbH);
-    xe[u].s.resize(n * nbH);
-    for (int64_t r = 0; r < n; ++r) {
-      const int64_t t = pairs[u][r] / top_k;
-      std::memcpy(xe[u].q.data() + r * H, xq.q.data() + t * H, H);
-      std::memcpy(xe[u].d.data() + r * nbH, xq.d.data() + t * nbH, nbH * sizeof(float));
-      std::memcpy(xe[u].s.data() + r * nbH, xq.s.data() + t * nbH, nbH * sizeof(float));
-    }
-    h[u].resize(n * I2);
-    y[u].resize(n * H);
-    ae[u].q.resize(n * I);
-    ae[u].d.resize(n * nbI);
-    ae[u].s.resize(n * nbI);
-    gub[u] = bias_rows(gate_up_bias, used[u]);
-    db[u] = bias_rows(down_bias, used[u]);
+  sc.xe.resize(P, H);
+  sc.ae.resize(P, I);
+  if (static_cast<int64_t>(sc.h.size()) < P * I2) sc.h.resize(P * I2);
+  if (static_cast<int64_t>(sc.y.size()) < P * H) sc.y.resize(P * H);
+  for (int64_t r = 0; r < P; ++r) {
+    const int64_t t = sc.rows[r] / top_k;
+    std::memcpy(sc.xe.q.data() + r * H, xq.q.data() + t * H, H);
+    std::memcpy(sc.xe.d.data() + r * nbH, xq.d.data() + t * nbH, nbH * sizeof(float));
+    std::memcpy(sc.xe.s.data() + r * nbH, xq.s.data() + t * nbH, nbH * sizeof(float));
   }
+  // Biases (gpt-oss), per used expert in fp32.
+  const bool has_gub = gate_up_bias.has_value() && gate_up_bias->defined();
+  const bool has_db = down_bias.has_value() && down_bias->defined();
+  if (has_gub) bias_rows(*gate_up_bias, sc.used, I2, sc.gub);
+  if (has_db) bias_rows(*down_bias, sc.used, H, sc.db);
   const int64_t S = shared_fast ? shared_gate_up->size(0) / 2 : 0;
-  std::vector<float> sh(T * 2 * S), sy(T * H);
-  QuantRows sa;
-  sa.q.resize(T * S);
-  sa.d.resize(T * S / 32);
-  sa.s.resize(T * S / 32);
+  if (static_cast<int64_t>(sc.sh.size()) < T * 2 * S) sc.sh.resize(T * 2 * S);
+  if (static_cast<int64_t>(sc.sy.size()) < T * H) sc.sy.resize(T * H);
+  sc.sa.resize(T, S);
 
   const uint8_t* gw = gate_up.data_ptr<uint8_t>();
   const uint8_t* dw = down.data_ptr<uint8_t>();
   const int64_t gstride = gate_up.size(1) * gate_up.size(2), dstride = down.size(1) * down.size(2);
-  std::vector<Job> up_jobs, down_jobs;
-  for (const size_t u : by_expert) {  // expert order: a thread's rows are neighbouring experts
-    const int64_t n = static_cast<int64_t>(pairs[u].size());
-    up_jobs.push_back({gf, gw + used[u] * gstride, gate_up.size(2), I2, gub[u].empty() ? nullptr : gub[u].data(),
-                       xe[u].view(n, H), h[u].data(), I2, 0});
-    down_jobs.push_back({df, dw + used[u] * dstride, down.size(2), H, db[u].empty() ? nullptr : db[u].data(),
-                         ae[u].view(n, I), y[u].data(), H, 0});
+  std::vector<Job>& up_jobs = sc.up_jobs;
+  std::vector<Job>& down_jobs = sc.down_jobs;
+  up_jobs.clear();
+  down_jobs.clear();
+  for (int64_t u = 0; u < U; ++u) {  // expert order: a thread's rows are neighbouring experts
+    const int64_t r0 = sc.start[u], n = sc.start[u + 1] - r0;
+    const cpu::Q8SumActivations xa{sc.xe.q.data() + r0 * H, sc.xe.d.data() + r0 * nbH, sc.xe.s.data() + r0 * nbH, n, H};
+    const cpu::Q8SumActivations aa{sc.ae.q.data() + r0 * I, sc.ae.d.data() + r0 * nbI, sc.ae.s.data() + r0 * nbI, n, I};
+    up_jobs.push_back({gf, gw + sc.used[u] * gstride, gate_up.size(2), I2, has_gub ? sc.gub.data() + u * I2 : nullptr,
+                       xa, sc.h.data() + r0 * I2, I2, 0});
+    down_jobs.push_back({df, dw + sc.used[u] * dstride, down.size(2), H, has_db ? sc.db.data() + u * H : nullptr, aa,
+                         sc.y.data() + r0 * H, H, 0});
   }
   if (shared_fast) {
     up_jobs.push_back({sgf, shared_gate_up->data_ptr<uint8_t>(), shared_gate_up->size(1), 2 * S, nullptr,
-                       xq.view(T, H), sh.data(), 2 * S, 0});
-    down_jobs.push_back({sdf, shared_down->data_ptr<uint8_t>(), shared_down->size(1), H, nullptr, sa.view(T, S),
-                         sy.data(), H, 0});
+                       xq.view(T, H), sc.sh.data(), 2 * S, 0});
+    down_jobs.push_back({sdf, shared_down->data_ptr<uint8_t>(), shared_down->size(1), H, nullptr, sc.sa.view(T, S),
+                         sc.sy.data(), H, 0});
   }
   const int64_t up_total = lay_out(up_jobs), down_total = lay_out(down_jobs);
   const float fa = static_cast<float>(alpha), fl = static_cast<float>(limit);
   const bool silu = activation == "silu";
-  at::Tensor out = at::empty({T, H}, x.options());
-  std::vector<float> o(T * H);
+  if (static_cast<int64_t>(sc.o.size()) < T * H) sc.o.resize(T * H);
+  float* o = sc.o.data();
   const float* w = wts.data_ptr<float>();
-  std::vector<float> sg(T, 1.f);  // sigmoid(gate) in x's dtype, as Python's torch.sigmoid gives it (1: none)
+  if (static_cast<int64_t>(sc.sg.size()) < T) sc.sg.resize(T);
+  std::fill(sc.sg.begin(), sc.sg.begin() + T, 1.f);  // sigmoid(gate) in x's dtype, as torch.sigmoid gives it (1: none)
   if (shared_fast && has_gate) {
     const at::Tensor s = at::sigmoid(sgate).contiguous();
-    for (int64_t t = 0; t < T; ++t) sg[t] = to_float(s, t);
+    for (int64_t t = 0; t < T; ++t) sc.sg[t] = to_float(s, t);
   }
+  const int64_t* row_of = sc.row_of.data();
+  const float* sg = sc.sg.data();
+  const float* h = sc.h.data();
+  const float* y = sc.y.data();
+  const float* sh = sc.sh.data();
+  const float* sy = sc.sy.data();
+  QuantRows& ae = sc.ae;
+  QuantRows& sa = sc.sa;
+
+  // The activation: each arena row (then each token's shared-expert row) in fp32, quantised for down.
+  const auto activate = [&](int64_t r) {
+    const bool shared = r >= P;
+    const int64_t width = shared ? S : I;
+    const float* hp = shared ? sh + (r - P) * 2 * S : h + r * I2;
+    float* act = cpu::row_scratch(width);
+    for (int64_t c = 0; c < width; ++c) {
+      const float g = hp[c], v = hp[width + c];
+      float a;
+      if (silu || shared) {
+        a = g / (1.f + std::exp(-g)) * v;
+      } else {  // gpt-oss: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+        const float gc = std::min(g, fl), vc = std::min(std::max(v, -fl), fl);
+        a = (vc + 1.f) * (gc / (1.f + std::exp(-fa * gc)));
+      }
+      act[c] = a;
+    }
+    const int64_t row = shared ? r - P : r, nb = width / 32;
+    QuantRows& dst = shared ? sa : ae;
+    cpu::quantize_rows_q8_avx2(act, width, 1, width, dst.q.data() + row * width, dst.d.data() + row * nb,
+                               dst.s.data() + row * nb);
+  };
+  const int64_t act_rows = P + (shared_fast ? T : 0);
 
   const int nt = std::max(1, std::min<int>(omp_get_max_threads(), static_cast<int>((up_total + 63) / 64)));
 #pragma omp parallel num_threads(nt)
@@ -335,30 +406,8 @@ at::Tensor moe_decode_cpu(const at::Tensor& x, const at::Tensor& router_weight, 
     const int t = omp_get_thread_num(), n_threads = omp_get_num_threads();
     run_share(up_jobs, up_total, t, n_threads, isa);
 #pragma omp barrier
-    // The activation of each expert's rows in fp32, quantised for down (one expert per iteration).
 #pragma omp for schedule(static)
-    for (int64_t u = 0; u <= static_cast<int64_t>(U); ++u) {
-      const bool shared = u == static_cast<int64_t>(U);
-      if (shared && !shared_fast) continue;
-      const int64_t n = shared ? T : static_cast<int64_t>(pairs[u].size()), width = shared ? S : I;
-      const float* hp = shared ? sh.data() : h[u].data();
-      std::vector<float> act(n * width);
-      for (int64_t r = 0; r < n; ++r) {
-        for (int64_t c = 0; c < width; ++c) {
-          const float g = hp[r * 2 * width + c], v = hp[r * 2 * width + width + c];
-          float a;
-          if (silu || shared) {
-            a = g / (1.f + std::exp(-g)) * v;
-          } else {  // gpt-oss: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
-            const float gc = std::min(g, fl), vc = std::min(std::max(v, -fl), fl);
-            a = (vc + 1.f) * (gc / (1.f + std::exp(-fa * gc)));
-          }
-          act[r * width + c] = a;
-        }
-      }
-      QuantRows& dst = shared ? sa : ae[u];
-      cpu::quantize_rows_q8_avx2(act.data(), width, n, width, dst.q.data(), dst.d.data(), dst.s.data());
-    }
+    for (int64_t r = 0; r < act_rows; ++r) activate(r);
     run_share(down_jobs, down_total, t, n_threads, isa);
 #pragma omp barrier
     // Each token's k results in slot order, the shared expert's after, then one rounding.
@@ -367,19 +416,26 @@ at::Tensor moe_decode_cpu(const at::Tensor& x, const at::Tensor& router_weight, 
       const int64_t tok = tc / (H / 32), c0 = tc % (H / 32) * 32;
       float acc[32] = {};
       for (int64_t j = 0; j < top_k; ++j) {
-        const int64_t p = tok * top_k + j, u = first[id[p]];
-        const int64_t r = std::lower_bound(pairs[u].begin(), pairs[u].end(), p) - pairs[u].begin();
-        const float wj = w[p], *yr = y[u].data() + r * H + c0;
+        const int64_t p = tok * top_k + j;
+        const float wj = w[p], *yr = y + row_of[p] * H + c0;
         for (int c = 0; c < 32; ++c) acc[c] += wj * yr[c];
       }
       if (shared_fast) {
         for (int c = 0; c < 32; ++c) acc[c] += sg[tok] * sy[tok * H + c0 + c];
       }
-      std::memcpy(o.data() + tok * H + c0, acc, sizeof(acc));
+      std::memcpy(o + tok * H + c0, acc, sizeof(acc));
     }
   }
-  const at::Tensor of = at::from_blob(o.data(), {T, H}, x.options().dtype(at::kFloat));
-  out.copy_(of);
+  at::Tensor out = at::empty({T, H}, x.options());
+  if (x.scalar_type() == at::kFloat) {
+    std::memcpy(out.data_ptr<float>(), o, T * H * sizeof(float));
+  } else if (x.scalar_type() == at::kBFloat16) {
+    // Round to nearest even, as at::Tensor::copy_ (the scalar and AVX2 forms agree bit for bit).
+    (isa != cpu::Isa::kPortable ? cpu::f32_to_bf16_avx2 : cpu::f32_to_bf16)(
+        o, reinterpret_cast<uint16_t*>(out.data_ptr()), T * H);
+  } else {
+    out.copy_(at::from_blob(o, {T, H}, x.options().dtype(at::kFloat)));
+  }
   return has_shared && !shared_fast ? add_shared_ops(out) : out;
 }
 

@@ -48,8 +48,11 @@ void team_for(int64_t n, bool parallel, const Body& body) {
     return;
   }
   // Not `parallel for if (parallel)`: a false condition still builds a team of one in libgomp
-  // (maybe_parallel.h).
-  if (parallel) {
+  // (maybe_parallel.h). Inside another region (moe_decode's, linear_parts_region's: each thread
+  // runs whole kernels on its own rows) a nested region would be a team of one as well, entered
+  // and left per expert matrix: the loop runs here instead. A Qwen3-MoE-shaped layer's expert
+  // phases took 60 / 33 us against 67 / 38 (bench/RESULTS.md, session 30).
+  if (parallel && !omp_in_parallel()) {
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; ++i) body(i);
   } else {

@@ -104,7 +104,8 @@ def test_pack_moves_storages_in_place() -> None:
     m = _Holder()
     m.q = QuantizedWeight.quantize(torch.randn(512, 256), "q8_0")  # a dataclass's tensor (136 KB)
     outside = torch.randn(400, 400)
-    m.shared = outside[:100]  # its storage has a holder the walk cannot see: it stays
+    # A detached slice: no `_base` leads to `outside`, a holder the walk cannot see, so it stays.
+    m.shared = outside[:100].detach()
     before = {name: (t.clone(), t.data_ptr()) for name, t in
               [("lin", m.lin.weight), ("table", m.table), ("half", m.half), ("pair", m.pair[0]), ("q", m.q.data),
                ("shared", m.shared), ("small", m.pair[1][0])]}
@@ -123,6 +124,27 @@ def test_pack_moves_storages_in_place() -> None:
     assert m.lin.weight is weight_obj and isinstance(m.lin.weight, torch.nn.Parameter)
     x = torch.randn(3, 256)
     assert torch.equal(m.lin(x), x @ before["lin"][0].t())
+
+
+@pytest.mark.skipif(not THP, reason="transparent huge pages are off here, or smaps does not report THPeligible")
+def test_pack_moves_a_view_with_the_tensor_it_was_taken_from() -> None:
+    """QuantizedExperts.for_kernels reshapes a flat [E * N, bytes] matrix into [E, N, bytes]: the view
+    keeps its flat base alive, which nothing else reaches, so the walk must move the base too (MoE
+    experts had stayed on 4 KB pages, the bulk of such a model's bytes)."""
+    from server.kernels.quant import QuantizedExperts
+
+    m = torch.nn.Module()
+    m.experts = QuantizedExperts.quantize(torch.randn(4, 64, 256), "q8_0")
+    m.experts = QuantizedExperts(m.experts.qtype, m.experts.data.reshape(4 * 64, -1).clone().reshape(4, 64, -1),
+                                 m.experts.shape)
+    assert m.experts.data._base is not None  # the view holds its flat base, which only it reaches
+    before = m.experts.data.clone()
+    base = m.experts.data._base
+    moved, storages = hugepages.pack(m)
+    assert storages == 1 and moved == before.numel()
+    assert hugepages.on_huge_pages(m.experts.data) and torch.equal(m.experts.data, before)
+    # base and view moved together: one storage, so the old bytes are not kept alive by the base.
+    assert base.untyped_storage().data_ptr() == m.experts.data.untyped_storage().data_ptr()
 
 
 @pytest.mark.skipif(not THP, reason="transparent huge pages are off here, or smaps does not report THPeligible")

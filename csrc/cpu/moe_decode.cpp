@@ -50,6 +50,7 @@
 #include "cpu_features.h"
 #include "dispatch_mode.h"
 #include "float_rows.h"
+#include "fused_kernel.h"  // silu_and_mul_f32_*
 #include "layer_parts.h"
 #include "maybe_parallel.h"  // row_scratch
 #include "quant4_kernel.h"
@@ -198,6 +199,8 @@ struct Scratch {
   QuantRows xe, ae, sa;                 // arena rows of x and of the activations; the shared expert's
   std::vector<float> h, y, sh, sy, o;   // gate_up and down results (arena, then shared), the sum
   std::vector<float> gub, db, sg;       // biases of the used experts, the shared gate per token
+  std::vector<float> lbuf, sbuf, wts;   // the router's logits and selection bias in fp32, the weights
+  std::vector<int64_t> ids;             // the router's choice [T, k]
   std::vector<Job> up_jobs, down_jobs;
 
   // A counting sort of the P pairs' experts id[0..P) over E experts: stable (token order within
@@ -263,10 +266,8 @@ at::Tensor moe_decode_cpu(const at::Tensor& x, const at::Tensor& router_weight, 
   const at::Tensor logits = run_linear_kind(
       router_weight.scalar_type() == x.scalar_type() ? x : x.to(router_weight.scalar_type()), router_weight,
       router_bias, std::string(router_kind));
-  // The router's choice by pagewire::moe_route (cpu/moe_route_op.cpp), which checks the router's
-  // arguments: the arithmetic prefill steps route with.
-  const auto [ids, wts] =
-      moe_route_cpu(logits, router, top_k, norm_topk_prob, selection_bias, n_group, topk_group, routed_scaling);
+  // The router's arguments checked as pagewire::moe_route checks them (cpu/moe_route_op.cpp).
+  check_route_args(router, E, top_k, selection_bias, n_group, topk_group, routed_scaling);
   at::Tensor sgate;  // the shared expert's gate logit [T, 1] in x's dtype, as Python's linear gives it
   if (has_gate) sgate = run_linear_kind(x, *shared_gate, c10::nullopt, std::string(shared_gate_kind));
 
@@ -290,6 +291,9 @@ at::Tensor moe_decode_cpu(const at::Tensor& x, const at::Tensor& router_weight, 
     return at::add(out, has_gate ? at::mul(at::sigmoid(sgate), s) : s);
   };
   if (!fast) {
+    // The router's choice by pagewire::moe_route: the arithmetic prefill steps route with.
+    const auto [ids, wts] =
+        moe_route_cpu(logits, router, top_k, norm_topk_prob, selection_bias, n_group, topk_group, routed_scaling);
     const at::Tensor out = moe_experts_cpu(x, ids, wts, gate_up, gu_kind, down, dn_kind, gate_up_bias, down_bias,
                                            activation, alpha, limit);
     return has_shared ? add_shared_ops(out) : out;
@@ -301,7 +305,26 @@ at::Tensor moe_decode_cpu(const at::Tensor& x, const at::Tensor& router_weight, 
   // heap churn here (a dozen vectors per expert) had been a tenth of the layer's serial time.
   thread_local Scratch sc;
   const int64_t P = T * top_k;
-  const int64_t* id = ids.data_ptr<int64_t>();
+  {
+    // moe_route's arithmetic (cpu::route_rows on the logits widened to fp32) into this thread's
+    // buffers: without its ATen conversion and two output tensors, a third of a layer's routing time.
+    at::Tensor lkeep, skeep;
+    const float* lf = cpu::float_rows(logits, sc.lbuf, lkeep, true);
+    cpu::RouteSpec spec;
+    spec.router = router;
+    spec.k = top_k;
+    spec.renorm = norm_topk_prob;
+    spec.selection_bias = selection_bias.has_value() && selection_bias->defined()
+                              ? cpu::float_rows(*selection_bias, sc.sbuf, skeep, true)
+                              : nullptr;
+    spec.n_group = n_group;
+    spec.topk_group = topk_group;
+    spec.scaling = static_cast<float>(routed_scaling);
+    sc.ids.resize(P);
+    sc.wts.resize(P);
+    cpu::route_rows(lf, T, E, logits.scalar_type(), spec, sc.ids.data(), sc.wts.data());
+  }
+  const int64_t* id = sc.ids.data();
   sc.group(id, P, E);
   const int64_t U = static_cast<int64_t>(sc.used.size());
 
@@ -360,14 +383,16 @@ at::Tensor moe_decode_cpu(const at::Tensor& x, const at::Tensor& router_weight, 
   const bool silu = activation == "silu";
   if (static_cast<int64_t>(sc.o.size()) < T * H) sc.o.resize(T * H);
   float* o = sc.o.data();
-  const float* w = wts.data_ptr<float>();
+  const float* w = sc.wts.data();
   if (static_cast<int64_t>(sc.sg.size()) < T) sc.sg.resize(T);
   std::fill(sc.sg.begin(), sc.sg.begin() + T, 1.f);  // sigmoid(gate) in x's dtype, as torch.sigmoid gives it (1: none)
   if (shared_fast && has_gate) {
     const at::Tensor s = at::sigmoid(sgate).contiguous();
     for (int64_t t = 0; t < T; ++t) sc.sg[t] = to_float(s, t);
   }
+  // Read through these inside the region: `sc` named there is each thread's own (thread_local).
   const int64_t* row_of = sc.row_of.data();
+  const int64_t* start = sc.start.data();
   const float* sg = sc.sg.data();
   const float* h = sc.h.data();
   const float* y = sc.y.data();
@@ -376,39 +401,55 @@ at::Tensor moe_decode_cpu(const at::Tensor& x, const at::Tensor& router_weight, 
   QuantRows& ae = sc.ae;
   QuantRows& sa = sc.sa;
 
-  // The activation: each arena row (then each token's shared-expert row) in fp32, quantised for down.
-  const auto activate = [&](int64_t r) {
-    const bool shared = r >= P;
-    const int64_t width = shared ? S : I;
-    const float* hp = shared ? sh + (r - P) * 2 * S : h + r * I2;
-    float* act = cpu::row_scratch(width);
-    for (int64_t c = 0; c < width; ++c) {
-      const float g = hp[c], v = hp[width + c];
-      float a;
+  // The activation of arena rows [r0, r1) (rows from P on: the tokens' shared-expert rows) in fp32,
+  // quantised for down: SiLU(gate) * up by the fused-op bodies (the same bits on AVX2 and
+  // AVX-512), or gpt-oss's clamped SwiGLU.
+  const auto activate = [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const bool shared = r >= P;
+      const int64_t width = shared ? S : I;
+      const float* hp = shared ? sh + (r - P) * 2 * S : h + r * I2;
+      float* act = cpu::row_scratch(width);
       if (silu || shared) {
-        a = g / (1.f + std::exp(-g)) * v;
+        (isa >= cpu::Isa::kAvx512 ? cpu::silu_and_mul_f32_avx512 : cpu::silu_and_mul_f32_avx2)(hp, 2 * width, act, 1,
+                                                                                                width);
       } else {  // gpt-oss: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
-        const float gc = std::min(g, fl), vc = std::min(std::max(v, -fl), fl);
-        a = (vc + 1.f) * (gc / (1.f + std::exp(-fa * gc)));
+        for (int64_t c = 0; c < width; ++c) {
+          const float gc = std::min(hp[c], fl), vc = std::min(std::max(hp[width + c], -fl), fl);
+          act[c] = (vc + 1.f) * (gc / (1.f + std::exp(-fa * gc)));
+        }
       }
-      act[c] = a;
+      const int64_t row = shared ? r - P : r, nb = width / 32;
+      QuantRows& dst = shared ? sa : ae;
+      cpu::quantize_rows_q8_avx2(act, width, 1, width, dst.q.data() + row * width, dst.d.data() + row * nb,
+                                 dst.s.data() + row * nb);
     }
-    const int64_t row = shared ? r - P : r, nb = width / 32;
-    QuantRows& dst = shared ? sa : ae;
-    cpu::quantize_rows_q8_avx2(act, width, 1, width, dst.q.data() + row * width, dst.d.data() + row * nb,
-                               dst.s.data() + row * nb);
   };
   const int64_t act_rows = P + (shared_fast ? T : 0);
 
   const int nt = std::max(1, std::min<int>(omp_get_max_threads(), static_cast<int>((up_total + 63) / 64)));
+  // Whole experts per thread (gate_up, activation and down of one expert, then the next) where the
+  // used experts split evenly over the team, or are many: no barrier between the two phases, where
+  // a thread that drew the slower memory made the other wait twice. Otherwise (a shared expert, or
+  // a few experts that do not divide) both phases are split by rows across the threads, as above.
+  // Every row goes through the same kernels either way, so the floats do not depend on the choice.
+  const bool by_expert = !shared_fast && nt > 1 && (U % nt == 0 || U >= 8 * nt);
 #pragma omp parallel num_threads(nt)
   {
     const int t = omp_get_thread_num(), n_threads = omp_get_num_threads();
-    run_share(up_jobs, up_total, t, n_threads, isa);
+    if (by_expert) {
+      for (int64_t u = U * t / n_threads; u < U * (t + 1) / n_threads; ++u) {
+        run_rows(up_jobs[u], 0, I2, isa);
+        activate(start[u], start[u + 1]);
+        run_rows(down_jobs[u], 0, H, isa);
+      }
+    } else {
+      run_share(up_jobs, up_total, t, n_threads, isa);
 #pragma omp barrier
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < act_rows; ++r) activate(r);
-    run_share(down_jobs, down_total, t, n_threads, isa);
+      for (int64_t r = 0; r < act_rows; ++r) activate(r, r + 1);
+      run_share(down_jobs, down_total, t, n_threads, isa);
+    }
 #pragma omp barrier
     // Each token's k results in slot order, the shared expert's after, then one rounding.
 #pragma omp for schedule(static)

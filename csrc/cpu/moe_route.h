@@ -27,6 +27,12 @@ void route_rows(const float* logits, int64_t T, int64_t E, c10::ScalarType dtype
 
 }  // namespace cpu
 
+// The checks pagewire::moe_route makes of its arguments for E experts (errors name them): the
+// router's name, top_k, the selection bias, the groups and the scaling.
+void check_route_args(const std::string& router, int64_t E, int64_t top_k,
+                      const c10::optional<at::Tensor>& selection_bias, int64_t n_group, int64_t topk_group,
+                      double routed_scaling);
+
 // pagewire::moe_route (cpu/moe_route_op.cpp): the arguments checked (errors name them), the logits
 // widened to fp32, then route_rows -> (ids int64 [T, k], weights float32 [T, k]). pagewire::moe_decode
 // routes its rows through it too.

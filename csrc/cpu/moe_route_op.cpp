@@ -24,19 +24,12 @@ constexpr int64_t kChunk = 16;
 constexpr int64_t kParallelRows = 64;
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> moe_route_cpu(const at::Tensor& logits, c10::string_view router_view, int64_t top_k,
-                                                 bool norm_topk_prob, const c10::optional<at::Tensor>& selection_bias,
-                                                 int64_t n_group, int64_t topk_group, double routed_scaling) {
-  const std::string router(router_view);
+void check_route_args(const std::string& router, int64_t E, int64_t top_k,
+                      const c10::optional<at::Tensor>& selection_bias, int64_t n_group, int64_t topk_group,
+                      double routed_scaling) {
   TORCH_CHECK(router == "softmax_topk" || router == "topk_softmax" || router == "sigmoid_topk",
               "moe_route: router must be 'softmax_topk', 'topk_softmax' or 'sigmoid_topk', got '", router, "'");
-  const auto dt = logits.scalar_type();
-  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 &&
-                  (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf),
-              "moe_route: logits must be a CPU float32, bfloat16 or float16 [T, E] tensor, got ", dt, " ",
-              logits.sizes(), " on ", logits.device());
-  const int64_t T = logits.size(0), E = logits.size(1);
-  TORCH_CHECK(E >= 1, "moe_route: logits must have at least one expert column, got ", logits.sizes());
+  TORCH_CHECK(E >= 1, "moe_route: logits must have at least one expert column, got ", E);
   TORCH_CHECK(top_k >= 1 && top_k <= E, "moe_route: top_k must be in [1, ", E, "], got ", top_k);
   const bool has_sel = selection_bias.has_value() && selection_bias->defined();
   TORCH_CHECK(!has_sel || (selection_bias->device().is_cpu() && selection_bias->dim() == 1 &&
@@ -49,6 +42,20 @@ std::tuple<at::Tensor, at::Tensor> moe_route_cpu(const at::Tensor& logits, c10::
                   (n_group == 1 || (E / n_group >= 2 && topk_group * (E / n_group) >= top_k)),
               "moe_route: n_group ", n_group, " / topk_group ", topk_group, " do not fit ", E, " experts and top_k ",
               top_k);
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_route_cpu(const at::Tensor& logits, c10::string_view router_view, int64_t top_k,
+                                                 bool norm_topk_prob, const c10::optional<at::Tensor>& selection_bias,
+                                                 int64_t n_group, int64_t topk_group, double routed_scaling) {
+  const std::string router(router_view);
+  const auto dt = logits.scalar_type();
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 &&
+                  (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf),
+              "moe_route: logits must be a CPU float32, bfloat16 or float16 [T, E] tensor, got ", dt, " ",
+              logits.sizes(), " on ", logits.device());
+  const int64_t T = logits.size(0), E = logits.size(1);
+  check_route_args(router, E, top_k, selection_bias, n_group, topk_group, routed_scaling);  // router first
+  const bool has_sel = selection_bias.has_value() && selection_bias->defined();
 
   at::Tensor ids = at::empty({T, top_k}, logits.options().dtype(at::kLong));
   at::Tensor wts = at::empty({T, top_k}, logits.options().dtype(at::kFloat));

@@ -17,6 +17,10 @@ namespace pagewire {
 
 namespace {
 
+// Below this much work (query rows x positions read x head dim, summed over the step's tiles)
+// paged attention runs on the calling thread (see the plan in paged_attention_cpu).
+constexpr int64_t kSerialWork = int64_t{1} << 17;
+
 // Query tokens per work unit: enough (token, head) rows that each K/V chunk is reused across a
 // small GEMM, few enough that one long prefill still splits into many parallel units.
 int tile_tokens(int group) { return std::max(1, std::min(32, 64 / group)); }
@@ -126,7 +130,17 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   // faster (bench/RESULTS.md, session 28).
   std::vector<cpu::MergeGroup> merges;
   int partial_tokens = 0, slots = 0;
-  const int threads = omp_get_max_threads();
+  // A step whose whole attention is small (a few short decodes) runs on this thread: waking the
+  // team and waiting for the unit that ends last cost more than the units (at one sequence of 96
+  // tokens SmolLM2's three KV heads took 6.6 us a layer on two threads). One sequence, alternating
+  // processes: SmolLM2 Q4_1 steps 1.83-1.91 -> 1.76-1.81 ms at 96 tokens, level at 256, 2-5 % slower
+  // at 512 (so the line: 2^17 query-row x position x dim products, SmolLM2's 227 tokens); the
+  // Qwen3-MoE shape at 96 tokens 1-3 % faster; Llama-1B at 96 (above the line) level either way
+  // (bench/RESULTS.md, session 30). Which thread runs a unit never changes its floats.
+  int64_t work = 0;
+  for (const int64_t c : cost) work += c;
+  work *= num_heads * head_dim;
+  const int threads = work < kSerialWork ? 1 : omp_get_max_threads();
   const int64_t units = static_cast<int64_t>(items.size()) * num_kv_heads;
   if (threads > 1 && !splittable.empty() &&
       (units < threads || (units % threads != 0 && units < 4 * threads))) {
@@ -173,6 +187,7 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   args.head_dim = static_cast<int>(head_dim);
   args.block_size = static_cast<int>(block_size);
   args.max_tile_tokens = max_tile;
+  args.threads = threads;
   args.scale = static_cast<float>(scale);
   args.softcap = static_cast<float>(softcap);
   args.sinks = has_sinks ? sinks->data_ptr<float>() : nullptr;

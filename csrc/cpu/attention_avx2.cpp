@@ -264,7 +264,7 @@ void run(const PagedAttentionArgs& a) {
   const int64_t units = a.num_items * a.num_kv_heads;
   // Scratch is allocated (when it must grow) before the parallel region, so an allocation failure
   // throws on the calling thread instead of terminating inside OpenMP.
-  const int threads = units > 1 ? omp_get_max_threads() : 1;
+  const int threads = units > 1 ? (a.threads > 0 ? a.threads : omp_get_max_threads()) : 1;
   const std::vector<std::unique_ptr<Scratch>>& scratch =
       kept_scratch<Scratch>(threads, static_cast<int64_t>(a.max_tile_tokens) * G, a.head_dim);
   const int kvh = a.num_kv_heads;

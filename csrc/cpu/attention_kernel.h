@@ -65,6 +65,7 @@ struct PagedAttentionArgs {
   int64_t out_stride_t, out_stride_h, q_stride_t, q_stride_h, block_table_stride;
   int num_heads, num_kv_heads, head_dim, block_size;
   int max_tile_tokens;  // largest WorkItem::q_count, sizes the per-thread scratch
+  int threads = 0;      // threads to run the units on (0: every thread of the team)
   float scale;
   // > 0: logit soft-capping (Gemma 2), scores become softcap * tanh(score / softcap) after the
   // scale and before the mask and softmax; <= 0: off.

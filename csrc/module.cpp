@@ -18,6 +18,7 @@ PYBIND11_MODULE(_C, m) {
         py::dict d;
         d["vendor"] = f.vendor;
         d["brand"] = f.brand;
+        d["family"] = f.family;
         d["avx2"] = f.avx2;
         d["fma"] = f.fma;
         d["f16c"] = f.f16c;

@@ -73,8 +73,8 @@ class BlockAllocator:
     def reset_prefix_cache(self) -> None: ...
     def check_invariants(self) -> None: ...
 
-def cpu_features() -> dict[str, bool | str]:
-    """CPUID features as detected at load (vendor, brand, avx2, fma, avx512bf16, amx_bf16, ...)."""
+def cpu_features() -> dict[str, bool | str | int]:
+    """CPUID features as detected at load (vendor, brand, family, avx2, fma, avx512bf16, amx_bf16, ...)."""
     ...
 
 def set_batch_invariant(on: bool) -> None:

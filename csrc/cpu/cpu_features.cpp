@@ -64,6 +64,8 @@ CpuFeatures detect() {
     f.brand = first == std::string::npos ? std::string() : f.brand.substr(first);
   }
   __get_cpuid(1, &a, &b, &c, &d);
+  const unsigned base_family = (a >> 8) & 0xF;
+  f.family = static_cast<int>(base_family == 0xF ? base_family + ((a >> 20) & 0xFF) : base_family);
   const bool osxsave = bit(c, 27), avx = bit(c, 28);
   f.fma = bit(c, 12);
   f.f16c = bit(c, 29);

@@ -14,6 +14,7 @@ struct CpuFeatures {
   bool os_avx = false;     // XCR0 enables the YMM state
   bool os_avx512 = false;  // XCR0 enables opmask + ZMM state
   bool os_amx = false;     // XCR0 enables the tile state and Linux granted this process its use
+  int family = 0;  // CPUID's display family (base + extended): AMD Zen 3 / Zen 4 25, Zen 5 26
   std::string vendor, brand;
 };
 
@@ -43,6 +44,18 @@ inline bool is_amd() {
 #else
   static const bool amd = cpu_features().vendor == "AuthenticAMD";
   return amd;
+#endif
+}
+
+// Whether the CPU is an AMD Zen 4 (family 25 with AVX-512; Zen 3, the same family, has none),
+// where Q6_K's single streams prefetch into L2 (x8k_body.h; measured there, bench/RESULTS.md
+// session 31). Always false in the emulated test builds.
+inline bool is_amd_zen4() {
+#ifdef PAGEWIRE_X86_EMULATE
+  return false;
+#else
+  static const bool zen4 = is_amd() && cpu_features().family == 25 && cpu_features().avx512f;
+  return zen4;
 #endif
 }
 

@@ -102,7 +102,7 @@ template <int MB>
 void group_q62(const Q8SumActivations& x, const int32_t* x16, int64_t m0, const uint8_t* w, int64_t gb,
                const float* bias, float* out, int64_t ldo) {
   const int64_t nb = x.K / 32, nsb = x.K / kQ4_KBlock, n16 = x.K / 16;
-  const __m512i mask = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+  const __m512i mask = _mm512_set1_epi8(0x0F), lowbits = _mm512_set1_epi8(0x33), highbits = _mm512_set1_epi8(-0x34);
   const int8_t* xq[MB];
   const float* xd[MB];
   const int32_t* xs[MB];
@@ -127,29 +127,27 @@ void group_q62(const Q8SumActivations& x, const int32_t* x16, int64_t m0, const 
         for (int hh = 0; hh < 2; ++hh) {
           const int idx = 2 * j + hh;
           const int so = kScales + 32 * (idx / 4);
-          const __m512i sc =
-              _mm512_srai_epi16(_mm512_shuffle_epi8(q4k::load2(w + so, w1 + so), q4k::wide(high_bytes(idx % 4))), 8);
-          const __m512i sc32 = _mm512_srai_epi32(sc, 16);
+          const __m512i sc32 =
+              _mm512_srai_epi32(_mm512_shuffle_epi8(q4k::load2(w + so, w1 + so), q4k::wide(top_byte(idx % 4))), 24);
           __m512i p32[MB];
-          for (int m = 0; m < MB; ++m) p32[m] = _mm512_setzero_si512();
+          for (int m = 0; m < MB; ++m) p32[m] = _mm512_set1_epi32(xs[m][s * 16 + idx]);  // the offset (group_q6)
           for (int c = 4 * hh; c < 4 * hh + 4; ++c) {  // group_q6's (pair, u) in order
             const int lo_at = kQl + 32 * (16 * h + 8 * (t % 2) + c), hi_at = kQh + 32 * (8 * h + c);
             const __m512i ql = q4k::load2(w + lo_at, w1 + lo_at);
             const __m512i qh = q4k::load2(w + hi_at, w1 + hi_at);
-            const __m512i lo = t < 2 ? _mm512_and_si512(ql, mask) : _mm512_and_si512(_mm512_srli_epi16(ql, 4), mask);
-            const __m512i hi = t == 0   ? _mm512_slli_epi16(qh, 4)
-                               : t == 1 ? _mm512_slli_epi16(qh, 2)
-                               : t == 2 ? qh
-                                        : _mm512_srli_epi16(qh, 2);
-            const __m512i codes = _mm512_or_si512(lo, _mm512_and_si512(hi, top));
+            // q6_codes' select: field t of qh at bits 4-5 with zeros above, ql's nibble below.
+            const __m512i fields = _mm512_and_si512(qh, t % 2 == 0 ? lowbits : highbits);
+            const __m512i hi = t == 0   ? _mm512_slli_epi16(fields, 4)
+                               : t == 1 ? _mm512_slli_epi16(fields, 2)
+                               : t == 2 ? fields
+                                        : _mm512_srli_epi16(fields, 2);
+            const __m512i nib = t < 2 ? ql : _mm512_srli_epi16(ql, 4);
+            const __m512i codes = _mm512_ternarylogic_epi32(mask, nib, hi, 0xCA);
             for (int m = 0; m < MB; ++m) {
               p32[m] = _mm512_dpbusd_epi32(p32[m], codes, q4k::broadcast4x16(xq[m] + j * 32 + s * 256 + 4 * c));
             }
           }
           for (int m = 0; m < MB; ++m) i32[m] = _mm512_add_epi32(i32[m], _mm512_mullo_epi32(p32[m], sc32));
-          for (int m = 0; m < MB; ++m) {
-            i32[m] = _mm512_sub_epi32(i32[m], _mm512_madd_epi16(sc, _mm512_set1_epi32(xs[m][s * 16 + idx])));
-          }
         }
         for (int m = 0; m < MB; ++m) {
           sa[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i32[m]), _mm512_set1_ps(xd[m][s * 8 + j]), sa[m]);

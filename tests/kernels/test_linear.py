@@ -1,6 +1,8 @@
 """server.kernels.ops.linear and pagewire::linear against a float64 reference and F.linear's semantics."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -121,6 +123,12 @@ def test_cpu_dispatch_is_reported() -> None:
         assert best == "amx"
     # The tile state counts only once the OS granted it to this process (arch_prctl on Linux).
     assert f["os_amx"] or not (f["amx_tile"] or f["amx_bf16"] or f["amx_int8"])
+    # The display family (Zen 4's Q6_K prefetch keys on it) is the kernel's own reading of CPUID.
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        families = {int(line.split(":")[1]) for line in cpuinfo.read_text().splitlines() if line.startswith("cpu family")}
+        if families:
+            assert f["family"] in families, (f["family"], families)
 
 
 def server_C_detected() -> str:

@@ -113,10 +113,17 @@ void group_q62(const Q8SumActivations& x, const int32_t* x16, int64_t m0, const 
   }
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
-  const bool far = far_pairs();
+  // On a Zen 4 both streams six super-blocks ahead into L2, as group_q6's single stream
+  // (far_q6_into_l2): a Llama-1B Q4_K_M batch-8 step took 38.3-42.9 ms against 43.9-47.5 with four
+  // into L1 (bench/RESULTS.md, session 31).
+  const bool far = far_pairs(), l2 = far_q6_into_l2();
   for (int64_t s = 0; s < nsb; ++s, w += kGroupBytes) {
     const uint8_t* w1 = w + gb;
-    prefetch_pair<4, _MM_HINT_T0, prefetch_next>(w, kGroupBytes, s, nsb, gb, far);
+    if (l2) {
+      prefetch_pair<6, _MM_HINT_T1, prefetch_next>(w, kGroupBytes, s, nsb, gb, true);
+    } else {
+      prefetch_pair<4, _MM_HINT_T0, prefetch_next>(w, kGroupBytes, s, nsb, gb, far);
+    }
     __m512 sa[MB];
     for (int m = 0; m < MB; ++m) sa[m] = _mm512_setzero_ps();
     for (int h = 0; h < 2; ++h) {

@@ -289,7 +289,9 @@ template <int MB>
 void group_q6(const Q8SumActivations& x, const int32_t* x16, int64_t m0, const uint8_t* w, const float* bias,
               float* out, int64_t ldo) {
   const int64_t nb = x.K / 32, nsb = x.K / kQ4_KBlock, n16 = x.K / 16;
-  [[maybe_unused]] const __m256i mask = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+#if !PAGEWIRE_X8_VNNI
+  const __m256i mask = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);  // (VNNI: q6_codes)
+#endif
   const int8_t* xq[MB];
   const float* xd[MB];
   const int32_t* xs[MB];

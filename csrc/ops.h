@@ -212,5 +212,8 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu(const at::Tensor& draft_
 // The greedy sampler's argmax (cpu/argmax.cpp): x float32 [S, V] -> int64 [S], each row's first
 // index of its largest value, a NaN counting as the largest (torch.argmax's choice).
 at::Tensor argmax_rows_cpu(const at::Tensor& x);
+// compute_logits' widening (cpu/widen_rows.cpp): bf16 [S, V] -> float32 [S, V], exactly; one row on the
+// calling thread, several by each thread's column slice (the linear kernels' split).
+at::Tensor widen_rows_cpu(const at::Tensor& x);
 
 }  // namespace pagewire

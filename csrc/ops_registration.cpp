@@ -107,6 +107,8 @@ TORCH_LIBRARY(pagewire, m) {
       "Tensor target_argmax, Tensor is_greedy, Tensor uniform) -> (Tensor, Tensor)");
   // The greedy sampler's argmax per row (CPU; ops.h).
   m.def("argmax_rows(Tensor x) -> Tensor");
+  // compute_logits' bf16 -> float32 (CPU; ops.h).
+  m.def("widen_rows(Tensor x) -> Tensor");
   // Gated DeltaNet (shapes in ops.h): the states are pools indexed by slots, updated in place.
   m.def("gdn_causal_conv1d(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_states, Tensor slots, "
         "Tensor query_start_loc, str activation=\"silu\") -> Tensor");
@@ -161,6 +163,7 @@ TORCH_LIBRARY_IMPL(pagewire, CPU, m) {
   m.impl("ngram_propose", &pagewire::ngram_propose_cpu);
   m.impl("rejection_sample", &pagewire::rejection_sample_cpu);
   m.impl("argmax_rows", &pagewire::argmax_rows_cpu);
+  m.impl("widen_rows", &pagewire::widen_rows_cpu);
   m.impl("gdn_causal_conv1d", &pagewire::gdn_causal_conv1d_cpu);
   m.impl("gdn_gating", &pagewire::gdn_gating_cpu);
   m.impl("gated_delta_rule", &pagewire::gated_delta_rule_cpu);

@@ -224,3 +224,20 @@ def test_the_stream_path_gives_the_two_decode_paths_chunks(tok: Tokenizer, skip_
                 chunks += stream(detok, ids[a:b], r)
             outs.append(chunks)
         assert outs[0] == outs[1]
+
+
+def test_a_prompt_cut_inside_a_character_moves_to_the_stream_with_its_first_text(tok: Tokenizer) -> None:
+    # The prompt ends on the first byte of "é" (byte tokens: the demo vocab's ids 4..259), so the
+    # sample starts on the two decodes. From its first text on it runs DecodeStream, and every
+    # chunk is still the two-decode path's.
+    broken = [i for i in range(4, 260) if tok.decode([i]) == "\ufffd"]
+    lead, tail = next((a, b) for a in broken for b in broken if tok.decode([a, b]) == "é")
+    prompt = tok.encode("Hello ", add_special_tokens=False) + [lead]
+    out = [tail] + tok.encode(" naïve café 東京 and more", add_special_tokens=False)
+    detok, plain = IncrementalDetokenizer(tok, prompt), IncrementalDetokenizer(_DecodeOnly(tok), prompt)
+    assert detok._stream is None
+    texts = [detok.add([i]) for i in out]
+    assert texts == [plain.add([i]) for i in out]
+    assert detok._stream is not None
+    first = next(k for k, t in enumerate(texts) if t)
+    assert first < len(out) - 1 and "".join(texts[first:]).endswith("東京 and more")

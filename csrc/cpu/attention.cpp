@@ -140,7 +140,7 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   int64_t work = 0;
   for (const int64_t c : cost) work += c;
   work *= num_heads * head_dim;
-  const int threads = work < kSerialWork ? 1 : omp_get_max_threads();
+  const int threads = work < kSerialWork ? 1 : cpu::team_size();  // (a crew: crew.h)
   const int64_t units = static_cast<int64_t>(items.size()) * num_kv_heads;
   if (threads > 1 && !splittable.empty() &&
       (units < threads || (units % threads != 0 && units < 4 * threads))) {

@@ -13,6 +13,7 @@
 #include <memory>
 #include <vector>
 
+#include "crew.h"
 #include "maybe_parallel.h"
 
 namespace pagewire::cpu {
@@ -350,9 +351,8 @@ void run_units(const PagedAttentionArgs& a, int threads, const Unit& unit) {
     return;
   }
   std::atomic<int64_t> counter{0};
-#pragma omp parallel num_threads(threads)
-  {
-    const int thread = omp_get_thread_num();
+  // (On a decode step's crew, crew.h, the crew runs the units: no region of its own.)
+  team_region(threads, [&](int thread, int) {
     int64_t u = counter.fetch_add(1, std::memory_order_relaxed);
     while (u < units) {
       int64_t next = -1;
@@ -362,7 +362,7 @@ void run_units(const PagedAttentionArgs& a, int threads, const Unit& unit) {
       });
       u = next < 0 ? counter.fetch_add(1, std::memory_order_relaxed) : next;
     }
-  }
+  });
 }
 
 }  // namespace pagewire::cpu

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "../ops.h"
+#include "crew.h"
 #include "layer_parts.h"
 
 namespace pagewire {
@@ -123,6 +124,7 @@ namespace layer_parts {
 
 at::Tensor run_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
                       const std::string& kind) {
+  cpu::crew_range_started();  // (a stack on a crew: its read-ahead moves past this matrix; crew.h)
   return run_linear_kind(x, w, b, kind);
 }
 

@@ -15,11 +15,18 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "../ops.h"
+#include "crew.h"
 
 namespace pagewire {
 namespace {
@@ -134,6 +141,9 @@ class DecodeStack : public torch::CustomClassHolder {
     l.layer_scalar = std::move(layer_scalar);
     l.sinks = std::move(sinks);
     layers_.push_back(std::move(l));
+    crew_ready_ = -1;
+    plan_.clear();
+    plan_off_.clear();
     return static_cast<int64_t>(layers_.size()) - 1;
   }
 
@@ -150,6 +160,7 @@ class DecodeStack : public torch::CustomClassHolder {
     StackLayer& l = layers_.back();
     TORCH_CHECK(!l.finishes, "DecodeStack.set_moe: a layer with a layer scalar has no sparse MLP here");
     l.moe = true;
+    crew_ready_ = -1;
     l.gate_up_kind = "none";  // decode_layer stops at the MLP's input (its sparse-layer contract)
     l.router_weight = std::move(router_weight);
     l.router_kind = std::move(router_kind);
@@ -179,6 +190,8 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
+  // How many run() calls went on a crew (tests, and what a profile of a step should show).
+  int64_t crew_runs() const { return crew_runs_; }
 
   // Every layer in order over the residual stream `hidden` [T, H] (mutated) with the previous
   // sub-block's output `delta` (None at the first layer) -> (hidden, the last layer's output for
@@ -189,6 +202,101 @@ class DecodeStack : public torch::CustomClassHolder {
                                         std::vector<at::Tensor> slot_mappings, std::vector<at::Tensor> block_tables,
                                         at::Tensor seq_lens, at::Tensor query_start_loc, int64_t max_query_len,
                                         int64_t max_seq_len) {
+    // One token (a lone decode): the whole stack in one region, its kernels on a crew
+    // (cpu/crew.h), where every layer's kernels hand their shares to one (crew_ready).
+    if (hidden.dim() == 2 && hidden.size(0) == 1 && crew_wanted() && omp_get_max_threads() > 1 &&
+        !omp_in_parallel() && crew_ready()) {
+      std::tuple<at::Tensor, OptTensor> result;
+      std::exception_ptr error;
+      cpu::Crew crew(omp_get_max_threads());
+      ahead_ = read_ahead_bytes();
+      if (ahead_ > 0) {
+        build_plan();
+        crew.set_read_ahead(plan_.data(), plan_off_.data(), plan_.size(), ahead_);
+      }
+#pragma omp parallel num_threads(crew.size())
+      {
+        cpu::lead_or_serve(crew, [&] {
+          try {
+            result = run_layers(hidden, delta, rows, slot_mappings, block_tables, seq_lens, query_start_loc,
+                                max_query_len, max_seq_len);
+          } catch (...) {
+            error = std::current_exception();  // raised after the region: exceptions must not leave it
+          }
+        });
+      }
+      ++crew_runs_;
+      if (error) std::rethrow_exception(error);
+      return result;
+    }
+    return run_layers(hidden, delta, rows, slot_mappings, block_tables, seq_lens, query_start_loc, max_query_len,
+                      max_seq_len);
+  }
+
+ private:
+  // Whether every layer's kernels split over a crew (team_for, team_region): the x8 kinds
+  // (quantised and bf16; not Q8_0, see below), and no sparse layer (moe_decode opens a region of its own, which would run on the
+  // leader alone). Any other kind would run whole on the leader: those stacks keep their regions.
+  bool crew_ready() const {
+    if (crew_ready_ < 0) {
+      const auto one = [](const std::string& k) {
+        return k == "q4_0x8" || k == "q4_1x8" || k == "q4_kx8" || k == "q6_kx8" || k == "bf16x8";
+      };
+      // "parts:KIND*ROWS+...": linear_parts_region's shares are a team_region; each part one of the above.
+      const auto x8 = [&](const std::string& k) {
+        if (k.rfind("parts:", 0) != 0) return one(k);
+        for (size_t pos = 6; pos < k.size();) {
+          const size_t end = std::min(k.find('+', pos), k.size());
+          const size_t star = k.find('*', pos);
+          if (star == std::string::npos || star > end || !one(k.substr(pos, star - pos))) return false;
+          pos = end + 1;
+        }
+        return true;
+      };
+      bool ok = !layers_.empty();
+      for (const StackLayer& l : layers_) {
+        ok = ok && !l.moe && x8(l.qkv_kind) && x8(l.o_kind) && x8(l.gate_up_kind) && x8(l.down_kind);
+      }
+      crew_ready_ = ok ? 1 : 0;
+    }
+    return crew_ready_ == 1;
+  }
+
+  // The crew's read-ahead plan: every layer's four weight matrices in the order the kernels read
+  // them, and each layer's first offset in it (layer_off_). Built once (the weights do not move).
+  void build_plan() {
+    if (!plan_.empty()) return;
+    int64_t off = 0;
+    const auto add = [&](const at::Tensor& w) {
+      plan_.push_back({static_cast<const char*>(w.data_ptr()), static_cast<int64_t>(w.nbytes())});
+      plan_off_.push_back(off);
+      off += static_cast<int64_t>(w.nbytes());
+    };
+    for (const StackLayer& l : layers_) {
+      add(l.qkv_weight);
+      add(l.o_weight);
+      add(l.gate_up_weight);
+      add(l.down_weight);
+    }
+    plan_off_.push_back(off);
+  }
+
+  static int64_t read_ahead_bytes() {
+    const char* e = std::getenv("PAGEWIRE_CREW_AHEAD");
+    return e == nullptr ? int64_t{1} << 20 : std::atoll(e);
+  }
+
+  // $PAGEWIRE_DECODE_CREW=0 turns the crew off (bench A/B, one process: read at each call).
+  static bool crew_wanted() {
+    const char* e = std::getenv("PAGEWIRE_DECODE_CREW");
+    return e == nullptr || std::strcmp(e, "0") != 0;
+  }
+
+  std::tuple<at::Tensor, OptTensor> run_layers(at::Tensor& hidden, OptTensor delta, const std::vector<at::Tensor>& rows,
+                                               const std::vector<at::Tensor>& slot_mappings,
+                                               const std::vector<at::Tensor>& block_tables, const at::Tensor& seq_lens,
+                                               const at::Tensor& query_start_loc, int64_t max_query_len,
+                                               int64_t max_seq_len) {
     const size_t n = layers_.size();
     TORCH_CHECK(slot_mappings.size() == block_tables.size() && (slot_mappings.size() == 1 || slot_mappings.size() == n),
                 "DecodeStack.run: ", slot_mappings.size(), " slot mappings and ", block_tables.size(),
@@ -229,8 +337,12 @@ class DecodeStack : public torch::CustomClassHolder {
     return {hidden, delta};
   }
 
- private:
   std::vector<StackLayer> layers_;
+  std::vector<cpu::Crew::Range> plan_;
+  std::vector<int64_t> plan_off_;
+  int64_t ahead_ = 0;
+  int64_t crew_runs_ = 0;
+  mutable int crew_ready_ = -1;  // crew_ready(), once the layers are in (-1: not yet known)
 };
 
 }  // namespace
@@ -241,6 +353,7 @@ TORCH_LIBRARY_FRAGMENT(pagewire, m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("set_moe", &DecodeStack::set_moe)
       .def("size", &DecodeStack::size)
+      .def("crew_runs", &DecodeStack::crew_runs)
       .def("run", &DecodeStack::run);
 }
 

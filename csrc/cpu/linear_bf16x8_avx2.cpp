@@ -18,6 +18,7 @@
 
 // Headers first: inline functions they define must keep the baseline ISA.
 #include "linear_kernel.h"
+#include "team_kernel.h"  // (before the target switch: std headers)
 #include "x86_target.h"
 
 PAGEWIRE_TARGET_PUSH("avx2,fma,f16c")
@@ -114,8 +115,8 @@ void linear_bf16x8_avx2(const uint16_t* x, int64_t ldx, const uint16_t* w, const
   const int64_t groups = N / kRows;
   // Static schedule: each thread streams one contiguous run of groups. Threads from 64 K
   // multiply-adds, as every linear kernel (linear_avx2.cpp says why).
-#pragma omp parallel for schedule(static) if (N * K * M >= 65536)
-  for (int64_t gi = 0; gi < groups; ++gi) {
+  // (team_for: on a decode step's crew, crew.h, the crew takes the shares.)
+  team_for(groups, N * K * M >= 65536, [&](int64_t gi) {
     const uint16_t* g = w + gi * kRows * K;
     const uint16_t* b = bias != nullptr ? bias + gi * kRows : nullptr;
     uint16_t* o = out + gi * kRows;
@@ -129,7 +130,7 @@ void linear_bf16x8_avx2(const uint16_t* x, int64_t ldx, const uint16_t* w, const
       group_x2(xf + m * K, K, g, 1, b, o + m * ldo, ldo);
     }
     if (m < M) group_x1(xf + m * K, g, K, b, o + m * ldo, false);
-  }
+  });
   for (int64_t n = groups * kRows; n < N; ++n) {
     for (int64_t m = 0; m < M; ++m) out[m * ldo + n] = row_x1(xf + m * K, w + n * K, K, bias, n);
   }

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "linear_kernel.h"
+#include "team_kernel.h"  // (before the target switch: std headers)
 #include "x86_target.h"
 
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -162,8 +163,8 @@ void linear_bf16x8_avx512(const uint16_t* x, int64_t ldx, const uint16_t* w, con
   const int64_t span_bytes = span * kChunkValues * 2;
   // Static schedule: each thread streams one contiguous run of groups (the first tile reads the
   // group from memory, the others from L1/L2). Threads from 64 K multiply-adds, as every linear kernel.
-#pragma omp parallel for schedule(static) if (N * K * M >= 65536)
-  for (int64_t gi = 0; gi < groups; ++gi) {
+  // (team_for: on a decode step's crew, crew.h, the crew takes the shares.)
+  team_for(groups, N * K * M >= 65536, [&](int64_t gi) {
     // Each tile's parked accumulators (8 per x row) between spans: the thread's own buffer.
     thread_local std::vector<float> state;
     if (span < chunks && static_cast<int64_t>(state.size()) < passes * 3 * 8 * 16) state.resize(passes * 3 * 8 * 16);
@@ -191,7 +192,7 @@ void linear_bf16x8_avx512(const uint16_t* x, int64_t ldx, const uint16_t* w, con
         m += rows;
       }
     }
-  }
+  });
   const int64_t done = groups * kRows;  // the last N % 8 rows, in row layout: the row kernel itself
   if (done < N) {
     linear_bf16_avx512(x, ldx, w + done * K, bias != nullptr ? bias + done : nullptr, out + done, ldo, M, N - done, K);

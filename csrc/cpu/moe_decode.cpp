@@ -48,6 +48,7 @@
 
 #include "../ops.h"
 #include "cpu_features.h"
+#include "crew.h"
 #include "dispatch_mode.h"
 #include "float_rows.h"
 #include "fused_kernel.h"  // silu_and_mul_f32_*
@@ -517,9 +518,9 @@ at::Tensor linear_parts_region(const at::Tensor& x, const std::vector<LinearPart
     row += w.size(0);
   }
   const int64_t total = lay_out(jobs);
-  const int nt = std::max(1, std::min<int>(omp_get_max_threads(), static_cast<int>((total + 63) / 64)));
-#pragma omp parallel num_threads(nt)
-  run_share(jobs, total, omp_get_thread_num(), omp_get_num_threads(), isa);
+  const int nt = std::max(1, std::min<int>(cpu::team_size(), static_cast<int>((total + 63) / 64)));
+  // (On a decode step's crew, crew.h, the crew runs the shares: no region of its own.)
+  cpu::team_region(nt, [&](int t, int n) { run_share(jobs, total, t, n, isa); });
   return out.finish();
 }
 

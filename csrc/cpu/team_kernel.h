@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "crew.h"
+
 namespace pagewire::cpu {
 
 inline thread_local bool t_team_kernel = false;
@@ -35,11 +37,16 @@ struct TeamKernelScope {
 };
 
 // The threads a kernel's loop will split over: the open team's inside a team kernel.
-inline int team_threads() { return in_team_kernel() ? omp_get_num_threads() : omp_get_max_threads(); }
+// (A crew's leader: the crew's, team_for hands the loop to it.)
+inline int team_threads() {
+  if (in_team_kernel()) return omp_get_num_threads();
+  return t_crew != nullptr ? t_crew->size() : omp_get_max_threads();
+}
 
 // body(i) for i in [0, n), a static split (each thread one contiguous slice, so one sequential
 // stream of the weight): inside a team kernel this thread's share (the orphaned loop binds to the
-// open team), otherwise a region of its own when `parallel` (enough work to wake the team).
+// open team), on a crew's leader the crew's shares, otherwise a region of its own when `parallel`
+// (enough work to wake the team).
 template <class Body>
 void team_for(int64_t n, bool parallel, const Body& body) {
   if (in_team_kernel()) {
@@ -52,6 +59,12 @@ void team_for(int64_t n, bool parallel, const Body& body) {
   // runs whole kernels on its own rows) a nested region would be a team of one as well, entered
   // and left per expert matrix: the loop runs here instead. A Qwen3-MoE-shaped layer's expert
   // phases took 60 / 33 us against 67 / 38 (bench/RESULTS.md, session 30).
+  if (parallel && t_crew != nullptr) {  // crew.h: the leader's share, the members' shares
+    t_crew->run([&](int t, int nt) {
+      for (int64_t i = n * t / nt, end = n * (t + 1) / nt; i < end; ++i) body(i);
+    });
+    return;
+  }
   if (parallel && !omp_in_parallel()) {
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; ++i) body(i);

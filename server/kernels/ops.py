@@ -22,7 +22,7 @@ from server.kernels.quant import QuantizedExperts
 __all__ = [
     "write_kv_cache", "paged_attention", "copy_blocks", "linear", "rms_norm", "add_rms_norm",
     "rotary_embedding", "silu_and_mul", "gelu_tanh_and_mul", "moe_experts", "moe_decode", "moe_route", "ngram_propose",
-    "rejection_sample", "argmax_rows", "cpu_isa", "detected_cpu_isa", "lora_add", "cpu_features",
+    "rejection_sample", "argmax_rows", "to_float32", "cpu_isa", "detected_cpu_isa", "lora_add", "cpu_features",
 ]
 
 logger = logging.getLogger(__name__)
@@ -225,6 +225,15 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.pagewire.argmax_rows(x)
 
 
+def to_float32(x: torch.Tensor) -> torch.Tensor:
+    """x as float32, exactly: `x.float()`, except that bf16 [S, V] CPU rows (a bf16 model's logits)
+    go through pagewire::widen_rows, which widens one row on the calling thread and several in the
+    lm_head kernel's column slices (cpu/widen_rows.cpp): torch's copy split one row over the team."""
+    if x.is_cpu and x.dtype is torch.bfloat16 and x.dim() == 2:
+        return torch.ops.pagewire.widen_rows(x)
+    return x.float()
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """Args: x [T, 2 * I] = cat(gate, up), contiguous in the last dim. Returns silu(gate) * up [T, I] (CPU op)."""
     return torch.ops.pagewire.silu_and_mul(x)
@@ -303,13 +312,18 @@ class DecodeStack(Protocol):
     RoPE table index, -1 for none, where decode_layer takes positions), set_moe makes the last
     layer sparse with moe_decode's arguments after x, and run(hidden, delta, rows per RoPE table,
     slot mappings, block tables (one pair, or one per layer), seq_lens, query_start_loc,
-    max_query_len, max_seq_len) returns (hidden, the last layer's output or None)."""
+    max_query_len, max_seq_len) returns (hidden, the last layer's output or None). A one-token
+    step runs on a crew (csrc/cpu/crew.h: one region for the whole stack, the kernels' shares
+    handed to the waiting threads, which read the next weights ahead meanwhile) where every layer's
+    kernels take one; crew_runs() counts those calls. $PAGEWIRE_DECODE_CREW=0 turns it off."""
 
     def add_layer(self, *args: Any) -> int: ...
 
     def set_moe(self, *args: Any) -> None: ...
 
     def size(self) -> int: ...
+
+    def crew_runs(self) -> int: ...
 
     def run(self, hidden: torch.Tensor, delta: Optional[torch.Tensor], rows: list[torch.Tensor],
             slot_mappings: list[torch.Tensor], block_tables: list[torch.Tensor], seq_lens: torch.Tensor,

@@ -21,7 +21,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from server.kernels import autotune, batch_invariant
+from server.kernels import autotune, batch_invariant, ops
 from server.kernels.linear_route import Q8_KERNEL_MAX_ROWS, embedding, linear
 from server.kernels.ops import DecodeStack, cpu_isa, decode_stack
 from server.kernels.quant import QUANTIZATIONS, QuantizedWeight
@@ -290,7 +290,7 @@ class DecoderForCausalLM(nn.Module):
             logits = logits / c.logits_divisor
         if c.final_logit_softcap:  # Gemma 2, in transformers' order
             logits = torch.tanh(logits / c.final_logit_softcap) * c.final_logit_softcap
-        return logits.float()
+        return ops.to_float32(logits)
 
     def quantize_weights(self, quantization: str) -> None:
         """Keep every decoder matrix and the output projection quantised (`quantization` is a key

@@ -32,7 +32,9 @@ class IncrementalDetokenizer:
     A tokenizer with `decode_stream` (server.text.tokenizer.Tokenizer) runs that technique inside
     the tokenizers library instead (DecodeStream, one call per step: 1.4 -> 0.6 us a token on
     SmolLM2's tokenizer and English text, bench/RESULTS.md session 23); the window is still kept here,
-    since `flush` needs the held-back ids, which DecodeStream does not give out.
+    since `flush` needs the held-back ids, which DecodeStream does not give out. A sample whose
+    context ends inside a character starts on the two decodes and moves to the stream with its
+    first text.
 
     Args:
         tokenizer: anything with `decode(ids, skip_special_tokens)` (server.text.tokenizer.Tokenizer).
@@ -50,6 +52,7 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        self._streams = getattr(self._tok, "decode_stream", None) is not None
         self._stream = self._new_stream()
 
     def _new_stream(self) -> Optional[Callable[[list[int]], Optional[str]]]:
@@ -77,7 +80,13 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         full_text = self._decode(self._ids[self._prefix_offset:])
         if len(full_text) > len(prefix_text) and not full_text.endswith(_REPLACEMENT_CHAR):
-            return self._advance(full_text[len(prefix_text):])
+            text = self._advance(full_text[len(prefix_text):])
+            # The window now ends on a character boundary: a sample that started here (a prompt
+            # cut inside a character) goes on with the one-call stream from its first text on.
+            # A prompt of raw byte tokens kept every step of bench.engine_step on two decodes.
+            if self._stream is None and self._streams:
+                self._stream = self._new_stream()
+            return text
         return ""
 
     def flush(self) -> str:
@@ -88,7 +97,7 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         full_text = self._decode(self._ids[self._prefix_offset:])
         text = self._advance(full_text[len(prefix_text):])
-        if self._stream is not None:  # it still holds the ids given up on: start it again here
+        if self._streams:  # a stream still holds the ids given up on: start it again here
             self._stream = self._new_stream()
         return text
 

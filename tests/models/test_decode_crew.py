@@ -1,0 +1,100 @@
+"""A one-token DecodeStack step on a crew (csrc/cpu/crew.h): the whole stack in one OpenMP region,
+the kernels' shares handed to the waiting threads, which read the next matrices ahead between
+them. It must give the regions' floats bit for bit (logits and every KV byte), with the short
+attention on the leader and a long one split over the crew, with the read-ahead on and off; run
+only for stacks whose every kernel takes a crew (not Q8_0's, not a sparse layer's); and leave no
+thread behind when a layer raises."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from server.kernels.quant import x8_here
+from server.models.decoder import DecoderForCausalLM
+from server.models.loader import load_model
+from tests.models.paged_harness import VOCAB, PagedRun, random_tokens
+from tests.tiny_models import make_tiny_model
+
+# Wide enough heads that a context of 600 tokens passes paged attention's serial line (2^17 query
+# row x position x dim products: 8 heads x 32 dims x 512 positions), so its units go to the crew.
+WIDE = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32, intermediate_size=512,
+            num_hidden_layers=3, max_position_embeddings=1024)
+
+pytestmark = pytest.mark.skipif(not x8_here() or torch.get_num_threads() < 2,
+                                reason="the crew needs the x8 kernels (AVX2 or better) and two threads")
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("wide") / "llama", "llama", vocab_size=VOCAB, **WIDE)
+
+
+def _decode(model: DecoderForCausalLM, prompt: int, steps: int) -> tuple[list[torch.Tensor], PagedRun]:
+    run = PagedRun(model, num_blocks=(prompt + steps) // 16 + 2, seed=3)
+    toks = random_tokens(prompt + steps, VOCAB, seed=11)
+    logits = [run.step({0: toks[:prompt]})[0]]
+    logits += [run.step({0: [toks[t]]})[0] for t in range(prompt, prompt + steps)]
+    return logits, run
+
+
+def _crew_runs(model: DecoderForCausalLM) -> int:
+    return sum(entry[2].crew_runs() for entry in model._stacks.values() if entry[2] is not None)
+
+
+@pytest.mark.parametrize("quantization", ["int4", "none"])
+@pytest.mark.parametrize("prompt", [40, 600])
+@pytest.mark.parametrize("ahead", ["0", "1048576"])
+def test_the_crew_gives_the_regions_floats(wide_model: Path, quantization: str, prompt: int, ahead: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    model, _ = load_model(wide_model, dtype="bfloat16")
+    if quantization != "none":
+        model.quantize_weights(quantization)  # q4_0x8 kinds
+    else:
+        model.interleave_bf16()  # bf16x8 kinds, as the engine packs them
+    monkeypatch.setenv("PAGEWIRE_CREW_AHEAD", ahead)
+    monkeypatch.setenv("PAGEWIRE_DECODE_CREW", "0")
+    plain, run_p = _decode(model, prompt, 6)
+    assert _crew_runs(model) == 0
+    monkeypatch.setenv("PAGEWIRE_DECODE_CREW", "1")
+    crew, run_c = _decode(model, prompt, 6)
+    assert _crew_runs(model) == 6  # every one-token step, none of the prompt's
+    for a, b in zip(plain, crew):
+        assert torch.equal(a, b)
+    for (kp, vp), (kc, vc) in zip(run_p.kv_caches, run_c.kv_caches):
+        assert torch.equal(kp, kc) and torch.equal(vp, vc)
+
+
+def test_a_stack_of_q8_0_kernels_keeps_its_regions(wide_model: Path) -> None:
+    # Q8_0's x8 kernel measured slower on a crew in a fast-memory phase (bench/RESULTS.md session
+    # 32): such a stack runs as before, with the same floats.
+    model, _ = load_model(wide_model, dtype="bfloat16")
+    model.quantize_weights("int8")
+    assert set(model._layers[0].linear_kinds(model.dtype, 1)) == {"q8_0x8"}
+    _decode(model, 40, 3)
+    assert _crew_runs(model) == 0 and any(entry[2] is not None for entry in model._stacks.values())
+
+
+def test_a_layer_that_raises_on_the_crew_leaves_it_and_the_stack_works_after(wide_model: Path) -> None:
+    model, _ = load_model(wide_model, dtype="bfloat16")
+    model.quantize_weights("int4")
+    logits, run = _decode(model, 40, 2)
+    stack = next(entry[2] for entry in model._stacks.values() if entry[2] is not None)
+    before = stack.crew_runs()
+    hidden = torch.zeros(1, model.config.hidden_size, dtype=model.dtype)
+    pos = torch.tensor([42], dtype=torch.int64)
+    slots = torch.tensor([run.tables[0][2] * run.block_size + 10], dtype=torch.int64)
+    tables = torch.tensor([run.tables[0]], dtype=torch.int32)
+    qsl = torch.tensor([0, 1], dtype=torch.int32)
+    # A sequence longer than its block table holds: paged attention refuses it inside the region.
+    too_long = torch.tensor([len(run.tables[0]) * run.block_size + 1], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="needs more than the"):
+        stack.run(hidden.clone(), None, [pos], [slots], [tables], too_long, qsl, 1, int(too_long[0]))
+    assert stack.crew_runs() == before + 1
+    # The crew's threads were released: the next steps run on a crew again, with the same floats
+    # as a fresh run's.
+    total = _crew_runs(model)
+    again, _ = _decode(model, 40, 2)
+    assert _crew_runs(model) == total + 2
+    assert all(torch.equal(a, b) for a, b in zip(logits, again))

@@ -9,7 +9,7 @@
 // thread idle 56 % of a step, bench/RESULTS.md session 32). Inside one region a handoff is a
 // generation counter and a countdown, a few hundred nanoseconds.
 //
-// Only the code that asks runs on the crew: team_for (team_kernel.h, the x8 kernels' loops) and
+// Opt-in ($PAGEWIRE_DECODE_CREW=1, decode_stack.cpp says why). Only the code that asks runs on the crew: team_for (team_kernel.h, the x8 kernels' loops) and
 // team_region (paged attention's units) pass their shares to it; any other OpenMP region opened
 // inside runs on the leader alone (nested regions are teams of one), with the same results. So
 // DecodeStack runs on a crew only when every layer's kernels ask (DecodeStack::crew_ready).

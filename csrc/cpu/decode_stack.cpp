@@ -202,8 +202,8 @@ class DecodeStack : public torch::CustomClassHolder {
                                         std::vector<at::Tensor> slot_mappings, std::vector<at::Tensor> block_tables,
                                         at::Tensor seq_lens, at::Tensor query_start_loc, int64_t max_query_len,
                                         int64_t max_seq_len) {
-    // One token (a lone decode): the whole stack in one region, its kernels on a crew
-    // (cpu/crew.h), where every layer's kernels hand their shares to one (crew_ready).
+    // One token (a lone decode), when asked for: the whole stack in one region, its kernels on a
+    // crew (cpu/crew.h), where every layer's kernels hand their shares to one (crew_ready).
     if (hidden.dim() == 2 && hidden.size(0) == 1 && crew_wanted() && omp_get_max_threads() > 1 &&
         !omp_in_parallel() && crew_ready()) {
       std::tuple<at::Tensor, OptTensor> result;
@@ -234,9 +234,11 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
  private:
-  // Whether every layer's kernels split over a crew (team_for, team_region): the x8 kinds
-  // (quantised and bf16; not Q8_0, see below), and no sparse layer (moe_decode opens a region of its own, which would run on the
-  // leader alone). Any other kind would run whole on the leader: those stacks keep their regions.
+  // Whether every layer's kernels split over a crew (team_for, team_region): the x8 kinds,
+  // quantised and bf16, and no sparse layer (moe_decode opens a region of its own, which would run
+  // on the leader alone). Any other kind would run whole on the leader: those stacks keep their
+  // regions. Not Q8_0: its kernel measured 4-7 % slower on a crew even on Llama-1B's large
+  // matrices, where the handoffs are few (bench/RESULTS.md, session 32).
   bool crew_ready() const {
     if (crew_ready_ < 0) {
       const auto one = [](const std::string& k) {
@@ -286,10 +288,14 @@ class DecodeStack : public torch::CustomClassHolder {
     return e == nullptr ? int64_t{1} << 20 : std::atoll(e);
   }
 
-  // $PAGEWIRE_DECODE_CREW=0 turns the crew off (bench A/B, one process: read at each call).
+  // $PAGEWIRE_DECODE_CREW=1 turns the crew on (read at each call, so that a bench can alternate
+  // it step by step in one process). Off by default: on the Zen 4 it measured faster where the
+  // memory was slow (SmolLM2 Q4_1 steps 0.91-0.94x with the read-ahead) and slower where it was
+  // fast (1.06-1.11x), and its kernels' shares, not its serial work, were what ran longer there
+  // (bench/RESULTS.md, session 32). Until that is understood, the regions stay the default.
   static bool crew_wanted() {
     const char* e = std::getenv("PAGEWIRE_DECODE_CREW");
-    return e == nullptr || std::strcmp(e, "0") != 0;
+    return e != nullptr && std::strcmp(e, "1") == 0;
   }
 
   std::tuple<at::Tensor, OptTensor> run_layers(at::Tensor& hidden, OptTensor delta, const std::vector<at::Tensor>& rows,

@@ -1,4 +1,4 @@
-"""A one-token DecodeStack step on a crew (csrc/cpu/crew.h): the whole stack in one OpenMP region,
+"""A one-token DecodeStack step on a crew (csrc/cpu/crew.h, opt-in): the whole stack in one OpenMP region,
 the kernels' shares handed to the waiting threads, which read the next matrices ahead between
 them. It must give the regions' floats bit for bit (logits and every KV byte), with the short
 attention on the leader and a long one split over the crew, with the read-ahead on and off; run
@@ -24,6 +24,12 @@ WIDE = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_
 
 pytestmark = pytest.mark.skipif(not x8_here() or torch.get_num_threads() < 2,
                                 reason="the crew needs the x8 kernels (AVX2 or better) and two threads")
+
+
+@pytest.fixture(autouse=True)
+def crew_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The crew is opt-in ($PAGEWIRE_DECODE_CREW=1): on for every test here."""
+    monkeypatch.setenv("PAGEWIRE_DECODE_CREW", "1")
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +78,14 @@ def test_a_stack_of_q8_0_kernels_keeps_its_regions(wide_model: Path) -> None:
     model, _ = load_model(wide_model, dtype="bfloat16")
     model.quantize_weights("int8")
     assert set(model._layers[0].linear_kinds(model.dtype, 1)) == {"q8_0x8"}
+    _decode(model, 40, 3)
+    assert _crew_runs(model) == 0 and any(entry[2] is not None for entry in model._stacks.values())
+
+
+def test_the_crew_is_off_unless_asked_for(wide_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PAGEWIRE_DECODE_CREW")
+    model, _ = load_model(wide_model, dtype="bfloat16")
+    model.quantize_weights("int4")
     _decode(model, 40, 3)
     assert _crew_runs(model) == 0 and any(entry[2] is not None for entry in model._stacks.values())
 

@@ -289,10 +289,10 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   // $PAGEWIRE_DECODE_CREW=1 turns the crew on (read at each call, so that a bench can alternate
-  // it step by step in one process). Off by default: on the Zen 4 it measured faster where the
-  // memory was slow (SmolLM2 Q4_1 steps 0.91-0.94x with the read-ahead) and slower where it was
-  // fast (1.06-1.11x), and its kernels' shares, not its serial work, were what ran longer there
-  // (bench/RESULTS.md, session 32). Until that is understood, the regions stay the default.
+  // it step by step in one process). Off by default: on the Zen 4 its steps measured 0.91-0.94x
+  // the regions' in some runs and 1.06-1.16x in others minutes apart (SmolLM2 Q4_1, read-ahead on),
+  // and where it lost, its kernels' shares, not its serial work, ran longer (bench/RESULTS.md,
+  // session 32). Until that is understood, the regions stay the default.
   static bool crew_wanted() {
     const char* e = std::getenv("PAGEWIRE_DECODE_CREW");
     return e != nullptr && std::strcmp(e, "1") == 0;

@@ -9,10 +9,11 @@
 // thread idle 56 % of a step, bench/RESULTS.md session 32). Inside one region a handoff is a
 // generation counter and a countdown, a few hundred nanoseconds.
 //
-// Opt-in ($PAGEWIRE_DECODE_CREW=1, decode_stack.cpp says why). Only the code that asks runs on the crew: team_for (team_kernel.h, the x8 kernels' loops) and
-// team_region (paged attention's units) pass their shares to it; any other OpenMP region opened
-// inside runs on the leader alone (nested regions are teams of one), with the same results. So
-// DecodeStack runs on a crew only when every layer's kernels ask (DecodeStack::crew_ready).
+// Opt-in ($PAGEWIRE_DECODE_CREW=1; decode_stack.cpp says why). Only the code that asks runs on the
+// crew: team_for (team_kernel.h, the x8 kernels' loops) and team_region (paged attention's units,
+// linear_parts_region) pass their shares to it; any other OpenMP region opened inside runs on the
+// leader alone (nested regions are teams of one), with the same results. So DecodeStack runs on a
+// crew only when every layer's kernels ask (DecodeStack::crew_ready).
 //
 // Which thread computes a share never changes a float: the kernels' outputs are per group of rows
 // or per unit, whole on one thread, as with their own regions (batch invariance).
@@ -86,7 +87,7 @@ class Crew {
   };
   // offsets: each range's first byte in the ranges laid end to end, then their total (count + 1).
   // The members may read up to `budget` bytes past the start of the range after the one a kernel
-  // is streaming (ranges_started()).
+  // is streaming (range_started()).
   void set_read_ahead(const Range* ranges, const int64_t* offsets, size_t count, int64_t budget) {
     ranges_ = ranges;
     offsets_ = offsets;
@@ -202,7 +203,6 @@ class Crew {
   alignas(64) std::atomic<int> pending_{0};
   std::atomic<bool> closed_{false};
 };
-
 
 // Runs `body` as the leader of a crew of the calling region's threads: thread 0 leads (body()),
 // the others serve until it returns. Call from inside `#pragma omp parallel`, on every thread.

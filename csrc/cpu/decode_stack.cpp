@@ -265,7 +265,8 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   // The crew's read-ahead plan: every layer's four weight matrices in the order the kernels read
-  // them, and each layer's first offset in it (layer_off_). Built once (the weights do not move).
+  // them (run_linear moves the window on, crew.h), and each one's first byte in the matrices laid
+  // end to end, then their total. Built once (the weights do not move; add_layer clears it).
   void build_plan() {
     if (!plan_.empty()) return;
     int64_t off = 0;

@@ -3,8 +3,9 @@
 // Why an op of its own: a bf16 model's lm_head leaves bf16 logits, and the sampler reads float32.
 // torch's `.float()` splits the copy of one 49,152-value row over the team: a region, and half the
 // row read out of the other core's cache, since FloatOut::finish rounded a single row on the
-// engine thread. That took 34 us a step on SmolLM2 after the weights' stream, against about 5 us
-// here on the calling thread (issue 31's engine overhead, bench/RESULTS.md session 32). Several
+// engine thread. Right after a step, SmolLM2's widening and argmax took 29.6 + 20.3 us that way
+// (Q4_0; 45.2 + 28.8 on Q4_1) against 26.9 + 16.0 here (33.8 + 24.5): the copy itself waits on
+// the cold output lines either way (issue 31's engine overhead, bench/RESULTS.md session 32). Several
 // rows were rounded by each thread's column slice (FloatOut::round_slice), so they are widened in
 // the same slices, each core reading what it wrote.
 #include <ATen/core/Tensor.h>

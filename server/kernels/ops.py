@@ -315,8 +315,9 @@ class DecodeStack(Protocol):
     max_query_len, max_seq_len) returns (hidden, the last layer's output or None). A one-token
     step runs on a crew (csrc/cpu/crew.h: one region for the whole stack, the kernels' shares
     handed to the waiting threads, which read the next weights ahead meanwhile) where every layer's
-    kernels take one and $PAGEWIRE_DECODE_CREW=1 asks for it (off by default: measured both faster
-    and slower by the host's memory phase, bench/RESULTS.md session 32); crew_runs() counts those calls."""
+    kernels take one and $PAGEWIRE_DECODE_CREW=1 asks for it (off by default: measured faster in
+    some runs and slower in others minutes apart, by the host's state, bench/RESULTS.md session 32);
+    crew_runs() counts those calls."""
 
     def add_layer(self, *args: Any) -> int: ...
 

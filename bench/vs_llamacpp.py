@@ -24,7 +24,9 @@ llama-quantize (Q8_0 and Q4_K_M as a user downloads them), so it needs --llama-q
 llama.cpp is not part of pagewire: build it outside the repo (the vendored tree of the newest
 `llama-cpp-python` sdist, `cmake -DGGML_NATIVE=ON`) and pass its llama-bench with --llama-bench.
 
-Example (issue 27's MoE bar; files under /tmp):
+Example (issue 27's MoE bar; files under /tmp; `--shape qwen3moe-5b` for the 48-layer shape, whose
+files are large enough that the interpreter's and torch's fixed ~220 MiB stay a small part of the
+RSS bar, as they are for real MoE files):
     .venv/bin/python -m bench.vs_llamacpp --shape qwen3moe-2.5b --types Q8_0 Q4_K_M --files-dir /tmp/moebench \
         --llama-bench $LCPP/llama-bench --llama-quantize $LCPP/llama-quantize --rounds 2 --repeats 3 --threads 2
 
@@ -109,10 +111,14 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
 # Mixture-of-experts shapes (random weights, written without an HF folder). qwen3moe-2.5b: Qwen3-MoE's
 # layout at Qwen3-30B-A3B's expert count and top-k (128, 8), hidden 1024, 24 layers, heads of 128 (8 / 2
 # KV), experts of 256 (every row whole K-quant super-blocks), a 32,000-token vocabulary, untied:
-# 2.55 B parameters, 0.28 B active (11 %, the whole embedding table counted).
+# 2.55 B parameters, 0.28 B active (11 %, the whole embedding table counted). qwen3moe-5b: the same at
+# Qwen3-30B-A3B's 48 layers: 4.98 B parameters, 0.50 B active (10 %). Its files are large enough that the
+# interpreter's and torch's fixed ~260 MiB is a small share of the memory bar, as it is for real MoE files.
 MOE_SHAPES: dict[str, MoeShape] = {
     "qwen3moe-2.5b": MoeShape(vocab_size=32000, hidden_size=1024, num_layers=24, num_heads=8, num_kv_heads=2,
                               head_dim=128, num_experts=128, experts_per_tok=8, moe_intermediate_size=256),
+    "qwen3moe-5b": MoeShape(vocab_size=32000, hidden_size=1024, num_layers=48, num_heads=8, num_kv_heads=2,
+                            head_dim=128, num_experts=128, experts_per_tok=8, moe_intermediate_size=256),
 }
 
 

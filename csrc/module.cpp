@@ -5,6 +5,7 @@
 #include "allocator/bindings.h"
 #include "cpu/cpu_features.h"
 #include "cpu/dispatch_mode.h"
+#include "cpu/small_blocks.h"
 
 namespace py = pybind11;
 
@@ -52,6 +53,24 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "cpu_isa", [] { return std::string(pagewire::cpu::isa_name(pagewire::cpu::active_isa())); },
       "Kernel family the CPU ops use now: the detected one, capped by $PAGEWIRE_CPU_ISA.");
+  m.def(
+      "set_small_blocks", [](bool on) { pagewire::cpu::set_small_blocks(on); },
+      "Install (True) or remove (False) the small-block cache as torch's CPU allocator (cpu/small_blocks.h).");
+  m.def(
+      "small_block_stats",
+      [] {
+        const pagewire::cpu::SmallBlockStats s = pagewire::cpu::small_block_stats();
+        py::dict d;
+        d["enabled"] = s.enabled;
+        d["hits"] = s.hits;
+        d["misses"] = s.misses;
+        d["cached_bytes"] = s.cached_bytes;
+        return d;
+      },
+      "The small-block cache: whether installed, hits and misses (all threads), bytes cached on this thread.");
+  m.def(
+      "release_small_blocks", [] { pagewire::cpu::release_small_blocks(); },
+      "Return the calling thread's cached small blocks to the C library.");
   m.def(
       "detected_cpu_isa", [] { return std::string(pagewire::cpu::isa_name(pagewire::cpu::detected_isa())); },
       "Best kernel family this CPU supports: avx512bf16, avx2 or portable.");

@@ -10,6 +10,7 @@ unfinished requests schedules work (`last_step_progressed` records it, so caller
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -47,7 +48,7 @@ from server.engine.step_budget import StepBudget
 from server.engine.structured import PendingMasks, StructuredDecoder
 from server.kernels import autotune, batch_invariant
 from server.kernels.linear_route import Q8_KERNEL_MAX_ROWS
-from server.kernels.ops import cpu_isa
+from server.kernels.ops import cpu_isa, release_small_blocks, use_small_blocks
 from server.models import load_progress
 from server.models.loader import load_model
 from server.models.pooling import Pooler, resolve_pooler
@@ -84,6 +85,8 @@ class LLMEngine:
         self.config = config
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
+        if config.device == "cpu" and os.environ.get("PAGEWIRE_SMALL_BLOCKS", "1") != "0":
+            use_small_blocks(True)  # a step's few hundred small tensors off glibc's memalign path (ops.py)
         # An embedding model (None: generation): pools prompts instead of sampling.
         self.pooler: Optional[Pooler] = resolve_pooler(config.task, config.model)
         if self.pooler is not None and config.speculative_config is not None:
@@ -194,7 +197,8 @@ class LLMEngine:
             logger.info("ITL target: %.0f ms per step while sequences decode", config.itl_target_ms)
         self._step_rows = (0, 0)  # (decode rows, prefill tokens) of the step being run
         # The load's and the autotune's freed copies back to the OS (glibc keeps them resident):
-        # tens of MB of a GGUF load's RSS (issue 27).
+        # tens of MB of a GGUF load's RSS (issue 27). The small-block cache's load-time blocks first.
+        release_small_blocks()
         heap.trim(force=True)
 
     def _autotune_linears(self, config: EngineConfig,

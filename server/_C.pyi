@@ -100,3 +100,15 @@ def cpu_isa() -> str:
 def detected_cpu_isa() -> str:
     """The best CPU kernel family this CPU supports, ignoring $PAGEWIRE_CPU_ISA."""
     ...
+
+def set_small_blocks(on: bool) -> None:
+    """Install (True) or remove (False) the small-block cache as torch's CPU allocator (cpu/small_blocks.h)."""
+    ...
+
+def small_block_stats() -> dict[str, Any]:
+    """The small-block cache: enabled, hits and misses (all threads), cached_bytes (this thread)."""
+    ...
+
+def release_small_blocks() -> None:
+    """Return the calling thread's cached small blocks to the C library."""
+    ...

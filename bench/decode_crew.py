@@ -1,15 +1,19 @@
-"""The decode crew (csrc/cpu/crew.h, PAGEWIRE_DECODE_CREW=1) against the per-kernel OpenMP regions,
-one-token steps, in one process.
+"""The decode crew (csrc/cpu/crew.h) against the per-kernel OpenMP regions, one-token steps, in one
+process.
 
 The two modes alternate step by step (A B, B A, ...) on the same model, KV cache and kernel rules,
-so a shared host's drift falls on both alike; each pair's ratio crew / regions is kept. The pairs
-are then binned by the regions step's time (quarters): on a host whose memory speed swings, this
-shows the crew's effect where memory was fast apart from where it was slow, which a single median
-hides. `--env NAME=A,B` compares two values of another switch instead (read per call by the stack,
-e.g. PAGEWIRE_CREW_AHEAD=0,1048576 with the crew on).
+so a shared host's drift falls on both alike; each pair's ratio B / A is kept. Every 40 pairs an
+untimed step on a forced crew (PAGEWIRE_DECODE_CREW=1) refreshes the stack's probe of how far apart
+the two threads' cores are (DecodeStack.crew_handoff_ns: an empty job's handoff, 150-240 ns within
+one core complex of the Zen 4 guest, 580-1,040 ns across two), and the pairs are reported by it:
+close (under 400 ns, the default mode's line) and far. On that guest the vCPUs move between the two
+placements minutes apart, and the crew's verdict flips with them; the default ("auto") follows the
+probe. `--env NAME=A,B` compares two values of another switch instead (read per call by the stack,
+e.g. PAGEWIRE_CREW_AHEAD=0,1048576 with the crew forced on).
 
 Examples:
-    .venv/bin/python -m bench.decode_crew --model default --steps 1500
+    .venv/bin/python -m bench.decode_crew --model default --steps 1500                 # regions vs auto
+    .venv/bin/python -m bench.decode_crew --model default --env PAGEWIRE_DECODE_CREW=0,1  # vs a forced crew
     PAGEWIRE_DECODE_CREW=1 .venv/bin/python -m bench.decode_crew --model default --env PAGEWIRE_CREW_AHEAD=0,1048576
 """
 from __future__ import annotations
@@ -20,6 +24,7 @@ import shlex
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -31,7 +36,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=1500, help="pairs of steps")
     p.add_argument("--context", type=int, default=128, help="cached tokens of the one sequence")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--env", default="PAGEWIRE_DECODE_CREW=0,1", help="NAME=A,B: the switch and its two values")
+    p.add_argument("--env", default="PAGEWIRE_DECODE_CREW=0,auto", help="NAME=A,B: the switch and its two values")
     a = p.parse_args()
     print("command:", shlex.join([sys.executable, "-m", "bench.decode_crew", *sys.argv[1:]]))
     name, values = a.env.split("=", 1)
@@ -43,36 +48,60 @@ def main() -> None:
     from server.kernels import autotune, batch_invariant
     from server.models.default_model import find_default_model
 
-    path = str(find_default_model()) if a.model == "default" else a.model
+    path = a.model
+    if a.model == "default":
+        found = find_default_model()
+        if found is None:
+            raise SystemExit("--model default: the default model package is not installed")
+        path = str(found.path)
     engine = LLMEngine(EngineConfig(model=path, dtype="bfloat16", quantization=a.quantization,
                                     num_threads=a.threads, enable_prefix_caching=False, max_num_seqs=8))
     model = engine.model
     ids, positions, kv, meta = decode_batch(model, 1, a.context)
-    pairs: list[tuple[float, float]] = []
+    stack: Any = None  # the model's DecodeStack, made by its first one-token step
+    pairs: list[tuple[float, float, int]] = []
+    probe = -1
+    crew_env = os.environ.get("PAGEWIRE_DECODE_CREW")
     with torch.inference_mode(), batch_invariant.mode(engine.deterministic), autotune.active(engine.linear_table):
         for i in range(a.steps):
+            if i % 40 == 0:
+                os.environ["PAGEWIRE_DECODE_CREW"] = "1"  # an untimed crew step: the probe now
+                model.compute_logits(model(ids, positions, kv, meta))
+                if stack is None:
+                    stack = next((e[2] for e in getattr(model, "_stacks", {}).values() if e[2] is not None), None)
+                probe = stack.crew_handoff_ns() if stack is not None else -1
+                if crew_env is None:
+                    os.environ.pop("PAGEWIRE_DECODE_CREW")
+                else:
+                    os.environ["PAGEWIRE_DECODE_CREW"] = crew_env
             t: dict[str, float] = {}
             for v in (off, on) if i % 2 == 0 else (on, off):
                 os.environ[name] = v
                 t0 = time.perf_counter()
                 model.compute_logits(model(ids, positions, kv, meta))
                 t[v] = time.perf_counter() - t0
-            pairs.append((t[off], t[on]))
+            pairs.append((t[off], t[on], probe))
     os.environ.pop(name, None)
+    if crew_env is not None:
+        os.environ["PAGEWIRE_DECODE_CREW"] = crew_env
     print(f"{path}  {a.quantization}  context {a.context}  threads {a.threads}  {name}: {off} -> {on}")
-    pairs.sort()
-    quarter = max(1, len(pairs) // 4)
-    for k in range(0, len(pairs), quarter):
-        chunk = pairs[k:k + quarter]
-        ratios = sorted(b / x for x, b in chunk)
-        print(f"  {name}={off} steps {chunk[0][0] * 1e3:6.2f}-{chunk[-1][0] * 1e3:6.2f} ms: {on}/{off} median "
-              f"{ratios[len(ratios) // 2]:.3f}")
-    ratios = sorted(b / x for x, b in pairs)
-    total = sum(b for _, b in pairs) / sum(x for x, _ in pairs)
-    m_off, m_on = statistics.median(x for x, _ in pairs), statistics.median(b for _, b in pairs)
+    groups = {"close (probe < 400 ns)": [p for p in pairs if 0 <= p[2] < 400],
+              "far (probe >= 400 ns)": [p for p in pairs if p[2] >= 400],
+              "no probe (no crew here)": [p for p in pairs if p[2] < 0]}
+    for label, chunk in groups.items():
+        if not chunk:
+            continue
+        ratios = sorted(b / x for x, b, _ in chunk)
+        probes = sorted(pr for _, _, pr in chunk)
+        print(f"  {label}: {len(chunk)} pairs, probe median {probes[len(probes) // 2]} ns; {name}={off} median "
+              f"{statistics.median(x for x, _, _ in chunk) * 1e3:.3f} ms, {name}={on} "
+              f"{statistics.median(b for _, b, _ in chunk) * 1e3:.3f} ms; {on}/{off} paired median "
+              f"{ratios[len(ratios) // 2]:.3f} (p25 {ratios[len(ratios) // 4]:.3f}, p75 {ratios[3 * len(ratios) // 4]:.3f})")
+    ratios = sorted(b / x for x, b, _ in pairs)
+    total = sum(b for _, b, _ in pairs) / sum(x for x, _, _ in pairs)
+    m_off, m_on = statistics.median(x for x, _, _ in pairs), statistics.median(b for _, b, _ in pairs)
     print(f"  all {len(pairs)} pairs: {on}/{off} median {ratios[len(ratios) // 2]:.3f}, total time {total:.3f}; "
           f"medians {m_off * 1e3:.3f} / {m_on * 1e3:.3f} ms; load average {os.getloadavg()[0]:.2f}")
-
 
 if __name__ == "__main__":
     main()

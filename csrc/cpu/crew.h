@@ -23,8 +23,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <exception>
+#include <limits>
 #include <mutex>
 
 #include "x86_target.h"
@@ -76,6 +78,21 @@ class Crew {
       error_ = nullptr;
       std::rethrow_exception(e);
     }
+  }
+
+  // Leader: the shortest of `tries` empty jobs, from the post until every member has finished,
+  // in nanoseconds: how far apart the crew's cores sit. Two vCPUs of one core complex hand a job
+  // over and back in about 0.1-0.3 us; across complexes (another CCD) it took over 1 us, and there
+  // a line one core read ahead costs the other more than memory does (bench/RESULTS.md, session 33).
+  int64_t handoff_ns(int tries = 3) {
+    int64_t best = std::numeric_limits<int64_t>::max();
+    for (int i = 0; i < tries; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      run([](int, int) {});
+      const auto dt = std::chrono::steady_clock::now() - t0;
+      best = std::min<int64_t>(best, std::chrono::duration_cast<std::chrono::nanoseconds>(dt).count());
+    }
+    return best;
   }
 
   // What the members read ahead while they wait: byte ranges in the order the leader's kernels

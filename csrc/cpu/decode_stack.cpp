@@ -192,6 +192,8 @@ class DecodeStack : public torch::CustomClassHolder {
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
   // How many run() calls went on a crew (tests, and what a profile of a step should show).
   int64_t crew_runs() const { return crew_runs_; }
+  // The last crew step's empty-job handoff in ns (-1: none yet; Crew::handoff_ns).
+  int64_t crew_handoff_ns() const { return last_handoff_ns_; }
 
   // Every layer in order over the residual stream `hidden` [T, H] (mutated) with the previous
   // sub-block's output `delta` (None at the first layer) -> (hidden, the last layer's output for
@@ -202,10 +204,17 @@ class DecodeStack : public torch::CustomClassHolder {
                                         std::vector<at::Tensor> slot_mappings, std::vector<at::Tensor> block_tables,
                                         at::Tensor seq_lens, at::Tensor query_start_loc, int64_t max_query_len,
                                         int64_t max_seq_len) {
-    // One token (a lone decode), when asked for: the whole stack in one region, its kernels on a
-    // crew (cpu/crew.h), where every layer's kernels hand their shares to one (crew_ready).
-    if (hidden.dim() == 2 && hidden.size(0) == 1 && crew_wanted() && omp_get_max_threads() > 1 &&
-        !omp_in_parallel() && crew_ready()) {
+    // One token (a lone decode) while the cores sit close, or when forced (crew_mode): the whole
+    // stack in one region, its kernels on a crew (cpu/crew.h), where every layer's kernels hand
+    // their shares to one (crew_ready).
+    const CrewMode mode = crew_mode();
+    bool crew_step = mode != CrewMode::kOff && hidden.dim() == 2 && hidden.size(0) == 1 &&
+                     omp_get_max_threads() > 1 && !omp_in_parallel() && crew_ready();
+    if (crew_step && mode == CrewMode::kAuto && regions_left_ > 0) {
+      --regions_left_;  // the last probe found the cores far apart: regions until the next one
+      crew_step = false;
+    }
+    if (crew_step) {
       std::tuple<at::Tensor, OptTensor> result;
       std::exception_ptr error;
       cpu::Crew crew(omp_get_max_threads());
@@ -217,6 +226,10 @@ class DecodeStack : public torch::CustomClassHolder {
 #pragma omp parallel num_threads(crew.size())
       {
         cpu::lead_or_serve(crew, [&] {
+          // Where the members are now decides an auto stack's next steps (this one runs on the
+          // crew anyway); a forced crew records it too (bench/decode_crew.py bins by it).
+          last_handoff_ns_ = crew.handoff_ns();
+          if (mode == CrewMode::kAuto && last_handoff_ns_ > far_handoff_ns()) regions_left_ = kRegionsBeforeProbe;
           try {
             result = run_layers(hidden, delta, rows, slot_mappings, block_tables, seq_lens, query_start_loc,
                                 max_query_len, max_seq_len);
@@ -289,14 +302,28 @@ class DecodeStack : public torch::CustomClassHolder {
     return e == nullptr ? int64_t{1} << 20 : std::atoll(e);
   }
 
-  // $PAGEWIRE_DECODE_CREW=1 turns the crew on (read at each call, so that a bench can alternate
-  // it step by step in one process). Off by default: on the Zen 4 its steps measured 0.91-0.94x
-  // the regions' in some runs and 1.06-1.16x in others minutes apart (SmolLM2 Q4_1, read-ahead on),
-  // and where it lost, its kernels' shares, not its serial work, ran longer (bench/RESULTS.md,
-  // session 32). Until that is understood, the regions stay the default.
-  static bool crew_wanted() {
+  // $PAGEWIRE_DECODE_CREW (read at each call, so that a bench can alternate it step by step in
+  // one process): "1" always a crew, "0" never, anything else (the default) a crew while the
+  // threads' cores sit close. On the Zen 4 guest the two vCPUs move between one core complex
+  // (handoffs ~50 ns a way) and two (~300-600 ns), minutes apart. Close, the crew's steps took
+  // 0.90x the regions' (the member's read-ahead lands where the leader reads it cheaply); far
+  // apart, 1.06-1.08x (a line the other core holds costs more than memory), which is what made
+  // session 32's verdict flip between runs (bench/RESULTS.md, sessions 32-33). So an auto step on
+  // the crew times a few empty handoffs first (Crew::handoff_ns: 150-240 ns close, 580-1,040 ns far
+  // there), and if they are far, the next kRegionsBeforeProbe steps open regions.
+  enum class CrewMode { kOff, kOn, kAuto };
+  static CrewMode crew_mode() {
     const char* e = std::getenv("PAGEWIRE_DECODE_CREW");
-    return e != nullptr && std::strcmp(e, "1") == 0;
+    if (e != nullptr && std::strcmp(e, "1") == 0) return CrewMode::kOn;
+    if (e != nullptr && std::strcmp(e, "0") == 0) return CrewMode::kOff;
+    return CrewMode::kAuto;
+  }
+  static constexpr int64_t kRegionsBeforeProbe = 64;
+  // The handoff above which the cores count as far apart: 400 ns, or $PAGEWIRE_CREW_FAR_NS (tests
+  // force either verdict with 0 and a large value).
+  static int64_t far_handoff_ns() {
+    const char* e = std::getenv("PAGEWIRE_CREW_FAR_NS");
+    return e != nullptr && *e != '\0' ? std::atoll(e) : 400;
   }
 
   std::tuple<at::Tensor, OptTensor> run_layers(at::Tensor& hidden, OptTensor delta, const std::vector<at::Tensor>& rows,
@@ -349,6 +376,8 @@ class DecodeStack : public torch::CustomClassHolder {
   std::vector<int64_t> plan_off_;
   int64_t ahead_ = 0;
   int64_t crew_runs_ = 0;
+  int64_t regions_left_ = 0;     // auto mode: steps to run on regions before probing again
+  int64_t last_handoff_ns_ = -1;  // the last crew step's probe (crew_handoff_ns)
   mutable int crew_ready_ = -1;  // crew_ready(), once the layers are in (-1: not yet known)
 };
 
@@ -361,6 +390,7 @@ TORCH_LIBRARY_FRAGMENT(pagewire, m) {
       .def("set_moe", &DecodeStack::set_moe)
       .def("size", &DecodeStack::size)
       .def("crew_runs", &DecodeStack::crew_runs)
+      .def("crew_handoff_ns", &DecodeStack::crew_handoff_ns)
       .def("run", &DecodeStack::run);
 }
 

@@ -338,9 +338,10 @@ class DecodeStack(Protocol):
     max_query_len, max_seq_len) returns (hidden, the last layer's output or None). A one-token
     step runs on a crew (csrc/cpu/crew.h: one region for the whole stack, the kernels' shares
     handed to the waiting threads, which read the next weights ahead meanwhile) where every layer's
-    kernels take one and $PAGEWIRE_DECODE_CREW=1 asks for it (off by default: measured faster in
-    some runs and slower in others minutes apart, by the host's state, bench/RESULTS.md session 32);
-    crew_runs() counts those calls."""
+    kernels take one, while a probe at each crew step finds the threads' cores close (a handoff
+    under 400 ns; far apart, the next 64 steps open regions: the crew lost there, bench/RESULTS.md
+    session 33); $PAGEWIRE_DECODE_CREW=1 forces it and 0 turns it off. crew_runs() counts those
+    calls, crew_handoff_ns() gives the last probe."""
 
     def add_layer(self, *args: Any) -> int: ...
 
@@ -349,6 +350,8 @@ class DecodeStack(Protocol):
     def size(self) -> int: ...
 
     def crew_runs(self) -> int: ...
+
+    def crew_handoff_ns(self) -> int: ...
 
     def run(self, hidden: torch.Tensor, delta: Optional[torch.Tensor], rows: list[torch.Tensor],
             slot_mappings: list[torch.Tensor], block_tables: list[torch.Tensor], seq_lens: torch.Tensor,

@@ -1,9 +1,11 @@
-"""A one-token DecodeStack step on a crew (csrc/cpu/crew.h, opt-in): the whole stack in one OpenMP region,
+"""A one-token DecodeStack step on a crew (csrc/cpu/crew.h): the whole stack in one OpenMP region,
 the kernels' shares handed to the waiting threads, which read the next matrices ahead between
 them. It must give the regions' floats bit for bit (logits and every KV byte), with the short
 attention on the leader and a long one split over the crew, with the read-ahead on and off; run
-only for stacks whose every kernel takes a crew (not Q8_0's, not a sparse layer's); and leave no
-thread behind when a layer raises."""
+only for stacks whose every kernel takes a crew (not Q8_0's, not a sparse layer's); leave no
+thread behind when a layer raises; and, by default, run only while its threads' cores hand work
+over quickly (a probe each crew step), falling back to regions for 64 steps when they do not.
+"""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -28,8 +30,8 @@ pytestmark = pytest.mark.skipif(not x8_here(), reason="the crew's kernels are th
 
 @pytest.fixture(autouse=True)
 def crew_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The crew is opt-in ($PAGEWIRE_DECODE_CREW=1): on for every test here, with a team of two
-    (`make test`'s workers run one thread each: conftest.py), restored after."""
+    """The crew forced on ($PAGEWIRE_DECODE_CREW=1; by default it follows its probe) for every test
+    here, with a team of two (`make test`'s workers run one thread each: conftest.py), restored after."""
     monkeypatch.setenv("PAGEWIRE_DECODE_CREW", "1")
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -87,12 +89,44 @@ def test_a_stack_of_q8_0_kernels_keeps_its_regions(wide_model: Path) -> None:
     assert _crew_runs(model) == 0 and any(entry[2] is not None for entry in model._stacks.values())
 
 
-def test_the_crew_is_off_unless_asked_for(wide_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PAGEWIRE_DECODE_CREW")
+def test_the_crew_is_off_when_told(wide_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEWIRE_DECODE_CREW", "0")
     model, _ = load_model(wide_model, dtype="bfloat16")
     model.quantize_weights("int4")
     _decode(model, 40, 3)
     assert _crew_runs(model) == 0 and any(entry[2] is not None for entry in model._stacks.values())
+
+
+def _stack(model: DecoderForCausalLM) -> object:
+    return next(entry[2] for entry in model._stacks.values() if entry[2] is not None)
+
+
+def test_by_default_the_crew_runs_while_its_cores_are_close(wide_model: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PAGEWIRE_DECODE_CREW")
+    monkeypatch.setenv("PAGEWIRE_CREW_FAR_NS", str(10**12))  # every probe counts as close
+    model, _ = load_model(wide_model, dtype="bfloat16")
+    model.quantize_weights("int4")
+    _decode(model, 40, 5)
+    assert _crew_runs(model) == 5
+    assert 0 < _stack(model).crew_handoff_ns() < 10**12  # type: ignore[attr-defined]
+
+
+def test_by_default_far_cores_send_the_next_64_steps_to_regions(wide_model: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEWIRE_DECODE_CREW", "0")
+    model, _ = load_model(wide_model, dtype="bfloat16")
+    model.quantize_weights("int4")
+    plain, run_p = _decode(model, 40, 70)
+    monkeypatch.delenv("PAGEWIRE_DECODE_CREW")
+    monkeypatch.setenv("PAGEWIRE_CREW_FAR_NS", "0")  # every probe counts as far
+    auto, run_a = _decode(model, 40, 70)
+    # The first step probes on the crew and finds it far; 64 steps take regions; the 66th probes again.
+    assert _crew_runs(model) == 2
+    for a, b in zip(plain, auto):
+        assert torch.equal(a, b)
+    for (kp, vp), (ka, va) in zip(run_p.kv_caches, run_a.kv_caches):
+        assert torch.equal(kp, ka) and torch.equal(vp, va)
 
 
 def test_a_layer_that_raises_on_the_crew_leaves_it_and_the_stack_works_after(wide_model: Path) -> None:

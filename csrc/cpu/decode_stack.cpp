@@ -250,12 +250,12 @@ class DecodeStack : public torch::CustomClassHolder {
   // Whether every layer's kernels split over a crew (team_for, team_region): the x8 kinds,
   // quantised and bf16, and no sparse layer (moe_decode opens a region of its own, which would run
   // on the leader alone). Any other kind would run whole on the leader: those stacks keep their
-  // regions. Not Q8_0: its kernel measured 4-7 % slower on a crew even on Llama-1B's large
-  // matrices, where the handoffs are few (bench/RESULTS.md, session 32).
+  // regions. Q8_0 too since session 33: session 32 left it out after a 4-7 % loss on Llama-1B,
+  // which the probe now explains (cores far apart); close, its steps took 0.96-1.00x the regions'.
   bool crew_ready() const {
     if (crew_ready_ < 0) {
       const auto one = [](const std::string& k) {
-        return k == "q4_0x8" || k == "q4_1x8" || k == "q4_kx8" || k == "q6_kx8" || k == "bf16x8";
+        return k == "q8_0x8" || k == "q4_0x8" || k == "q4_1x8" || k == "q4_kx8" || k == "q6_kx8" || k == "bf16x8";
       };
       // "parts:KIND*ROWS+...": linear_parts_region's shares are a team_region; each part one of the above.
       const auto x8 = [&](const std::string& k) {

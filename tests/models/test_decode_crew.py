@@ -2,7 +2,7 @@
 the kernels' shares handed to the waiting threads, which read the next matrices ahead between
 them. It must give the regions' floats bit for bit (logits and every KV byte), with the short
 attention on the leader and a long one split over the crew, with the read-ahead on and off; run
-only for stacks whose every kernel takes a crew (not Q8_0's, not a sparse layer's); leave no
+only for stacks whose every kernel takes a crew (not a sparse layer's); leave no
 thread behind when a layer raises; and, by default, run only while its threads' cores hand work
 over quickly (a probe each crew step), falling back to regions for 64 steps when they do not.
 """
@@ -56,14 +56,14 @@ def _crew_runs(model: DecoderForCausalLM) -> int:
     return sum(entry[2].crew_runs() for entry in model._stacks.values() if entry[2] is not None)
 
 
-@pytest.mark.parametrize("quantization", ["int4", "none"])
+@pytest.mark.parametrize("quantization", ["int4", "int8", "none"])
 @pytest.mark.parametrize("prompt", [40, 600])
 @pytest.mark.parametrize("ahead", ["0", "1048576"])
 def test_the_crew_gives_the_regions_floats(wide_model: Path, quantization: str, prompt: int, ahead: str,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     model, _ = load_model(wide_model, dtype="bfloat16")
     if quantization != "none":
-        model.quantize_weights(quantization)  # q4_0x8 kinds
+        model.quantize_weights(quantization)  # q4_0x8 / q8_0x8 kinds
     else:
         model.interleave_bf16()  # bf16x8 kinds, as the engine packs them
     monkeypatch.setenv("PAGEWIRE_CREW_AHEAD", ahead)
@@ -79,12 +79,14 @@ def test_the_crew_gives_the_regions_floats(wide_model: Path, quantization: str, 
         assert torch.equal(kp, kc) and torch.equal(vp, vc)
 
 
-def test_a_stack_of_q8_0_kernels_keeps_its_regions(wide_model: Path) -> None:
-    # Q8_0's x8 kernel measured slower on a crew in a fast-memory phase (bench/RESULTS.md session
-    # 32): such a stack runs as before, with the same floats.
-    model, _ = load_model(wide_model, dtype="bfloat16")
-    model.quantize_weights("int8")
-    assert set(model._layers[0].linear_kinds(model.dtype, 1)) == {"q8_0x8"}
+def test_a_sparse_layer_keeps_the_stack_on_its_regions(tmp_path: Path) -> None:
+    # moe_decode opens a region of its own, which inside a crew would be a team of one: a stack with
+    # a sparse layer runs as before.
+    moe = make_tiny_model(tmp_path / "moe", "qwen3moe", vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, moe_intermediate_size=64,
+                          num_experts=4, num_experts_per_tok=2, max_position_embeddings=256)
+    model, _ = load_model(moe, dtype="bfloat16")
+    model.quantize_weights("int4")
     _decode(model, 40, 3)
     assert _crew_runs(model) == 0 and any(entry[2] is not None for entry in model._stacks.values())
 

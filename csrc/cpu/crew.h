@@ -10,7 +10,8 @@
 // generation counter and a countdown, a few hundred nanoseconds.
 //
 // Used while the team's cores sit close (DecodeStack's probe, handoff_ns; decode_stack.cpp says
-// why), or when $PAGEWIRE_DECODE_CREW=1 forces it. Only the code that asks runs on the crew: team_for (team_kernel.h, the x8 kernels' loops) and team_region (paged attention's units,
+// why), or when $PAGEWIRE_DECODE_CREW=1 forces it. Only the code that asks runs on the crew:
+// team_for (team_kernel.h, the x8 kernels' loops) and team_region (paged attention's units,
 // linear_parts_region) pass their shares to it; any other OpenMP region opened inside runs on the
 // leader alone (nested regions are teams of one), with the same results. So DecodeStack runs on a
 // crew only when every layer's kernels ask (DecodeStack::crew_ready).

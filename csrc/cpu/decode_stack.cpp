@@ -304,13 +304,14 @@ class DecodeStack : public torch::CustomClassHolder {
 
   // $PAGEWIRE_DECODE_CREW (read at each call, so that a bench can alternate it step by step in
   // one process): "1" always a crew, "0" never, anything else (the default) a crew while the
-  // threads' cores sit close. On the Zen 4 guest the two vCPUs move between one core complex
-  // (handoffs ~50 ns a way) and two (~300-600 ns), minutes apart. Close, the crew's steps took
-  // 0.90x the regions' (the member's read-ahead lands where the leader reads it cheaply); far
-  // apart, 1.06-1.08x (a line the other core holds costs more than memory), which is what made
-  // session 32's verdict flip between runs (bench/RESULTS.md, sessions 32-33). So an auto step on
-  // the crew times a few empty handoffs first (Crew::handoff_ns: 150-240 ns close, 580-1,040 ns far
-  // there), and if they are far, the next kRegionsBeforeProbe steps open regions.
+  // threads' cores sit close. On the Zen 4 guest the two vCPUs move between one core complex (a
+  // cache line's round trip 51-80 ns) and two (316-755 ns), minutes apart. Close, the crew's steps
+  // took 0.90-0.93x the regions' on SmolLM2's 4-bit files (the member's read-ahead lands where the
+  // leader reads it cheaply); far apart, 1.02-1.10x (a line the other core holds costs more than
+  // memory), which is what made session 32's verdict flip between runs (bench/RESULTS.md, sessions
+  // 32-33). So an auto step on the crew times a few empty handoffs first (Crew::handoff_ns: 150-240
+  // ns close, 580-1,040 ns far there), and if they are far, the next kRegionsBeforeProbe steps open
+  // regions.
   enum class CrewMode { kOff, kOn, kAuto };
   static CrewMode crew_mode() {
     const char* e = std::getenv("PAGEWIRE_DECODE_CREW");

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+import server._C
+
 
 @dataclass(frozen=True)
 class Bandwidth:
@@ -38,6 +40,16 @@ class Bandwidth:
     median_gbs: float  # the median of the passes' best reads
     worst_gbs: float  # the worst pass's best read
     passes: tuple[float, ...]
+    # The threads' cores: an empty handoff to every other thread and back, in ns (server._C
+    # core_handoff_ns; -1: one thread). On a KVM guest the vCPUs move between core complexes, and
+    # this figure with them: about 150-240 ns within one, 580-1,040 across two on the Zen 4 guest,
+    # where the far placement also read 1.5x the bandwidth (bench/RESULTS.md, session 33).
+    handoff_ns: int = -1
+
+    @property
+    def placement(self) -> str:
+        """"close" (one core complex), "far" (the crew's 400 ns line) or "one thread"."""
+        return "one thread" if self.handoff_ns < 0 else ("close" if self.handoff_ns < 400 else "far")
 
     @property
     def spread(self) -> float:
@@ -47,7 +59,8 @@ class Bandwidth:
     def line(self) -> str:
         return (f"{self.best_gbs:.1f} GB/s best with {self.threads} thread(s) (median of {len(self.passes)} passes "
                 f"{self.median_gbs:.1f}, worst pass {self.worst_gbs:.1f}: spread {self.spread:.2f}; passes "
-                f"{' '.join(f'{p:.1f}' for p in self.passes)})")
+                f"{' '.join(f'{p:.1f}' for p in self.passes)}); cores {self.placement}"
+                + (f" (handoff {self.handoff_ns} ns)" if self.handoff_ns >= 0 else ""))
 
 
 MIN_BUFFER_MIB = 128
@@ -103,9 +116,10 @@ def measure(size_mib: int | None = None, passes: int = 5, repeat: int | None = N
                 buf.sum()
                 best = min(best, time.perf_counter() - t0)
             bests.append(nbytes / best / 1e9)
+        handoff = int(server._C.core_handoff_ns(n)) if n > 1 else -1
     finally:
         torch.set_num_threads(before)
-    return Bandwidth(n, max(bests), statistics.median(bests), min(bests), tuple(bests))
+    return Bandwidth(n, max(bests), statistics.median(bests), min(bests), tuple(bests), handoff)
 
 
 def read_bandwidth_gbs(size_mib: int | None = None, repeat: int | None = None) -> float:

@@ -4,6 +4,7 @@
 
 #include "allocator/bindings.h"
 #include "cpu/cpu_features.h"
+#include "cpu/crew.h"
 #include "cpu/dispatch_mode.h"
 #include "cpu/small_blocks.h"
 
@@ -53,6 +54,11 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "cpu_isa", [] { return std::string(pagewire::cpu::isa_name(pagewire::cpu::active_isa())); },
       "Kernel family the CPU ops use now: the detected one, capped by $PAGEWIRE_CPU_ISA.");
+  m.def(
+      "core_handoff_ns", [](int threads, int tries) { return pagewire::cpu::team_handoff_ns(threads, tries); },
+      py::arg("threads") = 0, py::arg("tries") = 5,
+      "How far apart a team's cores sit: the shortest empty handoff to every other thread and back, in ns "
+      "(cpu/crew.h team_handoff_ns; -1 with fewer than two threads).");
   m.def(
       "set_small_blocks", [](bool on) { pagewire::cpu::set_small_blocks(on); },
       "Install (True) or remove (False) the small-block cache as torch's CPU allocator (cpu/small_blocks.h).");

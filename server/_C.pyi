@@ -101,6 +101,10 @@ def detected_cpu_isa() -> str:
     """The best CPU kernel family this CPU supports, ignoring $PAGEWIRE_CPU_ISA."""
     ...
 
+def core_handoff_ns(threads: int = 0, tries: int = 5) -> int:
+    """How far apart a team's cores sit: the shortest empty handoff to every other thread and back, in ns (-1: one thread)."""
+    ...
+
 def set_small_blocks(on: bool) -> None:
     """Install (True) or remove (False) the small-block cache as torch's CPU allocator (cpu/small_blocks.h)."""
     ...

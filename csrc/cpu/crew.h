@@ -244,6 +244,20 @@ void lead_or_serve(Crew& crew, const Body& body) {
   body();
 }
 
+// How far apart a team of `threads` (0: omp_get_max_threads()) sits: a crew's handoff_ns over
+// `tries` empty jobs, in its own region (-1 with fewer than two threads, or inside a region). For
+// the benches' machine lines: on a KVM guest the vCPUs can move between core complexes, and the
+// memory bandwidth and the crew's verdict move with them (bench/RESULTS.md, session 33).
+inline int64_t team_handoff_ns(int threads = 0, int tries = 5) {
+  const int n = threads > 0 ? threads : omp_get_max_threads();
+  if (n < 2 || omp_in_parallel()) return -1;
+  Crew crew(n);
+  int64_t ns = -1;
+#pragma omp parallel num_threads(n)
+  lead_or_serve(crew, [&] { ns = crew.size() > 1 ? crew.handoff_ns(tries) : -1; });
+  return ns;
+}
+
 // A linear kernel of the leader's stack starts on its matrix: the crew's read-ahead moves past it.
 inline void crew_range_started() {
   if (Crew* crew = t_crew) crew->range_started();

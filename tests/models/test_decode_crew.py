@@ -153,3 +153,11 @@ def test_a_layer_that_raises_on_the_crew_leaves_it_and_the_stack_works_after(wid
     again, _ = _decode(model, 40, 2)
     assert _crew_runs(model) == total + 2
     assert all(torch.equal(a, b) for a, b in zip(logits, again))
+
+
+def test_the_benches_handoff_probe() -> None:
+    import server._C
+
+    assert server._C.core_handoff_ns(1) == -1  # nothing to hand over to
+    probes = [server._C.core_handoff_ns(2, 3) for _ in range(3)]
+    assert all(0 < p < 10**9 for p in probes)  # a handoff and back: some ns, never an hour

@@ -161,6 +161,8 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(!l.finishes, "DecodeStack.set_moe: a layer with a layer scalar has no sparse MLP here");
     l.moe = true;
     crew_ready_ = -1;
+    plan_.clear();
+    plan_off_.clear();
     l.gate_up_kind = "none";  // decode_layer stops at the MLP's input (its sparse-layer contract)
     l.router_weight = std::move(router_weight);
     l.router_kind = std::move(router_kind);
@@ -268,17 +270,26 @@ class DecodeStack : public torch::CustomClassHolder {
         }
         return true;
       };
+      // A sparse layer: moe_decode's quantised path (one region, a crew job on a crew), its router
+      // and shared expert by kinds that split over the crew too ("kernel": the bf16 row kernels'
+      // team_for).
+      const auto split = [&](const std::string& k) { return k.empty() || k == "kernel" || x8(k); };
+      const auto sparse_ok = [&](const StackLayer& l) {
+        return l.experts_gate_up_kind != "float" && l.experts_down_kind != "float" && l.moe_activation == "silu" &&
+               split(l.router_kind) && split(l.shared_gate_up_kind) && split(l.shared_down_kind) &&
+               split(l.shared_gate_kind);
+      };
       bool ok = !layers_.empty();
       for (const StackLayer& l : layers_) {
-        ok = ok && !l.moe && x8(l.qkv_kind) && x8(l.o_kind) && x8(l.gate_up_kind) && x8(l.down_kind);
+        ok = ok && x8(l.qkv_kind) && x8(l.o_kind) && (l.moe ? sparse_ok(l) : x8(l.gate_up_kind) && x8(l.down_kind));
       }
       crew_ready_ = ok ? 1 : 0;
     }
     return crew_ready_ == 1;
   }
 
-  // The crew's read-ahead plan: every layer's four weight matrices in the order the kernels read
-  // them (run_linear moves the window on, crew.h), and each one's first byte in the matrices laid
+  // The crew's read-ahead plan: every layer's four weight matrices (a sparse layer's qkv and o) in
+  // the order the kernels read them (run_linear moves the window on, crew.h), and each one's first byte in the matrices laid
   // end to end, then their total. Built once (the weights do not move; add_layer clears it).
   void build_plan() {
     if (!plan_.empty()) return;
@@ -291,6 +302,7 @@ class DecodeStack : public torch::CustomClassHolder {
     for (const StackLayer& l : layers_) {
       add(l.qkv_weight);
       add(l.o_weight);
+      if (l.moe) continue;  // a sparse layer's experts are known only once routed: not read ahead
       add(l.gate_up_weight);
       add(l.down_weight);
     }

@@ -16,6 +16,7 @@
 
 // Headers first: inline functions they define must keep the baseline ISA.
 #include "linear_kernel.h"
+#include "team_kernel.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -92,11 +93,11 @@ void run_blocks(const float* xf, const uint16_t* w, const uint16_t* bias, uint16
   // blocks): one core alone streams about 8 GB/s here, two about 15, and waking the second costs a
   // few microseconds, so even a 576 x 576 bf16 projection (0.66 MB) gains 1.7x (81 -> 47 us,
   // bench/RESULTS.md).
-#pragma omp parallel for schedule(static) if (N * K * M >= 65536)
-  for (int64_t b = 0; b < blocks; ++b) {
+  // (team_for: on a decode step's crew, crew.h, the crew takes the shares: a sparse layer's router.)
+  team_for(blocks, N * K * M >= 65536, [&](int64_t b) {
     const int64_t n = b * NR;
     rows_block<NR>(xf, w + n * K, K, bias ? bias + n : nullptr, out + n, ldo, M);
-  }
+  });
   for (int64_t n = blocks * NR; n < N; ++n) {  // the last N % NR rows
     rows_block<1>(xf, w + n * K, K, bias ? bias + n : nullptr, out + n, ldo, M);
   }

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "linear_kernel.h"
+#include "team_kernel.h"
 #include "x86_target.h"
 
 // GCC 12's own intrinsic headers trip -Wmaybe-uninitialized (the _mm256_undefined_* idiom).
@@ -128,11 +129,11 @@ void run_blocks(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_
   const int64_t blocks = N / NR;
   // Static schedule: each thread streams one contiguous slice of the weight, which the hardware
   // prefetcher follows; blocks cost the same, so nothing is gained by dynamic scheduling.
-#pragma omp parallel for schedule(static) if (N * K * M >= 65536)
-  for (int64_t b = 0; b < blocks; ++b) {
+  // (team_for: on a decode step's crew, crew.h, the crew takes the shares: a sparse layer's router.)
+  team_for(blocks, N * K * M >= 65536, [&](int64_t b) {
     const int64_t n = b * NR;
     rows_block<NR>(x, ldx, w + n * K, K, bias ? bias + n : nullptr, out + n, ldo, M);
-  }
+  });
   for (int64_t n = blocks * NR; n < N; ++n) {  // the last N % NR rows
     rows_block<1>(x, ldx, w + n * K, K, bias ? bias + n : nullptr, out + n, ldo, M);
   }

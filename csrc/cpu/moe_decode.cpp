@@ -428,15 +428,14 @@ at::Tensor moe_decode_cpu(const at::Tensor& x, const at::Tensor& router_weight, 
   };
   const int64_t act_rows = P + (shared_fast ? T : 0);
 
-  const int nt = std::max(1, std::min<int>(omp_get_max_threads(), static_cast<int>((up_total + 63) / 64)));
+  const int nt = std::max(1, std::min<int>(cpu::team_size(), static_cast<int>((up_total + 63) / 64)));
   // Whole experts per thread (gate_up, activation and down of one expert, then the next) where the
   // used experts split evenly over the team, or are many: no barrier between the two phases, where
   // a thread that drew the slower memory made the other wait twice. Otherwise (a shared expert, or
   // a few experts that do not divide) both phases are split by rows across the threads, as above.
   // Every row goes through the same kernels either way, so the floats do not depend on the choice.
   const bool by_expert = !shared_fast && nt > 1 && (U % nt == 0 || U >= 8 * nt);
-#pragma omp parallel num_threads(nt)
-  {
+  const auto body = [&] {
     const int t = omp_get_thread_num(), n_threads = omp_get_num_threads();
     if (by_expert) {
       for (int64_t u = U * t / n_threads; u < U * (t + 1) / n_threads; ++u) {
@@ -467,6 +466,15 @@ at::Tensor moe_decode_cpu(const at::Tensor& x, const at::Tensor& router_weight, 
       }
       std::memcpy(o + tok * H + c0, acc, sizeof(acc));
     }
+  };
+  if (cpu::Crew* crew = cpu::t_crew; crew != nullptr && nt == crew->size()) {
+    // A decode step's crew (crew.h): one job that every thread of the crew's region runs, so the
+    // orphaned barriers and `omp for` loops above bind to that region's team, as they bind to this
+    // function's own region otherwise.
+    crew->run([&](int, int) { body(); });
+  } else {
+#pragma omp parallel num_threads(nt)
+    body();
   }
   at::Tensor out = at::empty({T, H}, x.options());
   if (x.scalar_type() == at::kFloat) {

@@ -2,7 +2,8 @@
 the kernels' shares handed to the waiting threads, which read the next matrices ahead between
 them. It must give the regions' floats bit for bit (logits and every KV byte), with the short
 attention on the leader and a long one split over the crew, with the read-ahead on and off; run
-only for stacks whose every kernel takes a crew (not a sparse layer's); leave no
+only for stacks whose every kernel takes a crew (a sparse layer's quantised experts do, float ones
+do not); leave no
 thread behind when a layer raises; and, by default, run only while its threads' cores hand work
 over quickly (a probe each crew step), falling back to regions for 64 steps when they do not.
 """
@@ -79,14 +80,34 @@ def test_the_crew_gives_the_regions_floats(wide_model: Path, quantization: str, 
         assert torch.equal(kp, kc) and torch.equal(vp, vc)
 
 
-def test_a_sparse_layer_keeps_the_stack_on_its_regions(tmp_path: Path) -> None:
-    # moe_decode opens a region of its own, which inside a crew would be a team of one: a stack with
-    # a sparse layer runs as before.
-    moe = make_tiny_model(tmp_path / "moe", "qwen3moe", vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, moe_intermediate_size=64,
-                          num_experts=4, num_experts_per_tok=2, max_position_embeddings=256)
-    model, _ = load_model(moe, dtype="bfloat16")
+def _moe_model(tmp_path: Path) -> Path:
+    return make_tiny_model(tmp_path / "moe", "qwen3moe", vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2,
+                           num_attention_heads=8, num_key_value_heads=2, head_dim=32, moe_intermediate_size=128,
+                           num_experts=8, num_experts_per_tok=2, max_position_embeddings=1024)
+
+
+@pytest.mark.parametrize("prompt", [40, 600])
+def test_a_sparse_layer_on_the_crew_gives_the_regions_floats(tmp_path: Path, prompt: int,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # moe_decode's region becomes one crew job (its barriers bind to the crew's region), the router
+    # runs on the bf16 kernels' team_for: the same floats and KV bytes as with regions.
+    model, _ = load_model(_moe_model(tmp_path), dtype="bfloat16")
     model.quantize_weights("int4")
+    monkeypatch.setenv("PAGEWIRE_DECODE_CREW", "0")
+    plain, run_p = _decode(model, prompt, 6)
+    assert _crew_runs(model) == 0
+    monkeypatch.setenv("PAGEWIRE_DECODE_CREW", "1")
+    crew, run_c = _decode(model, prompt, 6)
+    assert _crew_runs(model) == 6
+    for a, b in zip(plain, crew):
+        assert torch.equal(a, b)
+    for (kp, vp), (kc, vc) in zip(run_p.kv_caches, run_c.kv_caches):
+        assert torch.equal(kp, kc) and torch.equal(vp, vc)
+
+
+def test_float_experts_keep_the_stack_on_its_regions(tmp_path: Path) -> None:
+    # Float experts take moe_experts_cpu's regions, which inside a crew would be teams of one.
+    model, _ = load_model(_moe_model(tmp_path), dtype="bfloat16")
     _decode(model, 40, 3)
     assert _crew_runs(model) == 0 and any(entry[2] is not None for entry in model._stacks.values())
 

@@ -57,6 +57,25 @@ def _crew_runs(model: DecoderForCausalLM) -> int:
     return sum(entry[2].crew_runs() for entry in model._stacks.values() if entry[2] is not None)
 
 
+def _same_floats(a: tuple[list[torch.Tensor], PagedRun], b: tuple[list[torch.Tensor], PagedRun]) -> None:
+    """Two _decode runs gave the same logits at every step and the same bytes in every KV cache."""
+    for x, y in zip(a[0], b[0]):
+        assert torch.equal(x, y)
+    for (ka, va), (kb, vb) in zip(a[1].kv_caches, b[1].kv_caches):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def _regions_then_crew(model: DecoderForCausalLM, prompt: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Six one-token steps with regions, then on a forced crew: every step on it, the same floats."""
+    monkeypatch.setenv("PAGEWIRE_DECODE_CREW", "0")
+    plain = _decode(model, prompt, 6)
+    assert _crew_runs(model) == 0
+    monkeypatch.setenv("PAGEWIRE_DECODE_CREW", "1")
+    crew = _decode(model, prompt, 6)
+    assert _crew_runs(model) == 6  # every one-token step, none of the prompt's
+    _same_floats(plain, crew)
+
+
 @pytest.mark.parametrize("quantization", ["int4", "int8", "none"])
 @pytest.mark.parametrize("prompt", [40, 600])
 @pytest.mark.parametrize("ahead", ["0", "1048576"])
@@ -68,16 +87,7 @@ def test_the_crew_gives_the_regions_floats(wide_model: Path, quantization: str, 
     else:
         model.interleave_bf16()  # bf16x8 kinds, as the engine packs them
     monkeypatch.setenv("PAGEWIRE_CREW_AHEAD", ahead)
-    monkeypatch.setenv("PAGEWIRE_DECODE_CREW", "0")
-    plain, run_p = _decode(model, prompt, 6)
-    assert _crew_runs(model) == 0
-    monkeypatch.setenv("PAGEWIRE_DECODE_CREW", "1")
-    crew, run_c = _decode(model, prompt, 6)
-    assert _crew_runs(model) == 6  # every one-token step, none of the prompt's
-    for a, b in zip(plain, crew):
-        assert torch.equal(a, b)
-    for (kp, vp), (kc, vc) in zip(run_p.kv_caches, run_c.kv_caches):
-        assert torch.equal(kp, kc) and torch.equal(vp, vc)
+    _regions_then_crew(model, prompt, monkeypatch)
 
 
 def _moe_model(tmp_path: Path) -> Path:
@@ -93,16 +103,7 @@ def test_a_sparse_layer_on_the_crew_gives_the_regions_floats(tmp_path: Path, pro
     # runs on the bf16 kernels' team_for: the same floats and KV bytes as with regions.
     model, _ = load_model(_moe_model(tmp_path), dtype="bfloat16")
     model.quantize_weights("int4")
-    monkeypatch.setenv("PAGEWIRE_DECODE_CREW", "0")
-    plain, run_p = _decode(model, prompt, 6)
-    assert _crew_runs(model) == 0
-    monkeypatch.setenv("PAGEWIRE_DECODE_CREW", "1")
-    crew, run_c = _decode(model, prompt, 6)
-    assert _crew_runs(model) == 6
-    for a, b in zip(plain, crew):
-        assert torch.equal(a, b)
-    for (kp, vp), (kc, vc) in zip(run_p.kv_caches, run_c.kv_caches):
-        assert torch.equal(kp, kc) and torch.equal(vp, vc)
+    _regions_then_crew(model, prompt, monkeypatch)
 
 
 def test_float_experts_keep_the_stack_on_its_regions(tmp_path: Path) -> None:
@@ -140,16 +141,13 @@ def test_by_default_far_cores_send_the_next_64_steps_to_regions(wide_model: Path
     monkeypatch.setenv("PAGEWIRE_DECODE_CREW", "0")
     model, _ = load_model(wide_model, dtype="bfloat16")
     model.quantize_weights("int4")
-    plain, run_p = _decode(model, 40, 70)
+    plain = _decode(model, 40, 70)
     monkeypatch.delenv("PAGEWIRE_DECODE_CREW")
     monkeypatch.setenv("PAGEWIRE_CREW_FAR_NS", "0")  # every probe counts as far
-    auto, run_a = _decode(model, 40, 70)
+    auto = _decode(model, 40, 70)
     # The first step probes on the crew and finds it far; 64 steps take regions; the 66th probes again.
     assert _crew_runs(model) == 2
-    for a, b in zip(plain, auto):
-        assert torch.equal(a, b)
-    for (kp, vp), (ka, va) in zip(run_p.kv_caches, run_a.kv_caches):
-        assert torch.equal(kp, ka) and torch.equal(vp, va)
+    _same_floats(plain, auto)
 
 
 def test_a_layer_that_raises_on_the_crew_leaves_it_and_the_stack_works_after(wide_model: Path) -> None:

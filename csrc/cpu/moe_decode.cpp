@@ -470,7 +470,8 @@ at::Tensor moe_decode_cpu(const at::Tensor& x, const at::Tensor& router_weight, 
   if (cpu::Crew* crew = cpu::t_crew; crew != nullptr && nt == crew->size()) {
     // A decode step's crew (crew.h): one job that every thread of the crew's region runs, so the
     // orphaned barriers and `omp for` loops above bind to that region's team, as they bind to this
-    // function's own region otherwise.
+    // function's own region otherwise. (Not team_region: body reads the region's thread numbers,
+    // and with one thread team_region would run it on the leader inside the crew's region.)
     crew->run([&](int, int) { body(); });
   } else {
 #pragma omp parallel num_threads(nt)

@@ -61,12 +61,7 @@ struct Cache {
     }
   }
 
-  void release_all() {
-    for (int c = 0; c < kClasses; ++c) {
-      while (count[c] > 0) std::free(static_cast<char*>(slots[c][--count[c]]) - kHeader);
-    }
-    bytes = 0;
-  }
+  void release_all() { evict(0); }
 };
 
 // The thread's cache, made on first use. `dead` (trivially destructible, so still readable while

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -12,8 +12,11 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
+from server.models.default_model import find_default_model, missing_default_model_message
 from server.models.demo_model import build_tokenizer
+from server.text.byte_stream import BytePieces, ByteStream
 from server.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from server.text.loader import load_tokenizer
 from server.text.tokenizer import Tokenizer
 
 MULTIBYTE_TEXT = "naïve café 東京の空 🎉🚀 👨‍👩‍👧 𝕳𝖊𝖑𝖑𝖔 Ω≈ç√ and plain words"
@@ -204,26 +207,111 @@ class _DecodeOnly:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
+class _DecodeStreamOnly(_DecodeOnly):
+    """The tokenizer with tokenizers' DecodeStream as its stream, as a tokenizer whose decoder is
+    not plain ByteLevel gets (Tokenizer.decode_stream gives byte-level ones a ByteStream)."""
+
+    def decode_stream(self, context: Sequence[int],
+                      skip_special_tokens: bool = True) -> Optional[Callable[[list[int]], Optional[str]]]:
+        from tokenizers.decoders import DecodeStream
+
+        s = DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
+        backend = self._tok._tok
+        return lambda ids: s.step(backend, ids)
+
+
+def _chunks_of_each_path(tok: Tokenizer, prompt: list[int], ids: list[int], skip_special_tokens: bool,
+                         cuts: list[int]) -> list[list[str]]:
+    """Every chunk (and the flushes after each cut) of a sample streamed through the ByteStream,
+    DecodeStream and two-decode paths, each with the same random chunking."""
+    outs = []
+    for t in (tok, _DecodeStreamOnly(tok), _DecodeOnly(tok)):
+        detok = IncrementalDetokenizer(t, prompt, skip_special_tokens)
+        if isinstance(t, _DecodeStreamOnly):
+            assert detok._stream is None or not isinstance(detok._stream, ByteStream)
+        elif isinstance(t, _DecodeOnly):
+            assert detok._stream is None
+        r = random.Random(len(ids))
+        chunks: list[str] = []
+        for a, b in zip([0] + cuts, cuts + [len(ids)]):
+            chunks += stream(detok, ids[a:b], r)
+        outs.append(chunks)
+    return outs
+
+
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
-def test_the_stream_path_gives_the_two_decode_paths_chunks(tok: Tokenizer, skip_special_tokens: bool) -> None:
+def test_the_stream_paths_give_the_two_decode_paths_chunks(tok: Tokenizer, skip_special_tokens: bool) -> None:
     # Chunk for chunk, with prompts as context (some cut inside a character) and flushes
     # mid-stream (later adds go on from the flushed text).
+    assert isinstance(tok.decode_stream([], skip_special_tokens), ByteStream)  # a byte-level vocabulary
     rng = random.Random(7)
     for _ in range(300):
         prompt = random_ids(tok, rng, rng.randint(0, 8))
         ids = random_ids(tok, rng, rng.randint(1, 40))
         cuts = sorted(rng.sample(range(len(ids) + 1), k=min(2, len(ids) + 1)))
-        outs = []
-        for t in (tok, _DecodeOnly(tok)):
-            detok = IncrementalDetokenizer(t, prompt, skip_special_tokens)
-            if t is not tok:
-                assert detok._stream is None
-            r = random.Random(len(ids))
-            chunks: list[str] = []
-            for a, b in zip([0] + cuts, cuts + [len(ids)]):
-                chunks += stream(detok, ids[a:b], r)
-            outs.append(chunks)
-        assert outs[0] == outs[1]
+        byte_stream, decode_stream, two_decodes = _chunks_of_each_path(tok, prompt, ids, skip_special_tokens, cuts)
+        assert byte_stream == two_decodes
+        assert decode_stream == two_decodes
+
+
+def test_a_decoder_that_is_not_plain_byte_level_keeps_decode_stream(tmp_path: Path) -> None:
+    # ByteLevel inside a Sequence, and Metaspace: text that is not the tokens' bytes end to end.
+    for decoder in (decoders.Sequence([decoders.ByteLevel()]), decoders.Metaspace()):
+        raw = RawTokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
+        raw.decoder = decoder
+        raw.save(str(tmp_path / "tokenizer.json"))
+        made = Tokenizer.from_dir(tmp_path).decode_stream([1])
+        assert made is not None and not isinstance(made, ByteStream)
+
+
+def test_ids_past_the_vocabulary_give_no_text_as_decode(tok: Tokenizer) -> None:
+    # A model's vocabulary can be padded past its tokenizer's (Qwen's 151,936 rows for 151,665 ids).
+    ids = tok.encode("ok", add_special_tokens=False) + [tok.vocab_size, tok.vocab_size + 7]
+    ids += tok.encode(" go", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [])
+    assert isinstance(detok._stream, ByteStream)
+    assert "".join(detok.add([i]) for i in ids) + detok.flush() == tok.decode(ids) == "ok go"
+
+
+# -- the real default model's tokenizer (SmolLM2's, from its GGUF) ------------------------------
+@pytest.fixture(scope="module")
+def smol() -> Tokenizer:
+    found = find_default_model()
+    if found is None:
+        pytest.fail(missing_default_model_message())
+    return load_tokenizer(found.path)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_every_id_of_a_real_vocabulary_has_the_bytes_decode_gives(smol: Tokenizer, skip_special_tokens: bool) -> None:
+    pieces = BytePieces(smol._tok, skip_special_tokens)
+    for i in range(smol.vocab_size):
+        assert pieces.piece(i).decode("utf-8", "replace") == smol.decode([i], skip_special_tokens), i
+    assert smol.vocab_size == 49152 and None not in pieces.table
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_a_real_vocabulary_streams_the_two_decode_paths_chunks(smol: Tokenizer, skip_special_tokens: bool) -> None:
+    # SmolLM2's byte tokens (its single-character ids whose character spells a byte >= 0x80), its
+    # added tokens, and text with multi-byte characters, mixed in random samples.
+    byte_ids = [i for i in range(smol.vocab_size) if len(smol.id_to_token(i) or "") == 1
+                and BytePieces(smol._tok, False).piece(i)[0] >= 0x80]
+    assert len(byte_ids) >= 64
+    added = sorted(smol._tok.get_added_tokens_decoder())
+    text = smol.encode(MULTIBYTE_TEXT + " The end.", add_special_tokens=False)
+    rng = random.Random(11)
+    for _ in range(200):
+        n = rng.randint(1, 40)
+        ids = [rng.choice(byte_ids) if r < 0.4 else rng.choice(added) if r < 0.5 else
+               rng.choice(text) if r < 0.8 else rng.randrange(smol.vocab_size)
+               for r in (rng.random() for _ in range(n))]
+        prompt = [rng.choice(byte_ids + text) for _ in range(rng.randint(0, 6))]
+        cuts = sorted(rng.sample(range(len(ids) + 1), k=min(2, len(ids) + 1)))
+        byte_stream, decode_stream, two_decodes = _chunks_of_each_path(smol, prompt, ids, skip_special_tokens, cuts)
+        assert byte_stream == two_decodes
+        assert decode_stream == two_decodes
+    streamed = IncrementalDetokenizer(smol, [])
+    assert "".join(streamed.add([i]) for i in text) + streamed.flush() == MULTIBYTE_TEXT + " The end."
 
 
 def test_a_prompt_cut_inside_a_character_moves_to_the_stream_with_its_first_text(tok: Tokenizer) -> None:

@@ -29,12 +29,13 @@ class IncrementalDetokenizer:
     character is still incomplete (byte-level BPE splits them across tokens), so nothing is
     emitted and the offsets stay, until a later token completes it or `flush` gives up waiting.
 
-    A tokenizer with `decode_stream` (server.text.tokenizer.Tokenizer) runs that technique inside
-    the tokenizers library instead (DecodeStream, one call per step: 1.4 -> 0.6 us a token on
-    SmolLM2's tokenizer and English text, bench/RESULTS.md session 23); the window is still kept here,
-    since `flush` needs the held-back ids, which DecodeStream does not give out. A sample whose
-    context ends inside a character starts on the two decodes and moves to the stream with its
-    first text.
+    A tokenizer with `decode_stream` (server.text.tokenizer.Tokenizer) gives one call per step
+    instead: a byte-level tokenizer's ByteStream (server/text/byte_stream.py, a table lookup per
+    token), any other's DecodeStream (the same technique inside the tokenizers library: 1.4 ->
+    0.6 us a token on SmolLM2's tokenizer and English text, bench/RESULTS.md session 23). The window
+    is still kept here, since `flush` needs the held-back ids, which the streams do not give out. A
+    sample whose context ends inside a character starts on the two decodes and moves to a stream
+    with its first text.
 
     Args:
         tokenizer: anything with `decode(ids, skip_special_tokens)` (server.text.tokenizer.Tokenizer).
@@ -60,8 +61,9 @@ class IncrementalDetokenizer:
         if make is None:
             return None
         # DecodeStream takes a context whose text ends in an incomplete character as not yet
-        # shown, and would emit that context's text with the first new token (a prompt cut
-        # inside a character; the ids `flush` gave up on): such a sample keeps the two decodes.
+        # shown, and would emit that context's text with the first new token, and a ByteStream
+        # starts on a character boundary (a prompt cut inside a character; the ids `flush` gave
+        # up on): such a sample keeps the two decodes.
         if self._ids and self._decode(self._ids).endswith(_REPLACEMENT_CHAR):
             return None
         return make(self._ids, skip_special_tokens=self._skip)

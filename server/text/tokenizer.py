@@ -21,6 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _BackendTokenizer
 
 from server.jsonfile import read_json_object
+from server.text.byte_stream import BytePieces, ByteStream, is_byte_level
 
 # transformers stores "no limit" as int(1e30); anything this large means the config did not say.
 _UNSET_MAX_LENGTH = 10**12
@@ -199,6 +200,8 @@ class Tokenizer:
         self._compiled: dict[str, jinja2.Template] = {}
         self._chars_per_token: Optional[int] = None  # max_chars_per_token, computed on first use
         self._special_ends: Optional[tuple[int, int]] = None  # special_ends, computed on first use
+        self._byte_level = is_byte_level(backend)  # decode_stream's ByteStream
+        self._pieces: dict[bool, BytePieces] = {}  # per skip_special_tokens, built on first use
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -297,11 +300,20 @@ class Tokenizer:
 
     def decode_stream(self, context: Sequence[int],
                       skip_special_tokens: bool = True) -> Optional[Callable[[list[int]], Optional[str]]]:
-        """A streaming decoder primed with `context` (ids whose text was already shown): each call
-        with new ids returns only their new text, or None while a character is still incomplete
-        (the tokenizers library's DecodeStream: the same prefix-window technique as
-        IncrementalDetokenizer, in one Rust call per step instead of two decodes from Python).
-        None when this tokenizers release has no DecodeStream (before 0.21)."""
+        """A streaming decoder primed with `context` (ids whose text was already shown, ending on a
+        character boundary): each call with new ids returns only their new text, or None while
+        there is none or it ends in U+FFFD (a character still incomplete).
+
+        A byte-level tokenizer gets a ByteStream (server/text/byte_stream.py: a table lookup and
+        an incremental UTF-8 decoder per token); any other the tokenizers library's DecodeStream
+        (the same prefix-window technique as IncrementalDetokenizer, in one Rust call per step
+        instead of two decodes from Python), or None when this tokenizers release has none
+        (before 0.21)."""
+        if self._byte_level:  # one table lookup a token (server/text/byte_stream.py says why)
+            pieces = self._pieces.get(skip_special_tokens)
+            if pieces is None:
+                pieces = self._pieces[skip_special_tokens] = BytePieces(self._tok, skip_special_tokens)
+            return ByteStream(pieces)
         try:
             from tokenizers.decoders import DecodeStream
         except ImportError:

@@ -137,10 +137,14 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   // at 512 (so the line: 2^17 query-row x position x dim products, SmolLM2's 227 tokens); the
   // Qwen3-MoE shape at 96 tokens 1-3 % faster; Llama-1B at 96 (above the line) level either way
   // (bench/RESULTS.md, session 30). Which thread runs a unit never changes its floats.
+  // On a decode step's crew (crew.h) there is no line: handing a unit over costs a few hundred
+  // nanoseconds there, and a lone SmolLM2 decode's three KV heads on the crew's two threads gave
+  // steps 0.983 / 0.967 / 0.947 of the serial ones at contexts 64 / 128 / 200 on a Zen 4 (0.979 on
+  // the Qwen3-MoE shape; bench/RESULTS.md, session 34).
   int64_t work = 0;
   for (const int64_t c : cost) work += c;
   work *= num_heads * head_dim;
-  const int threads = work < kSerialWork ? 1 : cpu::team_size();  // (a crew: crew.h)
+  const int threads = work < kSerialWork && !cpu::leading_crew() ? 1 : cpu::team_size();
   const int64_t units = static_cast<int64_t>(items.size()) * num_kv_heads;
   if (threads > 1 && !splittable.empty() &&
       (units < threads || (units % threads != 0 && units < 4 * threads))) {

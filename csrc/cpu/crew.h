@@ -266,6 +266,10 @@ inline void crew_range_started() {
 // The threads a kernel can split over: its crew's on a crew's leader, else a region's.
 inline int team_size() { return t_crew != nullptr ? t_crew->size() : omp_get_max_threads(); }
 
+// Whether this thread leads a crew now: a share handed to it costs a few hundred nanoseconds, not
+// a region's 1-3 us, so work too small for a region of its own can still split (paged attention).
+inline bool leading_crew() { return t_crew != nullptr; }
+
 // fn(thread, threads) for every thread of a team: the crew's when this thread leads one, else a
 // region of `threads` (1: here, with no team of one to set up).
 template <class F>

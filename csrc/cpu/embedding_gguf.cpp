@@ -4,8 +4,16 @@
 // a tied table that is also the lm_head's weight), then dequantised by dequantize_q8_0 /
 // dequantize_q4 (GGUF's float32 values, bit for bit the `gguf` package's) and rounded to `dtype`:
 // exactly the rows of the float table the loader would otherwise have built.
+//
+// A few ids (a decode step's) take a path of their own: each row dequantised into a small buffer
+// and rounded straight into the output, one allocation in all. The general path's ops (the rows'
+// tensor, dequantize_q4's float table, ATen's `.to`) took 61 us a step on SmolLM2 Q4_0 right after
+// a decode step's weights had gone through the caches, against 6 us hot (bench/RESULTS.md,
+// session 34); the values are the same, each rounded to nearest-even as `.to` rounds them.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cstring>
 #include <string>
@@ -16,6 +24,27 @@
 #include "quant_kernel.h"
 
 namespace pagewire {
+
+namespace {
+
+// Ids up to which the rows are gathered on the calling thread without intermediate tensors (a
+// decode batch's; a prompt's take the general path, whose dequantisation splits over the team).
+constexpr int64_t kFewRows = 64;
+
+// One Q8_0 row's values: d * q per block, as dequantize_q8_0 computes them.
+void dequantize_q8_0_row(const uint8_t* row, float* out, int64_t K) {
+  for (int64_t b = 0; b < K / cpu::kQ8Block; ++b) {
+    const uint8_t* blk = row + b * cpu::kQ8BlockBytes;
+    uint16_t dh;
+    std::memcpy(&dh, blk, 2);
+    const float d = cpu::fp16_to_float(dh);
+    for (int j = 0; j < cpu::kQ8Block; ++j) {
+      out[b * cpu::kQ8Block + j] = d * static_cast<float>(static_cast<int8_t>(blk[2 + j]));
+    }
+  }
+}
+
+}  // namespace
 
 at::Tensor embedding_gguf_cpu(const at::Tensor& ids, const at::Tensor& weight, c10::string_view qtype_view,
                               at::ScalarType dtype) {
@@ -44,6 +73,43 @@ at::Tensor embedding_gguf_cpu(const at::Tensor& ids, const at::Tensor& weight, c
   const int64_t n = ic.numel();
   const int64_t* id = ic.data_ptr<int64_t>();
   const uint8_t* w = weight.data_ptr<uint8_t>();
+  std::vector<int64_t> shape(ic.sizes().begin(), ic.sizes().end());
+  shape.push_back(K);
+  if (n <= kFewRows && (dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat)) {
+    at::Tensor out = at::empty(shape, weight.options().dtype(dtype));
+    // Per calling thread, reused: an x8 group put back in row layout, and one row's float values.
+    thread_local std::vector<uint8_t> group;
+    thread_local std::vector<float> values;
+    if (x8 && static_cast<int64_t>(group.size()) < G * rb) group.resize(G * rb);
+    if (static_cast<int64_t>(values.size()) < K) values.resize(K);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t row = id[i];
+      TORCH_CHECK_INDEX(row >= 0 && row < N, "index ", row, " is out of range for an embedding table of ", N, " rows");
+      const uint8_t* src = w + row * rb;
+      if (row < full) {
+        const uint8_t* g = w + row / G * G * rb;
+        if (q8) cpu::deinterleave_q8_0_group(g, group.data(), rb, K);
+        else cpu::deinterleave_q4_group(t, g, group.data(), rb, K);
+        src = group.data() + row % G * rb;
+      }
+      float* v = values.data();
+      if (q8) {
+        dequantize_q8_0_row(src, v, K);
+      } else {
+        cpu::dequantize_q4_row(t, src, v, K);
+      }
+      if (dtype == at::kBFloat16) {
+        auto* o = out.data_ptr<at::BFloat16>() + i * K;
+        for (int64_t j = 0; j < K; ++j) o[j] = c10::BFloat16(v[j]);
+      } else if (dtype == at::kHalf) {
+        auto* o = out.data_ptr<at::Half>() + i * K;
+        for (int64_t j = 0; j < K; ++j) o[j] = c10::Half(v[j]);
+      } else {
+        std::memcpy(out.data_ptr<float>() + i * K, v, static_cast<size_t>(K) * sizeof(float));
+      }
+    }
+    return out;
+  }
   at::Tensor rows = at::empty({n, rb}, weight.options());
   uint8_t* r = rows.data_ptr<uint8_t>();
   std::vector<uint8_t> group(x8 ? G * rb : 0);
@@ -60,8 +126,6 @@ at::Tensor embedding_gguf_cpu(const at::Tensor& ids, const at::Tensor& weight, c
     std::memcpy(r + i * rb, group.data() + row % G * rb, rb);
   }
   const at::Tensor values = q8 ? dequantize_q8_0_cpu(rows, false) : dequantize_q4_cpu(rows, rows_kind);
-  std::vector<int64_t> shape(ic.sizes().begin(), ic.sizes().end());
-  shape.push_back(K);
   return values.to(dtype).view(shape);
 }
 

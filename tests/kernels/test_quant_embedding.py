@@ -38,6 +38,11 @@ def test_rows_equal_the_dequantised_table(qtype: Qtype, layout: str, dtype: torc
     assert torch.equal(got, torch.nn.functional.embedding(ids, want))
     for i in (0, 7, 8, 31, 32, 36):  # one id (a single sequence's decode step), group edges and tail
         assert torch.equal(gather_rows(t, torch.tensor([i]), dtype), want[i : i + 1])
+    # Up to 64 ids are gathered row by row on the calling thread, more (a prompt's) through the
+    # dequantised rows' tensor: the same bits either way.
+    many = torch.randint(0, N, (3, 50), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(gather_rows(t, many, dtype), torch.nn.functional.embedding(many, want))
+    assert torch.equal(gather_rows(t, many[0, :33], dtype), want[many[0, :33]])
     assert gather_rows(t, torch.tensor([], dtype=torch.long), dtype).shape == (0, K)
 
 

@@ -10,9 +10,16 @@
 
 namespace py = pybind11;
 
+namespace pagewire {
+void bind_fast_calls(py::module_& m);   // fast_calls.cpp
+void bind_decode_stack(py::module_& m);  // cpu/decode_stack.cpp
+}  // namespace pagewire
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "pagewire native extension: paged-attention ops (torch.ops.pagewire.*) and the KV block allocator";
   pagewire::bind_allocator(m);
+  pagewire::bind_fast_calls(m);
+  pagewire::bind_decode_stack(m);
   m.def(
       "cpu_features",
       [] {

@@ -5,12 +5,15 @@ paged_attention (with logit soft-capping and attention sinks), copy_blocks, line
 gelu_tanh_and_mul, decode_layer), the mixture-of-experts layer's moe_experts, the Q8_0 and 4-bit (Q4_0/Q4_1/Q4_K) quantised-weight
 ops, and speculative
 decoding's ngram_propose and rejection_sample); their typed wrappers are in `server.kernels.ops`. The only
-Python-visible class is the KV block allocator, which the engine reaches solely through
-`server.engine.kv_cache_manager.KVCacheManager`.
+Python-visible classes are the KV block allocator, which the engine reaches solely through
+`server.engine.kv_cache_manager.KVCacheManager`, and DecodeStack (server.kernels.ops.decode_stack).
+`fast` holds the per-step CPU ops as plain calls (csrc/fast_calls.cpp).
 
 Errors: C++ std::invalid_argument surfaces as ValueError, std::runtime_error as RuntimeError.
 """
-from typing import Any, Sequence, TypedDict
+from typing import Any, Optional, Sequence, TypedDict
+
+import torch
 
 class AllocatorStats(TypedDict):
     num_blocks: int
@@ -116,3 +119,35 @@ def small_block_stats() -> dict[str, Any]:
 def release_small_blocks() -> None:
     """Return the calling thread's cached small blocks to the C library."""
     ...
+
+class DecodeStack:
+    """Every decoder layer of a small CPU step in one call (csrc/cpu/decode_stack.cpp; the typed
+    interface is server.kernels.ops.DecodeStack)."""
+
+    def __init__(self) -> None: ...
+    def add_layer(self, *args: Any) -> int: ...
+    def set_moe(self, *args: Any) -> None: ...
+    def size(self) -> int: ...
+    def crew_runs(self) -> int: ...
+    def crew_handoff_ns(self) -> int: ...
+    def run(self, hidden: torch.Tensor, delta: Optional[torch.Tensor], rows: list[torch.Tensor],
+            slot_mappings: list[torch.Tensor], block_tables: list[torch.Tensor], seq_lens: torch.Tensor,
+            query_start_loc: torch.Tensor, max_query_len: int,
+            max_seq_len: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]: ...
+
+class _Fast:
+    """server._C.fast: torch.ops.pagewire ops' CPU implementations as plain pybind11 calls (the
+    same code and checks, without the dispatcher), for CPU tensors on a decode step's path."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+    def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor: ...
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor: ...
+    def widen_rows(self, x: torch.Tensor) -> torch.Tensor: ...
+    def embedding_gguf(self, ids: torch.Tensor, weight: torch.Tensor, qtype: str, dtype: torch.dtype) -> torch.Tensor: ...
+    def linear_q4(self, x: torch.Tensor, weight: torch.Tensor, qtype: str, bias: Optional[torch.Tensor]) -> torch.Tensor: ...
+    def linear_q8_0(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                    interleaved: bool) -> torch.Tensor: ...
+    def linear_bf16x8(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor: ...
+
+fast: _Fast

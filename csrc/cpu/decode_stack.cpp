@@ -12,8 +12,9 @@
 // bit for bit (tests/models/test_decode_stack.py).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/mul.h>
-#include <torch/custom_class.h>
-#include <torch/library.h>
+#include <torch/extension.h>
+
+#include <pybind11/stl.h>
 
 #include <omp.h>
 
@@ -396,9 +397,12 @@ class DecodeStack : public torch::CustomClassHolder {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pagewire, m) {
-  m.class_<DecodeStack>("DecodeStack")
-      .def(torch::init<>())
+// server._C.DecodeStack: a pybind11 class, not a TorchScript one (torch.classes), so that a step's
+// run() is a plain call: a TorchScript method call took 30 us right after a step's weights had gone
+// through the caches, against 2.5 us hot (csrc/fast_calls.cpp says why; bench/RESULTS.md, session 34).
+void bind_decode_stack(pybind11::module_& m) {
+  pybind11::class_<DecodeStack, c10::intrusive_ptr<DecodeStack>>(m, "DecodeStack")
+      .def(pybind11::init<>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("set_moe", &DecodeStack::set_moe)
       .def("size", &DecodeStack::size)

@@ -16,6 +16,7 @@ from typing import Any, Optional, Protocol, Sequence, cast
 import torch
 
 import server._C  # (also loads the TORCH_LIBRARY(pagewire) registrations)
+from server._C import fast as _fast  # the per-step CPU ops without the dispatcher (csrc/fast_calls.cpp)
 from server.kernels.linear_route import linear
 from server.kernels.quant import QuantizedExperts
 
@@ -163,6 +164,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
     Args: x [T, d] contiguous in d; weight [d], x's dtype. Returns a new [T, d] tensor.
     """
+    if x.is_cpu:  # (server._C.fast: a plain call, not the dispatcher's; csrc/fast_calls.cpp says why)
+        return _fast.rms_norm(x, weight, eps)
     return torch.ops.pagewire.rms_norm(x, weight, eps)
 
 
@@ -171,6 +174,8 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
 
     Args: residual [T, d] (mutated); delta [T, d]; weight [d]; all one dtype, contiguous in d.
     """
+    if residual.is_cpu:
+        return _fast.add_rms_norm(residual, delta, weight, eps)
     return torch.ops.pagewire.add_rms_norm(residual, delta, weight, eps)
 
 
@@ -245,7 +250,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """Args: x float32 [S, V] on the CPU, contiguous in V. Returns int64 [S]: each row's first index
     of its largest value, a NaN counting as the largest (torch.argmax's choice). Each thread scans
     the slice of the columns that the lm_head kernel's split gave its core (cpu/argmax.cpp)."""
-    return torch.ops.pagewire.argmax_rows(x)
+    return _fast.argmax_rows(x)  # (the op is CPU-only; server._C.fast skips the dispatcher)
 
 
 def to_float32(x: torch.Tensor) -> torch.Tensor:
@@ -253,7 +258,7 @@ def to_float32(x: torch.Tensor) -> torch.Tensor:
     go through pagewire::widen_rows, which widens one row on the calling thread and several in the
     lm_head kernel's column slices (cpu/widen_rows.cpp): torch's copy split one row over the team."""
     if x.is_cpu and x.dtype is torch.bfloat16 and x.dim() == 2:
-        return torch.ops.pagewire.widen_rows(x)
+        return _fast.widen_rows(x)
     return x.float()
 
 
@@ -330,7 +335,7 @@ def moe_decode(x: torch.Tensor, router_weight: torch.Tensor, router_kind: str, r
 
 
 class DecodeStack(Protocol):
-    """torch.classes.pagewire.DecodeStack (csrc/cpu/decode_stack.cpp): every decoder layer of a
+    """server._C.DecodeStack (csrc/cpu/decode_stack.cpp, a pybind11 class): every decoder layer of a
     small CPU step in one call. add_layer takes decode_layer's static arguments in its order (the
     RoPE table index, -1 for none, where decode_layer takes positions), set_moe makes the last
     layer sparse with moe_decode's arguments after x, and run(hidden, delta, rows per RoPE table,
@@ -361,7 +366,7 @@ class DecodeStack(Protocol):
 
 def decode_stack() -> DecodeStack:
     """An empty DecodeStack (DecoderForCausalLM._decode_stack fills it, layer by layer)."""
-    return cast(DecodeStack, torch.classes.pagewire.DecodeStack())
+    return cast(DecodeStack, server._C.DecodeStack())
 
 
 def moe_route(logits: torch.Tensor, router: str, top_k: int, norm_topk_prob: bool,

@@ -32,6 +32,7 @@ from typing import NamedTuple, Union
 import torch
 
 import server._C  # noqa: F401  (loads the op registrations)
+from server._C import fast as _fast  # the ops' CPU code as plain calls (csrc/fast_calls.cpp)
 from server.kernels.kinds import LinearKind, Qtype
 
 __all__ = ["QuantizedWeight", "QuantizedExperts", "Qtype", "x8_here", "QUANTIZATIONS", "QTYPES", "GGUF_QTYPES", "INTERLEAVABLE",
@@ -203,6 +204,12 @@ class QuantizedWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] @ self^T (+ bias) in x's dtype, through the format's kernel."""
+        if x.is_cpu:  # server._C.fast: the ops' CPU code without the dispatcher (csrc/fast_calls.cpp)
+            if self.qtype is Qtype.BF16:
+                return _fast.linear_bf16x8(x, self.data, bias)
+            if self.qtype is Qtype.Q8_0:
+                return _fast.linear_q8_0(x, self.data, bias, self.interleaved)
+            return _fast.linear_q4(x, self.data, self.op_qtype, bias)
         if self.qtype is Qtype.BF16:
             return torch.ops.pagewire.linear_bf16x8(x, self.data, bias)
         if self.qtype is Qtype.Q8_0:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from server._C import fast as _fast  # the op's CPU code as a plain call (csrc/fast_calls.cpp)
 from server.kernels.quant import Qtype, QuantizedWeight
 
 __all__ = ["EMBEDDABLE", "gather_rows"]
@@ -30,4 +31,6 @@ def gather_rows(table: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype) -
                          f"not {table.qtype}")
     if ids.dtype != torch.long:
         ids = ids.to(torch.long)
+    if ids.is_cpu:  # server._C.fast: the op's CPU code without the dispatcher (csrc/fast_calls.cpp)
+        return _fast.embedding_gguf(ids, table.data, table.op_qtype, dtype)
     return torch.ops.pagewire.embedding_gguf(ids, table.data, table.op_qtype, dtype)

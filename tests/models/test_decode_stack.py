@@ -16,6 +16,7 @@ import torch
 from server import SamplingParams
 from server.engine.config import EngineConfig
 from server.engine.engine import LLMEngine
+from server.kernels.ops import decode_stack
 from server.models.decoder import DecoderForCausalLM
 from server.models.loader import load_model
 from tests.models.paged_harness import ARCHS, VOCAB, PagedRun
@@ -95,7 +96,7 @@ def test_a_bad_stack_call_names_what_is_wrong(stack_models: dict[str, Path]) -> 
         stack.run(hidden, None, [one], [one, one], [tables], lens, qsl, 1, 1)
     with pytest.raises(RuntimeError, match="reads RoPE table 0 of 0"):
         stack.run(hidden, None, [], [one], [tables], lens, qsl, 1, 1)
-    empty = torch.classes.pagewire.DecodeStack()
+    empty = decode_stack()
     with pytest.raises(RuntimeError, match="set_moe: add the layer first"):
         empty.set_moe(torch.zeros(4, 4), "torch", None, "softmax_topk", 2, True, torch.zeros(1), "float",
                       torch.zeros(1), "float", None, None, "silu", 1.0, 7.0, None, "", None, "", None, "", None,

@@ -41,28 +41,32 @@ def time_engine_steps(model_dir: Path, a: argparse.Namespace, quantization: str)
         ids, positions, kv, meta = decode_batch(model, batch, a.context)
 
         def bare() -> None:
-            with torch.inference_mode(), batch_invariant.mode(engine.deterministic), \
-                    autotune.active(engine.linear_table):
-                model.compute_logits(model(ids, positions, kv, meta))
+            # The forward as the runner calls it (model.forward: no nn.Module hook handling), in
+            # the inference mode held around both loops below.
+            with batch_invariant.mode(engine.deterministic), autotune.active(engine.linear_table):
+                model.compute_logits(model.forward(ids, positions, kv, meta))
 
         eng_times: list[float] = []
         bare_times: list[float] = []
-        for r in range(ROUNDS):
-            for b in range(batch):
-                engine.add_request(f"r{r}-{batch}-{b}", [(7 * r + 13 * b + i) % (vocab - 16) + 16 for i in range(prompt_len)],
-                                   params)
-            started: set[str] = set()
-            while len(started) < batch:  # the prefills, untimed
-                started.update(d.request_id for d in engine.step() if any(x.token_ids for x in d.samples))
-            while engine.has_unfinished_requests():
-                t0 = time.perf_counter()
-                engine.step()
-                eng_times.append(time.perf_counter() - t0)
-            bare()
-            for _ in range(MEASURED_STEPS):
-                t0 = time.perf_counter()
+        # Inference mode held around the steps, as the engine thread and LLM.generate hold it
+        # (server/inference_mode.py): neither side's timed steps enter it.
+        with torch.inference_mode():
+            for r in range(ROUNDS):
+                for b in range(batch):
+                    engine.add_request(f"r{r}-{batch}-{b}", [(7 * r + 13 * b + i) % (vocab - 16) + 16 for i in range(prompt_len)],
+                                       params)
+                started: set[str] = set()
+                while len(started) < batch:  # the prefills, untimed
+                    started.update(d.request_id for d in engine.step() if any(x.token_ids for x in d.samples))
+                while engine.has_unfinished_requests():
+                    t0 = time.perf_counter()
+                    engine.step()
+                    eng_times.append(time.perf_counter() - t0)
                 bare()
-                bare_times.append(time.perf_counter() - t0)
+                for _ in range(MEASURED_STEPS):
+                    t0 = time.perf_counter()
+                    bare()
+                    bare_times.append(time.perf_counter() - t0)
         be, me = min(eng_times), statistics.median(eng_times)
         bb, mb = min(bare_times), statistics.median(bare_times)
         print(f"engine batch {batch:3d} ({quantization}): LLMEngine.step best {be * 1e3:7.2f} ms, median "

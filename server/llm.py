@@ -226,18 +226,23 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=len(order), desc="generate", unit="req")
-        while self.engine.has_unfinished_requests():
-            deltas = self.engine.step()
-            if not self.engine.last_step_progressed:
-                # add_request refuses what can never run, so this is an engine bug; fail loudly
-                # rather than spin through empty steps.
-                self.engine.abort_all()
-                raise RuntimeError("engine made no progress with requests pending; aborted them")
-            for delta in deltas:
-                if delta.request_id in results:
-                    _apply(results[delta.request_id], delta)
-                    if delta.finished and bar is not None:
-                        bar.update(1)
+        import torch  # (loaded with the engine)
+
+        # Inference mode held across the steps, as the engine thread holds it: each step then
+        # enters nothing (server/inference_mode.py).
+        with torch.inference_mode():
+            while self.engine.has_unfinished_requests():
+                deltas = self.engine.step()
+                if not self.engine.last_step_progressed:
+                    # add_request refuses what can never run, so this is an engine bug; fail loudly
+                    # rather than spin through empty steps.
+                    self.engine.abort_all()
+                    raise RuntimeError("engine made no progress with requests pending; aborted them")
+                for delta in deltas:
+                    if delta.request_id in results:
+                        _apply(results[delta.request_id], delta)
+                        if delta.finished and bar is not None:
+                            bar.update(1)
         if bar is not None:
             bar.close()
         return [results[r] for r in order]

@@ -21,6 +21,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from server.inference_mode import hot_inference_mode
 from server.kernels import autotune, batch_invariant, ops
 from server.kernels.linear_route import Q8_KERNEL_MAX_ROWS, embedding, linear
 from server.kernels.ops import DecodeStack, cpu_isa, decode_stack
@@ -130,7 +131,7 @@ class DecoderForCausalLM(nn.Module):
         elems = sum(c.kv_heads_of(i) * c.head_dim_of(i) for i in range(c.num_layers) if c.kv_source(i) == i)
         return 2 * elems * torch.empty((), dtype=self.dtype).element_size()
 
-    @torch.inference_mode()
+    @hot_inference_mode
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -281,7 +282,7 @@ class DecoderForCausalLM(nn.Module):
             self._fused_cache[key] = cached
         return cached[1]
 
-    @torch.inference_mode()
+    @hot_inference_mode
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Args: hidden [S, hidden_size] rows from forward(). Returns float32 logits [S, vocab_size]."""
         logits = linear(hidden, self.lm_head)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Optional, cast
 import torch
 from torch import nn
 
+from server.inference_mode import hot_inference_mode
 from server.kernels.linear_route import embedding, linear
 from server.kernels.ops import short_conv
 from server.kernels.quant import QuantizedWeight
@@ -141,7 +142,7 @@ class Lfm2ForCausalLM(DecoderForCausalLM):
         elems = sum(c.kv_heads_of(i) * c.head_dim_of(i) for i in attention_layers(c))
         return 2 * elems * torch.empty((), dtype=self.dtype).element_size()
 
-    @torch.inference_mode()
+    @hot_inference_mode
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 lora: LoraStep | None = None) -> torch.Tensor:

@@ -36,6 +36,13 @@ class CausalLM(Protocol):
         lora: the step's LoRA terms for the rows that use an adapter (server.models.lora)."""
         ...
 
+    def forward(self, input_ids: "torch.Tensor", positions: "torch.Tensor",
+                kv_caches: "list[tuple[torch.Tensor, torch.Tensor]]",
+                meta: "AttentionMetadata", lora: "LoraStep | None" = None) -> "torch.Tensor":
+        """__call__ without nn.Module's hook handling (no pagewire model has hooks): what the runner
+        calls each step, since Module.__call__ took 18 us right after a step's weight stream."""
+        ...
+
     def lora_layout(self) -> "list[dict[str, Slot]]":
         """Per layer, the modules a LoRA adapter may target and where they land."""
         ...

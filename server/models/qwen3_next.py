@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Optional, cast
 import torch
 from torch import nn
 
+from server.inference_mode import hot_inference_mode
 from server.kernels import gdn
 from server.kernels.linear_route import embedding, linear, linear_kind
 from server.kernels.ops import paged_attention, write_kv_cache
@@ -246,7 +247,7 @@ class Qwen3NextForCausalLM(DecoderForCausalLM):
         elems = sum(c.kv_heads_of(i) * c.head_dim_of(i) for i in attention_layers(c))
         return 2 * elems * torch.empty((), dtype=self.dtype).element_size()
 
-    @torch.inference_mode()
+    @hot_inference_mode
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 lora: LoraStep | None = None) -> torch.Tensor:

@@ -17,8 +17,6 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-
 ROUNDS = 4
 MEASURED_STEPS = 32
 
@@ -28,7 +26,6 @@ def time_engine_steps(model_dir: Path, a: argparse.Namespace, quantization: str)
     from server.engine.config import EngineConfig
     from server.engine.engine import LLMEngine
     from server.engine.sampling_params import SamplingParams
-    from server.kernels import autotune, batch_invariant
 
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype=a.dtype, quantization=quantization,
                                     num_threads=a.threads, enable_prefix_caching=False,
@@ -42,15 +39,15 @@ def time_engine_steps(model_dir: Path, a: argparse.Namespace, quantization: str)
 
         def bare() -> None:
             # The forward as the runner calls it (model.forward: no nn.Module hook handling), in
-            # the inference mode held around both loops below.
-            with batch_invariant.mode(engine.deterministic), autotune.active(engine.linear_table):
-                model.compute_logits(model.forward(ids, positions, kv, meta))
+            # the step modes held around both loops below.
+            model.compute_logits(model.forward(ids, positions, kv, meta))
 
         eng_times: list[float] = []
         bare_times: list[float] = []
-        # Inference mode held around the steps, as the engine thread and LLM.generate hold it
-        # (server/inference_mode.py): neither side's timed steps enter it.
-        with torch.inference_mode():
+        # The step's thread modes (inference mode, batch-invariant mode, the autotune table) held
+        # around the steps, as the engine thread and LLM.generate hold them (LLMEngine.step_modes):
+        # neither side's timed steps enter them.
+        with engine.step_modes():
             for r in range(ROUNDS):
                 for b in range(batch):
                     engine.add_request(f"r{r}-{batch}-{b}", [(7 * r + 13 * b + i) % (vocab - 16) + 16 for i in range(prompt_len)],

@@ -226,11 +226,9 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=len(order), desc="generate", unit="req")
-        import torch  # (loaded with the engine)
-
-        # Inference mode held across the steps, as the engine thread holds it: each step then
-        # enters nothing (server/inference_mode.py).
-        with torch.inference_mode():
+        # The step's thread modes held across the steps, as the engine thread holds them: each
+        # step then enters nothing (LLMEngine.step_modes).
+        with self.engine.step_modes():
             while self.engine.has_unfinished_requests():
                 deltas = self.engine.step()
                 if not self.engine.last_step_progressed:

@@ -9,11 +9,12 @@ unfinished requests schedules work (`last_step_progressed` records it, so caller
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 from typing import Sequence as Seq
 
 import torch
@@ -321,14 +322,28 @@ class LLMEngine:
         return bool(self.requests) or bool(self._pending)
 
     # -- the step -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def step_modes(self) -> Iterator[None]:
+        """The thread modes every step runs in, for a loop of steps to hold: torch inference mode,
+        batch-invariant mode as `deterministic` says, and the autotune table. `step` enters
+        whatever the calling thread does not hold already; the engine thread and LLM.generate hold
+        them around their loops, since entering them cost about 30 us a step right after a decode
+        step's weights had streamed through the caches (server/inference_mode.py)."""
+        with torch.inference_mode(), batch_invariant.mode(self.deterministic), autotune.active(self.linear_table):
+            yield
+
     def step(self) -> list[RequestDelta]:
         # Deterministic mode: every op of the step (forward, sampling, verification) on this
         # thread takes its batch-invariant path (server.kernels.batch_invariant).
         # The autotuned linear paths (None: the fixed rules) are followed on this thread too.
         t0 = time.perf_counter()
         self._step_rows = (0, 0)
-        with batch_invariant.mode(self.deterministic), autotune.active(self.linear_table):
-            deltas = self._step()
+        plans = self.linear_table.plans if self.linear_table is not None else None
+        if batch_invariant.enabled() == self.deterministic and autotune.active_table() is plans:
+            deltas = self._step()  # the caller holds the modes (step_modes)
+        else:
+            with batch_invariant.mode(self.deterministic), autotune.active(self.linear_table):
+                deltas = self._step()
         if self.step_budget is not None and self._step_rows != (0, 0):
             self.step_budget.observe(*self._step_rows, time.perf_counter() - t0)
         return deltas

@@ -150,12 +150,10 @@ class EngineThread:
         self.limits = engine.limits
         self._stats = engine.stats()
         self._ready.set()
-        import torch  # (loaded by now: the engine's import brought it in)
-
-        # Inference mode held for the whole loop: the engine's steps then find it on and enter
-        # nothing (server/inference_mode.py: entering it cost 29 us a step with the caches cold).
-        # Every tensor the loop makes stays on this thread.
-        with torch.inference_mode():
+        # The step's thread modes (inference mode, batch-invariant mode, the autotune table) held
+        # for the whole loop: the steps then enter nothing (LLMEngine.step_modes says why). Every
+        # tensor the loop makes stays on this thread.
+        with engine.step_modes():
             self._serve(engine)
         self._on_step_safe(engine.abort_all())
 

@@ -5,7 +5,8 @@ import each other, directly or round a circle (docs/architecture.md, "Layers").
 The order, top to bottom: the composition roots (server/cli.py, server/serve.py, server/llm.py, server/chat_reading.py
 and the package's lazy `server/__init__.py`), then
     api → gateway → serving → engine → text → models → kernels → server._C
-with server/jsonfile.py, server/strenum.py, server/heap.py and server/hugepages.py leaves anyone may read. An edge may skip
+with server/jsonfile.py, server/strenum.py, server/heap.py, server/hugepages.py and server/inference_mode.py leaves
+anyone may read. An edge may skip
 layers downwards only where the table says so; nothing imports upwards, and no layer imports a root.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 SERVER = Path(__file__).resolve().parents[1] / "server"
 
 ROOTS = {"server", "server.cli", "server.serve", "server.llm", "server.chat_reading"}
-LEAVES = {"server.jsonfile", "server.strenum", "server.heap", "server.hugepages", "server._C"}
+LEAVES = {"server.jsonfile", "server.strenum", "server.heap", "server.hugepages", "server.inference_mode", "server._C"}
 
 # package -> the packages (and leaves) its modules may import, besides its own modules.
 ALLOWED: dict[str, set[str]] = {
@@ -29,10 +30,11 @@ ALLOWED: dict[str, set[str]] = {
     # through text, models.generation_defaults (a model's suggested sampling values), and
     # models.pooling / models.registry (an embedding model's recipe and width, torch-free).
     "serving": {"engine", "text", "models", "server.strenum", "server.heap"},
-    "engine": {"text", "models", "kernels", "server._C", "server.strenum", "server.heap", "server.hugepages"},
+    "engine": {"text", "models", "kernels", "server._C", "server.strenum", "server.heap", "server.hugepages",
+               "server.inference_mode"},
     # The tokenizer reads GGUF files with models.gguf_file (and its error type, models.config).
     "text": {"models", "server.jsonfile"},
-    "models": {"kernels", "server.jsonfile", "server.heap"},
+    "models": {"kernels", "server.jsonfile", "server.heap", "server.inference_mode"},
     "kernels": {"server._C", "server.strenum"},
 }
 

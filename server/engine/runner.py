@@ -124,6 +124,7 @@ class ModelRunner:
         # such a step creates no tensor on the host (_plan_decode).
         self._decode_plannable = (len(self.groups.groups) == 1 and not self.groups.slot_elems
                                   and state_cache is None)
+        self.decode_planned = False  # the last _plan's (see _plan)
         self._dec64 = torch.zeros((3, 0), dtype=torch.int64)
         self._dec32 = torch.zeros((3, 1), dtype=torch.int32)
         self._dec64_np, self._dec32_np = self._dec64.numpy(), self._dec32.numpy()
@@ -153,11 +154,15 @@ class ModelRunner:
         return self._tables[:, : len(seqs), :longest]
 
     def _plan(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Host-side metadata for the flat batch. Returns (input_ids, positions, meta, sample_rows)."""
+        """Host-side metadata for the flat batch. Returns (input_ids, positions, meta, sample_rows).
+        Sets `decode_planned`: whether the decode plan made it (every share decodes one token and
+        samples it, none pools)."""
         if self._decode_plannable:
             planned = self._plan_decode(out)
             if planned is not None:
+                self.decode_planned = True
                 return planned
+        self.decode_planned = False
         bs = self.block_size
         token_ids: list[int] = []
         starts: list[int] = []
@@ -325,6 +330,8 @@ class ModelRunner:
             hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
         else:
             hidden = self.model.forward(input_ids, positions, self.kv_caches, meta, lora=step)
+        if self.decode_planned:  # every row samples, none pools: no gather, no pooling (a step's host work)
+            return self.model.compute_logits(hidden)
         self._pool(out, hidden)
         if sample_rows.numel() == 0:
             return hidden.new_empty((0, 0), dtype=torch.float32)

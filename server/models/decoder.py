@@ -270,7 +270,7 @@ class DecoderForCausalLM(nn.Module):
         replaced (tests and bench/decode_step.py wrap it to see every call). Cached per row count,
         autotune table and batch-invariant mode: the rules only change with those."""
         T = hidden.shape[0]
-        if (not self.fused_decode or hidden.device.type != "cpu" or T > Q8_KERNEL_MAX_ROWS
+        if (not self.fused_decode or not hidden.is_cpu or T > Q8_KERNEL_MAX_ROWS
                 or any(b.cos is not None for b in batches) or linear is not _LINEAR
                 or decoder_layer.linear is not _LINEAR):
             return None

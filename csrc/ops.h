@@ -209,9 +209,13 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu(const at::Tensor& draft_
                                                         const at::Tensor& target_argmax, const at::Tensor& is_greedy,
                                                         const at::Tensor& uniform);
 
-// The greedy sampler's argmax (cpu/argmax.cpp): x float32 [S, V] -> int64 [S], each row's first
-// index of its largest value, a NaN counting as the largest (torch.argmax's choice).
+// The greedy sampler's argmax (cpu/argmax.cpp): x float32 or bf16 [S, V] -> int64 [S], each row's
+// first index of its largest value, a NaN counting as the largest (torch.argmax's choice).
 at::Tensor argmax_rows_cpu(const at::Tensor& x);
+// Whether argmax_rows_cpu takes x (CPU, float32 or bf16, 2-D, columns, contiguous in them), and its
+// body: the S indices into op (argmax_rows_applies(x) must hold).
+bool argmax_rows_applies(const at::Tensor& x);
+void argmax_rows_into(const at::Tensor& x, int64_t* op);
 // compute_logits' widening (cpu/widen_rows.cpp): bf16 [S, V] -> float32 [S, V], exactly; one row on the
 // calling thread, several by each thread's column slice (the linear kernels' split).
 at::Tensor widen_rows_cpu(const at::Tensor& x);

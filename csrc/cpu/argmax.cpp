@@ -1,4 +1,4 @@
-// argmax_rows: each row's argmax of a float32 [S, V] CPU tensor (the greedy sampler's token), the
+// argmax_rows: each row's argmax of a float32 or bf16 [S, V] CPU tensor (the greedy sampler's token), the
 // first index on ties and a NaN counting as the largest, as torch.argmax and numpy.argmax choose.
 //
 // Why an op of its own: a decode step's logits come out of the lm_head kernel, which splits the
@@ -22,19 +22,25 @@ namespace pagewire {
 
 namespace cpu {
 
-int64_t argmax_slice(const float* x, int64_t n, bool* is_nan) {
+namespace {
+template <typename T>
+int64_t scan_scalar(const T* x, int64_t n, bool* is_nan, float (*value)(T)) {
   int64_t best = 0;
   for (int64_t j = 0; j < n; ++j) {
-    if (x[j] != x[j]) {
+    const float v = value(x[j]);
+    if (v != v) {
       *is_nan = true;
       return j;
     }
-    if (x[j] > x[best]) best = j;
+    if (v > value(x[best])) best = j;
   }
   *is_nan = false;
   return best;
 }
+}  // namespace
 
+int64_t argmax_slice(const float* x, int64_t n, bool* is_nan) { return scan_scalar(x, n, is_nan, f32_value); }
+int64_t argmax_slice_bf16(const uint16_t* x, int64_t n, bool* is_nan) { return scan_scalar(x, n, is_nan, bf16_value); }
 }  // namespace cpu
 
 namespace {
@@ -48,27 +54,21 @@ struct SliceBest {
   bool nan;
 };
 
-}  // namespace
-
-at::Tensor argmax_rows_cpu(const at::Tensor& x) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
-              "argmax_rows: x must be a float32 [S, V] CPU tensor, got ", x.scalar_type(), " ", x.sizes(), " on ",
-              x.device());
-  TORCH_CHECK(x.size(1) > 0, "argmax_rows: x has no columns");
-  TORCH_CHECK(x.stride(1) == 1, "argmax_rows: x must be contiguous in its last dim");
-  const int64_t S = x.size(0), V = x.size(1), ld = x.stride(0);
-  at::Tensor out = at::empty({S}, x.options().dtype(at::kLong));
-  if (S == 0) return out;
-  const float* xp = x.data_ptr<float>();
-  int64_t* op = out.data_ptr<int64_t>();
-  const auto scan = cpu::active_isa() != cpu::Isa::kPortable ? cpu::argmax_slice_avx2 : cpu::argmax_slice;
-  const int nt = S * V >= kParallelArgmax ? omp_get_max_threads() : 1;
+template <typename T>
+void argmax_rows_impl(const T* xp, int64_t S, int64_t V, int64_t ld, int64_t* op,
+                      int64_t (*scan)(const T*, int64_t, bool*), float (*value)(T)) {
+  // One bf16 row was rounded from the kernel's floats by the engine thread alone (FloatOut::finish,
+  // M < 2), so it is all in this core's cache: a team would pull half of it across (SmolLM2's row:
+  // 12 us with the team, 7 alone, right after a step). Float32 rows come straight from the kernel's
+  // column split, each slice in the core that wrote it.
+  const bool one_writer = S == 1 && sizeof(T) == 2;
+  const int nt = !one_writer && S * V >= kParallelArgmax ? omp_get_max_threads() : 1;
   if (nt <= 1 || V < 2 * nt) {
     for (int64_t s = 0; s < S; ++s) {
       bool nan = false;
       op[s] = scan(xp + s * ld, V, &nan);
     }
-    return out;
+    return;
   }
   // best[s * nt + t]: the winner of thread t's slice of row s (its index in the row).
   std::vector<SliceBest> best(static_cast<size_t>(S * nt));
@@ -89,7 +89,7 @@ at::Tensor argmax_rows_cpu(const at::Tensor& x) {
     }
   }
   for (int64_t s = 0; s < S; ++s) {
-    const float* row = xp + s * ld;
+    const T* row = xp + s * ld;
     int64_t win = -1;
     bool win_nan = false;
     // Slices in column order: a later slice wins only with a strictly larger value (ties keep
@@ -97,7 +97,7 @@ at::Tensor argmax_rows_cpu(const at::Tensor& x) {
     for (int t = 0; t < nt; ++t) {
       const SliceBest b = best[s * nt + t];
       if (b.index < 0) continue;
-      if (win < 0 || (b.nan && !win_nan) || (!win_nan && row[b.index] > row[win])) {
+      if (win < 0 || (b.nan && !win_nan) || (!win_nan && value(row[b.index]) > value(row[win]))) {
         win = b.index;
         win_nan = b.nan;
       }
@@ -105,7 +105,37 @@ at::Tensor argmax_rows_cpu(const at::Tensor& x) {
     }
     op[s] = win;
   }
+}
+
+}  // namespace
+
+bool argmax_rows_applies(const at::Tensor& x) {
+  return x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+         x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1;
+}
+
+at::Tensor argmax_rows_cpu(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.dim() == 2,
+              "argmax_rows: x must be a float32 or bfloat16 [S, V] CPU tensor, got ", x.scalar_type(), " ",
+              x.sizes(), " on ", x.device());
+  TORCH_CHECK(x.size(1) > 0, "argmax_rows: x has no columns");
+  TORCH_CHECK(x.stride(1) == 1, "argmax_rows: x must be contiguous in its last dim");
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  argmax_rows_into(x, out.data_ptr<int64_t>());
   return out;
 }
 
+void argmax_rows_into(const at::Tensor& x, int64_t* op) {
+  const int64_t S = x.size(0), V = x.size(1), ld = x.stride(0);
+  if (S == 0) return;
+  const bool vec = cpu::active_isa() != cpu::Isa::kPortable;
+  if (x.scalar_type() == at::kFloat) {
+    argmax_rows_impl<float>(x.data_ptr<float>(), S, V, ld, op, vec ? cpu::argmax_slice_avx2 : cpu::argmax_slice,
+                            cpu::f32_value);
+  } else {
+    argmax_rows_impl<uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr()), S, V, ld, op,
+                               vec ? cpu::argmax_slice_bf16_avx2 : cpu::argmax_slice_bf16, cpu::bf16_value);
+  }
+}
 }  // namespace pagewire

@@ -39,7 +39,7 @@ from server.engine.output_processor import OutputProcessor
 from server.engine.outputs import FinishReason, RequestDelta, TokenLogprob
 from server.engine.request import Request, Sequence
 from server.engine.runner import ModelRunner
-from server.engine.sampler import Sampler, SamplingBatch, argmax_rows, plain_greedy
+from server.engine.sampler import Sampler, SamplingBatch, plain_greedy
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from server.engine.spec_config import SpeculativeConfig
@@ -49,7 +49,7 @@ from server.engine.step_budget import StepBudget
 from server.engine.structured import PendingMasks, StructuredDecoder
 from server.kernels import autotune, batch_invariant
 from server.kernels.linear_route import Q8_KERNEL_MAX_ROWS
-from server.kernels.ops import cpu_isa, release_small_blocks, use_small_blocks
+from server.kernels.ops import argmax_list, cpu_isa, release_small_blocks, use_small_blocks
 from server.models import load_progress
 from server.models.loader import load_model
 from server.models.pooling import Pooler, resolve_pooler
@@ -362,11 +362,17 @@ class LLMEngine:
         # One pass over the shares (a decode step's host work is a share of it; issue 31).
         dec = total = 0
         now = time.time()
+        # Every sampled row plain greedy (no lookahead to verify): its argmax is all the step needs
+        # of the logits, so they stay in the lm_head's dtype (runner.execute_greedy): widening
+        # SmolLM2's bf16 row took 24 us a step (issue 31).
+        greedy = self.spec is None
         for share in out.scheduled:
             seq = share.seq
             total += share.num_new_tokens
             if len(seq.token_ids) - seq.num_computed_tokens == 1:
                 dec += share.num_new_tokens
+            if greedy and not plain_greedy(seq):
+                greedy = False
             req = seq.request
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
@@ -376,13 +382,14 @@ class LLMEngine:
         # thread while the forward runs, and joined right after it (before _advance forks any
         # matcher), also when the forward raises.
         self.structured.begin(out.scheduled)
+        execute = self.runner.execute_greedy if greedy else self.runner.execute
         try:
             # The forward; if it raises, isolation finds and fails only the request(s) that cause it.
             if not self.deterministic and self._verify_step(out, dec):
                 with batch_invariant.mode(True):
-                    step = execute_isolating(self.runner.execute, out)
+                    step = execute_isolating(execute, out)
             else:  # step() has set the mode already
-                step = execute_isolating(self.runner.execute, out)
+                step = execute_isolating(execute, out)
         finally:
             grammar_masks = self.structured.collect()
         logits, out = step.logits, step.out
@@ -405,7 +412,7 @@ class LLMEngine:
             if row_idx != list(range(logits.shape[0])):  # forked samples reuse sample 0's row
                 logits = logits.index_select(0, torch.tensor(row_idx, device=logits.device))
             seqs = [s for _, s in rows]
-            self._sample_and_apply(logits, seqs, touched, grammar_masks)
+            self._sample_and_apply(logits, seqs, touched, grammar_masks, greedy)
         self._stats.num_steps += 1
         for req in touched.values():
             for seq in req.sequences:
@@ -462,17 +469,21 @@ class LLMEngine:
         return rows
 
     def _sample_and_apply(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict[str, Request],
-                          grammar_masks: Optional[PendingMasks] = None) -> None:
+                          grammar_masks: Optional[PendingMasks] = None, greedy: bool = False) -> None:
+        """Sample each row of `logits` for its sequence and emit the token. `greedy`: the step found
+        every sampled row plain greedy before its forward (and took its logits unwidened)."""
         tokens: list[int]
         lps: Optional[list[float]] = None
         top_ids: Optional[list[list[int]]] = None
         top_lps: Optional[list[list[float]]] = None
         dead_ends: list[int] = []
-        if grammar_masks is None and all(plain_greedy(s) for s in seqs):
+        if grammar_masks is None and (greedy or all(plain_greedy(s) for s in seqs)):
             # What SamplingBatch.build and the sampler would come to (their fast_greedy): one
             # argmax, without building the batch (a decode step's host work; issue 31).
-            tokens = argmax_rows(logits).tolist()
+            tokens = argmax_list(logits)
         else:
+            if logits.dtype is not torch.float32:  # (not reached: a greedy step's rows are all greedy)
+                logits = logits.float()
             params = [s.request.params for s in seqs]
             penalties = any(p.needs_penalties for p in params)
             blocked = [self.outputs.blocked_tokens(s) for s in seqs]

@@ -315,9 +315,15 @@ class ModelRunner:
                     share.pooled = rows[-1].float().clone() if share.samples else None
             r += n
 
+    def execute_greedy(self, out: SchedulerOutput) -> torch.Tensor:
+        """execute() for a step whose every sampled row takes its argmax (LLMEngine's plain-greedy
+        steps): the logits come back in the lm_head's dtype, not widened to float32."""
+        return self.execute(out, widen=False)
+
     @hot_inference_mode
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run one step. Returns float32 logits [sum of num_logit_rows, vocab] (possibly 0 rows)."""
+    def execute(self, out: SchedulerOutput, widen: bool = True) -> torch.Tensor:
+        """Run one step. Returns float32 logits [sum of num_logit_rows, vocab] (possibly 0 rows);
+        with widen=False in the model's logits dtype (execute_greedy)."""
         copies = out.copies
         if copies:
             mapping = torch.tensor(copies, dtype=torch.int64, device=self.device)
@@ -331,10 +337,10 @@ class ModelRunner:
         else:
             hidden = self.model.forward(input_ids, positions, self.kv_caches, meta, lora=step)
         if self.decode_planned:  # every row samples, none pools: no gather, no pooling (a step's host work)
-            return self.model.compute_logits(hidden)
+            return self.model.compute_logits(hidden, widen)
         self._pool(out, hidden)
         if sample_rows.numel() == 0:
             return hidden.new_empty((0, 0), dtype=torch.float32)
         if sample_rows.numel() == hidden.shape[0]:  # every row samples (decodes): no gather
-            return self.model.compute_logits(hidden)
-        return self.model.compute_logits(hidden.index_select(0, sample_rows.to(hidden.device)))
+            return self.model.compute_logits(hidden, widen)
+        return self.model.compute_logits(hidden.index_select(0, sample_rows.to(hidden.device)), widen)

@@ -185,7 +185,8 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     each core scans the logits it just computed. torch's argmax took ~100 us a row over a 49k
     vocabulary on a Zen 3, numpy's 25-30 us cold after a step on a Xeon (half the row in the other
     core's cache), the op ~10 us; a share of a decode step either way (bench/RESULTS.md, session 23)."""
-    if x.is_cpu and x.dtype is torch.float32 and x.dim() == 2 and x.stride(-1) == 1 and x.shape[-1] > 0:
+    if x.is_cpu and (x.dtype is torch.float32 or x.dtype is torch.bfloat16) and x.dim() == 2 and x.stride(-1) == 1 \
+            and x.shape[-1] > 0:
         return ops.argmax_rows(x)
     return x.argmax(dim=-1)
 

@@ -23,7 +23,7 @@ from server.kernels.quant import QuantizedExperts
 __all__ = [
     "write_kv_cache", "paged_attention", "copy_blocks", "linear", "rms_norm", "add_rms_norm",
     "rotary_embedding", "silu_and_mul", "gelu_tanh_and_mul", "moe_experts", "moe_decode", "moe_route", "ngram_propose",
-    "rejection_sample", "argmax_rows", "to_float32", "cpu_isa", "detected_cpu_isa", "lora_add", "cpu_features",
+    "rejection_sample", "argmax_rows", "argmax_list", "to_float32", "cpu_isa", "detected_cpu_isa", "lora_add", "cpu_features",
     "use_small_blocks", "release_small_blocks", "small_block_stats",
 ]
 
@@ -247,10 +247,18 @@ def lora_add_torch(out: torch.Tensor, x: torch.Tensor, adapter: torch.Tensor, a:
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """Args: x float32 [S, V] on the CPU, contiguous in V. Returns int64 [S]: each row's first index
-    of its largest value, a NaN counting as the largest (torch.argmax's choice). Each thread scans
-    the slice of the columns that the lm_head kernel's split gave its core (cpu/argmax.cpp)."""
+    """Args: x float32 or bfloat16 [S, V] on the CPU, contiguous in V (a bf16 value compares as its
+    exact float32 value). Returns int64 [S]: each row's first index of its largest value, a NaN
+    counting as the largest (torch.argmax's choice). Each thread scans the slice of the columns
+    that the lm_head kernel's split gave its core (cpu/argmax.cpp)."""
     return _fast.argmax_rows(x)  # (the op is CPU-only; server._C.fast skips the dispatcher)
+
+
+# argmax_list(x) -> list[int]: each row's argmax over the last dim, as ints: argmax_rows where it
+# applies, else torch.argmax (any device or dtype, and its error for a row of no columns). Bound
+# straight to the pybind11 call, with no Python frame or checks around it: the greedy decode
+# step's tokens (LLMEngine._sample_and_apply), where the checks and tolist cost 20 us cold.
+argmax_list = _fast.argmax_list
 
 
 def to_float32(x: torch.Tensor) -> torch.Tensor:

@@ -47,8 +47,9 @@ class CausalLM(Protocol):
         """Per layer, the modules a LoRA adapter may target and where they land."""
         ...
 
-    def compute_logits(self, hidden: "torch.Tensor") -> "torch.Tensor":
-        """float32 logits [S, vocab] for rows of the forward's output."""
+    def compute_logits(self, hidden: "torch.Tensor", widen: bool = True) -> "torch.Tensor":
+        """float32 logits [S, vocab] for rows of the forward's output; with widen=False in the
+        lm_head's own dtype (a greedy step's argmax reads bf16 logits as they are)."""
         ...
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -254,6 +254,42 @@ def test_the_stream_paths_give_the_two_decode_paths_chunks(tok: Tokenizer, skip_
         assert decode_stream == two_decodes
 
 
+def _token_by_token(t: Any, prompt: list[int], ids: list[int], skip_special_tokens: bool, cuts: list[int],
+                    one: bool) -> list[str]:
+    """Every token's text (add_token when `one`, else add([id])) and the flushes after each cut."""
+    detok = IncrementalDetokenizer(t, prompt, skip_special_tokens)
+    out: list[str] = []
+    for k, i in enumerate(ids):
+        out.append(detok.add_token(i) if one else detok.add([i]))
+        if k + 1 in cuts:
+            out.append(detok.flush())
+    out.append(detok.flush())
+    return out
+
+
+def _check_add_token(t: Tokenizer, samples: list[tuple[list[int], list[int]]], skip_special_tokens: bool) -> None:
+    rng = random.Random(5)
+    fast = 0
+    for prompt, ids in samples:
+        cuts = sorted(rng.sample(range(1, len(ids) + 1), k=min(2, len(ids))))
+        want = _token_by_token(_DecodeOnly(t), prompt, ids, skip_special_tokens, cuts, one=False)
+        assert _token_by_token(t, prompt, ids, skip_special_tokens, cuts, one=True) == want
+        assert _token_by_token(_DecodeStreamOnly(t), prompt, ids, skip_special_tokens, cuts, one=True) == want
+        fast += sum(1 for i in ids if (BytePieces(t._tok, skip_special_tokens).piece(i)).isascii())
+    assert fast > len(samples)  # ASCII ids (ByteStream.step's shortcut) were among them, and others
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_add_token_gives_the_two_decode_paths_text_token_by_token(tok: Tokenizer, skip_special_tokens: bool) -> None:
+    # ByteStream.step's ASCII shortcut on a clean stream, its full path after held bytes or text,
+    # and DecodeStream's, each token's text against two decodes, flushes mid-stream included.
+    rng = random.Random(9)
+    samples = [(random_ids(tok, rng, rng.randint(0, 8)), random_ids(tok, rng, rng.randint(1, 40))) for _ in range(300)]
+    plain = tok.encode(" naïve café 東京 and more, in plain ASCII too", add_special_tokens=False)
+    samples += [([], plain), (plain[:3], plain[3:])]
+    _check_add_token(tok, samples, skip_special_tokens)
+
+
 def test_a_decoder_that_is_not_plain_byte_level_keeps_decode_stream(tmp_path: Path) -> None:
     # ByteLevel inside a Sequence, and Metaspace: text that is not the tokens' bytes end to end.
     for decoder in (decoders.Sequence([decoders.ByteLevel()]), decoders.Metaspace()):
@@ -312,6 +348,14 @@ def test_a_real_vocabulary_streams_the_two_decode_paths_chunks(smol: Tokenizer, 
         assert decode_stream == two_decodes
     streamed = IncrementalDetokenizer(smol, [])
     assert "".join(streamed.add([i]) for i in text) + streamed.flush() == MULTIBYTE_TEXT + " The end."
+    streamed = IncrementalDetokenizer(smol, [])
+    assert "".join(streamed.add_token(i) for i in text) + streamed.flush() == MULTIBYTE_TEXT + " The end."
+    samples = []
+    for _ in range(100):
+        ids = [rng.choice(byte_ids) if r < 0.3 else rng.choice(added) if r < 0.4 else rng.choice(text)
+               for r in (rng.random() for _ in range(rng.randint(1, 40)))]
+        samples.append(([rng.choice(text) for _ in range(rng.randint(0, 6))], ids))
+    _check_add_token(smol, samples, skip_special_tokens)
 
 
 def test_a_prompt_cut_inside_a_character_moves_to_the_stream_with_its_first_text(tok: Tokenizer) -> None:

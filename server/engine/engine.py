@@ -415,10 +415,13 @@ class LLMEngine:
             self._sample_and_apply(logits, seqs, touched, grammar_masks, greedy)
         self._stats.num_steps += 1
         for req in touched.values():
+            ended = False  # a sample with a finish_reason: only then can the request be done
             for seq in req.sequences:
-                if seq.finish_reason is not None and not seq.is_finished:
-                    self.scheduler.finish(seq)
-            if req.all_samples_done():
+                if seq.finish_reason is not None:
+                    ended = True
+                    if not seq.is_finished:
+                        self.scheduler.finish(seq)
+            if ended and req.all_samples_done():
                 req.finished = True
                 self.requests.pop(req.request_id, None)
             delta = self.outputs.make_delta(req, now)

@@ -84,7 +84,7 @@ class OutputProcessor:
         if may_stop and not p.ignore_eos and token in self.eos_token_ids:
             self._finish(seq, FinishReason.STOP, None)
             return
-        text = state.detok.add([token])
+        text = state.detok.add_token(token)
         # Stop strings count only once min_tokens are out (vLLM's rule, like EOS and stop ids).
         if state.stops is not None and may_stop:
             emit, stopped, matched = state.stops.feed(text)

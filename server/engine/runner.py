@@ -141,7 +141,7 @@ class ModelRunner:
 
     def _grow_tables(self, rows: int, width: int) -> None:
         """Make the persistent tables hold at least rows x width (doubling, so growth is rare)."""
-        _, have_rows, have_cols = self._tables.shape
+        _, have_rows, have_cols = self._tables_np.shape  # (numpy's: a tuple read, no torch.Size built)
         if rows > have_rows or width > have_cols:
             self._tables = torch.zeros((self.kv_cache.num_groups, max(rows, 2 * have_rows), max(width, 2 * have_cols)),
                                        dtype=torch.int32)

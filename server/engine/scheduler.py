@@ -159,7 +159,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: dict[int, ScheduledSeq] = {}  # seq_id -> share, in scheduling order
         preempted: list[Sequence] = []
-        self.running.sort(key=_SORT_KEY)
+        if len(self.running) > 1:
+            self.running.sort(key=_SORT_KEY)
 
         def preempt(victim: Sequence) -> None:
             nonlocal budget
@@ -179,9 +180,16 @@ class Scheduler:
         foreground = bool(self.running and self.running[0].request.priority < BACKGROUND_PRIORITY) or bool(
             self.waiting and self.waiting[0].request.priority < BACKGROUND_PRIORITY)
         active = [s for s in self.running if s.request.priority < BACKGROUND_PRIORITY] if foreground else self.running
-        # 1 + 2: running sequences, decodes before prefill chunks.
-        decodes = [s for s in active if s.num_tokens - s.num_computed_tokens == 1]
-        prefills = [s for s in active if s.num_tokens - s.num_computed_tokens > 1]
+        # 1 + 2: running sequences, decodes before prefill chunks (one pass, no properties: a
+        # decode step's host work runs with the caches cold after the weights' stream).
+        decodes: list[Sequence] = []
+        prefills: list[Sequence] = []
+        for s in active:
+            left = len(s.token_ids) - s.num_computed_tokens
+            if left == 1:
+                decodes.append(s)
+            elif left > 1:
+                prefills.append(s)
         for seq in [*decodes, None, *prefills]:  # None: where the decodes end
             if seq is None:
                 budget = self._prefill_room(budget)

@@ -54,7 +54,12 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._streams = getattr(self._tok, "decode_stream", None) is not None
-        self._stream = self._new_stream()
+        self._set_stream(self._new_stream())
+
+    def _set_stream(self, stream: Optional[Callable[[list[int]], Optional[str]]]) -> None:
+        self._stream = stream
+        # A ByteStream's one-id call (add_token's), when the stream has one.
+        self._step: Optional[Callable[[int], Optional[str]]] = getattr(stream, "step", None)
 
     def _new_stream(self) -> Optional[Callable[[list[int]], Optional[str]]]:
         make = getattr(self._tok, "decode_stream", None)
@@ -87,9 +92,26 @@ class IncrementalDetokenizer:
             # cut inside a character) goes on with the one-call stream from its first text on.
             # A prompt of raw byte tokens kept every step of bench.engine_step on two decodes.
             if self._stream is None and self._streams:
-                self._stream = self._new_stream()
+                self._set_stream(self._new_stream())
             return text
         return ""
+
+    def add_token(self, token_id: int) -> str:
+        """add([token_id]): a decode step's one sampled token. On a ByteStream, its one-id step
+        and the window's advance inline, without the lists `add` builds (the engine thread calls
+        this between two steps, with the caches cold after the weights' stream)."""
+        step = self._step
+        if step is None:
+            return self.add([token_id])
+        ids = self._ids
+        ids.append(token_id)
+        text = step(token_id)
+        if not text:
+            return ""
+        del ids[:self._read_offset]  # _advance, inline
+        self._prefix_offset = 0
+        self._read_offset = len(ids)
+        return text
 
     def flush(self) -> str:
         """Emit whatever is held back (e.g. a trailing byte sequence that never completed, shown
@@ -100,7 +122,7 @@ class IncrementalDetokenizer:
         full_text = self._decode(self._ids[self._prefix_offset:])
         text = self._advance(full_text[len(prefix_text):])
         if self._streams:  # a stream still holds the ids given up on: start it again here
-            self._stream = self._new_stream()
+            self._set_stream(self._new_stream())
         return text
 
     def _advance(self, text: str) -> str:

@@ -381,7 +381,8 @@ class LLMEngine:
         # Structured outputs: the grammar masks of the sampling rows are computed on a worker
         # thread while the forward runs, and joined right after it (before _advance forks any
         # matcher), also when the forward raises.
-        self.structured.begin(out.scheduled)
+        if not greedy:  # (a plain-greedy row has no grammar: nothing to mask)
+            self.structured.begin(out.scheduled)
         execute = self.runner.execute_greedy if greedy else self.runner.execute
         try:
             # The forward; if it raises, isolation finds and fails only the request(s) that cause it.
@@ -403,13 +404,14 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         if self.pooler is not None:
             fold_pooled(out.scheduled, touched)
-        rows = self._advance(out.scheduled)
+        rows, one_each = self._advance(out.scheduled)
         if rows and self.spec is not None:  # sequences with proposals: verified and applied there
             rows, emitted = self.spec.verify(logits, rows, touched, now)
             self._stats.generation_tokens += emitted
+            one_each = [r for r, _ in rows] == list(range(logits.shape[0]))
         if rows:
-            row_idx = [r for r, _ in rows]
-            if row_idx != list(range(logits.shape[0])):  # forked samples reuse sample 0's row
+            if not one_each:  # forked samples reuse sample 0's row
+                row_idx = [r for r, _ in rows]
                 logits = logits.index_select(0, torch.tensor(row_idx, device=logits.device))
             seqs = [s for _, s in rows]
             self._sample_and_apply(logits, seqs, touched, grammar_masks, greedy)
@@ -441,20 +443,28 @@ class LLMEngine:
         return (self.spec is not None and decode_rows == out.num_batched_tokens
                 and any(share.num_spec for share in out.scheduled))
 
-    def _advance(self, scheduled: list[ScheduledSeq]) -> list[tuple[int, Sequence]]:
-        """Mark the step's tokens computed; fork n > 1 samples. Returns (first logits row, seq) pairs."""
+    def _advance(self, scheduled: list[ScheduledSeq]) -> tuple[list[tuple[int, Sequence]], bool]:
+        """Mark the step's tokens computed; fork n > 1 samples. Returns (first logits row, seq)
+        pairs, and whether they are the logits' rows one each, in order (no fork, no lookahead
+        rows, no row without a sample): then the rows need no gather."""
         rows: list[tuple[int, Sequence]] = []
         row = 0
+        one_each = True
         for share in scheduled:
             seq = share.seq
-            samples = share.samples
-            n_rows = share.num_logit_rows  # (both read num_computed_tokens: before it advances)
             before = seq.num_computed_tokens
+            num_spec = share.num_spec
+            # share.samples and share.num_logit_rows, inline (both read num_computed_tokens before
+            # it advances; a decode step's host work runs with the caches cold).
+            samples = before + share.num_new_tokens - num_spec == len(seq.token_ids)
+            n_rows = 1 + num_spec if samples and seq.request.pooler is None else 0
             seq.num_computed_tokens += share.num_new_tokens - share.num_spec  # proposals: see verify
             if self.states is not None:  # a prompt's snapshot boundary: save the recurrent state
                 self.states.after_compute(seq, before)
             if not samples or seq.request.pooler is not None:  # embeddings: pooled in embedding_step.fold_pooled
                 continue
+            if n_rows != 1 or row != len(rows):
+                one_each = False
             rows.append((row, seq))
             req = seq.request
             if req.params.n > 1 and not req.forked:
@@ -467,9 +477,10 @@ class LLMEngine:
                     child.num_computed_tokens = seq.num_computed_tokens
                     self.scheduler.add_running(child)
                     rows.append((row, child))
+                    one_each = False
                 req.forked = True
             row += n_rows
-        return rows
+        return rows, one_each
 
     def _sample_and_apply(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict[str, Request],
                           grammar_masks: Optional[PendingMasks] = None, greedy: bool = False) -> None:

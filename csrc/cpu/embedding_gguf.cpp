@@ -31,19 +31,6 @@ namespace {
 // decode batch's; a prompt's take the general path, whose dequantisation splits over the team).
 constexpr int64_t kFewRows = 64;
 
-// One Q8_0 row's values: d * q per block, as dequantize_q8_0 computes them.
-void dequantize_q8_0_row(const uint8_t* row, float* out, int64_t K) {
-  for (int64_t b = 0; b < K / cpu::kQ8Block; ++b) {
-    const uint8_t* blk = row + b * cpu::kQ8BlockBytes;
-    uint16_t dh;
-    std::memcpy(&dh, blk, 2);
-    const float d = cpu::fp16_to_float(dh);
-    for (int j = 0; j < cpu::kQ8Block; ++j) {
-      out[b * cpu::kQ8Block + j] = d * static_cast<float>(static_cast<int8_t>(blk[2 + j]));
-    }
-  }
-}
-
 }  // namespace
 
 at::Tensor embedding_gguf_cpu(const at::Tensor& ids, const at::Tensor& weight, c10::string_view qtype_view,
@@ -94,7 +81,7 @@ at::Tensor embedding_gguf_cpu(const at::Tensor& ids, const at::Tensor& weight, c
       }
       float* v = values.data();
       if (q8) {
-        dequantize_q8_0_row(src, v, K);
+        cpu::dequantize_q8_0_row(src, v, K);
       } else {
         cpu::dequantize_q4_row(t, src, v, K);
       }

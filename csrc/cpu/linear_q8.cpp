@@ -183,21 +183,13 @@ namespace {
 // n0 a multiple of 8) as fp32 [rows, K]. An interleaved group is moved back to its rows in a
 // small per-group buffer first, so no row-layout copy of the whole weight is ever made.
 at::Tensor dequantize_q8_rows(const at::Tensor& wc, bool interleaved, int64_t K, int64_t n0, int64_t rows) {
-  const int64_t N = wc.size(0), nb = K / cpu::kQ8Block, rb = wc.size(1), G = cpu::kQ8Interleave;
+  const int64_t N = wc.size(0), rb = wc.size(1), G = cpu::kQ8Interleave;
   const int64_t grouped = interleaved ? N / G * G : 0;
   TORCH_CHECK(!interleaved || n0 % G == 0, "dequantize_q8_rows: n0 = ", n0, " must be a multiple of ", G);
   at::Tensor out = at::empty({rows, K}, wc.options().dtype(at::kFloat));
   const uint8_t* w = wc.data_ptr<uint8_t>();
   float* dst = out.data_ptr<float>();
-  const auto row_out = [&](const uint8_t* row, float* o) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = row + b * cpu::kQ8BlockBytes;
-      uint16_t dh;
-      std::memcpy(&dh, blk, 2);
-      const float d = cpu::fp16_to_float(dh);
-      for (int j = 0; j < cpu::kQ8Block; ++j) o[b * cpu::kQ8Block + j] = d * static_cast<float>(static_cast<int8_t>(blk[2 + j]));
-    }
-  };
+  const auto row_out = [&](const uint8_t* row, float* o) { cpu::dequantize_q8_0_row(row, o, K); };
   // Work items: one interleaved group (8 rows) or one row-layout row.
   const int64_t n1 = n0 + rows, g_end = std::min(n1, grouped);
   const int64_t groups = g_end > n0 ? (g_end - n0) / G : 0, first_row = n0 + groups * G;

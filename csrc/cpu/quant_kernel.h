@@ -93,4 +93,14 @@ inline float fp16_to_float(uint16_t h) {
   return f;
 }
 
+// One row-layout Q8_0 row of K values (K / 32 blocks) as fp32: d * q per block, exactly as the
+// float64 reference dequantises (the embedding rows and dequantize_q8_rows share it).
+inline void dequantize_q8_0_row(const uint8_t* row, float* out, int64_t K) {
+  for (int64_t b = 0; b < K / kQ8Block; ++b) {
+    const uint8_t* blk = row + b * kQ8BlockBytes;
+    const float d = fp16_to_float(static_cast<uint16_t>(blk[0] | (blk[1] << 8)));
+    for (int j = 0; j < kQ8Block; ++j) out[b * kQ8Block + j] = d * static_cast<float>(static_cast<int8_t>(blk[2 + j]));
+  }
+}
+
 }  // namespace pagewire::cpu

@@ -192,6 +192,17 @@ class DecodeStack : public torch::CustomClassHolder {
     l.routed_scaling = routed_scaling;
   }
 
+  // The model's final RMSNorm (weight [H]), which run() then applies after the last layer, on the
+  // residual stream plus the last layer's output (add_rms_norm_cpu, or rms_norm_cpu when the last
+  // layer left none), as the model's own norm / add_norm would: run() returns (the normed rows,
+  // None). Inside the call the rows are still in this core's cache; as a call of its own after
+  // the stack, that one-row norm took 20-23 us, with the caches cold after the layers' weights
+  // (SmolLM2, bench/RESULTS.md session 35).
+  void set_final_norm(at::Tensor weight, double eps) {
+    final_norm_ = std::move(weight);
+    final_eps_ = eps;
+  }
+
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
   // How many run() calls went on a crew (tests, and what a profile of a step should show).
   int64_t crew_runs() const { return crew_runs_; }
@@ -234,8 +245,8 @@ class DecodeStack : public torch::CustomClassHolder {
           last_handoff_ns_ = crew.handoff_ns();
           if (mode == CrewMode::kAuto && last_handoff_ns_ > far_handoff_ns()) regions_left_ = kRegionsBeforeProbe;
           try {
-            result = run_layers(hidden, delta, rows, slot_mappings, block_tables, seq_lens, query_start_loc,
-                                max_query_len, max_seq_len);
+            result = finish(run_layers(hidden, delta, rows, slot_mappings, block_tables, seq_lens, query_start_loc,
+                                       max_query_len, max_seq_len));
           } catch (...) {
             error = std::current_exception();  // raised after the region: exceptions must not leave it
           }
@@ -245,8 +256,18 @@ class DecodeStack : public torch::CustomClassHolder {
       if (error) std::rethrow_exception(error);
       return result;
     }
-    return run_layers(hidden, delta, rows, slot_mappings, block_tables, seq_lens, query_start_loc, max_query_len,
-                      max_seq_len);
+    return finish(run_layers(hidden, delta, rows, slot_mappings, block_tables, seq_lens, query_start_loc,
+                             max_query_len, max_seq_len));
+  }
+
+  // run()'s result after the final norm, when set_final_norm gave one.
+  std::tuple<at::Tensor, OptTensor> finish(std::tuple<at::Tensor, OptTensor> out) const {
+    if (!final_norm_.defined()) return out;
+    at::Tensor& h = std::get<0>(out);
+    const OptTensor& d = std::get<1>(out);
+    at::Tensor normed = d.has_value() && d->defined() ? add_rms_norm_cpu(h, *d, final_norm_, final_eps_)
+                                                      : rms_norm_cpu(h, final_norm_, final_eps_);
+    return {normed, c10::nullopt};
   }
 
  private:
@@ -390,6 +411,8 @@ class DecodeStack : public torch::CustomClassHolder {
   std::vector<int64_t> plan_off_;
   int64_t ahead_ = 0;
   int64_t crew_runs_ = 0;
+  at::Tensor final_norm_;  // set_final_norm's weight (undefined: run() leaves the norm to the caller)
+  double final_eps_ = 0.0;
   int64_t regions_left_ = 0;     // auto mode: steps to run on regions before probing again
   int64_t last_handoff_ns_ = -1;  // the last crew step's probe (crew_handoff_ns)
   mutable int crew_ready_ = -1;  // crew_ready(), once the layers are in (-1: not yet known)
@@ -405,6 +428,7 @@ void bind_decode_stack(pybind11::module_& m) {
       .def(pybind11::init<>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("set_moe", &DecodeStack::set_moe)
+      .def("set_final_norm", &DecodeStack::set_final_norm)
       .def("size", &DecodeStack::size)
       .def("crew_runs", &DecodeStack::crew_runs)
       .def("crew_handoff_ns", &DecodeStack::crew_handoff_ns)

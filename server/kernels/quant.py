@@ -26,6 +26,7 @@ fly, integer block dot products).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple, Union
 
@@ -188,10 +189,13 @@ class QuantizedWeight:
             data = torch.ops.pagewire.interleave_q4(self.data, self.qtype)
         return QuantizedWeight(self.qtype, data, self.shape, interleaved=True)
 
-    @property
+    @functools.cached_property
     def op_qtype(self) -> LinearKind:
         """The format and layout as the C++ ops name them: the qtype, with "x8" when interleaved
-        ("q4_0x8"; also pagewire::decode_layer's linear kind of this weight)."""
+        ("q4_0x8"; also pagewire::decode_layer's linear kind of this weight). Made once: the
+        embedding rows and the lm_head ask for it every decode step, and built anew (an Enum's
+        .value is a Python-level descriptor) it took 11 us with the caches cold after the step's
+        weight stream. (A frozen dataclass still has the instance dict cached_property fills.)"""
         return LinearKind(self.qtype.value + "x8" if self.interleaved else self.qtype.value)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -278,9 +282,10 @@ class QuantizedExperts:
             return self
         return QuantizedExperts(self.qtype, flat.data.reshape(self.data.shape), self.shape, interleaved=True)
 
-    @property
+    @functools.cached_property
     def op_qtype(self) -> LinearKind:
-        """The kind pagewire::moe_experts takes for these experts ("q8_0", "q4_0x8", ...)."""
+        """The kind pagewire::moe_experts takes for these experts ("q8_0", "q4_0x8", ...); made once,
+        as QuantizedWeight.op_qtype."""
         return LinearKind(self.qtype.value + "x8" if self.interleaved else self.qtype.value)
 
     def expert(self, i: int) -> QuantizedWeight:

@@ -174,6 +174,8 @@ class DecoderForCausalLM(nn.Module):
             hidden, delta = stack.run(hidden, None, [b.positions for b in batches],
                                       [m.slot_mapping for m in groups], [m.block_tables for m in groups],
                                       meta.seq_lens, meta.query_start_loc, meta.max_query_len, meta.max_seq_len)
+            if not self.config.norm_weight_fp32:
+                return hidden  # normed inside the call (_decode_stack gave it the final norm)
         else:
             hidden, delta = self._layer_by_layer(hidden, positions, kv_caches, meta, batches, fused, per_layer, lora)
         eps, fp32 = self.config.rms_norm_eps, self.config.norm_weight_fp32
@@ -209,7 +211,8 @@ class DecoderForCausalLM(nn.Module):
         kinds, a subclass's layer (hybrid models), a per-layer input block, or a sparse layer whose
         MLP this step runs without moe_decode. Built once per fused-kinds list (itself cached per
         row count, autotune table and batch-invariant mode), KV cache list and the sparse layers'
-        choices, and dropped with the kinds (_forget_kinds)."""
+        choices, and dropped with the kinds (_forget_kinds). The stack runs the final norm too
+        (DecodeStack.set_final_norm) unless the norm takes an fp32 weight."""
         if fused is None or not self.stacked_decode:
             return None
         sparse = tuple(moe.decode_kinds(hidden) for moe in self._sparse)  # (none at all in a dense model)
@@ -228,6 +231,8 @@ class DecoderForCausalLM(nn.Module):
                 r = layer.rope_index
                 layer.add_to_stack(stack, self.ropes[r] if r is not None else None, cast(tuple[str, ...], kinds),
                                    key_cache, value_cache, mk)
+            if not self.config.norm_weight_fp32:  # (gpt-oss's fp32-weight norm stays forward()'s)
+                stack.set_final_norm(self.norm, self.config.rms_norm_eps)
         # The key's ids stay valid while the entry holds the objects they name; a process that
         # keeps making autotune tables or cache lists (tests) must not keep every stack alive.
         if len(self._stacks) >= 32:

@@ -493,30 +493,39 @@ class LLMEngine:
         dead_ends: list[int] = []
         if grammar_masks is None and (greedy or all(plain_greedy(s) for s in seqs)):
             # What SamplingBatch.build and the sampler would come to (their fast_greedy): one
-            # argmax, without building the batch (a decode step's host work; issue 31).
-            tokens = argmax_list(logits)
-        else:
-            if logits.dtype is not torch.float32:  # (not reached: a greedy step's rows are all greedy)
-                logits = logits.float()
-            params = [s.request.params for s in seqs]
-            penalties = any(p.needs_penalties for p in params)
-            blocked = [self.outputs.blocked_tokens(s) for s in seqs]
-            bitmask, dead_ends = self.structured.masks(seqs, grammar_masks, blocked)
-            batch = SamplingBatch.build(
-                params=params,
-                generators=[s.generator for s in seqs],
-                output_token_ids=[s.output_token_ids for s in seqs] if penalties else [[] for _ in seqs],
-                prompt_token_ids=[s.request.prompt_token_ids for s in seqs] if penalties else [[] for _ in seqs],
-                blocked_token_ids=blocked,
-                vocab_size=logits.shape[-1],
-                device=logits.device,
-                token_bitmask=bitmask,
-            )
-            so = self.sampler(logits, batch)
-            tokens = so.token_ids.tolist()
-            lps = so.logprobs.tolist() if so.logprobs is not None else None
-            top_ids = so.top_ids.tolist() if so.top_ids is not None else None
-            top_lps = so.top_logprobs.tolist() if so.top_logprobs is not None else None
+            # argmax, without building the batch (a decode step's host work; issue 31). A plain
+            # greedy row has no grammar and no logprobs: emit() is append_token, never a dead end.
+            now = time.time()
+            append = self.outputs.append_token
+            for seq, token in zip(seqs, argmax_list(logits)):
+                req = seq.request
+                touched[req.request_id] = req
+                append(seq, token, None)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+            self._stats.generation_tokens += len(seqs)
+            return
+        if logits.dtype is not torch.float32:  # (not reached: a greedy step's rows are all greedy)
+            logits = logits.float()
+        params = [s.request.params for s in seqs]
+        penalties = any(p.needs_penalties for p in params)
+        blocked = [self.outputs.blocked_tokens(s) for s in seqs]
+        bitmask, dead_ends = self.structured.masks(seqs, grammar_masks, blocked)
+        batch = SamplingBatch.build(
+            params=params,
+            generators=[s.generator for s in seqs],
+            output_token_ids=[s.output_token_ids for s in seqs] if penalties else [[] for _ in seqs],
+            prompt_token_ids=[s.request.prompt_token_ids for s in seqs] if penalties else [[] for _ in seqs],
+            blocked_token_ids=blocked,
+            vocab_size=logits.shape[-1],
+            device=logits.device,
+            token_bitmask=bitmask,
+        )
+        so = self.sampler(logits, batch)
+        tokens = so.token_ids.tolist()
+        lps = so.logprobs.tolist() if so.logprobs is not None else None
+        top_ids = so.top_ids.tolist() if so.top_ids is not None else None
+        top_lps = so.top_logprobs.tolist() if so.top_logprobs is not None else None
         now = time.time()
         dead = set(dead_ends)
         for i, seq in enumerate(seqs):

@@ -222,7 +222,7 @@ class Scheduler:
 
         # 3 + 4: admit waiting sequences. Not in a step that had to preempt for lack of KV:
         # admitting now would only evict what was just requeued.
-        if not preempted:
+        if not preempted and self.waiting:
             budget = self._admit(budget, scheduled, preempt, foreground)
 
         out = list(scheduled.values())
@@ -300,6 +300,8 @@ class Scheduler:
         Safe before the forward: every layer writes all of the step's K/V before attending, so a
         block matched by another sequence in this same step is written before it is read.
         """
+        if not self.kv_cache.enable_prefix_caching:
+            return
         for share in out:
             # Proposed tokens are unverified: never registered (see spec_decode.py).
             self.kv_cache.register_full_blocks(share.seq, share.num_new_tokens - share.num_spec)

@@ -41,24 +41,13 @@ void bind_fast_calls(pybind11::module_& m) {
   // its error then). The engine's checks and tolist around the op cost 20 us a step cold.
   f.def("argmax_list", [](const at::Tensor& x) {
     if (argmax_rows_applies(x)) {
-      const int64_t S = x.size(0);
-      int64_t small[8];
-      std::vector<int64_t> big;
-      int64_t* op = small;
-      if (S > 8) {
-        big.resize(S);
-        op = big.data();
-      }
-      argmax_rows_into(x, op);
-      py::list out(S);
-      for (int64_t s = 0; s < S; ++s) out[s] = py::int_(op[s]);
-      return out;
+      std::vector<int64_t> idx(static_cast<size_t>(x.size(0)));
+      argmax_rows_into(x, idx.data());
+      return py::cast(idx);
     }
     const at::Tensor idx = x.argmax(-1).to(at::kCPU).contiguous();
     const int64_t* ip = idx.data_ptr<int64_t>();
-    py::list out(idx.numel());
-    for (int64_t s = 0; s < idx.numel(); ++s) out[s] = py::int_(ip[s]);
-    return out;
+    return py::cast(std::vector<int64_t>(ip, ip + idx.numel()));
   });
   f.def("widen_rows", [](const at::Tensor& x) { return widen_rows_cpu(x); });
   f.def("embedding_gguf", [](const at::Tensor& ids, const at::Tensor& weight, const std::string& qtype,

@@ -453,15 +453,13 @@ class LLMEngine:
         for share in scheduled:
             seq = share.seq
             before = seq.num_computed_tokens
-            num_spec = share.num_spec
-            # share.samples and share.num_logit_rows, inline (both read num_computed_tokens before
-            # it advances; a decode step's host work runs with the caches cold).
-            samples = before + share.num_new_tokens - num_spec == len(seq.token_ids)
-            n_rows = 1 + num_spec if samples and seq.request.pooler is None else 0
+            # 0 for a chunk that does not sample and for an embedding request (pooled in
+            # embedding_step.fold_pooled). Read before num_computed_tokens advances.
+            n_rows = share.num_logit_rows
             seq.num_computed_tokens += share.num_new_tokens - share.num_spec  # proposals: see verify
             if self.states is not None:  # a prompt's snapshot boundary: save the recurrent state
                 self.states.after_compute(seq, before)
-            if not samples or seq.request.pooler is not None:  # embeddings: pooled in embedding_step.fold_pooled
+            if n_rows == 0:
                 continue
             if n_rows != 1 or row != len(rows):
                 one_each = False
@@ -486,11 +484,6 @@ class LLMEngine:
                           grammar_masks: Optional[PendingMasks] = None, greedy: bool = False) -> None:
         """Sample each row of `logits` for its sequence and emit the token. `greedy`: the step found
         every sampled row plain greedy before its forward (and took its logits unwidened)."""
-        tokens: list[int]
-        lps: Optional[list[float]] = None
-        top_ids: Optional[list[list[int]]] = None
-        top_lps: Optional[list[list[float]]] = None
-        dead_ends: list[int] = []
         if grammar_masks is None and (greedy or all(plain_greedy(s) for s in seqs)):
             # What SamplingBatch.build and the sampler would come to (their fast_greedy): one
             # argmax, without building the batch (a decode step's host work; issue 31). A plain
@@ -505,8 +498,6 @@ class LLMEngine:
                     req.first_token_time = now
             self._stats.generation_tokens += len(seqs)
             return
-        if logits.dtype is not torch.float32:  # (not reached: a greedy step's rows are all greedy)
-            logits = logits.float()
         params = [s.request.params for s in seqs]
         penalties = any(p.needs_penalties for p in params)
         blocked = [self.outputs.blocked_tokens(s) for s in seqs]
@@ -522,10 +513,10 @@ class LLMEngine:
             token_bitmask=bitmask,
         )
         so = self.sampler(logits, batch)
-        tokens = so.token_ids.tolist()
-        lps = so.logprobs.tolist() if so.logprobs is not None else None
-        top_ids = so.top_ids.tolist() if so.top_ids is not None else None
-        top_lps = so.top_logprobs.tolist() if so.top_logprobs is not None else None
+        tokens: list[int] = so.token_ids.tolist()
+        lps: Optional[list[float]] = so.logprobs.tolist() if so.logprobs is not None else None
+        top_ids: Optional[list[list[int]]] = so.top_ids.tolist() if so.top_ids is not None else None
+        top_lps: Optional[list[list[float]]] = so.top_logprobs.tolist() if so.top_logprobs is not None else None
         now = time.time()
         dead = set(dead_ends)
         for i, seq in enumerate(seqs):

@@ -97,21 +97,16 @@ class IncrementalDetokenizer:
         return ""
 
     def add_token(self, token_id: int) -> str:
-        """add([token_id]): a decode step's one sampled token. On a ByteStream, its one-id step
-        and the window's advance inline, without the lists `add` builds (the engine thread calls
-        this between two steps, with the caches cold after the weights' stream)."""
+        """add([token_id]): a decode step's one sampled token. On a ByteStream, its one-id step,
+        without the lists `add` builds (the engine thread calls this between two steps, with the
+        caches cold after the weights' stream)."""
         step = self._step
         if step is None:
             return self.add([token_id])
         ids = self._ids
         ids.append(token_id)
         text = step(token_id)
-        if not text:
-            return ""
-        del ids[:self._read_offset]  # _advance, inline
-        self._prefix_offset = 0
-        self._read_offset = len(ids)
-        return text
+        return self._advance(text) if text else ""
 
     def flush(self) -> str:
         """Emit whatever is held back (e.g. a trailing byte sequence that never completed, shown

@@ -1,5 +1,6 @@
-"""Giving memory back to the OS after a peak (glibc's `malloc_trim`), and not keeping a refused
-request's memory alive through its exception (`release_frames`).
+"""Giving memory back to the OS after a peak (glibc's `malloc_trim`), not keeping a refused
+request's memory alive through its exception (`release_frames`), and keeping a loaded model's
+objects out of the cyclic garbage collector's full collections (`settle`, `unsettle`).
 
 Tokenising a multi-megabyte prompt allocates hundreds of megabytes in the tokenizers library
 (Rust, on the system allocator) and in Python lists; once freed, glibc keeps most of it in its
@@ -14,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 import logging
 import time
 import traceback
@@ -64,3 +66,31 @@ def release_frames(exc: BaseException) -> None:
     locals are freed at once by reference count. Frames still running (the caller's) are skipped.
     """
     traceback.clear_frames(exc.__traceback__)
+
+
+def settle() -> None:
+    """After a model load (the server's, once the engine is ready): collect what the load left as
+    cyclic garbage, then move every object still alive into the collector's permanent generation
+    (`gc.freeze`), so that no later collection walks them.
+
+    Why: a load leaves about 184,000 tracked objects (SmolLM2: the model's modules and parameters,
+    the GGUF metadata, the chat template's and tokenizer's Python tables), and a full collection
+    walks every one with the GIL held: 79 ms, during which the engine thread's Python steps wait.
+    Serving 32 requests at concurrency 8 ran five full collections (295 ms, the longest 103 ms),
+    which is what a stream's worst inter-token gap was (bench/RESULTS.md, session 36). The objects
+    a request creates and drops are still collected as before; a frozen object is only out of the
+    collector's sight, and reference counting still frees it.
+
+    Objects alive at the call that later become cyclic garbage wait for `unsettle` (an unload, the
+    server's close), which hands them back. Call on the thread that owns no half-built objects: the
+    event loop after the engine reported ready. Takes one full collection (tens of ms) once.
+    """
+    gc.collect()
+    gc.freeze()
+
+
+def unsettle() -> None:
+    """Hand the objects `settle` froze back to the collector (`gc.unfreeze`): before an unloaded
+    model's collection, so that its cycles go, and at the server's close, so that a process which
+    runs servers in turn (the tests) keeps nothing frozen from one to the next."""
+    gc.unfreeze()

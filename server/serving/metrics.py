@@ -6,9 +6,10 @@ collector, so the engine thread never touches prometheus objects and a scrape ne
 """
 from __future__ import annotations
 
+import gc
 from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -168,6 +169,12 @@ class Metrics:
             "pagewire_slow_consumer_disconnects", "Connections cut off because the client did not read "
             "fast enough (their requests keep running for a resume or retry), by edge.", ["edge"], registry=r)
         r.register(_EngineCollector(engine_stats, admission_depth))
+        # The cyclic collector's runs per generation (python_gc_collections_total): a full one
+        # (generation 2) holds the GIL through the engine's steps, and the objects a model load froze
+        # (server.heap.settle) are what keeps it short.
+        GCCollector(registry=r)
+        Gauge("pagewire_gc_frozen_objects", "Objects kept out of the cyclic collector's runs since the "
+              "last model load (gc.freeze).", registry=r).set_function(gc.get_freeze_count)
         self.keys = KeyUsage()
         r.register(self.keys)
 

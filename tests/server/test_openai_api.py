@@ -2,6 +2,8 @@
 stop, logprobs, usage, the vLLM extras, and the small endpoints."""
 from __future__ import annotations
 
+import re
+
 import httpx
 import openai
 import pytest
@@ -126,8 +128,12 @@ def test_models_health_metrics(server: ServerProcess, client: openai.OpenAI) -> 
                  "pagewire_e2e_request_latency_seconds_bucket", "pagewire_request_queue_time_seconds_bucket",
                  "pagewire_requests_running", "pagewire_requests_waiting", "pagewire_kv_cache_usage_ratio",
                  "pagewire_prompt_tokens_total", "pagewire_generation_tokens_total",
-                 "pagewire_prefix_cache_hit_tokens_total", "pagewire_preemptions_total"):
+                 "pagewire_prefix_cache_hit_tokens_total", "pagewire_preemptions_total",
+                 'python_gc_collections_total{generation="2"}'):
         assert name in text, name
+    # The loaded model's objects were moved out of the collector's full collections (heap.settle).
+    frozen = re.search(r"^pagewire_gc_frozen_objects (\S+)$", text, re.M)
+    assert frozen is not None and float(frozen.group(1)) > 10_000, frozen
 
 
 def test_unknown_model_is_404_in_openai_shape(client: openai.OpenAI) -> None:

@@ -77,20 +77,22 @@ __attribute__((noinline)) void group4_2(const Q8SumActivations& x, const float* 
   for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out + (m0 + m) * ldo, _mm512_add_ps(acc[m], bv));
 }
 
-// group8<MB, 2>'s outputs for groups g (at w) and g + 1 (at w + group_bytes). AVX-512 has no
-// vpsignb: x takes w's sign by negating it under w's sign-bit mask, which differs from
-// _mm256_sign_epi8 only where w is 0, and there |w| is 0 too.
+// group8<MB, 2>'s outputs for groups g (at w) and g + 1 (at w + group_bytes): the weight's bytes as
+// w + 128 and each block's chains started at xo's -128 * sum(x) (x8_body.h q8_offsets), so one
+// vpdpbusd per activation row and chunk gives sum(w * x), the 256-bit body's integer.
 template <int MB>
-__attribute__((noinline)) void group8_2(const Q8Activations& x, int64_t m0, const uint8_t* w, int64_t group_bytes,
-                                        const float* bias, float* out, int64_t ldo) {
+__attribute__((noinline)) void group8_2(const Q8Activations& x, const int32_t* xo, int64_t m0, const uint8_t* w,
+                                        int64_t group_bytes, const float* bias, float* out, int64_t ldo) {
   constexpr int kBlockBytes = 16 + 8 * 32;
   const int64_t nb = x.K / kQ8Block;
-  const __m512i zero = _mm512_setzero_si512();
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const int8_t* xq[MB];
   const float* xd[MB];
+  const int32_t* xoff[MB];
   for (int m = 0; m < MB; ++m) {
     xq[m] = x.q + (m0 + m) * x.K;
     xd[m] = x.d + (m0 + m) * nb;
+    xoff[m] = xo + (m0 + m) * nb;
   }
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
@@ -101,15 +103,15 @@ __attribute__((noinline)) void group8_2(const Q8Activations& x, int64_t m0, cons
     const int64_t a = pair_ahead(b * kBlockBytes, group_bytes, ahead, skip);
     prefetch_ahead<kBlockBytes>(w, a);
     prefetch_ahead<kBlockBytes>(w1, a);
-    __m512i s[2][MB];  // even and odd chunks
-    for (int m = 0; m < MB; ++m) s[0][m] = s[1][m] = _mm512_setzero_si512();
+    __m512i s[2][MB];  // even and odd chunks; the even chain starts at the block's offset
+    for (int m = 0; m < MB; ++m) {
+      s[0][m] = _mm512_set1_epi32(xoff[m][b]);
+      s[1][m] = _mm512_setzero_si512();
+    }
     for (int c = 0; c < 8; ++c) {
-      const __m512i v = load2(w + 16 + 32 * c, w1 + 16 + 32 * c);
-      const __m512i aw = _mm512_abs_epi8(v);
-      const __mmask64 neg = _mm512_movepi8_mask(v);
+      const __m512i u = _mm512_xor_si512(load2(w + 16 + 32 * c, w1 + 16 + 32 * c), flip);  // w + 128
       for (int m = 0; m < MB; ++m) {
-        const __m512i xb = broadcast4x16(xq[m] + b * 32 + 4 * c);
-        s[c & 1][m] = _mm512_dpbusd_epi32(s[c & 1][m], aw, _mm512_mask_sub_epi8(xb, neg, zero, xb));
+        s[c & 1][m] = _mm512_dpbusd_epi32(s[c & 1][m], u, broadcast4x16(xq[m] + b * 32 + 4 * c));
       }
     }
     const __m512 wd = halves2(w, w1);

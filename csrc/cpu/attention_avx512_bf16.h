@@ -23,6 +23,13 @@ namespace {
 
 inline const uint32_t* dwords(const void* p) { return static_cast<const uint32_t*>(p); }
 
+// The next span's K and V lines are prefetched into L2 (prefetcht1, locality 2), not L1: a span's K
+// and V at D = 64 are 16 KiB, so the next span's beside this one's and the scratch (kt, v: 16 KiB)
+// overflowed a 32 KiB L1 and evicted what the loads and products were about to read. SmolLM2's heads
+// (9 / 3 of 64) with K and V from DRAM (/tmp/s36/attn.py, bench/RESULTS.md session 36): 8 sequences
+// x 400 positions 180-185 -> 130-146 us, one x 1000 64 -> 44-45, 16 x 300 262 -> 201-207; with K and V
+// in cache, and at 8 x 96, level.
+
 // kt[dp][j] for j < n (zero up to the next multiple of 16); D % 16 == 0, so D/2 is 8 mod 16 at worst.
 // Each load of a K line is paired with a prefetch of the same line of the next span (pf_rows).
 inline void load_k_bf16(const Bf16* const* k_rows, int n, int D, float* kt, const Bf16* const* pf_rows, int pf_n,
@@ -37,7 +44,7 @@ inline void load_k_bf16(const Bf16* const* k_rows, int n, int D, float* kt, cons
       for (int j = 0; j < 16; ++j) {
         x[j] = c + j < n ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(mask, dwords(k_rows[c + j]) + dp0))
                          : _mm512_setzero_ps();
-        if (c + j < pf_n) __builtin_prefetch(dwords(pf_rows[c + j]) + dp0, 0, 3);
+        if (c + j < pf_n) __builtin_prefetch(dwords(pf_rows[c + j]) + dp0, 0, 2);
         if (c + j < n) at.step();  // one 64-byte line of K per load
       }
       transpose16(x);
@@ -67,8 +74,8 @@ inline void load_v_bf16(const Bf16* const* v_rows, int n, int D, float* v, const
       const __mmask32 mask = rem == 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << rem) - 1);
       const __m512i a = _mm512_maskz_loadu_epi16(mask, a_row + d0);
       const __m512i b = b_row != nullptr ? _mm512_maskz_loadu_epi16(mask, b_row + d0) : _mm512_setzero_si512();
-      if (2 * jp < pf_n) __builtin_prefetch(pf_rows[2 * jp] + d0, 0, 3);
-      if (2 * jp + 1 < pf_n) __builtin_prefetch(pf_rows[2 * jp + 1] + d0, 0, 3);
+      if (2 * jp < pf_n) __builtin_prefetch(pf_rows[2 * jp] + d0, 0, 2);
+      if (2 * jp + 1 < pf_n) __builtin_prefetch(pf_rows[2 * jp + 1] + d0, 0, 2);
       at.step(), at.step();  // a 64-byte line of each of two V rows
       _mm512_store_si512(dst + (d0 / 16) * 16, _mm512_permutex2var_epi16(a, lo_idx, b));
       if (rem > 16) _mm512_store_si512(dst + (d0 / 16 + 1) * 16, _mm512_permutex2var_epi16(a, hi_idx, b));

@@ -19,7 +19,15 @@ from safetensors.torch import load_file
 
 from tests.gguf_qwen3_next import QWEN3_NEXT_TYPES, qwen3_next_metadata, qwen3_next_tensors
 
-QUANT_BLOCK = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+# Block types the `gguf` package cannot quantise to (tests write random valid blocks instead, see
+# random_k_blocks): (values per block, bytes per block, offsets of the block's fp16 scales).
+RANDOM_BLOCKS = {"Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)),
+                 "Q3_K": (256, 110, (108,)), "Q2_K": (256, 84, (80, 82)), "IQ4_NL": (32, 18, (0,)),
+                 "IQ4_XS": (256, 136, (0,)), "IQ3_S": (256, 110, (0,)), "IQ3_XXS": (256, 98, (0,)),
+                 "IQ2_S": (256, 82, (0,)), "IQ2_XS": (256, 74, (0,)), "IQ2_XXS": (256, 66, (0,)),
+                 "IQ1_S": (256, 50, (0,))}
+QUANT_BLOCK = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32,
+               **{name: values for name, (values, _, _) in RANDOM_BLOCKS.items()}}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 _HF_TO_GGUF_BLOCK = {
@@ -145,34 +153,37 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-# K-quant block bytes and where each block's fp16 super-scales sit (the `gguf` package cannot
-# quantise to these types, so tests write random blocks with sane scales instead).
-K_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-_K_HALF_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+K_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # the K-quants pagewire has kernels for
 
 
 def random_k_blocks(rows: int, cols: int, qtype: str, seed: int) -> np.ndarray:
-    """[rows, cols / 256 * block bytes] uint8 of valid `qtype` blocks: random quants and sub-scales,
-    fp16 super-scales in [0.002, 0.02] so the weights are finite and of a usual size."""
+    """[rows, cols / block values * block bytes] uint8 of valid `qtype` blocks (RANDOM_BLOCKS):
+    random codes and sub-scales, fp16 scales in [0.002, 0.02] (Q3_K: [0.0002, 0.002]) so the weights
+    are finite and of a usual size."""
     rng = np.random.default_rng(seed)
-    nbytes = K_BLOCK_BYTES[qtype]
-    blocks = rng.integers(0, 256, size=(rows * cols // 256, nbytes), dtype=np.uint8)
-    for off in _K_HALF_OFFSETS[qtype]:
-        halves = np.asarray(rng.uniform(0.002, 0.02, size=blocks.shape[0]), dtype=np.float16)
+    values, nbytes, scales = RANDOM_BLOCKS[qtype]
+    # Q3_K's signed sub-scales (to +-32) and codes (to +-4) make weights ten times Q4_K's at the same
+    # d: a tiny model of them turns chaotic (its logits swing with any rounding), so its d is smaller.
+    low, high = (0.0002, 0.002) if qtype == "Q3_K" else (0.002, 0.02)
+    blocks = rng.integers(0, 256, size=(rows * cols // values, nbytes), dtype=np.uint8)
+    for off in scales:
+        halves = np.asarray(rng.uniform(low, high, size=blocks.shape[0]), dtype=np.float16)
         blocks[:, off:off + 2] = halves.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(rows, cols // 256 * nbytes)
+    return blocks.reshape(rows, cols // values * nbytes)
 
 
 def encode_tensor(w: np.ndarray, qtype: str, seed: int = 0) -> tuple[np.ndarray, Any]:
-    """(data, raw_dtype) for GGUFWriter.add_tensor. K-quant types ignore `w`'s values (see random_k_blocks)."""
+    """(data, raw_dtype) for GGUFWriter.add_tensor. RANDOM_BLOCKS types ignore `w`'s values (see random_k_blocks)."""
     from gguf import GGMLQuantizationType, quants
 
     if qtype == "F32":
         return w.astype(np.float32), None
     if qtype == "F16":
         return w.astype(np.float16), None
+    if qtype == "I32":  # not a weight type: for the loader's refusal
+        return w.astype(np.int32), None
     t = GGMLQuantizationType[qtype]
-    if qtype in K_BLOCK_BYTES:
+    if qtype in RANDOM_BLOCKS:
         return random_k_blocks(w.shape[0], w.shape[1], qtype, seed), t
     return quants.quantize(w.astype(np.float32), t), t
 

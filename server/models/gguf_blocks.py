@@ -26,7 +26,8 @@ from server.kernels.quant import GGUF_QTYPES, Qtype, QuantizedExperts, Quantized
 from server.kernels.quant_embedding import EMBEDDABLE
 from server.kernels.quant_parts import QuantizedParts
 from server.models.config import ModelConfig
-from server.models.gguf_file import GGUFFile
+from server.models.gguf_file import GGUFFile, GGUFTensor
+from server.models.gguf_transcode import TRANSCODES, kept_type, transcode
 from server.models.qwen3_next_gguf import QWEN3_NEXT_GGUF, qwen3_next_keepable, qwen3_next_kept_groups
 
 __all__ = ["KeptMatrix", "plan_kept_matrices", "build_quantized", "unpermute_qk", "EMBEDDING", "PER_LAYER_EMBEDDING", "TABLES"]
@@ -111,7 +112,8 @@ def plan_kept_matrices(f: GGUFFile, config: ModelConfig, tied: bool) -> list[Kep
         tensors = [f.tensors.get(p) for p in parts]
         if any(t is None for t in tensors):
             continue  # missing: the loader reports it
-        qtypes = [GGUF_QTYPES.get(t.type_name) for t in tensors if t is not None]
+        # (a type with no kernel of its own counts as the one its blocks are transcoded into)
+        qtypes = [GGUF_QTYPES.get(kept_type(t.type_name)) for t in tensors if t is not None]
         mixed = len(set(qtypes)) != 1
         if mixed and name not in _MIXABLE:
             continue  # stacked experts (one format per QuantizedExperts), lm_head: dequantised
@@ -146,7 +148,7 @@ def build_quantized(f: GGUFFile, m: KeptMatrix, permute_heads: dict[str, int],
     first = f.tensors[m.parts[0]]
     if len(first.shape) == 3:  # stacked experts: each expert's rows of every part, in order
         e, k = first.shape[0], first.shape[2]
-        stacked = [torch.from_numpy(np.array(f.tensors[p].data, dtype=np.uint8)).reshape(e, f.tensors[p].shape[1], -1)
+        stacked = [torch.from_numpy(_kept_bytes(f.tensors[p])).reshape(e, f.tensors[p].shape[1], -1)
                    for p in m.parts]
         data3 = stacked[0] if len(stacked) == 1 else torch.cat(stacked, dim=1)
         return QuantizedExperts.from_gguf_bytes(m.qtype, data3.contiguous(), int(e), int(data3.shape[1]), int(k))
@@ -161,10 +163,17 @@ def build_quantized(f: GGUFFile, m: KeptMatrix, permute_heads: dict[str, int],
 def _part_rows(f: GGUFFile, part: str, permute_heads: dict[str, int]) -> torch.Tensor:
     """A 2-D part's block bytes [rows, bytes per row] in HF's row order (Q/K un-permuted)."""
     t = f.tensors[part]
-    # A copy: the mapped file is read-only, and the model must not depend on it staying open.
-    raw = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(t.shape[0], -1)
+    raw = torch.from_numpy(_kept_bytes(t)).reshape(t.shape[0], -1)
     heads = permute_heads.get(part.split(".", 2)[-1]) if part.startswith("blk.") else None
     return unpermute_qk(raw, heads) if heads else raw
+
+
+def _kept_bytes(t: GGUFTensor) -> np.ndarray:
+    """`t`'s blocks in the type they are kept in, [rows..., bytes per row] uint8: transcoded
+    (server.models.gguf_transcode), or a copy, since the mapped file is read-only and the model must
+    not depend on it staying open."""
+    raw = np.asarray(t.data, dtype=np.uint8).reshape(*t.shape[:-1], -1)
+    return transcode(t.type_name, raw) if t.type_name in TRANSCODES else np.array(raw)
 
 
 def _build_parts(f: GGUFFile, m: KeptMatrix, permute_heads: dict[str, int],

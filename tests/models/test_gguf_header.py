@@ -72,7 +72,8 @@ def _every_type_file(path: Path, endian: Any = None, alignment: int = 0) -> Path
     w.add_tensor("f16", rng.standard_normal((2, 3, 32)).astype(np.float16))
     w.add_tensor("vec", rng.standard_normal(7).astype(np.float32))
     w.add_tensor("i32", np.arange(10, dtype=np.int32))
-    for qt in ("BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4"):
+    for qt in ("BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+               "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"):
         q = gguf.GGMLQuantizationType[qt]
         block, size = gguf.GGML_QUANT_SIZES[q]
         raw = rng.integers(0, 256, size=(4, 256 // block * size), dtype=np.uint8)

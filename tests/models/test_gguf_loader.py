@@ -89,8 +89,11 @@ def k_sized_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # (type, max abs error vs the original weights; None: K-quant blocks are random, compare only to the reference)
+# (the types after Q6_K have no kernel: dequantised at load, or transcoded, server.models.gguf_transcode)
 QUANT_CASES = [("F16", 1e-3), ("BF16", 1e-2), ("Q8_0", 0.02), ("Q4_0", 0.15), ("Q4_1", 0.1),
-               ("Q4_K", None), ("Q5_K", None), ("Q6_K", None)]
+               ("Q4_K", None), ("Q5_K", None), ("Q6_K", None), ("Q3_K", None), ("Q2_K", None), ("IQ4_NL", None),
+               ("IQ4_XS", None), ("IQ3_S", None), ("IQ3_XXS", None), ("IQ2_S", None), ("IQ2_XS", None),
+               ("IQ2_XXS", None), ("IQ1_S", None)]
 
 
 @pytest.mark.parametrize("qtype,tolerance", QUANT_CASES)
@@ -156,18 +159,20 @@ def test_unknown_architecture_lists_the_supported_ones(tiny_model_dirs: dict[str
 
 
 def test_unsupported_tensor_type_names_type_and_tensor(k_sized_model: Path, tmp_path: Path) -> None:
-    path = write_gguf(tmp_path / "tq2_0.gguf", k_sized_model, "TQ2_0")
-    with pytest.raises(UnsupportedModelError, match=r"tensor '[\w.]+' has type TQ2_0") as e:
+    """A type the `gguf` package has no dequantiser for (an integer tensor where a matrix belongs)."""
+    path = write_gguf(tmp_path / "i32.gguf", k_sized_model, "I32")
+    with pytest.raises(UnsupportedModelError, match=r"tensor '[\w.]+' has type I32") as e:
         load_model(path)
-    assert "tq2_0.gguf" in str(e.value) and "Q4_K" in str(e.value)
+    assert "i32.gguf" in str(e.value) and "Q4_K" in str(e.value)
 
 
-def test_q5_0_and_q5_1_load_dequantised(k_sized_model: Path, tmp_path: Path) -> None:
+def test_q5_and_ternary_types_load_dequantised(k_sized_model: Path, tmp_path: Path) -> None:
     """llama.cpp's fallback types (a Q4_K_M file's matrices whose rows are not whole 256-value
-    super-blocks are Q5_0): dequantised at load by the `gguf` package, as the other types."""
+    super-blocks are Q5_0, a Q5_K_M's Q5_1) and the ternary TQ1_0 / TQ2_0: dequantised at load by
+    the `gguf` package, as the other types (transformers has no dequantiser for these)."""
     from gguf import GGMLQuantizationType, quants
 
-    for qtype in ("Q5_0", "Q5_1"):
+    for qtype in ("Q5_0", "Q5_1", "TQ1_0", "TQ2_0"):
         path = write_gguf(tmp_path / f"{qtype}.gguf", k_sized_model, qtype)
         model, _ = load_model(path, dtype="float32")
         w = load_model(k_sized_model, dtype="float32")[0]._layers[0].o_weight  # type: ignore[attr-defined]

@@ -73,18 +73,18 @@ def test_gguf_blocks_kept_and_logits_track_the_dequantised_file(
     _assert_tracks(_logits(kept, tokens), _logits(ref, tokens))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "Q5_0"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "Q5_1"])
 def test_tied_table_is_the_lm_heads_blocks(qtype: str, tmp_path: Path) -> None:
     """A tied model's embedding rows are gathered from the lm_head's own QuantizedWeight (x8 on
     AVX2 CPUs): one copy of token_embd, and exactly the float loader's rows and logits' inputs. A
-    type without a row dequantiser (Q5_0) keeps the float table, tied to a float lm_head."""
+    type without a row dequantiser (Q5_1) keeps the float table, tied to a float lm_head."""
     hf = make_tiny_model(tmp_path / "tied", "llama", vocab_size=VOCAB, hidden_size=256, intermediate_size=512,
                          num_hidden_layers=1, tie_word_embeddings=True)
     path = write_gguf(tmp_path / f"{qtype}.gguf", hf, qtype)
     kept, _ = load_model(path, dtype="float32", keep_gguf_blocks=True)
     ref, _ = load_model(path, dtype="float32")
     assert ref.lm_head is ref.embed_tokens
-    if qtype == "Q5_0":
+    if qtype == "Q5_1":
         assert isinstance(kept.embed_tokens, torch.Tensor) and kept.lm_head is kept.embed_tokens
         assert torch.equal(kept.embed_tokens, ref.embed_tokens)
         return
@@ -149,7 +149,7 @@ def test_gguf_quantization_is_validated(k_sized_model: Path) -> None:
         load_model(k_sized_model, keep_gguf_blocks=True)
 
 
-@pytest.mark.parametrize("qtype,tied", [("Q4_1", False), ("F32", False), ("Q4_K", True), ("Q5_0", True)])
+@pytest.mark.parametrize("qtype,tied", [("Q4_1", False), ("F32", False), ("Q4_K", True), ("Q5_1", True), ("Q5_0", True)])
 def test_plan_counts_the_kept_blocks(qtype: str, tied: bool, k_sized_model: Path, tmp_path: Path) -> None:
     """`pagewire plan --quantization gguf` counts exactly the bytes the loaded model holds (F32: nothing
     kept; tied: one table, the lm_head's blocks, or a float one where the type has no row dequantiser)."""

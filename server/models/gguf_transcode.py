@@ -1,0 +1,136 @@
+"""Exact block transcodes: GGUF types with no kernel of their own, rewritten at load into a kept type
+whose blocks say the same values, so `--quantization gguf` keeps them quantised instead of
+dequantising them to the serving dtype.
+
+Which and why (every value the new blocks dequantise to equals the old one, bit for bit):
+  * Q5_0 -> Q8_0: w = d * (q5 - 16) with q5 in [0, 31] is d * c for the int8 c = q5 - 16, same d.
+    llama.cpp's quantizer falls back to Q5_0 for Q4_K wherever a row is not whole 256-value
+    super-blocks, so a Q4_K_M file of a model whose widths are not multiples of 256 (SmolLM2's 576
+    and 1536, Qwen2.5-0.5B's 896) is mostly Q5_0.
+  * IQ4_NL -> Q8_0: w = d * kvalues[q4], and the 16 kvalues are int8.
+    (the same fallback for Q2_K, Q3_K and the IQ types).
+  * Q3_K -> Q6_K: both are 256-value super-blocks of sixteen 16-value sub-blocks under one fp16 d;
+    Q3_K's sub-scale (s6 - 32) is an int8 in [-32, 31] and its code (q2 - 4 * !hbit) is in [-4, 3],
+    inside Q6_K's int8 scales and (q6 - 32) codes in [-32, 31].
+The values being equal, so is every product d * s * q (each exact in fp32). The new blocks are
+larger: Q8_0 is 34 bytes per 32 values against Q5_0's 22 and IQ4_NL's 18, Q6_K 210 per 256
+against Q3_K's 110, still 1.9-3.8x fewer than bf16's 64 / 512.
+
+Each function takes and gives uint8 arrays whose last axis is a row's (or block run's) bytes.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["TRANSCODES", "kept_type", "kept_nbytes", "transcode"]
+
+# Source type -> the kept type its blocks are rewritten into.
+TRANSCODES = {"Q5_0": "Q8_0", "IQ4_NL": "Q8_0", "Q3_K": "Q6_K"}
+
+# (values, bytes) per block of each type this module reads or writes.
+_BLOCK = {"Q5_0": (32, 22), "IQ4_NL": (32, 18), "Q8_0": (32, 34), "Q3_K": (256, 110), "Q6_K": (256, 210)}
+
+_CHUNK_VALUES = 1 << 24
+
+_IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+
+
+def kept_type(type_name: str) -> str:
+    """The block type a tensor of `type_name` is kept in (itself unless it is transcoded)."""
+    return TRANSCODES.get(type_name, type_name)
+
+
+def kept_nbytes(t: Any) -> int:
+    """Bytes a GGUF tensor `t` (server.models.gguf_file.GGUFTensor) takes once kept: its own size,
+    or its transcoded blocks'."""
+    n = int(t.data.nbytes)
+    target = TRANSCODES.get(t.type_name)
+    if target is None:
+        return n
+    return n // _BLOCK[t.type_name][1] * _BLOCK[target][1]
+
+
+def transcode(type_name: str, raw: np.ndarray) -> np.ndarray:
+    """`raw`'s blocks of `type_name` as blocks of kept_type(type_name): a new uint8 array with the
+    same leading axes and the last one rescaled (a whole number of blocks per row)."""
+    target = TRANSCODES[type_name]
+    values, nbytes = _BLOCK[type_name]
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    if raw.shape[-1] % nbytes:
+        raise ValueError(f"{type_name} rows of {raw.shape[-1]} bytes are not whole {nbytes}-byte blocks")
+    blocks = raw.reshape(-1, nbytes)
+    step = _CHUNK_VALUES // values  # blocks per pass: bounds the int16 temporaries (~32 MB)
+    run = {"Q5_0": _q5_0_to_q8_0, "IQ4_NL": _iq4_nl_to_q8_0, "Q3_K": _q3_k_to_q6_k}[type_name]
+    out = np.empty((blocks.shape[0], _BLOCK[target][1]), dtype=np.uint8)
+    for i in range(0, blocks.shape[0], step):
+        out[i:i + step] = run(blocks[i:i + step])
+    assert values == _BLOCK[target][0]
+    return out.reshape(*raw.shape[:-1], raw.shape[-1] // nbytes * _BLOCK[target][1])
+
+
+def _q8_0(d: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """Q8_0 blocks from the fp16 scales' bytes [n, 2] and int8 codes [n, 32]."""
+    out = np.empty((d.shape[0], 34), dtype=np.uint8)
+    out[:, :2] = d
+    out[:, 2:] = codes.view(np.uint8)
+    return out
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[n, 16] bytes -> [n, 32] codes: the low nibbles are values 0-15, the high ones 16-31."""
+    return np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)
+
+
+def _q5_0_to_q8_0(b: np.ndarray) -> np.ndarray:
+    # d (fp16) | qh (32 high bits, value j's at bit j) | qs (16 bytes of nibbles)
+    qh = b[:, 2:6].copy().view("<u4")  # [n, 1]
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & np.uint32(1)).astype(np.uint8)
+    q5 = _nibbles(b[:, 6:22]) | (high << np.uint8(4))
+    return _q8_0(b[:, :2], (q5.astype(np.int16) - 16).astype(np.int8))
+
+
+def _iq4_nl_to_q8_0(b: np.ndarray) -> np.ndarray:
+    # d (fp16) | qs (16 bytes of nibbles indexing the non-linear table)
+    return _q8_0(b[:, :2], _IQ4_NL_VALUES[_nibbles(b[:, 2:18])])
+
+
+def _q3_k_to_q6_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    # Q3_K: hmask [32] | qs [64] | scales [12] | d (fp16)
+    hmask, qs, sc, d = b[:, :32], b[:, 32:96], b[:, 96:108], b[:, 108:110]
+    # Sixteen 6-bit sub-scales: sub-block i's low four bits are byte i's low nibble (i < 8) or byte
+    # i - 8's high nibble, its top two bits are byte 8 + i % 4's bits 2 * (i // 4) and up.
+    i = np.arange(16)
+    low = np.where(i < 8, sc[:, i % 8] & np.uint8(0x0F), sc[:, i % 8] >> np.uint8(4))
+    top = (sc[:, 8 + i % 4] >> (2 * (i // 4)).astype(np.uint8)) & np.uint8(3)
+    scales = ((low | (top << np.uint8(4))).astype(np.int16) - 32).astype(np.int8)  # [n, 16] in [-32, 31]
+    # Value e (of 256): half h = e // 128, r = e % 128, two-bit field j = r // 32 of byte l = r % 32
+    # of the half's 32 qs bytes; its high bit is bit 4h + j of hmask[l], and a clear bit subtracts 4.
+    e = np.arange(256)
+    h, j, lane = e // 128, (e % 128) // 32, e % 32
+    q2 = (qs[:, 32 * h + lane] >> (2 * j).astype(np.uint8)) & np.uint8(3)
+    hbit = (hmask[:, lane] >> (4 * h + j).astype(np.uint8)) & np.uint8(1)
+    q6 = q2.astype(np.int16) - 4 * (1 - hbit.astype(np.int16)) + 32  # [n, 256] in [28, 35]
+    return _q6_k(n, q6.astype(np.uint8), scales, d)
+
+
+def _q6_k(n: int, q6: np.ndarray, scales: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Q6_K blocks from unsigned codes q6 [n, 256] in [0, 63] (value = d * scale * (q6 - 32)), int8
+    scales [n, 16] (value e's is e // 16) and the fp16 d's bytes [n, 2].
+
+    Layout: ql [128] | qh [64] | scales [16] | d. Per 128-value half h and l < 32: ql[64h + l] holds
+    values 128h + l (low nibble) and 128h + 64 + l (high); ql[64h + 32 + l] values 128h + 32 + l and
+    128h + 96 + l; qh[32h + l] their top two bits, in that order (+0, +32, +64, +96) from bit 0."""
+    q = q6.reshape(n, 2, 4, 32)  # [block, half, quarter, l]
+    lo, hi = q & np.uint8(0x0F), q >> np.uint8(4)
+    ql = np.concatenate([lo[:, :, 0] | (lo[:, :, 2] << np.uint8(4)), lo[:, :, 1] | (lo[:, :, 3] << np.uint8(4))],
+                        axis=2)  # [block, half, 64]
+    qh = hi[:, :, 0] | (hi[:, :, 1] << np.uint8(2)) | (hi[:, :, 2] << np.uint8(4)) | (hi[:, :, 3] << np.uint8(6))
+    out = np.empty((n, 210), dtype=np.uint8)
+    out[:, :128] = ql.reshape(n, 128)
+    out[:, 128:192] = qh.reshape(n, 64)
+    out[:, 192:208] = scales.view(np.uint8)
+    out[:, 208:210] = d
+    return out

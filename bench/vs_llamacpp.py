@@ -35,6 +35,11 @@ rope.dimension_sections key, which the test writer adds as its converter does):
     .venv/bin/python -m bench.vs_llamacpp --shape qwen35-1b --types Q8_0 BF16 --files-dir /tmp/hybrid28 \
         --llama-bench /tmp/lcpp/llama.cpp/build/bin/llama-bench --rounds 2 --repeats 1
 
+Example (given files: SmolLM2's Q4_K_M as llama-quantize writes it from the BF16 file, mostly Q5_0,
+which pagewire keeps as Q8_0 blocks; MBU counts the file's stored bytes):
+    .venv/bin/python -m bench.vs_llamacpp --files /tmp/smol/smol-Q4_K_M.gguf /tmp/s37/files/smol-IQ4_NL.gguf \
+        --llama-bench $LCPP/llama-bench --rounds 2 --repeats 3 --threads 2
+
 Example (issue 26's bar: Gemma-3-1B shape, at least 1.0x llama.cpp):
     .venv/bin/python -m bench.vs_llamacpp --shape gemma3-1b --types BF16 Q8_0 Q4_0 \
         --llama-bench /tmp/lcpp/llama.cpp/build/bin/llama-bench --rounds 2
@@ -232,13 +237,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement, both programs")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--build-only", action="store_true", help="write the files and stop")
+    p.add_argument("--files", type=Path, nargs="+",
+                   help="run these GGUF files (downloaded, or made by llama-quantize) instead of a shape's")
     args = p.parse_args(argv)
     command = shlex.join(sys.orig_argv if argv is None else [sys.executable, "-m", "bench.vs_llamacpp", *argv])
     print(f"command: {command}")
     print(f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
     print(f"machine: {machine_line()}")
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    files = build_files(args.shape, args.types, args.llama_quantize, args.files_dir)
+    if args.files:
+        # Each file under its name; a file whose matrices are all float runs as bf16 weights.
+        files = {f.name: f for f in args.files}
+        args.types, args.shape = list(files), "given"
+        kinds = {name: "BF16" if set(tensor_types(f)) <= {"F32", "F16", "BF16"} else "Q" for name, f in files.items()}
+    else:
+        files = build_files(args.shape, args.types, args.llama_quantize, args.files_dir)
+        kinds = {t: t for t in args.types}
     if args.build_only:
         return 0
     from bench.bandwidth import measure
@@ -249,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     for qtype in args.types:
         print(f"{qtype}: {files[qtype]} ({files[qtype].stat().st_size / 2**20:.0f} MiB; tensors by type "
               f"{tensor_types(files[qtype])})")
-        print(f"  pagewire:  {shlex.join(pagewire_command(files[qtype], qtype, args.repeats, args.threads))}")
+        print(f"  pagewire:  {shlex.join(pagewire_command(files[qtype], kinds[qtype], args.repeats, args.threads))}")
         print(f"  llama.cpp: {shlex.join(llamacpp_command(args.llama_bench, files[qtype], args.repeats, args.threads))}")
     bandwidths = [measure()]
     print(f"read bandwidth at start: {bandwidths[0].line()}; load average {os.getloadavg()[0]:.2f}", flush=True)
@@ -261,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             first_ours = (r + i) % 2 == 0
             for side in ((0, 1) if first_ours else (1, 0)):
                 if side == 0:
-                    ours[qtype].append(run_pagewire(files[qtype], qtype, args.repeats, args.threads))
+                    ours[qtype].append(run_pagewire(files[qtype], kinds[qtype], args.repeats, args.threads))
                 else:
                     theirs[qtype].append(run_llamacpp(args.llama_bench, files[qtype], args.repeats, args.threads))
             log(f"round {r + 1} {qtype}: pagewire {ours[qtype][-1]['decode']['decode_tok_s']:.2f}, "

@@ -84,11 +84,10 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def _q5_0_to_q8_0(b: np.ndarray) -> np.ndarray:
-    # d (fp16) | qh (32 high bits, value j's at bit j) | qs (16 bytes of nibbles)
-    qh = b[:, 2:6].copy().view("<u4")  # [n, 1]
-    high = ((qh >> np.arange(32, dtype=np.uint32)) & np.uint32(1)).astype(np.uint8)
+    # d (fp16) | qh (32 high bits, value j's at bit j of the little-endian word) | qs (16 bytes of nibbles)
+    high = np.unpackbits(b[:, 2:6], axis=1, bitorder="little")  # [n, 32]: value j's fifth bit
     q5 = _nibbles(b[:, 6:22]) | (high << np.uint8(4))
-    return _q8_0(b[:, :2], (q5.astype(np.int16) - 16).astype(np.int8))
+    return _q8_0(b[:, :2], (q5 - np.uint8(16)).view(np.int8))  # mod 256, read as int8: q5 - 16
 
 
 def _iq4_nl_to_q8_0(b: np.ndarray) -> np.ndarray:
@@ -102,18 +101,18 @@ def _q3_k_to_q6_k(b: np.ndarray) -> np.ndarray:
     hmask, qs, sc, d = b[:, :32], b[:, 32:96], b[:, 96:108], b[:, 108:110]
     # Sixteen 6-bit sub-scales: sub-block i's low four bits are byte i's low nibble (i < 8) or byte
     # i - 8's high nibble, its top two bits are byte 8 + i % 4's bits 2 * (i // 4) and up.
-    i = np.arange(16)
-    low = np.where(i < 8, sc[:, i % 8] & np.uint8(0x0F), sc[:, i % 8] >> np.uint8(4))
-    top = (sc[:, 8 + i % 4] >> (2 * (i // 4)).astype(np.uint8)) & np.uint8(3)
-    scales = ((low | (top << np.uint8(4))).astype(np.int16) - 32).astype(np.int8)  # [n, 16] in [-32, 31]
-    # Value e (of 256): half h = e // 128, r = e % 128, two-bit field j = r // 32 of byte l = r % 32
-    # of the half's 32 qs bytes; its high bit is bit 4h + j of hmask[l], and a clear bit subtracts 4.
-    e = np.arange(256)
-    h, j, lane = e // 128, (e % 128) // 32, e % 32
-    q2 = (qs[:, 32 * h + lane] >> (2 * j).astype(np.uint8)) & np.uint8(3)
-    hbit = (hmask[:, lane] >> (4 * h + j).astype(np.uint8)) & np.uint8(1)
-    q6 = q2.astype(np.int16) - 4 * (1 - hbit.astype(np.int16)) + 32  # [n, 256] in [28, 35]
-    return _q6_k(n, q6.astype(np.uint8), scales, d)
+    low = np.concatenate([sc[:, :8] & np.uint8(0x0F), sc[:, :8] >> np.uint8(4)], axis=1)
+    top = (sc[:, None, 8:12] >> _SHIFTS4[:, None]).reshape(n, 16) & np.uint8(3)
+    scales = ((low | (top << np.uint8(4))) - np.uint8(32)).view(np.int8)  # [n, 16] in [-32, 31]
+    # Value e = 128h + 32j + l (half h, two-bit field j, byte l of the half's 32 qs bytes); its high
+    # bit is bit 4h + j of hmask[l], and a clear one subtracts 4: q6 = q2 - 4 (1 - hbit) + 32.
+    q2 = (qs.reshape(n, 2, 1, 32) >> _SHIFTS4[:, None]) & np.uint8(3)  # [n, h, j, l]
+    hbit = (hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & np.uint8(1)  # [n, 4h + j, l]
+    q6 = q2.reshape(n, 256) + (hbit.reshape(n, 256) << np.uint8(2)) + np.uint8(28)  # [n, 256] in [28, 35]
+    return _q6_k(n, q6, scales, d)
+
+
+_SHIFTS4 = np.array([0, 2, 4, 6], dtype=np.uint8)
 
 
 def _q6_k(n: int, q6: np.ndarray, scales: np.ndarray, d: np.ndarray) -> np.ndarray:

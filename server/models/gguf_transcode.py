@@ -7,8 +7,8 @@ Which and why (every value the new blocks dequantise to equals the old one, bit 
     llama.cpp's quantizer falls back to Q5_0 for Q4_K wherever a row is not whole 256-value
     super-blocks, so a Q4_K_M file of a model whose widths are not multiples of 256 (SmolLM2's 576
     and 1536, Qwen2.5-0.5B's 896) is mostly Q5_0.
-  * IQ4_NL -> Q8_0: w = d * kvalues[q4], and the 16 kvalues are int8.
-    (the same fallback for Q2_K, Q3_K and the IQ types).
+  * IQ4_NL -> Q8_0: w = d * kvalues[q4], and the 16 kvalues are int8. (IQ4_NL is also the
+    quantizer's fallback for Q2_K, Q3_K and the IQ types in such rows.)
   * Q3_K -> Q6_K: both are 256-value super-blocks of sixteen 16-value sub-blocks under one fp16 d;
     Q3_K's sub-scale (s6 - 32) is an int8 in [-32, 31] and its code (q2 - 4 * !hbit) is in [-4, 3],
     inside Q6_K's int8 scales and (q6 - 32) codes in [-32, 31].
@@ -29,7 +29,8 @@ __all__ = ["TRANSCODES", "kept_type", "kept_nbytes", "transcode"]
 # Source type -> the kept type its blocks are rewritten into.
 TRANSCODES = {"Q5_0": "Q8_0", "IQ4_NL": "Q8_0", "Q3_K": "Q6_K"}
 
-# (values, bytes) per block of each type this module reads or writes.
+# (values, bytes) per block of each type this module reads or writes (a source and its target
+# have the same values per block, so a row keeps its block count).
 _BLOCK = {"Q5_0": (32, 22), "IQ4_NL": (32, 18), "Q8_0": (32, 34), "Q3_K": (256, 110), "Q6_K": (256, 210)}
 
 _CHUNK_VALUES = 1 << 24
@@ -61,12 +62,11 @@ def transcode(type_name: str, raw: np.ndarray) -> np.ndarray:
     if raw.shape[-1] % nbytes:
         raise ValueError(f"{type_name} rows of {raw.shape[-1]} bytes are not whole {nbytes}-byte blocks")
     blocks = raw.reshape(-1, nbytes)
-    step = _CHUNK_VALUES // values  # blocks per pass: bounds the int16 temporaries (~32 MB)
+    step = _CHUNK_VALUES // values  # blocks per pass: bounds the uint8 temporaries (16 MB each)
     run = {"Q5_0": _q5_0_to_q8_0, "IQ4_NL": _iq4_nl_to_q8_0, "Q3_K": _q3_k_to_q6_k}[type_name]
     out = np.empty((blocks.shape[0], _BLOCK[target][1]), dtype=np.uint8)
     for i in range(0, blocks.shape[0], step):
         out[i:i + step] = run(blocks[i:i + step])
-    assert values == _BLOCK[target][0]
     return out.reshape(*raw.shape[:-1], raw.shape[-1] // nbytes * _BLOCK[target][1])
 
 

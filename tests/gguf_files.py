@@ -15,19 +15,19 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from safetensors.torch import load_file
 
 from tests.gguf_qwen3_next import QWEN3_NEXT_TYPES, qwen3_next_metadata, qwen3_next_tensors
 
 # Block types the `gguf` package cannot quantise to (tests write random valid blocks instead, see
-# random_k_blocks): (values per block, bytes per block, offsets of the block's fp16 scales).
-RANDOM_BLOCKS = {"Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)),
-                 "Q3_K": (256, 110, (108,)), "Q2_K": (256, 84, (80, 82)), "IQ4_NL": (32, 18, (0,)),
-                 "IQ4_XS": (256, 136, (0,)), "IQ3_S": (256, 110, (0,)), "IQ3_XXS": (256, 98, (0,)),
-                 "IQ2_S": (256, 82, (0,)), "IQ2_XS": (256, 74, (0,)), "IQ2_XXS": (256, 66, (0,)),
-                 "IQ1_S": (256, 50, (0,))}
-QUANT_BLOCK = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32,
-               **{name: values for name, (values, _, _) in RANDOM_BLOCKS.items()}}
+# random_k_blocks): the byte offsets of each block's fp16 scales.
+RANDOM_BLOCKS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82), "IQ4_NL": (0,),
+                 "IQ4_XS": (0,), "IQ3_S": (0,), "IQ3_XXS": (0,), "IQ2_S": (0,), "IQ2_XS": (0,), "IQ2_XXS": (0,),
+                 "IQ1_S": (0,)}
+# Values per block of every type the tests write quantised.
+QUANT_BLOCK = {name: GGML_QUANT_SIZES[GGMLQuantizationType[name]][0]
+               for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", *RANDOM_BLOCKS)}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 _HF_TO_GGUF_BLOCK = {
@@ -161,7 +161,8 @@ def random_k_blocks(rows: int, cols: int, qtype: str, seed: int) -> np.ndarray:
     random codes and sub-scales, fp16 scales in [0.002, 0.02] (Q3_K: [0.0002, 0.002]) so the weights
     are finite and of a usual size."""
     rng = np.random.default_rng(seed)
-    values, nbytes, scales = RANDOM_BLOCKS[qtype]
+    values, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    scales = RANDOM_BLOCKS[qtype]
     # Q3_K's signed sub-scales (to +-32) and codes (to +-4) make weights ten times Q4_K's at the same
     # d: a tiny model of them turns chaotic (its logits swing with any rounding), so its d is smaller.
     low, high = (0.0002, 0.002) if qtype == "Q3_K" else (0.002, 0.02)

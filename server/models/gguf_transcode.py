@@ -29,13 +29,18 @@ __all__ = ["TRANSCODES", "kept_type", "kept_nbytes", "transcode"]
 # Source type -> the kept type its blocks are rewritten into.
 TRANSCODES = {"Q5_0": "Q8_0", "IQ4_NL": "Q8_0", "Q3_K": "Q6_K"}
 
-# (values, bytes) per block of each type this module reads or writes (a source and its target
-# have the same values per block, so a row keeps its block count).
-_BLOCK = {"Q5_0": (32, 22), "IQ4_NL": (32, 18), "Q8_0": (32, 34), "Q3_K": (256, 110), "Q6_K": (256, 210)}
-
 _CHUNK_VALUES = 1 << 24
 
 _IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+
+
+def _block(type_name: str) -> tuple[int, int]:
+    """(values, bytes) per block of a GGUF type, from the `gguf` package's table (imported here, not
+    at module import: the loader's header path runs without the package). A source and its target
+    have the same values per block, so a row keeps its block count."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
 
 
 def kept_type(type_name: str) -> str:
@@ -50,24 +55,25 @@ def kept_nbytes(t: Any) -> int:
     target = TRANSCODES.get(t.type_name)
     if target is None:
         return n
-    return n // _BLOCK[t.type_name][1] * _BLOCK[target][1]
+    return n // _block(t.type_name)[1] * _block(target)[1]
 
 
 def transcode(type_name: str, raw: np.ndarray) -> np.ndarray:
     """`raw`'s blocks of `type_name` as blocks of kept_type(type_name): a new uint8 array with the
     same leading axes and the last one rescaled (a whole number of blocks per row)."""
     target = TRANSCODES[type_name]
-    values, nbytes = _BLOCK[type_name]
+    values, nbytes = _block(type_name)
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
     if raw.shape[-1] % nbytes:
         raise ValueError(f"{type_name} rows of {raw.shape[-1]} bytes are not whole {nbytes}-byte blocks")
     blocks = raw.reshape(-1, nbytes)
     step = _CHUNK_VALUES // values  # blocks per pass: bounds the uint8 temporaries (16 MB each)
     run = {"Q5_0": _q5_0_to_q8_0, "IQ4_NL": _iq4_nl_to_q8_0, "Q3_K": _q3_k_to_q6_k}[type_name]
-    out = np.empty((blocks.shape[0], _BLOCK[target][1]), dtype=np.uint8)
+    target_bytes = _block(target)[1]
+    out = np.empty((blocks.shape[0], target_bytes), dtype=np.uint8)
     for i in range(0, blocks.shape[0], step):
         out[i:i + step] = run(blocks[i:i + step])
-    return out.reshape(*raw.shape[:-1], raw.shape[-1] // nbytes * _BLOCK[target][1])
+    return out.reshape(*raw.shape[:-1], raw.shape[-1] // nbytes * target_bytes)
 
 
 def _q8_0(d: np.ndarray, codes: np.ndarray) -> np.ndarray:

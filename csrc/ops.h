@@ -68,6 +68,11 @@ at::Tensor interleave_q8_0_cpu(const at::Tensor& weight);  // row layout -> x8 l
 // x [M, K] (float32, bfloat16 or float16) @ dequant(weight)^T + bias [N] -> [M, N] in x's dtype
 at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                            bool interleaved);
+// The same, but the integer kernel at every M: above kQ8KernelMaxRows it runs in blocks of that many
+// rows into one output, so each row's floats are those of a call with its block alone (the autotune's
+// "kernel" choice for large buckets and batch-invariant mode; server._C.fast.linear_q8_0_rows).
+at::Tensor linear_q8_0_rows_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                                bool interleaved);
 
 // 4-bit and K-quant weights (GGUF's Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, MXFP4 layouts), see cpu/quant4_kernel.h.
 // weight: uint8 [N, K / block * block bytes]; qtype: "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "mxfp4",
@@ -80,6 +85,9 @@ at::Tensor interleave_q4_cpu(const at::Tensor& weight, c10::string_view qtype);
 // x [M, K] (float32, bfloat16 or float16) @ dequant(weight)^T + bias [N] -> [M, N] in x's dtype
 at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::string_view qtype,
                          const c10::optional<at::Tensor>& bias);
+// The kernel at every M, as linear_q8_0_rows_cpu (server._C.fast.linear_q4_rows).
+at::Tensor linear_q4_rows_cpu(const at::Tensor& x, const at::Tensor& weight, c10::string_view qtype,
+                              const c10::optional<at::Tensor>& bias);
 
 // Fused decoder-layer elementwise ops (fused_ops.cpp); float32, bfloat16 or float16, rounding
 // as transformers does.

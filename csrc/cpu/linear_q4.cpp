@@ -380,8 +380,12 @@ at::Tensor interleave_q4_cpu(const at::Tensor& weight, c10::string_view qtype_vi
   return out;
 }
 
-at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::string_view qtype_view,
-                         const c10::optional<at::Tensor>& bias) {
+namespace {
+
+// linear_q4_cpu (every_m false: above kQ4KernelMaxRows, dequantise + GEMM) and linear_q4_rows_cpu
+// (every_m true: the kernel in blocks of kQ4KernelMaxRows rows).
+at::Tensor linear_q4_impl(const at::Tensor& x, const at::Tensor& weight, c10::string_view qtype_view,
+                          const c10::optional<at::Tensor>& bias, bool every_m) {
   const std::string qtype(qtype_view);
   const Q4Format f = parse_q4_type(qtype);
   const cpu::Q4Type t = f.type;
@@ -392,7 +396,7 @@ at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::str
   check_q4_weight(weight, t, qtype, K);
   const bool has_bias = cpu::check_bias(bias, N, x);
   const at::Tensor wc = weight.contiguous();
-  if (M > kQ4KernelMaxRows) {  // prefill: ATen's GEMM on dequantised chunks of rows (chunked_gemm.h)
+  if (M > kQ4KernelMaxRows && !every_m) {  // prefill: ATen's GEMM on dequantised chunks of rows (chunked_gemm.h)
     return cpu::chunked_gemm(x, N, bias, has_bias,
                              [&](int64_t n0, int64_t rows) { return dequantize_rows(wc, f, K, n0, rows); });
   }
@@ -411,33 +415,50 @@ at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::str
     xd.resize(M * nb);
     xs.resize(M * nb);
   }
-  const cpu::Q8SumActivations act{xq.data(), xd.data(), xs.data(), M, K};
   const auto kernel = portable                      ? cpu::linear_q4_portable
                       : isa >= cpu::Isa::kAvx512 ? cpu::linear_q4_avx512
                                                  : cpu::linear_q4_avx2;
   const uint8_t* w = wc.data_ptr<uint8_t>();
   float* o = io.out.data();
-  const auto x8_kernel = [&] {
+  const auto x8_kernel = [&](int64_t rows) {
     // Q4_0 and Q4_1 on AMX tiles from kAmxMinRowsQ4x8 rows (the same floats as VNNI's x8 kernel).
-    const bool amx = cpu::use_amx(isa, M) && M >= cpu::kAmxMinRowsQ4x8 &&
+    const bool amx = cpu::use_amx(isa, rows) && rows >= cpu::kAmxMinRowsQ4x8 &&
                      (t == cpu::Q4Type::kQ4_0 || t == cpu::Q4Type::kQ4_1);
     return amx ? cpu::linear_q4x8_amx : isa >= cpu::Isa::kAvx512 ? cpu::linear_q4x8_vnni : cpu::linear_q4x8_avx2;
-  }();
+  };
+  // Rows [r0, r0 + rows) of the activations (quantised) and of the output; at most
+  // kQ4KernelMaxRows rows a block, each block the call a batch of just those rows would make.
+  // (Plain pointers: the team's threads run the fused kernel below, and a thread_local named there
+  // would be each worker's own.)
+  int8_t* const qp = xq.data();
+  float* const dp = xd.data();
+  float* const sp = xs.data();
+  const auto block = [=](int64_t r0, int64_t rows) {
+    return cpu::Q8SumActivations{qp + r0 * K, dp + r0 * nb, sp + r0 * nb, rows, K};
+  };
+  const auto blocks = [&](const auto& body) {
+    for (int64_t r0 = 0; r0 < M; r0 += kQ4KernelMaxRows) body(r0, std::min(kQ4KernelMaxRows, M - r0));
+  };
   if (f.interleaved && !portable && N % cpu::kQ4Interleave == 0 && cpu::fused_linear_applies(M, N, K, io.out)) {
-    // Quantise, kernel and rounding in one parallel region (float_rows.h fused_linear).
-    return cpu::fused_linear(true, xf, M, K, xq.data(), xd.data(), xs.data(), io.out,
-                             [&] { x8_kernel(t, act, w, b, o, N, N); });
+    // Quantise, kernel and rounding in one parallel region (float_rows.h fused_linear); each block's
+    // kernel splits its loop over the team.
+    return cpu::fused_linear(true, xf, M, K, xq.data(), xd.data(), xs.data(), io.out, [&] {
+      blocks([&](int64_t r0, int64_t rows) { x8_kernel(rows)(t, block(r0, rows), w, b, o + r0 * N, N, N); });
+    });
   }
   cpu::quantize_activation_rows(!portable, xf, M, K, xq.data(), xd.data(), xs.data());
   if (!f.interleaved) {
-    kernel(t, act, w, b, o, N, N);
+    blocks([&](int64_t r0, int64_t rows) { kernel(t, block(r0, rows), w, b, o + r0 * N, N, N); });
   } else if (!portable) {
     // Whole groups through the family's x8 kernel (VNNI from AVX-512 up; Q4_0 and Q4_1 on AMX tiles
     // from kAmxMinRowsQ4x8 rows, the same floats), the last N % 8 rows, in row layout, through the
     // family's row kernel.
     const int64_t G = cpu::kQ4Interleave, done = N / G * G, rb = wc.size(1);
-    x8_kernel(t, act, w, b, o, N, done);
-    if (done < N) kernel(t, act, w + done * rb, b != nullptr ? b + done : nullptr, o + done, N, N - done);
+    blocks([&](int64_t r0, int64_t rows) {
+      const cpu::Q8SumActivations a = block(r0, rows);
+      x8_kernel(rows)(t, a, w, b, o + r0 * N, N, done);
+      if (done < N) kernel(t, a, w + done * rb, b != nullptr ? b + done : nullptr, o + r0 * N + done, N, N - done);
+    });
   } else {
     // No AVX2 (or PAGEWIRE_CPU_ISA=portable after the weight was interleaved): the portable kernel
     // on a row-layout copy. Slow, but only reached when the family is forced below the one the
@@ -446,9 +467,21 @@ at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::str
     std::vector<uint8_t> rows(N * rb);
     for (int64_t g = 0; g < N / G; ++g) cpu::deinterleave_q4_group(t, w + g * G * rb, rows.data() + g * G * rb, rb, K);
     std::memcpy(rows.data() + N / G * G * rb, w + N / G * G * rb, (N % G) * rb);
-    kernel(t, act, rows.data(), b, o, N, N);
+    blocks([&](int64_t r0, int64_t n) { kernel(t, block(r0, n), rows.data(), b, o + r0 * N, N, N); });
   }
   return io.out.finish();
+}
+
+}  // namespace
+
+at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::string_view qtype,
+                         const c10::optional<at::Tensor>& bias) {
+  return linear_q4_impl(x, weight, qtype, bias, false);
+}
+
+at::Tensor linear_q4_rows_cpu(const at::Tensor& x, const at::Tensor& weight, c10::string_view qtype,
+                              const c10::optional<at::Tensor>& bias) {
+  return linear_q4_impl(x, weight, qtype, bias, true);
 }
 
 }  // namespace pagewire

@@ -220,15 +220,19 @@ at::Tensor dequantize_q8_0_cpu(const at::Tensor& weight, bool interleaved) {
   return dequantize_q8_rows(weight.contiguous(), interleaved, K, 0, N);
 }
 
-at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                           bool interleaved) {
+namespace {
+
+// linear_q8_0_cpu (every_m false: above kQ8KernelMaxRows, dequantise + GEMM) and
+// linear_q8_0_rows_cpu (every_m true: the kernel in blocks of kQ8KernelMaxRows rows).
+at::Tensor linear_q8_0_impl(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                            bool interleaved, bool every_m) {
   TORCH_CHECK(x.device().is_cpu(), "x must be a CPU tensor, got ", x.device());
   TORCH_CHECK(x.dim() == 2, "x must be [M, K], got shape ", x.sizes());
   TORCH_CHECK(at::isFloatingType(x.scalar_type()), "x must be floating point, got ", x.scalar_type());
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   check_q8_weight(weight, K);
   const bool has_bias = cpu::check_bias(bias, N, x);
-  if (M > kQ8KernelMaxRows) {
+  if (M > kQ8KernelMaxRows && !every_m) {
     // Prefill: the GEMM is compute-bound, where ATen's blocked kernels win; on dequantised chunks
     // of rows (chunked_gemm.h). Dequantising the whole matrix at once allocated N x K floats per call,
     // and their page faults made a 32000-row lm_head at 24 rows take 57 ms (bench.kernels linear
@@ -250,42 +254,73 @@ at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const 
   thread_local std::vector<float> xd;
   if (static_cast<int64_t>(xq.size()) < M * K) xq.resize(M * K);
   if (static_cast<int64_t>(xd.size()) < M * K / cpu::kQ8Block) xd.resize(M * K / cpu::kQ8Block);
-  const cpu::Q8Activations act{xq.data(), xd.data(), M, K};
+  // Rows [r0, r0 + rows) of the activations (quantised) and of the output; at most
+  // kQ8KernelMaxRows rows a block, each block the call a batch of just those rows would make.
+  // (Plain pointers: the team's threads run the fused kernel below, and a thread_local named there
+  // would be each worker's own.)
+  int8_t* const qp = xq.data();
+  float* const dp = xd.data();
+  const auto block = [=](int64_t r0, int64_t rows) {
+    return cpu::Q8Activations{qp + r0 * K, dp + r0 * (K / cpu::kQ8Block), rows, K};
+  };
+  const auto blocks = [&](const auto& body) {
+    for (int64_t r0 = 0; r0 < M; r0 += kQ8KernelMaxRows) body(r0, std::min(kQ8KernelMaxRows, M - r0));
+  };
   // AMX from kAmxMinRows rows: bit for bit the x8 kernels' floats, so batch-invariant mode's rule
   // (use_amx is off there) only keeps the choice where it always was.
-  const auto x8 = cpu::use_amx(isa, M)         ? cpu::linear_q8_0x8_amx
-                  : isa >= cpu::Isa::kAvx512 ? cpu::linear_q8_0x8_vnni
-                                             : cpu::linear_q8_0x8_avx2;
+  const auto x8 = [&](int64_t rows) {
+    return cpu::use_amx(isa, rows)       ? cpu::linear_q8_0x8_amx
+           : isa >= cpu::Isa::kAvx512 ? cpu::linear_q8_0x8_vnni
+                                      : cpu::linear_q8_0x8_avx2;
+  };
+  const uint8_t* w = wc.data_ptr<uint8_t>();
+  float* o = io.out.data();
   if (interleaved && !portable && N % cpu::kQ8Interleave == 0 && cpu::fused_linear_applies(M, N, K, io.out)) {
-    // Quantise, kernel and rounding in one parallel region (float_rows.h fused_linear).
-    const uint8_t* w = wc.data_ptr<uint8_t>();
-    float* o = io.out.data();
-    return cpu::fused_linear(true, xf, M, K, xq.data(), xd.data(), nullptr, io.out,
-                             [&] { x8(act, w, b, o, N, N); });
+    // Quantise, kernel and rounding in one parallel region (float_rows.h fused_linear); each block's
+    // kernel splits its loop over the team.
+    return cpu::fused_linear(true, xf, M, K, xq.data(), xd.data(), nullptr, io.out, [&] {
+      blocks([&](int64_t r0, int64_t rows) { x8(rows)(block(r0, rows), w, b, o + r0 * N, N, N); });
+    });
   }
   cpu::quantize_activation_rows(!portable, xf, M, K, xq.data(), xd.data(), nullptr);
   // AMX from kAmxMinRows rows (as for bf16, dispatch_mode.h: not in batch-invariant mode).
-  const auto kernel = portable                      ? cpu::linear_q8_0_portable
-                      : cpu::use_amx(isa, M)     ? cpu::linear_q8_0_amx
-                      : isa >= cpu::Isa::kAvx512 ? cpu::linear_q8_0_avx512
-                                                 : cpu::linear_q8_0_avx2;
-  const uint8_t* w = wc.data_ptr<uint8_t>();
-  float* o = io.out.data();
+  const auto kernel = [&](int64_t rows) {
+    return portable                      ? cpu::linear_q8_0_portable
+           : cpu::use_amx(isa, rows)  ? cpu::linear_q8_0_amx
+           : isa >= cpu::Isa::kAvx512 ? cpu::linear_q8_0_avx512
+                                      : cpu::linear_q8_0_avx2;
+  };
   if (!interleaved) {
-    kernel(act, w, b, o, N, N);
+    blocks([&](int64_t r0, int64_t rows) { kernel(rows)(block(r0, rows), w, b, o + r0 * N, N, N); });
   } else if (!portable) {
     // Whole groups through the family's x8 kernel (VNNI from AVX-512 up), the last N % 8 rows, in
     // row layout, through the family's row kernel.
     const int64_t done = N / cpu::kQ8Interleave * cpu::kQ8Interleave, rb = wc.size(1);
-    x8(act, w, b, o, N, done);
-    if (done < N) kernel(act, w + done * rb, b != nullptr ? b + done : nullptr, o + done, N, N - done);
+    blocks([&](int64_t r0, int64_t rows) {
+      const cpu::Q8Activations a = block(r0, rows);
+      x8(rows)(a, w, b, o + r0 * N, N, done);
+      if (done < N) kernel(rows)(a, w + done * rb, b != nullptr ? b + done : nullptr, o + r0 * N + done, N, N - done);
+    });
   } else {
     // No AVX2 (or PAGEWIRE_CPU_ISA=portable after the weight was interleaved): the portable kernel
     // on a row-layout copy. Slow, but only reached when the family is forced below the one the
     // weight was prepared for.
-    kernel(act, deinterleaved(wc, K).data(), b, o, N, N);
+    const std::vector<uint8_t> rows = deinterleaved(wc, K);
+    blocks([&](int64_t r0, int64_t n) { kernel(n)(block(r0, n), rows.data(), b, o + r0 * N, N, N); });
   }
   return io.out.finish();
+}
+
+}  // namespace
+
+at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                           bool interleaved) {
+  return linear_q8_0_impl(x, weight, bias, interleaved, false);
+}
+
+at::Tensor linear_q8_0_rows_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                                bool interleaved) {
+  return linear_q8_0_impl(x, weight, bias, interleaved, true);
 }
 
 }  // namespace pagewire

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import server._C  # (also loads the TORCH_LIBRARY(pagewire) registrations)
 from server.kernels import batch_invariant, linear_plan, quant_embedding
 from server.kernels.kinds import LinearKind, Qtype
-from server.kernels.quant import QuantizedWeight
+from server.kernels.quant import KERNEL_MAX_ROWS, QuantizedWeight
 from server.kernels.quant_parts import QuantizedParts
 
 __all__ = [
@@ -40,9 +40,10 @@ _ACTIVE_ISA = str(server._C.cpu_isa())
 # prefills in bench/determinism.py: bench/RESULTS.md), so on AVX2 the kernel takes every row count.
 LINEAR_KERNEL_MAX_M = 16
 BF16_KERNEL_EVERY_M = _ACTIVE_ISA == "avx2"
-# Rows the Q8_0 kernel takes per call (kQ8KernelMaxRows in csrc/ops.h); beyond it the op
-# dequantises and runs ATen's GEMM, so batch-invariant mode calls it in blocks of this size.
-Q8_KERNEL_MAX_ROWS = 16
+# Rows the integer kernels take per call (kQ8KernelMaxRows in csrc/ops.h); beyond it the op
+# dequantises and runs ATen's GEMM, so the kernel path (batch-invariant mode's included) runs them
+# in blocks of this size (QuantizedWeight.linear_rows).
+Q8_KERNEL_MAX_ROWS = KERNEL_MAX_ROWS
 
 
 def linear(
@@ -222,16 +223,17 @@ def _float_torch_path(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
 
 
 def _quant_kernel_path(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """The format's integer kernel at every row count: in blocks of Q8_KERNEL_MAX_ROWS rows above it
-    (an x8 bf16 weight's op takes any row count in one call: on AVX2 the kernel streaming the weight
-    once, on AVX512-BF16 the kernel up to 256 rows and ATen's GEMM above)."""
+    """The format's integer kernel at every row count: in blocks of Q8_KERNEL_MAX_ROWS rows above it,
+    one call into one output (QuantizedWeight.linear_rows; an x8 bf16 weight's op takes any row count
+    in one call: on AVX2 the kernel streaming the weight once, on AVX512-BF16 the kernel up to 256
+    rows and ATen's GEMM above)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     if m <= Q8_KERNEL_MAX_ROWS or weight.qtype is Qtype.BF16:
         out = weight.linear(x2, bias)
     else:
-        out = torch.cat([weight.linear(x2[i : i + Q8_KERNEL_MAX_ROWS], bias) for i in range(0, m, Q8_KERNEL_MAX_ROWS)])
+        out = weight.linear_rows(x2, bias)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 

@@ -75,6 +75,9 @@ GGUF_QTYPES: dict[str, Qtype] = {"Q8_0": Qtype.Q8_0, "Q4_0": Qtype.Q4_0, "Q4_1":
 # ("gguf", which keeps a GGUF file's own block types, is handled by the GGUF loader.)
 QUANTIZATIONS: dict[str, Qtype] = {"int8": Qtype.Q8_0, "int4": Qtype.Q4_0}
 
+# Rows the integer kernels take per call (kQ8KernelMaxRows / kQ4KernelMaxRows in csrc/ops.h);
+# beyond it their ops dequantise and run ATen's GEMM, and linear_rows runs them in blocks of this size.
+KERNEL_MAX_ROWS = 16
 _QUANTIZERS = {Qtype.Q8_0: "quantize_q8_0", Qtype.Q4_0: "quantize_q4_0"}
 
 
@@ -219,6 +222,18 @@ class QuantizedWeight:
         if self.qtype is Qtype.Q8_0:
             return torch.ops.pagewire.linear_q8_0(x, self.data, bias, self.interleaved)
         return torch.ops.pagewire.linear_q4(x, self.data, self.op_qtype, bias)
+
+    def linear_rows(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """As linear, but the integer kernel at every row count: above KERNEL_MAX_ROWS rows in blocks
+        of that many (each row's floats those of a call with its block alone), where linear
+        dequantises and runs ATen's GEMM. One call into one output on CPU; elsewhere a linear per block."""
+        if x.is_cpu and self.qtype is not Qtype.BF16:
+            if self.qtype is Qtype.Q8_0:
+                return _fast.linear_q8_0_rows(x, self.data, bias, self.interleaved)
+            return _fast.linear_q4_rows(x, self.data, self.op_qtype, bias)
+        if x.shape[0] <= KERNEL_MAX_ROWS:
+            return self.linear(x, bias)
+        return torch.cat([self.linear(x[i : i + KERNEL_MAX_ROWS], bias) for i in range(0, x.shape[0], KERNEL_MAX_ROWS)])
 
     @property
     def nbytes(self) -> int:

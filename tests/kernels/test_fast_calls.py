@@ -65,6 +65,42 @@ def test_q8_0_and_bf16x8_linears_equal_the_ops(interleaved: bool) -> None:
     _same(fast.linear_bf16x8, P.linear_bf16x8, x, wb.data, None)
 
 
+@pytest.mark.parametrize("qtype,interleaved", [
+    *[(q, False) for q in ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "mxfp4")],
+    *[(q, True) for q in ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k")],  # the formats with an x8 layout
+])
+def test_kernel_at_every_row_count_is_its_blocks_of_sixteen(cpu_isa: str, qtype: str, interleaved: bool) -> None:
+    """linear_rows (the autotune's "kernel" above 16 rows, batch-invariant mode, prefill chunks)
+    runs the integer kernel in blocks of 16 rows into one output: each row's floats are those of
+    the op called with its block alone, for every row count, layout, dtype and thread count, with
+    a bias and a tail of N % 8 rows past the x8 groups; and they stay within the Q8 activation
+    rounding of the dequantised weight's float64 product, where the op's own rule (dequantise +
+    GEMM above 16 rows) would not have run the kernel at all."""
+    g = torch.Generator().manual_seed(6)
+    n, k = 76, 256  # 9 groups of 8 and a 4-row tail
+    if qtype == "q8_0":
+        w = QuantizedWeight.quantize(torch.randn(n, k, generator=g) * 0.05, "q8_0")
+    else:
+        w = random_q4(qtype, n, k, seed=7)
+    if interleaved:
+        w = w.interleave()
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for m, dtype in ((17, torch.float32), (40, torch.bfloat16), (33, torch.float32), (16, torch.bfloat16)):
+                x = torch.randn(m, k, generator=g).to(dtype)
+                bias = torch.randn(n, generator=g).to(dtype)
+                got = w.linear_rows(x, bias)
+                blocks = torch.cat([w.linear(x[i : i + 16], bias) for i in range(0, m, 16)])
+                assert got.dtype == dtype and torch.equal(got, blocks), (t, m, dtype)
+                ref = x.double() @ w.dequantize(torch.float32).double().T + bias.double()
+                err = (got.double() - ref).abs().max() / ref.abs().max()
+                assert err < (2e-2 if dtype is torch.bfloat16 else 1e-2), (t, m, dtype, float(err))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_errors_are_the_ops_errors() -> None:
     w = random_q4("q4_0", 16, 64, seed=5)
     for call in (fast.embedding_gguf, P.embedding_gguf):

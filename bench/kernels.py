@@ -28,7 +28,10 @@ path's best of LOOPS loops. The paths of one case run their loops in interleaved
 after another, the chosen path and the same kernel listed beside it read up to 1.69x apart on a
 shared Zen 5 (session 26). (Until session 22 each was the fastest single call of 20, which a lucky
 call -- a copy still partly cached -- could put above the read bandwidth, 35 GB/s against 30, and
-a path compared with it 1.3-1.5x "slower" at one row.)
+a path compared with it 1.3-1.5x "slower" at one row.) Even interleaved, one pass read the chosen
+path 1.22-1.58x its own kernel listed beside it in a handful of cases on a Zen 3 (session 38), so a
+case above 1.2x is re-timed, the two paths alone with four times the loops, and the re-timed ratio
+is the one flagged and counted (the first pass's is printed beside it).
 """
 from __future__ import annotations
 
@@ -74,6 +77,20 @@ LOOPS = 5
 LOOP_S = 0.010
 
 
+RETIME_LOOPS = 4 * LOOPS
+
+
+def retimed_ratio(fns: dict[str, Callable[[], object]], chosen: str, best: str,
+                  contexts: Optional[dict[str, Callable[[], ContextManager[object]]]] = None) -> float:
+    """chosen's time over best's, the two alone re-timed together with RETIME_LOOPS interleaved loops:
+    for a case the first pass flags. On a shared VM two loops of the same kernel (the chosen path is
+    often the very kernel listed beside it) read up to 1.3-1.6x apart in one pass (a Zen 3, session
+    38), when a neighbour's DRAM traffic or a larger path between them (dequantise + GEMM writes tens
+    of MB) falls on one loop and not the other."""
+    t = streamed_together({chosen: fns[chosen], best: fns[best]}, contexts, loops=RETIME_LOOPS)
+    return t[chosen] / t[best]
+
+
 def streamed(fn: Callable[[], object]) -> float:
     """Milliseconds per call of one path: the best of LOOPS loops, each the mean of enough calls
     for about LOOP_S (at least 4) of `fn`, which cycles through the weight's copies."""
@@ -81,7 +98,8 @@ def streamed(fn: Callable[[], object]) -> float:
 
 
 def streamed_together(fns: dict[str, Callable[[], object]],
-                      contexts: Optional[dict[str, Callable[[], ContextManager[object]]]] = None) -> dict[str, float]:
+                      contexts: Optional[dict[str, Callable[[], ContextManager[object]]]] = None,
+                      loops: int = LOOPS) -> dict[str, float]:
     """Milliseconds per call of each path, as streamed(), their loops interleaved (each round runs every path's
     loop once, the order rotated per round) so that the host's bandwidth drift, which on a shared
     VM moves a streamed GEMV 1.5x within a minute, falls on every path alike; the ratios between
@@ -97,7 +115,7 @@ def streamed_together(fns: dict[str, Callable[[], object]],
             calls[name] = max(4, int(LOOP_S / max(time.perf_counter() - t0, 1e-6)))
     names = list(fns)
     best = dict.fromkeys(names, float("inf"))
-    for r in range(LOOPS):
+    for r in range(loops):
         for name in names[r % len(names):] + names[: r % len(names)]:
             fn, n = fns[name], calls[name]
             with contexts.get(name, nullcontext)():
@@ -213,18 +231,23 @@ def bench_linear() -> None:
             }
             if x8s:
                 fns["x8"] = lambda: linear_route._quant_kernel_path(x, x8s[next(step) % copies], None)
-            t = streamed_together(fns, {"chosen": lambda: autotune.active(table)})
+            contexts = {"chosen": lambda: autotune.active(table)}
+            t = streamed_together(fns, contexts)
             ours, ref, chosen, q8 = t["ours"], t["ref"], t["chosen"], t["q8"]
             x8 = t.get("x8", float("inf"))
             base = base or ours
             mb, qmb = N * K * 2 / 1e6, N * K * 34 / 32 / 1e6
-            ratio = chosen / min(ours, ref, x8)
+            ratio = first = chosen / min(ours, ref, x8)
+            if ratio > 1.2:  # a flagged case is re-timed, the two paths alone (retimed_ratio)
+                best = min(("ours", "ref", "x8"), key=lambda k: t.get(k, float("inf")))
+                ratio = retimed_ratio(fns, "chosen", best, contexts)
             worst = max(worst, ratio)
             x8_text = f"   x8 {x8:7.3f} ms ({mb / x8:5.1f} GB/s, {ours / x8:4.2f}x rows)" if x8s else ""
             print(f"N={N:6d} K={K:5d} M={M:3d}  kernel {ours:7.3f} ms ({mb / ours:5.1f} GB/s, "
                   f"{ours / base:4.2f}x M=1){x8_text}   torch {ref:7.3f} ms ({mb / ref:5.1f} GB/s)   "
                   f"speedup {ref / min(ours, x8):5.2f}x"
-                  f"   chosen {chosen:7.3f} ms = {ratio:4.2f}x best{'  > 1.2x' if ratio > 1.2 else ''}"
+                  f"   chosen {chosen:7.3f} ms = {ratio:4.2f}x best"
+                  f"{f' (first pass {first:4.2f}x, re-timed)' if first > 1.2 else ''}{'  > 1.2x' if ratio > 1.2 else ''}"
                   f"   q8_0 {q8:7.3f} ms ({qmb / q8:5.1f} GB/s, {ours / q8:4.2f}x bf16)")
     print(f"worst chosen / best (bf16): {worst:.2f}x")
 
@@ -291,15 +314,19 @@ def bench_quant(quick: bool = False) -> None:
                     for name, ws in paths.items()}
                 fns["dequant+gemm"] = lambda: linear_route._quant_gemm_path(x, rows[next(step) % copies], None)
                 fns["chosen"] = lambda: ops.linear(x, kept[next(step) % copies])
-                times = streamed_together(fns, {"chosen": lambda: autotune.active(table)})
+                contexts = {"chosen": lambda: autotune.active(table)}
+                times = streamed_together(fns, contexts)
                 chosen = times.pop("chosen")
                 best = min(times, key=lambda k: times[k])
-                ratio = chosen / times[best]
+                ratio = first = chosen / times[best]
+                if ratio > 1.2:  # a flagged case is re-timed, the two paths alone (retimed_ratio)
+                    ratio = retimed_ratio(fns, "chosen", best, contexts)
                 worst = max(worst, ratio)
                 mb = nbytes / 1e6
                 listed = "   ".join(f"{name} {t:7.3f} ms ({mb / t:5.1f} GB/s)" for name, t in times.items())
+                again = f" (first pass {first:4.2f}x, re-timed)" if first > 1.2 else ""
                 print(f"N={N:6d} K={K:5d} {qtype} M={M:3d}  {listed}   chosen {chosen:7.3f} ms = {ratio:4.2f}x best "
-                      f"({best}){'  > 1.2x' if ratio > 1.2 else ''}")
+                      f"({best}){again}{'  > 1.2x' if ratio > 1.2 else ''}")
     print(f"worst chosen / best: {worst:.2f}x")
 
 

@@ -81,13 +81,10 @@ at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& w, const std::st
                   kind.rfind("q6_k", 0) == 0,
               "moe_experts: kind must be 'float', 'q8_0', 'q8_0x8', 'mxfp4' or a linear_q4 qtype, got '", kind, "'");
   if (M <= kQ8KernelMaxRows || !invariant) return quant_rows(x, w, kind, bias);
-  // Batch-invariant: the integer kernel for every row, never the dequantise-and-GEMM path.
-  at::Tensor out = at::empty({M, w.size(0)}, x.options());
-  for (int64_t r = 0; r < M; r += kQ8KernelMaxRows) {
-    const int64_t n = std::min<int64_t>(kQ8KernelMaxRows, M - r);
-    out.narrow(0, r, n).copy_(quant_rows(x.narrow(0, r, n), w, kind, bias));
-  }
-  return out;
+  // Batch-invariant: the integer kernel for every row (in blocks of kQ8KernelMaxRows rows, each
+  // block's floats those of a call with it alone), never the dequantise-and-GEMM path.
+  if (kind == "q8_0" || kind == "q8_0x8") return linear_q8_0_rows_cpu(x, w, bias, kind == "q8_0x8");
+  return linear_q4_rows_cpu(x, w, kind, bias);
 }
 
 }  // namespace

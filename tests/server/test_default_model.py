@@ -14,7 +14,11 @@ import pytest
 
 from tests.server.harness import ServerProcess
 
-FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+# "Answer in one sentence." keeps the first answer token clear of a tie: without it the Q4_1 file's
+# first token is "The" against "L" within 0.1 nats (llama.cpp's own AVX2 build says "L'Étoile, ...",
+# -1.92 against -2.01), and which side a CPU family's rounding lands on decided the answer (the AVX2
+# family's did, session 38). With it, llama.cpp gives "The" -0.67 against "Paris" -1.89.
+FRANCE = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 NAME = "SmolLM2-135M-Instruct"
 
 
@@ -22,9 +26,10 @@ NAME = "SmolLM2-135M-Instruct"
 def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     db = tmp_path_factory.mktemp("ledger") / "default.db"
     # --log-level info so the start-up log (sampling defaults) is in the captured output.
-    # --deterministic on: the model is served from its Q4_1 blocks (`--quantization auto`), and its
-    # first answer token is a near tie ("The" -1.88 against "L" -1.97 in fp32); without the mode the
-    # start-up autotune's timing picks the prefill path, which can flip it on a loaded machine.
+    # --deterministic on: the model is served from its Q4_1 blocks (`--quantization auto`); without
+    # the mode the start-up autotune's timing picks the prefill path, so a loaded machine could
+    # change the rounding of the answers compared below (their first tokens are kept clear of a
+    # tie by the prompt, FRANCE).
     proc = ServerProcess(None, db, "--log-level", "info", "--deterministic", "on", served_model_name=None)
     proc.start(timeout=600)
     try:

@@ -2,7 +2,9 @@
 
 Runs `--num-requests` requests of `--input-len` random tokens and `--output-len` greedy tokens
 (ignore_eos) through one LLMEngine per `--itl-target-ms` value, keeping `--concurrency` in flight
-(a new request enters when one finishes, as bench/serving.py's clients do), and reads every step's
+(a new request enters when one finishes, as bench/serving.py's clients do), for each
+`--itl-target-factor` too (a step may also take that many times its decodes' own step), in
+`--rounds` interleaved rounds (the host's drift falls on every setting alike), and reads every step's
 decode rows, prefill tokens and wall time from the engine's StepBudget (server/engine/step_budget.py).
 It prints, per target (0: off, the whole token budget every step, the baseline of the same run):
 TTFT and ITL percentiles and output tok/s from the engine's own step times, and what the policy
@@ -11,6 +13,7 @@ the policy from the server, so a change to the fit shows here before it shows in
 
 Example (issue 31's serving workload, the default model):
     PYTHONPATH=. .venv/bin/python -m bench.chunk_policy --itl-target-ms 0 50 --threads 2
+    PYTHONPATH=. .venv/bin/python -m bench.chunk_policy --itl-target-ms 50 --itl-target-factor 0 2 --rounds 3
 """
 from __future__ import annotations
 
@@ -27,13 +30,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serving import percentile  # noqa: E402  (bench/serving.py)
 
 
-def run(model: str, quantization: str, target_ms: float, a: argparse.Namespace) -> None:
+def run(model: str, quantization: str, target_ms: float, factor: float, a: argparse.Namespace) -> None:
     from server.engine.config import EngineConfig
     from server.engine.engine import LLMEngine
     from server.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=model, quantization=quantization, num_threads=a.threads,
                                     enable_prefix_caching=False, itl_target_ms=target_ms or None,
+                                    itl_target_factor=factor,
                                     max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=max(16, a.concurrency)))
     vocab = engine.vocab_size
     rng = random.Random(a.seed)
@@ -76,7 +80,7 @@ def run(model: str, quantization: str, target_ms: float, a: argparse.Namespace) 
     gaps.sort()
     p_mixed = [p for p, _ in mixed]
     t_mixed = [t for _, t in mixed]
-    label = f"target {target_ms:g} ms" if target_ms else "target off"
+    label = (f"target {target_ms:g} ms" + (f" or {factor:g}x" if factor else "")) if target_ms else "target off"
     print(f"{label:>16}: output tok/s {a.num_requests * a.output_len / wall:6.1f}; TTFT p50 {percentile(ttft, 50) * 1e3:7.0f}"
           f" p99 {percentile(ttft, 99) * 1e3:7.0f} ms; ITL p50 {percentile(gaps, 50) * 1e3:6.1f} p99"
           f" {percentile(gaps, 99) * 1e3:6.1f} max {gaps[-1] * 1e3:6.1f} ms; beside decodes: {len(mixed)} steps,"
@@ -90,6 +94,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--model", default="default", help="a model folder or .gguf file; default: SmolLM2-135M-Instruct")
     p.add_argument("--quantization", default=None, help="default: gguf for a .gguf file, else none")
     p.add_argument("--itl-target-ms", type=float, nargs="+", default=[0.0, 50.0], help="0: off (the baseline)")
+    p.add_argument("--itl-target-factor", type=float, nargs="+", default=[0.0],
+                   help="each target also with each of these factors (0: the fixed target alone)")
+    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds over the settings")
     p.add_argument("--max-num-batched-tokens", type=int, default=128, help="pagewire serve's default")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--num-requests", type=int, default=16)
@@ -109,8 +116,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         model = str(found.path)
     quantization = a.quantization or ("gguf" if model.endswith(".gguf") else "none")
     print(f"# model {model}, quantization {quantization}, threads {a.threads}, load average {os.getloadavg()[0]:.2f}")
-    for target in a.itl_target_ms:
-        run(model, quantization, target, a)
+    for _ in range(a.rounds):
+        for target in a.itl_target_ms:
+            for factor in (a.itl_target_factor if target else [0.0]):
+                run(model, quantization, target, factor, a)
     return 0
 
 

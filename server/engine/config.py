@@ -71,6 +71,11 @@ class EngineConfig:
         while sequences decode, each step's prefill chunk is sized from an online estimate of the
         step's cost so that the step stays within it (server.engine.step_budget); a step with
         nothing decoding still takes max_num_batched_tokens. `pagewire serve` defaults to 50.
+    itl_target_factor: with itl_target_ms, a step with decodes may also take up to this many times
+        the decodes' own (decode-only) step, where that is longer than itl_target_ms: on a CPU whose
+        batch-8 decode step is already most of the fixed target, prefill beside it would otherwise
+        crawl while the streams keep a cadence far below their own. 0 (the default here): the
+        fixed target alone. `pagewire serve` defaults to 3.
     task: "generate", "embed" (prefill-only requests pooled into vectors: server.models.pooling)
         or "auto" (embed when the folder has a sentence-transformers pooling config).
     lora_modules: LoRA adapters over the model, (name, PEFT folder) pairs or a {name: folder}
@@ -96,6 +101,7 @@ class EngineConfig:
     autotune: Optional[bool] = None
     task: str = "auto"
     itl_target_ms: Optional[float] = None
+    itl_target_factor: float = 0.0
     lora_modules: "tuple[tuple[str, str], ...] | dict[str, str]" = ()
 
     @property
@@ -147,6 +153,8 @@ class EngineConfig:
                 raise ConfigError(name, f"must be a positive integer, got {v!r}")
         if self.itl_target_ms is not None and not self.itl_target_ms > 0:
             raise ConfigError("itl_target_ms", f"must be a positive number of milliseconds, got {self.itl_target_ms!r}")
+        if not (isinstance(self.itl_target_factor, (int, float)) and self.itl_target_factor >= 0):
+            raise ConfigError("itl_target_factor", f"must be a number >= 0, got {self.itl_target_factor!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("max_model_len", f"must be positive, got {self.max_model_len}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:

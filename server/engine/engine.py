@@ -193,9 +193,12 @@ class LLMEngine:
         self.step_budget: Optional[StepBudget] = None
         if config.itl_target_ms is not None:
             self.step_budget = StepBudget(config.itl_target_ms / 1e3, config.max_num_batched_tokens,
-                                          fused_rows=Q8_KERNEL_MAX_ROWS if config.device == "cpu" else 0)
+                                          fused_rows=Q8_KERNEL_MAX_ROWS if config.device == "cpu" else 0,
+                                          factor=config.itl_target_factor)
             self.scheduler.prefill_limit = self.step_budget.prefill_tokens
-            logger.info("ITL target: %.0f ms per step while sequences decode", config.itl_target_ms)
+            logger.info("ITL target: %.0f ms per step while sequences decode%s", config.itl_target_ms,
+                        f", or {config.itl_target_factor:g}x their own step where longer"
+                        if config.itl_target_factor else "")
         self._step_rows = (0, 0)  # (decode rows, prefill tokens) of the step being run
         # The load's and the autotune's freed copies back to the OS (glibc keeps them resident):
         # tens of MB of a GGUF load's RSS (issue 27). The small-block cache's load-time blocks first.

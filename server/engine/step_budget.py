@@ -30,6 +30,11 @@ streams' cadence and the new requests' time to first token:
   same GEMMs; they differ by their attention over the whole context). One step measured more than
   OUTLIER_FACTOR times its prediction (another process took the core) counts as OUTLIER_FACTOR
   times the prediction, so a single stall does not halve the chunks that follow.
+- No row may cost less than nothing: the fit is constrained so that a prefill token and a decode
+  row each cost >= 0 in both regimes (an active-set solve). Between waves a regime's data can sit
+  at two neighbouring row counts (decode-only steps of 7 and 8 rows), where a host's noise reads
+  as a steep negative slope; read literally, a 16-row step was predicted to cost less than nothing
+  and beat the batched chunks the target allowed, at a third of their prefill rate.
 - `prefill_tokens(D)`: with D > 0 decode rows this step, the most prefill tokens whose predicted
   step time stays within the ITL target, trying both regimes: the largest chunk that keeps the step
   within `fused_rows` rows, and the largest beyond it, of which it takes the one predicted to
@@ -110,7 +115,37 @@ class _StepFit:
         self._xtx = DECAY * self._xtx + np.outer(x, x)
         self.count += 1
         self.large_count += int(x[1])
-        self.theta = tuple(float(v) for v in np.linalg.solve(self._xtx + _RIDGE_DIAG, self._xtt))
+        self.theta = _solve_nonnegative_rows(self._xtx + _RIDGE_DIAG, self._xtt)
+
+
+# A row's cost in each regime, as combinations of theta (a, j, b, s, e, f): a prefill token's
+# (b, b + s) and a decode row's (b + e, b + s + e + f). None may be negative (module docstring).
+_ROW_COSTS = np.array([
+    (0.0, 0.0, 1.0, 0.0, 0.0, 0.0),
+    (0.0, 0.0, 1.0, 1.0, 0.0, 0.0),
+    (0.0, 0.0, 1.0, 0.0, 1.0, 0.0),
+    (0.0, 0.0, 1.0, 1.0, 1.0, 1.0),
+])
+
+
+def _solve_nonnegative_rows(a: np.ndarray, g: np.ndarray) -> tuple[float, ...]:
+    """argmin of the ridge-regularised least squares (normal equations a theta = g) subject to
+    every per-row cost in _ROW_COSTS being >= 0: an active set, each violated cost pinned to 0 (an
+    equality constraint, solved with its Lagrange multiplier) until none is violated (at most four
+    rounds: one per cost)."""
+    theta = np.linalg.solve(a, g)
+    active: list[int] = []
+    while True:
+        costs = _ROW_COSTS @ theta
+        violated = [i for i in range(len(costs)) if costs[i] < 0 and i not in active]
+        if not violated:
+            return tuple(float(v) for v in theta)
+        active.append(min(violated, key=lambda i: costs[i]))
+        c = _ROW_COSTS[active]
+        n, k = a.shape[0], len(active)
+        kkt = np.zeros((n + k, n + k))
+        kkt[:n, :n], kkt[:n, n:], kkt[n:, :n] = a, c.T, c
+        theta = np.linalg.solve(kkt, np.concatenate([g, np.zeros(k)]))[:n]
 
 
 
@@ -130,15 +165,22 @@ class StepBudget:
 
     Args:
         target_s: the ITL target, seconds: the most a step with decodes in it should take.
+        factor: a step with decodes may also take up to this many times the decodes' own step (the
+            decode-only step of as many rows, predicted): the larger of the two bounds applies. 0:
+            the fixed target alone.
         max_tokens: the step's token budget (max_num_batched_tokens); no limit exceeds it.
         fused_rows: the row count up to which steps take the small-batch kernels (the regimes' split).
         min_chunk: the fewest prefill tokens a step with decodes is allowed.
     """
 
-    def __init__(self, target_s: float, max_tokens: int, fused_rows: int = 16, min_chunk: int = 8) -> None:
+    def __init__(self, target_s: float, max_tokens: int, fused_rows: int = 16, min_chunk: int = 8,
+                 factor: float = 0.0) -> None:
         if not target_s > 0:
             raise ValueError(f"itl_target_ms: must be positive, got {target_s * 1e3}")
+        if not factor >= 0:
+            raise ValueError(f"itl_target_factor: must be >= 0, got {factor}")
         self.target_s = target_s
+        self.factor = factor
         self.max_tokens = max_tokens
         self.fused_rows = fused_rows
         self.min_chunk = max(1, min(min_chunk, max_tokens))
@@ -169,6 +211,12 @@ class StepBudget:
             seconds = min(seconds, OUTLIER_FACTOR * max(predicted, 1e-6))
         self.fit.add(decode_rows, prefill_tokens, seconds)
 
+    def target(self, decode_rows: int) -> float:
+        """The most a step with `decode_rows` decode rows may take: the fixed target, or `factor`
+        times the decode-only step of as many rows where that is longer (once it is measured)."""
+        own = self.predict(decode_rows, 0) if self.factor > 0 else None
+        return self.target_s if own is None else max(self.target_s, self.factor * own)
+
     def prefill_tokens(self, decode_rows: int) -> Optional[int]:
         """The most prefill tokens a step with `decode_rows` decode rows may take (None: no limit)."""
         limit = self._prefill_limit(decode_rows)
@@ -182,15 +230,16 @@ class StepBudget:
         if room <= 0:
             return 0
         small = large = 0
+        target = self.target(decode_rows)
         # Within the small-batch regime: up to fused_rows rows in all.
         small_room = min(room, self.fused_rows - decode_rows)
         if small_room > 0:
-            small = self._largest_fitting(False, decode_rows, small_room, 1)
+            small = self._largest_fitting(False, decode_rows, small_room, 1, target)
         # Beyond it: every chunk from just past the split to the budget, within the trust region.
         lo = max(1, self.fused_rows - decode_rows + 1)
         hi = min(room, max(lo, TRUST_FACTOR * self._largest_batched - decode_rows))
         if lo <= hi:
-            large = self._largest_fitting(True, decode_rows, hi, lo)
+            large = self._largest_fitting(True, decode_rows, hi, lo, target)
         # Both fit: the one predicted to prefill more tokens per second (see the module docstring).
         if large and small and self._rate(False, decode_rows, small) >= self._rate(True, decode_rows, large):
             large = 0
@@ -202,13 +251,13 @@ class StepBudget:
             return float("inf")
         return prefill_tokens / max(self.fit.predict(decode_rows, prefill_tokens), 1e-9)
 
-    def _largest_fitting(self, large: bool, decode_rows: int, hi: int, lo: int) -> int:
-        """The largest P in [lo, hi] whose predicted step fits the target (0 if none). An unmeasured
-        regime is tried at its largest P (it is measured once it runs)."""
+    def _largest_fitting(self, large: bool, decode_rows: int, hi: int, lo: int, target: float) -> int:
+        """The largest P in [lo, hi] whose predicted step fits `target` seconds (0 if none). An
+        unmeasured regime is tried at its largest P (it is measured once it runs)."""
         if not self._measured(large):
             return hi
         base, per_token = self.fit.line(decode_rows, large)
         if per_token <= 0:
-            return hi if base <= self.target_s else 0
-        p = int((self.target_s - base) / per_token)
+            return hi if base <= target else 0
+        p = int((target - base) / per_token)
         return min(p, hi) if p >= lo else 0

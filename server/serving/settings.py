@@ -42,6 +42,14 @@ def _opt_int(text: str) -> Optional[int]:
     return None if text.strip().lower() in ("", "none") else int(text)
 
 
+def _itl_factor(text: str) -> float:
+    """--itl-target-factor: a number >= 0 (0: the fixed target alone)."""
+    f = float(text)
+    if not f >= 0:
+        raise _OptionValueError(f"expected a number >= 0, got {text!r}")
+    return f
+
+
 def _itl_target(text: str) -> float:
     """--itl-target-ms: milliseconds, or 0 / off for no target."""
     v = text.strip().lower()
@@ -217,6 +225,12 @@ class ServeSettings:
     # 0 is off. 50 ms is what a batch-8 decode step plus a fused-size chunk takes on 2 Zen 3 cores
     # with the default model, with headroom (bench/RESULTS.md).
     itl_target_ms: float = 50.0
+    # ... or three times the running streams' own decode step where that is longer: on 2 Zen 3
+    # cores the default model's 7-row decode step is ~26 ms, and the 50 ms bound left new prompts
+    # ~12-20 tokens a step beside it; 3x (~77 ms) keeps ITL p99 within ~1.3x llama-server's there
+    # and lowers TTFT p50 ~2.5x (bench/RESULTS.md, session 39). Where 3x the step is under 50 ms
+    # (AVX-512 CPUs), nothing changes.
+    itl_target_factor: float = 3.0
 
     def engine_config(self, model_dir: str, adapters: bool = True) -> EngineConfig:
         """The engine's settings for a model; `adapters`: with the --lora adapters (the default
@@ -364,6 +378,10 @@ OPTIONS: tuple[Option, ...] = (
            "inter-token latency target in ms while sequences decode: each step's prefill chunk is sized "
            "from the measured step cost to stay within it (0 or off: chunks take the whole "
            "--max-num-batched-tokens budget)", engine=True),
+    Option("itl_target_factor", _itl_factor,
+           "with an ITL target, a step may also take up to this many times the running streams' own "
+           "decode step where that is longer than --itl-target-ms, so that slow hardware still "
+           "prefills new prompts at a useful rate (default 3; 0: the fixed target alone)", engine=True),
     Option("task", _choice("auto", "generate", "embed"),
            "generate, embed (answer /v1/embeddings and Ollama's /api/embed with pooled vectors), or auto "
            "(embed when the model folder has a sentence-transformers pooling config: modules.json, "

@@ -190,3 +190,74 @@ def test_a_chunk_stays_within_twice_the_largest_batched_step_measured() -> None:
         b.observe(3, p, cost(p))
     got = b.prefill_tokens(3) or 0
     assert abs(got - 32) <= 3, got
+
+
+def test_noise_between_two_decode_row_counts_never_makes_a_row_cost_negative() -> None:
+    # Serving, issue 31's workload at a 100 ms target: the first wave's mixed steps (64-76 prefill
+    # tokens beside 1-7 decodes) measured the batched regime; then ~40 decode-only steps at 8 rows
+    # (35 ms) and a few at 7 (42 ms, a noisy moment). The small-batch regime's data then sat at two
+    # row counts with the larger one cheaper: the unconstrained fit read -11.7 ms per row and a
+    # 123 ms fixed part, predicted a 16-row step at less than nothing, and took that regime's 9
+    # tokens a step (~200 tok/s of prefill) over the 60-odd (~600 tok/s) the target allowed, for
+    # the whole second wave.
+    b = StepBudget(0.100, 128)
+    for d in range(1, 8):
+        for p in (66, 70, 72, 74):
+            b.observe(d, p, 0.0145 + 0.00125 * (d + p))
+    for _ in range(40):
+        b.observe(8, 0, 0.035)
+    for _ in range(3):
+        b.observe(7, 0, 0.042)
+    a, j, s_b, s_s, e, f = b.fit.theta
+    assert min(s_b, s_b + s_s, s_b + e, s_b + s_s + e + f) >= 0, b.fit.theta
+    got = b.prefill_tokens(7) or 0
+    fits = max(p for p in range(10, 121) if 0.0145 + 0.00125 * (7 + p) <= 0.100)  # 61
+    assert abs(got - fits) <= 6, (got, fits)
+
+
+def test_factor_lets_a_step_take_a_multiple_of_the_decodes_own_step() -> None:
+    # A slow CPU: eight streams' decode-only step takes 35 ms, so a 50 ms target leaves ~12 tokens
+    # of prefill a step. With factor 2, the step may take 70 ms (twice the streams' own cadence);
+    # with one stream (a 7 ms step) the fixed 50 ms still governs.
+    def cost(d: int, p: int) -> float:
+        return 0.004 + 0.0014 * p + 0.0039 * d if d + p > 16 else 0.0031 + 0.0039 * d + 0.0014 * p
+
+    def budget(factor: float) -> StepBudget:
+        b = StepBudget(0.050, 256, factor=factor)
+        for rnd in range(4):
+            for d in (1, 2, 4, 8):
+                b.observe(d, 0, cost(d, 0))
+            for d, p in ((0, 128), (1, 60), (4, 30), (8, 12), (8, 30), (2, 5)):
+                b.observe(d, p + rnd, cost(d, p + rnd))
+        return b
+
+    plain, scaled = budget(0.0), budget(2.0)
+    own8 = plain.predict(8, 0) or 0.0
+    assert abs(own8 - cost(8, 0)) < 0.002
+    assert plain.target(8) == 0.050 and abs(scaled.target(8) - 2 * own8) < 1e-9
+    assert scaled.target(1) == 0.050  # 2 x 7.0 ms is below the fixed target
+    fits = lambda target: max(p for p in range(9, 249) if cost(8, p) <= target)  # noqa: E731
+    assert abs((plain.prefill_tokens(8) or 0) - fits(0.050)) <= 2
+    assert abs((scaled.prefill_tokens(8) or 0) - fits(2 * own8)) <= 2
+    assert scaled.prefill_tokens(1) == plain.prefill_tokens(1)
+    with pytest.raises(ValueError, match="itl_target_factor"):
+        StepBudget(0.050, 256, factor=-1.0)
+
+
+def test_serve_passes_the_factor_and_bad_values_name_the_option() -> None:
+    import argparse
+
+    from server.engine.config import ConfigError, EngineConfig
+    from server.serving.settings import add_serve_arguments, settings_from_args
+
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    default = settings_from_args(p.parse_args([]), {}).engine_config("/m")
+    assert (default.itl_target_ms, default.itl_target_factor) == (50.0, 3.0)
+    s = settings_from_args(p.parse_args(["--itl-target-factor", "0"]), {"PAGEWIRE_ITL_TARGET_FACTOR": "5"})
+    assert s.engine_config("/m").itl_target_factor == 0.0  # the flag wins over the environment
+    assert settings_from_args(p.parse_args([]), {"PAGEWIRE_ITL_TARGET_FACTOR": "2.5"}).itl_target_factor == 2.5
+    with pytest.raises(ValueError, match="PAGEWIRE_ITL_TARGET_FACTOR"):
+        settings_from_args(p.parse_args([]), {"PAGEWIRE_ITL_TARGET_FACTOR": "-1"})
+    with pytest.raises(ConfigError, match="^itl_target_factor:"):
+        EngineConfig(model="/m", itl_target_factor=-0.5)

@@ -72,7 +72,8 @@ class EngineConfig:
         step's cost so that the step stays within it (server.engine.step_budget); a step with
         nothing decoding still takes max_num_batched_tokens. `pagewire serve` defaults to 50.
     itl_target_factor: with itl_target_ms, a step with decodes may also take up to this many times
-        the decodes' own (decode-only) step, where that is longer than itl_target_ms: on a CPU whose
+        the decodes' own (decode-only) step, where that is longer than itl_target_ms (up to twice
+        itl_target_ms; server.engine.step_budget measures that step): on a CPU whose
         batch-8 decode step is already most of the fixed target, prefill beside it would otherwise
         crawl while the streams keep a cadence far below their own. 0 (the default here): the
         fixed target alone. `pagewire serve` defaults to 3.

@@ -56,6 +56,7 @@ tests drive it with step costs of their choosing (tests/engine/test_step_budget.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Optional
 
@@ -67,6 +68,13 @@ DECAY = 0.9
 # a lasting slowdown is still followed (the prediction grows by up to this factor per step).
 OUTLIER_FACTOR = 1.5
 # A chunk beside decodes is at most this times the largest batched step measured (module docstring).
+# With a factor, a decode-row count whose decode-only step was last measured this many steps ago
+# (or never) is measured again: one step without prefill (`StepBudget.target`).
+OWN_REFRESH_STEPS = 256
+# ... and it never stretches the fixed target past this many times it: in a slow phase of a shared
+# host, 3x a 48 ms decode-only step let 145 ms steps through (ITL p99 183 ms against llama-server's
+# ~100, session 39).
+MAX_STRETCH = 2.0
 TRUST_FACTOR = 2
 # Ridge weights, towards 0, of the parameters (fixed, jump, per row, slope change, a decode row's
 # extra, its change past the split): the fixed cost and the per-row slope are all but free; the
@@ -166,8 +174,9 @@ class StepBudget:
     Args:
         target_s: the ITL target, seconds: the most a step with decodes in it should take.
         factor: a step with decodes may also take up to this many times the decodes' own step (the
-            decode-only step of as many rows, predicted): the larger of the two bounds applies. 0:
-            the fixed target alone.
+            decode-only step of as many rows as measured, interpolated between the row counts
+            measured around it, or the most rows below it that were): the larger of the two bounds
+            applies. 0: the fixed target alone.
         max_tokens: the step's token budget (max_num_batched_tokens); no limit exceeds it.
         fused_rows: the row count up to which steps take the small-batch kernels (the regimes' split).
         min_chunk: the fewest prefill tokens a step with decodes is allowed.
@@ -181,6 +190,15 @@ class StepBudget:
             raise ValueError(f"itl_target_factor: must be >= 0, got {factor}")
         self.target_s = target_s
         self.factor = factor
+        # Decode-only steps' seconds by decode rows (an exponentially weighted mean each), and
+        # their row counts sorted: the factor's base. Measured, not the fit's prediction: a row
+        # count no decode-only step has had is extrapolated by the fit from whatever the regime saw
+        # (a first wave's mixed steps), which read 95-137 ms for a 26 ms step and let 250 ms
+        # steps through (session 39).
+        self._own: dict[int, float] = {}
+        self._own_rows: list[int] = []
+        self._own_at: dict[int, int] = {}  # the step count at each one's latest measurement
+        self._steps = 0  # steps observed
         self.max_tokens = max_tokens
         self.fused_rows = fused_rows
         self.min_chunk = max(1, min(min_chunk, max_tokens))
@@ -204,6 +222,9 @@ class StepBudget:
         self._limit = None
         if decode_rows + prefill_tokens <= 0:
             return
+        self._steps += 1
+        if prefill_tokens == 0 and self.factor > 0 and decode_rows > 0:
+            self._observe_own(decode_rows, seconds)
         if decode_rows + prefill_tokens > self.fused_rows:
             self._largest_batched = max(self._largest_batched, decode_rows + prefill_tokens)
         predicted = self.predict(decode_rows, prefill_tokens)
@@ -211,11 +232,45 @@ class StepBudget:
             seconds = min(seconds, OUTLIER_FACTOR * max(predicted, 1e-6))
         self.fit.add(decode_rows, prefill_tokens, seconds)
 
+    def _observe_own(self, decode_rows: int, seconds: float) -> None:
+        self._own_at[decode_rows] = self._steps
+        old = self._own.get(decode_rows)
+        if old is None:
+            bisect.insort(self._own_rows, decode_rows)
+            self._own[decode_rows] = seconds
+        else:  # (a stall counts as OUTLIER_FACTOR times the estimate, as in observe)
+            self._own[decode_rows] = DECAY * old + (1 - DECAY) * min(seconds, OUTLIER_FACTOR * old)
+
+    def own_step(self, decode_rows: int) -> Optional[float]:
+        """The decode-only step of `decode_rows` rows as measured: its own mean, else the line
+        between the nearest row counts measured below and above it, else (above every one
+        measured) the largest's, which costs no more; None below every one measured."""
+        rows = self._own_rows
+        i = bisect.bisect_right(rows, decode_rows)
+        if i == 0:
+            return None
+        lo = rows[i - 1]
+        if lo == decode_rows or i == len(rows):
+            return self._own[lo]
+        hi = rows[i]
+        w = (decode_rows - lo) / (hi - lo)
+        return (1 - w) * self._own[lo] + w * self._own[hi]
+
     def target(self, decode_rows: int) -> float:
         """The most a step with `decode_rows` decode rows may take: the fixed target, or `factor`
-        times the decode-only step of as many rows where that is longer (once it is measured)."""
-        own = self.predict(decode_rows, 0) if self.factor > 0 else None
-        return self.target_s if own is None else max(self.target_s, self.factor * own)
+        times their decode-only step (own_step) when that is longer, up to MAX_STRETCH times the
+        fixed target.
+
+        Under sustained load no step may run without prefill (a second wave arrives while the
+        first still prefills), and a step of D decode rows alone is then never seen; the fit's
+        line there is an extrapolation that read 95-137 ms for a 26 ms step. So a step whose D
+        has no decode-only measurement, or only one older than OWN_REFRESH_STEPS steps, runs
+        without prefill (prefill_tokens answers 0) and is measured: one step's chunk per decode
+        row count that occurs, and one every OWN_REFRESH_STEPS steps after."""
+        own = self.own_step(decode_rows) if self.factor > 0 else None
+        if own is None:
+            return self.target_s
+        return min(max(self.target_s, self.factor * own), MAX_STRETCH * self.target_s)
 
     def prefill_tokens(self, decode_rows: int) -> Optional[int]:
         """The most prefill tokens a step with `decode_rows` decode rows may take (None: no limit)."""
@@ -226,6 +281,8 @@ class StepBudget:
     def _prefill_limit(self, decode_rows: int) -> Optional[int]:
         if decode_rows <= 0 or not self._measured(True):
             return None
+        if self.factor > 0 and self._steps - self._own_at.get(decode_rows, -OWN_REFRESH_STEPS) >= OWN_REFRESH_STEPS:
+            return 0  # measure this many decode rows alone (target's docstring)
         room = self.max_tokens - decode_rows
         if room <= 0:
             return 0

@@ -225,11 +225,11 @@ class ServeSettings:
     # 0 is off. 50 ms is what a batch-8 decode step plus a fused-size chunk takes on 2 Zen 3 cores
     # with the default model, with headroom (bench/RESULTS.md).
     itl_target_ms: float = 50.0
-    # ... or three times the running streams' own decode step where that is longer: on 2 Zen 3
-    # cores the default model's 7-row decode step is ~26 ms, and the 50 ms bound left new prompts
-    # ~12-20 tokens a step beside it; 3x (~77 ms) keeps ITL p99 within ~1.3x llama-server's there
-    # and lowers TTFT p50 ~2.5x (bench/RESULTS.md, session 39). Where 3x the step is under 50 ms
-    # (AVX-512 CPUs), nothing changes.
+    # ... or three times the running streams' own decode step where that is longer (at most 100
+    # ms): on 2 Zen 3 cores the default model's 7-8-row decode step is 26-35 ms, and the 50 ms
+    # bound left new prompts ~12-20 tokens a step beside it; 3x kept ITL p99 at 1.0-1.1x
+    # llama-server's there and TTFT p50 at 6-13x lower, against 4-6x with the fixed 50 ms
+    # (bench/RESULTS.md, session 39). Where 3x the step is under 50 ms (AVX-512 CPUs), nothing changes.
     itl_target_factor: float = 3.0
 
     def engine_config(self, model_dir: str, adapters: bool = True) -> EngineConfig:
@@ -380,8 +380,8 @@ OPTIONS: tuple[Option, ...] = (
            "--max-num-batched-tokens budget)", engine=True),
     Option("itl_target_factor", _itl_factor,
            "with an ITL target, a step may also take up to this many times the running streams' own "
-           "decode step where that is longer than --itl-target-ms, so that slow hardware still "
-           "prefills new prompts at a useful rate (default 3; 0: the fixed target alone)", engine=True),
+           "decode step where that is longer than --itl-target-ms (at most twice it), so that slow "
+           "hardware still prefills new prompts at a useful rate (default 3; 0: the fixed target alone)", engine=True),
     Option("task", _choice("auto", "generate", "embed"),
            "generate, embed (answer /v1/embeddings and Ollama's /api/embed with pooled vectors), or auto "
            "(embed when the model folder has a sentence-transformers pooling config: modules.json, "

@@ -9,7 +9,7 @@ from typing import Callable
 
 import pytest
 
-from server.engine.step_budget import DECAY, OUTLIER_FACTOR, StepBudget
+from server.engine.step_budget import DECAY, MAX_STRETCH, OUTLIER_FACTOR, OWN_REFRESH_STEPS, StepBudget
 
 
 def cliff_cost(decode_rows: int, prefill_tokens: int) -> float:
@@ -216,8 +216,8 @@ def test_noise_between_two_decode_row_counts_never_makes_a_row_cost_negative() -
 
 
 def test_factor_lets_a_step_take_a_multiple_of_the_decodes_own_step() -> None:
-    # A slow CPU: eight streams' decode-only step takes 35 ms, so a 50 ms target leaves ~12 tokens
-    # of prefill a step. With factor 2, the step may take 70 ms (twice the streams' own cadence);
+    # A slow CPU: eight streams' decode-only step takes 34 ms, so a 50 ms target leaves ~12 tokens
+    # of prefill a step. With factor 2, the step may take 68 ms (twice the streams' own cadence);
     # with one stream (a 7 ms step) the fixed 50 ms still governs.
     def cost(d: int, p: int) -> float:
         return 0.004 + 0.0014 * p + 0.0039 * d if d + p > 16 else 0.0031 + 0.0039 * d + 0.0014 * p
@@ -232,9 +232,12 @@ def test_factor_lets_a_step_take_a_multiple_of_the_decodes_own_step() -> None:
         return b
 
     plain, scaled = budget(0.0), budget(2.0)
-    own8 = plain.predict(8, 0) or 0.0
-    assert abs(own8 - cost(8, 0)) < 0.002
+    own8 = cost(8, 0)
     assert plain.target(8) == 0.050 and abs(scaled.target(8) - 2 * own8) < 1e-9
+    assert abs(scaled.target(10) - 2 * own8) < 1e-9  # 10 rows never ran alone: 8 rows' step, a lower bound
+    own6 = (cost(4, 0) + cost(8, 0)) / 2  # between 4 and 8 rows measured: the line between them
+    assert abs((scaled.own_step(6) or 0) - own6) < 1e-9 and abs(scaled.target(6) - max(0.050, 2 * own6)) < 1e-9
+    assert scaled.own_step(0) is None and plain.own_step(8) is None  # nothing below 1 row; no factor, no record
     assert scaled.target(1) == 0.050  # 2 x 7.0 ms is below the fixed target
     fits = lambda target: max(p for p in range(9, 249) if cost(8, p) <= target)  # noqa: E731
     assert abs((plain.prefill_tokens(8) or 0) - fits(0.050)) <= 2
@@ -242,6 +245,53 @@ def test_factor_lets_a_step_take_a_multiple_of_the_decodes_own_step() -> None:
     assert scaled.prefill_tokens(1) == plain.prefill_tokens(1)
     with pytest.raises(ValueError, match="itl_target_factor"):
         StepBudget(0.050, 256, factor=-1.0)
+
+
+def test_factor_counts_only_measured_decode_only_steps() -> None:
+    # A first wave: one stream decodes alone (7 ms), then every step mixes prefill with 1..6 decode
+    # rows, so no decode-only step of more than one row has run. The fit's decode-only line there
+    # is an extrapolation (in serving it read 95-137 ms for a 26 ms step and let 250 ms steps
+    # through); the factor's base is the one-row step measured, so the fixed target governs.
+    b = StepBudget(0.050, 128, factor=3.0)
+    for _ in range(20):
+        b.observe(1, 0, 0.007)
+    for d in range(1, 7):
+        for p in (57, 66, 80):
+            b.observe(d, p, 0.030 + 0.0011 * p + 0.012 * d)  # decode rows steep: a poor extrapolation
+    assert (b.predict(6, 0) or 0) * 3 > 0.050  # what the fit alone would have allowed
+    assert b.target(6) == 0.050
+    for _ in range(5):
+        b.observe(6, 0, 0.024)
+    assert abs(b.target(6) - 0.072) < 1e-9
+    b.observe(6, 0, 0.500)  # a stall: counted as OUTLIER_FACTOR times the estimate
+    assert b.target(6) <= 3 * (DECAY * 0.024 + (1 - DECAY) * OUTLIER_FACTOR * 0.024) + 1e-12
+
+
+def test_factor_measures_a_decode_row_count_alone_once_and_again_when_stale() -> None:
+    # Sustained load: every step mixes prefill with 5 decode rows, so 5 rows never run alone. The
+    # first such step runs without prefill (limit 0) to measure them; then chunks follow 3x that
+    # step; OWN_REFRESH_STEPS steps later they are measured again. Without a factor, never.
+    cost = lambda d, p: 0.010 + 0.002 * d + 0.0011 * p  # noqa: E731
+    for factor in (0.0, 3.0):
+        b = StepBudget(0.050, 256, factor=factor)
+        for p in (64, 128, 100):
+            b.observe(0, p, cost(0, p))
+        b.observe(1, 0, cost(1, 0))
+        first = b.prefill_tokens(5)
+        if not factor:
+            assert first and first > 0
+            continue
+        assert first == 0 and b.prefill_tokens(1) != 0  # 1 row was measured alone
+        b.observe(5, 0, cost(5, 0))  # the probe: 20 ms
+        assert abs(b.target(5) - 0.060) < 1e-9
+        for _ in range(OWN_REFRESH_STEPS):
+            p = b.prefill_tokens(5)
+            assert p and abs(cost(5, p) - 0.060) < 0.006, p
+            b.observe(5, p, cost(5, p))
+        assert b.prefill_tokens(5) == 0
+        for _ in range(40):  # a slow phase: 3 x 48 ms would be 144 ms; the stretch stops at 2 x 50
+            b.observe(5, 0, 0.048)
+        assert abs(b.target(5) - MAX_STRETCH * 0.050) < 1e-12
 
 
 def test_serve_passes_the_factor_and_bad_values_name_the_option() -> None:

@@ -199,6 +199,7 @@ class StepBudget:
         self._own_rows: list[int] = []
         self._own_at: dict[int, int] = {}  # the step count at each one's latest measurement
         self._steps = 0  # steps observed
+        self._probe: Optional[int] = None  # the decode rows prefill_tokens last answered a probe for
         self.max_tokens = max_tokens
         self.fused_rows = fused_rows
         self.min_chunk = max(1, min(min_chunk, max_tokens))
@@ -223,6 +224,12 @@ class StepBudget:
         if decode_rows + prefill_tokens <= 0:
             return
         self._steps += 1
+        if self._probe is not None:
+            # The probe counts as made whatever the step turned out to hold, so that a step whose
+            # rows differ from what the scheduler asked about (the engine counts decode rows itself)
+            # can never withhold prefill step after step.
+            self._own_at[self._probe] = self._steps
+            self._probe = None
         if prefill_tokens == 0 and self.factor > 0 and decode_rows > 0:
             self._observe_own(decode_rows, seconds)
         if decode_rows + prefill_tokens > self.fused_rows:
@@ -282,6 +289,7 @@ class StepBudget:
         if decode_rows <= 0 or not self._measured(True):
             return None
         if self.factor > 0 and self._steps - self._own_at.get(decode_rows, -OWN_REFRESH_STEPS) >= OWN_REFRESH_STEPS:
+            self._probe = decode_rows
             return 0  # measure this many decode rows alone (target's docstring)
         room = self.max_tokens - decode_rows
         if room <= 0:

@@ -311,3 +311,18 @@ def test_serve_passes_the_factor_and_bad_values_name_the_option() -> None:
         settings_from_args(p.parse_args([]), {"PAGEWIRE_ITL_TARGET_FACTOR": "-1"})
     with pytest.raises(ConfigError, match="^itl_target_factor:"):
         EngineConfig(model="/m", itl_target_factor=-0.5)
+
+
+def test_a_probe_is_made_once_even_when_its_step_holds_other_rows() -> None:
+    # The scheduler asks for D decode rows; should the step the engine runs count its decode rows
+    # differently, the probe must still count as made: prefill is withheld for one step, not for
+    # every step while D is never measured alone.
+    b = StepBudget(0.050, 256, factor=3.0)
+    for p in (64, 128, 100):
+        b.observe(0, p, 0.010 + 0.0011 * p)
+    assert b.prefill_tokens(5) == 0
+    b.observe(6, 0, 0.022)  # the step ran 6 decode rows, not 5
+    for _ in range(OWN_REFRESH_STEPS - 1):
+        p = b.prefill_tokens(5)
+        assert p is not None and p > 0
+        b.observe(5, p, 0.010 + 0.002 * 5 + 0.0011 * p)

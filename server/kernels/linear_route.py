@@ -26,7 +26,7 @@ from server.kernels.quant_parts import QuantizedParts
 
 __all__ = [
     "linear", "linear_kind", "fixed_rule_takes_kernel", "without_amx", "embedding",
-    "LINEAR_KERNEL_MAX_M", "BF16_KERNEL_EVERY_M", "Q8_KERNEL_MAX_ROWS", "QUANT_KERNEL_EVERY_M",
+    "LINEAR_KERNEL_MAX_M", "BF16_KERNEL_EVERY_M", "Q8_KERNEL_MAX_ROWS",
 ]
 
 # The CPU kernel family the linear ops use (server.kernels.ops.cpu_isa), fixed at load like the C++
@@ -44,12 +44,6 @@ BF16_KERNEL_EVERY_M = _ACTIVE_ISA == "avx2"
 # dequantises and runs ATen's GEMM, so the kernel path (batch-invariant mode's included) runs them
 # in blocks of this size (QuantizedWeight.linear_rows).
 Q8_KERNEL_MAX_ROWS = KERNEL_MAX_ROWS
-# On AVX2 the integer kernels in blocks of Q8_KERNEL_MAX_ROWS (one call) beat dequantise + ATen's
-# GEMM 7-13x at every row count bench.kernels quant measured (bench/RESULTS.md, session 38), and
-# without an autotune table (--autotune off) a 17-row step of the default model took 320 ms
-# against 30 ms at 16 rows (session 39): there the fixed rule takes the kernel at every row count,
-# as it does for bf16.
-QUANT_KERNEL_EVERY_M = _ACTIVE_ISA == "avx2"
 
 
 def linear(
@@ -59,8 +53,7 @@ def linear(
 
     A QuantizedWeight runs its format's kernel, pagewire::linear_q8_0 or pagewire::linear_q4 (x
     quantised per row to Q8 blocks on the fly, integer block dot products, fp32 accumulation; the
-    result is in x's dtype); above Q8_KERNEL_MAX_ROWS rows, on AVX2 the same kernels in blocks of
-    that many rows, elsewhere the op dequantises and runs ATen's GEMM.
+    result is in x's dtype); above Q8_KERNEL_MAX_ROWS rows the op dequantises and runs ATen's GEMM.
     A QuantizedParts (row ranges in different formats) runs each part by these rules, its plan
     included, into its columns of the result.
 
@@ -102,7 +95,7 @@ def linear(
             if choice == linear_plan.KERNEL_NO_AMX:
                 return without_amx(_quant_kernel_path, x, weight, bias)
             return (_quant_kernel_path if choice else _quant_gemm_path)(x, weight, bias)
-        return (_quant_kernel_path if QUANT_KERNEL_EVERY_M else _linear_quantized)(x, weight, bias)
+        return _linear_quantized(x, weight, bias)
     dtype = x.dtype
     if (
         not grad
@@ -197,12 +190,11 @@ def linear_kind(dtype: torch.dtype, m: int, weight: torch.Tensor | QuantizedWeig
 
 def fixed_rule_takes_kernel(weight: torch.Tensor | QuantizedWeight, m: int) -> bool:
     """Whether linear's fixed rule (no autotune table) takes the kernel path for m rows: quantised
-    weights on AVX2 at every m, elsewhere up to Q8_KERNEL_MAX_ROWS (above it their op dequantises
-    and runs ATen's GEMM); bf16 on
+    weights up to Q8_KERNEL_MAX_ROWS (above it their op dequantises and runs ATen's GEMM); bf16 on
     AVX2 at every m, elsewhere up to LINEAR_KERNEL_MAX_M; fp32 never (F.linear outside
     deterministic mode). The autotune starts from this rule and keeps it unless timing says otherwise."""
     if isinstance(weight, QuantizedWeight):  # (an x8 bf16 weight: its op picks kernel or GEMM by M)
-        return m <= Q8_KERNEL_MAX_ROWS or weight.qtype is Qtype.BF16 or QUANT_KERNEL_EVERY_M
+        return m <= Q8_KERNEL_MAX_ROWS or weight.qtype is Qtype.BF16
     return weight.dtype == torch.bfloat16 and (BF16_KERNEL_EVERY_M or m <= LINEAR_KERNEL_MAX_M)
 
 

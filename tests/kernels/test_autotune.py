@@ -184,8 +184,7 @@ def test_quantized_linear_follows_the_table() -> None:
 @needs_kernels
 def test_without_a_table_the_fixed_rules_hold() -> None:
     """No active table (autotune off): bf16 takes the kernel at every M on AVX2 (up to 16 rows on
-    AVX512-BF16), fp32 takes torch, quantised weights their kernel at every M on AVX2 (up to 16
-    rows elsewhere)."""
+    AVX512-BF16), fp32 takes torch, quantised weights their kernel up to 16 rows."""
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(24, 64, generator=gen)
     qw = QuantizedWeight.quantize(w)
@@ -195,8 +194,7 @@ def test_without_a_table_the_fixed_rules_hold() -> None:
         assert gemm_ran(lambda: ops.linear(x.bfloat16(), w.bfloat16())) == (
             not linear_route.BF16_KERNEL_EVERY_M and m > linear_route.LINEAR_KERNEL_MAX_M)
         assert gemm_ran(lambda: ops.linear(x, w))
-        assert gemm_ran(lambda: ops.linear(x, qw)) == (
-            not linear_route.QUANT_KERNEL_EVERY_M and m > linear_route.Q8_KERNEL_MAX_ROWS)
+        assert gemm_ran(lambda: ops.linear(x, qw)) == (m > linear_route.Q8_KERNEL_MAX_ROWS)
 
 
 @needs_kernels

@@ -67,6 +67,11 @@ class EngineConfig:
         bucket at start-up and follow the faster (server.kernels.autotune, about 1-2 s). None
         (auto, the default): on for CPU, off on CUDA (no CPU kernels there). Never in
         deterministic mode, whose path must not depend on the row count.
+    adapt_threads: follow other processes' load on the CPU cores (server.engine.thread_governor): while
+        decode steps run several times slower than their own best because the cores are crowded,
+        steps run on half the threads where that is measured faster, and go back when it no longer
+        is. None (auto, the default): on for CPU with two or more threads, except on CPUs without
+        AVX2 in deterministic mode (there a GEMM's reduction may split by thread count).
     itl_target_ms: inter-token latency target in milliseconds, or None (off, the default here):
         while sequences decode, each step's prefill chunk is sized from an online estimate of the
         step's cost so that the step stays within it (server.engine.step_budget); a step with
@@ -100,6 +105,7 @@ class EngineConfig:
     speculative_config: "SpeculativeConfig | dict[str, Any] | str | None" = None
     deterministic: Optional[bool] = None
     autotune: Optional[bool] = None
+    adapt_threads: Optional[bool] = None
     task: str = "auto"
     itl_target_ms: Optional[float] = None
     itl_target_factor: float = 0.0
@@ -116,6 +122,8 @@ class EngineConfig:
             raise ConfigError("deterministic", f"must be true, false or None (auto), got {self.deterministic!r}")
         if self.autotune is not None and not isinstance(self.autotune, bool):
             raise ConfigError("autotune", f"must be true, false or None (auto), got {self.autotune!r}")
+        if self.adapt_threads is not None and not isinstance(self.adapt_threads, bool):
+            raise ConfigError("adapt_threads", f"must be true, false or None (auto), got {self.adapt_threads!r}")
         if self.speculative_config is not None:
             from server.engine.spec_config import SpeculativeConfig  # (it imports ConfigError from here)
 

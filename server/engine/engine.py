@@ -47,6 +47,7 @@ from server.engine.spec_decode import SpecDecoder, SpecStats
 from server.engine.state_cache import StateCache
 from server.engine.step_budget import StepBudget
 from server.engine.structured import PendingMasks, StructuredDecoder
+from server.engine.thread_governor import ThreadGovernor
 from server.kernels import autotune, batch_invariant
 from server.kernels.linear_route import Q8_KERNEL_MAX_ROWS
 from server.kernels.ops import argmax_list, cpu_isa, release_small_blocks, use_small_blocks
@@ -78,6 +79,8 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_steps: int = 0
+    cpu_threads: int = 0  # the steps' CPU threads now (0: the governor is off, the count fixed)
+    cpu_thread_switches: int = 0  # changes of it (server.engine.thread_governor)
     spec: Optional[SpecStats] = None  # speculative decoding's counters, when it is configured
 
 
@@ -200,10 +203,25 @@ class LLMEngine:
                         f", or {config.itl_target_factor:g}x their own step where longer"
                         if config.itl_target_factor else "")
         self._step_rows = (0, 0)  # (decode rows, prefill tokens) of the step being run
+        # The steps' CPU thread count while other processes crowd the cores (None: fixed).
+        self.thread_governor = self._thread_governor(config)
         # The load's and the autotune's freed copies back to the OS (glibc keeps them resident):
         # tens of MB of a GGUF load's RSS (issue 27). The small-block cache's load-time blocks first.
         release_small_blocks()
         heap.trim(force=True)
+
+    def _thread_governor(self, config: EngineConfig) -> Optional[ThreadGovernor]:
+        """The thread count's governor (server.engine.thread_governor), or None where it stays fixed."""
+        threads = torch.get_num_threads()
+        on = config.adapt_threads if config.adapt_threads is not None else config.device == "cpu"
+        if not on or config.device != "cpu" or threads < 2:
+            return None
+        if self.deterministic and cpu_isa() == "portable":
+            # Without AVX2 the linears fall back to ATen's GEMM, whose reduction may split by thread
+            # count (docs/determinism.md): a count that follows the load would change the bits.
+            logger.info("adaptive CPU threads: off (deterministic mode on a CPU without AVX2)")
+            return None
+        return ThreadGovernor(threads)
 
     def _autotune_linears(self, config: EngineConfig,
                           draft: Optional[CausalLM]) -> Optional[autotune.LinearTable]:
@@ -339,16 +357,30 @@ class LLMEngine:
         # Deterministic mode: every op of the step (forward, sampling, verification) on this
         # thread takes its batch-invariant path (server.kernels.batch_invariant).
         # The autotuned linear paths (None: the fixed rules) are followed on this thread too.
+        governor = self.thread_governor
+        # Fewer threads than the engine's (a crowd on the cores): for this step only, on this thread.
+        full = governor.full if governor is not None else 0
+        fewer = governor is not None and governor.before_step() < full
+        if fewer:
+            torch.set_num_threads(governor.threads)  # type: ignore[union-attr]
         t0 = time.perf_counter()
         self._step_rows = (0, 0)
         plans = self.linear_table.plans if self.linear_table is not None else None
-        if batch_invariant.enabled() == self.deterministic and autotune.active_table() is plans:
-            deltas = self._step()  # the caller holds the modes (step_modes)
-        else:
-            with batch_invariant.mode(self.deterministic), autotune.active(self.linear_table):
-                deltas = self._step()
-        if self.step_budget is not None and self._step_rows != (0, 0):
-            self.step_budget.observe(*self._step_rows, time.perf_counter() - t0)
+        try:
+            if batch_invariant.enabled() == self.deterministic and autotune.active_table() is plans:
+                deltas = self._step()  # the caller holds the modes (step_modes)
+            else:
+                with batch_invariant.mode(self.deterministic), autotune.active(self.linear_table):
+                    deltas = self._step()
+        finally:
+            if fewer:
+                torch.set_num_threads(full)
+        if self._step_rows != (0, 0):
+            elapsed = time.perf_counter() - t0
+            if self.step_budget is not None:
+                self.step_budget.observe(*self._step_rows, elapsed)
+            if governor is not None:
+                governor.observe(*self._step_rows, elapsed)
         return deltas
 
     def _step(self) -> list[RequestDelta]:
@@ -561,6 +593,9 @@ class LLMEngine:
         s.prefix_miss_tokens = a.prefix_miss_tokens
         s.num_preemptions = self.scheduler.num_preemptions
         s.spec = self.spec.stats.snapshot() if self.spec is not None else None
+        if self.thread_governor is not None:
+            s.cpu_threads = self.thread_governor.threads
+            s.cpu_thread_switches = self.thread_governor.switches
         return EngineStats(**s.__dict__)
 
 

@@ -214,6 +214,7 @@ class ServeSettings:
     speculative_config: Any = None  # a server.engine.spec_config.SpeculativeConfig, or None (off)
     deterministic: Optional[bool] = _ENGINE_DEFAULTS["deterministic"]
     autotune: Optional[bool] = _ENGINE_DEFAULTS["autotune"]
+    adapt_threads: Optional[bool] = _ENGINE_DEFAULTS["adapt_threads"]
     task: str = _ENGINE_DEFAULTS["task"]
     # several models in one process (server.serving.model_catalog, docs/models.md)
     models: tuple[str, ...] = ()  # NAME=PATH entries (--model, repeated)
@@ -374,6 +375,10 @@ OPTIONS: tuple[Option, ...] = (
            "on, off or auto: at start-up, time linear's paths (pagewire kernel or torch) per weight shape "
            "and batch-size bucket and use the faster; auto (default) is on for CPU, off on CUDA; never in "
            "deterministic mode", engine=True),
+    Option("adapt_threads", _on_off_auto,
+           "on, off or auto: while other processes crowd the CPU cores and decode steps run several times "
+           "slower than their best, run steps on half the threads where that is measured faster, and go back "
+           "when it no longer is; auto (default) is on for CPU with two or more threads", engine=True),
     Option("itl_target_ms", _itl_target,
            "inter-token latency target in ms while sequences decode: each step's prefill chunk is sized "
            "from the measured step cost to stay within it (0 or off: chunks take the whole "

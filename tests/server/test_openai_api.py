@@ -2,6 +2,7 @@
 stop, logprobs, usage, the vLLM extras, and the small endpoints."""
 from __future__ import annotations
 
+import os
 import re
 
 import httpx
@@ -129,9 +130,14 @@ def test_models_health_metrics(server: ServerProcess, client: openai.OpenAI) -> 
                  "pagewire_requests_running", "pagewire_requests_waiting", "pagewire_kv_cache_usage_ratio",
                  "pagewire_prompt_tokens_total", "pagewire_generation_tokens_total",
                  "pagewire_prefix_cache_hit_tokens_total", "pagewire_preemptions_total",
+                 "pagewire_cpu_threads", "pagewire_cpu_thread_switches_total",
                  'python_gc_collections_total{generation="2"}'):
         assert name in text, name
     # The loaded model's objects were moved out of the collector's full collections (heap.settle).
+    # The steps' thread count: the server's threads (or fewer, while a crowd is on the cores), or 0
+    # where the count is fixed (one thread).
+    threads = re.search(r"^pagewire_cpu_threads (\S+)$", text, re.M)
+    assert threads is not None and 0 <= float(threads.group(1)) <= (os.cpu_count() or 1), threads
     frozen = re.search(r"^pagewire_gc_frozen_objects (\S+)$", text, re.M)
     assert frozen is not None and float(frozen.group(1)) > 10_000, frozen
 

@@ -18,14 +18,20 @@ included, and none under it (a small model's matrices); this module picks the lo
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import mmap
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from server.models.protocol import CausalLM
+
 HUGE_PAGE = 2 << 20
+_log = logging.getLogger("pagewire.engine")  # pack_weights' lines, part of an engine's start-up
 _THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -200,3 +206,16 @@ def on_huge_pages(t: torch.Tensor) -> bool:
     except OSError:
         return False
     return eligible
+
+
+def pack_weights(model: CausalLM, what: str) -> None:
+    """Move a model's weights into one mapping on 2 MB pages (pack), logging what moved: a decode
+    step streams them all, and on 4 KB pages that is a TLB miss every 4 KB. `what` names the model
+    in the log ("model", "draft model")."""
+    moved, storages = pack(model)
+    if moved:
+        _log.info("%s weights: %.1f MiB (%d tensors' storages) on 2 MB pages", what, moved / 2**20, storages)
+    elif next(model.parameters()).device.type == "cpu" and thp_mode() not in ("always", "madvise"):
+        _log.info("transparent huge pages are %s on this machine: the %s's weights and the KV pool stay on "
+                  "4 KB pages (a few %% slower decode; /sys/kernel/mm/transparent_hugepage/enabled)",
+                  thp_mode() or "unavailable", what)

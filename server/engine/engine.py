@@ -45,16 +45,13 @@ from server.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from server.engine.spec_config import SpeculativeConfig
 from server.engine.spec_decode import SpecDecoder, SpecStats
 from server.engine.state_cache import StateCache
-from server.engine.step_budget import StepBudget
+from server.engine.step_pacing import pace_steps
 from server.engine.structured import PendingMasks, StructuredDecoder
-from server.engine.thread_governor import ThreadGovernor
 from server.kernels import autotune, batch_invariant
-from server.kernels.linear_route import Q8_KERNEL_MAX_ROWS
-from server.kernels.ops import argmax_list, cpu_isa, release_small_blocks, use_small_blocks
+from server.kernels.ops import argmax_list, release_small_blocks, use_small_blocks
 from server.models import load_progress
 from server.models.loader import load_model
 from server.models.pooling import Pooler, resolve_pooler
-from server.models.protocol import CausalLM
 from server.models.registry import kv_shape
 from server.models.state_specs import is_hybrid, state_slot_bytes, state_specs
 from server.text.loader import load_tokenizer
@@ -105,7 +102,7 @@ class LLMEngine:
             load_progress.stage("quantise and repack")
             self.model.quantize_weights(config.quantization)
         self.model.interleave_bf16()  # bf16 matrices into the x8 layout (AVX2, AVX512-BF16; moved, not copied)
-        _pack_weights(self.model, "model")  # into one mapping on 2 MB pages (moved, not copied)
+        hugepages.pack_weights(self.model, "model")  # into one mapping on 2 MB pages (moved, not copied)
         self.tokenizer = load_tokenizer(config.model)
         mc = self.model_config
         self.device = torch.device(config.device)
@@ -125,7 +122,7 @@ class LLMEngine:
         if spec_cfg is not None and spec_cfg.method == "draft_model":
             # Loaded before the KV is sized: its pool is carved from the same budget.
             draft, dmc = load_draft_model(spec_cfg, config, mc, self.tokenizer)
-            _pack_weights(draft, "draft model")
+            hugepages.pack_weights(draft, "draft model")
             draft_groups = draft_kv_groups(dmc)
             draft_bpt = draft_block_bytes_per_token(draft_groups, dmc, next(draft.parameters()).element_size())
         # One sizing function for the engine and `pagewire plan`, so their figures always agree.
@@ -181,60 +178,18 @@ class LLMEngine:
         self._stats = EngineStats(num_blocks=num_blocks)
         logger.info("%s", self.model.summary())
         logger.info("%s", layout.log_line())
-        # Deterministic mode: as configured, or (None, "auto") on where it is cheap.
-        self.deterministic = (
-            config.deterministic if config.deterministic is not None
-            else batch_invariant.cheap_here(config.device, str(kv_dtype).replace("torch.", ""),
-                                            config.quantization, cpu_isa())
-        )
-        logger.info("deterministic mode: %s%s", "on" if self.deterministic else "off",
-                    " (auto)" if config.deterministic is None else "")
-        load_progress.stage("autotune")
-        self.linear_table = self._autotune_linears(config, draft)
-        # The ITL target's chunk-size policy: it times every step and limits prefill chunks beside
-        # decodes (None: off, every step takes what max_num_batched_tokens holds).
-        self.step_budget: Optional[StepBudget] = None
-        if config.itl_target_ms is not None:
-            self.step_budget = StepBudget(config.itl_target_ms / 1e3, config.max_num_batched_tokens,
-                                          fused_rows=Q8_KERNEL_MAX_ROWS if config.device == "cpu" else 0,
-                                          factor=config.itl_target_factor)
+        pacing = pace_steps(config, self.model, draft, kv_dtype)
+        self.deterministic = pacing.deterministic
+        self.linear_table = pacing.linear_table
+        self.step_budget = pacing.step_budget
+        if self.step_budget is not None:
             self.scheduler.prefill_limit = self.step_budget.prefill_tokens
-            logger.info("ITL target: %.0f ms per step while sequences decode%s", config.itl_target_ms,
-                        f", or {config.itl_target_factor:g}x their own step where longer"
-                        if config.itl_target_factor else "")
+        self.thread_governor = pacing.thread_governor
         self._step_rows = (0, 0)  # (decode rows, prefill tokens) of the step being run
-        # The steps' CPU thread count while other processes crowd the cores (None: fixed).
-        self.thread_governor = self._thread_governor(config)
         # The load's and the autotune's freed copies back to the OS (glibc keeps them resident):
         # tens of MB of a GGUF load's RSS (issue 27). The small-block cache's load-time blocks first.
         release_small_blocks()
         heap.trim(force=True)
-
-    def _thread_governor(self, config: EngineConfig) -> Optional[ThreadGovernor]:
-        """The thread count's governor (server.engine.thread_governor), or None where it stays fixed."""
-        threads = torch.get_num_threads()
-        on = config.adapt_threads if config.adapt_threads is not None else config.device == "cpu"
-        if not on or config.device != "cpu" or threads < 2:
-            return None
-        if self.deterministic and cpu_isa() == "portable":
-            # Without AVX2 the linears fall back to ATen's GEMM, whose reduction may split by thread
-            # count (docs/determinism.md): a count that follows the load would change the bits.
-            logger.info("adaptive CPU threads: off (deterministic mode on a CPU without AVX2)")
-            return None
-        return ThreadGovernor(threads)
-
-    def _autotune_linears(self, config: EngineConfig,
-                          draft: Optional[CausalLM]) -> Optional[autotune.LinearTable]:
-        """The linear paths' table for this engine's steps (server.kernels.autotune), or None (fixed rules)."""
-        on = config.autotune if config.autotune is not None else config.device == "cpu"
-        if not on or self.deterministic:
-            # Deterministic mode's linear takes one batch-invariant path for every row count.
-            logger.info("linear autotune: off%s", " (deterministic mode)" if on else "")
-            return None
-        sites = [s for name, w in self.model.linear_weights() for s in autotune.sites_of(name, w, self.model.dtype)]
-        if draft is not None:
-            sites += [s for name, w in draft.linear_weights() for s in autotune.sites_of("draft." + name, w, draft.dtype)]
-        return autotune.tune(sites, max_rows=config.max_num_batched_tokens)
 
     # -- requests in ------------------------------------------------------------------------------
     def add_request(
@@ -598,14 +553,3 @@ class LLMEngine:
             s.cpu_thread_switches = self.thread_governor.switches
         return EngineStats(**s.__dict__)
 
-
-def _pack_weights(model: CausalLM, what: str) -> None:
-    """Move the model's weights into one mapping on 2 MB pages (server.hugepages.pack): a decode step
-    streams them all, and on 4 KB pages that is a TLB miss every 4 KB."""
-    moved, storages = hugepages.pack(model)
-    if moved:
-        logger.info("%s weights: %.1f MiB (%d tensors' storages) on 2 MB pages", what, moved / 2**20, storages)
-    elif next(model.parameters()).device.type == "cpu" and hugepages.thp_mode() not in ("always", "madvise"):
-        logger.info("transparent huge pages are %s on this machine: the %s's weights and the KV pool stay on "
-                    "4 KB pages (a few %% slower decode; /sys/kernel/mm/transparent_hugepage/enabled)",
-                    hugepages.thp_mode() or "unavailable", what)

@@ -23,12 +23,9 @@ import math
 import mmap
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Iterator, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from server.models.protocol import CausalLM
 
 HUGE_PAGE = 2 << 20
 _log = logging.getLogger("pagewire.engine")  # pack_weights' lines, part of an engine's start-up
@@ -208,7 +205,13 @@ def on_huge_pages(t: torch.Tensor) -> bool:
     return eligible
 
 
-def pack_weights(model: CausalLM, what: str) -> None:
+class _Weights(Protocol):
+    """A model as pack_weights sees it (a CausalLM, a draft model): its parameters."""
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]: ...
+
+
+def pack_weights(model: _Weights, what: str) -> None:
     """Move a model's weights into one mapping on 2 MB pages (pack), logging what moved: a decode
     step streams them all, and on 4 KB pages that is a TLB miss every 4 KB. `what` names the model
     in the log ("model", "draft model")."""

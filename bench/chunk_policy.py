@@ -106,14 +106,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--seed", type=int, default=31)
     a = p.parse_args(argv)
     print("# " + shlex.join([sys.executable, "-m", "bench.chunk_policy", *(argv if argv is not None else sys.argv[1:])]))
-    model = a.model
-    if model == "default":
-        from server.models.default_model import find_default_model, missing_default_model_message
+    from bench.model_arg import resolve_model
 
-        found = find_default_model()
-        if found is None:
-            raise SystemExit(missing_default_model_message())
-        model = str(found.path)
+    model = resolve_model(a.model)
     quantization = a.quantization or ("gguf" if model.endswith(".gguf") else "none")
     print(f"# model {model}, quantization {quantization}, threads {a.threads}, load average {os.getloadavg()[0]:.2f}")
     for _ in range(a.rounds):

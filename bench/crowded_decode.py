@@ -21,12 +21,14 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import platform
 import shlex
 import statistics
 import sys
 import time
 from typing import Any, Optional
+
+from bench.model_arg import resolve_model
+from bench.spec_decode import cpu_model
 
 
 def _spin(stop: Any) -> None:
@@ -35,17 +37,6 @@ def _spin(stop: Any) -> None:
     while not stop.is_set():
         for _ in range(100_000):
             n += 1
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main() -> None:
@@ -60,19 +51,13 @@ def main() -> None:
     p.add_argument("--crowd", type=int, default=1, help="busy processes in the crowded phase")
     a = p.parse_args()
     print("command:", shlex.join([sys.executable, "-m", "bench.crowded_decode", *sys.argv[1:]]))
-    print(f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}   CPU: {_cpu_model()}   "
+    print(f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}   CPU: {cpu_model()}   "
           f"cores: {os.cpu_count()}   load average: {os.getloadavg()[0]:.2f}")
 
     from server.engine.sampling_params import SamplingParams
     from server.llm import LLM
-    from server.models.default_model import find_default_model
 
-    path = a.model
-    if a.model == "default":
-        found = find_default_model()
-        if found is None:
-            raise SystemExit("--model default: the default model package is not installed")
-        path = str(found.path)
+    path = resolve_model(a.model)
     llm = LLM(path, dtype=a.dtype, quantization=a.quantization, num_threads=a.threads,
               enable_prefix_caching=False, max_num_seqs=max(8, a.batch), adapt_threads=True)
     engine = llm.engine

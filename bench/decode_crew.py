@@ -43,17 +43,12 @@ def main() -> None:
     off, on = values.split(",", 1)
 
     from bench.decode_step import decode_batch
+    from bench.model_arg import resolve_model
     from server.engine.config import EngineConfig
     from server.engine.engine import LLMEngine
     from server.kernels import autotune, batch_invariant
-    from server.models.default_model import find_default_model
 
-    path = a.model
-    if a.model == "default":
-        found = find_default_model()
-        if found is None:
-            raise SystemExit("--model default: the default model package is not installed")
-        path = str(found.path)
+    path = resolve_model(a.model)
     engine = LLMEngine(EngineConfig(model=path, dtype="bfloat16", quantization=a.quantization,
                                     num_threads=a.threads, enable_prefix_caching=False, max_num_seqs=8))
     model = engine.model

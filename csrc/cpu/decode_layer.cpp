@@ -49,7 +49,7 @@ int64_t block_row_bytes(const std::string& kind, int64_t k) {
 // Each part runs its own format's kernel on a view of its bytes (nothing is dequantised) with its
 // slice of the bias, and lands in its columns of the result: per element exactly what that part
 // alone gives, which is what ops.linear computes for QuantizedParts. On AVX2 or better all parts
-// run in one OpenMP region (layer_parts::linear_parts_region, cpu/moe_decode.cpp).
+// run in one OpenMP region (layer_parts::linear_parts_region, cpu/linear_parts.cpp).
 at::Tensor run_parts(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
                      const std::string& kind) {
   TORCH_CHECK(w.dim() == 1 && w.scalar_type() == at::kByte && w.is_contiguous(),

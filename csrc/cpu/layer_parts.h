@@ -21,7 +21,7 @@ struct LinearPart {
   std::string kind;
   at::Tensor w;
 };
-// x [M, K] @ every part's rows (+ bias [sum of rows]) in one OpenMP region (cpu/moe_decode.cpp, as
+// x [M, K] @ every part's rows (+ bias [sum of rows]) in one OpenMP region (cpu/linear_parts.cpp, as
 // moe_decode runs its experts: x quantised once, the parts' rows laid end to end and split across
 // the threads), the result [M, sum of rows] in x's dtype: per element what run_linear gives part by
 // part. Undefined where there is no such region (the portable family, more than 16 rows, a

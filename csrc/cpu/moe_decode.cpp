@@ -27,9 +27,7 @@
 // A row's result depends on its own experts and row only (the kernels' per-row arithmetic does not
 // depend on M or on which rows a thread was handed), so batch-invariant mode holds.
 //
-// The same job runner serves layer_parts::linear_parts_region (declared in layer_parts.h): a matrix
-// whose row ranges are in different block formats (a GGUF Q4_K_M file's Q4_K q/k + Q6_K v qkv) in
-// one region, x quantised once, for decode_layer's "parts:" kind.
+// The job runner (quant_jobs.h) also serves layer_parts::linear_parts_region (cpu/linear_parts.cpp).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
@@ -52,104 +50,22 @@
 #include "dispatch_mode.h"
 #include "float_rows.h"
 #include "fused_kernel.h"  // silu_and_mul_f32_*
-#include "layer_parts.h"
 #include "maybe_parallel.h"  // row_scratch
 #include "quant4_kernel.h"
+#include "quant_jobs.h"
 #include "quant_kernel.h"
 #include "moe_route.h"  // moe_route_cpu, this op's router
 
 namespace pagewire {
 namespace {
 
-// A quantised matrix kind as decode_layer names it: Q8_0 or a linear_q4 type, row or x8 layout.
-struct Format {
-  bool q8 = false, x8 = false;
-  cpu::Q4Type t = cpu::Q4Type::kQ4_0;
-};
-
-bool parse_format(const std::string& kind, Format* f) {
-  std::string base = kind;
-  f->x8 = base.size() > 2 && base.compare(base.size() - 2, 2, "x8") == 0;
-  if (f->x8) base.resize(base.size() - 2);
-  if (base == "q8_0") {
-    f->q8 = true;
-    return true;
-  }
-  static const struct { const char* name; cpu::Q4Type t; } kTypes[] = {
-      {"q4_0", cpu::Q4Type::kQ4_0}, {"q4_1", cpu::Q4Type::kQ4_1}, {"q4_k", cpu::Q4Type::kQ4_K},
-      {"q5_k", cpu::Q4Type::kQ5_K}, {"q6_k", cpu::Q4Type::kQ6_K}, {"mxfp4", cpu::Q4Type::kMXFP4}};
-  for (const auto& e : kTypes) {
-    if (base == e.name) {
-      f->t = e.t;
-      return !f->x8 || cpu::q4_interleavable(e.t);
-    }
-  }
-  return false;
-}
-
-int64_t row_bytes_for(const Format& f, int64_t K) {
-  return f.q8 ? K / cpu::kQ8Block * cpu::kQ8BlockBytes
-              : K / cpu::q4_block_values(f.t) * cpu::q4_block_bytes(f.t);
-}
-
-// One matrix product of the region: act [M, K] (Q8 blocks) @ w^T (+ bias) -> out [M, N] (row stride ldo).
-struct Job {
-  Format f;
-  const uint8_t* w;
-  int64_t row_bytes, N;
-  const float* bias;  // fp32 [N] or nullptr
-  cpu::Q8SumActivations act;
-  float* out;
-  int64_t ldo;
-  int64_t start;  // first row in the phase's row space (a multiple of 8)
-};
-
-// Rows [r0, r1) of a job on this thread (r0 a multiple of 8): the x8 kernel for whole groups, the
-// format's row kernel for the rest -- the dispatch of linear_q8_0_cpu / linear_q4_cpu.
-void run_rows(const Job& j, int64_t r0, int64_t r1, cpu::Isa isa) {
-  const int64_t grouped = j.f.x8 ? j.N / 8 * 8 : 0;
-  while (r0 < r1) {
-    const bool x8 = r0 < grouped;
-    const int64_t e = x8 ? std::min(r1, grouped) : r1, n = e - r0;
-    const uint8_t* w = j.w + r0 * j.row_bytes;
-    const float* b = j.bias != nullptr ? j.bias + r0 : nullptr;
-    float* o = j.out + r0;
-    if (j.f.q8) {
-      const cpu::Q8Activations a{j.act.q, j.act.d, j.act.M, j.act.K};
-      if (x8) {
-        (isa >= cpu::Isa::kAvx512 ? cpu::linear_q8_0x8_vnni : cpu::linear_q8_0x8_avx2)(a, w, b, o, j.ldo, n);
-      } else {
-        (cpu::use_amx(isa, a.M)        ? cpu::linear_q8_0_amx
-         : isa >= cpu::Isa::kAvx512 ? cpu::linear_q8_0_avx512
-                                    : cpu::linear_q8_0_avx2)(a, w, b, o, j.ldo, n);
-      }
-    } else if (x8) {
-      (isa >= cpu::Isa::kAvx512 ? cpu::linear_q4x8_vnni : cpu::linear_q4x8_avx2)(j.f.t, j.act, w, b, o, j.ldo, n);
-    } else {
-      (isa >= cpu::Isa::kAvx512 ? cpu::linear_q4_avx512 : cpu::linear_q4_avx2)(j.f.t, j.act, w, b, o, j.ldo, n);
-    }
-    r0 = e;
-  }
-}
-
-// This thread's share of a phase: rows [total * t / nt, total * (t + 1) / nt) of the jobs laid end
-// to end, boundaries rounded to 8 rows (an x8 group is never split).
-void run_share(const std::vector<Job>& jobs, int64_t total, int t, int nt, cpu::Isa isa) {
-  const int64_t lo = (total * t / nt) / 8 * 8, hi = t + 1 == nt ? total : (total * (t + 1) / nt) / 8 * 8;
-  for (const Job& j : jobs) {
-    const int64_t a = std::max(lo, j.start), b = std::min(hi, j.start + j.N);
-    if (a < b) run_rows(j, a - j.start, b - j.start, isa);
-  }
-}
-
-int64_t lay_out(std::vector<Job>& jobs) {
-  int64_t at = 0;
-  for (Job& j : jobs) {
-    j.start = at;
-    at = (at + j.N + 7) / 8 * 8;
-  }
-  return at;
-}
+using quant_jobs::Format;
+using quant_jobs::Job;
+using quant_jobs::QuantRows;
+using quant_jobs::lay_out;
+using quant_jobs::parse_format;
+using quant_jobs::row_bytes_for;
+using quant_jobs::run_share;
 
 float to_float(const at::Tensor& t, int64_t i) {  // element i of a 1-D/flat float tensor, as fp32
   switch (t.scalar_type()) {
@@ -169,27 +85,6 @@ void bias_rows(const at::Tensor& bias, const std::vector<int64_t>& experts, int6
     std::memcpy(out.data() + u * n, b.data_ptr<float>(), n * sizeof(float));
   }
 }
-
-// Activations quantised per row to Q8 blocks with block sums (what both kernel families read).
-struct QuantRows {
-  std::vector<int8_t> q;
-  std::vector<float> d, s;
-  void quantize(const float* x, int64_t M, int64_t K) {
-    q.resize(M * K);
-    d.resize(M * K / 32);
-    s.resize(M * K / 32);
-    cpu::quantize_rows_q8_avx2(x, K, M, K, q.data(), d.data(), s.data());
-  }
-  // Room for M rows of K values (grows, never shrinks).
-  void resize(int64_t M, int64_t K) {
-    if (static_cast<int64_t>(q.size()) < M * K) q.resize(M * K);
-    if (static_cast<int64_t>(d.size()) < M * K / 32) {
-      d.resize(M * K / 32);
-      s.resize(M * K / 32);
-    }
-  }
-  cpu::Q8SumActivations view(int64_t M, int64_t K) const { return {q.data(), d.data(), s.data(), M, K}; }
-};
 
 // One call's working memory, kept per calling thread (moe_decode_cpu's `sc`).
 struct Scratch {
@@ -489,50 +384,5 @@ at::Tensor moe_decode_cpu(const at::Tensor& x, const at::Tensor& router_weight, 
   }
   return has_shared && !shared_fast ? add_shared_ops(out) : out;
 }
-
-namespace layer_parts {
-
-at::Tensor linear_parts_region(const at::Tensor& x, const std::vector<LinearPart>& parts,
-                               const c10::optional<at::Tensor>& bias) {
-  const cpu::Isa isa = cpu::active_isa();
-  const int64_t M = x.size(0), K = x.size(1);
-  if (isa == cpu::Isa::kPortable || x.dim() != 2 || M == 0 || M > kQ8KernelMaxRows || K % 32 != 0) return {};
-  std::vector<Format> formats(parts.size());
-  int64_t N = 0;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    const at::Tensor& w = parts[i].w;
-    if (!parse_format(parts[i].kind, &formats[i]) || w.dim() != 2 || w.scalar_type() != at::kByte ||
-        !w.is_contiguous() || w.size(1) != row_bytes_for(formats[i], K)) {
-      return {};
-    }
-    N += w.size(0);
-  }
-  const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias && (bias->dim() != 1 || bias->size(0) != N || bias->scalar_type() != x.scalar_type())) return {};
-  // As linear_q4_cpu / linear_q8_0_cpu: fp32 rows in (float_rows.h), x quantised to Q8 blocks with
-  // block sums (the Q8_0 kernels read only q and d), the fp32 results rounded once into x's dtype.
-  thread_local std::vector<float> xbuf, bbuf;
-  at::Tensor xkeep, bkeep;
-  const float* xf = cpu::float_rows(x, xbuf, xkeep, true);
-  const float* b = has_bias ? cpu::float_rows(*bias, bbuf, bkeep, true) : nullptr;
-  thread_local QuantRows xq;
-  xq.quantize(xf, M, K);
-  cpu::FloatOut out(M, N, x.options(), true);
-  std::vector<Job> jobs;
-  int64_t row = 0;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    const at::Tensor& w = parts[i].w;
-    jobs.push_back({formats[i], w.data_ptr<uint8_t>(), w.size(1), w.size(0), b != nullptr ? b + row : nullptr,
-                    xq.view(M, K), out.data() + row, N, 0});
-    row += w.size(0);
-  }
-  const int64_t total = lay_out(jobs);
-  const int nt = std::max(1, std::min<int>(cpu::team_size(), static_cast<int>((total + 63) / 64)));
-  // (On a decode step's crew, crew.h, the crew runs the shares: no region of its own.)
-  cpu::team_region(nt, [&](int t, int n) { run_share(jobs, total, t, n, isa); });
-  return out.finish();
-}
-
-}  // namespace layer_parts
 
 }  // namespace pagewire

@@ -186,6 +186,7 @@ class LLMEngine:
             self.scheduler.prefill_limit = self.step_budget.prefill_tokens
         self.thread_governor = pacing.thread_governor
         self._step_rows = (0, 0)  # (decode rows, prefill tokens) of the step being run
+        self._step_threads = 0  # the thread count step() restores after a step the governor changed (0: none)
         # The load's and the autotune's freed copies back to the OS (glibc keeps them resident):
         # tens of MB of a GGUF load's RSS (issue 27). The small-block cache's load-time blocks first.
         release_small_blocks()
@@ -312,15 +313,10 @@ class LLMEngine:
         # Deterministic mode: every op of the step (forward, sampling, verification) on this
         # thread takes its batch-invariant path (server.kernels.batch_invariant).
         # The autotuned linear paths (None: the fixed rules) are followed on this thread too.
-        governor = self.thread_governor
-        # Fewer threads than the engine's (a crowd on the cores): for this step only, on this thread.
-        full = governor.full if governor is not None else 0
-        fewer = governor is not None and governor.before_step() < full
-        if fewer:
-            torch.set_num_threads(governor.threads)  # type: ignore[union-attr]
         t0 = time.perf_counter()
         self._step_rows = (0, 0)
         plans = self.linear_table.plans if self.linear_table is not None else None
+        self._step_threads = 0
         try:
             if batch_invariant.enabled() == self.deterministic and autotune.active_table() is plans:
                 deltas = self._step()  # the caller holds the modes (step_modes)
@@ -328,14 +324,14 @@ class LLMEngine:
                 with batch_invariant.mode(self.deterministic), autotune.active(self.linear_table):
                     deltas = self._step()
         finally:
-            if fewer:
-                torch.set_num_threads(full)
+            if self._step_threads:  # the governor's count was this step's alone
+                torch.set_num_threads(self._step_threads)
         if self._step_rows != (0, 0):
             elapsed = time.perf_counter() - t0
             if self.step_budget is not None:
                 self.step_budget.observe(*self._step_rows, elapsed)
-            if governor is not None:
-                governor.observe(*self._step_rows, elapsed)
+            if self.thread_governor is not None:
+                self.thread_governor.observe(*self._step_rows, elapsed)
         return deltas
 
     def _step(self) -> list[RequestDelta]:
@@ -368,6 +364,14 @@ class LLMEngine:
                 req.first_scheduled_time = now
                 self._stats.prompt_tokens += len(req.prompt_token_ids)
         self._step_rows = (dec, total - dec)
+        governor = self.thread_governor
+        if governor is not None:
+            # Fewer (or, probing, other) threads than the engine's, for this step only, on this
+            # thread: set once the step's shape is known, so a probe times decode-only steps alone.
+            threads = governor.threads_for(dec, total - dec)
+            if threads != governor.full:
+                torch.set_num_threads(threads)
+                self._step_threads = governor.full  # what step() puts back
         # Structured outputs: the grammar masks of the sampling rows are computed on a worker
         # thread while the forward runs, and joined right after it (before _advance forks any
         # matcher), also when the forward raises.

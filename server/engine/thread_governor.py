@@ -21,22 +21,24 @@ process's own other threads included):
     one cold first step after start-up read 7x a settled one in serving). Where they take at most
     WIN of it, the engine stays on fewer threads; otherwise it goes back, and the slower times
     become the shape's best (the work grew). A probe whose steps never match a reference's row
-    count within PROBE_GIVE_UP steps (serving's batch changing) is inconclusive: back, nothing
-    learnt, nothing held against the next try.
+    count within PROBE_GIVE_UP steps of any kind (serving's batch changing) is inconclusive:
+    nothing learnt, nothing held against the next try.
   * A crowd already there when the engine starts leaves no faster best to compare with: so on all
     the threads, every EXPLORE_S (the first after EXPLORE_AFTER decode-only steps and
     EXPLORE_FIRST_S) a probe of half the threads runs anyway. Where nothing crowds, it costs one
     step (a step on half the threads takes ABORT times the time or more there).
   * On fewer threads, every HOLD_S (doubling after each failed try, up to MAX_HOLD_S) a probe the
     other way tries twice the threads, and takes them where they win by the same margin.
-A probe step that comes out clearly slower (ABORT times its reference) ends the probe at once:
-on a crowded machine a step on both threads costs ten of the other kind.
+Only decode-only steps of a row count the probe has a reference for run on its count; the others
+(prefill chunks, mixed steps, other batch sizes) keep the settled count while a probe lasts: on a
+crowded machine a step on both threads costs ten of the other kind. For the same reason a probe
+step that comes out clearly slower (ABORT times its reference) ends the probe at once.
 
-Owned by the stepping thread: LLMEngine.step asks before_step for the step's count and reports
-the step to observe. The engine applies a count below `full` for the step alone
-(torch.set_num_threads: the calling thread's OpenMP count, which every kernel reads; 0.3 us) and
-puts `full` back after it, so a thread that steps an engine (LLM.generate's caller) keeps its own
-count between steps.
+Owned by the stepping thread: LLMEngine asks threads_for once a step is scheduled (its decode
+rows and prefill tokens known) and reports the finished step to observe. The engine applies a
+count other than `full` for the step alone (torch.set_num_threads: the calling thread's OpenMP
+count, which every kernel reads; 0.3 us) and puts `full` back after it, so a thread that steps an
+engine (LLM.generate's caller) keeps its own count between steps.
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ SLOW = 2.0          # a decode-only step this many times its shape's best counts
 STRIKES = 3         # crowded steps in a row before a probe of fewer threads
 RECENT = 3          # steps per row count a reference is the median of (at least 2 of them)
 PROBE_STEPS = 3     # comparable decode-only steps a probe times
-PROBE_GIVE_UP = 16  # decode-only steps a probe waits for them (row counts that keep changing)
+PROBE_GIVE_UP = 16  # steps a probe waits for them (row counts that keep changing, prefill)
 WIN = 0.8           # a probed count must take at most this share of the reference's time
 ABORT = 1.5         # one probe step this many times its reference ends the probe
 DRIFT = 1.002       # per observation, how far a shape's best may rise (longer contexts)
@@ -78,7 +80,7 @@ class _Probe:
 
 
 class ThreadGovernor:
-    """The thread count for the next step (`threads`), from the decode-only steps' times (observe)."""
+    """The steps' settled thread count (`threads`) and its probes, from the decode-only steps' times."""
 
     def __init__(self, threads: int, clock: Callable[[], float] = time.monotonic) -> None:
         if threads < 1:
@@ -96,9 +98,12 @@ class ThreadGovernor:
         self._retry_at = 0.0  # on fewer than `full` threads: when to try more
         self._explore_at: Optional[float] = None  # on `full` threads: when to try fewer anyway
 
-    def before_step(self) -> int:
-        """A step is about to run: the threads it runs on (on fewer than `full` and past the hold, a
-        probe of more; on `full`, now and then a probe of fewer)."""
+    def threads_for(self, decode_rows: int, prefill_tokens: int) -> int:
+        """The threads a scheduled step runs on: the settled count, or a probe's for a decode-only
+        step (which may start one: on fewer than `full` past the hold, a probe of more; on `full`,
+        now and then a probe of fewer)."""
+        if prefill_tokens or decode_rows <= 0:
+            return self.threads
         if self._probe is None:
             now = self._clock()
             if self.threads < self.full:
@@ -108,19 +113,26 @@ class ThreadGovernor:
                   and self._observed >= EXPLORE_AFTER):
                 self._explore_at = now + EXPLORE_S
                 self._start(max(1, self.threads // 2), explore=True)
-        return self.threads
+        p = self._probe
+        return p.threads if p is not None and decode_rows in p.ref else self.threads
 
     def observe(self, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
-        """A finished step's shape and wall time; only decode-only steps count."""
-        if prefill_tokens or decode_rows <= 0 or seconds <= 0:
+        """A finished step's shape and wall time (as threads_for was asked); only decode-only steps
+        are compared."""
+        p = self._probe
+        if prefill_tokens or decode_rows <= 0 or seconds <= 0 or (p is not None and decode_rows not in p.ref):
+            if p is not None:  # a step on the settled count, toward PROBE_GIVE_UP
+                p.seen += 1
+                if p.seen >= PROBE_GIVE_UP:
+                    self._finish(won=False)
             return
         self._observed += 1
         if self._explore_at is None:
             self._explore_at = self._clock() + EXPLORE_FIRST_S
-        key = (self.threads, decode_rows)
+        key = (p.threads if p is not None else self.threads, decode_rows)
         best = self._best.get(key)
         self._best[key] = seconds if best is None else min(seconds, best * DRIFT)
-        if self._probe is not None:
+        if p is not None:
             self._probe_step(decode_rows, seconds)
             return
         self._recent.setdefault(decode_rows, deque(maxlen=RECENT)).append(seconds)
@@ -143,16 +155,13 @@ class ThreadGovernor:
                      "on the clock" if explore else "crowded steps" if threads < self.threads else "after the hold")
         self._probe = _Probe(threads=threads, back=self.threads, ref=ref, explore=explore)
         self._strikes = 0
-        self._switch(threads)
 
     def _probe_step(self, rows: int, seconds: float) -> None:
         p = self._probe
         assert p is not None
         p.seen += 1
-        ref = p.ref.get(rows)
-        if ref is not None:
-            p.ratios.append(seconds / ref)
-        if p.ratios and p.ratios[-1] >= ABORT:
+        p.ratios.append(seconds / p.ref[rows])
+        if p.ratios[-1] >= ABORT:
             self._finish(won=False)
         elif len(p.ratios) >= PROBE_STEPS:
             self._finish(won=statistics.median(p.ratios) <= WIN)
@@ -174,8 +183,9 @@ class ThreadGovernor:
             if not fewer:
                 self._hold_s = HOLD_S
             self._recent = {}
+            self.threads = p.threads
+            self.switches += 1
         else:
-            self._switch(p.back)
             if measured and not fewer:
                 self._hold_s = min(MAX_HOLD_S, self._hold_s * 2)
             elif measured and not p.explore:  # not a crowd: the work grew, the slower times are the best now
@@ -185,8 +195,3 @@ class ThreadGovernor:
             self._retry_at = self._clock() + self._hold_s
         else:
             self._explore_at = self._clock() + EXPLORE_S
-
-    def _switch(self, threads: int) -> None:
-        if threads != self.threads:
-            self.threads = threads
-            self.switches += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -34,30 +34,19 @@ class Clock:
         return self.t
 
 
-class Recorded(ThreadGovernor):
-    """Records each change of the count (the engine applies it to the next step)."""
-
-    def __init__(self, threads: int, clock: Clock) -> None:
-        super().__init__(threads, clock)
-        self.calls: list[int] = []
-
-    def _switch(self, threads: int) -> None:
-        if threads != self.threads:
-            self.calls.append(threads)
-        super()._switch(threads)
-
-
-def _governor(threads: int = 2) -> tuple[ThreadGovernor, list[int], Clock]:
+def _governor(threads: int = 2) -> tuple[ThreadGovernor, Clock]:
     clock = Clock()
-    g = Recorded(threads, clock)
-    return g, g.calls, clock
+    return ThreadGovernor(threads, clock), clock
 
 
-def _steps(g: ThreadGovernor, n: int, seconds: Callable[[int], float], rows: int = 1) -> None:
-    """n decode-only steps, each `seconds(threads it ran on)` long."""
+def _steps(g: ThreadGovernor, n: int, seconds: Callable[[int], float], rows: int = 1) -> list[int]:
+    """n decode-only steps, each `seconds(threads it ran on)` long; the counts they ran on."""
+    ran = []
     for _ in range(n):
-        g.before_step()
-        g.observe(rows, 0, seconds(g.threads))
+        t = g.threads_for(rows, 0)
+        ran.append(t)
+        g.observe(rows, 0, seconds(t))
+    return ran
 
 
 def _crowd(threads: int) -> float:
@@ -65,185 +54,169 @@ def _crowd(threads: int) -> float:
     return 0.100 if threads == 2 else 0.012
 
 
+def _crowded_onto_one(g: ThreadGovernor) -> None:
+    _steps(g, 20, lambda t: 0.007)
+    _steps(g, STRIKES + PROBE_STEPS, _crowd)
+    assert (g.threads, g.switches) == (1, 1)
+
+
 def test_quiet_steps_and_their_noise_keep_the_count() -> None:
-    g, calls, _ = _governor()
+    g, _ = _governor()
     times = [0.007, 0.0072, 0.0069, 0.012, 0.007, 0.0135, 0.007]  # lone spikes under SLOW x best
-    for i in range(200):
-        g.before_step()
-        g.observe(1, 0, times[i % len(times)])
-    assert (g.threads, calls) == (2, [])
+    ran = [t for i in range(200) for t in _steps(g, 1, lambda _: times[i % len(times)])]
+    assert set(ran) == {2} and (g.threads, g.switches) == (2, 0)
 
 
 def test_a_crowd_moves_the_steps_to_one_thread_where_that_is_faster() -> None:
-    g, calls, _ = _governor()
+    g, _ = _governor()
     _steps(g, 20, lambda t: 0.007)
-    _steps(g, STRIKES - 1, _crowd)
-    assert calls == []  # a strike short of a probe
-    _steps(g, 1, _crowd)
-    assert calls == [1]  # the probe's steps run on one thread
-    _steps(g, PROBE_STEPS, _crowd)
-    assert (g.threads, calls, g.switches) == (1, [1], 1)
-    _steps(g, 30, _crowd)  # held there (the clock has not moved)
-    assert calls == [1]
+    assert set(_steps(g, STRIKES, _crowd)) == {2}  # the third crowded step makes a probe
+    assert g.threads == 2
+    assert _steps(g, PROBE_STEPS, _crowd) == [1] * PROBE_STEPS  # the probe's steps run on one thread
+    assert (g.threads, g.switches) == (1, 1)
+    assert set(_steps(g, 30, _crowd)) == {1}  # held there (the clock has not moved)
+
+
+def test_a_probe_runs_only_decode_only_steps_of_a_row_count_it_can_compare() -> None:
+    g, _ = _governor()
+    _steps(g, 20, lambda t: 0.007)
+    _steps(g, STRIKES, _crowd)
+    # Mid-probe, a prefill chunk, a mixed step and a decode of another batch size keep both threads.
+    assert (g.threads_for(0, 128), g.threads_for(1, 40), g.threads_for(3, 0)) == (2, 2, 2)
+    for d, p in ((0, 128), (1, 40), (3, 0)):
+        g.observe(d, p, 0.3)
+    assert g.threads_for(1, 0) == 1
+    g.observe(1, 0, 0.012)
+    _steps(g, PROBE_STEPS - 1, _crowd)
+    assert g.threads == 1
 
 
 def test_steps_that_grew_slower_by_their_work_keep_the_count_and_reset_the_best() -> None:
-    g, calls, _ = _governor()
+    g, _ = _governor()
     _steps(g, 20, lambda t: 0.007)
-    # Contexts grew (or the host slowed alike for every count): 2.5x on both, one thread as before 1.7x.
+    # Contexts grew (or the host slowed alike for every count): 2.5x on two threads, one 1.7x that.
     slower = lambda t: 0.0175 if t == 2 else 0.0175 * 1.7  # noqa: E731
-    _steps(g, STRIKES + 1, slower)
-    assert calls == [1, 2]  # probed, and the first probe step (1.7x its reference, over ABORT) ended it
-    _steps(g, 100, slower)
-    assert (g.threads, calls) == (2, [1, 2])  # the slower time is the shape's best now: no new probe
+    # Probed after the strikes, and the first probe step (1.7x its reference, over ABORT) ended it.
+    assert _steps(g, STRIKES + 1, slower) == [2] * STRIKES + [1]
+    assert set(_steps(g, 100, slower)) == {2}  # the slower time is the shape's best now: no new probe
+    assert g.switches == 0
 
 
 def test_a_probe_that_wins_by_less_than_the_margin_goes_back() -> None:
-    g, calls, _ = _governor()
+    g, _ = _governor()
     _steps(g, 20, lambda t: 0.007)
-    _steps(g, STRIKES, lambda t: 0.030 if t == 2 else 0.027)  # one thread 0.9x: within WIN, no switch
-    _steps(g, PROBE_STEPS, lambda t: 0.030 if t == 2 else 0.027)
-    assert (g.threads, calls) == (2, [1, 2])
+    near = lambda t: 0.030 if t == 2 else 0.027  # noqa: E731  one thread 0.9x: within WIN, no switch
+    assert _steps(g, STRIKES + PROBE_STEPS + 1, near) == [2] * STRIKES + [1] * PROBE_STEPS + [2]
+    assert (g.threads, g.switches) == (2, 0)
 
 
 def test_when_the_crowd_leaves_the_count_goes_back_after_the_hold() -> None:
-    g, calls, clock = _governor()
-    _steps(g, 20, lambda t: 0.007)
-    _steps(g, STRIKES + PROBE_STEPS, _crowd)
-    assert g.threads == 1
+    g, clock = _governor()
+    _crowded_onto_one(g)
     quiet = lambda t: 0.007 if t == 2 else 0.011  # noqa: E731
-    _steps(g, 10, quiet)
-    assert calls == [1]  # not before the hold
+    assert set(_steps(g, 10, quiet)) == {1}  # not before the hold
     clock.t += HOLD_S
-    _steps(g, PROBE_STEPS, quiet)
-    assert (g.threads, calls) == (2, [1, 2])
-    _steps(g, 100, quiet)
-    assert calls == [1, 2]
+    assert _steps(g, PROBE_STEPS, quiet) == [2] * PROBE_STEPS
+    assert (g.threads, g.switches) == (2, 2)
+    assert set(_steps(g, 100, quiet)) == {2}
 
 
 def test_a_crowd_that_stays_doubles_the_hold_up_to_its_cap_and_each_try_costs_one_step() -> None:
-    g, calls, clock = _governor()
-    _steps(g, 20, lambda t: 0.007)
-    _steps(g, STRIKES + PROBE_STEPS, _crowd)
+    g, clock = _governor()
+    _crowded_onto_one(g)
+    _steps(g, 5, _crowd)  # references on one thread
     hold = HOLD_S
-    ran_on_two = 0
     for _ in range(6):
         clock.t += hold
-        before = len(calls)
-        for _ in range(3):
-            g.before_step()
-            ran_on_two += g.threads == 2
-            g.observe(1, 0, _crowd(g.threads))
-        assert calls[before:] == [2, 1] and g.threads == 1  # one step on two threads, ABORT x its reference
+        assert _steps(g, 3, _crowd) == [2, 1, 1]  # one step on two threads, ABORT x its reference
         hold = min(MAX_HOLD_S, hold * 2)
         clock.t += hold * 0.9
-        _steps(g, 3, _crowd)
-        assert len(calls) == before + 2  # not yet: the hold doubled
+        assert set(_steps(g, 3, _crowd)) == {1}  # not yet: the hold doubled
         clock.t -= hold * 0.9
-    assert ran_on_two == 6 and hold == MAX_HOLD_S
+    assert (g.threads, g.switches, hold) == (1, 1, MAX_HOLD_S)
 
 
 def test_a_crowd_there_from_the_start_is_found_by_the_probe_on_the_clock() -> None:
-    g, calls, clock = _governor()
+    g, clock = _governor()
     _steps(g, 50, _crowd)  # crowded from the first step: the best is the crowded time, no strikes
-    assert calls == []
+    assert g.switches == 0
     clock.t += EXPLORE_FIRST_S
-    _steps(g, 1 + PROBE_STEPS, _crowd)
-    assert (g.threads, calls) == (1, [1])
+    assert _steps(g, PROBE_STEPS, _crowd) == [1] * PROBE_STEPS
+    assert (g.threads, g.switches) == (1, 1)
 
 
 def test_the_probe_on_the_clock_costs_a_quiet_engine_one_step_each_time() -> None:
-    g, calls, clock = _governor()
+    g, clock = _governor()
     quiet = lambda t: 0.007 if t == 2 else 0.013  # noqa: E731
     _steps(g, EXPLORE_AFTER - 1, quiet)
     clock.t += EXPLORE_FIRST_S
-    assert calls == []  # not before EXPLORE_AFTER decode-only steps
+    assert set(_steps(g, 1, quiet)) == {2}  # not before EXPLORE_AFTER decode-only steps
     on_one = 0
     for i in range(5):
         clock.t += 0 if i == 0 else EXPLORE_S
-        for _ in range(10):
-            on_one += g.before_step() == 1
-            g.observe(1, 0, quiet(g.threads))
-    assert on_one == 5 and calls == [1, 2] * 5 and g.threads == 2
-    _steps(g, 20, quiet)  # nothing more until the next EXPLORE_S
-    assert len(calls) == 10
+        on_one += _steps(g, 10, quiet).count(1)
+    assert on_one == 5 and (g.threads, g.switches) == (2, 0)
+    assert set(_steps(g, 20, quiet)) == {2}  # nothing more until the next EXPLORE_S
 
 
 def test_prefill_steps_and_empty_steps_are_not_compared() -> None:
-    g, calls, _ = _governor()
+    g, _ = _governor()
     _steps(g, 20, lambda t: 0.007)
     for _ in range(50):
-        g.before_step()
+        assert g.threads_for(1, 200) == 2
         g.observe(1, 200, 0.5)  # a decode beside a 200-token prefill chunk: a different shape
         g.observe(0, 64, 0.3)
         g.observe(0, 0, 0.3)
-    assert calls == []
+    assert g.switches == 0 and set(_steps(g, 5, lambda t: 0.007)) == {2}
 
 
 def test_each_row_count_has_its_own_best() -> None:
-    g, calls, _ = _governor()
+    g, _ = _governor()
     _steps(g, 20, lambda t: 0.007, rows=1)
     _steps(g, 20, lambda t: 0.020, rows=8)  # batch 8: nearly 3x a batch-1 step, not a crowd
+    ran = []
     for _ in range(20):
-        _steps(g, 1, lambda t: 0.007, rows=1)
-        _steps(g, 1, lambda t: 0.020, rows=8)
-    assert calls == []
-
-
-def test_a_probe_without_comparable_steps_gives_up() -> None:
-    g, calls, _ = _governor()
-    _steps(g, 20, lambda t: 0.007, rows=1)
-    _steps(g, STRIKES, _crowd, rows=1)
-    assert calls == [1]
-    for i in range(PROBE_GIVE_UP):
-        g.observe(2 + i % 5, 0, 0.010)  # rows the reference never ran
-    assert (g.threads, calls) == (2, [1, 2])
+        ran += _steps(g, 1, lambda t: 0.007, rows=1) + _steps(g, 1, lambda t: 0.020, rows=8)
+    assert set(ran) == {2} and g.switches == 0
 
 
 def test_one_cold_step_is_no_reference() -> None:
-    g, calls, clock = _governor()
+    g, clock = _governor()
     _steps(g, EXPLORE_AFTER, lambda t: 0.007, rows=2)
     g.observe(5, 0, 0.070)  # the first step of 5 rows: cold, 7x a settled one (seen in serving)
     clock.t += EXPLORE_FIRST_S
-    _steps(g, PROBE_GIVE_UP + 20, lambda t: 0.010 if t == 2 else 0.017, rows=5)
-    # The probe on the clock had only 2-row references: inconclusive, back on both threads (the
-    # cold step as a reference would have read one thread at 0.24x and kept it).
-    assert (g.threads, calls) == (2, [1, 2])
+    # The probe on the clock has only 2-row references: the 5-row steps keep both threads, and it
+    # ends inconclusive (the cold step as a reference would have read one thread at 0.24x).
+    assert set(_steps(g, PROBE_GIVE_UP + 20, lambda t: 0.010 if t == 2 else 0.017, rows=5)) == {2}
+    assert (g.threads, g.switches) == (2, 0)
 
 
 def test_an_inconclusive_try_keeps_the_hold() -> None:
-    g, calls, clock = _governor()
-    _steps(g, 20, lambda t: 0.007)
-    _steps(g, STRIKES + PROBE_STEPS, _crowd)
-    assert g.threads == 1
+    g, clock = _governor()
+    _crowded_onto_one(g)
     _steps(g, 5, _crowd)
     clock.t += HOLD_S
-    g.before_step()
-    assert calls == [1, 2]
-    for i in range(PROBE_GIVE_UP):
-        g.observe(2 + i % 5, 0, 0.100)  # row counts with no reference on one thread
-    assert (g.threads, calls) == (1, [1, 2, 1])
-    _steps(g, 3, _crowd)
+    ran = [t for i in range(PROBE_GIVE_UP) for t in _steps(g, 1, _crowd, rows=2 + i % 5)]
+    assert set(ran) == {1}  # a probe of two threads, but no step of a row count it can compare
     clock.t += HOLD_S  # the hold did not double: an inconclusive try is no lost one
-    g.before_step()
-    assert calls == [1, 2, 1, 2]
+    assert _steps(g, 1, _crowd) == [2]
 
 
 def test_a_slow_rise_with_the_context_never_probes() -> None:
-    g, calls, _ = _governor()
+    g, _ = _governor()
     t = 0.007
+    ran = []
     for _ in range(2000):
-        g.before_step()
-        g.observe(1, 0, t)
+        ran += _steps(g, 1, lambda _: t)
         t *= 1.0015  # 20x over the run, under DRIFT per step
-    assert calls == [] and t / 0.007 > 10 * SLOW / 2
+    assert set(ran) == {2} and t / 0.007 > 10 * SLOW / 2
 
 
 def test_more_threads_halve_a_level_at_a_time() -> None:
-    g, calls, _ = _governor(8)
+    g, _ = _governor(8)
     _steps(g, 20, lambda t: 0.010)
     _steps(g, STRIKES + PROBE_STEPS, lambda t: 0.100 if t == 8 else 0.015)
-    assert (g.threads, calls) == (4, [4])
+    assert (g.threads, g.switches) == (4, 1)
     with pytest.raises(ValueError, match="threads"):
         ThreadGovernor(0)
 
@@ -253,20 +226,21 @@ def test_more_threads_halve_a_level_at_a_time() -> None:
 def _generate(engine: LLMEngine, before_step: Callable[[int], None]) -> tuple[dict[str, list[int]], list[int]]:
     """Three greedy requests stepped to the end on a thread of their own (as the serving engine
     thread does); before_step(i) runs before step i there. Returns the tokens and, per step, the
-    stepping thread's torch thread count inside the step (the forward's)."""
+    stepping thread's torch thread count in each step's forward."""
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     for i in range(3):
         engine.add_request(f"r{i}", [5 + i, 9, 13, 21], sp)
     counts: list[int] = []
     after: set[int] = set()
     tokens: dict[str, list[int]] = {}
-    inner = engine._step
+    def counted(inner: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            counts.append(torch.get_num_threads())
+            return inner(*args, **kwargs)
+        return forward
 
-    def step() -> list:
-        counts.append(torch.get_num_threads())
-        return inner()
-
-    engine._step = step  # type: ignore[method-assign]
+    for name in ("execute", "execute_greedy"):  # the forward, where the step's count applies
+        setattr(engine.runner, name, counted(getattr(engine.runner, name)))
 
     def run() -> None:
         while engine.has_unfinished_requests():
@@ -295,8 +269,9 @@ def test_the_engine_reports_decode_steps_and_steps_on_the_count_it_sets(tiny_mod
         g.observe = lambda d, p, s: (seen.append((d, p)), observe(d, p, s))[1]  # type: ignore[method-assign]
 
         def switch_at_step_2(i: int) -> None:
-            if i == 2:  # what a won probe does, on the stepping thread; then no retry in this test
-                g._switch(1)
+            if i == 2:  # what a won probe leaves; then no retry in this test
+                g.threads = 1
+                g.switches += 1
                 g._retry_at = float("inf")
 
         tokens, counts = _generate(engine, switch_at_step_2)

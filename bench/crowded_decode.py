@@ -25,7 +25,7 @@ import shlex
 import statistics
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 from bench.model_arg import resolve_model
 from bench.spec_decode import cpu_model
@@ -97,7 +97,6 @@ def main() -> None:
             proc.join()
     f = show(f"crowded by {a.crowd}, fixed {a.threads} threads", fixed, False)
     c = show(f"crowded by {a.crowd}, adaptive", adaptive, True)
-    after: Optional[float] = None
     after = show("quiet again, adaptive", [run(True) for _ in range(a.rounds)], True)
     print(f"crowded: adaptive / fixed {c / f:.2f}x   quiet again / quiet {after / quiet:.2f}x   "
           f"(threads now {governor.threads} of {a.threads})")

@@ -70,9 +70,8 @@ EXPLORE_S = 30.0    # ... and between such probes after it
 
 @dataclass
 class _Probe:
-    """Steps on `threads` compared with the steps on `back` just before (`ref`: rows -> seconds)."""
+    """Steps on `threads` compared with the settled count's steps just before (`ref`: rows -> seconds)."""
     threads: int
-    back: int
     ref: dict[int, float]
     explore: bool = False  # a probe made on the clock, not by crowded steps
     ratios: list[float] = field(default_factory=list)
@@ -153,7 +152,7 @@ class ThreadGovernor:
             return  # nothing to compare with yet: the next step asks again
         logger.debug("probe of %d threads (from %d, %s)", threads, self.threads,
                      "on the clock" if explore else "crowded steps" if threads < self.threads else "after the hold")
-        self._probe = _Probe(threads=threads, back=self.threads, ref=ref, explore=explore)
+        self._probe = _Probe(threads=threads, ref=ref, explore=explore)
         self._strikes = 0
 
     def _probe_step(self, rows: int, seconds: float) -> None:
@@ -172,12 +171,12 @@ class ThreadGovernor:
         p = self._probe
         assert p is not None
         self._probe = None
-        fewer = p.threads < p.back
+        fewer = p.threads < self.threads  # (the settled count does not move during a probe)
         measured = len(p.ratios) >= PROBE_STEPS or (p.ratios and p.ratios[-1] >= ABORT)
         logger.debug("probe of %d threads %s: ratios %s", p.threads,
                      "won" if won else "lost" if measured else "inconclusive", " ".join(f"{r:.2f}" for r in p.ratios))
         if won:
-            logger.info("CPU threads %d -> %d: decode steps took %.2fx the time on %d (%s)", p.back, p.threads,
+            logger.info("CPU threads %d -> %d: decode steps took %.2fx the time on %d (%s)", self.threads, p.threads,
                         statistics.median(p.ratios), p.threads,
                         "other processes crowd the cores" if fewer else "the crowd has gone")
             if not fewer:
@@ -190,7 +189,7 @@ class ThreadGovernor:
                 self._hold_s = min(MAX_HOLD_S, self._hold_s * 2)
             elif measured and not p.explore:  # not a crowd: the work grew, the slower times are the best now
                 for rows, s in p.ref.items():
-                    self._best[(p.back, rows)] = s
+                    self._best[(self.threads, rows)] = s
         if self.threads < self.full:
             self._retry_at = self._clock() + self._hold_s
         else:

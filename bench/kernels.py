@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from bench.bandwidth import last_level_cache_mib, read_bandwidth_gbs
 from server.kernels import linear_route, ops
-from server.kernels.quant import INTERLEAVABLE, QuantizedWeight
+from server.kernels.quant import INTERLEAVABLE, QTYPES, Qtype, QuantizedWeight
 from server.models.decoder import BF16_X8_MAX_K
 from tests.kernels.paged_reference import make_paged_batch
 
@@ -252,21 +252,27 @@ def bench_linear() -> None:
     print(f"worst chosen / best (bf16): {worst:.2f}x")
 
 
-def random_q4_1(n: int, k: int, gen: torch.Generator) -> QuantizedWeight:
-    """Q4_1 blocks with random codes and scales of a usual size (there is no Q4_1 quantiser)."""
-    data = torch.randint(0, 256, (n, k // 32, 20), dtype=torch.uint8, generator=gen)
-    for off in (0, 2):
+# Where a 32-value block's fp16 scales sit (d, and m where the type has a minimum), for the block
+# types without a quantiser here: their random blocks get scales of a usual size.
+_SCALES_AT = {"q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "iq4_nl": (0,)}
+
+
+def random_blocks(qtype: str, n: int, k: int, gen: torch.Generator) -> QuantizedWeight:
+    """Q4_1 / Q5_0 / Q5_1 / IQ4_NL blocks with random codes and scales of a usual size."""
+    nbytes = QTYPES[Qtype(qtype)].nbytes
+    data = torch.randint(0, 256, (n, k // 32, nbytes), dtype=torch.uint8, generator=gen)
+    for off in _SCALES_AT[qtype]:
         scales = ((torch.rand(n, k // 32, generator=gen) * 0.02 + 0.002) * (torch.randint(0, 2, (n, k // 32),
                   generator=gen) * 2 - 1)).to(torch.float16)
         data[:, :, off:off + 2] = scales.view(torch.uint8).reshape(n, k // 32, 2)
-    return QuantizedWeight.from_gguf_bytes("q4_1", data.reshape(n, -1), n, k)
+    return QuantizedWeight.from_gguf_bytes(qtype, data.reshape(n, -1), n, k)
 
 
 def random_weight(qtype: str, n: int, k: int, gen: torch.Generator) -> QuantizedWeight:
-    """A weight of `qtype` in GGUF's row layout: Q8_0 / Q4_0 quantised from random floats, Q4_1 and
-    the K-quants random valid blocks (no quantiser for them here)."""
-    if qtype == "q4_1":
-        return random_q4_1(n, k, gen)
+    """A weight of `qtype` in GGUF's row layout: Q8_0 / Q4_0 quantised from random floats, the other
+    block types random valid blocks (no quantiser for them here)."""
+    if qtype in _SCALES_AT:
+        return random_blocks(qtype, n, k, gen)
     if qtype in ("q4_k", "q5_k", "q6_k"):
         from tests.gguf_files import random_k_blocks
 
@@ -275,12 +281,12 @@ def random_weight(qtype: str, n: int, k: int, gen: torch.Generator) -> Quantized
     return QuantizedWeight.quantize(torch.randn(n, k, generator=gen) / 32, qtype)
 
 
-QUANT_TYPES = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
+QUANT_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q4_k", "q5_k", "q6_k")
 
 
 def bench_quant(quick: bool = False) -> None:
     """Per shape, format and M: every path pagewire has for the weight -- the integer kernel on
-    GGUF's rows, on the x8 layout (Q8_0, Q4_0, Q4_1, Q4_K), each in blocks of 16 rows above 16,
+    GGUF's rows, on the x8 layout (every type here), each in blocks of 16 rows above 16,
     and dequantise + torch's GEMM -- and the path ops.linear takes under the engine's autotune
     table (tuned here on the layout the loader keeps), with its ratio to the best of them."""
     import os

@@ -74,13 +74,14 @@ at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const 
 at::Tensor linear_q8_0_rows_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                                 bool interleaved);
 
-// 4-bit and K-quant weights (GGUF's Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, MXFP4 layouts), see cpu/quant4_kernel.h.
-// weight: uint8 [N, K / block * block bytes]; qtype: "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "mxfp4",
-// or "q4_0x8" / "q4_1x8" / "q4_kx8" / "q6_kx8" in the interleaved x8 layout (cpu/quant4_kernel.h).
+// 4-bit, 5-bit and K-quant weights (GGUF's Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K, MXFP4
+// layouts), see cpu/quant4_kernel.h. weight: uint8 [N, K / block * block bytes]; qtype: "q4_0", "q4_1",
+// "q5_0", "q5_1", "iq4_nl", "q4_k", "q5_k", "q6_k", "mxfp4", or with "x8" (all but q5_k and mxfp4) in
+// the interleaved x8 layout (cpu/quant4_kernel.h parse_q4_name).
 constexpr int64_t kQ4KernelMaxRows = 16;  // larger batches dequantise chunks and use ATen's GEMM
 at::Tensor quantize_q4_0_cpu(const at::Tensor& weight);  // float [N, K] -> Q4_0 bytes
 at::Tensor dequantize_q4_cpu(const at::Tensor& weight, c10::string_view qtype);  // -> float32 [N, K]
-// Q4_0 / Q4_1 / Q4_K / Q6_K row layout -> the x8 layout ("q4_0x8" / "q4_1x8" / "q4_kx8" / "q6_kx8"), same shape.
+// A row-layout qtype with an x8 layout -> that layout ("q4_0x8", ..., "iq4_nlx8"), same shape.
 at::Tensor interleave_q4_cpu(const at::Tensor& weight, c10::string_view qtype);
 // x [M, K] (float32, bfloat16 or float16) @ dequant(weight)^T + bias [N] -> [M, N] in x's dtype
 at::Tensor linear_q4_cpu(const at::Tensor& x, const at::Tensor& weight, c10::string_view qtype,

@@ -25,6 +25,7 @@
 #include "../ops.h"
 #include "crew.h"
 #include "layer_parts.h"
+#include "quant4_kernel.h"
 
 namespace pagewire {
 
@@ -33,14 +34,12 @@ namespace {
 // Bytes of one weight row of K values in a linear kind's block format (server/kernels/quant.py
 // QTYPES; "x8" names the interleaved layout of the same bytes); 0 for a kind with no blocks.
 int64_t block_row_bytes(const std::string& kind, int64_t k) {
-  const std::string q = kind.size() > 2 && kind.compare(kind.size() - 2, 2, "x8") == 0 ? kind.substr(0, kind.size() - 2) : kind;
-  struct Fmt { const char* name; int64_t values, bytes; };
-  static constexpr Fmt kFormats[] = {{"q8_0", 32, 34},   {"q4_0", 32, 18},   {"q4_1", 32, 20}, {"q4_k", 256, 144},
-                                     {"q5_k", 256, 176}, {"q6_k", 256, 210}, {"mxfp4", 32, 17}};
-  for (const Fmt& f : kFormats) {
-    if (q == f.name) return k % f.values == 0 ? k / f.values * f.bytes : -1;
-  }
-  return 0;
+  if (kind == "q8_0" || kind == "q8_0x8") return k % 32 == 0 ? k / 32 * 34 : -1;
+  cpu::Q4Type t;
+  bool x8 = false;
+  if (!cpu::parse_q4_name(kind, &t, &x8)) return 0;
+  const int64_t values = cpu::q4_block_values(t);
+  return k % values == 0 ? k / values * cpu::q4_block_bytes(t) : -1;
 }
 
 // A matrix whose row ranges are in different block formats (server/kernels/quant_parts.py
@@ -103,8 +102,8 @@ at::Tensor run_parts(const at::Tensor& x, const at::Tensor& w, const c10::option
 
 // x @ w^T (+ b) by the path ops.linear would take: "kernel" (pagewire::linear), "torch"
 // (F.linear, i.e. at::linear), "bf16x8" (pagewire::linear_bf16x8: a bf16 weight in the x8 layout),
-// "q8_0" / "q8_0x8" (pagewire::linear_q8_0, row or interleaved layout), or a qtype of pagewire::linear_q4 ("q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "mxfp4",
-// "q4_0x8", "q4_1x8", "q4_kx8", "q6_kx8"), or "parts:..." (run_parts: row ranges in different
+// "q8_0" / "q8_0x8" (pagewire::linear_q8_0, row or interleaved layout), or a qtype of pagewire::linear_q4 ("q4_0", ..., "iq4_nl",
+// "q4_0x8", ...: cpu::parse_q4_name), or "parts:..." (run_parts: row ranges in different
 // block formats). Also moe_decode's router and shared expert, and the hybrid layers' matrices.
 at::Tensor run_linear_kind(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
                            const std::string& kind) {
@@ -115,8 +114,9 @@ at::Tensor run_linear_kind(const at::Tensor& x, const at::Tensor& w, const c10::
   if (kind == "q8_0x8") return linear_q8_0_cpu(x, w, b, true);
   if (kind == "bf16x8") return linear_bf16x8_cpu(x, w, b);
   // Any other kind is a linear_q4 qtype (the 4-bit and K-quant formats), which checks the rest.
-  TORCH_CHECK(kind.rfind("q4_", 0) == 0 || kind == "q5_k" || kind.rfind("q6_k", 0) == 0 || kind == "mxfp4",
-              "decode_layer: unknown linear kind '", kind, "'");
+  cpu::Q4Type t;
+  bool x8 = false;
+  TORCH_CHECK(cpu::parse_q4_name(kind, &t, &x8), "decode_layer: unknown linear kind '", kind, "'");
   return linear_q4_cpu(x, w, kind, b);
 }
 

@@ -28,6 +28,7 @@
 
 #include "../ops.h"
 #include "crew.h"
+#include "quant4_kernel.h"
 
 namespace pagewire {
 namespace {
@@ -279,7 +280,9 @@ class DecodeStack : public torch::CustomClassHolder {
   bool crew_ready() const {
     if (crew_ready_ < 0) {
       const auto one = [](const std::string& k) {
-        return k == "q8_0x8" || k == "q4_0x8" || k == "q4_1x8" || k == "q4_kx8" || k == "q6_kx8" || k == "bf16x8";
+        cpu::Q4Type t;
+        bool x8 = false;
+        return k == "q8_0x8" || k == "bf16x8" || (cpu::parse_q4_name(k, &t, &x8) && x8);
       };
       // "parts:KIND*ROWS+...": linear_parts_region's shares are a team_region; each part one of the above.
       const auto x8 = [&](const std::string& k) {

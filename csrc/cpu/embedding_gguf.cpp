@@ -40,13 +40,9 @@ at::Tensor embedding_gguf_cpu(const at::Tensor& ids, const at::Tensor& weight, c
   const std::string rows_kind = x8 ? qtype.substr(0, qtype.size() - 2) : qtype;
   const bool q8 = rows_kind == "q8_0";
   cpu::Q4Type t = cpu::Q4Type::kQ4_0;
-  if (rows_kind == "q4_0") t = cpu::Q4Type::kQ4_0;
-  else if (rows_kind == "q4_1") t = cpu::Q4Type::kQ4_1;
-  else if (rows_kind == "q4_k") t = cpu::Q4Type::kQ4_K;
-  else if (rows_kind == "q5_k") t = cpu::Q4Type::kQ5_K;
-  else if (rows_kind == "q6_k") t = cpu::Q4Type::kQ6_K;
-  else TORCH_CHECK(q8, "qtype must be 'q8_0', 'q4_0', 'q4_1', 'q4_k', 'q5_k' or 'q6_k' (with 'x8' when interleaved), got '",
-                   qtype, "'");
+  bool row_x8 = false;
+  TORCH_CHECK(q8 || (cpu::parse_q4_name(rows_kind, &t, &row_x8) && !row_x8), "qtype must be 'q8_0', ", cpu::q4_names(),
+              " (with 'x8' when interleaved), got '", qtype, "'");
   TORCH_CHECK(!x8 || q8 || cpu::q4_interleavable(t), "qtype '", qtype, "' has no x8 layout");
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte && weight.dim() == 2 &&
                   weight.is_contiguous(),

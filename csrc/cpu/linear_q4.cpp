@@ -1,14 +1,14 @@
-// The 4-bit and K-quant weight CPU ops (GGUF's Q4_0, Q4_1, Q4_K, Q5_K, Q6_K and MXFP4 layouts, see
-// quant4_kernel.h):
+// The 4-bit, 5-bit and K-quant weight CPU ops (GGUF's Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K,
+// Q6_K and MXFP4 layouts, see quant4_kernel.h):
 // quantize_q4_0 (float weights at load, GGUF's rounding), dequantize_q4 (tests, prefill), and
 // linear_q4: x @ dequant(w)^T (+ bias) with x quantised per row to Q8 blocks on the fly, through
 // the AVX-512 VNNI kernel (linear_q4_avx512.cpp) when the CPU has it, the AVX2 one
 // (linear_q4_avx2.cpp) when it has that, and the portable one otherwise. Batches above
 // kQ4KernelMaxRows (prefill) dequantise the weight a chunk of rows at a time and run ATen's GEMM
 // on each chunk: compute-bound there, and the chunk keeps the dequantised copy small.
-// interleave_q4 rearranges Q4_0 / Q4_1 / Q4_K weights into the x8 layout (quant4_kernel.h), which
-// every op here also takes (qtype "q4_0x8", "q4_1x8", "q4_kx8"): linear_q4 runs it through
-// linear_x8_avx2.cpp (linear_x8k_avx2.cpp for Q4_K).
+// interleave_q4 rearranges every type but MXFP4 into the x8 layout (quant4_kernel.h), which
+// every op here also takes (qtype "q4_0x8", "q5_1x8", ...): linear_q4 runs it through
+// linear_x8_avx2.cpp (linear_x8k_avx2.cpp for the K-quants) or its VNNI build.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
@@ -83,14 +83,27 @@ inline void decode_sub(Q4Type t, const uint8_t* row, int64_t sb, int16_t* q, flo
     }
     return;
   }
+  if (t == Q4Type::kIQ4_NL) {  // signed levels, no offset term
+    const uint8_t* blk = row + sb * kIq4nlBlockBytes;
+    a[0] = a[1] = load_fp16(blk);
+    *c = 0.f;
+    for (int j = 0; j < 16; ++j) {
+      q[j] = kIq4nlValues[blk[2 + j] & 0xF];
+      q[j + 16] = kIq4nlValues[blk[2 + j] >> 4];
+    }
+    return;
+  }
   const uint8_t* blk = row + sb * q4_block_bytes(t);
   const float d = load_fp16(blk);
   a[0] = a[1] = d;
-  *c = t == Q4Type::kQ4_0 ? -8.f * d : load_fp16(blk + 2);
-  const uint8_t* qs = blk + (t == Q4Type::kQ4_0 ? 2 : 4);
+  const bool mins = t == Q4Type::kQ4_1 || t == Q4Type::kQ5_1;
+  *c = t == Q4Type::kQ4_0 ? -8.f * d : t == Q4Type::kQ5_0 ? -16.f * d : load_fp16(blk + 2);
+  const uint8_t* qs = blk + (mins ? 4 : 2) + (q_is_5(t) ? 4 : 0);
+  uint32_t qh = 0;
+  if (q_is_5(t)) std::memcpy(&qh, blk + (mins ? 4 : 2), 4);
   for (int j = 0; j < 16; ++j) {
-    q[j] = qs[j] & 0xF;
-    q[j + 16] = qs[j] >> 4;
+    q[j] = static_cast<int16_t>((qs[j] & 0xF) | ((qh >> j) & 1) << 4);
+    q[j + 16] = static_cast<int16_t>((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
   }
 }
 
@@ -102,9 +115,10 @@ void dequantize_q4_row(Q4Type t, const uint8_t* w, float* out, int64_t K) {
   for (int64_t sb = 0; sb < K / 32; ++sb) {
     decode_sub(t, w, sb, q, a, &c);
     float* o = out + sb * 32;
-    if (t == Q4Type::kQ4_0) {
-      for (int j = 0; j < 32; ++j) o[j] = a[0] * static_cast<float>(static_cast<int>(q[j]) - 8);  // GGUF: d * (q - 8)
-    } else if (t == Q4Type::kQ6_K) {
+    if (t == Q4Type::kQ4_0 || t == Q4Type::kQ5_0) {  // GGUF: d * (q - 8), d * (q5 - 16)
+      const int zero = t == Q4Type::kQ4_0 ? 8 : 16;
+      for (int j = 0; j < 32; ++j) o[j] = a[0] * static_cast<float>(static_cast<int>(q[j]) - zero);
+    } else if (t == Q4Type::kQ6_K || t == Q4Type::kIQ4_NL) {  // (IQ4_NL: d * level, the levels signed)
       for (int j = 0; j < 32; ++j) o[j] = a[j / 16] * static_cast<float>(q[j]);  // GGUF: (d * sc) * (q - 32)
     } else if (t == Q4Type::kMXFP4) {  // exact: a small integer times a power of two
       for (int j = 0; j < 32; ++j) o[j] = a[0] * static_cast<float>(static_cast<int>(q[j]) - kMxfp4Offset);
@@ -116,10 +130,34 @@ void dequantize_q4_row(Q4Type t, const uint8_t* w, float* out, int64_t K) {
 
 namespace {
 
-// Where the x8 layout puts a block's pieces (quant4_kernel.h): the scales' bytes per block, and
-// the offset of the codes in a GGUF block.
-inline int x8_scale_bytes(Q4Type t) { return t == Q4Type::kQ4_0 ? 16 : 32; }
-inline int codes_offset(Q4Type t) { return t == Q4Type::kQ4_0 ? 2 : 4; }
+// Where the x8 layout puts a block's pieces (quant4_kernel.h): the scales' bytes per block (d, and
+// m for Q4_1 / Q5_1), and the offset of the nibbles in a GGUF block (after d, m and Q5's qh).
+inline bool has_min(Q4Type t) { return t == Q4Type::kQ4_1 || t == Q4Type::kQ5_1; }
+inline int x8_scale_bytes(Q4Type t) { return has_min(t) ? 32 : 16; }
+inline int codes_offset(Q4Type t) { return (has_min(t) ? 4 : 2) + (q_is_5(t) ? 4 : 0); }
+
+// Q5's fifth bits of one row and block: GGUF's qh word (bit j: value j) <-> the x8 layout's word
+// (quant4_kernel.h: byte i, bit c: value 4c + i; bit 4 + c: value 16 + 4c + i).
+inline uint32_t qh_to_x8(uint32_t qh) {
+  uint32_t out = 0;
+  for (int c = 0; c < 4; ++c) {
+    for (int i = 0; i < 4; ++i) {
+      out |= ((qh >> (4 * c + i)) & 1u) << (8 * i + c);
+      out |= ((qh >> (16 + 4 * c + i)) & 1u) << (8 * i + 4 + c);
+    }
+  }
+  return out;
+}
+inline uint32_t qh_from_x8(uint32_t v) {
+  uint32_t out = 0;
+  for (int c = 0; c < 4; ++c) {
+    for (int i = 0; i < 4; ++i) {
+      out |= ((v >> (8 * i + c)) & 1u) << (4 * c + i);
+      out |= ((v >> (8 * i + 4 + c)) & 1u) << (16 + 4 * c + i);
+    }
+  }
+  return out;
+}
 
 // n bytes between a block's place in the x8 layout and in its GGUF row: to the layout when to_x8,
 // back to the row otherwise (the x8 block functions below run both ways).
@@ -131,17 +169,21 @@ inline void move_x8(uint8_t* x8, uint8_t* row, int n, bool to_x8) {
   }
 }
 
-// Q4_K's x8 layout of one super-block (quant4_kernel.h): `to_x8` copies GGUF rows (row r's block
-// at rows + r * row_bytes) into the group's bytes g, or back when false.
-void q4_k_x8_block(uint8_t* rows, int64_t row_bytes, uint8_t* g, bool to_x8) {
+// Q4_K's (five false) or Q5_K's x8 layout of one super-block (quant4_kernel.h): `to_x8` copies GGUF
+// rows (row r's block at rows + r * row_bytes) into the group's bytes g, or back when false.
+void q4_k_x8_block(uint8_t* rows, int64_t row_bytes, uint8_t* g, bool to_x8, bool five) {
   const auto move = [to_x8](uint8_t* x8, uint8_t* row, int n) { move_x8(x8, row, n, to_x8); };
+  const int codes = five ? 48 : 16;  // where a GGUF block's nibbles start (Q5_K: after its 32 qh bytes)
   for (int r = 0; r < kQ4Interleave; ++r) {
     uint8_t* blk = rows + r * row_bytes;
     move(g + 2 * r, blk, 2);            // d
     move(g + 16 + 2 * r, blk + 2, 2);   // dmin
     for (int w = 0; w < 3; ++w) move(g + 32 + 32 * w + 4 * r, blk + 4 + 4 * w, 4);  // packed scales
     for (int c = 0; c < 4; ++c) {
-      for (int j = 0; j < 8; ++j) move(g + 128 + 32 * (8 * c + j) + 4 * r, blk + 16 + 32 * c + 4 * j, 4);
+      for (int j = 0; j < 8; ++j) move(g + 128 + 32 * (8 * c + j) + 4 * r, blk + codes + 32 * c + 4 * j, 4);
+    }
+    if (five) {  // qh: chunk j holds bytes 4j..4j+3 of each row's 32
+      for (int j = 0; j < 8; ++j) move(g + 1152 + 32 * j + 4 * r, blk + 16 + 4 * j, 4);
     }
   }
 }
@@ -168,10 +210,11 @@ void interleave_q4_group(Q4Type t, const uint8_t* src, int64_t row_bytes, uint8_
     }
     return;
   }
-  if (t == Q4Type::kQ4_K) {
+  if (t == Q4Type::kQ4_K || t == Q4Type::kQ5_K) {
+    const int bb = q4_block_bytes(t);
     for (int64_t s = 0; s < K / kQ4_KBlock; ++s) {
-      q4_k_x8_block(const_cast<uint8_t*>(src) + s * kQ4_KBlockBytes, row_bytes,
-                    dst + s * kQ4Interleave * kQ4_KBlockBytes, true);  // (src is only read)
+      q4_k_x8_block(const_cast<uint8_t*>(src) + s * bb, row_bytes, dst + s * kQ4Interleave * bb, true,
+                    t == Q4Type::kQ5_K);  // (src is only read)
     }
     return;
   }
@@ -180,9 +223,17 @@ void interleave_q4_group(Q4Type t, const uint8_t* src, int64_t row_bytes, uint8_
     uint8_t* o = dst + b * kQ4Interleave * bb;
     for (int r = 0; r < kQ4Interleave; ++r) {
       const uint8_t* blk = src + r * row_bytes + b * bb;
-      std::memcpy(o + 2 * r, blk, 2);                                         // d
-      if (t == Q4Type::kQ4_1) std::memcpy(o + 16 + 2 * r, blk + 2, 2);        // m
-      for (int c = 0; c < 4; ++c) std::memcpy(o + sb + 32 * c + 4 * r, blk + qo + 4 * c, 4);
+      std::memcpy(o + 2 * r, blk, 2);                                  // d
+      if (has_min(t)) std::memcpy(o + 16 + 2 * r, blk + 2, 2);        // m
+      int at = sb;
+      if (q_is_5(t)) {  // the fifth bits, rearranged (qh_to_x8)
+        uint32_t qh;
+        std::memcpy(&qh, blk + qo - 4, 4);
+        qh = qh_to_x8(qh);
+        std::memcpy(o + sb + 4 * r, &qh, 4);
+        at += 32;
+      }
+      for (int c = 0; c < 4; ++c) std::memcpy(o + at + 32 * c + 4 * r, blk + qo + 4 * c, 4);
     }
   }
 }
@@ -195,10 +246,11 @@ void deinterleave_q4_group(Q4Type t, const uint8_t* src, uint8_t* dst, int64_t r
     }
     return;
   }
-  if (t == Q4Type::kQ4_K) {
+  if (t == Q4Type::kQ4_K || t == Q4Type::kQ5_K) {
+    const int bb = q4_block_bytes(t);
     for (int64_t s = 0; s < K / kQ4_KBlock; ++s) {
-      q4_k_x8_block(dst + s * kQ4_KBlockBytes, row_bytes,
-                    const_cast<uint8_t*>(src) + s * kQ4Interleave * kQ4_KBlockBytes, false);  // (src is only read)
+      q4_k_x8_block(dst + s * bb, row_bytes, const_cast<uint8_t*>(src) + s * kQ4Interleave * bb, false,
+                    t == Q4Type::kQ5_K);  // (src is only read)
     }
     return;
   }
@@ -208,8 +260,16 @@ void deinterleave_q4_group(Q4Type t, const uint8_t* src, uint8_t* dst, int64_t r
     for (int r = 0; r < kQ4Interleave; ++r) {
       uint8_t* blk = dst + r * row_bytes + b * bb;
       std::memcpy(blk, in + 2 * r, 2);
-      if (t == Q4Type::kQ4_1) std::memcpy(blk + 2, in + 16 + 2 * r, 2);
-      for (int c = 0; c < 4; ++c) std::memcpy(blk + qo + 4 * c, in + sb + 32 * c + 4 * r, 4);
+      if (has_min(t)) std::memcpy(blk + 2, in + 16 + 2 * r, 2);
+      int at = sb;
+      if (q_is_5(t)) {
+        uint32_t v;
+        std::memcpy(&v, in + sb + 4 * r, 4);
+        v = qh_from_x8(v);
+        std::memcpy(blk + qo - 4, &v, 4);
+        at += 32;
+      }
+      for (int c = 0; c < 4; ++c) std::memcpy(blk + qo + 4 * c, in + at + 32 * c + 4 * r, 4);
     }
   }
 }
@@ -251,19 +311,10 @@ struct Q4Format {
 };
 
 Q4Format parse_q4_type(const std::string& qtype) {
-  if (qtype == "q4_0") return {cpu::Q4Type::kQ4_0, false};
-  if (qtype == "q4_1") return {cpu::Q4Type::kQ4_1, false};
-  if (qtype == "q4_k") return {cpu::Q4Type::kQ4_K, false};
-  if (qtype == "q5_k") return {cpu::Q4Type::kQ5_K, false};
-  if (qtype == "q6_k") return {cpu::Q4Type::kQ6_K, false};
-  if (qtype == "q4_0x8") return {cpu::Q4Type::kQ4_0, true};
-  if (qtype == "q4_1x8") return {cpu::Q4Type::kQ4_1, true};
-  if (qtype == "q4_kx8") return {cpu::Q4Type::kQ4_K, true};
-  if (qtype == "q6_kx8") return {cpu::Q4Type::kQ6_K, true};
-  if (qtype == "mxfp4") return {cpu::Q4Type::kMXFP4, false};
-  TORCH_CHECK(false,
-              "qtype must be 'q4_0', 'q4_1', 'q4_k', 'q5_k', 'q6_k', 'q4_0x8', 'q4_1x8', 'q4_kx8', 'q6_kx8' or 'mxfp4', got '",
-              qtype, "'");
+  Q4Format f{};
+  TORCH_CHECK(cpu::parse_q4_name(qtype, &f.type, &f.interleaved), "qtype must be ", cpu::q4_names(), ", got '", qtype,
+              "'");
+  return f;
 }
 
 // Bytes per row of K values of type t, checking that K is a whole number of blocks.
@@ -362,8 +413,8 @@ at::Tensor interleave_q4_cpu(const at::Tensor& weight, c10::string_view qtype_vi
   const std::string qtype(qtype_view);
   const Q4Format f = parse_q4_type(qtype);
   TORCH_CHECK(!f.interleaved && cpu::q4_interleavable(f.type),
-              "qtype must be 'q4_0', 'q4_1', 'q4_k' or 'q6_k' (row layout), got '",
-              qtype, "'");
+              "qtype must be a row-layout qtype with an x8 layout ('q4_0', 'q4_1', 'q4_k', 'q5_k', 'q6_k', 'q5_0', "
+              "'q5_1' or 'iq4_nl'), got '", qtype, "'");
   const cpu::Q4Type t = f.type;
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) % cpu::q4_block_bytes(t) == 0, "weight must be [N, row bytes] ",
               qtype, " blocks, got shape ", weight.sizes());

@@ -1,5 +1,5 @@
 // The AVX2 kernels of the interleaved x8 layouts (Q8_0 in quant_kernel.h, Q4_0 / Q4_1 in
-// quant4_kernel.h), x Q8 activations. Each 32-bit lane carries one weight row, so a block needs no
+// quant4_kernel.h; Q5_0 / Q5_1 / IQ4_NL's group in x8_q5nl_body.h), x Q8 activations. Each 32-bit lane carries one weight row, so a block needs no
 // horizontal sum and no scale shuffle:
 //  * per 32-byte chunk (four values of each of eight rows for Q8_0, eight for 4-bit) the
 //    activation's matching four bytes are broadcast to every lane by the load itself, and maddubs
@@ -54,12 +54,20 @@ void linear_q4x8_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, con
                       int64_t ldo, int64_t N) {
   if (t == Q4Type::kQ4_K) {
     linear_q4kx8_avx2(x, w, bias, out, ldo, N);
+  } else if (t == Q4Type::kQ5_K) {
+    linear_q5kx8_avx2(x, w, bias, out, ldo, N);
   } else if (t == Q4Type::kQ6_K) {
     linear_q6kx8_avx2(x, w, bias, out, ldo, N);
   } else if (t == Q4Type::kQ4_0) {
     run4<Q4Type::kQ4_0>(x, w, bias, out, ldo, N);
-  } else {
+  } else if (t == Q4Type::kQ4_1) {
     run4<Q4Type::kQ4_1>(x, w, bias, out, ldo, N);
+  } else if (t == Q4Type::kQ5_0) {
+    run4<Q4Type::kQ5_0>(x, w, bias, out, ldo, N);
+  } else if (t == Q4Type::kQ5_1) {
+    run4<Q4Type::kQ5_1>(x, w, bias, out, ldo, N);
+  } else {
+    run4<Q4Type::kIQ4_NL>(x, w, bias, out, ldo, N);
   }
 }
 

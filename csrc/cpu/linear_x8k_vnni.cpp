@@ -29,6 +29,11 @@ void linear_q4kx8_vnni(const Q8SumActivations& x, const uint8_t* w, const float*
   run_q4k(x, w, bias, out, ldo, N);
 }
 
+void linear_q5kx8_vnni(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
+                       int64_t N) {
+  run_q5k(x, w, bias, out, ldo, N);
+}
+
 void linear_q6kx8_vnni(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
                        int64_t N) {
   run_q6k(x, w, bias, out, ldo, N);

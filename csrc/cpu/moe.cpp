@@ -42,6 +42,7 @@
 #include "../ops.h"
 #include "cpu_features.h"
 #include "dispatch_mode.h"
+#include "quant4_kernel.h"
 
 namespace pagewire {
 namespace {
@@ -77,8 +78,9 @@ at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& w, const std::st
     }
     return at::linear(x, w, bias);
   }
-  TORCH_CHECK(kind == "q8_0" || kind == "q8_0x8" || kind == "mxfp4" || kind.rfind("q4_", 0) == 0 || kind == "q5_k" ||
-                  kind.rfind("q6_k", 0) == 0,
+  cpu::Q4Type q4_type;
+  bool q4_x8 = false;
+  TORCH_CHECK(kind == "q8_0" || kind == "q8_0x8" || cpu::parse_q4_name(kind, &q4_type, &q4_x8),
               "moe_experts: kind must be 'float', 'q8_0', 'q8_0x8', 'mxfp4' or a linear_q4 qtype, got '", kind, "'");
   if (M <= kQ8KernelMaxRows || !invariant) return quant_rows(x, w, kind, bias);
   // Batch-invariant: the integer kernel for every row (in blocks of kQ8KernelMaxRows rows, each

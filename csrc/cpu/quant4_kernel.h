@@ -13,23 +13,32 @@
 //   Q6_K: 256 values in 210 bytes {128 bytes ql, 64 bytes qh, 16 int8 scales, fp16 d}: value l of
 //     sub-block j (32 values; half h = j / 4, t = j % 4) is d * sc[2j + l / 16] * (q - 32), q the
 //     low (t < 2) or high nibble of ql[64h + 32(t % 2) + l] with bits 2t..2t+1 of qh[32h + l] on top.
+//   Q5_0: 32 values in 22 bytes {fp16 d, 4 bytes qh, 16 bytes q}: value = d * (q5 - 16), q5 the
+//     nibble (as Q4_0's) with bit j of the little-endian qh word on top for value j
+//   Q5_1: 32 values in 24 bytes {fp16 d, fp16 m, 4 bytes qh, 16 bytes q}: value = d * q5 + m
+//   IQ4_NL: 32 values in 18 bytes {fp16 d, 16 bytes q}: value = d * kIq4nlValues[q] (nibbles as
+//     Q4_0's), a non-linear table of int8 levels. (These three are also the types llama.cpp's
+//     quantiser falls back to for rows that are not whole 256-value super-blocks: Q5_0 for Q4_K,
+//     Q5_1 for Q5_K, IQ4_NL for Q2_K / Q3_K and the IQ types.)
 //   MXFP4: 32 values in 17 bytes {u8 E8M0 exponent e, 16 bytes q} (gpt-oss's experts, GGML type
 //     MXFP4): value = E2M1(q) * 2^(e - 127) = kMxfp4Values[q] * 2^(e - 128), byte j holding value j
 //     low and j + 16 high as in Q4_0. The kernels read each code as kMxfp4Values[q] + 12 (unsigned
 //     0..24, a byte shuffle of the nibble) with the block's offset -12 * 2^(e - 128), so the same
 //     unsigned x signed dot products and offset FMAs as Q4_0 compute it exactly. (e = 255, the
 //     spec's NaN, is read as 2^127, as llama.cpp does.)
-// (Q5_K, Q6_K and MXFP4 share this interface and its op, pagewire::linear_q4, with the 4-bit types.)
+// (Q5_0, Q5_1, IQ4_NL, Q5_K, Q6_K and MXFP4 share this interface and its op, pagewire::linear_q4, with the 4-bit types.)
 // Every kernel works on activations quantised per row to Q8 blocks of 32 (quant_kernel.h), so a
 // 4-bit weight block times an activation block is one integer dot product of 32 pairs plus the
 // block's offset term (q's offset or min) times the activation block's sum.
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace pagewire::cpu {
 
-enum class Q4Type : int { kQ4_0 = 0, kQ4_1 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4, kMXFP4 = 5 };
+enum class Q4Type : int { kQ4_0 = 0, kQ4_1 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4, kMXFP4 = 5, kQ5_0 = 6, kQ5_1 = 7,
+                          kIQ4_NL = 8 };
 
 constexpr int kQ4_0BlockBytes = 18;   // per 32 values
 constexpr int kQ4_1BlockBytes = 20;   // per 32 values
@@ -38,6 +47,12 @@ constexpr int kQ4_KBlockBytes = 144;  // per 256 values
 constexpr int kQ5_KBlockBytes = 176;  // per 256 values
 constexpr int kQ6_KBlockBytes = 210;  // per 256 values
 constexpr int kMxfp4BlockBytes = 17;  // per 32 values
+constexpr int kQ5_0BlockBytes = 22;   // per 32 values
+constexpr int kQ5_1BlockBytes = 24;   // per 32 values
+constexpr int kIq4nlBlockBytes = 18;  // per 32 values
+
+// IQ4_NL's sixteen levels (GGML's kvalues_iq4nl), int8.
+constexpr int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 // Twice the E2M1 values (OCP MX table 4), integers; the kernels add kMxfp4Offset to make them unsigned.
 constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
@@ -64,9 +79,33 @@ inline int q4_block_bytes(Q4Type t) {
     case Q4Type::kQ5_K: return kQ5_KBlockBytes;
     case Q4Type::kQ6_K: return kQ6_KBlockBytes;
     case Q4Type::kMXFP4: return kMxfp4BlockBytes;
+    case Q4Type::kQ5_0: return kQ5_0BlockBytes;
+    case Q4Type::kQ5_1: return kQ5_1BlockBytes;
+    case Q4Type::kIQ4_NL: return kIq4nlBlockBytes;
   }
   return 0;
 }
+// Whether t is Q5_0 or Q5_1 (a fifth bit per value in a 32-bit qh word).
+inline bool q_is_5(Q4Type t) { return t == Q4Type::kQ5_0 || t == Q4Type::kQ5_1; }
+
+// The op-level names of the formats ("q4_0", ..., "iq4_nl"; server/kernels/kinds.py's Qtype), and a
+// name's type and layout ("x8" suffix: interleaved). Every op that takes a qtype string parses it here.
+inline const char* q4_type_name(Q4Type t) {
+  switch (t) {
+    case Q4Type::kQ4_0: return "q4_0";
+    case Q4Type::kQ4_1: return "q4_1";
+    case Q4Type::kQ4_K: return "q4_k";
+    case Q4Type::kQ5_K: return "q5_k";
+    case Q4Type::kQ6_K: return "q6_k";
+    case Q4Type::kMXFP4: return "mxfp4";
+    case Q4Type::kQ5_0: return "q5_0";
+    case Q4Type::kQ5_1: return "q5_1";
+    case Q4Type::kIQ4_NL: return "iq4_nl";
+  }
+  return "";
+}
+constexpr Q4Type kQ4Types[] = {Q4Type::kQ4_0, Q4Type::kQ4_1, Q4Type::kQ4_K, Q4Type::kQ5_K, Q4Type::kQ6_K,
+                               Q4Type::kMXFP4, Q4Type::kQ5_0, Q4Type::kQ5_1, Q4Type::kIQ4_NL};
 
 // Activations quantised per row in blocks of 32: x ~= d[b] * q[32 b + j]; s[b] = d[b] * sum_j q.
 struct Q8SumActivations {
@@ -96,6 +135,10 @@ void dequantize_q4_row(Q4Type t, const uint8_t* w, float* out, int64_t K);
 //   per block b of 32 values: the eight rows' fp16 d (16 bytes), for Q4_1 then their eight fp16 m
 //   (16 bytes), then four 32-byte chunks; chunk c holds bytes 4c..4c+3 of each row's 16 code bytes,
 //   row r at bytes 4r..4r+3 (so low nibbles are values 4c..4c+3, high nibbles 16+4c..16+4c+3).
+// Q5_0 / Q5_1 add, after the scales, their fifth bits as one 32-byte vector (row r's four bytes at
+// 4r), rearranged so that a chunk's bits are two shifts away: byte i of row r's word has at bit c
+// the fifth bit of value 4c + i and at bit 4 + c that of value 16 + 4c + i (c = 0..3). IQ4_NL's
+// x8 layout is Q4_0's.
 // A group occupies exactly its eight rows' bytes (8 * row bytes); the last N % 8 rows of a weight
 // stay in GGUF's row layout. Nothing is dequantised: the codes and scales are the same bytes.
 // Q4_K's x8 layout (linear_x8k_avx2.cpp), per super-block of the eight rows (8 * 144 bytes): their
@@ -103,13 +146,39 @@ void dequantize_q4_row(Q4Type t, const uint8_t* w, float* out, int64_t K);
 // vectors (word w of row r at 32w + 4r), then 32 chunks of codes: chunk 8c + j holds bytes
 // 32c + 4j..32c + 4j + 3 of each row's 128 code bytes, row r at 4r (low nibbles: values 4j..4j+3
 // of sub-block 2c; high nibbles: of sub-block 2c + 1).
+// Q5_K's x8 layout (x8k_body.h) is Q4_K's (its 1,152 bytes in the same places, the codes from each
+// block's byte 48) followed by the eight rows' qh as eight 32-byte chunks (chunk j: bytes 4j..4j+3
+// of each row's 32, row r at 4r; byte i's bit s the fifth bit of value 4j + i of sub-block s).
 // Q6_K's x8 layout (x8k_body.h), per super-block of the eight rows (8 * 210 bytes): their
 // fp16 d (16 bytes), their 16 int8 scales as four 32-byte vectors (scales 4v..4v+3 of row r at
 // 32v + 4r), then 32 ql chunks (chunk c: bytes 4c..4c+3 of each row's 128 ql bytes, row r at 4r)
 // and 16 qh chunks (chunk c: bytes 4c..4c+3 of each row's 64 qh bytes).
 constexpr int kQ4Interleave = 8;
-inline bool q4_interleavable(Q4Type t) {
-  return t == Q4Type::kQ4_0 || t == Q4Type::kQ4_1 || t == Q4Type::kQ4_K || t == Q4Type::kQ6_K;
+inline bool q4_interleavable(Q4Type t) { return t != Q4Type::kMXFP4; }
+// The type and layout a qtype name says ("q4_0", "q4_0x8", ...: the row layout, or "x8" for the
+// interleaved one where the type has it); false for any other name.
+inline bool parse_q4_name(const std::string& name, Q4Type* t, bool* interleaved) {
+  const bool x8 = name.size() > 2 && name.compare(name.size() - 2, 2, "x8") == 0;
+  const std::string base = x8 ? name.substr(0, name.size() - 2) : name;
+  for (Q4Type c : kQ4Types) {
+    if (base == q4_type_name(c) && (!x8 || q4_interleavable(c))) {
+      *t = c;
+      *interleaved = x8;
+      return true;
+    }
+  }
+  return false;
+}
+// Every name parse_q4_name takes, for error messages: "'q4_0', 'q4_1', ..., 'q6_kx8'".
+inline std::string q4_names() {
+  std::string out;
+  for (int x8 = 0; x8 < 2; ++x8) {
+    for (Q4Type c : kQ4Types) {
+      if (x8 && !q4_interleavable(c)) continue;
+      out += std::string(out.empty() ? "'" : ", '") + q4_type_name(c) + (x8 ? "x8'" : "'");
+    }
+  }
+  return out;
 }
 // One group: eight GGUF rows (src, row stride row_bytes) -> the group's interleaved bytes, and back.
 void interleave_q4_group(Q4Type t, const uint8_t* src, int64_t row_bytes, uint8_t* dst, int64_t K);
@@ -121,6 +190,7 @@ void linear_q4x8_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, con
 // The same with AVX-512 VNNI (linear_x8_vnni.cpp; Isa::kAvx512 or better): the same floats, bit for bit.
 void linear_q4x8_vnni(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,
                       int64_t ldo, int64_t N);
+// (Q5_0, Q5_1 and IQ4_NL: x8_lut_body.h, in the same two builds.)
 // Q4_0 and Q4_1 with AMX tiles (linear_x8_amx.cpp; Isa::kAmx): the same floats, bit for bit. Only
 // those two types (the caller picks it from kAmxMinRowsQ4x8 rows, dispatch_mode.h).
 void linear_q4x8_amx(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,
@@ -132,10 +202,19 @@ void linear_q4kx8_avx2(const Q8SumActivations& x, const uint8_t* w, const float*
                        int64_t N);
 void linear_q6kx8_avx2(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
                        int64_t N);
+void linear_q5kx8_avx2(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
+                       int64_t N);
+void linear_q5kx8_vnni(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
+                       int64_t N);
 void linear_q4kx8_vnni(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
                        int64_t N);
 void linear_q6kx8_vnni(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
                        int64_t N);
+// Q5_0, Q5_1 and IQ4_NL in row layout (linear_q5nl_avx2.cpp), called by linear_q4_avx2 and
+// linear_q4_avx512 for those types (the same AVX2 code: their row layout only serves a weight's
+// last N % 8 rows on x86, the x8 kernels the rest).
+void linear_q5nl_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,
+                      int64_t ldo, int64_t N);
 // Q5_K and Q6_K in row layout (linear_k56_avx2.cpp, linear_k56_avx512.cpp), called by
 // linear_q4_avx2 / linear_q4_avx512 for those types.
 void linear_k56_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,

@@ -28,23 +28,12 @@ struct Format {
 };
 
 inline bool parse_format(const std::string& kind, Format* f) {
-  std::string base = kind;
-  f->x8 = base.size() > 2 && base.compare(base.size() - 2, 2, "x8") == 0;
-  if (f->x8) base.resize(base.size() - 2);
-  if (base == "q8_0") {
+  if (kind == "q8_0" || kind == "q8_0x8") {
     f->q8 = true;
+    f->x8 = kind == "q8_0x8";
     return true;
   }
-  static const struct { const char* name; cpu::Q4Type t; } kTypes[] = {
-      {"q4_0", cpu::Q4Type::kQ4_0}, {"q4_1", cpu::Q4Type::kQ4_1}, {"q4_k", cpu::Q4Type::kQ4_K},
-      {"q5_k", cpu::Q4Type::kQ5_K}, {"q6_k", cpu::Q4Type::kQ6_K}, {"mxfp4", cpu::Q4Type::kMXFP4}};
-  for (const auto& e : kTypes) {
-    if (base == e.name) {
-      f->t = e.t;
-      return !f->x8 || cpu::q4_interleavable(e.t);
-    }
-  }
-  return false;
+  return cpu::parse_q4_name(kind, &f->t, &f->x8);
 }
 
 inline int64_t row_bytes_for(const Format& f, int64_t K) {

@@ -297,6 +297,8 @@ __attribute__((noinline)) void group8(const Q8Activations& x, [[maybe_unused]] c
   }
 }
 
+#include "x8_q5nl_body.h"  // q5nl::group: Q5_0, Q5_1 and IQ4_NL
+
 #if PAGEWIRE_X8_VNNI
 #include "x8_pairs.h"  // group4_2, group8_2: a pair of groups per 512-bit vector
 #endif
@@ -355,19 +357,28 @@ void for_each_group(int64_t M, int64_t K, int64_t N, int64_t group_bytes, const 
   team_for(units, N * K * M >= 65536, unit);  // team_kernel.h: a team's share, or a region
 }
 
+// Q5_0, Q5_1 and IQ4_NL (x8_q5nl_body.h): as run4 below, with q5nl::kMaxGroups groups a unit.
 template <Q4Type T>
-void run4(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t N) {
-  const int64_t nb = x.K / 32;
-  const int64_t group_bytes = kQ4Interleave * nb * q4_block_bytes(T);
-  const float* xc = x.s;
-  if constexpr (T == Q4Type::kQ4_0) {
-    // Per calling thread (the engine thread), reused across calls. Read through a plain pointer
-    // inside the parallel loop: the worker threads have thread_locals of their own.
-    thread_local std::vector<float> offset;
-    if (static_cast<int64_t>(offset.size()) < x.M * nb) offset.resize(x.M * nb);
-    for (int64_t i = 0; i < x.M * nb; ++i) offset[i] = -8.f * x.s[i];  // exact: a power of two
-    xc = offset.data();
+void run_q5nl(const Q8SumActivations& x, const float* xc, const uint8_t* w, const float* bias, float* out,
+              int64_t ldo, int64_t N) {
+  const int64_t group_bytes = kQ4Interleave * (x.K / 32) * q4_block_bytes(T);
+  const int32_t* xo = nullptr;
+#if PAGEWIRE_X8_VNNI
+  if constexpr (T == Q4Type::kIQ4_NL) xo = q5nl::code_offsets(x);
+#endif
+  const auto tile = [&](auto mb, auto ng, int64_t m, const uint8_t* wg, const float* bg, float* og) {
+    q5nl::group<T, decltype(mb)::value, decltype(ng)::value>(x, xc, xo, m, wg, group_bytes, bg, og, ldo);
+  };
+  if (q5nl::kMaxGroups == 2 && x.M >= pair_min_rows() && N / kGroupRows >= 2 * team_threads()) {
+    for_each_group<q5nl::kMaxGroups>(x.M, x.K, N, group_bytes, w, bias, out, tile);
+  } else {
+    for_each_group<1>(x.M, x.K, N, group_bytes, w, bias, out, tile);
   }
+}
+
+template <Q4Type T>
+void run4_groups(const Q8SumActivations& x, const float* xc, const uint8_t* w, int64_t group_bytes, const float* bias,
+                 float* out, int64_t ldo, int64_t N) {
   const auto tile = [&](auto mb, auto ng, int64_t m, const uint8_t* wg, const float* bg, float* og) {
 #if PAGEWIRE_X8_VNNI
     if constexpr (decltype(ng)::value == 2) {  // the pair in one 512-bit vector: the same floats
@@ -387,6 +398,27 @@ void run4(const Q8SumActivations& x, const uint8_t* w, const float* bias, float*
     for_each_group<2, true>(x.M, x.K, N, group_bytes, w, bias, out, tile);
   } else {
     for_each_group<1>(x.M, x.K, N, group_bytes, w, bias, out, tile);
+  }
+}
+
+template <Q4Type T>
+void run4(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t N) {
+  const int64_t nb = x.K / 32;
+  const int64_t group_bytes = kQ4Interleave * nb * q4_block_bytes(T);
+  const float* xc = x.s;
+  if constexpr (T == Q4Type::kQ4_0 || T == Q4Type::kQ5_0) {
+    // Per calling thread (the engine thread), reused across calls. Read through a plain pointer
+    // inside the parallel loop: the worker threads have thread_locals of their own.
+    thread_local std::vector<float> offset;
+    if (static_cast<int64_t>(offset.size()) < x.M * nb) offset.resize(x.M * nb);
+    const float zero = T == Q4Type::kQ4_0 ? -8.f : -16.f;
+    for (int64_t i = 0; i < x.M * nb; ++i) offset[i] = zero * x.s[i];  // exact: a power of two
+    xc = offset.data();
+  }
+  if constexpr (T == Q4Type::kQ5_0 || T == Q4Type::kQ5_1 || T == Q4Type::kIQ4_NL) {
+    run_q5nl<T>(x, xc, w, bias, out, ldo, N);
+  } else {
+    run4_groups<T>(x, xc, w, group_bytes, bias, out, ldo, N);
   }
 }
 

@@ -1,5 +1,5 @@
 // The K-quant kernels of the interleaved x8 layouts (quant4_kernel.h) x Q8 activations: Q4_K's
-// (run_q4k) and Q6_K's (run_q6k), compiled twice: linear_x8k_avx2.cpp (PAGEWIRE_X8_VNNI 0: maddubs
+// (run_q4k), Q5_K's (run_q5k: Q4_K's body with each chunk's fifth bits ORed in) and Q6_K's (run_q6k), compiled twice: linear_x8k_avx2.cpp (PAGEWIRE_X8_VNNI 0: maddubs
 // pair sums in 16 bits, widened by a madd with the sub-block's scale) and linear_x8k_vnni.cpp
 // (PAGEWIRE_X8_VNNI 1: AVX-512 VNNI's 256-bit vpdpbusd adds four products straight into 32 bits,
 // and one vpmulld applies the scale). Both builds add the same integer products exactly (no
@@ -146,11 +146,26 @@ inline __m256i scaled(__m256i dot, __m256i scale) {
 #endif
 }
 
-// Activation rows [m0, m0 + MB) times one group of eight Q4_K weight rows -> out[m][0..8).
-template <int MB>
+// Q5_K's group: Q4_K's bytes, then the eight rows' fifth bits (quant4_kernel.h).
+constexpr int kGroupBytes5 = kQ4Interleave * kQ5_KBlockBytes;
+constexpr int kHigh = kGroupBytes;  // where a Q5_K group's qh chunks start
+
+// Bit b of each byte of v moved to bit 4 (16-bit shifts; the caller masks what crossed from the
+// neighbouring byte). b is a constant once the sub-block loop is unrolled.
+inline __m256i bit_to_4(__m256i v, int b) {
+  return b < 4 ? _mm256_slli_epi16(v, 4 - b) : b > 4 ? _mm256_srli_epi16(v, b - 4) : v;
+}
+
+// Activation rows [m0, m0 + MB) times one group of eight Q4_K (Five: Q5_K) weight rows -> out[m][0..8).
+// Q5_K's codes reach 31: a pair sum 2 * 31 * 128, so the AVX2 build widens a sub-block's 16-bit
+// sums after four chunks (at most 31,744) and after eight, adding the two scaled halves in 32 bits
+// (the VNNI build's sums are 32-bit already); the same integer, scale * dot, either way.
+template <int MB, bool Five = false>
 void group_k(const Q8SumActivations& x, int64_t m0, const uint8_t* w, const float* bias, float* out, int64_t ldo) {
+  constexpr int group_bytes = Five ? kGroupBytes5 : kGroupBytes;
   const int64_t nb = x.K / 32, nsb = x.K / kQ4_KBlock;
   const __m256i mask = _mm256_set1_epi8(0x0F), six = _mm256_set1_epi8(0x3F), top = _mm256_set1_epi8(0x30);
+  [[maybe_unused]] const __m256i five = _mm256_set1_epi8(0x10);
   const int8_t* xq[MB];
   const float* xd[MB];
   const float* xs[MB];
@@ -162,11 +177,11 @@ void group_k(const Q8SumActivations& x, int64_t m0, const uint8_t* w, const floa
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   const bool far = far_streams();
-  for (int64_t s = 0; s < nsb; ++s, w += kGroupBytes) {
+  for (int64_t s = 0; s < nsb; ++s, w += group_bytes) {
     if (far) {
-      prefetch_ahead<8, _MM_HINT_T1>(w, kGroupBytes);
+      prefetch_ahead<8, _MM_HINT_T1>(w, group_bytes);
     } else {
-      prefetch_q4k(w, kGroupBytes);
+      prefetch_q4k(w, group_bytes);
     }
     // Scales 0-3 / 4-7 and mins 0-3 / 4-7 of every row, one byte each (q4_k_scale_min's rule).
     const __m256i a = load256(w + 32), b = load256(w + 64), c = load256(w + 96);
@@ -179,26 +194,6 @@ void group_k(const Q8SumActivations& x, int64_t m0, const uint8_t* w, const floa
     for (int m = 0; m < MB; ++m) sa[m] = _mm256_setzero_ps();
 #pragma GCC unroll 4
     for (int cc = 0; cc < 4; ++cc) {
-      // Per row, the sub-block's dot: 16-bit pair sums (AVX2) or 32-bit sums of four (VNNI).
-      __m256i lo16[MB], hi16[MB];
-      for (int m = 0; m < MB; ++m) lo16[m] = hi16[m] = _mm256_setzero_si256();
-      const uint8_t* wc = w + kCodes + 32 * 8 * cc;
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) {
-        const __m256i v = load256(wc + 32 * j);
-        const __m256i lo = _mm256_and_si256(v, mask);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-        for (int m = 0; m < MB; ++m) {
-          const int8_t* xb = xq[m] + (s * 8 + 2 * cc) * 32 + 4 * j;
-#if PAGEWIRE_X8_VNNI
-          lo16[m] = _mm256_dpbusd_epi32(lo16[m], lo, broadcast4(xb));
-          hi16[m] = _mm256_dpbusd_epi32(hi16[m], hi, broadcast4(xb + 32));
-#else
-          lo16[m] = _mm256_add_epi16(lo16[m], _mm256_maddubs_epi16(lo, broadcast4(xb)));
-          hi16[m] = _mm256_add_epi16(hi16[m], _mm256_maddubs_epi16(hi, broadcast4(xb + 32)));
-#endif
-        }
-      }
       const __m256i src = cc < 2 ? sc_lo : sc_hi;
 #if PAGEWIRE_X8_VNNI
       // Sub-blocks 2cc and 2cc + 1's scales as whole 32-bit lanes: scale * dot by one vpmulld, the
@@ -210,10 +205,50 @@ void group_k(const Q8SumActivations& x, int64_t m0, const uint8_t* w, const floa
       const __m256i sc0 = _mm256_shuffle_epi8(src, halves_of_byte((2 * cc) % 4));
       const __m256i sc1 = _mm256_shuffle_epi8(src, halves_of_byte((2 * cc + 1) % 4));
 #endif
+      // Per row, the sub-block's dot: 16-bit pair sums (AVX2) or 32-bit sums of four (VNNI).
+      __m256i lo16[MB], hi16[MB];
+      [[maybe_unused]] __m256i lo32[MB], hi32[MB];  // (Q5_K, AVX2: the first four chunks, scaled)
+      for (int m = 0; m < MB; ++m) lo16[m] = hi16[m] = _mm256_setzero_si256();
+      const uint8_t* wc = w + kCodes + 32 * 8 * cc;
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m256i v = load256(wc + 32 * j);
+        __m256i lo = _mm256_and_si256(v, mask);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        if constexpr (Five) {  // bits 2cc and 2cc + 1 of each qh byte: the two sub-blocks' fifth bits
+          const __m256i h = load256(w + kHigh + 32 * j);
+          lo = _mm256_or_si256(lo, _mm256_and_si256(bit_to_4(h, 2 * cc), five));
+          hi = _mm256_or_si256(hi, _mm256_and_si256(bit_to_4(h, 2 * cc + 1), five));
+        }
+        for (int m = 0; m < MB; ++m) {
+          const int8_t* xb = xq[m] + (s * 8 + 2 * cc) * 32 + 4 * j;
+#if PAGEWIRE_X8_VNNI
+          lo16[m] = _mm256_dpbusd_epi32(lo16[m], lo, broadcast4(xb));
+          hi16[m] = _mm256_dpbusd_epi32(hi16[m], hi, broadcast4(xb + 32));
+#else
+          lo16[m] = _mm256_add_epi16(lo16[m], _mm256_maddubs_epi16(lo, broadcast4(xb)));
+          hi16[m] = _mm256_add_epi16(hi16[m], _mm256_maddubs_epi16(hi, broadcast4(xb + 32)));
+          if constexpr (Five) {
+            if (j == 3) {  // widen the first four chunks' sums before a fifth could pass 32,767
+              lo32[m] = scaled(lo16[m], sc0);
+              hi32[m] = scaled(hi16[m], sc1);
+              lo16[m] = hi16[m] = _mm256_setzero_si256();
+            }
+          }
+#endif
+        }
+      }
       for (int m = 0; m < MB; ++m) {
         const int64_t blk = s * 8 + 2 * cc;
-        sa[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(scaled(lo16[m], sc0)), _mm256_set1_ps(xd[m][blk]), sa[m]);
-        sa[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(scaled(hi16[m], sc1)), _mm256_set1_ps(xd[m][blk + 1]), sa[m]);
+        __m256i dlo = scaled(lo16[m], sc0), dhi = scaled(hi16[m], sc1);
+#if !PAGEWIRE_X8_VNNI
+        if constexpr (Five) {
+          dlo = _mm256_add_epi32(dlo, lo32[m]);
+          dhi = _mm256_add_epi32(dhi, hi32[m]);
+        }
+#endif
+        sa[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dlo), _mm256_set1_ps(xd[m][blk]), sa[m]);
+        sa[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dhi), _mm256_set1_ps(xd[m][blk + 1]), sa[m]);
       }
     }
     // The mins' term: sum over sub-blocks of mn * (activation block's d * sum).
@@ -280,6 +315,21 @@ void row_passes(int64_t M, const Pass& pass) {
     if (left == 2) return pass(std::integral_constant<int, 2>{}, m);
   }
   if (left == 1) pass(std::integral_constant<int, 1>{}, m);
+}
+
+// Q5_K: one group a unit (the VNNI build's pairs, x8k_pairs.h, are Q4_K's alone), kQ5KRows rows a
+// pass (the AVX2 build's 16 registers hold two rows' four sums beside the codes and fifth bits).
+constexpr int kQ5KRows = PAGEWIRE_X8_VNNI ? 4 : 2;
+void run_q5k(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t N) {
+  const int64_t groups = N / kQ4Interleave, group_bytes = kQ4Interleave * (x.K / kQ4_KBlock) * kQ5_KBlockBytes;
+  team_for(groups, N * x.K * x.M >= 65536, [&](int64_t g) {
+    const uint8_t* wg = w + g * group_bytes;
+    const float* bg = bias != nullptr ? bias + g * kQ4Interleave : nullptr;
+    float* og = out + g * kQ4Interleave;
+    row_passes<kQ5KRows>(x.M, [&](auto mb, int64_t m) {
+      q4k::group_k<decltype(mb)::value, true>(x, m, wg, bg, og, ldo);
+    });
+  });
 }
 
 void run_q4k(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t N) {

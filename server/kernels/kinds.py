@@ -17,6 +17,9 @@ class Qtype(StrEnum):
     Q5_K = "q5_k"
     Q6_K = "q6_k"
     MXFP4 = "mxfp4"  # GGUF ships it for experts only (QuantizedExperts in moe_experts)
+    Q5_0 = "q5_0"
+    Q5_1 = "q5_1"
+    IQ4_NL = "iq4_nl"
     # Not quantised: a bf16 matrix moved into the interleaved x8 layout (QuantizedWeight.from_bf16),
     # which the AVX2 bf16 kernel streams fastest; "blocks" of 16 values, 32 bytes.
     BF16 = "bf16"
@@ -37,7 +40,14 @@ class LinearKind(StrEnum):
     Q4_K = "q4_k"
     Q4_KX8 = "q4_kx8"
     Q5_K = "q5_k"
+    Q5_KX8 = "q5_kx8"
     Q6_K = "q6_k"
     Q6_KX8 = "q6_kx8"
     MXFP4 = "mxfp4"  # moe_experts only
+    Q5_0 = "q5_0"
+    Q5_0X8 = "q5_0x8"
+    Q5_1 = "q5_1"
+    Q5_1X8 = "q5_1x8"
+    IQ4_NL = "iq4_nl"
+    IQ4_NLX8 = "iq4_nlx8"
     BF16X8 = "bf16x8"  # pagewire::linear_bf16x8

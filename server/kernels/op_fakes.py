@@ -119,7 +119,8 @@ def _quantize_q4_0_fake(weight):
 # (values, bytes) per block of each qtype string the 4-bit and K-quant ops take ("x8": the interleaved layout).
 _Q4_FORMATS = {"q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
                "q4_0x8": (32, 18), "q4_1x8": (32, 20), "q4_kx8": (256, 144), "q6_kx8": (256, 210),
-               "mxfp4": (32, 17)}
+               "mxfp4": (32, 17), "q5_0": (32, 22), "q5_1": (32, 24), "iq4_nl": (32, 18), "q5_0x8": (32, 22),
+               "q5_1x8": (32, 24), "iq4_nlx8": (32, 18), "q5_kx8": (256, 176)}
 
 
 @torch.library.register_fake("pagewire::interleave_bf16")

@@ -12,12 +12,15 @@ Every format is GGUF's block layout, byte for byte, so a tensor read from a GGUF
     q5_k   256           176          d*sc*q - dmin*mn (as q4_k, 5-bit q: 32 bytes of fifth bits)
     q6_k   256           210          d*sc*(q - 32)    (6-bit q, 16 int8 sc per 16 values, fp16 d)
     mxfp4  32            17           E2M1(q) * 2^(e-127) (u8 exponent e, 32 4-bit q; experts)
+    q5_0   32            22           d * (q - 16)     (fp16 d, 32 fifth bits, 32 4-bit q)
+    q5_1   32            24           d * q + m        (fp16 d, fp16 m, 32 fifth bits, 32 4-bit q)
+    iq4_nl 32            18           d * kvalues[q]   (fp16 d, 32 4-bit q indexing 16 int8 levels)
     bf16   16            32           the bf16 value itself (from_bf16: a float matrix moved, x8 only)
 
 Float weights are quantised at load with `quantize` (q8_0 and q4_0, GGUF's rounding, in C++).
 
-`for_kernels` gives the layout this CPU's kernel reads fastest: on AVX2-family CPUs Q8_0, Q4_0,
-Q4_1 and Q4_K are interleaved eight rows at a time (the same bytes rearranged, csrc/cpu/quant_kernel.h and
+`for_kernels` gives the layout this CPU's kernel reads fastest: on x86 CPUs from AVX2 up every format
+but MXFP4 is interleaved eight rows at a time (the same bytes rearranged, csrc/cpu/quant_kernel.h and
 quant4_kernel.h), which the AVX2 kernels read 1.3-2.5x as fast as GGUF's rows. The model loaders
 call it.
 `server.kernels.ops.linear` runs a QuantizedWeight through pagewire::linear_q8_0 or
@@ -60,16 +63,23 @@ QTYPES: dict[Qtype, BlockFormat] = {
     # the low nibble of byte j, value j + 16 in its high nibble); the 4-bit kernels read it (linear_q4
     # qtype "mxfp4", csrc/cpu/quant4_kernel.h). GGUF files ship it for experts only.
     Qtype.MXFP4: BlockFormat(32, 17),
+    # Q5_0 / Q5_1 / IQ4_NL: the types llama.cpp's quantiser falls back to where a row is not whole
+    # 256-value super-blocks (Q4_K / Q5_K / the low-bit types), and types of their own.
+    Qtype.Q5_0: BlockFormat(32, 22),
+    Qtype.Q5_1: BlockFormat(32, 24),
+    Qtype.IQ4_NL: BlockFormat(32, 18),
     # bf16 in the x8 layout only (from_bf16): the same bytes as the bf16 matrix, moved.
     Qtype.BF16: BlockFormat(16, 32),
 }
 
 # The formats with an interleaved layout (QuantizedWeight.for_kernels).
-INTERLEAVABLE: tuple[Qtype, ...] = (Qtype.Q8_0, Qtype.Q4_0, Qtype.Q4_1, Qtype.Q4_K, Qtype.Q6_K, Qtype.BF16)
+INTERLEAVABLE: tuple[Qtype, ...] = (Qtype.Q8_0, Qtype.Q4_0, Qtype.Q4_1, Qtype.Q4_K, Qtype.Q5_K, Qtype.Q6_K, Qtype.Q5_0,
+                                    Qtype.Q5_1, Qtype.IQ4_NL, Qtype.BF16)
 
 # GGUF tensor type names (gguf.GGMLQuantizationType) -> the qtype that keeps them as they are.
 GGUF_QTYPES: dict[str, Qtype] = {"Q8_0": Qtype.Q8_0, "Q4_0": Qtype.Q4_0, "Q4_1": Qtype.Q4_1, "Q4_K": Qtype.Q4_K,
-                                  "Q5_K": Qtype.Q5_K, "Q6_K": Qtype.Q6_K, "MXFP4": Qtype.MXFP4}
+                                  "Q5_K": Qtype.Q5_K, "Q6_K": Qtype.Q6_K, "MXFP4": Qtype.MXFP4, "Q5_0": Qtype.Q5_0,
+                                  "Q5_1": Qtype.Q5_1, "IQ4_NL": Qtype.IQ4_NL}
 
 # --quantization values that quantise float weights at load, and the format each one stores.
 # ("gguf", which keeps a GGUF file's own block types, is handled by the GGUF loader.)
@@ -167,14 +177,14 @@ class QuantizedWeight:
     def for_kernels(self) -> "QuantizedWeight":
         """This weight in the layout that this CPU's kernel reads fastest (itself when that is its own).
 
-        On x86 CPUs with AVX2 or better, Q8_0, Q4_0, Q4_1, Q4_K and Q6_K weights of at least eight
-        rows are interleaved: a copy of the same bytes, eight rows at a time, so one 32-bit lane of
-        the x8 kernel is one weight row (csrc/cpu/x8_body.h and, for the K-quants, x8k_body.h, each
-        built for AVX2 and for AVX-512 VNNI). On AVX-512 CPUs too: measured on an AMX Xeon,
+        On x86 CPUs with AVX2 or better, weights of every format but MXFP4, of at least eight rows,
+        are interleaved: a copy of the same bytes, eight rows at a time, so one 32-bit lane of the x8
+        kernel is one weight row (csrc/cpu/x8_body.h, x8_q5nl_body.h and, for the K-quants,
+        x8k_body.h, each built for AVX2 and for AVX-512 VNNI). On AVX-512 CPUs too: measured on an AMX Xeon,
         the x8 kernels beat the AVX-512 row kernels at every row count up to the integer kernels'
         limit for 4-bit (1.1-1.9x), and from one row to four for Q8_0 (bench/RESULTS.md, session 20);
         from 4 rows on AMX CPUs Q8_0's x8 layout runs on AMX tiles (linear_q8_0x8_amx, session 21).
-        The portable family reads GGUF's rows; so do Q5_K and MXFP4 everywhere."""
+        The portable family reads GGUF's rows; so does MXFP4 everywhere."""
         if self.interleaved or self.qtype not in INTERLEAVABLE or self.shape[0] < 8 or not x8_here():
             return self
         return self.interleave()

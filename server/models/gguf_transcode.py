@@ -3,18 +3,13 @@ whose blocks say the same values, so `--quantization gguf` keeps them quantised 
 dequantising them to the serving dtype.
 
 Which and why (every value the new blocks dequantise to equals the old one, bit for bit):
-  * Q5_0 -> Q8_0: w = d * (q5 - 16) with q5 in [0, 31] is d * c for the int8 c = q5 - 16, same d.
-    llama.cpp's quantizer falls back to Q5_0 for Q4_K wherever a row is not whole 256-value
-    super-blocks, so a Q4_K_M file of a model whose widths are not multiples of 256 (SmolLM2's 576
-    and 1536, Qwen2.5-0.5B's 896) is mostly Q5_0.
-  * IQ4_NL -> Q8_0: w = d * kvalues[q4], and the 16 kvalues are int8. (IQ4_NL is also the
-    quantizer's fallback for Q2_K, Q3_K and the IQ types in such rows.)
   * Q3_K -> Q6_K: both are 256-value super-blocks of sixteen 16-value sub-blocks under one fp16 d;
     Q3_K's sub-scale (s6 - 32) is an int8 in [-32, 31] and its code (q2 - 4 * !hbit) is in [-4, 3],
     inside Q6_K's int8 scales and (q6 - 32) codes in [-32, 31].
 The values being equal, so is every product d * s * q (each exact in fp32). The new blocks are
-larger: Q8_0 is 34 bytes per 32 values against Q5_0's 22 and IQ4_NL's 18, Q6_K 210 per 256
-against Q3_K's 110, still 1.9-3.8x fewer than bf16's 64 / 512.
+larger (Q6_K 210 bytes per 256 values against Q3_K's 110), still 2.4x fewer than bf16's 512.
+(Q5_0 and IQ4_NL were rewritten into Q8_0 blocks here until they had kernels of their own,
+csrc/cpu/x8_q5nl_body.h: their own 22 and 18 bytes per 32 values now stay as they are.)
 
 Each function takes and gives uint8 arrays whose last axis is a row's (or block run's) bytes.
 """
@@ -27,11 +22,9 @@ import numpy as np
 __all__ = ["TRANSCODES", "kept_type", "kept_nbytes", "transcode"]
 
 # Source type -> the kept type its blocks are rewritten into.
-TRANSCODES = {"Q5_0": "Q8_0", "IQ4_NL": "Q8_0", "Q3_K": "Q6_K"}
+TRANSCODES = {"Q3_K": "Q6_K"}
 
 _CHUNK_VALUES = 1 << 24
-
-_IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 
 
 def _block(type_name: str) -> tuple[int, int]:
@@ -68,37 +61,12 @@ def transcode(type_name: str, raw: np.ndarray) -> np.ndarray:
         raise ValueError(f"{type_name} rows of {raw.shape[-1]} bytes are not whole {nbytes}-byte blocks")
     blocks = raw.reshape(-1, nbytes)
     step = _CHUNK_VALUES // values  # blocks per pass: bounds the uint8 temporaries (16 MB each)
-    run = {"Q5_0": _q5_0_to_q8_0, "IQ4_NL": _iq4_nl_to_q8_0, "Q3_K": _q3_k_to_q6_k}[type_name]
+    run = {"Q3_K": _q3_k_to_q6_k}[type_name]
     target_bytes = _block(target)[1]
     out = np.empty((blocks.shape[0], target_bytes), dtype=np.uint8)
     for i in range(0, blocks.shape[0], step):
         out[i:i + step] = run(blocks[i:i + step])
     return out.reshape(*raw.shape[:-1], raw.shape[-1] // nbytes * target_bytes)
-
-
-def _q8_0(d: np.ndarray, codes: np.ndarray) -> np.ndarray:
-    """Q8_0 blocks from the fp16 scales' bytes [n, 2] and int8 codes [n, 32]."""
-    out = np.empty((d.shape[0], 34), dtype=np.uint8)
-    out[:, :2] = d
-    out[:, 2:] = codes.view(np.uint8)
-    return out
-
-
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """[n, 16] bytes -> [n, 32] codes: the low nibbles are values 0-15, the high ones 16-31."""
-    return np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)
-
-
-def _q5_0_to_q8_0(b: np.ndarray) -> np.ndarray:
-    # d (fp16) | qh (32 high bits, value j's at bit j of the little-endian word) | qs (16 bytes of nibbles)
-    high = np.unpackbits(b[:, 2:6], axis=1, bitorder="little")  # [n, 32]: value j's fifth bit
-    q5 = _nibbles(b[:, 6:22]) | (high << np.uint8(4))
-    return _q8_0(b[:, :2], (q5 - np.uint8(16)).view(np.int8))  # mod 256, read as int8: q5 - 16
-
-
-def _iq4_nl_to_q8_0(b: np.ndarray) -> np.ndarray:
-    # d (fp16) | qs (16 bytes of nibbles indexing the non-linear table)
-    return _q8_0(b[:, :2], _IQ4_NL_VALUES[_nibbles(b[:, 2:18])])
 
 
 def _q3_k_to_q6_k(b: np.ndarray) -> np.ndarray:

@@ -213,14 +213,14 @@ def _add(w: Any, field: Any, value: Any) -> None:
                                              ("qwen3_5", 16, "IQ4_NL")])
 def test_kept_q8_blocks_hold_the_dequantised_files_values(tiny_model: Callable[..., Path], tmp_path: Path,
                                                           arch: str, head: int, qtype: str) -> None:
-    """--quantization gguf keeps every matrix in its Q8_0 blocks, rows (and blocks) moved to the
+    """--quantization gguf keeps every matrix in its blocks, rows (and blocks) moved to the
     model's order: the gated attention's qkv (attn_q's per-head query and gate rows apart), the
     DeltaNet's in_proj (Qwen3.5's tiled value heads regrouped, Qwen3-Next's ssm_ba split), its
     out_proj (Qwen3.5's value-head columns moved as whole blocks where a head fills whole 32-value
     blocks, head size 32; with heads of 16 the blocks stay in the file's column order and the layer
     gathers its input by out_columns), the MLPs and experts. Each kept matrix holds exactly the
     values the dequantised file loads (columns permuted back where they stayed in the file's order).
-    Q5_0 and IQ4_NL files: the same, from the Q8_0 blocks they are rewritten into (gguf_transcode)."""
+    Q5_0 and IQ4_NL files: the same, in their own blocks."""
     from operator import attrgetter
 
     from server.kernels.quant import QuantizedExperts, QuantizedWeight

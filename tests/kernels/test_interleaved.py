@@ -1,4 +1,4 @@
-"""Q8_0, Q4_0 and Q4_1 in the interleaved x8 layouts (csrc/cpu/quant_kernel.h, quant4_kernel.h),
+"""Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL in the interleaved x8 layouts (csrc/cpu/quant_kernel.h, quant4_kernel.h),
 which the model loaders choose on x86 CPUs from AVX2 up (QuantizedWeight.for_kernels): the layout is exactly
 the documented byte permutation, dequantises to what the `gguf` package reads from the original
 rows, and the linear ops on it match a float64 reference on every kernel family this CPU has (the
@@ -15,9 +15,22 @@ from tests.kernels.test_emulated_x8_vnni import activations, weight
 from tests.kernels.test_quant4 import gguf_dequantize, linear_reference, random_q4
 from tests.pairwise import pairwise
 
-X8_TYPES = ["q8_0", "q4_0", "q4_1"]
-# Per qtype: block bytes, the x8 block's scale bytes, the codes' offset in a row block, chunks per block.
-LAYOUT = {"q8_0": (34, 16, 2, 8), "q4_0": (18, 16, 2, 4), "q4_1": (20, 32, 4, 4)}
+X8_TYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]
+# Per qtype: block bytes, where the x8 block's chunks start (after the scales and Q5's fifth bits),
+# the codes' offset in a row block, chunks per block.
+LAYOUT = {"q8_0": (34, 16, 2, 8), "q4_0": (18, 16, 2, 4), "q4_1": (20, 32, 4, 4), "q5_0": (22, 48, 6, 4),
+          "q5_1": (24, 64, 8, 4), "iq4_nl": (18, 16, 2, 4)}
+
+
+def x8_fifth_bits(qh: int) -> int:
+    """A row's Q5 fifth-bit word (bit j: value j) as the x8 layout stores it (quant4_kernel.h): byte
+    i holds at bit c the bit of value 4c + i and at bit 4 + c that of value 16 + 4c + i."""
+    out = 0
+    for i in range(4):
+        for c in range(4):
+            out |= ((qh >> (4 * c + i)) & 1) << (8 * i + c)
+            out |= ((qh >> (16 + 4 * c + i)) & 1) << (8 * i + 4 + c)
+    return out
 
 
 def random_weight(qtype: str, n: int, k: int, seed: int, zero_rows: tuple[int, ...] = ()) -> QuantizedWeight:
@@ -51,8 +64,14 @@ def test_interleave_is_the_documented_permutation(qtype: str, N: int) -> None:
             for r in range(8):
                 row = src[8 * g + r, b * block: (b + 1) * block]
                 assert torch.equal(blk[2 * r: 2 * r + 2], row[:2])  # d
-                if qtype == "q4_1":
+                if qtype in ("q4_1", "q5_1"):
                     assert torch.equal(blk[16 + 2 * r: 18 + 2 * r], row[2:4])  # m
+                if qtype in ("q5_0", "q5_1"):  # the fifth bits, rearranged, after the scales
+                    at = codes - 4
+                    qh = int.from_bytes(bytes(row[at:at + 4].tolist()), "little")
+                    start = scale_bytes - 32 + 4 * r
+                    x8_word = int.from_bytes(bytes(blk[start:start + 4].tolist()), "little")
+                    assert x8_word == x8_fifth_bits(qh)
                 for c in range(chunks):
                     start = scale_bytes + 32 * c + 4 * r
                     assert torch.equal(blk[start: start + 4], row[codes + 4 * c: codes + 4 * c + 4])
@@ -143,7 +162,7 @@ VNNI_SHAPES = [(64, 256), (40, 512), (40, 1024)]
 
 @pytest.mark.skipif("avx512" not in available_isas(),
                     reason="needs a CPU with AVX-512 VNNI (test_emulated_x8_vnni.py covers it on any CPU)")
-@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k"])
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "iq4_nl"])
 @pytest.mark.parametrize("extreme", [False, True])
 def test_vnni_x8_is_the_avx2_x8_bit_for_bit_natively(monkeypatch: pytest.MonkeyPatch, qtype: str, extreme: bool) -> None:
     for n, k in VNNI_SHAPES:
@@ -194,25 +213,27 @@ def test_for_kernels_interleaves_for_every_x86_kernel_family(monkeypatch: pytest
         assert prepared.interleaved == x86 and prepared.qtype == qw.qtype and prepared.shape == qw.shape
         assert torch.equal(prepared.dequantize(), qw.dequantize())
         assert prepared.for_kernels() is prepared
-    for qw in (random_q4("q5_k", 16, 256, seed=5), random_q4("q4_0", 7, 256, seed=4)):  # no x8 layout; < 8 rows
+    for qw in (random_q4("mxfp4", 16, 256, seed=5), random_q4("q4_0", 7, 256, seed=4)):  # no x8 layout; < 8 rows
         assert qw.for_kernels() is qw
     monkeypatch.setenv("PAGEWIRE_CPU_ISA", "portable")
     assert q0.for_kernels() is q0 and q8.for_kernels() is q8  # the portable kernels read rows
 
 
 def test_interleaved_arguments_are_checked() -> None:
-    qk = random_q4("q5_k", 8, 256, seed=0)
+    qk = random_q4("mxfp4", 8, 256, seed=0)
     with pytest.raises(ValueError,
-                       match="interleaved: only q8_0, q4_0, q4_1, q4_k, q6_k, bf16 have an interleaved layout, not q5_k"):
-        QuantizedWeight("q5_k", qk.data, (8, 256), interleaved=True)
-    with pytest.raises(RuntimeError, match="qtype must be 'q4_0', 'q4_1', 'q4_k' or 'q6_k' \\(row layout\\), got 'q5_k'"):
-        torch.ops.pagewire.interleave_q4(qk.data, "q5_k")
-    with pytest.raises(ValueError, match="interleaved: q5_k has no interleaved layout"):
+                       match="interleaved: only q8_0, q4_0, q4_1, q4_k, q5_k, q6_k, q5_0, q5_1, iq4_nl, bf16 have an "
+                             "interleaved layout, not mxfp4"):
+        QuantizedWeight("mxfp4", qk.data, (8, 256), interleaved=True)
+    with pytest.raises(RuntimeError, match="qtype must be a row-layout qtype with an x8 layout \\('q4_0', 'q4_1', "
+                                           "'q4_k', 'q5_k', 'q6_k', 'q5_0', 'q5_1' or 'iq4_nl'\\), got 'mxfp4'"):
+        torch.ops.pagewire.interleave_q4(qk.data, "mxfp4")
+    with pytest.raises(ValueError, match="interleaved: mxfp4 has no interleaved layout"):
         qk.interleave()
     x8 = interleave(random_q4("q4_0", 8, 64, seed=0))
     with pytest.raises(ValueError, match="interleaved: q4_0 is already interleaved layout"):
         x8.interleave()
-    with pytest.raises(RuntimeError, match="qtype must be 'q4_0', 'q4_1', 'q4_k' or 'q6_k' \\(row layout\\), got 'q4_0x8'"):
+    with pytest.raises(RuntimeError, match="qtype must be a row-layout qtype with an x8 layout .*, got 'q4_0x8'"):
         torch.ops.pagewire.interleave_q4(x8.data, "q4_0x8")
     with pytest.raises(RuntimeError, match="weight must be \\[N, 36\\] q4_0x8 bytes"):
         torch.ops.pagewire.linear_q4(torch.randn(2, 64), x8.data[:, :30], "q4_0x8", None)

@@ -1,4 +1,4 @@
-"""The K-quants kept in their blocks: Q5_K and Q6_K (row layout) and Q4_K in the x8 layout, through
+"""The K-quants kept in their blocks, in GGUF's row layout and in the x8 layout, through
 pagewire::linear_q4, on every kernel family this CPU has.
 
 Each is checked against the `gguf` package's dequantiser (an independent reading of the block
@@ -20,7 +20,7 @@ from tests.kernels.test_quant4 import gguf_dequantize, linear_reference, random_
 
 K_TYPES = ["q4_k", "q5_k", "q6_k"]
 # (qtype, interleaved): every K-quant layout a QuantizedWeight can hold.
-LAYOUTS = [("q4_k", False), ("q4_k", True), ("q5_k", False), ("q6_k", False), ("q6_k", True)]
+LAYOUTS = [("q4_k", False), ("q4_k", True), ("q5_k", False), ("q5_k", True), ("q6_k", False), ("q6_k", True)]
 
 
 def weight(qtype: str, interleaved: bool, n: int, k: int, seed: int, zero_rows: tuple[int, ...] = ()) -> tuple[
@@ -49,7 +49,30 @@ def test_q4_k_x8_is_the_same_bytes_rearranged() -> None:
     assert sorted(x8.data[:8].flatten().tolist()) == sorted(rows.data[:8].flatten().tolist())
     if ops.cpu_isa() != "portable":
         assert rows.for_kernels().interleaved  # the layout the x8 kernels read
-    assert not random_q4("q5_k", 8, 256, seed=3).for_kernels().interleaved  # no x8 layout: kept in rows
+    assert not random_q4("q4_k", 7, 256, seed=3).for_kernels().interleaved  # under eight rows: kept in rows
+
+
+def test_q5_k_x8_is_the_documented_permutation() -> None:
+    """quant4_kernel.h's Q5_K x8 layout, byte for byte: Q4_K's (d, dmin, the three packed scale words,
+    32 code chunks from each block's byte 48), then 8 qh chunks (bytes 4j..4j+3 of each row's 32)."""
+    rows = random_q4("q5_k", 21, 512, seed=6)  # two whole groups and a 5-row tail
+    x8 = rows.interleave()
+    assert x8.interleaved and x8.op_qtype == "q5_kx8" and x8.data.shape == rows.data.shape
+    for g in range(2):
+        out = x8.data[8 * g: 8 * g + 8].reshape(-1)
+        for s in range(2):
+            sb = out[s * 8 * 176: (s + 1) * 8 * 176]
+            for r in range(8):
+                blk = rows.data[8 * g + r, s * 176: (s + 1) * 176]
+                assert torch.equal(sb[2 * r: 2 * r + 2], blk[0:2]) and torch.equal(sb[16 + 2 * r: 18 + 2 * r], blk[2:4])
+                for w in range(3):
+                    assert torch.equal(sb[32 + 32 * w + 4 * r: 36 + 32 * w + 4 * r], blk[4 + 4 * w: 8 + 4 * w])
+                for c in range(32):
+                    assert torch.equal(sb[128 + 32 * c + 4 * r: 132 + 32 * c + 4 * r], blk[48 + 4 * c: 52 + 4 * c])
+                for j in range(8):
+                    assert torch.equal(sb[1152 + 32 * j + 4 * r: 1156 + 32 * j + 4 * r], blk[16 + 4 * j: 20 + 4 * j])
+    assert torch.equal(x8.data[16:], rows.data[16:])  # the tail stays in row layout
+    assert torch.equal(x8.dequantize(), gguf_dequantize(rows))
 
 
 def test_q6_k_x8_is_the_documented_permutation() -> None:

@@ -1,5 +1,5 @@
-"""4-bit weights in GGUF's Q4_0 / Q4_1 / Q4_K / MXFP4 layouts: dequantisation equals the `gguf` package's
-(an independent implementation), quantize_q4_0 writes GGUF's bytes, and pagewire::linear_q4
+"""4-bit and 5-bit weights in GGUF's Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL / Q4_K / MXFP4 layouts: dequantisation
+equals the `gguf` package's (an independent implementation), quantize_q4_0 writes GGUF's bytes, and pagewire::linear_q4
 matches a float64 reference of the dequantised weights on every kernel family this CPU has."""
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ from tests.gguf_files import random_k_blocks
 from tests.kernels.conftest import available_isas
 from tests.pairwise import pairwise
 
-Q4_TYPES = ["q4_0", "q4_1", "q4_k", "mxfp4"]  # (Q5_K and Q6_K: test_kquants.py)
+Q4_TYPES = ["q4_0", "q4_1", "q4_k", "mxfp4", "q5_0", "q5_1", "iq4_nl"]  # (Q5_K and Q6_K: test_kquants.py)
 GGML_NAMES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K", "q8_0": "Q8_0",
-              "mxfp4": "MXFP4"}
+              "mxfp4": "MXFP4", "q5_0": "Q5_0", "q5_1": "Q5_1", "iq4_nl": "IQ4_NL"}
+# Where a 32-value block's fp16 scales sit (d, and m for the types with a minimum).
+HALVES = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "iq4_nl": (0,)}
 K_HALVES = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}  # where a K-quant block's fp16 scales sit
 
 
@@ -35,7 +37,7 @@ def random_q4(qtype: str, n: int, k: int, seed: int, zero_rows: tuple[int, ...] 
         return QuantizedWeight.from_gguf_bytes(qtype, torch.from_numpy(data.reshape(n, -1).copy()), n, k)
     else:
         data = rng.integers(0, 256, size=(n, k // 32, fmt.nbytes), dtype=np.uint8)
-        halves = (0,) if qtype == "q4_0" else (0, 2)
+        halves = HALVES[qtype]
         for off in halves:
             v = rng.uniform(0.002, 0.02, size=data.shape[:2]) * rng.choice([-1.0, 1.0], size=data.shape[:2])
             data[:, :, off:off + 2] = np.asarray(v, dtype=np.float16)[..., None].view(np.uint8)
@@ -116,7 +118,8 @@ def test_linear_q4_matches_float64_reference(
 
 
 @pytest.mark.parametrize("qtype,K", [("q4_0", 512), ("q4_1", 512), ("q4_k", 512), ("q4_0", 352), ("q4_1", 800),
-                                     ("mxfp4", 352), ("mxfp4", 512)])
+                                     ("mxfp4", 352), ("mxfp4", 512), ("q5_0", 352), ("q5_1", 800),
+                                     ("iq4_nl", 512)])
 def test_kernel_families_agree(cpu_isa: str, qtype: str, K: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same integer dot products: the SIMD kernel equals the portable one up to fp32 summation
     order. K = 352 and 800 (11 and 25 blocks) leave the AVX2 kernel's eight-block steps a tail
@@ -129,7 +132,7 @@ def test_kernel_families_agree(cpu_isa: str, qtype: str, K: int, monkeypatch: py
     torch.testing.assert_close(y, ops.linear(x, qw), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q4_k", "q6_k", "q8_0"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q4_k", "q6_k", "q8_0", "q5_0", "q5_1", "iq4_nl"])
 @pytest.mark.parametrize("interleave", [False, True])
 def test_bf16_rows_equal_the_fp32_kernel_rounded(cpu_isa: str, qtype: str, interleave: bool) -> None:
     """bf16 activations are widened and the fp32 results rounded inside the op (float_rows.h), not by
@@ -140,7 +143,7 @@ def test_bf16_rows_equal_the_fp32_kernel_rounded(cpu_isa: str, qtype: str, inter
     K = 768 if qtype in ("q4_k", "q6_k") else 800
     qw = (QuantizedWeight.quantize(torch.randn(45, K, generator=gen)) if qtype == "q8_0"
           else random_q4(qtype, 45, K, seed=5))
-    if interleave and qtype in ("q4_0", "q4_1", "q4_k", "q6_k", "q8_0"):
+    if interleave:
         qw = qw.interleave()
     b = torch.randn(45, generator=gen).bfloat16()
     for m in (1, 3, 16):
@@ -156,7 +159,8 @@ def test_bf16_rows_equal_the_fp32_kernel_rounded(cpu_isa: str, qtype: str, inter
     assert torch.equal(ops.linear(xh, qw, None), ops.linear(xh.float(), qw, None).half())
 
 
-@pytest.mark.parametrize("qtype,K", [("q4_0", 352), ("q4_1", 800), ("q4_k", 768), ("q8_0", 800), ("mxfp4", 800)])
+@pytest.mark.parametrize("qtype,K", [("q4_0", 352), ("q4_1", 800), ("q4_k", 768), ("q8_0", 800), ("mxfp4", 800),
+                                     ("q5_0", 352), ("q5_1", 800), ("iq4_nl", 352)])
 def test_rows_do_not_depend_on_the_batch(cpu_isa: str, qtype: str, K: int) -> None:
     """Deterministic mode: a row's output is bit-identical whatever the number of rows beside it
     (the kernels tile M in fours, twos and ones, and M = 1 takes its own weight-row tiling)."""
@@ -180,7 +184,7 @@ def test_linear_q4_tail_blocks_match_float64_reference(cpu_isa: str, monkeypatch
     the AVX2 kernel's 1-row and several-row tilings: near the float64 reference (activation
     rounding, a few outputs: a looser bound than the large test's) and equal to the portable
     kernel up to fp32 summation order."""
-    for qtype in ("q4_0", "q4_1", "mxfp4"):
+    for qtype in ("q4_0", "q4_1", "mxfp4", "q5_0", "q5_1", "iq4_nl"):
         for K in (352, 800):
             for M in (1, 6):
                 gen = torch.Generator().manual_seed(K + M)
@@ -206,9 +210,11 @@ def test_bad_arguments_name_the_argument() -> None:
     q0 = random_q4("q4_0", 8, 64, seed=0)
     with pytest.raises(RuntimeError, match="weight must be \\[N, 36\\] q4_0 bytes"):
         torch.ops.pagewire.linear_q4(torch.randn(2, 64), q0.data[:, :30], "q4_0", None)
-    with pytest.raises(RuntimeError, match="qtype must be 'q4_0', 'q4_1', 'q4_k', 'q5_k', 'q6_k', 'q4_0x8', 'q4_1x8', "
-                                           "'q4_kx8', 'q6_kx8' or 'mxfp4', got 'q5_0'"):
-        torch.ops.pagewire.linear_q4(torch.randn(2, 64), q0.data, "q5_0", None)
+    with pytest.raises(RuntimeError, match="qtype must be 'q4_0', 'q4_1', 'q4_k', 'q5_k', 'q6_k', 'mxfp4', 'q5_0', "
+                                           "'q5_1', 'iq4_nl', 'q4_0x8', .*'iq4_nlx8', got 'q3_k'"):
+        torch.ops.pagewire.linear_q4(torch.randn(2, 64), q0.data, "q3_k", None)
+    with pytest.raises(RuntimeError, match="got 'mxfp4x8'"):  # MXFP4 has no x8 layout
+        torch.ops.pagewire.linear_q4(torch.randn(2, 64), q0.data, "mxfp4x8", None)
     with pytest.raises(RuntimeError, match="bias must be"):
         torch.ops.pagewire.linear_q4(torch.randn(2, 64), q0.data, "q4_0", torch.randn(9))
     with pytest.raises(RuntimeError, match="multiple of 32 for q4_0"):

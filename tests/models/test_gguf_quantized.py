@@ -1,4 +1,4 @@
-"""--quantization gguf (a GGUF file's Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 matrices kept in their blocks) and int4
+"""--quantization gguf (a GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL/Q4_K/Q5_K/Q6_K/Q8_0 matrices kept in their blocks) and int4
 (Q4_0 at load): the model holds QuantizedWeights, and its logits track the same file loaded
 dequantised (prefill exactly, up to GEMM order; decode within the 8-bit activation rounding)."""
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _assert_tracks(ours: torch.Tensor, want: torch.Tensor) -> None:
     assert err < 8e-2
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL"])
 def test_gguf_blocks_kept_and_logits_track_the_dequantised_file(
     qtype: str, k_sized_model: Path, tmp_path: Path
 ) -> None:
@@ -55,8 +55,8 @@ def test_gguf_blocks_kept_and_logits_track_the_dequantised_file(
     ref, _ = load_model(path, dtype="float32")
     matrices = [getattr(layer, n) for layer in kept._layers for n in layer.MATRICES] + [kept.lm_head]
     assert all(isinstance(w, QuantizedWeight) and w.qtype == qtype.lower() for w in matrices)
-    # The loader puts Q8_0, Q4_0, Q4_1, Q4_K and Q6_K in the layout this CPU's kernel reads fastest.
-    assert all(w.interleaved == (qtype != "Q5_K" and x8_here()) for w in matrices)
+    # The loader puts every type in the layout this CPU's kernel reads fastest.
+    assert all(w.interleaved == x8_here() for w in matrices)
     assert not any(p.dtype == torch.uint8 for p in kept.parameters())
     # The kept blocks are the file's: dequantised, they are exactly what the float loader built
     # (which also checks the Q/K un-permutation of whole block rows).
@@ -73,18 +73,18 @@ def test_gguf_blocks_kept_and_logits_track_the_dequantised_file(
     _assert_tracks(_logits(kept, tokens), _logits(ref, tokens))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "Q5_1"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "Q5_1", "Q2_K"])
 def test_tied_table_is_the_lm_heads_blocks(qtype: str, tmp_path: Path) -> None:
     """A tied model's embedding rows are gathered from the lm_head's own QuantizedWeight (x8 on
     AVX2 CPUs): one copy of token_embd, and exactly the float loader's rows and logits' inputs. A
-    type without a row dequantiser (Q5_1) keeps the float table, tied to a float lm_head."""
+    type without a kernel (Q2_K) keeps the float table, tied to a float lm_head."""
     hf = make_tiny_model(tmp_path / "tied", "llama", vocab_size=VOCAB, hidden_size=256, intermediate_size=512,
                          num_hidden_layers=1, tie_word_embeddings=True)
     path = write_gguf(tmp_path / f"{qtype}.gguf", hf, qtype)
     kept, _ = load_model(path, dtype="float32", keep_gguf_blocks=True)
     ref, _ = load_model(path, dtype="float32")
     assert ref.lm_head is ref.embed_tokens
-    if qtype == "Q5_1":
+    if qtype == "Q2_K":
         assert isinstance(kept.embed_tokens, torch.Tensor) and kept.lm_head is kept.embed_tokens
         assert torch.equal(kept.embed_tokens, ref.embed_tokens)
         return
@@ -149,7 +149,8 @@ def test_gguf_quantization_is_validated(k_sized_model: Path) -> None:
         load_model(k_sized_model, keep_gguf_blocks=True)
 
 
-@pytest.mark.parametrize("qtype,tied", [("Q4_1", False), ("F32", False), ("Q4_K", True), ("Q5_1", True), ("Q5_0", True)])
+@pytest.mark.parametrize("qtype,tied", [("Q4_1", False), ("F32", False), ("Q4_K", True), ("Q5_1", True), ("Q5_0", True),
+                                        ("Q2_K", True)])
 def test_plan_counts_the_kept_blocks(qtype: str, tied: bool, k_sized_model: Path, tmp_path: Path) -> None:
     """`pagewire plan --quantization gguf` counts exactly the bytes the loaded model holds (F32: nothing
     kept; tied: one table, the lm_head's blocks, or a float one where the type has no row dequantiser)."""

@@ -1,9 +1,10 @@
-"""Q5_0, IQ4_NL and Q3_K blocks rewritten at load into Q8_0 / Q6_K blocks (server.models.gguf_transcode):
-every value the new blocks hold is the old block's, bit for bit, by the `gguf` package's dequantisers
-and by transformers' own (an independent implementation) where it has the type. With --quantization
-gguf such a file's matrices -- fused parts and stacked experts too -- are kept in the new blocks,
-dequantise to exactly what the float loader builds, their logits track the file loaded dequantised,
-and `pagewire plan` counts the bytes they take."""
+"""Q3_K blocks rewritten at load into Q6_K blocks (server.models.gguf_transcode): every value the new
+blocks hold is the old block's, bit for bit, by the `gguf` package's dequantisers and by
+transformers' own (an independent implementation). With --quantization gguf such a file's matrices
+are kept in the new blocks, dequantise to exactly what the float loader builds, their logits track
+the file loaded dequantised, and `pagewire plan` counts the bytes they take. Mixed files: llama.cpp's
+fallback types (Q5_0 in an odd-width Q4_K_M, Q3_K beside Q4_K) fuse by the types they are kept in,
+and stacked experts of Q5_0 / IQ4_NL (kept in their own blocks since these have kernels) are kept."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,7 +24,7 @@ from tests.models.test_gguf_quantized import DECODE_STEPS, PROMPT_LEN, _assert_t
 from tests.tiny_models import make_tiny_model
 
 # (values, bytes) per block, and where each block's fp16 scale is.
-_SOURCE = {"Q5_0": (32, 22, 0), "IQ4_NL": (32, 18, 0), "Q3_K": (256, 110, 108)}
+_SOURCE = {"Q3_K": (256, 110, 108)}
 
 
 def _blocks(src: str, n: int, seed: int) -> np.ndarray:
@@ -59,7 +60,7 @@ def test_transcoded_blocks_hold_the_same_values(src: str, lead: tuple[int, ...])
     assert np.array_equal(want.view(np.uint32), got.view(np.uint32))  # bit for bit, signed zeros too
 
 
-@pytest.mark.parametrize("src", ["IQ4_NL", "Q3_K"])
+@pytest.mark.parametrize("src", ["Q3_K"])
 def test_transcoded_blocks_match_transformers_dequantiser(src: str) -> None:
     """transformers' torch dequantisers (not the `gguf` package's) read the same values from both."""
     from gguf import GGMLQuantizationType
@@ -122,11 +123,11 @@ def q3_k_m(name: str) -> str:
     return "Q4_K" if name.endswith("attn_v.weight") else "Q3_K"
 
 
-@pytest.mark.parametrize("mix,qkv", [(odd_width_q4_k_m, ("q8_0",)), (q3_k_m, ("q6_k", "q4_k"))])
+@pytest.mark.parametrize("mix,qkv", [(odd_width_q4_k_m, ("q5_0", "q8_0")), (q3_k_m, ("q6_k", "q4_k"))])
 def test_mixed_files_fuse_by_the_kept_types(mix: Callable[[str], str], qkv: tuple[str, ...],
                                              k_sized_model: Path, tmp_path: Path) -> None:
-    """A fused qkv of Q5_0 q/k and a Q8_0 v is one Q8_0 matrix once transcoded; Q3_K q/k beside a
-    Q4_K v stay two runs (Q6_K and Q4_K blocks)."""
+    """A fused qkv of Q5_0 q/k and a Q8_0 v stays two runs (each type in its own blocks), as do
+    Q3_K q/k beside a Q4_K v (Q6_K and Q4_K blocks)."""
     path = write_gguf(tmp_path / "mix.gguf", k_sized_model, "Q8_0", qtype_of=mix)
     kept, _ = load_model(path, dtype="float32", keep_gguf_blocks=True)
     ref, _ = load_model(path, dtype="float32")
@@ -139,9 +140,9 @@ def test_mixed_files_fuse_by_the_kept_types(mix: Callable[[str], str], qkv: tupl
     _assert_tracks(_logits(kept, tokens), _logits(ref, tokens))
 
 
-def test_expert_stacks_are_kept_transcoded(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+def test_expert_stacks_keep_q5_0_and_iq4_nl_blocks(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
     """A Qwen2-MoE whose experts are Q5_0 (and shared expert IQ4_NL): its stacks are QuantizedExperts
-    of Q8_0 blocks, each expert exactly the float loader's, and the logits track the float file's
+    of Q5_0 blocks, each expert exactly the float loader's, and the logits track the float file's
     within the 8-bit activation rounding."""
     hf = tiny_model("qwen2moe", hidden_size=256, intermediate_size=256, head_dim=64, num_attention_heads=4,
                     num_key_value_heads=2, num_hidden_layers=2, moe_intermediate_size=256,
@@ -155,9 +156,9 @@ def test_expert_stacks_are_kept_transcoded(tiny_model: Callable[..., Path], tmp_
     for mk, mr in sparse:
         for n in ("experts_gate_up", "experts_down"):
             stack = getattr(mk, n)
-            assert isinstance(stack, QuantizedExperts) and stack.qtype == "q8_0"
+            assert isinstance(stack, QuantizedExperts) and stack.qtype == "q5_0"
             assert torch.equal(stack.dequantize(), getattr(mr, n)), n
-        assert isinstance(mk.shared_gate_up_weight, QuantizedWeight) and mk.shared_gate_up_weight.qtype == "q8_0"
+        assert isinstance(mk.shared_gate_up_weight, QuantizedWeight) and mk.shared_gate_up_weight.qtype == "iq4_nl"
         assert torch.equal(mk.shared_gate_up_weight.dequantize(), mr.shared_gate_up_weight)
     # The experts run on the quantised kernels in prefill too (8-bit activations: no exact prefill).
     tokens = random_tokens(PROMPT_LEN + DECODE_STEPS, VOCAB, seed=13)

@@ -1,0 +1,138 @@
+// Q5_0, Q5_1 and IQ4_NL weights in GGUF's row layout x Q8 activations on AVX2 (layouts in
+// quant4_kernel.h); linear_q4_avx2 and linear_q4_avx512 call it for those types. On x86 a weight of
+// eight rows or more is interleaved at load (QuantizedWeight.for_kernels) and runs through the x8
+// kernels (x8_q5nl_body.h), so this serves a weight's last N % 8 rows and weights of fewer than
+// eight: it is kept simple, one block of 32 codes at a time.
+//
+// Per block: the 32 codes in natural order in one register (the nibbles' two halves side by side;
+// Q5's fifth bits spread from the qh word by a byte shuffle, a mask and a compare; IQ4_NL's levels
+// by a byte shuffle of the nibbles), then per activation row one maddubs and one madd (Q5: codes
+// 0..31, pairs at most 2 * 31 * 127; IQ4_NL: |level| times x with the level's sign, pairs at most
+// 2 * 127 * 127, neither saturates) and one FMA of the block's d * xd into eight lanes. The offset
+// term (Q5_0: -16 d, Q5_1: m, times the activation block's d * sum) is a scalar FMA per block.
+//
+// Batch invariance (docs/determinism.md): every output (m, n) has its own accumulators, updated in
+// K order with the same instructions whatever the tile of activation rows, then one fixed
+// horizontal sum.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+// Headers first: inline functions they define must keep the baseline ISA.
+#include "quant4_kernel.h"
+#include "team_kernel.h"
+#include "x86_target.h"
+
+PAGEWIRE_TARGET_PUSH("avx2,fma,f16c")
+
+#include "avx2_util.h"
+
+namespace pagewire::cpu {
+namespace {
+
+inline float fp16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// A block's 32 codes in natural order (Q5: 0..31; IQ4_NL: the signed levels).
+template <Q4Type T>
+inline __m256i block_codes(const uint8_t* blk) {
+  constexpr bool mins = T == Q4Type::kQ5_1;
+  constexpr int qs_at = (mins ? 4 : 2) + (T == Q4Type::kIQ4_NL ? 0 : 4);
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + qs_at));
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  __m256i q = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1), mask);
+  if constexpr (T == Q4Type::kIQ4_NL) {
+    const __m256i lut = _mm256_broadcastsi128_si256(
+        _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
+    return _mm256_shuffle_epi8(lut, q);
+  } else {
+    uint32_t qh;
+    std::memcpy(&qh, blk + (mins ? 4 : 2), 4);
+    // Byte k takes qh's byte k / 8 (a shuffle within each 128-bit half: bytes 0-1 low, 2-3 high),
+    // then its bit k % 8.
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(static_cast<int>(qh)),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+  }
+}
+
+// Weight row wr times activation rows [m0, m0 + MB) -> out[m * ldo].
+template <Q4Type T, int MB>
+void row_tile(const Q8SumActivations& x, int64_t m0, const uint8_t* wr, float bias, float* out, int64_t ldo) {
+  const int64_t nb = x.K / 32;
+  const int bb = q4_block_bytes(T);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MB];
+  float off[MB];
+  for (int m = 0; m < MB; ++m) {
+    acc[m] = _mm256_setzero_ps();
+    off[m] = 0.f;
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = wr + b * bb;
+    avx2::prefetch(blk + avx2::kPrefetchRows * 64);
+    const float d = fp16(blk);
+    const __m256i q = block_codes<T>(blk);
+    [[maybe_unused]] const __m256i aq = _mm256_abs_epi8(q);
+    for (int m = 0; m < MB; ++m) {
+      const int64_t i = (m0 + m) * nb + b;
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (m0 + m) * x.K + b * 32));
+      const __m256i p16 = T == Q4Type::kIQ4_NL ? _mm256_maddubs_epi16(aq, _mm256_sign_epi8(xv, q))
+                                                : _mm256_maddubs_epi16(q, xv);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones)), _mm256_set1_ps(d * x.d[i]), acc[m]);
+      if constexpr (T == Q4Type::kQ5_0) {
+        off[m] = std::fma(-16.f * d, x.s[i], off[m]);
+      } else if constexpr (T == Q4Type::kQ5_1) {
+        off[m] = std::fma(fp16(blk + 2), x.s[i], off[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[(m0 + m) * ldo] = avx2::hsum(acc[m]) + off[m] + bias;
+}
+
+template <Q4Type T>
+void run(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t N) {
+  const int64_t row_bytes = x.K / 32 * q4_block_bytes(T);
+  team_for(N, N * x.K * x.M >= 65536, [&](int64_t n) {
+    const uint8_t* wr = w + n * row_bytes;
+    const float bn = bias != nullptr ? bias[n] : 0.f;
+    int64_t m = 0;
+    for (; m + 4 <= x.M; m += 4) row_tile<T, 4>(x, m, wr, bn, out + n, ldo);
+    switch (x.M - m) {
+      case 3:
+        row_tile<T, 3>(x, m, wr, bn, out + n, ldo);
+        break;
+      case 2:
+        row_tile<T, 2>(x, m, wr, bn, out + n, ldo);
+        break;
+      case 1:
+        row_tile<T, 1>(x, m, wr, bn, out + n, ldo);
+        break;
+      default:
+        break;
+    }
+  });
+}
+
+}  // namespace
+
+void linear_q5nl_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,
+                      int64_t ldo, int64_t N) {
+  if (t == Q4Type::kQ5_0) {
+    run<Q4Type::kQ5_0>(x, w, bias, out, ldo, N);
+  } else if (t == Q4Type::kQ5_1) {
+    run<Q4Type::kQ5_1>(x, w, bias, out, ldo, N);
+  } else {
+    run<Q4Type::kIQ4_NL>(x, w, bias, out, ldo, N);
+  }
+}
+
+}  // namespace pagewire::cpu
+
+PAGEWIRE_TARGET_POP

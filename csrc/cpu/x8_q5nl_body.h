@@ -1,0 +1,176 @@
+// The x8 group kernel of Q5_0, Q5_1 and IQ4_NL (layouts in quant4_kernel.h), part of x8_body.h and
+// compiled with it twice: the AVX2 build (PAGEWIRE_X8_VNNI 0, maddubs) and the AVX-512 VNNI one
+// (256-bit vpdpbusd). Included inside x8_body.h's anonymous namespace, after its helpers.
+//
+// The three keep their own bytes (22, 24 and 18 per 32 values), where they used to be rewritten at
+// load into Q8_0's 34 (Q5_0, IQ4_NL) or dequantised to bf16's 64 (Q5_1): a single stream reads
+// 1.4-2.7x fewer bytes. Per 32-byte chunk of codes (eight values of each of the eight rows):
+//  * Q5: the nibbles as Q4_0's, each ORed with its fifth bit, which the layout's rearranged qh word
+//    gives in two shifts and a mask per half (shared by every activation row); codes 0..31, so the
+//    unsigned x signed products are those of Q4 with one more bit. AVX2: a chunk's two maddubs
+//    (pairs at most 2 * 31 * 127, their sum 15,748) are widened by one madd per chunk, as a block's
+//    four chunks could pass 32,767 in 16 bits. The offset term is Q4_0's with 16 (Q5_0: -16 d xs)
+//    or Q4_1's (Q5_1: m xs).
+//  * IQ4_NL: one byte shuffle turns a nibble into its signed level. AVX2 takes Q8_0's route (|w|
+//    times x with w's sign moved onto it, each maddubs widened alone: a pair can reach
+//    2 * 127 * 127); VNNI looks up level + 128 (unsigned) and starts each block's chain at -128
+//    times the block's activation codes, as Q8_0's VNNI build does. Either way the block's integer
+//    is sum(level * x), and the epilogue is Q8_0's (acc += d * (dot * xd)): the same floats as the
+//    Q8_0 blocks the loader used to transcode IQ4_NL into.
+// Every integer sum is exact in both builds, so they give the same floats, bit for bit.
+//
+// On AVX2 (16 vector registers) a unit is one group (NG = 1): a second group's codes and fifth
+// bits (or IQ4_NL's levels and their magnitudes) and sums would not fit beside four activation
+// rows. The VNNI build has 32 and takes pairs, as group4 does.
+#pragma once
+
+namespace q5nl {
+
+template <Q4Type T>
+constexpr bool kNonLinear = T == Q4Type::kIQ4_NL;
+template <Q4Type T>
+constexpr int kScaleBytes = T == Q4Type::kQ5_1 ? 32 : 16;  // d (and m) of the eight rows
+template <Q4Type T>
+constexpr int kHighBytes = kNonLinear<T> ? 0 : 32;  // the rearranged fifth bits
+template <Q4Type T>
+constexpr int kBlockBytes = kScaleBytes<T> + kHighBytes<T> + 128;  // eight rows' block
+
+// Groups per unit from two activation rows up (pair_min_rows): see the header comment.
+constexpr int kMaxGroups = PAGEWIRE_X8_VNNI ? 2 : 1;
+
+// -128 times each (row, block)'s activation codes (IQ4_NL's VNNI chain start), per calling thread.
+inline const int32_t* code_offsets(const Q8SumActivations& x) {
+  thread_local std::vector<int32_t> offsets;
+  const int64_t nb = x.K / 32;
+  if (static_cast<int64_t>(offsets.size()) < x.M * nb) offsets.resize(x.M * nb);
+  for (int64_t i = 0; i < x.M * nb; ++i) {
+    const int8_t* q = x.q + i * 32;
+    int32_t sum = 0;
+    for (int k = 0; k < 32; ++k) sum += q[k];
+    offsets[i] = -128 * sum;
+  }
+  return offsets.data();
+}
+
+// Activation rows [m0, m0 + MB) times NG consecutive groups of eight weight rows -> out[m][0..8 NG).
+// xc: per (row, block) the offset term's activation factor (Q5_0: -16 xs; Q5_1: xs; unused for
+// IQ4_NL); xo: IQ4_NL's code_offsets (VNNI build).
+template <Q4Type T, int MB, int NG>
+__attribute__((noinline)) void group(const Q8SumActivations& x, const float* xc, [[maybe_unused]] const int32_t* xo,
+                                     int64_t m0, const uint8_t* w, int64_t group_bytes, const float* bias, float* out,
+                                     int64_t ldo) {
+  constexpr bool nl = kNonLinear<T>;
+  constexpr int codes_at = kScaleBytes<T> + kHighBytes<T>;
+  const int64_t nb = x.K / 32;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  [[maybe_unused]] const __m256i five = _mm256_set1_epi8(0x10);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
+  // IQ4_NL's levels by nibble: signed for AVX2's sign route, + 128 (unsigned) for vpdpbusd.
+  [[maybe_unused]] const __m256i lut = _mm256_broadcastsi128_si256(
+#if PAGEWIRE_X8_VNNI
+      _mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, static_cast<char>(129), static_cast<char>(141),
+                    static_cast<char>(153), static_cast<char>(166), static_cast<char>(181), static_cast<char>(197),
+                    static_cast<char>(217), static_cast<char>(241))
+#else
+      _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+#endif
+  );
+  const int8_t* xq[MB];
+  const float* xd[MB];
+  const float* xom[MB];
+  [[maybe_unused]] const int32_t* xoff[MB];
+  for (int m = 0; m < MB; ++m) {
+    xq[m] = x.q + (m0 + m) * x.K;
+    xd[m] = x.d + (m0 + m) * nb;
+    xom[m] = xc + (m0 + m) * nb;
+    xoff[m] = xo != nullptr ? xo + (m0 + m) * nb : nullptr;
+  }
+  const int64_t ahead = NG == 1 ? stream_prefetch_bytes() : pair_prefetch_bytes();
+  const bool skip = NG == 2 && pair_skips_other_stream();
+  __m256 acc[NG][MB];
+  for (int j = 0; j < NG; ++j)
+    for (int m = 0; m < MB; ++m) acc[j][m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w += kBlockBytes<T>) {
+    {
+      const int64_t a = NG == 1 ? ahead : pair_ahead(b * kBlockBytes<T>, group_bytes, ahead, skip);
+      for (int j = 0; j < NG; ++j) prefetch_ahead<kBlockBytes<T>>(w + j * group_bytes, a);
+    }
+    __m256i s32[NG][MB];
+    for (int j = 0; j < NG; ++j) {
+      for (int m = 0; m < MB; ++m) {
+#if PAGEWIRE_X8_VNNI
+        s32[j][m] = nl ? _mm256_set1_epi32(xoff[m][b]) : _mm256_setzero_si256();
+#else
+        s32[j][m] = _mm256_setzero_si256();
+#endif
+      }
+    }
+    for (int c = 0; c < 4; ++c) {
+      __m256i lo[NG], hi[NG];
+      [[maybe_unused]] __m256i alo[NG], ahi[NG];
+      for (int j = 0; j < NG; ++j) {
+        const uint8_t* wj = w + j * group_bytes;
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj + codes_at + 32 * c));
+        lo[j] = _mm256_and_si256(v, mask);
+        hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        if constexpr (nl) {
+          lo[j] = _mm256_shuffle_epi8(lut, lo[j]);
+          hi[j] = _mm256_shuffle_epi8(lut, hi[j]);
+#if !PAGEWIRE_X8_VNNI
+          alo[j] = _mm256_abs_epi8(lo[j]);
+          ahi[j] = _mm256_abs_epi8(hi[j]);
+#endif
+        } else {
+          // Byte i of a row's qh word holds at bit c the fifth bit of value 4c + i and at bit 4 + c
+          // that of value 16 + 4c + i: shifted to bit 4 (16-bit shifts; the mask drops what
+          // crossed from the neighbouring byte).
+          const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj + kScaleBytes<T>));
+          lo[j] = _mm256_or_si256(lo[j], _mm256_and_si256(_mm256_slli_epi16(qh, 4 - c), five));
+          hi[j] = _mm256_or_si256(hi[j], _mm256_and_si256(_mm256_srli_epi16(qh, c), five));
+        }
+      }
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* xb = xq[m] + b * 32 + 4 * c;
+        const __m256i x0 = broadcast4(xb), x1 = broadcast4(xb + 16);
+        for (int j = 0; j < NG; ++j) {
+#if PAGEWIRE_X8_VNNI
+          s32[j][m] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(s32[j][m], lo[j], x0), hi[j], x1);
+#else
+          if constexpr (nl) {
+            const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(alo[j], _mm256_sign_epi8(x0, lo[j])), ones);
+            const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(ahi[j], _mm256_sign_epi8(x1, hi[j])), ones);
+            s32[j][m] = _mm256_add_epi32(s32[j][m], _mm256_add_epi32(p0, p1));
+          } else {
+            const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[j], x0), _mm256_maddubs_epi16(hi[j], x1));
+            s32[j][m] = _mm256_add_epi32(s32[j][m], _mm256_madd_epi16(p16, ones));
+          }
+#endif
+          pin(s32[j][m]);
+        }
+      }
+    }
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xdm = _mm256_set1_ps(xd[m][b]);
+      for (int j = 0; j < NG; ++j) {
+        const uint8_t* wj = w + j * group_bytes;
+        const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wj)));
+        const __m256 dot = _mm256_cvtepi32_ps(s32[j][m]);
+        if constexpr (T == Q4Type::kQ5_0) {
+          acc[j][m] = _mm256_fmadd_ps(wd, _mm256_fmadd_ps(dot, xdm, _mm256_set1_ps(xom[m][b])), acc[j][m]);
+        } else if constexpr (T == Q4Type::kQ5_1) {
+          const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wj + 16)));
+          acc[j][m] = _mm256_fmadd_ps(wd, _mm256_mul_ps(dot, xdm), acc[j][m]);
+          acc[j][m] = _mm256_fmadd_ps(wm, _mm256_set1_ps(xom[m][b]), acc[j][m]);
+        } else {
+          acc[j][m] = _mm256_fmadd_ps(wd, _mm256_mul_ps(dot, xdm), acc[j][m]);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < NG; ++j) {
+    const __m256 bv = bias != nullptr ? _mm256_loadu_ps(bias + 8 * j) : _mm256_setzero_ps();
+    for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out + (m0 + m) * ldo + 8 * j, _mm256_add_ps(acc[j][m], bv));
+  }
+}
+
+}  // namespace q5nl

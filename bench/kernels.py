@@ -284,7 +284,7 @@ def random_weight(qtype: str, n: int, k: int, gen: torch.Generator) -> Quantized
 QUANT_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q4_k", "q5_k", "q6_k")
 
 
-def bench_quant(quick: bool = False) -> None:
+def bench_quant(quick: bool = False, types: tuple[str, ...] = QUANT_TYPES) -> None:
     """Per shape, format and M: every path pagewire has for the weight -- the integer kernel on
     GGUF's rows, on the x8 layout (every type here), each in blocks of 16 rows above 16,
     and dequantise + torch's GEMM -- and the path ops.linear takes under the engine's autotune
@@ -300,7 +300,7 @@ def bench_quant(quick: bool = False) -> None:
     shapes = [(1536, 1024), (1024, 2816)] if quick else [(1536, 1024), (5632, 1024), (1024, 2816), (32000, 1024)]
     worst = 0.0
     for N, K in shapes:
-        for qtype in QUANT_TYPES:
+        for qtype in types:
             first = random_weight(qtype, N, K, gen)
             nbytes = first.nbytes
             # Enough copies to exceed the last-level cache, so weights stream from DRAM as in decode
@@ -387,6 +387,8 @@ def main() -> None:
                         help="intra-op threads (0: torch's default); 1 gives steadier figures on a loaded machine")
     parser.add_argument("--repeat", type=int, default=20, help="timed runs per case (best reported)")
     parser.add_argument("--quick", action="store_true", help="quant: two shapes and five row counts")
+    parser.add_argument("--types", nargs="+", choices=QUANT_TYPES, default=list(QUANT_TYPES),
+                        help="quant: the block formats to time (default: all)")
     a = parser.parse_args()
     if a.threads > 0:
         torch.set_num_threads(a.threads)
@@ -397,7 +399,7 @@ def main() -> None:
     elif a.what == "fused":
         bench_fused()
     elif a.what == "quant":
-        bench_quant(a.quick)
+        bench_quant(a.quick, tuple(a.types))
     else:
         bench_linear()
 

@@ -103,8 +103,8 @@ def test_mixed_matrices_stay_in_their_blocks(files: dict[tuple[str, str], Path],
         assert isinstance(w, QuantizedParts), name
         # q and k (one type) share a run; gate and up are each their own.
         assert w.qtypes == (qkv_types if name.endswith("qkv") else gate_up_types), name
-        # Each part in this CPU's fastest layout (Q5_K has no interleaved one).
-        assert all(p.interleaved == (p.qtype != "q5_k" and x8_here()) for p in w.parts), name
+        # Each part in this CPU's fastest layout.
+        assert all(p.interleaved == x8_here() for p in w.parts), name
         assert all(p.data.data_ptr() == w.data[off:].data_ptr()  # the parts are views of one buffer
                    for p, off in zip(w.parts, [0, w.parts[0].nbytes]))
         # The file's blocks, Q/K rows un-permuted on whole rows: exactly the float load's matrix.

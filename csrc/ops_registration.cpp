@@ -55,7 +55,7 @@ TORCH_LIBRARY(pagewire, m) {
   // x [M, K] @ dequant(weight)^T + bias [N] -> [M, N] in x's dtype (x quantised per row on the fly)
   m.def("linear_q8_0(Tensor x, Tensor weight, Tensor? bias, bool interleaved=False) -> Tensor");
   // 4-bit / 5-bit / K-quant weights: uint8 [N, K / block * block bytes], GGUF's Q4_0, Q4_1, Q5_0, Q5_1,
-  // IQ4_NL, Q4_K, Q5_K, Q6_K, MXFP4 ("q4_0" ... "mxfp4"), or interleaved eight rows at a time ("q4_0x8", ...:
+  // IQ4_NL, IQ4_XS, Q4_K, Q5_K, Q6_K, MXFP4 ("q4_0" ... "mxfp4"), or interleaved eight rows at a time ("q4_0x8", ...:
   // every type but MXFP4, cpu/quant4_kernel.h parse_q4_name); linear_q4 as linear_q8_0
   m.def("quantize_q4_0(Tensor weight) -> Tensor");
   m.def("dequantize_q4(Tensor weight, str qtype) -> Tensor");

@@ -158,14 +158,15 @@ K_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # the K-quants pagewire
 
 def random_k_blocks(rows: int, cols: int, qtype: str, seed: int) -> np.ndarray:
     """[rows, cols / block values * block bytes] uint8 of valid `qtype` blocks (RANDOM_BLOCKS):
-    random codes and sub-scales, fp16 scales in [0.002, 0.02] (Q3_K: [0.0002, 0.002]) so the weights
-    are finite and of a usual size."""
+    random codes and sub-scales, fp16 scales in [0.002, 0.02] (Q3_K: [0.0002, 0.002]; IQ4_XS:
+    [0.0001, 0.001]) so the weights are finite and of a usual size."""
     rng = np.random.default_rng(seed)
     values, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
     scales = RANDOM_BLOCKS[qtype]
     # Q3_K's signed sub-scales (to +-32) and codes (to +-4) make weights ten times Q4_K's at the same
     # d: a tiny model of them turns chaotic (its logits swing with any rounding), so its d is smaller.
-    low, high = (0.0002, 0.002) if qtype == "Q3_K" else (0.002, 0.02)
+    # IQ4_XS's sub-scales (to +-32) times its levels (to +-127) need a smaller d still.
+    low, high = {"Q3_K": (0.0002, 0.002), "IQ4_XS": (0.0001, 0.001)}.get(qtype, (0.002, 0.02))
     blocks = rng.integers(0, 256, size=(rows * cols // values, nbytes), dtype=np.uint8)
     for off in scales:
         halves = np.asarray(rng.uniform(low, high, size=blocks.shape[0]), dtype=np.float16)

@@ -1,5 +1,5 @@
-// The 4-bit, 5-bit and K-quant weight CPU ops (GGUF's Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K,
-// Q6_K and MXFP4 layouts, see quant4_kernel.h):
+// The 4-bit, 5-bit and K-quant weight CPU ops (GGUF's Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q4_K,
+// Q5_K, Q6_K and MXFP4 layouts, see quant4_kernel.h):
 // quantize_q4_0 (float weights at load, GGUF's rounding), dequantize_q4 (tests, prefill), and
 // linear_q4: x @ dequant(w)^T (+ bias) with x quantised per row to Q8 blocks on the fly, through
 // the AVX-512 VNNI kernel (linear_q4_avx512.cpp) when the CPU has it, the AVX2 one
@@ -83,13 +83,18 @@ inline void decode_sub(Q4Type t, const uint8_t* row, int64_t sb, int16_t* q, flo
     }
     return;
   }
-  if (t == Q4Type::kIQ4_NL) {  // signed levels, no offset term
-    const uint8_t* blk = row + sb * kIq4nlBlockBytes;
-    a[0] = a[1] = load_fp16(blk);
+  if (t == Q4Type::kIQ4_NL || t == Q4Type::kIQ4_XS) {  // signed levels, no offset term
+    const bool xs = t == Q4Type::kIQ4_XS;
+    const uint8_t* blk = xs ? row + (sb / 8) * kIq4xsBlockBytes : row + sb * kIq4nlBlockBytes;
+    // IQ4_XS: d * (ls - 32) in fp32 (exact: an 11-bit significand times a 6-bit integer), as the
+    // `gguf` package computes it.
+    a[0] = a[1] = xs ? load_fp16(blk) * static_cast<float>(iq4_xs_scale(blk, static_cast<int>(sb % 8)))
+                     : load_fp16(blk);
     *c = 0.f;
+    const uint8_t* qs = xs ? blk + 8 + 16 * (sb % 8) : blk + 2;
     for (int j = 0; j < 16; ++j) {
-      q[j] = kIq4nlValues[blk[2 + j] & 0xF];
-      q[j + 16] = kIq4nlValues[blk[2 + j] >> 4];
+      q[j] = kIq4nlValues[qs[j] & 0xF];
+      q[j + 16] = kIq4nlValues[qs[j] >> 4];
     }
     return;
   }
@@ -118,7 +123,7 @@ void dequantize_q4_row(Q4Type t, const uint8_t* w, float* out, int64_t K) {
     if (t == Q4Type::kQ4_0 || t == Q4Type::kQ5_0) {  // GGUF: d * (q - 8), d * (q5 - 16)
       const int zero = t == Q4Type::kQ4_0 ? 8 : 16;
       for (int j = 0; j < 32; ++j) o[j] = a[0] * static_cast<float>(static_cast<int>(q[j]) - zero);
-    } else if (t == Q4Type::kQ6_K || t == Q4Type::kIQ4_NL) {  // (IQ4_NL: d * level, the levels signed)
+    } else if (t == Q4Type::kQ6_K || t == Q4Type::kIQ4_NL || t == Q4Type::kIQ4_XS) {  // (IQ4: d * level, signed)
       for (int j = 0; j < 32; ++j) o[j] = a[j / 16] * static_cast<float>(q[j]);  // GGUF: (d * sc) * (q - 32)
     } else if (t == Q4Type::kMXFP4) {  // exact: a small integer times a power of two
       for (int j = 0; j < 32; ++j) o[j] = a[0] * static_cast<float>(static_cast<int>(q[j]) - kMxfp4Offset);
@@ -200,6 +205,20 @@ void q6_k_x8_block(uint8_t* rows, int64_t row_bytes, uint8_t* g, bool to_x8) {
   }
 }
 
+// IQ4_XS's x8 layout of one super-block (quant4_kernel.h), as q4_k_x8_block.
+void iq4_xs_x8_block(uint8_t* rows, int64_t row_bytes, uint8_t* g, bool to_x8) {
+  const auto move = [to_x8](uint8_t* x8, uint8_t* row, int n) { move_x8(x8, row, n, to_x8); };
+  for (int r = 0; r < kQ4Interleave; ++r) {
+    uint8_t* blk = rows + r * row_bytes;
+    move(g + 2 * r, blk, 2);            // d
+    move(g + 48 + 2 * r, blk + 2, 2);   // scales_h
+    move(g + 16 + 4 * r, blk + 4, 4);   // scales_l
+    for (int s = 0; s < 8; ++s) {
+      for (int c = 0; c < 4; ++c) move(g + 64 + 128 * s + 32 * c + 4 * r, blk + 8 + 16 * s + 4 * c, 4);
+    }
+  }
+}
+
 }  // namespace
 
 void interleave_q4_group(Q4Type t, const uint8_t* src, int64_t row_bytes, uint8_t* dst, int64_t K) {
@@ -215,6 +234,13 @@ void interleave_q4_group(Q4Type t, const uint8_t* src, int64_t row_bytes, uint8_
     for (int64_t s = 0; s < K / kQ4_KBlock; ++s) {
       q4_k_x8_block(const_cast<uint8_t*>(src) + s * bb, row_bytes, dst + s * kQ4Interleave * bb, true,
                     t == Q4Type::kQ5_K);  // (src is only read)
+    }
+    return;
+  }
+  if (t == Q4Type::kIQ4_XS) {
+    for (int64_t s = 0; s < K / kQ4_KBlock; ++s) {
+      iq4_xs_x8_block(const_cast<uint8_t*>(src) + s * kIq4xsBlockBytes, row_bytes,
+                      dst + s * kQ4Interleave * kIq4xsBlockBytes, true);  // (src is only read)
     }
     return;
   }
@@ -251,6 +277,13 @@ void deinterleave_q4_group(Q4Type t, const uint8_t* src, uint8_t* dst, int64_t r
     for (int64_t s = 0; s < K / kQ4_KBlock; ++s) {
       q4_k_x8_block(dst + s * bb, row_bytes, const_cast<uint8_t*>(src) + s * kQ4Interleave * bb, false,
                     t == Q4Type::kQ5_K);  // (src is only read)
+    }
+    return;
+  }
+  if (t == Q4Type::kIQ4_XS) {
+    for (int64_t s = 0; s < K / kQ4_KBlock; ++s) {
+      iq4_xs_x8_block(dst + s * kIq4xsBlockBytes, row_bytes,
+                      const_cast<uint8_t*>(src) + s * kQ4Interleave * kIq4xsBlockBytes, false);  // (src is only read)
     }
     return;
   }
@@ -414,7 +447,7 @@ at::Tensor interleave_q4_cpu(const at::Tensor& weight, c10::string_view qtype_vi
   const Q4Format f = parse_q4_type(qtype);
   TORCH_CHECK(!f.interleaved && cpu::q4_interleavable(f.type),
               "qtype must be a row-layout qtype with an x8 layout ('q4_0', 'q4_1', 'q4_k', 'q5_k', 'q6_k', 'q5_0', "
-              "'q5_1' or 'iq4_nl'), got '", qtype, "'");
+              "'q5_1', 'iq4_nl' or 'iq4_xs'), got '", qtype, "'");
   const cpu::Q4Type t = f.type;
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) % cpu::q4_block_bytes(t) == 0, "weight must be [N, row bytes] ",
               qtype, " blocks, got shape ", weight.sizes());

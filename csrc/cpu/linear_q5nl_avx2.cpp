@@ -1,14 +1,15 @@
-// Q5_0, Q5_1 and IQ4_NL weights in GGUF's row layout x Q8 activations on AVX2 (layouts in
+// Q5_0, Q5_1, IQ4_NL and IQ4_XS weights in GGUF's row layout x Q8 activations on AVX2 (layouts in
 // quant4_kernel.h); linear_q4_avx2 and linear_q4_avx512 call it for those types. On x86 a weight of
 // eight rows or more is interleaved at load (QuantizedWeight.for_kernels) and runs through the x8
 // kernels (x8_q5nl_body.h), so this serves a weight's last N % 8 rows and weights of fewer than
 // eight: it is kept simple, one block of 32 codes at a time.
 //
-// Per block: the 32 codes in natural order in one register (the nibbles' two halves side by side;
-// Q5's fifth bits spread from the qh word by a byte shuffle, a mask and a compare; IQ4_NL's levels
-// by a byte shuffle of the nibbles), then per activation row one maddubs and one madd (Q5: codes
-// 0..31, pairs at most 2 * 31 * 127; IQ4_NL: |level| times x with the level's sign, pairs at most
-// 2 * 127 * 127, neither saturates) and one FMA of the block's d * xd into eight lanes. The offset
+// Per block (IQ4_XS: per 32-value sub-block, its scale d * (ls - 32) as the block's d): the 32 codes
+// in natural order in one register (the nibbles' two halves side by side; Q5's fifth bits spread
+// from the qh word by a byte shuffle, a mask and a compare; IQ4's levels by a byte shuffle of the
+// nibbles), then per activation row one maddubs and one madd (Q5: codes 0..31, pairs at most
+// 2 * 31 * 127; IQ4: |level| times x with the level's sign, pairs at most 2 * 127 * 127, neither
+// saturates) and one FMA of the block's d * xd into eight lanes. The offset
 // term (Q5_0: -16 d, Q5_1: m, times the activation block's d * sum) is a scalar FMA per block.
 //
 // Batch invariance (docs/determinism.md): every output (m, n) has its own accumulators, updated in
@@ -36,15 +37,17 @@ inline float fp16(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// A block's 32 codes in natural order (Q5: 0..31; IQ4_NL: the signed levels).
+constexpr bool kLevels(Q4Type t) { return t == Q4Type::kIQ4_NL || t == Q4Type::kIQ4_XS; }
+
+// A block's (IQ4_XS: a sub-block's) 32 codes in natural order (Q5: 0..31; IQ4: the signed levels),
+// its codes at qs (Q5: its fifth bits at blk's qh).
 template <Q4Type T>
-inline __m256i block_codes(const uint8_t* blk) {
+inline __m256i block_codes(const uint8_t* blk, const uint8_t* qs) {
   constexpr bool mins = T == Q4Type::kQ5_1;
-  constexpr int qs_at = (mins ? 4 : 2) + (T == Q4Type::kIQ4_NL ? 0 : 4);
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + qs_at));
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
   const __m256i mask = _mm256_set1_epi8(0x0F);
   __m256i q = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1), mask);
-  if constexpr (T == Q4Type::kIQ4_NL) {
+  if constexpr (kLevels(T)) {
     const __m256i lut = _mm256_broadcastsi128_si256(
         _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
     return _mm256_shuffle_epi8(lut, q);
@@ -66,7 +69,8 @@ inline __m256i block_codes(const uint8_t* blk) {
 template <Q4Type T, int MB>
 void row_tile(const Q8SumActivations& x, int64_t m0, const uint8_t* wr, float bias, float* out, int64_t ldo) {
   const int64_t nb = x.K / 32;
-  const int bb = q4_block_bytes(T);
+  constexpr bool xs = T == Q4Type::kIQ4_XS;
+  constexpr int qs_at = (T == Q4Type::kQ5_1 ? 4 : 2) + (T == Q4Type::kIQ4_NL ? 0 : 4);  // (not IQ4_XS)
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MB];
   float off[MB];
@@ -75,15 +79,17 @@ void row_tile(const Q8SumActivations& x, int64_t m0, const uint8_t* wr, float bi
     off[m] = 0.f;
   }
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = wr + b * bb;
-    avx2::prefetch(blk + avx2::kPrefetchRows * 64);
-    const float d = fp16(blk);
-    const __m256i q = block_codes<T>(blk);
+    // IQ4_XS: sub-block b % 8 of super-block b / 8, its scale d * (ls - 32) (exact in fp32).
+    const uint8_t* blk = xs ? wr + (b / 8) * kIq4xsBlockBytes : wr + b * q4_block_bytes(T);
+    const uint8_t* qs = xs ? blk + 8 + 16 * (b % 8) : blk + qs_at;
+    avx2::prefetch(qs + avx2::kPrefetchRows * 64);
+    const float d = xs ? fp16(blk) * static_cast<float>(iq4_xs_scale(blk, static_cast<int>(b % 8))) : fp16(blk);
+    const __m256i q = block_codes<T>(blk, qs);
     [[maybe_unused]] const __m256i aq = _mm256_abs_epi8(q);
     for (int m = 0; m < MB; ++m) {
       const int64_t i = (m0 + m) * nb + b;
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (m0 + m) * x.K + b * 32));
-      const __m256i p16 = T == Q4Type::kIQ4_NL ? _mm256_maddubs_epi16(aq, _mm256_sign_epi8(xv, q))
+      const __m256i p16 = kLevels(T) ? _mm256_maddubs_epi16(aq, _mm256_sign_epi8(xv, q))
                                                 : _mm256_maddubs_epi16(q, xv);
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones)), _mm256_set1_ps(d * x.d[i]), acc[m]);
       if constexpr (T == Q4Type::kQ5_0) {
@@ -98,7 +104,7 @@ void row_tile(const Q8SumActivations& x, int64_t m0, const uint8_t* wr, float bi
 
 template <Q4Type T>
 void run(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t N) {
-  const int64_t row_bytes = x.K / 32 * q4_block_bytes(T);
+  const int64_t row_bytes = x.K / q4_block_values(T) * q4_block_bytes(T);
   team_for(N, N * x.K * x.M >= 65536, [&](int64_t n) {
     const uint8_t* wr = w + n * row_bytes;
     const float bn = bias != nullptr ? bias[n] : 0.f;
@@ -128,6 +134,8 @@ void linear_q5nl_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, con
     run<Q4Type::kQ5_0>(x, w, bias, out, ldo, N);
   } else if (t == Q4Type::kQ5_1) {
     run<Q4Type::kQ5_1>(x, w, bias, out, ldo, N);
+  } else if (t == Q4Type::kIQ4_XS) {
+    run<Q4Type::kIQ4_XS>(x, w, bias, out, ldo, N);
   } else {
     run<Q4Type::kIQ4_NL>(x, w, bias, out, ldo, N);
   }

@@ -1,5 +1,5 @@
 // The AVX2 kernels of the interleaved x8 layouts (Q8_0 in quant_kernel.h, Q4_0 / Q4_1 in
-// quant4_kernel.h; Q5_0 / Q5_1 / IQ4_NL's group in x8_q5nl_body.h), x Q8 activations. Each 32-bit lane carries one weight row, so a block needs no
+// quant4_kernel.h; Q5_0 / Q5_1 / IQ4_NL / IQ4_XS's groups in x8_q5nl_body.h), x Q8 activations. Each 32-bit lane carries one weight row, so a block needs no
 // horizontal sum and no scale shuffle:
 //  * per 32-byte chunk (four values of each of eight rows for Q8_0, eight for 4-bit) the
 //    activation's matching four bytes are broadcast to every lane by the load itself, and maddubs
@@ -66,6 +66,8 @@ void linear_q4x8_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, con
     run4<Q4Type::kQ5_0>(x, w, bias, out, ldo, N);
   } else if (t == Q4Type::kQ5_1) {
     run4<Q4Type::kQ5_1>(x, w, bias, out, ldo, N);
+  } else if (t == Q4Type::kIQ4_XS) {
+    run_iq4xs(x, w, bias, out, ldo, N);
   } else {
     run4<Q4Type::kIQ4_NL>(x, w, bias, out, ldo, N);
   }

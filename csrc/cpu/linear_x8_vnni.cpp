@@ -1,4 +1,4 @@
-// The x8 interleaved kernels (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL) on AVX-512 VNNI CPUs (Isa::kAvx512 and better:
+// The x8 interleaved kernels (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS) on AVX-512 VNNI CPUs (Isa::kAvx512 and better:
 // Zen 4/5, Ice Lake and later Xeons): x8_body.h built with 256-bit vpdpbusd in place of AVX2's
 // maddubs + madd, the same integers and so the same floats as linear_x8_avx2.cpp, bit for bit.
 // 256-bit vectors, not 512: one 32-bit lane per weight row of the eight-row group, as the layout
@@ -43,6 +43,8 @@ void linear_q4x8_vnni(Q4Type t, const Q8SumActivations& x, const uint8_t* w, con
     run4<Q4Type::kQ5_1>(x, w, bias, out, ldo, N);
   } else if (t == Q4Type::kIQ4_NL) {
     run4<Q4Type::kIQ4_NL>(x, w, bias, out, ldo, N);
+  } else if (t == Q4Type::kIQ4_XS) {
+    run_iq4xs(x, w, bias, out, ldo, N);
   } else if (t == Q4Type::kQ4_K) {
     linear_q4kx8_vnni(x, w, bias, out, ldo, N);  // the K-quants' own x8 kernels (x8k_body.h)
   } else if (t == Q4Type::kQ5_K) {

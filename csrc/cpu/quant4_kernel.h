@@ -20,13 +20,17 @@
 //     Q4_0's), a non-linear table of int8 levels. (These three are also the types llama.cpp's
 //     quantiser falls back to for rows that are not whole 256-value super-blocks: Q5_0 for Q4_K,
 //     Q5_1 for Q5_K, IQ4_NL for Q2_K / Q3_K and the IQ types.)
+//   IQ4_XS: 256 values in 136 bytes {fp16 d, u16 scales_h, 4 bytes scales_l, 128 bytes q}: sub-block
+//     s (32 values) is d * (ls - 32) * kIq4nlValues[q], ls the 6-bit scale whose low four bits are
+//     nibble s of the little-endian scales_l word and top two bits bits 2s..2s+1 of scales_h; its
+//     16 code bytes q[16 s..16 s + 15] hold value j low and j + 16 high, as IQ4_NL's block.
 //   MXFP4: 32 values in 17 bytes {u8 E8M0 exponent e, 16 bytes q} (gpt-oss's experts, GGML type
 //     MXFP4): value = E2M1(q) * 2^(e - 127) = kMxfp4Values[q] * 2^(e - 128), byte j holding value j
 //     low and j + 16 high as in Q4_0. The kernels read each code as kMxfp4Values[q] + 12 (unsigned
 //     0..24, a byte shuffle of the nibble) with the block's offset -12 * 2^(e - 128), so the same
 //     unsigned x signed dot products and offset FMAs as Q4_0 compute it exactly. (e = 255, the
 //     spec's NaN, is read as 2^127, as llama.cpp does.)
-// (Q5_0, Q5_1, IQ4_NL, Q5_K, Q6_K and MXFP4 share this interface and its op, pagewire::linear_q4, with the 4-bit types.)
+// (Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q5_K, Q6_K and MXFP4 share this interface and its op, pagewire::linear_q4, with the 4-bit types.)
 // Every kernel works on activations quantised per row to Q8 blocks of 32 (quant_kernel.h), so a
 // 4-bit weight block times an activation block is one integer dot product of 32 pairs plus the
 // block's offset term (q's offset or min) times the activation block's sum.
@@ -38,7 +42,7 @@
 namespace pagewire::cpu {
 
 enum class Q4Type : int { kQ4_0 = 0, kQ4_1 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4, kMXFP4 = 5, kQ5_0 = 6, kQ5_1 = 7,
-                          kIQ4_NL = 8 };
+                          kIQ4_NL = 8, kIQ4_XS = 9 };
 
 constexpr int kQ4_0BlockBytes = 18;   // per 32 values
 constexpr int kQ4_1BlockBytes = 20;   // per 32 values
@@ -50,6 +54,7 @@ constexpr int kMxfp4BlockBytes = 17;  // per 32 values
 constexpr int kQ5_0BlockBytes = 22;   // per 32 values
 constexpr int kQ5_1BlockBytes = 24;   // per 32 values
 constexpr int kIq4nlBlockBytes = 18;  // per 32 values
+constexpr int kIq4xsBlockBytes = 136; // per 256 values
 
 // IQ4_NL's sixteen levels (GGML's kvalues_iq4nl), int8.
 constexpr int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -69,8 +74,8 @@ inline float mxfp4_scale(uint8_t e) {
 
 // Whether t is a K-quant (256-value super-blocks).
 inline bool q_is_k(Q4Type t) { return t == Q4Type::kQ4_K || t == Q4Type::kQ5_K || t == Q4Type::kQ6_K; }
-// Values per block and bytes per block of a type.
-inline int q4_block_values(Q4Type t) { return q_is_k(t) ? kQ4_KBlock : 32; }
+// Values per block and bytes per block of a type (IQ4_XS: 256-value super-blocks too).
+inline int q4_block_values(Q4Type t) { return q_is_k(t) || t == Q4Type::kIQ4_XS ? kQ4_KBlock : 32; }
 inline int q4_block_bytes(Q4Type t) {
   switch (t) {
     case Q4Type::kQ4_0: return kQ4_0BlockBytes;
@@ -82,6 +87,7 @@ inline int q4_block_bytes(Q4Type t) {
     case Q4Type::kQ5_0: return kQ5_0BlockBytes;
     case Q4Type::kQ5_1: return kQ5_1BlockBytes;
     case Q4Type::kIQ4_NL: return kIq4nlBlockBytes;
+    case Q4Type::kIQ4_XS: return kIq4xsBlockBytes;
   }
   return 0;
 }
@@ -101,11 +107,19 @@ inline const char* q4_type_name(Q4Type t) {
     case Q4Type::kQ5_0: return "q5_0";
     case Q4Type::kQ5_1: return "q5_1";
     case Q4Type::kIQ4_NL: return "iq4_nl";
+    case Q4Type::kIQ4_XS: return "iq4_xs";
   }
   return "";
 }
 constexpr Q4Type kQ4Types[] = {Q4Type::kQ4_0, Q4Type::kQ4_1, Q4Type::kQ4_K, Q4Type::kQ5_K, Q4Type::kQ6_K,
-                               Q4Type::kMXFP4, Q4Type::kQ5_0, Q4Type::kQ5_1, Q4Type::kIQ4_NL};
+                               Q4Type::kMXFP4, Q4Type::kQ5_0, Q4Type::kQ5_1, Q4Type::kIQ4_NL, Q4Type::kIQ4_XS};
+
+// IQ4_XS's 6-bit scale of sub-block s (0..7) of one super-block, less 32: [-32, 31].
+inline int iq4_xs_scale(const uint8_t* blk, int s) {
+  const int lo = (blk[4 + s / 2] >> (4 * (s % 2))) & 0xF;
+  const int hi = ((blk[2] | blk[3] << 8) >> (2 * s)) & 3;
+  return (lo | hi << 4) - 32;
+}
 
 // Activations quantised per row in blocks of 32: x ~= d[b] * q[32 b + j]; s[b] = d[b] * sum_j q.
 struct Q8SumActivations {
@@ -149,6 +163,10 @@ void dequantize_q4_row(Q4Type t, const uint8_t* w, float* out, int64_t K);
 // Q5_K's x8 layout (x8k_body.h) is Q4_K's (its 1,152 bytes in the same places, the codes from each
 // block's byte 48) followed by the eight rows' qh as eight 32-byte chunks (chunk j: bytes 4j..4j+3
 // of each row's 32, row r at 4r; byte i's bit s the fifth bit of value 4j + i of sub-block s).
+// IQ4_XS's x8 layout (x8_q5nl_body.h), per super-block of the eight rows (8 * 136 bytes): their
+// fp16 d (16 bytes), their scales_l words (32 bytes, row r's at 16 + 4r), their scales_h (16 bytes,
+// row r's at 48 + 2r), then per sub-block s (at 64 + 128 s) IQ4_NL's four x8 chunks of its codes
+// (chunk c: bytes 4c..4c+3 of each row's sub-block s, row r at 4r).
 // Q6_K's x8 layout (x8k_body.h), per super-block of the eight rows (8 * 210 bytes): their
 // fp16 d (16 bytes), their 16 int8 scales as four 32-byte vectors (scales 4v..4v+3 of row r at
 // 32v + 4r), then 32 ql chunks (chunk c: bytes 4c..4c+3 of each row's 128 ql bytes, row r at 4r)
@@ -190,7 +208,7 @@ void linear_q4x8_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, con
 // The same with AVX-512 VNNI (linear_x8_vnni.cpp; Isa::kAvx512 or better): the same floats, bit for bit.
 void linear_q4x8_vnni(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,
                       int64_t ldo, int64_t N);
-// (Q5_0, Q5_1 and IQ4_NL: x8_lut_body.h, in the same two builds.)
+// (Q5_0, Q5_1, IQ4_NL and IQ4_XS: x8_q5nl_body.h, in the same two builds.)
 // Q4_0 and Q4_1 with AMX tiles (linear_x8_amx.cpp; Isa::kAmx): the same floats, bit for bit. Only
 // those two types (the caller picks it from kAmxMinRowsQ4x8 rows, dispatch_mode.h).
 void linear_q4x8_amx(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,
@@ -210,7 +228,7 @@ void linear_q4kx8_vnni(const Q8SumActivations& x, const uint8_t* w, const float*
                        int64_t N);
 void linear_q6kx8_vnni(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
                        int64_t N);
-// Q5_0, Q5_1 and IQ4_NL in row layout (linear_q5nl_avx2.cpp), called by linear_q4_avx2 and
+// Q5_0, Q5_1, IQ4_NL and IQ4_XS in row layout (linear_q5nl_avx2.cpp), called by linear_q4_avx2 and
 // linear_q4_avx512 for those types (the same AVX2 code: their row layout only serves a weight's
 // last N % 8 rows on x86, the x8 kernels the rest).
 void linear_q5nl_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,

@@ -297,7 +297,7 @@ __attribute__((noinline)) void group8(const Q8Activations& x, [[maybe_unused]] c
   }
 }
 
-#include "x8_q5nl_body.h"  // q5nl::group: Q5_0, Q5_1 and IQ4_NL
+#include "x8_q5nl_body.h"  // q5nl::group: Q5_0, Q5_1 and IQ4_NL; q5nl::group_xs: IQ4_XS
 
 #if PAGEWIRE_X8_VNNI
 #include "x8_pairs.h"  // group4_2, group8_2: a pair of groups per 512-bit vector
@@ -368,6 +368,23 @@ void run_q5nl(const Q8SumActivations& x, const float* xc, const uint8_t* w, cons
 #endif
   const auto tile = [&](auto mb, auto ng, int64_t m, const uint8_t* wg, const float* bg, float* og) {
     q5nl::group<T, decltype(mb)::value, decltype(ng)::value>(x, xc, xo, m, wg, group_bytes, bg, og, ldo);
+  };
+  if (q5nl::kMaxGroups == 2 && x.M >= pair_min_rows() && N / kGroupRows >= 2 * team_threads()) {
+    for_each_group<q5nl::kMaxGroups>(x.M, x.K, N, group_bytes, w, bias, out, tile);
+  } else {
+    for_each_group<1>(x.M, x.K, N, group_bytes, w, bias, out, tile);
+  }
+}
+
+// IQ4_XS (x8_q5nl_body.h group_xs): as run_q5nl, a super-block of eight rows at a time.
+void run_iq4xs(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t N) {
+  const int64_t group_bytes = kQ4Interleave * (x.K / kQ4_KBlock) * kIq4xsBlockBytes;
+  const int32_t* xo = nullptr;
+#if PAGEWIRE_X8_VNNI
+  xo = q5nl::code_offsets(x);
+#endif
+  const auto tile = [&](auto mb, auto ng, int64_t m, const uint8_t* wg, const float* bg, float* og) {
+    q5nl::group_xs<decltype(mb)::value, decltype(ng)::value>(x, xo, m, wg, group_bytes, bg, og, ldo);
   };
   if (q5nl::kMaxGroups == 2 && x.M >= pair_min_rows() && N / kGroupRows >= 2 * team_threads()) {
     for_each_group<q5nl::kMaxGroups>(x.M, x.K, N, group_bytes, w, bias, out, tile);

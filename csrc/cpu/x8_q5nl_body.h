@@ -1,4 +1,4 @@
-// The x8 group kernel of Q5_0, Q5_1 and IQ4_NL (layouts in quant4_kernel.h), part of x8_body.h and
+// The x8 group kernels of Q5_0, Q5_1 and IQ4_NL (group) and of IQ4_XS (group_xs; layouts in quant4_kernel.h), part of x8_body.h and
 // compiled with it twice: the AVX2 build (PAGEWIRE_X8_VNNI 0, maddubs) and the AVX-512 VNNI one
 // (256-bit vpdpbusd). Included inside x8_body.h's anonymous namespace, after its helpers.
 //
@@ -163,6 +163,168 @@ __attribute__((noinline)) void group(const Q8SumActivations& x, const float* xc,
           acc[j][m] = _mm256_fmadd_ps(wm, _mm256_set1_ps(xom[m][b]), acc[j][m]);
         } else {
           acc[j][m] = _mm256_fmadd_ps(wd, _mm256_mul_ps(dot, xdm), acc[j][m]);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < NG; ++j) {
+    const __m256 bv = bias != nullptr ? _mm256_loadu_ps(bias + 8 * j) : _mm256_setzero_ps();
+    for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out + (m0 + m) * ldo + 8 * j, _mm256_add_ps(acc[j][m], bv));
+  }
+}
+
+// IQ4_XS (x8 layout in quant4_kernel.h): IQ4_NL's route per 32-value sub-block, with the sub-block's
+// 6-bit scale (less 32) applied to its integer sum. The AVX2 build's widening madd multiplies by
+// the scale instead of by ones (the scale in both 16-bit halves of the row's lane); the VNNI
+// build's chain is multiplied once by vpmulld. |scale * sum| <= 32 * 32 * 127 * 127 < 2^24, so the
+// integers are exact, equal in both builds, and exact as fp32; then acc += (d * xd) * that, per
+// sub-block. The scales are decoded for the eight rows at once from the layout's scales_l words and
+// scales_h halves: a shift, two masks, an or and a subtraction per sub-block, shared by every
+// activation row.
+constexpr int kXsGroupBytes = kQ4Interleave * kIq4xsBlockBytes;  // one super-block of eight rows
+constexpr int kXsCodes = 64;                                       // where a super-block's codes start
+
+// pshufb control: in each row's 32-bit lane, the lane's bytes k and k + 1 twice (a 16-bit field of
+// the lane in both halves); `stride` 2 reads a 16-byte vector of 16-bit fields instead (row r's at
+// 2r, the same 16 bytes broadcast to both 128-bit halves).
+inline __m256i dup16(int k, int stride) {
+  alignas(32) int8_t c[32];
+  for (int r = 0; r < 8; ++r) {  // (pshufb indexes within each 128-bit half: rows 4-7 in the upper)
+    const int at = stride == 4 ? 4 * (r % 4) + k : 2 * r + k;
+    c[4 * r] = c[4 * r + 2] = static_cast<int8_t>(at);
+    c[4 * r + 1] = c[4 * r + 3] = static_cast<int8_t>(at + 1);
+  }
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(c));
+}
+
+// Bits b and b + 1 of each 16-bit (AVX2) or 32-bit (VNNI) field moved to bits 4 and 5 (the caller
+// masks). b is a constant once the sub-block loop is unrolled.
+inline __m256i bits_to_4(__m256i v, int b) {
+#if PAGEWIRE_X8_VNNI
+  return b < 4 ? _mm256_slli_epi32(v, 4 - b) : b > 4 ? _mm256_srli_epi32(v, b - 4) : v;
+#else
+  return b < 4 ? _mm256_slli_epi16(v, 4 - b) : b > 4 ? _mm256_srli_epi16(v, b - 4) : v;
+#endif
+}
+
+// Activation rows [m0, m0 + MB) times NG consecutive groups of eight IQ4_XS weight rows -> out[m][0..8 NG).
+// xo: code_offsets (VNNI build).
+template <int MB, int NG>
+__attribute__((noinline)) void group_xs(const Q8SumActivations& x, [[maybe_unused]] const int32_t* xo, int64_t m0,
+                                        const uint8_t* w, int64_t group_bytes, const float* bias, float* out,
+                                        int64_t ldo) {
+  const int64_t nb = x.K / 32, nsb = x.K / kQ4_KBlock;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+#if PAGEWIRE_X8_VNNI
+  const __m256i lut = _mm256_broadcastsi128_si256(
+      _mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, static_cast<char>(129), static_cast<char>(141),
+                    static_cast<char>(153), static_cast<char>(166), static_cast<char>(181), static_cast<char>(197),
+                    static_cast<char>(217), static_cast<char>(241)));
+  const __m256i low4 = _mm256_set1_epi32(0x0F), top2 = _mm256_set1_epi32(0x30), bias32 = _mm256_set1_epi32(32);
+#else
+  const __m256i lut =
+      _mm256_broadcastsi128_si256(_mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
+  const __m256i low4 = _mm256_set1_epi16(0x0F), top2 = _mm256_set1_epi16(0x30), bias32 = _mm256_set1_epi16(32);
+  const __m256i ctl_lo = dup16(0, 4), ctl_hi = dup16(2, 4), ctl_h = dup16(0, 2);
+#endif
+  const int8_t* xq[MB];
+  const float* xd[MB];
+  [[maybe_unused]] const int32_t* xoff[MB];
+  for (int m = 0; m < MB; ++m) {
+    xq[m] = x.q + (m0 + m) * x.K;
+    xd[m] = x.d + (m0 + m) * nb;
+    xoff[m] = xo != nullptr ? xo + (m0 + m) * nb : nullptr;
+  }
+  const int64_t ahead = NG == 1 ? stream_prefetch_bytes() : pair_prefetch_bytes();
+  const bool skip = NG == 2 && pair_skips_other_stream();
+  __m256 acc[NG][MB];
+  for (int j = 0; j < NG; ++j)
+    for (int m = 0; m < MB; ++m) acc[j][m] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s, w += kXsGroupBytes) {
+    {
+      const int64_t a = NG == 1 ? ahead : pair_ahead(s * kXsGroupBytes, group_bytes, ahead, skip);
+      for (int j = 0; j < NG; ++j) prefetch_ahead<kXsGroupBytes>(w + j * group_bytes, a);
+    }
+    __m256 d[NG];
+    __m256i lw[NG][2], hw[NG];  // the scales' sources: low nibbles (sub-blocks 0-3 / 4-7), top bits
+    for (int j = 0; j < NG; ++j) {
+      const uint8_t* wj = w + j * group_bytes;
+      d[j] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wj)));
+      const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj + 16));
+#if PAGEWIRE_X8_VNNI
+      lw[j][0] = lw[j][1] = l;
+      hw[j] = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wj + 48)));
+#else
+      lw[j][0] = _mm256_shuffle_epi8(l, ctl_lo);
+      lw[j][1] = _mm256_shuffle_epi8(l, ctl_hi);
+      hw[j] = _mm256_shuffle_epi8(
+          _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wj + 48))), ctl_h);
+#endif
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      const int64_t blk = s * 8 + i;
+      __m256i sc[NG];
+      for (int j = 0; j < NG; ++j) {
+#if PAGEWIRE_X8_VNNI
+        const __m256i nib = _mm256_and_si256(_mm256_srli_epi32(lw[j][0], 4 * i), low4);
+#else
+        const __m256i nib = _mm256_and_si256(_mm256_srli_epi16(lw[j][i / 4], 4 * (i % 4)), low4);
+#endif
+        const __m256i ls = _mm256_or_si256(nib, _mm256_and_si256(bits_to_4(hw[j], 2 * i), top2));
+#if PAGEWIRE_X8_VNNI
+        sc[j] = _mm256_sub_epi32(ls, bias32);
+#else
+        sc[j] = _mm256_sub_epi16(ls, bias32);
+#endif
+      }
+      __m256i s32[NG][MB];
+      for (int j = 0; j < NG; ++j) {
+        for (int m = 0; m < MB; ++m) {
+#if PAGEWIRE_X8_VNNI
+          s32[j][m] = _mm256_set1_epi32(xoff[m][blk]);
+#else
+          s32[j][m] = _mm256_setzero_si256();
+#endif
+        }
+      }
+      for (int c = 0; c < 4; ++c) {
+        __m256i lo[NG], hi[NG];
+        [[maybe_unused]] __m256i alo[NG], ahi[NG];
+        for (int j = 0; j < NG; ++j) {
+          const __m256i v = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(w + j * group_bytes + kXsCodes + 128 * i + 32 * c));
+          lo[j] = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, mask));
+          hi[j] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
+#if !PAGEWIRE_X8_VNNI
+          alo[j] = _mm256_abs_epi8(lo[j]);
+          ahi[j] = _mm256_abs_epi8(hi[j]);
+#endif
+        }
+        for (int m = 0; m < MB; ++m) {
+          const int8_t* xb = xq[m] + blk * 32 + 4 * c;
+          const __m256i x0 = broadcast4(xb), x1 = broadcast4(xb + 16);
+          for (int j = 0; j < NG; ++j) {
+#if PAGEWIRE_X8_VNNI
+            s32[j][m] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(s32[j][m], lo[j], x0), hi[j], x1);
+#else
+            const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(alo[j], _mm256_sign_epi8(x0, lo[j])), sc[j]);
+            const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(ahi[j], _mm256_sign_epi8(x1, hi[j])), sc[j]);
+            s32[j][m] = _mm256_add_epi32(s32[j][m], _mm256_add_epi32(p0, p1));
+#endif
+            pin(s32[j][m]);
+          }
+        }
+      }
+      for (int m = 0; m < MB; ++m) {
+        const __m256 xdm = _mm256_set1_ps(xd[m][blk]);
+        for (int j = 0; j < NG; ++j) {
+#if PAGEWIRE_X8_VNNI
+          const __m256i dot = _mm256_mullo_epi32(s32[j][m], sc[j]);
+#else
+          const __m256i dot = s32[j][m];
+#endif
+          acc[j][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d[j], xdm), acc[j][m]);
         }
       }
     }

@@ -20,6 +20,7 @@ class Qtype(StrEnum):
     Q5_0 = "q5_0"
     Q5_1 = "q5_1"
     IQ4_NL = "iq4_nl"
+    IQ4_XS = "iq4_xs"
     # Not quantised: a bf16 matrix moved into the interleaved x8 layout (QuantizedWeight.from_bf16),
     # which the AVX2 bf16 kernel streams fastest; "blocks" of 16 values, 32 bytes.
     BF16 = "bf16"
@@ -50,4 +51,6 @@ class LinearKind(StrEnum):
     Q5_1X8 = "q5_1x8"
     IQ4_NL = "iq4_nl"
     IQ4_NLX8 = "iq4_nlx8"
+    IQ4_XS = "iq4_xs"
+    IQ4_XSX8 = "iq4_xsx8"
     BF16X8 = "bf16x8"  # pagewire::linear_bf16x8

@@ -1,4 +1,4 @@
-"""Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL in the interleaved x8 layouts (csrc/cpu/quant_kernel.h, quant4_kernel.h),
+"""Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and IQ4_XS in the interleaved x8 layouts (csrc/cpu/quant_kernel.h, quant4_kernel.h),
 which the model loaders choose on x86 CPUs from AVX2 up (QuantizedWeight.for_kernels): the layout is exactly
 the documented byte permutation, dequantises to what the `gguf` package reads from the original
 rows, and the linear ops on it match a float64 reference on every kernel family this CPU has (the
@@ -20,6 +20,8 @@ X8_TYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]
 # the codes' offset in a row block, chunks per block.
 LAYOUT = {"q8_0": (34, 16, 2, 8), "q4_0": (18, 16, 2, 4), "q4_1": (20, 32, 4, 4), "q5_0": (22, 48, 6, 4),
           "q5_1": (24, 64, 8, 4), "iq4_nl": (18, 16, 2, 4)}
+# The x8 types of 32-value blocks (LAYOUT) and IQ4_XS (256-value super-blocks: K a multiple of 256).
+X8_ALL = [*X8_TYPES, "iq4_xs"]
 
 
 def x8_fifth_bits(qh: int) -> int:
@@ -78,7 +80,33 @@ def test_interleave_is_the_documented_permutation(qtype: str, N: int) -> None:
     assert torch.equal(dst[groups * 8:], src[groups * 8:])  # the last N % 8 rows stay as rows
 
 
-@pytest.mark.parametrize("qtype", X8_TYPES)
+@pytest.mark.parametrize("N", [8, 21])
+def test_iq4_xs_x8_is_the_documented_permutation(N: int) -> None:
+    """quant4_kernel.h's IQ4_XS x8 layout, byte for byte: per super-block of eight rows their d,
+    their scales_l words, their scales_h halves, then per sub-block IQ4_NL's four chunks."""
+    K = 512
+    qw = random_weight("iq4_xs", N, K, seed=N)
+    x8 = interleave(qw)
+    assert x8.interleaved and x8.op_qtype == "iq4_xsx8" and x8.data.shape == qw.data.shape
+    src, dst = qw.data, x8.data
+    for g in range(N // 8):
+        out = dst[8 * g: 8 * g + 8].reshape(-1)
+        for s in range(K // 256):
+            grp = out[s * 8 * 136: (s + 1) * 8 * 136]
+            for r in range(8):
+                row = src[8 * g + r, s * 136: (s + 1) * 136]
+                assert torch.equal(grp[2 * r: 2 * r + 2], row[0:2])  # d
+                assert torch.equal(grp[16 + 4 * r: 20 + 4 * r], row[4:8])  # scales_l
+                assert torch.equal(grp[48 + 2 * r: 50 + 2 * r], row[2:4])  # scales_h
+                for sb in range(8):
+                    for c in range(4):
+                        at = 64 + 128 * sb + 32 * c + 4 * r
+                        assert torch.equal(grp[at: at + 4], row[8 + 16 * sb + 4 * c: 8 + 16 * sb + 4 * c + 4])
+    assert torch.equal(dst[N // 8 * 8:], src[N // 8 * 8:])
+    assert torch.equal(x8.dequantize(), gguf_dequantize(qw))
+
+
+@pytest.mark.parametrize("qtype", X8_ALL)
 @pytest.mark.parametrize("N", [8, 13, 45])
 def test_interleaved_dequantises_to_the_gguf_rows(qtype: str, N: int) -> None:
     qw = random_weight(qtype, N, 256, seed=2 * N, zero_rows=(3,))
@@ -93,6 +121,11 @@ LINEAR_GRID = [(isa, q, m, n, k, dtype, bias) for isa, q, m, (n, k), dtype, bias
      [torch.bfloat16, torch.float32], [False, True]],
     edges=[(isa, q, m, nk, torch.bfloat16, True) for isa in available_isas() for q in X8_TYPES
            for m, nk in ((1, (8, 32)), (17, (96, 768)), (40, (96, 768)))])]
+# IQ4_XS (K whole super-blocks): the same pairs on the two shapes it takes.
+LINEAR_GRID += [(isa, "iq4_xs", m, n, k, dtype, bias) for isa, m, (n, k), dtype, bias in pairwise(
+    [available_isas(), [1, 2, 3, 5, 8, 16, 17, 40], [(37, 256), (96, 768)], [torch.bfloat16, torch.float32],
+     [False, True]],
+    edges=[(isa, m, (96, 768), torch.bfloat16, True) for isa in available_isas() for m in (1, 17, 40)])]
 
 
 @pytest.mark.parametrize("cpu_isa,qtype,M,N,K,dtype,with_bias", LINEAR_GRID, indirect=["cpu_isa"])
@@ -122,7 +155,7 @@ def test_interleaved_linear_matches_float64_reference(
         assert err <= 2.0**-7
 
 
-@pytest.mark.parametrize("qtype", X8_TYPES)
+@pytest.mark.parametrize("qtype", X8_ALL)
 def test_prefill_rows_over_several_dequantised_chunks(qtype: str) -> None:
     """Above 16 rows the ops dequantise the weight in chunks of rows (512 rows at K = 1024, whole x8
     groups) for ATen's GEMM: N = 1031 spans three chunks and ends in a 7-row tail in row layout.
@@ -135,13 +168,14 @@ def test_prefill_rows_over_several_dequantised_chunks(qtype: str) -> None:
         assert err <= 1e-5, (w.interleaved, err)
 
 
-@pytest.mark.parametrize("qtype", X8_TYPES)
+@pytest.mark.parametrize("qtype", X8_ALL)
 def test_interleaved_rows_do_not_depend_on_the_batch(cpu_isa: str, qtype: str) -> None:
     """Deterministic mode: 45 rows (five groups and five rows left in row layout), a row's output
     bit-identical whatever the number of activation rows beside it."""
     gen = torch.Generator().manual_seed(11)
-    x8 = interleave(random_weight(qtype, 45, 352, seed=11))
-    x = torch.randn(16, 352, generator=gen).bfloat16()
+    K = 768 if qtype == "iq4_xs" else 352
+    x8 = interleave(random_weight(qtype, 45, K, seed=11))
+    x = torch.randn(16, K, generator=gen).bfloat16()
     b = torch.randn(45, generator=gen).bfloat16()
     with batch_invariant.mode(True):
         alone = [ops.linear(x[r:r + 1], x8, b) for r in range(16)]
@@ -162,7 +196,7 @@ VNNI_SHAPES = [(64, 256), (40, 512), (40, 1024)]
 
 @pytest.mark.skipif("avx512" not in available_isas(),
                     reason="needs a CPU with AVX-512 VNNI (test_emulated_x8_vnni.py covers it on any CPU)")
-@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "iq4_nl"])
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "iq4_nl", "iq4_xs"])
 @pytest.mark.parametrize("extreme", [False, True])
 def test_vnni_x8_is_the_avx2_x8_bit_for_bit_natively(monkeypatch: pytest.MonkeyPatch, qtype: str, extreme: bool) -> None:
     for n, k in VNNI_SHAPES:
@@ -222,11 +256,11 @@ def test_for_kernels_interleaves_for_every_x86_kernel_family(monkeypatch: pytest
 def test_interleaved_arguments_are_checked() -> None:
     qk = random_q4("mxfp4", 8, 256, seed=0)
     with pytest.raises(ValueError,
-                       match="interleaved: only q8_0, q4_0, q4_1, q4_k, q5_k, q6_k, q5_0, q5_1, iq4_nl, bf16 have an "
+                       match="interleaved: only q8_0, q4_0, q4_1, q4_k, q5_k, q6_k, q5_0, q5_1, iq4_nl, iq4_xs, bf16 have an "
                              "interleaved layout, not mxfp4"):
         QuantizedWeight("mxfp4", qk.data, (8, 256), interleaved=True)
     with pytest.raises(RuntimeError, match="qtype must be a row-layout qtype with an x8 layout \\('q4_0', 'q4_1', "
-                                           "'q4_k', 'q5_k', 'q6_k', 'q5_0', 'q5_1' or 'iq4_nl'\\), got 'mxfp4'"):
+                                           "'q4_k', 'q5_k', 'q6_k', 'q5_0', 'q5_1', 'iq4_nl' or 'iq4_xs'\\), got 'mxfp4'"):
         torch.ops.pagewire.interleave_q4(qk.data, "mxfp4")
     with pytest.raises(ValueError, match="interleaved: mxfp4 has no interleaved layout"):
         qk.interleave()

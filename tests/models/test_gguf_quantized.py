@@ -1,5 +1,5 @@
-"""--quantization gguf (a GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL/Q4_K/Q5_K/Q6_K/Q8_0 matrices kept in their blocks) and int4
-(Q4_0 at load): the model holds QuantizedWeights, and its logits track the same file loaded
+"""--quantization gguf (a GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL/IQ4_XS/Q4_K/Q5_K/Q6_K/Q8_0 matrices kept in their
+blocks) and int4 (Q4_0 at load): the model holds QuantizedWeights, and its logits track the same file loaded
 dequantised (prefill exactly, up to GEMM order; decode within the 8-bit activation rounding)."""
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def _assert_tracks(ours: torch.Tensor, want: torch.Tensor) -> None:
     assert err < 8e-2
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS"])
 def test_gguf_blocks_kept_and_logits_track_the_dequantised_file(
     qtype: str, k_sized_model: Path, tmp_path: Path
 ) -> None:

@@ -1,5 +1,5 @@
-// The 4-bit, 5-bit and K-quant weight CPU ops (GGUF's Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q4_K,
-// Q5_K, Q6_K and MXFP4 layouts, see quant4_kernel.h):
+// The 4-bit, 5-bit and K-quant weight CPU ops (GGUF's Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q2_K,
+// Q4_K, Q5_K, Q6_K and MXFP4 layouts, see quant4_kernel.h):
 // quantize_q4_0 (float weights at load, GGUF's rounding), dequantize_q4 (tests, prefill), and
 // linear_q4: x @ dequant(w)^T (+ bias) with x quantised per row to Q8 blocks on the fly, through
 // the AVX-512 VNNI kernel (linear_q4_avx512.cpp) when the CPU has it, the AVX2 one
@@ -41,10 +41,25 @@ inline float load_fp16(const uint8_t* p) {
 }
 
 // Sub-block sb (32 values) of a row: integer codes q[32] and (a[0], a[1], c) with value
-// j = a[j / 16] * q[j] + c. a[0] == a[1] except for Q6_K, whose 16-value halves have scales of
-// their own (its q is then the signed code - 32 and c is 0). Each a and c is computed as the
+// j = a[j / 16] * q[j] + c. a[0] == a[1] except for Q6_K and Q2_K, whose 16-value halves have
+// scales of their own (Q6_K's q is then the signed code - 32 and c is 0; Q2_K's halves have mins
+// of their own too: c2, value j = a[j / 16] * q[j] + c2[j / 16]). Each a and c is computed as the
 // `gguf` package computes it (d * sc, dmin * mn in fp32), so dequantising gives its floats.
-inline void decode_sub(Q4Type t, const uint8_t* row, int64_t sb, int16_t* q, float* a, float* c) {
+inline void decode_sub(Q4Type t, const uint8_t* row, int64_t sb, int16_t* q, float* a, float* c,
+                       float* c2 = nullptr) {
+  if (t == Q4Type::kQ2_K) {
+    const uint8_t* blk = row + (sb / 8) * kQ2_KBlockBytes;
+    const int bb = static_cast<int>(sb % 8), n = bb / 4, j = bb % 4;
+    const float d = load_fp16(blk + 80), dmin = load_fp16(blk + 82);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t sc = blk[2 * bb + h];
+      a[h] = d * static_cast<float>(sc & 15);
+      c2[h] = -(dmin * static_cast<float>(sc >> 4));
+    }
+    *c = c2[0];
+    for (int l = 0; l < 32; ++l) q[l] = static_cast<int16_t>((blk[16 + 32 * n + l] >> (2 * j)) & 3);
+    return;
+  }
   if (t == Q4Type::kQ6_K) {
     const uint8_t* blk = row + (sb / 8) * kQ6_KBlockBytes;
     const int j = static_cast<int>(sb % 8), h = j / 4, u = j % 4;
@@ -116,15 +131,17 @@ inline void decode_sub(Q4Type t, const uint8_t* row, int64_t sb, int16_t* q, flo
 
 void dequantize_q4_row(Q4Type t, const uint8_t* w, float* out, int64_t K) {
   int16_t q[32];
-  float a[2], c;
+  float a[2], c, c2[2];
   for (int64_t sb = 0; sb < K / 32; ++sb) {
-    decode_sub(t, w, sb, q, a, &c);
+    decode_sub(t, w, sb, q, a, &c, c2);
     float* o = out + sb * 32;
     if (t == Q4Type::kQ4_0 || t == Q4Type::kQ5_0) {  // GGUF: d * (q - 8), d * (q5 - 16)
       const int zero = t == Q4Type::kQ4_0 ? 8 : 16;
       for (int j = 0; j < 32; ++j) o[j] = a[0] * static_cast<float>(static_cast<int>(q[j]) - zero);
     } else if (t == Q4Type::kQ6_K || t == Q4Type::kIQ4_NL || t == Q4Type::kIQ4_XS) {  // (IQ4: d * level, signed)
       for (int j = 0; j < 32; ++j) o[j] = a[j / 16] * static_cast<float>(q[j]);  // GGUF: (d * sc) * (q - 32)
+    } else if (t == Q4Type::kQ2_K) {  // GGUF: (d * sc) * q - dmin * mn, per 16-value half
+      for (int j = 0; j < 32; ++j) o[j] = a[j / 16] * static_cast<float>(q[j]) + c2[j / 16];
     } else if (t == Q4Type::kMXFP4) {  // exact: a small integer times a power of two
       for (int j = 0; j < 32; ++j) o[j] = a[0] * static_cast<float>(static_cast<int>(q[j]) - kMxfp4Offset);
     } else {
@@ -205,6 +222,18 @@ void q6_k_x8_block(uint8_t* rows, int64_t row_bytes, uint8_t* g, bool to_x8) {
   }
 }
 
+// Q2_K's x8 layout of one super-block (quant4_kernel.h), as q4_k_x8_block.
+void q2_k_x8_block(uint8_t* rows, int64_t row_bytes, uint8_t* g, bool to_x8) {
+  const auto move = [to_x8](uint8_t* x8, uint8_t* row, int n) { move_x8(x8, row, n, to_x8); };
+  for (int r = 0; r < kQ4Interleave; ++r) {
+    uint8_t* blk = rows + r * row_bytes;
+    move(g + 2 * r, blk + 80, 2);       // d
+    move(g + 16 + 2 * r, blk + 82, 2);  // dmin
+    for (int v = 0; v < 4; ++v) move(g + 32 + 32 * v + 4 * r, blk + 4 * v, 4);        // scales
+    for (int c = 0; c < 16; ++c) move(g + 160 + 32 * c + 4 * r, blk + 16 + 4 * c, 4);  // qs
+  }
+}
+
 // IQ4_XS's x8 layout of one super-block (quant4_kernel.h), as q4_k_x8_block.
 void iq4_xs_x8_block(uint8_t* rows, int64_t row_bytes, uint8_t* g, bool to_x8) {
   const auto move = [to_x8](uint8_t* x8, uint8_t* row, int n) { move_x8(x8, row, n, to_x8); };
@@ -234,6 +263,13 @@ void interleave_q4_group(Q4Type t, const uint8_t* src, int64_t row_bytes, uint8_
     for (int64_t s = 0; s < K / kQ4_KBlock; ++s) {
       q4_k_x8_block(const_cast<uint8_t*>(src) + s * bb, row_bytes, dst + s * kQ4Interleave * bb, true,
                     t == Q4Type::kQ5_K);  // (src is only read)
+    }
+    return;
+  }
+  if (t == Q4Type::kQ2_K) {
+    for (int64_t s = 0; s < K / kQ4_KBlock; ++s) {
+      q2_k_x8_block(const_cast<uint8_t*>(src) + s * kQ2_KBlockBytes, row_bytes, dst + s * kQ4Interleave * kQ2_KBlockBytes,
+                    true);  // (src is only read)
     }
     return;
   }
@@ -280,6 +316,13 @@ void deinterleave_q4_group(Q4Type t, const uint8_t* src, uint8_t* dst, int64_t r
     }
     return;
   }
+  if (t == Q4Type::kQ2_K) {
+    for (int64_t s = 0; s < K / kQ4_KBlock; ++s) {
+      q2_k_x8_block(dst + s * kQ2_KBlockBytes, row_bytes,
+                    const_cast<uint8_t*>(src) + s * kQ4Interleave * kQ2_KBlockBytes, false);  // (src is only read)
+    }
+    return;
+  }
   if (t == Q4Type::kIQ4_XS) {
     for (int64_t s = 0; s < K / kQ4_KBlock; ++s) {
       iq4_xs_x8_block(dst + s * kIq4xsBlockBytes, row_bytes,
@@ -315,15 +358,20 @@ void linear_q4_portable(Q4Type t, const Q8SumActivations& x, const uint8_t* w, c
     const uint8_t* wr = w + n * row_bytes;
     std::vector<float> acc(x.M, 0.f);
     int16_t q[32];
-    float a[2], c;
+    float a[2], c, c2[2];
     for (int64_t b = 0; b < nb; ++b) {
-      decode_sub(t, wr, b, q, a, &c);
+      decode_sub(t, wr, b, q, a, &c, c2);
       for (int64_t m = 0; m < x.M; ++m) {
         const int8_t* xq = x.q + m * x.K + b * 32;
         int32_t dot[2] = {0, 0};
         for (int j = 0; j < 32; ++j) dot[j / 16] += static_cast<int32_t>(q[j]) * static_cast<int32_t>(xq[j]);
         const float xd = x.d[m * nb + b];
-        if (t == Q4Type::kQ6_K) {  // two scales per block; no offset term (the codes are signed)
+        if (t == Q4Type::kQ2_K) {  // two scales and two mins per block: the halves' code sums
+          int32_t sum[2] = {0, 0};
+          for (int j = 0; j < 32; ++j) sum[j / 16] += xq[j];
+          acc[m] += static_cast<float>(dot[0]) * (a[0] * xd) + static_cast<float>(dot[1]) * (a[1] * xd) +
+                    c2[0] * (xd * static_cast<float>(sum[0])) + c2[1] * (xd * static_cast<float>(sum[1]));
+        } else if (t == Q4Type::kQ6_K) {  // two scales per block; no offset term (the codes are signed)
           acc[m] += static_cast<float>(dot[0]) * (a[0] * xd) + static_cast<float>(dot[1]) * (a[1] * xd);
         } else {
           acc[m] += static_cast<float>(dot[0] + dot[1]) * (a[0] * xd) + c * x.s[m * nb + b];
@@ -447,7 +495,7 @@ at::Tensor interleave_q4_cpu(const at::Tensor& weight, c10::string_view qtype_vi
   const Q4Format f = parse_q4_type(qtype);
   TORCH_CHECK(!f.interleaved && cpu::q4_interleavable(f.type),
               "qtype must be a row-layout qtype with an x8 layout ('q4_0', 'q4_1', 'q4_k', 'q5_k', 'q6_k', 'q5_0', "
-              "'q5_1', 'iq4_nl' or 'iq4_xs'), got '", qtype, "'");
+              "'q5_1', 'iq4_nl', 'iq4_xs' or 'q2_k'), got '", qtype, "'");
   const cpu::Q4Type t = f.type;
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) % cpu::q4_block_bytes(t) == 0, "weight must be [N, row bytes] ",
               qtype, " blocks, got shape ", weight.sizes());

@@ -343,6 +343,9 @@ void linear_q4_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const
     case Q4Type::kIQ4_XS:
       linear_q5nl_avx2(t, x, w, bias, out, ldo, N);  // (their row layout: a weight's last N % 8 rows)
       break;
+    case Q4Type::kQ2_K:
+      linear_q2k_avx2(x, w, bias, out, ldo, N);  // (as above)
+      break;
   }
 }
 

@@ -20,6 +20,10 @@
 //     Q4_0's), a non-linear table of int8 levels. (These three are also the types llama.cpp's
 //     quantiser falls back to for rows that are not whole 256-value super-blocks: Q5_0 for Q4_K,
 //     Q5_1 for Q5_K, IQ4_NL for Q2_K / Q3_K and the IQ types.)
+//   Q2_K: 256 values in 84 bytes {16 bytes scales, 64 bytes qs, fp16 d, fp16 dmin}: 16-value
+//     sub-block s is d * (scales[s] & 15) * q - dmin * (scales[s] >> 4), q 2 bits: value 32j + l of
+//     half n (128 values) is bits 2j..2j+1 of qs[32n + l] (j = 0..3, l = 0..31), in sub-block
+//     8n + 2j + l / 16.
 //   IQ4_XS: 256 values in 136 bytes {fp16 d, u16 scales_h, 4 bytes scales_l, 128 bytes q}: sub-block
 //     s (32 values) is d * (ls - 32) * kIq4nlValues[q], ls the 6-bit scale whose low four bits are
 //     nibble s of the little-endian scales_l word and top two bits bits 2s..2s+1 of scales_h; its
@@ -42,7 +46,7 @@
 namespace pagewire::cpu {
 
 enum class Q4Type : int { kQ4_0 = 0, kQ4_1 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4, kMXFP4 = 5, kQ5_0 = 6, kQ5_1 = 7,
-                          kIQ4_NL = 8, kIQ4_XS = 9 };
+                          kIQ4_NL = 8, kIQ4_XS = 9, kQ2_K = 10 };
 
 constexpr int kQ4_0BlockBytes = 18;   // per 32 values
 constexpr int kQ4_1BlockBytes = 20;   // per 32 values
@@ -55,6 +59,7 @@ constexpr int kQ5_0BlockBytes = 22;   // per 32 values
 constexpr int kQ5_1BlockBytes = 24;   // per 32 values
 constexpr int kIq4nlBlockBytes = 18;  // per 32 values
 constexpr int kIq4xsBlockBytes = 136; // per 256 values
+constexpr int kQ2_KBlockBytes = 84;   // per 256 values
 
 // IQ4_NL's sixteen levels (GGML's kvalues_iq4nl), int8.
 constexpr int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -73,7 +78,9 @@ inline float mxfp4_scale(uint8_t e) {
 }
 
 // Whether t is a K-quant (256-value super-blocks).
-inline bool q_is_k(Q4Type t) { return t == Q4Type::kQ4_K || t == Q4Type::kQ5_K || t == Q4Type::kQ6_K; }
+inline bool q_is_k(Q4Type t) {
+  return t == Q4Type::kQ4_K || t == Q4Type::kQ5_K || t == Q4Type::kQ6_K || t == Q4Type::kQ2_K;
+}
 // Values per block and bytes per block of a type (IQ4_XS: 256-value super-blocks too).
 inline int q4_block_values(Q4Type t) { return q_is_k(t) || t == Q4Type::kIQ4_XS ? kQ4_KBlock : 32; }
 inline int q4_block_bytes(Q4Type t) {
@@ -88,6 +95,7 @@ inline int q4_block_bytes(Q4Type t) {
     case Q4Type::kQ5_1: return kQ5_1BlockBytes;
     case Q4Type::kIQ4_NL: return kIq4nlBlockBytes;
     case Q4Type::kIQ4_XS: return kIq4xsBlockBytes;
+    case Q4Type::kQ2_K: return kQ2_KBlockBytes;
   }
   return 0;
 }
@@ -108,11 +116,13 @@ inline const char* q4_type_name(Q4Type t) {
     case Q4Type::kQ5_1: return "q5_1";
     case Q4Type::kIQ4_NL: return "iq4_nl";
     case Q4Type::kIQ4_XS: return "iq4_xs";
+    case Q4Type::kQ2_K: return "q2_k";
   }
   return "";
 }
 constexpr Q4Type kQ4Types[] = {Q4Type::kQ4_0, Q4Type::kQ4_1, Q4Type::kQ4_K, Q4Type::kQ5_K, Q4Type::kQ6_K,
-                               Q4Type::kMXFP4, Q4Type::kQ5_0, Q4Type::kQ5_1, Q4Type::kIQ4_NL, Q4Type::kIQ4_XS};
+                               Q4Type::kMXFP4, Q4Type::kQ5_0, Q4Type::kQ5_1, Q4Type::kIQ4_NL, Q4Type::kIQ4_XS,
+                               Q4Type::kQ2_K};
 
 // IQ4_XS's 6-bit scale of sub-block s (0..7) of one super-block, less 32: [-32, 31].
 inline int iq4_xs_scale(const uint8_t* blk, int s) {
@@ -167,6 +177,10 @@ void dequantize_q4_row(Q4Type t, const uint8_t* w, float* out, int64_t K);
 // fp16 d (16 bytes), their scales_l words (32 bytes, row r's at 16 + 4r), their scales_h (16 bytes,
 // row r's at 48 + 2r), then per sub-block s (at 64 + 128 s) IQ4_NL's four x8 chunks of its codes
 // (chunk c: bytes 4c..4c+3 of each row's sub-block s, row r at 4r).
+// Q2_K's x8 layout (x8k_q2_body.h), per super-block of the eight rows (8 * 84 bytes): their fp16 d
+// (16 bytes), their fp16 dmin (16 bytes), their 16 scale bytes as four 32-byte vectors (bytes
+// 4v..4v+3 of row r at 32 + 32v + 4r), then 16 chunks of codes (chunk c: qs bytes 4c..4c+3 of each
+// row, row r at 160 + 32c + 4r).
 // Q6_K's x8 layout (x8k_body.h), per super-block of the eight rows (8 * 210 bytes): their
 // fp16 d (16 bytes), their 16 int8 scales as four 32-byte vectors (scales 4v..4v+3 of row r at
 // 32v + 4r), then 32 ql chunks (chunk c: bytes 4c..4c+3 of each row's 128 ql bytes, row r at 4r)
@@ -228,6 +242,14 @@ void linear_q4kx8_vnni(const Q8SumActivations& x, const uint8_t* w, const float*
                        int64_t N);
 void linear_q6kx8_vnni(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
                        int64_t N);
+// Q2_K's x8 kernels (x8k_q2_body.h), the same floats in both builds, and its row layout
+// (linear_q2k_avx2.cpp; called by linear_q4_avx2 and linear_q4_avx512).
+void linear_q2kx8_avx2(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
+                       int64_t N);
+void linear_q2kx8_vnni(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
+                       int64_t N);
+void linear_q2k_avx2(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
+                     int64_t N);
 // Q5_0, Q5_1, IQ4_NL and IQ4_XS in row layout (linear_q5nl_avx2.cpp), called by linear_q4_avx2 and
 // linear_q4_avx512 for those types (the same AVX2 code: their row layout only serves a weight's
 // last N % 8 rows on x86, the x8 kernels the rest).

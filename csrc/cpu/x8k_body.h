@@ -1,5 +1,6 @@
 // The K-quant kernels of the interleaved x8 layouts (quant4_kernel.h) x Q8 activations: Q4_K's
-// (run_q4k), Q5_K's (run_q5k: Q4_K's body with each chunk's fifth bits ORed in) and Q6_K's (run_q6k), compiled twice: linear_x8k_avx2.cpp (PAGEWIRE_X8_VNNI 0: maddubs
+// (run_q4k), Q5_K's (run_q5k: Q4_K's body with each chunk's fifth bits ORed in), Q6_K's (run_q6k)
+// and Q2_K's (run_q2k, x8k_q2_body.h), compiled twice: linear_x8k_avx2.cpp (PAGEWIRE_X8_VNNI 0: maddubs
 // pair sums in 16 bits, widened by a madd with the sub-block's scale) and linear_x8k_vnni.cpp
 // (PAGEWIRE_X8_VNNI 1: AVX-512 VNNI's 256-bit vpdpbusd adds four products straight into 32 bits,
 // and one vpmulld applies the scale). Both builds add the same integer products exactly (no
@@ -275,6 +276,7 @@ void group_k(const Q8SumActivations& x, int64_t m0, const uint8_t* w, const floa
 }  // namespace q4k
 
 #include "x8k_q6_body.h"  // q6k::group_q6 and its helpers
+#include "x8k_q2_body.h"  // q2k::group_q2
 
 #if PAGEWIRE_X8_VNNI
 #include "x8k_pairs.h"  // group_k2, group_q62
@@ -328,6 +330,28 @@ void run_q5k(const Q8SumActivations& x, const uint8_t* w, const float* bias, flo
     float* og = out + g * kQ4Interleave;
     row_passes<kQ5KRows>(x.M, [&](auto mb, int64_t m) {
       q4k::group_k<decltype(mb)::value, true>(x, m, wg, bg, og, ldo);
+    });
+  });
+}
+
+// Q2_K: one group a unit, kQ2KRows rows a pass. AVX2 (16 registers), on a Zen 3, two builds
+// alternating (bench.kernels quant --types q2_k, x8 column): two rows a pass took 0.72-0.78x one
+// row's time at 4 rows of 1536 x 1024 and 0.6-0.9x at 16 (some spills, fewer weight passes).
+constexpr int kQ2KRows = PAGEWIRE_X8_VNNI ? 4 : 2;
+void run_q2k(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t N) {
+  const int64_t groups = N / kQ4Interleave, group_bytes = kQ4Interleave * (x.K / kQ4_KBlock) * kQ2_KBlockBytes;
+  // Per calling thread, reused across calls (each thread of a fused_linear team prepares its own);
+  // read through a plain pointer inside the parallel loop.
+  thread_local std::vector<float> sums;
+  if (static_cast<int64_t>(sums.size()) < x.M * (x.K / 16)) sums.resize(x.M * (x.K / 16));
+  q2k::prepare_q2_sums(x, sums.data());
+  const float* s16 = sums.data();
+  team_for(groups, N * x.K * x.M >= 65536, [&](int64_t g) {
+    const uint8_t* wg = w + g * group_bytes;
+    const float* bg = bias != nullptr ? bias + g * kQ4Interleave : nullptr;
+    float* og = out + g * kQ4Interleave;
+    row_passes<kQ2KRows>(x.M, [&](auto mb, int64_t m) {
+      q2k::group_q2<decltype(mb)::value>(x, s16, m, wg, bg, og, ldo);
     });
   });
 }

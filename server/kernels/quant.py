@@ -15,6 +15,7 @@ Every format is GGUF's block layout, byte for byte, so a tensor read from a GGUF
     q5_0   32            22           d * (q - 16)     (fp16 d, 32 fifth bits, 32 4-bit q)
     q5_1   32            24           d * q + m        (fp16 d, fp16 m, 32 fifth bits, 32 4-bit q)
     iq4_nl 32            18           d * kvalues[q]   (fp16 d, 32 4-bit q indexing 16 int8 levels)
+    q2_k   256           84           d*sc*q - dmin*mn (2-bit q, 4-bit sc/mn per 16 values, fp16 d, dmin)
     iq4_xs 256           136          d*(ls-32)*kvalues[q] (fp16 d, 8 x 6-bit ls, 256 4-bit q as iq4_nl's)
     bf16   16            32           the bf16 value itself (from_bf16: a float matrix moved, x8 only)
 
@@ -71,18 +72,22 @@ QTYPES: dict[Qtype, BlockFormat] = {
     Qtype.IQ4_NL: BlockFormat(32, 18),
     # IQ4_XS: IQ4_NL's levels under a 6-bit scale per 32 values and an fp16 d per 256 (4.25 bits a value).
     Qtype.IQ4_XS: BlockFormat(256, 136),
+    # Q2_K: 2-bit codes under a 4-bit scale and min per 16 values and an fp16 d and dmin per 256.
+    Qtype.Q2_K: BlockFormat(256, 84),
     # bf16 in the x8 layout only (from_bf16): the same bytes as the bf16 matrix, moved.
     Qtype.BF16: BlockFormat(16, 32),
 }
 
 # The formats with an interleaved layout (QuantizedWeight.for_kernels).
 INTERLEAVABLE: tuple[Qtype, ...] = (Qtype.Q8_0, Qtype.Q4_0, Qtype.Q4_1, Qtype.Q4_K, Qtype.Q5_K, Qtype.Q6_K, Qtype.Q5_0,
-                                    Qtype.Q5_1, Qtype.IQ4_NL, Qtype.IQ4_XS, Qtype.BF16)
+                                    Qtype.Q5_1, Qtype.IQ4_NL, Qtype.IQ4_XS, Qtype.Q2_K,
+                                    Qtype.BF16)
 
 # GGUF tensor type names (gguf.GGMLQuantizationType) -> the qtype that keeps them as they are.
 GGUF_QTYPES: dict[str, Qtype] = {"Q8_0": Qtype.Q8_0, "Q4_0": Qtype.Q4_0, "Q4_1": Qtype.Q4_1, "Q4_K": Qtype.Q4_K,
                                   "Q5_K": Qtype.Q5_K, "Q6_K": Qtype.Q6_K, "MXFP4": Qtype.MXFP4, "Q5_0": Qtype.Q5_0,
-                                  "Q5_1": Qtype.Q5_1, "IQ4_NL": Qtype.IQ4_NL, "IQ4_XS": Qtype.IQ4_XS}
+                                  "Q5_1": Qtype.Q5_1, "IQ4_NL": Qtype.IQ4_NL, "IQ4_XS": Qtype.IQ4_XS,
+                                  "Q2_K": Qtype.Q2_K}
 
 # --quantization values that quantise float weights at load, and the format each one stores.
 # ("gguf", which keeps a GGUF file's own block types, is handled by the GGUF loader.)

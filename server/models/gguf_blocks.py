@@ -2,7 +2,7 @@
 
 It owns deciding which of a model's matrices can stay in the file's own block format -- every
 GGUF tensor that feeds the matrix has a type pagewire has a kernel for (Q8_0, Q4_0, Q4_1, Q5_0,
-Q5_1, IQ4_NL, IQ4_XS, Q4_K, Q5_K, Q6_K, and MXFP4 for experts only; Q3_K as the Q6_K it is
+Q5_1, IQ4_NL, IQ4_XS, Q2_K, Q4_K, Q5_K, Q6_K, and MXFP4 for experts only; Q3_K as the Q6_K it is
 transcoded into; see server.kernels.quant.GGUF_QTYPES) -- and building
 those QuantizedWeights from the tensors' raw block bytes: fused matrices (qkv, gate_up) are the
 parts' rows one after another, and llama.cpp's Q/K row permutation is undone on whole rows of

@@ -40,7 +40,7 @@ from server.models.qwen3_next_gguf import (
 from server.models.registry import config_from_gguf, gguf_permuted_qk, model_class
 
 # Every type the `gguf` package dequantises. With --quantization gguf, Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL/
-# IQ4_XS/Q4_K/Q5_K/Q6_K (and MXFP4 experts) stay in their blocks, Q3_K in the Q6_K blocks it is transcoded into
+# IQ4_XS/Q2_K/Q4_K/Q5_K/Q6_K (and MXFP4 experts) stay in their blocks, Q3_K in the Q6_K blocks it is transcoded into
 # exactly (server.models.gguf_transcode); the rest are dequantised to the serving dtype.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                           "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M",
@@ -187,7 +187,7 @@ def load_gguf_model(
         path: the .gguf file.
         dtype: "auto" (the file's float type; float32 for quantised files), "float32", "bfloat16", "float16".
         device: where the parameters live.
-        keep_quantized: keep every matrix whose tensors are Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL/IQ4_XS/Q4_K/Q5_K/Q6_K
+        keep_quantized: keep every matrix whose tensors are Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL/IQ4_XS/Q2_K/Q4_K/Q5_K/Q6_K
             as a QuantizedWeight of the file's blocks (CPU only; Q3_K as Q6_K's,
             server.models.gguf_transcode), the token embedding table included
             (its rows dequantised per step); norms and other types are dequantised to `dtype` as usual.

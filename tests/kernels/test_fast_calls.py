@@ -67,9 +67,9 @@ def test_q8_0_and_bf16x8_linears_equal_the_ops(interleaved: bool) -> None:
 
 @pytest.mark.parametrize("qtype,interleaved", [
     *[(q, False) for q in ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "mxfp4", "q5_0", "q5_1", "iq4_nl",
-                           "iq4_xs")],
+                           "iq4_xs", "q2_k")],
     *[(q, True) for q in ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "iq4_nl",
-                          "iq4_xs")],  # x8 layouts
+                          "iq4_xs", "q2_k")],  # x8 layouts
 ])
 def test_kernel_at_every_row_count_is_its_blocks_of_sixteen(cpu_isa: str, qtype: str, interleaved: bool) -> None:
     """linear_rows (the autotune's "kernel" above 16 rows, batch-invariant mode, prefill chunks)

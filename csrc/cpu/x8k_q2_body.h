@@ -6,14 +6,15 @@
 //
 // Each 32-bit lane carries one of the group's eight rows, as for Q4_K:
 //  * one 32-byte chunk holds four code bytes of each row, and each byte four 2-bit codes: the same
-//    four values (4c..4c+3) of four consecutive 32-value blocks, one per bit pair. Two shifts and
-//    an AND per bit pair give four code vectors (0..3, unsigned), each against its block's four
-//    activation bytes (broadcast by the load): maddubs pair sums in 16 bits (AVX2: a 16-value
-//    sub-block's four chunks add to at most 4 * 2 * 3 * 128 = 3,072) or vpdpbusd sums (VNNI);
+//    four values (4c..4c+3) of four consecutive 32-value blocks, one per bit pair. One shift and
+//    four masks give four code vectors (unsigned: blocks 0 and 2's codes 0..3, blocks 1 and 3's
+//    four times theirs, left at bits 2-3), each against its block's four activation bytes
+//    (broadcast by the load): maddubs pair sums in 16 bits (AVX2: a 16-value sub-block's four
+//    chunks add to at most 4 * 2 * 12 * 127 = 12,192) or vpdpbusd sums (VNNI);
 //  * per 16-value sub-block one madd (AVX2) or vpmulld (VNNI) by its 4-bit scale, picked for the
-//    eight rows by one shuffle from the layout's scale vectors (|scale * dot| <= 15 * 3,072: the
-//    same exact integer in both builds), then one int32 -> fp32 and one FMA by the activation
-//    block's scale;
+//    eight rows by one shuffle from the layout's scale vectors (|scale * dot| <= 2 * 15 * 12,192:
+//    the same exact integer in both builds), then one int32 -> fp32 and one FMA by the activation
+//    block's scale (a quarter of it for blocks 1 and 3);
 //  * the mins' term per sub-block: its 4-bit min times the activation codes' sum over its 16
 //    values times their block's scale (prepared once per call, prepare_q2_sums), one FMA;
 //  * once per super-block the rows' d and dmin.
@@ -40,7 +41,7 @@ template <int MB>
 void group_q2(const Q8SumActivations& x, const float* s16, int64_t m0, const uint8_t* w, const float* bias,
               float* out, int64_t ldo) {
   const int64_t nb = x.K / 32, nsb = x.K / kQ4_KBlock, n16 = x.K / 16;
-  const __m256i three = _mm256_set1_epi8(3), low4 = _mm256_set1_epi8(0x0F);
+  const __m256i three = _mm256_set1_epi8(3), twelve = _mm256_set1_epi8(12), low4 = _mm256_set1_epi8(0x0F);
   const int8_t* xq[MB];
   const float* xd[MB];
   const float* xs[MB];
@@ -71,9 +72,11 @@ void group_q2(const Q8SumActivations& x, const float* s16, int64_t m0, const uin
 #pragma GCC unroll 4
         for (int c = 4 * h; c < 4 * h + 4; ++c) {
           const __m256i v = load256(w + kCodes + 32 * (8 * n + c));
-          const __m256i q[4] = {_mm256_and_si256(v, three), _mm256_and_si256(_mm256_srli_epi16(v, 2), three),
-                                _mm256_and_si256(_mm256_srli_epi16(v, 4), three),
-                                _mm256_and_si256(_mm256_srli_epi16(v, 6), three)};
+          // Blocks 1 and 3's codes stay at bits 2-3 (four times the code): one shift and four masks
+          // where shifting each pair down took three shifts and four masks.
+          const __m256i v4 = _mm256_srli_epi16(v, 4);
+          const __m256i q[4] = {_mm256_and_si256(v, three), _mm256_and_si256(v, twelve), _mm256_and_si256(v4, three),
+                                _mm256_and_si256(v4, twelve)};
           for (int m = 0; m < MB; ++m) {
             const int8_t* xb = xq[m] + s * 256 + 128 * n + 4 * c;
 #pragma GCC unroll 4
@@ -96,8 +99,10 @@ void group_q2(const Q8SumActivations& x, const float* s16, int64_t m0, const uin
           const __m256i sc = _mm256_shuffle_epi8(raw, q4k::halves_of_byte(sb % 4));
 #endif
           for (int m = 0; m < MB; ++m) {
+            // (odd j: the integer is four times the sum, exact in fp32, and xd / 4 is exact too,
+            // so the product is the one of the sum and xd, rounded once)
             sa[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4k::scaled(dot[j][m], sc)),
-                                    _mm256_set1_ps(xd[m][s * 8 + 4 * n + j]), sa[m]);
+                                    _mm256_set1_ps(xd[m][s * 8 + 4 * n + j] * (j % 2 == 1 ? 0.25f : 1.f)), sa[m]);
           }
         }
       }

@@ -1,5 +1,5 @@
 // Small AVX2 helpers shared by the AVX2 kernel files (linear_avx2.cpp, linear_q8_avx2.cpp,
-// linear_q4_avx2.cpp). Include it after the file's target switch to "avx2,fma,f16c".
+// linear_q4_avx2.cpp, linear_q5nl_avx2.cpp, linear_q2k_avx2.cpp, ...). Include it after the file's target switch to "avx2,fma,f16c".
 #pragma once
 
 #include "x86_target.h"
@@ -8,6 +8,13 @@
 #include <cstring>
 
 namespace pagewire::cpu::avx2 {
+
+// The fp16 at p (a block's scale in GGUF's bytes) as a float (F16C).
+inline float fp16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
 
 // The sum of v's eight lanes, in one fixed order: deterministic mode (docs/determinism.md) relies
 // on every kernel reducing an output the same way for every row count.

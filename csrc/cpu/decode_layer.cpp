@@ -26,6 +26,7 @@
 #include "crew.h"
 #include "layer_parts.h"
 #include "quant4_kernel.h"
+#include "quant_kernel.h"
 
 namespace pagewire {
 
@@ -34,7 +35,7 @@ namespace {
 // Bytes of one weight row of K values in a linear kind's block format (server/kernels/quant.py
 // QTYPES; "x8" names the interleaved layout of the same bytes); 0 for a kind with no blocks.
 int64_t block_row_bytes(const std::string& kind, int64_t k) {
-  if (kind == "q8_0" || kind == "q8_0x8") return k % 32 == 0 ? k / 32 * 34 : -1;
+  if (kind == "q8_0" || kind == "q8_0x8") return k % cpu::kQ8Block == 0 ? k / cpu::kQ8Block * cpu::kQ8BlockBytes : -1;
   cpu::Q4Type t;
   bool x8 = false;
   if (!cpu::parse_q4_name(kind, &t, &x8)) return 0;

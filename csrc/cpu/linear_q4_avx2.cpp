@@ -36,14 +36,9 @@ PAGEWIRE_TARGET_PUSH("avx2,fma,f16c")
 namespace pagewire::cpu {
 namespace {
 
+using avx2::fp16;
 using avx2::fp16_strided8;
 using avx2::hsum;
-
-inline float fp16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
 
 inline __m256i load256(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 

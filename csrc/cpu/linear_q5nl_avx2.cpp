@@ -31,11 +31,7 @@ PAGEWIRE_TARGET_PUSH("avx2,fma,f16c")
 namespace pagewire::cpu {
 namespace {
 
-inline float fp16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
+using avx2::fp16;
 
 constexpr bool kLevels(Q4Type t) { return t == Q4Type::kIQ4_NL || t == Q4Type::kIQ4_XS; }
 

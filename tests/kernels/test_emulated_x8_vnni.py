@@ -24,6 +24,10 @@ from tests.kernels import emu_build
 from tests.kernels.test_quant4 import random_q4
 
 EMULATED_FAMILY = "avx512"  # tests/kernels/conftest.py's summary
+# The module's fixture compiles five kernel files with SIMDe (the x8 bodies of every type, both
+# builds): 5.5-8 minutes on a quiet 2-core machine, past the suite's 900 s limit beside two busy
+# processes (session 42's loaded run). A slow build, not a hang: a limit of its own.
+pytestmark = pytest.mark.timeout(2700)
 
 F32 = ctypes.POINTER(ctypes.c_float)
 I8 = ctypes.POINTER(ctypes.c_int8)

@@ -273,7 +273,7 @@ def random_weight(qtype: str, n: int, k: int, gen: torch.Generator) -> Quantized
     block types random valid blocks (no quantiser for them here)."""
     if qtype in _SCALES_AT:
         return random_blocks(qtype, n, k, gen)
-    if qtype in ("q4_k", "q5_k", "q6_k", "iq4_xs", "q2_k"):
+    if qtype in ("q4_k", "q5_k", "q6_k", "iq4_xs", "q2_k", "q3_k"):
         from tests.gguf_files import random_k_blocks
 
         data = random_k_blocks(n, k, qtype.upper(), int(torch.randint(0, 1 << 30, (1,), generator=gen)))
@@ -281,7 +281,7 @@ def random_weight(qtype: str, n: int, k: int, gen: torch.Generator) -> Quantized
     return QuantizedWeight.quantize(torch.randn(n, k, generator=gen) / 32, qtype)
 
 
-QUANT_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "iq4_xs", "q2_k", "q4_k", "q5_k", "q6_k")
+QUANT_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "iq4_xs", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
 
 
 def bench_quant(quick: bool = False, types: tuple[str, ...] = QUANT_TYPES) -> None:

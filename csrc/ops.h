@@ -74,9 +74,9 @@ at::Tensor linear_q8_0_cpu(const at::Tensor& x, const at::Tensor& weight, const 
 at::Tensor linear_q8_0_rows_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                                 bool interleaved);
 
-// 4-bit, 5-bit and K-quant weights (GGUF's Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q4_K, Q5_K, Q6_K,
-// MXFP4 layouts), see cpu/quant4_kernel.h. weight: uint8 [N, K / block * block bytes]; qtype: "q4_0",
-// "q4_1", "q5_0", "q5_1", "iq4_nl", "iq4_xs", "q4_k", "q5_k", "q6_k", "mxfp4", or with "x8" (all but mxfp4) in
+// 4-bit, 5-bit and K-quant weights (GGUF's Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_K,
+// Q5_K, Q6_K, MXFP4 layouts), see cpu/quant4_kernel.h. weight: uint8 [N, K / block * block bytes]; qtype:
+// "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "iq4_xs", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "mxfp4", or with "x8" (all but mxfp4) in
 // the interleaved x8 layout (cpu/quant4_kernel.h parse_q4_name).
 constexpr int64_t kQ4KernelMaxRows = 16;  // larger batches dequantise chunks and use ATen's GEMM
 at::Tensor quantize_q4_0_cpu(const at::Tensor& weight);  // float [N, K] -> Q4_0 bytes

@@ -1,14 +1,14 @@
 // The 4-bit, 5-bit and K-quant weight CPU ops (GGUF's Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q2_K,
-// Q4_K, Q5_K, Q6_K and MXFP4 layouts, see quant4_kernel.h):
+// Q3_K, Q4_K, Q5_K, Q6_K and MXFP4 layouts, see quant4_kernel.h):
 // quantize_q4_0 (float weights at load, GGUF's rounding), dequantize_q4 (tests, prefill), and
 // linear_q4: x @ dequant(w)^T (+ bias) with x quantised per row to Q8 blocks on the fly, through
 // the AVX-512 VNNI kernel (linear_q4_avx512.cpp) when the CPU has it, the AVX2 one
 // (linear_q4_avx2.cpp) when it has that, and the portable one otherwise. Batches above
 // kQ4KernelMaxRows (prefill) dequantise the weight a chunk of rows at a time and run ATen's GEMM
 // on each chunk: compute-bound there, and the chunk keeps the dequantised copy small.
-// interleave_q4 rearranges every type but MXFP4 into the x8 layout (quant4_kernel.h), which
-// every op here also takes (qtype "q4_0x8", "q5_1x8", ...): linear_q4 runs it through
-// linear_x8_avx2.cpp (linear_x8k_avx2.cpp for the K-quants) or its VNNI build.
+// interleave_q4 rearranges every type but MXFP4 into the x8 layout (quant4_kernel.h; the moves
+// are x8_layouts.cpp's), which every op here also takes (qtype "q4_0x8", "q5_1x8", ...): linear_q4
+// runs it through linear_x8_avx2.cpp (linear_x8k_avx2.cpp for the K-quants) or its VNNI build.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
@@ -41,8 +41,8 @@ inline float load_fp16(const uint8_t* p) {
 }
 
 // Sub-block sb (32 values) of a row: integer codes q[32] and (a[0], a[1], c) with value
-// j = a[j / 16] * q[j] + c. a[0] == a[1] except for Q6_K and Q2_K, whose 16-value halves have
-// scales of their own (Q6_K's q is then the signed code - 32 and c is 0; Q2_K's halves have mins
+// j = a[j / 16] * q[j] + c. a[0] == a[1] except for Q6_K, Q3_K and Q2_K, whose 16-value halves
+// have scales of their own (Q6_K's q is then the signed code - 32, Q3_K's the code - 4, and c is 0; Q2_K's halves have mins
 // of their own too: c2, value j = a[j / 16] * q[j] + c2[j / 16]). Each a and c is computed as the
 // `gguf` package computes it (d * sc, dmin * mn in fp32), so dequantising gives its floats.
 inline void decode_sub(Q4Type t, const uint8_t* row, int64_t sb, int16_t* q, float* a, float* c,
@@ -58,6 +58,18 @@ inline void decode_sub(Q4Type t, const uint8_t* row, int64_t sb, int16_t* q, flo
     }
     *c = c2[0];
     for (int l = 0; l < 32; ++l) q[l] = static_cast<int16_t>((blk[16 + 32 * n + l] >> (2 * j)) & 3);
+    return;
+  }
+  if (t == Q4Type::kQ3_K) {
+    const uint8_t* blk = row + (sb / 8) * kQ3_KBlockBytes;
+    const int bb = static_cast<int>(sb % 8), n = bb / 4, j = bb % 4;
+    const float d = load_fp16(blk + 108);
+    for (int h = 0; h < 2; ++h) a[h] = d * static_cast<float>(q3_k_scale(blk + 96, 2 * bb + h));
+    *c = 0.f;
+    for (int l = 0; l < 32; ++l) {
+      const int q2 = (blk[32 + 32 * n + l] >> (2 * j)) & 3, h = (blk[l] >> (4 * n + j)) & 1;
+      q[l] = static_cast<int16_t>(q2 + 4 * h - 4);
+    }
     return;
   }
   if (t == Q4Type::kQ6_K) {
@@ -138,214 +150,15 @@ void dequantize_q4_row(Q4Type t, const uint8_t* w, float* out, int64_t K) {
     if (t == Q4Type::kQ4_0 || t == Q4Type::kQ5_0) {  // GGUF: d * (q - 8), d * (q5 - 16)
       const int zero = t == Q4Type::kQ4_0 ? 8 : 16;
       for (int j = 0; j < 32; ++j) o[j] = a[0] * static_cast<float>(static_cast<int>(q[j]) - zero);
-    } else if (t == Q4Type::kQ6_K || t == Q4Type::kIQ4_NL || t == Q4Type::kIQ4_XS) {  // (IQ4: d * level, signed)
-      for (int j = 0; j < 32; ++j) o[j] = a[j / 16] * static_cast<float>(q[j]);  // GGUF: (d * sc) * (q - 32)
+    } else if (t == Q4Type::kQ6_K || t == Q4Type::kQ3_K || t == Q4Type::kIQ4_NL || t == Q4Type::kIQ4_XS) {
+      // GGUF: (d * sc) * (q - 32) (Q6_K), (d * (sc - 32)) * (q - 4) (Q3_K), d * level (IQ4, signed)
+      for (int j = 0; j < 32; ++j) o[j] = a[j / 16] * static_cast<float>(q[j]);
     } else if (t == Q4Type::kQ2_K) {  // GGUF: (d * sc) * q - dmin * mn, per 16-value half
       for (int j = 0; j < 32; ++j) o[j] = a[j / 16] * static_cast<float>(q[j]) + c2[j / 16];
     } else if (t == Q4Type::kMXFP4) {  // exact: a small integer times a power of two
       for (int j = 0; j < 32; ++j) o[j] = a[0] * static_cast<float>(static_cast<int>(q[j]) - kMxfp4Offset);
     } else {
       for (int j = 0; j < 32; ++j) o[j] = a[0] * static_cast<float>(q[j]) + c;
-    }
-  }
-}
-
-namespace {
-
-// Where the x8 layout puts a block's pieces (quant4_kernel.h): the scales' bytes per block (d, and
-// m for Q4_1 / Q5_1), and the offset of the nibbles in a GGUF block (after d, m and Q5's qh).
-inline bool has_min(Q4Type t) { return t == Q4Type::kQ4_1 || t == Q4Type::kQ5_1; }
-inline int x8_scale_bytes(Q4Type t) { return has_min(t) ? 32 : 16; }
-inline int codes_offset(Q4Type t) { return (has_min(t) ? 4 : 2) + (q_is_5(t) ? 4 : 0); }
-
-// Q5's fifth bits of one row and block: GGUF's qh word (bit j: value j) <-> the x8 layout's word
-// (quant4_kernel.h: byte i, bit c: value 4c + i; bit 4 + c: value 16 + 4c + i).
-inline uint32_t qh_to_x8(uint32_t qh) {
-  uint32_t out = 0;
-  for (int c = 0; c < 4; ++c) {
-    for (int i = 0; i < 4; ++i) {
-      out |= ((qh >> (4 * c + i)) & 1u) << (8 * i + c);
-      out |= ((qh >> (16 + 4 * c + i)) & 1u) << (8 * i + 4 + c);
-    }
-  }
-  return out;
-}
-inline uint32_t qh_from_x8(uint32_t v) {
-  uint32_t out = 0;
-  for (int c = 0; c < 4; ++c) {
-    for (int i = 0; i < 4; ++i) {
-      out |= ((v >> (8 * i + c)) & 1u) << (4 * c + i);
-      out |= ((v >> (8 * i + 4 + c)) & 1u) << (16 + 4 * c + i);
-    }
-  }
-  return out;
-}
-
-// n bytes between a block's place in the x8 layout and in its GGUF row: to the layout when to_x8,
-// back to the row otherwise (the x8 block functions below run both ways).
-inline void move_x8(uint8_t* x8, uint8_t* row, int n, bool to_x8) {
-  if (to_x8) {
-    std::memcpy(x8, row, n);
-  } else {
-    std::memcpy(row, x8, n);
-  }
-}
-
-// Q4_K's (five false) or Q5_K's x8 layout of one super-block (quant4_kernel.h): `to_x8` copies GGUF
-// rows (row r's block at rows + r * row_bytes) into the group's bytes g, or back when false.
-void q4_k_x8_block(uint8_t* rows, int64_t row_bytes, uint8_t* g, bool to_x8, bool five) {
-  const auto move = [to_x8](uint8_t* x8, uint8_t* row, int n) { move_x8(x8, row, n, to_x8); };
-  const int codes = five ? 48 : 16;  // where a GGUF block's nibbles start (Q5_K: after its 32 qh bytes)
-  for (int r = 0; r < kQ4Interleave; ++r) {
-    uint8_t* blk = rows + r * row_bytes;
-    move(g + 2 * r, blk, 2);            // d
-    move(g + 16 + 2 * r, blk + 2, 2);   // dmin
-    for (int w = 0; w < 3; ++w) move(g + 32 + 32 * w + 4 * r, blk + 4 + 4 * w, 4);  // packed scales
-    for (int c = 0; c < 4; ++c) {
-      for (int j = 0; j < 8; ++j) move(g + 128 + 32 * (8 * c + j) + 4 * r, blk + codes + 32 * c + 4 * j, 4);
-    }
-    if (five) {  // qh: chunk j holds bytes 4j..4j+3 of each row's 32
-      for (int j = 0; j < 8; ++j) move(g + 1152 + 32 * j + 4 * r, blk + 16 + 4 * j, 4);
-    }
-  }
-}
-
-// Q6_K's x8 layout of one super-block (quant4_kernel.h), as q4_k_x8_block.
-void q6_k_x8_block(uint8_t* rows, int64_t row_bytes, uint8_t* g, bool to_x8) {
-  const auto move = [to_x8](uint8_t* x8, uint8_t* row, int n) { move_x8(x8, row, n, to_x8); };
-  for (int r = 0; r < kQ4Interleave; ++r) {
-    uint8_t* blk = rows + r * row_bytes;
-    move(g + 2 * r, blk + 208, 2);                                                   // d
-    for (int v = 0; v < 4; ++v) move(g + 16 + 32 * v + 4 * r, blk + 192 + 4 * v, 4);  // scales
-    for (int c = 0; c < 32; ++c) move(g + 144 + 32 * c + 4 * r, blk + 4 * c, 4);        // ql
-    for (int c = 0; c < 16; ++c) move(g + 1168 + 32 * c + 4 * r, blk + 128 + 4 * c, 4);  // qh
-  }
-}
-
-// Q2_K's x8 layout of one super-block (quant4_kernel.h), as q4_k_x8_block.
-void q2_k_x8_block(uint8_t* rows, int64_t row_bytes, uint8_t* g, bool to_x8) {
-  const auto move = [to_x8](uint8_t* x8, uint8_t* row, int n) { move_x8(x8, row, n, to_x8); };
-  for (int r = 0; r < kQ4Interleave; ++r) {
-    uint8_t* blk = rows + r * row_bytes;
-    move(g + 2 * r, blk + 80, 2);       // d
-    move(g + 16 + 2 * r, blk + 82, 2);  // dmin
-    for (int v = 0; v < 4; ++v) move(g + 32 + 32 * v + 4 * r, blk + 4 * v, 4);        // scales
-    for (int c = 0; c < 16; ++c) move(g + 160 + 32 * c + 4 * r, blk + 16 + 4 * c, 4);  // qs
-  }
-}
-
-// IQ4_XS's x8 layout of one super-block (quant4_kernel.h), as q4_k_x8_block.
-void iq4_xs_x8_block(uint8_t* rows, int64_t row_bytes, uint8_t* g, bool to_x8) {
-  const auto move = [to_x8](uint8_t* x8, uint8_t* row, int n) { move_x8(x8, row, n, to_x8); };
-  for (int r = 0; r < kQ4Interleave; ++r) {
-    uint8_t* blk = rows + r * row_bytes;
-    move(g + 2 * r, blk, 2);            // d
-    move(g + 48 + 2 * r, blk + 2, 2);   // scales_h
-    move(g + 16 + 4 * r, blk + 4, 4);   // scales_l
-    for (int s = 0; s < 8; ++s) {
-      for (int c = 0; c < 4; ++c) move(g + 64 + 128 * s + 32 * c + 4 * r, blk + 8 + 16 * s + 4 * c, 4);
-    }
-  }
-}
-
-}  // namespace
-
-void interleave_q4_group(Q4Type t, const uint8_t* src, int64_t row_bytes, uint8_t* dst, int64_t K) {
-  if (t == Q4Type::kQ6_K) {
-    for (int64_t s = 0; s < K / kQ4_KBlock; ++s) {
-      q6_k_x8_block(const_cast<uint8_t*>(src) + s * kQ6_KBlockBytes, row_bytes,
-                    dst + s * kQ4Interleave * kQ6_KBlockBytes, true);  // (src is only read)
-    }
-    return;
-  }
-  if (t == Q4Type::kQ4_K || t == Q4Type::kQ5_K) {
-    const int bb = q4_block_bytes(t);
-    for (int64_t s = 0; s < K / kQ4_KBlock; ++s) {
-      q4_k_x8_block(const_cast<uint8_t*>(src) + s * bb, row_bytes, dst + s * kQ4Interleave * bb, true,
-                    t == Q4Type::kQ5_K);  // (src is only read)
-    }
-    return;
-  }
-  if (t == Q4Type::kQ2_K) {
-    for (int64_t s = 0; s < K / kQ4_KBlock; ++s) {
-      q2_k_x8_block(const_cast<uint8_t*>(src) + s * kQ2_KBlockBytes, row_bytes, dst + s * kQ4Interleave * kQ2_KBlockBytes,
-                    true);  // (src is only read)
-    }
-    return;
-  }
-  if (t == Q4Type::kIQ4_XS) {
-    for (int64_t s = 0; s < K / kQ4_KBlock; ++s) {
-      iq4_xs_x8_block(const_cast<uint8_t*>(src) + s * kIq4xsBlockBytes, row_bytes,
-                      dst + s * kQ4Interleave * kIq4xsBlockBytes, true);  // (src is only read)
-    }
-    return;
-  }
-  const int bb = q4_block_bytes(t), sb = x8_scale_bytes(t), qo = codes_offset(t);
-  for (int64_t b = 0; b < K / 32; ++b) {
-    uint8_t* o = dst + b * kQ4Interleave * bb;
-    for (int r = 0; r < kQ4Interleave; ++r) {
-      const uint8_t* blk = src + r * row_bytes + b * bb;
-      std::memcpy(o + 2 * r, blk, 2);                                  // d
-      if (has_min(t)) std::memcpy(o + 16 + 2 * r, blk + 2, 2);        // m
-      int at = sb;
-      if (q_is_5(t)) {  // the fifth bits, rearranged (qh_to_x8)
-        uint32_t qh;
-        std::memcpy(&qh, blk + qo - 4, 4);
-        qh = qh_to_x8(qh);
-        std::memcpy(o + sb + 4 * r, &qh, 4);
-        at += 32;
-      }
-      for (int c = 0; c < 4; ++c) std::memcpy(o + at + 32 * c + 4 * r, blk + qo + 4 * c, 4);
-    }
-  }
-}
-
-void deinterleave_q4_group(Q4Type t, const uint8_t* src, uint8_t* dst, int64_t row_bytes, int64_t K) {
-  if (t == Q4Type::kQ6_K) {
-    for (int64_t s = 0; s < K / kQ4_KBlock; ++s) {
-      q6_k_x8_block(dst + s * kQ6_KBlockBytes, row_bytes,
-                    const_cast<uint8_t*>(src) + s * kQ4Interleave * kQ6_KBlockBytes, false);  // (src is only read)
-    }
-    return;
-  }
-  if (t == Q4Type::kQ4_K || t == Q4Type::kQ5_K) {
-    const int bb = q4_block_bytes(t);
-    for (int64_t s = 0; s < K / kQ4_KBlock; ++s) {
-      q4_k_x8_block(dst + s * bb, row_bytes, const_cast<uint8_t*>(src) + s * kQ4Interleave * bb, false,
-                    t == Q4Type::kQ5_K);  // (src is only read)
-    }
-    return;
-  }
-  if (t == Q4Type::kQ2_K) {
-    for (int64_t s = 0; s < K / kQ4_KBlock; ++s) {
-      q2_k_x8_block(dst + s * kQ2_KBlockBytes, row_bytes,
-                    const_cast<uint8_t*>(src) + s * kQ4Interleave * kQ2_KBlockBytes, false);  // (src is only read)
-    }
-    return;
-  }
-  if (t == Q4Type::kIQ4_XS) {
-    for (int64_t s = 0; s < K / kQ4_KBlock; ++s) {
-      iq4_xs_x8_block(dst + s * kIq4xsBlockBytes, row_bytes,
-                      const_cast<uint8_t*>(src) + s * kQ4Interleave * kIq4xsBlockBytes, false);  // (src is only read)
-    }
-    return;
-  }
-  const int bb = q4_block_bytes(t), sb = x8_scale_bytes(t), qo = codes_offset(t);
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const uint8_t* in = src + b * kQ4Interleave * bb;
-    for (int r = 0; r < kQ4Interleave; ++r) {
-      uint8_t* blk = dst + r * row_bytes + b * bb;
-      std::memcpy(blk, in + 2 * r, 2);
-      if (has_min(t)) std::memcpy(blk + 2, in + 16 + 2 * r, 2);
-      int at = sb;
-      if (q_is_5(t)) {
-        uint32_t v;
-        std::memcpy(&v, in + sb + 4 * r, 4);
-        v = qh_from_x8(v);
-        std::memcpy(blk + qo - 4, &v, 4);
-        at += 32;
-      }
-      for (int c = 0; c < 4; ++c) std::memcpy(blk + qo + 4 * c, in + at + 32 * c + 4 * r, 4);
     }
   }
 }
@@ -371,7 +184,7 @@ void linear_q4_portable(Q4Type t, const Q8SumActivations& x, const uint8_t* w, c
           for (int j = 0; j < 32; ++j) sum[j / 16] += xq[j];
           acc[m] += static_cast<float>(dot[0]) * (a[0] * xd) + static_cast<float>(dot[1]) * (a[1] * xd) +
                     c2[0] * (xd * static_cast<float>(sum[0])) + c2[1] * (xd * static_cast<float>(sum[1]));
-        } else if (t == Q4Type::kQ6_K) {  // two scales per block; no offset term (the codes are signed)
+        } else if (t == Q4Type::kQ6_K || t == Q4Type::kQ3_K) {  // two scales per block; signed codes, no offset term
           acc[m] += static_cast<float>(dot[0]) * (a[0] * xd) + static_cast<float>(dot[1]) * (a[1] * xd);
         } else {
           acc[m] += static_cast<float>(dot[0] + dot[1]) * (a[0] * xd) + c * x.s[m * nb + b];
@@ -495,7 +308,7 @@ at::Tensor interleave_q4_cpu(const at::Tensor& weight, c10::string_view qtype_vi
   const Q4Format f = parse_q4_type(qtype);
   TORCH_CHECK(!f.interleaved && cpu::q4_interleavable(f.type),
               "qtype must be a row-layout qtype with an x8 layout ('q4_0', 'q4_1', 'q4_k', 'q5_k', 'q6_k', 'q5_0', "
-              "'q5_1', 'iq4_nl', 'iq4_xs' or 'q2_k'), got '", qtype, "'");
+              "'q5_1', 'iq4_nl', 'iq4_xs', 'q2_k' or 'q3_k'), got '", qtype, "'");
   const cpu::Q4Type t = f.type;
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) % cpu::q4_block_bytes(t) == 0, "weight must be [N, row bytes] ",
               qtype, " blocks, got shape ", weight.sizes());

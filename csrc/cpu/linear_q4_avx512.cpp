@@ -303,6 +303,9 @@ void linear_q4_avx512(Q4Type t, const Q8SumActivations& x, const uint8_t* w, con
     case Q4Type::kQ2_K:
       linear_q2k_avx2(x, w, bias, out, ldo, N);  // (as above)
       break;
+    case Q4Type::kQ3_K:
+      linear_q3k_avx2(x, w, bias, out, ldo, N);  // (as above)
+      break;
   }
 }
 

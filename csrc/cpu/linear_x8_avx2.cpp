@@ -56,6 +56,8 @@ void linear_q4x8_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, con
     linear_q4kx8_avx2(x, w, bias, out, ldo, N);
   } else if (t == Q4Type::kQ2_K) {
     linear_q2kx8_avx2(x, w, bias, out, ldo, N);
+  } else if (t == Q4Type::kQ3_K) {
+    linear_q3kx8_avx2(x, w, bias, out, ldo, N);
   } else if (t == Q4Type::kQ5_K) {
     linear_q5kx8_avx2(x, w, bias, out, ldo, N);
   } else if (t == Q4Type::kQ6_K) {

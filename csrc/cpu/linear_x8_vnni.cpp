@@ -51,6 +51,8 @@ void linear_q4x8_vnni(Q4Type t, const Q8SumActivations& x, const uint8_t* w, con
     linear_q5kx8_vnni(x, w, bias, out, ldo, N);
   } else if (t == Q4Type::kQ2_K) {
     linear_q2kx8_vnni(x, w, bias, out, ldo, N);
+  } else if (t == Q4Type::kQ3_K) {
+    linear_q3kx8_vnni(x, w, bias, out, ldo, N);
   } else {
     linear_q6kx8_vnni(x, w, bias, out, ldo, N);
   }

@@ -1,4 +1,4 @@
-// The K-quant x8 kernels (Q2_K, Q4_K, Q5_K, Q6_K) on AVX2 CPUs: x8k_body.h built with maddubs + madd (the
+// The K-quant x8 kernels (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) on AVX2 CPUs: x8k_body.h built with maddubs + madd (the
 // kernels' description is there). linear_x8k_vnni.cpp builds the same body with AVX-512 VNNI.
 // Headers first (x8k_body.h's own includes then add nothing): inline functions they define must
 // keep the baseline ISA.
@@ -34,6 +34,11 @@ void linear_q5kx8_avx2(const Q8SumActivations& x, const uint8_t* w, const float*
 void linear_q2kx8_avx2(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
                        int64_t N) {
   run_q2k(x, w, bias, out, ldo, N);
+}
+
+void linear_q3kx8_avx2(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
+                       int64_t N) {
+  run_q3k(x, w, bias, out, ldo, N);
 }
 
 void linear_q6kx8_avx2(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,

@@ -24,6 +24,11 @@
 //     sub-block s is d * (scales[s] & 15) * q - dmin * (scales[s] >> 4), q 2 bits: value 32j + l of
 //     half n (128 values) is bits 2j..2j+1 of qs[32n + l] (j = 0..3, l = 0..31), in sub-block
 //     8n + 2j + l / 16.
+//   Q3_K: 256 values in 110 bytes {32 bytes hmask, 64 bytes qs, 12 bytes of sixteen 6-bit scales,
+//     fp16 d}: 16-value sub-block s is d * (sc[s] - 32) * (q - 4), q = q2 + 4 h in 0..7: q2 placed
+//     as Q2_K's (bits 2j..2j+1 of qs[32n + l] for value 32j + l of half n) and h bit 4n + j of
+//     hmask[l]; sc[s]'s low four bits are byte s's low nibble (s < 8) or byte s - 8's high nibble,
+//     its top two bits bits 2 (s / 4)..2 (s / 4) + 1 of byte 8 + s % 4 (q3_k_scale).
 //   IQ4_XS: 256 values in 136 bytes {fp16 d, u16 scales_h, 4 bytes scales_l, 128 bytes q}: sub-block
 //     s (32 values) is d * (ls - 32) * kIq4nlValues[q], ls the 6-bit scale whose low four bits are
 //     nibble s of the little-endian scales_l word and top two bits bits 2s..2s+1 of scales_h; its
@@ -34,7 +39,7 @@
 //     0..24, a byte shuffle of the nibble) with the block's offset -12 * 2^(e - 128), so the same
 //     unsigned x signed dot products and offset FMAs as Q4_0 compute it exactly. (e = 255, the
 //     spec's NaN, is read as 2^127, as llama.cpp does.)
-// (Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q5_K, Q6_K and MXFP4 share this interface and its op, pagewire::linear_q4, with the 4-bit types.)
+// (Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q5_K, Q6_K and MXFP4 share this interface and its op, pagewire::linear_q4, with the 4-bit types.)
 // Every kernel works on activations quantised per row to Q8 blocks of 32 (quant_kernel.h), so a
 // 4-bit weight block times an activation block is one integer dot product of 32 pairs plus the
 // block's offset term (q's offset or min) times the activation block's sum.
@@ -46,7 +51,7 @@
 namespace pagewire::cpu {
 
 enum class Q4Type : int { kQ4_0 = 0, kQ4_1 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4, kMXFP4 = 5, kQ5_0 = 6, kQ5_1 = 7,
-                          kIQ4_NL = 8, kIQ4_XS = 9, kQ2_K = 10 };
+                          kIQ4_NL = 8, kIQ4_XS = 9, kQ2_K = 10, kQ3_K = 11 };
 
 constexpr int kQ4_0BlockBytes = 18;   // per 32 values
 constexpr int kQ4_1BlockBytes = 20;   // per 32 values
@@ -60,6 +65,7 @@ constexpr int kQ5_1BlockBytes = 24;   // per 32 values
 constexpr int kIq4nlBlockBytes = 18;  // per 32 values
 constexpr int kIq4xsBlockBytes = 136; // per 256 values
 constexpr int kQ2_KBlockBytes = 84;   // per 256 values
+constexpr int kQ3_KBlockBytes = 110;  // per 256 values
 
 // IQ4_NL's sixteen levels (GGML's kvalues_iq4nl), int8.
 constexpr int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -79,7 +85,8 @@ inline float mxfp4_scale(uint8_t e) {
 
 // Whether t is a K-quant (256-value super-blocks).
 inline bool q_is_k(Q4Type t) {
-  return t == Q4Type::kQ4_K || t == Q4Type::kQ5_K || t == Q4Type::kQ6_K || t == Q4Type::kQ2_K;
+  return t == Q4Type::kQ4_K || t == Q4Type::kQ5_K || t == Q4Type::kQ6_K || t == Q4Type::kQ2_K ||
+         t == Q4Type::kQ3_K;
 }
 // Values per block and bytes per block of a type (IQ4_XS: 256-value super-blocks too).
 inline int q4_block_values(Q4Type t) { return q_is_k(t) || t == Q4Type::kIQ4_XS ? kQ4_KBlock : 32; }
@@ -96,6 +103,7 @@ inline int q4_block_bytes(Q4Type t) {
     case Q4Type::kIQ4_NL: return kIq4nlBlockBytes;
     case Q4Type::kIQ4_XS: return kIq4xsBlockBytes;
     case Q4Type::kQ2_K: return kQ2_KBlockBytes;
+    case Q4Type::kQ3_K: return kQ3_KBlockBytes;
   }
   return 0;
 }
@@ -117,17 +125,25 @@ inline const char* q4_type_name(Q4Type t) {
     case Q4Type::kIQ4_NL: return "iq4_nl";
     case Q4Type::kIQ4_XS: return "iq4_xs";
     case Q4Type::kQ2_K: return "q2_k";
+    case Q4Type::kQ3_K: return "q3_k";
   }
   return "";
 }
 constexpr Q4Type kQ4Types[] = {Q4Type::kQ4_0, Q4Type::kQ4_1, Q4Type::kQ4_K, Q4Type::kQ5_K, Q4Type::kQ6_K,
                                Q4Type::kMXFP4, Q4Type::kQ5_0, Q4Type::kQ5_1, Q4Type::kIQ4_NL, Q4Type::kIQ4_XS,
-                               Q4Type::kQ2_K};
+                               Q4Type::kQ2_K, Q4Type::kQ3_K};
 
 // IQ4_XS's 6-bit scale of sub-block s (0..7) of one super-block, less 32: [-32, 31].
 inline int iq4_xs_scale(const uint8_t* blk, int s) {
   const int lo = (blk[4 + s / 2] >> (4 * (s % 2))) & 0xF;
   const int hi = ((blk[2] | blk[3] << 8) >> (2 * s)) & 3;
+  return (lo | hi << 4) - 32;
+}
+
+// Q3_K's 6-bit scale of 16-value sub-block s (0..15) from a block's 12 scale bytes, less 32: [-32, 31].
+inline int q3_k_scale(const uint8_t* sc, int s) {
+  const int lo = s < 8 ? sc[s] & 0xF : sc[s - 8] >> 4;
+  const int hi = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
   return (lo | hi << 4) - 32;
 }
 
@@ -181,6 +197,10 @@ void dequantize_q4_row(Q4Type t, const uint8_t* w, float* out, int64_t K);
 // (16 bytes), their fp16 dmin (16 bytes), their 16 scale bytes as four 32-byte vectors (bytes
 // 4v..4v+3 of row r at 32 + 32v + 4r), then 16 chunks of codes (chunk c: qs bytes 4c..4c+3 of each
 // row, row r at 160 + 32c + 4r).
+// Q3_K's x8 layout (x8k_q3_body.h), per super-block of the eight rows (8 * 110 bytes): their fp16 d
+// (16 bytes), their 12 scale bytes as three 32-byte vectors (bytes 4v..4v+3 of row r at 16 + 32v +
+// 4r), then 8 chunks of hmask (chunk c: bytes 4c..4c+3 of each row's 32, row r at 112 + 32c + 4r)
+// and 16 chunks of qs (chunk c: qs bytes 4c..4c+3 of each row, row r at 368 + 32c + 4r).
 // Q6_K's x8 layout (x8k_body.h), per super-block of the eight rows (8 * 210 bytes): their
 // fp16 d (16 bytes), their 16 int8 scales as four 32-byte vectors (scales 4v..4v+3 of row r at
 // 32v + 4r), then 32 ql chunks (chunk c: bytes 4c..4c+3 of each row's 128 ql bytes, row r at 4r)
@@ -212,7 +232,8 @@ inline std::string q4_names() {
   }
   return out;
 }
-// One group: eight GGUF rows (src, row stride row_bytes) -> the group's interleaved bytes, and back.
+// One group: eight GGUF rows (src, row stride row_bytes) -> the group's interleaved bytes, and back
+// (x8_layouts.cpp).
 void interleave_q4_group(Q4Type t, const uint8_t* src, int64_t row_bytes, uint8_t* dst, int64_t K);
 void deinterleave_q4_group(Q4Type t, const uint8_t* src, uint8_t* dst, int64_t row_bytes, int64_t K);
 // out[m][n] for the first N / 8 * 8 rows of an interleaved weight (the caller runs the remaining
@@ -249,6 +270,14 @@ void linear_q2kx8_avx2(const Q8SumActivations& x, const uint8_t* w, const float*
 void linear_q2kx8_vnni(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
                        int64_t N);
 void linear_q2k_avx2(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
+                     int64_t N);
+// Q3_K's x8 kernels (x8k_q3_body.h), the same floats in both builds, and its row layout
+// (linear_q3k_avx2.cpp; called by linear_q4_avx2 and linear_q4_avx512).
+void linear_q3kx8_avx2(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
+                       int64_t N);
+void linear_q3kx8_vnni(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
+                       int64_t N);
+void linear_q3k_avx2(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
                      int64_t N);
 // Q5_0, Q5_1, IQ4_NL and IQ4_XS in row layout (linear_q5nl_avx2.cpp), called by linear_q4_avx2 and
 // linear_q4_avx512 for those types (the same AVX2 code: their row layout only serves a weight's

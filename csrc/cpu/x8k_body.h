@@ -1,7 +1,8 @@
 // The K-quant kernels of the interleaved x8 layouts (quant4_kernel.h) x Q8 activations: Q4_K's
-// (run_q4k), Q5_K's (run_q5k: Q4_K's body with each chunk's fifth bits ORed in), Q6_K's (run_q6k)
-// and Q2_K's (run_q2k, x8k_q2_body.h), compiled twice: linear_x8k_avx2.cpp (PAGEWIRE_X8_VNNI 0: maddubs
-// pair sums in 16 bits, widened by a madd with the sub-block's scale) and linear_x8k_vnni.cpp
+// (run_q4k), Q5_K's (run_q5k: Q4_K's body with each chunk's fifth bits ORed in), Q6_K's (run_q6k),
+// Q2_K's (run_q2k, x8k_q2_body.h) and Q3_K's (run_q3k, x8k_q3_body.h), compiled twice:
+// linear_x8k_avx2.cpp (PAGEWIRE_X8_VNNI 0: maddubs pair sums in 16 bits, widened by a madd with the
+// sub-block's scale) and linear_x8k_vnni.cpp
 // (PAGEWIRE_X8_VNNI 1: AVX-512 VNNI's 256-bit vpdpbusd adds four products straight into 32 bits,
 // and one vpmulld applies the scale). Both builds add the same integer products exactly (no
 // saturation on either side, bounds below), so every output is the same float, bit for bit
@@ -277,6 +278,7 @@ void group_k(const Q8SumActivations& x, int64_t m0, const uint8_t* w, const floa
 
 #include "x8k_q6_body.h"  // q6k::group_q6 and its helpers
 #include "x8k_q2_body.h"  // q2k::group_q2
+#include "x8k_q3_body.h"  // q3k::group_q3 (after q6k's shuffle controls, which it shares)
 
 #if PAGEWIRE_X8_VNNI
 #include "x8k_pairs.h"  // group_k2, group_q62
@@ -352,6 +354,27 @@ void run_q2k(const Q8SumActivations& x, const uint8_t* w, const float* bias, flo
     float* og = out + g * kQ4Interleave;
     row_passes<kQ2KRows>(x.M, [&](auto mb, int64_t m) {
       q2k::group_q2<decltype(mb)::value>(x, s16, m, wg, bg, og, ldo);
+    });
+  });
+}
+
+// Q3_K: one group a unit, kQ3KRows rows a pass (the AVX2 build's 16 registers: see RESULTS).
+constexpr int kQ3KRows = PAGEWIRE_X8_VNNI ? 4 : 2;
+void run_q3k(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t N) {
+  const int64_t groups = N / kQ4Interleave, group_bytes = kQ4Interleave * (x.K / kQ4_KBlock) * kQ3_KBlockBytes;
+  const int64_t n16 = x.K / 16;
+  // Per calling thread, reused across calls (each thread of a fused_linear team prepares its own);
+  // read through a plain pointer inside the parallel loop.
+  thread_local std::vector<int32_t> x16;
+  if (static_cast<int64_t>(x16.size()) < x.M * n16) x16.resize(x.M * n16);
+  q3k::prepare_q3_sums(x.q, x.M * n16, x16.data());
+  const int32_t* xs = x16.data();
+  team_for(groups, N * x.K * x.M >= 65536, [&](int64_t g) {
+    const uint8_t* wg = w + g * group_bytes;
+    const float* bg = bias != nullptr ? bias + g * kQ4Interleave : nullptr;
+    float* og = out + g * kQ4Interleave;
+    row_passes<kQ3KRows>(x.M, [&](auto mb, int64_t m) {
+      q3k::group_q3<decltype(mb)::value>(x, xs, m, wg, bg, og, ldo);
     });
   });
 }

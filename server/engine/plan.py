@@ -139,11 +139,10 @@ def _gguf_matrix_bytes(path: str, mc: ModelConfig,
     kept embedding table that is also the kept lm_head's blocks counts 0 (the loader holds one copy)."""
     from server.models.gguf_blocks import EMBEDDING, PER_LAYER_EMBEDDING, plan_kept_matrices
     from server.models.gguf_file import GGUFFile
-    from server.models.gguf_transcode import kept_nbytes
 
     f = GGUFFile.open(path)
     kept = plan_kept_matrices(f, mc, mc.tie_word_embeddings)
-    kept_bytes = {(m.layer, m.name): sum(kept_nbytes(f.tensors[p]) for p in m.parts) for m in kept}
+    kept_bytes = {(m.layer, m.name): sum(int(f.tensors[p].data.nbytes) for p in m.parts) for m in kept}
     H = mc.hidden_size
     layers = 0
     for i in range(mc.num_layers):
@@ -178,10 +177,9 @@ def _expert_bytes(mc: ModelConfig, e: int, quantization: str, model_path: Option
     if quantization == "gguf" and model_path is not None:
         from server.models.gguf_blocks import plan_kept_matrices
         from server.models.gguf_file import GGUFFile
-        from server.models.gguf_transcode import kept_nbytes
 
         f = GGUFFile.open(model_path)
-        kept = {(m.layer, m.name): sum(kept_nbytes(f.tensors[p]) for p in m.parts)
+        kept = {(m.layer, m.name): sum(int(f.tensors[p].data.nbytes) for p in m.parts)
                 for m in plan_kept_matrices(f, mc, mc.tie_word_embeddings)}
         per_value = e  # what is not kept is dequantised
     inactive_params = 0

@@ -22,6 +22,7 @@ class Qtype(StrEnum):
     IQ4_NL = "iq4_nl"
     IQ4_XS = "iq4_xs"
     Q2_K = "q2_k"
+    Q3_K = "q3_k"
     # Not quantised: a bf16 matrix moved into the interleaved x8 layout (QuantizedWeight.from_bf16),
     # which the AVX2 bf16 kernel streams fastest; "blocks" of 16 values, 32 bytes.
     BF16 = "bf16"
@@ -56,4 +57,6 @@ class LinearKind(StrEnum):
     IQ4_XSX8 = "iq4_xsx8"
     Q2_K = "q2_k"
     Q2_KX8 = "q2_kx8"
+    Q3_K = "q3_k"
+    Q3_KX8 = "q3_kx8"
     BF16X8 = "bf16x8"  # pagewire::linear_bf16x8

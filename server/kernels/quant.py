@@ -17,6 +17,7 @@ Every format is GGUF's block layout, byte for byte, so a tensor read from a GGUF
     iq4_nl 32            18           d * kvalues[q]   (fp16 d, 32 4-bit q indexing 16 int8 levels)
     q2_k   256           84           d*sc*q - dmin*mn (2-bit q, 4-bit sc/mn per 16 values, fp16 d, dmin)
     iq4_xs 256           136          d*(ls-32)*kvalues[q] (fp16 d, 8 x 6-bit ls, 256 4-bit q as iq4_nl's)
+    q3_k   256           110          d*(sc-32)*(q-4)  (3-bit q: q2_k's 2 bits + a bit plane, 6-bit sc per 16 values, fp16 d)
     bf16   16            32           the bf16 value itself (from_bf16: a float matrix moved, x8 only)
 
 Float weights are quantised at load with `quantize` (q8_0 and q4_0, GGUF's rounding, in C++).
@@ -74,6 +75,9 @@ QTYPES: dict[Qtype, BlockFormat] = {
     Qtype.IQ4_XS: BlockFormat(256, 136),
     # Q2_K: 2-bit codes under a 4-bit scale and min per 16 values and an fp16 d and dmin per 256.
     Qtype.Q2_K: BlockFormat(256, 84),
+    # Q3_K: 3-bit codes (Q2_K's two-bit planes plus a plane of high bits) under a 6-bit scale per 16
+    # values and an fp16 d per 256.
+    Qtype.Q3_K: BlockFormat(256, 110),
     # bf16 in the x8 layout only (from_bf16): the same bytes as the bf16 matrix, moved.
     Qtype.BF16: BlockFormat(16, 32),
 }
@@ -81,13 +85,13 @@ QTYPES: dict[Qtype, BlockFormat] = {
 # The formats with an interleaved layout (QuantizedWeight.for_kernels).
 INTERLEAVABLE: tuple[Qtype, ...] = (Qtype.Q8_0, Qtype.Q4_0, Qtype.Q4_1, Qtype.Q4_K, Qtype.Q5_K, Qtype.Q6_K, Qtype.Q5_0,
                                     Qtype.Q5_1, Qtype.IQ4_NL, Qtype.IQ4_XS, Qtype.Q2_K,
-                                    Qtype.BF16)
+                                    Qtype.Q3_K, Qtype.BF16)
 
 # GGUF tensor type names (gguf.GGMLQuantizationType) -> the qtype that keeps them as they are.
 GGUF_QTYPES: dict[str, Qtype] = {"Q8_0": Qtype.Q8_0, "Q4_0": Qtype.Q4_0, "Q4_1": Qtype.Q4_1, "Q4_K": Qtype.Q4_K,
                                   "Q5_K": Qtype.Q5_K, "Q6_K": Qtype.Q6_K, "MXFP4": Qtype.MXFP4, "Q5_0": Qtype.Q5_0,
                                   "Q5_1": Qtype.Q5_1, "IQ4_NL": Qtype.IQ4_NL, "IQ4_XS": Qtype.IQ4_XS,
-                                  "Q2_K": Qtype.Q2_K}
+                                  "Q2_K": Qtype.Q2_K, "Q3_K": Qtype.Q3_K}
 
 # --quantization values that quantise float weights at load, and the format each one stores.
 # ("gguf", which keeps a GGUF file's own block types, is handled by the GGUF loader.)

@@ -2,8 +2,8 @@
 
 It owns deciding which of a model's matrices can stay in the file's own block format -- every
 GGUF tensor that feeds the matrix has a type pagewire has a kernel for (Q8_0, Q4_0, Q4_1, Q5_0,
-Q5_1, IQ4_NL, IQ4_XS, Q2_K, Q4_K, Q5_K, Q6_K, and MXFP4 for experts only; Q3_K as the Q6_K it is
-transcoded into; see server.kernels.quant.GGUF_QTYPES) -- and building
+Q5_1, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and MXFP4 for experts only; see
+server.kernels.quant.GGUF_QTYPES) -- and building
 those QuantizedWeights from the tensors' raw block bytes: fused matrices (qkv, gate_up) are the
 parts' rows one after another, and llama.cpp's Q/K row permutation is undone on whole rows of
 blocks, so no value is ever dequantised. A fused 2-D matrix whose parts differ in type (llama.cpp's
@@ -28,7 +28,6 @@ from server.kernels.quant_embedding import EMBEDDABLE
 from server.kernels.quant_parts import QuantizedParts
 from server.models.config import ModelConfig
 from server.models.gguf_file import GGUFFile, GGUFTensor
-from server.models.gguf_transcode import TRANSCODES, kept_type, transcode
 from server.models.qwen3_next_gguf import QWEN3_NEXT_GGUF, qwen3_next_keepable, qwen3_next_kept_groups
 
 __all__ = ["KeptMatrix", "plan_kept_matrices", "build_quantized", "unpermute_qk", "EMBEDDING", "PER_LAYER_EMBEDDING", "TABLES"]
@@ -113,8 +112,7 @@ def plan_kept_matrices(f: GGUFFile, config: ModelConfig, tied: bool) -> list[Kep
         tensors = [f.tensors.get(p) for p in parts]
         if any(t is None for t in tensors):
             continue  # missing: the loader reports it
-        # (a type with no kernel of its own counts as the one its blocks are transcoded into)
-        qtypes = [GGUF_QTYPES.get(kept_type(t.type_name)) for t in tensors if t is not None]
+        qtypes = [GGUF_QTYPES.get(t.type_name) for t in tensors if t is not None]
         mixed = len(set(qtypes)) != 1
         if mixed and name not in _MIXABLE:
             continue  # stacked experts (one format per QuantizedExperts), lm_head: dequantised
@@ -170,11 +168,9 @@ def _part_rows(f: GGUFFile, part: str, permute_heads: dict[str, int]) -> torch.T
 
 
 def _kept_bytes(t: GGUFTensor) -> np.ndarray:
-    """`t`'s blocks in the type they are kept in, [rows..., bytes per row] uint8: transcoded
-    (server.models.gguf_transcode), or a copy, since the mapped file is read-only and the model must
-    not depend on it staying open."""
-    raw = np.asarray(t.data, dtype=np.uint8).reshape(*t.shape[:-1], -1)
-    return transcode(t.type_name, raw) if t.type_name in TRANSCODES else np.array(raw)
+    """A copy of `t`'s blocks, [rows..., bytes per row] uint8: the mapped file is read-only and the
+    model must not depend on it staying open."""
+    return np.array(np.asarray(t.data, dtype=np.uint8).reshape(*t.shape[:-1], -1))
 
 
 def _build_parts(f: GGUFFile, m: KeptMatrix, permute_heads: dict[str, int],

@@ -23,10 +23,9 @@ from tqdm import tqdm
 from server.models import gguf_pages
 from server.models.config import ModelConfig, ModelLoadError, UnsupportedModelError
 from server.models.dtype import resolve_dtype
-from server.models.gguf_blocks import EMBEDDING, TABLES, KeptMatrix, build_quantized, plan_kept_matrices, unpermute_qk
+from server.models.gguf_blocks import EMBEDDING, TABLES, build_quantized, plan_kept_matrices, unpermute_qk
 from server.models.gguf_config import CONFIG_TENSORS
 from server.models.gguf_file import GGUFFile, GGUFTensor
-from server.models.gguf_transcode import TRANSCODES, kept_nbytes
 from server.models.lfm2_config import lfm2_gguf_name
 from server.models.protocol import CausalLM
 from server.models.qwen3_next_gguf import (
@@ -40,8 +39,8 @@ from server.models.qwen3_next_gguf import (
 from server.models.registry import config_from_gguf, gguf_permuted_qk, model_class
 
 # Every type the `gguf` package dequantises. With --quantization gguf, Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL/
-# IQ4_XS/Q2_K/Q4_K/Q5_K/Q6_K (and MXFP4 experts) stay in their blocks, Q3_K in the Q6_K blocks it is transcoded into
-# exactly (server.models.gguf_transcode); the rest are dequantised to the serving dtype.
+# IQ4_XS/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K (and MXFP4 experts) stay in their blocks; the rest are dequantised to the
+# serving dtype.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                           "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M",
                           "IQ1_S", "TQ1_0", "TQ2_0", "MXFP4")
@@ -187,9 +186,8 @@ def load_gguf_model(
         path: the .gguf file.
         dtype: "auto" (the file's float type; float32 for quantised files), "float32", "bfloat16", "float16".
         device: where the parameters live.
-        keep_quantized: keep every matrix whose tensors are Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL/IQ4_XS/Q2_K/Q4_K/Q5_K/Q6_K
-            as a QuantizedWeight of the file's blocks (CPU only; Q3_K as Q6_K's,
-            server.models.gguf_transcode), the token embedding table included
+        keep_quantized: keep every matrix whose tensors are Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL/IQ4_XS/Q2_K/Q3_K/Q4_K/Q5_K/
+            Q6_K as a QuantizedWeight of the file's blocks (CPU only), the token embedding table included
             (its rows dequantised per step); norms and other types are dequantised to `dtype` as usual.
     Returns:
         (model, config), the model in eval mode with requires_grad off.
@@ -209,7 +207,6 @@ def load_gguf_model(
     if keep_quantized and torch.device(device).type != "cpu":
         raise ValueError(f"quantization: 'gguf' runs on CPU only, got device {device!r}")
     kept = plan_kept_matrices(f, config, model.lm_head is model.embed_tokens) if keep_quantized else []
-    _log_transcodes(f, kept)
     # Their float destinations are skipped (and replaced below); a tied lm_head's token_embd fills
     # the embedding unless the table stays in its blocks too (EMBEDDING).
     skip = {hf_tensor_name(p, config) for m in kept for p in m.parts if p != "token_embd.weight" or m.name == EMBEDDING}
@@ -297,20 +294,6 @@ def load_gguf_model(
         if m.name == "gdn.out_proj":  # a Qwen3.5 ssm_out kept in the file's column order
             module.out_columns = qwen3_next_out_columns(f, config, m.parts)
     return model, config
-
-
-def _log_transcodes(f: GGUFFile, kept: list[KeptMatrix]) -> None:
-    """One log line per type whose kept tensors are transcoded (server.models.gguf_transcode): how many,
-    and the bytes they take kept against the file's."""
-    by_type: dict[str, list[GGUFTensor]] = {}
-    for t in {p: f.tensors[p] for m in kept for p in m.parts}.values():
-        if t.type_name in TRANSCODES:
-            by_type.setdefault(t.type_name, []).append(t)
-    for type_name, tensors in sorted(by_type.items()):
-        file_mib = sum(int(t.data.nbytes) for t in tensors) / 2**20
-        kept_mib = sum(kept_nbytes(t) for t in tensors) / 2**20
-        logger.info("%s: %d %s tensors kept as %s blocks (the same values): %.1f MiB in the file, %.1f MiB kept",
-                    f.path.name, len(tensors), type_name, TRANSCODES[type_name], file_mib, kept_mib)
 
 
 def _load_experts(f: GGUFFile, t: GGUFTensor, names: list[str], targets: dict[str, Any], loaded: set[str],

@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any, cast
 from server.models.config import ModelConfig, ModelLoadError
 from server.models.gguf_config import gguf_base
 from server.models.gguf_file import GGUFFile
-from server.models.gguf_transcode import kept_type
 from server.models.state_specs import ATTENTION, GATED_DELTANET
 
 if TYPE_CHECKING:
@@ -244,8 +243,7 @@ def qwen3_next_reorder_blocks(f: GGUFFile, config: ModelConfig, name: str, parts
 
     first = f.tensors[parts[0]]
     if name == "gdn.out_proj":
-        # (the blocks' size as kept: a transcoded type's, server.models.gguf_transcode)
-        block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[kept_type(first.type_name)]]
+        block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[first.type_name]]
         order = qwen3_next_block_columns(config, parts[0].split(".", 2)[2], int(first.shape[1]), block)
         if order is None:  # the file's column order stays; the layer gathers its input to match (qwen3_next_out_columns)
             return data

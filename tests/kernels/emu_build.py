@@ -40,11 +40,32 @@ def build(name: str, sources: list[str]) -> ctypes.CDLL:
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        cmd = ["g++", "-O2", "-std=c++17", "-fopenmp", "-shared", "-fPIC", "-w", "-DPAGEWIRE_X86_EMULATE",
-               "-include", str(EMU / "x86_emu.h"), f"-I{CPU_SRC}", f"-I{EMU}", f"-I{TORCH_INCLUDE}",
-               *map(str, files), "-o", str(tmp)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"emulated build of {name} failed:\n{' '.join(cmd)}\n{done.stderr[-4000:]}")
+        flags = ["-O2", "-std=c++17", "-fopenmp", "-fPIC", "-w", "-DPAGEWIRE_X86_EMULATE",
+                 "-include", str(EMU / "x86_emu.h"), f"-I{CPU_SRC}", f"-I{EMU}", f"-I{TORCH_INCLUDE}"]
+        # One compiler per file, as many at once as there are cores: SIMDe's intrinsics make each file
+        # minutes of work, and one g++ for all of them ran past a test's time limit on a busy machine.
+        objs = [tmp.with_suffix(f".{i}.o") for i in range(len(files))]
+        jobs = [["g++", *flags, "-c", str(src), "-o", str(obj)] for src, obj in zip(files, objs)]
+        _run_parallel(name, jobs, os.cpu_count() or 1)
+        _run_parallel(name, [["g++", "-fopenmp", "-shared", *map(str, objs), "-o", str(tmp)]], 1)
+        for obj in objs:
+            obj.unlink()
         os.replace(tmp, out)  # atomic: parallel test processes never load a half-written file
     return ctypes.CDLL(str(out))
+
+
+def _run_parallel(name: str, cmds: list[list[str]], width: int) -> None:
+    """Runs the commands, at most `width` at a time (waiting on the oldest); raises with the first
+    failure's command and output."""
+    running: list[tuple[list[str], subprocess.Popen[str]]] = []
+    failed: list[str] = []
+    for cmd in [*cmds, None]:
+        while running and (cmd is None or len(running) >= width):
+            args, proc = running.pop(0)
+            _, err = proc.communicate()
+            if proc.returncode != 0:
+                failed.append(f"{' '.join(args)}\n{err[-4000:]}")
+        if cmd is not None:
+            running.append((cmd, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)))
+    if failed:
+        raise RuntimeError(f"emulated build of {name} failed:\n{failed[0]}")

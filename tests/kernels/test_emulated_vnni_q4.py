@@ -45,7 +45,7 @@ K_NAMES = {"q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K"}
 def lib() -> ctypes.CDLL:
     return emu_build.build("q4", ["linear_q8_avx2.cpp", "linear_q4_avx2.cpp", "linear_q4_avx512.cpp",
                                   "linear_k56_avx2.cpp", "linear_k56_avx512.cpp", "linear_q5nl_avx2.cpp",
-                                  "linear_q2k_avx2.cpp"])
+                                  "linear_q2k_avx2.cpp", "linear_q3k_avx2.cpp"])
 
 
 def ptr(a: np.ndarray, kind: type) -> ctypes._Pointer:  # type: ignore[type-arg]

@@ -1,5 +1,5 @@
-"""Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS and Q2_K in the interleaved x8 layouts (csrc/cpu/quant_kernel.h, quant4_kernel.h),
-which the model loaders choose on x86 CPUs from AVX2 up (QuantizedWeight.for_kernels): the layout is exactly
+"""Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q2_K and Q3_K in the interleaved x8 layouts (csrc/cpu/quant_kernel.h,
+quant4_kernel.h), which the model loaders choose on x86 CPUs from AVX2 up (QuantizedWeight.for_kernels): the layout is exactly
 the documented byte permutation, dequantises to what the `gguf` package reads from the original
 rows, and the linear ops on it match a float64 reference on every kernel family this CPU has (the
 portable family reads it through a row-layout copy), row for row whatever the batch."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from server.kernels import batch_invariant, ops
-from server.kernels.quant import QuantizedWeight
+from server.kernels.quant import QTYPES, QuantizedWeight
 from tests.kernels.conftest import available_isas
 from tests.kernels.test_emulated_x8_vnni import activations, weight
 from tests.kernels.test_quant4 import gguf_dequantize, linear_reference, random_q4
@@ -20,8 +20,9 @@ X8_TYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]
 # the codes' offset in a row block, chunks per block.
 LAYOUT = {"q8_0": (34, 16, 2, 8), "q4_0": (18, 16, 2, 4), "q4_1": (20, 32, 4, 4), "q5_0": (22, 48, 6, 4),
           "q5_1": (24, 64, 8, 4), "iq4_nl": (18, 16, 2, 4)}
-# The x8 types of 32-value blocks (LAYOUT), IQ4_XS and Q2_K (256-value super-blocks: K a multiple of 256).
-X8_ALL = [*X8_TYPES, "iq4_xs", "q2_k"]
+# The x8 types of 32-value blocks (LAYOUT), IQ4_XS, Q2_K and Q3_K (256-value super-blocks: K a multiple of 256).
+SUPER_TYPES = ["iq4_xs", "q2_k", "q3_k"]
+X8_ALL = [*X8_TYPES, *SUPER_TYPES]
 
 
 def x8_fifth_bits(qh: int) -> int:
@@ -80,55 +81,41 @@ def test_interleave_is_the_documented_permutation(qtype: str, N: int) -> None:
     assert torch.equal(dst[groups * 8:], src[groups * 8:])  # the last N % 8 rows stay as rows
 
 
+# quant4_kernel.h's x8 layouts of the 256-value super-block types, as (group offset, row block
+# offset, bytes) moves of row r's block.
+def superblock_moves(qtype: str, r: int) -> list[tuple[int, int, int]]:
+    if qtype == "iq4_xs":  # d, scales_l, scales_h, then per sub-block IQ4_NL's four chunks
+        return [(2 * r, 0, 2), (16 + 4 * r, 4, 4), (48 + 2 * r, 2, 2)] + [
+            (64 + 128 * sb + 32 * c + 4 * r, 8 + 16 * sb + 4 * c, 4) for sb in range(8) for c in range(4)]
+    if qtype == "q2_k":  # d, dmin, the scale bytes as four vectors, sixteen chunks of qs
+        return [(2 * r, 80, 2), (16 + 2 * r, 82, 2)] + [(32 + 32 * v + 4 * r, 4 * v, 4) for v in range(4)] + [
+            (160 + 32 * c + 4 * r, 16 + 4 * c, 4) for c in range(16)]
+    assert qtype == "q3_k"  # d, the packed scales as three vectors, eight chunks of hmask, sixteen of qs
+    return [(2 * r, 108, 2)] + [(16 + 32 * v + 4 * r, 96 + 4 * v, 4) for v in range(3)] + [
+        (112 + 32 * c + 4 * r, 4 * c, 4) for c in range(8)] + [(368 + 32 * c + 4 * r, 32 + 4 * c, 4) for c in range(16)]
+
+
+@pytest.mark.parametrize("qtype", SUPER_TYPES)
 @pytest.mark.parametrize("N", [8, 21])
-def test_iq4_xs_x8_is_the_documented_permutation(N: int) -> None:
-    """quant4_kernel.h's IQ4_XS x8 layout, byte for byte: per super-block of eight rows their d,
-    their scales_l words, their scales_h halves, then per sub-block IQ4_NL's four chunks."""
-    K = 512
-    qw = random_weight("iq4_xs", N, K, seed=N)
+def test_superblock_x8_is_the_documented_permutation(qtype: str, N: int) -> None:
+    """quant4_kernel.h's IQ4_XS, Q2_K and Q3_K x8 layouts, byte for byte (superblock_moves), every
+    byte of a group written once; the last N % 8 rows stay rows."""
+    K, block = 512, QTYPES[qtype].nbytes
+    moves = [m for r in range(8) for m in superblock_moves(qtype, r)]
+    covered = sorted(i for at, _, n in moves for i in range(at, at + n))
+    assert covered == list(range(8 * block))
+    qw = random_weight(qtype, N, K, seed=N)
     x8 = interleave(qw)
-    assert x8.interleaved and x8.op_qtype == "iq4_xsx8" and x8.data.shape == qw.data.shape
+    assert x8.interleaved and x8.op_qtype == f"{qtype}x8" and x8.data.shape == qw.data.shape
     src, dst = qw.data, x8.data
     for g in range(N // 8):
         out = dst[8 * g: 8 * g + 8].reshape(-1)
         for s in range(K // 256):
-            grp = out[s * 8 * 136: (s + 1) * 8 * 136]
+            grp = out[s * 8 * block: (s + 1) * 8 * block]
             for r in range(8):
-                row = src[8 * g + r, s * 136: (s + 1) * 136]
-                assert torch.equal(grp[2 * r: 2 * r + 2], row[0:2])  # d
-                assert torch.equal(grp[16 + 4 * r: 20 + 4 * r], row[4:8])  # scales_l
-                assert torch.equal(grp[48 + 2 * r: 50 + 2 * r], row[2:4])  # scales_h
-                for sb in range(8):
-                    for c in range(4):
-                        at = 64 + 128 * sb + 32 * c + 4 * r
-                        assert torch.equal(grp[at: at + 4], row[8 + 16 * sb + 4 * c: 8 + 16 * sb + 4 * c + 4])
-    assert torch.equal(dst[N // 8 * 8:], src[N // 8 * 8:])
-    assert torch.equal(x8.dequantize(), gguf_dequantize(qw))
-
-
-@pytest.mark.parametrize("N", [8, 21])
-def test_q2_k_x8_is_the_documented_permutation(N: int) -> None:
-    """quant4_kernel.h's Q2_K x8 layout, byte for byte: per super-block of eight rows their d, their
-    dmin, their sixteen scale bytes as four vectors (four bytes of each row), then sixteen chunks of
-    codes (four qs bytes of each row)."""
-    K = 512
-    qw = random_weight("q2_k", N, K, seed=N)
-    x8 = interleave(qw)
-    assert x8.interleaved and x8.op_qtype == "q2_kx8" and x8.data.shape == qw.data.shape
-    src, dst = qw.data, x8.data
-    for g in range(N // 8):
-        out = dst[8 * g: 8 * g + 8].reshape(-1)
-        for s in range(K // 256):
-            grp = out[s * 8 * 84: (s + 1) * 8 * 84]
-            for r in range(8):
-                row = src[8 * g + r, s * 84: (s + 1) * 84]
-                assert torch.equal(grp[2 * r: 2 * r + 2], row[80:82])  # d
-                assert torch.equal(grp[16 + 2 * r: 18 + 2 * r], row[82:84])  # dmin
-                for v in range(4):
-                    assert torch.equal(grp[32 + 32 * v + 4 * r: 36 + 32 * v + 4 * r], row[4 * v: 4 * v + 4])
-                for c in range(16):
-                    at = 160 + 32 * c + 4 * r
-                    assert torch.equal(grp[at: at + 4], row[16 + 4 * c: 20 + 4 * c])
+                row = src[8 * g + r, s * block: (s + 1) * block]
+                for at, off, n in superblock_moves(qtype, r):
+                    assert torch.equal(grp[at: at + n], row[off: off + n]), (g, s, r, at)
     assert torch.equal(dst[N // 8 * 8:], src[N // 8 * 8:])
     assert torch.equal(x8.dequantize(), gguf_dequantize(qw))
 
@@ -148,11 +135,11 @@ LINEAR_GRID = [(isa, q, m, n, k, dtype, bias) for isa, q, m, (n, k), dtype, bias
      [torch.bfloat16, torch.float32], [False, True]],
     edges=[(isa, q, m, nk, torch.bfloat16, True) for isa in available_isas() for q in X8_TYPES
            for m, nk in ((1, (8, 32)), (17, (96, 768)), (40, (96, 768)))])]
-# IQ4_XS and Q2_K (K whole super-blocks): the same pairs on the two shapes they take.
+# IQ4_XS, Q2_K and Q3_K (K whole super-blocks): the same pairs on the two shapes they take.
 LINEAR_GRID += [(isa, q, m, n, k, dtype, bias) for isa, q, m, (n, k), dtype, bias in pairwise(
-    [available_isas(), ["iq4_xs", "q2_k"], [1, 2, 3, 5, 8, 16, 17, 40], [(37, 256), (96, 768)],
+    [available_isas(), SUPER_TYPES, [1, 2, 3, 5, 8, 16, 17, 40], [(37, 256), (96, 768)],
      [torch.bfloat16, torch.float32], [False, True]],
-    edges=[(isa, q, m, (96, 768), torch.bfloat16, True) for isa in available_isas() for q in ("iq4_xs", "q2_k")
+    edges=[(isa, q, m, (96, 768), torch.bfloat16, True) for isa in available_isas() for q in SUPER_TYPES
            for m in (1, 17, 40)])]
 
 
@@ -201,7 +188,7 @@ def test_interleaved_rows_do_not_depend_on_the_batch(cpu_isa: str, qtype: str) -
     """Deterministic mode: 45 rows (five groups and five rows left in row layout), a row's output
     bit-identical whatever the number of activation rows beside it."""
     gen = torch.Generator().manual_seed(11)
-    K = 768 if qtype in ("iq4_xs", "q2_k") else 352
+    K = 768 if qtype in SUPER_TYPES else 352
     x8 = interleave(random_weight(qtype, 45, K, seed=11))
     x = torch.randn(16, K, generator=gen).bfloat16()
     b = torch.randn(45, generator=gen).bfloat16()
@@ -225,7 +212,7 @@ VNNI_SHAPES = [(64, 256), (40, 512), (40, 1024)]
 @pytest.mark.skipif("avx512" not in available_isas(),
                     reason="needs a CPU with AVX-512 VNNI (test_emulated_x8_vnni.py covers it on any CPU)")
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "iq4_nl", "iq4_xs",
-                                   "q2_k"])
+                                   "q2_k", "q3_k"])
 @pytest.mark.parametrize("extreme", [False, True])
 def test_vnni_x8_is_the_avx2_x8_bit_for_bit_natively(monkeypatch: pytest.MonkeyPatch, qtype: str, extreme: bool) -> None:
     for n, k in VNNI_SHAPES:
@@ -285,12 +272,14 @@ def test_for_kernels_interleaves_for_every_x86_kernel_family(monkeypatch: pytest
 def test_interleaved_arguments_are_checked() -> None:
     qk = random_q4("mxfp4", 8, 256, seed=0)
     with pytest.raises(ValueError,
-                       match="interleaved: only q8_0, q4_0, q4_1, q4_k, q5_k, q6_k, q5_0, q5_1, iq4_nl, iq4_xs, q2_k, bf16 "
+                       match="interleaved: only q8_0, q4_0, q4_1, q4_k, q5_k, q6_k, q5_0, q5_1, iq4_nl, iq4_xs, q2_k, q3_k, "
+                             "bf16 "
                              "have an "
                              "interleaved layout, not mxfp4"):
         QuantizedWeight("mxfp4", qk.data, (8, 256), interleaved=True)
     with pytest.raises(RuntimeError, match="qtype must be a row-layout qtype with an x8 layout \\('q4_0', 'q4_1', "
-                                           "'q4_k', 'q5_k', 'q6_k', 'q5_0', 'q5_1', 'iq4_nl', 'iq4_xs' or 'q2_k'\\), "
+                                           "'q4_k', 'q5_k', 'q6_k', 'q5_0', 'q5_1', 'iq4_nl', 'iq4_xs', 'q2_k' "
+                                           "or 'q3_k'\\), "
                                            "got 'mxfp4'"):
         torch.ops.pagewire.interleave_q4(qk.data, "mxfp4")
     with pytest.raises(ValueError, match="interleaved: mxfp4 has no interleaved layout"):

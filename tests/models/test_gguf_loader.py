@@ -89,7 +89,7 @@ def k_sized_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # (type, max abs error vs the original weights; None: K-quant blocks are random, compare only to the reference)
-# (the types after Q6_K have no kernel: dequantised at load, or transcoded, server.models.gguf_transcode)
+# (the IQ types after IQ4_XS have no kernel: dequantised at load)
 QUANT_CASES = [("F16", 1e-3), ("BF16", 1e-2), ("Q8_0", 0.02), ("Q4_0", 0.15), ("Q4_1", 0.1),
                ("Q4_K", None), ("Q5_K", None), ("Q6_K", None), ("Q3_K", None), ("Q2_K", None), ("IQ4_NL", None),
                ("IQ4_XS", None), ("IQ3_S", None), ("IQ3_XXS", None), ("IQ2_S", None), ("IQ2_XS", None),

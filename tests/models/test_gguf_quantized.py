@@ -47,7 +47,7 @@ def _assert_tracks(ours: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS",
-                                   "Q2_K"])
+                                   "Q2_K", "Q3_K"])
 def test_gguf_blocks_kept_and_logits_track_the_dequantised_file(
     qtype: str, k_sized_model: Path, tmp_path: Path
 ) -> None:
@@ -151,7 +151,7 @@ def test_gguf_quantization_is_validated(k_sized_model: Path) -> None:
 
 
 @pytest.mark.parametrize("qtype,tied", [("Q4_1", False), ("F32", False), ("Q4_K", True), ("Q5_1", True), ("Q5_0", True),
-                                        ("Q2_K", True)])
+                                        ("Q2_K", True), ("Q3_K", False)])
 def test_plan_counts_the_kept_blocks(qtype: str, tied: bool, k_sized_model: Path, tmp_path: Path) -> None:
     """`pagewire plan --quantization gguf` counts exactly the bytes the loaded model holds (F32: nothing
     kept; tied: one table, the lm_head's blocks, or a float one where the type has no row dequantiser)."""

@@ -199,8 +199,11 @@ void dequantize_q4_row(Q4Type t, const uint8_t* w, float* out, int64_t K);
 // row, row r at 160 + 32c + 4r).
 // Q3_K's x8 layout (x8k_q3_body.h), per super-block of the eight rows (8 * 110 bytes): their fp16 d
 // (16 bytes), their 12 scale bytes as three 32-byte vectors (bytes 4v..4v+3 of row r at 16 + 32v +
-// 4r), then 8 chunks of hmask (chunk c: bytes 4c..4c+3 of each row's 32, row r at 112 + 32c + 4r)
-// and 16 chunks of qs (chunk c: qs bytes 4c..4c+3 of each row, row r at 368 + 32c + 4r).
+// 4r), then each row's 96 bytes of hmask and qs repacked as three planes A, B, C of 8 chunks each
+// (plane k at 112 + 256k; chunk c: value positions 4c..4c+3 of each row, row r at 4r): a position
+// l (0..31) has eight 3-bit codes (n, j), n = 0, 1, j = 0..3, the code of value 128n + 32j + l;
+// A holds codes (0, 0) and (0, 1) at bits 0-2 and 4-6, B codes (0, 2) and (0, 3), C codes (1, 0)
+// and (1, 1), and code (1, 2)'s bits 0, 1, 2 are bit 3 of A, B and C, code (1, 3)'s their bit 7.
 // Q6_K's x8 layout (x8k_body.h), per super-block of the eight rows (8 * 210 bytes): their
 // fp16 d (16 bytes), their 16 int8 scales as four 32-byte vectors (scales 4v..4v+3 of row r at
 // 32v + 4r), then 32 ql chunks (chunk c: bytes 4c..4c+3 of each row's 128 ql bytes, row r at 4r)

@@ -1,8 +1,9 @@
 // The interleaved x8 layouts of the 4-bit, 5-bit and K-quant types (quant4_kernel.h documents each
 // one): interleave_q4_group moves eight GGUF rows into a group's bytes, deinterleave_q4_group moves
-// them back. Nothing is converted: every byte of the rows lands somewhere in the group (the Q5_0 /
-// Q5_1 fifth-bit words are the one exception: their bits are reordered, qh_to_x8), so a group is
-// exactly its eight rows' size and the round trip gives the rows back byte for byte.
+// them back. Nothing is converted: every byte of the rows lands somewhere in the group, except
+// where a kernel reads bits faster in another order (the Q5_0 / Q5_1 fifth-bit words, qh_to_x8;
+// Q3_K's codes, repacked into three bytes per value position, q3_k_codes_x8); a group is exactly
+// its eight rows' size and the round trip gives the rows back byte for byte.
 // Each super-block type's layout is written once, as a list of moves that runs in either direction
 // (x8_block), so the two directions cannot disagree.
 #include <cstdint>
@@ -41,6 +42,49 @@ inline uint32_t qh_from_x8(uint32_t v) {
     }
   }
   return out;
+}
+
+// Q3_K's codes of one row's block (hmask at blk, qs at blk + 32) <-> its bytes in the x8 layout's
+// three code planes (quant4_kernel.h), planes 256 bytes apart from p: position l's bytes A, B, C at
+// p + 32 (l / 4) + l % 4 (+ 256, + 512). Code (n, j) of position l (value 128 n + 32 j + l) is
+// q2 | h << 2, q2 bits 2j..2j+1 of qs[32 n + l] and h bit 4n + j of hmask[l]; A holds codes (0, 0)
+// and (0, 1) at bits 0-2 and 4-6, B codes (0, 2) and (0, 3), C codes (1, 0) and (1, 1), and code
+// (1, 2)'s three bits are bit 3 of A, B and C, code (1, 3)'s bit 7 of each.
+void q3_k_codes_x8(uint8_t* blk, uint8_t* p, bool to_x8) {
+  for (int l = 0; l < 32; ++l) {
+    uint8_t* at = p + 32 * (l / 4) + l % 4;
+    int code[2][4];
+    if (to_x8) {
+      for (int n = 0; n < 2; ++n) {
+        for (int j = 0; j < 4; ++j) code[n][j] = ((blk[32 + 32 * n + l] >> (2 * j)) & 3) | ((blk[l] >> (4 * n + j)) & 1) << 2;
+      }
+      for (int k = 0; k < 3; ++k) {  // plane k: A, B, C
+        const int lo = k < 2 ? code[0][2 * k] : code[1][0], hi = k < 2 ? code[0][2 * k + 1] : code[1][1];
+        at[256 * k] = static_cast<uint8_t>(lo | ((code[1][2] >> k) & 1) << 3 | hi << 4 | ((code[1][3] >> k) & 1) << 7);
+      }
+    } else {
+      for (int k = 0; k < 3; ++k) {
+        const int v = at[256 * k];
+        (k < 2 ? code[0][2 * k] : code[1][0]) = v & 7;
+        (k < 2 ? code[0][2 * k + 1] : code[1][1]) = (v >> 4) & 7;
+      }
+      code[1][2] = code[1][3] = 0;
+      for (int k = 0; k < 3; ++k) {
+        code[1][2] |= ((at[256 * k] >> 3) & 1) << k;
+        code[1][3] |= ((at[256 * k] >> 7) & 1) << k;
+      }
+      uint8_t hm = 0;
+      for (int n = 0; n < 2; ++n) {
+        uint8_t qs = 0;
+        for (int j = 0; j < 4; ++j) {
+          qs = static_cast<uint8_t>(qs | (code[n][j] & 3) << (2 * j));
+          hm = static_cast<uint8_t>(hm | (code[n][j] >> 2) << (4 * n + j));
+        }
+        blk[32 + 32 * n + l] = qs;
+      }
+      blk[l] = hm;
+    }
+  }
 }
 
 // One super-block of eight rows (row r's block at rows + r * row_bytes) <-> the group's bytes g:
@@ -83,10 +127,9 @@ void x8_block(Q4Type t, uint8_t* rows, int64_t row_bytes, uint8_t* g, bool to_x8
         for (int c = 0; c < 16; ++c) move(160 + 32 * c + 4 * r, 16 + 4 * c, 4);  // qs
         break;
       case Q4Type::kQ3_K:
-        move(2 * r, 108, 2);                                                     // d
-        for (int v = 0; v < 3; ++v) move(16 + 32 * v + 4 * r, 96 + 4 * v, 4);   // packed scales
-        for (int c = 0; c < 8; ++c) move(112 + 32 * c + 4 * r, 4 * c, 4);        // hmask
-        for (int c = 0; c < 16; ++c) move(368 + 32 * c + 4 * r, 32 + 4 * c, 4);  // qs
+        move(2 * r, 108, 2);                                                    // d
+        for (int v = 0; v < 3; ++v) move(16 + 32 * v + 4 * r, 96 + 4 * v, 4);  // packed scales
+        q3_k_codes_x8(blk, g + 112 + 4 * r, to_x8);                             // hmask and qs, repacked
         break;
       case Q4Type::kIQ4_XS:
         move(2 * r, 0, 2);       // d

@@ -4,12 +4,15 @@
 // PAGEWIRE_X8_VNNI set. Q3_K had no kernel: its blocks were transcoded at load into the Q6_K blocks
 // that say the same values, 210 bytes per 256 values against its own 110.
 //
-// Each 32-bit lane carries one of the group's eight rows, as for Q2_K, whose code bytes Q3_K shares:
-//  * one 32-byte qs chunk holds four code bytes of each row, and each byte the low two bits of four
-//    codes (the same four values of four consecutive 32-value blocks); the hmask chunk of the same
-//    four value positions holds each code's third bit, bit 4n + j for block j of half n. Per block,
-//    a shift and a mask of each give the unsigned code q2 + 4h (0..7), one or:
-//    three shifts, eight masks, four shifts and four ors a chunk, shared by every activation row;
+// Each 32-bit lane carries one of the group's eight rows:
+//  * the layout keeps a row's eight 3-bit codes of one value position (the same position in each of
+//    the super-block's eight 32-value blocks) in three bytes, A, B and C (quant4_kernel.h), so a
+//    32-byte chunk of a plane holds four positions of each row. Six blocks' codes are a nibble of a
+//    plane, one mask or a shift and a mask; the last two blocks' codes are gathered from bits 3 and
+//    7 of the three planes by three shifts, three masks and two ors, then split as a nibble pair.
+//    Per four positions the first half's four blocks take 6 operations and the second's 14,
+//    shared by every activation row. (GGUF's planes, qs and hmask, took 18-19: a shift and a mask
+//    of each and an or per code; RESULTS, session 43.)
 //  * each code vector against its block's four activation bytes (broadcast by the load): maddubs
 //    pair sums in 16 bits (AVX2) or vpdpbusd sums (VNNI). The codes' offset of 4 starts each
 //    16-value sub-block's sums: at -2 * (its 16 activation codes' sum) in both 16-bit halves (AVX2:
@@ -25,7 +28,7 @@
 namespace q3k {
 
 constexpr int kGroupBytes = kQ4Interleave * kQ3_KBlockBytes;  // one super-block of eight rows
-constexpr int kScales = 16, kHmask = 112, kCodes = 368;        // where the group's parts start
+constexpr int kScales = 16, kPlanes = 112, kPlane = 256;       // where the group's parts start
 
 // Per activation row, each 16 codes' sum as a sub-block's sums start from: AVX2 build, -2 * the sum
 // in both 16-bit halves (|2 * sum| <= 4,096); VNNI build, -4 * the sum. [M, K / 16].
@@ -42,12 +45,11 @@ inline void prepare_q3_sums(const int8_t* q, int64_t n16, int32_t* out) {
   }
 }
 
-// Bit P of each byte of v moved to bit 2, the rest cleared (16-bit shifts: what crosses from the
-// neighbouring byte lands outside bit 2, and the mask drops it).
-template <int P>
-inline __m256i third_bit(__m256i v, __m256i four) {
-  const __m256i s = P > 2 ? _mm256_srli_epi16(v, P - 2) : P < 2 ? _mm256_slli_epi16(v, 2 - P) : v;
-  return _mm256_and_si256(s, four);
+// A plane chunk's two nibble codes: bits 0-2 (Hi false) or 4-6 (Hi true) of each byte (16-bit
+// shifts: what crosses from the neighbouring byte the mask drops).
+template <bool Hi>
+inline __m256i nibble_code(__m256i v, __m256i seven) {
+  return _mm256_and_si256(Hi ? _mm256_srli_epi16(v, 4) : v, seven);
 }
 
 // Activation rows [m0, m0 + MB) times one group of eight Q3_K weight rows -> out[m][0..8).
@@ -56,8 +58,8 @@ template <int MB>
 void group_q3(const Q8SumActivations& x, const int32_t* x16, int64_t m0, const uint8_t* w, const float* bias,
               float* out, int64_t ldo) {
   const int64_t nb = x.K / 32, nsb = x.K / kQ4_KBlock, n16 = x.K / 16;
-  const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4), low4 = _mm256_set1_epi8(0x0F),
-                top2 = _mm256_set1_epi8(0x30), bias32 = _mm256_set1_epi8(32);
+  const __m256i seven = _mm256_set1_epi8(7), low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30),
+                bias32 = _mm256_set1_epi8(32);
   const int8_t* xq[MB];
   const float* xd[MB];
   const int32_t* xs[MB];
@@ -98,16 +100,24 @@ void group_q3(const Q8SumActivations& x, const int32_t* x16, int64_t m0, const u
         }
 #pragma GCC unroll 4
         for (int cc = 4 * h; cc < 4 * h + 4; ++cc) {
-          const __m256i v = load256(w + kCodes + 32 * (8 * n + cc));
-          const __m256i hm = load256(w + kHmask + 32 * cc);
-          const __m256i q[4] = {
-              _mm256_or_si256(_mm256_and_si256(v, three), n == 0 ? third_bit<0>(hm, four) : third_bit<4>(hm, four)),
-              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 2), three),
-                              n == 0 ? third_bit<1>(hm, four) : third_bit<5>(hm, four)),
-              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), three),
-                              n == 0 ? third_bit<2>(hm, four) : third_bit<6>(hm, four)),
-              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 6), three),
-                              n == 0 ? third_bit<3>(hm, four) : third_bit<7>(hm, four))};
+          const __m256i a = load256(w + kPlanes + 32 * cc), b = load256(w + kPlanes + kPlane + 32 * cc);
+          __m256i q[4];
+          if (n == 0) {  // blocks 0-3: A's and B's nibbles
+            q[0] = nibble_code<false>(a, seven);
+            q[1] = nibble_code<true>(a, seven);
+            q[2] = nibble_code<false>(b, seven);
+            q[3] = nibble_code<true>(b, seven);
+          } else {  // blocks 4-5: C's nibbles; 6-7: bits 3 and 7 of A, B, C (bits 0, 1, 2 of the code)
+            const __m256i c = load256(w + kPlanes + 2 * kPlane + 32 * cc);
+            q[0] = nibble_code<false>(c, seven);
+            q[1] = nibble_code<true>(c, seven);
+            const __m256i t = _mm256_or_si256(
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 3), _mm256_set1_epi8(0x11)),
+                                _mm256_and_si256(_mm256_srli_epi16(b, 2), _mm256_set1_epi8(0x22))),
+                _mm256_and_si256(_mm256_srli_epi16(c, 1), _mm256_set1_epi8(0x44)));
+            q[2] = nibble_code<false>(t, seven);
+            q[3] = nibble_code<true>(t, seven);
+          }
           for (int m = 0; m < MB; ++m) {
             const int8_t* xb = xq[m] + s * 256 + 128 * n + 4 * cc;
 #pragma GCC unroll 4

@@ -90,19 +90,30 @@ def superblock_moves(qtype: str, r: int) -> list[tuple[int, int, int]]:
     if qtype == "q2_k":  # d, dmin, the scale bytes as four vectors, sixteen chunks of qs
         return [(2 * r, 80, 2), (16 + 2 * r, 82, 2)] + [(32 + 32 * v + 4 * r, 4 * v, 4) for v in range(4)] + [
             (160 + 32 * c + 4 * r, 16 + 4 * c, 4) for c in range(16)]
-    assert qtype == "q3_k"  # d, the packed scales as three vectors, eight chunks of hmask, sixteen of qs
-    return [(2 * r, 108, 2)] + [(16 + 32 * v + 4 * r, 96 + 4 * v, 4) for v in range(3)] + [
-        (112 + 32 * c + 4 * r, 4 * c, 4) for c in range(8)] + [(368 + 32 * c + 4 * r, 32 + 4 * c, 4) for c in range(16)]
+    assert qtype == "q3_k"  # d, the packed scales as three vectors (the codes: q3_k_planes)
+    return [(2 * r, 108, 2)] + [(16 + 32 * v + 4 * r, 96 + 4 * v, 4) for v in range(3)]
+
+
+def q3_k_planes(block: list[int]) -> list[list[int]]:
+    """One Q3_K block's codes as quant4_kernel.h's three x8 planes A, B, C (32 bytes each, one per
+    value position l): code (n, j) of position l is value 128n + 32j + l's, q2 | hbit << 2."""
+    code = [[[((block[32 + 32 * n + l] >> (2 * j)) & 3) | ((block[l] >> (4 * n + j)) & 1) << 2 for l in range(32)]
+             for j in range(4)] for n in range(2)]
+    nibbles = [(code[0][0], code[0][1]), (code[0][2], code[0][3]), (code[1][0], code[1][1])]
+    return [[lo[l] | ((code[1][2][l] >> k) & 1) << 3 | hi[l] << 4 | ((code[1][3][l] >> k) & 1) << 7 for l in range(32)]
+            for k, (lo, hi) in enumerate(nibbles)]
 
 
 @pytest.mark.parametrize("qtype", SUPER_TYPES)
 @pytest.mark.parametrize("N", [8, 21])
 def test_superblock_x8_is_the_documented_permutation(qtype: str, N: int) -> None:
-    """quant4_kernel.h's IQ4_XS, Q2_K and Q3_K x8 layouts, byte for byte (superblock_moves), every
-    byte of a group written once; the last N % 8 rows stay rows."""
+    """quant4_kernel.h's IQ4_XS, Q2_K and Q3_K x8 layouts, byte for byte (superblock_moves; Q3_K's
+    codes repacked into three planes, q3_k_planes), every byte of a group written once; the last
+    N % 8 rows stay rows, and the layout dequantises (through the op's way back) to the rows' values."""
     K, block = 512, QTYPES[qtype].nbytes
     moves = [m for r in range(8) for m in superblock_moves(qtype, r)]
-    covered = sorted(i for at, _, n in moves for i in range(at, at + n))
+    planes = range(112, 112 + 3 * 256) if qtype == "q3_k" else range(0)  # (Q3_K's code planes)
+    covered = sorted([i for at, _, n in moves for i in range(at, at + n)] + list(planes))
     assert covered == list(range(8 * block))
     qw = random_weight(qtype, N, K, seed=N)
     x8 = interleave(qw)
@@ -116,6 +127,10 @@ def test_superblock_x8_is_the_documented_permutation(qtype: str, N: int) -> None
                 row = src[8 * g + r, s * block: (s + 1) * block]
                 for at, off, n in superblock_moves(qtype, r):
                     assert torch.equal(grp[at: at + n], row[off: off + n]), (g, s, r, at)
+                if qtype == "q3_k":  # position l of row r at 112 + 256k + 32 (l // 4) + 4r + l % 4
+                    for k, plane in enumerate(q3_k_planes(row.tolist())):
+                        got = [int(grp[112 + 256 * k + 32 * (l // 4) + 4 * r + l % 4]) for l in range(32)]
+                        assert got == plane, (g, s, r, k)
     assert torch.equal(dst[N // 8 * 8:], src[N // 8 * 8:])
     assert torch.equal(x8.dequantize(), gguf_dequantize(qw))
 

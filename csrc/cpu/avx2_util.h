@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace pagewire::cpu::avx2 {
 
@@ -14,6 +15,28 @@ inline float fp16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return _cvtsh_ss(h);
+}
+
+// The row-layout kernels' tiles of activation rows: tile(std::integral_constant<int, MB>{}, m0) over
+// [0, M) in tiles of four rows, then one tile of the 1-3 rows left. (A row's floats never depend on
+// its tile: batch invariance, docs/determinism.md.)
+template <class Tile>
+inline void row_tiles(int64_t M, const Tile& tile) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) tile(std::integral_constant<int, 4>{}, m);
+  switch (M - m) {
+    case 3:
+      tile(std::integral_constant<int, 3>{}, m);
+      break;
+    case 2:
+      tile(std::integral_constant<int, 2>{}, m);
+      break;
+    case 1:
+      tile(std::integral_constant<int, 1>{}, m);
+      break;
+    default:
+      break;
+  }
 }
 
 // The sum of v's eight lanes, in one fixed order: deterministic mode (docs/determinism.md) relies

@@ -104,21 +104,7 @@ void run(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* 
   team_for(N, N * x.K * x.M >= 65536, [&](int64_t n) {
     const uint8_t* wr = w + n * row_bytes;
     const float bn = bias != nullptr ? bias[n] : 0.f;
-    int64_t m = 0;
-    for (; m + 4 <= x.M; m += 4) row_tile<T, 4>(x, m, wr, bn, out + n, ldo);
-    switch (x.M - m) {
-      case 3:
-        row_tile<T, 3>(x, m, wr, bn, out + n, ldo);
-        break;
-      case 2:
-        row_tile<T, 2>(x, m, wr, bn, out + n, ldo);
-        break;
-      case 1:
-        row_tile<T, 1>(x, m, wr, bn, out + n, ldo);
-        break;
-      default:
-        break;
-    }
+    avx2::row_tiles(x.M, [&](auto mb, int64_t m) { row_tile<T, decltype(mb)::value>(x, m, wr, bn, out + n, ldo); });
   });
 }
 

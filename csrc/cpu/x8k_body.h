@@ -358,7 +358,8 @@ void run_q2k(const Q8SumActivations& x, const uint8_t* w, const float* bias, flo
   });
 }
 
-// Q3_K: one group a unit, kQ3KRows rows a pass (the AVX2 build's 16 registers: see RESULTS).
+// Q3_K: one group a unit, kQ3KRows rows a pass: Q2_K's choice, whose register use it shares (one row
+// against two was measured for Q2_K, not for Q3_K).
 constexpr int kQ3KRows = PAGEWIRE_X8_VNNI ? 4 : 2;
 void run_q3k(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t N) {
   const int64_t groups = N / kQ4Interleave, group_bytes = kQ4Interleave * (x.K / kQ4_KBlock) * kQ3_KBlockBytes;

@@ -40,7 +40,10 @@ def build(name: str, sources: list[str]) -> ctypes.CDLL:
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        flags = ["-O2", "-std=c++17", "-fopenmp", "-fPIC", "-w", "-DPAGEWIRE_X86_EMULATE",
+        # -O1, not -O2: SIMDe's inlined intrinsics make -O2's passes the build's cost. Zen 4 here,
+        # linear_x8k_vnni.cpp took 272 s at -O2 and 57 s at -O1; every emulated test still runs
+        # in under 2 s (bench/RESULTS.md, session 44).
+        flags = ["-O1", "-std=c++17", "-fopenmp", "-fPIC", "-w", "-DPAGEWIRE_X86_EMULATE",
                  "-include", str(EMU / "x86_emu.h"), f"-I{CPU_SRC}", f"-I{EMU}", f"-I{TORCH_INCLUDE}"]
         # One compiler per file, as many at once as there are cores: SIMDe's intrinsics make each file
         # minutes of work, and one g++ for all of them ran past a test's time limit on a busy machine.

@@ -321,15 +321,36 @@ void row_passes(int64_t M, const Pass& pass) {
   if (left == 1) pass(std::integral_constant<int, 1>{}, m);
 }
 
+// Runs fn(wg, bg, og, left) over the weight's groups of eight rows, Per groups a unit of the
+// team's split: wg / bg / og are the unit's first group's weights, bias (or null) and output
+// columns, and left the groups from there to the end (a unit of pairs gets left == 1 at an odd
+// end). One place for the pointer arithmetic every run_* below shares.
+template <int Per, class Fn>
+void team_groups(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t N,
+                 int64_t group_bytes, const Fn& fn) {
+  const int64_t groups = N / kQ4Interleave;
+  team_for((groups + Per - 1) / Per, N * x.K * x.M >= 65536, [&](int64_t u) {
+    const int64_t g = Per * u;
+    fn(w + g * group_bytes, bias != nullptr ? bias + g * kQ4Interleave : nullptr, out + g * kQ4Interleave,
+       groups - g);
+  });
+}
+
+// Per calling thread, reused across calls (each thread of a fused_linear team prepares its own),
+// and read through a plain pointer inside the parallel loop: a kernel's per-call activation sums.
+template <class T>
+T* call_scratch(int64_t n) {
+  thread_local std::vector<T> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
 // Q5_K: one group a unit (the VNNI build's pairs, x8k_pairs.h, are Q4_K's alone), kQ5KRows rows a
 // pass (the AVX2 build's 16 registers hold two rows' four sums beside the codes and fifth bits).
 constexpr int kQ5KRows = PAGEWIRE_X8_VNNI ? 4 : 2;
 void run_q5k(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t N) {
-  const int64_t groups = N / kQ4Interleave, group_bytes = kQ4Interleave * (x.K / kQ4_KBlock) * kQ5_KBlockBytes;
-  team_for(groups, N * x.K * x.M >= 65536, [&](int64_t g) {
-    const uint8_t* wg = w + g * group_bytes;
-    const float* bg = bias != nullptr ? bias + g * kQ4Interleave : nullptr;
-    float* og = out + g * kQ4Interleave;
+  const int64_t group_bytes = kQ4Interleave * (x.K / kQ4_KBlock) * kQ5_KBlockBytes;
+  team_groups<1>(x, w, bias, out, N, group_bytes, [&](const uint8_t* wg, const float* bg, float* og, int64_t) {
     row_passes<kQ5KRows>(x.M, [&](auto mb, int64_t m) {
       q4k::group_k<decltype(mb)::value, true>(x, m, wg, bg, og, ldo);
     });
@@ -341,17 +362,10 @@ void run_q5k(const Q8SumActivations& x, const uint8_t* w, const float* bias, flo
 // row's time at 4 rows of 1536 x 1024 and 0.6-0.9x at 16 (some spills, fewer weight passes).
 constexpr int kQ2KRows = PAGEWIRE_X8_VNNI ? 4 : 2;
 void run_q2k(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t N) {
-  const int64_t groups = N / kQ4Interleave, group_bytes = kQ4Interleave * (x.K / kQ4_KBlock) * kQ2_KBlockBytes;
-  // Per calling thread, reused across calls (each thread of a fused_linear team prepares its own);
-  // read through a plain pointer inside the parallel loop.
-  thread_local std::vector<float> sums;
-  if (static_cast<int64_t>(sums.size()) < x.M * (x.K / 16)) sums.resize(x.M * (x.K / 16));
-  q2k::prepare_q2_sums(x, sums.data());
-  const float* s16 = sums.data();
-  team_for(groups, N * x.K * x.M >= 65536, [&](int64_t g) {
-    const uint8_t* wg = w + g * group_bytes;
-    const float* bg = bias != nullptr ? bias + g * kQ4Interleave : nullptr;
-    float* og = out + g * kQ4Interleave;
+  const int64_t group_bytes = kQ4Interleave * (x.K / kQ4_KBlock) * kQ2_KBlockBytes;
+  float* s16 = call_scratch<float>(x.M * (x.K / 16));
+  q2k::prepare_q2_sums(x, s16);
+  team_groups<1>(x, w, bias, out, N, group_bytes, [&](const uint8_t* wg, const float* bg, float* og, int64_t) {
     row_passes<kQ2KRows>(x.M, [&](auto mb, int64_t m) {
       q2k::group_q2<decltype(mb)::value>(x, s16, m, wg, bg, og, ldo);
     });
@@ -362,95 +376,67 @@ void run_q2k(const Q8SumActivations& x, const uint8_t* w, const float* bias, flo
 // against two was measured for Q2_K, not for Q3_K).
 constexpr int kQ3KRows = PAGEWIRE_X8_VNNI ? 4 : 2;
 void run_q3k(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t N) {
-  const int64_t groups = N / kQ4Interleave, group_bytes = kQ4Interleave * (x.K / kQ4_KBlock) * kQ3_KBlockBytes;
+  const int64_t group_bytes = kQ4Interleave * (x.K / kQ4_KBlock) * kQ3_KBlockBytes;
   const int64_t n16 = x.K / 16;
-  // Per calling thread, reused across calls (each thread of a fused_linear team prepares its own);
-  // read through a plain pointer inside the parallel loop.
-  thread_local std::vector<int32_t> x16;
-  if (static_cast<int64_t>(x16.size()) < x.M * n16) x16.resize(x.M * n16);
-  q3k::prepare_q3_sums(x.q, x.M * n16, x16.data());
-  const int32_t* xs = x16.data();
-  team_for(groups, N * x.K * x.M >= 65536, [&](int64_t g) {
-    const uint8_t* wg = w + g * group_bytes;
-    const float* bg = bias != nullptr ? bias + g * kQ4Interleave : nullptr;
-    float* og = out + g * kQ4Interleave;
+  int32_t* xs = call_scratch<int32_t>(x.M * n16);
+  q3k::prepare_q3_sums(x.q, x.M * n16, xs);
+  team_groups<1>(x, w, bias, out, N, group_bytes, [&](const uint8_t* wg, const float* bg, float* og, int64_t) {
     row_passes<kQ3KRows>(x.M, [&](auto mb, int64_t m) {
       q3k::group_q3<decltype(mb)::value>(x, xs, m, wg, bg, og, ldo);
     });
   });
 }
 
+// Several rows on the VNNI build: pairs of groups (x8k_pairs.h, a lone last group on its own),
+// while there are pairs enough for every thread of the split. One row stays on single groups,
+// bound by memory there, where one group per unit keeps each thread on one sequential stream.
+inline bool use_pairs(const Q8SumActivations& x, int64_t N) {
+  return PAGEWIRE_X8_VNNI && x.M >= 2 && N / kQ4Interleave >= 4 * team_threads();
+}
+
 void run_q4k(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t N) {
-  const int64_t groups = N / kQ4Interleave, group_bytes = kQ4Interleave * (x.K / kQ4_KBlock) * kQ4_KBlockBytes;
+  const int64_t group_bytes = kQ4Interleave * (x.K / kQ4_KBlock) * kQ4_KBlockBytes;
 #if PAGEWIRE_X8_VNNI
-  // Several rows: pairs of groups through group_k2 (a lone last group through group_k), while
-  // there are pairs enough for every thread of the split. One row stays on single groups, bound by
-  // memory there, where one group per unit keeps each thread on one sequential stream.
-  if (x.M >= 2 && groups >= 4 * team_threads()) {
-    team_for((groups + 1) / 2, N * x.K * x.M >= 65536, [&](int64_t u) {
-      const int64_t g = 2 * u;
-      const uint8_t* wg = w + g * group_bytes;
-      const float* bg = bias != nullptr ? bias + g * kQ4Interleave : nullptr;
-      float* og = out + g * kQ4Interleave;
-      if (g + 1 < groups) {
+  if (use_pairs(x, N)) {
+    team_groups<2>(x, w, bias, out, N, group_bytes, [&](const uint8_t* wg, const float* bg, float* og, int64_t left) {
+      if (left >= 2) {
         row_passes<4>(x.M, [&](auto mb, int64_t m) {
           q4k::group_k2<decltype(mb)::value>(x, m, wg, group_bytes, bg, og, ldo);
         });
       } else {
-        row_passes<kQ4KRows>(x.M, [&](auto mb, int64_t m) {
-          q4k::group_k<decltype(mb)::value>(x, m, wg, bg, og, ldo);
-        });
+        row_passes<kQ4KRows>(x.M, [&](auto mb, int64_t m) { q4k::group_k<decltype(mb)::value>(x, m, wg, bg, og, ldo); });
       }
     });
     return;
   }
 #endif
-  team_for(groups, N * x.K * x.M >= 65536, [&](int64_t g) {
-    const uint8_t* wg = w + g * group_bytes;
-    const float* bg = bias != nullptr ? bias + g * kQ4Interleave : nullptr;
-    float* og = out + g * kQ4Interleave;
+  team_groups<1>(x, w, bias, out, N, group_bytes, [&](const uint8_t* wg, const float* bg, float* og, int64_t) {
     row_passes<kQ4KRows>(x.M, [&](auto mb, int64_t m) { q4k::group_k<decltype(mb)::value>(x, m, wg, bg, og, ldo); });
   });
 }
 
-
 void run_q6k(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t N) {
-  const int64_t groups = N / kQ4Interleave, group_bytes = kQ4Interleave * (x.K / kQ4_KBlock) * kQ6_KBlockBytes;
+  const int64_t group_bytes = kQ4Interleave * (x.K / kQ4_KBlock) * kQ6_KBlockBytes;
   const int64_t n16 = x.K / 16;
-  // Per calling thread, reused across calls: each 16 activation codes' sum (the offset term's).
-  thread_local std::vector<int32_t> x16;
-  if (static_cast<int64_t>(x16.size()) < x.M * n16) x16.resize(x.M * n16);
-  q6k::prepare_q6_sums(x.q, x.M * n16, x16.data());
-  const int32_t* xs = x16.data();
+  // Each 16 activation codes' sum (the offset term's).
+  int32_t* xs = call_scratch<int32_t>(x.M * n16);
+  q6k::prepare_q6_sums(x.q, x.M * n16, xs);
+  const auto single = [&](const uint8_t* wg, const float* bg, float* og) {
+    row_passes<kQ6KRows>(x.M, [&](auto mb, int64_t m) { q6k::group_q6<decltype(mb)::value>(x, xs, m, wg, bg, og, ldo); });
+  };
 #if PAGEWIRE_X8_VNNI
-  // Several rows: pairs of groups through group_q62, as run_q4k.
-  if (x.M >= 2 && groups >= 4 * team_threads()) {
-    team_for((groups + 1) / 2, N * x.K * x.M >= 65536, [&](int64_t u) {
-      const int64_t g = 2 * u;
-      const uint8_t* wg = w + g * group_bytes;
-      const float* bg = bias != nullptr ? bias + g * kQ4Interleave : nullptr;
-      float* og = out + g * kQ4Interleave;
-      if (g + 1 < groups) {
-        row_passes<kQ6KPairRows>(x.M, [&](auto mb, int64_t m) {
-          q6k::group_q62<decltype(mb)::value>(x, xs, m, wg, group_bytes, bg, og, ldo);
-        });
-      } else {
-        row_passes<kQ6KRows>(x.M, [&](auto mb, int64_t m) {
-          q6k::group_q6<decltype(mb)::value>(x, xs, m, wg, bg, og, ldo);
-        });
-      }
+  if (use_pairs(x, N)) {
+    team_groups<2>(x, w, bias, out, N, group_bytes, [&](const uint8_t* wg, const float* bg, float* og, int64_t left) {
+      if (left < 2) return single(wg, bg, og);
+      row_passes<kQ6KPairRows>(x.M, [&](auto mb, int64_t m) {
+        q6k::group_q62<decltype(mb)::value>(x, xs, m, wg, group_bytes, bg, og, ldo);
+      });
     });
     return;
   }
 #endif
-  team_for(groups, N * x.K * x.M >= 65536, [&](int64_t g) {
-    const uint8_t* wg = w + g * group_bytes;
-    const float* bg = bias != nullptr ? bias + g * kQ4Interleave : nullptr;
-    float* og = out + g * kQ4Interleave;
-    row_passes<kQ6KRows>(x.M, [&](auto mb, int64_t m) {
-      q6k::group_q6<decltype(mb)::value>(x, xs, m, wg, bg, og, ldo);
-    });
-  });
+  team_groups<1>(x, w, bias, out, N, group_bytes,
+                 [&](const uint8_t* wg, const float* bg, float* og, int64_t) { single(wg, bg, og); });
 }
 
 }  // namespace

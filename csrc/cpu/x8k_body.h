@@ -372,8 +372,10 @@ void run_q2k(const Q8SumActivations& x, const uint8_t* w, const float* bias, flo
   });
 }
 
-// Q3_K: one group a unit, kQ3KRows rows a pass: Q2_K's choice, whose register use it shares (one row
-// against two was measured for Q2_K, not for Q3_K).
+// Q3_K: one group a unit, kQ3KRows rows a pass, as Q2_K, whose register use it shares. The VNNI
+// build's four against two, both types, on a Zen 4 (weights in cache, two threads, six alternating
+// rounds of each build; RESULTS, session 44): at 4-16 rows four took 0.97-0.99x the best time for
+// Q3_K and 0.94-0.95x for Q2_K. The AVX2 build's two was measured for Q2_K only.
 constexpr int kQ3KRows = PAGEWIRE_X8_VNNI ? 4 : 2;
 void run_q3k(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t N) {
   const int64_t group_bytes = kQ4Interleave * (x.K / kQ4_KBlock) * kQ3_KBlockBytes;

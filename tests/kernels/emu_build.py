@@ -30,21 +30,22 @@ TORCH_INCLUDE = Path(torch.__file__).resolve().parent / "include"
 
 
 def build(name: str, sources: list[str]) -> ctypes.CDLL:
-    """Compiles csrc/cpu/<sources> plus emu/shim_<name>.cpp (cached by content) and loads it."""
+    """Compiles csrc/cpu/<sources> plus emu/shim_<name>.cpp (cached by content and flags) and loads it."""
     if shutil.which("g++") is None or not SIMDE.exists():
         pytest.skip("needs g++ and SIMDe (Debian's libsimde-dev; `make sysdeps` installs it)")
     files = [CPU_SRC / s for s in sources] + [EMU / f"shim_{name}.cpp"]
     deps = files + sorted(CPU_SRC.glob("*.h")) + sorted(EMU.glob("*.h"))
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in deps)).hexdigest()[:16]
+    # -O1, not -O2: SIMDe's inlined intrinsics make -O2's passes the build's cost. Zen 4 here,
+    # linear_x8k_vnni.cpp took 272 s at -O2 and 57 s at -O1; every emulated test still runs
+    # in under 2 s (bench/RESULTS.md, session 44).
+    flags = ["-O1", "-std=c++17", "-fopenmp", "-fPIC", "-w", "-DPAGEWIRE_X86_EMULATE",
+             "-include", str(EMU / "x86_emu.h"), f"-I{CPU_SRC}", f"-I{EMU}", f"-I{TORCH_INCLUDE}"]
+    # The flags are part of the key: a library built with other flags is another library.
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in deps) + " ".join(flags).encode()).hexdigest()[:16]
     out = Path(tempfile.gettempdir()) / "pagewire-emu" / f"{name}-{digest}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        # -O1, not -O2: SIMDe's inlined intrinsics make -O2's passes the build's cost. Zen 4 here,
-        # linear_x8k_vnni.cpp took 272 s at -O2 and 57 s at -O1; every emulated test still runs
-        # in under 2 s (bench/RESULTS.md, session 44).
-        flags = ["-O1", "-std=c++17", "-fopenmp", "-fPIC", "-w", "-DPAGEWIRE_X86_EMULATE",
-                 "-include", str(EMU / "x86_emu.h"), f"-I{CPU_SRC}", f"-I{EMU}", f"-I{TORCH_INCLUDE}"]
         # One compiler per file, as many at once as there are cores: SIMDe's intrinsics make each file
         # minutes of work, and one g++ for all of them ran past a test's time limit on a busy machine.
         objs = [tmp.with_suffix(f".{i}.o") for i in range(len(files))]

@@ -147,7 +147,7 @@ def _solve_nonnegative_rows(a: np.ndarray, g: np.ndarray) -> tuple[float, ...]:
         costs = _ROW_COSTS @ theta
         violated = [i for i in range(len(costs)) if costs[i] < 0 and i not in active]
         if not violated:
-            return tuple(float(v) for v in theta)
+            return tuple(float(v) for v in _lift_rounding(theta))
         active.append(min(violated, key=lambda i: costs[i]))
         c = _ROW_COSTS[active]
         n, k = a.shape[0], len(active)
@@ -155,6 +155,21 @@ def _solve_nonnegative_rows(a: np.ndarray, g: np.ndarray) -> tuple[float, ...]:
         kkt[:n, :n], kkt[:n, n:], kkt[n:, :n] = a, c.T, c
         theta = np.linalg.solve(kkt, np.concatenate([g, np.zeros(k)]))[:n]
 
+
+def _lift_rounding(theta: np.ndarray) -> np.ndarray:
+    """theta with its per-row costs made >= 0 exactly. A cost the active set pinned to 0 comes back
+    from the KKT solve as 0 only up to rounding (b + e = -1.7e-21 on a Zen 4, whose LAPACK rounds
+    otherwise than the Zen 3's). Every cost has b (theta[2]) with coefficient 1, so raising b by the
+    deficit lifts them all: the fit moves by a rounding error. The costs are summed here as Python
+    floats in both orders a reader of theta adds them (_StepFit.line's and left to right)."""
+    theta = theta.copy()
+    for _ in range(4):
+        _, _, b, s, e, f = (float(v) for v in theta)
+        low = min(b, b + s, b + e, b + s + e + f, (b + s) + (e + f))
+        if low >= 0:
+            break
+        theta[2] -= low
+    return theta
 
 
 @dataclass

@@ -200,15 +200,17 @@ __attribute__((noinline)) void group4(const Q8SumActivations& x, const float* xc
 // codes, so it ends at sum(w * x): the same integer as the AVX2 build's (no 16-bit step on either
 // side that could saturate: at most 32 * 255 * 127 a lane), so the same floats, bit for bit.
 // Per calling thread (each thread of a fused_linear team computes its own: M * K byte adds, about
-// 0.3 us at eight rows of 576), per (row, block).
-inline const int32_t* q8_offsets(const Q8Activations& x) {
+// 0.3 us at eight rows of 576), per (row, 32-value block): -128 times the block's activation codes.
+// Q8_0's chains here, and IQ4_NL's and IQ4_XS's (x8_q5nl_body.h, whose levels are made unsigned the
+// same way), start there.
+inline const int32_t* block_offsets(const int8_t* q, int64_t M, int64_t K) {
   thread_local std::vector<int32_t> offsets;
-  const int64_t nb = x.K / kQ8Block;
-  if (static_cast<int64_t>(offsets.size()) < x.M * nb) offsets.resize(x.M * nb);
-  for (int64_t i = 0; i < x.M * nb; ++i) {
-    const int8_t* q = x.q + i * kQ8Block;  // block i of the [M, K] codes (K is whole blocks)
+  const int64_t nb = K / kQ8Block;
+  if (static_cast<int64_t>(offsets.size()) < M * nb) offsets.resize(M * nb);
+  for (int64_t i = 0; i < M * nb; ++i) {
+    const int8_t* b = q + i * kQ8Block;  // block i of the [M, K] codes (K is whole blocks)
     int32_t sum = 0;
-    for (int k = 0; k < kQ8Block; ++k) sum += q[k];
+    for (int k = 0; k < kQ8Block; ++k) sum += b[k];
     offsets[i] = -128 * sum;
   }
   return offsets.data();
@@ -251,7 +253,7 @@ __attribute__((noinline)) void group8(const Q8Activations& x, [[maybe_unused]] c
     for (int j = 0; j < NG; ++j) {
       for (int m = 0; m < MB; ++m) {
 #if PAGEWIRE_X8_VNNI
-        s32[j][m] = _mm256_set1_epi32(xoff[m][b]);  // -128 * the block's activation codes (q8_offsets)
+        s32[j][m] = _mm256_set1_epi32(xoff[m][b]);  // -128 * the block's activation codes (block_offsets)
 #else
         s32[j][m] = _mm256_setzero_si256();
 #endif
@@ -364,7 +366,7 @@ void run_q5nl(const Q8SumActivations& x, const float* xc, const uint8_t* w, cons
   const int64_t group_bytes = kQ4Interleave * (x.K / 32) * q4_block_bytes(T);
   const int32_t* xo = nullptr;
 #if PAGEWIRE_X8_VNNI
-  if constexpr (T == Q4Type::kIQ4_NL) xo = q5nl::code_offsets(x);
+  if constexpr (T == Q4Type::kIQ4_NL) xo = block_offsets(x.q, x.M, x.K);
 #endif
   const auto tile = [&](auto mb, auto ng, int64_t m, const uint8_t* wg, const float* bg, float* og) {
     q5nl::group<T, decltype(mb)::value, decltype(ng)::value>(x, xc, xo, m, wg, group_bytes, bg, og, ldo);
@@ -381,7 +383,7 @@ void run_iq4xs(const Q8SumActivations& x, const uint8_t* w, const float* bias, f
   const int64_t group_bytes = kQ4Interleave * (x.K / kQ4_KBlock) * kIq4xsBlockBytes;
   const int32_t* xo = nullptr;
 #if PAGEWIRE_X8_VNNI
-  xo = q5nl::code_offsets(x);
+  xo = block_offsets(x.q, x.M, x.K);
 #endif
   const auto tile = [&](auto mb, auto ng, int64_t m, const uint8_t* wg, const float* bg, float* og) {
     q5nl::group_xs<decltype(mb)::value, decltype(ng)::value>(x, xo, m, wg, group_bytes, bg, og, ldo);
@@ -443,7 +445,7 @@ void run8(const Q8Activations& x, const uint8_t* w, const float* bias, float* ou
   const int64_t group_bytes = kQ8Interleave * (x.K / kQ8Block) * kQ8BlockBytes;
   const int32_t* xo = nullptr;
 #if PAGEWIRE_X8_VNNI
-  xo = q8_offsets(x);
+  xo = block_offsets(x.q, x.M, x.K);
 #endif
   const auto tile = [&](auto mb, auto ng, int64_t m, const uint8_t* wg, const float* bg, float* og) {
 #if PAGEWIRE_X8_VNNI

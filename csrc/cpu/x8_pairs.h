@@ -78,7 +78,7 @@ __attribute__((noinline)) void group4_2(const Q8SumActivations& x, const float* 
 }
 
 // group8<MB, 2>'s outputs for groups g (at w) and g + 1 (at w + group_bytes): the weight's bytes as
-// w + 128 and each block's chains started at xo's -128 * sum(x) (x8_body.h q8_offsets), so one
+// w + 128 and each block's chains started at xo's -128 * sum(x) (x8_body.h block_offsets), so one
 // vpdpbusd per activation row and chunk gives sum(w * x), the 256-bit body's integer.
 template <int MB>
 __attribute__((noinline)) void group8_2(const Q8Activations& x, const int32_t* xo, int64_t m0, const uint8_t* w,

@@ -38,23 +38,9 @@ constexpr int kBlockBytes = kScaleBytes<T> + kHighBytes<T> + 128;  // eight rows
 // Groups per unit from two activation rows up (pair_min_rows): see the header comment.
 constexpr int kMaxGroups = PAGEWIRE_X8_VNNI ? 2 : 1;
 
-// -128 times each (row, block)'s activation codes (IQ4_NL's VNNI chain start), per calling thread.
-inline const int32_t* code_offsets(const Q8SumActivations& x) {
-  thread_local std::vector<int32_t> offsets;
-  const int64_t nb = x.K / 32;
-  if (static_cast<int64_t>(offsets.size()) < x.M * nb) offsets.resize(x.M * nb);
-  for (int64_t i = 0; i < x.M * nb; ++i) {
-    const int8_t* q = x.q + i * 32;
-    int32_t sum = 0;
-    for (int k = 0; k < 32; ++k) sum += q[k];
-    offsets[i] = -128 * sum;
-  }
-  return offsets.data();
-}
-
 // Activation rows [m0, m0 + MB) times NG consecutive groups of eight weight rows -> out[m][0..8 NG).
 // xc: per (row, block) the offset term's activation factor (Q5_0: -16 xs; Q5_1: xs; unused for
-// IQ4_NL); xo: IQ4_NL's code_offsets (VNNI build).
+// IQ4_NL); xo: IQ4_NL's block_offsets (VNNI build, x8_body.h).
 template <Q4Type T, int MB, int NG>
 __attribute__((noinline)) void group(const Q8SumActivations& x, const float* xc, [[maybe_unused]] const int32_t* xo,
                                      int64_t m0, const uint8_t* w, int64_t group_bytes, const float* bias, float* out,
@@ -208,7 +194,7 @@ inline __m256i bits_to_4(__m256i v, int b) {
 }
 
 // Activation rows [m0, m0 + MB) times NG consecutive groups of eight IQ4_XS weight rows -> out[m][0..8 NG).
-// xo: code_offsets (VNNI build).
+// xo: block_offsets (VNNI build, x8_body.h).
 template <int MB, int NG>
 __attribute__((noinline)) void group_xs(const Q8SumActivations& x, [[maybe_unused]] const int32_t* xo, int64_t m0,
                                         const uint8_t* w, int64_t group_bytes, const float* bias, float* out,

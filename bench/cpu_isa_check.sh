@@ -34,10 +34,13 @@ best = '$best'
 print(' '.join(order[: order.index(best) + 1]) if best in order else '')")
 echo "families to time: ${families:-none}"
 
+# Every kernel module with a cpu_isa grid (the x8 layouts, the K-quants, MoE experts, thread splits
+# included: session 44 found the list had fallen behind the kernels), then the emulated ones.
 "$PY" -m pytest -q tests/kernels/test_linear.py tests/kernels/test_quant.py tests/kernels/test_quant4.py \
-    tests/kernels/test_autotune.py tests/kernels/test_paged_attention.py tests/kernels/test_emulated_vnni.py \
-    tests/kernels/test_emulated_vnni_q4.py \
-    tests/kernels/test_emulated_bf16.py tests/kernels/test_emulated_amx.py 2>&1 | tail -5 | tee "$OUT/tests.txt"
+    tests/kernels/test_kquants.py tests/kernels/test_interleaved.py tests/kernels/test_thread_invariance.py \
+    tests/kernels/test_moe_experts.py tests/kernels/test_moe_decode.py tests/kernels/test_quant_embedding.py \
+    tests/kernels/test_fast_calls.py tests/kernels/test_autotune.py tests/kernels/test_paged_attention.py \
+    tests/kernels/test_emulated_*.py 2>&1 | tail -5 | tee "$OUT/tests.txt"
 
 for fam in $families; do
     echo "== $fam: bench.kernels linear" | tee -a "$OUT/kernels.txt"

@@ -158,8 +158,8 @@ def _solve_nonnegative_rows(a: np.ndarray, g: np.ndarray) -> tuple[float, ...]:
 
 def _lift_rounding(theta: np.ndarray) -> np.ndarray:
     """theta with its per-row costs made >= 0 exactly. A cost the active set pinned to 0 comes back
-    from the KKT solve as 0 only up to rounding (b + e = -1.7e-21 on a Zen 4, whose LAPACK rounds
-    otherwise than the Zen 3's). Every cost has b (theta[2]) with coefficient 1, so raising b by the
+    from the KKT solve as 0 only up to rounding (b + e = -1.7e-21 on a Zen 4, where a Zen 3 had
+    passed the same test). Every cost has b (theta[2]) with coefficient 1, so raising b by the
     deficit lifts them all: the fit moves by a rounding error. The costs are summed here as Python
     floats in both orders a reader of theta adds them (_StepFit.line's and left to right)."""
     theta = theta.copy()

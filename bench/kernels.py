@@ -268,20 +268,28 @@ def random_blocks(qtype: str, n: int, k: int, gen: torch.Generator) -> Quantized
     return QuantizedWeight.from_gguf_bytes(qtype, data.reshape(n, -1), n, k)
 
 
+# GGUF's lattice types, which the loader holds in IQ4_XS's layout (server.models.gguf_transcode).
+LATTICE_TYPES = ("iq3_xxs", "iq3_s", "iq2_xxs", "iq1_s")
+
+
 def random_weight(qtype: str, n: int, k: int, gen: torch.Generator) -> QuantizedWeight:
     """A weight of `qtype` in GGUF's row layout: Q8_0 / Q4_0 quantised from random floats, the other
     block types random valid blocks (no quantiser for them here)."""
     if qtype in _SCALES_AT:
         return random_blocks(qtype, n, k, gen)
-    if qtype in ("q4_k", "q5_k", "q6_k", "iq4_xs", "q2_k", "q3_k"):
+    if qtype in ("q4_k", "q5_k", "q6_k", "iq4_xs", "q2_k", "q3_k", *LATTICE_TYPES):
+        from server.models.gguf_transcode import transcode
         from tests.gguf_files import random_k_blocks
 
         data = random_k_blocks(n, k, qtype.upper(), int(torch.randint(0, 1 << 30, (1,), generator=gen)))
+        if qtype in LATTICE_TYPES:  # the GGUF blocks rewritten as the loader does (IQ4_XS's layout)
+            data = transcode(qtype.upper(), data)
         return QuantizedWeight.from_gguf_bytes(qtype, torch.from_numpy(data), n, k)
     return QuantizedWeight.quantize(torch.randn(n, k, generator=gen) / 32, qtype)
 
 
-QUANT_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "iq4_xs", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+QUANT_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "iq4_xs", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
+               *LATTICE_TYPES)
 
 
 def bench_quant(quick: bool = False, types: tuple[str, ...] = QUANT_TYPES) -> None:

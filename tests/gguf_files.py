@@ -27,7 +27,7 @@ RANDOM_BLOCKS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,),
                  "IQ1_S": (0,)}
 # Values per block of every type the tests write quantised.
 QUANT_BLOCK = {name: GGML_QUANT_SIZES[GGMLQuantizationType[name]][0]
-               for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", *RANDOM_BLOCKS)}
+               for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "TQ1_0", "TQ2_0", *RANDOM_BLOCKS)}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 _HF_TO_GGUF_BLOCK = {
@@ -158,15 +158,19 @@ K_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # the K-quants pagewire
 
 def random_k_blocks(rows: int, cols: int, qtype: str, seed: int) -> np.ndarray:
     """[rows, cols / block values * block bytes] uint8 of valid `qtype` blocks (RANDOM_BLOCKS):
-    random codes and sub-scales, fp16 scales in [0.002, 0.02] (Q3_K: [0.0002, 0.002]; IQ4_XS:
-    [0.0001, 0.001]) so the weights are finite and of a usual size."""
+    random codes and sub-scales, fp16 scales in [0.002, 0.02] (Q3_K, IQ3_XXS, IQ3_S: [0.0002,
+    0.002]; IQ4_XS: [0.0001, 0.001]; IQ2_XXS: [0.0005, 0.005]) so the weights are finite and of a
+    usual size."""
     rng = np.random.default_rng(seed)
     values, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
     scales = RANDOM_BLOCKS[qtype]
     # Q3_K's signed sub-scales (to +-32) and codes (to +-4) make weights ten times Q4_K's at the same
     # d: a tiny model of them turns chaotic (its logits swing with any rounding), so its d is smaller.
-    # IQ4_XS's sub-scales (to +-32) times its levels (to +-127) need a smaller d still.
-    low, high = {"Q3_K": (0.0002, 0.002), "IQ4_XS": (0.0001, 0.001)}.get(qtype, (0.002, 0.02))
+    # IQ4_XS's sub-scales (to +-32) times its levels (to +-127) need a smaller d still; the lattice
+    # types' odd multipliers (to 31) times their grid values (IQ3_XXS to 62 / 4, IQ3_S 15, IQ2_XXS
+    # 43 / 8) too.
+    low, high = {"Q3_K": (0.0002, 0.002), "IQ4_XS": (0.0001, 0.001), "IQ3_XXS": (0.0002, 0.002),
+                 "IQ3_S": (0.0002, 0.002), "IQ2_XXS": (0.0005, 0.005)}.get(qtype, (0.002, 0.02))
     blocks = rng.integers(0, 256, size=(rows * cols // values, nbytes), dtype=np.uint8)
     for off in scales:
         halves = np.asarray(rng.uniform(low, high, size=blocks.shape[0]), dtype=np.float16)

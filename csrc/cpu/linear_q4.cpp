@@ -110,18 +110,20 @@ inline void decode_sub(Q4Type t, const uint8_t* row, int64_t sb, int16_t* q, flo
     }
     return;
   }
-  if (t == Q4Type::kIQ4_NL || t == Q4Type::kIQ4_XS) {  // signed levels, no offset term
-    const bool xs = t == Q4Type::kIQ4_XS;
+  if (t == Q4Type::kIQ4_NL || q_is_xs(t)) {  // signed levels, no offset term
+    const bool xs = q_is_xs(t);
     const uint8_t* blk = xs ? row + (sb / 8) * kIq4xsBlockBytes : row + sb * kIq4nlBlockBytes;
-    // IQ4_XS: d * (ls - 32) in fp32 (exact: an 11-bit significand times a 6-bit integer), as the
-    // `gguf` package computes it.
-    a[0] = a[1] = xs ? load_fp16(blk) * static_cast<float>(iq4_xs_scale(blk, static_cast<int>(sb % 8)))
+    // IQ4_XS layout: d * (ls - 32) * f in fp32 (exact: an 11-bit significand times a 6-bit integer
+    // times a power of two), as the `gguf` package computes each type's sub-block scale.
+    a[0] = a[1] = xs ? load_fp16(blk) * static_cast<float>(iq4_xs_scale(blk, static_cast<int>(sb % 8))) *
+                           q_level_scale(t)
                      : load_fp16(blk);
     *c = 0.f;
     const uint8_t* qs = xs ? blk + 8 + 16 * (sb % 8) : blk + 2;
+    const int8_t* levels = q_levels(t);
     for (int j = 0; j < 16; ++j) {
-      q[j] = kIq4nlValues[qs[j] & 0xF];
-      q[j + 16] = kIq4nlValues[qs[j] >> 4];
+      q[j] = levels[qs[j] & 0xF];
+      q[j + 16] = levels[qs[j] >> 4];
     }
     return;
   }
@@ -150,7 +152,7 @@ void dequantize_q4_row(Q4Type t, const uint8_t* w, float* out, int64_t K) {
     if (t == Q4Type::kQ4_0 || t == Q4Type::kQ5_0) {  // GGUF: d * (q - 8), d * (q5 - 16)
       const int zero = t == Q4Type::kQ4_0 ? 8 : 16;
       for (int j = 0; j < 32; ++j) o[j] = a[0] * static_cast<float>(static_cast<int>(q[j]) - zero);
-    } else if (t == Q4Type::kQ6_K || t == Q4Type::kQ3_K || t == Q4Type::kIQ4_NL || t == Q4Type::kIQ4_XS) {
+    } else if (t == Q4Type::kQ6_K || t == Q4Type::kQ3_K || t == Q4Type::kIQ4_NL || q_is_xs(t)) {
       // GGUF: (d * sc) * (q - 32) (Q6_K), (d * (sc - 32)) * (q - 4) (Q3_K), d * level (IQ4, signed)
       for (int j = 0; j < 32; ++j) o[j] = a[j / 16] * static_cast<float>(q[j]);
     } else if (t == Q4Type::kQ2_K) {  // GGUF: (d * sc) * q - dmin * mn, per 16-value half
@@ -308,7 +310,8 @@ at::Tensor interleave_q4_cpu(const at::Tensor& weight, c10::string_view qtype_vi
   const Q4Format f = parse_q4_type(qtype);
   TORCH_CHECK(!f.interleaved && cpu::q4_interleavable(f.type),
               "qtype must be a row-layout qtype with an x8 layout ('q4_0', 'q4_1', 'q4_k', 'q5_k', 'q6_k', 'q5_0', "
-              "'q5_1', 'iq4_nl', 'iq4_xs', 'q2_k' or 'q3_k'), got '", qtype, "'");
+              "'q5_1', 'iq4_nl', 'iq4_xs', 'q2_k', 'q3_k', 'iq3_xxs', 'iq3_s', 'iq2_xxs' or 'iq1_s'), got '", qtype,
+              "'");
   const cpu::Q4Type t = f.type;
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) % cpu::q4_block_bytes(t) == 0, "weight must be [N, row bytes] ",
               qtype, " blocks, got shape ", weight.sizes());

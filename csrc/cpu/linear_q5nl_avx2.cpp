@@ -1,10 +1,11 @@
-// Q5_0, Q5_1, IQ4_NL and IQ4_XS weights in GGUF's row layout x Q8 activations on AVX2 (layouts in
-// quant4_kernel.h); linear_q4_avx2 and linear_q4_avx512 call it for those types. On x86 a weight of
+// Q5_0, Q5_1, IQ4_NL and IQ4_XS weights (and the grid types held in IQ4_XS's layout) in row layout
+// x Q8 activations on AVX2 (layouts in quant4_kernel.h); linear_q4_avx2 and linear_q4_avx512 call it
+// for those types. On x86 a weight of
 // eight rows or more is interleaved at load (QuantizedWeight.for_kernels) and runs through the x8
 // kernels (x8_q5nl_body.h), so this serves a weight's last N % 8 rows and weights of fewer than
 // eight: it is kept simple, one block of 32 codes at a time.
 //
-// Per block (IQ4_XS: per 32-value sub-block, its scale d * (ls - 32) as the block's d): the 32 codes
+// Per block (IQ4_XS layout: per 32-value sub-block, its scale d * (ls - 32) * f as the block's d): the 32 codes
 // in natural order in one register (the nibbles' two halves side by side; Q5's fifth bits spread
 // from the qh word by a byte shuffle, a mask and a compare; IQ4's levels by a byte shuffle of the
 // nibbles), then per activation row one maddubs and one madd (Q5: codes 0..31, pairs at most
@@ -35,17 +36,15 @@ using avx2::fp16;
 
 constexpr bool kLevels(Q4Type t) { return t == Q4Type::kIQ4_NL || t == Q4Type::kIQ4_XS; }
 
-// A block's (IQ4_XS: a sub-block's) 32 codes in natural order (Q5: 0..31; IQ4: the signed levels),
-// its codes at qs (Q5: its fifth bits at blk's qh).
+// A block's (IQ4_XS: a sub-block's) 32 codes in natural order (Q5: 0..31; IQ4: the signed levels of
+// `lut`, the type's sixteen levels in both halves), its codes at qs (Q5: its fifth bits at blk's qh).
 template <Q4Type T>
-inline __m256i block_codes(const uint8_t* blk, const uint8_t* qs) {
+inline __m256i block_codes(const uint8_t* blk, const uint8_t* qs, [[maybe_unused]] __m256i lut) {
   constexpr bool mins = T == Q4Type::kQ5_1;
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
   const __m256i mask = _mm256_set1_epi8(0x0F);
   __m256i q = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1), mask);
   if constexpr (kLevels(T)) {
-    const __m256i lut = _mm256_broadcastsi128_si256(
-        _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
     return _mm256_shuffle_epi8(lut, q);
   } else {
     uint32_t qh;
@@ -61,13 +60,17 @@ inline __m256i block_codes(const uint8_t* blk, const uint8_t* qs) {
   }
 }
 
-// Weight row wr times activation rows [m0, m0 + MB) -> out[m * ldo].
+// Weight row wr times activation rows [m0, m0 + MB) -> out[m * ldo]. IQ4_NL / IQ4_XS: `t` the type
+// whose levels and level scale the codes carry (IQ4_XS's layout serves the grid types too).
 template <Q4Type T, int MB>
-void row_tile(const Q8SumActivations& x, int64_t m0, const uint8_t* wr, float bias, float* out, int64_t ldo) {
+void row_tile(Q4Type t, const Q8SumActivations& x, int64_t m0, const uint8_t* wr, float bias, float* out,
+              int64_t ldo) {
   const int64_t nb = x.K / 32;
   constexpr bool xs = T == Q4Type::kIQ4_XS;
   constexpr int qs_at = (T == Q4Type::kQ5_1 ? 4 : 2) + (T == Q4Type::kIQ4_NL ? 0 : 4);  // (not IQ4_XS)
   const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q_levels(t))));
+  const float f = q_level_scale(t);  // a power of two: d * (ls - 32) * f is exact
   __m256 acc[MB];
   float off[MB];
   for (int m = 0; m < MB; ++m) {
@@ -79,8 +82,9 @@ void row_tile(const Q8SumActivations& x, int64_t m0, const uint8_t* wr, float bi
     const uint8_t* blk = xs ? wr + (b / 8) * kIq4xsBlockBytes : wr + b * q4_block_bytes(T);
     const uint8_t* qs = xs ? blk + 8 + 16 * (b % 8) : blk + qs_at;
     avx2::prefetch(qs + avx2::kPrefetchRows * 64);
-    const float d = xs ? fp16(blk) * static_cast<float>(iq4_xs_scale(blk, static_cast<int>(b % 8))) : fp16(blk);
-    const __m256i q = block_codes<T>(blk, qs);
+    const float d =
+        xs ? fp16(blk) * static_cast<float>(iq4_xs_scale(blk, static_cast<int>(b % 8))) * f : fp16(blk);
+    const __m256i q = block_codes<T>(blk, qs, lut);
     [[maybe_unused]] const __m256i aq = _mm256_abs_epi8(q);
     for (int m = 0; m < MB; ++m) {
       const int64_t i = (m0 + m) * nb + b;
@@ -99,12 +103,13 @@ void row_tile(const Q8SumActivations& x, int64_t m0, const uint8_t* wr, float bi
 }
 
 template <Q4Type T>
-void run(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t N) {
+void run(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
+         int64_t N) {
   const int64_t row_bytes = x.K / q4_block_values(T) * q4_block_bytes(T);
   team_for(N, N * x.K * x.M >= 65536, [&](int64_t n) {
     const uint8_t* wr = w + n * row_bytes;
     const float bn = bias != nullptr ? bias[n] : 0.f;
-    avx2::row_tiles(x.M, [&](auto mb, int64_t m) { row_tile<T, decltype(mb)::value>(x, m, wr, bn, out + n, ldo); });
+    avx2::row_tiles(x.M, [&](auto mb, int64_t m) { row_tile<T, decltype(mb)::value>(t, x, m, wr, bn, out + n, ldo); });
   });
 }
 
@@ -113,13 +118,13 @@ void run(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* 
 void linear_q5nl_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out,
                       int64_t ldo, int64_t N) {
   if (t == Q4Type::kQ5_0) {
-    run<Q4Type::kQ5_0>(x, w, bias, out, ldo, N);
+    run<Q4Type::kQ5_0>(t, x, w, bias, out, ldo, N);
   } else if (t == Q4Type::kQ5_1) {
-    run<Q4Type::kQ5_1>(x, w, bias, out, ldo, N);
-  } else if (t == Q4Type::kIQ4_XS) {
-    run<Q4Type::kIQ4_XS>(x, w, bias, out, ldo, N);
+    run<Q4Type::kQ5_1>(t, x, w, bias, out, ldo, N);
+  } else if (q_is_xs(t)) {  // IQ4_XS and the grid types held in its layout: one body, t's levels
+    run<Q4Type::kIQ4_XS>(t, x, w, bias, out, ldo, N);
   } else {
-    run<Q4Type::kIQ4_NL>(x, w, bias, out, ldo, N);
+    run<Q4Type::kIQ4_NL>(t, x, w, bias, out, ldo, N);
   }
 }
 

@@ -33,13 +33,21 @@
 //     s (32 values) is d * (ls - 32) * kIq4nlValues[q], ls the 6-bit scale whose low four bits are
 //     nibble s of the little-endian scales_l word and top two bits bits 2s..2s+1 of scales_h; its
 //     16 code bytes q[16 s..16 s + 15] hold value j low and j + 16 high, as IQ4_NL's block.
+//   IQ3_XXS, IQ3_S, IQ2_XXS, IQ1_S: held in IQ4_XS's layout, 136 bytes per 256 values, with their
+//     own sixteen levels (q_levels) and level scale f (q_level_scale): value = d * (ls - 32) * f *
+//     levels[q]. GGUF stores them as indices into lattice grids (98, 110, 66 and 50 bytes per 256
+//     values) that no kernel here reads; the loader rewrites each block into this form
+//     (server/models/gguf_transcode.py), exactly: a sub-block's values are its scale rule's odd
+//     multiplier 2 l + 1 (stored as ls = 2 l + 33) times a power of two (IQ3_XXS 1/4, IQ2_XXS and
+//     IQ1_S 1/8 -- IQ1_S's levels are eight times grid + delta -- IQ3_S 1) times one of at most
+//     sixteen signed grid values, and d is the block's own fp16 d.
 //   MXFP4: 32 values in 17 bytes {u8 E8M0 exponent e, 16 bytes q} (gpt-oss's experts, GGML type
 //     MXFP4): value = E2M1(q) * 2^(e - 127) = kMxfp4Values[q] * 2^(e - 128), byte j holding value j
 //     low and j + 16 high as in Q4_0. The kernels read each code as kMxfp4Values[q] + 12 (unsigned
 //     0..24, a byte shuffle of the nibble) with the block's offset -12 * 2^(e - 128), so the same
 //     unsigned x signed dot products and offset FMAs as Q4_0 compute it exactly. (e = 255, the
 //     spec's NaN, is read as 2^127, as llama.cpp does.)
-// (Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q5_K, Q6_K and MXFP4 share this interface and its op, pagewire::linear_q4, with the 4-bit types.)
+// (Q5_0, Q5_1, IQ4_NL, IQ4_XS and the types held in its layout, Q2_K, Q3_K, Q5_K, Q6_K and MXFP4 share this interface and its op, pagewire::linear_q4, with the 4-bit types.)
 // Every kernel works on activations quantised per row to Q8 blocks of 32 (quant_kernel.h), so a
 // 4-bit weight block times an activation block is one integer dot product of 32 pairs plus the
 // block's offset term (q's offset or min) times the activation block's sum.
@@ -51,7 +59,8 @@
 namespace pagewire::cpu {
 
 enum class Q4Type : int { kQ4_0 = 0, kQ4_1 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4, kMXFP4 = 5, kQ5_0 = 6, kQ5_1 = 7,
-                          kIQ4_NL = 8, kIQ4_XS = 9, kQ2_K = 10, kQ3_K = 11 };
+                          kIQ4_NL = 8, kIQ4_XS = 9, kQ2_K = 10, kQ3_K = 11, kIQ3_XXS = 12, kIQ3_S = 13,
+                          kIQ2_XXS = 14, kIQ1_S = 15 };
 
 constexpr int kQ4_0BlockBytes = 18;   // per 32 values
 constexpr int kQ4_1BlockBytes = 20;   // per 32 values
@@ -69,6 +78,12 @@ constexpr int kQ3_KBlockBytes = 110;  // per 256 values
 
 // IQ4_NL's sixteen levels (GGML's kvalues_iq4nl), int8.
 constexpr int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// The levels of the types held in IQ4_XS's layout (see above), by code; codes no level uses are 0.
+constexpr int8_t kIq3xxsValues[16] = {-62, -52, -44, -36, -28, -20, -12, -4, 4, 12, 20, 28, 36, 44, 52, 62};
+constexpr int8_t kIq3sValues[16] = {-15, -13, -11, -9, -7, -5, -3, -1, 1, 3, 5, 7, 9, 11, 13, 15};
+constexpr int8_t kIq2xxsValues[16] = {-43, -25, -8, 8, 25, 43, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+constexpr int8_t kIq1sValues[16] = {-9, -7, -1, 1, 7, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 
 // Twice the E2M1 values (OCP MX table 4), integers; the kernels add kMxfp4Offset to make them unsigned.
 constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
@@ -88,8 +103,27 @@ inline bool q_is_k(Q4Type t) {
   return t == Q4Type::kQ4_K || t == Q4Type::kQ5_K || t == Q4Type::kQ6_K || t == Q4Type::kQ2_K ||
          t == Q4Type::kQ3_K;
 }
-// Values per block and bytes per block of a type (IQ4_XS: 256-value super-blocks too).
-inline int q4_block_values(Q4Type t) { return q_is_k(t) || t == Q4Type::kIQ4_XS ? kQ4_KBlock : 32; }
+// Whether t is held in IQ4_XS's layout (IQ4_XS itself and the grid types rewritten into it).
+inline bool q_is_xs(Q4Type t) {
+  return t == Q4Type::kIQ4_XS || t == Q4Type::kIQ3_XXS || t == Q4Type::kIQ3_S || t == Q4Type::kIQ2_XXS ||
+         t == Q4Type::kIQ1_S;
+}
+// The sixteen signed levels of an IQ4_NL- or IQ4_XS-layout type's codes.
+inline const int8_t* q_levels(Q4Type t) {
+  switch (t) {
+    case Q4Type::kIQ3_XXS: return kIq3xxsValues;
+    case Q4Type::kIQ3_S: return kIq3sValues;
+    case Q4Type::kIQ2_XXS: return kIq2xxsValues;
+    case Q4Type::kIQ1_S: return kIq1sValues;
+    default: return kIq4nlValues;
+  }
+}
+// The power of two an IQ4_XS-layout type's d * (ls - 32) is multiplied by (exact in fp32).
+inline float q_level_scale(Q4Type t) {
+  return t == Q4Type::kIQ3_XXS ? 0.25f : t == Q4Type::kIQ2_XXS || t == Q4Type::kIQ1_S ? 0.125f : 1.f;
+}
+// Values per block and bytes per block of a type (the IQ4_XS layout: 256-value super-blocks too).
+inline int q4_block_values(Q4Type t) { return q_is_k(t) || q_is_xs(t) ? kQ4_KBlock : 32; }
 inline int q4_block_bytes(Q4Type t) {
   switch (t) {
     case Q4Type::kQ4_0: return kQ4_0BlockBytes;
@@ -101,7 +135,11 @@ inline int q4_block_bytes(Q4Type t) {
     case Q4Type::kQ5_0: return kQ5_0BlockBytes;
     case Q4Type::kQ5_1: return kQ5_1BlockBytes;
     case Q4Type::kIQ4_NL: return kIq4nlBlockBytes;
-    case Q4Type::kIQ4_XS: return kIq4xsBlockBytes;
+    case Q4Type::kIQ4_XS:
+    case Q4Type::kIQ3_XXS:
+    case Q4Type::kIQ3_S:
+    case Q4Type::kIQ2_XXS:
+    case Q4Type::kIQ1_S: return kIq4xsBlockBytes;
     case Q4Type::kQ2_K: return kQ2_KBlockBytes;
     case Q4Type::kQ3_K: return kQ3_KBlockBytes;
   }
@@ -126,12 +164,17 @@ inline const char* q4_type_name(Q4Type t) {
     case Q4Type::kIQ4_XS: return "iq4_xs";
     case Q4Type::kQ2_K: return "q2_k";
     case Q4Type::kQ3_K: return "q3_k";
+    case Q4Type::kIQ3_XXS: return "iq3_xxs";
+    case Q4Type::kIQ3_S: return "iq3_s";
+    case Q4Type::kIQ2_XXS: return "iq2_xxs";
+    case Q4Type::kIQ1_S: return "iq1_s";
   }
   return "";
 }
 constexpr Q4Type kQ4Types[] = {Q4Type::kQ4_0, Q4Type::kQ4_1, Q4Type::kQ4_K, Q4Type::kQ5_K, Q4Type::kQ6_K,
                                Q4Type::kMXFP4, Q4Type::kQ5_0, Q4Type::kQ5_1, Q4Type::kIQ4_NL, Q4Type::kIQ4_XS,
-                               Q4Type::kQ2_K, Q4Type::kQ3_K};
+                               Q4Type::kQ2_K, Q4Type::kQ3_K, Q4Type::kIQ3_XXS, Q4Type::kIQ3_S, Q4Type::kIQ2_XXS,
+                               Q4Type::kIQ1_S};
 
 // IQ4_XS's 6-bit scale of sub-block s (0..7) of one super-block, less 32: [-32, 31].
 inline int iq4_xs_scale(const uint8_t* blk, int s) {
@@ -193,6 +236,7 @@ void dequantize_q4_row(Q4Type t, const uint8_t* w, float* out, int64_t K);
 // fp16 d (16 bytes), their scales_l words (32 bytes, row r's at 16 + 4r), their scales_h (16 bytes,
 // row r's at 48 + 2r), then per sub-block s (at 64 + 128 s) IQ4_NL's four x8 chunks of its codes
 // (chunk c: bytes 4c..4c+3 of each row's sub-block s, row r at 4r).
+// IQ3_XXS, IQ3_S, IQ2_XXS and IQ1_S (held in IQ4_XS's bytes) have IQ4_XS's x8 layout too.
 // Q2_K's x8 layout (x8k_q2_body.h), per super-block of the eight rows (8 * 84 bytes): their fp16 d
 // (16 bytes), their fp16 dmin (16 bytes), their 16 scale bytes as four 32-byte vectors (bytes
 // 4v..4v+3 of row r at 32 + 32v + 4r), then 16 chunks of codes (chunk c: qs bytes 4c..4c+3 of each

@@ -378,15 +378,17 @@ void run_q5nl(const Q8SumActivations& x, const float* xc, const uint8_t* w, cons
   }
 }
 
-// IQ4_XS (x8_q5nl_body.h group_xs): as run_q5nl, a super-block of eight rows at a time.
-void run_iq4xs(const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t N) {
+// IQ4_XS and the grid types held in its layout, type t (x8_q5nl_body.h group_xs): as run_q5nl, a
+// super-block of eight rows at a time.
+void run_iq4xs(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
+               int64_t N) {
   const int64_t group_bytes = kQ4Interleave * (x.K / kQ4_KBlock) * kIq4xsBlockBytes;
   const int32_t* xo = nullptr;
 #if PAGEWIRE_X8_VNNI
   xo = block_offsets(x.q, x.M, x.K);
 #endif
   const auto tile = [&](auto mb, auto ng, int64_t m, const uint8_t* wg, const float* bg, float* og) {
-    q5nl::group_xs<decltype(mb)::value, decltype(ng)::value>(x, xo, m, wg, group_bytes, bg, og, ldo);
+    q5nl::group_xs<decltype(mb)::value, decltype(ng)::value>(t, x, xo, m, wg, group_bytes, bg, og, ldo);
   };
   if (q5nl::kMaxGroups == 2 && x.M >= pair_min_rows() && N / kGroupRows >= 2 * team_threads()) {
     for_each_group<q5nl::kMaxGroups>(x.M, x.K, N, group_bytes, w, bias, out, tile);

@@ -132,6 +132,10 @@ void x8_block(Q4Type t, uint8_t* rows, int64_t row_bytes, uint8_t* g, bool to_x8
         q3_k_codes_x8(blk, g + 112 + 4 * r, to_x8);                             // hmask and qs, repacked
         break;
       case Q4Type::kIQ4_XS:
+      case Q4Type::kIQ3_XXS:  // (the grid types, held in IQ4_XS's bytes)
+      case Q4Type::kIQ3_S:
+      case Q4Type::kIQ2_XXS:
+      case Q4Type::kIQ1_S:
         move(2 * r, 0, 2);       // d
         move(48 + 2 * r, 2, 2);  // scales_h
         move(16 + 4 * r, 4, 4);  // scales_l
@@ -146,7 +150,7 @@ void x8_block(Q4Type t, uint8_t* rows, int64_t row_bytes, uint8_t* g, bool to_x8
 }
 
 // Whether t's x8 layout is by 256-value super-block (x8_block) rather than by 32-value block.
-inline bool by_superblock(Q4Type t) { return q_is_k(t) || t == Q4Type::kIQ4_XS; }
+inline bool by_superblock(Q4Type t) { return q_is_k(t) || q_is_xs(t); }
 
 }  // namespace
 

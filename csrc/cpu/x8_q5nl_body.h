@@ -1,4 +1,5 @@
-// The x8 group kernels of Q5_0, Q5_1 and IQ4_NL (group) and of IQ4_XS (group_xs; layouts in quant4_kernel.h), part of x8_body.h and
+// The x8 group kernels of Q5_0, Q5_1 and IQ4_NL (group) and of IQ4_XS and the grid types held in its
+// layout (group_xs; layouts in quant4_kernel.h), part of x8_body.h and
 // compiled with it twice: the AVX2 build (PAGEWIRE_X8_VNNI 0, maddubs) and the AVX-512 VNNI one
 // (256-bit vpdpbusd). Included inside x8_body.h's anonymous namespace, after its helpers.
 //
@@ -193,23 +194,24 @@ inline __m256i bits_to_4(__m256i v, int b) {
 #endif
 }
 
-// Activation rows [m0, m0 + MB) times NG consecutive groups of eight IQ4_XS weight rows -> out[m][0..8 NG).
-// xo: block_offsets (VNNI build, x8_body.h).
+// Activation rows [m0, m0 + MB) times NG consecutive groups of eight IQ4_XS-layout weight rows ->
+// out[m][0..8 NG), of type t (IQ4_XS or a grid type held in its layout: the type's sixteen levels
+// and its power-of-two level scale f, which multiplies each super-block's eight d -- exactly -- and
+// so every product after). xo: block_offsets (VNNI build, x8_body.h).
 template <int MB, int NG>
-__attribute__((noinline)) void group_xs(const Q8SumActivations& x, [[maybe_unused]] const int32_t* xo, int64_t m0,
-                                        const uint8_t* w, int64_t group_bytes, const float* bias, float* out,
-                                        int64_t ldo) {
+__attribute__((noinline)) void group_xs(Q4Type t, const Q8SumActivations& x, [[maybe_unused]] const int32_t* xo,
+                                        int64_t m0, const uint8_t* w, int64_t group_bytes, const float* bias,
+                                        float* out, int64_t ldo) {
   const int64_t nb = x.K / 32, nsb = x.K / kQ4_KBlock;
   const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m128i levels = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q_levels(t)));
+  const __m256 f = _mm256_set1_ps(q_level_scale(t));
 #if PAGEWIRE_X8_VNNI
-  const __m256i lut = _mm256_broadcastsi128_si256(
-      _mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, static_cast<char>(129), static_cast<char>(141),
-                    static_cast<char>(153), static_cast<char>(166), static_cast<char>(181), static_cast<char>(197),
-                    static_cast<char>(217), static_cast<char>(241)));
+  // level + 128 (unsigned), by code
+  const __m256i lut = _mm256_broadcastsi128_si256(_mm_xor_si128(levels, _mm_set1_epi8(static_cast<char>(0x80))));
   const __m256i low4 = _mm256_set1_epi32(0x0F), top2 = _mm256_set1_epi32(0x30), bias32 = _mm256_set1_epi32(32);
 #else
-  const __m256i lut =
-      _mm256_broadcastsi128_si256(_mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
+  const __m256i lut = _mm256_broadcastsi128_si256(levels);
   const __m256i low4 = _mm256_set1_epi16(0x0F), top2 = _mm256_set1_epi16(0x30), bias32 = _mm256_set1_epi16(32);
   const __m256i ctl_lo = dup16(0, 4), ctl_hi = dup16(2, 4), ctl_h = dup16(0, 2);
 #endif
@@ -235,7 +237,7 @@ __attribute__((noinline)) void group_xs(const Q8SumActivations& x, [[maybe_unuse
     __m256i lw[NG][2], hw[NG];  // the scales' sources: low nibbles (sub-blocks 0-3 / 4-7), top bits
     for (int j = 0; j < NG; ++j) {
       const uint8_t* wj = w + j * group_bytes;
-      d[j] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wj)));
+      d[j] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wj))), f);
       const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj + 16));
 #if PAGEWIRE_X8_VNNI
       lw[j][0] = lw[j][1] = l;

@@ -14,11 +14,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from server.engine.config import ConfigError, EngineConfig
 from server.engine.kv_budget import DTYPE_BYTES, KVLayout, kv_layout
 from server.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from server.models.gguf_file import GGUFTensor
 
 # Q8_0 (--quantization int8): 32 int8 values and one fp16 scale per block.
 Q8_0_BYTES_PER_VALUE = 34 / 32
@@ -131,6 +134,14 @@ def _layer_sizes(mc: ModelConfig, i: int) -> tuple[int, int]:
     return matrices, small
 
 
+def _held_bytes(t: GGUFTensor) -> int:
+    """A kept GGUF tensor's bytes in memory: the file's, or a rewritten type's (gguf_transcode)."""
+    from server.models.gguf_transcode import TRANSCODED, held_nbytes
+
+    nbytes = int(t.data.nbytes)
+    return held_nbytes(t.type_name, nbytes) if t.type_name in TRANSCODED else nbytes
+
+
 def _gguf_matrix_bytes(path: str, mc: ModelConfig,
                        e: int) -> tuple[float, Optional[float], Optional[int], Optional[int]]:
     """(decoder matrices, lm_head, embedding table, Gemma 4's per-layer table) bytes under
@@ -142,7 +153,7 @@ def _gguf_matrix_bytes(path: str, mc: ModelConfig,
 
     f = GGUFFile.open(path)
     kept = plan_kept_matrices(f, mc, mc.tie_word_embeddings)
-    kept_bytes = {(m.layer, m.name): sum(int(f.tensors[p].data.nbytes) for p in m.parts) for m in kept}
+    kept_bytes = {(m.layer, m.name): sum(_held_bytes(f.tensors[p]) for p in m.parts) for m in kept}
     H = mc.hidden_size
     layers = 0
     for i in range(mc.num_layers):
@@ -179,7 +190,7 @@ def _expert_bytes(mc: ModelConfig, e: int, quantization: str, model_path: Option
         from server.models.gguf_file import GGUFFile
 
         f = GGUFFile.open(model_path)
-        kept = {(m.layer, m.name): sum(int(f.tensors[p].data.nbytes) for p in m.parts)
+        kept = {(m.layer, m.name): sum(_held_bytes(f.tensors[p]) for p in m.parts)
                 for m in plan_kept_matrices(f, mc, mc.tie_word_embeddings)}
         per_value = e  # what is not kept is dequantised
     inactive_params = 0

@@ -23,6 +23,12 @@ class Qtype(StrEnum):
     IQ4_XS = "iq4_xs"
     Q2_K = "q2_k"
     Q3_K = "q3_k"
+    # llama.cpp's lattice types, held in IQ4_XS's layout with their own levels (rewritten at load:
+    # server.models.gguf_transcode; csrc/cpu/quant4_kernel.h).
+    IQ3_XXS = "iq3_xxs"
+    IQ3_S = "iq3_s"
+    IQ2_XXS = "iq2_xxs"
+    IQ1_S = "iq1_s"
     # Not quantised: a bf16 matrix moved into the interleaved x8 layout (QuantizedWeight.from_bf16),
     # which the AVX2 bf16 kernel streams fastest; "blocks" of 16 values, 32 bytes.
     BF16 = "bf16"
@@ -59,4 +65,12 @@ class LinearKind(StrEnum):
     Q2_KX8 = "q2_kx8"
     Q3_K = "q3_k"
     Q3_KX8 = "q3_kx8"
+    IQ3_XXS = "iq3_xxs"
+    IQ3_XXSX8 = "iq3_xxsx8"
+    IQ3_S = "iq3_s"
+    IQ3_SX8 = "iq3_sx8"
+    IQ2_XXS = "iq2_xxs"
+    IQ2_XXSX8 = "iq2_xxsx8"
+    IQ1_S = "iq1_s"
+    IQ1_SX8 = "iq1_sx8"
     BF16X8 = "bf16x8"  # pagewire::linear_bf16x8

@@ -1,8 +1,8 @@
 """Quantised linear weights kept quantised in memory: the QuantizedWeight container and its formats.
 
-Every format is GGUF's block layout, byte for byte, so a tensor read from a GGUF file (ggml shape
-[K, N], i.e. N rows of K values, each row a run of blocks) is wrapped without conversion by
-`from_gguf_bytes`; the container holds the blocks as a uint8 tensor [N, K / block * block_bytes].
+Every format but the four lattice types below is GGUF's block layout, byte for byte, so a tensor read
+from a GGUF file (ggml shape [K, N], i.e. N rows of K values, each row a run of blocks) is wrapped
+without conversion by `from_gguf_bytes`; the container holds the blocks as a uint8 tensor [N, K / block * block_bytes].
 
     qtype  values/block  bytes/block  value
     q8_0   32            34           d * q            (fp16 d, 32 int8 q)
@@ -18,6 +18,10 @@ Every format is GGUF's block layout, byte for byte, so a tensor read from a GGUF
     q2_k   256           84           d*sc*q - dmin*mn (2-bit q, 4-bit sc/mn per 16 values, fp16 d, dmin)
     iq4_xs 256           136          d*(ls-32)*kvalues[q] (fp16 d, 8 x 6-bit ls, 256 4-bit q as iq4_nl's)
     q3_k   256           110          d*(sc-32)*(q-4)  (3-bit q: q2_k's 2 bits + a bit plane, 6-bit sc per 16 values, fp16 d)
+    iq3_xxs, iq3_s, iq2_xxs, iq1_s
+           256           136          d*(ls-32)*f*levels[q] (iq4_xs's bytes with the type's own 16 levels and
+                                      power-of-two f: GGUF's lattice types, rewritten exactly at load by
+                                      server.models.gguf_transcode, which also turns TQ1_0 / TQ2_0 into q2_k)
     bf16   16            32           the bf16 value itself (from_bf16: a float matrix moved, x8 only)
 
 Float weights are quantised at load with `quantize` (q8_0 and q4_0, GGUF's rounding, in C++).
@@ -78,6 +82,12 @@ QTYPES: dict[Qtype, BlockFormat] = {
     # Q3_K: 3-bit codes (Q2_K's two-bit planes plus a plane of high bits) under a 6-bit scale per 16
     # values and an fp16 d per 256.
     Qtype.Q3_K: BlockFormat(256, 110),
+    # IQ3_XXS / IQ3_S / IQ2_XXS / IQ1_S: IQ4_XS's 136 bytes per 256 values with the type's own levels
+    # (csrc/cpu/quant4_kernel.h), rewritten from GGUF's lattice blocks at load (server.models.gguf_transcode).
+    Qtype.IQ3_XXS: BlockFormat(256, 136),
+    Qtype.IQ3_S: BlockFormat(256, 136),
+    Qtype.IQ2_XXS: BlockFormat(256, 136),
+    Qtype.IQ1_S: BlockFormat(256, 136),
     # bf16 in the x8 layout only (from_bf16): the same bytes as the bf16 matrix, moved.
     Qtype.BF16: BlockFormat(16, 32),
 }
@@ -85,9 +95,10 @@ QTYPES: dict[Qtype, BlockFormat] = {
 # The formats with an interleaved layout (QuantizedWeight.for_kernels).
 INTERLEAVABLE: tuple[Qtype, ...] = (Qtype.Q8_0, Qtype.Q4_0, Qtype.Q4_1, Qtype.Q4_K, Qtype.Q5_K, Qtype.Q6_K, Qtype.Q5_0,
                                     Qtype.Q5_1, Qtype.IQ4_NL, Qtype.IQ4_XS, Qtype.Q2_K,
-                                    Qtype.Q3_K, Qtype.BF16)
+                                    Qtype.Q3_K, Qtype.IQ3_XXS, Qtype.IQ3_S, Qtype.IQ2_XXS, Qtype.IQ1_S, Qtype.BF16)
 
-# GGUF tensor type names (gguf.GGMLQuantizationType) -> the qtype that keeps them as they are.
+# GGUF tensor type names (gguf.GGMLQuantizationType) -> the qtype that keeps them as they are (the
+# types rewritten into another qtype's blocks at load: server.models.gguf_transcode.TRANSCODED).
 GGUF_QTYPES: dict[str, Qtype] = {"Q8_0": Qtype.Q8_0, "Q4_0": Qtype.Q4_0, "Q4_1": Qtype.Q4_1, "Q4_K": Qtype.Q4_K,
                                   "Q5_K": Qtype.Q5_K, "Q6_K": Qtype.Q6_K, "MXFP4": Qtype.MXFP4, "Q5_0": Qtype.Q5_0,
                                   "Q5_1": Qtype.Q5_1, "IQ4_NL": Qtype.IQ4_NL, "IQ4_XS": Qtype.IQ4_XS,

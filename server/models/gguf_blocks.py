@@ -3,7 +3,8 @@
 It owns deciding which of a model's matrices can stay in the file's own block format -- every
 GGUF tensor that feeds the matrix has a type pagewire has a kernel for (Q8_0, Q4_0, Q4_1, Q5_0,
 Q5_1, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and MXFP4 for experts only; see
-server.kernels.quant.GGUF_QTYPES) -- and building
+server.kernels.quant.GGUF_QTYPES; and IQ3_XXS, IQ3_S, IQ2_XXS, IQ1_S, TQ1_0 and TQ2_0, whose blocks
+are rewritten exactly into a kernel's format as they are copied: server.models.gguf_transcode) -- and building
 those QuantizedWeights from the tensors' raw block bytes: fused matrices (qkv, gate_up) are the
 parts' rows one after another, and llama.cpp's Q/K row permutation is undone on whole rows of
 blocks, so no value is ever dequantised. A fused 2-D matrix whose parts differ in type (llama.cpp's
@@ -28,9 +29,11 @@ from server.kernels.quant_embedding import EMBEDDABLE
 from server.kernels.quant_parts import QuantizedParts
 from server.models.config import ModelConfig
 from server.models.gguf_file import GGUFFile, GGUFTensor
+from server.models.gguf_transcode import TRANSCODED, transcode
 from server.models.qwen3_next_gguf import QWEN3_NEXT_GGUF, qwen3_next_keepable, qwen3_next_kept_groups
 
-__all__ = ["KeptMatrix", "plan_kept_matrices", "build_quantized", "unpermute_qk", "EMBEDDING", "PER_LAYER_EMBEDDING", "TABLES"]
+__all__ = ["KeptMatrix", "plan_kept_matrices", "build_quantized", "held_qtype", "unpermute_qk", "EMBEDDING",
+           "PER_LAYER_EMBEDDING", "TABLES"]
 
 # Each decoder matrix of DecoderLayer and the GGUF tensors that make it, rows in this order.
 _LAYER_MATRICES = {
@@ -112,7 +115,7 @@ def plan_kept_matrices(f: GGUFFile, config: ModelConfig, tied: bool) -> list[Kep
         tensors = [f.tensors.get(p) for p in parts]
         if any(t is None for t in tensors):
             continue  # missing: the loader reports it
-        qtypes = [GGUF_QTYPES.get(t.type_name) for t in tensors if t is not None]
+        qtypes = [held_qtype(t.type_name) for t in tensors if t is not None]
         mixed = len(set(qtypes)) != 1
         if mixed and name not in _MIXABLE:
             continue  # stacked experts (one format per QuantizedExperts), lm_head: dequantised
@@ -167,10 +170,18 @@ def _part_rows(f: GGUFFile, part: str, permute_heads: dict[str, int]) -> torch.T
     return unpermute_qk(raw, heads) if heads else raw
 
 
+def held_qtype(type_name: str) -> Qtype | None:
+    """The qtype a GGUF tensor type is kept as (its own blocks, or TRANSCODED's rewrite); None: no kernel."""
+    return GGUF_QTYPES.get(type_name) or TRANSCODED.get(type_name)
+
+
 def _kept_bytes(t: GGUFTensor) -> np.ndarray:
     """A copy of `t`'s blocks, [rows..., bytes per row] uint8: the mapped file is read-only and the
-    model must not depend on it staying open."""
-    return np.array(np.asarray(t.data, dtype=np.uint8).reshape(*t.shape[:-1], -1))
+    model must not depend on it staying open. A TRANSCODED type's blocks are rewritten (the copy)."""
+    raw = np.asarray(t.data, dtype=np.uint8).reshape(*t.shape[:-1], -1)
+    if t.type_name in TRANSCODED:
+        return transcode(t.type_name, raw)
+    return np.array(raw)
 
 
 def _build_parts(f: GGUFFile, m: KeptMatrix, permute_heads: dict[str, int],

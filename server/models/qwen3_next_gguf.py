@@ -241,9 +241,14 @@ def qwen3_next_reorder_blocks(f: GGUFFile, config: ModelConfig, name: str, parts
     row order (in_proj, a gated attention's qkv) or block-column order (out_proj)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+    from server.kernels.quant import QTYPES
+    from server.models.gguf_transcode import TRANSCODED
+
     first = f.tensors[parts[0]]
     if name == "gdn.out_proj":
         block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[first.type_name]]
+        if first.type_name in TRANSCODED:  # its blocks were rewritten (gguf_transcode): their size now
+            nbytes = QTYPES[TRANSCODED[first.type_name]].nbytes
         order = qwen3_next_block_columns(config, parts[0].split(".", 2)[2], int(first.shape[1]), block)
         if order is None:  # the file's column order stays; the layer gathers its input to match (qwen3_next_out_columns)
             return data

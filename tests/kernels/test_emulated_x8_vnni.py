@@ -1,7 +1,8 @@
 """The x8 interleaved kernels' AVX-512 VNNI build (csrc/cpu/linear_x8_vnni.cpp, x8_body.h with
 256-bit vpdpbusd) against their AVX2 build (linear_x8_avx2.cpp, maddubs + madd): both add the same
 integer products exactly, so every output must be the same float, bit for bit, for Q8_0, Q4_0,
-Q4_1, Q5_0, Q5_1, IQ4_NL and IQ4_XS (x8_q5nl_body.h), and for Q2_K / Q3_K / Q4_K / Q5_K / Q6_K (x8k_body.h:
+Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS and the lattice types held in its layout (x8_q5nl_body.h), and for
+Q2_K / Q3_K / Q4_K / Q5_K / Q6_K (x8k_body.h:
 linear_x8k_avx2.cpp against linear_x8k_vnni.cpp).
 
 Checked here on any CPU through the emulated build of both files (tests/kernels/emu_build.py),
@@ -34,7 +35,8 @@ F32 = ctypes.POINTER(ctypes.c_float)
 I8 = ctypes.POINTER(ctypes.c_int8)
 U8 = ctypes.POINTER(ctypes.c_uint8)
 QTYPE_ID = {"q8_0": -1, "q4_0": 0, "q4_1": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4, "q5_0": 6, "q5_1": 7,
-            "iq4_nl": 8, "iq4_xs": 9, "q2_k": 10, "q3_k": 11}  # quant4_kernel.h's Q4Type; -1 Q8_0
+            "iq4_nl": 8, "iq4_xs": 9, "q2_k": 10, "q3_k": 11, "iq3_xxs": 12, "iq3_s": 13, "iq2_xxs": 14,
+            "iq1_s": 15}  # quant4_kernel.h's Q4Type; -1 Q8_0
 ROWS = [1, 2, 3, 4, 5, 7, 9, 13, 16]  # 13: Q6_K's VNNI build runs 8, 4 and 1 rows (x8k_body.h kQ6KRows)
 SHAPES = [(64, 256), (40, 512), (40, 1024)]  # N: an even and an odd number of groups (pairs of groups and a lone one);
 # K = 1024: the 4-bit pairs' eight-row tiles where the host is AMD (x8_body.h eight_row_tiles)
@@ -43,7 +45,8 @@ SHAPES = [(64, 256), (40, 512), (40, 1024)]  # N: an even and an odd number of g
 def weight(qtype: str, n: int, k: int, seed: int, extreme: bool = False) -> QuantizedWeight:
     """Row-layout blocks; `extreme`: every code at its largest magnitude (Q8_0 -127 and 127, 4-bit 0 and 15,
     Q5 31 everywhere, IQ4_NL's -127 level everywhere, IQ4_XS's too under its -32 sub-scale, Q2_K's 3
-    under scales and mins of 15, Q3_K's -4 under sub-scales of -32)."""
+    under scales and mins of 15, Q3_K's -4 under sub-scales of -32, the lattice types' most negative
+    level under their largest multiplier)."""
     if qtype == "q8_0":
         w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
         if extreme:
@@ -71,6 +74,11 @@ def weight(qtype: str, n: int, k: int, seed: int, extreme: bool = False) -> Quan
     if extreme and qtype == "iq4_xs":  # scales_h, scales_l and codes all 0: sub-scales -32, levels -127
         data = qw.data.clone().reshape(n, -1, 136)
         data[:, :, 2:] = 0
+        qw = QuantizedWeight(qw.qtype, data.reshape(n, -1), qw.shape)
+    if extreme and qtype in ("iq3_xxs", "iq3_s", "iq2_xxs", "iq1_s"):  # (IQ4_XS's layout) the largest
+        data = qw.data.clone().reshape(n, -1, 136)  # multiplier, 31 (ls 63), over code 0, the type's
+        data[:, :, 2:8] = 0xFF  # most negative level
+        data[:, :, 8:] = 0
         qw = QuantizedWeight(qw.qtype, data.reshape(n, -1), qw.shape)
     return qw
 

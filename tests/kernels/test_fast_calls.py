@@ -67,9 +67,9 @@ def test_q8_0_and_bf16x8_linears_equal_the_ops(interleaved: bool) -> None:
 
 @pytest.mark.parametrize("qtype,interleaved", [
     *[(q, False) for q in ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "mxfp4", "q5_0", "q5_1", "iq4_nl",
-                           "iq4_xs", "q2_k", "q3_k")],
+                           "iq4_xs", "q2_k", "q3_k", "iq3_xxs")],
     *[(q, True) for q in ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "iq4_nl",
-                          "iq4_xs", "q2_k", "q3_k")],  # x8 layouts
+                          "iq4_xs", "q2_k", "q3_k", "iq2_xxs")],  # x8 layouts
 ])
 def test_kernel_at_every_row_count_is_its_blocks_of_sixteen(cpu_isa: str, qtype: str, interleaved: bool) -> None:
     """linear_rows (the autotune's "kernel" above 16 rows, batch-invariant mode, prefill chunks)
@@ -109,7 +109,7 @@ def test_errors_are_the_ops_errors() -> None:
         with pytest.raises(IndexError, match="out of range for an embedding table of 16 rows"):
             call(torch.tensor([16]), w.data, "q4_0", torch.bfloat16)
         with pytest.raises(RuntimeError, match="qtype must be 'q8_0', 'q4_0'"):
-            call(torch.tensor([0]), w.data, "iq3_s", torch.bfloat16)
+            call(torch.tensor([0]), w.data, "iq2_xs", torch.bfloat16)
     for call in (fast.add_rms_norm, P.add_rms_norm):
         with pytest.raises(RuntimeError, match="delta shape"):
             call(torch.zeros(2, 8), torch.zeros(3, 8), torch.ones(8), 1e-6)

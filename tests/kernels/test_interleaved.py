@@ -1,4 +1,5 @@
-"""Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q2_K and Q3_K in the interleaved x8 layouts (csrc/cpu/quant_kernel.h,
+"""Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS (and the lattice types held in its layout), Q2_K and Q3_K
+in the interleaved x8 layouts (csrc/cpu/quant_kernel.h,
 quant4_kernel.h), which the model loaders choose on x86 CPUs from AVX2 up (QuantizedWeight.for_kernels): the layout is exactly
 the documented byte permutation, dequantises to what the `gguf` package reads from the original
 rows, and the linear ops on it match a float64 reference on every kernel family this CPU has (the
@@ -21,7 +22,7 @@ X8_TYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]
 LAYOUT = {"q8_0": (34, 16, 2, 8), "q4_0": (18, 16, 2, 4), "q4_1": (20, 32, 4, 4), "q5_0": (22, 48, 6, 4),
           "q5_1": (24, 64, 8, 4), "iq4_nl": (18, 16, 2, 4)}
 # The x8 types of 32-value blocks (LAYOUT), IQ4_XS, Q2_K and Q3_K (256-value super-blocks: K a multiple of 256).
-SUPER_TYPES = ["iq4_xs", "q2_k", "q3_k"]
+SUPER_TYPES = ["iq4_xs", "q2_k", "q3_k", "iq3_xxs", "iq3_s", "iq2_xxs", "iq1_s"]
 X8_ALL = [*X8_TYPES, *SUPER_TYPES]
 
 
@@ -84,7 +85,8 @@ def test_interleave_is_the_documented_permutation(qtype: str, N: int) -> None:
 # quant4_kernel.h's x8 layouts of the 256-value super-block types, as (group offset, row block
 # offset, bytes) moves of row r's block.
 def superblock_moves(qtype: str, r: int) -> list[tuple[int, int, int]]:
-    if qtype == "iq4_xs":  # d, scales_l, scales_h, then per sub-block IQ4_NL's four chunks
+    if qtype in ("iq4_xs", "iq3_xxs", "iq3_s", "iq2_xxs", "iq1_s"):
+        # d, scales_l, scales_h, then per sub-block IQ4_NL's four chunks
         return [(2 * r, 0, 2), (16 + 4 * r, 4, 4), (48 + 2 * r, 2, 2)] + [
             (64 + 128 * sb + 32 * c + 4 * r, 8 + 16 * sb + 4 * c, 4) for sb in range(8) for c in range(4)]
     if qtype == "q2_k":  # d, dmin, the scale bytes as four vectors, sixteen chunks of qs
@@ -227,7 +229,7 @@ VNNI_SHAPES = [(64, 256), (40, 512), (40, 1024)]
 @pytest.mark.skipif("avx512" not in available_isas(),
                     reason="needs a CPU with AVX-512 VNNI (test_emulated_x8_vnni.py covers it on any CPU)")
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "iq4_nl", "iq4_xs",
-                                   "q2_k", "q3_k"])
+                                   "q2_k", "q3_k", "iq3_xxs", "iq3_s", "iq2_xxs", "iq1_s"])
 @pytest.mark.parametrize("extreme", [False, True])
 def test_vnni_x8_is_the_avx2_x8_bit_for_bit_natively(monkeypatch: pytest.MonkeyPatch, qtype: str, extreme: bool) -> None:
     for n, k in VNNI_SHAPES:
@@ -288,13 +290,13 @@ def test_interleaved_arguments_are_checked() -> None:
     qk = random_q4("mxfp4", 8, 256, seed=0)
     with pytest.raises(ValueError,
                        match="interleaved: only q8_0, q4_0, q4_1, q4_k, q5_k, q6_k, q5_0, q5_1, iq4_nl, iq4_xs, q2_k, q3_k, "
-                             "bf16 "
+                             "iq3_xxs, iq3_s, iq2_xxs, iq1_s, bf16 "
                              "have an "
                              "interleaved layout, not mxfp4"):
         QuantizedWeight("mxfp4", qk.data, (8, 256), interleaved=True)
     with pytest.raises(RuntimeError, match="qtype must be a row-layout qtype with an x8 layout \\('q4_0', 'q4_1', "
-                                           "'q4_k', 'q5_k', 'q6_k', 'q5_0', 'q5_1', 'iq4_nl', 'iq4_xs', 'q2_k' "
-                                           "or 'q3_k'\\), "
+                                           "'q4_k', 'q5_k', 'q6_k', 'q5_0', 'q5_1', 'iq4_nl', 'iq4_xs', 'q2_k', "
+                                           "'q3_k', 'iq3_xxs', 'iq3_s', 'iq2_xxs' or 'iq1_s'\\), "
                                            "got 'mxfp4'"):
         torch.ops.pagewire.interleave_q4(qk.data, "mxfp4")
     with pytest.raises(ValueError, match="interleaved: mxfp4 has no interleaved layout"):

@@ -92,7 +92,7 @@ def _router(H: int, seed: int, bias: bool = False) -> tuple[torch.Tensor, torch.
 @pytest.mark.parametrize("renorm", [False, True])
 @pytest.mark.parametrize("interleave", [False, True])
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "iq4_nl",
-                                   "iq4_xs", "q2_k", "q3_k"])
+                                   "iq4_xs", "q2_k", "q3_k", "iq3_s"])
 def test_quantised_layer_matches_float64(cpu_isa: str, qtype: str, interleave: bool, renorm: bool) -> None:
     """Softmax router, top-3 of 8 with and without renormalisation, a shared expert in the same
     format; five tokens spread over the experts."""

@@ -71,7 +71,7 @@ def quantised(qtype: str, seed: int) -> tuple[QuantizedExperts, QuantizedExperts
 
 @pytest.mark.parametrize("interleave", [False, True])
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "iq4_nl",
-                                   "iq4_xs", "q2_k", "q3_k"])
+                                   "iq4_xs", "q2_k", "q3_k", "iq1_s"])
 def test_quantised_experts_match_their_dequantised_weights(cpu_isa: str, qtype: str, interleave: bool) -> None:
     gate_up, down = quantised(qtype, seed=4)
     if interleave:

@@ -3,21 +3,29 @@ dequantisation equals the `gguf` package's (an independent implementation), quan
 and pagewire::linear_q4 matches a float64 reference of the dequantised weights on every kernel family this CPU has."""
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
 import torch
 
 from server.kernels import ops
 from server.kernels.quant import QTYPES, QuantizedWeight
+from server.models.gguf_transcode import transcode
 from tests.gguf_files import random_k_blocks
 from tests.kernels.conftest import available_isas
 from tests.pairwise import pairwise
 
-Q4_TYPES = ["q4_0", "q4_1", "q4_k", "mxfp4", "q5_0", "q5_1", "iq4_nl", "iq4_xs", "q2_k",
-            "q3_k"]  # (Q5_K and Q6_K: test_kquants.py)
+# (Q5_K and Q6_K: test_kquants.py; the last four: GGUF's lattice blocks rewritten by gguf_transcode.)
+Q4_TYPES = ["q4_0", "q4_1", "q4_k", "mxfp4", "q5_0", "q5_1", "iq4_nl", "iq4_xs", "q2_k", "q3_k", "iq3_xxs", "iq3_s",
+            "iq2_xxs", "iq1_s"]
+LATTICE = {"iq3_xxs": "IQ3_XXS", "iq3_s": "IQ3_S", "iq2_xxs": "IQ2_XXS", "iq1_s": "IQ1_S"}
+# A lattice-type weight's GGUF source blocks, for the `gguf` package's reference: by id of its data
+# tensor, with a weak reference that says the id is still that tensor's.
+_SOURCES: dict[int, tuple["weakref.ref[torch.Tensor]", np.ndarray]] = {}
 GGML_NAMES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K", "q8_0": "Q8_0",
               "mxfp4": "MXFP4", "q5_0": "Q5_0", "q5_1": "Q5_1", "iq4_nl": "IQ4_NL",
-              "iq4_xs": "IQ4_XS", "q2_k": "Q2_K", "q3_k": "Q3_K"}
+              "iq4_xs": "IQ4_XS", "q2_k": "Q2_K", "q3_k": "Q3_K", **LATTICE}
 # Where a 32-value block's fp16 scales sit (d, and m for the types with a minimum).
 HALVES = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "iq4_nl": (0,)}
 # Where a 256-value super-block's fp16 scales sit (the K-quants and IQ4_XS).
@@ -29,6 +37,14 @@ def random_q4(qtype: str, n: int, k: int, seed: int, zero_rows: tuple[int, ...] 
     K-quants' sub-scales random too); the rows in `zero_rows` get all-zero scales (edge case)."""
     fmt = QTYPES[qtype]
     rng = np.random.default_rng(seed)
+    if qtype in LATTICE:  # the file's blocks, rewritten as the loader does
+        source = random_k_blocks(n, k, LATTICE[qtype], seed).reshape(n, k // 256, -1)
+        for r in zero_rows:
+            source[r, :, 0:2] = 0  # d = 0
+        source = source.reshape(n, -1)
+        qw = QuantizedWeight.from_gguf_bytes(qtype, torch.from_numpy(transcode(LATTICE[qtype], source)), n, k)
+        _SOURCES[id(qw.data)] = (weakref.ref(qw.data), source)
+        return qw
     if qtype in K_HALVES:
         data = random_k_blocks(n, k, GGML_NAMES[qtype], seed).reshape(n, -1, fmt.nbytes)
         halves = K_HALVES[qtype]
@@ -55,7 +71,12 @@ def gguf_dequantize(qw: QuantizedWeight) -> torch.Tensor:
     from gguf import GGMLQuantizationType, quants
 
     t = GGMLQuantizationType[GGML_NAMES[qw.qtype]]
-    return torch.from_numpy(np.asarray(quants.dequantize(qw.data.numpy(), t), dtype=np.float32)).reshape(qw.shape)
+    if qw.qtype in LATTICE:
+        ref, raw = _SOURCES[id(qw.data)]
+        assert ref() is qw.data, "a lattice weight's source blocks (made by random_q4)"
+    else:
+        raw = qw.data.numpy()
+    return torch.from_numpy(np.asarray(quants.dequantize(raw, t), dtype=np.float32)).reshape(qw.shape)
 
 
 @pytest.mark.parametrize("qtype", Q4_TYPES)
@@ -123,7 +144,8 @@ def test_linear_q4_matches_float64_reference(
 @pytest.mark.parametrize("qtype,K", [("q4_0", 512), ("q4_1", 512), ("q4_k", 512), ("q4_0", 352), ("q4_1", 800),
                                      ("mxfp4", 352), ("mxfp4", 512), ("q5_0", 352), ("q5_1", 800),
                                      ("iq4_nl", 512), ("iq4_xs", 512), ("iq4_xs", 768),
-                                     ("q2_k", 512), ("q2_k", 768), ("q3_k", 512), ("q3_k", 768)])
+                                     ("q2_k", 512), ("q2_k", 768), ("q3_k", 512), ("q3_k", 768),
+                                     ("iq3_xxs", 768), ("iq3_s", 512), ("iq2_xxs", 768), ("iq1_s", 512)])
 def test_kernel_families_agree(cpu_isa: str, qtype: str, K: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same integer dot products: the SIMD kernel equals the portable one up to fp32 summation
     order. K = 352 and 800 (11 and 25 blocks) leave the AVX2 kernel's eight-block steps a tail
@@ -137,7 +159,7 @@ def test_kernel_families_agree(cpu_isa: str, qtype: str, K: int, monkeypatch: py
 
 
 @pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q4_k", "q6_k", "q8_0", "q5_0", "q5_1", "iq4_nl", "iq4_xs",
-                                   "q2_k", "q3_k"])
+                                   "q2_k", "q3_k", "iq3_xxs", "iq1_s"])
 @pytest.mark.parametrize("interleave", [False, True])
 def test_bf16_rows_equal_the_fp32_kernel_rounded(cpu_isa: str, qtype: str, interleave: bool) -> None:
     """bf16 activations are widened and the fp32 results rounded inside the op (float_rows.h), not by
@@ -145,7 +167,7 @@ def test_bf16_rows_equal_the_fp32_kernel_rounded(cpu_isa: str, qtype: str, inter
     torch (round to nearest even), with and without bias, for row counts and an N (45, 16k + 13)
     that leave tails in every converter; fp16 still goes through ATen's conversion."""
     gen = torch.Generator().manual_seed(5)
-    K = 768 if qtype in ("q4_k", "q6_k", "iq4_xs", "q2_k", "q3_k") else 800
+    K = 768 if qtype in ("q4_k", "q6_k", "iq4_xs", "q2_k", "q3_k", *LATTICE) else 800
     qw = (QuantizedWeight.quantize(torch.randn(45, K, generator=gen)) if qtype == "q8_0"
           else random_q4(qtype, 45, K, seed=5))
     if interleave:
@@ -166,7 +188,7 @@ def test_bf16_rows_equal_the_fp32_kernel_rounded(cpu_isa: str, qtype: str, inter
 
 @pytest.mark.parametrize("qtype,K", [("q4_0", 352), ("q4_1", 800), ("q4_k", 768), ("q8_0", 800), ("mxfp4", 800),
                                      ("q5_0", 352), ("q5_1", 800), ("iq4_nl", 352), ("iq4_xs", 768),
-                                     ("q2_k", 768), ("q3_k", 768)])
+                                     ("q2_k", 768), ("q3_k", 768), ("iq3_s", 768), ("iq2_xxs", 768)])
 def test_rows_do_not_depend_on_the_batch(cpu_isa: str, qtype: str, K: int) -> None:
     """Deterministic mode: a row's output is bit-identical whatever the number of rows beside it
     (the kernels tile M in fours, twos and ones, and M = 1 takes its own weight-row tiling)."""
@@ -217,8 +239,9 @@ def test_bad_arguments_name_the_argument() -> None:
     with pytest.raises(RuntimeError, match="weight must be \\[N, 36\\] q4_0 bytes"):
         torch.ops.pagewire.linear_q4(torch.randn(2, 64), q0.data[:, :30], "q4_0", None)
     with pytest.raises(RuntimeError, match="qtype must be 'q4_0', 'q4_1', 'q4_k', 'q5_k', 'q6_k', 'mxfp4', 'q5_0', "
-                                           "'q5_1', 'iq4_nl', 'iq4_xs', 'q2_k', 'q3_k', 'q4_0x8', .*'q3_kx8', got 'iq3_s'"):
-        torch.ops.pagewire.linear_q4(torch.randn(2, 64), q0.data, "iq3_s", None)
+                                           "'q5_1', 'iq4_nl', 'iq4_xs', 'q2_k', 'q3_k', 'iq3_xxs', 'iq3_s', 'iq2_xxs', "
+                                           "'iq1_s', 'q4_0x8', .*'iq1_sx8', got 'iq2_xs'"):
+        torch.ops.pagewire.linear_q4(torch.randn(2, 64), q0.data, "iq2_xs", None)
     with pytest.raises(RuntimeError, match="got 'mxfp4x8'"):  # MXFP4 has no x8 layout
         torch.ops.pagewire.linear_q4(torch.randn(2, 64), q0.data, "mxfp4x8", None)
     with pytest.raises(RuntimeError, match="bias must be"):

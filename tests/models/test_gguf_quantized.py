@@ -1,5 +1,6 @@
-"""--quantization gguf (a GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL/IQ4_XS/Q2_K/Q4_K/Q5_K/Q6_K/Q8_0 matrices kept in
-blocks) and int4 (Q4_0 at load): the model holds QuantizedWeights, and its logits track the same file loaded
+"""--quantization gguf (a GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL/IQ4_XS/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/Q8_0 matrices kept in
+blocks, its IQ3_XXS/IQ3_S/IQ2_XXS/IQ1_S/TQ1_0/TQ2_0 ones rewritten exactly into blocks a kernel reads)
+and int4 (Q4_0 at load): the model holds QuantizedWeights, and its logits track the same file loaded
 dequantised (prefill exactly, up to GEMM order; decode within the 8-bit activation rounding)."""
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from server.engine.config import ConfigError, EngineConfig
 from server.kernels import linear_route
 from server.kernels.quant import QuantizedWeight, x8_here
 from server.models.decoder import DecoderForCausalLM
+from server.models.gguf_transcode import TRANSCODED
 from server.models.loader import load_model
 from tests.gguf_files import write_gguf
 from tests.models.paged_harness import VOCAB, PagedRun, random_tokens
@@ -47,15 +49,17 @@ def _assert_tracks(ours: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS",
-                                   "Q2_K", "Q3_K"])
+                                   "Q2_K", "Q3_K", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ1_S", "TQ2_0", "TQ1_0"])
 def test_gguf_blocks_kept_and_logits_track_the_dequantised_file(
     qtype: str, k_sized_model: Path, tmp_path: Path
 ) -> None:
+    """(The lattice and ternary types are kept rewritten into IQ4_XS's and Q2_K's layouts: gguf_transcode.)"""
     path = write_gguf(tmp_path / f"{qtype}.gguf", k_sized_model, qtype)
     kept, _ = load_model(path, dtype="float32", keep_gguf_blocks=True)
     ref, _ = load_model(path, dtype="float32")
+    held = TRANSCODED.get(qtype, qtype.lower())
     matrices = [getattr(layer, n) for layer in kept._layers for n in layer.MATRICES] + [kept.lm_head]
-    assert all(isinstance(w, QuantizedWeight) and w.qtype == qtype.lower() for w in matrices)
+    assert all(isinstance(w, QuantizedWeight) and w.qtype == held for w in matrices)
     # The loader puts every type in the layout this CPU's kernel reads fastest.
     assert all(w.interleaved == x8_here() for w in matrices)
     assert not any(p.dtype == torch.uint8 for p in kept.parameters())
@@ -67,25 +71,25 @@ def test_gguf_blocks_kept_and_logits_track_the_dequantised_file(
     assert isinstance(kept.lm_head, QuantizedWeight)
     # The embedding table stays in its blocks (no float copy anywhere), and its rows are the
     # float loader's table exactly (tests/kernels/test_quant_embedding.py: every format and layout).
-    assert isinstance(kept.embed_tokens, QuantizedWeight) and kept.embed_tokens.qtype == qtype.lower()
+    assert isinstance(kept.embed_tokens, QuantizedWeight) and kept.embed_tokens.qtype == held
     assert not any(p.shape == ref.embed_tokens.shape for p in kept.parameters())
     assert torch.equal(linear_route.embedding(torch.arange(VOCAB), kept.embed_tokens, kept.dtype), ref.embed_tokens)
     tokens = random_tokens(PROMPT_LEN + DECODE_STEPS, VOCAB, seed=3)
     _assert_tracks(_logits(kept, tokens), _logits(ref, tokens))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "Q5_1", "Q2_K", "IQ3_S"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "Q5_1", "Q2_K", "IQ3_S", "IQ2_XS"])
 def test_tied_table_is_the_lm_heads_blocks(qtype: str, tmp_path: Path) -> None:
     """A tied model's embedding rows are gathered from the lm_head's own QuantizedWeight (x8 on
     AVX2 CPUs): one copy of token_embd, and exactly the float loader's rows and logits' inputs. A
-    type without a kernel (IQ3_S) keeps the float table, tied to a float lm_head."""
+    type without a kernel (IQ2_XS) keeps the float table, tied to a float lm_head."""
     hf = make_tiny_model(tmp_path / "tied", "llama", vocab_size=VOCAB, hidden_size=256, intermediate_size=512,
                          num_hidden_layers=1, tie_word_embeddings=True)
     path = write_gguf(tmp_path / f"{qtype}.gguf", hf, qtype)
     kept, _ = load_model(path, dtype="float32", keep_gguf_blocks=True)
     ref, _ = load_model(path, dtype="float32")
     assert ref.lm_head is ref.embed_tokens
-    if qtype == "IQ3_S":
+    if qtype == "IQ2_XS":
         assert isinstance(kept.embed_tokens, torch.Tensor) and kept.lm_head is kept.embed_tokens
         assert torch.equal(kept.embed_tokens, ref.embed_tokens)
         return
@@ -151,7 +155,7 @@ def test_gguf_quantization_is_validated(k_sized_model: Path) -> None:
 
 
 @pytest.mark.parametrize("qtype,tied", [("Q4_1", False), ("F32", False), ("Q4_K", True), ("Q5_1", True), ("Q5_0", True),
-                                        ("Q2_K", True), ("Q3_K", False)])
+                                        ("Q2_K", True), ("Q3_K", False), ("IQ2_XXS", True), ("TQ1_0", False)])
 def test_plan_counts_the_kept_blocks(qtype: str, tied: bool, k_sized_model: Path, tmp_path: Path) -> None:
     """`pagewire plan --quantization gguf` counts exactly the bytes the loaded model holds (F32: nothing
     kept; tied: one table, the lm_head's blocks, or a float one where the type has no row dequantiser)."""

@@ -269,7 +269,7 @@ def random_blocks(qtype: str, n: int, k: int, gen: torch.Generator) -> Quantized
 
 
 # GGUF's lattice types, which the loader holds in IQ4_XS's layout (server.models.gguf_transcode).
-LATTICE_TYPES = ("iq3_xxs", "iq3_s", "iq2_xxs", "iq1_s")
+LATTICE_TYPES = ("iq3_xxs", "iq3_s", "iq2_xxs", "iq1_s", "iq2_xs", "iq2_s", "iq1_m")
 
 
 def random_weight(qtype: str, n: int, k: int, gen: torch.Generator) -> QuantizedWeight:

@@ -24,7 +24,7 @@ from tests.gguf_qwen3_next import QWEN3_NEXT_TYPES, qwen3_next_metadata, qwen3_n
 # random_k_blocks): the byte offsets of each block's fp16 scales.
 RANDOM_BLOCKS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82), "IQ4_NL": (0,),
                  "IQ4_XS": (0,), "IQ3_S": (0,), "IQ3_XXS": (0,), "IQ2_S": (0,), "IQ2_XS": (0,), "IQ2_XXS": (0,),
-                 "IQ1_S": (0,)}
+                 "IQ1_S": (0,), "IQ1_M": ()}  # (IQ1_M: d's four nibbles on top of its scale words, random_k_blocks)
 # Values per block of every type the tests write quantised.
 QUANT_BLOCK = {name: GGML_QUANT_SIZES[GGMLQuantizationType[name]][0]
                for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "TQ1_0", "TQ2_0", *RANDOM_BLOCKS)}
@@ -158,7 +158,7 @@ K_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # the K-quants pagewire
 
 def random_k_blocks(rows: int, cols: int, qtype: str, seed: int) -> np.ndarray:
     """[rows, cols / block values * block bytes] uint8 of valid `qtype` blocks (RANDOM_BLOCKS):
-    random codes and sub-scales, fp16 scales in [0.002, 0.02] (Q3_K, IQ3_XXS, IQ3_S: [0.0002,
+    random codes and sub-scales, fp16 scales in [0.002, 0.02] (Q3_K, IQ3_XXS, IQ3_S, IQ2_XS, IQ2_S: [0.0002,
     0.002]; IQ4_XS: [0.0001, 0.001]; IQ2_XXS: [0.0005, 0.005]) so the weights are finite and of a
     usual size."""
     rng = np.random.default_rng(seed)
@@ -168,13 +168,18 @@ def random_k_blocks(rows: int, cols: int, qtype: str, seed: int) -> np.ndarray:
     # d: a tiny model of them turns chaotic (its logits swing with any rounding), so its d is smaller.
     # IQ4_XS's sub-scales (to +-32) times its levels (to +-127) need a smaller d still; the lattice
     # types' odd multipliers (to 31) times their grid values (IQ3_XXS to 62 / 4, IQ3_S 15, IQ2_XXS
-    # 43 / 8) too.
+    # 43 / 8) too, and IQ2_XS's / IQ2_S's, whose grids (512 and 1024 points) hold more large values.
     low, high = {"Q3_K": (0.0002, 0.002), "IQ4_XS": (0.0001, 0.001), "IQ3_XXS": (0.0002, 0.002),
-                 "IQ3_S": (0.0002, 0.002), "IQ2_XXS": (0.0005, 0.005)}.get(qtype, (0.002, 0.02))
+                 "IQ3_S": (0.0002, 0.002), "IQ2_XXS": (0.0005, 0.005), "IQ2_XS": (0.0002, 0.002),
+                 "IQ2_S": (0.0002, 0.002)}.get(qtype, (0.002, 0.02))
     blocks = rng.integers(0, 256, size=(rows * cols // values, nbytes), dtype=np.uint8)
     for off in scales:
         halves = np.asarray(rng.uniform(low, high, size=blocks.shape[0]), dtype=np.float16)
         blocks[:, off:off + 2] = halves.view(np.uint8).reshape(-1, 2)
+    if qtype == "IQ1_M":  # d's bits 4k..4k+3 are the top nibble of scale word k (bytes 48 + 2k, 49 + 2k)
+        d = np.asarray(rng.uniform(low, high, size=blocks.shape[0]), dtype=np.float16).view(np.uint16)
+        for k in range(4):
+            blocks[:, 49 + 2 * k] = (blocks[:, 49 + 2 * k] & 0x0F) | (((d >> (4 * k)) & 0xF) << 4).astype(np.uint8)
     return blocks.reshape(rows, cols // values * nbytes)
 
 

@@ -110,6 +110,19 @@ inline void decode_sub(Q4Type t, const uint8_t* row, int64_t sb, int16_t* q, flo
     }
     return;
   }
+  if (q_is_x16(t)) {  // signed levels under a scale per 16 values, no offset term
+    const uint8_t* blk = row + (sb / 8) * kIq4x16BlockBytes;
+    const int s = static_cast<int>(sb % 8);
+    for (int h = 0; h < 2; ++h) a[h] = load_fp16(blk) * static_cast<float>(iq_x16_scale(blk, 2 * s + h)) * q_level_scale(t);
+    *c = 0.f;
+    const uint8_t* qs = blk + 10 + 16 * s;
+    const int8_t* levels = q_levels(t);
+    for (int j = 0; j < 16; ++j) {
+      q[j] = levels[qs[j] & 0xF];
+      q[j + 16] = levels[qs[j] >> 4];
+    }
+    return;
+  }
   if (t == Q4Type::kIQ4_NL || q_is_xs(t)) {  // signed levels, no offset term
     const bool xs = q_is_xs(t);
     const uint8_t* blk = xs ? row + (sb / 8) * kIq4xsBlockBytes : row + sb * kIq4nlBlockBytes;
@@ -152,7 +165,7 @@ void dequantize_q4_row(Q4Type t, const uint8_t* w, float* out, int64_t K) {
     if (t == Q4Type::kQ4_0 || t == Q4Type::kQ5_0) {  // GGUF: d * (q - 8), d * (q5 - 16)
       const int zero = t == Q4Type::kQ4_0 ? 8 : 16;
       for (int j = 0; j < 32; ++j) o[j] = a[0] * static_cast<float>(static_cast<int>(q[j]) - zero);
-    } else if (t == Q4Type::kQ6_K || t == Q4Type::kQ3_K || t == Q4Type::kIQ4_NL || q_is_xs(t)) {
+    } else if (t == Q4Type::kQ6_K || t == Q4Type::kQ3_K || t == Q4Type::kIQ4_NL || q_is_xs(t) || q_is_x16(t)) {
       // GGUF: (d * sc) * (q - 32) (Q6_K), (d * (sc - 32)) * (q - 4) (Q3_K), d * level (IQ4, signed)
       for (int j = 0; j < 32; ++j) o[j] = a[j / 16] * static_cast<float>(q[j]);
     } else if (t == Q4Type::kQ2_K) {  // GGUF: (d * sc) * q - dmin * mn, per 16-value half
@@ -186,7 +199,7 @@ void linear_q4_portable(Q4Type t, const Q8SumActivations& x, const uint8_t* w, c
           for (int j = 0; j < 32; ++j) sum[j / 16] += xq[j];
           acc[m] += static_cast<float>(dot[0]) * (a[0] * xd) + static_cast<float>(dot[1]) * (a[1] * xd) +
                     c2[0] * (xd * static_cast<float>(sum[0])) + c2[1] * (xd * static_cast<float>(sum[1]));
-        } else if (t == Q4Type::kQ6_K || t == Q4Type::kQ3_K) {  // two scales per block; signed codes, no offset term
+        } else if (t == Q4Type::kQ6_K || t == Q4Type::kQ3_K || q_is_x16(t)) {  // two scales per block; signed codes, no offset term
           acc[m] += static_cast<float>(dot[0]) * (a[0] * xd) + static_cast<float>(dot[1]) * (a[1] * xd);
         } else {
           acc[m] += static_cast<float>(dot[0] + dot[1]) * (a[0] * xd) + c * x.s[m * nb + b];
@@ -310,7 +323,8 @@ at::Tensor interleave_q4_cpu(const at::Tensor& weight, c10::string_view qtype_vi
   const Q4Format f = parse_q4_type(qtype);
   TORCH_CHECK(!f.interleaved && cpu::q4_interleavable(f.type),
               "qtype must be a row-layout qtype with an x8 layout ('q4_0', 'q4_1', 'q4_k', 'q5_k', 'q6_k', 'q5_0', "
-              "'q5_1', 'iq4_nl', 'iq4_xs', 'q2_k', 'q3_k', 'iq3_xxs', 'iq3_s', 'iq2_xxs' or 'iq1_s'), got '", qtype,
+              "'q5_1', 'iq4_nl', 'iq4_xs', 'q2_k', 'q3_k', 'iq3_xxs', 'iq3_s', 'iq2_xxs', 'iq1_s', 'iq2_xs', 'iq2_s' or 'iq1_m'), got '",
+              qtype,
               "'");
   const cpu::Q4Type t = f.type;
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) % cpu::q4_block_bytes(t) == 0, "weight must be [N, row bytes] ",

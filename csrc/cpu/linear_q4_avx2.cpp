@@ -340,6 +340,9 @@ void linear_q4_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const
     case Q4Type::kIQ3_S:
     case Q4Type::kIQ2_XXS:
     case Q4Type::kIQ1_S:
+    case Q4Type::kIQ2_XS:
+    case Q4Type::kIQ2_S:
+    case Q4Type::kIQ1_M:
       linear_q5nl_avx2(t, x, w, bias, out, ldo, N);  // (their row layout: a weight's last N % 8 rows)
       break;
     case Q4Type::kQ2_K:

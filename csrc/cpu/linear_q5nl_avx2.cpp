@@ -34,7 +34,7 @@ namespace {
 
 using avx2::fp16;
 
-constexpr bool kLevels(Q4Type t) { return t == Q4Type::kIQ4_NL || t == Q4Type::kIQ4_XS; }
+constexpr bool kLevels(Q4Type t) { return t == Q4Type::kIQ4_NL || t == Q4Type::kIQ4_XS || t == Q4Type::kIQ2_XS; }
 
 // A block's (IQ4_XS: a sub-block's) 32 codes in natural order (Q5: 0..31; IQ4: the signed levels of
 // `lut`, the type's sixteen levels in both halves), its codes at qs (Q5: its fifth bits at blk's qh).
@@ -60,13 +60,15 @@ inline __m256i block_codes(const uint8_t* blk, const uint8_t* qs, [[maybe_unused
   }
 }
 
-// Weight row wr times activation rows [m0, m0 + MB) -> out[m * ldo]. IQ4_NL / IQ4_XS: `t` the type
-// whose levels and level scale the codes carry (IQ4_XS's layout serves the grid types too).
+// Weight row wr times activation rows [m0, m0 + MB) -> out[m * ldo]. IQ4_NL / IQ4_XS / x16 (T =
+// kIQ2_XS): `t` the type whose levels and level scale the codes carry (IQ4_XS's layout serves the
+// grid types too, the x16 layout IQ2_XS, IQ2_S and IQ1_M: a scale per 16-value half, one per 128-bit lane).
 template <Q4Type T, int MB>
 void row_tile(Q4Type t, const Q8SumActivations& x, int64_t m0, const uint8_t* wr, float bias, float* out,
               int64_t ldo) {
   const int64_t nb = x.K / 32;
   constexpr bool xs = T == Q4Type::kIQ4_XS;
+  constexpr bool x16 = T == Q4Type::kIQ2_XS;
   constexpr int qs_at = (T == Q4Type::kQ5_1 ? 4 : 2) + (T == Q4Type::kIQ4_NL ? 0 : 4);  // (not IQ4_XS)
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q_levels(t))));
@@ -79,11 +81,18 @@ void row_tile(Q4Type t, const Q8SumActivations& x, int64_t m0, const uint8_t* wr
   }
   for (int64_t b = 0; b < nb; ++b) {
     // IQ4_XS: sub-block b % 8 of super-block b / 8, its scale d * (ls - 32) (exact in fp32).
-    const uint8_t* blk = xs ? wr + (b / 8) * kIq4xsBlockBytes : wr + b * q4_block_bytes(T);
-    const uint8_t* qs = xs ? blk + 8 + 16 * (b % 8) : blk + qs_at;
+    const uint8_t* blk = xs    ? wr + (b / 8) * kIq4xsBlockBytes
+                         : x16 ? wr + (b / 8) * kIq4x16BlockBytes
+                               : wr + b * q4_block_bytes(T);
+    const uint8_t* qs = xs ? blk + 8 + 16 * (b % 8) : x16 ? blk + 10 + 16 * (b % 8) : blk + qs_at;
     avx2::prefetch(qs + avx2::kPrefetchRows * 64);
     const float d =
         xs ? fp16(blk) * static_cast<float>(iq4_xs_scale(blk, static_cast<int>(b % 8))) * f : fp16(blk);
+    // x16: the two halves' d * (2 l + 1) * f (exact), the first half's in the low 128-bit lane
+    [[maybe_unused]] float dh[2] = {0.f, 0.f};
+    if constexpr (x16) {
+      for (int h = 0; h < 2; ++h) dh[h] = fp16(blk) * static_cast<float>(iq_x16_scale(blk, static_cast<int>(2 * (b % 8) + h))) * f;
+    }
     const __m256i q = block_codes<T>(blk, qs, lut);
     [[maybe_unused]] const __m256i aq = _mm256_abs_epi8(q);
     for (int m = 0; m < MB; ++m) {
@@ -91,7 +100,9 @@ void row_tile(Q4Type t, const Q8SumActivations& x, int64_t m0, const uint8_t* wr
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (m0 + m) * x.K + b * 32));
       const __m256i p16 = kLevels(T) ? _mm256_maddubs_epi16(aq, _mm256_sign_epi8(xv, q))
                                                 : _mm256_maddubs_epi16(q, xv);
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones)), _mm256_set1_ps(d * x.d[i]), acc[m]);
+      const __m256 scale = x16 ? _mm256_set_m128(_mm_set1_ps(dh[1] * x.d[i]), _mm_set1_ps(dh[0] * x.d[i]))
+                               : _mm256_set1_ps(d * x.d[i]);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones)), scale, acc[m]);
       if constexpr (T == Q4Type::kQ5_0) {
         off[m] = std::fma(-16.f * d, x.s[i], off[m]);
       } else if constexpr (T == Q4Type::kQ5_1) {
@@ -123,6 +134,8 @@ void linear_q5nl_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, con
     run<Q4Type::kQ5_1>(t, x, w, bias, out, ldo, N);
   } else if (q_is_xs(t)) {  // IQ4_XS and the grid types held in its layout: one body, t's levels
     run<Q4Type::kIQ4_XS>(t, x, w, bias, out, ldo, N);
+  } else if (q_is_x16(t)) {  // IQ2_XS, IQ2_S and IQ1_M in the x16 layout
+    run<Q4Type::kIQ2_XS>(t, x, w, bias, out, ldo, N);
   } else {
     run<Q4Type::kIQ4_NL>(t, x, w, bias, out, ldo, N);
   }

@@ -41,6 +41,11 @@
 //     multiplier 2 l + 1 (stored as ls = 2 l + 33) times a power of two (IQ3_XXS 1/4, IQ2_XXS and
 //     IQ1_S 1/8 -- IQ1_S's levels are eight times grid + delta -- IQ3_S 1) times one of at most
 //     sixteen signed grid values, and d is the block's own fp16 d.
+//   IQ2_XS, IQ2_S, IQ1_M: the same with a scale per 16 values, in 138 bytes per 256 ("x16" layout):
+//     {fp16 d, 8 bytes of sixteen 4-bit l (16-value half h of sub-block s: nibble h of byte 2 + s),
+//     128 bytes of codes as IQ4_XS's}: value = d * (2 l + 1) / 8 * levels[q], IQ2_XXS's levels
+//     (GGUF: 74 and 82 bytes of grid indices, signs and those same 4-bit l) or IQ1_S's (IQ1_M, whose
+//     delta is per 8 values and whose d is spread over its 3-bit scales' top bits: 56 bytes).
 //   MXFP4: 32 values in 17 bytes {u8 E8M0 exponent e, 16 bytes q} (gpt-oss's experts, GGML type
 //     MXFP4): value = E2M1(q) * 2^(e - 127) = kMxfp4Values[q] * 2^(e - 128), byte j holding value j
 //     low and j + 16 high as in Q4_0. The kernels read each code as kMxfp4Values[q] + 12 (unsigned
@@ -60,7 +65,7 @@ namespace pagewire::cpu {
 
 enum class Q4Type : int { kQ4_0 = 0, kQ4_1 = 1, kQ4_K = 2, kQ5_K = 3, kQ6_K = 4, kMXFP4 = 5, kQ5_0 = 6, kQ5_1 = 7,
                           kIQ4_NL = 8, kIQ4_XS = 9, kQ2_K = 10, kQ3_K = 11, kIQ3_XXS = 12, kIQ3_S = 13,
-                          kIQ2_XXS = 14, kIQ1_S = 15 };
+                          kIQ2_XXS = 14, kIQ1_S = 15, kIQ2_XS = 16, kIQ2_S = 17, kIQ1_M = 18 };
 
 constexpr int kQ4_0BlockBytes = 18;   // per 32 values
 constexpr int kQ4_1BlockBytes = 20;   // per 32 values
@@ -75,6 +80,7 @@ constexpr int kIq4nlBlockBytes = 18;  // per 32 values
 constexpr int kIq4xsBlockBytes = 136; // per 256 values
 constexpr int kQ2_KBlockBytes = 84;   // per 256 values
 constexpr int kQ3_KBlockBytes = 110;  // per 256 values
+constexpr int kIq4x16BlockBytes = 138; // per 256 values (IQ2_XS, IQ2_S, IQ1_M held)
 
 // IQ4_NL's sixteen levels (GGML's kvalues_iq4nl), int8.
 constexpr int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -103,6 +109,10 @@ inline bool q_is_k(Q4Type t) {
   return t == Q4Type::kQ4_K || t == Q4Type::kQ5_K || t == Q4Type::kQ6_K || t == Q4Type::kQ2_K ||
          t == Q4Type::kQ3_K;
 }
+// Whether t is held in the x16 layout (a 4-bit l per 16 values; IQ2_XS, IQ2_S and IQ1_M rewritten into it).
+inline bool q_is_x16(Q4Type t) { return t == Q4Type::kIQ2_XS || t == Q4Type::kIQ2_S || t == Q4Type::kIQ1_M; }
+// The multiplier 2 l + 1 of 16-value half h (0..15) of an x16 block.
+inline int iq_x16_scale(const uint8_t* blk, int h) { return 2 * ((blk[2 + h / 2] >> (4 * (h % 2))) & 0xF) + 1; }
 // Whether t is held in IQ4_XS's layout (IQ4_XS itself and the grid types rewritten into it).
 inline bool q_is_xs(Q4Type t) {
   return t == Q4Type::kIQ4_XS || t == Q4Type::kIQ3_XXS || t == Q4Type::kIQ3_S || t == Q4Type::kIQ2_XXS ||
@@ -113,17 +123,20 @@ inline const int8_t* q_levels(Q4Type t) {
   switch (t) {
     case Q4Type::kIQ3_XXS: return kIq3xxsValues;
     case Q4Type::kIQ3_S: return kIq3sValues;
-    case Q4Type::kIQ2_XXS: return kIq2xxsValues;
-    case Q4Type::kIQ1_S: return kIq1sValues;
+    case Q4Type::kIQ2_XXS:
+    case Q4Type::kIQ2_XS:
+    case Q4Type::kIQ2_S: return kIq2xxsValues;
+    case Q4Type::kIQ1_S:
+    case Q4Type::kIQ1_M: return kIq1sValues;
     default: return kIq4nlValues;
   }
 }
 // The power of two an IQ4_XS-layout type's d * (ls - 32) is multiplied by (exact in fp32).
 inline float q_level_scale(Q4Type t) {
-  return t == Q4Type::kIQ3_XXS ? 0.25f : t == Q4Type::kIQ2_XXS || t == Q4Type::kIQ1_S ? 0.125f : 1.f;
+  return t == Q4Type::kIQ3_XXS ? 0.25f : t == Q4Type::kIQ2_XXS || t == Q4Type::kIQ1_S || q_is_x16(t) ? 0.125f : 1.f;
 }
 // Values per block and bytes per block of a type (the IQ4_XS layout: 256-value super-blocks too).
-inline int q4_block_values(Q4Type t) { return q_is_k(t) || q_is_xs(t) ? kQ4_KBlock : 32; }
+inline int q4_block_values(Q4Type t) { return q_is_k(t) || q_is_xs(t) || q_is_x16(t) ? kQ4_KBlock : 32; }
 inline int q4_block_bytes(Q4Type t) {
   switch (t) {
     case Q4Type::kQ4_0: return kQ4_0BlockBytes;
@@ -140,6 +153,9 @@ inline int q4_block_bytes(Q4Type t) {
     case Q4Type::kIQ3_S:
     case Q4Type::kIQ2_XXS:
     case Q4Type::kIQ1_S: return kIq4xsBlockBytes;
+    case Q4Type::kIQ2_XS:
+    case Q4Type::kIQ2_S:
+    case Q4Type::kIQ1_M: return kIq4x16BlockBytes;
     case Q4Type::kQ2_K: return kQ2_KBlockBytes;
     case Q4Type::kQ3_K: return kQ3_KBlockBytes;
   }
@@ -168,13 +184,16 @@ inline const char* q4_type_name(Q4Type t) {
     case Q4Type::kIQ3_S: return "iq3_s";
     case Q4Type::kIQ2_XXS: return "iq2_xxs";
     case Q4Type::kIQ1_S: return "iq1_s";
+    case Q4Type::kIQ2_XS: return "iq2_xs";
+    case Q4Type::kIQ2_S: return "iq2_s";
+    case Q4Type::kIQ1_M: return "iq1_m";
   }
   return "";
 }
 constexpr Q4Type kQ4Types[] = {Q4Type::kQ4_0, Q4Type::kQ4_1, Q4Type::kQ4_K, Q4Type::kQ5_K, Q4Type::kQ6_K,
                                Q4Type::kMXFP4, Q4Type::kQ5_0, Q4Type::kQ5_1, Q4Type::kIQ4_NL, Q4Type::kIQ4_XS,
                                Q4Type::kQ2_K, Q4Type::kQ3_K, Q4Type::kIQ3_XXS, Q4Type::kIQ3_S, Q4Type::kIQ2_XXS,
-                               Q4Type::kIQ1_S};
+                               Q4Type::kIQ1_S, Q4Type::kIQ2_XS, Q4Type::kIQ2_S, Q4Type::kIQ1_M};
 
 // IQ4_XS's 6-bit scale of sub-block s (0..7) of one super-block, less 32: [-32, 31].
 inline int iq4_xs_scale(const uint8_t* blk, int s) {
@@ -237,6 +256,9 @@ void dequantize_q4_row(Q4Type t, const uint8_t* w, float* out, int64_t K);
 // row r's at 48 + 2r), then per sub-block s (at 64 + 128 s) IQ4_NL's four x8 chunks of its codes
 // (chunk c: bytes 4c..4c+3 of each row's sub-block s, row r at 4r).
 // IQ3_XXS, IQ3_S, IQ2_XXS and IQ1_S (held in IQ4_XS's bytes) have IQ4_XS's x8 layout too.
+// The x16 layout's x8 form (IQ2_XS, IQ2_S, IQ1_M; x8_q5nl_body.h group_x16), per super-block of the eight rows
+// (8 * 138 bytes): their fp16 d (16 bytes), their 8 scale bytes as two 32-byte vectors (bytes
+// 4v..4v+3 of row r at 16 + 32v + 4r), then IQ4_XS's chunks of codes from 80 (sub-block s at 80 + 128 s).
 // Q2_K's x8 layout (x8k_q2_body.h), per super-block of the eight rows (8 * 84 bytes): their fp16 d
 // (16 bytes), their fp16 dmin (16 bytes), their 16 scale bytes as four 32-byte vectors (bytes
 // 4v..4v+3 of row r at 32 + 32v + 4r), then 16 chunks of codes (chunk c: qs bytes 4c..4c+3 of each

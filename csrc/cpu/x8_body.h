@@ -203,14 +203,16 @@ __attribute__((noinline)) void group4(const Q8SumActivations& x, const float* xc
 // 0.3 us at eight rows of 576), per (row, 32-value block): -128 times the block's activation codes.
 // Q8_0's chains here, and IQ4_NL's and IQ4_XS's (x8_q5nl_body.h, whose levels are made unsigned the
 // same way), start there.
+// (Span 16: per 16-value half instead, for the x16 layout's two chains a block.)
+template <int Span = kQ8Block>
 inline const int32_t* block_offsets(const int8_t* q, int64_t M, int64_t K) {
   thread_local std::vector<int32_t> offsets;
-  const int64_t nb = K / kQ8Block;
+  const int64_t nb = K / Span;
   if (static_cast<int64_t>(offsets.size()) < M * nb) offsets.resize(M * nb);
   for (int64_t i = 0; i < M * nb; ++i) {
-    const int8_t* b = q + i * kQ8Block;  // block i of the [M, K] codes (K is whole blocks)
+    const int8_t* b = q + i * Span;  // span i of the [M, K] codes (K is whole blocks)
     int32_t sum = 0;
-    for (int k = 0; k < kQ8Block; ++k) sum += b[k];
+    for (int k = 0; k < Span; ++k) sum += b[k];
     offsets[i] = -128 * sum;
   }
   return offsets.data();
@@ -389,6 +391,24 @@ void run_iq4xs(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const floa
 #endif
   const auto tile = [&](auto mb, auto ng, int64_t m, const uint8_t* wg, const float* bg, float* og) {
     q5nl::group_xs<decltype(mb)::value, decltype(ng)::value>(t, x, xo, m, wg, group_bytes, bg, og, ldo);
+  };
+  if (q5nl::kMaxGroups == 2 && x.M >= pair_min_rows() && N / kGroupRows >= 2 * team_threads()) {
+    for_each_group<q5nl::kMaxGroups>(x.M, x.K, N, group_bytes, w, bias, out, tile);
+  } else {
+    for_each_group<1>(x.M, x.K, N, group_bytes, w, bias, out, tile);
+  }
+}
+
+// IQ2_XS, IQ2_S and IQ1_M in the x16 layout, type t (x8_q5nl_body.h group_x16): as run_iq4xs.
+void run_iq4x16(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
+                int64_t N) {
+  const int64_t group_bytes = kQ4Interleave * (x.K / kQ4_KBlock) * kIq4x16BlockBytes;
+  const int32_t* xo = nullptr;
+#if PAGEWIRE_X8_VNNI
+  xo = block_offsets<16>(x.q, x.M, x.K);
+#endif
+  const auto tile = [&](auto mb, auto ng, int64_t m, const uint8_t* wg, const float* bg, float* og) {
+    q5nl::group_x16<decltype(mb)::value, decltype(ng)::value>(t, x, xo, m, wg, group_bytes, bg, og, ldo);
   };
   if (q5nl::kMaxGroups == 2 && x.M >= pair_min_rows() && N / kGroupRows >= 2 * team_threads()) {
     for_each_group<q5nl::kMaxGroups>(x.M, x.K, N, group_bytes, w, bias, out, tile);

@@ -143,6 +143,15 @@ void x8_block(Q4Type t, uint8_t* rows, int64_t row_bytes, uint8_t* g, bool to_x8
           for (int c = 0; c < 4; ++c) move(64 + 128 * s + 32 * c + 4 * r, 8 + 16 * s + 4 * c, 4);
         }
         break;
+      case Q4Type::kIQ2_XS:  // (the x16 layout)
+      case Q4Type::kIQ2_S:
+      case Q4Type::kIQ1_M:
+        move(2 * r, 0, 2);                                                     // d
+        for (int v = 0; v < 2; ++v) move(16 + 32 * v + 4 * r, 2 + 4 * v, 4);  // the sixteen l
+        for (int s = 0; s < 8; ++s) {
+          for (int c = 0; c < 4; ++c) move(80 + 128 * s + 32 * c + 4 * r, 10 + 16 * s + 4 * c, 4);
+        }
+        break;
       default:
         break;
     }
@@ -150,7 +159,7 @@ void x8_block(Q4Type t, uint8_t* rows, int64_t row_bytes, uint8_t* g, bool to_x8
 }
 
 // Whether t's x8 layout is by 256-value super-block (x8_block) rather than by 32-value block.
-inline bool by_superblock(Q4Type t) { return q_is_k(t) || q_is_xs(t); }
+inline bool by_superblock(Q4Type t) { return q_is_k(t) || q_is_xs(t) || q_is_x16(t); }
 
 }  // namespace
 

@@ -323,4 +323,148 @@ __attribute__((noinline)) void group_xs(Q4Type t, const Q8SumActivations& x, [[m
   }
 }
 
+// IQ2_XS, IQ2_S and IQ1_M in the x16 layout (quant4_kernel.h): group_xs's route with a scale per 16-value
+// half. A chunk's low nibbles are values 4c..4c+3 (the first half) and its high nibbles 16 + 4c..
+// (the second), so each half keeps its own chain: VNNI's two chains start at -128 times their 16
+// activation codes (block_offsets<16>) and are multiplied by their 2 l + 1 (two vpmulld); AVX2's
+// widening madds multiply by them instead of by ones. |(2 l + 1) * sum| <= 31 * 16 * 43 * 127 per
+// half, so both builds' integers are exact and equal, and exact in fp32; then acc += (d f * xd) *
+// that per 32-value sub-block, as group_xs.
+constexpr int kX16GroupBytes = kQ4Interleave * kIq4x16BlockBytes;  // one super-block of eight rows
+constexpr int kX16Codes = 80;                                        // where a super-block's codes start
+
+// pshufb control: in each row's 32-bit lane, the lane's byte k zero-extended into both 16-bit halves.
+inline __m256i byte_to_halves(int k) {
+  alignas(32) int8_t c[32];
+  for (int r = 0; r < 8; ++r) {
+    c[4 * r] = c[4 * r + 2] = static_cast<int8_t>(4 * (r % 4) + k);
+    c[4 * r + 1] = c[4 * r + 3] = -128;  // (zero)
+  }
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(c));
+}
+
+// Activation rows [m0, m0 + MB) times NG consecutive groups of eight x16-layout weight rows of type
+// t -> out[m][0..8 NG). xo: block_offsets<16> (VNNI build).
+template <int MB, int NG>
+__attribute__((noinline)) void group_x16(Q4Type t, const Q8SumActivations& x, [[maybe_unused]] const int32_t* xo,
+                                         int64_t m0, const uint8_t* w, int64_t group_bytes, const float* bias,
+                                         float* out, int64_t ldo) {
+  const int64_t nb = x.K / 32, nsb = x.K / kQ4_KBlock;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m128i levels = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q_levels(t)));
+  const __m256 f = _mm256_set1_ps(q_level_scale(t));
+#if PAGEWIRE_X8_VNNI
+  const __m256i lut = _mm256_broadcastsi128_si256(_mm_xor_si128(levels, _mm_set1_epi8(static_cast<char>(0x80))));
+  const __m256i low4 = _mm256_set1_epi32(0x0F), one = _mm256_set1_epi32(1);
+#else
+  const __m256i lut = _mm256_broadcastsi128_si256(levels);
+  const __m256i low4 = _mm256_set1_epi16(0x0F), one = _mm256_set1_epi16(1);
+#endif
+  const int8_t* xq[MB];
+  const float* xd[MB];
+  [[maybe_unused]] const int32_t* xoff[MB];
+  for (int m = 0; m < MB; ++m) {
+    xq[m] = x.q + (m0 + m) * x.K;
+    xd[m] = x.d + (m0 + m) * nb;
+    xoff[m] = xo != nullptr ? xo + (m0 + m) * 2 * nb : nullptr;
+  }
+  const int64_t ahead = NG == 1 ? stream_prefetch_bytes() : pair_prefetch_bytes();
+  const bool skip = NG == 2 && pair_skips_other_stream();
+  __m256 acc[NG][MB];
+  for (int j = 0; j < NG; ++j)
+    for (int m = 0; m < MB; ++m) acc[j][m] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s, w += kX16GroupBytes) {
+    {
+      const int64_t a = NG == 1 ? ahead : pair_ahead(s * kX16GroupBytes, group_bytes, ahead, skip);
+      for (int j = 0; j < NG; ++j) prefetch_ahead<kX16GroupBytes>(w + j * group_bytes, a);
+    }
+    __m256 d[NG];
+    __m256i sv[NG][2];  // the sixteen l: bytes 4v..4v+3 of each row's eight
+    for (int j = 0; j < NG; ++j) {
+      const uint8_t* wj = w + j * group_bytes;
+      d[j] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wj))), f);
+      sv[j][0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj + 16));
+      sv[j][1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj + 48));
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      const int64_t blk = s * 8 + i;
+      __m256i sc[NG][2];  // the two halves' 2 l + 1: per 32-bit lane (VNNI) or in both 16-bit halves (AVX2)
+      for (int j = 0; j < NG; ++j) {
+#if PAGEWIRE_X8_VNNI
+        const __m256i v = _mm256_srli_epi32(sv[j][i / 4], 8 * (i % 4));
+        for (int h = 0; h < 2; ++h) {
+          const __m256i l = _mm256_and_si256(h == 0 ? v : _mm256_srli_epi32(v, 4), low4);
+          sc[j][h] = _mm256_or_si256(_mm256_slli_epi32(l, 1), one);
+        }
+#else
+        const __m256i v = _mm256_shuffle_epi8(sv[j][i / 4], byte_to_halves(i % 4));
+        for (int h = 0; h < 2; ++h) {
+          const __m256i l = _mm256_and_si256(h == 0 ? v : _mm256_srli_epi16(v, 4), low4);
+          sc[j][h] = _mm256_or_si256(_mm256_slli_epi16(l, 1), one);
+        }
+#endif
+      }
+      __m256i s32[NG][MB][2];
+      for (int j = 0; j < NG; ++j) {
+        for (int m = 0; m < MB; ++m) {
+#if PAGEWIRE_X8_VNNI
+          s32[j][m][0] = _mm256_set1_epi32(xoff[m][2 * blk]);
+          s32[j][m][1] = _mm256_set1_epi32(xoff[m][2 * blk + 1]);
+#else
+          s32[j][m][0] = s32[j][m][1] = _mm256_setzero_si256();
+#endif
+        }
+      }
+      for (int c = 0; c < 4; ++c) {
+        __m256i lo[NG], hi[NG];
+        [[maybe_unused]] __m256i alo[NG], ahi[NG];
+        for (int j = 0; j < NG; ++j) {
+          const __m256i v = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(w + j * group_bytes + kX16Codes + 128 * i + 32 * c));
+          lo[j] = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, mask));
+          hi[j] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
+#if !PAGEWIRE_X8_VNNI
+          alo[j] = _mm256_abs_epi8(lo[j]);
+          ahi[j] = _mm256_abs_epi8(hi[j]);
+#endif
+        }
+        for (int m = 0; m < MB; ++m) {
+          const int8_t* xb = xq[m] + blk * 32 + 4 * c;
+          const __m256i x0 = broadcast4(xb), x1 = broadcast4(xb + 16);
+          for (int j = 0; j < NG; ++j) {
+#if PAGEWIRE_X8_VNNI
+            s32[j][m][0] = _mm256_dpbusd_epi32(s32[j][m][0], lo[j], x0);
+            s32[j][m][1] = _mm256_dpbusd_epi32(s32[j][m][1], hi[j], x1);
+#else
+            s32[j][m][0] = _mm256_add_epi32(
+                s32[j][m][0], _mm256_madd_epi16(_mm256_maddubs_epi16(alo[j], _mm256_sign_epi8(x0, lo[j])), sc[j][0]));
+            s32[j][m][1] = _mm256_add_epi32(
+                s32[j][m][1], _mm256_madd_epi16(_mm256_maddubs_epi16(ahi[j], _mm256_sign_epi8(x1, hi[j])), sc[j][1]));
+#endif
+            pin(s32[j][m][0]);
+            pin(s32[j][m][1]);
+          }
+        }
+      }
+      for (int m = 0; m < MB; ++m) {
+        const __m256 xdm = _mm256_set1_ps(xd[m][blk]);
+        for (int j = 0; j < NG; ++j) {
+#if PAGEWIRE_X8_VNNI
+          const __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(s32[j][m][0], sc[j][0]),
+                                               _mm256_mullo_epi32(s32[j][m][1], sc[j][1]));
+#else
+          const __m256i dot = _mm256_add_epi32(s32[j][m][0], s32[j][m][1]);
+#endif
+          acc[j][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d[j], xdm), acc[j][m]);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < NG; ++j) {
+    const __m256 bv = bias != nullptr ? _mm256_loadu_ps(bias + 8 * j) : _mm256_setzero_ps();
+    for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out + (m0 + m) * ldo + 8 * j, _mm256_add_ps(acc[j][m], bv));
+  }
+}
+
 }  // namespace q5nl

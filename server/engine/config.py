@@ -51,7 +51,7 @@ class EngineConfig:
     quantization: "none" (weights in dtype; a GGUF file is dequantised), "int8" / "int4" (every
         decoder and lm_head matrix quantised at load to GGUF Q8_0 / Q4_0 blocks and kept so), or
         "gguf" (a GGUF file's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL/IQ4_XS/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K matrices kept in
-        their own blocks, IQ3_XXS/IQ3_S/IQ2_XXS/IQ1_S/TQ1_0/TQ2_0 ones rewritten exactly into blocks a kernel
+        their own blocks, IQ3_XXS/IQ3_S/IQ2_XXS/IQ2_XS/IQ2_S/IQ1_S/IQ1_M/TQ1_0/TQ2_0 ones rewritten exactly into blocks a kernel
         reads, the rest dequantised; GGUF files only). All but "none" run on CPU only. "auto" (`pagewire serve`'s
         default) is "gguf" for a .gguf file on the CPU and "none" otherwise: a Q4 file runs from its
         blocks, as llama.cpp and Ollama run it, not dequantised to its float dtype (3-4x slower to

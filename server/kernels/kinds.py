@@ -29,6 +29,10 @@ class Qtype(StrEnum):
     IQ3_S = "iq3_s"
     IQ2_XXS = "iq2_xxs"
     IQ1_S = "iq1_s"
+    # IQ2_XS, IQ2_S and IQ1_M: the same with a scale per 16 values (the "x16" layout).
+    IQ2_XS = "iq2_xs"
+    IQ2_S = "iq2_s"
+    IQ1_M = "iq1_m"  # (IQ1_S's levels)
     # Not quantised: a bf16 matrix moved into the interleaved x8 layout (QuantizedWeight.from_bf16),
     # which the AVX2 bf16 kernel streams fastest; "blocks" of 16 values, 32 bytes.
     BF16 = "bf16"
@@ -73,4 +77,10 @@ class LinearKind(StrEnum):
     IQ2_XXSX8 = "iq2_xxsx8"
     IQ1_S = "iq1_s"
     IQ1_SX8 = "iq1_sx8"
+    IQ2_XS = "iq2_xs"
+    IQ2_XSX8 = "iq2_xsx8"
+    IQ2_S = "iq2_s"
+    IQ2_SX8 = "iq2_sx8"
+    IQ1_M = "iq1_m"
+    IQ1_MX8 = "iq1_mx8"
     BF16X8 = "bf16x8"  # pagewire::linear_bf16x8

@@ -123,7 +123,8 @@ _Q4_FORMATS = {"q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144), "q5_k": (
                "q5_1x8": (32, 24), "iq4_nlx8": (32, 18), "q5_kx8": (256, 176), "iq4_xs": (256, 136),
                "iq4_xsx8": (256, 136), "q2_k": (256, 84), "q2_kx8": (256, 84),
                "q3_k": (256, 110), "q3_kx8": (256, 110),
-               **{f"{q}{x8}": (256, 136) for q in ("iq3_xxs", "iq3_s", "iq2_xxs", "iq1_s") for x8 in ("", "x8")}}
+               **{f"{q}{x8}": (256, 136) for q in ("iq3_xxs", "iq3_s", "iq2_xxs", "iq1_s") for x8 in ("", "x8")},
+               **{f"{q}{x8}": (256, 138) for q in ("iq2_xs", "iq2_s", "iq1_m") for x8 in ("", "x8")}}
 
 
 @torch.library.register_fake("pagewire::interleave_bf16")

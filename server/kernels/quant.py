@@ -22,6 +22,8 @@ without conversion by `from_gguf_bytes`; the container holds the blocks as a uin
            256           136          d*(ls-32)*f*levels[q] (iq4_xs's bytes with the type's own 16 levels and
                                       power-of-two f: GGUF's lattice types, rewritten exactly at load by
                                       server.models.gguf_transcode, which also turns TQ1_0 / TQ2_0 into q2_k)
+    iq2_xs, iq2_s, iq1_m
+           256           138          d*(2l+1)/8*levels[q] (the same with a 4-bit l per 16 values: the "x16" layout)
     bf16   16            32           the bf16 value itself (from_bf16: a float matrix moved, x8 only)
 
 Float weights are quantised at load with `quantize` (q8_0 and q4_0, GGUF's rounding, in C++).
@@ -88,6 +90,10 @@ QTYPES: dict[Qtype, BlockFormat] = {
     Qtype.IQ3_S: BlockFormat(256, 136),
     Qtype.IQ2_XXS: BlockFormat(256, 136),
     Qtype.IQ1_S: BlockFormat(256, 136),
+    # IQ2_XS / IQ2_S / IQ1_M: that layout with a 4-bit scale per 16 values ("x16").
+    Qtype.IQ2_XS: BlockFormat(256, 138),
+    Qtype.IQ2_S: BlockFormat(256, 138),
+    Qtype.IQ1_M: BlockFormat(256, 138),
     # bf16 in the x8 layout only (from_bf16): the same bytes as the bf16 matrix, moved.
     Qtype.BF16: BlockFormat(16, 32),
 }
@@ -95,7 +101,8 @@ QTYPES: dict[Qtype, BlockFormat] = {
 # The formats with an interleaved layout (QuantizedWeight.for_kernels).
 INTERLEAVABLE: tuple[Qtype, ...] = (Qtype.Q8_0, Qtype.Q4_0, Qtype.Q4_1, Qtype.Q4_K, Qtype.Q5_K, Qtype.Q6_K, Qtype.Q5_0,
                                     Qtype.Q5_1, Qtype.IQ4_NL, Qtype.IQ4_XS, Qtype.Q2_K,
-                                    Qtype.Q3_K, Qtype.IQ3_XXS, Qtype.IQ3_S, Qtype.IQ2_XXS, Qtype.IQ1_S, Qtype.BF16)
+                                    Qtype.Q3_K, Qtype.IQ3_XXS, Qtype.IQ3_S, Qtype.IQ2_XXS, Qtype.IQ1_S,
+                                    Qtype.IQ2_XS, Qtype.IQ2_S, Qtype.IQ1_M, Qtype.BF16)
 
 # GGUF tensor type names (gguf.GGMLQuantizationType) -> the qtype that keeps them as they are (the
 # types rewritten into another qtype's blocks at load: server.models.gguf_transcode.TRANSCODED).

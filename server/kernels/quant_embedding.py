@@ -22,7 +22,8 @@ __all__ = ["EMBEDDABLE", "gather_rows"]
 # The block formats an embedding table can stay in: each has an exact C++ dequantiser.
 EMBEDDABLE: tuple[Qtype, ...] = (Qtype.Q8_0, Qtype.Q4_0, Qtype.Q4_1, Qtype.Q4_K, Qtype.Q5_K, Qtype.Q6_K, Qtype.Q5_0,
                                  Qtype.Q5_1, Qtype.IQ4_NL, Qtype.IQ4_XS, Qtype.Q2_K,
-                                 Qtype.Q3_K, Qtype.IQ3_XXS, Qtype.IQ3_S, Qtype.IQ2_XXS, Qtype.IQ1_S)
+                                 Qtype.Q3_K, Qtype.IQ3_XXS, Qtype.IQ3_S, Qtype.IQ2_XXS, Qtype.IQ1_S,
+                                 Qtype.IQ2_XS, Qtype.IQ2_S, Qtype.IQ1_M)
 
 
 def gather_rows(table: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -3,8 +3,9 @@
 It owns deciding which of a model's matrices can stay in the file's own block format -- every
 GGUF tensor that feeds the matrix has a type pagewire has a kernel for (Q8_0, Q4_0, Q4_1, Q5_0,
 Q5_1, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and MXFP4 for experts only; see
-server.kernels.quant.GGUF_QTYPES; and IQ3_XXS, IQ3_S, IQ2_XXS, IQ1_S, TQ1_0 and TQ2_0, whose blocks
-are rewritten exactly into a kernel's format as they are copied: server.models.gguf_transcode) -- and building
+server.kernels.quant.GGUF_QTYPES; and IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M, TQ1_0
+and TQ2_0, whose blocks are rewritten exactly into a kernel's format as they are copied:
+server.models.gguf_transcode) -- and building
 those QuantizedWeights from the tensors' raw block bytes: fused matrices (qkv, gate_up) are the
 parts' rows one after another, and llama.cpp's Q/K row permutation is undone on whole rows of
 blocks, so no value is ever dequantised. A fused 2-D matrix whose parts differ in type (llama.cpp's

@@ -39,9 +39,9 @@ from server.models.qwen3_next_gguf import (
 from server.models.registry import config_from_gguf, gguf_permuted_qk, model_class
 
 # Every type the `gguf` package dequantises. With --quantization gguf, Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL/
-# IQ4_XS/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K (and MXFP4 experts) stay in their blocks, IQ3_XXS/IQ3_S/IQ2_XXS/IQ1_S/
-# TQ1_0/TQ2_0 are rewritten exactly into a kernel's blocks (gguf_transcode); the rest (IQ2_XS, IQ2_S,
-# IQ1_M) are dequantised to the serving dtype.
+# IQ4_XS/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K (and MXFP4 experts) stay in their blocks, IQ3_XXS/IQ3_S/IQ2_XXS/IQ2_XS/IQ2_S/IQ1_S/
+# TQ1_0/TQ2_0 are rewritten exactly into a kernel's blocks (gguf_transcode); the float types are in
+# the serving dtype.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                           "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M",
                           "IQ1_S", "TQ1_0", "TQ2_0", "MXFP4")
@@ -188,7 +188,7 @@ def load_gguf_model(
         dtype: "auto" (the file's float type; float32 for quantised files), "float32", "bfloat16", "float16".
         device: where the parameters live.
         keep_quantized: keep every matrix whose tensors are Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL/IQ4_XS/Q2_K/Q3_K/Q4_K/Q5_K/
-            Q6_K as a QuantizedWeight of the file's blocks (CPU only; IQ3_XXS/IQ3_S/IQ2_XXS/IQ1_S/TQ1_0/TQ2_0
+            Q6_K as a QuantizedWeight of the file's blocks (CPU only; IQ3_XXS/IQ3_S/IQ2_XXS/IQ2_XS/IQ2_S/IQ1_S/IQ1_M/TQ1_0/TQ2_0
             too, their blocks rewritten exactly: gguf_transcode), the token embedding table included
             (its rows dequantised per step); norms and other types are dequantised to `dtype` as usual.
     Returns:

@@ -44,7 +44,7 @@ def load_model(
         dtype: "auto", "float32", "bfloat16" or "float16".
         device: where the parameters live.
         keep_gguf_blocks: for a GGUF file, keep its Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL/IQ4_XS/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K
-            (and, rewritten, IQ3_XXS/IQ3_S/IQ2_XXS/IQ1_S/TQ1_0/TQ2_0) matrices quantised (`--quantization
+            (and, rewritten, IQ3_XXS/IQ3_S/IQ2_XXS/IQ2_XS/IQ2_S/IQ1_S/IQ1_M/TQ1_0/TQ2_0) matrices quantised (`--quantization
             gguf`, see gguf_blocks); a ValueError for a Hugging Face folder.
         headless: the model serves embeddings (server.models.pooling), so its LM head is never
             used: a checkpoint without lm_head.weight loads with the head tied to the embedding

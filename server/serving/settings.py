@@ -363,7 +363,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("quantization", str, "auto (the default: gguf for a .gguf file on the CPU, else none), none (weights "
            "in dtype; a GGUF file dequantised), int8 / int4 (weights quantised at load to Q8_0 / Q4_0 blocks), or "
            "gguf (a GGUF file's own Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL/IQ4_XS/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K blocks kept, "
-           "IQ3_XXS/IQ3_S/IQ2_XXS/IQ1_S/TQ1_0/TQ2_0 rewritten exactly into blocks a kernel reads); "
+           "IQ3_XXS/IQ3_S/IQ2_XXS/IQ2_XS/IQ2_S/IQ1_S/IQ1_M/TQ1_0/TQ2_0 rewritten exactly into blocks a kernel reads); "
            "all but none CPU only",
            engine=True),
     Option("speculative_config", speculative_config,

@@ -36,7 +36,7 @@ I8 = ctypes.POINTER(ctypes.c_int8)
 U8 = ctypes.POINTER(ctypes.c_uint8)
 QTYPE_ID = {"q8_0": -1, "q4_0": 0, "q4_1": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4, "q5_0": 6, "q5_1": 7,
             "iq4_nl": 8, "iq4_xs": 9, "q2_k": 10, "q3_k": 11, "iq3_xxs": 12, "iq3_s": 13, "iq2_xxs": 14,
-            "iq1_s": 15}  # quant4_kernel.h's Q4Type; -1 Q8_0
+            "iq1_s": 15, "iq2_xs": 16, "iq2_s": 17, "iq1_m": 18}  # quant4_kernel.h's Q4Type; -1 Q8_0
 ROWS = [1, 2, 3, 4, 5, 7, 9, 13, 16]  # 13: Q6_K's VNNI build runs 8, 4 and 1 rows (x8k_body.h kQ6KRows)
 SHAPES = [(64, 256), (40, 512), (40, 1024)]  # N: an even and an odd number of groups (pairs of groups and a lone one);
 # K = 1024: the 4-bit pairs' eight-row tiles where the host is AMD (x8_body.h eight_row_tiles)
@@ -79,6 +79,11 @@ def weight(qtype: str, n: int, k: int, seed: int, extreme: bool = False) -> Quan
         data = qw.data.clone().reshape(n, -1, 136)  # multiplier, 31 (ls 63), over code 0, the type's
         data[:, :, 2:8] = 0xFF  # most negative level
         data[:, :, 8:] = 0
+        qw = QuantizedWeight(qw.qtype, data.reshape(n, -1), qw.shape)
+    if extreme and qtype in ("iq2_xs", "iq2_s", "iq1_m"):  # (the x16 layout) every l 15 (multiplier 31), code 0
+        data = qw.data.clone().reshape(n, -1, 138)
+        data[:, :, 2:10] = 0xFF
+        data[:, :, 10:] = 0
         qw = QuantizedWeight(qw.qtype, data.reshape(n, -1), qw.shape)
     return qw
 

@@ -109,7 +109,7 @@ def test_errors_are_the_ops_errors() -> None:
         with pytest.raises(IndexError, match="out of range for an embedding table of 16 rows"):
             call(torch.tensor([16]), w.data, "q4_0", torch.bfloat16)
         with pytest.raises(RuntimeError, match="qtype must be 'q8_0', 'q4_0'"):
-            call(torch.tensor([0]), w.data, "iq2_xs", torch.bfloat16)
+            call(torch.tensor([0]), w.data, "tq1_0", torch.bfloat16)
     for call in (fast.add_rms_norm, P.add_rms_norm):
         with pytest.raises(RuntimeError, match="delta shape"):
             call(torch.zeros(2, 8), torch.zeros(3, 8), torch.ones(8), 1e-6)

@@ -22,7 +22,7 @@ X8_TYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]
 LAYOUT = {"q8_0": (34, 16, 2, 8), "q4_0": (18, 16, 2, 4), "q4_1": (20, 32, 4, 4), "q5_0": (22, 48, 6, 4),
           "q5_1": (24, 64, 8, 4), "iq4_nl": (18, 16, 2, 4)}
 # The x8 types of 32-value blocks (LAYOUT), IQ4_XS, Q2_K and Q3_K (256-value super-blocks: K a multiple of 256).
-SUPER_TYPES = ["iq4_xs", "q2_k", "q3_k", "iq3_xxs", "iq3_s", "iq2_xxs", "iq1_s"]
+SUPER_TYPES = ["iq4_xs", "q2_k", "q3_k", "iq3_xxs", "iq3_s", "iq2_xxs", "iq1_s", "iq2_xs", "iq2_s", "iq1_m"]
 X8_ALL = [*X8_TYPES, *SUPER_TYPES]
 
 
@@ -89,6 +89,9 @@ def superblock_moves(qtype: str, r: int) -> list[tuple[int, int, int]]:
         # d, scales_l, scales_h, then per sub-block IQ4_NL's four chunks
         return [(2 * r, 0, 2), (16 + 4 * r, 4, 4), (48 + 2 * r, 2, 2)] + [
             (64 + 128 * sb + 32 * c + 4 * r, 8 + 16 * sb + 4 * c, 4) for sb in range(8) for c in range(4)]
+    if qtype in ("iq2_xs", "iq2_s", "iq1_m"):  # the x16 layout: d, the l bytes as two vectors, then the chunks from 80
+        return [(2 * r, 0, 2)] + [(16 + 32 * v + 4 * r, 2 + 4 * v, 4) for v in range(2)] + [
+            (80 + 128 * sb + 32 * c + 4 * r, 10 + 16 * sb + 4 * c, 4) for sb in range(8) for c in range(4)]
     if qtype == "q2_k":  # d, dmin, the scale bytes as four vectors, sixteen chunks of qs
         return [(2 * r, 80, 2), (16 + 2 * r, 82, 2)] + [(32 + 32 * v + 4 * r, 4 * v, 4) for v in range(4)] + [
             (160 + 32 * c + 4 * r, 16 + 4 * c, 4) for c in range(16)]
@@ -229,7 +232,7 @@ VNNI_SHAPES = [(64, 256), (40, 512), (40, 1024)]
 @pytest.mark.skipif("avx512" not in available_isas(),
                     reason="needs a CPU with AVX-512 VNNI (test_emulated_x8_vnni.py covers it on any CPU)")
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "iq4_nl", "iq4_xs",
-                                   "q2_k", "q3_k", "iq3_xxs", "iq3_s", "iq2_xxs", "iq1_s"])
+                                   "q2_k", "q3_k", "iq3_xxs", "iq3_s", "iq2_xxs", "iq1_s", "iq2_xs", "iq2_s", "iq1_m"])
 @pytest.mark.parametrize("extreme", [False, True])
 def test_vnni_x8_is_the_avx2_x8_bit_for_bit_natively(monkeypatch: pytest.MonkeyPatch, qtype: str, extreme: bool) -> None:
     for n, k in VNNI_SHAPES:
@@ -290,13 +293,13 @@ def test_interleaved_arguments_are_checked() -> None:
     qk = random_q4("mxfp4", 8, 256, seed=0)
     with pytest.raises(ValueError,
                        match="interleaved: only q8_0, q4_0, q4_1, q4_k, q5_k, q6_k, q5_0, q5_1, iq4_nl, iq4_xs, q2_k, q3_k, "
-                             "iq3_xxs, iq3_s, iq2_xxs, iq1_s, bf16 "
+                             "iq3_xxs, iq3_s, iq2_xxs, iq1_s, iq2_xs, iq2_s, iq1_m, bf16 "
                              "have an "
                              "interleaved layout, not mxfp4"):
         QuantizedWeight("mxfp4", qk.data, (8, 256), interleaved=True)
     with pytest.raises(RuntimeError, match="qtype must be a row-layout qtype with an x8 layout \\('q4_0', 'q4_1', "
                                            "'q4_k', 'q5_k', 'q6_k', 'q5_0', 'q5_1', 'iq4_nl', 'iq4_xs', 'q2_k', "
-                                           "'q3_k', 'iq3_xxs', 'iq3_s', 'iq2_xxs' or 'iq1_s'\\), "
+                                           "'q3_k', 'iq3_xxs', 'iq3_s', 'iq2_xxs', 'iq1_s', 'iq2_xs', 'iq2_s' or 'iq1_m'\\), "
                                            "got 'mxfp4'"):
         torch.ops.pagewire.interleave_q4(qk.data, "mxfp4")
     with pytest.raises(ValueError, match="interleaved: mxfp4 has no interleaved layout"):

@@ -18,8 +18,9 @@ from tests.pairwise import pairwise
 
 # (Q5_K and Q6_K: test_kquants.py; the last four: GGUF's lattice blocks rewritten by gguf_transcode.)
 Q4_TYPES = ["q4_0", "q4_1", "q4_k", "mxfp4", "q5_0", "q5_1", "iq4_nl", "iq4_xs", "q2_k", "q3_k", "iq3_xxs", "iq3_s",
-            "iq2_xxs", "iq1_s"]
-LATTICE = {"iq3_xxs": "IQ3_XXS", "iq3_s": "IQ3_S", "iq2_xxs": "IQ2_XXS", "iq1_s": "IQ1_S"}
+            "iq2_xxs", "iq1_s", "iq2_xs", "iq2_s", "iq1_m"]
+LATTICE = {"iq3_xxs": "IQ3_XXS", "iq3_s": "IQ3_S", "iq2_xxs": "IQ2_XXS", "iq1_s": "IQ1_S", "iq2_xs": "IQ2_XS",
+           "iq2_s": "IQ2_S", "iq1_m": "IQ1_M"}
 # A lattice-type weight's GGUF source blocks, for the `gguf` package's reference: by id of its data
 # tensor, with a weak reference that says the id is still that tensor's.
 _SOURCES: dict[int, tuple["weakref.ref[torch.Tensor]", np.ndarray]] = {}
@@ -40,7 +41,10 @@ def random_q4(qtype: str, n: int, k: int, seed: int, zero_rows: tuple[int, ...] 
     if qtype in LATTICE:  # the file's blocks, rewritten as the loader does
         source = random_k_blocks(n, k, LATTICE[qtype], seed).reshape(n, k // 256, -1)
         for r in zero_rows:
-            source[r, :, 0:2] = 0  # d = 0
+            if qtype == "iq1_m":  # d's nibbles: the top of its four scale words
+                source[r, :, 49:56:2] &= 0x0F
+            else:
+                source[r, :, 0:2] = 0  # d = 0
         source = source.reshape(n, -1)
         qw = QuantizedWeight.from_gguf_bytes(qtype, torch.from_numpy(transcode(LATTICE[qtype], source)), n, k)
         _SOURCES[id(qw.data)] = (weakref.ref(qw.data), source)
@@ -145,7 +149,8 @@ def test_linear_q4_matches_float64_reference(
                                      ("mxfp4", 352), ("mxfp4", 512), ("q5_0", 352), ("q5_1", 800),
                                      ("iq4_nl", 512), ("iq4_xs", 512), ("iq4_xs", 768),
                                      ("q2_k", 512), ("q2_k", 768), ("q3_k", 512), ("q3_k", 768),
-                                     ("iq3_xxs", 768), ("iq3_s", 512), ("iq2_xxs", 768), ("iq1_s", 512)])
+                                     ("iq3_xxs", 768), ("iq3_s", 512), ("iq2_xxs", 768), ("iq1_s", 512),
+                                     ("iq2_xs", 768), ("iq2_s", 512), ("iq1_m", 768)])
 def test_kernel_families_agree(cpu_isa: str, qtype: str, K: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same integer dot products: the SIMD kernel equals the portable one up to fp32 summation
     order. K = 352 and 800 (11 and 25 blocks) leave the AVX2 kernel's eight-block steps a tail
@@ -159,7 +164,7 @@ def test_kernel_families_agree(cpu_isa: str, qtype: str, K: int, monkeypatch: py
 
 
 @pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q4_k", "q6_k", "q8_0", "q5_0", "q5_1", "iq4_nl", "iq4_xs",
-                                   "q2_k", "q3_k", "iq3_xxs", "iq1_s"])
+                                   "q2_k", "q3_k", "iq3_xxs", "iq1_s", "iq2_s"])
 @pytest.mark.parametrize("interleave", [False, True])
 def test_bf16_rows_equal_the_fp32_kernel_rounded(cpu_isa: str, qtype: str, interleave: bool) -> None:
     """bf16 activations are widened and the fp32 results rounded inside the op (float_rows.h), not by
@@ -188,7 +193,8 @@ def test_bf16_rows_equal_the_fp32_kernel_rounded(cpu_isa: str, qtype: str, inter
 
 @pytest.mark.parametrize("qtype,K", [("q4_0", 352), ("q4_1", 800), ("q4_k", 768), ("q8_0", 800), ("mxfp4", 800),
                                      ("q5_0", 352), ("q5_1", 800), ("iq4_nl", 352), ("iq4_xs", 768),
-                                     ("q2_k", 768), ("q3_k", 768), ("iq3_s", 768), ("iq2_xxs", 768)])
+                                     ("q2_k", 768), ("q3_k", 768), ("iq3_s", 768), ("iq2_xxs", 768),
+                                     ("iq2_xs", 768), ("iq1_m", 768)])
 def test_rows_do_not_depend_on_the_batch(cpu_isa: str, qtype: str, K: int) -> None:
     """Deterministic mode: a row's output is bit-identical whatever the number of rows beside it
     (the kernels tile M in fours, twos and ones, and M = 1 takes its own weight-row tiling)."""
@@ -240,8 +246,8 @@ def test_bad_arguments_name_the_argument() -> None:
         torch.ops.pagewire.linear_q4(torch.randn(2, 64), q0.data[:, :30], "q4_0", None)
     with pytest.raises(RuntimeError, match="qtype must be 'q4_0', 'q4_1', 'q4_k', 'q5_k', 'q6_k', 'mxfp4', 'q5_0', "
                                            "'q5_1', 'iq4_nl', 'iq4_xs', 'q2_k', 'q3_k', 'iq3_xxs', 'iq3_s', 'iq2_xxs', "
-                                           "'iq1_s', 'q4_0x8', .*'iq1_sx8', got 'iq2_xs'"):
-        torch.ops.pagewire.linear_q4(torch.randn(2, 64), q0.data, "iq2_xs", None)
+                                           "'iq1_s', 'iq2_xs', 'iq2_s', 'iq1_m', 'q4_0x8', .*'iq1_mx8', got 'tq1_0'"):
+        torch.ops.pagewire.linear_q4(torch.randn(2, 64), q0.data, "tq1_0", None)
     with pytest.raises(RuntimeError, match="got 'mxfp4x8'"):  # MXFP4 has no x8 layout
         torch.ops.pagewire.linear_q4(torch.randn(2, 64), q0.data, "mxfp4x8", None)
     with pytest.raises(RuntimeError, match="bias must be"):

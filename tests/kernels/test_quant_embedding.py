@@ -67,7 +67,7 @@ def test_op_checks() -> None:
         torch.library.opcheck(torch.ops.pagewire.embedding_gguf.default, (ids, t.data, str(t.op_qtype), torch.bfloat16))
     t = table(Qtype.Q4_K)
     with pytest.raises(RuntimeError, match="qtype must be 'q8_0', 'q4_0'"):
-        torch.ops.pagewire.embedding_gguf(ids, t.data, "iq2_xs", torch.bfloat16)
+        torch.ops.pagewire.embedding_gguf(ids, t.data, "tq1_0", torch.bfloat16)
     with pytest.raises(RuntimeError, match="qtype 'mxfp4x8' has no x8 layout"):
         torch.ops.pagewire.embedding_gguf(ids, table(Qtype.Q5_K).data, "mxfp4x8", torch.bfloat16)
     with pytest.raises(RuntimeError, match="ids must be a CPU int64 tensor"):

@@ -1,5 +1,5 @@
 """--quantization gguf (a GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL/IQ4_XS/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/Q8_0 matrices kept in
-blocks, its IQ3_XXS/IQ3_S/IQ2_XXS/IQ1_S/TQ1_0/TQ2_0 ones rewritten exactly into blocks a kernel reads)
+blocks, its IQ3_XXS/IQ3_S/IQ2_XXS/IQ2_XS/IQ2_S/IQ1_S/IQ1_M/TQ1_0/TQ2_0 ones rewritten exactly into blocks a kernel reads)
 and int4 (Q4_0 at load): the model holds QuantizedWeights, and its logits track the same file loaded
 dequantised (prefill exactly, up to GEMM order; decode within the 8-bit activation rounding)."""
 from __future__ import annotations
@@ -49,7 +49,8 @@ def _assert_tracks(ours: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS",
-                                   "Q2_K", "Q3_K", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ1_S", "TQ2_0", "TQ1_0"])
+                                   "Q2_K", "Q3_K", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ1_S", "IQ2_XS", "IQ2_S", "IQ1_M",
+                                   "TQ2_0", "TQ1_0"])
 def test_gguf_blocks_kept_and_logits_track_the_dequantised_file(
     qtype: str, k_sized_model: Path, tmp_path: Path
 ) -> None:
@@ -78,18 +79,18 @@ def test_gguf_blocks_kept_and_logits_track_the_dequantised_file(
     _assert_tracks(_logits(kept, tokens), _logits(ref, tokens))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "Q5_1", "Q2_K", "IQ3_S", "IQ2_XS"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "Q5_1", "Q2_K", "IQ3_S", "IQ1_M", "F16"])
 def test_tied_table_is_the_lm_heads_blocks(qtype: str, tmp_path: Path) -> None:
     """A tied model's embedding rows are gathered from the lm_head's own QuantizedWeight (x8 on
     AVX2 CPUs): one copy of token_embd, and exactly the float loader's rows and logits' inputs. A
-    type without a kernel (IQ2_XS) keeps the float table, tied to a float lm_head."""
+    float table (F16) stays a float table, tied to a float lm_head."""
     hf = make_tiny_model(tmp_path / "tied", "llama", vocab_size=VOCAB, hidden_size=256, intermediate_size=512,
                          num_hidden_layers=1, tie_word_embeddings=True)
     path = write_gguf(tmp_path / f"{qtype}.gguf", hf, qtype)
     kept, _ = load_model(path, dtype="float32", keep_gguf_blocks=True)
     ref, _ = load_model(path, dtype="float32")
     assert ref.lm_head is ref.embed_tokens
-    if qtype == "IQ2_XS":
+    if qtype == "F16":
         assert isinstance(kept.embed_tokens, torch.Tensor) and kept.lm_head is kept.embed_tokens
         assert torch.equal(kept.embed_tokens, ref.embed_tokens)
         return

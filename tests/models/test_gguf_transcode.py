@@ -1,4 +1,5 @@
-"""server.models.gguf_transcode: GGUF's lattice (IQ3_XXS, IQ3_S, IQ2_XXS, IQ1_S) and ternary (TQ1_0,
+"""server.models.gguf_transcode: GGUF's lattice (IQ3_XXS, IQ3_S, IQ2_XXS, IQ1_S, IQ2_XS, IQ2_S, IQ1_M) and
+ternary (TQ1_0,
 TQ2_0) blocks rewritten into a kernel's format dequantise to the `gguf` package's values of the
 original blocks, bit for bit, whatever the codes, signs and scales."""
 from __future__ import annotations
@@ -12,7 +13,7 @@ from server.kernels.quant import QTYPES, QuantizedWeight
 from server.models.gguf_transcode import TRANSCODED, held_nbytes, transcode
 from tests.gguf_files import random_k_blocks
 
-LATTICE = ["IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ1_S"]
+LATTICE = ["IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ1_S", "IQ2_XS", "IQ2_S", "IQ1_M"]
 
 
 def source_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -48,8 +49,9 @@ def test_the_rewritten_blocks_hold_the_gguf_packages_values(type_name: str) -> N
 
 @pytest.mark.parametrize("type_name", LATTICE)
 def test_every_scale_and_extreme_codes_survive(type_name: str) -> None:
-    """Each block's sub-block scales set to one value 0..max (max: IQ1_S's 3 bits, the others' 4),
-    over random codes and signs: the sixteen-level tables and the 6-bit scale hold them all."""
+    """Each block's sub-block scales set to one value 0..max (max: IQ1_S's 3 bits, the others' 4;
+    IQ2_XS / IQ2_S: the two halves' l differ), over random codes and signs: the level tables and the
+    scales held hold them all."""
     src = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][1]
     raw = random_k_blocks(16, 256, type_name, seed=7).reshape(16, src)
     for i in range(16):
@@ -64,6 +66,12 @@ def test_every_scale_and_extreme_codes_survive(type_name: str) -> None:
             blk[2:66] = words.reshape(-1).view(np.uint8)
         elif type_name == "IQ3_S":
             blk[106:110] = i | i << 4
+        elif type_name in ("IQ2_XS", "IQ2_S"):  # a 4-bit l per 16 values, the block's last 8 bytes
+            blk[-8:] = i | (15 - i) << 4
+        elif type_name == "IQ1_M":  # four words of four 3-bit l under d's nibbles
+            words = blk[48:56].copy().view("<u2")
+            words = (words & 0xF000) | np.uint16((i % 8) | (7 - i % 8) << 3 | (i % 8) << 6 | (7 - i % 8) << 9)
+            blk[48:56] = words.view(np.uint8)
         else:
             qh = blk[34:50].copy().view("<u2")
             qh = (qh & 0x8FFF) | np.uint16((i % 8) << 12)
@@ -83,3 +91,4 @@ def test_stacked_experts_keep_their_leading_dimensions() -> None:
 def test_rows_that_are_not_whole_blocks_are_refused() -> None:
     with pytest.raises(ValueError, match=r"data: IQ2_XXS rows must be whole 66-byte blocks"):
         transcode("IQ2_XXS", np.zeros((2, 100), dtype=np.uint8))
+

@@ -90,9 +90,10 @@ def transcode(type_name: str, raw: np.ndarray) -> np.ndarray:
 @functools.cache
 def _code_table(type_name: str) -> np.ndarray:
     """uint8 [grid entries, sign patterns, values per entry]: the codes (into the type's _LEVELS) of
-    each grid entry under each pattern of its signs -- the eight sign bits of a ksigns index (IQ2_XXS:
-    128 of them), four sign bits (IQ3_XXS, IQ3_S: 16), or delta's sign (IQ1_S: 2). The grids are the
-    `gguf` package's, so its reading of llama.cpp's tables, not a second copy here."""
+    each grid entry under each pattern of its signs -- the eight sign bits of a ksigns index (IQ2_XXS,
+    IQ2_XS: 128 of them), eight sign bits as they are (IQ2_S: 256), four sign bits (IQ3_XXS, IQ3_S: 16),
+    or delta's sign (IQ1_S, whose table IQ1_M shares: 2). The grids are the `gguf` package's, so its
+    reading of llama.cpp's tables, not a second copy here."""
     from gguf import quants
 
     cls = getattr(quants, type_name)
@@ -105,7 +106,7 @@ def _code_table(type_name: str) -> np.ndarray:
     if type_name in ("IQ2_XXS", "IQ2_XS"):  # pattern: a ksigns index (7 bits and their parity)
         signs = np.frombuffer(quants.IQ2_XXS.ksigns, dtype=np.uint8)
     elif type_name == "IQ2_S":  # pattern: the eight sign bits themselves
-        signs = np.arange(256, dtype=np.uint16).astype(np.uint8)
+        signs = np.arange(256, dtype=np.uint8)
     else:
         signs = np.arange(16, dtype=np.uint8)
     neg = ((signs[:, None] >> np.arange(per, dtype=np.uint8)) & 1).astype(bool)[None]

@@ -70,10 +70,8 @@ void linear_q4x8_avx2(Q4Type t, const Q8SumActivations& x, const uint8_t* w, con
     run4<Q4Type::kQ5_0>(x, w, bias, out, ldo, N);
   } else if (t == Q4Type::kQ5_1) {
     run4<Q4Type::kQ5_1>(x, w, bias, out, ldo, N);
-  } else if (q_is_xs(t)) {  // IQ4_XS and the grid types held in its layout
+  } else if (q_is_xs(t) || q_is_x16(t)) {  // IQ4_XS's layout (and the types held in it) or its x16 form
     run_iq4xs(t, x, w, bias, out, ldo, N);
-  } else if (q_is_x16(t)) {  // IQ2_XS, IQ2_S and IQ1_M in the x16 layout
-    run_iq4x16(t, x, w, bias, out, ldo, N);
   } else {
     run4<Q4Type::kIQ4_NL>(x, w, bias, out, ldo, N);
   }

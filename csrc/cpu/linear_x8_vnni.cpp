@@ -43,10 +43,8 @@ void linear_q4x8_vnni(Q4Type t, const Q8SumActivations& x, const uint8_t* w, con
     run4<Q4Type::kQ5_1>(x, w, bias, out, ldo, N);
   } else if (t == Q4Type::kIQ4_NL) {
     run4<Q4Type::kIQ4_NL>(x, w, bias, out, ldo, N);
-  } else if (q_is_xs(t)) {  // IQ4_XS and the grid types held in its layout
+  } else if (q_is_xs(t) || q_is_x16(t)) {  // IQ4_XS's layout (and the types held in it) or its x16 form
     run_iq4xs(t, x, w, bias, out, ldo, N);
-  } else if (q_is_x16(t)) {  // IQ2_XS, IQ2_S and IQ1_M in the x16 layout
-    run_iq4x16(t, x, w, bias, out, ldo, N);
   } else if (t == Q4Type::kQ4_K) {
     linear_q4kx8_vnni(x, w, bias, out, ldo, N);  // the K-quants' own x8 kernels (x8k_body.h)
   } else if (t == Q4Type::kQ5_K) {

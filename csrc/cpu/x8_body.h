@@ -361,7 +361,19 @@ void for_each_group(int64_t M, int64_t K, int64_t N, int64_t group_bytes, const 
   team_for(units, N * K * M >= 65536, unit);  // team_kernel.h: a team's share, or a region
 }
 
-// Q5_0, Q5_1 and IQ4_NL (x8_q5nl_body.h): as run4 below, with q5nl::kMaxGroups groups a unit.
+// x8_q5nl_body.h's units over every group: q5nl::kMaxGroups groups a unit where pairs pay (as run4
+// below), else one.
+template <class Tile>
+void run_q5nl_units(const Q8SumActivations& x, int64_t N, int64_t group_bytes, const uint8_t* w, const float* bias,
+                    float* out, const Tile& tile) {
+  if (q5nl::kMaxGroups == 2 && x.M >= pair_min_rows() && N / kGroupRows >= 2 * team_threads()) {
+    for_each_group<q5nl::kMaxGroups>(x.M, x.K, N, group_bytes, w, bias, out, tile);
+  } else {
+    for_each_group<1>(x.M, x.K, N, group_bytes, w, bias, out, tile);
+  }
+}
+
+// Q5_0, Q5_1 and IQ4_NL (x8_q5nl_body.h group).
 template <Q4Type T>
 void run_q5nl(const Q8SumActivations& x, const float* xc, const uint8_t* w, const float* bias, float* out,
               int64_t ldo, int64_t N) {
@@ -370,51 +382,31 @@ void run_q5nl(const Q8SumActivations& x, const float* xc, const uint8_t* w, cons
 #if PAGEWIRE_X8_VNNI
   if constexpr (T == Q4Type::kIQ4_NL) xo = block_offsets(x.q, x.M, x.K);
 #endif
-  const auto tile = [&](auto mb, auto ng, int64_t m, const uint8_t* wg, const float* bg, float* og) {
+  run_q5nl_units(x, N, group_bytes, w, bias, out, [&](auto mb, auto ng, int64_t m, const uint8_t* wg, const float* bg,
+                                                      float* og) {
     q5nl::group<T, decltype(mb)::value, decltype(ng)::value>(x, xc, xo, m, wg, group_bytes, bg, og, ldo);
-  };
-  if (q5nl::kMaxGroups == 2 && x.M >= pair_min_rows() && N / kGroupRows >= 2 * team_threads()) {
-    for_each_group<q5nl::kMaxGroups>(x.M, x.K, N, group_bytes, w, bias, out, tile);
-  } else {
-    for_each_group<1>(x.M, x.K, N, group_bytes, w, bias, out, tile);
-  }
+  });
 }
 
-// IQ4_XS and the grid types held in its layout, type t (x8_q5nl_body.h group_xs): as run_q5nl, a
-// super-block of eight rows at a time.
+// IQ4_XS and the grid types held in its layout (group_xs), or the x16 layout's IQ2_XS, IQ2_S and
+// IQ1_M (group_x16; VNNI chains from 16-value spans): type t, a super-block of eight rows at a time.
 void run_iq4xs(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
                int64_t N) {
-  const int64_t group_bytes = kQ4Interleave * (x.K / kQ4_KBlock) * kIq4xsBlockBytes;
+  const bool x16 = q_is_x16(t);
+  const int64_t group_bytes = kQ4Interleave * (x.K / kQ4_KBlock) * q4_block_bytes(t);
   const int32_t* xo = nullptr;
 #if PAGEWIRE_X8_VNNI
-  xo = block_offsets(x.q, x.M, x.K);
+  xo = x16 ? block_offsets<16>(x.q, x.M, x.K) : block_offsets(x.q, x.M, x.K);
 #endif
-  const auto tile = [&](auto mb, auto ng, int64_t m, const uint8_t* wg, const float* bg, float* og) {
-    q5nl::group_xs<decltype(mb)::value, decltype(ng)::value>(t, x, xo, m, wg, group_bytes, bg, og, ldo);
-  };
-  if (q5nl::kMaxGroups == 2 && x.M >= pair_min_rows() && N / kGroupRows >= 2 * team_threads()) {
-    for_each_group<q5nl::kMaxGroups>(x.M, x.K, N, group_bytes, w, bias, out, tile);
-  } else {
-    for_each_group<1>(x.M, x.K, N, group_bytes, w, bias, out, tile);
-  }
-}
-
-// IQ2_XS, IQ2_S and IQ1_M in the x16 layout, type t (x8_q5nl_body.h group_x16): as run_iq4xs.
-void run_iq4x16(Q4Type t, const Q8SumActivations& x, const uint8_t* w, const float* bias, float* out, int64_t ldo,
-                int64_t N) {
-  const int64_t group_bytes = kQ4Interleave * (x.K / kQ4_KBlock) * kIq4x16BlockBytes;
-  const int32_t* xo = nullptr;
-#if PAGEWIRE_X8_VNNI
-  xo = block_offsets<16>(x.q, x.M, x.K);
-#endif
-  const auto tile = [&](auto mb, auto ng, int64_t m, const uint8_t* wg, const float* bg, float* og) {
-    q5nl::group_x16<decltype(mb)::value, decltype(ng)::value>(t, x, xo, m, wg, group_bytes, bg, og, ldo);
-  };
-  if (q5nl::kMaxGroups == 2 && x.M >= pair_min_rows() && N / kGroupRows >= 2 * team_threads()) {
-    for_each_group<q5nl::kMaxGroups>(x.M, x.K, N, group_bytes, w, bias, out, tile);
-  } else {
-    for_each_group<1>(x.M, x.K, N, group_bytes, w, bias, out, tile);
-  }
+  run_q5nl_units(x, N, group_bytes, w, bias, out, [&](auto mb, auto ng, int64_t m, const uint8_t* wg, const float* bg,
+                                                      float* og) {
+    constexpr int MB = decltype(mb)::value, NG = decltype(ng)::value;
+    if (x16) {
+      q5nl::group_x16<MB, NG>(t, x, xo, m, wg, group_bytes, bg, og, ldo);
+    } else {
+      q5nl::group_xs<MB, NG>(t, x, xo, m, wg, group_bytes, bg, og, ldo);
+    }
+  });
 }
 
 template <Q4Type T>

@@ -69,6 +69,9 @@ void bind_fast_calls(pybind11::module_& m) {
   f.def("linear_bf16x8", [](const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
     return linear_bf16x8_cpu(x, weight, bias);
   });
+  f.def("linear_bf16z", [](const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+    return linear_bf16z_cpu(x, weight, bias);
+  });
 }
 
 }  // namespace pagewire

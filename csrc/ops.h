@@ -57,6 +57,13 @@ at::Tensor deinterleave_bf16_cpu(const at::Tensor& weight);  // uint8 [N, 2K] ->
 at::Tensor linear_bf16x8_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 // ids int64 [...] -> bf16 [..., K]: F.embedding of the x8 weight's rows (a tied embedding table).
 at::Tensor embedding_bf16x8_cpu(const at::Tensor& ids, const at::Tensor& weight);
+// The packed bf16 layout (cpu/bf16z_layout.h: the x8 layout at 12.5 bits a value, lossless): a
+// uint8 [N, W] buffer. pack_bf16z: bf16 [N, K] (K % 16 == 0) -> the buffer; unpack_bf16z: the
+// buffer -> bf16 [N, K] (k: the weight's K, checked); linear_bf16z and embedding_bf16z as the x8 ops.
+at::Tensor pack_bf16z_cpu(const at::Tensor& weight);
+at::Tensor unpack_bf16z_cpu(const at::Tensor& weight, int64_t k);
+at::Tensor linear_bf16z_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+at::Tensor embedding_bf16z_cpu(const at::Tensor& ids, const at::Tensor& weight, int64_t k);
 
 // Q8_0 quantised weights (GGUF's block layout: per 32 values an fp16 scale and 32 int8), see
 // cpu/quant_kernel.h. weight: uint8 [N, K / 32 * 34].

@@ -103,6 +103,7 @@ at::Tensor run_parts(const at::Tensor& x, const at::Tensor& w, const c10::option
 
 // x @ w^T (+ b) by the path ops.linear would take: "kernel" (pagewire::linear), "torch"
 // (F.linear, i.e. at::linear), "bf16x8" (pagewire::linear_bf16x8: a bf16 weight in the x8 layout),
+// "bf16zx8" (pagewire::linear_bf16z: one packed, cpu/bf16z_layout.h),
 // "q8_0" / "q8_0x8" (pagewire::linear_q8_0, row or interleaved layout), or a qtype of pagewire::linear_q4 ("q4_0", ..., "iq4_nl",
 // "q4_0x8", ...: cpu::parse_q4_name), or "parts:..." (run_parts: row ranges in different
 // block formats). Also moe_decode's router and shared expert, and the hybrid layers' matrices.
@@ -114,6 +115,7 @@ at::Tensor run_linear_kind(const at::Tensor& x, const at::Tensor& w, const c10::
   if (kind == "q8_0") return linear_q8_0_cpu(x, w, b, false);
   if (kind == "q8_0x8") return linear_q8_0_cpu(x, w, b, true);
   if (kind == "bf16x8") return linear_bf16x8_cpu(x, w, b);
+  if (kind == "bf16zx8") return linear_bf16z_cpu(x, w, b);
   // Any other kind is a linear_q4 qtype (the 4-bit and K-quant formats), which checks the rest.
   cpu::Q4Type t;
   bool x8 = false;

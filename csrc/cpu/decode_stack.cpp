@@ -282,7 +282,7 @@ class DecodeStack : public torch::CustomClassHolder {
       const auto one = [](const std::string& k) {
         cpu::Q4Type t;
         bool x8 = false;
-        return k == "q8_0x8" || k == "bf16x8" || (cpu::parse_q4_name(k, &t, &x8) && x8);
+        return k == "q8_0x8" || k == "bf16x8" || k == "bf16zx8" || (cpu::parse_q4_name(k, &t, &x8) && x8);
       };
       // "parts:KIND*ROWS+...": linear_parts_region's shares are a team_region; each part one of the above.
       const auto x8 = [&](const std::string& k) {

@@ -36,6 +36,7 @@ class Qtype(StrEnum):
     # Not quantised: a bf16 matrix moved into the interleaved x8 layout (QuantizedWeight.from_bf16),
     # which the AVX2 bf16 kernel streams fastest; "blocks" of 16 values, 32 bytes.
     BF16 = "bf16"
+    BF16Z = "bf16z"  # bf16 packed losslessly at 12.5 bits a value (pack_bf16z, csrc/cpu/bf16z_layout.h)
 
 
 class LinearKind(StrEnum):
@@ -84,3 +85,4 @@ class LinearKind(StrEnum):
     IQ1_M = "iq1_m"
     IQ1_MX8 = "iq1_mx8"
     BF16X8 = "bf16x8"  # pagewire::linear_bf16x8
+    BF16ZX8 = "bf16zx8"  # pagewire::linear_bf16z

@@ -132,6 +132,8 @@ def embedding(ids: torch.Tensor, table: torch.Tensor | QuantizedWeight,
     if isinstance(table, QuantizedWeight):
         if table.qtype is Qtype.BF16:
             return torch.ops.pagewire.embedding_bf16x8(ids, table.data)
+        if table.qtype is Qtype.BF16Z:
+            return torch.ops.pagewire.embedding_bf16z(ids, table.data, table.shape[1])
         if dtype is None:
             raise ValueError(f"dtype: a {table.qtype} embedding table needs the dtype its rows come out in")
         return quant_embedding.gather_rows(table, ids, dtype)
@@ -194,7 +196,7 @@ def fixed_rule_takes_kernel(weight: torch.Tensor | QuantizedWeight, m: int) -> b
     AVX2 at every m, elsewhere up to LINEAR_KERNEL_MAX_M; fp32 never (F.linear outside
     deterministic mode). The autotune starts from this rule and keeps it unless timing says otherwise."""
     if isinstance(weight, QuantizedWeight):  # (an x8 bf16 weight: its op picks kernel or GEMM by M)
-        return m <= Q8_KERNEL_MAX_ROWS or weight.qtype is Qtype.BF16
+        return m <= Q8_KERNEL_MAX_ROWS or weight.is_bf16
     return weight.dtype == torch.bfloat16 and (BF16_KERNEL_EVERY_M or m <= LINEAR_KERNEL_MAX_M)
 
 
@@ -230,7 +232,7 @@ def _quant_kernel_path(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    if m <= Q8_KERNEL_MAX_ROWS or weight.qtype is Qtype.BF16:
+    if m <= Q8_KERNEL_MAX_ROWS or weight.is_bf16:
         out = weight.linear(x2, bias)
     else:
         out = weight.linear_rows(x2, bias)
@@ -240,7 +242,7 @@ def _quant_kernel_path(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[
 def _quant_gemm_path(x: torch.Tensor, weight: QuantizedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """Dequantise + ATen's GEMM at every row count (above Q8_KERNEL_MAX_ROWS the op does it itself,
     a chunk of weight rows at a time)."""
-    if x.numel() > Q8_KERNEL_MAX_ROWS * x.shape[-1] and weight.qtype is not Qtype.BF16:
+    if x.numel() > Q8_KERNEL_MAX_ROWS * x.shape[-1] and not weight.is_bf16:
         return _linear_quantized(x, weight, bias)
     return F.linear(x, weight.dequantize(x.dtype), bias)
 

@@ -148,6 +148,28 @@ def _linear_bf16x8_fake(x, weight, bias):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
+@torch.library.register_fake("pagewire::pack_bf16z")
+def _pack_bf16z_fake(weight):
+    # The buffer's width depends on the values (rare raw steps): an unbacked size.
+    width = torch.library.get_ctx().new_dynamic_size()
+    return weight.new_empty((weight.shape[0], width), dtype=torch.uint8)
+
+
+@torch.library.register_fake("pagewire::unpack_bf16z")
+def _unpack_bf16z_fake(weight, k):
+    return weight.new_empty((weight.shape[0], k), dtype=torch.bfloat16)
+
+
+@torch.library.register_fake("pagewire::embedding_bf16z")
+def _embedding_bf16z_fake(ids, weight, k):
+    return weight.new_empty((*ids.shape, k), dtype=torch.bfloat16)
+
+
+@torch.library.register_fake("pagewire::linear_bf16z")
+def _linear_bf16z_fake(x, weight, bias):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
 @torch.library.register_fake("pagewire::dequantize_q4")
 def _dequantize_q4_fake(weight, qtype):
     values, nbytes = _Q4_FORMATS[qtype]

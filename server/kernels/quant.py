@@ -25,6 +25,8 @@ without conversion by `from_gguf_bytes`; the container holds the blocks as a uin
     iq2_xs, iq2_s, iq1_m
            256           138          d*(2l+1)/8*levels[q] (the same with a 4-bit l per 16 values: the "x16" layout)
     bf16   16            32           the bf16 value itself (from_bf16: a float matrix moved, x8 only)
+    bf16z  (varies)      ~24          the bf16 value itself, packed losslessly at ~12.5 bits (pack_bf16:
+                                      csrc/cpu/bf16z_layout.h; AVX512-BF16 CPUs' decode reads 0.76x the bytes)
 
 Float weights are quantised at load with `quantize` (q8_0 and q4_0, GGUF's rounding, in C++).
 
@@ -96,13 +98,16 @@ QTYPES: dict[Qtype, BlockFormat] = {
     Qtype.IQ1_M: BlockFormat(256, 138),
     # bf16 in the x8 layout only (from_bf16): the same bytes as the bf16 matrix, moved.
     Qtype.BF16: BlockFormat(16, 32),
+    # bf16 packed (pack_bf16): a buffer whose size depends on the values (a rare step of 256 values
+    # stays 16-bit), so no fixed bytes per block (0).
+    Qtype.BF16Z: BlockFormat(16, 0),
 }
 
 # The formats with an interleaved layout (QuantizedWeight.for_kernels).
 INTERLEAVABLE: tuple[Qtype, ...] = (Qtype.Q8_0, Qtype.Q4_0, Qtype.Q4_1, Qtype.Q4_K, Qtype.Q5_K, Qtype.Q6_K, Qtype.Q5_0,
                                     Qtype.Q5_1, Qtype.IQ4_NL, Qtype.IQ4_XS, Qtype.Q2_K,
                                     Qtype.Q3_K, Qtype.IQ3_XXS, Qtype.IQ3_S, Qtype.IQ2_XXS, Qtype.IQ1_S,
-                                    Qtype.IQ2_XS, Qtype.IQ2_S, Qtype.IQ1_M, Qtype.BF16)
+                                    Qtype.IQ2_XS, Qtype.IQ2_S, Qtype.IQ1_M, Qtype.BF16, Qtype.BF16Z)
 
 # GGUF tensor type names (gguf.GGMLQuantizationType) -> the qtype that keeps them as they are (the
 # types rewritten into another qtype's blocks at load: server.models.gguf_transcode.TRANSCODED).
@@ -157,6 +162,11 @@ class QuantizedWeight:
         n, k = self.shape
         if k <= 0 or k % fmt.values != 0:
             raise ValueError(f"shape: K = {k} must be a positive multiple of {fmt.values} for {self.qtype}")
+        if self.qtype is Qtype.BF16Z:
+            if self.data.dtype != torch.uint8 or self.data.dim() != 2 or self.data.shape[0] != n or not self.interleaved:
+                raise ValueError(f"data: a bf16z weight is an interleaved uint8 [{n}, W] buffer (pack_bf16), got "
+                                 f"{self.data.dtype} {list(self.data.shape)}")
+            return
         want = (n, k // fmt.values * fmt.nbytes)
         if self.data.dtype != torch.uint8 or tuple(self.data.shape) != want:
             raise ValueError(f"data: expected uint8 {list(want)} for {self.qtype} {list(self.shape)}, "
@@ -200,6 +210,20 @@ class QuantizedWeight:
         return cls(Qtype.BF16, torch.ops.pagewire.interleave_bf16(weight.detach().cpu()), (n, k), interleaved=True)
 
     @classmethod
+    def pack_bf16(cls, weight: torch.Tensor) -> "QuantizedWeight":
+        """A bf16 matrix [N, K] (K a multiple of 16) packed losslessly (csrc/cpu/bf16z_layout.h): the
+        x8 layout with each value's high byte (sign and upper exponent) as a 4-bit code into its row's
+        16 most frequent, ~12.5 bits a value; a step of 256 values where some high byte is not in its
+        row's table stays 16-bit. pagewire::linear_bf16z gives pagewire::linear's floats, bit for bit,
+        on AVX512-BF16 CPUs, from 0.76x the bytes. Not a quantisation: unpacking gives the matrix back."""
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+            raise ValueError(f"weight: pack_bf16 takes a bf16 [N, K] matrix, got {weight.dtype} {list(weight.shape)}")
+        n, k = int(weight.shape[0]), int(weight.shape[1])
+        if n <= 0 or k <= 0 or k % 16:
+            raise ValueError(f"shape: K = {k} must be a positive multiple of 16 (and N > 0) for the packed bf16 layout")
+        return cls(Qtype.BF16Z, torch.ops.pagewire.pack_bf16z(weight.detach().cpu()), (n, k), interleaved=True)
+
+    @classmethod
     def from_q8_0_bytes(cls, raw: torch.Tensor, n: int, k: int) -> "QuantizedWeight":
         """`from_gguf_bytes` for Q8_0."""
         return cls.from_gguf_bytes(Qtype.Q8_0, raw, n, k)
@@ -232,6 +256,11 @@ class QuantizedWeight:
             data = torch.ops.pagewire.interleave_q4(self.data, self.qtype)
         return QuantizedWeight(self.qtype, data, self.shape, interleaved=True)
 
+    @property
+    def is_bf16(self) -> bool:
+        """bf16 values (x8 or packed), not a quantisation: their op takes any row count itself."""
+        return self.qtype is Qtype.BF16 or self.qtype is Qtype.BF16Z
+
     @functools.cached_property
     def op_qtype(self) -> LinearKind:
         """The format and layout as the C++ ops name them: the qtype, with "x8" when interleaved
@@ -245,6 +274,8 @@ class QuantizedWeight:
         """The represented weight [N, K] in `dtype` (exact in float32, as GGUF computes it)."""
         if self.qtype is Qtype.BF16:
             return torch.ops.pagewire.deinterleave_bf16(self.data).to(dtype)
+        if self.qtype is Qtype.BF16Z:
+            return torch.ops.pagewire.unpack_bf16z(self.data, self.shape[1]).to(dtype)
         if self.qtype is Qtype.Q8_0:
             return torch.ops.pagewire.dequantize_q8_0(self.data, self.interleaved).to(dtype)
         return torch.ops.pagewire.dequantize_q4(self.data, self.op_qtype).to(dtype)
@@ -254,11 +285,15 @@ class QuantizedWeight:
         if x.is_cpu:  # server._C.fast: the ops' CPU code without the dispatcher (csrc/fast_calls.cpp)
             if self.qtype is Qtype.BF16:
                 return _fast.linear_bf16x8(x, self.data, bias)
+            if self.qtype is Qtype.BF16Z:
+                return _fast.linear_bf16z(x, self.data, bias)
             if self.qtype is Qtype.Q8_0:
                 return _fast.linear_q8_0(x, self.data, bias, self.interleaved)
             return _fast.linear_q4(x, self.data, self.op_qtype, bias)
         if self.qtype is Qtype.BF16:
             return torch.ops.pagewire.linear_bf16x8(x, self.data, bias)
+        if self.qtype is Qtype.BF16Z:
+            return torch.ops.pagewire.linear_bf16z(x, self.data, bias)
         if self.qtype is Qtype.Q8_0:
             return torch.ops.pagewire.linear_q8_0(x, self.data, bias, self.interleaved)
         return torch.ops.pagewire.linear_q4(x, self.data, self.op_qtype, bias)
@@ -267,7 +302,7 @@ class QuantizedWeight:
         """As linear, but the integer kernel at every row count: above KERNEL_MAX_ROWS rows in blocks
         of that many (each row's floats those of a call with its block alone), where linear
         dequantises and runs ATen's GEMM. One call into one output on CPU; elsewhere a linear per block."""
-        if x.is_cpu and self.qtype is not Qtype.BF16:
+        if x.is_cpu and not self.is_bf16:
             if self.qtype is Qtype.Q8_0:
                 return _fast.linear_q8_0_rows(x, self.data, bias, self.interleaved)
             return _fast.linear_q4_rows(x, self.data, self.op_qtype, bias)

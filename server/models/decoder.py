@@ -315,26 +315,31 @@ class DecoderForCausalLM(nn.Module):
         _replace_with_quantized(self, "lm_head", qtype)
         self._forget_kinds()  # the layers' linear kinds changed
 
-    def interleave_bf16(self) -> None:
+    def interleave_bf16(self, pack: bool = True) -> None:
         """On CPUs whose kernels are a family of BF16_X8_MAX_K (AVX2, AVX512-BF16), move every bf16
         decoder matrix and the lm_head with rows of at most its width into the x8 layout
         (QuantizedWeight.from_bf16), which pagewire::linear_bf16x8 streams as one sequence: the same
         floats as the family's row-layout kernel, bit for bit, at up to 1.6x its decode bandwidth
         (bench/RESULTS.md: AVX2 on short rows, session 18; AVX512-BF16, session 25). The memory is the same: each
         matrix is moved, not copied. A tied lm_head is the embedding table: the table itself is
-        moved, and linear_route.embedding gathers its rows from it. (AMX CPUs keep the row layout.)"""
+        moved, and linear_route.embedding gathers its rows from it. (AMX CPUs keep the row layout.)
+
+        With `pack`, on the families of BF16_PACKED (AVX512-BF16) each matrix is packed losslessly
+        instead (QuantizedWeight.pack_bf16: ~12.5 bits a value, the same floats bit for bit), where
+        that saves at least PACK_MIN_SAVING of its bytes: single-stream decode reads 0.76x the bytes."""
         isa = cpu_isa()
         if self.device.type != "cpu" or self.dtype != torch.bfloat16 or isa not in BF16_X8_MAX_K:
             return
         max_k = BF16_X8_MAX_K[isa]
+        packed = pack and isa in BF16_PACKED
         for layer in self._layers:
             if isinstance(layer, DecoderLayer):
                 for name in layer.MATRICES:
-                    _replace_with_bf16x8(layer, name, max_k)
+                    _replace_with_bf16x8(layer, name, max_k, packed)
         if self.lm_head is not self.embed_tokens:
-            _replace_with_bf16x8(self, "lm_head", max_k)
+            _replace_with_bf16x8(self, "lm_head", max_k, packed)
         else:  # tied: one moved table, its rows gathered by linear_route.embedding, the whole projected by lm_head
-            _replace_with_bf16x8(self, "embed_tokens", max_k)
+            _replace_with_bf16x8(self, "embed_tokens", max_k, packed)
             self._parameters.pop("lm_head", None)  # (registered under both names when tied)
             self.lm_head = self.embed_tokens
         self._forget_kinds()  # the layers' linear kinds changed
@@ -410,18 +415,32 @@ class DecoderForCausalLM(nn.Module):
 # 0.76-1.25x at two rows, 0.92-1.22x at four and 5-20 % on prefill chunks of 256-512 rows
 # (session 25). AMX CPUs keep the row layout, which their tile kernels read from 4 rows.
 BF16_X8_MAX_K: dict[str, int] = {"avx2": 1024, "avx512bf16": 1 << 62}
+# The kernel families that pack bf16 matrices (pagewire::linear_bf16z has an AVX512-BF16 kernel only;
+# elsewhere its op unpacks). On a Zen 4 the packed kernel took 0.61-0.80x the x8 kernel's time on
+# 2048-5632-wide matrices from memory at one to four rows, and 0.94-1.14x at eight, where a step no
+# longer waits on memory alone (bench/RESULTS.md, session 46).
+BF16_PACKED: tuple[str, ...] = ("avx512bf16",)
+# Pack a matrix only where that saves at least this share of its bytes (a matrix of values spread
+# over more than ~15 binades per row keeps many 16-bit steps).
+PACK_MIN_SAVING = 0.1
 
 
-def _replace_with_bf16x8(module: nn.Module, name: str, max_k: int) -> None:
+def _replace_with_bf16x8(module: nn.Module, name: str, max_k: int, pack: bool = False) -> None:
     """module.<name>, a bf16 matrix, becomes its x8 QuantizedWeight where the layout applies and
-    pays (at least one group of eight rows, K a multiple of 16 and at most max_k); anything else
-    stays as it is."""
+    pays (at least one group of eight rows, K a multiple of 16 and at most max_k), packed with
+    `pack` where that saves PACK_MIN_SAVING; anything else stays as it is."""
     weight = getattr(module, name)
     if (not isinstance(weight, torch.Tensor) or weight.dtype != torch.bfloat16 or weight.dim() != 2
             or weight.shape[0] < 8 or weight.shape[1] == 0 or weight.shape[1] % 16
             or weight.shape[1] > max_k):
         return
-    moved = QuantizedWeight.from_bf16(weight)
+    moved = None
+    if pack:
+        moved = QuantizedWeight.pack_bf16(weight)
+        if moved.nbytes > (1 - PACK_MIN_SAVING) * weight.numel() * 2:
+            moved = None
+    if moved is None:
+        moved = QuantizedWeight.from_bf16(weight)
     module._parameters.pop(name, None)  # as _replace_with_quantized: the row-layout matrix is freed
     setattr(module, name, moved)
 

@@ -62,8 +62,9 @@ class CausalLM(Protocol):
     def quantize_weights(self, quantization: str) -> None:
         ...
 
-    def interleave_bf16(self) -> None:
-        """Move bf16 decoder matrices into the layout this CPU's bf16 kernel streams fastest."""
+    def interleave_bf16(self, pack: bool = True) -> None:
+        """Move bf16 decoder matrices into the layout this CPU's bf16 kernel streams fastest (with
+        `pack`, packed losslessly where that kernel family reads the packed layout)."""
 
     def linear_weights(self) -> "list[tuple[str, torch.Tensor | QuantizedWeight | QuantizedParts]]":
         ...

@@ -1,5 +1,6 @@
 """DecoderForCausalLM.interleave_bf16: on AVX2 and AVX512-BF16 CPUs a bf16 model's decoder matrices (and its lm_head,
-or its tied embedding table, which then serves both ends) move into the x8 layout. The move must not
+or its tied embedding table, which then serves both ends) move into the x8 layout, and on AVX512-BF16
+with `pack` into the packed layout (~12.5 bits a value, lossless). Neither may
 change a single float: the same logits and KV bytes as the row-layout model, through the fused
 decode_layer and the Python layers, prefill chunks and decodes, tied and untied; and it must leave
 models it does not apply to (fp32, CPUs whose family is not AVX2) as they were."""
@@ -12,7 +13,7 @@ import torch
 
 from server.kernels import ops
 from server.kernels.quant import QuantizedWeight
-from server.models.decoder import BF16_X8_MAX_K, DecoderForCausalLM
+from server.models.decoder import BF16_PACKED, BF16_X8_MAX_K, DecoderForCausalLM
 from server.models.loader import load_model
 from tests.models.paged_harness import VOCAB, PagedRun, random_tokens
 from tests.tiny_models import make_tiny_model
@@ -35,22 +36,25 @@ def _run(model: DecoderForCausalLM, fused: bool) -> tuple[list[dict[int, torch.T
 
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("fused", [True, False])
-def test_moved_matrices_give_the_same_floats(tmp_path: Path, tied: bool, fused: bool) -> None:
-    path = make_tiny_model(tmp_path / "m", "qwen2", vocab_size=VOCAB, hidden_size=64, intermediate_size=160,
+@pytest.mark.parametrize("pack", [False, True])
+def test_moved_matrices_give_the_same_floats(tmp_path: Path, tied: bool, fused: bool, pack: bool) -> None:
+    path = make_tiny_model(tmp_path / "m", "qwen2", vocab_size=VOCAB, hidden_size=128, intermediate_size=160,
                            num_hidden_layers=2, tie_word_embeddings=tied)
     plain, _ = load_model(path, dtype="bfloat16")
     moved, _ = load_model(path, dtype="bfloat16")
     assert isinstance(moved, DecoderForCausalLM)
-    moved.interleave_bf16()
+    moved.interleave_bf16(pack=pack)
+    # K = 128 and 160 rows pack to 0.82-0.84x their bytes, over PACK_MIN_SAVING
+    kind = "bf16zx8" if pack and ops.cpu_isa() in BF16_PACKED else "bf16x8"
     layer = moved._layers[0]
     for name in layer.MATRICES:
         w = getattr(layer, name)
-        assert isinstance(w, QuantizedWeight) and w.op_qtype == "bf16x8", name
+        assert isinstance(w, QuantizedWeight) and w.op_qtype == kind, name
         assert name not in dict(layer.named_parameters())  # moved, not copied
-    assert isinstance(moved.lm_head, QuantizedWeight)
+    assert isinstance(moved.lm_head, QuantizedWeight) and moved.lm_head.op_qtype == kind
     assert (moved.lm_head is moved.embed_tokens) == tied
     if fused:
-        assert moved._layers[0].linear_kinds(torch.bfloat16, 1) == ("bf16x8",) * 4
+        assert moved._layers[0].linear_kinds(torch.bfloat16, 1) == (kind,) * 4
     want, run_p = _run(plain, fused)
     got, run_m = _run(moved, fused)
     for a, b in zip(want, got):

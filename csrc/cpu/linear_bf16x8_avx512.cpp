@@ -225,8 +225,8 @@ inline void unpack_pair(const uint8_t* p, int q, __m512i table, __m512i& wa, __m
   const __m512i lo = _mm512_loadu_si512(p + q * 64);
   const __m512i codes =
       _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + bf16z::kCodesAt + q * 32)));
-  const __m512i idx =
-      _mm512_and_si512(_mm512_mask_srli_epi16(codes, 0xFFFF0000u, codes, 4), _mm512_set1_epi8(0x0F));
+  const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  const __m512i idx = _mm512_and_si512(_mm512_srlv_epi16(codes, shift), _mm512_set1_epi8(0x0F));
   const __m512i hi = _mm512_shuffle_epi8(table, idx);
   wa = _mm512_unpacklo_epi8(lo, hi);
   wb = _mm512_unpackhi_epi8(lo, hi);

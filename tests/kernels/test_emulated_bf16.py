@@ -92,3 +92,31 @@ def test_x8_kernel_gives_the_row_layout_kernels_bits(lib: ctypes.CDLL, N: int, K
         for bias in (None, b):
             got, want = run_x8(lib, x, w, bias), run(lib, x, w, bias)
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (M, bias is None)
+
+
+@pytest.mark.parametrize("N,K", [(8, 16), (21, 48), (45, 208), (7, 32), (9, 2096)])
+def test_packed_kernel_gives_the_row_layout_kernels_bits(lib: ctypes.CDLL, N: int, K: int) -> None:
+    """The packed layout (pack_bf16z): one to four x rows straight from the packed bytes, more from
+    an unpacked copy of each group, steps left 16-bit where a value's high byte is not in its row's
+    table; and the groups unpacked back to row layout bit for bit."""
+    gen = torch.Generator().manual_seed(N * 7 + K)
+    w = torch.randn((N, K), generator=gen).bfloat16()
+    w.view(-1)[:: 37] = torch.tensor(1e-30).bfloat16()  # far-off values: some steps stay raw
+    w.view(-1)[5:: 53] = torch.tensor(-3e25).bfloat16()
+    b = torch.randn((N,), generator=gen).bfloat16()
+    packed = np.ascontiguousarray(torch.ops.pagewire.pack_bf16z(w).numpy())
+    p8 = packed.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+    groups = N // 8
+    rows = np.zeros((groups * 8, K), np.uint16)
+    lib.pw_unpack_bf16z_avx512(p8, ctypes.c_int64(groups), rows.ctypes.data_as(U16))
+    assert np.array_equal(rows, bits(w[: groups * 8]))
+    for M in (1, 2, 3, 4, 5, 8, 13):
+        x = torch.randn((M, K), generator=gen).bfloat16()
+        for bias in (None, b):
+            got = np.zeros((M, N), np.uint16)
+            bb = bits(bias) if bias is not None else None
+            lib.pw_linear_bf16z_avx512(bits(x).ctypes.data_as(U16), p8,
+                                       bb.ctypes.data_as(U16) if bb is not None else None,
+                                       got.ctypes.data_as(U16), ctypes.c_int64(M), ctypes.c_int64(N), ctypes.c_int64(K))
+            want = run(lib, x, w, bias)
+            assert np.array_equal(got, bits(want)), (M, bias is None)

@@ -8,7 +8,8 @@ turn through PAGEWIRE_CPU_ISA), each in ms, GB/s of K+V read and GFLOP/s, with i
 SDPA (> 1: faster than SDPA) and the best family's speedup over it.
 
 `linear` prints, per weight shape and row count M: the pagewire bf16 kernel on the row layout and
-(AVX2 and AVX512-BF16 CPUs) on the x8 layout the engine keeps there, torch's F.linear on the same bf16 weight, the
+(AVX2 and AVX512-BF16 CPUs) on the x8 layout, and packed (AVX512-BF16: what the engine keeps
+there), torch's F.linear on the same bf16 weight, the
 path ops.linear takes under an autotune table tuned on the kept layout (`chosen`, with its ratio to
 the fastest of them, flagged above 1.2x), and the Q8_0 kernel (int8 blocks, 34 bytes per 32
 weights), each in ms and in GB/s of weight bytes read, against the plain read bandwidth measured at
@@ -48,7 +49,7 @@ import torch.nn.functional as F
 from bench.bandwidth import last_level_cache_mib, read_bandwidth_gbs
 from server.kernels import linear_route, ops
 from server.kernels.quant import INTERLEAVABLE, QTYPES, Qtype, QuantizedWeight
-from server.models.decoder import BF16_X8_MAX_K
+from server.models.decoder import BF16_PACKED, BF16_X8_MAX_K
 from tests.kernels.paged_reference import make_paged_batch
 
 REPEAT = 20
@@ -214,10 +215,11 @@ def bench_linear() -> None:
         first_q = QuantizedWeight.quantize(first_w)
         qweights = [first_q] + [QuantizedWeight(first_q.qtype, first_q.data.clone(), first_q.shape) for _ in weights[1:]]
         # What the engine keeps: on AVX2 and AVX512-BF16 CPUs the x8 layout where it pays
-        # (DecoderForCausalLM.interleave_bf16, BF16_X8_MAX_K).
+        # (DecoderForCausalLM.interleave_bf16, BF16_X8_MAX_K), packed on AVX512-BF16 (BF16_PACKED).
         x8s = ([QuantizedWeight.from_bf16(w) for w in weights]
                if K <= BF16_X8_MAX_K.get(ops.cpu_isa(), 0) else [])
-        kept: list = x8s or weights
+        zs = [QuantizedWeight.pack_bf16(w) for w in weights] if x8s and ops.cpu_isa() in BF16_PACKED else []
+        kept: list = zs or x8s or weights
         table = autotune.tune([autotune.Site("w", kept[0], dtype)], budget_s=30.0, log=False)
         step = iter(range(1 << 60))
         base = None
@@ -231,21 +233,26 @@ def bench_linear() -> None:
             }
             if x8s:
                 fns["x8"] = lambda: linear_route._quant_kernel_path(x, x8s[next(step) % copies], None)
+            if zs:
+                fns["packed"] = lambda: linear_route._quant_kernel_path(x, zs[next(step) % copies], None)
             contexts = {"chosen": lambda: autotune.active(table)}
             t = streamed_together(fns, contexts)
             ours, ref, chosen, q8 = t["ours"], t["ref"], t["chosen"], t["q8"]
             x8 = t.get("x8", float("inf"))
+            z = t.get("packed", float("inf"))
             base = base or ours
             mb, qmb = N * K * 2 / 1e6, N * K * 34 / 32 / 1e6
-            ratio = first = chosen / min(ours, ref, x8)
+            ratio = first = chosen / min(ours, ref, x8, z)
             if ratio > 1.2:  # a flagged case is re-timed, the two paths alone (retimed_ratio)
-                best = min(("ours", "ref", "x8"), key=lambda k: t.get(k, float("inf")))
+                best = min(("ours", "ref", "x8", "packed"), key=lambda k: t.get(k, float("inf")))
                 ratio = retimed_ratio(fns, "chosen", best, contexts)
             worst = max(worst, ratio)
             x8_text = f"   x8 {x8:7.3f} ms ({mb / x8:5.1f} GB/s, {ours / x8:4.2f}x rows)" if x8s else ""
+            if zs:  # (GB/s of the bf16 bytes the packed weight stands for)
+                x8_text += f"   packed {z:7.3f} ms ({mb / z:5.1f} GB/s, {x8 / z:4.2f}x x8)"
             print(f"N={N:6d} K={K:5d} M={M:3d}  kernel {ours:7.3f} ms ({mb / ours:5.1f} GB/s, "
                   f"{ours / base:4.2f}x M=1){x8_text}   torch {ref:7.3f} ms ({mb / ref:5.1f} GB/s)   "
-                  f"speedup {ref / min(ours, x8):5.2f}x"
+                  f"speedup {ref / min(ours, x8, z):5.2f}x"
                   f"   chosen {chosen:7.3f} ms = {ratio:4.2f}x best"
                   f"{f' (first pass {first:4.2f}x, re-timed)' if first > 1.2 else ''}{'  > 1.2x' if ratio > 1.2 else ''}"
                   f"   q8_0 {q8:7.3f} ms ({qmb / q8:5.1f} GB/s, {ours / q8:4.2f}x bf16)")

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "bf16z_layout.h"  // (before the target switch: its inline functions are shared with baseline files)
@@ -247,7 +248,7 @@ inline void load_tables(const bf16z::Group& G, __m512i (&table)[4]) {
 // Steps are 384 or 512 bytes, so the stream is prefetched by each step's own size.
 template <int MB>
 inline void packed_tile(const uint16_t* x, int64_t ldx, const bf16z::Group& G, int64_t K, const uint16_t* bias,
-                        uint16_t* out, int64_t ldo) {
+                        uint16_t* out, int64_t ldo, uint16_t* keep = nullptr) {
   __m512 acc[MB][4][2];
   start_acc<MB>(acc, 0, nullptr);
   __m512i table[4];
@@ -273,6 +274,10 @@ inline void packed_tile(const uint16_t* x, int64_t ldx, const bf16z::Group& G, i
       } else {
         unpack_pair(p, q, table[q], wa, wb);
       }
+      if (keep != nullptr) {  // the x8 copy later tiles read
+        _mm512_storeu_si512(keep + (2 * s * kRows + 2 * q) * 16, wa);
+        _mm512_storeu_si512(keep + ((2 * s + 1) * kRows + 2 * q) * 16, wb);
+      }
       for (int m = 0; m < MB; ++m) {
         acc[m][q][0] = _mm512_dpbf16_ps(acc[m][q][0], x0[m], (__m512bh)wa);
         acc[m][q][1] = _mm512_dpbf16_ps(acc[m][q][1], x1[m], (__m512bh)wb);
@@ -280,7 +285,10 @@ inline void packed_tile(const uint16_t* x, int64_t ldx, const bf16z::Group& G, i
     }
     p += bytes;
   }
-  if (c1 % 2) odd_chunk<MB>(acc, x, ldx, reinterpret_cast<const uint16_t*>(p), c1 - 1);
+  if (c1 % 2) {
+    odd_chunk<MB>(acc, x, ldx, reinterpret_cast<const uint16_t*>(p), c1 - 1);
+    if (keep != nullptr) std::memcpy(keep + (c1 - 1) * kChunkValues, p, kChunkValues * 2);
+  }
   finish_acc<MB>(acc, bias, out, ldo);
 }
 
@@ -356,18 +364,20 @@ namespace bf16z {
 // Rows up to which the packed kernel reads the packed bytes straight, two x rows a pass (each pass
 // after the first from L1 / L2). On the Zen 4 (2 cores), against the x8 kernel on the same matrix
 // from memory, 2048-5632 x 2048-5632: 0.72-0.84x the time at one row, 0.61-0.70x at two, 0.75-0.84x
-// at three and four; at six rows this way 0.87-1.04x and at eight 1.04-1.22x, where unpacking the
-// group once and running the x8 tiles took 0.85-1.00x and 0.93-1.13x (bench/RESULTS.md, session 46).
+// at three and four; at six rows this way 0.87-1.04x and at eight 1.04-1.22x. More rows: the first
+// pair's pass also stores the unpacked group as an x8 copy (in L1 / L2), and the x8 tiles take the
+// other rows from it: 0.95-1.19x the x8 kernel's time from 8 to 64 rows, where unpacking in a pass
+// of its own took 1.04-1.25x and spans of 32-128 chunks (parked accumulators) 1.0-1.9x
+// (bench/RESULTS.md, session 46).
 constexpr int64_t kPackedDirectRows = 4;
 
 void linear_bf16z_avx512(const uint16_t* x, int64_t ldx, const uint8_t* packed, const uint16_t* bias, uint16_t* out,
                          int64_t ldo, int64_t M) {
   const Header& h = header(packed);
   const int64_t N = h.n, K = h.k, groups = h.groups;
-  // The unpacked group is never split in K spans: spans of 32-128 chunks cost 1.0-1.9x the time of
-  // whole groups at 6-32 rows (their accumulators parked and resumed), and a whole group of K = 5632
-  // (88 KiB) still sits in L2.
-  const Passes P(M, K, K, K);
+  // The x8 tiles after the first pair (never split in K spans: a whole group of K = 5632, 88 KiB,
+  // still sits in L2).
+  const Passes P(M - 2, K, K, K);
   team_for(groups, N * K * M >= 65536, [&](int64_t gi) {
     const Group G(packed, gi, K);
     const uint16_t* b = bias != nullptr ? bias + gi * kRows : nullptr;
@@ -381,16 +391,17 @@ void linear_bf16z_avx512(const uint16_t* x, int64_t ldx, const uint8_t* packed, 
       }
       return;
     }
-    // Several tiles: the group unpacked once into this thread's x8 copy of it (in L1 / L2), which
-    // the x8 tiles then read as linear_bf16x8_avx512 reads a group, fetching the next group's packed
-    // bytes into L2 meanwhile (else the unpack waits on memory with the tiles idle).
+    // More rows: the first pair's pass unpacks the group into this thread's x8 copy of it (in L1 /
+    // L2), which the x8 tiles then read for the other rows as linear_bf16x8_avx512 reads a group,
+    // fetching the next group's packed bytes into L2 meanwhile (else the next first pass waits on
+    // memory).
     thread_local std::vector<uint16_t> group;
     if (static_cast<int64_t>(group.size()) < kRows * K) group.resize(kRows * K);
-    unpack_span(G, K, 0, P.chunks, group.data(), false);
+    packed_tile<2>(x, ldx, G, K, b, out + gi * kRows, ldo, group.data());
     const bool last = gi + 1 == groups;
     const uint8_t* next = packed + (last ? h.total : group_at(packed)[gi + 1]);
     const int64_t next_bytes = last ? 0 : (G.steps - G.tables) + P.chunks / 2 * kPackedStepBytes;
-    span_tiles(P, x, ldx, group.data(), K, 0, P.chunks, nullptr, b, out + gi * kRows, ldo, false,
+    span_tiles(P, x + 2 * ldx, ldx, group.data(), K, 0, P.chunks, nullptr, b, out + 2 * ldo + gi * kRows, ldo, false,
                reinterpret_cast<const char*>(next), next_bytes);
   });
   const int64_t done = groups * kRows;

@@ -103,7 +103,7 @@ class LLMEngine:
             self.model.quantize_weights(config.quantization)
         # bf16 matrices into the x8 layout (AVX2, AVX512-BF16; moved, not copied), packed losslessly on
         # AVX512-BF16 unless $PAGEWIRE_PACK_BF16=0 (the same floats from 0.76x the bytes).
-        self.model.interleave_bf16(pack=os.environ.get("PAGEWIRE_PACK_BF16", "1") != "0")
+        self.model.interleave_bf16()
         hugepages.pack_weights(self.model, "model")  # into one mapping on 2 MB pages (moved, not copied)
         self.tokenizer = load_tokenizer(config.model)
         mc = self.model_config

@@ -16,7 +16,8 @@ the final norm and lm_head, and the model-wide weight moves (quantisation, the x
 """
 from __future__ import annotations
 
-from typing import cast
+import os
+from typing import Optional, cast
 
 import torch
 from torch import nn
@@ -315,7 +316,7 @@ class DecoderForCausalLM(nn.Module):
         _replace_with_quantized(self, "lm_head", qtype)
         self._forget_kinds()  # the layers' linear kinds changed
 
-    def interleave_bf16(self, pack: bool = True) -> None:
+    def interleave_bf16(self, pack: Optional[bool] = None) -> None:
         """On CPUs whose kernels are a family of BF16_X8_MAX_K (AVX2, AVX512-BF16), move every bf16
         decoder matrix and the lm_head with rows of at most its width into the x8 layout
         (QuantizedWeight.from_bf16), which pagewire::linear_bf16x8 streams as one sequence: the same
@@ -324,9 +325,12 @@ class DecoderForCausalLM(nn.Module):
         matrix is moved, not copied. A tied lm_head is the embedding table: the table itself is
         moved, and linear_route.embedding gathers its rows from it. (AMX CPUs keep the row layout.)
 
-        With `pack`, on the families of BF16_PACKED (AVX512-BF16) each matrix is packed losslessly
-        instead (QuantizedWeight.pack_bf16: ~12.5 bits a value, the same floats bit for bit), where
-        that saves at least PACK_MIN_SAVING of its bytes: single-stream decode reads 0.76x the bytes."""
+        With `pack` (None: unless $PAGEWIRE_PACK_BF16=0), on the families of BF16_PACKED
+        (AVX512-BF16) each matrix is packed losslessly instead (QuantizedWeight.pack_bf16: ~12.5 bits
+        a value, the same floats bit for bit), where that saves at least PACK_MIN_SAVING of its bytes:
+        single-stream decode reads 0.76x the bytes."""
+        if pack is None:
+            pack = os.environ.get("PAGEWIRE_PACK_BF16", "1") != "0"
         isa = cpu_isa()
         if self.device.type != "cpu" or self.dtype != torch.bfloat16 or isa not in BF16_X8_MAX_K:
             return
@@ -416,9 +420,9 @@ class DecoderForCausalLM(nn.Module):
 # (session 25). AMX CPUs keep the row layout, which their tile kernels read from 4 rows.
 BF16_X8_MAX_K: dict[str, int] = {"avx2": 1024, "avx512bf16": 1 << 62}
 # The kernel families that pack bf16 matrices (pagewire::linear_bf16z has an AVX512-BF16 kernel only;
-# elsewhere its op unpacks). On a Zen 4 the packed kernel took 0.61-0.80x the x8 kernel's time on
-# 2048-5632-wide matrices from memory at one to four rows, and 0.94-1.14x at eight, where a step no
-# longer waits on memory alone (bench/RESULTS.md, session 46).
+# elsewhere its op unpacks). On a Zen 4 the packed kernel took 0.54-0.92x the x8 kernel's time on
+# matrices from memory at one to four rows, and 0.95-1.19x from 8 to 64 rows, where a step no longer
+# waits on memory alone; single-stream decode of bf16 files 1.27-1.64x (bench/RESULTS.md, session 46).
 BF16_PACKED: tuple[str, ...] = ("avx512bf16",)
 # Pack a matrix only where that saves at least this share of its bytes (a matrix of values spread
 # over more than ~15 binades per row keeps many 16-bit steps).

@@ -6,7 +6,7 @@ module itself stays importable without torch.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Protocol
+from typing import TYPE_CHECKING, Iterator, Optional, Protocol
 
 from server.models.config import ModelConfig
 
@@ -62,7 +62,7 @@ class CausalLM(Protocol):
     def quantize_weights(self, quantization: str) -> None:
         ...
 
-    def interleave_bf16(self, pack: bool = True) -> None:
+    def interleave_bf16(self, pack: Optional[bool] = None) -> None:
         """Move bf16 decoder matrices into the layout this CPU's bf16 kernel streams fastest (with
         `pack`, packed losslessly where that kernel family reads the packed layout)."""
 

@@ -84,7 +84,11 @@ struct Group {
 // bit for bit, from the packed buffer (any M).
 void linear_bf16z_avx512(const uint16_t* x, int64_t ldx, const uint8_t* packed, const uint16_t* bias, uint16_t* out,
                          int64_t ldo, int64_t M);
+// The same on AVX2 + FMA (linear_bf16x8_avx2.cpp): linear_bf16_avx2's result, bit for bit (any M).
+void linear_bf16z_avx2(const uint16_t* x, int64_t ldx, const uint8_t* packed, const uint16_t* bias, uint16_t* out,
+                       int64_t ldo, int64_t M);
 // Groups [g0, g1) back into row layout: rows 8 * g0 .. 8 * g1 - 1 at dst (row r at (r - 8 g0) * K).
 void unpack_bf16z_avx512(const uint8_t* packed, int64_t g0, int64_t g1, uint16_t* dst);
+void unpack_bf16z_avx2(const uint8_t* packed, int64_t g0, int64_t g1, uint16_t* dst);
 
 }  // namespace pagewire::cpu::bf16z

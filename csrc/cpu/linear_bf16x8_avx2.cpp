@@ -14,9 +14,11 @@
 #include <omp.h>
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 // Headers first: inline functions they define must keep the baseline ISA.
+#include "bf16z_layout.h"
 #include "linear_kernel.h"
 #include "team_kernel.h"  // (before the target switch: std headers)
 #include "x86_target.h"
@@ -103,6 +105,83 @@ inline uint16_t row_x1(const float* xf, const uint16_t* w, int64_t K, const uint
   return finish(acc, bias, r);
 }
 
+// ---- The packed layout (bf16z_layout.h) ----
+
+// Row pair q of the packed step at p as four x8 chunk vectors: v[0] row 2q's first chunk, v[1] its
+// second, v[2] and v[3] row 2q + 1's. vpshufb and vpunpck work within 128-bit lanes, so the 512-bit
+// kernel's lanes 0-1 (row 2q) are one ymm here and lanes 2-3 (row 2q + 1) another: the same bytes.
+inline void unpack_pair(const uint8_t* p, int q, __m256i t_even, __m256i t_odd, __m256i (&v)[4]) {
+  const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + bf16z::kCodesAt + q * 32));
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  const __m256i hi0 = _mm256_shuffle_epi8(t_even, _mm256_and_si256(codes, nib));
+  const __m256i hi1 = _mm256_shuffle_epi8(t_odd, _mm256_and_si256(_mm256_srli_epi16(codes, 4), nib));
+  const __m256i lo0 = load(reinterpret_cast<const uint16_t*>(p + q * 64));
+  const __m256i lo1 = load(reinterpret_cast<const uint16_t*>(p + q * 64 + 32));
+  v[0] = _mm256_unpacklo_epi8(lo0, hi0);
+  v[1] = _mm256_unpackhi_epi8(lo0, hi0);
+  v[2] = _mm256_unpacklo_epi8(lo1, hi1);
+  v[3] = _mm256_unpackhi_epi8(lo1, hi1);
+}
+
+// The packed group's eight rows against one x row, group_x1's arithmetic step by step (each
+// accumulator takes its row's chunks in K order); with `keep`, the unpacked group is also stored in
+// the x8 layout there, for the other x rows' tiles.
+inline void packed_x1(const float* xf, const bf16z::Group& G, int64_t K, const uint16_t* bias, uint16_t* out,
+                      uint16_t* keep) {
+  __m256 acc[kRows];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  __m256i table[kRows];
+  for (int r = 0; r < kRows; ++r) {
+    table[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(G.tables + r * 16)));
+  }
+  const uint8_t* p = G.steps;
+  const int64_t chunks = K / 16;
+  for (int64_t s = 0; s < chunks / 2; ++s) {
+    const bool raw = G.is_raw(s);
+    const int64_t bytes = raw ? bf16z::kRawStepBytes : bf16z::kPackedStepBytes;
+    for (int64_t l = 0; l < bytes; l += 64) avx2::prefetch(p + kPrefetchBytes + l);
+    const int64_t k = 32 * s;
+    const __m256 xe0 = _mm256_loadu_ps(xf + k), xo0 = _mm256_loadu_ps(xf + k + 8);
+    const __m256 xe1 = _mm256_loadu_ps(xf + k + 16), xo1 = _mm256_loadu_ps(xf + k + 24);
+    for (int q = 0; q < 4; ++q) {
+      __m256i v[4];
+      if (raw) {  // rare: the x8 layout's two chunks
+        const uint16_t* c = reinterpret_cast<const uint16_t*>(p);
+        v[0] = load(c + 32 * q);
+        v[1] = load(c + 128 + 32 * q);
+        v[2] = load(c + 32 * q + 16);
+        v[3] = load(c + 128 + 32 * q + 16);
+      } else {
+        unpack_pair(p, q, table[2 * q], table[2 * q + 1], v);
+      }
+      for (int h = 0; h < 2; ++h) {
+        const int r = 2 * q + h;
+        acc[r] = _mm256_fmadd_ps(xe0, even(v[2 * h]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(xo0, odd(v[2 * h]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(xe1, even(v[2 * h + 1]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(xo1, odd(v[2 * h + 1]), acc[r]);
+        if (keep != nullptr) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(keep + (2 * s * kRows + r) * 16), v[2 * h]);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(keep + ((2 * s + 1) * kRows + r) * 16), v[2 * h + 1]);
+        }
+      }
+    }
+    p += bytes;
+  }
+  if (chunks % 2) {  // the last chunk, in the x8 layout
+    const int64_t k = K - 16;
+    const uint16_t* c = reinterpret_cast<const uint16_t*>(p);
+    const __m256 xe = _mm256_loadu_ps(xf + k), xo = _mm256_loadu_ps(xf + k + 8);
+    for (int r = 0; r < kRows; ++r) {
+      const __m256i v = load(c + 16 * r);
+      acc[r] = _mm256_fmadd_ps(xe, even(v), acc[r]);
+      acc[r] = _mm256_fmadd_ps(xo, odd(v), acc[r]);
+    }
+    if (keep != nullptr) std::memcpy(keep + (chunks - 1) * 16 * kRows, c, kChunkBytes);
+  }
+  for (int r = 0; r < kRows; ++r) out[r] = finish(acc[r], bias, r);
+}
+
 }  // namespace
 
 void linear_bf16x8_avx2(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias, uint16_t* out,
@@ -136,6 +215,77 @@ void linear_bf16x8_avx2(const uint16_t* x, int64_t ldx, const uint16_t* w, const
   }
 }
 
+namespace bf16z {
+
+void linear_bf16z_avx2(const uint16_t* x, int64_t ldx, const uint8_t* packed, const uint16_t* bias, uint16_t* out,
+                       int64_t ldo, int64_t M) {
+  const Header& h = header(packed);
+  const int64_t N = h.n, K = h.k, groups = h.groups;
+  thread_local std::vector<float> scratch;
+  if (static_cast<int64_t>(scratch.size()) < M * K) scratch.resize(M * K);
+  prepare_x(x, ldx, M, K, scratch.data());
+  const float* xf = scratch.data();
+  team_for(groups, N * K * M >= 65536, [&](int64_t gi) {
+    const Group G(packed, gi, K);
+    const uint16_t* b = bias != nullptr ? bias + gi * kRows : nullptr;
+    uint16_t* o = out + gi * kRows;
+    // The first x row streams the packed group; with more rows it also leaves the group unpacked
+    // in this thread's x8 copy (L1 / L2), which linear_bf16x8_avx2's tiles read for the others.
+    thread_local std::vector<uint16_t> group;
+    if (M > 1 && static_cast<int64_t>(group.size()) < kRows * K) group.resize(kRows * K);
+    packed_x1(xf, G, K, b, o, M > 1 ? group.data() : nullptr);
+    int64_t m = 1;
+    for (; m + 2 <= M; m += 2) {
+      group_x2(xf + m * K, K, group.data(), 0, b, o + m * ldo, ldo);
+      group_x2(xf + m * K, K, group.data(), 1, b, o + m * ldo, ldo);
+    }
+    if (m < M) group_x1(xf + m * K, group.data(), K, b, o + m * ldo, false);
+  });
+  const uint16_t* tail = reinterpret_cast<const uint16_t*>(packed + h.tail_at);
+  for (int64_t n = groups * kRows; n < N; ++n) {
+    for (int64_t m = 0; m < M; ++m) out[m * ldo + n] = row_x1(xf + m * K, tail + (n - groups * kRows) * K, K, bias, n);
+  }
+}
+
+void unpack_bf16z_avx2(const uint8_t* packed, int64_t g0, int64_t g1, uint16_t* dst) {
+  const int64_t K = header(packed).k, chunks = K / 16;
+  for (int64_t g = g0; g < g1; ++g) {
+    const Group G(packed, g, K);
+    uint16_t* rows = dst + (g - g0) * kRows * K;
+    auto put = [&](int r, int64_t c, __m256i v) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(rows + r * K + c * 16), v);
+    };
+    const uint8_t* p = G.steps;
+    for (int64_t s = 0; s < chunks / 2; ++s) {
+      const bool raw = G.is_raw(s);
+      for (int q = 0; q < 4; ++q) {
+        __m256i v[4];
+        if (raw) {
+          const uint16_t* c = reinterpret_cast<const uint16_t*>(p);
+          v[0] = load(c + 32 * q);
+          v[1] = load(c + 128 + 32 * q);
+          v[2] = load(c + 32 * q + 16);
+          v[3] = load(c + 128 + 32 * q + 16);
+        } else {
+          const __m256i te = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(G.tables + 32 * q)));
+          const __m256i to =
+              _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(G.tables + 32 * q + 16)));
+          unpack_pair(p, q, te, to, v);
+        }
+        for (int h = 0; h < 2; ++h) {
+          put(2 * q + h, 2 * s, v[2 * h]);
+          put(2 * q + h, 2 * s + 1, v[2 * h + 1]);
+        }
+      }
+      p += raw ? kRawStepBytes : kPackedStepBytes;
+    }
+    if (chunks % 2) {
+      for (int r = 0; r < kRows; ++r) std::memcpy(rows + r * K + (chunks - 1) * 16, p + r * 32, 32);
+    }
+  }
+}
+
+}  // namespace bf16z
 }  // namespace pagewire::cpu
 
 PAGEWIRE_TARGET_POP

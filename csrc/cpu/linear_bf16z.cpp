@@ -1,10 +1,10 @@
 // The packed bf16 ops (cpu/bf16z_layout.h: the x8 layout at 12.5 bits a value, lossless):
 // pack_bf16z (bf16 [N, K] -> the packed buffer, at load), unpack_bf16z (back to bf16 [N, K]),
-// linear_bf16z (x @ w^T + bias: linear_bf16z_avx512 on AVX512-BF16 CPUs, bitwise
-// pagewire::linear's result there; above its row limit, ATen's GEMM on unpacked chunks of rows),
-// and embedding_bf16z (rows gathered from a packed tied table). Only AVX512-BF16 CPUs pack
-// (DecoderForCausalLM.interleave_bf16); the code here is baseline C++ so that any CPU can read a
-// packed buffer (tests, a fallback for fp32 activations).
+// linear_bf16z (x @ w^T + bias: linear_bf16z_avx512 on AVX512-BF16 CPUs up to 256 rows, above it
+// ATen's GEMM on unpacked chunks of rows; linear_bf16z_avx2 on AVX2 at every M; each bitwise the
+// family's pagewire::linear result), and embedding_bf16z (rows gathered from a packed tied table).
+// The code here is baseline C++, so that any CPU reads a packed buffer (below AVX2, fp32
+// activations: unpacked, ATen).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
@@ -167,11 +167,15 @@ const uint8_t* check_packed(const at::Tensor& w, int64_t k) {
   return buf;
 }
 
-// Rows [8 g0, 8 g1) into row layout at dst: AVX512-BF16's unpack where the CPU has it.
+// Rows [8 g0, 8 g1) into row layout at dst: the family's vector unpack where the CPU has one.
 void unpack_groups(const uint8_t* buf, int64_t g0, int64_t g1, uint16_t* dst) {
   const int64_t K = header(buf).k;
   if (cpu::active_isa() >= cpu::Isa::kAvx512Bf16) {
     cpu::bf16z::unpack_bf16z_avx512(buf, g0, g1, dst);
+    return;
+  }
+  if (cpu::active_isa() >= cpu::Isa::kAvx2) {
+    cpu::bf16z::unpack_bf16z_avx2(buf, g0, g1, dst);
     return;
   }
   for (int64_t g = g0; g < g1; ++g) {
@@ -253,10 +257,12 @@ at::Tensor linear_bf16z_cpu(const at::Tensor& x, const at::Tensor& weight, const
               ", got ", x.sizes(), " on ", x.device());
   TORCH_CHECK(at::isFloatingType(x.scalar_type()), "x must be floating point, got ", x.scalar_type());
   const bool has_bias = cpu::check_bias(bias, N, x);
-  const bool kernel = x.scalar_type() == at::kBFloat16 && cpu::active_isa() >= cpu::Isa::kAvx512Bf16 && !x.requires_grad();
+  const bool kernel = x.scalar_type() == at::kBFloat16 && cpu::active_isa() >= cpu::Isa::kAvx2 && !x.requires_grad();
+  const bool avx512 = cpu::active_isa() >= cpu::Isa::kAvx512Bf16;
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   const int64_t M = xc.size(0);
-  if (!kernel || (M > kBf16zKernelMaxRows && !cpu::batch_invariant_mode)) {
+  // AVX2 has no native bf16 GEMM and runs the kernel at every M (as linear_bf16x8_cpu).
+  if (!kernel || (avx512 && M > kBf16zKernelMaxRows && !cpu::batch_invariant_mode)) {
     // Long prefill chunks (and CPUs without the kernel): ATen's GEMM on unpacked chunks of rows,
     // one buffer per calling thread reused across chunks and calls (linear_bf16x8_cpu's reasons).
     thread_local std::vector<uint16_t> buffer;
@@ -278,9 +284,10 @@ at::Tensor linear_bf16z_cpu(const at::Tensor& x, const at::Tensor& weight, const
   const at::Tensor bc = has_bias ? bias->contiguous() : at::Tensor();
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
-  cpu::bf16z::linear_bf16z_avx512(reinterpret_cast<const uint16_t*>(xc.data_ptr()), xc.stride(0), buf,
-                                  has_bias ? reinterpret_cast<const uint16_t*>(bc.data_ptr()) : nullptr,
-                                  reinterpret_cast<uint16_t*>(out.data_ptr()), N, M);
+  (avx512 ? cpu::bf16z::linear_bf16z_avx512 : cpu::bf16z::linear_bf16z_avx2)(
+      reinterpret_cast<const uint16_t*>(xc.data_ptr()), xc.stride(0), buf,
+      has_bias ? reinterpret_cast<const uint16_t*>(bc.data_ptr()) : nullptr, reinterpret_cast<uint16_t*>(out.data_ptr()),
+      N, M);
   return out;
 }
 

@@ -326,7 +326,7 @@ class DecoderForCausalLM(nn.Module):
         moved, and linear_route.embedding gathers its rows from it. (AMX CPUs keep the row layout.)
 
         With `pack` (None: unless $PAGEWIRE_PACK_BF16=0), on the families of BF16_PACKED
-        (AVX512-BF16) each matrix is packed losslessly instead (QuantizedWeight.pack_bf16: ~12.5 bits
+        (AVX2, AVX512-BF16) each matrix, of any width, is packed losslessly instead (QuantizedWeight.pack_bf16: ~12.5 bits
         a value, the same floats bit for bit), where that saves at least PACK_MIN_SAVING of its bytes:
         single-stream decode reads 0.76x the bytes."""
         if pack is None:
@@ -419,11 +419,15 @@ class DecoderForCausalLM(nn.Module):
 # 0.76-1.25x at two rows, 0.92-1.22x at four and 5-20 % on prefill chunks of 256-512 rows
 # (session 25). AMX CPUs keep the row layout, which their tile kernels read from 4 rows.
 BF16_X8_MAX_K: dict[str, int] = {"avx2": 1024, "avx512bf16": 1 << 62}
-# The kernel families that pack bf16 matrices (pagewire::linear_bf16z has an AVX512-BF16 kernel only;
-# elsewhere its op unpacks). On a Zen 4 the packed kernel took 0.54-0.92x the x8 kernel's time on
-# matrices from memory at one to four rows, and 0.95-1.19x from 8 to 64 rows, where a step no longer
-# waits on memory alone; single-stream decode of bf16 files 1.27-1.64x (bench/RESULTS.md, session 46).
-BF16_PACKED: tuple[str, ...] = ("avx512bf16",)
+# The kernel families that pack bf16 matrices, at every width (pagewire::linear_bf16z has AVX512-BF16
+# and AVX2 kernels; below AVX2 its op unpacks). On a Zen 4 the AVX512-BF16 kernel took 0.54-0.92x
+# the x8 kernel's time on matrices from memory at one to four rows, and 0.95-1.19x from 8 to 64
+# rows, where a step no longer waits on memory alone; single-stream decode of bf16 files 1.27-1.64x.
+# The AVX2 kernel (the same CPU, the avx2 family): a SmolLM2-shaped and a Llama-1B-shaped stack of
+# matrices at one row in 0.81-0.82x the x8 layout's time and 0.52-0.68x the row layout's (which
+# the avx2 family keeps past K = 1,024), 0.98x at two rows, 1.04-1.16x at eight (bench/RESULTS.md,
+# session 46).
+BF16_PACKED: tuple[str, ...] = ("avx2", "avx512bf16")
 # Pack a matrix only where that saves at least this share of its bytes (a matrix of values spread
 # over more than ~15 binades per row keeps many 16-bit steps).
 PACK_MIN_SAVING = 0.1
@@ -431,12 +435,12 @@ PACK_MIN_SAVING = 0.1
 
 def _replace_with_bf16x8(module: nn.Module, name: str, max_k: int, pack: bool = False) -> None:
     """module.<name>, a bf16 matrix, becomes its x8 QuantizedWeight where the layout applies and
-    pays (at least one group of eight rows, K a multiple of 16 and at most max_k), packed with
-    `pack` where that saves PACK_MIN_SAVING; anything else stays as it is."""
+    pays (at least one group of eight rows, K a multiple of 16 and at most max_k), or with `pack`
+    its packed one (any K) where that saves PACK_MIN_SAVING; anything else stays as it is."""
     weight = getattr(module, name)
     if (not isinstance(weight, torch.Tensor) or weight.dtype != torch.bfloat16 or weight.dim() != 2
             or weight.shape[0] < 8 or weight.shape[1] == 0 or weight.shape[1] % 16
-            or weight.shape[1] > max_k):
+            or (weight.shape[1] > max_k and not pack)):
         return
     moved = None
     if pack:
@@ -444,6 +448,8 @@ def _replace_with_bf16x8(module: nn.Module, name: str, max_k: int, pack: bool = 
         if moved.nbytes > (1 - PACK_MIN_SAVING) * weight.numel() * 2:
             moved = None
     if moved is None:
+        if weight.shape[1] > max_k:
+            return
         moved = QuantizedWeight.from_bf16(weight)
     module._parameters.pop(name, None)  # as _replace_with_quantized: the row-layout matrix is freed
     setattr(module, name, moved)

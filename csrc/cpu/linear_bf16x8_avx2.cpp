@@ -231,15 +231,14 @@ void linear_bf16z_avx2(const uint16_t* x, int64_t ldx, const uint8_t* packed, co
     uint16_t* o = out + gi * kRows;
     // The first x row streams the packed group; with more rows it also leaves the group unpacked
     // in this thread's x8 copy (L1 / L2), which linear_bf16x8_avx2's tiles read for the others.
-    thread_local std::vector<uint16_t> group;
-    if (M > 1 && static_cast<int64_t>(group.size()) < kRows * K) group.resize(kRows * K);
-    packed_x1(xf, G, K, b, o, M > 1 ? group.data() : nullptr);
+    uint16_t* group = M > 1 ? group_scratch(K) : nullptr;
+    packed_x1(xf, G, K, b, o, group);
     int64_t m = 1;
     for (; m + 2 <= M; m += 2) {
-      group_x2(xf + m * K, K, group.data(), 0, b, o + m * ldo, ldo);
-      group_x2(xf + m * K, K, group.data(), 1, b, o + m * ldo, ldo);
+      group_x2(xf + m * K, K, group, 0, b, o + m * ldo, ldo);
+      group_x2(xf + m * K, K, group, 1, b, o + m * ldo, ldo);
     }
-    if (m < M) group_x1(xf + m * K, group.data(), K, b, o + m * ldo, false);
+    if (m < M) group_x1(xf + m * K, group, K, b, o + m * ldo, false);
   });
   const uint16_t* tail = reinterpret_cast<const uint16_t*>(packed + h.tail_at);
   for (int64_t n = groups * kRows; n < N; ++n) {

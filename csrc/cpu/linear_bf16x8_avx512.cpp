@@ -395,13 +395,12 @@ void linear_bf16z_avx512(const uint16_t* x, int64_t ldx, const uint8_t* packed, 
     // L2), which the x8 tiles then read for the other rows as linear_bf16x8_avx512 reads a group,
     // fetching the next group's packed bytes into L2 meanwhile (else the next first pass waits on
     // memory).
-    thread_local std::vector<uint16_t> group;
-    if (static_cast<int64_t>(group.size()) < kRows * K) group.resize(kRows * K);
-    packed_tile<2>(x, ldx, G, K, b, out + gi * kRows, ldo, group.data());
+    uint16_t* group = group_scratch(K);
+    packed_tile<2>(x, ldx, G, K, b, out + gi * kRows, ldo, group);
     const bool last = gi + 1 == groups;
     const uint8_t* next = packed + (last ? h.total : group_at(packed)[gi + 1]);
     const int64_t next_bytes = last ? 0 : (G.steps - G.tables) + P.chunks / 2 * kPackedStepBytes;
-    span_tiles(P, x + 2 * ldx, ldx, group.data(), K, 0, P.chunks, nullptr, b, out + 2 * ldo + gi * kRows, ldo, false,
+    span_tiles(P, x + 2 * ldx, ldx, group, K, 0, P.chunks, nullptr, b, out + 2 * ldo + gi * kRows, ldo, false,
                reinterpret_cast<const char*>(next), next_bytes);
   });
   const int64_t done = groups * kRows;

@@ -26,7 +26,7 @@ without conversion by `from_gguf_bytes`; the container holds the blocks as a uin
            256           138          d*(2l+1)/8*levels[q] (the same with a 4-bit l per 16 values: the "x16" layout)
     bf16   16            32           the bf16 value itself (from_bf16: a float matrix moved, x8 only)
     bf16z  (varies)      ~24          the bf16 value itself, packed losslessly at ~12.5 bits (pack_bf16:
-                                      csrc/cpu/bf16z_layout.h; AVX512-BF16 CPUs' decode reads 0.76x the bytes)
+                                      csrc/cpu/bf16z_layout.h; AVX2 / AVX512-BF16 decode reads 0.76x the bytes)
 
 Float weights are quantised at load with `quantize` (q8_0 and q4_0, GGUF's rounding, in C++).
 
@@ -215,7 +215,7 @@ class QuantizedWeight:
         x8 layout with each value's high byte (sign and upper exponent) as a 4-bit code into its row's
         16 most frequent, ~12.5 bits a value; a step of 256 values where some high byte is not in its
         row's table stays 16-bit. pagewire::linear_bf16z gives pagewire::linear's floats, bit for bit,
-        on AVX512-BF16 CPUs, from 0.76x the bytes. Not a quantisation: unpacking gives the matrix back."""
+        on AVX512-BF16 and AVX2 CPUs, from 0.76x the bytes. Not a quantisation: unpacking gives the matrix back."""
         if weight.dtype != torch.bfloat16 or weight.dim() != 2:
             raise ValueError(f"weight: pack_bf16 takes a bf16 [N, K] matrix, got {weight.dtype} {list(weight.shape)}")
         n, k = int(weight.shape[0]), int(weight.shape[1])

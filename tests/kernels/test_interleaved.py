@@ -293,7 +293,7 @@ def test_interleaved_arguments_are_checked() -> None:
     qk = random_q4("mxfp4", 8, 256, seed=0)
     with pytest.raises(ValueError,
                        match="interleaved: only q8_0, q4_0, q4_1, q4_k, q5_k, q6_k, q5_0, q5_1, iq4_nl, iq4_xs, q2_k, q3_k, "
-                             "iq3_xxs, iq3_s, iq2_xxs, iq1_s, iq2_xs, iq2_s, iq1_m, bf16 "
+                             "iq3_xxs, iq3_s, iq2_xxs, iq1_s, iq2_xs, iq2_s, iq1_m, bf16, bf16z "
                              "have an "
                              "interleaved layout, not mxfp4"):
         QuantizedWeight("mxfp4", qk.data, (8, 256), interleaved=True)

@@ -72,6 +72,7 @@ struct Group {
         raw(reinterpret_cast<const uint64_t*>(tables + kTableBytes)),
         steps(tables + group_head_bytes(K)) {}
   bool is_raw(int64_t s) const { return (raw[s >> 6] >> (s & 63)) & 1; }
+  int64_t step_bytes(int64_t s) const { return is_raw(s) ? kRawStepBytes : kPackedStepBytes; }
   // Step s's bytes: s packed steps before it, and 128 more bytes for each raw one.
   const uint8_t* step(int64_t s) const {
     int64_t raws = 0;

@@ -105,6 +105,35 @@ inline uint16_t row_x1(const float* xf, const uint16_t* w, int64_t K, const uint
   return finish(acc, bias, r);
 }
 
+// x's rows in fp32, even/odd order per chunk (prepare_x), in the calling thread's buffer (the engine
+// thread's, reused across calls: no allocation per decode step).
+inline const float* widened_x(const uint16_t* x, int64_t ldx, int64_t M, int64_t K) {
+  thread_local std::vector<float> scratch;
+  if (static_cast<int64_t>(scratch.size()) < M * K) scratch.resize(M * K);
+  prepare_x(x, ldx, M, K, scratch.data());
+  return scratch.data();
+}
+
+// x rows 1 .. M - 1 against a group in the x8 layout that the first row's pass brought into L1/L2:
+// pairs of rows reuse each weight vector twice, then a last single row.
+inline void later_rows(const float* xf, int64_t K, const uint16_t* g, const uint16_t* b, uint16_t* o, int64_t ldo,
+                       int64_t M) {
+  int64_t m = 1;
+  for (; m + 2 <= M; m += 2) {
+    group_x2(xf + m * K, K, g, 0, b, o + m * ldo, ldo);
+    group_x2(xf + m * K, K, g, 1, b, o + m * ldo, ldo);
+  }
+  if (m < M) group_x1(xf + m * K, g, K, b, o + m * ldo, false);
+}
+
+// The last N % 8 rows (rows done .. N - 1, in row layout from w), against every x row.
+inline void tail_rows(const float* xf, const uint16_t* w, int64_t done, int64_t N, int64_t M, int64_t K,
+                      const uint16_t* bias, uint16_t* out, int64_t ldo) {
+  for (int64_t n = done; n < N; ++n) {
+    for (int64_t m = 0; m < M; ++m) out[m * ldo + n] = row_x1(xf + m * K, w + (n - done) * K, K, bias, n);
+  }
+}
+
 // ---- The packed layout (bf16z_layout.h) ----
 
 // Row pair q of the packed step at p as four x8 chunk vectors: v[0] row 2q's first chunk, v[1] its
@@ -123,6 +152,26 @@ inline void unpack_pair(const uint8_t* p, int q, __m256i t_even, __m256i t_odd, 
   v[3] = _mm256_unpackhi_epi8(lo1, hi1);
 }
 
+// Each row's table in both 128-bit lanes (vpshufb looks up within a lane).
+inline void load_tables(const bf16z::Group& G, __m256i (&table)[kRows]) {
+  for (int r = 0; r < kRows; ++r) {
+    table[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(G.tables + r * 16)));
+  }
+}
+
+// Row pair q of step s at p, packed or (rare) raw: the x8 layout's two chunks.
+inline void step_pair(const uint8_t* p, bool raw, int q, const __m256i (&table)[kRows], __m256i (&v)[4]) {
+  if (!raw) {
+    unpack_pair(p, q, table[2 * q], table[2 * q + 1], v);
+    return;
+  }
+  const uint16_t* c = reinterpret_cast<const uint16_t*>(p);
+  v[0] = load(c + 32 * q);
+  v[1] = load(c + 128 + 32 * q);
+  v[2] = load(c + 32 * q + 16);
+  v[3] = load(c + 128 + 32 * q + 16);
+}
+
 // The packed group's eight rows against one x row, group_x1's arithmetic step by step (each
 // accumulator takes its row's chunks in K order); with `keep`, the unpacked group is also stored in
 // the x8 layout there, for the other x rows' tiles.
@@ -131,29 +180,19 @@ inline void packed_x1(const float* xf, const bf16z::Group& G, int64_t K, const u
   __m256 acc[kRows];
   for (auto& a : acc) a = _mm256_setzero_ps();
   __m256i table[kRows];
-  for (int r = 0; r < kRows; ++r) {
-    table[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(G.tables + r * 16)));
-  }
+  load_tables(G, table);
   const uint8_t* p = G.steps;
   const int64_t chunks = K / 16;
   for (int64_t s = 0; s < chunks / 2; ++s) {
     const bool raw = G.is_raw(s);
-    const int64_t bytes = raw ? bf16z::kRawStepBytes : bf16z::kPackedStepBytes;
+    const int64_t bytes = G.step_bytes(s);
     for (int64_t l = 0; l < bytes; l += 64) avx2::prefetch(p + kPrefetchBytes + l);
     const int64_t k = 32 * s;
     const __m256 xe0 = _mm256_loadu_ps(xf + k), xo0 = _mm256_loadu_ps(xf + k + 8);
     const __m256 xe1 = _mm256_loadu_ps(xf + k + 16), xo1 = _mm256_loadu_ps(xf + k + 24);
     for (int q = 0; q < 4; ++q) {
       __m256i v[4];
-      if (raw) {  // rare: the x8 layout's two chunks
-        const uint16_t* c = reinterpret_cast<const uint16_t*>(p);
-        v[0] = load(c + 32 * q);
-        v[1] = load(c + 128 + 32 * q);
-        v[2] = load(c + 32 * q + 16);
-        v[3] = load(c + 128 + 32 * q + 16);
-      } else {
-        unpack_pair(p, q, table[2 * q], table[2 * q + 1], v);
-      }
+      step_pair(p, raw, q, table, v);
       for (int h = 0; h < 2; ++h) {
         const int r = 2 * q + h;
         acc[r] = _mm256_fmadd_ps(xe0, even(v[2 * h]), acc[r]);
@@ -186,11 +225,7 @@ inline void packed_x1(const float* xf, const bf16z::Group& G, int64_t K, const u
 
 void linear_bf16x8_avx2(const uint16_t* x, int64_t ldx, const uint16_t* w, const uint16_t* bias, uint16_t* out,
                         int64_t ldo, int64_t M, int64_t N, int64_t K) {
-  // Per calling thread (the engine thread), reused across calls: no allocation per decode step.
-  thread_local std::vector<float> scratch;
-  if (static_cast<int64_t>(scratch.size()) < M * K) scratch.resize(M * K);
-  prepare_x(x, ldx, M, K, scratch.data());
-  const float* xf = scratch.data();
+  const float* xf = widened_x(x, ldx, M, K);
   const int64_t groups = N / kRows;
   // Static schedule: each thread streams one contiguous run of groups. Threads from 64 K
   // multiply-adds, as every linear kernel (linear_avx2.cpp says why).
@@ -203,16 +238,9 @@ void linear_bf16x8_avx2(const uint16_t* x, int64_t ldx, const uint16_t* w, const
     // half of each chunk, a strided pattern the prefetchers follow badly); then pairs of rows reuse
     // each weight vector twice from L1/L2, and a last single row.
     group_x1(xf, g, K, b, o, true);
-    int64_t m = 1;
-    for (; m + 2 <= M; m += 2) {
-      group_x2(xf + m * K, K, g, 0, b, o + m * ldo, ldo);
-      group_x2(xf + m * K, K, g, 1, b, o + m * ldo, ldo);
-    }
-    if (m < M) group_x1(xf + m * K, g, K, b, o + m * ldo, false);
+    later_rows(xf, K, g, b, o, ldo, M);
   });
-  for (int64_t n = groups * kRows; n < N; ++n) {
-    for (int64_t m = 0; m < M; ++m) out[m * ldo + n] = row_x1(xf + m * K, w + n * K, K, bias, n);
-  }
+  tail_rows(xf, w + groups * kRows * K, groups * kRows, N, M, K, bias, out, ldo);
 }
 
 namespace bf16z {
@@ -221,10 +249,7 @@ void linear_bf16z_avx2(const uint16_t* x, int64_t ldx, const uint8_t* packed, co
                        int64_t ldo, int64_t M) {
   const Header& h = header(packed);
   const int64_t N = h.n, K = h.k, groups = h.groups;
-  thread_local std::vector<float> scratch;
-  if (static_cast<int64_t>(scratch.size()) < M * K) scratch.resize(M * K);
-  prepare_x(x, ldx, M, K, scratch.data());
-  const float* xf = scratch.data();
+  const float* xf = widened_x(x, ldx, M, K);
   team_for(groups, N * K * M >= 65536, [&](int64_t gi) {
     const Group G(packed, gi, K);
     const uint16_t* b = bias != nullptr ? bias + gi * kRows : nullptr;
@@ -233,17 +258,9 @@ void linear_bf16z_avx2(const uint16_t* x, int64_t ldx, const uint8_t* packed, co
     // in this thread's x8 copy (L1 / L2), which linear_bf16x8_avx2's tiles read for the others.
     uint16_t* group = M > 1 ? group_scratch(K) : nullptr;
     packed_x1(xf, G, K, b, o, group);
-    int64_t m = 1;
-    for (; m + 2 <= M; m += 2) {
-      group_x2(xf + m * K, K, group, 0, b, o + m * ldo, ldo);
-      group_x2(xf + m * K, K, group, 1, b, o + m * ldo, ldo);
-    }
-    if (m < M) group_x1(xf + m * K, group, K, b, o + m * ldo, false);
+    later_rows(xf, K, group, b, o, ldo, M);
   });
-  const uint16_t* tail = reinterpret_cast<const uint16_t*>(packed + h.tail_at);
-  for (int64_t n = groups * kRows; n < N; ++n) {
-    for (int64_t m = 0; m < M; ++m) out[m * ldo + n] = row_x1(xf + m * K, tail + (n - groups * kRows) * K, K, bias, n);
-  }
+  tail_rows(xf, reinterpret_cast<const uint16_t*>(packed + h.tail_at), groups * kRows, N, M, K, bias, out, ldo);
 }
 
 void unpack_bf16z_avx2(const uint8_t* packed, int64_t g0, int64_t g1, uint16_t* dst) {
@@ -254,29 +271,20 @@ void unpack_bf16z_avx2(const uint8_t* packed, int64_t g0, int64_t g1, uint16_t* 
     auto put = [&](int r, int64_t c, __m256i v) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(rows + r * K + c * 16), v);
     };
+    __m256i table[kRows];
+    load_tables(G, table);
     const uint8_t* p = G.steps;
     for (int64_t s = 0; s < chunks / 2; ++s) {
       const bool raw = G.is_raw(s);
       for (int q = 0; q < 4; ++q) {
         __m256i v[4];
-        if (raw) {
-          const uint16_t* c = reinterpret_cast<const uint16_t*>(p);
-          v[0] = load(c + 32 * q);
-          v[1] = load(c + 128 + 32 * q);
-          v[2] = load(c + 32 * q + 16);
-          v[3] = load(c + 128 + 32 * q + 16);
-        } else {
-          const __m256i te = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(G.tables + 32 * q)));
-          const __m256i to =
-              _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(G.tables + 32 * q + 16)));
-          unpack_pair(p, q, te, to, v);
-        }
+        step_pair(p, raw, q, table, v);
         for (int h = 0; h < 2; ++h) {
           put(2 * q + h, 2 * s, v[2 * h]);
           put(2 * q + h, 2 * s + 1, v[2 * h + 1]);
         }
       }
-      p += raw ? kRawStepBytes : kPackedStepBytes;
+      p += G.step_bytes(s);
     }
     if (chunks % 2) {
       for (int r = 0; r < kRows; ++r) std::memcpy(rows + r * K + (chunks - 1) * 16, p + r * 32, 32);

@@ -257,7 +257,7 @@ inline void packed_tile(const uint16_t* x, int64_t ldx, const bf16z::Group& G, i
   const int64_t c1 = K / 16;
   for (int64_t s = 0; s < c1 / 2; ++s) {
     const bool raw = G.is_raw(s);
-    const int64_t bytes = raw ? bf16z::kRawStepBytes : bf16z::kPackedStepBytes;
+    const int64_t bytes = G.step_bytes(s);
     for (int64_t l = 0; l < bytes; l += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + l, _MM_HINT_T0);
     }
@@ -308,7 +308,7 @@ inline void unpack_span(const bf16z::Group& G, int64_t K, int64_t c0, int64_t c1
   };
   for (int64_t s = c0 / 2; s < c1 / 2; ++s) {
     const bool raw = G.is_raw(s);
-    const int64_t bytes = raw ? bf16z::kRawStepBytes : bf16z::kPackedStepBytes;
+    const int64_t bytes = G.step_bytes(s);
     for (int64_t l = 0; l < bytes; l += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + l, _MM_HINT_T0);
     }

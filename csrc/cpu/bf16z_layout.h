@@ -73,13 +73,6 @@ struct Group {
         steps(tables + group_head_bytes(K)) {}
   bool is_raw(int64_t s) const { return (raw[s >> 6] >> (s & 63)) & 1; }
   int64_t step_bytes(int64_t s) const { return is_raw(s) ? kRawStepBytes : kPackedStepBytes; }
-  // Step s's bytes: s packed steps before it, and 128 more bytes for each raw one.
-  const uint8_t* step(int64_t s) const {
-    int64_t raws = 0;
-    for (int64_t w = 0; w < (s >> 6); ++w) raws += __builtin_popcountll(raw[w]);
-    if (s & 63) raws += __builtin_popcountll(raw[s >> 6] & ((uint64_t{1} << (s & 63)) - 1));
-    return steps + s * kPackedStepBytes + raws * (kRawStepBytes - kPackedStepBytes);
-  }
 };
 
 // A thread's copy of one unpacked group (kRows * K values), 64-byte aligned like a tensor's data

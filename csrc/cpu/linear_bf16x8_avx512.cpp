@@ -292,21 +292,17 @@ inline void packed_tile(const uint16_t* x, int64_t ldx, const bf16z::Group& G, i
   finish_acc<MB>(acc, bias, out, ldo);
 }
 
-// Chunks [c0, c1) of a packed group into the x8 layout at dst (the group's own place: chunk c at
-// dst + c * 128 values), or with `rows` into row layout (row r at dst + r * K).
-inline void unpack_span(const bf16z::Group& G, int64_t K, int64_t c0, int64_t c1, uint16_t* dst, bool rows) {
+// A packed group into row layout (row r at dst + r * K).
+inline void unpack_rows(const bf16z::Group& G, int64_t K, uint16_t* dst) {
   __m512i table[4];
   load_tables(G, table);
-  const uint8_t* p = G.step(c0 / 2);
+  const uint8_t* p = G.steps;
+  const int64_t chunks = K / 16;
   auto put = [&](int64_t c, int q, __m512i w) {  // chunk c of rows 2q and 2q + 1
-    if (!rows) {
-      _mm512_storeu_si512(dst + (c * kRows + 2 * q) * 16, w);
-      return;
-    }
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * q * K + c * 16), _mm512_castsi512_si256(w));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (2 * q + 1) * K + c * 16), _mm512_extracti64x4_epi64(w, 1));
   };
-  for (int64_t s = c0 / 2; s < c1 / 2; ++s) {
+  for (int64_t s = 0; s < chunks / 2; ++s) {
     const bool raw = G.is_raw(s);
     const int64_t bytes = G.step_bytes(s);
     for (int64_t l = 0; l < bytes; l += 64) {
@@ -325,8 +321,8 @@ inline void unpack_span(const bf16z::Group& G, int64_t K, int64_t c0, int64_t c1
     }
     p += bytes;
   }
-  if (c1 % 2) {
-    for (int q = 0; q < 4; ++q) put(c1 - 1, q, _mm512_loadu_si512(p + q * 64));
+  if (chunks % 2) {
+    for (int q = 0; q < 4; ++q) put(chunks - 1, q, _mm512_loadu_si512(p + q * 64));
   }
 }
 
@@ -412,7 +408,7 @@ void linear_bf16z_avx512(const uint16_t* x, int64_t ldx, const uint8_t* packed, 
 
 void unpack_bf16z_avx512(const uint8_t* packed, int64_t g0, int64_t g1, uint16_t* dst) {
   const int64_t K = header(packed).k;
-  for (int64_t g = g0; g < g1; ++g) unpack_span(Group(packed, g, K), K, 0, K / 16, dst + (g - g0) * kRows * K, true);
+  for (int64_t g = g0; g < g1; ++g) unpack_rows(Group(packed, g, K), K, dst + (g - g0) * kRows * K);
 }
 
 }  // namespace bf16z

@@ -101,9 +101,7 @@ class LLMEngine:
         if config.quantization not in (Quantization.NONE, Quantization.GGUF):  # GGUF is done by the loader
             load_progress.stage("quantise and repack")
             self.model.quantize_weights(config.quantization)
-        # bf16 matrices into the x8 layout (AVX2, AVX512-BF16; moved, not copied), packed losslessly on
-        # AVX512-BF16 unless $PAGEWIRE_PACK_BF16=0 (the same floats from 0.76x the bytes).
-        self.model.interleave_bf16()
+        self.model.interleave_bf16()  # bf16 matrices into the x8 layout, or packed losslessly (AVX2, AVX512-BF16)
         hugepages.pack_weights(self.model, "model")  # into one mapping on 2 MB pages (moved, not copied)
         self.tokenizer = load_tokenizer(config.model)
         mc = self.model_config
